@@ -1,0 +1,205 @@
+//! Commands: turn the parsed command line into runs, and runs into printed output and files.
+//! Every failure comes back as an `anyhow` error with the context a user needs to fix it.
+
+use std::io::Write;
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+
+use crate::backend::{self, ExecOptions};
+use crate::bench::{self, record::BenchConfig};
+use crate::cli::{BenchArgs, Cli, Command, InferArgs, ModelsArgs, RunArgs, WeightsArgs};
+use crate::model::{Precision, Weights, weights, zoo};
+use crate::report;
+
+pub fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Bench(args) => bench_cmd(args),
+        Command::Infer(args) => infer_cmd(args),
+        Command::Models(args) => models_cmd(args),
+        Command::Weights(args) => weights_cmd(args),
+    }
+}
+
+/// `--precision` and the classic `--fp16 0|1` must agree.
+fn resolve_precision(run: &RunArgs) -> Result<Precision> {
+    match (run.precision, run.fp16) {
+        (p, None) => Ok(p.unwrap_or(Precision::Fp32)),
+        (_, Some(v)) if v > 1 => bail!("--fp16 takes 0 or 1 (got {v})"),
+        (None, Some(0)) => Ok(Precision::Fp32),
+        (None, Some(_)) => Ok(Precision::Fp16),
+        (Some(p), Some(v)) => {
+            let implied = if v == 1 {
+                Precision::Fp16
+            } else {
+                Precision::Fp32
+            };
+            if p != implied {
+                bail!("--precision {p} contradicts --fp16 {v}: give one of them");
+            }
+            Ok(p)
+        }
+    }
+}
+
+fn weights_label(run: &RunArgs) -> String {
+    match &run.weights {
+        Some(p) => p.display().to_string(),
+        None => format!("random(seed={})", run.seed),
+    }
+}
+
+fn bench_cmd(args: BenchArgs) -> Result<()> {
+    let cfg = BenchConfig {
+        network: args.run.network.clone(),
+        batch_size: args.batch_size,
+        iterations: args.iterations,
+        warmup: args.warmup,
+        precision: resolve_precision(&args.run)?,
+        backend: args.run.backend,
+        device: args.run.device,
+        threads: args.run.threads,
+        input_size: args.input_size,
+        seed: args.run.seed,
+        weights: weights_label(&args.run),
+    };
+    bench::validate(&cfg)?;
+    println!("{}\n", report::config_echo(&cfg));
+    let mut out = std::io::stdout();
+    let record = bench::run(&cfg, args.run.weights.as_deref(), &mut |ev| {
+        let _ = writeln!(out, "{}", report::event_line(&ev));
+        let _ = out.flush();
+    })?;
+    println!("\n{}", report::summary(&record));
+    if let Some(path) = &args.json {
+        let json = serde_json::to_string_pretty(&record)?;
+        write_atomic(path, json.as_bytes())?;
+        println!("Record written to {}", path.display());
+    }
+    Ok(())
+}
+
+fn infer_cmd(args: InferArgs) -> Result<()> {
+    let precision = resolve_precision(&args.run)?;
+    let graph = zoo::build(&args.run.network)?;
+    let input = weights::read_tensor(&args.input, "input")?;
+    let [n, c, h, w] = *input.shape.as_slice() else {
+        bail!(
+            "`{}`: the input must be an image batch (N, C, H, W), got shape {:?}",
+            args.input.display(),
+            input.shape
+        );
+    };
+    if c != graph.input_channels() {
+        bail!(
+            "`{}`: {} takes {} input channels, the input has {c}",
+            args.input.display(),
+            graph.name,
+            graph.input_channels()
+        );
+    }
+    if h != w {
+        eprintln!("note: non-square input {h}×{w}");
+    }
+    let plan = graph
+        .plan(n, h, w)
+        .with_context(|| format!("{} cannot take {h}×{w} inputs", graph.name))?;
+    let weights = match &args.run.weights {
+        Some(p) => Weights::load(p, &graph)?,
+        None => bench::seeded_weights(&graph, args.run.seed, h.max(w))?,
+    };
+    let backend = backend::open(args.run.backend)?;
+    let opt = ExecOptions {
+        precision,
+        threads: args.run.threads,
+        profile: false,
+    };
+    let mut session = backend.prepare(args.run.device, &plan, &weights, &opt)?;
+    let start = Instant::now();
+    let out = bench::infer(session.as_mut(), &input)?;
+    let secs = start.elapsed().as_secs_f64();
+    if let Some(parent) = args.output.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("failed to create `{}`", parent.display()))?;
+    }
+    weights::write_tensors(&args.output, &[("logits", &out)])?;
+    println!(
+        "{} {} on {}: input {:?} → output {:?} in {:.1} ms, written to {}",
+        graph.name,
+        precision.name().to_uppercase(),
+        args.run.backend,
+        input.shape,
+        out.shape,
+        secs * 1e3,
+        args.output.display()
+    );
+    Ok(())
+}
+
+fn models_cmd(args: ModelsArgs) -> Result<()> {
+    if args.input_size == 0 {
+        bail!("--input-size must be at least 1 (got 0)");
+    }
+    let mut rows = Vec::new();
+    for name in zoo::NETWORKS {
+        let graph = zoo::build(name)?;
+        let plan = graph
+            .plan(1, args.input_size, args.input_size)
+            .with_context(|| format!("{name} cannot take {0}×{0} inputs", args.input_size))?;
+        let floats: u64 = graph
+            .params()
+            .iter()
+            .map(|p| p.shape.iter().product::<usize>() as u64)
+            .sum();
+        rows.push(report::ModelRow {
+            network: name.to_string(),
+            params: graph.param_count(),
+            macs: plan.macs(),
+            flops: plan.flops(),
+            weights_bytes_fp32: floats * 4,
+        });
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        println!("{}", report::models_table(&rows, args.input_size));
+    }
+    Ok(())
+}
+
+fn weights_cmd(args: WeightsArgs) -> Result<()> {
+    let graph = zoo::build(&args.network)?;
+    let w = bench::seeded_weights(&graph, args.seed, 224)?;
+    w.save(&args.output, &graph)?;
+    println!(
+        "{} weights (seed {}) written to {}",
+        graph.name,
+        args.seed,
+        args.output.display()
+    );
+    Ok(())
+}
+
+/// Write a file so that a crash never leaves it half-written: temp file, fsync, rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("failed to create `{}`", dir.display()))?;
+    let tmp = dir.join(format!(
+        ".{}.tmp",
+        path.file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("record")
+    ));
+    let mut f = std::fs::File::create(&tmp)
+        .with_context(|| format!("failed to write `{}`", tmp.display()))?;
+    f.write_all(bytes)
+        .and_then(|_| f.sync_all())
+        .with_context(|| format!("failed to write `{}`", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("failed to write `{}`", path.display()))?;
+    Ok(())
+}

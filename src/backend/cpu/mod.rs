@@ -1,0 +1,682 @@
+//! The CPU backend: the embedded default that always works. It prepares a plan by packing
+//! every layer's weights for its kernel (in the session's storage precision), then runs the
+//! graph node by node on a rayon pool of `--threads` workers, freeing each activation after
+//! its last reader and recycling buffers so the timed loop does not allocate.
+
+mod elem;
+pub mod kernels;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use half::{bf16, f16};
+
+use super::{
+    Backend, BackendError, BackendKind, DeviceInfo, ExecOptions, KernelTime, MemoryStats, Session,
+};
+use crate::model::op::{Op, Pool};
+use crate::model::{Plan, Precision, Tensor, Weights};
+use elem::Elem;
+use kernels::{Nhwc, PackedConv};
+
+pub struct CpuBackend;
+
+impl CpuBackend {
+    pub fn new() -> Self {
+        CpuBackend
+    }
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Instruction-set features that our kernels (and `gemm`'s) take advantage of.
+pub fn cpu_features() -> Vec<String> {
+    let mut f = Vec::new();
+    #[cfg(target_arch = "x86_64")]
+    {
+        macro_rules! probe {
+            ($($name:tt),*) => { $( if std::arch::is_x86_feature_detected!($name) { f.push($name.to_uppercase()); } )* };
+        }
+        probe!(
+            "avx",
+            "avx2",
+            "fma",
+            "f16c",
+            "avx512f",
+            "avx512bf16",
+            "avx512fp16"
+        );
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        if std::arch::is_aarch64_feature_detected!("neon") {
+            f.push("NEON".into());
+        }
+        if std::arch::is_aarch64_feature_detected!("fp16") {
+            f.push("FP16".into());
+        }
+    }
+    f
+}
+
+/// The host's name, memory and cores, as the CPU backend's one device.
+pub fn host_device() -> DeviceInfo {
+    // sysinfo can fail on exotic platforms; the device is still usable without these facts.
+    let sys = sysinfo::System::new().ok().map(|mut sys| {
+        sys.refresh_memory();
+        sys.refresh_cpu_list(sysinfo::CpuRefreshKind::nothing());
+        sys
+    });
+    let name = sys
+        .as_ref()
+        .and_then(|s| s.cpus().first().map(|c| c.brand().trim().to_string()))
+        .filter(|s| !s.is_empty());
+    DeviceInfo {
+        name: name.unwrap_or_else(|| format!("{} CPU", std::env::consts::ARCH)),
+        memory_bytes: sys.as_ref().map(|s| s.total_memory()),
+        driver: None,
+        compute_units: std::thread::available_parallelism().ok().map(|n| n.get()),
+        features: cpu_features(),
+    }
+}
+
+/// Memory the OS can give us now (unknown → no limit is enforced).
+pub fn available_memory() -> u64 {
+    sysinfo::System::new().map_or(u64::MAX, |mut sys| {
+        sys.refresh_memory();
+        sys.available_memory()
+    })
+}
+
+impl Backend for CpuBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Cpu
+    }
+
+    fn devices(&self) -> Vec<DeviceInfo> {
+        vec![host_device()]
+    }
+
+    fn check_fits(&self, _dev: usize, plan: &Plan, opt: &ExecOptions) -> Result<(), BackendError> {
+        check_memory(
+            plan,
+            opt.precision,
+            opt.threads.unwrap_or_else(default_threads),
+        )
+    }
+
+    fn prepare(
+        &self,
+        dev: usize,
+        plan: &Plan,
+        weights: &Weights,
+        opt: &ExecOptions,
+    ) -> Result<Box<dyn Session>, BackendError> {
+        if dev != 0 {
+            return Err(BackendError::NoDevice {
+                kind: BackendKind::Cpu,
+                reason: format!(
+                    "the CPU backend has one device (0), not {dev}; use --threads to choose cores"
+                ),
+            });
+        }
+        let threads = opt.threads.unwrap_or_else(default_threads);
+        if threads == 0 {
+            return Err(BackendError::Invalid("--threads must be at least 1".into()));
+        }
+        check_memory(plan, opt.precision, threads)?;
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("workshop-cpu-{i}"))
+            .build()
+            .map(Arc::new)
+            .map_err(|e| {
+                BackendError::Invalid(format!("cannot start {threads} CPU worker threads: {e}"))
+            })?;
+        Ok(match opt.precision {
+            Precision::Fp32 => Box::new(CpuSession::<f32>::new(
+                plan,
+                weights,
+                pool,
+                threads,
+                opt.profile,
+            )?),
+            Precision::Fp16 => Box::new(CpuSession::<f16>::new(
+                plan,
+                weights,
+                pool,
+                threads,
+                opt.profile,
+            )?),
+            Precision::Bf16 => Box::new(CpuSession::<bf16>::new(
+                plan,
+                weights,
+                pool,
+                threads,
+                opt.profile,
+            )?),
+        })
+    }
+}
+
+fn default_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Refuse a plan that cannot fit in the memory available now, before allocating anything, and
+/// suggest the largest batch that would.
+fn check_memory(plan: &Plan, precision: Precision, threads: usize) -> Result<(), BackendError> {
+    let est = plan.memory_estimate(precision);
+    // Workers' column scratch (bounded per chunk), plus a 10% margin for the allocator.
+    let scratch = (threads as u64) * (kernels::COLUMN_CHUNK_ELEMS as u64 * 4 * 8);
+    let needed = (est.weights + est.activations + scratch) * 11 / 10;
+    let available = available_memory();
+    if needed <= available {
+        return Ok(());
+    }
+    let room = (available * 10 / 11).saturating_sub(est.weights + scratch);
+    let fits = (room / est.activations_per_image.max(1)) as usize;
+    Err(BackendError::OutOfMemory {
+        needed,
+        available,
+        suggestion: (fits >= 1).then_some(fits.min(plan.batch())),
+    })
+}
+
+/// What a node does at run time, with its weights packed for the kernel.
+enum Step<T> {
+    Input,
+    Conv(PackedConv<T>),
+    Affine {
+        scale: Vec<f32>,
+        shift: Vec<f32>,
+    },
+    Clamp {
+        lo: f32,
+        hi: f32,
+    },
+    Pool {
+        pool: Pool,
+        max: bool,
+    },
+    Adaptive,
+    Add,
+    Linear {
+        weight: Vec<T>,
+        bias: Option<Vec<f32>>,
+        fin: usize,
+        fout: usize,
+    },
+    Flatten,
+    Identity,
+    Softmax,
+}
+
+struct CpuSession<T: Elem> {
+    plan: Plan,
+    steps: Vec<Step<T>>,
+    names: Vec<String>,
+    pool: Arc<rayon::ThreadPool>,
+    threads: usize,
+    profile: bool,
+    /// Buffers that are free for reuse, and the one holding the last output.
+    free: Vec<Vec<T>>,
+    output: Option<Vec<T>>,
+    /// Widened (f32) conv weights for non-f32 storage, reused across layers.
+    wide: Vec<f32>,
+    times: Vec<KernelTime>,
+    /// Batch-norm calibration mode: normalise with each batch's own statistics and keep
+    /// them (node id, mean, biased variance) instead of using the running ones.
+    calibrate: bool,
+    batch_stats: Vec<(usize, Vec<f32>, Vec<f32>)>,
+    weight_bytes: u64,
+    held_bytes: u64,
+    peak_bytes: u64,
+}
+
+impl<T: Elem> CpuSession<T> {
+    fn new(
+        plan: &Plan,
+        weights: &Weights,
+        pool: Arc<rayon::ThreadPool>,
+        threads: usize,
+        profile: bool,
+    ) -> Result<Self, BackendError> {
+        let mut steps = Vec::with_capacity(plan.graph.nodes.len());
+        let mut weight_bytes = 0u64;
+        let eb = std::mem::size_of::<T>() as u64;
+        for node in &plan.graph.nodes {
+            let get = |suffix: &str| -> Result<&[f32], BackendError> {
+                let name = format!("{}.{}", node.name, suffix);
+                weights
+                    .get(&name)
+                    .map(|t| t.data.as_slice())
+                    .ok_or_else(|| {
+                        BackendError::Invalid(format!("weights have no tensor `{name}`"))
+                    })
+            };
+            let step = match node.op {
+                Op::Input { .. } => Step::Input,
+                Op::Conv2d(c) => {
+                    let bias = if c.bias { Some(get("bias")?) } else { None };
+                    let packed = PackedConv::<T>::new(c, get("weight")?, bias);
+                    weight_bytes += packed.weight.len() as u64 * eb
+                        + packed.depthwise.as_ref().map_or(0, |d| d.len() as u64 * 4);
+                    Step::Conv(packed)
+                }
+                Op::BatchNorm { eps, .. } => {
+                    let (g, b, m, v) = (
+                        get("weight")?,
+                        get("bias")?,
+                        get("running_mean")?,
+                        get("running_var")?,
+                    );
+                    let scale: Vec<f32> =
+                        g.iter().zip(v).map(|(g, v)| g / (v + eps).sqrt()).collect();
+                    let shift = b
+                        .iter()
+                        .zip(m)
+                        .zip(&scale)
+                        .map(|((b, m), s)| b - m * s)
+                        .collect();
+                    weight_bytes += 2 * scale.len() as u64 * 4;
+                    Step::Affine { scale, shift }
+                }
+                Op::Relu => Step::Clamp {
+                    lo: 0.0,
+                    hi: f32::INFINITY,
+                },
+                Op::Relu6 => Step::Clamp { lo: 0.0, hi: 6.0 },
+                Op::MaxPool(p) => Step::Pool { pool: p, max: true },
+                Op::AvgPool(p) => Step::Pool {
+                    pool: p,
+                    max: false,
+                },
+                Op::AdaptiveAvgPool { .. } => Step::Adaptive,
+                Op::Add => Step::Add,
+                Op::Linear {
+                    in_features,
+                    out_features,
+                    bias,
+                } => {
+                    let weight: Vec<T> = get("weight")?.iter().map(|&v| T::from_f32(v)).collect();
+                    let bias = if bias {
+                        Some(get("bias")?.to_vec())
+                    } else {
+                        None
+                    };
+                    weight_bytes += weight.len() as u64 * eb;
+                    Step::Linear {
+                        weight,
+                        bias,
+                        fin: in_features,
+                        fout: out_features,
+                    }
+                }
+                Op::Flatten => Step::Flatten,
+                Op::Dropout { .. } => Step::Identity,
+                Op::Softmax => Step::Softmax,
+            };
+            steps.push(step);
+        }
+        let names = plan.graph.nodes.iter().map(|n| n.name.clone()).collect();
+        Ok(CpuSession {
+            plan: plan.clone(),
+            steps,
+            names,
+            pool,
+            threads,
+            profile,
+            free: Vec::new(),
+            output: None,
+            wide: Vec::new(),
+            times: Vec::new(),
+            calibrate: false,
+            batch_stats: Vec::new(),
+            weight_bytes,
+            held_bytes: 0,
+            peak_bytes: 0,
+        })
+    }
+
+    /// A buffer of exactly `len` elements: the smallest free one that is large enough, or a new one.
+    fn alloc(&mut self, len: usize) -> Vec<T> {
+        let best = self
+            .free
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.capacity() >= len)
+            .min_by_key(|(_, b)| b.capacity())
+            .map(|(i, _)| i);
+        let mut buf = match best {
+            Some(i) => self.free.swap_remove(i),
+            None => {
+                self.held_bytes += (len * std::mem::size_of::<T>()) as u64;
+                self.peak_bytes = self.peak_bytes.max(self.held_bytes);
+                Vec::with_capacity(len)
+            }
+        };
+        buf.resize(len, T::default());
+        buf.truncate(len);
+        buf
+    }
+
+    fn dims(&self, id: usize) -> Nhwc {
+        match *self.plan.shapes[id].as_slice() {
+            [n, c, h, w] => Nhwc { n, h, w, c },
+            [n, f] => Nhwc {
+                n,
+                h: 1,
+                w: 1,
+                c: f,
+            },
+            _ => Nhwc {
+                n: 1,
+                h: 1,
+                w: 1,
+                c: self.plan.shapes[id].iter().product(),
+            },
+        }
+    }
+
+    fn forward(&mut self, input: &Tensor) -> Result<(), BackendError> {
+        if input.shape != self.plan.input_shape() {
+            return Err(BackendError::Invalid(format!(
+                "input has shape {:?}, the prepared plan expects {:?}",
+                input.shape,
+                self.plan.input_shape()
+            )));
+        }
+        if let Some(out) = self.output.take() {
+            self.free.push(out);
+        }
+        self.times.clear();
+        let n_nodes = self.plan.graph.nodes.len();
+        let mut values: Vec<Option<Vec<T>>> = (0..n_nodes).map(|_| None).collect();
+        let mut steps = std::mem::take(&mut self.steps);
+        for (id, step) in steps.iter_mut().enumerate() {
+            let start = self.profile.then(Instant::now);
+            let os = self.dims(id);
+            let inputs = self.plan.graph.nodes[id].inputs.clone();
+            // An op that maps its input element-wise reuses the input's buffer when nothing
+            // else reads it later (torchvision's `inplace=True`).
+            let last_reader = |v: usize| self.plan.last_use[v] == id;
+            let out = match step {
+                Step::Input => {
+                    let mut y = self.alloc(os.elems());
+                    kernels::nchw_to_nhwc(&input.data, os, &mut y);
+                    y
+                }
+                Step::Conv(p) => {
+                    let xs = self.dims(inputs[0]);
+                    if T::as_f32(&p.weight).is_none() && p.depthwise.is_none() {
+                        self.wide.resize(p.weight.len(), 0.0);
+                        T::widen(&p.weight, &mut self.wide);
+                    }
+                    let mut y = self.alloc(os.elems());
+                    let x = values[inputs[0]].as_ref().expect("input computed");
+                    kernels::conv2d(p, x, xs, &mut y, os, &self.wide, self.threads);
+                    y
+                }
+                Step::Affine { scale, shift } => {
+                    let mut y = self.take_or_copy(&mut values, inputs[0], last_reader(inputs[0]));
+                    if self.calibrate {
+                        let (mean, var) = channel_stats(&y, os.c);
+                        let gamma_beta: Vec<(f32, f32)> = scale
+                            .iter()
+                            .zip(shift.iter())
+                            .map(|(&s, &b)| (s, b))
+                            .collect();
+                        // In calibration the prepared scale/shift hold gamma and beta (see
+                        // `calibrate_batch_norm`); turn them into the batch's normalisation.
+                        for (c, (g, b)) in gamma_beta.into_iter().enumerate() {
+                            scale[c] = g / (var[c] + BN_EPS).sqrt();
+                            shift[c] = b - mean[c] * scale[c];
+                        }
+                        self.batch_stats.push((id, mean, var));
+                    }
+                    kernels::affine_inplace(&mut y, os.c, scale, shift);
+                    y
+                }
+                Step::Clamp { lo, hi } => {
+                    let mut y = self.take_or_copy(&mut values, inputs[0], last_reader(inputs[0]));
+                    kernels::clamp_inplace(&mut y, *lo, *hi);
+                    y
+                }
+                Step::Identity => self.take_or_copy(&mut values, inputs[0], last_reader(inputs[0])),
+                Step::Add => {
+                    let (a, b) = if last_reader(inputs[0]) {
+                        (inputs[0], inputs[1])
+                    } else {
+                        (inputs[1], inputs[0])
+                    };
+                    let mut y = self.take_or_copy(&mut values, a, last_reader(a));
+                    kernels::add_inplace(&mut y, values[b].as_ref().expect("input computed"));
+                    y
+                }
+                Step::Pool { pool, max } => {
+                    let xs = self.dims(inputs[0]);
+                    let mut y = self.alloc(os.elems());
+                    kernels::pool(
+                        pool,
+                        *max,
+                        values[inputs[0]].as_ref().expect("input computed"),
+                        xs,
+                        &mut y,
+                        os,
+                    );
+                    y
+                }
+                Step::Adaptive => {
+                    let xs = self.dims(inputs[0]);
+                    let mut y = self.alloc(os.elems());
+                    kernels::adaptive_avg_pool(
+                        values[inputs[0]].as_ref().expect("input computed"),
+                        xs,
+                        &mut y,
+                        os,
+                    );
+                    y
+                }
+                Step::Flatten => {
+                    let xs = self.dims(inputs[0]);
+                    if xs.h * xs.w == 1 {
+                        self.take_or_copy(&mut values, inputs[0], last_reader(inputs[0]))
+                    } else {
+                        let mut y = self.alloc(os.elems());
+                        kernels::nhwc_to_nchw(
+                            values[inputs[0]].as_ref().expect("input computed"),
+                            xs,
+                            &mut y,
+                        );
+                        y
+                    }
+                }
+                Step::Linear {
+                    weight,
+                    bias,
+                    fin,
+                    fout,
+                } => {
+                    let mut y = self.alloc(os.elems());
+                    let x = values[inputs[0]].as_ref().expect("input computed");
+                    kernels::linear(
+                        x,
+                        weight,
+                        bias.as_deref(),
+                        (os.n, *fin, *fout),
+                        &mut y,
+                        self.threads,
+                    );
+                    y
+                }
+                Step::Softmax => {
+                    let mut y = self.alloc(os.elems());
+                    kernels::softmax(
+                        values[inputs[0]].as_ref().expect("input computed"),
+                        os.c,
+                        &mut y,
+                    );
+                    y
+                }
+            };
+            values[id] = Some(out);
+            for &i in &inputs {
+                if self.plan.last_use[i] == id
+                    && let Some(buf) = values[i].take()
+                {
+                    self.free.push(buf);
+                }
+            }
+            if let Some(start) = start {
+                self.times.push(KernelTime {
+                    node: self.names[id].clone(),
+                    kernel: kernel_name(step, &self.plan.graph.nodes[id].op),
+                    ns: start.elapsed().as_nanos() as u64,
+                });
+            }
+        }
+        self.steps = steps;
+        self.output = values[self.plan.graph.output].take();
+        self.free.extend(values.into_iter().flatten());
+        Ok(())
+    }
+
+    /// The input buffer itself when this node is its last reader, else a copy of it.
+    fn take_or_copy(&mut self, values: &mut [Option<Vec<T>>], v: usize, last: bool) -> Vec<T> {
+        if last {
+            return values[v].take().expect("input computed");
+        }
+        let len = values[v].as_ref().expect("input computed").len();
+        let mut y = self.alloc(len);
+        y.copy_from_slice(values[v].as_ref().expect("input computed"));
+        y
+    }
+}
+
+/// Batch norm epsilon used in calibration (every zoo network uses PyTorch's default).
+const BN_EPS: f32 = 1e-5;
+
+/// Per-channel mean and biased variance of an NHWC (or N×C) buffer, accumulated in f64.
+fn channel_stats<T: Elem>(buf: &[T], c: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut sum = vec![0f64; c];
+    let mut sq = vec![0f64; c];
+    for px in buf.chunks_exact(c) {
+        for (i, v) in px.iter().enumerate() {
+            let v = v.to_f32() as f64;
+            sum[i] += v;
+            sq[i] += v * v;
+        }
+    }
+    let n = (buf.len() / c.max(1)).max(1) as f64;
+    let mean: Vec<f64> = sum.iter().map(|s| s / n).collect();
+    let var = sq
+        .iter()
+        .zip(&mean)
+        .map(|(q, m)| (q / n - m * m).max(0.0) as f32)
+        .collect();
+    (mean.into_iter().map(|m| m as f32).collect(), var)
+}
+
+/// Give randomly initialised batch-norm layers the running statistics of one batch (what a
+/// train-mode forward pass with momentum 1 would record). A freshly initialised network in
+/// eval mode has mean 0 / variance 1 everywhere, so its activations grow layer after layer
+/// and the logits explode (PyTorch gives a loss near 80 for resnet50); calibrated, every layer
+/// sees normalised inputs as in training, and the loss on random labels sits near ln(1000).
+pub fn calibrate_batch_norm(
+    plan: &Plan,
+    weights: &mut Weights,
+    input: &Tensor,
+) -> Result<(), BackendError> {
+    let threads = default_threads();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| BackendError::Invalid(format!("cannot start CPU worker threads: {e}")))?;
+    let mut session = CpuSession::<f32>::new(plan, weights, Arc::new(pool), threads, false)?;
+    // Calibration normalises with batch statistics, so the steps carry gamma and beta.
+    for (step, node) in session.steps.iter_mut().zip(&plan.graph.nodes) {
+        if let Step::Affine { scale, shift } = step {
+            let gamma = &weights.tensors[&format!("{}.weight", node.name)].data;
+            let beta = &weights.tensors[&format!("{}.bias", node.name)].data;
+            scale.copy_from_slice(gamma);
+            shift.copy_from_slice(beta);
+        }
+    }
+    session.calibrate = true;
+    session.run(input)?;
+    for (id, mean, var) in std::mem::take(&mut session.batch_stats) {
+        let name = &plan.graph.nodes[id].name;
+        let c = mean.len();
+        weights
+            .tensors
+            .insert(format!("{name}.running_mean"), Tensor::new(vec![c], mean));
+        weights
+            .tensors
+            .insert(format!("{name}.running_var"), Tensor::new(vec![c], var));
+    }
+    Ok(())
+}
+
+fn kernel_name<T: Elem>(step: &Step<T>, op: &Op) -> String {
+    match step {
+        Step::Conv(p) => p.kernel_name(),
+        Step::Affine { .. } => format!("batch_norm_affine_{}", T::SUFFIX),
+        Step::Input => format!("nchw_to_nhwc_{}", T::SUFFIX),
+        _ => format!("{}_{}", op.kind_name(), T::SUFFIX),
+    }
+}
+
+impl<T: Elem> Session for CpuSession<T> {
+    fn run(&mut self, input: &Tensor) -> Result<(), BackendError> {
+        let pool = Arc::clone(&self.pool);
+        pool.install(|| self.forward(input))
+    }
+
+    fn sync(&mut self) -> Result<(), BackendError> {
+        // The CPU runs synchronously: `run` returns when the work is done.
+        Ok(())
+    }
+
+    fn read_output(&mut self) -> Result<Tensor, BackendError> {
+        let out = self
+            .output
+            .as_ref()
+            .ok_or_else(|| BackendError::Invalid("no forward pass has run yet".into()))?;
+        let shape = self.plan.output_shape().to_vec();
+        let mut data = vec![0f32; out.len()];
+        if let [n, c, h, w] = *shape.as_slice() {
+            let xs = Nhwc { n, h, w, c };
+            let mut nchw = vec![T::default(); out.len()];
+            kernels::nhwc_to_nchw(out, xs, &mut nchw);
+            T::widen(&nchw, &mut data);
+        } else {
+            T::widen(out, &mut data);
+        }
+        Ok(Tensor::new(shape, data))
+    }
+
+    fn kernel_times(&mut self) -> Option<Vec<KernelTime>> {
+        self.profile.then(|| self.times.clone())
+    }
+
+    fn memory(&self) -> MemoryStats {
+        MemoryStats {
+            weights: self.weight_bytes,
+            peak_activations: self.peak_bytes,
+            peak: self.weight_bytes + self.peak_bytes,
+        }
+    }
+
+    fn kernel_version(&self) -> String {
+        format!(
+            "workshop-cpu {} (gemm 0.19, {})",
+            env!("CARGO_PKG_VERSION"),
+            T::PRECISION
+        )
+    }
+}

@@ -1,0 +1,178 @@
+//! The backend seam. `BackendKind` names the backends (CLI, TOML, tables); the `Backend` and
+//! `Session` traits carry behaviour; [`open`] is the one place that knows which backends this
+//! build has. A backend prepares a whole planned graph once (weights uploaded, kernels chosen),
+//! then a `Session` runs it many times; timing and profiling hang off the session.
+
+pub mod cpu;
+
+use serde::{Deserialize, Serialize};
+
+use crate::model::{Plan, Precision, Tensor, Weights};
+
+/// Every backend the project knows, whether or not this build has it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// Our native CPU kernels: always available.
+    Cpu,
+    /// WGSL kernels through wgpu (Vulkan, Metal, DX12).
+    Wgpu,
+    /// CUDA kernels through cudarc and NVRTC.
+    Cuda,
+    /// HIP kernels through hip-sys and hiprtc.
+    Hip,
+}
+
+impl BackendKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Wgpu => "wgpu",
+            BackendKind::Cuda => "cuda",
+            BackendKind::Hip => "hip",
+        }
+    }
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What a device is, as `doctor` and records show it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeviceInfo {
+    pub name: String,
+    /// Device memory (host RAM for the CPU backend), when known.
+    pub memory_bytes: Option<u64>,
+    pub driver: Option<String>,
+    /// Compute units: cores, SMs or CUs.
+    pub compute_units: Option<usize>,
+    /// Instruction-set or architecture features that matter for speed (AVX2, FMA, F16C, ...).
+    pub features: Vec<String>,
+}
+
+/// How a session should run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExecOptions {
+    pub precision: Precision,
+    /// CPU worker threads; `None` uses every core.
+    pub threads: Option<usize>,
+    /// Collect per-kernel times (costs a little per op).
+    pub profile: bool,
+}
+
+impl Default for ExecOptions {
+    fn default() -> Self {
+        ExecOptions {
+            precision: Precision::Fp32,
+            threads: None,
+            profile: false,
+        }
+    }
+}
+
+/// The time one kernel (one op of the graph) took in the last forward pass.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KernelTime {
+    /// The node's module name (`layer1.0.conv1`).
+    pub node: String,
+    /// The kernel that ran (`conv2d_im2col_gemm_f32`, ...).
+    pub kernel: String,
+    pub ns: u64,
+}
+
+/// Device memory of a session, in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryStats {
+    /// Weights as the backend stores them (precision and packed layout).
+    pub weights: u64,
+    /// Most activation and scratch bytes alive at once during a forward pass.
+    pub peak_activations: u64,
+    /// weights + peak_activations: what the device must hold.
+    pub peak: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("the {0} backend is not available in this build yet")]
+    NotCompiled(BackendKind),
+    #[error("no {kind} device: {reason}")]
+    NoDevice { kind: BackendKind, reason: String },
+    #[error(
+        "out of memory: this run needs about {} but {} is available{}",
+        human_bytes(*needed),
+        human_bytes(*available),
+        suggestion.map(|b| format!("; a batch size of {b} would fit")).unwrap_or_default()
+    )]
+    OutOfMemory {
+        needed: u64,
+        available: u64,
+        suggestion: Option<usize>,
+    },
+    #[error("compiling `{path}` failed:\n{log}")]
+    Compile { path: String, log: String },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+pub trait Backend {
+    fn kind(&self) -> BackendKind;
+    fn devices(&self) -> Vec<DeviceInfo>;
+    /// Refuse a plan that cannot fit on device `dev` before anything is allocated.
+    fn check_fits(
+        &self,
+        _dev: usize,
+        _plan: &Plan,
+        _opt: &ExecOptions,
+    ) -> Result<(), BackendError> {
+        Ok(())
+    }
+    /// Upload weights and set up everything a forward pass of `plan` needs on device `dev`.
+    fn prepare(
+        &self,
+        dev: usize,
+        plan: &Plan,
+        weights: &Weights,
+        opt: &ExecOptions,
+    ) -> Result<Box<dyn Session>, BackendError>;
+}
+
+pub trait Session {
+    /// Enqueue one forward pass on `input` (NCHW f32, the plan's input shape).
+    fn run(&mut self, input: &Tensor) -> Result<(), BackendError>;
+    /// Wait until the device has finished everything enqueued.
+    fn sync(&mut self) -> Result<(), BackendError>;
+    /// The last forward pass's output in f32, in the plan's logical shape.
+    fn read_output(&mut self) -> Result<Tensor, BackendError>;
+    /// Per-kernel times of the last forward pass, when profiling was asked for.
+    fn kernel_times(&mut self) -> Option<Vec<KernelTime>>;
+    fn memory(&self) -> MemoryStats;
+    /// A short name of the kernel library and version, for records.
+    fn kernel_version(&self) -> String;
+}
+
+/// Open a backend by kind. This is the only function that knows which backends were built.
+pub fn open(kind: BackendKind) -> Result<Box<dyn Backend>, BackendError> {
+    match kind {
+        BackendKind::Cpu => Ok(Box::new(cpu::CpuBackend::new())),
+        other => Err(BackendError::NotCompiled(other)),
+    }
+}
+
+/// Bytes in binary units with one decimal (`1.5 GiB`).
+pub fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}

@@ -1,0 +1,203 @@
+//! Benchmarking: build the network, prepare it on a backend, run warm-up and timed iterations
+//! (each one a forward pass, a device sync, reading the logits and computing the loss), and
+//! summarise the samples into a [`record::BenchRecord`]. Progress is reported as events so
+//! presentation stays in `report`.
+
+pub mod record;
+pub mod stats;
+
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result, bail};
+
+use crate::backend::{self, ExecOptions, Session};
+use crate::model::{Graph, Op, Plan, Rng, Tensor, Weights, reference, zoo};
+use record::{BenchConfig, BenchRecord, Environment, ModelInfo, SCHEMA_VERSION};
+use stats::Stats;
+
+/// What the runner reports while it works.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// The network is built and its weights are ready; the session is being prepared.
+    Preparing { params: u64, weights: String },
+    Warmup {
+        index: usize,
+        loss: f64,
+        seconds: f64,
+    },
+    Iteration {
+        index: usize,
+        loss: f64,
+        seconds: f64,
+    },
+}
+
+/// Check the configuration before doing anything expensive.
+pub fn validate(cfg: &BenchConfig) -> Result<()> {
+    if cfg.batch_size == 0 {
+        bail!("--batch-size must be at least 1 (got 0)");
+    }
+    if cfg.iterations == 0 {
+        bail!("--iterations must be at least 1 (got 0): the statistics need timed samples");
+    }
+    if cfg.input_size == 0 {
+        bail!("--input-size must be at least 1 (got 0)");
+    }
+    if cfg.threads == Some(0) {
+        bail!("--threads must be at least 1 (got 0)");
+    }
+    Ok(())
+}
+
+/// Build the plan, weights and session for a run configuration.
+pub fn prepare(
+    cfg: &BenchConfig,
+    weights_file: Option<&std::path::Path>,
+) -> Result<(Plan, Weights, Box<dyn Session>)> {
+    let graph = zoo::build(&cfg.network)?;
+    let plan = graph
+        .plan(cfg.batch_size, cfg.input_size, cfg.input_size)
+        .with_context(|| {
+            format!(
+                "{} cannot take {}×{} inputs",
+                cfg.network, cfg.input_size, cfg.input_size
+            )
+        })?;
+    let backend = backend::open(cfg.backend)?;
+    let opt = ExecOptions {
+        precision: cfg.precision,
+        threads: cfg.threads,
+        profile: false,
+    };
+    backend.check_fits(cfg.device, &plan, &opt)?;
+    let weights = match weights_file {
+        Some(path) => Weights::load(path, &graph)?,
+        None => seeded_weights(&graph, cfg.seed, cfg.input_size)?,
+    };
+    let session = backend.prepare(cfg.device, &plan, &weights, &opt)?;
+    Ok((plan, weights, session))
+}
+
+/// Images in the batch that calibrates random weights' batch-norm statistics.
+const CALIBRATION_BATCH: usize = 4;
+
+/// Seeded random weights, as torchvision initialises them, with batch-norm statistics
+/// calibrated on a seeded noise batch at `input_size` (see
+/// [`backend::cpu::calibrate_batch_norm`] for why).
+pub fn seeded_weights(graph: &Graph, seed: u64, input_size: usize) -> Result<Weights> {
+    let mut weights = Weights::init(graph, seed);
+    if graph
+        .nodes
+        .iter()
+        .any(|n| matches!(n.op, Op::BatchNorm { .. }))
+    {
+        let plan = graph.plan(CALIBRATION_BATCH, input_size, input_size)?;
+        let mut rng = Rng::new(seed.wrapping_add(0xCA11));
+        let batch = rng.normal_tensor(plan.input_shape().to_vec());
+        backend::cpu::calibrate_batch_norm(&plan, &mut weights, &batch)?;
+    }
+    Ok(weights)
+}
+
+/// Run a benchmark as configured.
+pub fn run(
+    cfg: &BenchConfig,
+    weights_file: Option<&std::path::Path>,
+    on_event: &mut dyn FnMut(Event),
+) -> Result<BenchRecord> {
+    validate(cfg)?;
+    let (plan, _weights, mut session) = prepare(cfg, weights_file)?;
+    on_event(Event::Preparing {
+        params: plan.graph.param_count(),
+        weights: cfg.weights.clone(),
+    });
+
+    // A fixed batch of normal noise with random labels, like the classic benchmark: the loss
+    // of an untrained network on it sits near ln(classes).
+    let mut rng = Rng::new(cfg.seed.wrapping_add(1));
+    let input = rng.normal_tensor(plan.input_shape().to_vec());
+    let classes = plan.output_shape()[1];
+    let labels: Vec<usize> = (0..cfg.batch_size).map(|_| rng.below(classes)).collect();
+
+    let step = |session: &mut Box<dyn Session>| -> Result<(f64, f64)> {
+        let start = Instant::now();
+        session.run(&input)?;
+        session.sync()?;
+        let logits = session.read_output()?;
+        let loss = reference::cross_entropy(&logits, &labels);
+        Ok((start.elapsed().as_secs_f64(), loss))
+    };
+    let mut warmup_s = Vec::with_capacity(cfg.warmup);
+    for index in 0..cfg.warmup {
+        let (seconds, loss) = step(&mut session)?;
+        warmup_s.push(seconds);
+        on_event(Event::Warmup {
+            index,
+            loss,
+            seconds,
+        });
+    }
+    let mut samples_s = Vec::with_capacity(cfg.iterations);
+    let mut loss = f64::NAN;
+    for index in 0..cfg.iterations {
+        let (seconds, l) = step(&mut session)?;
+        samples_s.push(seconds);
+        loss = l;
+        on_event(Event::Iteration {
+            index,
+            loss,
+            seconds,
+        });
+    }
+
+    let per_image = plan.graph.plan(1, cfg.input_size, cfg.input_size)?;
+    let model = ModelInfo {
+        params: plan.graph.param_count(),
+        macs_per_image: per_image.macs(),
+        flops_per_image: per_image.flops(),
+    };
+    let stats = Stats::from_samples(&samples_s, cfg.batch_size, 2 * plan.macs())
+        .context("no timed samples")?;
+    Ok(BenchRecord {
+        schema_version: SCHEMA_VERSION,
+        kind: "bench".into(),
+        created_unix: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        config: cfg.clone(),
+        environment: environment(cfg, session.as_ref())?,
+        model,
+        warmup_s,
+        samples_s,
+        stats,
+        loss,
+        memory: session.memory(),
+    })
+}
+
+fn environment(cfg: &BenchConfig, session: &dyn Session) -> Result<Environment> {
+    let backend = backend::open(cfg.backend)?;
+    let device = backend
+        .devices()
+        .into_iter()
+        .nth(cfg.device)
+        .context("device disappeared during the run")?;
+    let host = backend::cpu::host_device();
+    Ok(Environment {
+        runner_version: env!("CARGO_PKG_VERSION").into(),
+        os: sysinfo::System::long_os_version().unwrap_or_else(|_| std::env::consts::OS.into()),
+        arch: std::env::consts::ARCH.into(),
+        hostname: sysinfo::System::host_name().ok(),
+        cpu_model: host.name,
+        cpu_cores: host.compute_units,
+        device,
+        kernel_version: session.kernel_version(),
+    })
+}
+
+/// One forward pass of `input` through a prepared session, returning the output.
+pub fn infer(session: &mut dyn Session, input: &Tensor) -> Result<Tensor> {
+    session.run(input)?;
+    session.sync()?;
+    Ok(session.read_output()?)
+}

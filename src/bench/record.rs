@@ -1,0 +1,70 @@
+//! The versioned record a benchmark run writes with `--json`: what was run, where, every
+//! sample, and the summary. Exercises and `workshop compare` read these files later, so the
+//! shape only grows; `schema_version` changes when a field changes meaning.
+
+use serde::{Deserialize, Serialize};
+
+use super::stats::Stats;
+use crate::backend::{BackendKind, DeviceInfo, MemoryStats};
+use crate::model::Precision;
+
+pub const SCHEMA_VERSION: u32 = 1;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BenchRecord {
+    pub schema_version: u32,
+    /// Always `"bench"` for these records.
+    pub kind: String,
+    /// Seconds since the Unix epoch when the run finished.
+    pub created_unix: u64,
+    pub config: BenchConfig,
+    pub environment: Environment,
+    pub model: ModelInfo,
+    /// Seconds per warm-up iteration (not in the statistics).
+    pub warmup_s: Vec<f64>,
+    /// Seconds per timed iteration.
+    pub samples_s: Vec<f64>,
+    pub stats: Stats,
+    /// Cross-entropy of the last iteration's logits against the seeded random labels.
+    pub loss: f64,
+    pub memory: MemoryStats,
+}
+
+/// What was asked for: enough to run it again.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BenchConfig {
+    pub network: String,
+    pub batch_size: usize,
+    pub iterations: usize,
+    pub warmup: usize,
+    pub precision: Precision,
+    pub backend: BackendKind,
+    pub device: usize,
+    pub threads: Option<usize>,
+    pub input_size: usize,
+    pub seed: u64,
+    /// `random(seed=N)` or the weights file's path.
+    pub weights: String,
+}
+
+/// Where it ran: what a comparison needs to say what differed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Environment {
+    pub runner_version: String,
+    pub os: String,
+    pub arch: String,
+    pub hostname: Option<String>,
+    pub cpu_model: String,
+    pub cpu_cores: Option<usize>,
+    pub device: DeviceInfo,
+    pub kernel_version: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelInfo {
+    pub params: u64,
+    /// Conv + linear multiply-accumulates per image at the run's input size.
+    pub macs_per_image: u64,
+    /// All FLOPs per image (2 per MAC plus element-wise work).
+    pub flops_per_image: u64,
+}

@@ -1,0 +1,83 @@
+//! Summary statistics of per-iteration samples, the way the course reports them: median and
+//! mean, spread (std, coefficient of variation), extremes, and the derived rates.
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Stats {
+    pub mean_s: f64,
+    pub median_s: f64,
+    /// Sample standard deviation (n − 1).
+    pub std_s: f64,
+    /// std / mean: above a few percent, differences between runs need care.
+    pub cv: f64,
+    pub min_s: f64,
+    pub max_s: f64,
+    /// Images per second from the mean step (total images / total time, as
+    /// micro_benchmarking_pytorch.py reports it).
+    pub throughput: f64,
+    /// Images per second from the median step (robust to a few slow iterations).
+    pub throughput_median: f64,
+    pub ms_per_batch: f64,
+    pub us_per_sample: f64,
+    /// Conv + linear FLOPs (2 per MAC) per second at the median step.
+    pub gflops: f64,
+}
+
+impl Stats {
+    /// Statistics of `samples` (seconds per batch of `batch` images doing `flops` each step).
+    /// Returns `None` for an empty sample set.
+    pub fn from_samples(samples: &[f64], batch: usize, flops: u64) -> Option<Stats> {
+        if samples.is_empty() {
+            return None;
+        }
+        let n = samples.len() as f64;
+        let mean = samples.iter().sum::<f64>() / n;
+        let mut sorted = samples.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        let mid = sorted.len() / 2;
+        let median = if sorted.len().is_multiple_of(2) {
+            (sorted[mid - 1] + sorted[mid]) / 2.0
+        } else {
+            sorted[mid]
+        };
+        let var = if samples.len() > 1 {
+            samples.iter().map(|s| (s - mean).powi(2)).sum::<f64>() / (n - 1.0)
+        } else {
+            0.0
+        };
+        let std = var.sqrt();
+        let b = batch as f64;
+        Some(Stats {
+            mean_s: mean,
+            median_s: median,
+            std_s: std,
+            cv: if mean > 0.0 { std / mean } else { 0.0 },
+            min_s: sorted[0],
+            max_s: sorted[sorted.len() - 1],
+            throughput: b / mean,
+            throughput_median: b / median,
+            ms_per_batch: mean * 1e3,
+            us_per_sample: mean * 1e6 / b,
+            gflops: flops as f64 / median / 1e9,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn known_samples_give_known_stats() {
+        let s = Stats::from_samples(&[0.1, 0.2, 0.3, 0.4], 8, 4_000_000_000).unwrap();
+        assert!((s.mean_s - 0.25).abs() < 1e-12);
+        assert!((s.median_s - 0.25).abs() < 1e-12);
+        // Sample std of 0.1..0.4: sqrt(0.05/3).
+        assert!((s.std_s - (0.05f64 / 3.0).sqrt()).abs() < 1e-12);
+        assert!((s.throughput - 32.0).abs() < 1e-9);
+        assert!((s.us_per_sample - 31_250.0).abs() < 1e-6);
+        assert!((s.gflops - 16.0).abs() < 1e-9);
+        assert_eq!(Stats::from_samples(&[], 1, 0), None);
+    }
+}

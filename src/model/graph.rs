@@ -1,0 +1,340 @@
+//! The graph IR: nodes in topological order, each naming the torchvision module it mirrors, and
+//! the [`Plan`] that fixes a graph to one input shape (every tensor's shape, its last use, and
+//! the work and memory the whole forward pass takes).
+
+use super::op::{Conv2d, Op, ParamKind, ParamSpec, Pool, ShapeError};
+use crate::model::Precision;
+
+/// Index of a node, which is also the id of the value it produces.
+pub type ValueId = usize;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Node {
+    /// The module path in torchvision's naming (`layer1.0.conv1`); parameters live at
+    /// `{name}.{suffix}`. Parameter-free ops may share a name with their siblings' module.
+    pub name: String,
+    pub op: Op,
+    pub inputs: Vec<ValueId>,
+}
+
+/// How a family of models initialises its layers (torchvision differs per architecture).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConvInit {
+    /// `kaiming_normal_(mode="fan_out", nonlinearity="relu")`, bias 0 (ResNet, VGG, MobileNet).
+    KaimingNormalFanOut,
+    /// PyTorch's default `reset_parameters`: kaiming_uniform(a=√5) and a uniform bias (AlexNet).
+    TorchDefault,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinearInit {
+    /// `normal_(0, 0.01)`, bias 0 (VGG, MobileNet).
+    Normal001,
+    /// PyTorch's default: uniform(±1/√fan_in) for weight and bias (ResNet, AlexNet).
+    TorchDefault,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Graph {
+    pub name: String,
+    pub nodes: Vec<Node>,
+    pub output: ValueId,
+    pub conv_init: ConvInit,
+    pub linear_init: LinearInit,
+}
+
+/// One state_dict entry of a graph.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NamedParam {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub kind: ParamKind,
+    pub node: ValueId,
+}
+
+impl Graph {
+    pub fn input_channels(&self) -> usize {
+        match self.nodes.first().map(|n| &n.op) {
+            Some(Op::Input { channels }) => *channels,
+            _ => 0,
+        }
+    }
+
+    /// Every state_dict tensor (parameters and running buffers), in graph order.
+    pub fn params(&self) -> Vec<NamedParam> {
+        let mut out = Vec::new();
+        for (id, node) in self.nodes.iter().enumerate() {
+            for ParamSpec {
+                suffix,
+                shape,
+                kind,
+            } in node.op.params()
+            {
+                out.push(NamedParam {
+                    name: format!("{}.{}", node.name, suffix),
+                    shape,
+                    kind,
+                    node: id,
+                });
+            }
+        }
+        out
+    }
+
+    /// Learned parameters, as `sum(p.numel() for p in model.parameters())` counts them.
+    pub fn param_count(&self) -> u64 {
+        self.params()
+            .iter()
+            .filter(|p| p.kind == ParamKind::Trainable)
+            .map(|p| p.shape.iter().product::<usize>() as u64)
+            .sum()
+    }
+
+    /// Fix the graph to an input of shape (batch, C, height, width).
+    pub fn plan(&self, batch: usize, height: usize, width: usize) -> Result<Plan, ShapeError> {
+        let mut shapes: Vec<Vec<usize>> = Vec::with_capacity(self.nodes.len());
+        for node in &self.nodes {
+            let shape = match node.op {
+                Op::Input { channels } => vec![batch, channels, height, width],
+                ref op => {
+                    let ins: Vec<&[usize]> =
+                        node.inputs.iter().map(|&i| shapes[i].as_slice()).collect();
+                    op.infer_shape(&ins).map_err(|e| {
+                        ShapeError(format!("{} (`{}`): {}", self.name, node.name, e.0))
+                    })?
+                }
+            };
+            shapes.push(shape);
+        }
+        // A value dies after the last node that reads it; the output lives to the end.
+        let mut last_use: Vec<usize> = (0..self.nodes.len()).collect();
+        for (id, node) in self.nodes.iter().enumerate() {
+            for &i in &node.inputs {
+                last_use[i] = last_use[i].max(id);
+            }
+        }
+        last_use[self.output] = usize::MAX;
+        Ok(Plan {
+            graph: self.clone(),
+            shapes,
+            last_use,
+        })
+    }
+}
+
+/// A graph fixed to one input shape: what backends prepare and what the counters read.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub graph: Graph,
+    /// Logical (NCHW) shape of every node's output.
+    pub shapes: Vec<Vec<usize>>,
+    /// Index of the last node reading each value (`usize::MAX` for the graph output).
+    pub last_use: Vec<usize>,
+}
+
+/// What a planned forward pass needs in memory, before anything is allocated. Backends add
+/// their own scratch (im2col columns, widened weights) on top.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryEstimate {
+    pub weights: u64,
+    /// The most activation bytes alive at once, freeing each tensor after its last use.
+    pub activations: u64,
+    /// Activation bytes per image of the batch at that peak, to suggest a batch that fits.
+    pub activations_per_image: u64,
+}
+
+impl Plan {
+    pub fn batch(&self) -> usize {
+        self.shapes[0][0]
+    }
+
+    pub fn input_shape(&self) -> &[usize] {
+        &self.shapes[0]
+    }
+
+    pub fn output_shape(&self) -> &[usize] {
+        &self.shapes[self.graph.output]
+    }
+
+    fn input_shapes(&self, id: ValueId) -> Vec<&[usize]> {
+        self.graph.nodes[id]
+            .inputs
+            .iter()
+            .map(|&i| self.shapes[i].as_slice())
+            .collect()
+    }
+
+    /// Conv + linear MACs of the whole batch.
+    pub fn macs(&self) -> u64 {
+        self.graph
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(id, n)| n.op.macs(&self.shapes[id]))
+            .sum()
+    }
+
+    pub fn flops(&self) -> u64 {
+        (0..self.graph.nodes.len())
+            .map(|id| self.node_flops(id))
+            .sum()
+    }
+
+    pub fn node_flops(&self, id: ValueId) -> u64 {
+        self.graph.nodes[id]
+            .op
+            .flops(&self.input_shapes(id), &self.shapes[id])
+    }
+
+    pub fn node_bytes(&self, id: ValueId, precision: Precision) -> u64 {
+        self.graph.nodes[id]
+            .op
+            .bytes(&self.input_shapes(id), &self.shapes[id], precision.bytes())
+    }
+
+    /// Memory for weights and live activations at `precision`: the planning figure used to
+    /// refuse a batch that cannot fit before allocating it.
+    pub fn memory_estimate(&self, precision: Precision) -> MemoryEstimate {
+        let eb = precision.bytes() as u64;
+        let numel = |s: &[usize]| s.iter().map(|&d| d as u64).product::<u64>();
+        let weights: u64 = self
+            .graph
+            .params()
+            .iter()
+            .map(|p| numel(&p.shape))
+            .sum::<u64>()
+            * eb;
+        let mut live = numel(&self.shapes[0]) * eb;
+        let mut peak = live;
+        for (id, node) in self.graph.nodes.iter().enumerate().skip(1) {
+            live += numel(&self.shapes[id]) * eb;
+            peak = peak.max(live);
+            for &i in &node.inputs {
+                if self.last_use[i] == id {
+                    live = live.saturating_sub(numel(&self.shapes[i]) * eb);
+                }
+            }
+        }
+        let batch = self.batch().max(1) as u64;
+        MemoryEstimate {
+            weights,
+            activations: peak,
+            activations_per_image: peak.div_ceil(batch),
+        }
+    }
+}
+
+/// Builds a graph node by node; the zoo's architecture code reads like torchvision's.
+pub struct GraphBuilder {
+    graph: Graph,
+}
+
+impl GraphBuilder {
+    pub fn new(
+        name: &str,
+        input_channels: usize,
+        conv_init: ConvInit,
+        linear_init: LinearInit,
+    ) -> Self {
+        let input = Node {
+            name: "input".into(),
+            op: Op::Input {
+                channels: input_channels,
+            },
+            inputs: vec![],
+        };
+        GraphBuilder {
+            graph: Graph {
+                name: name.into(),
+                nodes: vec![input],
+                output: 0,
+                conv_init,
+                linear_init,
+            },
+        }
+    }
+
+    pub fn input(&self) -> ValueId {
+        0
+    }
+
+    pub fn add_node(&mut self, name: impl Into<String>, op: Op, inputs: &[ValueId]) -> ValueId {
+        self.graph.nodes.push(Node {
+            name: name.into(),
+            op,
+            inputs: inputs.to_vec(),
+        });
+        self.graph.nodes.len() - 1
+    }
+
+    pub fn conv(&mut self, name: impl Into<String>, x: ValueId, conv: Conv2d) -> ValueId {
+        self.add_node(name, Op::Conv2d(conv), &[x])
+    }
+
+    pub fn bn(&mut self, name: impl Into<String>, x: ValueId, channels: usize) -> ValueId {
+        self.add_node(
+            name,
+            Op::BatchNorm {
+                channels,
+                eps: 1e-5,
+            },
+            &[x],
+        )
+    }
+
+    pub fn relu(&mut self, name: impl Into<String>, x: ValueId) -> ValueId {
+        self.add_node(name, Op::Relu, &[x])
+    }
+
+    pub fn relu6(&mut self, name: impl Into<String>, x: ValueId) -> ValueId {
+        self.add_node(name, Op::Relu6, &[x])
+    }
+
+    pub fn max_pool(&mut self, name: impl Into<String>, x: ValueId, pool: Pool) -> ValueId {
+        self.add_node(name, Op::MaxPool(pool), &[x])
+    }
+
+    pub fn adaptive_avg_pool(
+        &mut self,
+        name: impl Into<String>,
+        x: ValueId,
+        out: (usize, usize),
+    ) -> ValueId {
+        self.add_node(name, Op::AdaptiveAvgPool { out }, &[x])
+    }
+
+    pub fn add(&mut self, name: impl Into<String>, a: ValueId, b: ValueId) -> ValueId {
+        self.add_node(name, Op::Add, &[a, b])
+    }
+
+    pub fn flatten(&mut self, name: impl Into<String>, x: ValueId) -> ValueId {
+        self.add_node(name, Op::Flatten, &[x])
+    }
+
+    pub fn dropout(&mut self, name: impl Into<String>, x: ValueId, p: f32) -> ValueId {
+        self.add_node(name, Op::Dropout { p }, &[x])
+    }
+
+    pub fn linear(
+        &mut self,
+        name: impl Into<String>,
+        x: ValueId,
+        in_features: usize,
+        out_features: usize,
+    ) -> ValueId {
+        self.add_node(
+            name,
+            Op::Linear {
+                in_features,
+                out_features,
+                bias: true,
+            },
+            &[x],
+        )
+    }
+
+    pub fn finish(mut self, output: ValueId) -> Graph {
+        self.graph.output = output;
+        self.graph
+    }
+}

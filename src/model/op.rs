@@ -1,0 +1,500 @@
+//! The operator set of the graph IR: what each op is, how it maps input shapes to an output
+//! shape, which parameters it owns (with torchvision's state_dict suffixes), and how much work
+//! (multiply-accumulates, FLOPs) and traffic (bytes) it costs.
+//!
+//! Shapes are always written in PyTorch's logical order, NCHW for images and (N, F) for
+//! features, whatever layout a backend chooses in memory.
+
+use std::fmt;
+
+/// A 2-D convolution, as `torch.nn.Conv2d`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Conv2d {
+    pub in_channels: usize,
+    pub out_channels: usize,
+    /// (height, width) of the kernel.
+    pub kernel: (usize, usize),
+    pub stride: (usize, usize),
+    pub padding: (usize, usize),
+    pub dilation: (usize, usize),
+    /// 1 for a dense convolution, `in_channels` for a depthwise one.
+    pub groups: usize,
+    pub bias: bool,
+}
+
+impl Conv2d {
+    /// A dense, square convolution without bias: the common case in the zoo.
+    pub fn new(
+        in_channels: usize,
+        out_channels: usize,
+        kernel: usize,
+        stride: usize,
+        padding: usize,
+    ) -> Self {
+        Conv2d {
+            in_channels,
+            out_channels,
+            kernel: (kernel, kernel),
+            stride: (stride, stride),
+            padding: (padding, padding),
+            dilation: (1, 1),
+            groups: 1,
+            bias: false,
+        }
+    }
+
+    pub fn with_groups(mut self, groups: usize) -> Self {
+        self.groups = groups;
+        self
+    }
+
+    pub fn with_bias(mut self) -> Self {
+        self.bias = true;
+        self
+    }
+
+    /// Output spatial size for an input of `h`×`w`, or `None` when the kernel does not fit.
+    pub fn output_hw(&self, h: usize, w: usize) -> Option<(usize, usize)> {
+        let oh = window_out(
+            h,
+            self.kernel.0,
+            self.stride.0,
+            self.padding.0,
+            self.dilation.0,
+            false,
+        )?;
+        let ow = window_out(
+            w,
+            self.kernel.1,
+            self.stride.1,
+            self.padding.1,
+            self.dilation.1,
+            false,
+        )?;
+        Some((oh, ow))
+    }
+}
+
+/// A pooling window, as `torch.nn.MaxPool2d` / `AvgPool2d`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pool {
+    pub kernel: (usize, usize),
+    pub stride: (usize, usize),
+    pub padding: (usize, usize),
+    pub ceil_mode: bool,
+    /// Average pooling only: divide by the full window, padding included (PyTorch's default).
+    pub count_include_pad: bool,
+}
+
+impl Pool {
+    pub fn new(kernel: usize, stride: usize, padding: usize) -> Self {
+        Pool {
+            kernel: (kernel, kernel),
+            stride: (stride, stride),
+            padding: (padding, padding),
+            ceil_mode: false,
+            count_include_pad: true,
+        }
+    }
+
+    pub fn output_hw(&self, h: usize, w: usize) -> Option<(usize, usize)> {
+        let oh = window_out(
+            h,
+            self.kernel.0,
+            self.stride.0,
+            self.padding.0,
+            1,
+            self.ceil_mode,
+        )?;
+        let ow = window_out(
+            w,
+            self.kernel.1,
+            self.stride.1,
+            self.padding.1,
+            1,
+            self.ceil_mode,
+        )?;
+        Some((oh, ow))
+    }
+}
+
+/// PyTorch's output-size rule for a sliding window, including its ceil-mode correction (the
+/// last window must start inside the input or its left padding).
+fn window_out(
+    size: usize,
+    kernel: usize,
+    stride: usize,
+    pad: usize,
+    dilation: usize,
+    ceil: bool,
+) -> Option<usize> {
+    let span = dilation * (kernel - 1) + 1;
+    let padded = size + 2 * pad;
+    if padded < span || stride == 0 {
+        return None;
+    }
+    let steps = padded - span;
+    let mut out = if ceil {
+        steps.div_ceil(stride)
+    } else {
+        steps / stride
+    } + 1;
+    if ceil && (out - 1) * stride >= size + pad {
+        out -= 1;
+    }
+    Some(out)
+}
+
+/// One operation of the graph.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Op {
+    /// The graph's input image batch: (N, channels, H, W).
+    Input {
+        channels: usize,
+    },
+    Conv2d(Conv2d),
+    /// Batch normalisation in inference mode (running statistics), as `BatchNorm2d.eval()`.
+    BatchNorm {
+        channels: usize,
+        eps: f32,
+    },
+    Relu,
+    /// min(max(x, 0), 6), MobileNet's activation.
+    Relu6,
+    MaxPool(Pool),
+    AvgPool(Pool),
+    /// `AdaptiveAvgPool2d((h, w))`: PyTorch's floor/ceil bin edges.
+    AdaptiveAvgPool {
+        out: (usize, usize),
+    },
+    /// Element-wise sum of two tensors of one shape (the residual connection).
+    Add,
+    /// `torch.nn.Linear` on (N, in_features).
+    Linear {
+        in_features: usize,
+        out_features: usize,
+        bias: bool,
+    },
+    /// (N, C, H, W) → (N, C·H·W), in NCHW order.
+    Flatten,
+    /// Identity at inference; `p` is kept so the graph reads like the model.
+    Dropout {
+        p: f32,
+    },
+    /// Softmax over the last dimension.
+    Softmax,
+}
+
+/// Whether a state_dict entry is learned (counted as a parameter) or a running buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParamKind {
+    Trainable,
+    Buffer,
+}
+
+/// One tensor an op owns, named by its state_dict suffix (`weight`, `running_mean`, ...).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParamSpec {
+    pub suffix: &'static str,
+    pub shape: Vec<usize>,
+    pub kind: ParamKind,
+}
+
+/// Why shape inference refused an op: said in words a user can act on.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ShapeError(pub String);
+
+fn fmt_shape(s: &[usize]) -> String {
+    let parts: Vec<String> = s.iter().map(|d| d.to_string()).collect();
+    format!("({})", parts.join(", "))
+}
+
+impl Op {
+    /// The short kind name used in tables and profiles (`conv2d`, `batch_norm`, ...).
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            Op::Input { .. } => "input",
+            Op::Conv2d(_) => "conv2d",
+            Op::BatchNorm { .. } => "batch_norm",
+            Op::Relu => "relu",
+            Op::Relu6 => "relu6",
+            Op::MaxPool(_) => "max_pool2d",
+            Op::AvgPool(_) => "avg_pool2d",
+            Op::AdaptiveAvgPool { .. } => "adaptive_avg_pool2d",
+            Op::Add => "add",
+            Op::Linear { .. } => "linear",
+            Op::Flatten => "flatten",
+            Op::Dropout { .. } => "dropout",
+            Op::Softmax => "softmax",
+        }
+    }
+
+    /// How many inputs the op takes.
+    pub fn arity(&self) -> usize {
+        match self {
+            Op::Input { .. } => 0,
+            Op::Add => 2,
+            _ => 1,
+        }
+    }
+
+    /// The tensors this op owns, in state_dict order.
+    pub fn params(&self) -> Vec<ParamSpec> {
+        let p = |suffix, shape: Vec<usize>, kind| ParamSpec {
+            suffix,
+            shape,
+            kind,
+        };
+        match *self {
+            Op::Conv2d(c) => {
+                let mut v = vec![p(
+                    "weight",
+                    vec![
+                        c.out_channels,
+                        c.in_channels / c.groups.max(1),
+                        c.kernel.0,
+                        c.kernel.1,
+                    ],
+                    ParamKind::Trainable,
+                )];
+                if c.bias {
+                    v.push(p("bias", vec![c.out_channels], ParamKind::Trainable));
+                }
+                v
+            }
+            Op::BatchNorm { channels, .. } => vec![
+                p("weight", vec![channels], ParamKind::Trainable),
+                p("bias", vec![channels], ParamKind::Trainable),
+                p("running_mean", vec![channels], ParamKind::Buffer),
+                p("running_var", vec![channels], ParamKind::Buffer),
+            ],
+            Op::Linear {
+                in_features,
+                out_features,
+                bias,
+            } => {
+                let mut v = vec![p(
+                    "weight",
+                    vec![out_features, in_features],
+                    ParamKind::Trainable,
+                )];
+                if bias {
+                    v.push(p("bias", vec![out_features], ParamKind::Trainable));
+                }
+                v
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// The output shape for these input shapes, or a sentence saying what does not fit.
+    pub fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, ShapeError> {
+        if inputs.len() != self.arity() {
+            return Err(ShapeError(format!(
+                "{} takes {} input(s), got {}",
+                self.kind_name(),
+                self.arity(),
+                inputs.len()
+            )));
+        }
+        let image = |s: &[usize]| -> Result<(usize, usize, usize, usize), ShapeError> {
+            match *s {
+                [n, c, h, w] => Ok((n, c, h, w)),
+                _ => Err(ShapeError(format!(
+                    "{} expects an image batch (N, C, H, W), got {}",
+                    self.kind_name(),
+                    fmt_shape(s)
+                ))),
+            }
+        };
+        match self {
+            Op::Input { .. } => unreachable!("the input's shape is given, not inferred"),
+            Op::Conv2d(c) => {
+                let (n, ch, h, w) = image(inputs[0])?;
+                if c.groups == 0 || c.in_channels % c.groups != 0 || c.out_channels % c.groups != 0
+                {
+                    return Err(ShapeError(format!(
+                        "conv2d groups={} must divide both in_channels={} and out_channels={}",
+                        c.groups, c.in_channels, c.out_channels
+                    )));
+                }
+                if ch != c.in_channels {
+                    return Err(ShapeError(format!(
+                        "conv2d expects {} input channels, got {}",
+                        c.in_channels, ch
+                    )));
+                }
+                let (oh, ow) = c.output_hw(h, w).ok_or_else(|| {
+                    ShapeError(format!(
+                        "conv2d input {}×{} (padding {}×{}) is smaller than its {}×{} kernel (dilation {}): use a larger input size",
+                        h, w, c.padding.0, c.padding.1, c.kernel.0, c.kernel.1, c.dilation.0
+                    ))
+                })?;
+                Ok(vec![n, c.out_channels, oh, ow])
+            }
+            Op::BatchNorm { channels, .. } => {
+                let (_, ch, _, _) = image(inputs[0])?;
+                if ch != *channels {
+                    return Err(ShapeError(format!(
+                        "batch_norm expects {channels} channels, got {ch}"
+                    )));
+                }
+                Ok(inputs[0].to_vec())
+            }
+            Op::Relu | Op::Relu6 | Op::Dropout { .. } => Ok(inputs[0].to_vec()),
+            Op::MaxPool(p) | Op::AvgPool(p) => {
+                let (n, ch, h, w) = image(inputs[0])?;
+                if p.padding.0 * 2 > p.kernel.0 || p.padding.1 * 2 > p.kernel.1 {
+                    return Err(ShapeError(format!(
+                        "{}: padding {:?} must be at most half the kernel {:?}",
+                        self.kind_name(),
+                        p.padding,
+                        p.kernel
+                    )));
+                }
+                let (oh, ow) = p.output_hw(h, w).ok_or_else(|| {
+                    ShapeError(format!(
+                        "{} input {}×{} is smaller than its {}×{} window: use a larger input size",
+                        self.kind_name(),
+                        h,
+                        w,
+                        p.kernel.0,
+                        p.kernel.1
+                    ))
+                })?;
+                Ok(vec![n, ch, oh, ow])
+            }
+            Op::AdaptiveAvgPool { out } => {
+                let (n, ch, _, _) = image(inputs[0])?;
+                if out.0 == 0 || out.1 == 0 {
+                    return Err(ShapeError(
+                        "adaptive_avg_pool2d output size must be positive".into(),
+                    ));
+                }
+                Ok(vec![n, ch, out.0, out.1])
+            }
+            Op::Add => {
+                if inputs[0] != inputs[1] {
+                    return Err(ShapeError(format!(
+                        "add needs two tensors of one shape, got {} and {}",
+                        fmt_shape(inputs[0]),
+                        fmt_shape(inputs[1])
+                    )));
+                }
+                Ok(inputs[0].to_vec())
+            }
+            Op::Linear {
+                in_features,
+                out_features,
+                ..
+            } => match *inputs[0] {
+                [n, f] if f == *in_features => Ok(vec![n, *out_features]),
+                _ => Err(ShapeError(format!(
+                    "linear expects (N, {in_features}), got {}",
+                    fmt_shape(inputs[0])
+                ))),
+            },
+            Op::Flatten => match inputs[0] {
+                [n, rest @ ..] if !rest.is_empty() => Ok(vec![*n, rest.iter().product()]),
+                s => Err(ShapeError(format!(
+                    "flatten needs at least 2 dimensions, got {}",
+                    fmt_shape(s)
+                ))),
+            },
+            Op::Softmax => {
+                if inputs[0].is_empty() {
+                    return Err(ShapeError("softmax needs at least 1 dimension".into()));
+                }
+                Ok(inputs[0].to_vec())
+            }
+        }
+    }
+
+    /// Multiply-accumulates of conv and linear layers (what torchvision's and DeepSpeed's
+    /// counters call MACs); other ops count 0 here and show up in [`Op::flops`].
+    pub fn macs(&self, out: &[usize]) -> u64 {
+        let n: u64 = out.iter().map(|&d| d as u64).product();
+        match self {
+            Op::Conv2d(c) => {
+                n * (c.in_channels / c.groups) as u64 * (c.kernel.0 * c.kernel.1) as u64
+            }
+            Op::Linear { in_features, .. } => n * *in_features as u64,
+            _ => 0,
+        }
+    }
+
+    /// Floating-point operations: 2 per MAC, plus the element-wise work of the other ops
+    /// (bias add, normalisation, comparisons, window sums), counted once per element touched.
+    pub fn flops(&self, inputs: &[&[usize]], out: &[usize]) -> u64 {
+        let elems = |s: &[usize]| s.iter().map(|&d| d as u64).product::<u64>();
+        let n = elems(out);
+        match self {
+            Op::Input { .. } | Op::Flatten | Op::Dropout { .. } => 0,
+            Op::Conv2d(c) => 2 * self.macs(out) + if c.bias { n } else { 0 },
+            Op::Linear { bias, .. } => 2 * self.macs(out) + if *bias { n } else { 0 },
+            Op::BatchNorm { .. } => 2 * n,
+            Op::Relu | Op::Add => n,
+            Op::Relu6 => 2 * n,
+            Op::MaxPool(p) | Op::AvgPool(p) => n * (p.kernel.0 * p.kernel.1) as u64,
+            Op::AdaptiveAvgPool { .. } => elems(inputs[0]),
+            Op::Softmax => 4 * n,
+        }
+    }
+
+    /// Bytes read and written at `elem_bytes` per element: inputs, parameters and output,
+    /// each once (the ideal traffic a perfect cache would give).
+    pub fn bytes(&self, inputs: &[&[usize]], out: &[usize], elem_bytes: usize) -> u64 {
+        let elems = |s: &[usize]| s.iter().map(|&d| d as u64).product::<u64>();
+        if matches!(self, Op::Input { .. } | Op::Flatten | Op::Dropout { .. }) {
+            return 0;
+        }
+        let params: u64 = self.params().iter().map(|p| elems(&p.shape)).sum();
+        let ins: u64 = inputs.iter().map(|s| elems(s)).sum();
+        (ins + params + elems(out)) * elem_bytes as u64
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Op::Conv2d(c) => write!(
+                f,
+                "conv2d {}→{} k{}×{} s{} p{}{}",
+                c.in_channels,
+                c.out_channels,
+                c.kernel.0,
+                c.kernel.1,
+                c.stride.0,
+                c.padding.0,
+                if c.groups > 1 {
+                    format!(" g{}", c.groups)
+                } else {
+                    String::new()
+                }
+            ),
+            Op::Linear {
+                in_features,
+                out_features,
+                ..
+            } => write!(f, "linear {in_features}→{out_features}"),
+            other => f.write_str(other.kind_name()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn window_sizes_follow_pytorch() {
+        // torch.nn.MaxPool2d(3, 2, 1) on 112 → 56; ceil_mode on 7 with k2 s2 → 4.
+        assert_eq!(window_out(112, 3, 2, 1, 1, false), Some(56));
+        assert_eq!(window_out(7, 2, 2, 0, 1, true), Some(4));
+        assert_eq!(window_out(7, 2, 2, 0, 1, false), Some(3));
+        // Ceil mode never starts a window in the right padding: torch gives 3 here, not 4.
+        assert_eq!(window_out(5, 2, 2, 1, 1, true), Some(3));
+        assert_eq!(window_out(2, 5, 1, 0, 1, false), None);
+    }
+}

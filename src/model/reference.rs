@@ -1,0 +1,270 @@
+//! A plain, slow reference implementation of every op: NCHW, direct loops, f64 accumulation.
+//! It is written for obviousness, not speed; every backend's kernels are tested against it, and
+//! it is itself tested against PyTorch fixtures. The loss lives here too, since every backend
+//! shares it: it is computed on the host from the logits.
+
+use super::op::{Conv2d, Op, Pool};
+use super::{Plan, Tensor, Weights};
+
+/// Run a planned graph on `input` (NCHW) and return the graph's output.
+pub fn forward(plan: &Plan, weights: &Weights, input: &Tensor) -> Tensor {
+    assert_eq!(
+        input.shape,
+        plan.input_shape(),
+        "input shape does not match the plan"
+    );
+    let mut values: Vec<Option<Tensor>> = vec![None; plan.graph.nodes.len()];
+    values[0] = Some(input.clone());
+    for (id, node) in plan.graph.nodes.iter().enumerate().skip(1) {
+        let ins: Vec<&Tensor> = node
+            .inputs
+            .iter()
+            .map(|&i| values[i].as_ref().expect("value computed"))
+            .collect();
+        let param = |suffix: &str| weights.get(&format!("{}.{}", node.name, suffix));
+        let out = eval(&node.op, &ins, &plan.shapes[id], &param);
+        values[id] = Some(out);
+    }
+    values[plan.graph.output].take().expect("output computed")
+}
+
+/// Evaluate one op; `param(suffix)` finds the op's tensors.
+pub fn eval<'a>(
+    op: &Op,
+    ins: &[&Tensor],
+    out_shape: &[usize],
+    param: &dyn Fn(&str) -> Option<&'a Tensor>,
+) -> Tensor {
+    let need = |s: &str| param(s).unwrap_or_else(|| panic!("missing parameter {s}"));
+    match op {
+        Op::Input { .. } => ins[0].clone(),
+        Op::Conv2d(c) => conv2d(
+            ins[0],
+            need("weight"),
+            if c.bias { Some(need("bias")) } else { None },
+            c,
+            out_shape,
+        ),
+        Op::BatchNorm { eps, .. } => batch_norm(
+            ins[0],
+            need("weight"),
+            need("bias"),
+            need("running_mean"),
+            need("running_var"),
+            *eps,
+        ),
+        Op::Relu => map(ins[0], |x| x.max(0.0)),
+        Op::Relu6 => map(ins[0], |x| x.clamp(0.0, 6.0)),
+        Op::Dropout { .. } => ins[0].clone(),
+        Op::MaxPool(p) => pool(ins[0], p, out_shape, true),
+        Op::AvgPool(p) => pool(ins[0], p, out_shape, false),
+        Op::AdaptiveAvgPool { out } => adaptive_avg_pool(ins[0], *out),
+        Op::Add => Tensor::new(
+            ins[0].shape.clone(),
+            ins[0]
+                .data
+                .iter()
+                .zip(&ins[1].data)
+                .map(|(a, b)| a + b)
+                .collect(),
+        ),
+        Op::Linear { bias, .. } => linear(
+            ins[0],
+            need("weight"),
+            if *bias { Some(need("bias")) } else { None },
+        ),
+        Op::Flatten => Tensor::new(out_shape.to_vec(), ins[0].data.clone()),
+        Op::Softmax => softmax(ins[0]),
+    }
+}
+
+fn map(x: &Tensor, f: impl Fn(f32) -> f32) -> Tensor {
+    Tensor::new(x.shape.clone(), x.data.iter().map(|&v| f(v)).collect())
+}
+
+pub fn conv2d(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    c: &Conv2d,
+    out_shape: &[usize],
+) -> Tensor {
+    let (n, cin, h, wd) = (x.shape[0], x.shape[1], x.shape[2], x.shape[3]);
+    let (cout, oh, ow) = (out_shape[1], out_shape[2], out_shape[3]);
+    let (cin_g, cout_g) = (cin / c.groups, cout / c.groups);
+    let (kh, kw) = c.kernel;
+    let mut out = vec![0f32; n * cout * oh * ow];
+    for b_i in 0..n {
+        for co in 0..cout {
+            let g = co / cout_g;
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    let mut acc = b.map_or(0.0, |b| b.data[co] as f64);
+                    for ci in 0..cin_g {
+                        let cin_idx = g * cin_g + ci;
+                        for ky in 0..kh {
+                            let iy = (oy * c.stride.0 + ky * c.dilation.0) as isize
+                                - c.padding.0 as isize;
+                            if iy < 0 || iy >= h as isize {
+                                continue;
+                            }
+                            for kx in 0..kw {
+                                let ix = (ox * c.stride.1 + kx * c.dilation.1) as isize
+                                    - c.padding.1 as isize;
+                                if ix < 0 || ix >= wd as isize {
+                                    continue;
+                                }
+                                let xv = x.data
+                                    [((b_i * cin + cin_idx) * h + iy as usize) * wd + ix as usize];
+                                let wv = w.data[((co * cin_g + ci) * kh + ky) * kw + kx];
+                                acc += xv as f64 * wv as f64;
+                            }
+                        }
+                    }
+                    out[((b_i * cout + co) * oh + oy) * ow + ox] = acc as f32;
+                }
+            }
+        }
+    }
+    Tensor::new(out_shape.to_vec(), out)
+}
+
+pub fn batch_norm(
+    x: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    mean: &Tensor,
+    var: &Tensor,
+    eps: f32,
+) -> Tensor {
+    let c = x.shape[1];
+    let plane: usize = x.shape[2..].iter().product();
+    let data = x
+        .data
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| {
+            let ch = (i / plane) % c;
+            let inv = 1.0 / (var.data[ch] as f64 + eps as f64).sqrt();
+            ((v as f64 - mean.data[ch] as f64) * inv * gamma.data[ch] as f64 + beta.data[ch] as f64)
+                as f32
+        })
+        .collect();
+    Tensor::new(x.shape.clone(), data)
+}
+
+fn pool(x: &Tensor, p: &Pool, out_shape: &[usize], max: bool) -> Tensor {
+    let (n, c, h, w) = (x.shape[0], x.shape[1], x.shape[2], x.shape[3]);
+    let (oh, ow) = (out_shape[2], out_shape[3]);
+    let mut out = Vec::with_capacity(n * c * oh * ow);
+    for plane in 0..n * c {
+        for oy in 0..oh {
+            for ox in 0..ow {
+                let y0 = (oy * p.stride.0) as isize - p.padding.0 as isize;
+                let x0 = (ox * p.stride.1) as isize - p.padding.1 as isize;
+                let mut best = f64::NEG_INFINITY;
+                let mut sum = 0f64;
+                let mut count = 0usize;
+                for ky in 0..p.kernel.0 as isize {
+                    for kx in 0..p.kernel.1 as isize {
+                        let (iy, ix) = (y0 + ky, x0 + kx);
+                        // The divisor counts the window clipped to the padded input (PyTorch).
+                        if iy < h as isize + p.padding.0 as isize
+                            && ix < w as isize + p.padding.1 as isize
+                        {
+                            count += 1;
+                        }
+                        if iy < 0 || ix < 0 || iy >= h as isize || ix >= w as isize {
+                            continue;
+                        }
+                        let v = x.data[(plane * h + iy as usize) * w + ix as usize] as f64;
+                        best = best.max(v);
+                        sum += v;
+                    }
+                }
+                let v = if max {
+                    best
+                } else if p.count_include_pad {
+                    sum / count as f64
+                } else {
+                    let inside = (0..p.kernel.0 as isize)
+                        .flat_map(|ky| (0..p.kernel.1 as isize).map(move |kx| (y0 + ky, x0 + kx)))
+                        .filter(|&(iy, ix)| {
+                            iy >= 0 && ix >= 0 && iy < h as isize && ix < w as isize
+                        })
+                        .count();
+                    sum / inside as f64
+                };
+                out.push(v as f32);
+            }
+        }
+    }
+    Tensor::new(out_shape.to_vec(), out)
+}
+
+/// PyTorch's adaptive bins: start = ⌊i·H/oh⌋, end = ⌈(i+1)·H/oh⌉.
+pub fn adaptive_bins(size: usize, out: usize, i: usize) -> (usize, usize) {
+    (i * size / out, ((i + 1) * size).div_ceil(out))
+}
+
+fn adaptive_avg_pool(x: &Tensor, out: (usize, usize)) -> Tensor {
+    let (n, c, h, w) = (x.shape[0], x.shape[1], x.shape[2], x.shape[3]);
+    let mut data = Vec::with_capacity(n * c * out.0 * out.1);
+    for plane in 0..n * c {
+        for oy in 0..out.0 {
+            let (y0, y1) = adaptive_bins(h, out.0, oy);
+            for ox in 0..out.1 {
+                let (x0, x1) = adaptive_bins(w, out.1, ox);
+                let mut sum = 0f64;
+                for iy in y0..y1 {
+                    for ix in x0..x1 {
+                        sum += x.data[(plane * h + iy) * w + ix] as f64;
+                    }
+                }
+                data.push((sum / ((y1 - y0) * (x1 - x0)) as f64) as f32);
+            }
+        }
+    }
+    Tensor::new(vec![n, c, out.0, out.1], data)
+}
+
+fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
+    let (n, fin) = (x.shape[0], x.shape[1]);
+    let fout = w.shape[0];
+    let mut out = Vec::with_capacity(n * fout);
+    for i in 0..n {
+        for o in 0..fout {
+            let mut acc = b.map_or(0.0, |b| b.data[o] as f64);
+            for k in 0..fin {
+                acc += x.data[i * fin + k] as f64 * w.data[o * fin + k] as f64;
+            }
+            out.push(acc as f32);
+        }
+    }
+    Tensor::new(vec![n, fout], out)
+}
+
+/// Softmax over the last dimension, computed stably (max subtracted) in f64.
+pub fn softmax(x: &Tensor) -> Tensor {
+    let last = *x.shape.last().unwrap_or(&1);
+    let mut data = Vec::with_capacity(x.numel());
+    for row in x.data.chunks(last.max(1)) {
+        let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+        let sum: f64 = row.iter().map(|&v| (v as f64 - m).exp()).sum();
+        data.extend(row.iter().map(|&v| ((v as f64 - m).exp() / sum) as f32));
+    }
+    Tensor::new(x.shape.clone(), data)
+}
+
+/// Mean cross-entropy of logits (N, classes) against integer labels, as
+/// `torch.nn.functional.cross_entropy`: log-sum-exp minus the true class's logit, in f64.
+pub fn cross_entropy(logits: &Tensor, labels: &[usize]) -> f64 {
+    let classes = logits.shape[1];
+    let mut total = 0f64;
+    for (row, &label) in logits.data.chunks(classes).zip(labels) {
+        let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+        let lse = m + row.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
+        total += lse - row[label] as f64;
+    }
+    total / labels.len().max(1) as f64
+}

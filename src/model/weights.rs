@@ -1,0 +1,334 @@
+//! Weights of a graph: seeded initialisation that follows torchvision's per-architecture
+//! schemes, and safetensors loading/saving under torchvision's state_dict names, so weights
+//! exported from PyTorch (`safetensors.torch.save_file(model.state_dict(), ...)`) run as is.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+
+use super::graph::{ConvInit, Graph, LinearInit};
+use super::op::Op;
+use super::{Rng, Tensor};
+
+/// A state_dict on the host, in f32: backends cast to their precision when they prepare.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Weights {
+    pub tensors: BTreeMap<String, Tensor>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WeightsError {
+    #[error("failed to read weights file `{path}`: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("`{path}` is not a safetensors file: {reason}")]
+    Format { path: String, reason: String },
+    #[error("`{path}`: tensor `{name}` is missing (the {network} graph needs shape {shape:?})")]
+    Missing {
+        path: String,
+        network: String,
+        name: String,
+        shape: Vec<usize>,
+    },
+    #[error(
+        "`{path}`: tensor `{name}` has shape {found:?}, but the {network} graph needs {expected:?}"
+    )]
+    Shape {
+        path: String,
+        network: String,
+        name: String,
+        found: Vec<usize>,
+        expected: Vec<usize>,
+    },
+    #[error(
+        "`{path}`: tensor `{name}` has dtype {dtype}, which is not a floating-point type (F32, F16, BF16, F64)"
+    )]
+    Dtype {
+        path: String,
+        name: String,
+        dtype: String,
+    },
+    #[error(
+        "`{path}`: tensor `{name}` is not part of {network} (is this file for another network?)"
+    )]
+    Unexpected {
+        path: String,
+        network: String,
+        name: String,
+    },
+    #[error("failed to write weights file `{path}`: {reason}")]
+    Write { path: String, reason: String },
+}
+
+impl Weights {
+    /// Seeded weights as torchvision's constructors initialise them. The same seed gives the
+    /// same weights on every machine and in every version of the runner.
+    pub fn init(graph: &Graph, seed: u64) -> Weights {
+        let mut rng = Rng::new(seed);
+        let mut tensors = BTreeMap::new();
+        for node in &graph.nodes {
+            let mut put = |suffix: &str, t: Tensor| {
+                tensors.insert(format!("{}.{}", node.name, suffix), t);
+            };
+            match node.op {
+                Op::Conv2d(c) => {
+                    let shape = node.op.params()[0].shape.clone();
+                    let receptive = c.kernel.0 * c.kernel.1;
+                    let fan_in = (c.in_channels / c.groups * receptive) as f64;
+                    let fan_out = (c.out_channels * receptive) as f64;
+                    let (weight, bias) = match graph.conv_init {
+                        ConvInit::KaimingNormalFanOut => {
+                            let std = (2.0 / fan_out).sqrt();
+                            (
+                                normal(&mut rng, shape, std),
+                                Tensor::zeros(vec![c.out_channels]),
+                            )
+                        }
+                        ConvInit::TorchDefault => {
+                            let bound = 1.0 / fan_in.sqrt();
+                            (
+                                uniform(&mut rng, shape, bound),
+                                uniform(&mut rng, vec![c.out_channels], bound),
+                            )
+                        }
+                    };
+                    put("weight", weight);
+                    if c.bias {
+                        put("bias", bias);
+                    }
+                }
+                Op::BatchNorm { channels, .. } => {
+                    put("weight", Tensor::new(vec![channels], vec![1.0; channels]));
+                    put("bias", Tensor::zeros(vec![channels]));
+                    put("running_mean", Tensor::zeros(vec![channels]));
+                    put(
+                        "running_var",
+                        Tensor::new(vec![channels], vec![1.0; channels]),
+                    );
+                }
+                Op::Linear {
+                    in_features,
+                    out_features,
+                    bias,
+                } => {
+                    let shape = vec![out_features, in_features];
+                    let (w, b) = match graph.linear_init {
+                        LinearInit::Normal001 => (
+                            normal(&mut rng, shape, 0.01),
+                            Tensor::zeros(vec![out_features]),
+                        ),
+                        LinearInit::TorchDefault => {
+                            let bound = 1.0 / (in_features as f64).sqrt();
+                            (
+                                uniform(&mut rng, shape, bound),
+                                uniform(&mut rng, vec![out_features], bound),
+                            )
+                        }
+                    };
+                    put("weight", w);
+                    if bias {
+                        put("bias", b);
+                    }
+                }
+                _ => {}
+            }
+        }
+        Weights { tensors }
+    }
+
+    /// Load a safetensors state_dict and check it against the graph: every tensor present with
+    /// its exact shape, nothing foreign. BatchNorm's integer `num_batches_tracked` is ignored.
+    pub fn load(path: &Path, graph: &Graph) -> Result<Weights, WeightsError> {
+        let p = path.display().to_string();
+        let bytes = std::fs::read(path).map_err(|source| WeightsError::Io {
+            path: p.clone(),
+            source,
+        })?;
+        let st = SafeTensors::deserialize(&bytes).map_err(|e| WeightsError::Format {
+            path: p.clone(),
+            reason: e.to_string(),
+        })?;
+        let expected = graph.params();
+        let known: HashMap<&str, &[usize]> = expected
+            .iter()
+            .map(|e| (e.name.as_str(), e.shape.as_slice()))
+            .collect();
+        for name in st.names() {
+            if !known.contains_key(name) && !name.ends_with(".num_batches_tracked") {
+                return Err(WeightsError::Unexpected {
+                    path: p,
+                    network: graph.name.clone(),
+                    name: name.to_string(),
+                });
+            }
+        }
+        let mut tensors = BTreeMap::new();
+        for e in &expected {
+            let view = st.tensor(&e.name).map_err(|_| WeightsError::Missing {
+                path: p.clone(),
+                network: graph.name.clone(),
+                name: e.name.clone(),
+                shape: e.shape.clone(),
+            })?;
+            if view.shape() != e.shape.as_slice() {
+                return Err(WeightsError::Shape {
+                    path: p,
+                    network: graph.name.clone(),
+                    name: e.name.clone(),
+                    found: view.shape().to_vec(),
+                    expected: e.shape.clone(),
+                });
+            }
+            let data = to_f32(&view).ok_or_else(|| WeightsError::Dtype {
+                path: p.clone(),
+                name: e.name.clone(),
+                dtype: format!("{:?}", view.dtype()),
+            })?;
+            tensors.insert(e.name.clone(), Tensor::new(e.shape.clone(), data));
+        }
+        Ok(Weights { tensors })
+    }
+
+    /// Save as a safetensors state_dict (f32) that `torchvision.models.<name>()` loads with
+    /// `load_state_dict(..., strict=True)`: BatchNorm layers get a zero `num_batches_tracked`.
+    pub fn save(&self, path: &Path, graph: &Graph) -> Result<(), WeightsError> {
+        let mut blobs: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+        for (name, t) in &self.tensors {
+            let bytes = t.data.iter().flat_map(|v| v.to_le_bytes()).collect();
+            blobs.push((name.clone(), Dtype::F32, t.shape.clone(), bytes));
+        }
+        for node in &graph.nodes {
+            if matches!(node.op, Op::BatchNorm { .. }) {
+                blobs.push((
+                    format!("{}.num_batches_tracked", node.name),
+                    Dtype::I64,
+                    vec![],
+                    0i64.to_le_bytes().to_vec(),
+                ));
+            }
+        }
+        let write_err = |reason: String| WeightsError::Write {
+            path: path.display().to_string(),
+            reason,
+        };
+        let mut views = Vec::with_capacity(blobs.len());
+        for (name, dtype, shape, bytes) in &blobs {
+            views.push((
+                name.clone(),
+                TensorView::new(*dtype, shape.clone(), bytes)
+                    .map_err(|e| write_err(e.to_string()))?,
+            ));
+        }
+        let meta = HashMap::from([
+            ("format".to_string(), "pt".to_string()),
+            ("network".to_string(), graph.name.clone()),
+        ]);
+        safetensors::serialize_to_file(views, Some(meta), path)
+            .map_err(|e| write_err(e.to_string()))
+    }
+
+    pub fn get(&self, name: &str) -> Option<&Tensor> {
+        self.tensors.get(name)
+    }
+}
+
+/// Read one safetensors tensor as f32, whatever floating-point type it was stored in.
+pub fn to_f32(view: &TensorView<'_>) -> Option<Vec<f32>> {
+    let d = view.data();
+    let v = match view.dtype() {
+        Dtype::F32 => d
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        Dtype::F64 => d
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()) as f32)
+            .collect(),
+        Dtype::F16 => d
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        Dtype::BF16 => d
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        _ => return None,
+    };
+    Some(v)
+}
+
+/// Read the one tensor of a safetensors file (or the one called `name` when there are several).
+pub fn read_tensor(path: &Path, name: &str) -> Result<Tensor, WeightsError> {
+    let p = path.display().to_string();
+    let bytes = std::fs::read(path).map_err(|source| WeightsError::Io {
+        path: p.clone(),
+        source,
+    })?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| WeightsError::Format {
+        path: p.clone(),
+        reason: e.to_string(),
+    })?;
+    let names = st.names();
+    let chosen = if names.len() == 1 {
+        names[0].to_string()
+    } else {
+        name.to_string()
+    };
+    let view = st.tensor(&chosen).map_err(|_| WeightsError::Format {
+        path: p.clone(),
+        reason: format!(
+            "expected one tensor or one named `{name}`, found {}",
+            names.join(", ")
+        ),
+    })?;
+    let data = to_f32(&view).ok_or_else(|| WeightsError::Dtype {
+        path: p,
+        name: chosen,
+        dtype: format!("{:?}", view.dtype()),
+    })?;
+    Ok(Tensor::new(view.shape().to_vec(), data))
+}
+
+/// Write tensors as f32 safetensors.
+pub fn write_tensors(path: &Path, tensors: &[(&str, &Tensor)]) -> Result<(), WeightsError> {
+    let blobs: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(n, t)| {
+            (
+                n.to_string(),
+                t.shape.clone(),
+                t.data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            )
+        })
+        .collect();
+    let write_err = |reason: String| WeightsError::Write {
+        path: path.display().to_string(),
+        reason,
+    };
+    let mut views = Vec::new();
+    for (n, s, b) in &blobs {
+        views.push((
+            n.clone(),
+            TensorView::new(Dtype::F32, s.clone(), b).map_err(|e| write_err(e.to_string()))?,
+        ));
+    }
+    safetensors::serialize_to_file(views, None, path).map_err(|e| write_err(e.to_string()))
+}
+
+fn normal(rng: &mut Rng, shape: Vec<usize>, std: f64) -> Tensor {
+    let n = shape.iter().product();
+    Tensor::new(shape, (0..n).map(|_| (rng.normal() * std) as f32).collect())
+}
+
+fn uniform(rng: &mut Rng, shape: Vec<usize>, bound: f64) -> Tensor {
+    let n = shape.iter().product();
+    Tensor::new(
+        shape,
+        (0..n)
+            .map(|_| ((rng.uniform() * 2.0 - 1.0) * bound) as f32)
+            .collect(),
+    )
+}

@@ -1,0 +1,97 @@
+//! MobileNetV2 (Sandler et al. 2018) as torchvision builds it: inverted residual blocks of
+//! expand 1×1 → depthwise 3×3 → project 1×1, ReLU6, channel counts rounded to multiples of 8.
+
+use crate::model::Graph;
+use crate::model::graph::{ConvInit, GraphBuilder, LinearInit, ValueId};
+use crate::model::op::Conv2d;
+
+/// torchvision's `_make_divisible`: round to a multiple of 8 without losing more than 10%.
+fn make_divisible(v: f64, divisor: usize) -> usize {
+    let d = divisor as f64;
+    let mut new_v = (divisor).max(((v + d / 2.0) as usize) / divisor * divisor);
+    if (new_v as f64) < 0.9 * v {
+        new_v += divisor;
+    }
+    new_v
+}
+
+/// Conv2dNormActivation: conv (no bias) → batch norm → ReLU6, as `{p}.0`, `{p}.1`, `{p}.2`.
+fn conv_bn_relu6(g: &mut GraphBuilder, p: &str, x: ValueId, conv: Conv2d) -> ValueId {
+    let out = conv.out_channels;
+    let x = g.conv(format!("{p}.0"), x, conv);
+    let x = g.bn(format!("{p}.1"), x, out);
+    g.relu6(format!("{p}.2"), x)
+}
+
+/// MobileNetV2 with a width multiplier (1.0 is the zoo's `mobilenet_v2`).
+pub fn mobilenet_v2_custom(name: &str, width_mult: f64, classes: usize) -> Graph {
+    const SETTINGS: [(usize, usize, usize, usize); 7] = [
+        (1, 16, 1, 1),
+        (6, 24, 2, 2),
+        (6, 32, 3, 2),
+        (6, 64, 4, 2),
+        (6, 96, 3, 1),
+        (6, 160, 3, 2),
+        (6, 320, 1, 1),
+    ];
+    let mut g = GraphBuilder::new(
+        name,
+        3,
+        ConvInit::KaimingNormalFanOut,
+        LinearInit::Normal001,
+    );
+    let mut input_channel = make_divisible(32.0 * width_mult, 8);
+    let last_channel = make_divisible(1280.0 * width_mult.max(1.0), 8);
+    let x = g.input();
+    let mut x = conv_bn_relu6(
+        &mut g,
+        "features.0",
+        x,
+        Conv2d::new(3, input_channel, 3, 2, 1),
+    );
+    let mut idx = 1;
+    for (t, c, n, s) in SETTINGS {
+        let out = make_divisible(c as f64 * width_mult, 8);
+        for i in 0..n {
+            let stride = if i == 0 { s } else { 1 };
+            let p = format!("features.{idx}.conv");
+            let hidden = (input_channel as f64 * t as f64).round() as usize;
+            let mut y = x;
+            let mut j = 0;
+            if t != 1 {
+                y = conv_bn_relu6(
+                    &mut g,
+                    &format!("{p}.{j}"),
+                    y,
+                    Conv2d::new(input_channel, hidden, 1, 1, 0),
+                );
+                j += 1;
+            }
+            let dw = Conv2d::new(hidden, hidden, 3, stride, 1).with_groups(hidden);
+            y = conv_bn_relu6(&mut g, &format!("{p}.{j}"), y, dw);
+            y = g.conv(
+                format!("{p}.{}", j + 1),
+                y,
+                Conv2d::new(hidden, out, 1, 1, 0),
+            );
+            y = g.bn(format!("{p}.{}", j + 2), y, out);
+            if stride == 1 && input_channel == out {
+                y = g.add(format!("features.{idx}.add"), x, y);
+            }
+            x = y;
+            input_channel = out;
+            idx += 1;
+        }
+    }
+    let x = conv_bn_relu6(
+        &mut g,
+        &format!("features.{idx}"),
+        x,
+        Conv2d::new(input_channel, last_channel, 1, 1, 0),
+    );
+    let x = g.adaptive_avg_pool("avgpool", x, (1, 1));
+    let x = g.flatten("flatten", x);
+    let x = g.dropout("classifier.0", x, 0.2);
+    let x = g.linear("classifier.1", x, last_channel, classes);
+    g.finish(x)
+}

@@ -1,0 +1,66 @@
+//! The model zoo: torchvision's classification networks, rebuilt node by node with the same
+//! module and parameter names, so a torchvision `state_dict` saved as safetensors loads as is.
+
+mod alexnet;
+mod mobilenet;
+mod resnet;
+mod vgg;
+
+pub use mobilenet::mobilenet_v2_custom;
+pub use resnet::{Block, ResNetConfig, resnet_custom};
+
+use super::Graph;
+
+/// Every network `--network` accepts, in the order `workshop models` lists them.
+pub const NETWORKS: &[&str] = &[
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "resnet101",
+    "resnet152",
+    "vgg11",
+    "vgg11_bn",
+    "vgg13",
+    "vgg13_bn",
+    "vgg16",
+    "vgg16_bn",
+    "vgg19",
+    "vgg19_bn",
+    "alexnet",
+    "mobilenet_v2",
+];
+
+/// A network name that the zoo does not have.
+#[derive(Debug, thiserror::Error)]
+#[error("unknown network `{name}`; the zoo has: {}", NETWORKS.join(", "))]
+pub struct UnknownNetwork {
+    pub name: String,
+}
+
+/// Build a zoo network with 1000 ImageNet classes.
+pub fn build(name: &str) -> Result<Graph, UnknownNetwork> {
+    let graph = match name {
+        "resnet18" => resnet::resnet(name, Block::Basic, [2, 2, 2, 2]),
+        "resnet34" => resnet::resnet(name, Block::Basic, [3, 4, 6, 3]),
+        "resnet50" => resnet::resnet(name, Block::Bottleneck, [3, 4, 6, 3]),
+        "resnet101" => resnet::resnet(name, Block::Bottleneck, [3, 4, 23, 3]),
+        "resnet152" => resnet::resnet(name, Block::Bottleneck, [3, 8, 36, 3]),
+        "alexnet" => alexnet::alexnet(1000),
+        "mobilenet_v2" => mobilenet::mobilenet_v2_custom(name, 1.0, 1000),
+        _ => {
+            let (base, bn) = match name.strip_suffix("_bn") {
+                Some(base) => (base, true),
+                None => (name, false),
+            };
+            match base {
+                "vgg11" | "vgg13" | "vgg16" | "vgg19" => vgg::vgg(name, base, bn, 1000),
+                _ => {
+                    return Err(UnknownNetwork {
+                        name: name.to_string(),
+                    });
+                }
+            }
+        }
+    };
+    Ok(graph)
+}
