@@ -1,0 +1,297 @@
+//! The binary as a user meets it: `models`, `bench` with its record, `infer` against the
+//! reference, `weights`, and one clear line (no panic) for each kind of bad input.
+
+use serde_json::Value;
+use workshop::model::weights::{read_tensor, write_tensors};
+use workshop::model::{Rng, Weights, reference, zoo};
+
+use crate::common::{stderr, stdout, workshop};
+
+/// A failed command: non-zero exit, a one-line `error:` message containing `needle`, no panic.
+fn fails_with(args: &[&str], needle: &str) {
+    let o = workshop(args);
+    let err = stderr(&o);
+    assert!(!o.status.success(), "{args:?} succeeded");
+    assert!(
+        err.contains(needle),
+        "{args:?}: expected `{needle}` in:\n{err}"
+    );
+    assert!(
+        !err.contains("panicked") && !err.contains("RUST_BACKTRACE"),
+        "{args:?} panicked:\n{err}"
+    );
+}
+
+#[test]
+fn models_lists_the_zoo_with_torchvision_counts() {
+    let o = workshop(&["models"]);
+    assert!(o.status.success());
+    let out = stdout(&o);
+    assert!(
+        out.contains("resnet50") && out.contains("25,557,032") && out.contains("4.089"),
+        "{out}"
+    );
+    let o = workshop(&["models", "--json"]);
+    let rows: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(rows.as_array().unwrap().len(), zoo::NETWORKS.len());
+}
+
+#[test]
+fn bench_prints_iterations_and_writes_a_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("run.json");
+    let o = workshop(&[
+        "bench",
+        "--network",
+        "resnet18",
+        "--batch-size",
+        "2",
+        "--iterations",
+        "3",
+        "--warmup",
+        "1",
+        "--input-size",
+        "64",
+        "--threads",
+        "1",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        out.contains("Warm-up   0: loss = ") && out.contains("Iteration   2: loss = "),
+        "{out}"
+    );
+    assert!(
+        out.contains("Throughput") && out.contains("images/s") && out.contains("CV"),
+        "{out}"
+    );
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(r["schema_version"], 1);
+    assert_eq!(r["config"]["network"], "resnet18");
+    assert_eq!(r["config"]["precision"], "fp32");
+    assert_eq!(r["samples_s"].as_array().unwrap().len(), 3);
+    assert_eq!(r["warmup_s"].as_array().unwrap().len(), 1);
+    let median = r["stats"]["median_s"].as_f64().unwrap();
+    let throughput = r["stats"]["throughput_median"].as_f64().unwrap();
+    assert!(median > 0.0 && (throughput - 2.0 / median).abs() < 1e-6 * throughput);
+    assert_eq!(r["model"]["params"], 11_689_512);
+    assert!(r["memory"]["peak"].as_u64().unwrap() > r["memory"]["weights"].as_u64().unwrap());
+    assert!(
+        r["environment"]["device"]["name"]
+            .as_str()
+            .is_some_and(|s| !s.is_empty())
+    );
+}
+
+#[test]
+fn random_resnet50_loss_is_near_ln_1000() {
+    // The classic workshop's untrained ResNet-50 prints a loss of 6.9078 on random labels.
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("r50.json");
+    let o = workshop(&[
+        "bench",
+        "--network",
+        "resnet50",
+        "--batch-size",
+        "4",
+        "--iterations",
+        "1",
+        "--warmup",
+        "0",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let loss = r["loss"].as_f64().unwrap();
+    assert!((loss - 1000f64.ln()).abs() < 0.75, "loss {loss}");
+}
+
+#[test]
+fn half_precisions_run_and_say_so() {
+    let o = workshop(&[
+        "bench",
+        "--network",
+        "mobilenet_v2",
+        "--batch-size",
+        "1",
+        "--iterations",
+        "1",
+        "--warmup",
+        "0",
+        "--input-size",
+        "64",
+        "--fp16",
+        "1",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("Precision:   FP16"));
+    let o = workshop(&[
+        "bench",
+        "--network",
+        "alexnet",
+        "--batch-size",
+        "1",
+        "--iterations",
+        "1",
+        "--warmup",
+        "0",
+        "--input-size",
+        "96",
+        "--precision",
+        "bf16",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("mobilenet_v2").eq(&false) && stdout(&o).contains("BF16"));
+}
+
+#[test]
+fn infer_matches_the_reference_through_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let wpath = dir.path().join("w.safetensors");
+    let xpath = dir.path().join("x.safetensors");
+    let ypath = dir.path().join("out/y.safetensors");
+    let o = workshop(&[
+        "weights",
+        "--network",
+        "resnet18",
+        "--seed",
+        "5",
+        "--output",
+        wpath.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let x = Rng::new(9).normal_tensor(vec![2, 3, 48, 40]);
+    write_tensors(&xpath, &[("input", &x)]).unwrap();
+    let o = workshop(&[
+        "infer",
+        "--network",
+        "resnet18",
+        "--weights",
+        wpath.to_str().unwrap(),
+        "--input",
+        xpath.to_str().unwrap(),
+        "--output",
+        ypath.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let got = read_tensor(&ypath, "logits").unwrap();
+    let graph = zoo::build("resnet18").unwrap();
+    let w = Weights::load(&wpath, &graph).unwrap();
+    let expected = reference::forward(&graph.plan(2, 48, 40).unwrap(), &w, &x);
+    let scale = expected.data.iter().fold(1f32, |a, v| a.max(v.abs()));
+    assert!(
+        got.max_abs_diff(&expected) <= 1e-4 * scale,
+        "diff {}",
+        got.max_abs_diff(&expected)
+    );
+}
+
+#[test]
+fn bad_input_gets_one_clear_line() {
+    fails_with(
+        &["bench", "--network", "resnet51"],
+        "unknown network `resnet51`; the zoo has: resnet18",
+    );
+    fails_with(
+        &["bench", "--batch-size", "0"],
+        "--batch-size must be at least 1",
+    );
+    fails_with(
+        &["bench", "--iterations", "0"],
+        "--iterations must be at least 1",
+    );
+    fails_with(&["bench", "--threads", "0"], "--threads must be at least 1");
+    fails_with(&["bench", "--fp16", "2"], "--fp16 takes 0 or 1");
+    fails_with(
+        &["bench", "--precision", "bf16", "--fp16", "1"],
+        "contradicts --fp16 1",
+    );
+    fails_with(
+        &["bench", "--backend", "wgpu"],
+        "the wgpu backend is not available in this build yet",
+    );
+    fails_with(
+        &[
+            "bench",
+            "--device",
+            "3",
+            "--network",
+            "resnet18",
+            "--input-size",
+            "32",
+        ],
+        "the CPU backend has one device (0), not 3",
+    );
+    fails_with(
+        &["bench", "--network", "alexnet", "--input-size", "32"],
+        "alexnet cannot take 32×32 inputs",
+    );
+    fails_with(
+        &["bench", "--weights", "/nonexistent/w.safetensors"],
+        "failed to read weights file `/nonexistent/w.safetensors`",
+    );
+    // A batch far beyond any machine's memory is refused before allocating, with a suggestion.
+    fails_with(
+        &["bench", "--network", "resnet50", "--batch-size", "10000000"],
+        "out of memory: this run needs about",
+    );
+    fails_with(
+        &["bench", "--network", "resnet50", "--batch-size", "10000000"],
+        "a batch size of",
+    );
+    fails_with(
+        &[
+            "infer",
+            "--input",
+            "/nonexistent/x.safetensors",
+            "--output",
+            "/tmp/y.safetensors",
+        ],
+        "failed to read weights file `/nonexistent/x.safetensors`",
+    );
+}
+
+#[test]
+fn mismatched_weights_name_the_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let wpath = dir.path().join("r34.safetensors");
+    let o = workshop(&[
+        "weights",
+        "--network",
+        "resnet34",
+        "--output",
+        wpath.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    fails_with(
+        &[
+            "bench",
+            "--network",
+            "resnet18",
+            "--weights",
+            wpath.to_str().unwrap(),
+        ],
+        "is not part of resnet18",
+    );
+    let xpath = dir.path().join("x.safetensors");
+    write_tensors(
+        &xpath,
+        &[("input", &Rng::new(1).normal_tensor(vec![1, 1, 32, 32]))],
+    )
+    .unwrap();
+    fails_with(
+        &[
+            "infer",
+            "--network",
+            "resnet18",
+            "--input",
+            xpath.to_str().unwrap(),
+            "--output",
+            "/tmp/y.safetensors",
+        ],
+        "resnet18 takes 3 input channels, the input has 1",
+    );
+}

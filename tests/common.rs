@@ -1,0 +1,89 @@
+//! Helpers shared by the test modules: running the real binary, fixtures, and one test body
+//! expanded for every backend.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use workshop::backend::{self, BackendKind, ExecOptions, Session};
+use workshop::model::{Plan, Precision, Weights};
+
+pub fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+/// Run the `workshop` binary with `args`.
+pub fn workshop(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_workshop"))
+        .args(args)
+        .output()
+        .expect("failed to start workshop")
+}
+
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// A prepared session on `kind`, or `None` (with the reason printed) when this machine or
+/// build does not have that backend, so CPU-only machines pass and say what they skipped.
+pub fn session(
+    kind: BackendKind,
+    plan: &Plan,
+    w: &Weights,
+    precision: Precision,
+) -> Option<Box<dyn Session>> {
+    let b = match backend::open(kind) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("skipped on {kind}: {e}");
+            return None;
+        }
+    };
+    let opt = ExecOptions {
+        precision,
+        threads: Some(2),
+        profile: false,
+    };
+    match b.prepare(0, plan, w, &opt) {
+        Ok(s) => Some(s),
+        Err(backend::BackendError::NoDevice { reason, .. }) => {
+            eprintln!("skipped on {kind}: {reason}");
+            None
+        }
+        Err(e) => panic!("{kind} failed to prepare: {e}"),
+    }
+}
+
+/// Tolerance of a precision, relative to the largest reference magnitude: FP32 accumulates in
+/// a different order than the f64 reference (rel 1e-4); FP16 and BF16 also round every stored
+/// activation (10 and 7 mantissa bits), so their bound is looser and grows with depth.
+pub fn tolerance(p: Precision) -> f32 {
+    match p {
+        Precision::Fp32 => 1e-4,
+        Precision::Fp16 => 1e-2,
+        Precision::Bf16 => 6e-2,
+    }
+}
+
+/// Expand one test body (a function taking the backend) into one test per backend:
+/// `backend_test!(conv2d, cpu, wgpu, cuda, hip)` gives `conv2d::cpu`, `conv2d::wgpu`, ...
+#[macro_export]
+macro_rules! backend_test {
+    ($body:ident, $($kind:ident),+) => {
+        mod $body {
+            $(
+                #[test]
+                fn $kind() {
+                    let kind = <workshop::backend::BackendKind as clap::ValueEnum>::from_str(stringify!($kind), true)
+                        .expect("a backend name");
+                    super::$body(kind);
+                }
+            )+
+        }
+    };
+}

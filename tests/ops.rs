@@ -1,0 +1,311 @@
+//! Every op of every backend against the plain f64 reference (`model::reference`), on small
+//! and odd shapes: 1×1, stride 2, groups, depthwise, dilation, padding, non-square inputs and
+//! kernels, several chunks of the im2col path, and every precision.
+
+use crate::backend_test;
+use workshop::backend::BackendKind;
+use workshop::model::graph::{ConvInit, GraphBuilder, LinearInit, ValueId};
+use workshop::model::op::{Conv2d, Op, Pool};
+use workshop::model::{Graph, Precision, Rng, Tensor, Weights, reference};
+
+use crate::common::{session, tolerance};
+
+/// Weights for `graph` with every tensor random (batch-norm statistics included), so no op
+/// degenerates to an identity.
+fn random_weights(graph: &Graph, seed: u64) -> Weights {
+    let mut w = Weights::init(graph, seed);
+    let mut rng = Rng::new(seed + 100);
+    for (name, t) in w.tensors.iter_mut() {
+        for v in t.data.iter_mut() {
+            *v = if name.ends_with("running_var") {
+                0.5 + rng.uniform() as f32
+            } else if name.ends_with(".bias") || name.ends_with("running_mean") {
+                (rng.normal() * 0.2) as f32
+            } else if name.ends_with(".weight") && t.shape.len() == 1 {
+                0.5 + rng.uniform() as f32
+            } else {
+                *v
+            };
+        }
+    }
+    w
+}
+
+/// Run `graph` on `kind` at every precision and compare with the reference.
+fn check(kind: BackendKind, graph: &Graph, input_shape: [usize; 4], input_scale: f32) {
+    let plan = graph
+        .plan(input_shape[0], input_shape[2], input_shape[3])
+        .expect("valid plan");
+    let w = random_weights(graph, 7);
+    let mut rng = Rng::new(11);
+    let mut x = rng.normal_tensor(input_shape.to_vec());
+    x.data.iter_mut().for_each(|v| *v *= input_scale);
+    for precision in [Precision::Fp32, Precision::Fp16, Precision::Bf16] {
+        // The reference sees the input and weights the backend stores at this precision.
+        let xr = Tensor::new(
+            x.shape.clone(),
+            x.data.iter().map(|&v| precision.round(v)).collect(),
+        );
+        let mut wr = w.clone();
+        wr.tensors
+            .values_mut()
+            .for_each(|t| t.data.iter_mut().for_each(|v| *v = precision.round(*v)));
+        let expected = reference::forward(&plan, &wr, &xr);
+        let Some(mut s) = session(kind, &plan, &w, precision) else {
+            return;
+        };
+        s.run(&x).unwrap();
+        s.sync().unwrap();
+        let got = s.read_output().unwrap();
+        assert_eq!(got.shape, expected.shape, "{}: output shape", graph.name);
+        let scale = expected.data.iter().fold(1f32, |a, v| a.max(v.abs()));
+        let diff = got.max_abs_diff(&expected);
+        assert!(
+            diff <= tolerance(precision) * scale,
+            "{} on {kind} {precision}: max abs diff {diff} exceeds {} × {scale}",
+            graph.name,
+            tolerance(precision)
+        );
+    }
+}
+
+fn single(name: &str, channels: usize, op: Op) -> Graph {
+    let mut g = GraphBuilder::new(
+        name,
+        channels,
+        ConvInit::TorchDefault,
+        LinearInit::TorchDefault,
+    );
+    let x = g.input();
+    let y = g.add_node("layer", op, &[x]);
+    g.finish(y)
+}
+
+fn conv(
+    cin: usize,
+    cout: usize,
+    k: (usize, usize),
+    s: usize,
+    p: (usize, usize),
+    d: usize,
+    groups: usize,
+    bias: bool,
+) -> Op {
+    Op::Conv2d(Conv2d {
+        in_channels: cin,
+        out_channels: cout,
+        kernel: k,
+        stride: (s, s),
+        padding: p,
+        dilation: (d, d),
+        groups,
+        bias,
+    })
+}
+
+fn conv2d_variants(kind: BackendKind) {
+    let cases: Vec<(&str, usize, Op, [usize; 4])> = vec![
+        (
+            "pointwise",
+            5,
+            conv(5, 7, (1, 1), 1, (0, 0), 1, 1, false),
+            [2, 5, 4, 3],
+        ),
+        (
+            "pointwise_stride2",
+            6,
+            conv(6, 4, (1, 1), 2, (0, 0), 1, 1, true),
+            [1, 6, 7, 5],
+        ),
+        (
+            "3x3_pad1",
+            3,
+            conv(3, 8, (3, 3), 1, (1, 1), 1, 1, true),
+            [2, 3, 6, 5],
+        ),
+        (
+            "3x3_stride2_odd",
+            4,
+            conv(4, 6, (3, 3), 2, (1, 1), 1, 1, false),
+            [1, 4, 9, 7],
+        ),
+        (
+            "7x7_stem",
+            3,
+            conv(3, 4, (7, 7), 2, (3, 3), 1, 1, false),
+            [1, 3, 13, 11],
+        ),
+        (
+            "grouped",
+            6,
+            conv(6, 9, (3, 3), 1, (1, 1), 1, 3, true),
+            [2, 6, 5, 5],
+        ),
+        (
+            "depthwise",
+            8,
+            conv(8, 8, (3, 3), 1, (1, 1), 1, 8, false),
+            [2, 8, 5, 6],
+        ),
+        (
+            "depthwise_stride2_bias",
+            5,
+            conv(5, 5, (3, 3), 2, (1, 1), 1, 5, true),
+            [1, 5, 7, 8],
+        ),
+        (
+            "dilated",
+            3,
+            conv(3, 4, (3, 3), 1, (2, 2), 2, 1, false),
+            [1, 3, 8, 9],
+        ),
+        (
+            "kernel_1x3",
+            3,
+            conv(3, 5, (1, 3), 1, (0, 1), 1, 1, true),
+            [1, 3, 4, 6],
+        ),
+        (
+            "kernel_covers_input",
+            2,
+            conv(2, 3, (3, 3), 1, (0, 0), 1, 1, false),
+            [1, 2, 3, 3],
+        ),
+        // Long columns (K = 576) over 2×32×32 rows: several im2col chunks, split over workers.
+        (
+            "many_chunks",
+            64,
+            conv(64, 16, (3, 3), 1, (1, 1), 1, 1, true),
+            [2, 64, 32, 32],
+        ),
+    ];
+    for (name, c, op, shape) in cases {
+        check(kind, &single(&format!("conv2d_{name}"), c, op), shape, 1.0);
+    }
+}
+backend_test!(conv2d_variants, cpu, wgpu, cuda, hip);
+
+fn pooling(kind: BackendKind) {
+    let ceil = |k, s, p| Pool {
+        ceil_mode: true,
+        ..Pool::new(k, s, p)
+    };
+    let no_pad_count = Pool {
+        count_include_pad: false,
+        ..Pool::new(3, 2, 1)
+    };
+    let cases: Vec<(&str, Op, [usize; 4])> = vec![
+        ("max_3_s2_p1", Op::MaxPool(Pool::new(3, 2, 1)), [2, 3, 9, 8]),
+        ("max_2_s2", Op::MaxPool(Pool::new(2, 2, 0)), [1, 4, 6, 6]),
+        ("max_ceil", Op::MaxPool(ceil(3, 2, 0)), [1, 3, 8, 7]),
+        ("avg_3_s1_p1", Op::AvgPool(Pool::new(3, 1, 1)), [1, 3, 5, 4]),
+        ("avg_ceil_pad", Op::AvgPool(ceil(2, 2, 1)), [1, 2, 5, 7]),
+        ("avg_exclude_pad", Op::AvgPool(no_pad_count), [1, 2, 6, 5]),
+        (
+            "adaptive_1x1",
+            Op::AdaptiveAvgPool { out: (1, 1) },
+            [2, 5, 7, 7],
+        ),
+        (
+            "adaptive_uneven",
+            Op::AdaptiveAvgPool { out: (3, 2) },
+            [1, 3, 7, 5],
+        ),
+        (
+            "adaptive_upsample",
+            Op::AdaptiveAvgPool { out: (4, 4) },
+            [1, 2, 3, 2],
+        ),
+    ];
+    for (name, op, shape) in cases {
+        let c = shape[1];
+        check(kind, &single(&format!("pool_{name}"), c, op), shape, 1.0);
+    }
+}
+backend_test!(pooling, cpu, wgpu, cuda, hip);
+
+fn elementwise(kind: BackendKind) {
+    check(
+        kind,
+        &single(
+            "batch_norm",
+            6,
+            Op::BatchNorm {
+                channels: 6,
+                eps: 1e-5,
+            },
+        ),
+        [2, 6, 3, 5],
+        1.0,
+    );
+    check(kind, &single("relu", 3, Op::Relu), [1, 3, 4, 4], 1.0);
+    // Scaled input so ReLU6's upper clamp is exercised.
+    check(kind, &single("relu6", 3, Op::Relu6), [1, 3, 4, 4], 5.0);
+    check(
+        kind,
+        &single("dropout", 3, Op::Dropout { p: 0.5 }),
+        [1, 3, 2, 2],
+        1.0,
+    );
+}
+backend_test!(elementwise, cpu, wgpu, cuda, hip);
+
+/// Two branches from one input joined by a residual add, with BN and ReLU reusing buffers.
+fn residual_add(kind: BackendKind) {
+    let mut g = GraphBuilder::new(
+        "residual",
+        4,
+        ConvInit::KaimingNormalFanOut,
+        LinearInit::TorchDefault,
+    );
+    let x = g.input();
+    let a = g.conv("a", x, Conv2d::new(4, 4, 3, 1, 1));
+    let a = g.bn("a_bn", a, 4);
+    let a = g.relu("a_relu", a);
+    let y = g.add("add", a, x);
+    let y = g.relu("out_relu", y);
+    check(kind, &g.finish(y), [2, 4, 5, 5], 1.0);
+}
+backend_test!(residual_add, cpu, wgpu, cuda, hip);
+
+/// Flatten of a spatial map then linear layers: the flatten must follow NCHW order.
+fn flatten_linear_softmax(kind: BackendKind) {
+    let mut g = GraphBuilder::new("head", 3, ConvInit::TorchDefault, LinearInit::TorchDefault);
+    let x: ValueId = g.input();
+    let y = g.flatten("flatten", x);
+    let y = g.linear("fc1", y, 3 * 4 * 5, 7);
+    let y = g.relu("relu", y);
+    let y = g.linear("fc2", y, 7, 5);
+    let y = g.add_node("softmax", Op::Softmax, &[y]);
+    check(kind, &g.finish(y), [3, 3, 4, 5], 1.0);
+}
+backend_test!(flatten_linear_softmax, cpu, wgpu, cuda, hip);
+
+#[test]
+fn shape_errors_say_what_does_not_fit() {
+    let g = single("c", 3, conv(3, 4, (7, 7), 1, (0, 0), 1, 1, false));
+    let e = g.plan(1, 4, 4).unwrap_err().to_string();
+    assert!(e.contains("smaller than its 7×7 kernel"), "{e}");
+    let g = single("c", 3, conv(4, 4, (3, 3), 1, (1, 1), 1, 1, false));
+    let e = g.plan(1, 8, 8).unwrap_err().to_string();
+    assert!(e.contains("expects 4 input channels, got 3"), "{e}");
+    let g = single("g", 6, conv(6, 4, (3, 3), 1, (1, 1), 1, 4, false));
+    let e = g.plan(1, 8, 8).unwrap_err().to_string();
+    assert!(e.contains("groups=4 must divide"), "{e}");
+}
+
+#[test]
+fn loss_and_softmax_match_closed_forms() {
+    // Uniform logits: softmax is 1/C and the cross-entropy is ln(C).
+    let t = Tensor::new(vec![2, 4], vec![3.0; 8]);
+    assert!((reference::cross_entropy(&t, &[0, 3]) - 4f64.ln()).abs() < 1e-12);
+    assert!(
+        reference::softmax(&t)
+            .data
+            .iter()
+            .all(|&p| (p - 0.25).abs() < 1e-7)
+    );
+    // torch.nn.functional.cross_entropy(torch.tensor([[1., 2., 3.]]), torch.tensor([2])) = 0.40760596
+    let t = Tensor::new(vec![1, 3], vec![1.0, 2.0, 3.0]);
+    assert!((reference::cross_entropy(&t, &[2]) - 0.407_605_96).abs() < 1e-7);
+}

@@ -1,0 +1,115 @@
+//! The zoo against torchvision 0.29's counts (tests/fixtures/zoo-reference.json, counted with
+//! forward hooks): parameters, state_dict floats and conv + linear MACs at 224².
+
+use serde_json::Value;
+use workshop::model::zoo;
+
+use crate::common::fixture;
+
+#[test]
+fn every_network_matches_torchvision_counts() {
+    let text = std::fs::read_to_string(fixture("zoo-reference.json")).unwrap();
+    let reference: Value = serde_json::from_str(&text).unwrap();
+    let models = reference["models"].as_object().unwrap();
+    assert_eq!(
+        models.len(),
+        zoo::NETWORKS.len(),
+        "the zoo and the reference list different networks"
+    );
+    for name in zoo::NETWORKS {
+        let r = &models[*name];
+        let graph = zoo::build(name).unwrap();
+        let plan = graph.plan(1, 224, 224).unwrap();
+        let floats: u64 = graph
+            .params()
+            .iter()
+            .map(|p| p.shape.iter().product::<usize>() as u64)
+            .sum();
+        assert_eq!(
+            graph.param_count(),
+            r["params"].as_u64().unwrap(),
+            "{name} parameters"
+        );
+        assert_eq!(
+            floats,
+            r["state_dict_floats"].as_u64().unwrap(),
+            "{name} state_dict floats"
+        );
+        assert_eq!(
+            plan.macs(),
+            r["conv_linear_macs_per_image_224"].as_u64().unwrap(),
+            "{name} MACs"
+        );
+        assert_eq!(plan.output_shape(), &[1, 1000], "{name} output");
+    }
+}
+
+#[test]
+fn names_follow_torchvision_state_dicts() {
+    let names: Vec<String> = zoo::build("resnet50")
+        .unwrap()
+        .params()
+        .into_iter()
+        .map(|p| p.name)
+        .collect();
+    for expected in [
+        "conv1.weight",
+        "bn1.running_var",
+        "layer1.0.downsample.0.weight",
+        "layer4.2.conv3.weight",
+        "fc.bias",
+    ] {
+        assert!(
+            names.iter().any(|n| n == expected),
+            "resnet50 lacks {expected}"
+        );
+    }
+    let names: Vec<String> = zoo::build("mobilenet_v2")
+        .unwrap()
+        .params()
+        .into_iter()
+        .map(|p| p.name)
+        .collect();
+    for expected in [
+        "features.0.0.weight",
+        "features.1.conv.0.0.weight",
+        "features.2.conv.1.0.weight",
+        "features.18.1.bias",
+        "classifier.1.weight",
+    ] {
+        assert!(
+            names.iter().any(|n| n == expected),
+            "mobilenet_v2 lacks {expected}"
+        );
+    }
+    let names: Vec<String> = zoo::build("vgg11_bn")
+        .unwrap()
+        .params()
+        .into_iter()
+        .map(|p| p.name)
+        .collect();
+    assert!(
+        names.contains(&"features.1.running_mean".to_string())
+            && names.contains(&"classifier.6.weight".to_string())
+    );
+}
+
+#[test]
+fn unknown_network_lists_the_zoo() {
+    let e = zoo::build("resnet51").unwrap_err().to_string();
+    assert!(
+        e.contains("unknown network `resnet51`") && e.contains("mobilenet_v2"),
+        "{e}"
+    );
+}
+
+#[test]
+fn small_inputs_are_refused_with_the_layer_named() {
+    // AlexNet's 11×11 stride-4 stem and three 3×3 stride-2 pools need more than 32×32.
+    let e = zoo::build("alexnet")
+        .unwrap()
+        .plan(1, 32, 32)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("alexnet (`features."), "{e}");
+}
