@@ -81,6 +81,8 @@ fn single(name: &str, channels: usize, op: Op) -> Graph {
     g.finish(y)
 }
 
+/// A conv op from a positional row of the case tables below (they read best as columns).
+#[allow(clippy::too_many_arguments)]
 fn conv(
     cin: usize,
     cout: usize,

@@ -76,7 +76,7 @@ fn load_errors_name_the_tensor() {
     Weights::init(&other, 1).save(&path, &other).unwrap();
     let e = Weights::load(&path, &g).unwrap_err().to_string();
     assert!(
-        e.contains("`layer1.2.") && e.contains("not part of resnet18"),
+        e.contains("`layer1.2.bn1.bias` is not part of resnet18"),
         "{e}"
     );
 

@@ -156,7 +156,10 @@ impl Weights {
             .iter()
             .map(|e| (e.name.as_str(), e.shape.as_slice()))
             .collect();
-        for name in st.names() {
+        // Sorted, so the tensor an error names is the same on every run.
+        let mut names = st.names();
+        names.sort_unstable();
+        for name in names {
             if !known.contains_key(name) && !name.ends_with(".num_batches_tracked") {
                 return Err(WeightsError::Unexpected {
                     path: p,
