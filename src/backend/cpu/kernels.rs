@@ -335,13 +335,28 @@ fn depthwise<T: Elem>(p: &PackedConv<T>, dw: &[f32], x: &[T], xs: Nhwc, y: &mut 
         });
 }
 
+/// Apply `f` to `buf` in f32, one block at a time: in place for f32 storage, through a small
+/// widened copy for half types (so conversions run over whole slices, with F16C where present,
+/// instead of one scalar conversion per element). `block` must be a multiple of any period
+/// `f` relies on (the channel count for per-channel maps).
+fn map_f32<T: Elem>(buf: &mut [T], block: usize, f: impl Fn(&mut [f32]) + Sync) {
+    buf.par_chunks_mut(block).for_each(|part| match T::as_f32_mut(part) {
+        Some(p) => f(p),
+        None => {
+            let mut tmp = vec![0f32; part.len()];
+            T::widen(part, &mut tmp);
+            f(&mut tmp);
+            T::narrow(&tmp, part);
+        }
+    });
+}
+
 /// y = x·scale + shift per channel (batch norm folded to an affine map at prepare time).
 pub fn affine_inplace<T: Elem>(buf: &mut [T], c: usize, scale: &[f32], shift: &[f32]) {
-    let chunk = (ELEMENTWISE_CHUNK / c).max(1) * c;
-    buf.par_chunks_mut(chunk).for_each(|part| {
+    map_f32(buf, (ELEMENTWISE_CHUNK / c).max(1) * c, |part| {
         for px in part.chunks_exact_mut(c) {
             for ((v, s), b) in px.iter_mut().zip(scale).zip(shift) {
-                *v = T::from_f32(v.to_f32() * s + b);
+                *v = *v * s + b;
             }
         }
     });
@@ -349,22 +364,24 @@ pub fn affine_inplace<T: Elem>(buf: &mut [T], c: usize, scale: &[f32], shift: &[
 
 /// Clamp every element to [lo, hi] (ReLU: [0, ∞), ReLU6: [0, 6]).
 pub fn clamp_inplace<T: Elem>(buf: &mut [T], lo: f32, hi: f32) {
-    buf.par_chunks_mut(ELEMENTWISE_CHUNK).for_each(|part| {
-        for v in part {
-            *v = T::from_f32(v.to_f32().clamp(lo, hi));
-        }
-    });
+    map_f32(buf, ELEMENTWISE_CHUNK, |part| part.iter_mut().for_each(|v| *v = v.max(lo).min(hi)));
 }
 
 /// a += b, element-wise.
 pub fn add_inplace<T: Elem>(a: &mut [T], b: &[T]) {
-    a.par_chunks_mut(ELEMENTWISE_CHUNK)
-        .zip(b.par_chunks(ELEMENTWISE_CHUNK))
-        .for_each(|(a, b)| {
-            for (x, y) in a.iter_mut().zip(b) {
-                *x = T::from_f32(x.to_f32() + y.to_f32());
+    a.par_chunks_mut(ELEMENTWISE_CHUNK).zip(b.par_chunks(ELEMENTWISE_CHUNK)).for_each(|(a, b)| {
+        match (T::as_f32_mut(a), T::as_f32(b)) {
+            (Some(a), Some(b)) => a.iter_mut().zip(b).for_each(|(x, y)| *x += y),
+            _ => {
+                let mut ta = vec![0f32; a.len()];
+                let mut tb = vec![0f32; b.len()];
+                T::widen(a, &mut ta);
+                T::widen(b, &mut tb);
+                ta.iter_mut().zip(&tb).for_each(|(x, y)| *x += y);
+                T::narrow(&ta, a);
             }
-        });
+        }
+    });
 }
 
 /// Max or average pooling over windows, one output row per work item.
