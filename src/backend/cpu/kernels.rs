@@ -2,19 +2,20 @@
 //! contiguous run and a convolution is a GEMM over them); features are (N, F). Storage is any
 //! [`Elem`]; arithmetic is f32. Work is split over the session's rayon pool.
 //!
-//! Convolution is im2col + GEMM, fused per chunk of output rows: each worker gathers the
-//! columns of its rows into a thread-local scratch (in f32), multiplies them by the packed
-//! weights with the `gemm` crate, and writes bias-added results straight into the output. A
-//! 1×1 stride-1 convolution in f32 skips the gather: its input already is the column matrix.
-//! Depthwise convolutions are direct loops (a GEMM with one input channel per group wastes
-//! the machine).
+//! Convolution is im2col + GEMM ([`super::sgemm`]), fused per work item: a worker gathers the
+//! columns of a chunk of output rows into a thread-local scratch (in f32) and multiplies them
+//! by the weights, packed once at prepare time, with the bias folded into the GEMM tile. A 1×1
+//! stride-1 convolution in f32 skips the gather: its input already is the column matrix. When
+//! there are too few row chunks to keep every worker busy (small batches, late layers), work
+//! items also split the output channels. Depthwise convolutions are direct loops (a GEMM with
+//! one input channel per group wastes the machine).
 
 use std::cell::RefCell;
 
-use gemm::Parallelism;
 use rayon::prelude::*;
 
 use super::elem::Elem;
+use super::sgemm::{self, NR, PackedB, Panels};
 use crate::model::op::{Conv2d, Pool};
 use crate::model::reference::adaptive_bins;
 
@@ -36,12 +37,12 @@ impl Nhwc {
 /// Elements per parallel work item of the element-wise kernels.
 const ELEMENTWISE_CHUNK: usize = 1 << 16;
 
-/// Target size of one chunk of im2col columns, in f32 elements (1 MiB): small enough to stay
-/// in a core's cache while the GEMM reads it, large enough that the GEMM's per-call packing
-/// of the weights is amortised over many rows.
-pub const COLUMN_CHUNK_ELEMS: usize = 1 << 18;
-/// Fewest output rows per chunk, for the same amortisation on layers with long columns.
-pub const MIN_CHUNK_ROWS: usize = 192;
+/// Target size of one chunk of im2col columns, in f32 elements (512 KiB, a core's L2).
+pub const COLUMN_CHUNK_ELEMS: usize = 1 << 17;
+/// Bounds on the output rows of one chunk: enough rows to reuse each weight panel many
+/// times, few enough to leave work for every worker.
+const MIN_CHUNK_ROWS: usize = 96;
+const MAX_CHUNK_ROWS: usize = 768;
 
 thread_local! {
     /// Per-worker scratch for columns and f32 results; reused across calls and iterations so
@@ -49,14 +50,22 @@ thread_local! {
     static SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
-/// Weights of a convolution packed for the GEMM: per group, a (K_g × cout_g) row-major
-/// matrix with K ordered (ky, kx, ci) like the NHWC columns.
+/// A pointer to the output that work items write in disjoint tiles.
+#[derive(Clone, Copy)]
+struct TilePtr<T>(*mut T);
+// SAFETY: work items write disjoint (row range × column range) tiles of the output, so sharing
+// the base pointer between workers never lets two of them touch the same element.
+unsafe impl<T> Send for TilePtr<T> {}
+unsafe impl<T> Sync for TilePtr<T> {}
+
+/// A convolution's weights, prepared for its kernel.
 pub struct PackedConv<T> {
     pub conv: Conv2d,
-    pub weight: Vec<T>,
-    pub bias: Option<Vec<f32>>,
-    /// Depthwise: weights as (ky, kx, c) in f32 instead, for the direct kernel.
-    pub depthwise: Option<Vec<f32>>,
+    /// Per group, the (K_g × cout_g) weight matrix with K ordered (ky, kx, ci) like the NHWC
+    /// columns, packed for the GEMM, bias included.
+    pub groups: Vec<PackedB<T>>,
+    /// Depthwise: weights as (ky, kx, c) in f32 instead, for the direct kernel, and the bias.
+    pub depthwise: Option<(Vec<f32>, Option<Vec<f32>>)>,
 }
 
 impl<T: Elem> PackedConv<T> {
@@ -65,7 +74,6 @@ impl<T: Elem> PackedConv<T> {
         let (kh, kw) = conv.kernel;
         let cin_g = conv.in_channels / conv.groups;
         let cout_g = conv.out_channels / conv.groups;
-        let bias = bias.map(|b| b.to_vec());
         if is_depthwise(&conv) {
             let c = conv.out_channels;
             let mut dw = vec![0f32; kh * kw * c];
@@ -75,55 +83,61 @@ impl<T: Elem> PackedConv<T> {
                     dw[k * c + ch] = T::from_f32(weight[ch * kh * kw + k]).to_f32();
                 }
             }
+            let bias = bias.map(|b| b.to_vec());
             return PackedConv {
                 conv,
-                weight: Vec::new(),
-                bias,
-                depthwise: Some(dw),
+                groups: Vec::new(),
+                depthwise: Some((dw, bias)),
             };
         }
-        let k_g = kh * kw * cin_g;
-        let mut packed = vec![T::default(); conv.groups * k_g * cout_g];
-        for g in 0..conv.groups {
-            for co in 0..cout_g {
-                let oc = g * cout_g + co;
-                for ci in 0..cin_g {
-                    for ky in 0..kh {
-                        for kx in 0..kw {
-                            let src = ((oc * cin_g + ci) * kh + ky) * kw + kx;
-                            let k = (ky * kw + kx) * cin_g + ci;
-                            packed[(g * k_g + k) * cout_g + co] = T::from_f32(weight[src]);
-                        }
-                    }
-                }
-            }
-        }
+        let groups = (0..conv.groups)
+            .map(|g| {
+                // Column k = (ky·kw + kx)·cin_g + ci of group g reads weight[oc, ci, ky, kx].
+                let b = |k: usize, co: usize| {
+                    let (ci, kxy) = (k % cin_g, k / cin_g);
+                    let (ky, kx) = (kxy / kw, kxy % kw);
+                    weight[(((g * cout_g + co) * cin_g + ci) * kh + ky) * kw + kx]
+                };
+                PackedB::new(
+                    kh * kw * cin_g,
+                    cout_g,
+                    b,
+                    bias.map(|b| &b[g * cout_g..(g + 1) * cout_g]),
+                )
+            })
+            .collect();
         PackedConv {
             conv,
-            weight: packed,
-            bias,
+            groups,
             depthwise: None,
         }
     }
 
+    pub fn bytes(&self) -> u64 {
+        let dw = self.depthwise.as_ref().map_or(0, |(w, b)| {
+            (w.len() + b.as_ref().map_or(0, |b| b.len())) as u64 * 4
+        });
+        self.groups.iter().map(|g| g.bytes()).sum::<u64>() + dw
+    }
+
+    /// f32 scratch for widened weights (0 for f32 storage, which is read in place).
+    pub fn wide_len(&self) -> usize {
+        if T::as_f32(&[T::default()]).is_some() {
+            0
+        } else {
+            self.groups.iter().map(|g| g.packed_len()).sum()
+        }
+    }
+
     pub fn kernel_name(&self) -> String {
-        let c = &self.conv;
         let form = if self.depthwise.is_some() {
             "depthwise_direct"
-        } else if is_pointwise(c) {
+        } else if is_pointwise(&self.conv) {
             "pointwise_gemm"
         } else {
             "im2col_gemm"
         };
         format!("conv2d_{form}_{}", T::SUFFIX)
-    }
-
-    /// f32 scratch one worker needs for a chunk: columns and (for non-f32 storage) results.
-    pub fn scratch_elems(&self, out: Nhwc) -> usize {
-        let c = &self.conv;
-        let k = c.kernel.0 * c.kernel.1 * c.in_channels;
-        let rows = chunk_rows(out.n * out.h * out.w, k);
-        rows * (k + c.out_channels)
     }
 }
 
@@ -135,53 +149,122 @@ fn is_pointwise(c: &Conv2d) -> bool {
     c.kernel == (1, 1) && c.stride == (1, 1) && c.padding == (0, 0) && c.groups == 1
 }
 
-fn chunk_rows(m: usize, k: usize) -> usize {
-    (COLUMN_CHUNK_ELEMS / k.max(1))
-        .max(MIN_CHUNK_ROWS)
+/// Output rows per chunk for columns of length `k`: a multiple of the GEMM tile's rows.
+pub fn chunk_rows(m: usize, k: usize) -> usize {
+    let rows = (COLUMN_CHUNK_ELEMS / k.max(1)).clamp(MIN_CHUNK_ROWS, MAX_CHUNK_ROWS);
+    rows.div_ceil(sgemm::MR)
+        .saturating_mul(sgemm::MR)
         .min(m.max(1))
 }
 
-/// The convolution: `x` (in_shape) → `y` (out_shape), both NHWC. `wide` holds the weights
-/// widened to f32 for non-f32 storage (filled by the caller once per call).
+/// How a GEMM of `m` rows over `panels` column panels is cut into work items: row chunks,
+/// and, when they are too few for `threads` workers, column splits too.
+fn work_split(m: usize, rows: usize, panels: usize, threads: usize) -> (usize, usize) {
+    let chunks = m.div_ceil(rows.max(1));
+    let splits = if chunks >= 2 * threads {
+        1
+    } else {
+        (2 * threads).div_ceil(chunks).min(panels).max(1)
+    };
+    (chunks, splits)
+}
+
+/// Panels [p0, p1) of split `s` out of `splits`.
+fn panel_range(panels: usize, splits: usize, s: usize) -> (usize, usize) {
+    (panels * s / splits, panels * (s + 1) / splits)
+}
+
+/// Multiply rows [m0, m0 + mr) of `a` (row stride `lda`, group g's columns at g·k_g) by each
+/// group's panels [p0, p1), writing into the NHWC output `y` (row stride `cout`).
+#[allow(clippy::too_many_arguments)]
+fn gemm_tile<T: Elem>(
+    a: &[f32],
+    lda: usize,
+    views: &[Panels<'_>],
+    k_g: usize,
+    (m0, mr): (usize, usize),
+    (p0, p1): (usize, usize),
+    y: TilePtr<T>,
+    cout: usize,
+    res: &mut Vec<f32>,
+) {
+    for (g, b) in views.iter().enumerate() {
+        let cout_g = cout / views.len();
+        let col0 = g * cout_g + p0 * NR;
+        let width = (p1 * NR).min(cout_g) - p0 * NR;
+        // SAFETY: `a` holds mr rows of lda ≥ (g + 1)·k_g floats. The output tile is rows
+        // [m0, m0 + mr) × columns [col0, col0 + width) of y, inside y (the caller sized it to
+        // the plan) and disjoint from every other work item's tile; f32 storage is written in
+        // place, other types through `res` and a narrowing copy.
+        unsafe {
+            if T::as_f32(&[T::default()]).is_some() {
+                let c = y.0.add(m0 * cout + col0) as *mut f32;
+                sgemm::gemm(mr, a.as_ptr().add(g * k_g), lda, b, (p0, p1), c, cout);
+            } else {
+                let ldc = (p1 - p0) * NR;
+                res.resize(mr * ldc, 0.0);
+                sgemm::gemm(
+                    mr,
+                    a.as_ptr().add(g * k_g),
+                    lda,
+                    b,
+                    (p0, p1),
+                    res.as_mut_ptr(),
+                    ldc,
+                );
+                for r in 0..mr {
+                    let out =
+                        std::slice::from_raw_parts_mut(y.0.add((m0 + r) * cout + col0), width);
+                    T::narrow(&res[r * ldc..r * ldc + width], out);
+                }
+            }
+        }
+    }
+}
+
+/// The convolution: `x` (xs) → `y` (ys), both NHWC. `wide` is scratch for widened weights
+/// (`p.wide_len()` floats; unused for f32 storage).
 pub fn conv2d<T: Elem>(
     p: &PackedConv<T>,
     x: &[T],
     xs: Nhwc,
     y: &mut [T],
     ys: Nhwc,
-    wide: &[f32],
+    wide: &mut [f32],
     threads: usize,
 ) {
-    if let Some(dw) = &p.depthwise {
-        return depthwise(p, dw, x, xs, y, ys);
+    if let Some((dw, bias)) = &p.depthwise {
+        return depthwise(&p.conv, dw, bias.as_deref(), x, xs, y, ys);
     }
     let c = &p.conv;
-    let cin_g = c.in_channels / c.groups;
-    let cout_g = c.out_channels / c.groups;
-    let k_g = c.kernel.0 * c.kernel.1 * cin_g;
+    let k_g = c.kernel.0 * c.kernel.1 * (c.in_channels / c.groups);
     let k = k_g * c.groups;
     let m = ys.n * ys.h * ys.w;
     let cout = c.out_channels;
-    let weights: &[f32] = T::as_f32(&p.weight).unwrap_or(wide);
+    let mut views = Vec::with_capacity(p.groups.len());
+    let mut rest = wide;
+    for g in &p.groups {
+        let (mine, tail) = if T::as_f32(&[T::default()]).is_some() {
+            rest.split_at_mut(0)
+        } else {
+            rest.split_at_mut(g.packed_len())
+        };
+        rest = tail;
+        views.push(g.view(mine));
+    }
     let rows = chunk_rows(m, k);
-    let chunks = m.div_ceil(rows);
-    // Many chunks: one chunk per worker, each GEMM single-threaded (no synchronisation, the
-    // chunk stays in the worker's cache). Few chunks (small batches, late layers): chunks in
-    // turn, each GEMM spread over the pool.
-    let spread = chunks < 2 * threads;
-    let par = if spread && threads > 1 {
-        Parallelism::Rayon(threads)
-    } else {
-        Parallelism::None
-    };
-    let direct_input = if is_pointwise(c) { T::as_f32(x) } else { None };
-
-    let run_chunk = |ci: usize, out: &mut [T]| {
-        let m0 = ci * rows;
-        let mr = out.len() / cout;
+    let (chunks, splits) = work_split(m, rows, views[0].panels(), threads);
+    let direct = if is_pointwise(c) { T::as_f32(x) } else { None };
+    assert!(y.len() >= m * cout, "conv2d output buffer too small");
+    let out = TilePtr(y.as_mut_ptr());
+    (0..chunks * splits).into_par_iter().for_each(|item| {
+        let (chunk, split) = (item / splits, item % splits);
+        let m0 = chunk * rows;
+        let mr = rows.min(m - m0);
+        let panels = panel_range(views[0].panels(), splits, split);
         SCRATCH.with(|s| {
             let (cols, res) = &mut *s.borrow_mut();
-            let a: &[f32] = match direct_input {
+            let a: &[f32] = match direct {
                 Some(xf) => &xf[m0 * k..(m0 + mr) * k],
                 None => {
                     cols.resize(mr * k, 0.0);
@@ -189,64 +272,9 @@ pub fn conv2d<T: Elem>(
                     &cols[..mr * k]
                 }
             };
-            let narrow = T::as_f32(out).is_none();
-            let dst: &mut [f32] = match T::as_f32_mut(out) {
-                Some(d) => d,
-                None => {
-                    res.resize(mr * cout, 0.0);
-                    &mut res[..mr * cout]
-                }
-            };
-            for g in 0..c.groups {
-                // SAFETY: every pointer/stride pair describes memory inside its slice: `a` is
-                // (mr × k) row-major and group g reads columns [g·k_g, (g+1)·k_g); the weights
-                // are (k_g × cout_g) row-major at offset g·k_g·cout_g; `dst` is (mr × cout)
-                // row-major and group g writes columns [g·cout_g, (g+1)·cout_g). `dst` does
-                // not alias `a` or the weights.
-                unsafe {
-                    gemm::gemm(
-                        mr,
-                        cout_g,
-                        k_g,
-                        dst.as_mut_ptr().add(g * cout_g),
-                        1,
-                        cout as isize,
-                        false,
-                        a.as_ptr().add(g * k_g),
-                        1,
-                        k as isize,
-                        weights.as_ptr().add(g * k_g * cout_g),
-                        1,
-                        cout_g as isize,
-                        0.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        par,
-                    );
-                }
-            }
-            if let Some(b) = &p.bias {
-                for row in dst.chunks_exact_mut(cout) {
-                    row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
-                }
-            }
-            if narrow {
-                T::narrow(&res[..mr * cout], out);
-            }
+            gemm_tile(a, k, &views, k_g, (m0, mr), panels, out, cout, res);
         });
-    };
-    let y = &mut y[..m * cout];
-    if spread {
-        y.chunks_mut(rows * cout)
-            .enumerate()
-            .for_each(|(i, out)| run_chunk(i, out));
-    } else {
-        y.par_chunks_mut(rows * cout)
-            .enumerate()
-            .for_each(|(i, out)| run_chunk(i, out));
-    }
+    });
 }
 
 /// Gather the columns of output rows [m0, m0 + mr) into `cols` (mr × K, K ordered
@@ -294,8 +322,15 @@ fn im2col<T: Elem>(
 }
 
 /// Depthwise convolution, one output row (n, oy) per work item, channels vectorised.
-fn depthwise<T: Elem>(p: &PackedConv<T>, dw: &[f32], x: &[T], xs: Nhwc, y: &mut [T], ys: Nhwc) {
-    let c = &p.conv;
+fn depthwise<T: Elem>(
+    c: &Conv2d,
+    dw: &[f32],
+    bias: Option<&[f32]>,
+    x: &[T],
+    xs: Nhwc,
+    y: &mut [T],
+    ys: Nhwc,
+) {
     let ch = ys.c;
     let (kh, kw) = c.kernel;
     y[..ys.elems()]
@@ -307,7 +342,7 @@ fn depthwise<T: Elem>(p: &PackedConv<T>, dw: &[f32], x: &[T], xs: Nhwc, y: &mut 
             let mut acc = vec![0f32; ch];
             let mut xin = vec![0f32; ch];
             for ox in 0..ys.w {
-                match &p.bias {
+                match bias {
                     Some(b) => acc.copy_from_slice(b),
                     None => acc.fill(0.0),
                 }
@@ -340,15 +375,16 @@ fn depthwise<T: Elem>(p: &PackedConv<T>, dw: &[f32], x: &[T], xs: Nhwc, y: &mut 
 /// instead of one scalar conversion per element). `block` must be a multiple of any period
 /// `f` relies on (the channel count for per-channel maps).
 fn map_f32<T: Elem>(buf: &mut [T], block: usize, f: impl Fn(&mut [f32]) + Sync) {
-    buf.par_chunks_mut(block).for_each(|part| match T::as_f32_mut(part) {
-        Some(p) => f(p),
-        None => {
-            let mut tmp = vec![0f32; part.len()];
-            T::widen(part, &mut tmp);
-            f(&mut tmp);
-            T::narrow(&tmp, part);
-        }
-    });
+    buf.par_chunks_mut(block)
+        .for_each(|part| match T::as_f32_mut(part) {
+            Some(p) => f(p),
+            None => {
+                let mut tmp = vec![0f32; part.len()];
+                T::widen(part, &mut tmp);
+                f(&mut tmp);
+                T::narrow(&tmp, part);
+            }
+        });
 }
 
 /// y = x·scale + shift per channel (batch norm folded to an affine map at prepare time).
@@ -364,13 +400,16 @@ pub fn affine_inplace<T: Elem>(buf: &mut [T], c: usize, scale: &[f32], shift: &[
 
 /// Clamp every element to [lo, hi] (ReLU: [0, ∞), ReLU6: [0, 6]).
 pub fn clamp_inplace<T: Elem>(buf: &mut [T], lo: f32, hi: f32) {
-    map_f32(buf, ELEMENTWISE_CHUNK, |part| part.iter_mut().for_each(|v| *v = v.max(lo).min(hi)));
+    map_f32(buf, ELEMENTWISE_CHUNK, |part| {
+        part.iter_mut().for_each(|v| *v = v.max(lo).min(hi))
+    });
 }
 
 /// a += b, element-wise.
 pub fn add_inplace<T: Elem>(a: &mut [T], b: &[T]) {
-    a.par_chunks_mut(ELEMENTWISE_CHUNK).zip(b.par_chunks(ELEMENTWISE_CHUNK)).for_each(|(a, b)| {
-        match (T::as_f32_mut(a), T::as_f32(b)) {
+    a.par_chunks_mut(ELEMENTWISE_CHUNK)
+        .zip(b.par_chunks(ELEMENTWISE_CHUNK))
+        .for_each(|(a, b)| match (T::as_f32_mut(a), T::as_f32(b)) {
             (Some(a), Some(b)) => a.iter_mut().zip(b).for_each(|(x, y)| *x += y),
             _ => {
                 let mut ta = vec![0f32; a.len()];
@@ -380,8 +419,7 @@ pub fn add_inplace<T: Elem>(a: &mut [T], b: &[T]) {
                 ta.iter_mut().zip(&tb).for_each(|(x, y)| *x += y);
                 T::narrow(&ta, a);
             }
-        }
-    });
+        });
 }
 
 /// Max or average pooling over windows, one output row per work item.
@@ -485,59 +523,96 @@ pub fn nchw_to_nhwc<T: Elem>(x: &[f32], xs: Nhwc, y: &mut [T]) {
         });
 }
 
-/// Fully connected layer: y (n × out) = x (n × in) · Wᵀ + b, W stored (out × in);
-/// `dims` is (n, in, out).
+/// A fully connected layer's weights: packed for the GEMM in f32 sessions; streamed row by
+/// row in half-precision ones (these layers are bandwidth-bound at inference batch sizes, and a
+/// widened copy would cost as much memory as f32 weights).
+pub enum PackedLinear<T> {
+    Gemm(PackedB<T>),
+    Rows {
+        weight: Vec<T>,
+        bias: Option<Vec<f32>>,
+    },
+}
+
+impl<T: Elem> PackedLinear<T> {
+    /// From PyTorch's (out × in) weight.
+    pub fn new(weight: &[f32], bias: Option<&[f32]>, fin: usize, fout: usize) -> Self {
+        if T::as_f32(&[T::default()]).is_some() {
+            PackedLinear::Gemm(PackedB::new(fin, fout, |k, j| weight[j * fin + k], bias))
+        } else {
+            PackedLinear::Rows {
+                weight: weight.iter().map(|&v| T::from_f32(v)).collect(),
+                bias: bias.map(|b| b.to_vec()),
+            }
+        }
+    }
+
+    pub fn bytes(&self) -> u64 {
+        match self {
+            PackedLinear::Gemm(b) => b.bytes(),
+            PackedLinear::Rows { weight, bias } => {
+                (weight.len() * std::mem::size_of::<T>()) as u64
+                    + bias.as_ref().map_or(0, |b| b.len() as u64 * 4)
+            }
+        }
+    }
+}
+
+/// Fully connected layer: y (n × out) = x (n × in) · Wᵀ + b; `dims` is (n, in, out).
 pub fn linear<T: Elem>(
     x: &[T],
-    w: &[T],
-    bias: Option<&[f32]>,
+    w: &PackedLinear<T>,
     dims: (usize, usize, usize),
     y: &mut [T],
     threads: usize,
 ) {
     let (n, fin, fout) = dims;
-    if let (Some(xf), Some(wf), Some(yf)) = (T::as_f32(x), T::as_f32(w), T::as_f32_mut(y)) {
-        let par = if threads > 1 {
-            Parallelism::Rayon(threads)
-        } else {
-            Parallelism::None
-        };
-        // SAFETY: x is (n × fin) row-major, w is (fout × fin) row-major read as its transpose
-        // (fin × fout) with column stride fin, y is (n × fout) row-major; all lengths were
-        // checked by the caller against the plan, and y aliases neither input.
-        unsafe {
-            gemm::gemm(
-                n,
-                fout,
-                fin,
-                yf.as_mut_ptr(),
-                1,
-                fout as isize,
-                false,
-                xf.as_ptr(),
-                1,
-                fin as isize,
-                wf.as_ptr(),
-                fin as isize,
-                1,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                par,
-            );
+    match w {
+        PackedLinear::Gemm(b) => {
+            let view = b.view(&mut []);
+            let xf: Vec<f32>;
+            let a = match T::as_f32(x) {
+                Some(a) => a,
+                None => {
+                    xf = x[..n * fin].iter().map(|v| v.to_f32()).collect();
+                    &xf
+                }
+            };
+            let rows = chunk_rows(n, fin);
+            let (chunks, splits) = work_split(n, rows, view.panels(), threads);
+            assert!(y.len() >= n * fout, "linear output buffer too small");
+            let out = TilePtr(y.as_mut_ptr());
+            (0..chunks * splits).into_par_iter().for_each(|item| {
+                let (chunk, split) = (item / splits, item % splits);
+                let m0 = chunk * rows;
+                let mr = rows.min(n - m0);
+                let panels = panel_range(view.panels(), splits, split);
+                let mut res = Vec::new();
+                let a = &a[m0 * fin..(m0 + mr) * fin];
+                gemm_tile(
+                    a,
+                    fin,
+                    std::slice::from_ref(&view),
+                    fin,
+                    (m0, mr),
+                    panels,
+                    out,
+                    fout,
+                    &mut res,
+                );
+            });
         }
-        if let Some(b) = bias {
-            for row in yf[..n * fout].chunks_exact_mut(fout) {
-                row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
-            }
-        }
-        return;
+        PackedLinear::Rows { weight, bias } => linear_rows(x, weight, bias.as_deref(), dims, y),
     }
-    // Half-precision storage: widen the activations once, then stream the weights one output
-    // feature at a time (these layers are bandwidth-bound at inference batch sizes, and
-    // widening the whole matrix would cost as much memory as f32 weights).
+}
+
+fn linear_rows<T: Elem>(
+    x: &[T],
+    w: &[T],
+    bias: Option<&[f32]>,
+    (n, fin, fout): (usize, usize, usize),
+    y: &mut [T],
+) {
     let mut xf = vec![0f32; n * fin];
     T::widen(&x[..n * fin], &mut xf);
     let mut outs = vec![0f32; n * fout];

@@ -3,8 +3,9 @@
 //! graph node by node on a rayon pool of `--threads` workers, freeing each activation after
 //! its last reader and recycling buffers so the timed loop does not allocate.
 
-mod elem;
+pub mod elem;
 pub mod kernels;
+pub mod sgemm;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -17,7 +18,7 @@ use super::{
 use crate::model::op::{Op, Pool};
 use crate::model::{Plan, Precision, Tensor, Weights};
 use elem::Elem;
-use kernels::{Nhwc, PackedConv};
+use kernels::{Nhwc, PackedConv, PackedLinear};
 
 pub struct CpuBackend;
 
@@ -206,8 +207,7 @@ enum Step<T> {
     Adaptive,
     Add,
     Linear {
-        weight: Vec<T>,
-        bias: Option<Vec<f32>>,
+        weight: PackedLinear<T>,
         fin: usize,
         fout: usize,
     },
@@ -248,7 +248,6 @@ impl<T: Elem> CpuSession<T> {
     ) -> Result<Self, BackendError> {
         let mut steps = Vec::with_capacity(plan.graph.nodes.len());
         let mut weight_bytes = 0u64;
-        let eb = std::mem::size_of::<T>() as u64;
         for node in &plan.graph.nodes {
             let get = |suffix: &str| -> Result<&[f32], BackendError> {
                 let name = format!("{}.{}", node.name, suffix);
@@ -264,8 +263,7 @@ impl<T: Elem> CpuSession<T> {
                 Op::Conv2d(c) => {
                     let bias = if c.bias { Some(get("bias")?) } else { None };
                     let packed = PackedConv::<T>::new(c, get("weight")?, bias);
-                    weight_bytes += packed.weight.len() as u64 * eb
-                        + packed.depthwise.as_ref().map_or(0, |d| d.len() as u64 * 4);
+                    weight_bytes += packed.bytes();
                     Step::Conv(packed)
                 }
                 Op::BatchNorm { eps, .. } => {
@@ -303,16 +301,11 @@ impl<T: Elem> CpuSession<T> {
                     out_features,
                     bias,
                 } => {
-                    let weight: Vec<T> = get("weight")?.iter().map(|&v| T::from_f32(v)).collect();
-                    let bias = if bias {
-                        Some(get("bias")?.to_vec())
-                    } else {
-                        None
-                    };
-                    weight_bytes += weight.len() as u64 * eb;
+                    let bias = if bias { Some(get("bias")?) } else { None };
+                    let weight = PackedLinear::new(get("weight")?, bias, in_features, out_features);
+                    weight_bytes += weight.bytes();
                     Step::Linear {
                         weight,
-                        bias,
                         fin: in_features,
                         fout: out_features,
                     }
@@ -413,13 +406,10 @@ impl<T: Elem> CpuSession<T> {
                 }
                 Step::Conv(p) => {
                     let xs = self.dims(inputs[0]);
-                    if T::as_f32(&p.weight).is_none() && p.depthwise.is_none() {
-                        self.wide.resize(p.weight.len(), 0.0);
-                        T::widen(&p.weight, &mut self.wide);
-                    }
+                    self.wide.resize(p.wide_len(), 0.0);
                     let mut y = self.alloc(os.elems());
                     let x = values[inputs[0]].as_ref().expect("input computed");
-                    kernels::conv2d(p, x, xs, &mut y, os, &self.wide, self.threads);
+                    kernels::conv2d(p, x, xs, &mut y, os, &mut self.wide, self.threads);
                     y
                 }
                 Step::Affine { scale, shift } => {
@@ -496,22 +486,10 @@ impl<T: Elem> CpuSession<T> {
                         y
                     }
                 }
-                Step::Linear {
-                    weight,
-                    bias,
-                    fin,
-                    fout,
-                } => {
+                Step::Linear { weight, fin, fout } => {
                     let mut y = self.alloc(os.elems());
                     let x = values[inputs[0]].as_ref().expect("input computed");
-                    kernels::linear(
-                        x,
-                        weight,
-                        bias.as_deref(),
-                        (os.n, *fin, *fout),
-                        &mut y,
-                        self.threads,
-                    );
+                    kernels::linear(x, weight, (os.n, *fin, *fout), &mut y, self.threads);
                     y
                 }
                 Step::Softmax => {
@@ -674,8 +652,9 @@ impl<T: Elem> Session for CpuSession<T> {
 
     fn kernel_version(&self) -> String {
         format!(
-            "workshop-cpu {} (gemm 0.19, {})",
+            "workshop-cpu {} (sgemm {}, {})",
             env!("CARGO_PKG_VERSION"),
+            sgemm::kernel_name(),
             T::PRECISION
         )
     }
