@@ -66,6 +66,7 @@ fn bench_cmd(args: BenchArgs) -> Result<()> {
     };
     bench::validate(&cfg)?;
     println!("{}\n", report::config_echo(&cfg));
+    println!("Building {} and preparing its weights...", cfg.network);
     let mut out = std::io::stdout();
     let record = bench::run(&cfg, args.run.weights.as_deref(), &mut |ev| {
         let _ = writeln!(out, "{}", report::event_line(&ev));

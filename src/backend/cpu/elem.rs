@@ -11,6 +11,8 @@ pub trait Elem: Copy + Send + Sync + Default + 'static {
     const PRECISION: Precision;
     /// A short suffix for kernel names (`f32`, `f16`, `bf16`).
     const SUFFIX: &'static str;
+    /// Whether the storage already is f32 (kernels then work in place, without conversions).
+    const IS_F32: bool;
     fn from_f32(v: f32) -> Self;
     fn to_f32(self) -> f32;
     /// The slice itself when the storage type is already f32 (no copy needed).
@@ -23,6 +25,7 @@ pub trait Elem: Copy + Send + Sync + Default + 'static {
 impl Elem for f32 {
     const PRECISION: Precision = Precision::Fp32;
     const SUFFIX: &'static str = "f32";
+    const IS_F32: bool = true;
     fn from_f32(v: f32) -> Self {
         v
     }
@@ -46,6 +49,7 @@ impl Elem for f32 {
 impl Elem for f16 {
     const PRECISION: Precision = Precision::Fp16;
     const SUFFIX: &'static str = "f16";
+    const IS_F32: bool = false;
     fn from_f32(v: f32) -> Self {
         f16::from_f32(v)
     }
@@ -69,6 +73,7 @@ impl Elem for f16 {
 impl Elem for bf16 {
     const PRECISION: Precision = Precision::Bf16;
     const SUFFIX: &'static str = "bf16";
+    const IS_F32: bool = false;
     fn from_f32(v: f32) -> Self {
         bf16::from_f32(v)
     }

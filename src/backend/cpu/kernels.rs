@@ -122,7 +122,7 @@ impl<T: Elem> PackedConv<T> {
 
     /// f32 scratch for widened weights (0 for f32 storage, which is read in place).
     pub fn wide_len(&self) -> usize {
-        if T::as_f32(&[T::default()]).is_some() {
+        if T::IS_F32 {
             0
         } else {
             self.groups.iter().map(|g| g.packed_len()).sum()
@@ -197,7 +197,7 @@ fn gemm_tile<T: Elem>(
         // the plan) and disjoint from every other work item's tile; f32 storage is written in
         // place, other types through `res` and a narrowing copy.
         unsafe {
-            if T::as_f32(&[T::default()]).is_some() {
+            if T::IS_F32 {
                 let c = y.0.add(m0 * cout + col0) as *mut f32;
                 sgemm::gemm(mr, a.as_ptr().add(g * k_g), lda, b, (p0, p1), c, cout);
             } else {
@@ -244,7 +244,7 @@ pub fn conv2d<T: Elem>(
     let mut views = Vec::with_capacity(p.groups.len());
     let mut rest = wide;
     for g in &p.groups {
-        let (mine, tail) = if T::as_f32(&[T::default()]).is_some() {
+        let (mine, tail) = if T::IS_F32 {
             rest.split_at_mut(0)
         } else {
             rest.split_at_mut(g.packed_len())
@@ -537,7 +537,7 @@ pub enum PackedLinear<T> {
 impl<T: Elem> PackedLinear<T> {
     /// From PyTorch's (out × in) weight.
     pub fn new(weight: &[f32], bias: Option<&[f32]>, fin: usize, fout: usize) -> Self {
-        if T::as_f32(&[T::default()]).is_some() {
+        if T::IS_F32 {
             PackedLinear::Gemm(PackedB::new(fin, fout, |k, j| weight[j * fin + k], bias))
         } else {
             PackedLinear::Rows {

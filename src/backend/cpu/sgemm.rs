@@ -13,6 +13,8 @@
 
 use std::sync::OnceLock;
 
+use rayon::prelude::*;
+
 use super::elem::Elem;
 
 /// Rows of the register tile.
@@ -83,7 +85,11 @@ impl<T: Elem> PackedB<T> {
         let data = match T::as_f32(&self.data) {
             Some(d) => d,
             None => {
-                T::widen(&self.data, wide);
+                // Widened in parallel: this runs once per layer call in half-precision sessions.
+                const BLOCK: usize = 1 << 16;
+                wide.par_chunks_mut(BLOCK)
+                    .zip(self.data.par_chunks(BLOCK))
+                    .for_each(|(w, d)| T::widen(d, w));
                 wide
             }
         };
