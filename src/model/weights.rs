@@ -142,15 +142,8 @@ impl Weights {
     /// Load a safetensors state_dict and check it against the graph: every tensor present with
     /// its exact shape, nothing foreign. BatchNorm's integer `num_batches_tracked` is ignored.
     pub fn load(path: &Path, graph: &Graph) -> Result<Weights, WeightsError> {
-        let p = path.display().to_string();
-        let bytes = std::fs::read(path).map_err(|source| WeightsError::Io {
-            path: p.clone(),
-            source,
-        })?;
-        let st = SafeTensors::deserialize(&bytes).map_err(|e| WeightsError::Format {
-            path: p.clone(),
-            reason: e.to_string(),
-        })?;
+        let (p, bytes) = read_file(path)?;
+        let st = parse(&p, &bytes)?;
         let expected = graph.params();
         let known: HashMap<&str, &[usize]> = expected
             .iter()
@@ -263,17 +256,27 @@ pub fn to_f32(view: &TensorView<'_>) -> Option<Vec<f32>> {
     Some(v)
 }
 
-/// Read the one tensor of a safetensors file (or the one called `name` when there are several).
-pub fn read_tensor(path: &Path, name: &str) -> Result<Tensor, WeightsError> {
+/// A file's displayed path and its bytes.
+fn read_file(path: &Path) -> Result<(String, Vec<u8>), WeightsError> {
     let p = path.display().to_string();
     let bytes = std::fs::read(path).map_err(|source| WeightsError::Io {
         path: p.clone(),
         source,
     })?;
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| WeightsError::Format {
-        path: p.clone(),
+    Ok((p, bytes))
+}
+
+fn parse<'a>(path: &str, bytes: &'a [u8]) -> Result<SafeTensors<'a>, WeightsError> {
+    SafeTensors::deserialize(bytes).map_err(|e| WeightsError::Format {
+        path: path.to_string(),
         reason: e.to_string(),
-    })?;
+    })
+}
+
+/// Read the one tensor of a safetensors file (or the one called `name` when there are several).
+pub fn read_tensor(path: &Path, name: &str) -> Result<Tensor, WeightsError> {
+    let (p, bytes) = read_file(path)?;
+    let st = parse(&p, &bytes)?;
     let names = st.names();
     let chosen = if names.len() == 1 {
         names[0].to_string()

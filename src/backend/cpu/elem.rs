@@ -46,50 +46,34 @@ impl Elem for f32 {
     }
 }
 
-impl Elem for f16 {
-    const PRECISION: Precision = Precision::Fp16;
-    const SUFFIX: &'static str = "f16";
-    const IS_F32: bool = false;
-    fn from_f32(v: f32) -> Self {
-        f16::from_f32(v)
-    }
-    fn to_f32(self) -> f32 {
-        f16::to_f32(self)
-    }
-    fn as_f32(_: &[Self]) -> Option<&[f32]> {
-        None
-    }
-    fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
-        None
-    }
-    fn widen(src: &[Self], dst: &mut [f32]) {
-        src.convert_to_f32_slice(dst);
-    }
-    fn narrow(src: &[f32], dst: &mut [Self]) {
-        dst.convert_from_f32_slice(src);
-    }
+/// The two half types differ only in their names and formats.
+macro_rules! half_elem {
+    ($t:ty, $precision:expr, $suffix:literal) => {
+        impl Elem for $t {
+            const PRECISION: Precision = $precision;
+            const SUFFIX: &'static str = $suffix;
+            const IS_F32: bool = false;
+            fn from_f32(v: f32) -> Self {
+                <$t>::from_f32(v)
+            }
+            fn to_f32(self) -> f32 {
+                <$t>::to_f32(self)
+            }
+            fn as_f32(_: &[Self]) -> Option<&[f32]> {
+                None
+            }
+            fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
+                None
+            }
+            fn widen(src: &[Self], dst: &mut [f32]) {
+                src.convert_to_f32_slice(dst);
+            }
+            fn narrow(src: &[f32], dst: &mut [Self]) {
+                dst.convert_from_f32_slice(src);
+            }
+        }
+    };
 }
 
-impl Elem for bf16 {
-    const PRECISION: Precision = Precision::Bf16;
-    const SUFFIX: &'static str = "bf16";
-    const IS_F32: bool = false;
-    fn from_f32(v: f32) -> Self {
-        bf16::from_f32(v)
-    }
-    fn to_f32(self) -> f32 {
-        bf16::to_f32(self)
-    }
-    fn as_f32(_: &[Self]) -> Option<&[f32]> {
-        None
-    }
-    fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
-        None
-    }
-    fn widen(src: &[Self], dst: &mut [f32]) {
-        src.convert_to_f32_slice(dst);
-    }
-    fn narrow(src: &[f32], dst: &mut [Self]) {
-        dst.convert_from_f32_slice(src);
-    }
-}
+half_elem!(f16, Precision::Fp16, "f16");
+half_elem!(bf16, Precision::Bf16, "bf16");
