@@ -2,7 +2,6 @@
 //! Every failure comes back as an `anyhow` error with the context a user needs to fix it.
 
 use std::io::Write;
-use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
@@ -10,6 +9,7 @@ use anyhow::{Context, Result, bail};
 use crate::backend::{self, ExecOptions};
 use crate::bench::{self, record::BenchConfig};
 use crate::cli::{BenchArgs, Cli, Command, InferArgs, ModelsArgs, RunArgs, WeightsArgs};
+use crate::course::commands;
 use crate::model::{Precision, Weights, weights, zoo};
 use crate::report;
 
@@ -19,6 +19,27 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Infer(args) => infer_cmd(args),
         Command::Models(args) => models_cmd(args),
         Command::Weights(args) => weights_cmd(args),
+        Command::Init(a) => commands::init(a),
+        Command::Next(a) => commands::next(a),
+        Command::Status(a) => commands::status(a),
+        Command::List(a) => commands::list(a),
+        Command::Goto(a) => commands::goto(a),
+        Command::Skip(a) => commands::skip(a),
+        Command::Hint(a) => commands::hint(a),
+        Command::Reset(a) => commands::reset(a),
+        Command::Run(a) => commands::run(a),
+        Command::Results(a) => commands::results(a),
+        Command::Book(a) => commands::book(a),
+        Command::Dev(c) => commands::dev(c),
+        Command::Doctor(a) => {
+            let d = crate::doctor::collect();
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&d)?);
+            } else {
+                println!("{}", report::doctor(&d));
+            }
+            Ok(())
+        }
     }
 }
 
@@ -75,7 +96,7 @@ fn bench_cmd(args: BenchArgs) -> Result<()> {
     println!("\n{}", report::summary(&record));
     if let Some(path) = &args.json {
         let json = serde_json::to_string_pretty(&record)?;
-        write_atomic(path, json.as_bytes())?;
+        crate::files::write_atomic(path, json.as_bytes())?;
         println!("Record written to {}", path.display());
     }
     Ok(())
@@ -179,28 +200,5 @@ fn weights_cmd(args: WeightsArgs) -> Result<()> {
         args.seed,
         args.output.display()
     );
-    Ok(())
-}
-
-/// Write a file so that a crash never leaves it half-written: temp file, fsync, rename.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)
-        .with_context(|| format!("failed to create `{}`", dir.display()))?;
-    let tmp = dir.join(format!(
-        ".{}.tmp",
-        path.file_name()
-            .and_then(|n| n.to_str())
-            .unwrap_or("record")
-    ));
-    let mut f = std::fs::File::create(&tmp)
-        .with_context(|| format!("failed to write `{}`", tmp.display()))?;
-    f.write_all(bytes)
-        .and_then(|_| f.sync_all())
-        .with_context(|| format!("failed to write `{}`", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("failed to write `{}`", path.display()))?;
     Ok(())
 }

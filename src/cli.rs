@@ -21,6 +21,33 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Start a workspace here: your state and results file
+    Init(InitArgs),
+    /// Run the next step of the course
+    Next(NextArgs),
+    /// Show your progress
+    Status(CourseArgs),
+    /// List the exercises
+    List(CourseArgs),
+    /// Jump to an exercise
+    Goto(GotoArgs),
+    /// Skip an exercise (the current one by default); it is recorded as skipped
+    Skip(SkipArgs),
+    /// Show the hint of the current step
+    Hint(CourseArgs),
+    /// Forget your progress on one exercise, or everything with --all (backups are kept)
+    Reset(ResetArgs),
+    /// Re-run an exercise or one step (ID or ID.STEP) without moving on
+    Run(RunStepArgs),
+    /// Print your results, or export them
+    Results(ResultsArgs),
+    /// Report this machine: OS, CPU, memory, backends and devices
+    Doctor(DoctorArgs),
+    /// Print a chapter of the course book (the current exercise's by default)
+    Book(BookArgs),
+    /// Tools for instructors
+    #[command(subcommand)]
+    Dev(DevCommand),
     /// Benchmark inference of a zoo network (like micro_benchmarking_pytorch.py)
     Bench(BenchArgs),
     /// Run one forward pass on an input tensor and write the logits (to check against PyTorch)
@@ -114,4 +141,132 @@ pub struct WeightsArgs {
     /// Output safetensors file
     #[arg(long, value_name = "FILE")]
     pub output: PathBuf,
+}
+
+/// Where the workspace and the course are.
+#[derive(Debug, Args, Clone, Default)]
+pub struct CourseArgs {
+    /// Workspace folder (default: the current folder)
+    #[arg(long, value_name = "DIR")]
+    pub dir: Option<PathBuf>,
+    /// Course directory with exercises/ and book/src/ (default: the course in this binary, or
+    /// the one given at `init`)
+    #[arg(long, value_name = "DIR")]
+    pub course: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct InitArgs {
+    #[command(flatten)]
+    pub course: CourseArgs,
+    /// Your name, for the results file (asked for when on a terminal)
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Backend the course runs on
+    #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
+    pub backend: BackendKind,
+    /// Device index within the backend
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    /// CPU worker threads (default: every core)
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+#[derive(Debug, Args)]
+pub struct NextArgs {
+    #[command(flatten)]
+    pub course: CourseArgs,
+    /// Run without asking (also the behaviour when there is no terminal)
+    #[arg(long, short)]
+    pub yes: bool,
+    /// Answer to the step's question
+    #[arg(long)]
+    pub answer: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct GotoArgs {
+    #[command(flatten)]
+    pub course: CourseArgs,
+    /// Exercise id, e.g. 01-baseline
+    pub id: String,
+}
+
+#[derive(Debug, Args)]
+pub struct SkipArgs {
+    #[command(flatten)]
+    pub course: CourseArgs,
+    /// Exercise id (default: the current exercise)
+    pub id: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct ResetArgs {
+    #[command(flatten)]
+    pub course: CourseArgs,
+    /// Exercise id
+    #[arg(required_unless_present = "all")]
+    pub id: Option<String>,
+    /// Start over completely; state and results are kept as *.bak-TIME backups
+    #[arg(long, conflicts_with = "id")]
+    pub all: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct RunStepArgs {
+    #[command(flatten)]
+    pub course: CourseArgs,
+    /// `ID` for every step of an exercise, `ID.STEP` for one
+    pub target: String,
+    /// Answer to the step's question
+    #[arg(long)]
+    pub answer: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ExportFormat {
+    Csv,
+    Json,
+}
+
+#[derive(Debug, Args)]
+pub struct ResultsArgs {
+    #[command(flatten)]
+    pub course: CourseArgs,
+    /// Print every attempt as CSV or JSON instead of the worksheet
+    #[arg(long, value_enum)]
+    pub export: Option<ExportFormat>,
+}
+
+#[derive(Debug, Args)]
+pub struct DoctorArgs {
+    /// Print the report as JSON
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct BookArgs {
+    #[command(flatten)]
+    pub course: CourseArgs,
+    /// Exercise id, or `introduction`
+    pub id: Option<String>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DevCommand {
+    /// Check a course directory (default: the embedded course) and report every problem
+    Lint {
+        /// Course directory with exercises/ and book/src/
+        dir: Option<PathBuf>,
+    },
+    /// Scaffold a new exercise and its chapter in a course directory
+    New {
+        /// Exercise id, e.g. 03-profile
+        id: String,
+        /// Course directory
+        #[arg(long, default_value = ".")]
+        dir: PathBuf,
+    },
 }

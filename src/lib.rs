@@ -6,5 +6,8 @@ pub mod app;
 pub mod backend;
 pub mod bench;
 pub mod cli;
+pub mod course;
+pub mod doctor;
+pub mod files;
 pub mod model;
 pub mod report;

@@ -4,6 +4,8 @@ mod common;
 
 /// CLI behaviour as a user meets it: commands, records, and clear errors on bad input.
 mod cli;
+/// The course runner: a full run, navigation, lint, workspace safety, the book.
+mod course;
 /// Every kernel of every backend against the f64 reference, on small and odd shapes.
 mod ops;
 /// Our outputs against PyTorch's, on committed fixtures.

@@ -129,6 +129,10 @@ pub trait Backend {
     ) -> Result<(), BackendError> {
         Ok(())
     }
+    /// Memory a run on device `dev` may use now, when the backend knows it.
+    fn memory_budget(&self, _dev: usize) -> Option<u64> {
+        None
+    }
     /// Upload weights and set up everything a forward pass of `plan` needs on device `dev`.
     fn prepare(
         &self,

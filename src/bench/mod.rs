@@ -195,6 +195,18 @@ fn environment(cfg: &BenchConfig, session: &dyn Session) -> Result<Environment> 
     })
 }
 
+/// The largest batch whose weights and activations fit in the memory the backend reports
+/// free now: an estimate from the memory plan (nothing is allocated), `None` when the backend
+/// does not report its memory.
+pub fn max_batch_estimate(cfg: &BenchConfig) -> Option<usize> {
+    let graph = zoo::build(&cfg.network).ok()?;
+    let plan = graph.plan(1, cfg.input_size, cfg.input_size).ok()?;
+    let budget = backend::open(cfg.backend).ok()?.memory_budget(cfg.device)?;
+    let est = plan.memory_estimate(cfg.precision);
+    let room = (budget / 11 * 10).saturating_sub(est.weights);
+    Some((room / est.activations_per_image.max(1)) as usize)
+}
+
 /// One forward pass of `input` through a prepared session, returning the output.
 pub fn infer(session: &mut dyn Session, input: &Tensor) -> Result<Tensor> {
     session.run(input)?;

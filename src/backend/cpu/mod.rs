@@ -79,7 +79,10 @@ pub fn host_device() -> DeviceInfo {
     DeviceInfo {
         name: name.unwrap_or_else(|| format!("{} CPU", std::env::consts::ARCH)),
         memory_bytes: sys.as_ref().map(|s| s.total_memory()),
-        driver: None,
+        driver: Some(format!(
+            "workshop-cpu kernels, sgemm {}",
+            sgemm::kernel_name()
+        )),
         compute_units: std::thread::available_parallelism().ok().map(|n| n.get()),
         features: cpu_features(),
     }
@@ -100,6 +103,10 @@ impl Backend for CpuBackend {
 
     fn devices(&self) -> Vec<DeviceInfo> {
         vec![host_device()]
+    }
+
+    fn memory_budget(&self, _dev: usize) -> Option<u64> {
+        Some(available_memory())
     }
 
     fn check_fits(&self, _dev: usize, plan: &Plan, opt: &ExecOptions) -> Result<(), BackendError> {

@@ -1,0 +1,672 @@
+//! The student and instructor commands: init, next, status, list, goto, skip, hint, reset,
+//! run, results, book, dev lint and dev new. Each opens (and locks) the workspace, does its
+//! work, and saves state and results atomically before returning.
+
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use serde::Serialize;
+
+use super::expect::Metrics;
+use super::runner::{RunOptions, run_step};
+use super::state::{self, Attempt, Outcome, Progress, Status, Workspace, now, with_lock};
+use super::{Course, Source};
+use crate::cli::{
+    BookArgs, CourseArgs, DevCommand, ExportFormat, GotoArgs, InitArgs, NextArgs, ResetArgs,
+    ResultsArgs, RunStepArgs, SkipArgs,
+};
+use crate::report;
+
+fn workspace_dir(c: &CourseArgs) -> PathBuf {
+    c.dir.clone().unwrap_or_else(|| PathBuf::from("."))
+}
+
+fn source_of(course: Option<&Path>) -> Source {
+    course.map_or(Source::Embedded, |d| Source::Dir(d.to_path_buf()))
+}
+
+fn interactive() -> bool {
+    std::io::stdin().is_terminal() && std::io::stdout().is_terminal()
+}
+
+/// Open the workspace and its course (`--course`, else the one chosen at init).
+fn open(c: &CourseArgs) -> Result<(Workspace, Course)> {
+    let ws = Workspace::open(&workspace_dir(c))?;
+    let dir = c.course.clone().or_else(|| ws.state.course_dir.clone());
+    let course = Course::load(&source_of(dir.as_deref()))?;
+    Ok((ws, course))
+}
+
+/// The exercise to work on: the one `goto` chose, else the first neither done nor skipped.
+fn current<'a>(ws: &Workspace, course: &'a Course) -> Option<&'a super::LoadedExercise> {
+    let open_ex = |id: &str| !matches!(ws.progress(id).status, Status::Done | Status::Skipped);
+    if let Some(id) = &ws.state.current
+        && let Some(ex) = course.get(id)
+        && open_ex(id)
+    {
+        return Some(ex);
+    }
+    course.exercises.iter().find(|e| open_ex(e.id()))
+}
+
+/// Metrics of the latest attempt of each step of an exercise.
+fn earlier_metrics(ws: &Workspace, exercise: &str) -> Metrics {
+    ws.results
+        .latest(exercise)
+        .into_iter()
+        .filter(|a| !matches!(a.outcome, Outcome::Skipped | Outcome::Unavailable))
+        .map(|a| (a.step.clone(), a.metrics.clone()))
+        .collect()
+}
+
+/// Record an attempt and write state, results.json and results.md.
+fn record(ws: &mut Workspace, course: &Course, attempt: Option<Attempt>) -> Result<()> {
+    if let Some(a) = attempt {
+        ws.results.attempts.push(a);
+    }
+    ws.save_results_json()?;
+    ws.save_state()?;
+    let md = render_results(ws, course)?;
+    crate::files::write_atomic(&state::results_md(&ws.dir), md.as_bytes())
+}
+
+pub fn init(args: InitArgs) -> Result<()> {
+    let dir = workspace_dir(&args.course);
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create `{}`", dir.display()))?;
+    // The course must be sound before a student starts on it.
+    Course::load(&source_of(args.course.course.as_deref()))?;
+    let name = match args.name {
+        Some(n) => n,
+        None if interactive() => inquire::Text::new("Your name (for the results file):")
+            .prompt()
+            .map_err(|e| anyhow::anyhow!("no name given ({e}); nothing was created"))?,
+        None => bail!(
+            "give your name with `workshop init --name NAME` (there is no terminal to ask on)"
+        ),
+    };
+    if name.trim().is_empty() {
+        bail!("the name must not be empty");
+    }
+    with_lock(&dir, || {
+        let course_dir = args
+            .course
+            .course
+            .as_ref()
+            .map(|c| std::fs::canonicalize(c).unwrap_or(c.clone()));
+        let ws = Workspace::create(
+            &dir,
+            name.trim(),
+            (args.backend, args.device, args.threads),
+            course_dir,
+        )?;
+        let course = Course::load(&source_of(ws.state.course_dir.as_deref()))?;
+        let mut ws = ws;
+        record(&mut ws, &course, None)?;
+        println!(
+            "Workspace ready in {} for {} (backend {}). Results go to {}.\nStart with `workshop next`.",
+            dir.display(),
+            ws.state.student,
+            ws.state.backend,
+            state::results_md(&dir).display()
+        );
+        Ok(())
+    })
+}
+
+pub fn next(args: NextArgs) -> Result<()> {
+    let dir = workspace_dir(&args.course);
+    if !state::exists(&dir) {
+        if interactive()
+            && !args.yes
+            && inquire::Confirm::new("There is no workspace here. Create one?")
+                .with_default(true)
+                .prompt()
+                .unwrap_or(false)
+        {
+            init(InitArgs {
+                course: args.course.clone(),
+                name: None,
+                backend: crate::backend::BackendKind::Cpu,
+                device: 0,
+                threads: None,
+            })?;
+        } else {
+            bail!(
+                "no workshop workspace in `{}`: run `workshop init --name NAME` there first",
+                dir.display()
+            );
+        }
+    }
+    with_lock(&dir, || {
+        let (mut ws, course) = open(&args.course)?;
+        let Some(ex) = current(&ws, &course) else {
+            println!(
+                "{}",
+                report::course_done(&ws.state.student, &state::results_md(&dir))
+            );
+            return Ok(());
+        };
+        let ex = ex.clone();
+        let id = ex.id().to_string();
+        let mut progress = ws.progress(&id);
+        if progress.status == Status::NotStarted {
+            println!("{}", report::exercise_header(&ex.exercise));
+            let unmet: Vec<&str> = ex
+                .exercise
+                .requires
+                .iter()
+                .map(|r| r.get_ref().as_str())
+                .filter(|r| !matches!(ws.progress(r).status, Status::Done | Status::Skipped))
+                .collect();
+            if !unmet.is_empty() {
+                println!(
+                    "Note: this exercise builds on {} (not done yet); you can go on and come back.",
+                    unmet.join(", ")
+                );
+            }
+        }
+        let total = ex.exercise.steps.len();
+        let step = &ex.exercise.steps[progress.next_step.min(total - 1)];
+        println!(
+            "{}",
+            report::step_header(&id, progress.next_step, total, step)
+        );
+        if interactive()
+            && !args.yes
+            && args.answer.is_none()
+            && step.kind != super::schema::StepKind::Question
+            && !inquire::Confirm::new("Run this step now?")
+                .with_default(true)
+                .prompt()
+                .unwrap_or(false)
+        {
+            println!("Not run. `workshop next` continues from here.");
+            return Ok(());
+        }
+        let opts = RunOptions {
+            answer: args.answer.clone(),
+            interactive: interactive() && !args.yes,
+        };
+        let attempt = run_step(&ws, &id, step, &earlier_metrics(&ws, &id), &opts)?;
+        println!("{}", report::attempt_verdicts(&attempt));
+        progress.next_step += 1;
+        progress.status = if progress.next_step >= total {
+            Status::Done
+        } else {
+            Status::InProgress
+        };
+        ws.set_progress(&id, progress.clone());
+        if progress.status == Status::Done && ws.state.current.as_deref() == Some(id.as_str()) {
+            ws.state.current = None;
+        }
+        record(&mut ws, &course, Some(attempt))?;
+        let upcoming = if progress.status == Status::Done {
+            current(&ws, &course).map(|e| format!("{} — {}", e.id(), e.exercise.title))
+        } else {
+            Some(format!("{id} step {} of {total}", progress.next_step + 1))
+        };
+        println!(
+            "{}",
+            report::what_next(&id, progress.status == Status::Done, upcoming.as_deref())
+        );
+        Ok(())
+    })
+}
+
+pub fn status(c: CourseArgs) -> Result<()> {
+    let (ws, course) = open(&c)?;
+    let rows: Vec<report::StatusRow> = course
+        .exercises
+        .iter()
+        .map(|e| {
+            let p = ws.progress(e.id());
+            report::StatusRow {
+                id: e.id().to_string(),
+                title: e.exercise.title.clone(),
+                status: p.status,
+                steps_done: p.next_step.min(e.exercise.steps.len()),
+                steps: e.exercise.steps.len(),
+            }
+        })
+        .collect();
+    let cur = current(&ws, &course).map(|e| e.id().to_string());
+    println!("{}", report::status(&ws.state, &rows, cur.as_deref()));
+    Ok(())
+}
+
+pub fn list(c: CourseArgs) -> Result<()> {
+    let dir = workspace_dir(&c);
+    let (ws, course) = if state::exists(&dir) {
+        let (ws, course) = open(&c)?;
+        (Some(ws), course)
+    } else {
+        (None, Course::load(&source_of(c.course.as_deref()))?)
+    };
+    let rows: Vec<(String, String, String, String)> = course
+        .exercises
+        .iter()
+        .map(|e| {
+            let status = ws
+                .as_ref()
+                .map_or(Status::NotStarted, |w| w.progress(e.id()).status);
+            (
+                e.id().to_string(),
+                e.exercise.title.clone(),
+                report::status_word(status).to_string(),
+                e.exercise.summary.clone(),
+            )
+        })
+        .collect();
+    println!("{}", report::exercise_list(&rows));
+    Ok(())
+}
+
+pub fn goto(args: GotoArgs) -> Result<()> {
+    let dir = workspace_dir(&args.course);
+    with_lock(&dir, || {
+        let (mut ws, course) = open(&args.course)?;
+        let ex = course.get(&args.id).with_context(|| {
+            format!(
+                "no exercise `{}`; the course has: {}",
+                args.id,
+                course.ids().join(", ")
+            )
+        })?;
+        let mut p = ws.progress(&args.id);
+        if matches!(p.status, Status::Done | Status::Skipped) {
+            p = Progress {
+                status: Status::InProgress,
+                next_step: 0,
+            };
+        }
+        ws.set_progress(&args.id, p);
+        ws.state.current = Some(args.id.clone());
+        record(&mut ws, &course, None)?;
+        println!(
+            "Now on {} — {}. `workshop next` runs its next step.",
+            args.id, ex.exercise.title
+        );
+        Ok(())
+    })
+}
+
+pub fn skip(args: SkipArgs) -> Result<()> {
+    let dir = workspace_dir(&args.course);
+    with_lock(&dir, || {
+        let (mut ws, course) = open(&args.course)?;
+        let ex = match &args.id {
+            Some(id) => course.get(id).with_context(|| {
+                format!(
+                    "no exercise `{id}`; the course has: {}",
+                    course.ids().join(", ")
+                )
+            })?,
+            None => {
+                current(&ws, &course).context("nothing left to skip: the course is complete")?
+            }
+        }
+        .clone();
+        let id = ex.id().to_string();
+        let p = ws.progress(&id);
+        for step in ex.exercise.steps.iter().skip(p.next_step) {
+            ws.results.attempts.push(Attempt {
+                exercise: id.clone(),
+                step: step.id.get_ref().clone(),
+                kind: step.kind,
+                outcome: Outcome::Skipped,
+                metrics: BTreeMap::new(),
+                table: None,
+                checks: vec![],
+                answer: None,
+                note: Some("skipped by the student".into()),
+                environment: BTreeMap::new(),
+                started: now(),
+                finished: now(),
+            });
+        }
+        ws.set_progress(
+            &id,
+            Progress {
+                status: Status::Skipped,
+                next_step: ex.exercise.steps.len(),
+            },
+        );
+        if ws.state.current.as_deref() == Some(id.as_str()) {
+            ws.state.current = None;
+        }
+        record(&mut ws, &course, None)?;
+        let upcoming = current(&ws, &course).map(|e| format!("{} — {}", e.id(), e.exercise.title));
+        println!(
+            "Skipped {id} (recorded as skipped; `workshop goto {id}` brings it back). Next: {}",
+            upcoming.unwrap_or_else(|| "nothing — the course is complete".into())
+        );
+        Ok(())
+    })
+}
+
+pub fn hint(c: CourseArgs) -> Result<()> {
+    let (ws, course) = open(&c)?;
+    let Some(ex) = current(&ws, &course) else {
+        println!("The course is complete: no hints needed.");
+        return Ok(());
+    };
+    let p = ws.progress(ex.id());
+    let mut said = false;
+    // Hints of the expectations that failed in the last step run come first.
+    if let Some(a) = ws
+        .results
+        .attempts
+        .iter()
+        .rev()
+        .find(|a| a.outcome != Outcome::Skipped)
+    {
+        for check in a.checks.iter().filter(|c| c.hint.is_some()) {
+            println!(
+                "{}.{}: `{}` — {}",
+                a.exercise,
+                a.step,
+                check.what,
+                check.hint.as_deref().unwrap_or_default()
+            );
+            said = true;
+        }
+    }
+    if let Some(step) = ex.exercise.steps.get(p.next_step)
+        && let Some(h) = &step.hint
+    {
+        println!("{}.{}: {h}", ex.id(), step.id.get_ref());
+        said = true;
+    }
+    if !said {
+        println!(
+            "No hint for this step; its chapter explains it: `workshop book {}`.",
+            ex.id()
+        );
+    }
+    Ok(())
+}
+
+pub fn reset(args: ResetArgs) -> Result<()> {
+    let dir = workspace_dir(&args.course);
+    if args.all {
+        // Works on a damaged workspace too: nothing is parsed, files are moved aside.
+        return with_lock(&dir, || {
+            let kept = state::reset_all(&dir)?;
+            for k in &kept {
+                println!("kept {}", k.display());
+            }
+            println!("Workspace reset. Run `workshop init` to start again.");
+            Ok(())
+        });
+    }
+    let id = args.id.clone().context("give an exercise id, or --all")?;
+    with_lock(&dir, || {
+        let (mut ws, course) = open(&args.course)?;
+        course.get(&id).with_context(|| {
+            format!(
+                "no exercise `{id}`; the course has: {}",
+                course.ids().join(", ")
+            )
+        })?;
+        ws.state.exercises.remove(&id);
+        if ws.state.current.as_deref() == Some(id.as_str()) {
+            ws.state.current = None;
+        }
+        record(&mut ws, &course, None)?;
+        println!("{id} starts over at its first step (earlier attempts stay in results.json).");
+        Ok(())
+    })
+}
+
+pub fn run(args: RunStepArgs) -> Result<()> {
+    let dir = workspace_dir(&args.course);
+    with_lock(&dir, || {
+        let (mut ws, course) = open(&args.course)?;
+        let (id, step_id) = match args.target.split_once('.') {
+            Some((e, s)) => (e.to_string(), Some(s.to_string())),
+            None => (args.target.clone(), None),
+        };
+        let ex = course
+            .get(&id)
+            .with_context(|| {
+                format!(
+                    "no exercise `{id}`; the course has: {}",
+                    course.ids().join(", ")
+                )
+            })?
+            .clone();
+        let steps: Vec<_> = match &step_id {
+            Some(s) => vec![
+                ex.exercise
+                    .steps
+                    .iter()
+                    .find(|st| st.id.get_ref() == s)
+                    .with_context(|| {
+                        let ids: Vec<&str> = ex
+                            .exercise
+                            .steps
+                            .iter()
+                            .map(|st| st.id.get_ref().as_str())
+                            .collect();
+                        format!("{id} has no step `{s}`; its steps: {}", ids.join(", "))
+                    })?,
+            ],
+            None => ex.exercise.steps.iter().collect(),
+        };
+        let total = ex.exercise.steps.len();
+        for step in steps {
+            let index = ex
+                .exercise
+                .steps
+                .iter()
+                .position(|s| s.id.get_ref() == step.id.get_ref())
+                .unwrap_or(0);
+            println!("{}", report::step_header(&id, index, total, step));
+            let opts = RunOptions {
+                answer: args.answer.clone(),
+                interactive: interactive(),
+            };
+            let attempt = run_step(&ws, &id, step, &earlier_metrics(&ws, &id), &opts)?;
+            println!("{}", report::attempt_verdicts(&attempt));
+            // Saved after every step: a later failure keeps what was measured.
+            record(&mut ws, &course, Some(attempt))?;
+        }
+        Ok(())
+    })
+}
+
+pub fn results(args: ResultsArgs) -> Result<()> {
+    let (ws, course) = open(&args.course)?;
+    match args.export {
+        None => print!("{}", render_results(&ws, &course)?),
+        Some(ExportFormat::Json) => println!("{}", serde_json::to_string_pretty(&ws.results)?),
+        Some(ExportFormat::Csv) => print!("{}", report::results_csv(&ws.results)),
+    }
+    Ok(())
+}
+
+pub fn book(args: BookArgs) -> Result<()> {
+    let dir = workspace_dir(&args.course);
+    let (ws, course) = if state::exists(&dir) {
+        let (ws, course) = open(&args.course)?;
+        (Some(ws), course)
+    } else {
+        (
+            None,
+            Course::load(&source_of(args.course.course.as_deref()))?,
+        )
+    };
+    let page = match args.id.as_deref() {
+        Some("introduction") => "introduction.md".to_string(),
+        Some(id) => course
+            .get(id)
+            .with_context(|| {
+                format!(
+                    "no exercise `{id}`; the course has: introduction, {}",
+                    course.ids().join(", ")
+                )
+            })?
+            .exercise
+            .chapter
+            .get_ref()
+            .clone(),
+        None => ws.as_ref().and_then(|w| current(w, &course)).map_or_else(
+            || "introduction.md".to_string(),
+            |e| e.exercise.chapter.get_ref().clone(),
+        ),
+    };
+    let text = course
+        .chapter(&page)
+        .with_context(|| format!("the book has no page `{page}`"))?;
+    println!("{text}");
+    Ok(())
+}
+
+pub fn dev(cmd: DevCommand) -> Result<()> {
+    match cmd {
+        DevCommand::Lint { dir } => {
+            let source = source_of(dir.as_deref());
+            let files = super::read_files(&source)?;
+            let (exercises, diags) = super::lint::check(&source, &files);
+            if diags.is_empty() {
+                let steps: usize = exercises.iter().map(|e| e.exercise.steps.len()).sum();
+                println!("course OK: {} exercises, {steps} steps", exercises.len());
+                Ok(())
+            } else {
+                for d in &diags {
+                    eprintln!("{d}");
+                }
+                bail!("{} problem(s) in the course", diags.len())
+            }
+        }
+        DevCommand::New { id, dir } => {
+            let ex_path = dir.join("exercises").join(format!("{id}.toml"));
+            let ch_path = super::book_dir(&dir).join(format!("{id}.md"));
+            for p in [&ex_path, &ch_path] {
+                if p.exists() {
+                    bail!("`{}` already exists; nothing was written", p.display());
+                }
+            }
+            let toml = report::scaffold_exercise(&id);
+            let chapter = format!(
+                "# {id}\n\nWhat this exercise teaches, and why it matters.\n\n```sh\nworkshop next\n```\n"
+            );
+            crate::files::write_atomic(&ex_path, toml.as_bytes())?;
+            crate::files::write_atomic(&ch_path, chapter.as_bytes())?;
+            println!(
+                "Created {} and {}. Add the chapter to book/src/SUMMARY.md, then check with `workshop dev lint {}`.",
+                ex_path.display(),
+                ch_path.display(),
+                dir.display()
+            );
+            Ok(())
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct CheckView {
+    what: String,
+    value_text: String,
+    range_text: String,
+    verdict: String,
+    reason: Option<String>,
+    hint: Option<String>,
+}
+
+#[derive(Serialize)]
+struct StepView {
+    step: String,
+    outcome: String,
+    measured: String,
+    table: Option<state::Table>,
+    checks: Vec<CheckView>,
+}
+
+#[derive(Serialize)]
+struct ExerciseView {
+    id: String,
+    title: String,
+    status: String,
+    steps: Vec<StepView>,
+    has_checks: bool,
+}
+
+/// The worksheet (`results.md`), rendered from `templates/results.md`.
+pub fn render_results(ws: &Workspace, course: &Course) -> Result<String> {
+    let last_env = ws
+        .results
+        .attempts
+        .iter()
+        .rev()
+        .find(|a| a.environment.contains_key("device"))
+        .map(|a| &a.environment);
+    let env = |k: &str| {
+        last_env
+            .and_then(|e| e.get(k))
+            .cloned()
+            .unwrap_or_else(|| "not measured yet".into())
+    };
+    let exercises: Vec<ExerciseView> = course
+        .exercises
+        .iter()
+        .map(|e| {
+            let steps: Vec<StepView> = ws
+                .results
+                .latest(e.id())
+                .into_iter()
+                .map(|a| StepView {
+                    step: a.step.clone(),
+                    outcome: format!("{:?}", a.outcome).to_lowercase(),
+                    measured: report::measured(a),
+                    table: a.table.clone(),
+                    checks: a
+                        .checks
+                        .iter()
+                        .map(|c| CheckView {
+                            what: c.what.clone(),
+                            value_text: c.value.map_or("—".into(), report::number),
+                            range_text: report::range_text(c.min, c.max),
+                            verdict: format!("{:?}", c.verdict).to_lowercase(),
+                            reason: c.reason.clone(),
+                            hint: c.hint.clone(),
+                        })
+                        .collect(),
+                })
+                .collect();
+            ExerciseView {
+                id: e.id().to_string(),
+                title: e.exercise.title.clone(),
+                status: report::status_word(ws.progress(e.id()).status).to_string(),
+                has_checks: steps.iter().any(|s| !s.checks.is_empty()),
+                steps,
+            }
+        })
+        .collect();
+    let count = |s: Status| {
+        course
+            .exercises
+            .iter()
+            .filter(|e| ws.progress(e.id()).status == s)
+            .count()
+    };
+    let mut env_j = minijinja::Environment::new();
+    env_j.add_template("results.md", include_str!("../../templates/results.md"))?;
+    let out = env_j
+        .get_template("results.md")?
+        .render(minijinja::context! {
+            student => ws.state.student.clone(),
+            date => now(),
+            device => env("device"),
+            backend => ws.state.backend.to_string(),
+            kernels => env("kernel_version"),
+            runner_version => env!("CARGO_PKG_VERSION"),
+            done => count(Status::Done),
+            skipped => count(Status::Skipped),
+            total => course.exercises.len(),
+            exercises => minijinja::value::Value::from(minijinja::value::Serde(&exercises)),
+        })?;
+    Ok(out)
+}

@@ -1,0 +1,247 @@
+//! Judging a step's results against its expectations. A verdict is pass, fail, or
+//! inconclusive: a value we could not measure, or a run too noisy to judge (its coefficient of
+//! variation above the step's `max_cv`), is never called a failure.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::schema::Expect;
+use crate::backend::BackendKind;
+
+/// Metrics of the steps run so far in an exercise, by step id.
+pub type Metrics = BTreeMap<String, BTreeMap<String, f64>>;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Verdict {
+    Pass,
+    Fail,
+    Inconclusive,
+}
+
+/// One expectation, judged.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Check {
+    /// What was checked, as written (`throughput / fp32.throughput`).
+    pub what: String,
+    pub value: Option<f64>,
+    pub min: Option<f64>,
+    pub max: Option<f64>,
+    /// Which range applied: `device *A100*`, `backend cpu` or `default`.
+    pub range: String,
+    pub verdict: Verdict,
+    /// Why it is inconclusive.
+    pub reason: Option<String>,
+    /// The expectation's hint, kept when it failed.
+    pub hint: Option<String>,
+}
+
+/// Where the step ran, for device- and backend-keyed ranges.
+pub struct Context<'a> {
+    pub device: &'a str,
+    pub backend: BackendKind,
+}
+
+/// Metrics whose value depends on timing (and so on how quiet the machine was).
+fn is_timing(metric: &str) -> bool {
+    let m = metric.rsplit('.').next().unwrap_or(metric);
+    m.starts_with("throughput")
+        || m.ends_with("_ms")
+        || matches!(
+            m,
+            "us_per_sample" | "gflops" | "best_throughput" | "scaling" | "speedup"
+        )
+}
+
+/// Look up `metric` (this step's) or `STEP.metric`.
+fn lookup(reference: &str, step: &str, metrics: &Metrics) -> Result<f64, String> {
+    let (s, m) = reference.split_once('.').unwrap_or((step, reference));
+    metrics.get(s).and_then(|ms| ms.get(m)).copied().ok_or_else(|| {
+        if metrics.contains_key(s) {
+            format!("`{reference}` was not measured")
+        } else {
+            format!("step `{s}` has no results (skipped or unavailable), so `{reference}` is unknown")
+        }
+    })
+}
+
+/// The CV of a step that a reference depends on.
+fn cv_of(reference: &str, step: &str, metrics: &Metrics) -> Option<f64> {
+    let s = reference.split_once('.').map_or(step, |(s, _)| s);
+    metrics.get(s).and_then(|m| m.get("cv")).copied()
+}
+
+/// Judge one expectation of step `step` (whose own metrics are already in `metrics`).
+pub fn evaluate(
+    x: &Expect,
+    step: &str,
+    metrics: &Metrics,
+    ctx: &Context<'_>,
+    max_cv: Option<f64>,
+) -> Check {
+    let what = match &x.per {
+        Some(per) => format!("{} / {per}", x.metric),
+        None => x.metric.clone(),
+    };
+    let (min, max, range) = x
+        .device
+        .iter()
+        .find(|d| glob::Pattern::new(&d.glob).is_ok_and(|p| p.matches(ctx.device)))
+        .map(|d| (d.min, d.max, format!("device {}", d.glob)))
+        .or_else(|| {
+            x.backend
+                .iter()
+                .find(|b| b.backend == ctx.backend)
+                .map(|b| (b.min, b.max, format!("backend {}", b.backend)))
+        })
+        .unwrap_or((x.min, x.max, "default".into()));
+    let mut check = Check {
+        what,
+        value: None,
+        min,
+        max,
+        range,
+        verdict: Verdict::Inconclusive,
+        reason: None,
+        hint: None,
+    };
+    let value = lookup(&x.metric, step, metrics).and_then(|v| match &x.per {
+        Some(per) => lookup(per, step, metrics).and_then(|d| {
+            if d == 0.0 {
+                Err(format!("`{per}` is zero"))
+            } else {
+                Ok(v / d)
+            }
+        }),
+        None => Ok(v),
+    });
+    let value = match value {
+        Ok(v) => v,
+        Err(reason) => {
+            check.reason = Some(reason);
+            return check;
+        }
+    };
+    check.value = Some(value);
+    if let Some(limit) = max_cv {
+        let refs = std::iter::once(&x.metric).chain(x.per.as_ref());
+        for r in refs.filter(|r| is_timing(r)) {
+            if let Some(cv) = cv_of(r, step, metrics).filter(|&cv| cv > limit) {
+                check.reason = Some(format!(
+                    "too noisy to judge: the run behind `{r}` varied by {:.1}% (CV), above this step's limit of {:.1}%; close other programs and re-run the step",
+                    cv * 100.0,
+                    limit * 100.0
+                ));
+                return check;
+            }
+        }
+    }
+    let ok = min.is_none_or(|m| value >= m) && max.is_none_or(|m| value <= m);
+    check.verdict = if ok { Verdict::Pass } else { Verdict::Fail };
+    if !ok {
+        check.hint = Some(x.hint.clone());
+    }
+    check
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::course::schema::{BackendRange, DeviceRange};
+
+    fn expect(metric: &str, per: Option<&str>, min: Option<f64>, max: Option<f64>) -> Expect {
+        Expect {
+            metric: metric.into(),
+            per: per.map(String::from),
+            min,
+            max,
+            device: vec![],
+            backend: vec![],
+            hint: "try again".into(),
+        }
+    }
+
+    fn metrics() -> Metrics {
+        let mut m = Metrics::new();
+        m.insert(
+            "fp32".into(),
+            BTreeMap::from([("throughput".into(), 100.0), ("cv".into(), 0.02)]),
+        );
+        m.insert(
+            "fp16".into(),
+            BTreeMap::from([("throughput".into(), 150.0), ("cv".into(), 0.30)]),
+        );
+        m
+    }
+
+    #[test]
+    fn ratios_ranges_and_noise() {
+        let ctx = Context {
+            device: "NVIDIA A100-SXM4-40GB",
+            backend: BackendKind::Cuda,
+        };
+        let m = metrics();
+        // 150 / 100 = 1.5 ≥ 1.3: pass.
+        let c = evaluate(
+            &expect("throughput", Some("fp32.throughput"), Some(1.3), None),
+            "fp16",
+            &m,
+            &ctx,
+            None,
+        );
+        assert_eq!((c.verdict, c.value), (Verdict::Pass, Some(1.5)));
+        // Above 1.6 fails, with the hint kept.
+        let c = evaluate(
+            &expect("throughput", Some("fp32.throughput"), Some(1.6), None),
+            "fp16",
+            &m,
+            &ctx,
+            None,
+        );
+        assert_eq!(c.verdict, Verdict::Fail);
+        assert_eq!(c.hint.as_deref(), Some("try again"));
+        // The fp16 run's CV of 30% is above a 10% limit: inconclusive, not failed.
+        let c = evaluate(
+            &expect("throughput", Some("fp32.throughput"), Some(1.6), None),
+            "fp16",
+            &m,
+            &ctx,
+            Some(0.1),
+        );
+        assert_eq!(c.verdict, Verdict::Inconclusive);
+        assert!(c.reason.unwrap().contains("too noisy"));
+        // A missing step is inconclusive with the reason.
+        let c = evaluate(
+            &expect("bf16.throughput", None, Some(1.0), None),
+            "x",
+            &m,
+            &ctx,
+            None,
+        );
+        assert_eq!(c.verdict, Verdict::Inconclusive);
+        assert!(c.reason.unwrap().contains("step `bf16` has no results"));
+        // Device globs win over backend ranges, which win over the fallback.
+        let mut x = expect("throughput", None, Some(1000.0), None);
+        x.backend = vec![BackendRange {
+            backend: BackendKind::Cuda,
+            min: Some(120.0),
+            max: None,
+        }];
+        let c = evaluate(&x, "fp16", &m, &ctx, None);
+        assert_eq!(
+            (c.verdict, c.range.as_str()),
+            (Verdict::Pass, "backend cuda")
+        );
+        x.device = vec![DeviceRange {
+            glob: "*A100*".into(),
+            min: Some(200.0),
+            max: None,
+        }];
+        let c = evaluate(&x, "fp16", &m, &ctx, None);
+        assert_eq!(
+            (c.verdict, c.range.as_str()),
+            (Verdict::Fail, "device *A100*")
+        );
+    }
+}

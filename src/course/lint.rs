@@ -1,0 +1,443 @@
+//! Checking a course before anyone runs it: TOML syntax and unknown fields, then the meaning
+//! (unique ids, `requires` that resolve and do not form a cycle, chapters that exist, sections
+//! that match each step's kind, networks in the zoo, sane ranges, hints present, metrics that
+//! name something a step produces). Every problem is reported with file:line:col.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::ops::Range;
+
+use super::schema::{Exercise, FORMAT_VERSION, StepKind};
+use super::{LoadedExercise, Source, chapter_text};
+use crate::model::zoo;
+
+/// One problem, at a place in a file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Diagnostic {
+    pub path: String,
+    pub line: usize,
+    pub col: usize,
+    pub message: String,
+}
+
+impl fmt::Display for Diagnostic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}:{}:{}: {}",
+            self.path, self.line, self.col, self.message
+        )
+    }
+}
+
+/// 1-based line and column of a byte offset.
+pub fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let col = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    (line, col)
+}
+
+/// Metrics that each kind of step produces (a `compare` step adds its derived names).
+pub fn metrics_of(kind: StepKind) -> &'static [&'static str] {
+    match kind {
+        StepKind::Bench => &[
+            "throughput",
+            "throughput_mean",
+            "median_ms",
+            "mean_ms",
+            "std_ms",
+            "cv",
+            "min_ms",
+            "max_ms",
+            "us_per_sample",
+            "gflops",
+            "peak_memory_mib",
+            "loss",
+            "max_batch",
+        ],
+        StepKind::Sweep => &["best_throughput", "best_value", "scaling"],
+        StepKind::Accuracy => &["max_abs_diff", "rel_diff", "top1_agreement"],
+        StepKind::Doctor => &["cores", "memory_gib"],
+        StepKind::Compare | StepKind::Question | StepKind::Note => &[],
+    }
+}
+
+struct Linter<'a> {
+    path: &'a str,
+    text: &'a str,
+    out: Vec<Diagnostic>,
+}
+
+impl Linter<'_> {
+    fn at(&mut self, span: Range<usize>, message: impl Into<String>) {
+        let (line, col) = line_col(self.text, span.start);
+        self.out.push(Diagnostic {
+            path: self.path.to_string(),
+            line,
+            col,
+            message: message.into(),
+        });
+    }
+}
+
+/// Parse and check every file; returns the exercises that parsed (in id order) and every
+/// problem found.
+pub fn check(
+    source: &Source,
+    files: &[(String, String)],
+) -> (Vec<LoadedExercise>, Vec<Diagnostic>) {
+    let mut diags = Vec::new();
+    let mut loaded = Vec::new();
+    for (path, text) in files {
+        match toml::from_str::<Exercise>(text) {
+            Ok(exercise) => loaded.push(LoadedExercise {
+                path: path.clone(),
+                text: text.clone(),
+                exercise,
+            }),
+            Err(e) => {
+                let (line, col) = e.span().map_or((1, 1), |s| line_col(text, s.start));
+                let message = e.message().trim().replace('\n', " ");
+                diags.push(Diagnostic {
+                    path: path.clone(),
+                    line,
+                    col,
+                    message,
+                });
+            }
+        }
+    }
+    if files.is_empty() {
+        diags.push(Diagnostic {
+            path: "exercises/".into(),
+            line: 1,
+            col: 1,
+            message: "the course has no exercises".into(),
+        });
+    }
+    loaded.sort_by(|a, b| a.id().cmp(b.id()));
+    let ids: HashSet<String> = loaded.iter().map(|e| e.id().to_string()).collect();
+    let mut seen: HashMap<String, String> = HashMap::new();
+    for ex in &loaded {
+        let mut l = Linter {
+            path: &ex.path,
+            text: &ex.text,
+            out: Vec::new(),
+        };
+        check_exercise(&mut l, ex, source, &ids);
+        if let Some(first) = seen.insert(ex.id().to_string(), ex.path.clone()) {
+            l.at(
+                ex.exercise.id.span(),
+                format!("exercise id `{}` is already used by {first}", ex.id()),
+            );
+        }
+        diags.extend(l.out);
+    }
+    diags.extend(check_cycles(&loaded));
+    (loaded, diags)
+}
+
+fn check_exercise(l: &mut Linter<'_>, ex: &LoadedExercise, source: &Source, ids: &HashSet<String>) {
+    let e = &ex.exercise;
+    if *e.format_version.get_ref() != FORMAT_VERSION {
+        l.at(
+            e.format_version.span(),
+            format!(
+                "format_version {} is not supported: this build reads {FORMAT_VERSION}",
+                e.format_version.get_ref()
+            ),
+        );
+    }
+    let id = e.id.get_ref();
+    let well_formed = id.len() > 3
+        && id.as_bytes()[..2].iter().all(u8::is_ascii_digit)
+        && id.as_bytes()[2] == b'-';
+    if !well_formed
+        || !id
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+    {
+        l.at(
+            e.id.span(),
+            format!("id `{id}` must look like `NN-name` (two digits, a dash, lowercase letters)"),
+        );
+    }
+    if let Source::Dir(_) = source {
+        let stem = std::path::Path::new(&ex.path)
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .unwrap_or("");
+        if stem != id {
+            l.at(
+                e.id.span(),
+                format!("id `{id}` does not match the file name `{stem}.toml`"),
+            );
+        }
+    }
+    if chapter_text(source, e.chapter.get_ref()).is_none() {
+        l.at(
+            e.chapter.span(),
+            format!(
+                "chapter `{}` does not exist in the book (book/src/)",
+                e.chapter.get_ref()
+            ),
+        );
+    }
+    for r in &e.requires {
+        if !ids.contains(r.get_ref()) {
+            l.at(
+                r.span(),
+                format!(
+                    "requires `{}`, which is not an exercise of this course",
+                    r.get_ref()
+                ),
+            );
+        } else if r.get_ref() == id {
+            l.at(r.span(), "an exercise cannot require itself");
+        }
+    }
+    if e.steps.is_empty() {
+        l.at(e.id.span(), "the exercise has no [[step]]");
+    }
+    // Metrics each earlier step makes available, by step id.
+    let mut known: HashMap<String, Vec<String>> = HashMap::new();
+    for step in &e.steps {
+        let sid = step.id.get_ref().clone();
+        if known.contains_key(&sid) {
+            l.at(
+                step.id.span(),
+                format!("step id `{sid}` is used twice in this exercise"),
+            );
+        }
+        let needs = |what: &str| {
+            format!("a `{:?}` step needs a `{what}` section", step.kind).to_lowercase()
+        };
+        let has_bench = step.bench.is_some();
+        match step.kind {
+            StepKind::Bench | StepKind::Accuracy | StepKind::Sweep if !has_bench => {
+                l.at(step.id.span(), needs("bench"))
+            }
+            StepKind::Sweep if step.sweep.is_none() => l.at(step.id.span(), needs("sweep")),
+            StepKind::Compare if step.derive.is_empty() => l.at(step.id.span(), needs("derive")),
+            StepKind::Question if step.question.is_none() => {
+                l.at(step.id.span(), needs("question"))
+            }
+            _ => {}
+        }
+        let allowed_bench = matches!(
+            step.kind,
+            StepKind::Bench | StepKind::Accuracy | StepKind::Sweep
+        );
+        if has_bench && !allowed_bench {
+            l.at(
+                step.id.span(),
+                format!("a `{:?}` step does not take a `bench` section", step.kind).to_lowercase(),
+            );
+        }
+        if let Some(b) = &step.bench {
+            check_bench(l, b.span(), b.get_ref());
+            if let Some(cpu) = &b.get_ref().cpu {
+                check_bench(l, b.span(), cpu);
+            }
+        }
+        if let Some(s) = &step.sweep {
+            let sw = s.get_ref();
+            if sw.values.is_empty()
+                || sw.values.contains(&0)
+                || sw
+                    .cpu_values
+                    .as_ref()
+                    .is_some_and(|v| v.is_empty() || v.contains(&0))
+            {
+                l.at(
+                    s.span(),
+                    "sweep values must be a non-empty list of positive numbers",
+                );
+            }
+        }
+        if let Some(max_cv) = step.max_cv
+            && !(max_cv > 0.0 && max_cv < 1.0)
+        {
+            l.at(
+                step.id.span(),
+                format!("max_cv {max_cv} must be between 0 and 1 (0.10 is 10%)"),
+            );
+        }
+        let mut produced: Vec<String> = metrics_of(step.kind)
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        for d in &step.derive {
+            for reference in [&d.get_ref().numerator, &d.get_ref().denominator] {
+                if let Err(m) = resolve(reference, &known, None) {
+                    l.at(d.span(), m);
+                }
+            }
+            produced.push(d.get_ref().name.clone());
+        }
+        if let Some(q) = &step.question {
+            let q_ref = q.get_ref();
+            if q_ref.choices.len() < 2 {
+                l.at(q.span(), "a question needs at least two choices");
+            }
+            if let Some(c) = &q_ref.correct {
+                if c.steps.len() != q_ref.choices.len() {
+                    l.at(
+                        q.span(),
+                        format!(
+                            "correct.steps has {} entries for {} choices",
+                            c.steps.len(),
+                            q_ref.choices.len()
+                        ),
+                    );
+                }
+                for s in &c.steps {
+                    if let Err(m) = resolve(&format!("{s}.{}", c.metric), &known, None) {
+                        l.at(q.span(), m);
+                    }
+                }
+            }
+        }
+        for ex in &step.expects {
+            let x = ex.get_ref();
+            if let Err(m) = resolve(&x.metric, &known, Some(&produced)) {
+                l.at(ex.span(), m);
+            }
+            if let Some(per) = &x.per
+                && let Err(m) = resolve(per, &known, Some(&produced))
+            {
+                l.at(ex.span(), m);
+            }
+            let ranges = std::iter::once((x.min, x.max))
+                .chain(x.device.iter().map(|d| (d.min, d.max)))
+                .chain(x.backend.iter().map(|b| (b.min, b.max)));
+            for (min, max) in ranges {
+                if let (Some(a), Some(b)) = (min, max)
+                    && a > b
+                {
+                    l.at(ex.span(), format!("range min {a} is above max {b}"));
+                }
+            }
+            if x.min.is_none() && x.max.is_none() {
+                l.at(ex.span(), "an expectation needs a fallback `min` or `max` (device and backend ranges may refine it)");
+            }
+            for d in &x.device {
+                if glob::Pattern::new(&d.glob).is_err() {
+                    l.at(ex.span(), format!("`{}` is not a valid glob", d.glob));
+                }
+            }
+            if x.hint.trim().is_empty() {
+                l.at(
+                    ex.span(),
+                    "an expectation needs a hint: what should a student try when it fails?",
+                );
+            }
+        }
+        known.insert(sid, produced);
+    }
+}
+
+fn check_bench(l: &mut Linter<'_>, span: Range<usize>, b: &super::schema::BenchSpec) {
+    if let Some(n) = &b.network
+        && zoo::build(n).is_err()
+    {
+        l.at(
+            span.clone(),
+            format!(
+                "network `{n}` is not in the zoo ({})",
+                zoo::NETWORKS.join(", ")
+            ),
+        );
+    }
+    for (name, v) in [
+        ("batch_size", b.batch_size),
+        ("iterations", b.iterations),
+        ("input_size", b.input_size),
+    ] {
+        if v == Some(0) {
+            l.at(span.clone(), format!("{name} must be at least 1"));
+        }
+    }
+}
+
+/// Check a metric reference: `metric` (this step's, when `own` is given) or `STEP.metric`
+/// (an earlier step's).
+fn resolve(
+    reference: &str,
+    known: &HashMap<String, Vec<String>>,
+    own: Option<&[String]>,
+) -> Result<(), String> {
+    match reference.split_once('.') {
+        Some((step, metric)) => match known.get(step) {
+            None => Err(format!(
+                "`{reference}` names step `{step}`, which is not an earlier step of this exercise"
+            )),
+            Some(ms) if !ms.iter().any(|m| m == metric) => Err(format!(
+                "step `{step}` has no metric `{metric}` (it has: {})",
+                ms.join(", ")
+            )),
+            Some(_) => Ok(()),
+        },
+        None => match own {
+            Some(ms) if ms.iter().any(|m| m == reference) => Ok(()),
+            Some(ms) => Err(format!(
+                "this step has no metric `{reference}` (it has: {})",
+                ms.join(", ")
+            )),
+            None => Err(format!(
+                "`{reference}` must name an earlier step's metric as STEP.metric"
+            )),
+        },
+    }
+}
+
+/// `requires` must not loop.
+fn check_cycles(exercises: &[LoadedExercise]) -> Vec<Diagnostic> {
+    let deps: HashMap<&str, Vec<&str>> = exercises
+        .iter()
+        .map(|e| {
+            (
+                e.id(),
+                e.exercise
+                    .requires
+                    .iter()
+                    .map(|r| r.get_ref().as_str())
+                    .collect(),
+            )
+        })
+        .collect();
+    let mut out = Vec::new();
+    for ex in exercises {
+        // Depth-first search from this exercise; reaching it again is a cycle.
+        let mut stack: Vec<(&str, Vec<&str>)> = vec![(ex.id(), vec![ex.id()])];
+        let mut visited = HashSet::new();
+        while let Some((node, path)) = stack.pop() {
+            for &next in deps.get(node).map(|v| v.as_slice()).unwrap_or(&[]) {
+                if next == ex.id() {
+                    let (line, col) = ex
+                        .exercise
+                        .requires
+                        .first()
+                        .map_or((1, 1), |r| line_col(&ex.text, r.span().start));
+                    let mut cycle = path.clone();
+                    cycle.push(next);
+                    out.push(Diagnostic {
+                        path: ex.path.clone(),
+                        line,
+                        col,
+                        message: format!("`requires` forms a cycle: {}", cycle.join(" → ")),
+                    });
+                    stack.clear();
+                    break;
+                }
+                if visited.insert(next) {
+                    let mut p = path.clone();
+                    p.push(next);
+                    stack.push((next, p));
+                }
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,157 @@
+//! The course: exercises written in TOML (embedded in the binary, or read from a course
+//! directory with `--course DIR`), checked by [`lint`] before anything runs, executed step by
+//! step by [`runner`], with progress and results kept by [`state`].
+
+pub mod commands;
+pub mod expect;
+pub mod lint;
+pub mod runner;
+pub mod schema;
+pub mod state;
+
+use std::path::{Path, PathBuf};
+
+use schema::Exercise;
+
+/// The course shipped in the binary: (path, text) of every exercise, in course order.
+pub const EMBEDDED_EXERCISES: &[(&str, &str)] = &[
+    (
+        "exercises/00-setup.toml",
+        include_str!("../../exercises/00-setup.toml"),
+    ),
+    (
+        "exercises/01-baseline.toml",
+        include_str!("../../exercises/01-baseline.toml"),
+    ),
+    (
+        "exercises/02-precision.toml",
+        include_str!("../../exercises/02-precision.toml"),
+    ),
+];
+
+/// The book's pages shipped in the binary, for `workshop book`: (path under book/src, text).
+pub const EMBEDDED_CHAPTERS: &[(&str, &str)] = &[
+    (
+        "introduction.md",
+        include_str!("../../book/src/introduction.md"),
+    ),
+    ("00-setup.md", include_str!("../../book/src/00-setup.md")),
+    (
+        "01-baseline.md",
+        include_str!("../../book/src/01-baseline.md"),
+    ),
+    (
+        "02-precision.md",
+        include_str!("../../book/src/02-precision.md"),
+    ),
+];
+
+/// Where a course comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    Embedded,
+    /// A directory holding `exercises/*.toml` and `book/src/`.
+    Dir(PathBuf),
+}
+
+/// One exercise file, parsed.
+#[derive(Debug, Clone)]
+pub struct LoadedExercise {
+    /// The path shown in messages.
+    pub path: String,
+    pub text: String,
+    pub exercise: Exercise,
+}
+
+impl LoadedExercise {
+    pub fn id(&self) -> &str {
+        self.exercise.id.get_ref()
+    }
+}
+
+/// A course that has passed lint.
+#[derive(Debug, Clone)]
+pub struct Course {
+    pub source: Source,
+    pub exercises: Vec<LoadedExercise>,
+}
+
+impl Course {
+    /// Load and lint the course; any problem is an error listing every diagnostic.
+    pub fn load(source: &Source) -> anyhow::Result<Course> {
+        let files = read_files(source)?;
+        let (exercises, diags) = lint::check(source, &files);
+        if !diags.is_empty() {
+            let list: Vec<String> = diags.iter().map(|d| d.to_string()).collect();
+            anyhow::bail!(
+                "the course has {} problem(s):\n{}",
+                diags.len(),
+                list.join("\n")
+            );
+        }
+        Ok(Course {
+            source: source.clone(),
+            exercises,
+        })
+    }
+
+    pub fn get(&self, id: &str) -> Option<&LoadedExercise> {
+        self.exercises.iter().find(|e| e.id() == id)
+    }
+
+    pub fn ids(&self) -> Vec<&str> {
+        self.exercises.iter().map(|e| e.id()).collect()
+    }
+
+    /// The text of a book page.
+    pub fn chapter(&self, page: &str) -> Option<String> {
+        chapter_text(&self.source, page)
+    }
+}
+
+/// Read every exercise file of a course as (path, text), sorted by file name.
+pub fn read_files(source: &Source) -> anyhow::Result<Vec<(String, String)>> {
+    match source {
+        Source::Embedded => Ok(EMBEDDED_EXERCISES
+            .iter()
+            .map(|(p, t)| (p.to_string(), t.to_string()))
+            .collect()),
+        Source::Dir(dir) => {
+            let ex_dir = dir.join("exercises");
+            let entries = std::fs::read_dir(&ex_dir).map_err(|e| {
+                anyhow::anyhow!(
+                    "cannot read the course's exercises in `{}`: {e}",
+                    ex_dir.display()
+                )
+            })?;
+            let mut paths: Vec<PathBuf> = entries
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "toml"))
+                .collect();
+            paths.sort();
+            paths
+                .into_iter()
+                .map(|p| {
+                    let text = std::fs::read_to_string(&p)
+                        .map_err(|e| anyhow::anyhow!("cannot read `{}`: {e}", p.display()))?;
+                    Ok((p.display().to_string(), text))
+                })
+                .collect()
+        }
+    }
+}
+
+/// The text of a book page from the course's source.
+pub fn chapter_text(source: &Source, page: &str) -> Option<String> {
+    match source {
+        Source::Embedded => EMBEDDED_CHAPTERS
+            .iter()
+            .find(|(p, _)| *p == page)
+            .map(|(_, t)| t.to_string()),
+        Source::Dir(dir) => std::fs::read_to_string(book_dir(dir).join(page)).ok(),
+    }
+}
+
+pub fn book_dir(course_dir: &Path) -> PathBuf {
+    course_dir.join("book").join("src")
+}

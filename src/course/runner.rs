@@ -1,0 +1,432 @@
+//! Running one step of an exercise: resolve its settings for the workspace's backend, run it
+//! through the engine (with a progress bar for anything that takes a while), collect its
+//! metrics, judge its expectations, and hand back an [`Attempt`] to record. A step the build
+//! or machine cannot run comes back `unavailable` with the reason, never with made-up numbers.
+
+use std::collections::BTreeMap;
+
+use anyhow::{Context as _, Result, bail};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use super::expect::{self, Check, Context, Metrics, Verdict};
+use super::schema::{BenchSpec, DeriveFormat, Pick, Step, StepKind, SweepParam};
+use super::state::{Attempt, Outcome, Table, Workspace, now};
+use crate::backend::{self, BackendError, ExecOptions};
+use crate::bench::{self, Event, record::BenchConfig};
+use crate::model::{Precision, Rng, zoo};
+use crate::report;
+
+/// How the step may interact with the student.
+pub struct RunOptions {
+    /// The answer to a question step, given on the command line.
+    pub answer: Option<String>,
+    /// A terminal is attached and prompts are allowed.
+    pub interactive: bool,
+}
+
+/// Bench defaults for course steps (the `workshop bench` defaults).
+fn bench_config(ws: &Workspace, spec: &BenchSpec) -> BenchConfig {
+    let s = spec.resolved(ws.state.backend);
+    BenchConfig {
+        network: s.network.unwrap_or_else(|| "resnet50".into()),
+        batch_size: s.batch_size.unwrap_or(32),
+        iterations: s.iterations.unwrap_or(20),
+        warmup: s.warmup.unwrap_or(5),
+        precision: s.precision.unwrap_or(Precision::Fp32),
+        backend: ws.state.backend,
+        device: ws.state.device,
+        threads: ws.state.threads,
+        input_size: s.input_size.unwrap_or(224),
+        seed: 0,
+        weights: "random(seed=0)".into(),
+    }
+}
+
+/// Why a run cannot happen on this build or machine, if that is the reason it failed.
+fn unavailable_reason(e: &anyhow::Error) -> Option<String> {
+    e.downcast_ref::<BackendError>().and_then(|b| match b {
+        BackendError::NotCompiled(_) | BackendError::NoDevice { .. } => Some(b.to_string()),
+        _ => None,
+    })
+}
+
+/// One benchmark with a progress bar on stderr (hidden when stderr is not a terminal).
+fn bench_with_progress(cfg: &BenchConfig) -> Result<bench::record::BenchRecord> {
+    let bar = ProgressBar::new((cfg.warmup + cfg.iterations) as u64);
+    bar.set_style(
+        ProgressStyle::with_template("  {spinner} {msg} [{bar:30}] {pos}/{len} ({elapsed})")
+            .expect("a valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_message(format!(
+        "{} {} batch {}",
+        cfg.network, cfg.precision, cfg.batch_size
+    ));
+    bar.enable_steady_tick(std::time::Duration::from_millis(200));
+    let record = bench::run(cfg, None, &mut |ev| match ev {
+        Event::Warmup { .. } | Event::Iteration { .. } => bar.inc(1),
+        Event::Preparing { .. } => {}
+    });
+    bar.finish_and_clear();
+    record
+}
+
+fn bench_metrics(
+    r: &bench::record::BenchRecord,
+    max_batch: Option<usize>,
+) -> BTreeMap<String, f64> {
+    let s = &r.stats;
+    let mut m = BTreeMap::from([
+        ("throughput".to_string(), s.throughput_median),
+        ("throughput_mean".to_string(), s.throughput),
+        ("median_ms".to_string(), s.median_s * 1e3),
+        ("mean_ms".to_string(), s.mean_s * 1e3),
+        ("std_ms".to_string(), s.std_s * 1e3),
+        ("cv".to_string(), s.cv),
+        ("min_ms".to_string(), s.min_s * 1e3),
+        ("max_ms".to_string(), s.max_s * 1e3),
+        ("us_per_sample".to_string(), s.us_per_sample),
+        ("gflops".to_string(), s.gflops),
+        (
+            "peak_memory_mib".to_string(),
+            r.memory.peak as f64 / (1024.0 * 1024.0),
+        ),
+        ("loss".to_string(), r.loss),
+    ]);
+    if let Some(b) = max_batch {
+        m.insert("max_batch".into(), b as f64);
+    }
+    m
+}
+
+/// Run step `index` of `exercise` and return the attempt to record (nothing is written here).
+pub fn run_step(
+    ws: &Workspace,
+    exercise: &str,
+    step: &Step,
+    earlier: &Metrics,
+    opts: &RunOptions,
+) -> Result<Attempt> {
+    let started = now();
+    let sid = step.id.get_ref().clone();
+    let mut metrics: BTreeMap<String, f64> = BTreeMap::new();
+    let mut table = None;
+    let mut answer = None;
+    let mut checks: Vec<Check> = Vec::new();
+    let mut environment = BTreeMap::from([
+        ("backend".to_string(), ws.state.backend.to_string()),
+        (
+            "runner_version".to_string(),
+            env!("CARGO_PKG_VERSION").to_string(),
+        ),
+    ]);
+    let mut device_name = String::new();
+    let result: Result<()> = (|| {
+        match step.kind {
+            StepKind::Note => {}
+            StepKind::Doctor => {
+                let d = crate::doctor::collect();
+                println!("{}", report::doctor(&d));
+                metrics.insert("cores".into(), d.cores.unwrap_or(0) as f64);
+                metrics.insert(
+                    "memory_gib".into(),
+                    d.memory_bytes.unwrap_or(0) as f64 / (1u64 << 30) as f64,
+                );
+                environment.insert("cpu_model".into(), d.cpu_model.clone());
+                environment.insert("os".into(), d.os.clone());
+            }
+            StepKind::Bench => {
+                let spec = step
+                    .bench
+                    .as_ref()
+                    .context("bench step without bench")?
+                    .get_ref();
+                let cfg = bench_config(ws, spec);
+                println!("{}", report::step_config(&cfg));
+                let r = bench_with_progress(&cfg)?;
+                println!("{}", report::summary(&r));
+                metrics = bench_metrics(&r, bench::max_batch_estimate(&cfg));
+                device_name = r.environment.device.name.clone();
+                environment.insert("device".into(), device_name.clone());
+                environment.insert(
+                    "kernel_version".into(),
+                    r.environment.kernel_version.clone(),
+                );
+                environment.insert("cpu_model".into(), r.environment.cpu_model.clone());
+            }
+            StepKind::Sweep => {
+                let base = step
+                    .bench
+                    .as_ref()
+                    .context("sweep step without bench")?
+                    .get_ref();
+                let sweep = step
+                    .sweep
+                    .as_ref()
+                    .context("sweep step without sweep")?
+                    .get_ref();
+                let values = match (ws.state.backend, &sweep.cpu_values) {
+                    (backend::BackendKind::Cpu, Some(v)) => v.clone(),
+                    _ => sweep.values.clone(),
+                };
+                let param = match sweep.param {
+                    SweepParam::BatchSize => "batch size",
+                    SweepParam::InputSize => "input size",
+                };
+                let mut rows = Vec::new();
+                let mut points = Vec::new();
+                for &v in &values {
+                    let mut cfg = bench_config(ws, base);
+                    match sweep.param {
+                        SweepParam::BatchSize => cfg.batch_size = v,
+                        SweepParam::InputSize => cfg.input_size = v,
+                    }
+                    let r = bench_with_progress(&cfg)?;
+                    device_name = r.environment.device.name.clone();
+                    environment.insert("device".into(), device_name.clone());
+                    environment.insert(
+                        "kernel_version".into(),
+                        r.environment.kernel_version.clone(),
+                    );
+                    let s = &r.stats;
+                    rows.push(vec![
+                        v.to_string(),
+                        format!("{:.2}", s.median_s * 1e3),
+                        format!("{:.1}", s.throughput_median),
+                        format!("{:.0}", s.us_per_sample),
+                        format!("{:.1}", s.cv * 100.0),
+                        format!("{:.0}", r.memory.peak as f64 / (1024.0 * 1024.0)),
+                    ]);
+                    points.push((v, s.throughput_median));
+                }
+                let t = Table {
+                    header: [
+                        "".to_string() + param,
+                        "median ms".into(),
+                        "images/s".into(),
+                        "µs/image".into(),
+                        "CV %".into(),
+                        "peak MiB".into(),
+                    ]
+                    .to_vec(),
+                    rows,
+                };
+                println!("{}", report::table(&t));
+                table = Some(t);
+                let best = points
+                    .iter()
+                    .copied()
+                    .fold((0, 0.0), |a, b| if b.1 > a.1 { b } else { a });
+                metrics.insert("best_throughput".into(), best.1);
+                metrics.insert("best_value".into(), best.0 as f64);
+                if let (Some(first), Some(last)) = (points.first(), points.last()) {
+                    metrics.insert("scaling".into(), last.1 / first.1);
+                }
+            }
+            StepKind::Accuracy => {
+                let spec = step
+                    .bench
+                    .as_ref()
+                    .context("accuracy step without bench")?
+                    .get_ref();
+                let cfg = bench_config(ws, spec);
+                let (diff, rel, agree) = accuracy(&cfg)?;
+                println!(
+                    "{} {} against FP32 on the same input and weights: max |Δlogit| = {diff:.3e} ({:.3}% of the largest logit), top-1 agreement {:.1}%",
+                    cfg.network,
+                    cfg.precision.name().to_uppercase(),
+                    rel * 100.0,
+                    agree * 100.0
+                );
+                metrics.insert("max_abs_diff".into(), diff);
+                metrics.insert("rel_diff".into(), rel);
+                metrics.insert("top1_agreement".into(), agree);
+            }
+            StepKind::Compare => {
+                for d in &step.derive {
+                    let d = d.get_ref();
+                    let get = |r: &str| -> Result<f64> {
+                        let (s, m) = r.split_once('.').context("STEP.metric")?;
+                        earlier.get(s).and_then(|ms| ms.get(m)).copied().with_context(|| {
+                            format!("`{r}` has no value yet: run (or re-run) step `{s}` of this exercise first")
+                        })
+                    };
+                    let v = get(&d.numerator)? / get(&d.denominator)?;
+                    let shown = match d.format {
+                        DeriveFormat::Ratio => format!("{v:.2}×"),
+                        DeriveFormat::Percent => format!("{:.1}%", v * 100.0),
+                    };
+                    println!(
+                        "  {:<24} {shown:>10}   ({} / {})",
+                        d.name, d.numerator, d.denominator
+                    );
+                    metrics.insert(d.name.clone(), v);
+                }
+            }
+            StepKind::Question => {
+                let q = step
+                    .question
+                    .as_ref()
+                    .context("question step without question")?
+                    .get_ref();
+                let given = match &opts.answer {
+                    Some(a) => q
+                        .choices
+                        .iter()
+                        .find(|c| c.eq_ignore_ascii_case(a.trim()))
+                        .cloned()
+                        .with_context(|| {
+                            format!("`{a}` is not one of the choices: {}", q.choices.join(", "))
+                        })?,
+                    None if opts.interactive => inquire::Select::new(&q.prompt, q.choices.clone())
+                        .prompt()
+                        .map_err(|e| {
+                            anyhow::anyhow!("no answer given ({e}); nothing was recorded")
+                        })?,
+                    None => bail!(
+                        "this step asks: {}\nanswer with `workshop next --answer CHOICE` (choices: {})",
+                        q.prompt,
+                        q.choices.join(", ")
+                    ),
+                };
+                if let Some(c) = &q.correct {
+                    let values: Vec<Option<f64>> = c
+                        .steps
+                        .iter()
+                        .map(|s| earlier.get(s).and_then(|m| m.get(&c.metric)).copied())
+                        .collect();
+                    let mut check = Check {
+                        what: format!("answer: {given}"),
+                        value: None,
+                        min: None,
+                        max: None,
+                        range: "judged from your measurements".into(),
+                        verdict: Verdict::Inconclusive,
+                        reason: None,
+                        hint: None,
+                    };
+                    if values.iter().all(Option::is_some) {
+                        let vals: Vec<f64> = values.into_iter().flatten().collect();
+                        let best = (0..vals.len())
+                            .reduce(|a, b| {
+                                let better = match c.pick {
+                                    Pick::Max => vals[b] > vals[a],
+                                    Pick::Min => vals[b] < vals[a],
+                                };
+                                if better { b } else { a }
+                            })
+                            .unwrap_or(0);
+                        let right = &q.choices[best];
+                        check.range = format!(
+                            "your measurements say {right}: {} = {}",
+                            c.metric,
+                            report::number(vals[best])
+                        );
+                        check.verdict = if *right == given {
+                            Verdict::Pass
+                        } else {
+                            Verdict::Fail
+                        };
+                        if check.verdict == Verdict::Fail {
+                            check.hint = Some(format!(
+                                "your measurements say `{right}` ({} = {:.3}); look at the earlier steps' results again",
+                                c.metric, vals[best]
+                            ));
+                        }
+                    } else {
+                        check.reason =
+                            Some("some of the steps this question is about have no results".into());
+                    }
+                    checks.push(check);
+                }
+                answer = Some(given);
+            }
+        }
+        Ok(())
+    })();
+    let mut note = None;
+    let outcome = match result {
+        Ok(()) => {
+            let mut all = earlier.clone();
+            all.insert(sid.clone(), metrics.clone());
+            let ctx = Context {
+                device: &device_name,
+                backend: ws.state.backend,
+            };
+            checks.extend(
+                step.expects
+                    .iter()
+                    .map(|x| expect::evaluate(x.get_ref(), &sid, &all, &ctx, step.max_cv)),
+            );
+            if checks.iter().any(|c| c.verdict == Verdict::Fail) {
+                Outcome::Fail
+            } else if checks.iter().any(|c| c.verdict == Verdict::Inconclusive) {
+                Outcome::Inconclusive
+            } else {
+                Outcome::Pass
+            }
+        }
+        Err(e) => match unavailable_reason(&e) {
+            Some(reason) => {
+                note = Some(format!("not available on this machine/build: {reason}"));
+                Outcome::Unavailable
+            }
+            None => return Err(e),
+        },
+    };
+    Ok(Attempt {
+        exercise: exercise.to_string(),
+        step: sid,
+        kind: step.kind,
+        outcome,
+        metrics,
+        table,
+        checks,
+        answer,
+        note,
+        environment,
+        started,
+        finished: now(),
+    })
+}
+
+/// Max |Δlogit|, that relative to the largest FP32 logit, and top-1 agreement of one forward
+/// pass at `cfg.precision` against FP32 on the same seeded input and weights.
+pub fn accuracy(cfg: &BenchConfig) -> Result<(f64, f64, f64)> {
+    let graph = zoo::build(&cfg.network)?;
+    let plan = graph.plan(cfg.batch_size, cfg.input_size, cfg.input_size)?;
+    let weights = bench::seeded_weights(&graph, cfg.seed, cfg.input_size)?;
+    let b = backend::open(cfg.backend)?;
+    let input = Rng::new(cfg.seed.wrapping_add(1)).normal_tensor(plan.input_shape().to_vec());
+    let mut outs = Vec::new();
+    for precision in [Precision::Fp32, cfg.precision] {
+        let opt = ExecOptions {
+            precision,
+            threads: cfg.threads,
+            profile: false,
+        };
+        let mut s = b.prepare(cfg.device, &plan, &weights, &opt)?;
+        outs.push(bench::infer(s.as_mut(), &input)?);
+    }
+    let (r, o) = (&outs[0], &outs[1]);
+    let diff = r.max_abs_diff(o) as f64;
+    let scale = r
+        .data
+        .iter()
+        .fold(0f32, |a, v| a.max(v.abs()))
+        .max(f32::MIN_POSITIVE) as f64;
+    let classes = r.shape[1];
+    let argmax = |row: &[f32]| {
+        row.iter()
+            .enumerate()
+            .fold(0, |best, (i, v)| if *v > row[best] { i } else { best })
+    };
+    let agree = r
+        .data
+        .chunks(classes)
+        .zip(o.data.chunks(classes))
+        .filter(|(a, b)| argmax(a) == argmax(b))
+        .count() as f64
+        / cfg.batch_size as f64;
+    Ok((diff, diff / scale, agree))
+}

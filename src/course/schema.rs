@@ -1,0 +1,249 @@
+//! The exercise file format, as instructors write it: one TOML file per exercise. Every field
+//! is documented here, on the struct that reads it; unknown fields are refused, so a typo is
+//! an error with its file:line:col rather than a silently ignored setting.
+//!
+//! ```toml
+//! format_version = 1
+//! id = "02-precision"
+//! title = "Precision: FP32 vs FP16"
+//! chapter = "02-precision.md"
+//! requires = ["01-baseline"]
+//!
+//! [[step]]
+//! id = "fp16"
+//! kind = "bench"
+//! say = "Same network and batch, half precision."
+//! bench = { network = "resnet50", batch_size = 32, precision = "fp16" }
+//!
+//! [[step.expect]]
+//! metric = "throughput"
+//! per = "fp32.throughput"     # a ratio to an earlier step's metric
+//! min = 1.3
+//! hint = "No speedup? Does your device do FP16 natively? See `workshop doctor`."
+//! ```
+
+use serde::{Deserialize, Serialize};
+use toml::Spanned;
+
+use crate::backend::BackendKind;
+use crate::model::Precision;
+
+/// The format version this build reads.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// One exercise: a titled, ordered list of steps with a book chapter.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Exercise {
+    /// Version of the file format; this build reads 1.
+    pub format_version: Spanned<u32>,
+    /// Unique id, `NN-name`; the number orders the course.
+    pub id: Spanned<String>,
+    /// Title shown in `list`, `status` and the results file.
+    pub title: String,
+    /// The exercise's page in the book, relative to `book/src/`.
+    pub chapter: Spanned<String>,
+    /// Exercises to finish (or skip) first.
+    #[serde(default)]
+    pub requires: Vec<Spanned<String>>,
+    /// One or two sentences: what the student will learn.
+    #[serde(default)]
+    pub summary: String,
+    /// The steps, run in order by `workshop next`.
+    #[serde(rename = "step")]
+    pub steps: Vec<Step>,
+}
+
+/// What a step does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StepKind {
+    /// Report the machine (`workshop doctor`) and record its fingerprint.
+    Doctor,
+    /// One benchmark run (needs `bench`).
+    Bench,
+    /// A benchmark over a list of values of one parameter, giving a table (needs `sweep`).
+    Sweep,
+    /// One forward pass at `bench.precision` against FP32 on the same input: max logit
+    /// difference and top-1 agreement (needs `bench`).
+    Accuracy,
+    /// Values derived from earlier steps (needs `derive`).
+    Compare,
+    /// A question whose answer is recorded and, where `question.correct` says how, checked
+    /// against the student's own measurements (needs `question`).
+    Question,
+    /// Text only.
+    Note,
+}
+
+/// One step of an exercise.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Step {
+    /// Unique within the exercise; other steps refer to its metrics as `ID.metric`.
+    pub id: Spanned<String>,
+    pub kind: StepKind,
+    /// What to tell the student before the step runs (why it matters, what to look for).
+    pub say: String,
+    /// The run, for `bench` and `accuracy` steps (and the base run of a `sweep`).
+    pub bench: Option<Spanned<BenchSpec>>,
+    /// The parameter list of a `sweep` step.
+    pub sweep: Option<Spanned<SweepSpec>>,
+    /// Derived values of a `compare` step.
+    #[serde(default)]
+    pub derive: Vec<Spanned<Derive>>,
+    /// The prompt of a `question` step.
+    pub question: Option<Spanned<Question>>,
+    /// Timing expectations are inconclusive (not failed) when the run's coefficient of
+    /// variation is above this (e.g. 0.10 for 10%): the machine was too noisy to judge.
+    pub max_cv: Option<f64>,
+    /// What to check in the step's results.
+    #[serde(default, rename = "expect")]
+    pub expects: Vec<Spanned<Expect>>,
+    /// Shown by `workshop hint` while this step is current.
+    pub hint: Option<String>,
+}
+
+/// A benchmark run, with the same meaning as the `workshop bench` flags. Missing fields take
+/// the bench defaults; the backend and device are the workspace's (set at `init`).
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct BenchSpec {
+    pub network: Option<String>,
+    pub batch_size: Option<usize>,
+    pub iterations: Option<usize>,
+    pub warmup: Option<usize>,
+    pub precision: Option<Precision>,
+    pub input_size: Option<usize>,
+    /// Overrides that apply when the workspace runs on the CPU backend, so a step that takes a
+    /// few seconds on a GPU stays well under a minute on a laptop (e.g. a smaller batch).
+    pub cpu: Option<Box<BenchSpec>>,
+}
+
+/// A sweep: the step's `bench` run once per value of `param`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SweepSpec {
+    /// `batch_size` or `input_size`.
+    pub param: SweepParam,
+    pub values: Vec<usize>,
+    /// Values to use on the CPU backend instead.
+    pub cpu_values: Option<Vec<usize>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SweepParam {
+    BatchSize,
+    InputSize,
+}
+
+/// A value computed from earlier steps' metrics: `numerator / denominator`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Derive {
+    /// The metric's name in this step (`speedup`, ...).
+    pub name: String,
+    /// `STEP.metric`.
+    pub numerator: String,
+    /// `STEP.metric`.
+    pub denominator: String,
+    /// How to print it: `ratio` (1.84×) or `percent` (84.0%); default `ratio`.
+    #[serde(default)]
+    pub format: DeriveFormat,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeriveFormat {
+    #[default]
+    Ratio,
+    Percent,
+}
+
+/// A multiple-choice question.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Question {
+    pub prompt: String,
+    pub choices: Vec<String>,
+    /// How the right answer follows from the student's data; without it any answer is
+    /// recorded as given.
+    pub correct: Option<Correct>,
+}
+
+/// The right choice is the one whose step has the largest (or smallest) value of a metric:
+/// `steps[i]` belongs to `choices[i]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Correct {
+    pub metric: String,
+    pub steps: Vec<String>,
+    /// `max` (default) or `min`.
+    #[serde(default)]
+    pub pick: Pick,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Pick {
+    #[default]
+    Max,
+    Min,
+}
+
+/// An expectation on one metric.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Expect {
+    /// A metric of this step (`throughput`, `median_ms`, `cv`, `loss`, ...) or `STEP.metric`
+    /// for an earlier step's.
+    pub metric: String,
+    /// Divide by this metric (`STEP.metric`): the expectation is then on the ratio.
+    pub per: Option<String>,
+    /// Range that applies when no `device` entry matches.
+    pub min: Option<f64>,
+    pub max: Option<f64>,
+    /// Ranges keyed by device: the first whose glob matches the device name wins.
+    #[serde(default)]
+    pub device: Vec<DeviceRange>,
+    /// Ranges keyed by backend (checked after `device`, before the fallback).
+    #[serde(default)]
+    pub backend: Vec<BackendRange>,
+    /// What to try when the expectation fails.
+    pub hint: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceRange {
+    /// A glob on the device name, e.g. `*A100*` or `AMD Instinct MI2*`.
+    pub glob: String,
+    pub min: Option<f64>,
+    pub max: Option<f64>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackendRange {
+    pub backend: BackendKind,
+    pub min: Option<f64>,
+    pub max: Option<f64>,
+}
+
+impl BenchSpec {
+    /// This spec with its CPU overrides applied when running on the CPU backend.
+    pub fn resolved(&self, backend: BackendKind) -> BenchSpec {
+        let mut out = self.clone();
+        out.cpu = None;
+        if let (BackendKind::Cpu, Some(cpu)) = (backend, &self.cpu) {
+            out.network = cpu.network.clone().or(out.network);
+            out.batch_size = cpu.batch_size.or(out.batch_size);
+            out.iterations = cpu.iterations.or(out.iterations);
+            out.warmup = cpu.warmup.or(out.warmup);
+            out.precision = cpu.precision.or(out.precision);
+            out.input_size = cpu.input_size.or(out.input_size);
+        }
+        out
+    }
+}

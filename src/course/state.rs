@@ -1,0 +1,294 @@
+//! A student's workspace: `.workshop/state.json` (where they are in the course), the results
+//! (`results.json`, every attempt, and `results.md`, the worksheet rendered from it), and the
+//! lock that keeps two commands from writing at once. Every write is atomic, so Ctrl-C or a
+//! killed run never leaves a half-written file and never loses what was recorded before.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use serde::{Deserialize, Serialize};
+
+use super::expect::Check;
+use crate::backend::BackendKind;
+use crate::files::write_atomic;
+
+pub const STATE_SCHEMA: u32 = 1;
+pub const RESULTS_SCHEMA: u32 = 1;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    NotStarted,
+    InProgress,
+    Done,
+    Skipped,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Progress {
+    pub status: Status,
+    /// Index of the next step to run.
+    pub next_step: usize,
+}
+
+/// Where the student is.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct State {
+    pub schema_version: u32,
+    pub student: String,
+    /// RFC 3339.
+    pub created: String,
+    pub backend: BackendKind,
+    pub device: usize,
+    pub threads: Option<usize>,
+    /// The course directory given at `init` (`None`: the course embedded in the binary).
+    #[serde(default)]
+    pub course_dir: Option<PathBuf>,
+    /// Exercise `goto` pointed at, if any; otherwise the first unfinished one is current.
+    pub current: Option<String>,
+    #[serde(default)]
+    pub exercises: BTreeMap<String, Progress>,
+}
+
+/// The outcome of one step run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Outcome {
+    /// Every expectation passed (or there were none).
+    Pass,
+    /// At least one expectation failed.
+    Fail,
+    /// Nothing failed, but something could not be judged.
+    Inconclusive,
+    /// Skipped by the student.
+    Skipped,
+    /// This build or machine cannot run the step; said plainly, never faked.
+    Unavailable,
+}
+
+/// A table a step produced (a sweep), for the results.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Table {
+    pub header: Vec<String>,
+    pub rows: Vec<Vec<String>>,
+}
+
+/// One attempt at one step: what was measured, what was expected, where and when.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Attempt {
+    pub exercise: String,
+    pub step: String,
+    pub kind: super::schema::StepKind,
+    pub outcome: Outcome,
+    pub metrics: BTreeMap<String, f64>,
+    pub table: Option<Table>,
+    pub checks: Vec<Check>,
+    pub answer: Option<String>,
+    /// Why the step is unavailable or was skipped.
+    pub note: Option<String>,
+    /// Environment fingerprint: device, backend, kernel version, CPU, OS.
+    pub environment: BTreeMap<String, String>,
+    pub started: String,
+    pub finished: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Results {
+    pub schema_version: u32,
+    pub student: String,
+    pub attempts: Vec<Attempt>,
+}
+
+impl Results {
+    /// The latest attempt of each step of an exercise, in step order of first appearance.
+    pub fn latest(&self, exercise: &str) -> Vec<&Attempt> {
+        let mut out: Vec<&Attempt> = Vec::new();
+        for a in self.attempts.iter().filter(|a| a.exercise == exercise) {
+            match out.iter_mut().find(|b| b.step == a.step) {
+                Some(slot) => *slot = a,
+                None => out.push(a),
+            }
+        }
+        out
+    }
+}
+
+/// An open, locked workspace.
+pub struct Workspace {
+    pub dir: PathBuf,
+    pub state: State,
+    pub results: Results,
+}
+
+pub fn state_dir(dir: &Path) -> PathBuf {
+    dir.join(".workshop")
+}
+
+fn state_path(dir: &Path) -> PathBuf {
+    state_dir(dir).join("state.json")
+}
+
+pub fn results_json(dir: &Path) -> PathBuf {
+    dir.join("results.json")
+}
+
+pub fn results_md(dir: &Path) -> PathBuf {
+    dir.join("results.md")
+}
+
+pub fn exists(dir: &Path) -> bool {
+    state_path(dir).exists()
+}
+
+pub fn now() -> String {
+    humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
+}
+
+/// Run `f` with the workspace in `dir` locked for writing.
+pub fn with_lock<T>(dir: &Path, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let sd = state_dir(dir);
+    std::fs::create_dir_all(&sd).with_context(|| format!("cannot create `{}`", sd.display()))?;
+    let file = File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(sd.join("lock"))
+        .with_context(|| format!("cannot open the lock file in `{}`", sd.display()))?;
+    let mut lock = fd_lock::RwLock::new(file);
+    let _guard = lock.try_write().map_err(|_| {
+        anyhow::anyhow!(
+            "another workshop command is running in `{}`; wait for it to finish",
+            dir.display()
+        )
+    })?;
+    f()
+}
+
+impl Workspace {
+    /// Create a new workspace (state and empty results) in `dir`.
+    pub fn create(
+        dir: &Path,
+        student: &str,
+        (backend, device, threads): (BackendKind, usize, Option<usize>),
+        course_dir: Option<PathBuf>,
+    ) -> Result<Workspace> {
+        if exists(dir) {
+            bail!(
+                "`{}` already holds a workshop workspace (student: see `workshop status`)",
+                dir.display()
+            );
+        }
+        let state = State {
+            schema_version: STATE_SCHEMA,
+            student: student.to_string(),
+            created: now(),
+            backend,
+            device,
+            threads,
+            course_dir,
+            current: None,
+            exercises: BTreeMap::new(),
+        };
+        let results = Results {
+            schema_version: RESULTS_SCHEMA,
+            student: student.to_string(),
+            attempts: Vec::new(),
+        };
+        let ws = Workspace {
+            dir: dir.to_path_buf(),
+            state,
+            results,
+        };
+        ws.save_state()?;
+        ws.save_results_json()?;
+        Ok(ws)
+    }
+
+    /// Open the workspace in `dir`; a damaged file is a clear error with a way out.
+    pub fn open(dir: &Path) -> Result<Workspace> {
+        if !exists(dir) {
+            bail!(
+                "no workshop workspace in `{}`: run `workshop init` there first",
+                dir.display()
+            );
+        }
+        let state: State = read_json(&state_path(dir))?;
+        if state.schema_version != STATE_SCHEMA {
+            bail!(
+                "`{}` has schema_version {}, this build reads {STATE_SCHEMA}; run `workshop reset --all` to start over (a backup is kept)",
+                state_path(dir).display(),
+                state.schema_version
+            );
+        }
+        let rp = results_json(dir);
+        let results = if rp.exists() {
+            read_json(&rp)?
+        } else {
+            Results {
+                schema_version: RESULTS_SCHEMA,
+                student: state.student.clone(),
+                attempts: Vec::new(),
+            }
+        };
+        Ok(Workspace {
+            dir: dir.to_path_buf(),
+            state,
+            results,
+        })
+    }
+
+    pub fn save_state(&self) -> Result<()> {
+        write_atomic(
+            &state_path(&self.dir),
+            serde_json::to_string_pretty(&self.state)?.as_bytes(),
+        )
+    }
+
+    pub fn save_results_json(&self) -> Result<()> {
+        write_atomic(
+            &results_json(&self.dir),
+            serde_json::to_string_pretty(&self.results)?.as_bytes(),
+        )
+    }
+
+    pub fn progress(&self, id: &str) -> Progress {
+        self.state.exercises.get(id).cloned().unwrap_or(Progress {
+            status: Status::NotStarted,
+            next_step: 0,
+        })
+    }
+
+    pub fn set_progress(&mut self, id: &str, p: Progress) {
+        self.state.exercises.insert(id.to_string(), p);
+    }
+}
+
+fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read `{}`", path.display()))?;
+    serde_json::from_str(&text).map_err(|e| {
+        anyhow::anyhow!(
+            "`{}` is damaged ({e}); fix it by hand or run `workshop reset --all` to start over (a backup is kept)",
+            path.display()
+        )
+    })
+}
+
+/// Move the state and results aside (as `*.bak-<time>`), keeping them as a backup.
+pub fn reset_all(dir: &Path) -> Result<Vec<PathBuf>> {
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let mut kept = Vec::new();
+    for p in [state_path(dir), results_json(dir), results_md(dir)] {
+        if p.exists() {
+            let bak = PathBuf::from(format!("{}.bak-{stamp}", p.display()));
+            std::fs::rename(&p, &bak)
+                .with_context(|| format!("cannot move `{}` aside", p.display()))?;
+            kept.push(bak);
+        }
+    }
+    Ok(kept)
+}

@@ -1,0 +1,87 @@
+//! `workshop doctor`: what this machine is and what it can run — OS, CPU and its features,
+//! memory, every backend (in this build or not, usable or why not) with its devices, and the
+//! versions of the runner and kernels. Plain data here; `report` renders it to paste.
+
+use serde::{Deserialize, Serialize};
+
+use crate::backend::{self, BackendError, BackendKind, DeviceInfo};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BackendStatus {
+    pub backend: BackendKind,
+    /// `available`, `not in this build`, or `no device`.
+    pub status: String,
+    /// Why not, in words that say what to install or change.
+    pub reason: Option<String>,
+    pub devices: Vec<DeviceInfo>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Report {
+    pub runner_version: String,
+    pub os: String,
+    pub kernel: String,
+    pub arch: String,
+    pub cpu_model: String,
+    pub cpu_features: Vec<String>,
+    pub cores: Option<usize>,
+    pub memory_bytes: Option<u64>,
+    pub available_memory_bytes: u64,
+    pub backends: Vec<BackendStatus>,
+}
+
+pub fn collect() -> Report {
+    let host = backend::cpu::host_device();
+    let backends = [
+        BackendKind::Cpu,
+        BackendKind::Wgpu,
+        BackendKind::Cuda,
+        BackendKind::Hip,
+    ]
+    .into_iter()
+    .map(|kind| match backend::open(kind) {
+        Ok(b) => {
+            let devices = b.devices();
+            if devices.is_empty() {
+                BackendStatus {
+                    backend: kind,
+                    status: "no device".into(),
+                    reason: Some("no device found".into()),
+                    devices,
+                }
+            } else {
+                BackendStatus {
+                    backend: kind,
+                    status: "available".into(),
+                    reason: None,
+                    devices,
+                }
+            }
+        }
+        Err(e @ BackendError::NotCompiled(_)) => BackendStatus {
+            backend: kind,
+            status: "not in this build".into(),
+            reason: Some(e.to_string()),
+            devices: vec![],
+        },
+        Err(e) => BackendStatus {
+            backend: kind,
+            status: "no device".into(),
+            reason: Some(e.to_string()),
+            devices: vec![],
+        },
+    })
+    .collect();
+    Report {
+        runner_version: env!("CARGO_PKG_VERSION").into(),
+        os: sysinfo::System::long_os_version().unwrap_or_else(|_| std::env::consts::OS.into()),
+        kernel: sysinfo::System::kernel_version().unwrap_or_else(|_| "unknown".into()),
+        arch: std::env::consts::ARCH.into(),
+        cpu_model: host.name.clone(),
+        cpu_features: host.features.clone(),
+        cores: host.compute_units,
+        memory_bytes: host.memory_bytes,
+        available_memory_bytes: backend::cpu::available_memory(),
+        backends,
+    }
+}

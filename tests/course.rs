@@ -1,0 +1,497 @@
+//! The course as a student and an instructor meet it: a whole run through 00–02 on the CPU,
+//! navigation (skip, goto, reset, run, hint), broken exercise files with precise positions,
+//! damaged or busy workspaces, and the book's commands against the real CLI.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use clap::Parser;
+use serde_json::Value;
+
+use crate::common::{stderr, stdout};
+
+fn ws(dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_workshop"))
+        .args(args)
+        .arg("--dir")
+        .arg(dir)
+        .output()
+        .expect("failed to start workshop")
+}
+
+fn ok(dir: &Path, args: &[&str]) -> String {
+    let o = ws(dir, args);
+    assert!(
+        o.status.success(),
+        "{args:?} failed:\n{}\n{}",
+        stdout(&o),
+        stderr(&o)
+    );
+    stdout(&o)
+}
+
+fn results(dir: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("results.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn the_embedded_course_runs_start_to_finish_on_the_cpu() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    ok(dir, &["init", "--name", "Ada Lovelace", "--threads", "2"]);
+    let mut finished = false;
+    for _ in 0..20 {
+        let o = ws(dir, &["next", "--yes"]);
+        let out = stdout(&o);
+        if !o.status.success() {
+            // The question step asks for its answer on the command line when there is no terminal.
+            assert!(
+                stderr(&o).contains("answer with `workshop next --answer CHOICE`"),
+                "{}",
+                stderr(&o)
+            );
+            ok(dir, &["next", "--answer", "fp32"]);
+            continue;
+        }
+        if out.contains("every exercise is done or skipped") {
+            finished = true;
+            break;
+        }
+    }
+    assert!(finished, "the course did not finish");
+    let r = results(dir);
+    let attempts = r["attempts"].as_array().unwrap();
+    let find = |ex: &str, step: &str| {
+        attempts
+            .iter()
+            .find(|a| a["exercise"] == ex && a["step"] == step)
+            .unwrap()
+            .clone()
+    };
+    let baseline = find("01-baseline", "baseline");
+    assert!(baseline["metrics"]["throughput"].as_f64().unwrap() > 0.0);
+    assert_eq!(baseline["environment"]["backend"], "cpu");
+    let sweep = find("01-baseline", "batch-sweep");
+    assert_eq!(sweep["table"]["rows"].as_array().unwrap().len(), 3);
+    let fp16 = find("02-precision", "fp16");
+    assert_eq!(fp16["checks"].as_array().unwrap().len(), 2);
+    assert!(["pass", "fail", "inconclusive"].contains(&fp16["outcome"].as_str().unwrap()));
+    let q = find("02-precision", "fastest");
+    assert_eq!(q["answer"], "fp32");
+    let md = std::fs::read_to_string(dir.join("results.md")).unwrap();
+    assert!(
+        md.contains("Ada Lovelace") && md.contains("## 01-baseline") && md.contains("images/s"),
+        "{md}"
+    );
+    let status = ok(dir, &["status"]);
+    assert!(status.contains("3/3 exercises"), "{status}");
+}
+
+/// A small course of two fast exercises, written into `root`.
+fn tiny_course(root: &Path) {
+    std::fs::create_dir_all(root.join("exercises")).unwrap();
+    std::fs::create_dir_all(root.join("book/src")).unwrap();
+    for (id, chapter) in [("00-first", "00-first.md"), ("01-second", "01-second.md")] {
+        std::fs::write(root.join("book/src").join(chapter), format!("# {id}\n")).unwrap();
+    }
+    std::fs::write(
+        root.join("exercises/00-first.toml"),
+        r#"format_version = 1
+id = "00-first"
+title = "First"
+chapter = "00-first.md"
+
+[[step]]
+id = "hello"
+kind = "note"
+say = "Hello."
+hint = "Just run next."
+
+[[step]]
+id = "run"
+kind = "bench"
+say = "A tiny run."
+bench = { network = "resnet18", batch_size = 1, iterations = 2, warmup = 0, input_size = 32 }
+
+[[step.expect]]
+metric = "throughput"
+min = 1e12
+hint = "Nothing is this fast: this expectation fails on purpose."
+"#,
+    )
+    .unwrap();
+    std::fs::write(
+        root.join("exercises/01-second.toml"),
+        r#"format_version = 1
+id = "01-second"
+title = "Second"
+chapter = "01-second.md"
+requires = ["00-first"]
+
+[[step]]
+id = "only"
+kind = "note"
+say = "The end."
+"#,
+    )
+    .unwrap();
+}
+
+#[test]
+fn navigation_never_dead_ends() {
+    let d = tempfile::tempdir().unwrap();
+    let course = d.path().join("course");
+    tiny_course(&course);
+    let dir = &d.path().join("ws");
+    std::fs::create_dir_all(dir).unwrap();
+    ok(
+        dir,
+        &[
+            "init",
+            "--name",
+            "Bob",
+            "--course",
+            course.to_str().unwrap(),
+        ],
+    );
+    assert!(ok(dir, &["hint"]).contains("Just run next."));
+    ok(dir, &["next", "--yes"]);
+    // A failed expectation is recorded with its hint and the course moves on.
+    let out = ok(dir, &["next", "--yes"]);
+    assert!(
+        out.contains("FAIL") && out.contains("fails on purpose"),
+        "{out}"
+    );
+    assert!(ok(dir, &["hint"]).contains("fails on purpose"));
+    // Re-running a step records a new attempt without moving on.
+    ok(dir, &["run", "00-first.run"]);
+    let runs = results(dir)["attempts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|a| a["step"] == "run")
+        .count();
+    assert_eq!(runs, 2);
+    assert!(ok(dir, &["status"]).contains("01-second"));
+    // Skip is recorded; goto brings an exercise back; reset starts it over.
+    let out = ok(dir, &["skip"]);
+    assert!(out.contains("Skipped 01-second"), "{out}");
+    let r = results(dir);
+    assert!(
+        r["attempts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a["step"] == "only" && a["outcome"] == "skipped")
+    );
+    assert!(ok(dir, &["next", "--yes"]).contains("every exercise is done or skipped"));
+    ok(dir, &["goto", "01-second"]);
+    assert!(ok(dir, &["next", "--yes"]).contains("The end."));
+    ok(dir, &["reset", "00-first"]);
+    let status = ok(dir, &["status"]);
+    assert!(status.contains("not started"), "{status}");
+    let csv = ok(dir, &["results", "--export", "csv"]);
+    assert!(
+        csv.starts_with("exercise,step,outcome,metric,value,finished")
+            && csv.contains("00-first,run,fail,throughput")
+    );
+    let o = ws(dir, &["goto", "99-nope"]);
+    assert!(
+        !o.status.success()
+            && stderr(&o).contains("no exercise `99-nope`; the course has: 00-first, 01-second")
+    );
+}
+
+/// Write `text` as the only exercise of a course and return `workshop dev lint`'s stderr.
+fn lint_one(text: &str) -> String {
+    let d = tempfile::tempdir().unwrap();
+    tiny_course(d.path());
+    std::fs::remove_file(d.path().join("exercises/01-second.toml")).unwrap();
+    std::fs::write(d.path().join("exercises/00-first.toml"), text).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_workshop"))
+        .args(["dev", "lint"])
+        .arg(d.path())
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "lint accepted:\n{text}");
+    stderr(&o)
+}
+
+#[test]
+fn broken_exercise_files_get_precise_errors() {
+    let good =
+        std::fs::read_to_string(crate::common::fixture("../../exercises/00-setup.toml")).unwrap();
+    let good = good.replace("00-setup", "00-first");
+    // TOML syntax error: line 3, where the string is not closed.
+    let e = lint_one("format_version = 1\nid = \"00-first\"\ntitle = \"oops\nchapter = \"x.md\"\n");
+    assert!(e.contains("00-first.toml:3:"), "{e}");
+    // An unknown field, named, at its line.
+    let e = lint_one(&good.replace("summary = ", "sumary = "));
+    assert!(
+        e.contains("00-first.toml:5:1: unknown field `sumary`"),
+        "{e}"
+    );
+    // A range upside down.
+    let e = lint_one(&good.replace("min = 6.0\nmax = 8.0", "min = 8.0\nmax = 6.0"));
+    assert!(e.contains("range min 8 is above max 6"), "{e}");
+    // A chapter that is not in the book.
+    let e = lint_one(&good.replace("chapter = \"00-first.md\"", "chapter = \"nowhere.md\""));
+    assert!(
+        e.contains("00-first.toml:4:11: chapter `nowhere.md` does not exist"),
+        "{e}"
+    );
+    // A network not in the zoo, and a metric no step produces.
+    let e = lint_one(
+        &good
+            .replace("network = \"resnet18\"", "network = \"resnet19\"")
+            .replace("metric = \"loss\"", "metric = \"lost\""),
+    );
+    assert!(
+        e.contains("network `resnet19` is not in the zoo")
+            && e.contains("this step has no metric `lost`"),
+        "{e}"
+    );
+    // A missing hint.
+    let e = lint_one(&good.replacen(
+        "hint = \"The larger networks",
+        "hint = \" \" # \"The larger networks",
+        1,
+    ));
+    assert!(e.contains("an expectation needs a hint"), "{e}");
+}
+
+#[test]
+fn requires_cycles_are_found() {
+    let d = tempfile::tempdir().unwrap();
+    tiny_course(d.path());
+    let first = std::fs::read_to_string(d.path().join("exercises/00-first.toml")).unwrap();
+    std::fs::write(
+        d.path().join("exercises/00-first.toml"),
+        first.replace(
+            "chapter = \"00-first.md\"",
+            "chapter = \"00-first.md\"\nrequires = [\"01-second\"]",
+        ),
+    )
+    .unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_workshop"))
+        .args(["dev", "lint"])
+        .arg(d.path())
+        .output()
+        .unwrap();
+    let e = stderr(&o);
+    assert!(
+        !o.status.success()
+            && e.contains("`requires` forms a cycle: 00-first → 01-second → 00-first"),
+        "{e}"
+    );
+}
+
+#[test]
+fn the_embedded_course_passes_lint_and_new_exercises_scaffold_cleanly() {
+    let o = Command::new(env!("CARGO_BIN_EXE_workshop"))
+        .args(["dev", "lint"])
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success() && stdout(&o).contains("course OK: 3 exercises"),
+        "{}",
+        stderr(&o)
+    );
+    let d = tempfile::tempdir().unwrap();
+    tiny_course(d.path());
+    let o = Command::new(env!("CARGO_BIN_EXE_workshop"))
+        .args(["dev", "new", "02-third", "--dir"])
+        .arg(d.path())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = Command::new(env!("CARGO_BIN_EXE_workshop"))
+        .args(["dev", "lint"])
+        .arg(d.path())
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "the scaffold does not pass lint: {}",
+        stderr(&o)
+    );
+    // Every exercise file in exercises/ is embedded in the binary.
+    let on_disk = std::fs::read_dir(crate::common::fixture("../../exercises"))
+        .unwrap()
+        .count();
+    assert_eq!(on_disk, workshop::course::EMBEDDED_EXERCISES.len());
+}
+
+#[test]
+fn damaged_busy_and_missing_workspaces_are_clear() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let o = ws(dir, &["status"]);
+    assert!(!o.status.success() && stderr(&o).contains("no workshop workspace in"));
+    let o = ws(dir, &["init"]);
+    assert!(
+        !o.status.success()
+            && stderr(&o).contains("give your name with `workshop init --name NAME`")
+    );
+    ok(dir, &["init", "--name", "Cy"]);
+    let o = ws(dir, &["init", "--name", "Cy"]);
+    assert!(!o.status.success() && stderr(&o).contains("already holds a workshop workspace"));
+    // Another command holding the lock.
+    let file = std::fs::File::options()
+        .write(true)
+        .open(dir.join(".workshop/lock"))
+        .unwrap();
+    let mut lock = fd_lock::RwLock::new(file);
+    let guard = lock.try_write().unwrap();
+    let o = ws(dir, &["goto", "01-baseline"]);
+    assert!(
+        !o.status.success() && stderr(&o).contains("another workshop command is running"),
+        "{}",
+        stderr(&o)
+    );
+    drop(guard);
+    // A damaged state file: a clear error, and a way out that keeps a backup.
+    std::fs::write(dir.join(".workshop/state.json"), "{ not json").unwrap();
+    let o = ws(dir, &["status"]);
+    let e = stderr(&o);
+    assert!(
+        !o.status.success()
+            && e.contains("state.json` is damaged")
+            && e.contains("workshop reset --all"),
+        "{e}"
+    );
+    assert!(!e.contains("panicked"));
+    ok(dir, &["reset", "--all"]);
+    let backups = std::fs::read_dir(dir.join(".workshop"))
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with("state.json.bak-")
+        })
+        .count();
+    assert_eq!(backups, 1);
+    ok(dir, &["init", "--name", "Cy"]);
+}
+
+#[test]
+fn a_killed_run_loses_nothing_recorded() {
+    let d = tempfile::tempdir().unwrap();
+    let course = d.path().join("course");
+    tiny_course(&course);
+    // Make the bench step long enough to be killed in the middle.
+    let f = course.join("exercises/00-first.toml");
+    let text = std::fs::read_to_string(&f).unwrap().replace(
+        "iterations = 2, warmup = 0, input_size = 32",
+        "iterations = 100000, warmup = 0, input_size = 64",
+    );
+    std::fs::write(&f, text).unwrap();
+    let dir = &d.path().join("ws");
+    std::fs::create_dir_all(dir).unwrap();
+    ok(
+        dir,
+        &[
+            "init",
+            "--name",
+            "Dee",
+            "--course",
+            course.to_str().unwrap(),
+        ],
+    );
+    ok(dir, &["next", "--yes"]);
+    let before = std::fs::read_to_string(dir.join("results.json")).unwrap();
+    let state_before = std::fs::read_to_string(dir.join(".workshop/state.json")).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_workshop"))
+        .args(["next", "--yes", "--dir"])
+        .arg(dir)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    child.kill().unwrap(); // SIGKILL: no chance to clean up
+    child.wait().unwrap();
+    assert_eq!(
+        std::fs::read_to_string(dir.join("results.json")).unwrap(),
+        before
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join(".workshop/state.json")).unwrap(),
+        state_before
+    );
+    // The lock died with the process: the workspace is usable at once.
+    assert!(ok(dir, &["status"]).contains("1/2"));
+    ok(dir, &["skip", "00-first"]);
+}
+
+/// Split a shell line into words, honouring double quotes (enough for the book's examples).
+fn shell_words(line: &str) -> Vec<String> {
+    let mut words = Vec::new();
+    let mut cur = String::new();
+    let mut quoted = false;
+    let mut any = false;
+    for ch in line.chars() {
+        match ch {
+            '"' => {
+                quoted = !quoted;
+                any = true;
+            }
+            c if c.is_whitespace() && !quoted => {
+                if any {
+                    words.push(std::mem::take(&mut cur));
+                    any = false;
+                }
+            }
+            c => {
+                cur.push(c);
+                any = true;
+            }
+        }
+    }
+    if any {
+        words.push(cur);
+    }
+    words
+}
+
+#[test]
+fn every_command_in_the_book_parses_and_every_chapter_is_listed() {
+    let book = crate::common::fixture("../../book/src");
+    let summary = std::fs::read_to_string(book.join("SUMMARY.md")).unwrap();
+    let mut commands = 0;
+    for entry in std::fs::read_dir(&book).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        if name == "SUMMARY.md" {
+            continue;
+        }
+        assert!(
+            summary.contains(&format!("({name})")),
+            "SUMMARY.md does not list {name}"
+        );
+        let text = std::fs::read_to_string(&path).unwrap();
+        let mut in_code = false;
+        for line in text.lines() {
+            if line.starts_with("```") {
+                in_code = line.trim() == "```sh";
+                continue;
+            }
+            let cmd = line.split(" # ").next().unwrap().trim();
+            if in_code && cmd.starts_with("workshop ") {
+                let words = shell_words(cmd);
+                if let Err(e) = workshop::cli::Cli::try_parse_from(&words) {
+                    panic!("{name}: `{cmd}` does not parse:\n{e}");
+                }
+                commands += 1;
+            }
+        }
+    }
+    assert!(commands >= 10, "only {commands} commands found in the book");
+    for (page, _) in workshop::course::EMBEDDED_CHAPTERS {
+        assert!(
+            book.join(page).exists(),
+            "embedded chapter {page} is not in book/src"
+        );
+    }
+}
