@@ -84,6 +84,7 @@ fn bench_cmd(args: BenchArgs) -> Result<()> {
         input_size: args.input_size,
         seed: args.run.seed,
         weights: weights_label(&args.run),
+        kernels_dir: args.run.kernels_dir.clone(),
     };
     bench::validate(&cfg)?;
     println!("{}\n", report::config_echo(&cfg));
@@ -136,6 +137,7 @@ fn infer_cmd(args: InferArgs) -> Result<()> {
         precision,
         threads: args.run.threads,
         profile: false,
+        kernels_dir: args.run.kernels_dir.clone(),
     };
     let mut session = backend.prepare(args.run.device, &plan, &weights, &opt)?;
     let start = Instant::now();

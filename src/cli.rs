@@ -85,6 +85,10 @@ pub struct RunArgs {
     /// Seed of the random weights, input and labels
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Read GPU kernels from DIR (DIR/wgsl/*.wgsl, ...) instead of the copies in the binary,
+    /// to edit a kernel and run it again
+    #[arg(long, value_name = "DIR")]
+    pub kernels_dir: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]

@@ -40,7 +40,7 @@ pub fn session(
     let b = match backend::open(kind) {
         Ok(b) => b,
         Err(e) => {
-            eprintln!("skipped on {kind}: {e}");
+            skip(kind, &e.to_string());
             return None;
         }
     };
@@ -48,15 +48,30 @@ pub fn session(
         precision,
         threads: Some(2),
         profile: false,
+        kernels_dir: None,
     };
     match b.prepare(0, plan, w, &opt) {
         Ok(s) => Some(s),
         Err(backend::BackendError::NoDevice { reason, .. }) => {
-            eprintln!("skipped on {kind}: {reason}");
+            skip(kind, &reason);
+            None
+        }
+        Err(backend::BackendError::Unsupported(reason)) => {
+            eprintln!("skipped {precision} on {kind}: {reason}");
             None
         }
         Err(e) => panic!("{kind} failed to prepare: {e}"),
     }
+}
+
+/// Say why a backend's test is skipped, or fail when CI requires that backend
+/// (`WORKSHOP_REQUIRE_BACKENDS=wgpu,...`): a CI run that silently skipped them tests nothing.
+fn skip(kind: BackendKind, reason: &str) {
+    let required = std::env::var("WORKSHOP_REQUIRE_BACKENDS").unwrap_or_default();
+    if required.split(',').any(|b| b.trim() == kind.name()) {
+        panic!("{kind} is required here (WORKSHOP_REQUIRE_BACKENDS) but unavailable: {reason}");
+    }
+    eprintln!("skipped on {kind}: {reason}");
 }
 
 /// Tolerance of a precision, relative to the largest reference magnitude: FP32 accumulates in

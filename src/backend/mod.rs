@@ -4,6 +4,8 @@
 //! then a `Session` runs it many times; timing and profiling hang off the session.
 
 pub mod cpu;
+#[cfg(feature = "wgpu")]
+pub mod webgpu;
 
 use serde::{Deserialize, Serialize};
 
@@ -61,6 +63,9 @@ pub struct ExecOptions {
     pub threads: Option<usize>,
     /// Collect per-kernel times (costs a little per op).
     pub profile: bool,
+    /// Read GPU kernels from this directory (`wgsl/`, `cuda/`, `hip/`) instead of the copies
+    /// embedded in the binary.
+    pub kernels_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for ExecOptions {
@@ -69,6 +74,7 @@ impl Default for ExecOptions {
             precision: Precision::Fp32,
             threads: None,
             profile: false,
+            kernels_dir: None,
         }
     }
 }
@@ -113,6 +119,9 @@ pub enum BackendError {
     },
     #[error("compiling `{path}` failed:\n{log}")]
     Compile { path: String, log: String },
+    /// The device cannot run this configuration (a precision it lacks, ...).
+    #[error("{0}")]
+    Unsupported(String),
     #[error("{0}")]
     Invalid(String),
 }
@@ -161,6 +170,8 @@ pub trait Session {
 pub fn open(kind: BackendKind) -> Result<Box<dyn Backend>, BackendError> {
     match kind {
         BackendKind::Cpu => Ok(Box::new(cpu::CpuBackend::new())),
+        #[cfg(feature = "wgpu")]
+        BackendKind::Wgpu => Ok(Box::new(webgpu::WgpuBackend::new()?)),
         other => Err(BackendError::NotCompiled(other)),
     }
 }

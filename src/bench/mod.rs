@@ -68,6 +68,7 @@ pub fn prepare(
         precision: cfg.precision,
         threads: cfg.threads,
         profile: false,
+        kernels_dir: cfg.kernels_dir.clone(),
     };
     backend.check_fits(cfg.device, &plan, &opt)?;
     let weights = match weights_file {

@@ -45,6 +45,9 @@ pub struct BenchConfig {
     pub seed: u64,
     /// `random(seed=N)` or the weights file's path.
     pub weights: String,
+    /// GPU kernels read from this directory instead of the embedded copies.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernels_dir: Option<std::path::PathBuf>,
 }
 
 /// Where it ran: what a comparison needs to say what differed.

@@ -39,6 +39,7 @@ fn bench_config(ws: &Workspace, spec: &BenchSpec) -> BenchConfig {
         input_size: s.input_size.unwrap_or(224),
         seed: 0,
         weights: "random(seed=0)".into(),
+        kernels_dir: None,
     }
 }
 
@@ -404,6 +405,7 @@ pub fn accuracy(cfg: &BenchConfig) -> Result<(f64, f64, f64)> {
             precision,
             threads: cfg.threads,
             profile: false,
+            kernels_dir: cfg.kernels_dir.clone(),
         };
         let mut s = b.prepare(cfg.device, &plan, &weights, &opt)?;
         outs.push(bench::infer(s.as_mut(), &input)?);

@@ -1,0 +1,1172 @@
+//! The wgpu backend: every op as a WGSL compute kernel (kernels/wgsl/), running on any Vulkan,
+//! Metal or DX12 GPU — and, in CI, on Mesa's lavapipe CPU driver.
+//!
+//! It follows wgpu's canonical compute order. *Adapter*: enumerate, prefer discrete, then
+//! integrated, virtual and CPU adapters. *Device*: request it with the adapter's own limits
+//! (lavapipe offers 32 KiB of workgroup memory where the default is 16 KiB) and the features
+//! the run needs (SHADER_F16, TIMESTAMP_QUERY). *Shader modules*: the embedded WGSL (or the
+//! files under `--kernels-dir`), with the storage type prepended; a compile error returns
+//! naga's whole message and the file. *Pipelines and bind groups*: built once at prepare time
+//! for every node of the plan, with weights uploaded once and activations placed in buffers
+//! reused across non-overlapping lifetimes. *Run*: one command encoder per forward pass, one
+//! compute pass (one per kernel when timing each), then a copy of the f32 logits into a
+//! mappable buffer that `read_output` maps after the device is polled.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use wgpu::util::DeviceExt;
+
+use super::{
+    Backend, BackendError, BackendKind, DeviceInfo, ExecOptions, KernelTime, MemoryStats, Session,
+};
+use crate::model::op::{Conv2d, Op};
+use crate::model::{Plan, Precision, Tensor, Weights};
+
+/// The kernel sources shipped in the binary, by file name.
+const KERNELS: &[(&str, &str)] = &[
+    (
+        "conv2d.wgsl",
+        include_str!("../../../kernels/wgsl/conv2d.wgsl"),
+    ),
+    (
+        "depthwise.wgsl",
+        include_str!("../../../kernels/wgsl/depthwise.wgsl"),
+    ),
+    ("pool.wgsl", include_str!("../../../kernels/wgsl/pool.wgsl")),
+    (
+        "elementwise.wgsl",
+        include_str!("../../../kernels/wgsl/elementwise.wgsl"),
+    ),
+];
+
+/// The kernels, as (file, entry point).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Kernel {
+    Conv2d,
+    Depthwise,
+    MaxPool,
+    AvgPool,
+    AdaptiveAvgPool,
+    Affine,
+    Clamp,
+    Add,
+    NchwToNhwc,
+    NhwcToNchw,
+    ToF32,
+    Softmax,
+}
+
+impl Kernel {
+    fn source(self) -> (&'static str, &'static str) {
+        match self {
+            Kernel::Conv2d => ("conv2d.wgsl", "conv2d"),
+            Kernel::Depthwise => ("depthwise.wgsl", "depthwise"),
+            Kernel::MaxPool => ("pool.wgsl", "max_pool"),
+            Kernel::AvgPool => ("pool.wgsl", "avg_pool"),
+            Kernel::AdaptiveAvgPool => ("pool.wgsl", "adaptive_avg_pool"),
+            Kernel::Affine => ("elementwise.wgsl", "affine"),
+            Kernel::Clamp => ("elementwise.wgsl", "clamp_op"),
+            Kernel::Add => ("elementwise.wgsl", "add"),
+            Kernel::NchwToNhwc => ("elementwise.wgsl", "nchw_to_nhwc"),
+            Kernel::NhwcToNchw => ("elementwise.wgsl", "nhwc_to_nchw"),
+            Kernel::ToF32 => ("elementwise.wgsl", "to_f32"),
+            Kernel::Softmax => ("elementwise.wgsl", "softmax"),
+        }
+    }
+}
+
+/// What to install when there is no adapter.
+const NO_ADAPTER: &str = "no GPU adapter found: install a Vulkan driver for your GPU (on a CPU-only Linux machine, \
+     `apt-get install mesa-vulkan-drivers libvulkan1` gives the lavapipe software driver)";
+
+pub struct WgpuBackend {
+    adapters: Vec<wgpu::Adapter>,
+}
+
+fn type_rank(t: wgpu::DeviceType) -> u8 {
+    match t {
+        wgpu::DeviceType::DiscreteGpu => 0,
+        wgpu::DeviceType::IntegratedGpu => 1,
+        wgpu::DeviceType::VirtualGpu => 2,
+        wgpu::DeviceType::Cpu => 3,
+        wgpu::DeviceType::Other => 4,
+    }
+}
+
+fn backend_rank(b: wgpu::Backend) -> u8 {
+    match b {
+        wgpu::Backend::Vulkan | wgpu::Backend::Metal | wgpu::Backend::Dx12 => 0,
+        _ => 1,
+    }
+}
+
+impl WgpuBackend {
+    /// Find the adapters, best first: discrete, integrated, virtual, CPU; native APIs before GL.
+    pub fn new() -> Result<Self, BackendError> {
+        let instance =
+            wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle_from_env());
+        let mut adapters = pollster::block_on(instance.enumerate_adapters(wgpu::Backends::all()));
+        adapters.sort_by_key(|a| {
+            let i = a.get_info();
+            (type_rank(i.device_type), backend_rank(i.backend))
+        });
+        if adapters.is_empty() {
+            return Err(BackendError::NoDevice {
+                kind: BackendKind::Wgpu,
+                reason: NO_ADAPTER.into(),
+            });
+        }
+        Ok(WgpuBackend { adapters })
+    }
+}
+
+fn device_info(a: &wgpu::Adapter) -> DeviceInfo {
+    let i = a.get_info();
+    let l = a.limits();
+    let f = a.features();
+    let mut features = vec![format!("{:?}", i.device_type), format!("{:?}", i.backend)];
+    for (flag, name) in [
+        (wgpu::Features::SHADER_F16, "SHADER_F16"),
+        (wgpu::Features::TIMESTAMP_QUERY, "TIMESTAMP_QUERY"),
+    ] {
+        if f.contains(flag) {
+            features.push(name.into());
+        }
+    }
+    features.push(format!(
+        "workgroup_storage={}",
+        l.max_compute_workgroup_storage_size
+    ));
+    features.push(format!(
+        "invocations={}",
+        l.max_compute_invocations_per_workgroup
+    ));
+    features.push(format!(
+        "storage_binding={}",
+        l.max_storage_buffer_binding_size
+    ));
+    DeviceInfo {
+        name: i.name.clone(),
+        memory_bytes: None,
+        driver: Some(format!("{} {}", i.driver, i.driver_info).trim().to_string()),
+        compute_units: None,
+        features,
+    }
+}
+
+impl Backend for WgpuBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Wgpu
+    }
+
+    fn devices(&self) -> Vec<DeviceInfo> {
+        self.adapters.iter().map(device_info).collect()
+    }
+
+    fn prepare(
+        &self,
+        dev: usize,
+        plan: &Plan,
+        weights: &Weights,
+        opt: &ExecOptions,
+    ) -> Result<Box<dyn Session>, BackendError> {
+        let adapter = self
+            .adapters
+            .get(dev)
+            .ok_or_else(|| BackendError::NoDevice {
+                kind: BackendKind::Wgpu,
+                reason: format!(
+                    "there is no adapter {dev}; this machine has {}: {}",
+                    self.adapters.len(),
+                    self.adapters
+                        .iter()
+                        .enumerate()
+                        .map(|(i, a)| format!("[{i}] {}", a.get_info().name))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            })?;
+        let name = adapter.get_info().name;
+        let mut features = wgpu::Features::empty();
+        match opt.precision {
+            Precision::Fp32 => {}
+            Precision::Fp16 if adapter.features().contains(wgpu::Features::SHADER_F16) => {
+                features |= wgpu::Features::SHADER_F16
+            }
+            Precision::Fp16 => {
+                return Err(BackendError::Unsupported(format!(
+                    "this adapter ({name}) has no FP16 support (SHADER_F16); use --precision fp32"
+                )));
+            }
+            Precision::Bf16 => {
+                return Err(BackendError::Unsupported(
+                    "the wgpu backend has no BF16: WGSL has no bfloat16 type; use --precision fp32 or fp16".into(),
+                ));
+            }
+        }
+        let timestamps =
+            opt.profile && adapter.features().contains(wgpu::Features::TIMESTAMP_QUERY);
+        if timestamps {
+            features |= wgpu::Features::TIMESTAMP_QUERY;
+        }
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("workshop"),
+            required_features: features,
+            required_limits: adapter.limits(),
+            ..Default::default()
+        }))
+        .map_err(|e| BackendError::NoDevice {
+            kind: BackendKind::Wgpu,
+            reason: format!("{name}: {e}"),
+        })?;
+        // wgpu panics on errors nobody captured; keep the first one instead and report it as
+        // an error from `prepare` or `sync`.
+        let errors: Arc<Mutex<Option<String>>> = Arc::default();
+        let slot = Arc::clone(&errors);
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+            slot.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_or_insert_with(|| e.to_string());
+        }));
+        let mut session = WgpuSession::new(
+            device,
+            queue,
+            adapter.limits(),
+            plan,
+            weights,
+            opt,
+            timestamps,
+            name,
+        )?;
+        session.errors = errors;
+        session.check_errors()?;
+        Ok(Box::new(session))
+    }
+}
+
+/// Bytes of `n` values of the storage type, rounded up to whole words.
+fn elem_bytes(n: usize, precision: Precision) -> u64 {
+    ((n * precision.bytes()) as u64).div_ceil(4) * 4
+}
+
+/// Values in the storage type, as bytes.
+fn to_bytes(v: &[f32], precision: Precision) -> Vec<u8> {
+    let mut out: Vec<u8> = match precision {
+        Precision::Fp16 => v
+            .iter()
+            .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+            .collect(),
+        _ => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    };
+    out.resize(out.len().div_ceil(4).max(1) * 4, 0);
+    out
+}
+
+/// One kernel launch, fully bound.
+struct Dispatch {
+    kernel: Kernel,
+    node: String,
+    pipeline: wgpu::ComputePipeline,
+    bind_group: wgpu::BindGroup,
+    groups: (u32, u32, u32),
+}
+
+struct WgpuSession {
+    device: wgpu::Device,
+    queue: wgpu::Queue,
+    dispatches: Vec<Dispatch>,
+    input: wgpu::Buffer,
+    output: wgpu::Buffer,
+    readback: wgpu::Buffer,
+    output_shape: Vec<usize>,
+    input_shape: Vec<usize>,
+    timestamps: Option<(wgpu::QuerySet, wgpu::Buffer, wgpu::Buffer)>,
+    ran: bool,
+    weight_bytes: u64,
+    activation_bytes: u64,
+    precision: Precision,
+    adapter_name: String,
+    /// The first error the device reported outside an error scope.
+    errors: Arc<Mutex<Option<String>>>,
+}
+
+/// Activation buffers, reused once their values are dead.
+struct BufferPlan {
+    buffers: Vec<(wgpu::Buffer, u64)>,
+    free: Vec<usize>,
+    /// Value id → buffer index.
+    of: HashMap<usize, usize>,
+    /// Live values per buffer (aliases share a buffer).
+    refs: Vec<usize>,
+    bytes: u64,
+}
+
+impl BufferPlan {
+    fn take(&mut self, device: &wgpu::Device, value: usize, size: u64) -> usize {
+        let best = self
+            .free
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| self.buffers[**b].1 >= size)
+            .min_by_key(|(_, b)| self.buffers[**b].1);
+        let index = match best {
+            Some((slot, &b)) => {
+                self.free.swap_remove(slot);
+                b
+            }
+            None => {
+                let buf = device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("activation"),
+                    size,
+                    usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+                    mapped_at_creation: false,
+                });
+                self.bytes += size;
+                self.buffers.push((buf, size));
+                self.refs.push(0);
+                self.buffers.len() - 1
+            }
+        };
+        self.refs[index] += 1;
+        self.of.insert(value, index);
+        index
+    }
+
+    fn alias(&mut self, value: usize, of: usize) {
+        let b = self.of[&of];
+        self.refs[b] += 1;
+        self.of.insert(value, b);
+    }
+
+    fn release(&mut self, value: usize) {
+        if let Some(b) = self.of.get(&value).copied() {
+            self.refs[b] -= 1;
+            if self.refs[b] == 0 {
+                self.free.push(b);
+            }
+        }
+    }
+
+    fn get(&self, value: usize) -> &wgpu::Buffer {
+        &self.buffers[self.of[&value]].0
+    }
+}
+
+/// 1-D launches of 256 threads, folded into a 2-D grid within the dispatch limits.
+fn grid(total: usize, max: u32) -> (u32, u32, u32) {
+    let groups = total.div_ceil(256).max(1) as u64;
+    let gx = groups.min(max as u64);
+    (gx as u32, groups.div_ceil(gx) as u32, 1)
+}
+
+/// Words in every parameter buffer: at least the largest `Params` struct of the kernels.
+const PARAM_WORDS: usize = 32;
+
+/// A uniform buffer of u32 parameters, zero-padded to `PARAM_WORDS`.
+fn params(device: &wgpu::Device, values: &[u32]) -> wgpu::Buffer {
+    let mut v = values.to_vec();
+    v.resize(PARAM_WORDS.max(v.len()), 0);
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+        label: Some("params"),
+        contents: &bytes,
+        usage: wgpu::BufferUsages::UNIFORM,
+    })
+}
+
+fn storage(device: &wgpu::Device, label: &str, bytes: &[u8]) -> wgpu::Buffer {
+    device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+        label: Some(label),
+        contents: bytes,
+        usage: wgpu::BufferUsages::STORAGE,
+    })
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    let mut b: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    if b.is_empty() {
+        b.resize(4, 0);
+    }
+    b
+}
+
+/// Compile a kernel file with the storage type prepended, reporting naga's full message.
+fn shader(
+    device: &wgpu::Device,
+    file: &str,
+    kernels_dir: Option<&PathBuf>,
+    precision: Precision,
+) -> Result<wgpu::ShaderModule, BackendError> {
+    let (path, text) = match kernels_dir {
+        Some(dir) => {
+            let p = dir.join("wgsl").join(file);
+            let text = std::fs::read_to_string(&p).map_err(|e| BackendError::Compile {
+                path: p.display().to_string(),
+                log: format!("cannot read the kernel: {e}"),
+            })?;
+            (p.display().to_string(), text)
+        }
+        None => {
+            let text = KERNELS
+                .iter()
+                .find(|(f, _)| *f == file)
+                .map(|(_, t)| t.to_string())
+                .unwrap_or_default();
+            (format!("kernels/wgsl/{file} (embedded)"), text)
+        }
+    };
+    let header = match precision {
+        Precision::Fp16 => "enable f16;\nalias elem = f16;\n",
+        _ => "alias elem = f32;\n",
+    };
+    let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
+    let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+        label: Some(file),
+        source: wgpu::ShaderSource::Wgsl(format!("{header}{text}").into()),
+    });
+    if let Some(e) = pollster::block_on(scope.pop()) {
+        return Err(BackendError::Compile {
+            path,
+            log: format!(
+                "{e}\n(line numbers count 2 extra lines: the storage-type header comes first)"
+            ),
+        });
+    }
+    Ok(module)
+}
+
+impl WgpuSession {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+        limits: wgpu::Limits,
+        plan: &Plan,
+        weights: &Weights,
+        opt: &ExecOptions,
+        timestamps: bool,
+        adapter_name: String,
+    ) -> Result<Self, BackendError> {
+        let precision = opt.precision;
+        let mut modules: HashMap<&str, wgpu::ShaderModule> = HashMap::new();
+        let mut pipelines: HashMap<Kernel, wgpu::ComputePipeline> = HashMap::new();
+        let mut pipeline = |k: Kernel| -> Result<wgpu::ComputePipeline, BackendError> {
+            if let Some(p) = pipelines.get(&k) {
+                return Ok(p.clone());
+            }
+            let (file, entry) = k.source();
+            if !modules.contains_key(file) {
+                modules.insert(
+                    file,
+                    shader(&device, file, opt.kernels_dir.as_ref(), precision)?,
+                );
+            }
+            let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
+            let p = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(entry),
+                layout: None,
+                module: &modules[file],
+                entry_point: Some(entry),
+                compilation_options: Default::default(),
+                cache: None,
+            });
+            if let Some(e) = pollster::block_on(scope.pop()) {
+                return Err(BackendError::Compile {
+                    path: format!("kernels/wgsl/{file} ({entry})"),
+                    log: e.to_string(),
+                });
+            }
+            pipelines.insert(k, p.clone());
+            Ok(p)
+        };
+        let max_groups = limits.max_compute_workgroups_per_dimension;
+        let max_binding = limits.max_storage_buffer_binding_size;
+        let check_size = |what: &str, bytes: u64| -> Result<(), BackendError> {
+            if bytes > max_binding {
+                return Err(BackendError::OutOfMemory {
+                    needed: bytes,
+                    available: max_binding,
+                    suggestion: None,
+                })
+                .map_err(|e| {
+                    BackendError::Invalid(format!(
+                        "{what}: {e} (the adapter's largest storage binding)"
+                    ))
+                });
+            }
+            Ok(())
+        };
+        let zero = storage(&device, "zero", &[0u8; 16]);
+        let numel = |s: &[usize]| s.iter().product::<usize>();
+        let input_shape = plan.input_shape().to_vec();
+        let input = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("input f32"),
+            size: (numel(&input_shape) * 4) as u64,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut bufs = BufferPlan {
+            buffers: Vec::new(),
+            free: Vec::new(),
+            of: HashMap::new(),
+            refs: Vec::new(),
+            bytes: 0,
+        };
+        let mut dispatches = Vec::new();
+        let mut weight_bytes = 0u64;
+        let nodes = &plan.graph.nodes;
+        let dims = |id: usize| -> (usize, usize, usize, usize) {
+            match *plan.shapes[id].as_slice() {
+                [n, c, h, w] => (n, h, w, c),
+                [n, f] => (n, 1, 1, f),
+                _ => (1, 1, 1, numel(&plan.shapes[id])),
+            }
+        };
+        let mut bind = |kernel: Kernel,
+                        node: &str,
+                        entries: &[(u32, &wgpu::Buffer)],
+                        groups: (u32, u32, u32)|
+         -> Result<Dispatch, BackendError> {
+            let p = pipeline(kernel)?;
+            let layout = p.get_bind_group_layout(0);
+            let entries: Vec<wgpu::BindGroupEntry> = entries
+                .iter()
+                .map(|(b, buf)| wgpu::BindGroupEntry {
+                    binding: *b,
+                    resource: buf.as_entire_binding(),
+                })
+                .collect();
+            let bind_group = device.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some(node),
+                layout: &layout,
+                entries: &entries,
+            });
+            if groups.0 > max_groups || groups.1 > max_groups || groups.2 > max_groups {
+                return Err(BackendError::Invalid(format!(
+                    "`{node}` needs a {groups:?} grid, above this adapter's limit of {max_groups} per dimension: use a smaller batch"
+                )));
+            }
+            Ok(Dispatch {
+                kernel,
+                node: node.to_string(),
+                pipeline: p,
+                bind_group,
+                groups,
+            })
+        };
+        for (id, node) in nodes.iter().enumerate() {
+            let (n, h, w, c) = dims(id);
+            let total = n * h * w * c;
+            let out_bytes = elem_bytes(total, precision);
+            check_size(&format!("`{}` output", node.name), out_bytes)?;
+            let get = |suffix: &str| -> Result<&[f32], BackendError> {
+                let name = format!("{}.{}", node.name, suffix);
+                weights
+                    .get(&name)
+                    .map(|t| t.data.as_slice())
+                    .ok_or_else(|| {
+                        BackendError::Invalid(format!("weights have no tensor `{name}`"))
+                    })
+            };
+            match &node.op {
+                Op::Input { .. } => {
+                    bufs.take(&device, id, out_bytes);
+                    let pbuf = params(&device, &[total as u32, c as u32, (h * w) as u32]);
+                    let d = bind(
+                        Kernel::NchwToNhwc,
+                        &node.name,
+                        &[(0, &pbuf), (6, &input), (5, bufs.get(id))],
+                        grid(total, max_groups),
+                    )?;
+                    dispatches.push(d);
+                }
+                Op::Conv2d(conv) => {
+                    let (_, xh, xw, xc) = dims(node.inputs[0]);
+                    let bias: Vec<f32> = if conv.bias {
+                        get("bias")?.to_vec()
+                    } else {
+                        Vec::new()
+                    };
+                    let wt = get("weight")?;
+                    let is_dw = conv.groups > 1
+                        && conv.groups == conv.in_channels
+                        && conv.groups == conv.out_channels;
+                    bufs.take(&device, id, out_bytes);
+                    let x = bufs.get(node.inputs[0]).clone();
+                    let b = if bias.is_empty() {
+                        zero.clone()
+                    } else {
+                        storage(&device, "bias", &f32_bytes(&bias))
+                    };
+                    if is_dw {
+                        let (kh, kw) = conv.kernel;
+                        let mut dw = vec![0f32; kh * kw * c];
+                        for ch in 0..c {
+                            for k in 0..kh * kw {
+                                dw[k * c + ch] = precision.round(wt[ch * kh * kw + k]);
+                            }
+                        }
+                        weight_bytes += (dw.len() * 4 + bias.len() * 4) as u64;
+                        let wbuf = storage(&device, "depthwise weights", &f32_bytes(&dw));
+                        let pbuf = params(
+                            &device,
+                            &[
+                                total as u32,
+                                xh as u32,
+                                xw as u32,
+                                c as u32,
+                                h as u32,
+                                w as u32,
+                                kh as u32,
+                                kw as u32,
+                                conv.stride.0 as u32,
+                                conv.stride.1 as u32,
+                                conv.padding.0 as u32,
+                                conv.padding.1 as u32,
+                                conv.dilation.0 as u32,
+                                conv.dilation.1 as u32,
+                                conv.bias as u32,
+                            ],
+                        );
+                        let d = bind(
+                            Kernel::Depthwise,
+                            &node.name,
+                            &[(0, &pbuf), (1, &x), (2, &wbuf), (3, &b), (4, bufs.get(id))],
+                            grid(total, max_groups),
+                        )?;
+                        dispatches.push(d);
+                    } else {
+                        let packed = pack_conv(conv, wt);
+                        check_size(
+                            &format!("`{}.weight`", node.name),
+                            elem_bytes(packed.len(), precision),
+                        )?;
+                        weight_bytes += elem_bytes(packed.len(), precision) + bias.len() as u64 * 4;
+                        let wbuf = storage(&device, "weights", &to_bytes(&packed, precision));
+                        let pbuf = conv_params(&device, conv, (xh, xw, xc), (n, h, w));
+                        let d = bind(
+                            Kernel::Conv2d,
+                            &node.name,
+                            &[(0, &pbuf), (1, &x), (2, &wbuf), (3, &b), (4, bufs.get(id))],
+                            conv_grid(conv, n * h * w),
+                        )?;
+                        dispatches.push(d);
+                    }
+                }
+                Op::Linear {
+                    in_features,
+                    out_features,
+                    bias,
+                } => {
+                    let fin = *in_features;
+                    let fout = *out_features;
+                    let wt = get("weight")?;
+                    let b: Vec<f32> = if *bias {
+                        get("bias")?.to_vec()
+                    } else {
+                        Vec::new()
+                    };
+                    // W (out × in) as the (in × out) B matrix of a 1×1 convolution.
+                    let mut packed = vec![0f32; fin * fout];
+                    for o in 0..fout {
+                        for k in 0..fin {
+                            packed[k * fout + o] = wt[o * fin + k];
+                        }
+                    }
+                    check_size(
+                        &format!("`{}.weight`", node.name),
+                        elem_bytes(packed.len(), precision),
+                    )?;
+                    weight_bytes += elem_bytes(packed.len(), precision) + b.len() as u64 * 4;
+                    let wbuf = storage(&device, "weights", &to_bytes(&packed, precision));
+                    let bbuf = if b.is_empty() {
+                        zero.clone()
+                    } else {
+                        storage(&device, "bias", &f32_bytes(&b))
+                    };
+                    bufs.take(&device, id, out_bytes);
+                    let x = bufs.get(node.inputs[0]).clone();
+                    let conv = Conv2d {
+                        bias: *bias,
+                        ..Conv2d::new(fin, fout, 1, 1, 0)
+                    };
+                    let pbuf = conv_params(&device, &conv, (1, 1, fin), (n, 1, 1));
+                    let d = bind(
+                        Kernel::Conv2d,
+                        &node.name,
+                        &[
+                            (0, &pbuf),
+                            (1, &x),
+                            (2, &wbuf),
+                            (3, &bbuf),
+                            (4, bufs.get(id)),
+                        ],
+                        conv_grid(&conv, n),
+                    )?;
+                    dispatches.push(d);
+                }
+                Op::BatchNorm { eps, .. } => {
+                    let (g, b, m, v) = (
+                        get("weight")?,
+                        get("bias")?,
+                        get("running_mean")?,
+                        get("running_var")?,
+                    );
+                    let scale: Vec<f32> =
+                        g.iter().zip(v).map(|(g, v)| g / (v + eps).sqrt()).collect();
+                    let shift: Vec<f32> = b
+                        .iter()
+                        .zip(m)
+                        .zip(&scale)
+                        .map(|((b, m), s)| b - m * s)
+                        .collect();
+                    weight_bytes += (scale.len() * 8) as u64;
+                    let (sb, hb) = (
+                        storage(&device, "scale", &f32_bytes(&scale)),
+                        storage(&device, "shift", &f32_bytes(&shift)),
+                    );
+                    bufs.take(&device, id, out_bytes);
+                    let x = bufs.get(node.inputs[0]).clone();
+                    let pbuf = params(&device, &[total as u32, c as u32, (h * w) as u32]);
+                    let d = bind(
+                        Kernel::Affine,
+                        &node.name,
+                        &[(0, &pbuf), (1, &x), (3, &sb), (4, &hb), (5, bufs.get(id))],
+                        grid(total, max_groups),
+                    )?;
+                    dispatches.push(d);
+                }
+                Op::Relu | Op::Relu6 => {
+                    let hi = if matches!(node.op, Op::Relu6) {
+                        6.0f32
+                    } else {
+                        f32::MAX
+                    };
+                    bufs.take(&device, id, out_bytes);
+                    let x = bufs.get(node.inputs[0]).clone();
+                    let pbuf = params(
+                        &device,
+                        &[
+                            total as u32,
+                            c as u32,
+                            (h * w) as u32,
+                            0f32.to_bits(),
+                            hi.to_bits(),
+                        ],
+                    );
+                    let d = bind(
+                        Kernel::Clamp,
+                        &node.name,
+                        &[(0, &pbuf), (1, &x), (5, bufs.get(id))],
+                        grid(total, max_groups),
+                    )?;
+                    dispatches.push(d);
+                }
+                Op::Add => {
+                    bufs.take(&device, id, out_bytes);
+                    let (a, b) = (
+                        bufs.get(node.inputs[0]).clone(),
+                        bufs.get(node.inputs[1]).clone(),
+                    );
+                    let pbuf = params(&device, &[total as u32, c as u32, (h * w) as u32]);
+                    let d = bind(
+                        Kernel::Add,
+                        &node.name,
+                        &[(0, &pbuf), (1, &a), (2, &b), (5, bufs.get(id))],
+                        grid(total, max_groups),
+                    )?;
+                    dispatches.push(d);
+                }
+                Op::MaxPool(pool) | Op::AvgPool(pool) => {
+                    let (_, xh, xw, _) = dims(node.inputs[0]);
+                    bufs.take(&device, id, out_bytes);
+                    let x = bufs.get(node.inputs[0]).clone();
+                    let pbuf = params(
+                        &device,
+                        &[
+                            total as u32,
+                            xh as u32,
+                            xw as u32,
+                            c as u32,
+                            h as u32,
+                            w as u32,
+                            pool.kernel.0 as u32,
+                            pool.kernel.1 as u32,
+                            pool.stride.0 as u32,
+                            pool.stride.1 as u32,
+                            pool.padding.0 as u32,
+                            pool.padding.1 as u32,
+                            pool.count_include_pad as u32,
+                        ],
+                    );
+                    let k = if matches!(node.op, Op::MaxPool(_)) {
+                        Kernel::MaxPool
+                    } else {
+                        Kernel::AvgPool
+                    };
+                    let d = bind(
+                        k,
+                        &node.name,
+                        &[(0, &pbuf), (1, &x), (2, bufs.get(id))],
+                        grid(total, max_groups),
+                    )?;
+                    dispatches.push(d);
+                }
+                Op::AdaptiveAvgPool { .. } => {
+                    let (_, xh, xw, _) = dims(node.inputs[0]);
+                    bufs.take(&device, id, out_bytes);
+                    let x = bufs.get(node.inputs[0]).clone();
+                    let pbuf = params(
+                        &device,
+                        &[
+                            total as u32,
+                            xh as u32,
+                            xw as u32,
+                            c as u32,
+                            h as u32,
+                            w as u32,
+                        ],
+                    );
+                    let d = bind(
+                        Kernel::AdaptiveAvgPool,
+                        &node.name,
+                        &[(0, &pbuf), (1, &x), (2, bufs.get(id))],
+                        grid(total, max_groups),
+                    )?;
+                    dispatches.push(d);
+                }
+                Op::Flatten => {
+                    let (xn, xh, xw, xc) = dims(node.inputs[0]);
+                    if xh * xw == 1 {
+                        bufs.alias(id, node.inputs[0]);
+                    } else {
+                        bufs.take(&device, id, out_bytes);
+                        let x = bufs.get(node.inputs[0]).clone();
+                        let pbuf = params(
+                            &device,
+                            &[(xn * xh * xw * xc) as u32, xc as u32, (xh * xw) as u32],
+                        );
+                        let d = bind(
+                            Kernel::NhwcToNchw,
+                            &node.name,
+                            &[(0, &pbuf), (1, &x), (5, bufs.get(id))],
+                            grid(total, max_groups),
+                        )?;
+                        dispatches.push(d);
+                    }
+                }
+                Op::Dropout { .. } => {
+                    bufs.alias(id, node.inputs[0]);
+                }
+                Op::Softmax => {
+                    bufs.take(&device, id, out_bytes);
+                    let x = bufs.get(node.inputs[0]).clone();
+                    let pbuf = params(&device, &[total as u32, c as u32, (h * w) as u32]);
+                    let d = bind(
+                        Kernel::Softmax,
+                        &node.name,
+                        &[(0, &pbuf), (1, &x), (5, bufs.get(id))],
+                        grid(total / c.max(1), max_groups),
+                    )?;
+                    dispatches.push(d);
+                }
+            }
+            for &i in &node.inputs {
+                if plan.last_use[i] == id {
+                    bufs.release(i);
+                }
+            }
+        }
+        // The output, converted to f32 (and from NHWC to NCHW when it is an image).
+        let out_id = plan.graph.output;
+        let output_shape = plan.output_shape().to_vec();
+        let out_total = numel(&output_shape);
+        let output = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("output f32"),
+            size: (out_total * 4) as u64,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
+        let mut src = bufs.get(out_id).clone();
+        if let [on, oc, oh, ow] = *output_shape.as_slice()
+            && oh * ow > 1
+        {
+            let tmp = bufs.take(&device, usize::MAX, elem_bytes(out_total, precision));
+            let pb = params(&device, &[out_total as u32, oc as u32, (oh * ow) as u32]);
+            let _ = on;
+            let tmp_buf = bufs.buffers[tmp].0.clone();
+            dispatches.push(bind(
+                Kernel::NhwcToNchw,
+                "output",
+                &[(0, &pb), (1, &src), (5, &tmp_buf)],
+                grid(out_total, max_groups),
+            )?);
+            src = tmp_buf;
+        }
+        let pb = params(&device, &[out_total as u32, 1, 1]);
+        dispatches.push(bind(
+            Kernel::ToF32,
+            "output",
+            &[(0, &pb), (1, &src), (7, &output)],
+            grid(out_total, max_groups),
+        )?);
+        let readback = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("readback"),
+            size: (out_total * 4) as u64,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let timestamps = timestamps.then(|| {
+            let count = (dispatches.len() * 2) as u32;
+            let set = device.create_query_set(&wgpu::QuerySetDescriptor {
+                label: Some("kernel times"),
+                ty: wgpu::QueryType::Timestamp,
+                count,
+            });
+            let resolve = device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("timestamps"),
+                size: count as u64 * 8,
+                usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+                mapped_at_creation: false,
+            });
+            let read = device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("timestamps readback"),
+                size: count as u64 * 8,
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            });
+            (set, resolve, read)
+        });
+        Ok(WgpuSession {
+            device,
+            queue,
+            dispatches,
+            input,
+            output,
+            readback,
+            output_shape,
+            input_shape,
+            timestamps,
+            ran: false,
+            weight_bytes,
+            activation_bytes: bufs.bytes,
+            precision,
+            adapter_name,
+            errors: Arc::default(),
+        })
+    }
+
+    fn check_errors(&self) -> Result<(), BackendError> {
+        match self.errors.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            Some(e) => Err(BackendError::Invalid(format!(
+                "the GPU reported an error: {e}"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Map a buffer, wait for it, and copy its bytes out.
+    fn read(&self, buffer: &wgpu::Buffer) -> Result<Vec<u8>, BackendError> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        buffer.map_async(wgpu::MapMode::Read, .., move |r| {
+            let _ = tx.send(r);
+        });
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| BackendError::Invalid(format!("waiting for the GPU failed: {e}")))?;
+        rx.recv()
+            .map_err(|_| BackendError::Invalid("the GPU never answered the read".into()))?
+            .map_err(|e| BackendError::Invalid(format!("reading GPU memory failed: {e}")))?;
+        let bytes = buffer
+            .get_mapped_range(..)
+            .map_err(|e| BackendError::Invalid(format!("reading GPU memory failed: {e}")))?
+            .to_vec();
+        buffer.unmap();
+        Ok(bytes)
+    }
+}
+
+/// The conv kernel's parameters (the order of `Params` in conv2d.wgsl).
+fn conv_params(
+    device: &wgpu::Device,
+    c: &Conv2d,
+    (h, w, cin): (usize, usize, usize),
+    (n, oh, ow): (usize, usize, usize),
+) -> wgpu::Buffer {
+    let cin_g = c.in_channels / c.groups;
+    let cout_g = c.out_channels / c.groups;
+    let k_g = c.kernel.0 * c.kernel.1 * cin_g;
+    let v = [
+        n * oh * ow,
+        h,
+        w,
+        cin,
+        oh,
+        ow,
+        c.out_channels,
+        c.kernel.1,
+        c.stride.0,
+        c.stride.1,
+        c.padding.0,
+        c.padding.1,
+        c.dilation.0,
+        c.dilation.1,
+        cin_g,
+        cout_g,
+        k_g,
+        c.bias as usize,
+        0,
+    ];
+    params(device, &v.iter().map(|&x| x as u32).collect::<Vec<_>>())
+}
+
+/// One workgroup per 64×64 tile of (pixels × output channels), one grid layer per group.
+fn conv_grid(c: &Conv2d, m: usize) -> (u32, u32, u32) {
+    let cout_g = c.out_channels / c.groups;
+    (
+        m.div_ceil(64) as u32,
+        cout_g.div_ceil(64) as u32,
+        c.groups as u32,
+    )
+}
+
+/// PyTorch's (cout, cin/g, kh, kw) weight as per-group (K_g × cout_g) matrices, K ordered
+/// (ky, kx, ci) like the NHWC gather of the kernel.
+fn pack_conv(conv: &Conv2d, weight: &[f32]) -> Vec<f32> {
+    let (kh, kw) = conv.kernel;
+    let cin_g = conv.in_channels / conv.groups;
+    let cout_g = conv.out_channels / conv.groups;
+    let k_g = kh * kw * cin_g;
+    let mut packed = vec![0f32; conv.groups * k_g * cout_g];
+    for g in 0..conv.groups {
+        for co in 0..cout_g {
+            for ci in 0..cin_g {
+                for ky in 0..kh {
+                    for kx in 0..kw {
+                        let src = ((((g * cout_g + co) * cin_g) + ci) * kh + ky) * kw + kx;
+                        let k = (ky * kw + kx) * cin_g + ci;
+                        packed[(g * k_g + k) * cout_g + co] = weight[src];
+                    }
+                }
+            }
+        }
+    }
+    packed
+}
+
+impl Session for WgpuSession {
+    fn run(&mut self, input: &Tensor) -> Result<(), BackendError> {
+        if input.shape != self.input_shape {
+            return Err(BackendError::Invalid(format!(
+                "input has shape {:?}, the prepared plan expects {:?}",
+                input.shape, self.input_shape
+            )));
+        }
+        self.queue
+            .write_buffer(&self.input, 0, &f32_bytes(&input.data));
+        let mut encoder = self
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("forward"),
+            });
+        match &self.timestamps {
+            // One pass per kernel, each with its begin and end timestamps.
+            Some((set, resolve, read)) => {
+                for (i, d) in self.dispatches.iter().enumerate() {
+                    let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                        label: Some(&d.node),
+                        timestamp_writes: Some(wgpu::ComputePassTimestampWrites {
+                            query_set: set,
+                            beginning_of_pass_write_index: Some(2 * i as u32),
+                            end_of_pass_write_index: Some(2 * i as u32 + 1),
+                        }),
+                    });
+                    pass.set_pipeline(&d.pipeline);
+                    pass.set_bind_group(0, &d.bind_group, &[]);
+                    pass.dispatch_workgroups(d.groups.0, d.groups.1, d.groups.2);
+                }
+                let count = (self.dispatches.len() * 2) as u32;
+                encoder.resolve_query_set(set, 0..count, resolve, 0);
+                encoder.copy_buffer_to_buffer(resolve, 0, read, 0, count as u64 * 8);
+            }
+            None => {
+                let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some("forward"),
+                    timestamp_writes: None,
+                });
+                for d in &self.dispatches {
+                    pass.set_pipeline(&d.pipeline);
+                    pass.set_bind_group(0, &d.bind_group, &[]);
+                    pass.dispatch_workgroups(d.groups.0, d.groups.1, d.groups.2);
+                }
+            }
+        }
+        encoder.copy_buffer_to_buffer(&self.output, 0, &self.readback, 0, self.output.size());
+        self.queue.submit([encoder.finish()]);
+        self.ran = true;
+        Ok(())
+    }
+
+    fn sync(&mut self) -> Result<(), BackendError> {
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| BackendError::Invalid(format!("waiting for the GPU failed: {e}")))?;
+        self.check_errors()
+    }
+
+    fn read_output(&mut self) -> Result<Tensor, BackendError> {
+        if !self.ran {
+            return Err(BackendError::Invalid("no forward pass has run yet".into()));
+        }
+        let bytes = self.read(&self.readback)?;
+        let data = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        Ok(Tensor::new(self.output_shape.clone(), data))
+    }
+
+    fn kernel_times(&mut self) -> Option<Vec<KernelTime>> {
+        let (_, _, read) = self.timestamps.as_ref()?;
+        if !self.ran {
+            return Some(Vec::new());
+        }
+        let bytes = self.read(read).ok()?;
+        let ticks: Vec<u64> = bytes
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect();
+        let period = self.queue.get_timestamp_period() as f64;
+        Some(
+            self.dispatches
+                .iter()
+                .enumerate()
+                .map(|(i, d)| KernelTime {
+                    node: d.node.clone(),
+                    kernel: format!("{}_{}", d.kernel.source().1, self.precision.name()),
+                    ns: (ticks[2 * i + 1].saturating_sub(ticks[2 * i]) as f64 * period) as u64,
+                })
+                .collect(),
+        )
+    }
+
+    fn memory(&self) -> MemoryStats {
+        let io = self.input.size() + self.output.size() + self.readback.size();
+        MemoryStats {
+            weights: self.weight_bytes,
+            peak_activations: self.activation_bytes + io,
+            peak: self.weight_bytes + self.activation_bytes + io,
+        }
+    }
+
+    fn kernel_version(&self) -> String {
+        format!(
+            "workshop-wgsl {} on {} ({})",
+            env!("CARGO_PKG_VERSION"),
+            self.adapter_name,
+            self.precision
+        )
+    }
+}
