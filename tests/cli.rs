@@ -210,8 +210,8 @@ fn bad_input_gets_one_clear_line() {
         "contradicts --fp16 1",
     );
     fails_with(
-        &["bench", "--backend", "wgpu"],
-        "the wgpu backend is not available in this build yet",
+        &["bench", "--backend", "cuda"],
+        "the cuda backend is not available in this build yet",
     );
     fails_with(
         &[
@@ -294,4 +294,96 @@ fn mismatched_weights_name_the_tensor() {
         ],
         "resnet18 takes 3 input channels, the input has 1",
     );
+}
+
+#[test]
+fn wgpu_says_what_it_cannot_do() {
+    // Where no adapter exists, the backend says what to install instead.
+    let o = workshop(&[
+        "bench",
+        "--backend",
+        "wgpu",
+        "--network",
+        "resnet18",
+        "--input-size",
+        "32",
+        "--iterations",
+        "1",
+        "--warmup",
+        "0",
+        "--batch-size",
+        "1",
+        "--precision",
+        "bf16",
+    ]);
+    let err = stderr(&o);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("WGSL has no bfloat16 type")
+            || err.contains("no GPU adapter found: install a Vulkan driver"),
+        "{err}"
+    );
+    let o = workshop(&[
+        "bench",
+        "--backend",
+        "wgpu",
+        "--device",
+        "99",
+        "--network",
+        "resnet18",
+        "--input-size",
+        "32",
+        "--iterations",
+        "1",
+    ]);
+    let err = stderr(&o);
+    assert!(
+        err.contains("there is no adapter 99") || err.contains("no GPU adapter found"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn a_broken_kernel_shows_the_whole_compiler_message_and_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("wgsl")).unwrap();
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/wgsl");
+    for f in std::fs::read_dir(&src).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, dir.path().join("wgsl").join(f.file_name().unwrap())).unwrap();
+    }
+    let broken = dir.path().join("wgsl/pool.wgsl");
+    let text = std::fs::read_to_string(&broken)
+        .unwrap()
+        .replace("var best = -3.4028235e38;", "var best = undefined_name;");
+    std::fs::write(&broken, text).unwrap();
+    let o = workshop(&[
+        "bench",
+        "--backend",
+        "wgpu",
+        "--network",
+        "resnet18",
+        "--input-size",
+        "32",
+        "--iterations",
+        "1",
+        "--warmup",
+        "0",
+        "--batch-size",
+        "1",
+        "--kernels-dir",
+        dir.path().to_str().unwrap(),
+    ]);
+    let err = stderr(&o);
+    assert!(!o.status.success());
+    if err.contains("no GPU adapter found") {
+        eprintln!("skipped: no wgpu adapter");
+        return;
+    }
+    assert!(
+        err.contains("pool.wgsl") && err.contains("undefined_name"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
 }

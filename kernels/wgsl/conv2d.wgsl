@@ -3,12 +3,14 @@
 // materialised: each tile gathers its inputs straight from the NHWC image (zero padding
 // included). Linear layers run through the same kernel as 1×1 convolutions on 1×1 images.
 //
-// Tiling: a 16×16 workgroup computes a 64×64 tile of C, each thread a 4×4 block, stepping
+// Tiling: an 8×8 workgroup computes a 64×64 tile of C, each thread an 8×8 block, stepping
 // through K 16 at a time. Per step the workgroup loads (64 + 64) × 16 values into workgroup
 // memory and performs 64 × 64 × 16 FMAs: 32 FLOPs per value loaded from global memory
-// (8 FLOP/byte in f32, 16 in f16), and each thread does 16 FMAs per 8 values it reads from
-// workgroup memory (two vec4 loads). Loads are coalesced: consecutive threads read
-// consecutive input channels (A) and consecutive output channels (B).
+// (8 FLOP/byte in f32, 16 in f16), and each thread does 64 FMAs per 16 values it reads from
+// workgroup memory (four vec4 loads). Each thread loads one pixel's 16 consecutive taps of
+// A (a 64-byte run of NHWC channels) and one output channel's 16 taps of B (neighbouring
+// threads, neighbouring channels). The large per-thread block matters most on CPU drivers
+// (lavapipe), where every workgroup-memory read at a per-thread address is a gather.
 //
 // The host prepends `alias elem = f32;` or `enable f16; alias elem = f16;`: storage is elem,
 // arithmetic is always f32.
@@ -52,8 +54,8 @@ const BM: u32 = 64u;
 const BN: u32 = 64u;
 const BK: u32 = 16u;
 
-// A tile as [k][row / 4] and B tile as [k][col / 4]: one vec4 read gives a thread its 4 rows
-// (or 4 columns) of one k. (Measured on lavapipe: vec4 reads beat four scalar reads by 40%.)
+// A tile as [k][row / 4] and B tile as [k][col / 4]: one vec4 read gives a thread 4 rows (or
+// 4 columns) of one k.
 var<workgroup> As: array<vec4<f32>, 256>;
 var<workgroup> Bs: array<vec4<f32>, 256>;
 
@@ -65,102 +67,95 @@ fn load_b(k: u32, col: u32, base: u32) -> f32 {
 }
 
 // ANCHOR: kernel
-@compute @workgroup_size(16, 16)
+@compute @workgroup_size(8, 8)
 fn conv2d(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
     let g = wid.z;
     let row0 = wid.x * BM;
     let col0 = wid.y * BN;
-    let tid = lid.y * 16u + lid.x;
+    let t = lid.y * 8u + lid.x;
     let ci0 = g * p.cin_g;
     let wbase = g * p.k_g * p.cout_g;
-    // This thread loads tap kk of rows tid / 16 + {0, 16, 32, 48} of every A tile: decode
-    // those four output pixels once (integer division is slow, on a CPU driver most of all).
-    let kk = tid % BK;
-    var img: array<u32, 4>;     // offset of the pixel's image in x
-    var iy0: array<i32, 4>;     // top-left input row and column of its window
-    var ix0: array<i32, 4>;
-    var live: array<bool, 4>;
-    for (var i = 0u; i < 4u; i++) {
-        let row = row0 + tid / BK + i * 16u;
-        live[i] = row < p.m;
-        let ox = row % p.ow;
-        let t = row / p.ow;
-        iy0[i] = i32((t % p.oh) * p.sh) - i32(p.ph);
-        ix0[i] = i32(ox * p.sw) - i32(p.pw);
-        img[i] = (t / p.oh) * p.h * p.w * p.cin;
-    }
-    // The tap k = k0 + kk as (ky, kx, ci), advanced by BK each step without dividing.
-    var ci = kk % p.cin_g;
-    var kx = (kk / p.cin_g) % p.kw;
-    var ky = (kk / p.cin_g) / p.kw;
-    // Four named accumulators (rows) of four lanes (columns): an array indexed at run time
-    // would live in memory instead of registers.
-    var acc0 = vec4<f32>(0.0);
-    var acc1 = vec4<f32>(0.0);
-    var acc2 = vec4<f32>(0.0);
-    var acc3 = vec4<f32>(0.0);
+    // This thread loads row t of every A tile: decode its output pixel once.
+    let row = row0 + t;
+    let live = row < p.m;
+    let ox = row % p.ow;
+    let rest = row / p.ow;
+    let iy0 = i32((rest % p.oh) * p.sh) - i32(p.ph);
+    let ix0 = i32(ox * p.sw) - i32(p.pw);
+    let img = (rest / p.oh) * p.h * p.w * p.cin;
+    // The tap k0 as (ky, kx, ci), advanced one tap at a time without dividing.
+    var ci = 0u;
+    var kx = 0u;
+    var ky = 0u;
+    var acc: array<vec4<f32>, 16>;
     for (var k0 = 0u; k0 < p.k_g; k0 += BK) {
-        // A tile (64 rows × 16 taps): 16 neighbouring threads read 16 neighbouring channels
-        // of one pixel.
-        let k_live = k0 + kk < p.k_g;
-        let dy = i32(ky * p.dh);
-        let dx = i32(kx * p.dw);
-        for (var i = 0u; i < 4u; i++) {
-            let r = tid / BK + i * 16u;
-            let iy = iy0[i] + dy;
-            let ix = ix0[i] + dx;
+        for (var kk = 0u; kk < BK; kk++) {
+            let iy = iy0 + i32(ky * p.dh);
+            let ix = ix0 + i32(kx * p.dw);
             var v = 0.0;
-            if (live[i] && k_live && iy >= 0 && ix >= 0 && iy < i32(p.h) && ix < i32(p.w)) {
-                v = f32(x[img[i] + (u32(iy) * p.w + u32(ix)) * p.cin + ci0 + ci]);
+            if (live && k0 + kk < p.k_g && iy >= 0 && ix >= 0 && iy < i32(p.h) && ix < i32(p.w)) {
+                v = f32(x[img + (u32(iy) * p.w + u32(ix)) * p.cin + ci0 + ci]);
             }
-            As[kk * 16u + r / 4u][r % 4u] = v;
-        }
-        ci += BK;
-        while (ci >= p.cin_g) {
-            ci -= p.cin_g;
-            kx += 1u;
-            if (kx == p.kw) {
-                kx = 0u;
-                ky += 1u;
+            As[kk * 16u + t / 4u][t % 4u] = v;
+            Bs[kk * 16u + t / 4u][t % 4u] = load_b(k0 + kk, col0 + t, wbase);
+            ci += 1u;
+            if (ci == p.cin_g) {
+                ci = 0u;
+                kx += 1u;
+                if (kx == p.kw) {
+                    kx = 0u;
+                    ky += 1u;
+                }
             }
-        }
-        // B tile (16 taps × 64 channels): thread t reads column t % 64 of taps t / 64 + {0, 4, 8, 12}.
-        let c = tid % BN;
-        for (var i = 0u; i < 4u; i++) {
-            let kb = tid / BN + i * 4u;
-            Bs[kb * 16u + c / 4u][c % 4u] = load_b(k0 + kb, col0 + c, wbase);
         }
         workgroupBarrier();
-        // Unrolled by four: CPU drivers run every loop as masked SIMD code, so fewer loop
-        // trips cost less; GPU compilers unroll anyway.
-        for (var k = 0u; k < BK; k += 4u) {
-            fma_step(k, lid, &acc0, &acc1, &acc2, &acc3);
-            fma_step(k + 1u, lid, &acc0, &acc1, &acc2, &acc3);
-            fma_step(k + 2u, lid, &acc0, &acc1, &acc2, &acc3);
-            fma_step(k + 3u, lid, &acc0, &acc1, &acc2, &acc3);
+        for (var k = 0u; k < BK; k++) {
+            let a0 = As[k * 16u + 2u * lid.y];
+            let a1 = As[k * 16u + 2u * lid.y + 1u];
+            let b0 = Bs[k * 16u + 2u * lid.x];
+            let b1 = Bs[k * 16u + 2u * lid.x + 1u];
+            acc[0] += a0.x * b0;
+            acc[1] += a0.x * b1;
+            acc[2] += a0.y * b0;
+            acc[3] += a0.y * b1;
+            acc[4] += a0.z * b0;
+            acc[5] += a0.z * b1;
+            acc[6] += a0.w * b0;
+            acc[7] += a0.w * b1;
+            acc[8] += a1.x * b0;
+            acc[9] += a1.x * b1;
+            acc[10] += a1.y * b0;
+            acc[11] += a1.y * b1;
+            acc[12] += a1.z * b0;
+            acc[13] += a1.z * b1;
+            acc[14] += a1.w * b0;
+            acc[15] += a1.w * b1;
         }
         workgroupBarrier();
     }
-    let r = row0 + lid.y * 4u;
-    let c0 = col0 + lid.x * 4u;
-    store_row(r, c0, g, acc0);
-    store_row(r + 1u, c0, g, acc1);
-    store_row(r + 2u, c0, g, acc2);
-    store_row(r + 3u, c0, g, acc3);
+    let r = row0 + 8u * lid.y;
+    let c = col0 + 8u * lid.x;
+    // Constant indices only: an accumulator array indexed at run time would be kept in memory.
+    store4(r, c, g, acc[0]);
+    store4(r, c + 4u, g, acc[1]);
+    store4(r + 1u, c, g, acc[2]);
+    store4(r + 1u, c + 4u, g, acc[3]);
+    store4(r + 2u, c, g, acc[4]);
+    store4(r + 2u, c + 4u, g, acc[5]);
+    store4(r + 3u, c, g, acc[6]);
+    store4(r + 3u, c + 4u, g, acc[7]);
+    store4(r + 4u, c, g, acc[8]);
+    store4(r + 4u, c + 4u, g, acc[9]);
+    store4(r + 5u, c, g, acc[10]);
+    store4(r + 5u, c + 4u, g, acc[11]);
+    store4(r + 6u, c, g, acc[12]);
+    store4(r + 6u, c + 4u, g, acc[13]);
+    store4(r + 7u, c, g, acc[14]);
+    store4(r + 7u, c + 4u, g, acc[15]);
 }
 
-// One k of the tile product: thread (x, y) owns rows 4y..4y+3 and columns 4x..4x+3.
-fn fma_step(k: u32, lid: vec3<u32>, acc0: ptr<function, vec4<f32>>, acc1: ptr<function, vec4<f32>>, acc2: ptr<function, vec4<f32>>, acc3: ptr<function, vec4<f32>>) {
-    let a = As[k * 16u + lid.y];
-    let b = Bs[k * 16u + lid.x];
-    *acc0 += a.x * b;
-    *acc1 += a.y * b;
-    *acc2 += a.z * b;
-    *acc3 += a.w * b;
-}
-
-// Bias, activation and store of a row's four outputs, at columns col..col+3.
-fn store_row(row: u32, col: u32, g: u32, v: vec4<f32>) {
+// Bias, activation and store of four neighbouring outputs of one row.
+fn store4(row: u32, col: u32, g: u32, v: vec4<f32>) {
     if (row >= p.m) {
         return;
     }
