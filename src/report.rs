@@ -220,6 +220,10 @@ pub fn doctor(d: &doctor::Report) -> String {
                     .map(|v| format!(", {v}"))
                     .unwrap_or_default()
             ));
+            // CPU features are on the CPU line already; GPU adapters list theirs here.
+            if b.backend != crate::backend::BackendKind::Cpu && !dev.features.is_empty() {
+                s.push_str(&format!("            {}\n", dev.features.join(" ")));
+            }
         }
     }
     s.trim_end().to_string()
