@@ -53,6 +53,22 @@ impl Conv2d {
         self
     }
 
+    /// Taps per group: the K of the convolution's GEMM, ordered (ky, kx, ci) to match NHWC
+    /// inputs, where a pixel's channels are contiguous.
+    pub fn taps(&self) -> usize {
+        self.kernel.0 * self.kernel.1 * (self.in_channels / self.groups)
+    }
+
+    /// Where element (k, co) of group `g`'s GEMM weight matrix (taps × output channels) lives
+    /// in PyTorch's (cout, cin/groups, kh, kw) weight.
+    pub fn weight_index(&self, g: usize, k: usize, co: usize) -> usize {
+        let cin_g = self.in_channels / self.groups;
+        let cout_g = self.out_channels / self.groups;
+        let (ci, tap) = (k % cin_g, k / cin_g);
+        let (ky, kx) = (tap / self.kernel.1, tap % self.kernel.1);
+        (((g * cout_g + co) * cin_g + ci) * self.kernel.0 + ky) * self.kernel.1 + kx
+    }
+
     /// Output spatial size for an input of `h`×`w`, or `None` when the kernel does not fit.
     pub fn output_hw(&self, h: usize, w: usize) -> Option<(usize, usize)> {
         let oh = window_out(
@@ -183,6 +199,29 @@ pub enum Op {
     },
     /// Softmax over the last dimension.
     Softmax,
+}
+
+/// Inference batch norm as a per-channel affine map: y = x · scale + shift, with
+/// scale = γ / √(var + ε) and shift = β − mean · scale.
+pub fn batch_norm_affine(
+    gamma: &[f32],
+    beta: &[f32],
+    mean: &[f32],
+    var: &[f32],
+    eps: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    let scale: Vec<f32> = gamma
+        .iter()
+        .zip(var)
+        .map(|(g, v)| g / (v + eps).sqrt())
+        .collect();
+    let shift = beta
+        .iter()
+        .zip(mean)
+        .zip(&scale)
+        .map(|((b, m), s)| b - m * s)
+        .collect();
+    (scale, shift)
 }
 
 /// Whether a state_dict entry is learned (counted as a parameter) or a running buffer.

@@ -72,7 +72,6 @@ impl<T: Elem> PackedConv<T> {
     /// Pack PyTorch's (cout, cin/groups, kh, kw) weight.
     pub fn new(conv: Conv2d, weight: &[f32], bias: Option<&[f32]>) -> Self {
         let (kh, kw) = conv.kernel;
-        let cin_g = conv.in_channels / conv.groups;
         let cout_g = conv.out_channels / conv.groups;
         if is_depthwise(&conv) {
             let c = conv.out_channels;
@@ -92,14 +91,9 @@ impl<T: Elem> PackedConv<T> {
         }
         let groups = (0..conv.groups)
             .map(|g| {
-                // Column k = (ky·kw + kx)·cin_g + ci of group g reads weight[oc, ci, ky, kx].
-                let b = |k: usize, co: usize| {
-                    let (ci, kxy) = (k % cin_g, k / cin_g);
-                    let (ky, kx) = (kxy / kw, kxy % kw);
-                    weight[(((g * cout_g + co) * cin_g + ci) * kh + ky) * kw + kx]
-                };
+                let b = |k: usize, co: usize| weight[conv.weight_index(g, k, co)];
                 PackedB::new(
-                    kh * kw * cin_g,
+                    conv.taps(),
                     cout_g,
                     b,
                     bias.map(|b| &b[g * cout_g..(g + 1) * cout_g]),

@@ -15,7 +15,7 @@ use half::{bf16, f16};
 use super::{
     Backend, BackendError, BackendKind, DeviceInfo, ExecOptions, KernelTime, MemoryStats, Session,
 };
-use crate::model::op::{Op, Pool};
+use crate::model::op::{Op, Pool, batch_norm_affine};
 use crate::model::{Plan, Precision, Tensor, Weights};
 use elem::Elem;
 use kernels::{Nhwc, PackedConv, PackedLinear};
@@ -280,14 +280,7 @@ impl<T: Elem> CpuSession<T> {
                         get("running_mean")?,
                         get("running_var")?,
                     );
-                    let scale: Vec<f32> =
-                        g.iter().zip(v).map(|(g, v)| g / (v + eps).sqrt()).collect();
-                    let shift = b
-                        .iter()
-                        .zip(m)
-                        .zip(&scale)
-                        .map(|((b, m), s)| b - m * s)
-                        .collect();
+                    let (scale, shift) = batch_norm_affine(g, b, m, v, eps);
                     weight_bytes += 2 * scale.len() as u64 * 4;
                     Step::Affine { scale, shift }
                 }

@@ -21,7 +21,7 @@ use wgpu::util::DeviceExt;
 use super::{
     Backend, BackendError, BackendKind, DeviceInfo, ExecOptions, KernelTime, MemoryStats, Session,
 };
-use crate::model::op::{Conv2d, Op};
+use crate::model::op::{Conv2d, Op, batch_norm_affine};
 use crate::model::{Plan, Precision, Tensor, Weights};
 
 /// The kernel sources shipped in the binary, by file name.
@@ -714,14 +714,7 @@ impl WgpuSession {
                         get("running_mean")?,
                         get("running_var")?,
                     );
-                    let scale: Vec<f32> =
-                        g.iter().zip(v).map(|(g, v)| g / (v + eps).sqrt()).collect();
-                    let shift: Vec<f32> = b
-                        .iter()
-                        .zip(m)
-                        .zip(&scale)
-                        .map(|((b, m), s)| b - m * s)
-                        .collect();
+                    let (scale, shift) = batch_norm_affine(g, b, m, v, *eps);
                     weight_bytes += (scale.len() * 8) as u64;
                     let (sb, hb) = (
                         storage(&device, "scale", &f32_bytes(&scale)),
@@ -1032,25 +1025,14 @@ fn conv_grid(c: &Conv2d, m: usize) -> (u32, u32, u32) {
     )
 }
 
-/// PyTorch's (cout, cin/g, kh, kw) weight as per-group (K_g × cout_g) matrices, K ordered
-/// (ky, kx, ci) like the NHWC gather of the kernel.
+/// PyTorch's (cout, cin/g, kh, kw) weight as per-group (taps × cout_g) matrices, taps
+/// ordered (ky, kx, ci) like the NHWC gather of the kernel.
 fn pack_conv(conv: &Conv2d, weight: &[f32]) -> Vec<f32> {
-    let (kh, kw) = conv.kernel;
-    let cin_g = conv.in_channels / conv.groups;
-    let cout_g = conv.out_channels / conv.groups;
-    let k_g = kh * kw * cin_g;
-    let mut packed = vec![0f32; conv.groups * k_g * cout_g];
+    let (k_g, cout_g) = (conv.taps(), conv.out_channels / conv.groups);
+    let mut packed = Vec::with_capacity(conv.groups * k_g * cout_g);
     for g in 0..conv.groups {
-        for co in 0..cout_g {
-            for ci in 0..cin_g {
-                for ky in 0..kh {
-                    for kx in 0..kw {
-                        let src = ((((g * cout_g + co) * cin_g) + ci) * kh + ky) * kw + kx;
-                        let k = (ky * kw + kx) * cin_g + ci;
-                        packed[(g * k_g + k) * cout_g + co] = weight[src];
-                    }
-                }
-            }
+        for k in 0..k_g {
+            packed.extend((0..cout_g).map(|co| weight[conv.weight_index(g, k, co)]));
         }
     }
     packed
