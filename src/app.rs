@@ -84,6 +84,7 @@ fn bench_cmd(args: BenchArgs) -> Result<()> {
         input_size: args.input_size,
         seed: args.run.seed,
         weights: weights_label(&args.run),
+        profile: args.profile || args.profile_csv.is_some() || args.trace.is_some(),
         kernels_dir: args.run.kernels_dir.clone(),
     };
     bench::validate(&cfg)?;
@@ -95,6 +96,21 @@ fn bench_cmd(args: BenchArgs) -> Result<()> {
         let _ = out.flush();
     })?;
     println!("\n{}", report::summary(&record));
+    if let Some(p) = &record.profile {
+        println!("\n{}", report::profile(p, args.top, record.config.backend));
+    }
+    if let (Some(path), Some(p)) = (&args.profile_csv, &record.profile) {
+        crate::files::write_atomic(path, bench::profile::csv(p).as_bytes())?;
+        println!("Kernel table written to {}", path.display());
+    }
+    if let Some(path) = &args.trace {
+        let trace = bench::profile::trace(&record.timeline, &record.environment.device.name);
+        crate::files::write_atomic(path, serde_json::to_string(&trace)?.as_bytes())?;
+        println!(
+            "Trace written to {} (open it in ui.perfetto.dev or chrome://tracing)",
+            path.display()
+        );
+    }
     if let Some(path) = &args.json {
         let json = serde_json::to_string_pretty(&record)?;
         crate::files::write_atomic(path, json.as_bytes())?;

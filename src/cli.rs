@@ -110,6 +110,18 @@ pub struct BenchArgs {
     /// Also write the run as a versioned JSON record to FILE
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    /// Time every kernel and print the operator and kernel tables
+    #[arg(long)]
+    pub profile: bool,
+    /// Rows of the profile tables
+    #[arg(long, default_value_t = 15, value_name = "N")]
+    pub top: usize,
+    /// Write the kernel table as CSV (rocprof --stats columns); implies --profile
+    #[arg(long, value_name = "FILE")]
+    pub profile_csv: Option<PathBuf>,
+    /// Write a Chrome trace (open in ui.perfetto.dev or chrome://tracing); implies --profile
+    #[arg(long, value_name = "FILE.json")]
+    pub trace: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]

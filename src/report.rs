@@ -517,3 +517,48 @@ hint = "What to try when the number is out of range."
 "#
     )
 }
+
+/// The operator and kernel tables of a profiled run, and what the CPU-overhead ratio means.
+pub fn profile(
+    p: &crate::bench::profile::Profile,
+    top: usize,
+    backend: crate::backend::BackendKind,
+) -> String {
+    let table = |title: &str, rows: &[crate::bench::profile::KernelStat]| {
+        let mut t = Table::new();
+        t.load_style(UTF8_FULL_CONDENSED);
+        t.set_header(vec![title, "calls", "total ms", "avg µs", "%"]);
+        for k in rows.iter().take(top) {
+            t.add_row(vec![
+                Cell::new(&k.name),
+                Cell::new(k.calls).set_alignment(CellAlignment::Right),
+                Cell::new(format!("{:.2}", k.total_ns as f64 / 1e6))
+                    .set_alignment(CellAlignment::Right),
+                Cell::new(format!("{:.1}", k.average_ns / 1e3)).set_alignment(CellAlignment::Right),
+                Cell::new(format!("{:.1}", k.percentage)).set_alignment(CellAlignment::Right),
+            ]);
+        }
+        t.to_string()
+    };
+    let clock = if backend == crate::backend::BackendKind::Cpu {
+        "CPU timers"
+    } else {
+        "GPU timestamps"
+    };
+    let meaning = if p.cpu_overhead < 1.1 {
+        "the device was busy nearly all the time: the kernels are what to speed up"
+    } else if p.cpu_overhead < 1.5 {
+        "some time goes to launches, synchronisation, copies and host work between kernels"
+    } else {
+        "much of each iteration is spent outside the kernels: launch overhead and host work dominate (try a larger batch)"
+    };
+    format!(
+        "Operators over {} iterations ({clock}):\n{}\nKernels:\n{}\nDevice time {:.2} ms per iteration, host time {:.2} ms: CPU-overhead ratio {:.2} ({meaning}).",
+        p.iterations,
+        table("operator", &p.ops),
+        table("kernel", &p.kernels),
+        p.device_ms_per_iter,
+        p.host_ms_per_iter,
+        p.cpu_overhead
+    )
+}

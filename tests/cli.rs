@@ -387,3 +387,81 @@ fn a_broken_kernel_shows_the_whole_compiler_message_and_the_file() {
     );
     assert!(!err.contains("panicked"), "{err}");
 }
+
+#[test]
+fn profile_tables_csv_and_trace() {
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("kernels.csv");
+    let trace = dir.path().join("trace.json");
+    let o = workshop(&[
+        "bench",
+        "--network",
+        "resnet18",
+        "--batch-size",
+        "1",
+        "--input-size",
+        "32",
+        "--iterations",
+        "2",
+        "--warmup",
+        "0",
+        "--threads",
+        "1",
+        "--profile-csv",
+        csv.to_str().unwrap(),
+        "--trace",
+        trace.to_str().unwrap(),
+    ]);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        out.contains("Operators over 2 iterations (CPU timers)")
+            && out.contains("conv2d")
+            && out.contains("CPU-overhead ratio"),
+        "{out}"
+    );
+    let text = std::fs::read_to_string(&csv).unwrap();
+    let mut lines = text.lines();
+    assert_eq!(
+        lines.next(),
+        Some("\"Name\",\"Calls\",\"TotalDurationNs\",\"AverageNs\",\"Percentage\"")
+    );
+    let first: Vec<&str> = lines.next().unwrap().split(',').collect();
+    assert_eq!(first[0], "\"conv2d_im2col_gemm_f32\"", "{text}");
+    // The percentages of all kernels add up to 100.
+    let total: f64 = text
+        .lines()
+        .skip(1)
+        .map(|l| l.rsplit(',').next().unwrap().parse::<f64>().unwrap())
+        .sum();
+    assert!((total - 100.0).abs() < 0.01, "{total}");
+    let t: Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let events = t["traceEvents"].as_array().unwrap();
+    let meta: Vec<&Value> = events.iter().filter(|e| e["ph"] == "M").collect();
+    assert!(
+        meta.iter().any(|e| e["args"]["name"] == "host")
+            && meta.iter().any(|e| e["name"] == "thread_name")
+    );
+    let iterations: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["pid"] == 1)
+        .collect();
+    assert_eq!(iterations.len(), 2);
+    let kernels: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["pid"] == 2)
+        .collect();
+    assert!(kernels.len() > 40);
+    // Every kernel nests inside an iteration on the host track (one clock on the CPU backend).
+    for k in &kernels {
+        let (ts, dur) = (k["ts"].as_f64().unwrap(), k["dur"].as_f64().unwrap());
+        assert!(dur >= 0.0);
+        assert!(
+            iterations.iter().any(|i| {
+                let (its, idur) = (i["ts"].as_f64().unwrap(), i["dur"].as_f64().unwrap());
+                ts >= its && ts + dur <= its + idur + 1.0
+            }),
+            "kernel {k} is outside every iteration"
+        );
+    }
+}

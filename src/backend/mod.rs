@@ -84,8 +84,12 @@ impl Default for ExecOptions {
 pub struct KernelTime {
     /// The node's module name (`layer1.0.conv1`).
     pub node: String,
+    /// The op it computes (`conv2d`, `batch_norm`, ...).
+    pub op: String,
     /// The kernel that ran (`conv2d_im2col_gemm_f32`, ...).
     pub kernel: String,
+    /// Start, from the start of the forward pass, on the device's clock.
+    pub start_ns: u64,
     pub ns: u64,
 }
 

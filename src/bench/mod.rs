@@ -3,6 +3,7 @@
 //! summarise the samples into a [`record::BenchRecord`]. Progress is reported as events so
 //! presentation stays in `report`.
 
+pub mod profile;
 pub mod record;
 pub mod stats;
 
@@ -67,7 +68,7 @@ pub fn prepare(
     let opt = ExecOptions {
         precision: cfg.precision,
         threads: cfg.threads,
-        profile: false,
+        profile: cfg.profile,
         kernels_dir: cfg.kernels_dir.clone(),
     };
     backend.check_fits(cfg.device, &plan, &opt)?;
@@ -140,15 +141,32 @@ pub fn run(
     }
     let mut samples_s = Vec::with_capacity(cfg.iterations);
     let mut loss = f64::NAN;
+    let mut timeline = Vec::new();
+    let run_start = Instant::now();
     for index in 0..cfg.iterations {
+        let start_us = run_start.elapsed().as_secs_f64() * 1e6;
         let (seconds, l) = step(&mut session)?;
         samples_s.push(seconds);
         loss = l;
+        if cfg.profile
+            && let Some(kernels) = session.kernel_times()
+        {
+            timeline.push(profile::IterationTimes {
+                start_us,
+                host_s: seconds,
+                kernels,
+            });
+        }
         on_event(Event::Iteration {
             index,
             loss,
             seconds,
         });
+    }
+    if cfg.profile && timeline.is_empty() {
+        bail!(
+            "this device cannot time its kernels (no timestamp queries): run without --profile/--trace/--profile-csv"
+        );
     }
 
     let per_image = plan.graph.plan(1, cfg.input_size, cfg.input_size)?;
@@ -173,6 +191,8 @@ pub fn run(
         stats,
         loss,
         memory: session.memory(),
+        profile: profile::aggregate(&timeline),
+        timeline,
     })
 }
 

@@ -28,6 +28,12 @@ pub struct BenchRecord {
     /// Cross-entropy of the last iteration's logits against the seeded random labels.
     pub loss: f64,
     pub memory: MemoryStats,
+    /// Kernel and operator statistics, when the run was profiled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profile: Option<super::profile::Profile>,
+    /// Every profiled iteration's kernels, for a trace (not kept in the JSON record).
+    #[serde(skip)]
+    pub timeline: Vec<super::profile::IterationTimes>,
 }
 
 /// What was asked for: enough to run it again.
@@ -45,6 +51,9 @@ pub struct BenchConfig {
     pub seed: u64,
     /// `random(seed=N)` or the weights file's path.
     pub weights: String,
+    /// Per-kernel times were collected (`--profile`, `--trace`, `--profile-csv`).
+    #[serde(default)]
+    pub profile: bool,
     /// GPU kernels read from this directory instead of the embedded copies.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kernels_dir: Option<std::path::PathBuf>,

@@ -39,6 +39,7 @@ fn bench_config(ws: &Workspace, spec: &BenchSpec) -> BenchConfig {
         input_size: s.input_size.unwrap_or(224),
         seed: 0,
         weights: "random(seed=0)".into(),
+        profile: false,
         kernels_dir: None,
     }
 }

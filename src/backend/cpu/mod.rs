@@ -388,6 +388,7 @@ impl<T: Elem> CpuSession<T> {
             self.free.push(out);
         }
         self.times.clear();
+        let forward_start = Instant::now();
         let n_nodes = self.plan.graph.nodes.len();
         let mut values: Vec<Option<Vec<T>>> = (0..n_nodes).map(|_| None).collect();
         let mut steps = std::mem::take(&mut self.steps);
@@ -513,7 +514,9 @@ impl<T: Elem> CpuSession<T> {
             if let Some(start) = start {
                 self.times.push(KernelTime {
                     node: self.names[id].clone(),
+                    op: self.plan.graph.nodes[id].op.kind_name().to_string(),
                     kernel: kernel_name(step, &self.plan.graph.nodes[id].op),
+                    start_ns: start.duration_since(forward_start).as_nanos() as u64,
                     ns: start.elapsed().as_nanos() as u64,
                 });
             }

@@ -268,6 +268,8 @@ fn to_bytes(v: &[f32], precision: Precision) -> Vec<u8> {
 struct Dispatch {
     kernel: Kernel,
     node: String,
+    /// The op's kind name (`conv2d`, ...), or `output` for the final conversion.
+    op: &'static str,
     pipeline: wgpu::ComputePipeline,
     bind_group: wgpu::BindGroup,
     groups: (u32, u32, u32),
@@ -551,12 +553,14 @@ impl WgpuSession {
             Ok(Dispatch {
                 kernel,
                 node: node.to_string(),
+                op: "output",
                 pipeline: p,
                 bind_group,
                 groups,
             })
         };
         for (id, node) in nodes.iter().enumerate() {
+            let first_dispatch = dispatches.len();
             let (n, h, w, c) = dims(id);
             let total = n * h * w * c;
             let out_bytes = elem_bytes(total, precision);
@@ -866,6 +870,9 @@ impl WgpuSession {
                     dispatches.push(d);
                 }
             }
+            for d in &mut dispatches[first_dispatch..] {
+                d.op = node.op.kind_name();
+            }
             for &i in &node.inputs {
                 if plan.last_use[i] == id {
                     bufs.release(i);
@@ -1127,7 +1134,9 @@ impl Session for WgpuSession {
                 .enumerate()
                 .map(|(i, d)| KernelTime {
                     node: d.node.clone(),
+                    op: d.op.to_string(),
                     kernel: format!("{}_{}", d.kernel.source().1, self.precision.name()),
+                    start_ns: (ticks[2 * i].saturating_sub(ticks[0]) as f64 * period) as u64,
                     ns: (ticks[2 * i + 1].saturating_sub(ticks[2 * i]) as f64 * period) as u64,
                 })
                 .collect(),
