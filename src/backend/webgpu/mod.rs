@@ -415,7 +415,10 @@ fn shader(
                 .iter()
                 .find(|(f, _)| *f == file)
                 .map(|(_, t)| t.to_string())
-                .unwrap_or_default();
+                .ok_or_else(|| BackendError::Compile {
+                    path: format!("kernels/wgsl/{file}"),
+                    log: "this kernel is not embedded in the binary (add it to KERNELS)".into(),
+                })?;
             (format!("kernels/wgsl/{file} (embedded)"), text)
         }
     };
