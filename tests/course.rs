@@ -495,3 +495,52 @@ fn every_command_in_the_book_parses_and_every_chapter_is_listed() {
         );
     }
 }
+
+#[test]
+fn a_step_this_machine_cannot_run_is_recorded_as_unavailable() {
+    let d = tempfile::tempdir().unwrap();
+    let course = d.path().join("course");
+    tiny_course(&course);
+    // BF16 on wgpu: WGSL has no bf16 type (and without an adapter, there is no device at all).
+    let f = course.join("exercises/00-first.toml");
+    let text = std::fs::read_to_string(&f).unwrap().replace(
+        "input_size = 32 }",
+        "input_size = 32, precision = \"bf16\" }",
+    );
+    std::fs::write(&f, text).unwrap();
+    let dir = &d.path().join("ws");
+    std::fs::create_dir_all(dir).unwrap();
+    ok(
+        dir,
+        &[
+            "init",
+            "--name",
+            "Eve",
+            "--backend",
+            "wgpu",
+            "--course",
+            course.to_str().unwrap(),
+        ],
+    );
+    ok(dir, &["next", "--yes"]);
+    let out = ok(dir, &["next", "--yes"]);
+    assert!(
+        out.contains("not available on this machine/build") && out.contains("unavailable here"),
+        "{out}"
+    );
+    let r = results(dir);
+    let a = r["attempts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["step"] == "run")
+        .unwrap()
+        .clone();
+    assert_eq!(a["outcome"], "unavailable");
+    assert!(
+        a["metrics"].as_object().unwrap().is_empty(),
+        "no numbers are made up: {a}"
+    );
+    // The course goes on.
+    assert!(ok(dir, &["status"]).contains("01-second"));
+}

@@ -490,16 +490,12 @@ impl WgpuSession {
         let max_binding = limits.max_storage_buffer_binding_size;
         let check_size = |what: &str, bytes: u64| -> Result<(), BackendError> {
             if bytes > max_binding {
-                return Err(BackendError::OutOfMemory {
-                    needed: bytes,
-                    available: max_binding,
-                    suggestion: None,
-                })
-                .map_err(|e| {
-                    BackendError::Invalid(format!(
-                        "{what}: {e} (the adapter's largest storage binding)"
-                    ))
-                });
+                return Err(BackendError::Unsupported(format!(
+                    "{what} needs {} in one buffer, but this adapter binds at most {} per storage buffer \
+                     (max_storage_buffer_binding_size): use a smaller network or batch, or another device",
+                    super::human_bytes(bytes),
+                    super::human_bytes(max_binding)
+                )));
             }
             Ok(())
         };
