@@ -264,6 +264,16 @@ fn to_bytes(v: &[f32], precision: Precision) -> Vec<u8> {
     out
 }
 
+/// A launch before binding: the kernel, its parameters, the buffers it reads (by binding
+/// number), the binding of its output, and the grid.
+type Launch = (
+    Kernel,
+    Vec<usize>,
+    Vec<(u32, wgpu::Buffer)>,
+    u32,
+    (u32, u32, u32),
+);
+
 /// One kernel launch, fully bound.
 struct Dispatch {
     kernel: Kernel,
@@ -573,105 +583,93 @@ impl WgpuSession {
                         BackendError::Invalid(format!("weights have no tensor `{name}`"))
                     })
             };
-            match &node.op {
-                Op::Input { .. } => {
-                    bufs.take(&device, id, out_bytes);
-                    let pbuf = params(&device, &[total as u32, c as u32, (h * w) as u32]);
-                    let d = bind(
-                        Kernel::NchwToNhwc,
-                        &node.name,
-                        &[(0, &pbuf), (6, &input), (5, bufs.get(id))],
-                        grid(total, max_groups),
-                    )?;
-                    dispatches.push(d);
+            // The node's input values (activation buffers) and a bias buffer, or the zero one.
+            let input_buf = |k: usize| bufs.get(node.inputs[k]).clone();
+            let bias_buf = |b: &[f32]| {
+                if b.is_empty() {
+                    zero.clone()
+                } else {
+                    storage(&device, "bias", &f32_bytes(b))
+                }
+            };
+            let (_, xh, xw, xc) = node.inputs.first().map_or((0, 0, 0, 0), |&i| dims(i));
+            let shape = [total, c, h * w];
+            // Most ops are one launch: a kernel, its parameters, the buffers it reads (by binding)
+            // and the binding of its output. The output buffer is placed after the match.
+            let launch: Option<Launch> = match &node.op {
+                Op::Input { .. } => Some((
+                    Kernel::NchwToNhwc,
+                    shape.to_vec(),
+                    vec![(6, input.clone())],
+                    5,
+                    grid(total, max_groups),
+                )),
+                Op::Conv2d(conv)
+                    if conv.groups > 1
+                        && conv.groups == conv.in_channels
+                        && conv.groups == conv.out_channels =>
+                {
+                    let (wt, bias) = (get("weight")?, if conv.bias { get("bias")? } else { &[] });
+                    let (kh, kw) = conv.kernel;
+                    // Depthwise weights as (ky, kx, c) in f32, rounded to the run's precision.
+                    let mut dw = vec![0f32; kh * kw * c];
+                    for ch in 0..c {
+                        for k in 0..kh * kw {
+                            dw[k * c + ch] = precision.round(wt[ch * kh * kw + k]);
+                        }
+                    }
+                    weight_bytes += ((dw.len() + bias.len()) * 4) as u64;
+                    let p = vec![
+                        total,
+                        xh,
+                        xw,
+                        c,
+                        h,
+                        w,
+                        kh,
+                        kw,
+                        conv.stride.0,
+                        conv.stride.1,
+                        conv.padding.0,
+                        conv.padding.1,
+                        conv.dilation.0,
+                        conv.dilation.1,
+                        conv.bias as usize,
+                    ];
+                    let reads = vec![
+                        (1, input_buf(0)),
+                        (2, storage(&device, "depthwise weights", &f32_bytes(&dw))),
+                        (3, bias_buf(bias)),
+                    ];
+                    Some((Kernel::Depthwise, p, reads, 4, grid(total, max_groups)))
                 }
                 Op::Conv2d(conv) => {
-                    let (_, xh, xw, xc) = dims(node.inputs[0]);
-                    let bias: Vec<f32> = if conv.bias {
-                        get("bias")?.to_vec()
-                    } else {
-                        Vec::new()
-                    };
-                    let wt = get("weight")?;
-                    let is_dw = conv.groups > 1
-                        && conv.groups == conv.in_channels
-                        && conv.groups == conv.out_channels;
-                    bufs.take(&device, id, out_bytes);
-                    let x = bufs.get(node.inputs[0]).clone();
-                    let b = if bias.is_empty() {
-                        zero.clone()
-                    } else {
-                        storage(&device, "bias", &f32_bytes(&bias))
-                    };
-                    if is_dw {
-                        let (kh, kw) = conv.kernel;
-                        let mut dw = vec![0f32; kh * kw * c];
-                        for ch in 0..c {
-                            for k in 0..kh * kw {
-                                dw[k * c + ch] = precision.round(wt[ch * kh * kw + k]);
-                            }
-                        }
-                        weight_bytes += (dw.len() * 4 + bias.len() * 4) as u64;
-                        let wbuf = storage(&device, "depthwise weights", &f32_bytes(&dw));
-                        let pbuf = params(
-                            &device,
-                            &[
-                                total as u32,
-                                xh as u32,
-                                xw as u32,
-                                c as u32,
-                                h as u32,
-                                w as u32,
-                                kh as u32,
-                                kw as u32,
-                                conv.stride.0 as u32,
-                                conv.stride.1 as u32,
-                                conv.padding.0 as u32,
-                                conv.padding.1 as u32,
-                                conv.dilation.0 as u32,
-                                conv.dilation.1 as u32,
-                                conv.bias as u32,
-                            ],
-                        );
-                        let d = bind(
-                            Kernel::Depthwise,
-                            &node.name,
-                            &[(0, &pbuf), (1, &x), (2, &wbuf), (3, &b), (4, bufs.get(id))],
-                            grid(total, max_groups),
-                        )?;
-                        dispatches.push(d);
-                    } else {
-                        let packed = pack_conv(conv, wt);
-                        check_size(
-                            &format!("`{}.weight`", node.name),
-                            elem_bytes(packed.len(), precision),
-                        )?;
-                        weight_bytes += elem_bytes(packed.len(), precision) + bias.len() as u64 * 4;
-                        let wbuf = storage(&device, "weights", &to_bytes(&packed, precision));
-                        let pbuf = conv_params(&device, conv, (xh, xw, xc), (n, h, w));
-                        let d = bind(
-                            Kernel::Conv2d,
-                            &node.name,
-                            &[(0, &pbuf), (1, &x), (2, &wbuf), (3, &b), (4, bufs.get(id))],
-                            conv_grid(conv, n * h * w),
-                        )?;
-                        dispatches.push(d);
-                    }
+                    let bias = if conv.bias { get("bias")? } else { &[] };
+                    let packed = pack_conv(conv, get("weight")?);
+                    check_size(
+                        &format!("`{}.weight`", node.name),
+                        elem_bytes(packed.len(), precision),
+                    )?;
+                    weight_bytes += elem_bytes(packed.len(), precision) + bias.len() as u64 * 4;
+                    let wbuf = storage(&device, "weights", &to_bytes(&packed, precision));
+                    let reads = vec![(1, input_buf(0)), (2, wbuf), (3, bias_buf(bias))];
+                    Some((
+                        Kernel::Conv2d,
+                        conv_params(conv, (xh, xw, xc), (n, h, w)),
+                        reads,
+                        4,
+                        conv_grid(conv, n * h * w),
+                    ))
                 }
                 Op::Linear {
-                    in_features,
-                    out_features,
+                    in_features: fin,
+                    out_features: fout,
                     bias,
                 } => {
-                    let fin = *in_features;
-                    let fout = *out_features;
+                    let (fin, fout) = (*fin, *fout);
                     let wt = get("weight")?;
-                    let b: Vec<f32> = if *bias {
-                        get("bias")?.to_vec()
-                    } else {
-                        Vec::new()
-                    };
-                    // W (out × in) as the (in × out) B matrix of a 1×1 convolution.
+                    let b = if *bias { get("bias")? } else { &[] };
+                    // W (out × in) as the (in × out) B matrix of a 1×1 convolution on 1×1 images.
                     let mut packed = vec![0f32; fin * fout];
                     for o in 0..fout {
                         for k in 0..fin {
@@ -684,31 +682,18 @@ impl WgpuSession {
                     )?;
                     weight_bytes += elem_bytes(packed.len(), precision) + b.len() as u64 * 4;
                     let wbuf = storage(&device, "weights", &to_bytes(&packed, precision));
-                    let bbuf = if b.is_empty() {
-                        zero.clone()
-                    } else {
-                        storage(&device, "bias", &f32_bytes(&b))
-                    };
-                    bufs.take(&device, id, out_bytes);
-                    let x = bufs.get(node.inputs[0]).clone();
                     let conv = Conv2d {
                         bias: *bias,
                         ..Conv2d::new(fin, fout, 1, 1, 0)
                     };
-                    let pbuf = conv_params(&device, &conv, (1, 1, fin), (n, 1, 1));
-                    let d = bind(
+                    let reads = vec![(1, input_buf(0)), (2, wbuf), (3, bias_buf(b))];
+                    Some((
                         Kernel::Conv2d,
-                        &node.name,
-                        &[
-                            (0, &pbuf),
-                            (1, &x),
-                            (2, &wbuf),
-                            (3, &bbuf),
-                            (4, bufs.get(id)),
-                        ],
+                        conv_params(&conv, (1, 1, fin), (n, 1, 1)),
+                        reads,
+                        4,
                         conv_grid(&conv, n),
-                    )?;
-                    dispatches.push(d);
+                    ))
                 }
                 Op::BatchNorm { eps, .. } => {
                     let (g, b, m, v) = (
@@ -719,20 +704,18 @@ impl WgpuSession {
                     );
                     let (scale, shift) = batch_norm_affine(g, b, m, v, *eps);
                     weight_bytes += (scale.len() * 8) as u64;
-                    let (sb, hb) = (
-                        storage(&device, "scale", &f32_bytes(&scale)),
-                        storage(&device, "shift", &f32_bytes(&shift)),
-                    );
-                    bufs.take(&device, id, out_bytes);
-                    let x = bufs.get(node.inputs[0]).clone();
-                    let pbuf = params(&device, &[total as u32, c as u32, (h * w) as u32]);
-                    let d = bind(
+                    let reads = vec![
+                        (1, input_buf(0)),
+                        (3, storage(&device, "scale", &f32_bytes(&scale))),
+                        (4, storage(&device, "shift", &f32_bytes(&shift))),
+                    ];
+                    Some((
                         Kernel::Affine,
-                        &node.name,
-                        &[(0, &pbuf), (1, &x), (3, &sb), (4, &hb), (5, bufs.get(id))],
+                        shape.to_vec(),
+                        reads,
+                        5,
                         grid(total, max_groups),
-                    )?;
-                    dispatches.push(d);
+                    ))
                 }
                 Op::Relu | Op::Relu6 => {
                     let hi = if matches!(node.op, Op::Relu6) {
@@ -740,134 +723,89 @@ impl WgpuSession {
                     } else {
                         f32::MAX
                     };
-                    bufs.take(&device, id, out_bytes);
-                    let x = bufs.get(node.inputs[0]).clone();
-                    let pbuf = params(
-                        &device,
-                        &[
-                            total as u32,
-                            c as u32,
-                            (h * w) as u32,
-                            0f32.to_bits(),
-                            hi.to_bits(),
-                        ],
-                    );
-                    let d = bind(
+                    let p = vec![
+                        total,
+                        c,
+                        h * w,
+                        0f32.to_bits() as usize,
+                        hi.to_bits() as usize,
+                    ];
+                    Some((
                         Kernel::Clamp,
-                        &node.name,
-                        &[(0, &pbuf), (1, &x), (5, bufs.get(id))],
+                        p,
+                        vec![(1, input_buf(0))],
+                        5,
                         grid(total, max_groups),
-                    )?;
-                    dispatches.push(d);
+                    ))
                 }
-                Op::Add => {
-                    bufs.take(&device, id, out_bytes);
-                    let (a, b) = (
-                        bufs.get(node.inputs[0]).clone(),
-                        bufs.get(node.inputs[1]).clone(),
-                    );
-                    let pbuf = params(&device, &[total as u32, c as u32, (h * w) as u32]);
-                    let d = bind(
-                        Kernel::Add,
-                        &node.name,
-                        &[(0, &pbuf), (1, &a), (2, &b), (5, bufs.get(id))],
-                        grid(total, max_groups),
-                    )?;
-                    dispatches.push(d);
-                }
+                Op::Add => Some((
+                    Kernel::Add,
+                    shape.to_vec(),
+                    vec![(1, input_buf(0)), (2, input_buf(1))],
+                    5,
+                    grid(total, max_groups),
+                )),
                 Op::MaxPool(pool) | Op::AvgPool(pool) => {
-                    let (_, xh, xw, _) = dims(node.inputs[0]);
-                    bufs.take(&device, id, out_bytes);
-                    let x = bufs.get(node.inputs[0]).clone();
-                    let pbuf = params(
-                        &device,
-                        &[
-                            total as u32,
-                            xh as u32,
-                            xw as u32,
-                            c as u32,
-                            h as u32,
-                            w as u32,
-                            pool.kernel.0 as u32,
-                            pool.kernel.1 as u32,
-                            pool.stride.0 as u32,
-                            pool.stride.1 as u32,
-                            pool.padding.0 as u32,
-                            pool.padding.1 as u32,
-                            pool.count_include_pad as u32,
-                        ],
-                    );
+                    let p = vec![
+                        total,
+                        xh,
+                        xw,
+                        c,
+                        h,
+                        w,
+                        pool.kernel.0,
+                        pool.kernel.1,
+                        pool.stride.0,
+                        pool.stride.1,
+                        pool.padding.0,
+                        pool.padding.1,
+                        pool.count_include_pad as usize,
+                    ];
                     let k = if matches!(node.op, Op::MaxPool(_)) {
                         Kernel::MaxPool
                     } else {
                         Kernel::AvgPool
                     };
-                    let d = bind(
-                        k,
-                        &node.name,
-                        &[(0, &pbuf), (1, &x), (2, bufs.get(id))],
-                        grid(total, max_groups),
-                    )?;
-                    dispatches.push(d);
+                    Some((k, p, vec![(1, input_buf(0))], 2, grid(total, max_groups)))
                 }
                 Op::AdaptiveAvgPool { .. } => {
-                    let (_, xh, xw, _) = dims(node.inputs[0]);
-                    bufs.take(&device, id, out_bytes);
-                    let x = bufs.get(node.inputs[0]).clone();
-                    let pbuf = params(
-                        &device,
-                        &[
-                            total as u32,
-                            xh as u32,
-                            xw as u32,
-                            c as u32,
-                            h as u32,
-                            w as u32,
-                        ],
-                    );
-                    let d = bind(
+                    let p = vec![total, xh, xw, c, h, w];
+                    Some((
                         Kernel::AdaptiveAvgPool,
-                        &node.name,
-                        &[(0, &pbuf), (1, &x), (2, bufs.get(id))],
+                        p,
+                        vec![(1, input_buf(0))],
+                        2,
                         grid(total, max_groups),
-                    )?;
-                    dispatches.push(d);
+                    ))
                 }
-                Op::Flatten => {
-                    let (xn, xh, xw, xc) = dims(node.inputs[0]);
-                    if xh * xw == 1 {
-                        bufs.alias(id, node.inputs[0]);
-                    } else {
-                        bufs.take(&device, id, out_bytes);
-                        let x = bufs.get(node.inputs[0]).clone();
-                        let pbuf = params(
-                            &device,
-                            &[(xn * xh * xw * xc) as u32, xc as u32, (xh * xw) as u32],
-                        );
-                        let d = bind(
-                            Kernel::NhwcToNchw,
-                            &node.name,
-                            &[(0, &pbuf), (1, &x), (5, bufs.get(id))],
-                            grid(total, max_groups),
-                        )?;
-                        dispatches.push(d);
-                    }
-                }
-                Op::Dropout { .. } => {
-                    bufs.alias(id, node.inputs[0]);
-                }
-                Op::Softmax => {
+                // Dropout and a flatten of a 1×1 map change nothing: the value shares its input's buffer.
+                Op::Dropout { .. } => None,
+                Op::Flatten if xh * xw == 1 => None,
+                Op::Flatten => Some((
+                    Kernel::NhwcToNchw,
+                    vec![total, xc, xh * xw],
+                    vec![(1, input_buf(0))],
+                    5,
+                    grid(total, max_groups),
+                )),
+                Op::Softmax => Some((
+                    Kernel::Softmax,
+                    shape.to_vec(),
+                    vec![(1, input_buf(0))],
+                    5,
+                    grid(total / c.max(1), max_groups),
+                )),
+            };
+            match launch {
+                Some((kernel, p, reads, out, groups)) => {
                     bufs.take(&device, id, out_bytes);
-                    let x = bufs.get(node.inputs[0]).clone();
-                    let pbuf = params(&device, &[total as u32, c as u32, (h * w) as u32]);
-                    let d = bind(
-                        Kernel::Softmax,
-                        &node.name,
-                        &[(0, &pbuf), (1, &x), (5, bufs.get(id))],
-                        grid(total / c.max(1), max_groups),
-                    )?;
-                    dispatches.push(d);
+                    let pbuf = params(&device, &p.iter().map(|&v| v as u32).collect::<Vec<_>>());
+                    let mut entries: Vec<(u32, &wgpu::Buffer)> = vec![(0, &pbuf)];
+                    entries.extend(reads.iter().map(|(b, buf)| (*b, buf)));
+                    entries.push((out, bufs.get(id)));
+                    dispatches.push(bind(kernel, &node.name, &entries, groups)?);
                 }
+                None => bufs.alias(id, node.inputs[0]),
             }
             for d in &mut dispatches[first_dispatch..] {
                 d.op = node.op.kind_name();
@@ -989,15 +927,11 @@ impl WgpuSession {
 
 /// The conv kernel's parameters (the order of `Params` in conv2d.wgsl).
 fn conv_params(
-    device: &wgpu::Device,
     c: &Conv2d,
     (h, w, cin): (usize, usize, usize),
     (n, oh, ow): (usize, usize, usize),
-) -> wgpu::Buffer {
-    let cin_g = c.in_channels / c.groups;
-    let cout_g = c.out_channels / c.groups;
-    let k_g = c.kernel.0 * c.kernel.1 * cin_g;
-    let v = [
+) -> Vec<usize> {
+    vec![
         n * oh * ow,
         h,
         w,
@@ -1012,13 +946,12 @@ fn conv_params(
         c.padding.1,
         c.dilation.0,
         c.dilation.1,
-        cin_g,
-        cout_g,
-        k_g,
+        c.in_channels / c.groups,
+        c.out_channels / c.groups,
+        c.taps(),
         c.bias as usize,
         0,
-    ];
-    params(device, &v.iter().map(|&x| x as u32).collect::<Vec<_>>())
+    ]
 }
 
 /// One workgroup per 64×64 tile of (pixels × output channels), one grid layer per group.
