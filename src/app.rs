@@ -8,7 +8,7 @@ use anyhow::{Context, Result, bail};
 
 use crate::backend::{self, ExecOptions};
 use crate::bench::{self, record::BenchConfig};
-use crate::cli::{BenchArgs, Cli, Command, InferArgs, ModelsArgs, RunArgs, WeightsArgs};
+use crate::cli::{BenchArgs, Cli, Command, InferArgs, ModelsArgs, PeakArgs, RunArgs, WeightsArgs};
 use crate::course::commands;
 use crate::model::{Precision, Weights, weights, zoo};
 use crate::report;
@@ -19,6 +19,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Infer(args) => infer_cmd(args),
         Command::Models(args) => models_cmd(args),
         Command::Weights(args) => weights_cmd(args),
+        Command::Peak(a) => peak_cmd(a),
         Command::Init(a) => commands::init(a),
         Command::Next(a) => commands::next(a),
         Command::Status(a) => commands::status(a),
@@ -218,5 +219,40 @@ fn weights_cmd(args: WeightsArgs) -> Result<()> {
         args.seed,
         args.output.display()
     );
+    Ok(())
+}
+
+fn peak_cmd(a: PeakArgs) -> Result<()> {
+    let gemm = bench::peak::gemm(
+        a.backend,
+        a.device,
+        a.precision,
+        a.threads,
+        a.size,
+        a.iterations,
+    )?;
+    let bandwidth = match a.backend {
+        backend::BackendKind::Cpu => Some(bench::peak::host_bandwidth(
+            a.array_mib,
+            a.iterations,
+            a.threads,
+        )?),
+        _ => None,
+    };
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({ "gemm": gemm, "bandwidth": bandwidth })
+        );
+    } else {
+        println!("{}", report::peak(&gemm, bandwidth.as_deref()));
+    }
+    if gemm.validated < gemm.iterations {
+        bail!(
+            "{} of {} GEMM results did not match the reference: the throughput above does not count",
+            gemm.iterations - gemm.validated,
+            gemm.iterations
+        );
+    }
     Ok(())
 }

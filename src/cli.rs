@@ -56,6 +56,8 @@ pub enum Command {
     Models(ModelsArgs),
     /// Write a network's seeded weights as a safetensors state_dict that PyTorch can load
     Weights(WeightsArgs),
+    /// Measure the machine's limits: validated GEMM throughput and memory bandwidth
+    Peak(PeakArgs),
 }
 
 /// Where and how to run: shared by every command that runs a network.
@@ -285,4 +287,32 @@ pub enum DevCommand {
         #[arg(long, default_value = ".")]
         dir: PathBuf,
     },
+}
+
+#[derive(Debug, Args)]
+pub struct PeakArgs {
+    /// Backend whose kernels run the GEMM
+    #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
+    pub backend: BackendKind,
+    /// Device index within the backend
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    /// Precision of the GEMM's inputs (accumulation is always f32)
+    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
+    pub precision: Precision,
+    /// CPU worker threads (default: every core)
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// GEMM size: M = N = K
+    #[arg(long, default_value_t = 1024)]
+    pub size: usize,
+    /// Timed GEMMs (each one's output is checked)
+    #[arg(long, default_value_t = 10)]
+    pub iterations: usize,
+    /// Size of each bandwidth array in MiB (host memory, CPU backend)
+    #[arg(long, default_value_t = 256, value_name = "MIB")]
+    pub array_mib: usize,
+    /// Print the results as JSON
+    #[arg(long)]
+    pub json: bool,
 }

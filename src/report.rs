@@ -562,3 +562,39 @@ pub fn profile(
         p.cpu_overhead
     )
 }
+
+/// `workshop peak`, in the shape of the classic validated-GEMM test.
+pub fn peak(
+    g: &crate::bench::peak::GemmPeak,
+    bw: Option<&[crate::bench::peak::Bandwidth]>,
+) -> String {
+    let mut s = format!(
+        "GEMM {0}×{0}×{0} {1} on {2}: {3}/{4} iterations validated (success rate {5:.0}%, max relative error {6:.1e})\n\
+         Average {7:.1} GFLOP/s (median {8:.2} ms), best {9:.1} GFLOP/s",
+        g.size,
+        g.precision.name().to_uppercase(),
+        g.backend,
+        g.validated,
+        g.iterations,
+        100.0 * g.validated as f64 / g.iterations.max(1) as f64,
+        g.max_rel_error,
+        g.gflops,
+        g.median_s * 1e3,
+        g.best_gflops
+    );
+    match bw {
+        Some(bw) => {
+            for b in bw {
+                s.push_str(&format!(
+                    "\nMemory {:<5} {:.1} GB/s (median), {:.1} GB/s best, {} per pass",
+                    b.kernel,
+                    b.median_gbps,
+                    b.best_gbps,
+                    human_bytes(b.bytes)
+                ));
+            }
+        }
+        None => s.push_str("\nMemory bandwidth: not measured on this backend yet (host memory only, on the CPU backend)."),
+    }
+    s
+}

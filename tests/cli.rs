@@ -465,3 +465,46 @@ fn profile_tables_csv_and_trace() {
         );
     }
 }
+
+#[test]
+fn peak_reports_a_validated_gemm_and_bandwidth() {
+    let o = workshop(&[
+        "peak",
+        "--size",
+        "200",
+        "--iterations",
+        "3",
+        "--array-mib",
+        "8",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(r["gemm"]["size"], 200);
+    assert_eq!(r["gemm"]["validated"], 3, "{r}");
+    assert!(r["gemm"]["gflops"].as_f64().unwrap() > 0.0);
+    assert!(r["gemm"]["max_rel_error"].as_f64().unwrap() < 1e-5);
+    let bw = r["bandwidth"].as_array().unwrap();
+    assert_eq!(bw.len(), 2);
+    assert!(bw.iter().all(|b| b["median_gbps"].as_f64().unwrap() > 0.0));
+    let o = workshop(&[
+        "peak",
+        "--size",
+        "64",
+        "--iterations",
+        "2",
+        "--array-mib",
+        "4",
+        "--precision",
+        "fp16",
+    ]);
+    let out = stdout(&o);
+    assert!(
+        o.status.success() && out.contains("2/2 iterations validated (success rate 100%"),
+        "{out}"
+    );
+    let o = workshop(&["peak", "--size", "0"]);
+    assert!(
+        !o.status.success() && stderr(&o).contains("--size and --iterations must be at least 1")
+    );
+}

@@ -3,6 +3,7 @@
 //! summarise the samples into a [`record::BenchRecord`]. Progress is reported as events so
 //! presentation stays in `report`.
 
+pub mod peak;
 pub mod profile;
 pub mod record;
 pub mod stats;

@@ -1,0 +1,200 @@
+//! `workshop peak`: the machine's measured limits, to compare layers against — GEMM
+//! throughput through the backend's own kernels (every iteration's output checked against an
+//! f64 reference on sampled entries, so a fast wrong kernel never counts), and on the CPU the
+//! memory bandwidth of a copy and a triad (a = b + s·c) over arrays far larger than the caches.
+
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use crate::backend::{self, BackendKind, ExecOptions};
+use crate::model::graph::{ConvInit, GraphBuilder, LinearInit};
+use crate::model::{Precision, Rng, Weights};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GemmPeak {
+    pub backend: BackendKind,
+    pub precision: Precision,
+    /// M = N = K.
+    pub size: usize,
+    pub iterations: usize,
+    pub median_s: f64,
+    /// 2·size³ / median time.
+    pub gflops: f64,
+    pub best_gflops: f64,
+    /// Iterations whose sampled outputs all matched the reference.
+    pub validated: usize,
+    pub max_rel_error: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Bandwidth {
+    /// `copy` or `triad`.
+    pub kernel: String,
+    /// Bytes read and written per pass.
+    pub bytes: u64,
+    pub median_gbps: f64,
+    pub best_gbps: f64,
+}
+
+/// Entries of the output checked per iteration.
+const SAMPLES: usize = 64;
+
+/// Relative error allowed per precision, against the sum of |products| of the dot product
+/// (the scale rounding errors grow with): f32 accumulation of rounded inputs.
+fn tolerance(p: Precision) -> f64 {
+    match p {
+        Precision::Fp32 => 1e-5,
+        Precision::Fp16 => 1e-3,
+        Precision::Bf16 => 1e-2,
+    }
+}
+
+/// C = A·Bᵀ (+ bias) of size×size matrices as a fully connected layer through the backend.
+pub fn gemm(
+    kind: BackendKind,
+    device: usize,
+    precision: Precision,
+    threads: Option<usize>,
+    size: usize,
+    iterations: usize,
+) -> Result<GemmPeak> {
+    if size == 0 || iterations == 0 {
+        bail!("--size and --iterations must be at least 1");
+    }
+    let mut g = GraphBuilder::new(
+        "gemm",
+        size,
+        ConvInit::TorchDefault,
+        LinearInit::TorchDefault,
+    );
+    let x = g.input();
+    let x = g.flatten("flatten", x);
+    let y = g.linear("fc", x, size, size);
+    let graph = g.finish(y);
+    let plan = graph.plan(size, 1, 1)?;
+    let weights = Weights::init(&graph, 7);
+    let input = Rng::new(8).normal_tensor(vec![size, size, 1, 1]);
+    let b = backend::open(kind)?;
+    let opt = ExecOptions {
+        precision,
+        threads,
+        profile: false,
+        kernels_dir: None,
+    };
+    let mut session = b.prepare(device, &plan, &weights, &opt)?;
+    // The reference sees the values the backend stores.
+    let round = |v: f32| precision.round(v) as f64;
+    let w = &weights.get("fc.weight").context("weights")?.data;
+    let bias = &weights.get("fc.bias").context("bias")?.data;
+    let mut rng = Rng::new(9);
+    let picks: Vec<(usize, usize)> = (0..SAMPLES)
+        .map(|_| (rng.below(size), rng.below(size)))
+        .collect();
+    let expected: Vec<(f64, f64)> = picks
+        .iter()
+        .map(|&(i, j)| {
+            let (mut sum, mut scale) = (bias[j] as f64, bias[j].abs() as f64);
+            for k in 0..size {
+                let p = round(input.data[i * size + k]) * round(w[j * size + k]);
+                sum += p;
+                scale += p.abs();
+            }
+            (sum, scale)
+        })
+        .collect();
+    session.run(&input)?;
+    session.sync()?;
+    let mut times = Vec::with_capacity(iterations);
+    let mut validated = 0;
+    let mut max_rel_error = 0f64;
+    for _ in 0..iterations {
+        let start = Instant::now();
+        session.run(&input)?;
+        session.sync()?;
+        times.push(start.elapsed().as_secs_f64());
+        let out = session.read_output()?;
+        let mut ok = true;
+        for (&(i, j), &(want, scale)) in picks.iter().zip(&expected) {
+            let err = (out.data[i * size + j] as f64 - want).abs() / scale.max(f64::MIN_POSITIVE);
+            max_rel_error = max_rel_error.max(err);
+            ok &= err <= tolerance(precision);
+        }
+        validated += ok as usize;
+    }
+    let mut sorted = times.clone();
+    sorted.sort_by(f64::total_cmp);
+    let median = sorted[sorted.len() / 2];
+    let flops = 2.0 * (size as f64).powi(3);
+    Ok(GemmPeak {
+        backend: kind,
+        precision,
+        size,
+        iterations,
+        median_s: median,
+        gflops: flops / median / 1e9,
+        best_gflops: flops / sorted[0] / 1e9,
+        validated,
+        max_rel_error,
+    })
+}
+
+/// Copy and triad bandwidth of host memory over `mib` MiB arrays, on the rayon pool.
+pub fn host_bandwidth(
+    mib: usize,
+    iterations: usize,
+    threads: Option<usize>,
+) -> Result<Vec<Bandwidth>> {
+    let n = (mib << 20) / 4;
+    if n == 0 || iterations == 0 {
+        bail!("the arrays and the iterations must not be empty");
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads.unwrap_or(0))
+        .build()?;
+    pool.install(|| {
+        let a: Vec<f32> = vec![1.0; n];
+        let mut b: Vec<f32> = vec![2.0; n];
+        let c: Vec<f32> = vec![3.0; n];
+        const CHUNK: usize = 1 << 16;
+        let mut measure = |name: &str, bytes: u64, f: &mut dyn FnMut(&mut Vec<f32>)| {
+            let mut times: Vec<f64> = (0..iterations + 1)
+                .map(|_| {
+                    let t = Instant::now();
+                    f(&mut b);
+                    t.elapsed().as_secs_f64()
+                })
+                .skip(1)
+                .collect();
+            times.sort_by(f64::total_cmp);
+            Bandwidth {
+                kernel: name.into(),
+                bytes,
+                median_gbps: bytes as f64 / times[times.len() / 2] / 1e9,
+                best_gbps: bytes as f64 / times[0] / 1e9,
+            }
+        };
+        let copy = measure("copy", (2 * n * 4) as u64, &mut |b| {
+            b.par_chunks_mut(CHUNK)
+                .zip(a.par_chunks(CHUNK))
+                .for_each(|(d, s)| d.copy_from_slice(s));
+        });
+        let triad = measure("triad", (3 * n * 4) as u64, &mut |b| {
+            b.par_chunks_mut(CHUNK)
+                .zip(a.par_chunks(CHUNK))
+                .zip(c.par_chunks(CHUNK))
+                .for_each(|((d, x), y)| {
+                    for ((d, x), y) in d.iter_mut().zip(x).zip(y) {
+                        *d = x + 0.5 * y;
+                    }
+                });
+        });
+        // The triad's result is checked once, so the loop cannot be optimised away unseen.
+        if b.iter().any(|&v| v != 2.5) {
+            bail!("the triad computed wrong values: the measurement is void");
+        }
+        Ok(vec![copy, triad])
+    })
+}
