@@ -451,6 +451,12 @@ pub fn measured(a: &crate::course::state::Attempt) -> String {
             get("top1_agreement").unwrap_or(0.0) * 100.0
         ));
     }
+    if let Some(v) = get("gemm_gflops") {
+        parts.push(format!("GEMM {v:.1} GFLOP/s"));
+    }
+    if let (Some(c), Some(t)) = (get("copy_gbps"), get("triad_gbps")) {
+        parts.push(format!("copy {c:.1} GB/s, triad {t:.1} GB/s"));
+    }
     if let Some(v) = get("cores") {
         parts.push(format!(
             "{v} cores, {:.1} GiB",

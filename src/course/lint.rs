@@ -59,6 +59,7 @@ pub fn metrics_of(kind: StepKind) -> &'static [&'static str] {
         StepKind::Sweep => &["best_throughput", "best_value", "scaling"],
         StepKind::Accuracy => &["max_abs_diff", "rel_diff", "top1_agreement"],
         StepKind::Doctor => &["cores", "memory_gib"],
+        StepKind::Peak => &["gemm_gflops", "copy_gbps", "triad_gbps"],
         StepKind::Compare | StepKind::Question | StepKind::Note => &[],
     }
 }
@@ -239,6 +240,19 @@ fn check_exercise(l: &mut Linter<'_>, ex: &LoadedExercise, source: &Source, ids:
             check_bench(l, b.span(), b.get_ref());
             if let Some(cpu) = &b.get_ref().cpu {
                 check_bench(l, b.span(), cpu);
+            }
+        }
+        if step.peak.is_some() && step.kind != StepKind::Peak {
+            l.at(step.id.span(), "only a `peak` step takes a `peak` section");
+        }
+        if let Some(pk) = &step.peak {
+            let spec = pk.get_ref();
+            let all = std::iter::once(spec).chain(spec.cpu.as_deref());
+            if all
+                .flat_map(|s| [s.size, s.iterations, s.array_mib])
+                .any(|v| v == Some(0))
+            {
+                l.at(pk.span(), "peak sizes and iterations must be at least 1");
             }
         }
         if let Some(s) = &step.sweep {

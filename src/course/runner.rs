@@ -246,6 +246,57 @@ pub fn run_step(
                 metrics.insert("rel_diff".into(), rel);
                 metrics.insert("top1_agreement".into(), agree);
             }
+            StepKind::Peak => {
+                let spec = step
+                    .peak
+                    .as_ref()
+                    .map(|p| p.get_ref().clone())
+                    .unwrap_or_default();
+                let cpu = ws.state.backend == backend::BackendKind::Cpu;
+                let over = |f: fn(&super::schema::PeakSpec) -> Option<usize>| {
+                    spec.cpu.as_deref().filter(|_| cpu).and_then(f).or(f(&spec))
+                };
+                let precision = spec
+                    .cpu
+                    .as_deref()
+                    .filter(|_| cpu)
+                    .and_then(|c| c.precision)
+                    .or(spec.precision)
+                    .unwrap_or(Precision::Fp32);
+                let (size, iterations) = (
+                    over(|s| s.size).unwrap_or(1024),
+                    over(|s| s.iterations).unwrap_or(10),
+                );
+                let g = bench::peak::gemm(
+                    ws.state.backend,
+                    ws.state.device,
+                    precision,
+                    ws.state.threads,
+                    size,
+                    iterations,
+                )?;
+                let bw = if cpu {
+                    Some(bench::peak::host_bandwidth(
+                        over(|s| s.array_mib).unwrap_or(256),
+                        iterations,
+                        ws.state.threads,
+                    )?)
+                } else {
+                    None
+                };
+                println!("{}", report::peak(&g, bw.as_deref()));
+                if g.validated < g.iterations {
+                    bail!(
+                        "{} of {} GEMM results did not match the reference: the peak does not count",
+                        g.iterations - g.validated,
+                        g.iterations
+                    );
+                }
+                metrics.insert("gemm_gflops".into(), g.gflops);
+                for b in bw.unwrap_or_default() {
+                    metrics.insert(format!("{}_gbps", b.kernel), b.median_gbps);
+                }
+            }
             StepKind::Compare => {
                 for d in &step.derive {
                     let d = d.get_ref();

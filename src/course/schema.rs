@@ -72,6 +72,10 @@ pub enum StepKind {
     /// A question whose answer is recorded and, where `question.correct` says how, checked
     /// against the student's own measurements (needs `question`).
     Question,
+    /// The machine's measured limits (`workshop peak`): `gemm_gflops`, and on the CPU backend
+    /// `copy_gbps` and `triad_gbps`. Later expectations can be a fraction of them
+    /// (`metric = "gflops"`, `per = "peak.gemm_gflops"`). Optional `peak` section.
+    Peak,
     /// Text only.
     Note,
 }
@@ -94,6 +98,8 @@ pub struct Step {
     pub derive: Vec<Spanned<Derive>>,
     /// The prompt of a `question` step.
     pub question: Option<Spanned<Question>>,
+    /// Sizes of a `peak` step (defaults: a 1024³ GEMM, 10 iterations, 256 MiB arrays).
+    pub peak: Option<Spanned<PeakSpec>>,
     /// Timing expectations are inconclusive (not failed) when the run's coefficient of
     /// variation is above this (e.g. 0.10 for 10%): the machine was too noisy to judge.
     pub max_cv: Option<f64>,
@@ -136,6 +142,20 @@ pub struct SweepSpec {
 pub enum SweepParam {
     BatchSize,
     InputSize,
+}
+
+/// The probe of a `peak` step.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeakSpec {
+    /// GEMM size (M = N = K).
+    pub size: Option<usize>,
+    pub iterations: Option<usize>,
+    pub precision: Option<Precision>,
+    /// Size of each bandwidth array, in MiB.
+    pub array_mib: Option<usize>,
+    /// Overrides on the CPU backend.
+    pub cpu: Option<Box<PeakSpec>>,
 }
 
 /// A value computed from earlier steps' metrics: `numerator / denominator`.
