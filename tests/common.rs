@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 
 use workshop::backend::{self, BackendKind, ExecOptions, Session};
+use workshop::model::op::{Conv2d, Op};
 use workshop::model::{Plan, Precision, Weights};
 
 pub fn fixture(name: &str) -> PathBuf {
@@ -62,6 +63,30 @@ pub fn session(
         }
         Err(e) => panic!("{kind} failed to prepare: {e}"),
     }
+}
+
+/// A conv op from a positional row of the case tables in ops and parity (they read best as columns).
+#[allow(clippy::too_many_arguments)]
+pub fn conv(
+    cin: usize,
+    cout: usize,
+    k: (usize, usize),
+    s: usize,
+    p: (usize, usize),
+    d: usize,
+    groups: usize,
+    bias: bool,
+) -> Op {
+    Op::Conv2d(Conv2d {
+        in_channels: cin,
+        out_channels: cout,
+        kernel: k,
+        stride: (s, s),
+        padding: p,
+        dilation: (d, d),
+        groups,
+        bias,
+    })
 }
 
 /// Say why a backend's test is skipped, or fail when CI requires that backend

@@ -140,20 +140,7 @@ say = "The end."
 #[test]
 fn navigation_never_dead_ends() {
     let d = tempfile::tempdir().unwrap();
-    let course = d.path().join("course");
-    tiny_course(&course);
-    let dir = &d.path().join("ws");
-    std::fs::create_dir_all(dir).unwrap();
-    ok(
-        dir,
-        &[
-            "init",
-            "--name",
-            "Bob",
-            "--course",
-            course.to_str().unwrap(),
-        ],
-    );
+    let dir = &tiny_workspace(d.path(), ("", ""), &["--name", "Bob"]);
     assert!(ok(dir, &["hint"]).contains("Just run next."));
     ok(dir, &["next", "--yes"]);
     // A failed expectation is recorded with its hint and the course moves on.
@@ -200,6 +187,24 @@ fn navigation_never_dead_ends() {
         !o.status.success()
             && stderr(&o).contains("no exercise `99-nope`; the course has: 00-first, 01-second")
     );
+}
+
+/// A workspace in `root/ws` on the tiny course in `root/course`, whose first exercise has
+/// `from` replaced by `to` (the same text for no change), initialised with `init` arguments.
+fn tiny_workspace(root: &Path, (from, to): (&str, &str), init: &[&str]) -> std::path::PathBuf {
+    let course = root.join("course");
+    tiny_course(&course);
+    let f = course.join("exercises/00-first.toml");
+    let text = std::fs::read_to_string(&f).unwrap();
+    assert!(text.contains(from), "the tiny course has no `{from}`");
+    std::fs::write(&f, text.replace(from, to)).unwrap();
+    let dir = root.join("ws");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut args = vec!["init"];
+    args.extend_from_slice(init);
+    args.extend(["--course", course.to_str().unwrap()]);
+    ok(&dir, &args);
+    dir
 }
 
 /// Write `text` as the only exercise of a course and return `workshop dev lint`'s stderr.
@@ -379,27 +384,12 @@ fn damaged_busy_and_missing_workspaces_are_clear() {
 #[test]
 fn a_killed_run_loses_nothing_recorded() {
     let d = tempfile::tempdir().unwrap();
-    let course = d.path().join("course");
-    tiny_course(&course);
     // Make the bench step long enough to be killed in the middle.
-    let f = course.join("exercises/00-first.toml");
-    let text = std::fs::read_to_string(&f).unwrap().replace(
+    let long = (
         "iterations = 2, warmup = 0, input_size = 32",
         "iterations = 100000, warmup = 0, input_size = 64",
     );
-    std::fs::write(&f, text).unwrap();
-    let dir = &d.path().join("ws");
-    std::fs::create_dir_all(dir).unwrap();
-    ok(
-        dir,
-        &[
-            "init",
-            "--name",
-            "Dee",
-            "--course",
-            course.to_str().unwrap(),
-        ],
-    );
+    let dir = &tiny_workspace(d.path(), long, &["--name", "Dee"]);
     ok(dir, &["next", "--yes"]);
     let before = std::fs::read_to_string(dir.join("results.json")).unwrap();
     let state_before = std::fs::read_to_string(dir.join(".workshop/state.json")).unwrap();
@@ -499,29 +489,12 @@ fn every_command_in_the_book_parses_and_every_chapter_is_listed() {
 #[test]
 fn a_step_this_machine_cannot_run_is_recorded_as_unavailable() {
     let d = tempfile::tempdir().unwrap();
-    let course = d.path().join("course");
-    tiny_course(&course);
     // BF16 on wgpu: WGSL has no bf16 type (and without an adapter, there is no device at all).
-    let f = course.join("exercises/00-first.toml");
-    let text = std::fs::read_to_string(&f).unwrap().replace(
+    let bf16 = (
         "input_size = 32 }",
         "input_size = 32, precision = \"bf16\" }",
     );
-    std::fs::write(&f, text).unwrap();
-    let dir = &d.path().join("ws");
-    std::fs::create_dir_all(dir).unwrap();
-    ok(
-        dir,
-        &[
-            "init",
-            "--name",
-            "Eve",
-            "--backend",
-            "wgpu",
-            "--course",
-            course.to_str().unwrap(),
-        ],
-    );
+    let dir = &tiny_workspace(d.path(), bf16, &["--name", "Eve", "--backend", "wgpu"]);
     ok(dir, &["next", "--yes"]);
     let out = ok(dir, &["next", "--yes"]);
     assert!(

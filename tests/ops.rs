@@ -8,7 +8,7 @@ use workshop::model::graph::{ConvInit, GraphBuilder, LinearInit, ValueId};
 use workshop::model::op::{Conv2d, Op, Pool};
 use workshop::model::{Graph, Precision, Rng, Tensor, Weights, reference};
 
-use crate::common::{session, tolerance};
+use crate::common::{conv, session, tolerance};
 
 /// Weights for `graph` with every tensor random (batch-norm statistics included), so no op
 /// degenerates to an identity.
@@ -79,30 +79,6 @@ fn single(name: &str, channels: usize, op: Op) -> Graph {
     let x = g.input();
     let y = g.add_node("layer", op, &[x]);
     g.finish(y)
-}
-
-/// A conv op from a positional row of the case tables below (they read best as columns).
-#[allow(clippy::too_many_arguments)]
-fn conv(
-    cin: usize,
-    cout: usize,
-    k: (usize, usize),
-    s: usize,
-    p: (usize, usize),
-    d: usize,
-    groups: usize,
-    bias: bool,
-) -> Op {
-    Op::Conv2d(Conv2d {
-        in_channels: cin,
-        out_channels: cout,
-        kernel: k,
-        stride: (s, s),
-        padding: p,
-        dilation: (d, d),
-        groups,
-        bias,
-    })
 }
 
 fn conv2d_variants(kind: BackendKind) {

@@ -11,7 +11,7 @@ use workshop::model::weights::read_tensor;
 use workshop::model::zoo::{self, Block, ResNetConfig};
 use workshop::model::{Graph, Precision, Tensor, Weights};
 
-use crate::common::{fixture, session, tolerance};
+use crate::common::{conv, fixture, session, tolerance};
 
 fn tiny_vgg() -> Graph {
     // The PyTorch module is TinyVgg in make_fixtures.py.
@@ -117,18 +117,6 @@ backend_test!(models_match_pytorch, cpu, wgpu, cuda, hip);
 
 fn layers_match_pytorch(kind: BackendKind) {
     let file = fixture("layers.safetensors");
-    let conv = |cin, cout, k: (usize, usize), s, p: (usize, usize), d, groups, bias| {
-        Op::Conv2d(Conv2d {
-            in_channels: cin,
-            out_channels: cout,
-            kernel: k,
-            stride: (s, s),
-            padding: p,
-            dilation: (d, d),
-            groups,
-            bias,
-        })
-    };
     let ceil = Pool {
         ceil_mode: true,
         ..Pool::new(2, 2, 0)
