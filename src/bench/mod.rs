@@ -12,7 +12,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 
-use crate::backend::{self, ExecOptions, Session};
+use crate::backend::{self, DeviceInfo, ExecOptions, Session};
 use crate::model::{Graph, Op, Plan, Rng, Tensor, Weights, reference, zoo};
 use record::{BenchConfig, BenchRecord, Environment, ModelInfo, SCHEMA_VERSION};
 use stats::Stats;
@@ -51,11 +51,11 @@ pub fn validate(cfg: &BenchConfig) -> Result<()> {
     Ok(())
 }
 
-/// Build the plan, weights and session for a run configuration.
+/// Build the plan and the session for a run configuration, with the device it runs on.
 pub fn prepare(
     cfg: &BenchConfig,
     weights_file: Option<&std::path::Path>,
-) -> Result<(Plan, Weights, Box<dyn Session>)> {
+) -> Result<(Plan, Box<dyn Session>, DeviceInfo)> {
     let graph = zoo::build(&cfg.network)?;
     let plan = graph
         .plan(cfg.batch_size, cfg.input_size, cfg.input_size)
@@ -78,7 +78,13 @@ pub fn prepare(
         None => seeded_weights(&graph, cfg.seed, cfg.input_size)?,
     };
     let session = backend.prepare(cfg.device, &plan, &weights, &opt)?;
-    Ok((plan, weights, session))
+    // Asked once here: enumerating devices can be slow (wgpu lists every adapter).
+    let device = backend
+        .devices()
+        .into_iter()
+        .nth(cfg.device)
+        .context("the device disappeared while preparing")?;
+    Ok((plan, session, device))
 }
 
 /// Images in the batch that calibrates random weights' batch-norm statistics.
@@ -109,7 +115,7 @@ pub fn run(
     on_event: &mut dyn FnMut(Event),
 ) -> Result<BenchRecord> {
     validate(cfg)?;
-    let (plan, _weights, mut session) = prepare(cfg, weights_file)?;
+    let (plan, mut session, device) = prepare(cfg, weights_file)?;
     on_event(Event::Preparing {
         params: plan.graph.param_count(),
         weights: cfg.weights.clone(),
@@ -185,7 +191,7 @@ pub fn run(
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
         config: cfg.clone(),
-        environment: environment(cfg, session.as_ref())?,
+        environment: environment(device, session.as_ref()),
         model,
         warmup_s,
         samples_s,
@@ -197,15 +203,9 @@ pub fn run(
     })
 }
 
-fn environment(cfg: &BenchConfig, session: &dyn Session) -> Result<Environment> {
-    let backend = backend::open(cfg.backend)?;
-    let device = backend
-        .devices()
-        .into_iter()
-        .nth(cfg.device)
-        .context("device disappeared during the run")?;
+fn environment(device: DeviceInfo, session: &dyn Session) -> Environment {
     let host = backend::cpu::host_device();
-    Ok(Environment {
+    Environment {
         runner_version: env!("CARGO_PKG_VERSION").into(),
         os: sysinfo::System::long_os_version().unwrap_or_else(|_| std::env::consts::OS.into()),
         arch: std::env::consts::ARCH.into(),
@@ -214,7 +214,7 @@ fn environment(cfg: &BenchConfig, session: &dyn Session) -> Result<Environment> 
         cpu_cores: host.compute_units,
         device,
         kernel_version: session.kernel_version(),
-    })
+    }
 }
 
 /// The largest batch whose weights and activations fit in the memory the backend reports
