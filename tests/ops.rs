@@ -149,6 +149,19 @@ fn conv2d_variants(kind: BackendKind) {
             conv(2, 3, (3, 3), 1, (0, 0), 1, 1, false),
             [1, 2, 3, 3],
         ),
+        // Few output rows (9): the GPU backends' few-rows GEMM, with groups and a column tail.
+        (
+            "few_rows_grouped",
+            6,
+            conv(6, 9, (3, 3), 2, (1, 1), 1, 3, true),
+            [1, 6, 5, 5],
+        ),
+        (
+            "few_rows_column_tail",
+            5,
+            conv(5, 70, (3, 3), 1, (1, 1), 1, 1, true),
+            [1, 5, 3, 3],
+        ),
         // Long columns (K = 576) over 2×32×32 rows: several im2col chunks, split over workers.
         (
             "many_chunks",
@@ -255,9 +268,29 @@ fn flatten_linear_softmax(kind: BackendKind) {
     let y = g.relu("relu", y);
     let y = g.linear("fc2", y, 7, 5);
     let y = g.add_node("softmax", Op::Softmax, &[y]);
-    check(kind, &g.finish(y), [3, 3, 4, 5], 1.0);
+    let g = g.finish(y);
+    // Batch 3 takes the GPU backends' few-rows GEMM, batch 20 their tiled one.
+    check(kind, &g, [3, 3, 4, 5], 1.0);
+    check(kind, &g, [20, 3, 4, 5], 1.0);
 }
 backend_test!(flatten_linear_softmax, cpu, wgpu, cuda, hip);
+
+/// A linear layer whose FP32 weights (9216 × 4160, 146 MiB) exceed the 128 MiB a storage
+/// binding may hold on many adapters, like AlexNet's and VGG's first classifier layers: the GPU
+/// backends cut it into slices of output channels.
+fn linear_larger_than_one_binding(kind: BackendKind) {
+    let mut g = GraphBuilder::new(
+        "big_fc",
+        9216,
+        ConvInit::TorchDefault,
+        LinearInit::TorchDefault,
+    );
+    let x = g.input();
+    let y = g.flatten("flatten", x);
+    let y = g.linear("fc", y, 9216, 4160);
+    check(kind, &g.finish(y), [2, 9216, 1, 1], 1.0);
+}
+backend_test!(linear_larger_than_one_binding, cpu, wgpu, cuda, hip);
 
 #[test]
 fn shape_errors_say_what_does_not_fit() {

@@ -36,7 +36,8 @@ struct Params {
     k_g: u32,      // taps per group: kh · kw · cin_g
     has_bias: u32,
     act: u32,      // epilogue: 0 none, 1 ReLU, 2 ReLU6
-    _pad: u32,
+    col_base: u32, // first output channel of this launch (weights too large for one binding
+                   // run as several launches over column slices; 0 otherwise)
 }
 // ANCHOR_END: params
 
@@ -163,17 +164,151 @@ fn store4(row: u32, col: u32, g: u32, v: vec4<f32>) {
         if (col + j >= p.cout_g) {
             return;
         }
-        let oc = g * p.cout_g + col + j;
-        var o = v[j];
-        if (p.has_bias != 0u) {
-            o += bias[oc];
-        }
-        if (p.act == 1u) {
-            o = max(o, 0.0);
-        } else if (p.act == 2u) {
-            o = clamp(o, 0.0, 6.0);
-        }
-        y[row * p.cout + oc] = elem(o);
+        store1(row, g * p.cout_g + col + j, v[j]);
     }
 }
+
+// Bias, activation and store of one output (oc counts from this launch's first channel).
+fn store1(row: u32, oc: u32, v: f32) {
+    let c = p.col_base + oc;
+    var o = v;
+    if (p.has_bias != 0u) {
+        o += bias[c];
+    }
+    if (p.act == 1u) {
+        o = max(o, 0.0);
+    } else if (p.act == 2u) {
+        o = clamp(o, 0.0, 6.0);
+    }
+    y[row * p.cout + c] = elem(o);
+}
 // ANCHOR_END: kernel
+
+// ANCHOR: rows
+// The same product for a few output rows (a linear layer at batch 1–8, a tiny feature map):
+// a 64-row tile would waste up to 63/64 of its work there. Reading B is what costs, so every
+// B value read feeds all eight rows: a thread takes 4 neighbouring columns (one 16-byte run;
+// 16 threads read 256 contiguous bytes of a row of B) and one of 4 slices of K, and the four
+// partial sums of each output meet in workgroup memory. A workgroup covers 64 columns: fc6 of
+// VGG makes 64 workgroups, few for a large GPU, which would want K split across workgroups too.
+const ROWS: u32 = 8u;
+var<workgroup> partial: array<vec4<f32>, 512>; // ROWS × 64 threads
+
+// A[row, k] of a linear layer, or 0 past the last row.
+fn a_row(row: u32, k: u32) -> f32 {
+    if (row >= p.m) {
+        return 0.0;
+    }
+    return f32(x[row * p.cin + k]);
+}
+
+// A[row, k] of the implicit GEMM, or 0 outside the image, the rows or the taps.
+fn a_at(row: u32, ky: u32, kx: u32, ci: u32) -> f32 {
+    if (row >= p.m) {
+        return 0.0;
+    }
+    if (p.h * p.w == 1u) {
+        return f32(x[row * p.cin + ci]); // a linear layer: 1×1 images, 1×1 kernel
+    }
+    let ox = row % p.ow;
+    let rest = row / p.ow;
+    let iy = i32((rest % p.oh) * p.sh + ky * p.dh) - i32(p.ph);
+    let ix = i32(ox * p.sw + kx * p.dw) - i32(p.pw);
+    if (iy < 0 || ix < 0 || iy >= i32(p.h) || ix >= i32(p.w)) {
+        return 0.0;
+    }
+    return f32(x[(rest / p.oh) * p.h * p.w * p.cin + (u32(iy) * p.w + u32(ix)) * p.cin + ci]);
+}
+
+// B[k, col..col + 4], zero past the last column. Clamped loads and a select instead of
+// branches: CPU drivers run both sides of a branch that differs between invocations.
+fn b4(k: u32, col: u32, base: u32) -> vec4<f32> {
+    let o = base + k * p.cout_g;
+    let last = p.cout_g - 1u;
+    let cols = vec4<u32>(col, col + 1u, col + 2u, col + 3u);
+    let c = min(cols, vec4<u32>(last));
+    let v = vec4<f32>(f32(wt[o + c.x]), f32(wt[o + c.y]), f32(wt[o + c.z]), f32(wt[o + c.w]));
+    return select(vec4<f32>(0.0), v, cols <= vec4<u32>(last));
+}
+
+@compute @workgroup_size(16, 4)
+fn conv2d_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let g = wid.z;
+    let row0 = wid.x * ROWS;
+    let col = wid.y * 64u + lid.x * 4u;
+    let wbase = g * p.k_g * p.cout_g;
+    let cin_g = p.cin_g;
+    var s0 = vec4<f32>(0.0);
+    var s1 = vec4<f32>(0.0);
+    var s2 = vec4<f32>(0.0);
+    var s3 = vec4<f32>(0.0);
+    var s4 = vec4<f32>(0.0);
+    var s5 = vec4<f32>(0.0);
+    var s6 = vec4<f32>(0.0);
+    var s7 = vec4<f32>(0.0);
+    if (col < p.cout_g && p.h * p.w == 1u) {
+        // A linear layer (1×1 images and kernel): A[row, k] is x[row, k].
+        for (var k = lid.y; k < p.k_g; k += 4u) {
+            let b = b4(k, col, wbase);
+            let ci = g * cin_g + k;
+            s0 += a_row(row0 + 0u, ci) * b;
+            s1 += a_row(row0 + 1u, ci) * b;
+            s2 += a_row(row0 + 2u, ci) * b;
+            s3 += a_row(row0 + 3u, ci) * b;
+            s4 += a_row(row0 + 4u, ci) * b;
+            s5 += a_row(row0 + 5u, ci) * b;
+            s6 += a_row(row0 + 6u, ci) * b;
+            s7 += a_row(row0 + 7u, ci) * b;
+        }
+    } else if (col < p.cout_g) {
+        // The tap k as (ky, kx, ci), stepped without dividing (no vector division on CPUs).
+        var ci = lid.y;
+        var kx = 0u;
+        var ky = 0u;
+        for (var k = lid.y; k < p.k_g; k += 4u) {
+            while (ci >= cin_g) {
+                ci -= cin_g;
+                kx += 1u;
+                if (kx == p.kw) {
+                    kx = 0u;
+                    ky += 1u;
+                }
+            }
+            let b = b4(k, col, wbase);
+            s0 += a_at(row0 + 0u, ky, kx, g * cin_g + ci) * b;
+            s1 += a_at(row0 + 1u, ky, kx, g * cin_g + ci) * b;
+            s2 += a_at(row0 + 2u, ky, kx, g * cin_g + ci) * b;
+            s3 += a_at(row0 + 3u, ky, kx, g * cin_g + ci) * b;
+            s4 += a_at(row0 + 4u, ky, kx, g * cin_g + ci) * b;
+            s5 += a_at(row0 + 5u, ky, kx, g * cin_g + ci) * b;
+            s6 += a_at(row0 + 6u, ky, kx, g * cin_g + ci) * b;
+            s7 += a_at(row0 + 7u, ky, kx, g * cin_g + ci) * b;
+            ci += 4u;
+        }
+    }
+    let t = lid.y * 16u + lid.x;
+    partial[t] = s0;
+    partial[64u + t] = s1;
+    partial[128u + t] = s2;
+    partial[192u + t] = s3;
+    partial[256u + t] = s4;
+    partial[320u + t] = s5;
+    partial[384u + t] = s6;
+    partial[448u + t] = s7;
+    workgroupBarrier();
+    // Thread (x, y) sums rows y and y + 4 over the four slices.
+    for (var h = 0u; h < 2u; h++) {
+        let r = lid.y + 4u * h;
+        let row = row0 + r;
+        let sum = partial[r * 64u + lid.x] + partial[r * 64u + 16u + lid.x]
+            + partial[r * 64u + 32u + lid.x] + partial[r * 64u + 48u + lid.x];
+        if (row < p.m) {
+            for (var j = 0u; j < 4u; j++) {
+                if (col + j < p.cout_g) {
+                    store1(row, g * p.cout_g + col + j, sum[j]);
+                }
+            }
+        }
+    }
+}
+// ANCHOR_END: rows

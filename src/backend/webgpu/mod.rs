@@ -45,6 +45,7 @@ const KERNELS: &[(&str, &str)] = &[
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Kernel {
     Conv2d,
+    Conv2dRows,
     Depthwise,
     MaxPool,
     AvgPool,
@@ -62,6 +63,7 @@ impl Kernel {
     fn source(self) -> (&'static str, &'static str) {
         match self {
             Kernel::Conv2d => ("conv2d.wgsl", "conv2d"),
+            Kernel::Conv2dRows => ("conv2d.wgsl", "conv2d_rows"),
             Kernel::Depthwise => ("depthwise.wgsl", "depthwise"),
             Kernel::MaxPool => ("pool.wgsl", "max_pool"),
             Kernel::AvgPool => ("pool.wgsl", "avg_pool"),
@@ -596,14 +598,14 @@ impl WgpuSession {
             let shape = [total, c, h * w];
             // Most ops are one launch: a kernel, its parameters, the buffers it reads (by binding)
             // and the binding of its output. The output buffer is placed after the match.
-            let launch: Option<Launch> = match &node.op {
-                Op::Input { .. } => Some((
+            let launches: Vec<Launch> = match &node.op {
+                Op::Input { .. } => vec![(
                     Kernel::NchwToNhwc,
                     shape.to_vec(),
                     vec![(6, input.clone())],
                     5,
                     grid(total, max_groups),
-                )),
+                )],
                 Op::Conv2d(conv)
                     if conv.groups > 1
                         && conv.groups == conv.in_channels
@@ -641,25 +643,21 @@ impl WgpuSession {
                         (2, storage(&device, "depthwise weights", &f32_bytes(&dw))),
                         (3, bias_buf(bias)),
                     ];
-                    Some((Kernel::Depthwise, p, reads, 4, grid(total, max_groups)))
+                    vec![(Kernel::Depthwise, p, reads, 4, grid(total, max_groups))]
                 }
                 Op::Conv2d(conv) => {
                     let bias = if conv.bias { get("bias")? } else { &[] };
-                    let packed = pack_conv(conv, get("weight")?);
-                    check_size(
-                        &format!("`{}.weight`", node.name),
-                        elem_bytes(packed.len(), precision),
-                    )?;
-                    weight_bytes += elem_bytes(packed.len(), precision) + bias.len() as u64 * 4;
-                    let wbuf = storage(&device, "weights", &to_bytes(&packed, precision));
-                    let reads = vec![(1, input_buf(0)), (2, wbuf), (3, bias_buf(bias))];
-                    Some((
-                        Kernel::Conv2d,
-                        conv_params(conv, (xh, xw, xc), (n, h, w)),
-                        reads,
-                        4,
-                        conv_grid(conv, n * h * w),
-                    ))
+                    let gemm = Gemm {
+                        conv,
+                        weights: &pack_conv(conv, get("weight")?),
+                        input: (xh, xw, xc),
+                        output: (n, h, w),
+                    };
+                    let (launches, bytes) =
+                        gemm.launches(&device, &node.name, precision, max_binding)?;
+                    weight_bytes += bytes + bias.len() as u64 * 4;
+                    let reads = [(1, input_buf(0)), (3, bias_buf(bias))];
+                    with_reads(launches, &reads)
                 }
                 Op::Linear {
                     in_features: fin,
@@ -676,24 +674,21 @@ impl WgpuSession {
                             packed[k * fout + o] = wt[o * fin + k];
                         }
                     }
-                    check_size(
-                        &format!("`{}.weight`", node.name),
-                        elem_bytes(packed.len(), precision),
-                    )?;
-                    weight_bytes += elem_bytes(packed.len(), precision) + b.len() as u64 * 4;
-                    let wbuf = storage(&device, "weights", &to_bytes(&packed, precision));
                     let conv = Conv2d {
                         bias: *bias,
                         ..Conv2d::new(fin, fout, 1, 1, 0)
                     };
-                    let reads = vec![(1, input_buf(0)), (2, wbuf), (3, bias_buf(b))];
-                    Some((
-                        Kernel::Conv2d,
-                        conv_params(&conv, (1, 1, fin), (n, 1, 1)),
-                        reads,
-                        4,
-                        conv_grid(&conv, n),
-                    ))
+                    let gemm = Gemm {
+                        conv: &conv,
+                        weights: &packed,
+                        input: (1, 1, fin),
+                        output: (n, 1, 1),
+                    };
+                    let (launches, bytes) =
+                        gemm.launches(&device, &node.name, precision, max_binding)?;
+                    weight_bytes += bytes + b.len() as u64 * 4;
+                    let reads = [(1, input_buf(0)), (3, bias_buf(b))];
+                    with_reads(launches, &reads)
                 }
                 Op::BatchNorm { eps, .. } => {
                     let (g, b, m, v) = (
@@ -709,13 +704,13 @@ impl WgpuSession {
                         (3, storage(&device, "scale", &f32_bytes(&scale))),
                         (4, storage(&device, "shift", &f32_bytes(&shift))),
                     ];
-                    Some((
+                    vec![(
                         Kernel::Affine,
                         shape.to_vec(),
                         reads,
                         5,
                         grid(total, max_groups),
-                    ))
+                    )]
                 }
                 Op::Relu | Op::Relu6 => {
                     let hi = if matches!(node.op, Op::Relu6) {
@@ -730,21 +725,21 @@ impl WgpuSession {
                         0f32.to_bits() as usize,
                         hi.to_bits() as usize,
                     ];
-                    Some((
+                    vec![(
                         Kernel::Clamp,
                         p,
                         vec![(1, input_buf(0))],
                         5,
                         grid(total, max_groups),
-                    ))
+                    )]
                 }
-                Op::Add => Some((
+                Op::Add => vec![(
                     Kernel::Add,
                     shape.to_vec(),
                     vec![(1, input_buf(0)), (2, input_buf(1))],
                     5,
                     grid(total, max_groups),
-                )),
+                )],
                 Op::MaxPool(pool) | Op::AvgPool(pool) => {
                     let p = vec![
                         total,
@@ -766,46 +761,47 @@ impl WgpuSession {
                     } else {
                         Kernel::AvgPool
                     };
-                    Some((k, p, vec![(1, input_buf(0))], 2, grid(total, max_groups)))
+                    vec![(k, p, vec![(1, input_buf(0))], 2, grid(total, max_groups))]
                 }
                 Op::AdaptiveAvgPool { .. } => {
                     let p = vec![total, xh, xw, c, h, w];
-                    Some((
+                    vec![(
                         Kernel::AdaptiveAvgPool,
                         p,
                         vec![(1, input_buf(0))],
                         2,
                         grid(total, max_groups),
-                    ))
+                    )]
                 }
                 // Dropout and a flatten of a 1×1 map change nothing: the value shares its input's buffer.
-                Op::Dropout { .. } => None,
-                Op::Flatten if xh * xw == 1 => None,
-                Op::Flatten => Some((
+                Op::Dropout { .. } => Vec::new(),
+                Op::Flatten if xh * xw == 1 => Vec::new(),
+                Op::Flatten => vec![(
                     Kernel::NhwcToNchw,
                     vec![total, xc, xh * xw],
                     vec![(1, input_buf(0))],
                     5,
                     grid(total, max_groups),
-                )),
-                Op::Softmax => Some((
+                )],
+                Op::Softmax => vec![(
                     Kernel::Softmax,
                     shape.to_vec(),
                     vec![(1, input_buf(0))],
                     5,
                     grid(total / c.max(1), max_groups),
-                )),
+                )],
             };
-            match launch {
-                Some((kernel, p, reads, out, groups)) => {
-                    bufs.take(&device, id, out_bytes);
-                    let pbuf = params(&device, &p.iter().map(|&v| v as u32).collect::<Vec<_>>());
-                    let mut entries: Vec<(u32, &wgpu::Buffer)> = vec![(0, &pbuf)];
-                    entries.extend(reads.iter().map(|(b, buf)| (*b, buf)));
-                    entries.push((out, bufs.get(id)));
-                    dispatches.push(bind(kernel, &node.name, &entries, groups)?);
-                }
-                None => bufs.alias(id, node.inputs[0]),
+            if launches.is_empty() {
+                bufs.alias(id, node.inputs[0]);
+            } else {
+                bufs.take(&device, id, out_bytes);
+            }
+            for (kernel, p, reads, out, groups) in launches {
+                let pbuf = params(&device, &p.iter().map(|&v| v as u32).collect::<Vec<_>>());
+                let mut entries: Vec<(u32, &wgpu::Buffer)> = vec![(0, &pbuf)];
+                entries.extend(reads.iter().map(|(b, buf)| (*b, buf)));
+                entries.push((out, bufs.get(id)));
+                dispatches.push(bind(kernel, &node.name, &entries, groups)?);
             }
             for d in &mut dispatches[first_dispatch..] {
                 d.op = node.op.kind_name();
@@ -925,43 +921,112 @@ impl WgpuSession {
     }
 }
 
-/// The conv kernel's parameters (the order of `Params` in conv2d.wgsl).
-fn conv_params(
-    c: &Conv2d,
-    (h, w, cin): (usize, usize, usize),
-    (n, oh, ow): (usize, usize, usize),
-) -> Vec<usize> {
-    vec![
-        n * oh * ow,
-        h,
-        w,
-        cin,
-        oh,
-        ow,
-        c.out_channels,
-        c.kernel.1,
-        c.stride.0,
-        c.stride.1,
-        c.padding.0,
-        c.padding.1,
-        c.dilation.0,
-        c.dilation.1,
-        c.in_channels / c.groups,
-        c.out_channels / c.groups,
-        c.taps(),
-        c.bias as usize,
-        0,
-    ]
+/// Few enough output rows for `conv2d_rows` (two of its 8-row passes at most): a 64-row tile
+/// would waste most of its work, while re-reading B twice costs less.
+const FEW_ROWS: usize = 16;
+
+/// A convolution or linear layer as the implicit GEMM of conv2d.wgsl: per group a
+/// (taps × cout_g) weight matrix, an NHWC input of (h, w, cin), an output of (n, oh, ow).
+struct Gemm<'a> {
+    conv: &'a Conv2d,
+    weights: &'a [f32],
+    input: (usize, usize, usize),
+    output: (usize, usize, usize),
 }
 
-/// One workgroup per 64×64 tile of (pixels × output channels), one grid layer per group.
-fn conv_grid(c: &Conv2d, m: usize) -> (u32, u32, u32) {
-    let cout_g = c.out_channels / c.groups;
-    (
-        m.div_ceil(64) as u32,
-        cout_g.div_ceil(64) as u32,
-        c.groups as u32,
-    )
+impl Gemm<'_> {
+    /// Its launches, each with its parameters and weight buffer (binding 2), and the weight
+    /// bytes uploaded. A weight matrix larger than one storage binding allows is cut into
+    /// slices of output channels, one launch each (VGG's and AlexNet's first classifier
+    /// layers on adapters that bind 128 MiB).
+    fn launches(
+        &self,
+        device: &wgpu::Device,
+        node: &str,
+        precision: Precision,
+        max_binding: u64,
+    ) -> Result<(Vec<Launch>, u64), BackendError> {
+        let c = self.conv;
+        let (k_g, cout_g) = (c.taps(), c.out_channels / c.groups);
+        let bytes = elem_bytes(self.weights.len(), precision);
+        let (n, oh, ow) = self.output;
+        let m = n * oh * ow;
+        let kernel = if m <= FEW_ROWS {
+            Kernel::Conv2dRows
+        } else {
+            Kernel::Conv2d
+        };
+        let slice = if bytes <= max_binding {
+            cout_g
+        } else {
+            // Whole 64-column tiles per slice.
+            let per_column = elem_bytes(k_g, precision);
+            (max_binding / per_column) as usize / 64 * 64
+        };
+        if c.groups > 1 && slice < cout_g || slice == 0 {
+            return Err(BackendError::Unsupported(format!(
+                "`{node}.weight` needs {} in one buffer, but this adapter binds at most {} per storage buffer \
+                 (max_storage_buffer_binding_size): use a smaller network, or another device",
+                super::human_bytes(bytes),
+                super::human_bytes(max_binding)
+            )));
+        }
+        let mut launches = Vec::new();
+        let mut uploaded = 0;
+        for base in (0..cout_g).step_by(slice) {
+            let width = slice.min(cout_g - base);
+            let matrix: Vec<f32> = if width == cout_g {
+                self.weights.to_vec()
+            } else {
+                (0..k_g)
+                    .flat_map(|k| &self.weights[k * cout_g + base..][..width])
+                    .copied()
+                    .collect()
+            };
+            let bytes = to_bytes(&matrix, precision);
+            uploaded += elem_bytes(matrix.len(), precision);
+            let (i_h, i_w, cin) = self.input;
+            // The order of `Params` in conv2d.wgsl.
+            let params = vec![
+                m,
+                i_h,
+                i_w,
+                cin,
+                oh,
+                ow,
+                c.out_channels,
+                c.kernel.1,
+                c.stride.0,
+                c.stride.1,
+                c.padding.0,
+                c.padding.1,
+                c.dilation.0,
+                c.dilation.1,
+                c.in_channels / c.groups,
+                width,
+                k_g,
+                c.bias as usize,
+                0,
+                base,
+            ];
+            let groups = match kernel {
+                Kernel::Conv2dRows => (m.div_ceil(8), width.div_ceil(64), c.groups),
+                _ => (m.div_ceil(64), width.div_ceil(64), c.groups),
+            };
+            let groups = (groups.0 as u32, groups.1 as u32, groups.2 as u32);
+            let wbuf = storage(device, "weights", &bytes);
+            launches.push((kernel, params, vec![(2, wbuf)], 4, groups));
+        }
+        Ok((launches, uploaded))
+    }
+}
+
+/// Launches with the buffers every one of them reads added.
+fn with_reads(mut launches: Vec<Launch>, reads: &[(u32, wgpu::Buffer)]) -> Vec<Launch> {
+    for l in &mut launches {
+        l.2.extend(reads.iter().cloned());
+    }
+    launches
 }
 
 /// PyTorch's (cout, cin/g, kh, kw) weight as per-group (taps × cout_g) matrices, taps
