@@ -87,6 +87,7 @@ fn bench_cmd(args: BenchArgs) -> Result<()> {
         weights: weights_label(&args.run),
         profile: args.profile || args.profile_csv.is_some() || args.trace.is_some(),
         kernels_dir: args.run.kernels_dir.clone(),
+        flops_prof_step: args.flops_prof_step,
     };
     bench::validate(&cfg)?;
     println!("{}\n", report::config_echo(&cfg));
@@ -99,6 +100,9 @@ fn bench_cmd(args: BenchArgs) -> Result<()> {
     println!("\n{}", report::summary(&record));
     if let Some(p) = &record.profile {
         println!("\n{}", report::profile(p, args.top, record.config.backend));
+    }
+    if let Some(f) = &record.flops_profile {
+        println!("\n{}", report::flops_profile(f, args.flops_depth, args.top));
     }
     if let (Some(path), Some(p)) = (&args.profile_csv, &record.profile) {
         crate::files::write_atomic(path, bench::profile::csv(p).as_bytes())?;
@@ -246,6 +250,30 @@ fn peak_cmd(a: PeakArgs) -> Result<()> {
         );
     } else {
         println!("{}", report::peak(&gemm, bandwidth.as_deref()));
+    }
+    if gemm.validated == gemm.iterations {
+        let device = backend::open(a.backend)?
+            .devices()
+            .into_iter()
+            .nth(a.device)
+            .map(|d| d.name)
+            .unwrap_or_default();
+        let entry = bench::peak::CachedPeak {
+            device,
+            threads: a.threads,
+            gemm: gemm.clone(),
+            bandwidth: bandwidth.clone().unwrap_or_default(),
+            measured_unix: bench::peak::now_unix(),
+        };
+        // The measurement stands without the cache; say why it was not kept.
+        match bench::peak::remember(entry) {
+            Ok(path) if !a.json => println!(
+                "Kept for FLOPs profiles and exercises in {}",
+                path.display()
+            ),
+            Ok(_) => {}
+            Err(e) => eprintln!("warning: the result was not kept for later: {e:#}"),
+        }
     }
     if gemm.validated < gemm.iterations {
         bail!(

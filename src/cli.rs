@@ -124,6 +124,13 @@ pub struct BenchArgs {
     /// Write a Chrome trace (open in ui.perfetto.dev or chrome://tracing); implies --profile
     #[arg(long, value_name = "FILE.json")]
     pub trace: Option<PathBuf>,
+    /// FLOPs profile of timed iteration K (from 1), like DeepSpeed's flops profiler: params,
+    /// MACs, latency and FLOPS per module, efficiency against the peak, arithmetic intensity
+    #[arg(long, value_name = "K")]
+    pub flops_prof_step: Option<usize>,
+    /// Deepest level of the module tree the FLOPs profile prints (default: all)
+    #[arg(long, value_name = "D")]
+    pub flops_depth: Option<usize>,
 }
 
 #[derive(Debug, Args)]

@@ -508,3 +508,82 @@ fn peak_reports_a_validated_gemm_and_bandwidth() {
         !o.status.success() && stderr(&o).contains("--size and --iterations must be at least 1")
     );
 }
+
+#[test]
+fn flops_profile_of_one_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("run.json");
+    let cache = dir.path().join("cache");
+    let run = |step: &str| {
+        crate::common::command()
+            .env("WORKSHOP_CACHE_DIR", &cache)
+            .args([
+                "bench",
+                "--network",
+                "resnet18",
+                "--batch-size",
+                "1",
+                "--iterations",
+                "2",
+                "--warmup",
+                "0",
+                "--threads",
+                "1",
+                "--flops-prof-step",
+                step,
+                "--flops-depth",
+                "2",
+                "--json",
+                json.to_str().unwrap(),
+            ])
+            .output()
+            .unwrap()
+    };
+    let o = run("2");
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
+    for want in [
+        "Profile summary at step 2",
+        "params per device:                                  11.69 M",
+        "fwd MACs per device:                                1.81 GMACs",
+        "a 512³ GEMM probe run now",
+        "machine balance = peak / bandwidth:",
+        "depth 1:",
+        "(layer1): (",
+        "(conv1): conv2d 3→64",
+    ] {
+        assert!(out.contains(want), "missing `{want}` in\n{out}");
+    }
+    // --flops-depth 2 stops the tree above the blocks' layers.
+    assert!(!out.contains("(conv2): "), "{out}");
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let f = &r["flops_profile"];
+    let modules = f["modules"].as_array().unwrap();
+    let root = &modules[0];
+    assert_eq!(root["macs"], 1_814_073_344u64, "torchvision's MACs");
+    assert_eq!(root["params"], 11_689_512u64);
+    let depth1: Vec<&Value> = modules.iter().filter(|m| m["depth"] == 1).collect();
+    let sum: u64 = depth1
+        .iter()
+        .map(|m| m["latency_ns"].as_u64().unwrap())
+        .sum();
+    assert_eq!(sum, root["latency_ns"].as_u64().unwrap());
+    let layer = |name: &str| modules.iter().find(|m| m["name"] == name).unwrap();
+    assert!(layer("layer3")["latency_ns"].as_u64().unwrap() > 0);
+    assert_eq!(layer("layer1.0.relu")["calls"], 2);
+    assert!(f["limits"]["peak_gflops"].as_f64().unwrap() > 0.0);
+    assert!(cache.join("peak.json").exists(), "the probe is kept");
+
+    // The second run uses the kept measurement.
+    let o = run("1");
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("kept in"), "{}", stdout(&o));
+
+    let o = run("3");
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("--flops-prof-step 3 is not one of the timed iterations (1 to 2)"),
+        "{}",
+        stderr(&o)
+    );
+}

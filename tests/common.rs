@@ -14,9 +14,22 @@ pub fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
+/// The `workshop` binary, with its cache (measured peaks) in a folder of this test run
+/// rather than the user's.
+pub fn command() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_workshop"));
+    c.env("WORKSHOP_CACHE_DIR", cache_dir());
+    c
+}
+
+/// The cache folder of this test run.
+pub fn cache_dir() -> PathBuf {
+    std::env::temp_dir().join(format!("workshop-test-cache-{}", std::process::id()))
+}
+
 /// Run the `workshop` binary with `args`.
 pub fn workshop(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_workshop"))
+    command()
         .args(args)
         .output()
         .expect("failed to start workshop")
@@ -38,6 +51,17 @@ pub fn session(
     w: &Weights,
     precision: Precision,
 ) -> Option<Box<dyn Session>> {
+    profiled_session(kind, plan, w, precision, false)
+}
+
+/// [`session`], timing every kernel when `profile` is set.
+pub fn profiled_session(
+    kind: BackendKind,
+    plan: &Plan,
+    w: &Weights,
+    precision: Precision,
+    profile: bool,
+) -> Option<Box<dyn Session>> {
     let b = match backend::open(kind) {
         Ok(b) => b,
         Err(e) => {
@@ -48,7 +72,7 @@ pub fn session(
     let opt = ExecOptions {
         precision,
         threads: Some(2),
-        profile: false,
+        profile,
         kernels_dir: None,
     };
     match b.prepare(0, plan, w, &opt) {

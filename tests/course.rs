@@ -3,7 +3,7 @@
 //! damaged or busy workspaces, and the book's commands against the real CLI.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 use clap::Parser;
 use serde_json::Value;
@@ -11,7 +11,7 @@ use serde_json::Value;
 use crate::common::{stderr, stdout};
 
 fn ws(dir: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_workshop"))
+    crate::common::command()
         .args(args)
         .arg("--dir")
         .arg(dir)
@@ -213,7 +213,7 @@ fn lint_one(text: &str) -> String {
     tiny_course(d.path());
     std::fs::remove_file(d.path().join("exercises/01-second.toml")).unwrap();
     std::fs::write(d.path().join("exercises/00-first.toml"), text).unwrap();
-    let o = Command::new(env!("CARGO_BIN_EXE_workshop"))
+    let o = crate::common::command()
         .args(["dev", "lint"])
         .arg(d.path())
         .output()
@@ -278,7 +278,7 @@ fn requires_cycles_are_found() {
         ),
     )
     .unwrap();
-    let o = Command::new(env!("CARGO_BIN_EXE_workshop"))
+    let o = crate::common::command()
         .args(["dev", "lint"])
         .arg(d.path())
         .output()
@@ -293,7 +293,7 @@ fn requires_cycles_are_found() {
 
 #[test]
 fn the_embedded_course_passes_lint_and_new_exercises_scaffold_cleanly() {
-    let o = Command::new(env!("CARGO_BIN_EXE_workshop"))
+    let o = crate::common::command()
         .args(["dev", "lint"])
         .output()
         .unwrap();
@@ -304,13 +304,13 @@ fn the_embedded_course_passes_lint_and_new_exercises_scaffold_cleanly() {
     );
     let d = tempfile::tempdir().unwrap();
     tiny_course(d.path());
-    let o = Command::new(env!("CARGO_BIN_EXE_workshop"))
+    let o = crate::common::command()
         .args(["dev", "new", "02-third", "--dir"])
         .arg(d.path())
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
-    let o = Command::new(env!("CARGO_BIN_EXE_workshop"))
+    let o = crate::common::command()
         .args(["dev", "lint"])
         .arg(d.path())
         .output()
@@ -393,7 +393,7 @@ fn a_killed_run_loses_nothing_recorded() {
     ok(dir, &["next", "--yes"]);
     let before = std::fs::read_to_string(dir.join("results.json")).unwrap();
     let state_before = std::fs::read_to_string(dir.join(".workshop/state.json")).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_workshop"))
+    let mut child = crate::common::command()
         .args(["next", "--yes", "--dir"])
         .arg(dir)
         .stdout(std::process::Stdio::null())

@@ -8,7 +8,7 @@ use workshop::model::graph::{ConvInit, GraphBuilder, LinearInit, ValueId};
 use workshop::model::op::{Conv2d, Op, Pool};
 use workshop::model::{Graph, Precision, Rng, Tensor, Weights, reference};
 
-use crate::common::{conv, session, tolerance};
+use crate::common::{conv, profiled_session, session, tolerance};
 
 /// Weights for `graph` with every tensor random (batch-norm statistics included), so no op
 /// degenerates to an identity.
@@ -320,3 +320,35 @@ fn loss_and_softmax_match_closed_forms() {
     let t = Tensor::new(vec![1, 3], vec![1.0, 2.0, 3.0]);
     assert!((reference::cross_entropy(&t, &[2]) - 0.407_605_96).abs() < 1e-7);
 }
+
+/// Timing every kernel must not change a single output value.
+fn profiling_changes_nothing(kind: BackendKind) {
+    use workshop::model::zoo::{Block, ResNetConfig, resnet_custom};
+    let cfg = ResNetConfig {
+        block: Block::Bottleneck,
+        layers: [1, 1, 1, 1],
+        stem: 8,
+        widths: [4, 8, 8, 8],
+        classes: 10,
+    };
+    let graph = resnet_custom("tiny", &cfg);
+    let plan = graph.plan(2, 32, 32).expect("valid plan");
+    let w = random_weights(&graph, 3);
+    let x = Rng::new(4).normal_tensor(plan.input_shape().to_vec());
+    let mut outputs = Vec::new();
+    for profile in [false, true] {
+        let Some(mut s) = profiled_session(kind, &plan, &w, Precision::Fp32, profile) else {
+            return;
+        };
+        s.run(&x).unwrap();
+        s.sync().unwrap();
+        outputs.push(s.read_output().unwrap().data);
+        assert_eq!(
+            s.kernel_times().is_some(),
+            profile,
+            "kernel times only when asked"
+        );
+    }
+    assert_eq!(outputs[0], outputs[1]);
+}
+backend_test!(profiling_changes_nothing, cpu, wgpu, cuda, hip);

@@ -3,6 +3,7 @@
 //! summarise the samples into a [`record::BenchRecord`]. Progress is reported as events so
 //! presentation stays in `report`.
 
+pub mod flops;
 pub mod peak;
 pub mod profile;
 pub mod record;
@@ -48,6 +49,14 @@ pub fn validate(cfg: &BenchConfig) -> Result<()> {
     if cfg.threads == Some(0) {
         bail!("--threads must be at least 1 (got 0)");
     }
+    if let Some(k) = cfg.flops_prof_step
+        && !(1..=cfg.iterations).contains(&k)
+    {
+        bail!(
+            "--flops-prof-step {k} is not one of the timed iterations (1 to {})",
+            cfg.iterations
+        );
+    }
     Ok(())
 }
 
@@ -69,7 +78,7 @@ pub fn prepare(
     let opt = ExecOptions {
         precision: cfg.precision,
         threads: cfg.threads,
-        profile: cfg.profile,
+        profile: cfg.profile || cfg.flops_prof_step.is_some(),
         kernels_dir: cfg.kernels_dir.clone(),
     };
     backend.check_fits(cfg.device, &plan, &opt)?;
@@ -149,20 +158,27 @@ pub fn run(
     let mut samples_s = Vec::with_capacity(cfg.iterations);
     let mut loss = f64::NAN;
     let mut timeline = Vec::new();
+    let mut flops_step = None;
     let run_start = Instant::now();
     for index in 0..cfg.iterations {
         let start_us = run_start.elapsed().as_secs_f64() * 1e6;
         let (seconds, l) = step(&mut session)?;
         samples_s.push(seconds);
         loss = l;
-        if cfg.profile
+        let wanted = cfg.flops_prof_step == Some(index + 1);
+        if (cfg.profile || wanted)
             && let Some(kernels) = session.kernel_times()
         {
-            timeline.push(profile::IterationTimes {
-                start_us,
-                host_s: seconds,
-                kernels,
-            });
+            if wanted {
+                flops_step = Some((kernels.clone(), seconds));
+            }
+            if cfg.profile {
+                timeline.push(profile::IterationTimes {
+                    start_us,
+                    host_s: seconds,
+                    kernels,
+                });
+            }
         }
         on_event(Event::Iteration {
             index,
@@ -170,11 +186,26 @@ pub fn run(
             seconds,
         });
     }
-    if cfg.profile && timeline.is_empty() {
+    if cfg.profile && timeline.is_empty() || cfg.flops_prof_step.is_some() && flops_step.is_none() {
         bail!(
-            "this device cannot time its kernels (no timestamp queries): run without --profile/--trace/--profile-csv"
+            "this device cannot time its kernels (no timestamp queries): run without --profile/--trace/--profile-csv/--flops-prof-step"
         );
     }
+    // The session's facts, then its memory back before a peak probe may need it.
+    let memory = session.memory();
+    let environment = environment(device.clone(), session.as_ref());
+    drop(session);
+    let flops_profile = match flops_step {
+        Some((kernels, host_s)) => Some(flops::profile(
+            &plan,
+            cfg.precision,
+            &kernels,
+            cfg.flops_prof_step.unwrap_or(1),
+            host_s,
+            limits(cfg, &device)?,
+        )),
+        None => None,
+    };
 
     let per_image = plan.graph.plan(1, cfg.input_size, cfg.input_size)?;
     let model = ModelInfo {
@@ -191,14 +222,15 @@ pub fn run(
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
         config: cfg.clone(),
-        environment: environment(device, session.as_ref()),
+        environment,
         model,
         warmup_s,
         samples_s,
         stats,
         loss,
-        memory: session.memory(),
+        memory,
         profile: profile::aggregate(&timeline),
+        flops_profile,
         timeline,
     })
 }
@@ -234,4 +266,64 @@ pub fn infer(session: &mut dyn Session, input: &Tensor) -> Result<Tensor> {
     session.run(input)?;
     session.sync()?;
     Ok(session.read_output()?)
+}
+
+/// The limits a FLOPs profile is judged against: the cached `workshop peak` measurement of
+/// this device, or a short probe run now (and cached), plus the theoretical peak where known.
+/// GEMM size of the quick peak probe.
+const PROBE_SIZE: usize = 512;
+
+fn limits(cfg: &BenchConfig, device: &DeviceInfo) -> Result<flops::Limits> {
+    let cached = match peak::cached(cfg.backend, &device.name, cfg.precision, cfg.threads) {
+        Some(c) => {
+            let when = UNIX_EPOCH + std::time::Duration::from_secs(c.measured_unix);
+            let how = format!(
+                "a {}³ GEMM measured {} (kept in {}; `workshop peak` measures again)",
+                c.gemm.size,
+                humantime::format_rfc3339_seconds(when),
+                peak::cache_path().map_or(String::new(), |p| p.display().to_string())
+            );
+            (c, how)
+        }
+        None => {
+            let gemm = peak::gemm(
+                cfg.backend,
+                cfg.device,
+                cfg.precision,
+                cfg.threads,
+                PROBE_SIZE,
+                3,
+            )?;
+            let bandwidth = match cfg.backend {
+                backend::BackendKind::Cpu => peak::host_bandwidth(64, 3, cfg.threads)?,
+                _ => Vec::new(),
+            };
+            let entry = peak::CachedPeak {
+                device: device.name.clone(),
+                threads: cfg.threads,
+                gemm,
+                bandwidth,
+                measured_unix: peak::now_unix(),
+            };
+            // A failed check keeps the probe out of the cache; the profile still shows it.
+            let _ = peak::remember(entry.clone());
+            let how =
+                format!("a {PROBE_SIZE}³ GEMM probe run now (`workshop peak` measures longer)");
+            (entry, how)
+        }
+    };
+    let (c, source) = cached;
+    let theoretical = match cfg.backend {
+        backend::BackendKind::Cpu => peak::theoretical_cpu(
+            &device.features,
+            cfg.threads.or(device.compute_units).unwrap_or(1),
+        ),
+        _ => None,
+    };
+    Ok(flops::Limits {
+        peak_gflops: (c.gemm.validated == c.gemm.iterations).then_some(c.gemm.gflops),
+        peak_source: source,
+        bandwidth_gbps: c.triad_gbps(),
+        theoretical,
+    })
 }

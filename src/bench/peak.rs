@@ -198,3 +198,127 @@ pub fn host_bandwidth(
         Ok(vec![copy, triad])
     })
 }
+
+/// A peak the device's specification gives rather than a measurement.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Theoretical {
+    pub gflops: f64,
+    /// How it was computed, with its assumptions.
+    pub how: String,
+}
+
+/// The FP32 peak of `cores` CPU cores from their clock and vector width: cores × GHz × FLOPs
+/// per cycle, assuming two FMA units per core (most x86 server and desktop cores since
+/// Haswell and Zen 2). `None` when the clock is unknown or the device is not the host CPU.
+pub fn theoretical_cpu(features: &[String], cores: usize) -> Option<Theoretical> {
+    let mut sys = sysinfo::System::new().ok()?;
+    sys.refresh_cpu_list(sysinfo::CpuRefreshKind::nothing().with_frequency());
+    let mhz = sys
+        .cpus()
+        .first()
+        .map(|c| c.frequency())
+        .filter(|&f| f > 0)?;
+    let has = |f: &str| features.iter().any(|x| x == f);
+    let (per_cycle, isa) = if has("AVX512F") {
+        (64, "AVX-512: 16 lanes × 2 (FMA) × 2 units")
+    } else if has("AVX2") && has("FMA") {
+        (32, "AVX2: 8 lanes × 2 (FMA) × 2 units")
+    } else if has("AVX") {
+        (16, "AVX: 8 lanes × (1 add + 1 mul)")
+    } else if has("NEON") {
+        (16, "NEON: 4 lanes × 2 (FMA) × 2 units")
+    } else {
+        (8, "SSE: 4 lanes × (1 add + 1 mul)")
+    };
+    let ghz = mhz as f64 / 1e3;
+    Some(Theoretical {
+        gflops: cores as f64 * ghz * per_cycle as f64,
+        how: format!(
+            "{cores} cores × {ghz:.2} GHz × {per_cycle} FLOP/cycle ({isa}); an estimate: the clock \
+             is the one the OS reports, turbo and AVX clock offsets move it"
+        ),
+    })
+}
+
+/// One device's measured limits, kept between runs so profiles and exercises can compare
+/// against them without measuring again.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CachedPeak {
+    pub device: String,
+    pub threads: Option<usize>,
+    pub gemm: GemmPeak,
+    #[serde(default)]
+    pub bandwidth: Vec<Bandwidth>,
+    pub measured_unix: u64,
+}
+
+impl CachedPeak {
+    fn same_key(&self, other: &CachedPeak) -> bool {
+        self.device == other.device
+            && self.threads == other.threads
+            && self.gemm.backend == other.gemm.backend
+            && self.gemm.precision == other.gemm.precision
+    }
+
+    /// Median triad bandwidth, when measured.
+    pub fn triad_gbps(&self) -> Option<f64> {
+        self.bandwidth
+            .iter()
+            .find(|b| b.kernel == "triad")
+            .map(|b| b.median_gbps)
+    }
+}
+
+/// The cache file: `$WORKSHOP_CACHE_DIR/peak.json`, else under `$XDG_CACHE_HOME/workshop` or
+/// `~/.cache/workshop`.
+pub fn cache_path() -> Option<std::path::PathBuf> {
+    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
+    let dir = var("WORKSHOP_CACHE_DIR")
+        .map(std::path::PathBuf::from)
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| std::path::Path::new(&d).join("workshop")))
+        .or_else(|| var("HOME").map(|h| std::path::Path::new(&h).join(".cache/workshop")))?;
+    Some(dir.join("peak.json"))
+}
+
+fn read_cache() -> Vec<CachedPeak> {
+    cache_path()
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or_default()
+}
+
+/// The cached limits of `device` on `backend` at `precision` with `threads`.
+pub fn cached(
+    backend: BackendKind,
+    device: &str,
+    precision: Precision,
+    threads: Option<usize>,
+) -> Option<CachedPeak> {
+    read_cache().into_iter().find(|c| {
+        c.device == device
+            && c.threads == threads
+            && c.gemm.backend == backend
+            && c.gemm.precision == precision
+    })
+}
+
+/// Keep a validated measurement (replacing the device's earlier one); a measurement with a
+/// failed check is never kept. Returns where it was written.
+pub fn remember(entry: CachedPeak) -> Result<std::path::PathBuf> {
+    if entry.gemm.validated < entry.gemm.iterations {
+        bail!("a GEMM result did not match the reference: not kept");
+    }
+    let path = cache_path().context("no cache directory: set WORKSHOP_CACHE_DIR or HOME")?;
+    let mut all = read_cache();
+    all.retain(|c| !c.same_key(&entry));
+    all.push(entry);
+    crate::files::write_atomic(&path, serde_json::to_string_pretty(&all)?.as_bytes())?;
+    Ok(path)
+}
+
+/// Seconds since the Unix epoch.
+pub fn now_unix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}

@@ -31,6 +31,9 @@ pub struct BenchRecord {
     /// Kernel and operator statistics, when the run was profiled.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub profile: Option<super::profile::Profile>,
+    /// The FLOPs profile of one step, when asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flops_profile: Option<super::flops::FlopsProfile>,
     /// Every profiled iteration's kernels, for a trace (not kept in the JSON record).
     #[serde(skip)]
     pub timeline: Vec<super::profile::IterationTimes>,
@@ -57,6 +60,9 @@ pub struct BenchConfig {
     /// GPU kernels read from this directory instead of the embedded copies.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kernels_dir: Option<std::path::PathBuf>,
+    /// Timed iteration (from 1) whose FLOPs profile is kept (`--flops-prof-step`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flops_prof_step: Option<usize>,
 }
 
 /// Where it ran: what a comparison needs to say what differed.

@@ -41,6 +41,7 @@ fn bench_config(ws: &Workspace, spec: &BenchSpec) -> BenchConfig {
         weights: "random(seed=0)".into(),
         profile: false,
         kernels_dir: None,
+        flops_prof_step: None,
     }
 }
 
