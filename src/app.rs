@@ -250,6 +250,25 @@ fn peak_cmd(a: PeakArgs) -> Result<()> {
         );
     } else {
         println!("{}", report::peak(&gemm, bandwidth.as_deref()));
+        let host = backend::cpu::host_device();
+        let theoretical = match a.backend {
+            backend::BackendKind::Cpu => bench::peak::theoretical_cpu(
+                &host.features,
+                a.threads.or(host.compute_units).unwrap_or(1),
+            ),
+            _ => None,
+        };
+        match theoretical {
+            Some(t) => println!(
+                "Theoretical FP32 peak {:.1} GFLOP/s = {}: the measured GEMM reaches {:.0}% of it",
+                t.gflops,
+                t.how,
+                100.0 * gemm.gflops / t.gflops
+            ),
+            None => {
+                println!("Theoretical peak: this device does not report the facts to compute it")
+            }
+        }
     }
     if gemm.validated == gemm.iterations {
         let device = backend::open(a.backend)?

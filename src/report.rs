@@ -605,16 +605,16 @@ pub fn peak(
     s
 }
 
-/// A count with a metric prefix: `25.56 M`, `4.09 G`.
-pub fn si(v: f64) -> String {
-    let (div, unit) = [(1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")]
+/// A count with a metric prefix and a unit: `si(4.09e9, "MACs")` is `4.09 GMACs`,
+/// `si(25.56e6, "")` is `25.56 M`, small counts stay whole (`128`).
+pub fn si(v: f64, unit: &str) -> String {
+    match [(1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")]
         .into_iter()
         .find(|(d, _)| v.abs() >= *d)
-        .unwrap_or((1.0, ""));
-    if unit.is_empty() {
-        format!("{v:.0} ")
-    } else {
-        format!("{:.2} {unit}", v / div)
+    {
+        Some((div, prefix)) => format!("{:.2} {prefix}{unit}", v / div),
+        None if unit.is_empty() => format!("{v:.0}"),
+        None => format!("{v:.0} {unit}"),
     }
 }
 
@@ -658,13 +658,9 @@ pub fn flops_profile(
     line(&mut s, "world size:", "1".into());
     line(&mut s, "batch size per device:", p.batch_size.to_string());
     line(&mut s, "precision:", p.precision.name().to_uppercase());
-    line(&mut s, "params per device:", si(root.params as f64));
-    line(
-        &mut s,
-        "fwd MACs per device:",
-        format!("{}MACs", si(root.macs as f64)),
-    );
-    line(&mut s, "fwd flops per device:", si(root.flops as f64));
+    line(&mut s, "params per device:", si(root.params as f64, ""));
+    line(&mut s, "fwd MACs per device:", si(root.macs as f64, "MACs"));
+    line(&mut s, "fwd flops per device:", si(root.flops as f64, ""));
     line(
         &mut s,
         "fwd latency (device):",
@@ -678,14 +674,14 @@ pub fn flops_profile(
     line(
         &mut s,
         "fwd FLOPS per device = fwd flops / fwd latency:",
-        format!("{}FLOPS", si(root.gflops() * 1e9)),
+        si(root.gflops() * 1e9, "FLOPS"),
     );
     match p.limits.peak_gflops {
         Some(peak) => {
             line(
                 &mut s,
                 "measured GEMM peak:",
-                format!("{}FLOPS, from {}", si(peak * 1e9), p.limits.peak_source),
+                format!("{}, from {}", si(peak * 1e9, "FLOPS"), p.limits.peak_source),
             );
             line(
                 &mut s,
@@ -703,7 +699,7 @@ pub fn flops_profile(
         line(
             &mut s,
             "theoretical peak:",
-            format!("{}FLOPS = {}", si(t.gflops * 1e9), t.how),
+            format!("{} = {}", si(t.gflops * 1e9, "FLOPS"), t.how),
         );
         line(
             &mut s,
@@ -753,7 +749,7 @@ pub fn flops_profile(
                     let shown = if unit == "s" {
                         duration_ns(val)
                     } else {
-                        format!("{}{unit}", si(val))
+                        si(val, unit)
                     };
                     format!("'{}': '{}'", m.name, shown)
                 })
@@ -793,8 +789,8 @@ pub fn flops_profile(
                 "{:.2}%",
                 pct(m.latency_ns as f64, root.latency_ns as f64)
             )),
-            right(si(m.macs as f64)),
-            right(si(m.gflops() * 1e9)),
+            right(si(m.macs as f64, "")),
+            right(si(m.gflops() * 1e9, "")),
             right(format!("{:.1}", m.intensity())),
             Cell::new(p.limits.bound(m.intensity()).unwrap_or("")),
         ]);
@@ -809,14 +805,14 @@ pub fn flops_profile(
     );
     let stats = |m: &Module| {
         format!(
-            "{}, {:.2}% Params, {}MACs, {:.2}% MACs, {}, {:.2}% latency, {}FLOPS, AI {:.1}",
-            si(m.params as f64),
+            "{}, {:.2}% Params, {}, {:.2}% MACs, {}, {:.2}% latency, {}, AI {:.1}",
+            si(m.params as f64, ""),
             pct(m.params as f64, root.params as f64),
-            si(m.macs as f64),
+            si(m.macs as f64, "MACs"),
             pct(m.macs as f64, root.macs as f64),
             duration_ns(m.latency_ns as f64),
             pct(m.latency_ns as f64, root.latency_ns as f64),
-            si(m.gflops() * 1e9),
+            si(m.gflops() * 1e9, "FLOPS"),
             m.intensity()
         )
     };

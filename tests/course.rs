@@ -40,17 +40,20 @@ fn the_embedded_course_runs_start_to_finish_on_the_cpu() {
     let dir = d.path();
     ok(dir, &["init", "--name", "Ada Lovelace", "--threads", "2"]);
     let mut finished = false;
-    for _ in 0..20 {
+    for _ in 0..60 {
         let o = ws(dir, &["next", "--yes"]);
         let out = stdout(&o);
         if !o.status.success() {
             // The question step asks for its answer on the command line when there is no terminal.
+            let err = stderr(&o);
             assert!(
-                stderr(&o).contains("answer with `workshop next --answer CHOICE`"),
-                "{}",
-                stderr(&o)
+                err.contains("answer with `workshop next --answer CHOICE`"),
+                "{err}"
             );
-            ok(dir, &["next", "--answer", "fp32"]);
+            // Answer with the first choice.
+            let choices = err.rsplit("(choices: ").next().unwrap_or_default();
+            let first = choices.split([',', ')']).next().unwrap_or_default().trim();
+            ok(dir, &["next", "--answer", first]);
             continue;
         }
         if out.contains("every exercise is done or skipped") {
@@ -83,8 +86,12 @@ fn the_embedded_course_runs_start_to_finish_on_the_cpu() {
         md.contains("Ada Lovelace") && md.contains("## 01-baseline") && md.contains("images/s"),
         "{md}"
     );
+    let profile = find("04-flops", "profile");
+    assert!(profile["metrics"]["efficiency"].as_f64().unwrap() > 0.0);
+    assert!(profile["metrics"]["layer3.latency_ms"].as_f64().unwrap() > 0.0);
+    assert!(dir.join("profiles/07-kernel-profile.large.trace.json").exists());
     let status = ok(dir, &["status"]);
-    assert!(status.contains("3/3 exercises"), "{status}");
+    assert!(status.contains("7/7 exercises"), "{status}");
 }
 
 /// A small course of two fast exercises, written into `root`.
@@ -298,7 +305,7 @@ fn the_embedded_course_passes_lint_and_new_exercises_scaffold_cleanly() {
         .output()
         .unwrap();
     assert!(
-        o.status.success() && stdout(&o).contains("course OK: 3 exercises"),
+        o.status.success() && stdout(&o).contains("course OK: 7 exercises"),
         "{}",
         stderr(&o)
     );
@@ -516,4 +523,104 @@ fn a_step_this_machine_cannot_run_is_recorded_as_unavailable() {
     );
     // The course goes on.
     assert!(ok(dir, &["status"]).contains("01-second"));
+}
+
+const PROFILE_EXERCISE: &str = r#"format_version = 1
+id = "00-first"
+title = "Profile"
+chapter = "00-first.md"
+
+[[step]]
+id = "prof"
+kind = "profile"
+say = "Every kernel timed."
+bench = { network = "resnet18", batch_size = 1, iterations = 2, warmup = 0, input_size = 64 }
+profile = { depth = 1, top = 3, files = true }
+
+[[step.expect]]
+metric = "op.conv2d.time_pct"
+min = 30.0
+hint = "Convolutions do the arithmetic."
+
+[[step]]
+id = "which"
+kind = "question"
+say = "Read the module table."
+question = { prompt = "Slowest?", choices = ["layer1", "fc"], correct = { values = ["prof.layer1.latency_ms", "prof.fc.latency_ms"] } }
+"#;
+
+#[test]
+fn profile_step_records_module_metrics_and_checks_answers() {
+    let d = tempfile::tempdir().unwrap();
+    let course = d.path().join("course");
+    tiny_course(&course);
+    std::fs::remove_file(course.join("exercises/01-second.toml")).unwrap();
+    std::fs::write(course.join("exercises/00-first.toml"), PROFILE_EXERCISE).unwrap();
+    let dir = d.path().join("ws");
+    std::fs::create_dir_all(&dir).unwrap();
+    ok(
+        &dir,
+        &[
+            "init",
+            "--name",
+            "Ann",
+            "--course",
+            course.to_str().unwrap(),
+        ],
+    );
+    let out = ok(&dir, &["next", "--yes"]);
+    assert!(
+        out.contains("workshop FLOPs profiler") && out.contains("PASS         op.conv2d.time_pct"),
+        "{out}"
+    );
+    assert!(dir.join("profiles/00-first.prof.trace.json").exists());
+    assert!(dir.join("profiles/00-first.prof.kernels.csv").exists());
+    let r = results(&dir);
+    let attempt = &r["attempts"][0];
+    let m = &attempt["metrics"];
+    for k in [
+        "layer1.latency_ms",
+        "fc.gflops",
+        "efficiency",
+        "cpu_overhead",
+        "op.conv2d.time_pct",
+    ] {
+        assert!(m[k].as_f64().is_some(), "no {k} in {m}");
+    }
+    // The module table is part of the results.
+    assert_eq!(attempt["table"]["header"][0], "module");
+    // layer1 does far more work than fc: the right answer is layer1.
+    let out = ok(&dir, &["next", "--answer", "fc"]);
+    assert!(
+        out.contains("FAIL") && out.contains("your measurements say layer1"),
+        "{out}"
+    );
+}
+
+#[test]
+fn profile_and_question_mistakes_are_named() {
+    // A module the network does not have.
+    let e = lint_one(&PROFILE_EXERCISE.replace("prof.fc.latency_ms", "prof.layer9.latency_ms"));
+    assert!(
+        e.contains("step `prof` has no metric `layer9.latency_ms`"),
+        "{e}"
+    );
+    // Both ways of naming the right answer at once.
+    let e = lint_one(&PROFILE_EXERCISE.replace(
+        "correct = { values",
+        "correct = { metric = \"throughput\", steps = [\"prof\", \"prof\"], values",
+    ));
+    assert!(
+        e.contains("`correct` needs either `metric` with `steps`, or `values`"),
+        "{e}"
+    );
+    // Fewer values than choices.
+    let e = lint_one(&PROFILE_EXERCISE.replace(", \"prof.fc.latency_ms\"", ""));
+    assert!(e.contains("correct has 1 entries for 2 choices"), "{e}");
+    // A profile section on a step that is not a profile.
+    let e = lint_one(&PROFILE_EXERCISE.replace("kind = \"profile\"", "kind = \"bench\""));
+    assert!(
+        e.contains("only a `profile` step takes a `profile` section"),
+        "{e}"
+    );
 }

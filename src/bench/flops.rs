@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::KernelTime;
-use crate::model::{Plan, Precision};
+use crate::model::{Graph, Plan, Precision};
 
 /// One module of the tree: a layer (leaf) or a container of layers.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -121,6 +121,45 @@ impl FlopsProfile {
     pub fn max_depth(&self) -> usize {
         self.modules.iter().map(|m| m.depth).max().unwrap_or(0)
     }
+}
+
+/// The network's top-level modules (`conv1`, `layer1`, ..., `fc`), in network order.
+pub fn top_modules(graph: &Graph) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for n in &graph.nodes {
+        let top = n.name.split('.').next().unwrap_or(&n.name);
+        if !out.iter().any(|m| m == top) {
+            out.push(top.to_string());
+        }
+    }
+    out
+}
+
+/// A module's metric, given the module and the whole network.
+pub type ModuleMetric = fn(&Module, &Module) -> f64;
+
+/// Per-module metrics a course step records: the name, then the value from a module.
+pub const MODULE_METRICS: [(&str, ModuleMetric); 4] = [
+    ("latency_ms", |m, _| m.latency_ns as f64 / 1e6),
+    ("latency_pct", |m, root| {
+        100.0 * m.latency_ns as f64 / root.latency_ns.max(1) as f64
+    }),
+    ("gflops", |m, _| m.gflops()),
+    ("intensity", |m, _| m.intensity()),
+];
+
+/// The names of the per-module (`layer1.latency_ms`) and per-op-kind (`op.conv2d.time_pct`)
+/// metrics of a network, as a course's profile step records them.
+pub fn metric_names(graph: &Graph) -> Vec<String> {
+    let mut out = Vec::new();
+    for m in top_modules(graph) {
+        out.extend(MODULE_METRICS.iter().map(|(k, _)| format!("{m}.{k}")));
+    }
+    let mut kinds: Vec<&str> = graph.nodes.iter().map(|n| n.op.kind_name()).collect();
+    kinds.sort_unstable();
+    kinds.dedup();
+    out.extend(kinds.iter().map(|k| format!("op.{k}.time_pct")));
+    out
 }
 
 /// The module tree of `plan` with the kernel times of one iteration.

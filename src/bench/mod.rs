@@ -187,9 +187,12 @@ pub fn run(
         });
     }
     if cfg.profile && timeline.is_empty() || cfg.flops_prof_step.is_some() && flops_step.is_none() {
-        bail!(
-            "this device cannot time its kernels (no timestamp queries): run without --profile/--trace/--profile-csv/--flops-prof-step"
-        );
+        return Err(backend::BackendError::Unsupported(
+            "this device cannot time its kernels (no timestamp queries): run without \
+             --profile/--trace/--profile-csv/--flops-prof-step"
+                .into(),
+        )
+        .into());
     }
     // The session's facts, then its memory back before a peak probe may need it.
     let memory = session.memory();

@@ -56,7 +56,7 @@ fn is_timing(metric: &str) -> bool {
 
 /// Look up `metric` (this step's) or `STEP.metric`.
 fn lookup(reference: &str, step: &str, metrics: &Metrics) -> Result<f64, String> {
-    let (s, m) = reference.split_once('.').unwrap_or((step, reference));
+    let (s, m) = own_or_earlier(reference, step, metrics);
     metrics.get(s).and_then(|ms| ms.get(m)).copied().ok_or_else(|| {
         if metrics.contains_key(s) {
             format!("`{reference}` was not measured")
@@ -66,9 +66,18 @@ fn lookup(reference: &str, step: &str, metrics: &Metrics) -> Result<f64, String>
     })
 }
 
+/// A reference as (step, metric): this step's own metric when it has one of that name (own
+/// names may contain dots: `op.conv2d.time_pct`), else `STEP.metric`.
+fn own_or_earlier<'a>(reference: &'a str, step: &'a str, metrics: &Metrics) -> (&'a str, &'a str) {
+    if metrics.get(step).is_some_and(|m| m.contains_key(reference)) {
+        return (step, reference);
+    }
+    reference.split_once('.').unwrap_or((step, reference))
+}
+
 /// The CV of a step that a reference depends on.
 fn cv_of(reference: &str, step: &str, metrics: &Metrics) -> Option<f64> {
-    let s = reference.split_once('.').map_or(step, |(s, _)| s);
+    let (s, _) = own_or_earlier(reference, step, metrics);
     metrics.get(s).and_then(|m| m.get("cv")).copied()
 }
 

@@ -60,6 +60,21 @@ pub fn metrics_of(kind: StepKind) -> &'static [&'static str] {
         StepKind::Accuracy => &["max_abs_diff", "rel_diff", "top1_agreement"],
         StepKind::Doctor => &["cores", "memory_gib"],
         StepKind::Peak => &["gemm_gflops", "copy_gbps", "triad_gbps"],
+        // Besides the per-module and per-op metrics of its network (`flops::metric_names`).
+        StepKind::Profile => &[
+            "throughput",
+            "median_ms",
+            "cv",
+            "gflops",
+            "peak_memory_mib",
+            "loss",
+            "device_ms",
+            "cpu_overhead",
+            "efficiency",
+            "intensity",
+            "peak_gflops",
+            "balance",
+        ],
         StepKind::Compare | StepKind::Question | StepKind::Note => &[],
     }
 }
@@ -216,7 +231,9 @@ fn check_exercise(l: &mut Linter<'_>, ex: &LoadedExercise, source: &Source, ids:
         };
         let has_bench = step.bench.is_some();
         match step.kind {
-            StepKind::Bench | StepKind::Accuracy | StepKind::Sweep if !has_bench => {
+            StepKind::Bench | StepKind::Accuracy | StepKind::Sweep | StepKind::Profile
+                if !has_bench =>
+            {
                 l.at(step.id.span(), needs("bench"))
             }
             StepKind::Sweep if step.sweep.is_none() => l.at(step.id.span(), needs("sweep")),
@@ -228,8 +245,14 @@ fn check_exercise(l: &mut Linter<'_>, ex: &LoadedExercise, source: &Source, ids:
         }
         let allowed_bench = matches!(
             step.kind,
-            StepKind::Bench | StepKind::Accuracy | StepKind::Sweep
+            StepKind::Bench | StepKind::Accuracy | StepKind::Sweep | StepKind::Profile
         );
+        if step.profile.is_some() && step.kind != StepKind::Profile {
+            l.at(
+                step.id.span(),
+                "only a `profile` step takes a `profile` section",
+            );
+        }
         if has_bench && !allowed_bench {
             l.at(
                 step.id.span(),
@@ -282,6 +305,12 @@ fn check_exercise(l: &mut Linter<'_>, ex: &LoadedExercise, source: &Source, ids:
             .iter()
             .map(|s| s.to_string())
             .collect();
+        if step.kind == StepKind::Profile
+            && let Some(b) = &step.bench
+            && let Ok(graph) = zoo::build(b.get_ref().network.as_deref().unwrap_or("resnet50"))
+        {
+            produced.extend(crate::bench::flops::metric_names(&graph));
+        }
         for d in &step.derive {
             for reference in [&d.get_ref().numerator, &d.get_ref().denominator] {
                 if let Err(m) = resolve(reference, &known, None) {
@@ -296,18 +325,26 @@ fn check_exercise(l: &mut Linter<'_>, ex: &LoadedExercise, source: &Source, ids:
                 l.at(q.span(), "a question needs at least two choices");
             }
             if let Some(c) = &q_ref.correct {
-                if c.steps.len() != q_ref.choices.len() {
+                let by_steps = !c.metric.is_empty() || !c.steps.is_empty();
+                if by_steps != c.values.is_empty() {
+                    l.at(
+                        q.span(),
+                        "`correct` needs either `metric` with `steps`, or `values` (a STEP.metric per choice)",
+                    );
+                }
+                let refs = c.references();
+                if refs.len() != q_ref.choices.len() {
                     l.at(
                         q.span(),
                         format!(
-                            "correct.steps has {} entries for {} choices",
-                            c.steps.len(),
+                            "correct has {} entries for {} choices",
+                            refs.len(),
                             q_ref.choices.len()
                         ),
                     );
                 }
-                for s in &c.steps {
-                    if let Err(m) = resolve(&format!("{s}.{}", c.metric), &known, None) {
+                for r in &refs {
+                    if let Err(m) = resolve(r, &known, None) {
                         l.at(q.span(), m);
                     }
                 }
@@ -382,6 +419,10 @@ fn resolve(
     known: &HashMap<String, Vec<String>>,
     own: Option<&[String]>,
 ) -> Result<(), String> {
+    // The step's own metrics may have dots in their names (`op.conv2d.time_pct`).
+    if own.is_some_and(|ms| ms.iter().any(|m| m == reference)) {
+        return Ok(());
+    }
     match reference.split_once('.') {
         Some((step, metric)) => match known.get(step) {
             None => Err(format!(

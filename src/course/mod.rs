@@ -27,6 +27,22 @@ pub const EMBEDDED_EXERCISES: &[(&str, &str)] = &[
         "exercises/02-precision.toml",
         include_str!("../../exercises/02-precision.toml"),
     ),
+    (
+        "exercises/03-operator-profile.toml",
+        include_str!("../../exercises/03-operator-profile.toml"),
+    ),
+    (
+        "exercises/04-flops.toml",
+        include_str!("../../exercises/04-flops.toml"),
+    ),
+    (
+        "exercises/07-kernel-profile.toml",
+        include_str!("../../exercises/07-kernel-profile.toml"),
+    ),
+    (
+        "exercises/09-peak.toml",
+        include_str!("../../exercises/09-peak.toml"),
+    ),
 ];
 
 /// The book's pages shipped in the binary, for `workshop book`: (path under book/src, text).
@@ -44,6 +60,16 @@ pub const EMBEDDED_CHAPTERS: &[(&str, &str)] = &[
         "02-precision.md",
         include_str!("../../book/src/02-precision.md"),
     ),
+    (
+        "03-operator-profile.md",
+        include_str!("../../book/src/03-operator-profile.md"),
+    ),
+    ("04-flops.md", include_str!("../../book/src/04-flops.md")),
+    (
+        "07-kernel-profile.md",
+        include_str!("../../book/src/07-kernel-profile.md"),
+    ),
+    ("09-peak.md", include_str!("../../book/src/09-peak.md")),
 ];
 
 /// Where a course comes from.

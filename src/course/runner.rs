@@ -104,6 +104,73 @@ fn bench_metrics(
     m
 }
 
+/// What a profile step records besides the bench metrics (see `StepKind::Profile`).
+fn profile_metrics(r: &bench::record::BenchRecord) -> BTreeMap<String, f64> {
+    let mut m = BTreeMap::new();
+    if let Some(p) = &r.profile {
+        m.insert("device_ms".into(), p.device_ms_per_iter);
+        m.insert("cpu_overhead".into(), p.cpu_overhead);
+        for op in &p.ops {
+            m.insert(format!("op.{}.time_pct", op.name), op.percentage);
+        }
+    }
+    if let Some(f) = &r.flops_profile {
+        let root = f.root();
+        m.insert("intensity".into(), root.intensity());
+        if let Some(e) = f.efficiency() {
+            m.insert("efficiency".into(), e);
+        }
+        if let Some(p) = f.limits.peak_gflops {
+            m.insert("peak_gflops".into(), p);
+        }
+        if let Some(b) = f.limits.balance() {
+            m.insert("balance".into(), b);
+        }
+        for module in f.at_depth(1) {
+            for (name, value) in bench::flops::MODULE_METRICS {
+                m.insert(format!("{}.{name}", module.name), value(module, root));
+            }
+        }
+    }
+    m
+}
+
+/// The top-level modules of a FLOPs profile as a results table.
+fn module_table(f: &bench::flops::FlopsProfile) -> Table {
+    let root = f.root();
+    let rows = f
+        .at_depth(1)
+        .map(|m| {
+            vec![
+                m.name.clone(),
+                format!("{:.2}", m.latency_ns as f64 / 1e6),
+                format!(
+                    "{:.1}",
+                    100.0 * m.latency_ns as f64 / root.latency_ns.max(1) as f64
+                ),
+                format!("{:.3}", m.macs as f64 / 1e9),
+                format!("{:.1}", m.gflops()),
+                format!("{:.1}", m.intensity()),
+                f.limits.bound(m.intensity()).unwrap_or("—").to_string(),
+            ]
+        })
+        .collect();
+    Table {
+        header: [
+            "module",
+            "latency ms",
+            "% latency",
+            "GMACs",
+            "GFLOP/s",
+            "FLOP/byte",
+            "bound",
+        ]
+        .map(String::from)
+        .to_vec(),
+        rows,
+    }
+}
+
 /// Run step `index` of `exercise` and return the attempt to record (nothing is written here).
 pub fn run_step(
     ws: &Workspace,
@@ -158,6 +225,61 @@ pub fn run_step(
                     r.environment.kernel_version.clone(),
                 );
                 environment.insert("cpu_model".into(), r.environment.cpu_model.clone());
+            }
+            StepKind::Profile => {
+                let spec = step
+                    .bench
+                    .as_ref()
+                    .context("profile step without bench")?
+                    .get_ref();
+                let shown = step
+                    .profile
+                    .as_ref()
+                    .map(|p| p.get_ref().clone())
+                    .unwrap_or_default();
+                let mut cfg = bench_config(ws, spec);
+                cfg.profile = true;
+                cfg.flops_prof_step = Some(cfg.iterations);
+                println!("{}", report::step_config(&cfg));
+                let r = bench_with_progress(&cfg)?;
+                println!("{}", report::summary(&r));
+                let top = shown.top.unwrap_or(10);
+                if let Some(p) = &r.profile {
+                    println!("{}", report::profile(p, top, cfg.backend));
+                }
+                let f = r
+                    .flops_profile
+                    .as_ref()
+                    .context("the run gave no FLOPs profile")?;
+                println!(
+                    "{}",
+                    report::flops_profile(f, Some(shown.depth.unwrap_or(1)), top)
+                );
+                if shown.files
+                    && let Some(p) = &r.profile
+                {
+                    let dir = ws.dir.join("profiles");
+                    let stem = format!("{exercise}.{sid}");
+                    let trace = dir.join(format!("{stem}.trace.json"));
+                    let csv = dir.join(format!("{stem}.kernels.csv"));
+                    let t = bench::profile::trace(&r.timeline, &r.environment.device.name);
+                    crate::files::write_atomic(&trace, serde_json::to_string(&t)?.as_bytes())?;
+                    crate::files::write_atomic(&csv, bench::profile::csv(p).as_bytes())?;
+                    println!(
+                        "Wrote the timeline to {} (open it in https://ui.perfetto.dev) and the kernel table to {}",
+                        trace.display(),
+                        csv.display()
+                    );
+                }
+                metrics = bench_metrics(&r, None);
+                metrics.extend(profile_metrics(&r));
+                table = Some(module_table(f));
+                device_name = r.environment.device.name.clone();
+                environment.insert("device".into(), device_name.clone());
+                environment.insert(
+                    "kernel_version".into(),
+                    r.environment.kernel_version.clone(),
+                );
             }
             StepKind::Sweep => {
                 let base = step
@@ -294,6 +416,19 @@ pub fn run_step(
                     );
                 }
                 metrics.insert("gemm_gflops".into(), g.gflops);
+                // Kept for later FLOPs profiles of this device (a failure to keep it is harmless).
+                if let Some(d) = backend::open(ws.state.backend)
+                    .ok()
+                    .and_then(|b| b.devices().into_iter().nth(ws.state.device))
+                {
+                    let _ = bench::peak::remember(bench::peak::CachedPeak {
+                        device: d.name,
+                        threads: ws.state.threads,
+                        gemm: g.clone(),
+                        bandwidth: bw.clone().unwrap_or_default(),
+                        measured_unix: bench::peak::now_unix(),
+                    });
+                }
                 for b in bw.unwrap_or_default() {
                     metrics.insert(format!("{}_gbps", b.kernel), b.median_gbps);
                 }
@@ -346,10 +481,13 @@ pub fn run_step(
                     ),
                 };
                 if let Some(c) = &q.correct {
-                    let values: Vec<Option<f64>> = c
-                        .steps
+                    let refs = c.references();
+                    let values: Vec<Option<f64>> = refs
                         .iter()
-                        .map(|s| earlier.get(s).and_then(|m| m.get(&c.metric)).copied())
+                        .map(|r| {
+                            let (s, m) = r.split_once('.').unwrap_or((r, ""));
+                            earlier.get(s).and_then(|ms| ms.get(m)).copied()
+                        })
                         .collect();
                     let mut check = Check {
                         what: format!("answer: {given}"),
@@ -375,7 +513,7 @@ pub fn run_step(
                         let right = &q.choices[best];
                         check.range = format!(
                             "your measurements say {right}: {} = {}",
-                            c.metric,
+                            refs[best],
                             report::number(vals[best])
                         );
                         check.verdict = if *right == given {
@@ -386,7 +524,7 @@ pub fn run_step(
                         if check.verdict == Verdict::Fail {
                             check.hint = Some(format!(
                                 "your measurements say `{right}` ({} = {:.3}); look at the earlier steps' results again",
-                                c.metric, vals[best]
+                                refs[best], vals[best]
                             ));
                         }
                     } else {

@@ -76,6 +76,13 @@ pub enum StepKind {
     /// `copy_gbps` and `triad_gbps`. Later expectations can be a fraction of them
     /// (`metric = "gflops"`, `per = "peak.gemm_gflops"`). Optional `peak` section.
     Peak,
+    /// A benchmark with every kernel timed and a FLOPs profile of its last timed iteration
+    /// (needs `bench`; optional `profile` section). Besides the bench metrics it gives
+    /// `device_ms`, `cpu_overhead`, `efficiency` (of the measured peak), `intensity`,
+    /// `peak_gflops` and, where bandwidth is measured, `balance`; per top-level module of the
+    /// network (`layer1`, `fc`, ...) `MODULE.latency_ms`, `MODULE.latency_pct`,
+    /// `MODULE.gflops` and `MODULE.intensity`; per op kind `op.KIND.time_pct` (`op.conv2d.time_pct`).
+    Profile,
     /// Text only.
     Note,
 }
@@ -100,6 +107,8 @@ pub struct Step {
     pub question: Option<Spanned<Question>>,
     /// Sizes of a `peak` step (defaults: a 1024³ GEMM, 10 iterations, 256 MiB arrays).
     pub peak: Option<Spanned<PeakSpec>>,
+    /// What a `profile` step prints.
+    pub profile: Option<Spanned<ProfileSpec>>,
     /// Timing expectations are inconclusive (not failed) when the run's coefficient of
     /// variation is above this (e.g. 0.10 for 10%): the machine was too noisy to judge.
     pub max_cv: Option<f64>,
@@ -158,6 +167,20 @@ pub struct PeakSpec {
     pub cpu: Option<Box<PeakSpec>>,
 }
 
+/// What a `profile` step prints (it records every metric either way).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProfileSpec {
+    /// Deepest level of the module tree shown (default 1: the network's top-level modules).
+    pub depth: Option<usize>,
+    /// Rows of the operator, kernel and slowest-layer tables (default 10).
+    pub top: Option<usize>,
+    /// Also write the profiled iterations as a Chrome trace and the kernel table as a
+    /// rocprof-style CSV into the workspace's `profiles/` folder.
+    #[serde(default)]
+    pub files: bool,
+}
+
 /// A value computed from earlier steps' metrics: `numerator / denominator`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -192,13 +215,18 @@ pub struct Question {
     pub correct: Option<Correct>,
 }
 
-/// The right choice is the one whose step has the largest (or smallest) value of a metric:
-/// `steps[i]` belongs to `choices[i]`.
+/// The right choice is the one with the largest (or smallest) measured value. Either one
+/// `metric` of several `steps` (`steps[i]` belongs to `choices[i]`), or a `STEP.metric` per
+/// choice in `values` (`values[i]` belongs to `choices[i]`; e.g. `profile.layer1.latency_ms`).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Correct {
+    #[serde(default)]
     pub metric: String,
+    #[serde(default)]
     pub steps: Vec<String>,
+    #[serde(default)]
+    pub values: Vec<String>,
     /// `max` (default) or `min`.
     #[serde(default)]
     pub pick: Pick,
@@ -249,6 +277,20 @@ pub struct BackendRange {
     pub backend: BackendKind,
     pub min: Option<f64>,
     pub max: Option<f64>,
+}
+
+impl Correct {
+    /// The `STEP.metric` reference of each choice.
+    pub fn references(&self) -> Vec<String> {
+        if self.values.is_empty() {
+            self.steps
+                .iter()
+                .map(|s| format!("{s}.{}", self.metric))
+                .collect()
+        } else {
+            self.values.clone()
+        }
+    }
 }
 
 impl BenchSpec {
