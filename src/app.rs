@@ -235,14 +235,8 @@ fn peak_cmd(a: PeakArgs) -> Result<()> {
         a.size,
         a.iterations,
     )?;
-    let bandwidth = match a.backend {
-        backend::BackendKind::Cpu => Some(bench::peak::host_bandwidth(
-            a.array_mib,
-            a.iterations,
-            a.threads,
-        )?),
-        _ => None,
-    };
+    let bandwidth =
+        bench::peak::bandwidth_if_any(a.backend, a.device, a.array_mib, a.iterations, a.threads)?;
     if a.json {
         println!(
             "{}",

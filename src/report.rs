@@ -600,7 +600,7 @@ pub fn peak(
                 ));
             }
         }
-        None => s.push_str("\nMemory bandwidth: not measured on this backend yet (host memory only, on the CPU backend)."),
+        None => s.push_str("\nMemory bandwidth: this backend has no bandwidth probe yet."),
     }
     s
 }

@@ -115,7 +115,7 @@ pub fn conv(
 
 /// Say why a backend's test is skipped, or fail when CI requires that backend
 /// (`WORKSHOP_REQUIRE_BACKENDS=wgpu,...`): a CI run that silently skipped them tests nothing.
-fn skip(kind: BackendKind, reason: &str) {
+pub fn skip(kind: BackendKind, reason: &str) {
     let required = std::env::var("WORKSHOP_REQUIRE_BACKENDS").unwrap_or_default();
     if required.split(',').any(|b| b.trim() == kind.name()) {
         panic!("{kind} is required here (WORKSHOP_REQUIRE_BACKENDS) but unavailable: {reason}");

@@ -89,7 +89,10 @@ fn the_embedded_course_runs_start_to_finish_on_the_cpu() {
     let profile = find("04-flops", "profile");
     assert!(profile["metrics"]["efficiency"].as_f64().unwrap() > 0.0);
     assert!(profile["metrics"]["layer3.latency_ms"].as_f64().unwrap() > 0.0);
-    assert!(dir.join("profiles/07-kernel-profile.large.trace.json").exists());
+    assert!(
+        dir.join("profiles/07-kernel-profile.large.trace.json")
+            .exists()
+    );
     let status = ok(dir, &["status"]);
     assert!(status.contains("7/7 exercises"), "{status}");
 }

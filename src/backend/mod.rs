@@ -55,6 +55,15 @@ pub struct DeviceInfo {
     pub features: Vec<String>,
 }
 
+/// Seconds per pass of the memory-bandwidth probe ([`Backend::stream`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StreamTimes {
+    /// f32 values per array.
+    pub n: usize,
+    pub copy_s: Vec<f64>,
+    pub triad_s: Vec<f64>,
+}
+
 /// How a session should run.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ExecOptions {
@@ -145,6 +154,21 @@ pub trait Backend {
     /// Memory a run on device `dev` may use now, when the backend knows it.
     fn memory_budget(&self, _dev: usize) -> Option<u64> {
         None
+    }
+    /// Time a copy (b = a) and a triad (b = a + 0.5·c) over `n` f32 values in device `dev`'s
+    /// memory, `iterations` times each after one untimed pass, and check the triad's result.
+    /// The backend may use fewer values than asked (a binding limit): `StreamTimes::n` says.
+    fn stream(
+        &self,
+        _dev: usize,
+        _n: usize,
+        _iterations: usize,
+        _threads: Option<usize>,
+    ) -> Result<StreamTimes, BackendError> {
+        Err(BackendError::Unsupported(format!(
+            "the {} backend has no memory-bandwidth probe yet",
+            self.kind()
+        )))
     }
     /// Upload weights and set up everything a forward pass of `plan` needs on device `dev`.
     fn prepare(

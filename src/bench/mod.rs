@@ -297,10 +297,8 @@ fn limits(cfg: &BenchConfig, device: &DeviceInfo) -> Result<flops::Limits> {
                 PROBE_SIZE,
                 3,
             )?;
-            let bandwidth = match cfg.backend {
-                backend::BackendKind::Cpu => peak::host_bandwidth(64, 3, cfg.threads)?,
-                _ => Vec::new(),
-            };
+            let bandwidth = peak::bandwidth_if_any(cfg.backend, cfg.device, 64, 3, cfg.threads)?
+                .unwrap_or_default();
             let entry = peak::CachedPeak {
                 device: device.name.clone(),
                 threads: cfg.threads,

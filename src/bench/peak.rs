@@ -6,7 +6,6 @@
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{self, BackendKind, ExecOptions};
@@ -141,8 +140,11 @@ pub fn gemm(
     })
 }
 
-/// Copy and triad bandwidth of host memory over `mib` MiB arrays, on the rayon pool.
-pub fn host_bandwidth(
+/// Copy and triad bandwidth of device `device`'s memory over `mib` MiB arrays (host memory
+/// on the CPU backend).
+pub fn bandwidth(
+    kind: BackendKind,
+    device: usize,
     mib: usize,
     iterations: usize,
     threads: Option<usize>,
@@ -151,52 +153,43 @@ pub fn host_bandwidth(
     if n == 0 || iterations == 0 {
         bail!("the arrays and the iterations must not be empty");
     }
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads.unwrap_or(0))
-        .build()?;
-    pool.install(|| {
-        let a: Vec<f32> = vec![1.0; n];
-        let mut b: Vec<f32> = vec![2.0; n];
-        let c: Vec<f32> = vec![3.0; n];
-        const CHUNK: usize = 1 << 16;
-        let mut measure = |name: &str, bytes: u64, f: &mut dyn FnMut(&mut Vec<f32>)| {
-            let mut times: Vec<f64> = (0..iterations + 1)
-                .map(|_| {
-                    let t = Instant::now();
-                    f(&mut b);
-                    t.elapsed().as_secs_f64()
-                })
-                .skip(1)
-                .collect();
-            times.sort_by(f64::total_cmp);
-            Bandwidth {
-                kernel: name.into(),
-                bytes,
-                median_gbps: bytes as f64 / times[times.len() / 2] / 1e9,
-                best_gbps: bytes as f64 / times[0] / 1e9,
-            }
-        };
-        let copy = measure("copy", (2 * n * 4) as u64, &mut |b| {
-            b.par_chunks_mut(CHUNK)
-                .zip(a.par_chunks(CHUNK))
-                .for_each(|(d, s)| d.copy_from_slice(s));
-        });
-        let triad = measure("triad", (3 * n * 4) as u64, &mut |b| {
-            b.par_chunks_mut(CHUNK)
-                .zip(a.par_chunks(CHUNK))
-                .zip(c.par_chunks(CHUNK))
-                .for_each(|((d, x), y)| {
-                    for ((d, x), y) in d.iter_mut().zip(x).zip(y) {
-                        *d = x + 0.5 * y;
-                    }
-                });
-        });
-        // The triad's result is checked once, so the loop cannot be optimised away unseen.
-        if b.iter().any(|&v| v != 2.5) {
-            bail!("the triad computed wrong values: the measurement is void");
+    let t = backend::open(kind)?.stream(device, n, iterations, threads)?;
+    let summary = |name: &str, bytes: u64, times: &[f64]| {
+        let mut sorted = times.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        Bandwidth {
+            kernel: name.into(),
+            bytes,
+            median_gbps: bytes as f64 / sorted[sorted.len() / 2] / 1e9,
+            best_gbps: bytes as f64 / sorted[0] / 1e9,
         }
-        Ok(vec![copy, triad])
-    })
+    };
+    Ok(vec![
+        summary("copy", (2 * t.n * 4) as u64, &t.copy_s),
+        summary("triad", (3 * t.n * 4) as u64, &t.triad_s),
+    ])
+}
+
+/// [`bandwidth`], or `None` when the backend has no probe (a GPU backend without one yet).
+pub fn bandwidth_if_any(
+    kind: BackendKind,
+    device: usize,
+    mib: usize,
+    iterations: usize,
+    threads: Option<usize>,
+) -> Result<Option<Vec<Bandwidth>>> {
+    match bandwidth(kind, device, mib, iterations, threads) {
+        Ok(b) => Ok(Some(b)),
+        Err(e)
+            if matches!(
+                e.downcast_ref::<backend::BackendError>(),
+                Some(backend::BackendError::Unsupported(_))
+            ) =>
+        {
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// A peak the device's specification gives rather than a measurement.

@@ -398,15 +398,13 @@ pub fn run_step(
                     size,
                     iterations,
                 )?;
-                let bw = if cpu {
-                    Some(bench::peak::host_bandwidth(
-                        over(|s| s.array_mib).unwrap_or(256),
-                        iterations,
-                        ws.state.threads,
-                    )?)
-                } else {
-                    None
-                };
+                let bw = bench::peak::bandwidth_if_any(
+                    ws.state.backend,
+                    ws.state.device,
+                    over(|s| s.array_mib).unwrap_or(256),
+                    iterations,
+                    ws.state.threads,
+                )?;
                 println!("{}", report::peak(&g, bw.as_deref()));
                 if g.validated < g.iterations {
                     bail!(

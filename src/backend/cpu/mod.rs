@@ -11,9 +11,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use half::{bf16, f16};
+use rayon::prelude::*;
 
 use super::{
     Backend, BackendError, BackendKind, DeviceInfo, ExecOptions, KernelTime, MemoryStats, Session,
+    StreamTimes,
 };
 use crate::model::op::{Op, Pool, batch_norm_affine};
 use crate::model::{Plan, Precision, Tensor, Weights};
@@ -99,6 +101,57 @@ pub fn available_memory() -> u64 {
 impl Backend for CpuBackend {
     fn kind(&self) -> BackendKind {
         BackendKind::Cpu
+    }
+
+    fn stream(
+        &self,
+        _dev: usize,
+        n: usize,
+        iterations: usize,
+        threads: Option<usize>,
+    ) -> Result<StreamTimes, BackendError> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads.unwrap_or(0))
+            .build()
+            .map_err(|e| BackendError::Invalid(format!("cannot start the worker threads: {e}")))?;
+        pool.install(|| {
+            let a: Vec<f32> = vec![1.0; n];
+            let mut b: Vec<f32> = vec![2.0; n];
+            let c: Vec<f32> = vec![3.0; n];
+            const CHUNK: usize = 1 << 16;
+            let mut time = |f: &mut dyn FnMut(&mut Vec<f32>)| -> Vec<f64> {
+                (0..iterations + 1)
+                    .map(|_| {
+                        let t = Instant::now();
+                        f(&mut b);
+                        t.elapsed().as_secs_f64()
+                    })
+                    .skip(1)
+                    .collect()
+            };
+            let copy_s = time(&mut |b| {
+                b.par_chunks_mut(CHUNK)
+                    .zip(a.par_chunks(CHUNK))
+                    .for_each(|(d, s)| d.copy_from_slice(s));
+            });
+            let triad_s = time(&mut |b| {
+                b.par_chunks_mut(CHUNK)
+                    .zip(a.par_chunks(CHUNK))
+                    .zip(c.par_chunks(CHUNK))
+                    .for_each(|((d, x), y)| {
+                        for ((d, x), y) in d.iter_mut().zip(x).zip(y) {
+                            *d = x + 0.5 * y;
+                        }
+                    });
+            });
+            // The triad's result is checked, so the loop cannot be optimised away unseen.
+            if b.iter().any(|&v| v != 2.5) {
+                return Err(BackendError::Invalid(
+                    "the triad computed wrong values: the measurement is void".into(),
+                ));
+            }
+            Ok(StreamTimes { n, copy_s, triad_s })
+        })
     }
 
     fn devices(&self) -> Vec<DeviceInfo> {

@@ -15,11 +15,13 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use wgpu::util::DeviceExt;
 
 use super::{
     Backend, BackendError, BackendKind, DeviceInfo, ExecOptions, KernelTime, MemoryStats, Session,
+    StreamTimes,
 };
 use crate::model::op::{Conv2d, Op, batch_norm_affine};
 use crate::model::{Plan, Precision, Tensor, Weights};
@@ -38,6 +40,10 @@ const KERNELS: &[(&str, &str)] = &[
     (
         "elementwise.wgsl",
         include_str!("../../../kernels/wgsl/elementwise.wgsl"),
+    ),
+    (
+        "stream.wgsl",
+        include_str!("../../../kernels/wgsl/stream.wgsl"),
     ),
 ];
 
@@ -158,24 +164,9 @@ fn device_info(a: &wgpu::Adapter) -> DeviceInfo {
     }
 }
 
-impl Backend for WgpuBackend {
-    fn kind(&self) -> BackendKind {
-        BackendKind::Wgpu
-    }
-
-    fn devices(&self) -> Vec<DeviceInfo> {
-        self.adapters.iter().map(device_info).collect()
-    }
-
-    fn prepare(
-        &self,
-        dev: usize,
-        plan: &Plan,
-        weights: &Weights,
-        opt: &ExecOptions,
-    ) -> Result<Box<dyn Session>, BackendError> {
-        let adapter = self
-            .adapters
+impl WgpuBackend {
+    fn adapter(&self, dev: usize) -> Result<&wgpu::Adapter, BackendError> {
+        self.adapters
             .get(dev)
             .ok_or_else(|| BackendError::NoDevice {
                 kind: BackendKind::Wgpu,
@@ -189,7 +180,194 @@ impl Backend for WgpuBackend {
                         .collect::<Vec<_>>()
                         .join(", ")
                 ),
-            })?;
+            })
+    }
+}
+
+impl Backend for WgpuBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Wgpu
+    }
+
+    fn devices(&self) -> Vec<DeviceInfo> {
+        self.adapters.iter().map(device_info).collect()
+    }
+
+    fn stream(
+        &self,
+        dev: usize,
+        n: usize,
+        iterations: usize,
+        _threads: Option<usize>,
+    ) -> Result<StreamTimes, BackendError> {
+        let adapter = self.adapter(dev)?;
+        let name = adapter.get_info().name;
+        let limits = adapter.limits();
+        let timestamps = adapter.features().contains(wgpu::Features::TIMESTAMP_QUERY);
+        let features = if timestamps {
+            wgpu::Features::TIMESTAMP_QUERY
+        } else {
+            wgpu::Features::empty()
+        };
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("workshop stream"),
+            required_features: features,
+            required_limits: limits.clone(),
+            ..Default::default()
+        }))
+        .map_err(|e| BackendError::NoDevice {
+            kind: BackendKind::Wgpu,
+            reason: format!("{name}: {e}"),
+        })?;
+        // Whole vec4s, within one storage binding.
+        let n4 = (n.min((limits.max_storage_buffer_binding_size / 4) as usize) / 4).max(1);
+        let filled = |label: &str, v: f32| {
+            let words = vec![v; n4 * 4];
+            device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some(label),
+                contents: &f32_bytes(&words),
+                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+            })
+        };
+        let (a, c, b) = (filled("a", 1.0), filled("c", 3.0), filled("b", 2.0));
+        let module = shader(&device, "stream.wgsl", None, Precision::Fp32)?;
+        let (gx, gy, _) = grid(n4, limits.max_compute_workgroups_per_dimension);
+        let pbuf = params(&device, &[n4 as u32, gx * 256]);
+        let set = timestamps.then(|| {
+            let set = device.create_query_set(&wgpu::QuerySetDescriptor {
+                label: Some("stream times"),
+                ty: wgpu::QueryType::Timestamp,
+                count: 2,
+            });
+            let resolve = device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("stream timestamps"),
+                size: 16,
+                usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+                mapped_at_creation: false,
+            });
+            let read = device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("stream timestamps readback"),
+                size: 16,
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            });
+            (set, resolve, read)
+        });
+        let period = queue.get_timestamp_period() as f64;
+        let wait = || {
+            device
+                .poll(wgpu::PollType::wait_indefinitely())
+                .map(|_| ())
+                .map_err(|e| BackendError::Invalid(format!("waiting for the GPU failed: {e}")))
+        };
+        let time = |entry: &str,
+                    reads: &[(u32, &wgpu::Buffer)]|
+         -> Result<Vec<f64>, BackendError> {
+            let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(entry),
+                layout: None,
+                module: &module,
+                entry_point: Some(entry),
+                compilation_options: Default::default(),
+                cache: None,
+            });
+            let mut entries = vec![
+                wgpu::BindGroupEntry {
+                    binding: 0,
+                    resource: pbuf.as_entire_binding(),
+                },
+                wgpu::BindGroupEntry {
+                    binding: 3,
+                    resource: b.as_entire_binding(),
+                },
+            ];
+            entries.extend(reads.iter().map(|(i, buf)| wgpu::BindGroupEntry {
+                binding: *i,
+                resource: buf.as_entire_binding(),
+            }));
+            let bind_group = device.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some(entry),
+                layout: &pipeline.get_bind_group_layout(0),
+                entries: &entries,
+            });
+            let mut out = Vec::with_capacity(iterations);
+            for it in 0..=iterations {
+                let mut encoder = device.create_command_encoder(&Default::default());
+                {
+                    let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                        label: Some(entry),
+                        timestamp_writes: set.as_ref().map(|(s, _, _)| {
+                            wgpu::ComputePassTimestampWrites {
+                                query_set: s,
+                                beginning_of_pass_write_index: Some(0),
+                                end_of_pass_write_index: Some(1),
+                            }
+                        }),
+                    });
+                    pass.set_pipeline(&pipeline);
+                    pass.set_bind_group(0, &bind_group, &[]);
+                    pass.dispatch_workgroups(gx, gy, 1);
+                }
+                if let Some((s, resolve, read)) = &set {
+                    encoder.resolve_query_set(s, 0..2, resolve, 0);
+                    encoder.copy_buffer_to_buffer(resolve, 0, read, 0, 16);
+                }
+                let start = Instant::now();
+                queue.submit([encoder.finish()]);
+                wait()?;
+                let wall = start.elapsed().as_secs_f64();
+                let seconds = match &set {
+                    Some((_, _, read)) => {
+                        let bytes = map_read(&device, read)?;
+                        let tick = |i: usize| {
+                            u64::from_le_bytes(bytes[8 * i..8 * i + 8].try_into().expect("8 bytes"))
+                        };
+                        tick(1).saturating_sub(tick(0)) as f64 * period / 1e9
+                    }
+                    None => wall,
+                };
+                if it > 0 {
+                    out.push(seconds);
+                }
+            }
+            Ok(out)
+        };
+        let copy_s = time("copy", &[(1, &a)])?;
+        let triad_s = time("triad", &[(1, &a), (2, &c)])?;
+        // Check the triad's result: a fast wrong kernel never counts.
+        let check = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("stream check"),
+            size: b.size(),
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut encoder = device.create_command_encoder(&Default::default());
+        encoder.copy_buffer_to_buffer(&b, 0, &check, 0, b.size());
+        queue.submit([encoder.finish()]);
+        let bytes = map_read(&device, &check)?;
+        if bytes
+            .chunks_exact(4)
+            .any(|w| f32::from_le_bytes(w.try_into().expect("4 bytes")) != 2.5)
+        {
+            return Err(BackendError::Invalid(
+                "the triad computed wrong values: the measurement is void".into(),
+            ));
+        }
+        Ok(StreamTimes {
+            n: n4 * 4,
+            copy_s,
+            triad_s,
+        })
+    }
+
+    fn prepare(
+        &self,
+        dev: usize,
+        plan: &Plan,
+        weights: &Weights,
+        opt: &ExecOptions,
+    ) -> Result<Box<dyn Session>, BackendError> {
+        let adapter = self.adapter(dev)?;
         let name = adapter.get_info().name;
         let mut features = wgpu::Features::empty();
         match opt.precision {
@@ -900,25 +1078,29 @@ impl WgpuSession {
         }
     }
 
-    /// Map a buffer, wait for it, and copy its bytes out.
     fn read(&self, buffer: &wgpu::Buffer) -> Result<Vec<u8>, BackendError> {
-        let (tx, rx) = std::sync::mpsc::channel();
-        buffer.map_async(wgpu::MapMode::Read, .., move |r| {
-            let _ = tx.send(r);
-        });
-        self.device
-            .poll(wgpu::PollType::wait_indefinitely())
-            .map_err(|e| BackendError::Invalid(format!("waiting for the GPU failed: {e}")))?;
-        rx.recv()
-            .map_err(|_| BackendError::Invalid("the GPU never answered the read".into()))?
-            .map_err(|e| BackendError::Invalid(format!("reading GPU memory failed: {e}")))?;
-        let bytes = buffer
-            .get_mapped_range(..)
-            .map_err(|e| BackendError::Invalid(format!("reading GPU memory failed: {e}")))?
-            .to_vec();
-        buffer.unmap();
-        Ok(bytes)
+        map_read(&self.device, buffer)
     }
+}
+
+/// Map a buffer, wait for it, and copy its bytes out.
+fn map_read(device: &wgpu::Device, buffer: &wgpu::Buffer) -> Result<Vec<u8>, BackendError> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    buffer.map_async(wgpu::MapMode::Read, .., move |r| {
+        let _ = tx.send(r);
+    });
+    device
+        .poll(wgpu::PollType::wait_indefinitely())
+        .map_err(|e| BackendError::Invalid(format!("waiting for the GPU failed: {e}")))?;
+    rx.recv()
+        .map_err(|_| BackendError::Invalid("the GPU never answered the read".into()))?
+        .map_err(|e| BackendError::Invalid(format!("reading GPU memory failed: {e}")))?;
+    let bytes = buffer
+        .get_mapped_range(..)
+        .map_err(|e| BackendError::Invalid(format!("reading GPU memory failed: {e}")))?
+        .to_vec();
+    buffer.unmap();
+    Ok(bytes)
 }
 
 /// Few enough output rows for `conv2d_rows` (two of its 8-row passes at most): a 64-row tile
