@@ -8,7 +8,9 @@ use anyhow::{Context, Result, bail};
 
 use crate::backend::{self, ExecOptions};
 use crate::bench::{self, record::BenchConfig};
-use crate::cli::{BenchArgs, Cli, Command, InferArgs, ModelsArgs, PeakArgs, RunArgs, WeightsArgs};
+use crate::cli::{
+    BenchArgs, Cli, Command, GatherArgs, InferArgs, ModelsArgs, PeakArgs, RunArgs, WeightsArgs,
+};
 use crate::course::commands;
 use crate::model::{Precision, Weights, weights, zoo};
 use crate::report;
@@ -20,6 +22,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Models(args) => models_cmd(args),
         Command::Weights(args) => weights_cmd(args),
         Command::Peak(a) => peak_cmd(a),
+        Command::Gather(a) => gather_cmd(a),
         Command::Init(a) => commands::init(a),
         Command::Next(a) => commands::next(a),
         Command::Status(a) => commands::status(a),
@@ -88,8 +91,79 @@ fn bench_cmd(args: BenchArgs) -> Result<()> {
         profile: args.profile || args.profile_csv.is_some() || args.trace.is_some(),
         kernels_dir: args.run.kernels_dir.clone(),
         flops_prof_step: args.flops_prof_step,
+        cores: None,
     };
     bench::validate(&cfg)?;
+    if let Some(dir) = &args.results_dir {
+        let rank = bench::multi::Rank::detect().context(
+            "--results-dir is for ranks started by a launcher, but none of their variables is set \
+             (RANK/WORLD_SIZE from torchrun, SLURM_PROCID/SLURM_NTASKS from srun, \
+             OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE from mpirun, PMI_RANK/PMI_SIZE)",
+        )?;
+        println!(
+            "Rank {} of {} ({}, local rank {}): {} images of the global batch of {}",
+            rank.rank,
+            rank.world_size,
+            rank.launcher,
+            rank.local_rank,
+            cfg.batch_size / rank.world_size.max(1),
+            cfg.batch_size
+        );
+        let r = bench::multi::run_rank(&cfg, &rank, dir)?;
+        println!("\n{}", report::summary(&r.record));
+        println!(
+            "Wrote {}; when every rank is done: workshop gather {}",
+            bench::multi::rank_file(dir, rank.rank).display(),
+            dir.display()
+        );
+        return Ok(());
+    }
+    let devices = match (&args.devices, args.cpu_groups) {
+        (Some(list), _) => Some(bench::multi::parse_devices(list, cfg.backend)?),
+        (None, Some(n)) => {
+            if cfg.backend != backend::BackendKind::Cpu {
+                bail!(
+                    "--cpu-groups splits the CPU backend's cores; on {} use --devices",
+                    cfg.backend
+                );
+            }
+            Some(bench::multi::cpu_groups(n)?)
+        }
+        (None, None) => None,
+    };
+    if let Some(devices) = devices {
+        println!("{}\n", report::config_echo(&cfg));
+        let single = match &args.single {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("cannot read `{}`", path.display()))?;
+                Some(
+                    serde_json::from_str::<bench::record::BenchRecord>(&text).with_context(
+                        || {
+                            format!(
+                                "`{}` is not a `workshop bench --json` record",
+                                path.display()
+                            )
+                        },
+                    )?,
+                )
+            }
+            None => None,
+        };
+        let record = bench::multi::run(&cfg, &devices, single, &mut |s| println!("{s}"))?;
+        println!("\n{}", report::multi(&record));
+        if let Some(path) = &args.json {
+            crate::files::write_atomic(path, serde_json::to_string_pretty(&record)?.as_bytes())?;
+            println!("Wrote {}", path.display());
+        }
+        return Ok(());
+    }
+    if let Some(rank) = bench::multi::Rank::detect() {
+        println!(
+            "note: started as rank {} of {} by {}; add --results-dir DIR to benchmark this rank's share and gather the ranks",
+            rank.rank, rank.world_size, rank.launcher
+        );
+    }
     println!("{}\n", report::config_echo(&cfg));
     println!("Building {} and preparing its weights...", cfg.network);
     let mut out = std::io::stdout();
@@ -159,6 +233,7 @@ fn infer_cmd(args: InferArgs) -> Result<()> {
         threads: args.run.threads,
         profile: false,
         kernels_dir: args.run.kernels_dir.clone(),
+        cores: None,
     };
     let mut session = backend.prepare(args.run.device, &plan, &weights, &opt)?;
     let start = Instant::now();
@@ -294,6 +369,16 @@ fn peak_cmd(a: PeakArgs) -> Result<()> {
             gemm.iterations - gemm.validated,
             gemm.iterations
         );
+    }
+    Ok(())
+}
+
+fn gather_cmd(a: GatherArgs) -> Result<()> {
+    let g = bench::multi::gather(&a.dir)?;
+    println!("{}", report::gathered(&g));
+    if let Some(path) = &a.json {
+        crate::files::write_atomic(path, serde_json::to_string_pretty(&g)?.as_bytes())?;
+        println!("Wrote {}", path.display());
     }
     Ok(())
 }

@@ -58,6 +58,8 @@ pub enum Command {
     Weights(WeightsArgs),
     /// Measure the machine's limits: validated GEMM throughput and memory bandwidth
     Peak(PeakArgs),
+    /// Merge the rank records that launched ranks (`bench --results-dir DIR`) wrote into DIR
+    Gather(GatherArgs),
 }
 
 /// Where and how to run: shared by every command that runs a network.
@@ -131,6 +133,30 @@ pub struct BenchArgs {
     /// Deepest level of the module tree the FLOPs profile prints (default: all)
     #[arg(long, value_name = "D")]
     pub flops_depth: Option<usize>,
+    /// Data parallel over several devices: `all`, indices `0,1`, or on the CPU backend groups
+    /// of cores `cpu:0-3,cpu:4-7`; --batch-size is the global batch, split evenly
+    #[arg(long, value_name = "LIST", conflicts_with = "cpu_groups")]
+    pub devices: Option<String>,
+    /// Data parallel over N disjoint groups of this machine's cores (CPU backend)
+    #[arg(long, value_name = "N")]
+    pub cpu_groups: Option<usize>,
+    /// With --devices/--cpu-groups: take the single-device throughput from this earlier
+    /// `--json` record instead of measuring it after the run
+    #[arg(long, value_name = "FILE.json")]
+    pub single: Option<PathBuf>,
+    /// Under a launcher (torchrun, srun, mpirun): benchmark this rank's device with its share
+    /// of the global batch and write its record into DIR (then `workshop gather DIR`)
+    #[arg(long, value_name = "DIR")]
+    pub results_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct GatherArgs {
+    /// The folder the ranks wrote their records into
+    pub dir: PathBuf,
+    /// Also write the merged record to FILE
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]

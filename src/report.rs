@@ -852,3 +852,116 @@ pub fn flops_profile(
     s.push_str(&"-".repeat(80));
     s
 }
+
+/// One device's line of a multi-device or gathered run.
+fn device_line(label: &str, r: &BenchRecord) -> String {
+    let s = &r.stats;
+    format!(
+        "[{label}] {} · batch {} · {:.1} images/s · median {:.2} ms · CV {:.1}% · peak memory {}",
+        r.environment.device.name,
+        r.config.batch_size,
+        s.throughput_median,
+        s.median_s * 1e3,
+        s.cv * 100.0,
+        human_bytes(r.memory.peak)
+    )
+}
+
+/// What the spread between devices means.
+fn spread_text(spread: f64) -> String {
+    let judgement = if spread < 1.05 {
+        "the devices kept pace with each other"
+    } else if spread < 1.2 {
+        "uneven: the slowest device holds the others back at every barrier"
+    } else {
+        "very uneven: check that the devices are alike and nothing else runs on the slow one"
+    };
+    format!("slowest / fastest device median {spread:.2} ({judgement})")
+}
+
+/// A multi-device run: each device, then the global summary with the scaling efficiency.
+pub fn multi(m: &crate::bench::multi::MultiRecord) -> String {
+    let mut s = String::new();
+    for (d, r) in m.devices.iter().zip(&m.runs) {
+        s.push_str(&device_line(&d.label, r));
+        s.push('\n');
+    }
+    let g = &m.global;
+    let first = &m.runs[0].config;
+    s.push_str(&format!(
+        "\n========================================================\n\
+         Performance summary (global): {} {} on {} devices\n\
+         ========================================================\n\
+         Global batch  {} ({} per device)\n\
+         Step time     median {:.2} ms, CV {:.1}% (start to end of every device: the slowest sets the pace)\n\
+         Throughput    {:.1} images/s (median), {:.1} images/s (mean)\n\
+         Devices       {}\n",
+        first.network,
+        first.precision.name().to_uppercase(),
+        m.devices.len(),
+        m.global_batch,
+        m.per_device_batch,
+        g.median_s * 1e3,
+        g.cv * 100.0,
+        g.throughput_median,
+        g.throughput,
+        spread_text(m.spread)
+    ));
+    match (&m.single, m.scaling_efficiency) {
+        (Some(one), Some(eff)) => {
+            let meaning = if eff >= 0.9 {
+                "near-linear scaling"
+            } else if eff >= 0.7 {
+                "good scaling; the rest goes to synchronisation and shared resources"
+            } else {
+                "poor scaling: the devices share something (memory bandwidth, caches, a bus) or wait on each other"
+            };
+            s.push_str(&format!(
+                "One device    {:.1} images/s with {} images ({})\n\
+                 Scaling       {:.2}× with {} devices: efficiency {:.1}% ({meaning})\n",
+                one.stats.throughput_median,
+                one.config.batch_size,
+                one.environment.device.name,
+                g.throughput_median / one.stats.throughput_median,
+                m.devices.len(),
+                eff * 100.0
+            ));
+        }
+        _ => s.push_str("One device    not measured\n"),
+    }
+    s.push_str("========================================================");
+    s
+}
+
+/// Ranks gathered from a results folder.
+pub fn gathered(g: &crate::bench::multi::Gathered) -> String {
+    let mut s = String::new();
+    for r in &g.ranks {
+        s.push_str(&device_line(
+            &format!("rank {} · {}", r.rank.rank, r.device.label),
+            &r.record,
+        ));
+        s.push('\n');
+    }
+    let c = &g.ranks[0].record.config;
+    s.push_str(&format!(
+        "\n========================================================\n\
+         Performance summary (global): {} {}, {} ranks ({})\n\
+         ========================================================\n\
+         Global batch  {} ({} per rank)\n\
+         Throughput    {:.1} images/s, the sum of the ranks' throughputs\n\
+         Synchronous   {:.1} images/s if every iteration waited for the slowest rank\n\
+         Ranks         {}\n\
+         ========================================================",
+        c.network,
+        c.precision.name().to_uppercase(),
+        g.world_size,
+        g.ranks[0].rank.launcher,
+        g.global_batch,
+        g.global_batch / g.world_size.max(1),
+        g.throughput_sum,
+        g.throughput_synchronous,
+        spread_text(g.spread)
+    ));
+    s
+}

@@ -613,3 +613,163 @@ fn flops_profile_of_one_step() {
         stderr(&o)
     );
 }
+
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+#[test]
+fn data_parallel_over_cpu_groups() {
+    if cores() < 2 {
+        eprintln!("skipped: one core cannot be split into two devices");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("multi.json");
+    let args = |batch: &'static str| {
+        vec![
+            "bench",
+            "--network",
+            "resnet18",
+            "--input-size",
+            "32",
+            "--batch-size",
+            batch,
+            "--iterations",
+            "3",
+            "--warmup",
+            "1",
+            "--cpu-groups",
+            "2",
+        ]
+    };
+    let mut a = args("4");
+    a.extend(["--json", json.to_str().unwrap()]);
+    let o = workshop(&a);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        out.contains("Performance summary (global): resnet18 FP32 on 2 devices")
+            && out.contains("Global batch  4 (2 per device)")
+            && out.contains("efficiency"),
+        "{out}"
+    );
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(r["kind"], "multi");
+    assert_eq!(r["runs"].as_array().unwrap().len(), 2);
+    assert_eq!(r["global_samples_s"].as_array().unwrap().len(), 3);
+    // Each device ran on its own cores, with its share of the batch.
+    assert_eq!(r["runs"][0]["config"]["cores"], serde_json::json!([0]));
+    assert_eq!(r["runs"][1]["config"]["cores"], serde_json::json!([1]));
+    assert_eq!(r["runs"][1]["config"]["batch_size"], 2);
+    assert_eq!(r["single"]["config"]["batch_size"], 2);
+    let eff = r["scaling_efficiency"].as_f64().unwrap();
+    assert!(eff > 0.0 && eff < 3.0, "{eff}");
+    // The global step is barrier to barrier: never shorter than a device's own step.
+    let global = r["global"]["median_s"].as_f64().unwrap();
+    let device = r["runs"][0]["stats"]["median_s"].as_f64().unwrap();
+    assert!(global >= device * 0.99, "{global} < {device}");
+
+    let o = workshop(&args("3"));
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("--batch-size 3 (the global batch) does not split evenly over 2 devices: use a multiple of 2"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn launched_ranks_write_records_and_gather_merges_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let results = dir.path().join("ranks");
+    let rank = |r: &str| {
+        crate::common::command()
+            .env("RANK", r)
+            .env("WORLD_SIZE", "2")
+            .env("LOCAL_RANK", r)
+            .env("LOCAL_WORLD_SIZE", if cores() >= 2 { "2" } else { "1" })
+            .args([
+                "bench",
+                "--network",
+                "resnet18",
+                "--input-size",
+                "32",
+                "--batch-size",
+                "4",
+                "--iterations",
+                "2",
+                "--warmup",
+                "0",
+                "--results-dir",
+                results.to_str().unwrap(),
+            ])
+            .spawn()
+            .unwrap()
+    };
+    let (a, b) = (rank("0"), rank("1"));
+    for mut p in [a, b] {
+        assert!(p.wait().unwrap().success());
+    }
+    let merged = dir.path().join("merged.json");
+    let o = workshop(&[
+        "gather",
+        results.to_str().unwrap(),
+        "--json",
+        merged.to_str().unwrap(),
+    ]);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        out.contains("[rank 0")
+            && out.contains("2 ranks (torchrun)")
+            && out.contains("Global batch  4 (2 per rank)"),
+        "{out}"
+    );
+    let g: Value = serde_json::from_str(&std::fs::read_to_string(&merged).unwrap()).unwrap();
+    let sum: f64 = g["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["record"]["stats"]["throughput_median"].as_f64().unwrap())
+        .sum();
+    assert!((g["throughput_sum"].as_f64().unwrap() - sum).abs() < 1e-9);
+    assert_eq!(g["ranks"][1]["record"]["config"]["batch_size"], 2);
+
+    // A missing rank and a foreign file are named.
+    std::fs::remove_file(results.join("rank-00001.json")).unwrap();
+    let o = workshop(&["gather", results.to_str().unwrap()]);
+    assert!(
+        stderr(&o).contains("ranks 1 of 2 have not written their records yet"),
+        "{}",
+        stderr(&o)
+    );
+    std::fs::write(results.join("rank-00001.json"), "{\"not\": \"a rank\"}").unwrap();
+    let o = workshop(&["gather", results.to_str().unwrap()]);
+    assert!(
+        !o.status.success() && stderr(&o).contains("rank-00001.json` is not a rank record"),
+        "{}",
+        stderr(&o)
+    );
+
+    // Without a launcher's variables --results-dir says what is missing.
+    let mut c = crate::common::command();
+    for v in ["RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"] {
+        c.env_remove(v);
+    }
+    let o = c
+        .args([
+            "bench",
+            "--results-dir",
+            results.to_str().unwrap(),
+            "--iterations",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        !o.status.success() && stderr(&o).contains("none of their variables is set"),
+        "{}",
+        stderr(&o)
+    );
+}

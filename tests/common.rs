@@ -74,6 +74,7 @@ pub fn profiled_session(
         threads: Some(2),
         profile,
         kernels_dir: None,
+        cores: None,
     };
     match b.prepare(0, plan, w, &opt) {
         Ok(s) => Some(s),

@@ -70,6 +70,9 @@ pub struct ExecOptions {
     pub precision: Precision,
     /// CPU worker threads; `None` uses every core.
     pub threads: Option<usize>,
+    /// CPU backend: run one worker per listed core, each pinned to its core where the OS
+    /// allows (a "device" of a multi-device run is a disjoint set of cores).
+    pub cores: Option<Vec<usize>>,
     /// Collect per-kernel times (costs a little per op).
     pub profile: bool,
     /// Read GPU kernels from this directory (`wgsl/`, `cuda/`, `hip/`) instead of the copies
@@ -84,6 +87,7 @@ impl Default for ExecOptions {
             threads: None,
             profile: false,
             kernels_dir: None,
+            cores: None,
         }
     }
 }

@@ -4,6 +4,7 @@
 //! presentation stays in `report`.
 
 pub mod flops;
+pub mod multi;
 pub mod peak;
 pub mod profile;
 pub mod record;
@@ -80,6 +81,7 @@ pub fn prepare(
         threads: cfg.threads,
         profile: cfg.profile || cfg.flops_prof_step.is_some(),
         kernels_dir: cfg.kernels_dir.clone(),
+        cores: cfg.cores.clone(),
     };
     backend.check_fits(cfg.device, &plan, &opt)?;
     let weights = match weights_file {
@@ -124,7 +126,23 @@ pub fn run(
     on_event: &mut dyn FnMut(Event),
 ) -> Result<BenchRecord> {
     validate(cfg)?;
-    let (plan, mut session, device) = prepare(cfg, weights_file)?;
+    let prepared = prepare(cfg, weights_file)?;
+    measure(cfg, prepared, on_event, None)
+}
+
+/// Waits for every device of a multi-device run at the start and at the end of each
+/// iteration; an error means another device failed and the run is over.
+pub type Sync<'a> = &'a (dyn Fn() -> Result<()> + std::marker::Sync);
+
+/// The warm-up and timed iterations of a prepared session, and its record. With `sync`, each
+/// iteration starts and ends together with the other devices'.
+pub fn measure(
+    cfg: &BenchConfig,
+    (plan, mut session, device): (Plan, Box<dyn Session>, DeviceInfo),
+    on_event: &mut dyn FnMut(Event),
+    sync: Option<Sync<'_>>,
+) -> Result<BenchRecord> {
+    let together = || sync.map_or(Ok(()), |s| s());
     on_event(Event::Preparing {
         params: plan.graph.param_count(),
         weights: cfg.weights.clone(),
@@ -147,7 +165,9 @@ pub fn run(
     };
     let mut warmup_s = Vec::with_capacity(cfg.warmup);
     for index in 0..cfg.warmup {
+        together()?;
         let (seconds, loss) = step(&mut session)?;
+        together()?;
         warmup_s.push(seconds);
         on_event(Event::Warmup {
             index,
@@ -161,8 +181,10 @@ pub fn run(
     let mut flops_step = None;
     let run_start = Instant::now();
     for index in 0..cfg.iterations {
+        together()?;
         let start_us = run_start.elapsed().as_secs_f64() * 1e6;
         let (seconds, l) = step(&mut session)?;
+        together()?;
         samples_s.push(seconds);
         loss = l;
         let wanted = cfg.flops_prof_step == Some(index + 1);

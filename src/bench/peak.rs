@@ -82,6 +82,7 @@ pub fn gemm(
         threads,
         profile: false,
         kernels_dir: None,
+        cores: None,
     };
     let mut session = b.prepare(device, &plan, &weights, &opt)?;
     // The reference sees the values the backend stores.

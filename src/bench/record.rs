@@ -60,6 +60,9 @@ pub struct BenchConfig {
     /// GPU kernels read from this directory instead of the embedded copies.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kernels_dir: Option<std::path::PathBuf>,
+    /// CPU backend: the cores this run was pinned to (one device of a multi-device run).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cores: Option<Vec<usize>>,
     /// Timed iteration (from 1) whose FLOPs profile is kept (`--flops-prof-step`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub flops_prof_step: Option<usize>,

@@ -42,6 +42,7 @@ fn bench_config(ws: &Workspace, spec: &BenchSpec) -> BenchConfig {
         profile: false,
         kernels_dir: None,
         flops_prof_step: None,
+        cores: None,
     }
 }
 
@@ -597,6 +598,7 @@ pub fn accuracy(cfg: &BenchConfig) -> Result<(f64, f64, f64)> {
             threads: cfg.threads,
             profile: false,
             kernels_dir: cfg.kernels_dir.clone(),
+            cores: None,
         };
         let mut s = b.prepare(cfg.device, &plan, &weights, &opt)?;
         outs.push(bench::infer(s.as_mut(), &input)?);

@@ -185,14 +185,24 @@ impl Backend for CpuBackend {
                 ),
             });
         }
-        let threads = opt.threads.unwrap_or_else(default_threads);
+        let threads = match &opt.cores {
+            Some(cores) => cores.len(),
+            None => opt.threads.unwrap_or_else(default_threads),
+        };
         if threads == 0 {
             return Err(BackendError::Invalid("--threads must be at least 1".into()));
         }
         check_memory(plan, opt.precision, threads)?;
+        let cores = opt.cores.clone().unwrap_or_default();
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("workshop-cpu-{i}"))
+            .start_handler(move |i| {
+                // Pinning is a request: where the OS refuses it the thread runs unpinned.
+                if let Some(&core) = cores.get(i) {
+                    core_affinity::set_for_current(core_affinity::CoreId { id: core });
+                }
+            })
             .build()
             .map(Arc::new)
             .map_err(|e| {
