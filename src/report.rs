@@ -909,7 +909,9 @@ pub fn multi(m: &crate::bench::multi::MultiRecord) -> String {
     ));
     match (&m.single, m.scaling_efficiency) {
         (Some(one), Some(eff)) => {
-            let meaning = if eff >= 0.9 {
+            let meaning = if eff > 1.05 {
+                "above 100%: the run alone was slower than its share here (noise, clocks or caches): measure again before reading anything into it"
+            } else if eff >= 0.9 {
                 "near-linear scaling"
             } else if eff >= 0.7 {
                 "good scaling; the rest goes to synchronisation and shared resources"

@@ -94,7 +94,7 @@ fn the_embedded_course_runs_start_to_finish_on_the_cpu() {
             .exists()
     );
     let status = ok(dir, &["status"]);
-    assert!(status.contains("7/7 exercises"), "{status}");
+    assert!(status.contains("8/8 exercises"), "{status}");
 }
 
 /// A small course of two fast exercises, written into `root`.
@@ -308,7 +308,7 @@ fn the_embedded_course_passes_lint_and_new_exercises_scaffold_cleanly() {
         .output()
         .unwrap();
     assert!(
-        o.status.success() && stdout(&o).contains("course OK: 7 exercises"),
+        o.status.success() && stdout(&o).contains("course OK: 8 exercises"),
         "{}",
         stderr(&o)
     );

@@ -55,6 +55,11 @@ pub fn metrics_of(kind: StepKind) -> &'static [&'static str] {
             "peak_memory_mib",
             "loss",
             "max_batch",
+            // Multi-device steps (`devices` or `cpu_groups`).
+            "scaling_efficiency",
+            "spread",
+            "devices",
+            "single_throughput",
         ],
         StepKind::Sweep => &["best_throughput", "best_value", "scaling"],
         StepKind::Accuracy => &["max_abs_diff", "rel_diff", "top1_agreement"],
@@ -405,6 +410,7 @@ fn check_bench(l: &mut Linter<'_>, span: Range<usize>, b: &super::schema::BenchS
         ("batch_size", b.batch_size),
         ("iterations", b.iterations),
         ("input_size", b.input_size),
+        ("cpu_groups", b.cpu_groups),
     ] {
         if v == Some(0) {
             l.at(span.clone(), format!("{name} must be at least 1"));

@@ -36,6 +36,10 @@ pub const EMBEDDED_EXERCISES: &[(&str, &str)] = &[
         include_str!("../../exercises/04-flops.toml"),
     ),
     (
+        "exercises/05-multi-device.toml",
+        include_str!("../../exercises/05-multi-device.toml"),
+    ),
+    (
         "exercises/07-kernel-profile.toml",
         include_str!("../../exercises/07-kernel-profile.toml"),
     ),
@@ -65,6 +69,10 @@ pub const EMBEDDED_CHAPTERS: &[(&str, &str)] = &[
         include_str!("../../book/src/03-operator-profile.md"),
     ),
     ("04-flops.md", include_str!("../../book/src/04-flops.md")),
+    (
+        "05-multi-device.md",
+        include_str!("../../book/src/05-multi-device.md"),
+    ),
     (
         "07-kernel-profile.md",
         include_str!("../../book/src/07-kernel-profile.md"),

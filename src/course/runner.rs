@@ -105,6 +105,31 @@ fn bench_metrics(
     m
 }
 
+/// The metrics of a multi-device bench step: the global figures and the scaling.
+fn multi_metrics(m: &bench::multi::MultiRecord) -> BTreeMap<String, f64> {
+    let g = &m.global;
+    let mut out = BTreeMap::from([
+        ("throughput".to_string(), g.throughput_median),
+        ("throughput_mean".to_string(), g.throughput),
+        ("median_ms".to_string(), g.median_s * 1e3),
+        ("cv".to_string(), g.cv),
+        ("gflops".to_string(), g.gflops),
+        ("spread".to_string(), m.spread),
+        ("devices".to_string(), m.devices.len() as f64),
+        (
+            "peak_memory_mib".to_string(),
+            m.runs.iter().map(|r| r.memory.peak).max().unwrap_or(0) as f64 / (1024.0 * 1024.0),
+        ),
+    ]);
+    if let Some(e) = m.scaling_efficiency {
+        out.insert("scaling_efficiency".into(), e);
+    }
+    if let Some(s) = &m.single {
+        out.insert("single_throughput".into(), s.stats.throughput_median);
+    }
+    out
+}
+
 /// What a profile step records besides the bench metrics (see `StepKind::Profile`).
 fn profile_metrics(r: &bench::record::BenchRecord) -> BTreeMap<String, f64> {
     let mut m = BTreeMap::new();
@@ -216,6 +241,21 @@ pub fn run_step(
                     .get_ref();
                 let cfg = bench_config(ws, spec);
                 println!("{}", report::step_config(&cfg));
+                let resolved = spec.resolved(ws.state.backend);
+                let devices = match (resolved.cpu_groups, &resolved.devices) {
+                    (Some(n), _) => Some(bench::multi::cpu_groups(n)?),
+                    (None, Some(list)) => Some(bench::multi::parse_devices(list, cfg.backend)?),
+                    (None, None) => None,
+                };
+                if let Some(devices) = devices {
+                    let m = bench::multi::run(&cfg, &devices, None, &mut |s| println!("{s}"))?;
+                    println!("{}", report::multi(&m));
+                    metrics = multi_metrics(&m);
+                    device_name = m.runs[0].environment.device.name.clone();
+                    environment.insert("device".into(), device_name.clone());
+                    environment.insert("devices".into(), m.devices.len().to_string());
+                    return Ok(());
+                }
                 let r = bench_with_progress(&cfg)?;
                 println!("{}", report::summary(&r));
                 metrics = bench_metrics(&r, bench::max_batch_estimate(&cfg));

@@ -130,6 +130,11 @@ pub struct BenchSpec {
     pub warmup: Option<usize>,
     pub precision: Option<Precision>,
     pub input_size: Option<usize>,
+    /// Data parallel over these devices (`all`, or indices `0,1`): `batch_size` is then the
+    /// global batch. Metrics add `scaling_efficiency`, `spread`, `devices`, `single_throughput`.
+    pub devices: Option<String>,
+    /// Data parallel over this many groups of CPU cores (CPU backend; wins over `devices`).
+    pub cpu_groups: Option<usize>,
     /// Overrides that apply when the workspace runs on the CPU backend, so a step that takes a
     /// few seconds on a GPU stays well under a minute on a laptop (e.g. a smaller batch).
     pub cpu: Option<Box<BenchSpec>>,
@@ -305,6 +310,13 @@ impl BenchSpec {
             out.warmup = cpu.warmup.or(out.warmup);
             out.precision = cpu.precision.or(out.precision);
             out.input_size = cpu.input_size.or(out.input_size);
+            out.cpu_groups = cpu.cpu_groups.or(out.cpu_groups);
+            out.devices = cpu.devices.clone().or(out.devices);
+        }
+        if backend != BackendKind::Cpu {
+            out.cpu_groups = None;
+        } else if out.cpu_groups.is_some() {
+            out.devices = None;
         }
         out
     }
