@@ -9,7 +9,8 @@ use anyhow::{Context, Result, bail};
 use crate::backend::{self, ExecOptions};
 use crate::bench::{self, record::BenchConfig};
 use crate::cli::{
-    BenchArgs, Cli, Command, GatherArgs, InferArgs, ModelsArgs, PeakArgs, RunArgs, WeightsArgs,
+    BenchArgs, Cli, Command, CompareArgs, GatherArgs, InferArgs, ModelsArgs, PeakArgs, RunArgs,
+    WeightsArgs,
 };
 use crate::course::commands;
 use crate::model::{Precision, Weights, weights, zoo};
@@ -17,12 +18,14 @@ use crate::report;
 
 pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Bench(args) => bench_cmd(args),
+        Command::Bench(args) => bench_cmd(*args),
         Command::Infer(args) => infer_cmd(args),
         Command::Models(args) => models_cmd(args),
         Command::Weights(args) => weights_cmd(args),
         Command::Peak(a) => peak_cmd(a),
         Command::Gather(a) => gather_cmd(a),
+        Command::Compare(a) => compare_cmd(a),
+        Command::Collect(a) => crate::course::collect::collect_cmd(a),
         Command::Init(a) => commands::init(a),
         Command::Next(a) => commands::next(a),
         Command::Status(a) => commands::status(a),
@@ -172,6 +175,14 @@ fn bench_cmd(args: BenchArgs) -> Result<()> {
         let _ = out.flush();
     })?;
     println!("\n{}", report::summary(&record));
+    if let Some(path) = &args.baseline {
+        let saved = bench::compare::load(path)?;
+        let c = bench::compare::compare(&[
+            (path.display().to_string(), saved),
+            ("this run".to_string(), record.clone()),
+        ]);
+        println!("\nAgainst {}:\n{}", path.display(), report::comparison(&c));
+    }
     if let Some(p) = &record.profile {
         println!("\n{}", report::profile(p, args.top, record.config.backend));
     }
@@ -379,6 +390,29 @@ fn gather_cmd(a: GatherArgs) -> Result<()> {
     if let Some(path) = &a.json {
         crate::files::write_atomic(path, serde_json::to_string_pretty(&g)?.as_bytes())?;
         println!("Wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn compare_cmd(a: CompareArgs) -> Result<()> {
+    let records = a
+        .records
+        .iter()
+        .map(|p| Ok((p.display().to_string(), bench::compare::load(p)?)))
+        .collect::<Result<Vec<_>>>()?;
+    let c = bench::compare::compare(&records);
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&c)?);
+    } else {
+        println!("{}", report::comparison(&c));
+    }
+    if let Some(path) = &a.markdown {
+        crate::files::write_atomic(path, report::comparison_markdown(&c).as_bytes())?;
+        eprintln!("Wrote {}", path.display());
+    }
+    if let Some(path) = &a.chart {
+        crate::chart::comparison(&c, path)?;
+        eprintln!("Drew {}", path.display());
     }
     Ok(())
 }

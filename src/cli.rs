@@ -49,7 +49,7 @@ pub enum Command {
     #[command(subcommand)]
     Dev(DevCommand),
     /// Benchmark inference of a zoo network (like micro_benchmarking_pytorch.py)
-    Bench(BenchArgs),
+    Bench(Box<BenchArgs>),
     /// Run one forward pass on an input tensor and write the logits (to check against PyTorch)
     Infer(InferArgs),
     /// List the model zoo with parameter counts and work per image
@@ -58,6 +58,10 @@ pub enum Command {
     Weights(WeightsArgs),
     /// Measure the machine's limits: validated GEMM throughput and memory bandwidth
     Peak(PeakArgs),
+    /// Compare benchmark records (`bench --json`) side by side: ratios, verdicts, differences
+    Compare(CompareArgs),
+    /// Gather a class: every student's results.json under a folder, in one table (instructors)
+    Collect(CollectArgs),
     /// Merge the rank records that launched ranks (`bench --results-dir DIR`) wrote into DIR
     Gather(GatherArgs),
 }
@@ -144,10 +148,41 @@ pub struct BenchArgs {
     /// `--json` record instead of measuring it after the run
     #[arg(long, value_name = "FILE.json")]
     pub single: Option<PathBuf>,
+    /// Compare this run with a saved `--json` record (the saved one is the reference)
+    #[arg(long, value_name = "FILE.json")]
+    pub baseline: Option<PathBuf>,
     /// Under a launcher (torchrun, srun, mpirun): benchmark this rank's device with its share
     /// of the global batch and write its record into DIR (then `workshop gather DIR`)
     #[arg(long, value_name = "DIR")]
     pub results_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct CompareArgs {
+    /// Two or more records written by `workshop bench --json`; the first is the reference
+    #[arg(required = true, num_args = 2.., value_name = "RECORD.json")]
+    pub records: Vec<PathBuf>,
+    /// Also write the comparison as a Markdown report
+    #[arg(long, value_name = "FILE.md")]
+    pub markdown: Option<PathBuf>,
+    /// Draw the throughputs: grouped bars, or lines for a batch/input-size sweep
+    #[arg(long, value_name = "FILE.png|svg")]
+    pub chart: Option<PathBuf>,
+    /// Print the comparison as JSON
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct CollectArgs {
+    /// The folder holding the students' workspaces (searched for results.json)
+    pub dir: PathBuf,
+    /// Also write the class table as CSV
+    #[arg(long, value_name = "FILE.csv")]
+    pub csv: Option<PathBuf>,
+    /// Draw the class's baseline throughputs by device
+    #[arg(long, value_name = "FILE.png|svg")]
+    pub chart: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]

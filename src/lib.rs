@@ -5,6 +5,7 @@
 pub mod app;
 pub mod backend;
 pub mod bench;
+pub mod chart;
 pub mod cli;
 pub mod course;
 pub mod doctor;

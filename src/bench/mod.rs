@@ -3,6 +3,7 @@
 //! summarise the samples into a [`record::BenchRecord`]. Progress is reported as events so
 //! presentation stays in `report`.
 
+pub mod compare;
 pub mod flops;
 pub mod multi;
 pub mod peak;

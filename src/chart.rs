@@ -1,0 +1,355 @@
+//! Charts of compared records and of a class (plotters): grouped bars of throughput, or lines
+//! of throughput against a swept batch or input size. PNG or SVG by the file's extension.
+//!
+//! Text needs a TrueType font. plotters is built without system-font discovery (which would
+//! need fontconfig at build time), so the first font found in the usual places is loaded
+//! once; `WORKSHOP_FONT=FILE.ttf` chooses another.
+
+use std::path::Path;
+use std::sync::OnceLock;
+
+use anyhow::{Context, Result, bail};
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use plotters::style::FontStyle;
+
+use crate::bench::compare::{Comparison, Shape};
+
+/// Pixels of every chart.
+pub const SIZE: (u32, u32) = (960, 540);
+
+const FONTS: &[&str] = &[
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/TTF/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+    "/usr/share/fonts/liberation-sans/LiberationSans-Regular.ttf",
+    "/usr/share/fonts/truetype/noto/NotoSans-Regular.ttf",
+    "/usr/share/fonts/noto/NotoSans-Regular.ttf",
+    "/System/Library/Fonts/Supplemental/Arial.ttf",
+    "/Library/Fonts/Arial.ttf",
+    "C:\\Windows\\Fonts\\arial.ttf",
+];
+
+/// Load a font for plotters once per process; the error says what to install.
+fn ensure_font() -> Result<()> {
+    static LOADED: OnceLock<Result<(), String>> = OnceLock::new();
+    LOADED
+        .get_or_init(|| {
+            let chosen = std::env::var("WORKSHOP_FONT").ok();
+            let candidates = chosen.iter().map(String::as_str).chain(FONTS.iter().copied());
+            for path in candidates {
+                if let Ok(bytes) = std::fs::read(path) {
+                    // plotters keeps fonts for the life of the process: one font, loaded once.
+                    let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+                    if plotters::style::register_font("sans-serif", FontStyle::Normal, bytes)
+                        .is_ok()
+                    {
+                        return Ok(());
+                    }
+                }
+            }
+            Err(format!(
+                "charts need a TrueType font and none was found (looked in {}); install one \
+                 (Debian/Ubuntu: `apt-get install fonts-dejavu-core`) or set WORKSHOP_FONT=FILE.ttf",
+                FONTS[0]
+            ))
+        })
+        .clone()
+        .map_err(anyhow::Error::msg)
+}
+
+/// Draw on a PNG or SVG file chosen by `path`'s extension.
+fn on_file(
+    path: &Path,
+    draw: &dyn Fn(&DrawingArea<BitMapBackend, Shift>) -> Result<()>,
+    draw_svg: &dyn Fn(&DrawingArea<SVGBackend, Shift>) -> Result<()>,
+) -> Result<()> {
+    ensure_font()?;
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("cannot create `{}`", parent.display()))?;
+    }
+    let ext = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(str::to_ascii_lowercase);
+    match ext.as_deref() {
+        Some("png") => {
+            let area = BitMapBackend::new(path, SIZE).into_drawing_area();
+            draw(&area)?;
+            area.present()
+                .with_context(|| format!("cannot write `{}`", path.display()))?;
+        }
+        Some("svg") => {
+            let area = SVGBackend::new(path, SIZE).into_drawing_area();
+            draw_svg(&area)?;
+            area.present()
+                .with_context(|| format!("cannot write `{}`", path.display()))?;
+        }
+        _ => bail!("`{}`: a chart is a .png or .svg file", path.display()),
+    }
+    Ok(())
+}
+
+/// A bar of a grouped bar chart.
+pub struct Bar {
+    /// The group (x axis).
+    pub group: String,
+    /// The series (colour, legend).
+    pub series: String,
+    pub value: f64,
+}
+
+/// Grouped bars: one group per distinct `group`, one colour per distinct `series`.
+pub fn bars(path: &Path, title: &str, y_label: &str, bars: &[Bar]) -> Result<()> {
+    on_file(path, &|a| draw_bars(a, title, y_label, bars), &|a| {
+        draw_bars(a, title, y_label, bars)
+    })
+}
+
+fn distinct(values: impl Iterator<Item = String>) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for v in values {
+        if !out.contains(&v) {
+            out.push(v);
+        }
+    }
+    out
+}
+
+fn draw_bars<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    title: &str,
+    y_label: &str,
+    bars: &[Bar],
+) -> Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    area.fill(&WHITE).map_err(plot_error)?;
+    let groups = distinct(bars.iter().map(|b| b.group.clone()));
+    let series = distinct(bars.iter().map(|b| b.series.clone()));
+    let top = bars
+        .iter()
+        .map(|b| b.value)
+        .fold(0.0, f64::max)
+        .max(f64::MIN_POSITIVE)
+        * 1.15;
+    let n = groups.len() as f64;
+    let mut chart = ChartBuilder::on(area)
+        .caption(title, ("sans-serif", 24))
+        .margin(16)
+        .x_label_area_size(48)
+        .y_label_area_size(72)
+        .build_cartesian_2d(-0.5..n - 0.5, 0.0..top)
+        .map_err(plot_error)?;
+    let names = groups.clone();
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .max_light_lines(1)
+        .x_labels(groups.len())
+        .x_label_formatter(&move |x| {
+            let c = x.round();
+            if (x - c).abs() < 1e-6 && c >= 0.0 && (c as usize) < names.len() {
+                names[c as usize].clone()
+            } else {
+                String::new()
+            }
+        })
+        .y_desc(y_label)
+        .label_style(("sans-serif", 14))
+        .draw()
+        .map_err(plot_error)?;
+    // Within a group, the bars present share its width in series order.
+    let slot = |b: &Bar| -> (f64, f64) {
+        let present: Vec<&String> = series
+            .iter()
+            .filter(|s| bars.iter().any(|x| x.group == b.group && &x.series == *s))
+            .collect();
+        let width = 0.8 / present.len().max(1) as f64;
+        let i = present.iter().position(|s| **s == b.series).unwrap_or(0) as f64;
+        let g = groups.iter().position(|x| *x == b.group).unwrap_or(0) as f64;
+        (g - 0.4 + width * i, width)
+    };
+    for (si, s) in series.iter().enumerate() {
+        let color = Palette99::pick(si).to_rgba();
+        let mine: Vec<&Bar> = bars.iter().filter(|b| &b.series == s).collect();
+        let rects: Vec<Rectangle<(f64, f64)>> = mine
+            .iter()
+            .map(|b| {
+                let (x0, width) = slot(b);
+                Rectangle::new([(x0, 0.0), (x0 + width * 0.95, b.value)], color.filled())
+            })
+            .collect();
+        let legend = chart.draw_series(rects).map_err(plot_error)?;
+        if series.len() > 1 {
+            legend.label(s.clone()).legend(move |(x, y)| {
+                Rectangle::new([(x, y - 6), (x + 12, y + 6)], color.filled())
+            });
+        }
+        for b in mine {
+            let (x0, width) = slot(b);
+            let style = TextStyle::from(("sans-serif", 13).into_font()).pos(
+                plotters::style::text_anchor::Pos::new(
+                    plotters::style::text_anchor::HPos::Center,
+                    plotters::style::text_anchor::VPos::Bottom,
+                ),
+            );
+            chart
+                .draw_series(std::iter::once(Text::new(
+                    format!("{:.1}", b.value),
+                    (x0 + width * 0.475, b.value + top * 0.01),
+                    style,
+                )))
+                .map_err(plot_error)?;
+        }
+    }
+    if series.len() > 1 {
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 14))
+            .draw()
+            .map_err(plot_error)?;
+    }
+    Ok(())
+}
+
+/// A line of a line chart: its points (x, y).
+pub struct Line {
+    pub label: String,
+    pub points: Vec<(f64, f64)>,
+}
+
+/// Lines of y against x.
+pub fn lines(path: &Path, title: &str, x_label: &str, y_label: &str, lines: &[Line]) -> Result<()> {
+    on_file(
+        path,
+        &|a| draw_lines(a, title, x_label, y_label, lines),
+        &|a| draw_lines(a, title, x_label, y_label, lines),
+    )
+}
+
+fn draw_lines<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    lines: &[Line],
+) -> Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    area.fill(&WHITE).map_err(plot_error)?;
+    let xs = lines.iter().flat_map(|l| l.points.iter().map(|p| p.0));
+    let (x0, x1) = xs.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| {
+        (a.min(x), b.max(x))
+    });
+    let top = lines
+        .iter()
+        .flat_map(|l| l.points.iter().map(|p| p.1))
+        .fold(0.0, f64::max)
+        .max(f64::MIN_POSITIVE)
+        * 1.15;
+    let pad = ((x1 - x0) * 0.05).max(0.5);
+    let mut chart = ChartBuilder::on(area)
+        .caption(title, ("sans-serif", 24))
+        .margin(16)
+        .x_label_area_size(48)
+        .y_label_area_size(72)
+        .build_cartesian_2d(x0 - pad..x1 + pad, 0.0..top)
+        .map_err(plot_error)?;
+    chart
+        .configure_mesh()
+        .max_light_lines(1)
+        .x_desc(x_label)
+        .y_desc(y_label)
+        .label_style(("sans-serif", 14))
+        .draw()
+        .map_err(plot_error)?;
+    for (i, l) in lines.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        let mut pts = l.points.clone();
+        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+        chart
+            .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
+            .map_err(plot_error)?
+            .label(l.label.clone())
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2))
+            });
+        chart
+            .draw_series(pts.iter().map(|&p| Circle::new(p, 4, color.filled())))
+            .map_err(plot_error)?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 14))
+        .draw()
+        .map_err(plot_error)?;
+    Ok(())
+}
+
+fn plot_error<E: std::error::Error + Send + Sync + 'static>(e: E) -> anyhow::Error {
+    anyhow::anyhow!("drawing the chart failed: {e}")
+}
+
+/// The chart of a comparison: lines for a sweep, grouped bars otherwise.
+pub fn comparison(c: &Comparison, path: &Path) -> Result<()> {
+    match &c.shape {
+        Shape::Bars => {
+            // Groups by configuration, series by where it ran; records that would share a bar
+            // (repeated runs) become series of their own.
+            let mut bars: Vec<Bar> = c
+                .rows
+                .iter()
+                .map(|r| Bar {
+                    group: format!("{} {} b{}", r.network, r.precision, r.batch),
+                    series: format!("{} ({})", r.device, r.backend),
+                    value: r.throughput,
+                })
+                .collect();
+            let shared = bars.iter().enumerate().any(|(i, a)| {
+                bars[i + 1..]
+                    .iter()
+                    .any(|b| a.group == b.group && a.series == b.series)
+            });
+            if shared {
+                for (b, r) in bars.iter_mut().zip(&c.rows) {
+                    b.series = r.label.clone();
+                }
+            }
+            self::bars(path, "Throughput", "images/s", &bars)
+        }
+        Shape::Lines { param } => {
+            let mut lines: Vec<Line> = Vec::new();
+            for r in &c.rows {
+                let label = format!("{} {} {} ({})", r.network, r.precision, r.device, r.backend);
+                let x = if param == "batch size" {
+                    r.batch
+                } else {
+                    r.input_size
+                } as f64;
+                match lines.iter_mut().find(|l| l.label == label) {
+                    Some(l) => l.points.push((x, r.throughput)),
+                    None => lines.push(Line {
+                        label,
+                        points: vec![(x, r.throughput)],
+                    }),
+                }
+            }
+            self::lines(
+                path,
+                &format!("Throughput against {param}"),
+                param,
+                "images/s",
+                &lines,
+            )
+        }
+    }
+}
