@@ -773,3 +773,213 @@ fn launched_ranks_write_records_and_gather_merges_them() {
         stderr(&o)
     );
 }
+
+/// A real record of a tiny run, as a template for records with chosen numbers.
+fn template_record(dir: &std::path::Path) -> Value {
+    let path = dir.join("template.json");
+    let o = workshop(&[
+        "bench",
+        "--network",
+        "resnet18",
+        "--input-size",
+        "32",
+        "--batch-size",
+        "2",
+        "--iterations",
+        "4",
+        "--warmup",
+        "0",
+        "--json",
+        path.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// The template with these step times (seconds per batch of 2) and, optionally, another batch.
+fn record_with(template: &Value, samples: &[f64], batch: usize) -> Value {
+    let mut r = template.clone();
+    let mut sorted = samples.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let median = (sorted[(sorted.len() - 1) / 2] + sorted[sorted.len() / 2]) / 2.0;
+    r["samples_s"] = serde_json::json!(samples);
+    r["config"]["batch_size"] = serde_json::json!(batch);
+    r["stats"]["median_s"] = serde_json::json!(median);
+    r["stats"]["throughput_median"] = serde_json::json!(batch as f64 / median);
+    r
+}
+
+#[test]
+fn compare_gives_known_ratios_verdicts_and_warnings() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = template_record(dir.path());
+    let write = |name: &str, v: &Value| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, serde_json::to_string(v).unwrap()).unwrap();
+        p.to_str().unwrap().to_string()
+    };
+    let base = write(
+        "base.json",
+        &record_with(&t, &[0.100, 0.101, 0.102, 0.103], 2),
+    );
+    // Twice as fast, every sample: faster.
+    let fast = write(
+        "fast.json",
+        &record_with(&t, &[0.050, 0.051, 0.050, 0.052], 2),
+    );
+    // 1% apart: the same.
+    let same = write(
+        "same.json",
+        &record_with(&t, &[0.101, 0.102, 0.103, 0.104], 2),
+    );
+    // 8% slower in the median, but the spreads overlap: ambiguous.
+    let wide = write(
+        "wide.json",
+        &record_with(&t, &[0.095, 0.108, 0.112, 0.130], 2),
+    );
+    let o = workshop(&["compare", &base, &fast, &same, &wide, "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let c: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let pairs = c["pairs"].as_array().unwrap();
+    let verdicts: Vec<&str> = pairs
+        .iter()
+        .map(|p| p["verdict"].as_str().unwrap())
+        .collect();
+    assert_eq!(verdicts, ["faster", "same", "ambiguous"]);
+    let ratio = pairs[0]["ratio"].as_f64().unwrap();
+    assert!((ratio - 0.1015 / 0.0505).abs() < 1e-9, "{ratio}");
+    assert!(
+        pairs[0]["sentence"]
+            .as_str()
+            .unwrap()
+            .contains("2.01× faster than"),
+        "{}",
+        pairs[0]["sentence"]
+    );
+    assert!(c["warnings"].as_array().unwrap().is_empty());
+
+    // Another batch size is an unfair comparison, and says so; a sweep draws lines.
+    let b4 = write("b4.json", &record_with(&t, &[0.19, 0.2, 0.2, 0.21], 4));
+    let md = dir.path().join("report.md");
+    let png = dir.path().join("chart.png");
+    let o = workshop(&[
+        "compare",
+        &base,
+        &b4,
+        "--markdown",
+        md.to_str().unwrap(),
+        "--chart",
+        png.to_str().unwrap(),
+    ]);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(out.contains("batch size: 2 (b2) vs 4 (b4)"), "{out}");
+    let report = std::fs::read_to_string(&md).unwrap();
+    assert!(
+        report.starts_with("# Benchmark comparison") && report.contains("| 2 | b4 |"),
+        "{report}"
+    );
+    let bytes = std::fs::read(&png).unwrap();
+    assert_eq!(&bytes[1..4], b"PNG");
+    let be = |i: usize| u32::from_be_bytes(bytes[i..i + 4].try_into().unwrap());
+    assert_eq!((be(16), be(20)), workshop::chart::SIZE);
+    let c: Value =
+        serde_json::from_slice(&workshop(&["compare", &base, &b4, "--json"]).stdout).unwrap();
+    assert_eq!(c["shape"]["lines"]["param"], "batch size");
+
+    // Bars as SVG.
+    let svg = dir.path().join("chart.svg");
+    let o = workshop(&["compare", &base, &fast, "--chart", svg.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(text.contains("<svg") && text.contains("width=\"960\"") && text.contains("<rect"));
+
+    // Not a bench record: said plainly.
+    let junk = write("junk.json", &serde_json::json!({"kind": "multi"}));
+    let o = workshop(&["compare", &base, &junk]);
+    assert!(
+        !o.status.success()
+            && stderr(&o)
+                .contains("is not a `workshop bench --json` record (it is a `multi` record)"),
+        "{}",
+        stderr(&o)
+    );
+    let o = workshop(&["compare", &base, &base, "--chart", "chart.gif"]);
+    assert!(
+        stderr(&o).contains("a chart is a .png or .svg file"),
+        "{}",
+        stderr(&o)
+    );
+
+    // bench --baseline compares a fresh run with the saved one.
+    let o = workshop(&[
+        "bench",
+        "--network",
+        "resnet18",
+        "--input-size",
+        "32",
+        "--batch-size",
+        "2",
+        "--iterations",
+        "3",
+        "--warmup",
+        "0",
+        "--baseline",
+        &base,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("Against ") && stdout(&o).contains("this run"),
+        "{}",
+        stdout(&o)
+    );
+}
+
+#[test]
+fn collect_gathers_a_class_and_skips_junk() {
+    let dir = tempfile::tempdir().unwrap();
+    let class = dir.path();
+    for (who, throughput) in [("Ada", 7.5), ("Grace", 12.0)] {
+        let ws = class.join(who.to_lowercase());
+        std::fs::create_dir_all(&ws).unwrap();
+        let results = serde_json::json!({
+            "schema_version": 1,
+            "student": who,
+            "attempts": [{
+                "exercise": "01-baseline", "step": "baseline", "kind": "bench", "outcome": "pass",
+                "metrics": {"throughput": throughput}, "table": null, "checks": [], "answer": null,
+                "note": null, "environment": {"device": format!("{who}'s GPU"), "backend": "cpu"},
+                "started": "2026-11-22T10:00:00Z", "finished": "2026-11-22T10:01:00Z"
+            }]
+        });
+        std::fs::write(ws.join("results.json"), results.to_string()).unwrap();
+    }
+    std::fs::create_dir_all(class.join("broken")).unwrap();
+    std::fs::write(class.join("broken/results.json"), "{ not json").unwrap();
+    std::fs::write(class.join("notes.txt"), "hello").unwrap();
+    let csv = class.join("class.csv");
+    let png = class.join("class.png");
+    let o = workshop(&[
+        "collect",
+        class.to_str().unwrap(),
+        "--csv",
+        csv.to_str().unwrap(),
+        "--chart",
+        png.to_str().unwrap(),
+    ]);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        out.contains("2 students") && out.contains("Grace's GPU") && out.contains("12.0"),
+        "{out}"
+    );
+    assert!(out.contains("skipped") && out.contains("broken"), "{out}");
+    let text = std::fs::read_to_string(&csv).unwrap();
+    assert!(
+        text.lines().count() == 3 && text.contains("\"Ada\",\"Ada's GPU\",\"cpu\",1,1,1,7.5,"),
+        "{text}"
+    );
+    assert_eq!(&std::fs::read(&png).unwrap()[1..4], b"PNG");
+    let o = workshop(&["collect", class.join("notes.txt").to_str().unwrap()]);
+    assert!(!o.status.success() && stderr(&o).contains("is not a folder"));
+}

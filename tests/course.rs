@@ -93,8 +93,12 @@ fn the_embedded_course_runs_start_to_finish_on_the_cpu() {
         dir.join("profiles/07-kernel-profile.large.trace.json")
             .exists()
     );
+    let chart = find("10-compare", "comparison");
+    assert!(chart["metrics"]["fp16.ratio"].as_f64().unwrap() > 0.0);
+    assert!(dir.join("records/10-compare.fp16.json").exists());
+    assert!(dir.join("charts/10-compare.comparison.svg").exists());
     let status = ok(dir, &["status"]);
-    assert!(status.contains("8/8 exercises"), "{status}");
+    assert!(status.contains("9/9 exercises"), "{status}");
 }
 
 /// A small course of two fast exercises, written into `root`.
@@ -308,7 +312,7 @@ fn the_embedded_course_passes_lint_and_new_exercises_scaffold_cleanly() {
         .output()
         .unwrap();
     assert!(
-        o.status.success() && stdout(&o).contains("course OK: 8 exercises"),
+        o.status.success() && stdout(&o).contains("course OK: 9 exercises"),
         "{}",
         stderr(&o)
     );
@@ -620,6 +624,11 @@ fn profile_and_question_mistakes_are_named() {
     // Fewer values than choices.
     let e = lint_one(&PROFILE_EXERCISE.replace(", \"prof.fc.latency_ms\"", ""));
     assert!(e.contains("correct has 1 entries for 2 choices"), "{e}");
+    // A chart of a step that keeps no record.
+    let e = lint_one(&format!(
+        "{PROFILE_EXERCISE}\n[[step]]\nid = \"c\"\nkind = \"chart\"\nsay = \"x\"\nchart = {{ steps = [\"prof\", \"which\"] }}\n"
+    ));
+    assert!(e.contains("`which` is not a bench or profile step"), "{e}");
     // A profile section on a step that is not a profile.
     let e = lint_one(&PROFILE_EXERCISE.replace("kind = \"profile\"", "kind = \"bench\""));
     assert!(

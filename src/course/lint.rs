@@ -81,6 +81,8 @@ pub fn metrics_of(kind: StepKind) -> &'static [&'static str] {
             "balance",
         ],
         StepKind::Compare | StepKind::Question | StepKind::Note => &[],
+        // Besides `STEP.ratio`, `STEP.faster`, `STEP.slower`, `STEP.unclear` per compared step.
+        StepKind::Chart => &["warnings"],
     }
 }
 
@@ -252,6 +254,37 @@ fn check_exercise(l: &mut Linter<'_>, ex: &LoadedExercise, source: &Source, ids:
             step.kind,
             StepKind::Bench | StepKind::Accuracy | StepKind::Sweep | StepKind::Profile
         );
+        if step.chart.is_some() != (step.kind == StepKind::Chart) {
+            l.at(
+                step.id.span(),
+                "a `chart` step, and only a `chart` step, has a `chart` section",
+            );
+        }
+        if let Some(c) = &step.chart {
+            let steps = &c.get_ref().steps;
+            if steps.len() < 2 {
+                l.at(c.span(), "a chart compares at least two steps");
+            }
+            for sid in steps {
+                let earlier = e
+                    .steps
+                    .iter()
+                    .take_while(|x| x.id.get_ref() != step.id.get_ref());
+                match earlier.clone().find(|x| x.id.get_ref() == sid) {
+                    Some(x) if matches!(x.kind, StepKind::Bench | StepKind::Profile) => {}
+                    Some(_) => l.at(
+                        c.span(),
+                        format!(
+                            "`{sid}` is not a bench or profile step: it keeps no record to compare"
+                        ),
+                    ),
+                    None => l.at(
+                        c.span(),
+                        format!("`{sid}` is not an earlier step of this exercise"),
+                    ),
+                }
+            }
+        }
         if step.profile.is_some() && step.kind != StepKind::Profile {
             l.at(
                 step.id.span(),
@@ -310,6 +343,12 @@ fn check_exercise(l: &mut Linter<'_>, ex: &LoadedExercise, source: &Source, ids:
             .iter()
             .map(|s| s.to_string())
             .collect();
+        if let Some(c) = &step.chart {
+            for sid in c.get_ref().steps.iter().skip(1) {
+                produced
+                    .extend(["ratio", "faster", "slower", "unclear"].map(|m| format!("{sid}.{m}")));
+            }
+        }
         if step.kind == StepKind::Profile
             && let Some(b) = &step.bench
             && let Ok(graph) = zoo::build(b.get_ref().network.as_deref().unwrap_or("resnet50"))

@@ -41,6 +41,10 @@ pub const EMBEDDED_EXERCISES: &[(&str, &str)] = &[
         include_str!("../../exercises/05-multi-device.toml"),
     ),
     (
+        "exercises/10-compare.toml",
+        include_str!("../../exercises/10-compare.toml"),
+    ),
+    (
         "exercises/07-kernel-profile.toml",
         include_str!("../../exercises/07-kernel-profile.toml"),
     ),
@@ -79,6 +83,10 @@ pub const EMBEDDED_CHAPTERS: &[(&str, &str)] = &[
         include_str!("../../book/src/07-kernel-profile.md"),
     ),
     ("09-peak.md", include_str!("../../book/src/09-peak.md")),
+    (
+        "10-compare.md",
+        include_str!("../../book/src/10-compare.md"),
+    ),
 ];
 
 /// Where a course comes from.

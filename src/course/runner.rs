@@ -105,6 +105,26 @@ fn bench_metrics(
     m
 }
 
+/// Where the course keeps the record of a bench or profile step.
+fn record_path(ws: &Workspace, exercise: &str, step: &str) -> std::path::PathBuf {
+    ws.dir
+        .join("records")
+        .join(format!("{exercise}.{step}.json"))
+}
+
+/// Keep a step's record for `chart` steps and for `workshop compare`.
+fn keep_record(
+    ws: &Workspace,
+    exercise: &str,
+    step: &str,
+    r: &bench::record::BenchRecord,
+) -> Result<()> {
+    crate::files::write_atomic(
+        &record_path(ws, exercise, step),
+        serde_json::to_string_pretty(r)?.as_bytes(),
+    )
+}
+
 /// The metrics of a multi-device bench step: the global figures and the scaling.
 fn multi_metrics(m: &bench::multi::MultiRecord) -> BTreeMap<String, f64> {
     let g = &m.global;
@@ -258,6 +278,7 @@ pub fn run_step(
                 }
                 let r = bench_with_progress(&cfg)?;
                 println!("{}", report::summary(&r));
+                keep_record(ws, exercise, &sid, &r)?;
                 metrics = bench_metrics(&r, bench::max_batch_estimate(&cfg));
                 device_name = r.environment.device.name.clone();
                 environment.insert("device".into(), device_name.clone());
@@ -312,6 +333,7 @@ pub fn run_step(
                         csv.display()
                     );
                 }
+                keep_record(ws, exercise, &sid, &r)?;
                 metrics = bench_metrics(&r, None);
                 metrics.extend(profile_metrics(&r));
                 table = Some(module_table(f));
@@ -321,6 +343,48 @@ pub fn run_step(
                     "kernel_version".into(),
                     r.environment.kernel_version.clone(),
                 );
+            }
+            StepKind::Chart => {
+                let spec = step
+                    .chart
+                    .as_ref()
+                    .context("chart step without chart")?
+                    .get_ref();
+                let records = spec
+                    .steps
+                    .iter()
+                    .map(|s| {
+                        let path = record_path(ws, exercise, s);
+                        if !path.exists() {
+                            bail!("step `{s}` has no record yet: run it first (`workshop run {exercise}.{s}`)");
+                        }
+                        Ok((s.clone(), bench::compare::load(&path)?))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let c = bench::compare::compare(&records);
+                println!("{}", report::comparison(&c));
+                let chart = ws.dir.join("charts").join(format!("{exercise}.{sid}.svg"));
+                // The comparison stands without its picture (a machine without fonts).
+                match crate::chart::comparison(&c, &chart) {
+                    Ok(()) => println!("Drew {} (open it in a browser)", chart.display()),
+                    Err(e) => println!("No chart: {e:#}"),
+                }
+                metrics.insert("warnings".into(), c.warnings.len() as f64);
+                for p in &c.pairs {
+                    let s = &spec.steps[p.index];
+                    let v = p.verdict;
+                    metrics.insert(format!("{s}.ratio"), p.ratio);
+                    let is = |b: bool| if b { 1.0 } else { 0.0 };
+                    metrics.insert(
+                        format!("{s}.faster"),
+                        is(v == bench::compare::Verdict::Faster),
+                    );
+                    metrics.insert(
+                        format!("{s}.slower"),
+                        is(v == bench::compare::Verdict::Slower),
+                    );
+                    metrics.insert(format!("{s}.unclear"), is(!v.is_clear()));
+                }
             }
             StepKind::Sweep => {
                 let base = step

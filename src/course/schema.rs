@@ -83,6 +83,12 @@ pub enum StepKind {
     /// network (`layer1`, `fc`, ...) `MODULE.latency_ms`, `MODULE.latency_pct`,
     /// `MODULE.gflops` and `MODULE.intensity`; per op kind `op.KIND.time_pct` (`op.conv2d.time_pct`).
     Profile,
+    /// Compare the records of earlier bench or profile steps of this exercise (the course keeps
+    /// each run's record in the workspace's `records/`), like `workshop compare`, and draw them
+    /// into `charts/` (needs `chart`). For every compared step after the first it gives
+    /// `STEP.ratio` (throughput against the first), and `STEP.faster`, `STEP.slower`,
+    /// `STEP.unclear` (1 for the verdict that applies, else 0); and `warnings`.
+    Chart,
     /// Text only.
     Note,
 }
@@ -109,6 +115,8 @@ pub struct Step {
     pub peak: Option<Spanned<PeakSpec>>,
     /// What a `profile` step prints.
     pub profile: Option<Spanned<ProfileSpec>>,
+    /// The steps a `chart` step compares.
+    pub chart: Option<Spanned<ChartSpec>>,
     /// Timing expectations are inconclusive (not failed) when the run's coefficient of
     /// variation is above this (e.g. 0.10 for 10%): the machine was too noisy to judge.
     pub max_cv: Option<f64>,
@@ -170,6 +178,14 @@ pub struct PeakSpec {
     pub array_mib: Option<usize>,
     /// Overrides on the CPU backend.
     pub cpu: Option<Box<PeakSpec>>,
+}
+
+/// The runs a `chart` step compares: ids of earlier bench or profile steps of the exercise,
+/// the first being the reference.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChartSpec {
+    pub steps: Vec<String>,
 }
 
 /// What a `profile` step prints (it records every metric either way).
