@@ -10,6 +10,7 @@ use std::sync::OnceLock;
 
 use anyhow::{Context, Result, bail};
 use plotters::coord::Shift;
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 use plotters::style::FontStyle;
 
@@ -207,15 +208,25 @@ where
         }
     }
     if series.len() > 1 {
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .label_font(("sans-serif", 14))
-            .draw()
-            .map_err(plot_error)?;
+        legend(&mut chart)?;
     }
     Ok(())
+}
+
+type Chart<'a, DB> = ChartContext<'a, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+/// The series' legend, in the chart's top-right corner.
+fn legend<'a, DB: DrawingBackend + 'a>(chart: &mut Chart<'a, DB>) -> Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 14))
+        .draw()
+        .map_err(plot_error)
 }
 
 /// A line of a line chart: its points (x, y).
@@ -285,14 +296,7 @@ where
             .draw_series(pts.iter().map(|&p| Circle::new(p, 4, color.filled())))
             .map_err(plot_error)?;
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 14))
-        .draw()
-        .map_err(plot_error)?;
-    Ok(())
+    legend(&mut chart)
 }
 
 fn plot_error<E: std::error::Error + Send + Sync + 'static>(e: E) -> anyhow::Error {

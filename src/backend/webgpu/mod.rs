@@ -164,6 +164,24 @@ fn device_info(a: &wgpu::Adapter) -> DeviceInfo {
     }
 }
 
+/// A device on `adapter` with `features` and the adapter's own limits (the defaults are
+/// lower: 16 KiB of workgroup memory where lavapipe has 32).
+fn open_device(
+    adapter: &wgpu::Adapter,
+    features: wgpu::Features,
+) -> Result<(wgpu::Device, wgpu::Queue), BackendError> {
+    pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+        label: Some("workshop"),
+        required_features: features,
+        required_limits: adapter.limits(),
+        ..Default::default()
+    }))
+    .map_err(|e| BackendError::NoDevice {
+        kind: BackendKind::Wgpu,
+        reason: format!("{}: {e}", adapter.get_info().name),
+    })
+}
+
 impl WgpuBackend {
     fn adapter(&self, dev: usize) -> Result<&wgpu::Adapter, BackendError> {
         self.adapters
@@ -201,7 +219,6 @@ impl Backend for WgpuBackend {
         _threads: Option<usize>,
     ) -> Result<StreamTimes, BackendError> {
         let adapter = self.adapter(dev)?;
-        let name = adapter.get_info().name;
         let limits = adapter.limits();
         let timestamps = adapter.features().contains(wgpu::Features::TIMESTAMP_QUERY);
         let features = if timestamps {
@@ -209,16 +226,7 @@ impl Backend for WgpuBackend {
         } else {
             wgpu::Features::empty()
         };
-        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
-            label: Some("workshop stream"),
-            required_features: features,
-            required_limits: limits.clone(),
-            ..Default::default()
-        }))
-        .map_err(|e| BackendError::NoDevice {
-            kind: BackendKind::Wgpu,
-            reason: format!("{name}: {e}"),
-        })?;
+        let (device, queue) = open_device(adapter, features)?;
         // Whole vec4s, within one storage binding.
         let n4 = (n.min((limits.max_storage_buffer_binding_size / 4) as usize) / 4).max(1);
         let filled = |label: &str, v: f32| {
@@ -391,16 +399,7 @@ impl Backend for WgpuBackend {
         if timestamps {
             features |= wgpu::Features::TIMESTAMP_QUERY;
         }
-        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
-            label: Some("workshop"),
-            required_features: features,
-            required_limits: adapter.limits(),
-            ..Default::default()
-        }))
-        .map_err(|e| BackendError::NoDevice {
-            kind: BackendKind::Wgpu,
-            reason: format!("{name}: {e}"),
-        })?;
+        let (device, queue) = open_device(adapter, features)?;
         // wgpu panics on errors nobody captured; keep the first one instead and report it as
         // an error from `prepare` or `sync`.
         let errors: Arc<Mutex<Option<String>>> = Arc::default();
