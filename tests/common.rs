@@ -111,6 +111,7 @@ pub fn conv(
         dilation: (d, d),
         groups,
         bias,
+        ..Conv2d::new(cin, cout, 1, 1, 0)
     })
 }
 

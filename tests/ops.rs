@@ -352,3 +352,97 @@ fn profiling_changes_nothing(kind: BackendKind) {
     assert_eq!(outputs[0], outputs[1]);
 }
 backend_test!(profiling_changes_nothing, cpu, wgpu, cuda, hip);
+
+/// Convolutions with fused epilogues (what `--compile default` makes): bias, residual add and
+/// activation in one kernel, on the tiled and the few-rows GEMM paths and a depthwise conv.
+fn fused_conv_epilogues(kind: BackendKind) {
+    use workshop::model::op::Act;
+    let cases: Vec<(&str, Conv2d, [usize; 4])> = vec![
+        (
+            "res_relu",
+            Conv2d {
+                bias: true,
+                residual: true,
+                act: Act::Relu,
+                ..Conv2d::new(4, 4, 3, 1, 1)
+            },
+            [2, 4, 6, 5],
+        ),
+        (
+            "res_relu_few_rows",
+            Conv2d {
+                residual: true,
+                act: Act::Relu,
+                ..Conv2d::new(5, 5, 3, 1, 1)
+            },
+            [1, 5, 3, 3],
+        ),
+        (
+            "relu6_grouped",
+            Conv2d {
+                act: Act::Relu6,
+                ..Conv2d::new(6, 6, 3, 1, 1).with_groups(3)
+            },
+            [1, 6, 7, 7],
+        ),
+        (
+            "depthwise_res",
+            Conv2d {
+                residual: true,
+                act: Act::Relu6,
+                ..Conv2d::new(8, 8, 3, 1, 1).with_groups(8)
+            },
+            [1, 8, 5, 5],
+        ),
+    ];
+    for (name, c, shape) in cases {
+        let mut g = GraphBuilder::new(
+            name,
+            shape[1],
+            ConvInit::TorchDefault,
+            LinearInit::TorchDefault,
+        );
+        let x = g.input();
+        let inputs: Vec<ValueId> = if c.residual { vec![x, x] } else { vec![x] };
+        let y = g.add_node(name, Op::Conv2d(c), &inputs);
+        check(kind, &g.finish(y), shape, 3.0);
+    }
+}
+backend_test!(fused_conv_epilogues, cpu, wgpu, cuda, hip);
+
+/// A whole network after the compile passes equals the eager one on the same backend.
+fn compiled_network_matches_eager(kind: BackendKind) {
+    use workshop::model::zoo::{Block, ResNetConfig, resnet_custom};
+    let cfg = ResNetConfig {
+        block: Block::Bottleneck,
+        layers: [1, 2, 1, 1],
+        stem: 8,
+        widths: [4, 8, 8, 16],
+        classes: 10,
+    };
+    let graph = resnet_custom("tiny", &cfg);
+    let w = random_weights(&graph, 3);
+    let (opt, w2, report) = workshop::model::passes::optimize(&graph, &w).unwrap();
+    assert!(
+        report.fused_adds == 5 && report.folded_batch_norms > 0,
+        "{report:?}"
+    );
+    let x = Rng::new(4).normal_tensor(vec![2, 3, 32, 32]);
+    let run = |g: &workshop::model::Graph, w: &Weights| {
+        let plan = g.plan(2, 32, 32).unwrap();
+        let mut s = session(kind, &plan, w, Precision::Fp32)?;
+        s.run(&x).unwrap();
+        s.sync().unwrap();
+        Some(s.read_output().unwrap().data)
+    };
+    let (Some(a), Some(b)) = (run(&graph, &w), run(&opt, &w2)) else {
+        return;
+    };
+    let scale = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let diff = a
+        .iter()
+        .zip(&b)
+        .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+    assert!(diff <= 1e-4 * scale.max(1e-3), "{kind}: {diff} vs {scale}");
+}
+backend_test!(compiled_network_matches_eager, cpu, wgpu, cuda, hip);

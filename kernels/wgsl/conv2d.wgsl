@@ -38,6 +38,7 @@ struct Params {
     act: u32,      // epilogue: 0 none, 1 ReLU, 2 ReLU6
     col_base: u32, // first output channel of this launch (weights too large for one binding
                    // run as several launches over column slices; 0 otherwise)
+    has_res: u32,  // epilogue: add `res` (a residual of the output's shape) before the activation
 }
 // ANCHOR_END: params
 
@@ -50,6 +51,8 @@ struct Params {
 @group(0) @binding(3) var<storage, read> bias: array<f32>;
 // output: (n, oh, ow, cout), NHWC
 @group(0) @binding(4) var<storage, read_write> y: array<elem>;
+// residual: the output's shape (a tiny unused buffer when has_res is 0)
+@group(0) @binding(5) var<storage, read> res: array<elem>;
 
 const BM: u32 = 64u;
 const BN: u32 = 64u;
@@ -174,6 +177,9 @@ fn store1(row: u32, oc: u32, v: f32) {
     var o = v;
     if (p.has_bias != 0u) {
         o += bias[c];
+    }
+    if (p.has_res != 0u) {
+        o += f32(res[row * p.cout + c]);
     }
     if (p.act == 1u) {
         o = max(o, 0.0);

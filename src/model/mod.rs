@@ -3,6 +3,7 @@
 
 pub mod graph;
 pub mod op;
+pub mod passes;
 pub mod reference;
 pub mod weights;
 pub mod zoo;

@@ -7,7 +7,32 @@
 
 use std::fmt;
 
-/// A 2-D convolution, as `torch.nn.Conv2d`.
+/// An activation applied in a kernel's epilogue (compile passes fuse it into a convolution).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Act {
+    #[default]
+    None,
+    Relu,
+    Relu6,
+}
+
+impl Act {
+    pub fn apply(self, v: f32) -> f32 {
+        match self {
+            Act::None => v,
+            Act::Relu => v.max(0.0),
+            Act::Relu6 => v.clamp(0.0, 6.0),
+        }
+    }
+
+    /// The kernels' code: 0 none, 1 ReLU, 2 ReLU6.
+    pub fn code(self) -> u32 {
+        self as u32
+    }
+}
+
+/// A 2-D convolution, as `torch.nn.Conv2d`; compile passes may add a residual input and an
+/// activation to its epilogue: y = act(conv(x) + bias + residual).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Conv2d {
     pub in_channels: usize,
@@ -20,6 +45,9 @@ pub struct Conv2d {
     /// 1 for a dense convolution, `in_channels` for a depthwise one.
     pub groups: usize,
     pub bias: bool,
+    /// A second input of the output's shape, added before the activation.
+    pub residual: bool,
+    pub act: Act,
 }
 
 impl Conv2d {
@@ -40,6 +68,8 @@ impl Conv2d {
             dilation: (1, 1),
             groups: 1,
             bias: false,
+            residual: false,
+            act: Act::None,
         }
     }
 
@@ -274,6 +304,7 @@ impl Op {
         match self {
             Op::Input { .. } => 0,
             Op::Add => 2,
+            Op::Conv2d(c) if c.residual => 2,
             _ => 1,
         }
     }
@@ -370,7 +401,14 @@ impl Op {
                         h, w, c.padding.0, c.padding.1, c.kernel.0, c.kernel.1, c.dilation.0
                     ))
                 })?;
-                Ok(vec![n, c.out_channels, oh, ow])
+                let out = vec![n, c.out_channels, oh, ow];
+                if c.residual && inputs.get(1).is_some_and(|r| *r != out.as_slice()) {
+                    return Err(ShapeError(format!(
+                        "conv2d's residual input has shape {:?}, its output {:?}",
+                        inputs[1], out
+                    )));
+                }
+                Ok(out)
             }
             Op::BatchNorm { channels, .. } => {
                 let (_, ch, _, _) = image(inputs[0])?;
@@ -470,7 +508,17 @@ impl Op {
         let n = elems(out);
         match self {
             Op::Input { .. } | Op::Flatten | Op::Dropout { .. } => 0,
-            Op::Conv2d(c) => 2 * self.macs(out) + if c.bias { n } else { 0 },
+            Op::Conv2d(c) => {
+                let epilogue = match c.act {
+                    Act::None => 0,
+                    Act::Relu => n,
+                    Act::Relu6 => 2 * n,
+                };
+                2 * self.macs(out)
+                    + if c.bias { n } else { 0 }
+                    + if c.residual { n } else { 0 }
+                    + epilogue
+            }
             Op::Linear { bias, .. } => 2 * self.macs(out) + if *bias { n } else { 0 },
             Op::BatchNorm { .. } => 2 * n,
             Op::Relu | Op::Add => n,
@@ -499,7 +547,7 @@ impl fmt::Display for Op {
         match self {
             Op::Conv2d(c) => write!(
                 f,
-                "conv2d {}→{} k{}×{} s{} p{}{}",
+                "conv2d {}→{} k{}×{} s{} p{}{}{}",
                 c.in_channels,
                 c.out_channels,
                 c.kernel.0,
@@ -510,6 +558,14 @@ impl fmt::Display for Op {
                     format!(" g{}", c.groups)
                 } else {
                     String::new()
+                },
+                match (c.residual, c.act) {
+                    (false, Act::None) => "",
+                    (false, Act::Relu) => " +relu",
+                    (false, Act::Relu6) => " +relu6",
+                    (true, Act::None) => " +add",
+                    (true, Act::Relu) => " +add+relu",
+                    (true, Act::Relu6) => " +add+relu6",
                 }
             ),
             Op::Linear {

@@ -38,13 +38,22 @@ pub fn eval<'a>(
     let need = |s: &str| param(s).unwrap_or_else(|| panic!("missing parameter {s}"));
     match op {
         Op::Input { .. } => ins[0].clone(),
-        Op::Conv2d(c) => conv2d(
-            ins[0],
-            need("weight"),
-            if c.bias { Some(need("bias")) } else { None },
-            c,
-            out_shape,
-        ),
+        Op::Conv2d(c) => {
+            let mut y = conv2d(
+                ins[0],
+                need("weight"),
+                if c.bias { Some(need("bias")) } else { None },
+                c,
+                out_shape,
+            );
+            if c.residual {
+                for (v, r) in y.data.iter_mut().zip(&ins[1].data) {
+                    *v = (*v as f64 + *r as f64) as f32;
+                }
+            }
+            y.data.iter_mut().for_each(|v| *v = c.act.apply(*v));
+            y
+        }
         Op::BatchNorm { eps, .. } => batch_norm(
             ins[0],
             need("weight"),

@@ -16,7 +16,7 @@ use rayon::prelude::*;
 
 use super::elem::Elem;
 use super::sgemm::{self, NR, PackedB, Panels};
-use crate::model::op::{Conv2d, Pool};
+use crate::model::op::{Act, Conv2d, Pool};
 use crate::model::reference::adaptive_bins;
 
 /// An NHWC image batch's dimensions.
@@ -181,6 +181,7 @@ fn gemm_tile<T: Elem>(
     y: TilePtr<T>,
     cout: usize,
     res: &mut Vec<f32>,
+    epilogue: &Epilogue<'_, T>,
 ) {
     for (g, b) in views.iter().enumerate() {
         let cout_g = cout / views.len();
@@ -194,6 +195,12 @@ fn gemm_tile<T: Elem>(
             if T::IS_F32 {
                 let c = y.0.add(m0 * cout + col0) as *mut f32;
                 sgemm::gemm(mr, a.as_ptr().add(g * k_g), lda, b, (p0, p1), c, cout);
+                if !epilogue.is_empty() {
+                    for r in 0..mr {
+                        let row = std::slice::from_raw_parts_mut(c.add(r * cout), width);
+                        epilogue.apply(row, (m0 + r) * cout + col0, res);
+                    }
+                }
             } else {
                 let ldc = (p1 - p0) * NR;
                 res.resize(mr * ldc, 0.0);
@@ -206,18 +213,57 @@ fn gemm_tile<T: Elem>(
                     res.as_mut_ptr(),
                     ldc,
                 );
+                let mut scratch = Vec::new();
                 for r in 0..mr {
                     let out =
                         std::slice::from_raw_parts_mut(y.0.add((m0 + r) * cout + col0), width);
-                    T::narrow(&res[r * ldc..r * ldc + width], out);
+                    let row = &mut res[r * ldc..r * ldc + width];
+                    epilogue.apply(row, (m0 + r) * cout + col0, &mut scratch);
+                    T::narrow(row, out);
                 }
             }
         }
     }
 }
 
+/// What a fused convolution does to its results before storing them: add a residual tensor
+/// (NHWC, the output's shape) and apply an activation.
+pub struct Epilogue<'a, T> {
+    pub residual: Option<&'a [T]>,
+    pub act: Act,
+}
+
+impl<T: Elem> Epilogue<'_, T> {
+    fn is_empty(&self) -> bool {
+        self.residual.is_none() && self.act == Act::None
+    }
+
+    /// Apply to `row`, the outputs starting at flat index `at`; `scratch` widens the residual.
+    fn apply(&self, row: &mut [f32], at: usize, scratch: &mut Vec<f32>) {
+        if let Some(r) = self.residual {
+            let r = &r[at..at + row.len()];
+            match T::as_f32(r) {
+                Some(r) => row.iter_mut().zip(r).for_each(|(v, x)| *v += x),
+                None => {
+                    scratch.resize(row.len(), 0.0);
+                    T::widen(r, scratch);
+                    row.iter_mut()
+                        .zip(scratch.iter())
+                        .for_each(|(v, x)| *v += x);
+                }
+            }
+        }
+        match self.act {
+            Act::None => {}
+            Act::Relu => row.iter_mut().for_each(|v| *v = v.max(0.0)),
+            Act::Relu6 => row.iter_mut().for_each(|v| *v = v.clamp(0.0, 6.0)),
+        }
+    }
+}
+
 /// The convolution: `x` (xs) → `y` (ys), both NHWC. `wide` is scratch for widened weights
 /// (`p.wide_len()` floats; unused for f32 storage).
+#[allow(clippy::too_many_arguments)]
 pub fn conv2d<T: Elem>(
     p: &PackedConv<T>,
     x: &[T],
@@ -226,9 +272,25 @@ pub fn conv2d<T: Elem>(
     ys: Nhwc,
     wide: &mut [f32],
     threads: usize,
+    residual: Option<&[T]>,
 ) {
+    let epilogue = Epilogue {
+        residual,
+        act: p.conv.act,
+    };
     if let Some((dw, bias)) = &p.depthwise {
-        return depthwise(&p.conv, dw, bias.as_deref(), x, xs, y, ys);
+        depthwise(&p.conv, dw, bias.as_deref(), x, xs, y, ys);
+        if !epilogue.is_empty() {
+            let mut tmp = Vec::new();
+            let mut scratch = Vec::new();
+            for (i, part) in y[..ys.elems()].chunks_mut(ys.c).enumerate() {
+                tmp.resize(part.len(), 0.0);
+                T::widen(part, &mut tmp);
+                epilogue.apply(&mut tmp, i * ys.c, &mut scratch);
+                T::narrow(&tmp, part);
+            }
+        }
+        return;
     }
     let c = &p.conv;
     let k_g = c.kernel.0 * c.kernel.1 * (c.in_channels / c.groups);
@@ -266,7 +328,18 @@ pub fn conv2d<T: Elem>(
                     &cols[..mr * k]
                 }
             };
-            gemm_tile(a, k, &views, k_g, (m0, mr), panels, out, cout, res);
+            gemm_tile(
+                a,
+                k,
+                &views,
+                k_g,
+                (m0, mr),
+                panels,
+                out,
+                cout,
+                res,
+                &epilogue,
+            );
         });
     });
 }
@@ -593,6 +666,10 @@ pub fn linear<T: Elem>(
                     out,
                     fout,
                     &mut res,
+                    &Epilogue {
+                        residual: None,
+                        act: Act::None,
+                    },
                 );
             });
         }

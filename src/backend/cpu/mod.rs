@@ -473,7 +473,10 @@ impl<T: Elem> CpuSession<T> {
                     self.wide.resize(p.wide_len(), 0.0);
                     let mut y = self.alloc(os.elems());
                     let x = values[inputs[0]].as_ref().expect("input computed");
-                    kernels::conv2d(p, x, xs, &mut y, os, &mut self.wide, self.threads);
+                    let residual = inputs
+                        .get(1)
+                        .map(|&r| values[r].as_deref().expect("residual computed"));
+                    kernels::conv2d(p, x, xs, &mut y, os, &mut self.wide, self.threads, residual);
                     y
                 }
                 Step::Affine { scale, shift } => {

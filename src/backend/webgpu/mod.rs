@@ -783,10 +783,13 @@ impl WgpuSession {
                     5,
                     grid(total, max_groups),
                 )],
+                // Depthwise without an epilogue; a fused one takes the general kernel.
                 Op::Conv2d(conv)
                     if conv.groups > 1
                         && conv.groups == conv.in_channels
-                        && conv.groups == conv.out_channels =>
+                        && conv.groups == conv.out_channels
+                        && conv.act == crate::model::op::Act::None
+                        && !conv.residual =>
                 {
                     let (wt, bias) = (get("weight")?, if conv.bias { get("bias")? } else { &[] });
                     let (kh, kw) = conv.kernel;
@@ -833,7 +836,12 @@ impl WgpuSession {
                     let (launches, bytes) =
                         gemm.launches(&device, &node.name, precision, max_binding)?;
                     weight_bytes += bytes + bias.len() as u64 * 4;
-                    let reads = [(1, input_buf(0)), (3, bias_buf(bias))];
+                    let residual = if conv.residual {
+                        input_buf(1)
+                    } else {
+                        zero.clone()
+                    };
+                    let reads = [(1, input_buf(0)), (3, bias_buf(bias)), (5, residual)];
                     with_reads(launches, &reads)
                 }
                 Op::Linear {
@@ -864,7 +872,7 @@ impl WgpuSession {
                     let (launches, bytes) =
                         gemm.launches(&device, &node.name, precision, max_binding)?;
                     weight_bytes += bytes + b.len() as u64 * 4;
-                    let reads = [(1, input_buf(0)), (3, bias_buf(b))];
+                    let reads = [(1, input_buf(0)), (3, bias_buf(b)), (5, zero.clone())];
                     with_reads(launches, &reads)
                 }
                 Op::BatchNorm { eps, .. } => {
@@ -1187,8 +1195,9 @@ impl Gemm<'_> {
                 width,
                 k_g,
                 c.bias as usize,
-                0,
+                c.act.code() as usize,
                 base,
+                c.residual as usize,
             ];
             let groups = match kernel {
                 Kernel::Conv2dRows => (m.div_ceil(8), width.div_ceil(64), c.groups),
