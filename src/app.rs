@@ -95,6 +95,7 @@ fn bench_cmd(args: BenchArgs) -> Result<()> {
         kernels_dir: args.run.kernels_dir.clone(),
         flops_prof_step: args.flops_prof_step,
         cores: None,
+        compile: args.compile,
     };
     bench::validate(&cfg)?;
     if let Some(dir) = &args.results_dir {

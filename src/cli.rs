@@ -148,6 +148,11 @@ pub struct BenchArgs {
     /// `--json` record instead of measuring it after the run
     #[arg(long, value_name = "FILE.json")]
     pub single: Option<PathBuf>,
+    /// Compile the network first, like torch.compile: `default` folds batch norms and fuses
+    /// activations and residual adds into the convolutions; the output is checked against eager
+    /// FP32 and the compile time reported apart from the run
+    #[arg(long, value_enum, value_name = "MODE", num_args = 0..=1, default_missing_value = "default")]
+    pub compile: Option<crate::bench::record::CompileMode>,
     /// Compare this run with a saved `--json` record (the saved one is the reference)
     #[arg(long, value_name = "FILE.json")]
     pub baseline: Option<PathBuf>,

@@ -72,7 +72,7 @@ pub fn summary(r: &BenchRecord) -> String {
          Per batch     {:.2} ms    per sample {:.1} µs\n\
          Compute       {:.1} GFLOP/s (conv + linear, {:.2} GMACs per image)\n\
          Memory        {} peak ({} weights + {} activations)\n\
-         Loss          {:.4} (random labels: ln(classes) ≈ {:.4} for an untrained network)\n{line}",
+         Loss          {:.4} (random labels: ln(classes) ≈ {:.4} for an untrained network)\n{}{line}",
         c.network,
         c.precision.name().to_uppercase(),
         c.batch_size,
@@ -96,6 +96,29 @@ pub fn summary(r: &BenchRecord) -> String {
         human_bytes(r.memory.peak_activations),
         r.loss,
         1000f64.ln(),
+        r.compile.as_ref().map_or(String::new(), compile_lines),
+    )
+}
+
+/// What compilation did, for the summary.
+fn compile_lines(c: &crate::bench::record::CompileInfo) -> String {
+    let p = &c.passes;
+    format!(
+        "Compile       {} in {:.3} s (before the run): {} batch norms folded, {} activations and {} residual adds fused, {} dropouts dropped ({} → {} nodes)\n\
+         Memory plan   {} eager → {} compiled\n\
+         Check         max |Δ| {:.2e} against eager FP32 on the same input ({:.4}% of the largest output)\n",
+        c.mode.name(),
+        c.compile_s,
+        p.folded_batch_norms,
+        p.fused_activations,
+        p.fused_adds,
+        p.dropped,
+        p.nodes_before,
+        p.nodes_after,
+        human_bytes(c.eager_memory),
+        human_bytes(c.compiled_memory),
+        c.max_abs_diff,
+        c.rel_diff * 100.0
     )
 }
 

@@ -983,3 +983,50 @@ fn collect_gathers_a_class_and_skips_junk() {
     let o = workshop(&["collect", class.join("notes.txt").to_str().unwrap()]);
     assert!(!o.status.success() && stderr(&o).contains("is not a folder"));
 }
+
+#[test]
+fn compile_default_fuses_checks_and_reports() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("c.json");
+    let args = |mode: &'static str| {
+        vec![
+            "bench",
+            "--network",
+            "resnet18",
+            "--input-size",
+            "64",
+            "--batch-size",
+            "2",
+            "--iterations",
+            "2",
+            "--warmup",
+            "0",
+            "--compile",
+            mode,
+        ]
+    };
+    let mut a = args("default");
+    a.extend(["--json", json.to_str().unwrap()]);
+    let o = workshop(&a);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        out.contains("Compile       default in")
+            && out.contains("20 batch norms folded, 17 activations and 8 residual adds fused")
+            && out.contains("against eager FP32"),
+        "{out}"
+    );
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let c = &r["compile"];
+    assert_eq!(r["config"]["compile"], "default");
+    assert!(c["rel_diff"].as_f64().unwrap() < 1e-4, "{c}");
+    assert!(c["passes"]["nodes_after"].as_u64() < c["passes"]["nodes_before"].as_u64());
+    assert!(c["compiled_memory"].as_u64() < c["eager_memory"].as_u64());
+    let o = workshop(&args("max-autotune"));
+    assert!(
+        !o.status.success()
+            && stderr(&o).contains("--compile max-autotune is not available in this build yet"),
+        "{}",
+        stderr(&o)
+    );
+}

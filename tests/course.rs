@@ -93,12 +93,15 @@ fn the_embedded_course_runs_start_to_finish_on_the_cpu() {
         dir.join("profiles/07-kernel-profile.large.trace.json")
             .exists()
     );
+    let compiled = find("06-compile", "default");
+    assert!(compiled["metrics"]["rel_diff"].as_f64().unwrap() < 1e-3);
+    assert_eq!(find("06-compile", "max-autotune")["outcome"], "unavailable");
     let chart = find("10-compare", "comparison");
     assert!(chart["metrics"]["fp16.ratio"].as_f64().unwrap() > 0.0);
     assert!(dir.join("records/10-compare.fp16.json").exists());
     assert!(dir.join("charts/10-compare.comparison.svg").exists());
     let status = ok(dir, &["status"]);
-    assert!(status.contains("9/9 exercises"), "{status}");
+    assert!(status.contains("10/10 exercises"), "{status}");
 }
 
 /// A small course of two fast exercises, written into `root`.
@@ -312,7 +315,7 @@ fn the_embedded_course_passes_lint_and_new_exercises_scaffold_cleanly() {
         .output()
         .unwrap();
     assert!(
-        o.status.success() && stdout(&o).contains("course OK: 9 exercises"),
+        o.status.success() && stdout(&o).contains("course OK: 10 exercises"),
         "{}",
         stderr(&o)
     );

@@ -17,7 +17,9 @@ use anyhow::{Context, Result, bail};
 
 use crate::backend::{self, DeviceInfo, ExecOptions, Session};
 use crate::model::{Graph, Op, Plan, Rng, Tensor, Weights, reference, zoo};
-use record::{BenchConfig, BenchRecord, Environment, ModelInfo, SCHEMA_VERSION};
+use record::{
+    BenchConfig, BenchRecord, CompileInfo, CompileMode, Environment, ModelInfo, SCHEMA_VERSION,
+};
 use stats::Stats;
 
 /// What the runner reports while it works.
@@ -62,13 +64,14 @@ pub fn validate(cfg: &BenchConfig) -> Result<()> {
     Ok(())
 }
 
+/// What [`prepare`] hands to [`measure`]: the plan, the session, the device it runs on, and
+/// what compilation did (when asked).
+pub type Prepared = (Plan, Box<dyn Session>, DeviceInfo, Option<CompileInfo>);
+
 /// Build the plan and the session for a run configuration, with the device it runs on.
-pub fn prepare(
-    cfg: &BenchConfig,
-    weights_file: Option<&std::path::Path>,
-) -> Result<(Plan, Box<dyn Session>, DeviceInfo)> {
+pub fn prepare(cfg: &BenchConfig, weights_file: Option<&std::path::Path>) -> Result<Prepared> {
     let graph = zoo::build(&cfg.network)?;
-    let plan = graph
+    let eager_plan = graph
         .plan(cfg.batch_size, cfg.input_size, cfg.input_size)
         .with_context(|| {
             format!(
@@ -84,10 +87,41 @@ pub fn prepare(
         kernels_dir: cfg.kernels_dir.clone(),
         cores: cfg.cores.clone(),
     };
-    backend.check_fits(cfg.device, &plan, &opt)?;
+    backend.check_fits(cfg.device, &eager_plan, &opt)?;
     let weights = match weights_file {
         Some(path) => Weights::load(path, &graph)?,
         None => seeded_weights(&graph, cfg.seed, cfg.input_size)?,
+    };
+    let (plan, weights, compile) = match cfg.compile {
+        None => (eager_plan, weights, None),
+        Some(CompileMode::Default) => {
+            let start = Instant::now();
+            let (g, w, passes) = crate::model::passes::optimize(&graph, &weights)
+                .map_err(|e| anyhow::anyhow!("the compile passes failed: {e}"))?;
+            let plan = g.plan(cfg.batch_size, cfg.input_size, cfg.input_size)?;
+            let compile_s = start.elapsed().as_secs_f64();
+            let total = |p: &Plan| {
+                let m = p.memory_estimate(cfg.precision);
+                m.weights + m.activations
+            };
+            let info = CompileInfo {
+                mode: CompileMode::Default,
+                passes,
+                compile_s,
+                eager_memory: total(&eager_plan),
+                compiled_memory: total(&plan),
+                max_abs_diff: f64::NAN,
+                rel_diff: f64::NAN,
+            };
+            (plan, w, Some(info))
+        }
+        Some(mode) => {
+            return Err(backend::BackendError::Unsupported(format!(
+                "--compile {} is not available in this build yet (only `default`: graph passes and fused kernels)",
+                mode.name()
+            ))
+            .into());
+        }
     };
     let session = backend.prepare(cfg.device, &plan, &weights, &opt)?;
     // Asked once here: enumerating devices can be slow (wgpu lists every adapter).
@@ -96,7 +130,7 @@ pub fn prepare(
         .into_iter()
         .nth(cfg.device)
         .context("the device disappeared while preparing")?;
-    Ok((plan, session, device))
+    Ok((plan, session, device, compile))
 }
 
 /// Images in the batch that calibrates random weights' batch-norm statistics.
@@ -128,7 +162,32 @@ pub fn run(
 ) -> Result<BenchRecord> {
     validate(cfg)?;
     let prepared = prepare(cfg, weights_file)?;
-    measure(cfg, prepared, on_event, None)
+    let mut record = measure(cfg, prepared, on_event, None)?;
+    if let Some(info) = record.compile.as_mut() {
+        // The compiled network must still compute what eager FP32 does.
+        let eager = BenchConfig {
+            compile: None,
+            precision: crate::model::Precision::Fp32,
+            profile: false,
+            flops_prof_step: None,
+            ..cfg.clone()
+        };
+        let (plan, mut session, _, _) = prepare(&eager, weights_file)?;
+        let want = infer(session.as_mut(), &bench_input(cfg, &plan))?;
+        let scale = want.data.iter().fold(0f64, |m, v| m.max(v.abs() as f64));
+        info.max_abs_diff = want
+            .data
+            .iter()
+            .zip(&record.output)
+            .fold(0f64, |m, (a, b)| m.max((*a as f64 - *b as f64).abs()));
+        info.rel_diff = info.max_abs_diff / scale.max(f64::MIN_POSITIVE);
+    }
+    Ok(record)
+}
+
+/// The seeded input batch of a run.
+fn bench_input(cfg: &BenchConfig, plan: &Plan) -> Tensor {
+    Rng::new(cfg.seed.wrapping_add(1)).normal_tensor(plan.input_shape().to_vec())
 }
 
 /// Waits for every device of a multi-device run at the start and at the end of each
@@ -139,7 +198,7 @@ pub type Sync<'a> = &'a (dyn Fn() -> Result<()> + std::marker::Sync);
 /// iteration starts and ends together with the other devices'.
 pub fn measure(
     cfg: &BenchConfig,
-    (plan, mut session, device): (Plan, Box<dyn Session>, DeviceInfo),
+    (plan, mut session, device, compile): Prepared,
     on_event: &mut dyn FnMut(Event),
     sync: Option<Sync<'_>>,
 ) -> Result<BenchRecord> {
@@ -153,16 +212,20 @@ pub fn measure(
     // of an untrained network on it sits near ln(classes).
     let mut rng = Rng::new(cfg.seed.wrapping_add(1));
     let input = rng.normal_tensor(plan.input_shape().to_vec());
+    debug_assert_eq!(input, bench_input(cfg, &plan));
     let classes = plan.output_shape()[1];
     let labels: Vec<usize> = (0..cfg.batch_size).map(|_| rng.below(classes)).collect();
 
-    let step = |session: &mut Box<dyn Session>| -> Result<(f64, f64)> {
+    let mut last = Vec::new();
+    let mut step = |session: &mut Box<dyn Session>| -> Result<(f64, f64)> {
         let start = Instant::now();
         session.run(&input)?;
         session.sync()?;
         let logits = session.read_output()?;
+        let seconds = start.elapsed().as_secs_f64();
         let loss = reference::cross_entropy(&logits, &labels);
-        Ok((start.elapsed().as_secs_f64(), loss))
+        last = logits.data;
+        Ok((seconds, loss))
     };
     let mut warmup_s = Vec::with_capacity(cfg.warmup);
     for index in 0..cfg.warmup {
@@ -257,6 +320,8 @@ pub fn measure(
         memory,
         profile: profile::aggregate(&timeline),
         flops_profile,
+        compile,
+        output: std::mem::take(&mut last),
         timeline,
     })
 }

@@ -34,6 +34,12 @@ pub struct BenchRecord {
     /// The FLOPs profile of one step, when asked for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub flops_profile: Option<super::flops::FlopsProfile>,
+    /// What compilation did and how its output compares with eager FP32, when compiled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compile: Option<CompileInfo>,
+    /// The last iteration's output (not kept in the JSON record).
+    #[serde(skip)]
+    pub output: Vec<f32>,
     /// Every profiled iteration's kernels, for a trace (not kept in the JSON record).
     #[serde(skip)]
     pub timeline: Vec<super::profile::IterationTimes>,
@@ -63,6 +69,9 @@ pub struct BenchConfig {
     /// CPU backend: the cores this run was pinned to (one device of a multi-device run).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cores: Option<Vec<usize>>,
+    /// Graph compilation mode (`--compile`); `None` runs the network as built (eager).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compile: Option<CompileMode>,
     /// Timed iteration (from 1) whose FLOPs profile is kept (`--flops-prof-step`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub flops_prof_step: Option<usize>,
@@ -88,4 +97,42 @@ pub struct ModelInfo {
     pub macs_per_image: u64,
     /// All FLOPs per image (2 per MAC plus element-wise work).
     pub flops_per_image: u64,
+}
+
+/// `--compile` modes, named after torch.compile's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum CompileMode {
+    /// Graph passes: batch norm folded into convolutions, activations and residual adds fused
+    /// into their epilogues, dropout dropped
+    Default,
+    /// Record everything once and replay it each iteration
+    ReduceOverhead,
+    /// Time each layer's kernel variants and keep the fastest
+    MaxAutotune,
+}
+
+impl CompileMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            CompileMode::Default => "default",
+            CompileMode::ReduceOverhead => "reduce-overhead",
+            CompileMode::MaxAutotune => "max-autotune",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CompileInfo {
+    pub mode: CompileMode,
+    pub passes: crate::model::passes::PassReport,
+    /// Seconds spent in the graph passes.
+    pub compile_s: f64,
+    /// Memory plan (weights + activations) of the eager and the compiled graph, bytes.
+    pub eager_memory: u64,
+    pub compiled_memory: u64,
+    /// The compiled run's last output against eager FP32 on the same input and backend.
+    pub max_abs_diff: f64,
+    /// `max_abs_diff` over the largest eager output magnitude.
+    pub rel_diff: f64,
 }

@@ -55,6 +55,10 @@ pub fn metrics_of(kind: StepKind) -> &'static [&'static str] {
             "peak_memory_mib",
             "loss",
             "max_batch",
+            // Compiled steps (`compile`).
+            "compile_s",
+            "rel_diff",
+            "memory_saved",
             // Multi-device steps (`devices` or `cpu_groups`).
             "scaling_efficiency",
             "spread",

@@ -45,6 +45,10 @@ pub const EMBEDDED_EXERCISES: &[(&str, &str)] = &[
         include_str!("../../exercises/10-compare.toml"),
     ),
     (
+        "exercises/06-compile.toml",
+        include_str!("../../exercises/06-compile.toml"),
+    ),
+    (
         "exercises/07-kernel-profile.toml",
         include_str!("../../exercises/07-kernel-profile.toml"),
     ),
@@ -77,6 +81,10 @@ pub const EMBEDDED_CHAPTERS: &[(&str, &str)] = &[
     (
         "05-multi-device.md",
         include_str!("../../book/src/05-multi-device.md"),
+    ),
+    (
+        "06-compile.md",
+        include_str!("../../book/src/06-compile.md"),
     ),
     (
         "07-kernel-profile.md",

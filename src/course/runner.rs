@@ -43,6 +43,7 @@ fn bench_config(ws: &Workspace, spec: &BenchSpec) -> BenchConfig {
         kernels_dir: None,
         flops_prof_step: None,
         cores: None,
+        compile: s.compile,
     }
 }
 
@@ -101,6 +102,14 @@ fn bench_metrics(
     ]);
     if let Some(b) = max_batch {
         m.insert("max_batch".into(), b as f64);
+    }
+    if let Some(c) = &r.compile {
+        m.insert("compile_s".into(), c.compile_s);
+        m.insert("rel_diff".into(), c.rel_diff);
+        m.insert(
+            "memory_saved".into(),
+            1.0 - c.compiled_memory as f64 / c.eager_memory.max(1) as f64,
+        );
     }
     m
 }

@@ -143,6 +143,9 @@ pub struct BenchSpec {
     pub devices: Option<String>,
     /// Data parallel over this many groups of CPU cores (CPU backend; wins over `devices`).
     pub cpu_groups: Option<usize>,
+    /// Graph compilation (`default`, `reduce-overhead`, `max-autotune`); metrics then add
+    /// `compile_s`, `rel_diff` (against eager FP32) and `memory_saved` (fraction of the plan).
+    pub compile: Option<crate::bench::record::CompileMode>,
     /// Overrides that apply when the workspace runs on the CPU backend, so a step that takes a
     /// few seconds on a GPU stays well under a minute on a laptop (e.g. a smaller batch).
     pub cpu: Option<Box<BenchSpec>>,
@@ -327,6 +330,7 @@ impl BenchSpec {
             out.precision = cpu.precision.or(out.precision);
             out.input_size = cpu.input_size.or(out.input_size);
             out.cpu_groups = cpu.cpu_groups.or(out.cpu_groups);
+            out.compile = cpu.compile.or(out.compile);
             out.devices = cpu.devices.clone().or(out.devices);
         }
         if backend != BackendKind::Cpu {
