@@ -6,6 +6,13 @@ use std::process::ExitCode;
 use clap::Parser;
 
 fn main() -> ExitCode {
+    // Rust ignores SIGPIPE, which turns a closed pipe (`workshop models | head`) into a panic
+    // in println!; the default action ends the process quietly, as for every other CLI tool.
+    #[cfg(unix)]
+    // SAFETY: setting a signal's disposition to the default before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = workshop::cli::Cli::parse();
     match workshop::app::run(cli) {
         Ok(()) => ExitCode::SUCCESS,

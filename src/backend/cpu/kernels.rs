@@ -590,9 +590,10 @@ pub fn nchw_to_nhwc<T: Elem>(x: &[f32], xs: Nhwc, y: &mut [T]) {
         });
 }
 
-/// A fully connected layer's weights: packed for the GEMM in f32 sessions; streamed row by
-/// row in half-precision ones (these layers are bandwidth-bound at inference batch sizes, and a
-/// widened copy would cost as much memory as f32 weights).
+/// A fully connected layer's weights: packed for the GEMM, except in half precision with a few
+/// rows, where they are streamed row by row (bandwidth-bound; the GEMM would widen every panel
+/// for a handful of rows). Half-precision GEMMs widen each work item's panels only, never the
+/// whole matrix (VGG's fc6 alone would take 411 MB).
 pub enum PackedLinear<T> {
     Gemm(PackedB<T>),
     Rows {
@@ -602,9 +603,9 @@ pub enum PackedLinear<T> {
 }
 
 impl<T: Elem> PackedLinear<T> {
-    /// From PyTorch's (out × in) weight.
-    pub fn new(weight: &[f32], bias: Option<&[f32]>, fin: usize, fout: usize) -> Self {
-        if T::IS_F32 {
+    /// From PyTorch's (out × in) weight, for `rows` input rows per call.
+    pub fn new(weight: &[f32], bias: Option<&[f32]>, fin: usize, fout: usize, rows: usize) -> Self {
+        if T::IS_F32 || rows > STREAM_ROWS {
             PackedLinear::Gemm(PackedB::new(fin, fout, |k, j| weight[j * fin + k], bias))
         } else {
             PackedLinear::Rows {
@@ -625,6 +626,14 @@ impl<T: Elem> PackedLinear<T> {
     }
 }
 
+/// Rows up to which half-precision linear layers stream their weights instead of a GEMM.
+const STREAM_ROWS: usize = 8;
+
+thread_local! {
+    /// Widened panels of a half-precision linear layer's work item.
+    static PANELS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
 /// Fully connected layer: y (n × out) = x (n × in) · Wᵀ + b; `dims` is (n, in, out).
 pub fn linear<T: Elem>(
     x: &[T],
@@ -636,7 +645,6 @@ pub fn linear<T: Elem>(
     let (n, fin, fout) = dims;
     match w {
         PackedLinear::Gemm(b) => {
-            let view = b.view(&mut []);
             let xf: Vec<f32>;
             let a = match T::as_f32(x) {
                 Some(a) => a,
@@ -646,31 +654,68 @@ pub fn linear<T: Elem>(
                 }
             };
             let rows = chunk_rows(n, fin);
-            let (chunks, splits) = work_split(n, rows, view.panels(), threads);
+            let (chunks, splits) = work_split(n, rows, b.panels(), threads);
             assert!(y.len() >= n * fout, "linear output buffer too small");
             let out = TilePtr(y.as_mut_ptr());
             (0..chunks * splits).into_par_iter().for_each(|item| {
                 let (chunk, split) = (item / splits, item % splits);
                 let m0 = chunk * rows;
                 let mr = rows.min(n - m0);
-                let panels = panel_range(view.panels(), splits, split);
-                let mut res = Vec::new();
+                let (p0, p1) = panel_range(b.panels(), splits, split);
                 let a = &a[m0 * fin..(m0 + mr) * fin];
-                gemm_tile(
-                    a,
-                    fin,
-                    std::slice::from_ref(&view),
-                    fin,
-                    (m0, mr),
-                    panels,
-                    out,
-                    fout,
-                    &mut res,
-                    &Epilogue {
+                if T::IS_F32 {
+                    let view = b.view(&mut []);
+                    let mut res = Vec::new();
+                    let none = Epilogue {
                         residual: None,
                         act: Act::None,
-                    },
-                );
+                    };
+                    let tile = std::slice::from_ref(&view);
+                    gemm_tile(
+                        a,
+                        fin,
+                        tile,
+                        fin,
+                        (m0, mr),
+                        (p0, p1),
+                        out,
+                        fout,
+                        &mut res,
+                        &none,
+                    );
+                    return;
+                }
+                PANELS.with(|w| {
+                    SCRATCH.with(|s| {
+                        let (mut wide, (_, res)) = (w.borrow_mut(), &mut *s.borrow_mut());
+                        wide.resize((p1 - p0) * fin * NR, 0.0);
+                        let view = b.view_panels(p0, p1, &mut wide);
+                        let ldc = (p1 - p0) * NR;
+                        let width = fout.min(p1 * NR) - p0 * NR;
+                        res.resize(mr * ldc, 0.0);
+                        // SAFETY: `a` holds mr rows of `fin`; `res` holds mr × ldc; the output
+                        // rows [m0, m0 + mr) × columns [p0·NR, p0·NR + width) lie inside y and
+                        // belong to this work item alone.
+                        unsafe {
+                            sgemm::gemm(
+                                mr,
+                                a.as_ptr(),
+                                fin,
+                                &view,
+                                (0, p1 - p0),
+                                res.as_mut_ptr(),
+                                ldc,
+                            );
+                            for r in 0..mr {
+                                let dst = std::slice::from_raw_parts_mut(
+                                    out.0.add((m0 + r) * fout + p0 * NR),
+                                    width,
+                                );
+                                T::narrow(&res[r * ldc..r * ldc + width], dst);
+                            }
+                        }
+                    })
+                });
             });
         }
         PackedLinear::Rows { weight, bias } => linear_rows(x, weight, bias.as_deref(), dims, y),

@@ -318,7 +318,7 @@ impl<T: Elem> CpuSession<T> {
     ) -> Result<Self, BackendError> {
         let mut steps = Vec::with_capacity(plan.graph.nodes.len());
         let mut weight_bytes = 0u64;
-        for node in &plan.graph.nodes {
+        for (id, node) in plan.graph.nodes.iter().enumerate() {
             let get = |suffix: &str| -> Result<&[f32], BackendError> {
                 let name = format!("{}.{}", node.name, suffix);
                 weights
@@ -365,7 +365,9 @@ impl<T: Elem> CpuSession<T> {
                     bias,
                 } => {
                     let bias = if bias { Some(get("bias")?) } else { None };
-                    let weight = PackedLinear::new(get("weight")?, bias, in_features, out_features);
+                    let rows = plan.shapes[id].first().copied().unwrap_or(1);
+                    let weight =
+                        PackedLinear::new(get("weight")?, bias, in_features, out_features, rows);
                     weight_bytes += weight.bytes();
                     Step::Linear {
                         weight,

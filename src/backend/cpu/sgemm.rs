@@ -102,6 +102,29 @@ impl<T: Elem> PackedB<T> {
     }
 }
 
+impl<T: Elem> PackedB<T> {
+    /// Panels [p0, p1) alone as f32 (widened into `wide`, `(p1 - p0)·K·NR` long, for half
+    /// storage): multiply with panel range (0, p1 − p0) and columns from p0·NR. For work items
+    /// that each need a few panels, instead of widening the whole matrix per call.
+    pub fn view_panels<'a>(&'a self, p0: usize, p1: usize, wide: &'a mut [f32]) -> Panels<'a> {
+        let span = self.k * NR;
+        let data = &self.data[p0 * span..p1 * span];
+        let data = match T::as_f32(data) {
+            Some(d) => d,
+            None => {
+                T::widen(data, &mut wide[..data.len()]);
+                &wide[..data.len()]
+            }
+        };
+        Panels {
+            k: self.k,
+            n: self.n - p0 * NR,
+            data,
+            bias: &self.bias[p0 * NR..],
+        }
+    }
+}
+
 impl Panels<'_> {
     pub fn panels(&self) -> usize {
         self.n.div_ceil(NR)
