@@ -146,7 +146,14 @@ pub fn seeded_weights(graph: &Graph, seed: u64, input_size: usize) -> Result<Wei
         .iter()
         .any(|n| matches!(n.op, Op::BatchNorm { .. }))
     {
-        let plan = graph.plan(CALIBRATION_BATCH, input_size, input_size)?;
+        // At ImageNet sizes one image gives every channel of the last stage 49 samples; small
+        // inputs need more images for usable statistics.
+        let batch = if input_size >= 128 {
+            1
+        } else {
+            CALIBRATION_BATCH
+        };
+        let plan = graph.plan(batch, input_size, input_size)?;
         let mut rng = Rng::new(seed.wrapping_add(0xCA11));
         let batch = rng.normal_tensor(plan.input_shape().to_vec());
         backend::cpu::calibrate_batch_norm(&plan, &mut weights, &batch)?;

@@ -65,7 +65,8 @@ pub enum WeightsError {
 
 impl Weights {
     /// Seeded weights as torchvision's constructors initialise them. The same seed gives the
-    /// same weights on every machine and in every version of the runner.
+    /// same weights on every machine, whatever its number of threads (tensors are generated in
+    /// parallel, in independently seeded blocks).
     pub fn init(graph: &Graph, seed: u64) -> Weights {
         let mut rng = Rng::new(seed);
         let mut tensors = BTreeMap::new();
@@ -324,17 +325,54 @@ pub fn write_tensors(path: &Path, tensors: &[(&str, &Tensor)]) -> Result<(), Wei
     safetensors::serialize_to_file(views, None, path).map_err(|e| write_err(e.to_string()))
 }
 
-fn normal(rng: &mut Rng, shape: Vec<usize>, std: f64) -> Tensor {
+/// Values per independently seeded block: a tensor is generated block by block in parallel,
+/// and the same seed gives the same values whatever the number of threads.
+const BLOCK: usize = 1 << 14;
+
+/// Fill a tensor from one draw of `rng`: block b of the tensor comes from its own stream.
+fn generate(
+    rng: &mut Rng,
+    shape: Vec<usize>,
+    fill: impl Fn(&mut Rng, &mut [f32]) + Sync,
+) -> Tensor {
+    use rayon::prelude::*;
+    let stream = rng.next_u64();
     let n = shape.iter().product();
-    Tensor::new(shape, (0..n).map(|_| (rng.normal() * std) as f32).collect())
+    let mut data = vec![0f32; n];
+    data.par_chunks_mut(BLOCK)
+        .enumerate()
+        .for_each(|(b, block)| {
+            let mut r = Rng::new(stream ^ (b as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
+            fill(&mut r, block);
+        });
+    Tensor::new(shape, data)
+}
+
+fn normal(rng: &mut Rng, shape: Vec<usize>, std: f64) -> Tensor {
+    generate(rng, shape, |r, out| {
+        // Marsaglia's polar method: two independent normals per accepted point of the unit
+        // disc, with one logarithm and no trigonometry.
+        for pair in out.chunks_mut(2) {
+            let (x, y, s) = loop {
+                let x = 2.0 * r.uniform() - 1.0;
+                let y = 2.0 * r.uniform() - 1.0;
+                let s = x * x + y * y;
+                if s > 0.0 && s < 1.0 {
+                    break (x, y, s);
+                }
+            };
+            let f = (-2.0 * s.ln() / s).sqrt() * std;
+            pair[0] = (x * f) as f32;
+            if let Some(second) = pair.get_mut(1) {
+                *second = (y * f) as f32;
+            }
+        }
+    })
 }
 
 fn uniform(rng: &mut Rng, shape: Vec<usize>, bound: f64) -> Tensor {
-    let n = shape.iter().product();
-    Tensor::new(
-        shape,
-        (0..n)
-            .map(|_| ((rng.uniform() * 2.0 - 1.0) * bound) as f32)
-            .collect(),
-    )
+    generate(rng, shape, |r, out| {
+        out.iter_mut()
+            .for_each(|v| *v = ((r.uniform() * 2.0 - 1.0) * bound) as f32)
+    })
 }

@@ -89,13 +89,25 @@ impl<T: Elem> PackedConv<T> {
                 depthwise: Some((dw, bias)),
             };
         }
+        let cin_g = conv.in_channels / conv.groups;
+        let taps = kh * kw;
         let groups = (0..conv.groups)
             .map(|g| {
-                let b = |k: usize, co: usize| weight[conv.weight_index(g, k, co)];
-                PackedB::new(
+                // Column co: PyTorch's (cin_g, kh, kw) block of that output channel, reordered
+                // to (ky, kx, ci) like the NHWC columns (`Conv2d::weight_index`, without the
+                // divisions per element).
+                let fill = |co: usize, col: &mut [f32]| {
+                    let src = &weight[(g * cout_g + co) * cin_g * taps..][..cin_g * taps];
+                    for ci in 0..cin_g {
+                        for t in 0..taps {
+                            col[t * cin_g + ci] = src[ci * taps + t];
+                        }
+                    }
+                };
+                PackedB::from_columns(
                     conv.taps(),
                     cout_g,
-                    b,
+                    fill,
                     bias.map(|b| &b[g * cout_g..(g + 1) * cout_g]),
                 )
             })
@@ -606,7 +618,8 @@ impl<T: Elem> PackedLinear<T> {
     /// From PyTorch's (out × in) weight, for `rows` input rows per call.
     pub fn new(weight: &[f32], bias: Option<&[f32]>, fin: usize, fout: usize, rows: usize) -> Self {
         if T::IS_F32 || rows > STREAM_ROWS {
-            PackedLinear::Gemm(PackedB::new(fin, fout, |k, j| weight[j * fin + k], bias))
+            let fill = |j: usize, col: &mut [f32]| col.copy_from_slice(&weight[j * fin..][..fin]);
+            PackedLinear::Gemm(PackedB::from_columns(fin, fout, fill, bias))
         } else {
             PackedLinear::Rows {
                 weight: weight.iter().map(|&v| T::from_f32(v)).collect(),

@@ -44,16 +44,42 @@ pub struct Panels<'a> {
 
 impl<T: Elem> PackedB<T> {
     /// Pack B given as `b(k, j)`, for k < K and j < N.
-    pub fn new(k: usize, n: usize, b: impl Fn(usize, usize) -> f32, bias: Option<&[f32]>) -> Self {
+    pub fn new(
+        k: usize,
+        n: usize,
+        b: impl Fn(usize, usize) -> f32 + Sync,
+        bias: Option<&[f32]>,
+    ) -> Self {
+        Self::from_columns(
+            k,
+            n,
+            |j, col| col.iter_mut().enumerate().for_each(|(kk, v)| *v = b(kk, j)),
+            bias,
+        )
+    }
+
+    /// Pack B given column by column: `fill(j, col)` writes column j (K values). Faster than
+    /// [`Self::new`] where a column is a contiguous or simply strided run of the source.
+    pub fn from_columns(
+        k: usize,
+        n: usize,
+        fill: impl Fn(usize, &mut [f32]) + Sync,
+        bias: Option<&[f32]>,
+    ) -> Self {
         let panels = n.div_ceil(NR);
         let mut data = vec![T::default(); panels * k * NR];
-        for p in 0..panels {
-            for kk in 0..k {
+        // Panels in parallel: packing every layer is most of a large network's preparation.
+        data.par_chunks_mut((k * NR).max(1))
+            .enumerate()
+            .for_each(|(p, panel)| {
+                let mut col = vec![0f32; k];
                 for jj in 0..NR.min(n - p * NR) {
-                    data[(p * k + kk) * NR + jj] = T::from_f32(b(kk, p * NR + jj));
+                    fill(p * NR + jj, &mut col);
+                    for (kk, &v) in col.iter().enumerate() {
+                        panel[kk * NR + jj] = T::from_f32(v);
+                    }
                 }
-            }
-        }
+            });
         let mut padded = vec![0f32; panels * NR];
         if let Some(bias) = bias {
             padded[..n].copy_from_slice(&bias[..n]);
