@@ -96,6 +96,7 @@ fn bench_cmd(args: BenchArgs) -> Result<()> {
         flops_prof_step: args.flops_prof_step,
         cores: None,
         compile: args.compile,
+        recompile: args.recompile,
     };
     bench::validate(&cfg)?;
     if let Some(dir) = &args.results_dir {
@@ -246,6 +247,7 @@ fn infer_cmd(args: InferArgs) -> Result<()> {
         profile: false,
         kernels_dir: args.run.kernels_dir.clone(),
         cores: None,
+        variants: Default::default(),
     };
     let mut session = backend.prepare(args.run.device, &plan, &weights, &opt)?;
     let start = Instant::now();

@@ -153,6 +153,10 @@ pub struct BenchArgs {
     /// FP32 and the compile time reported apart from the run
     #[arg(long, value_enum, value_name = "MODE", num_args = 0..=1, default_missing_value = "default")]
     pub compile: Option<crate::bench::record::CompileMode>,
+    /// With --compile max-autotune: time the kernel variants again instead of using the
+    /// choices kept from an earlier run
+    #[arg(long)]
+    pub recompile: bool,
     /// Compare this run with a saved `--json` record (the saved one is the reference)
     #[arg(long, value_name = "FILE.json")]
     pub baseline: Option<PathBuf>,

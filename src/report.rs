@@ -119,7 +119,33 @@ fn compile_lines(c: &crate::bench::record::CompileInfo) -> String {
         human_bytes(c.compiled_memory),
         c.max_abs_diff,
         c.rel_diff * 100.0
-    )
+    ) + &c.autotune.as_ref().map_or(String::new(), autotune_lines)
+}
+
+/// What max-autotune tried and chose.
+fn autotune_lines(a: &crate::bench::autotune::AutotuneReport) -> String {
+    let cached = a.choices.iter().filter(|c| c.cached).count();
+    let mut s = format!(
+        "Autotune      {} layers, {} shapes: {} timed now, {} from the cache (keyed by device, driver, kernel version and shape; --recompile times them again)\n",
+        a.layers,
+        a.choices.len(),
+        a.choices.len() - cached,
+        cached
+    );
+    for c in a.choices.iter().filter(|c| !c.cached) {
+        let tried: Vec<String> = c
+            .tried
+            .iter()
+            .map(|(v, ms)| format!("{v} {ms:.2} ms"))
+            .collect();
+        s.push_str(&format!(
+            "  {:<24} {} → {}\n",
+            c.layer,
+            tried.join(", "),
+            c.variant
+        ));
+    }
+    s
 }
 
 /// One row of `workshop models`.

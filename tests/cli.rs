@@ -1022,13 +1022,59 @@ fn compile_default_fuses_checks_and_reports() {
     assert!(c["rel_diff"].as_f64().unwrap() < 1e-4, "{c}");
     assert!(c["passes"]["nodes_after"].as_u64() < c["passes"]["nodes_before"].as_u64());
     assert!(c["compiled_memory"].as_u64() < c["eager_memory"].as_u64());
-    let o = workshop(&args("max-autotune"));
+    let o = workshop(&args("reduce-overhead"));
     assert!(
         !o.status.success()
-            && stderr(&o).contains("--compile max-autotune is not available in this build yet"),
+            && stderr(&o).contains("--compile reduce-overhead is not available in this build yet"),
         "{}",
         stderr(&o)
     );
+}
+
+#[test]
+fn max_autotune_times_variants_once_and_keeps_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |extra: &[&str]| {
+        let mut c = crate::common::command();
+        c.env("WORKSHOP_CACHE_DIR", dir.path()).args([
+            "bench",
+            "--network",
+            "resnet18",
+            "--input-size",
+            "32",
+            "--batch-size",
+            "2",
+            "--iterations",
+            "2",
+            "--warmup",
+            "0",
+            "--compile",
+            "max-autotune",
+        ]);
+        c.args(extra);
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        stdout(&o)
+    };
+    // "Autotune      L layers, S shapes: T timed now, C from the cache ..."
+    let counts = |out: &str| -> (usize, usize) {
+        let line = out.lines().find(|l| l.starts_with("Autotune")).expect(out);
+        let num = |after: &str| -> usize {
+            let head = line.split(after).next().unwrap();
+            head.rsplit(' ').next().unwrap().parse().unwrap()
+        };
+        (num(" timed now"), num(" from the cache"))
+    };
+    let first = run(&[]);
+    assert!(
+        first.contains("rows-x1") && first.contains("against eager FP32"),
+        "{first}"
+    );
+    let (timed, cached) = counts(&first);
+    assert!(timed > 5 && cached == 0, "{first}");
+    assert!(dir.path().join("autotune.json").exists());
+    assert_eq!(counts(&run(&[])), (0, timed));
+    assert_eq!(counts(&run(&["--recompile"])), (timed, 0));
 }
 
 #[test]

@@ -75,6 +75,7 @@ pub fn profiled_session(
         profile,
         kernels_dir: None,
         cores: None,
+        variants: Default::default(),
     };
     match b.prepare(0, plan, w, &opt) {
         Ok(s) => Some(s),

@@ -95,7 +95,14 @@ fn the_embedded_course_runs_start_to_finish_on_the_cpu() {
     );
     let compiled = find("06-compile", "default");
     assert!(compiled["metrics"]["rel_diff"].as_f64().unwrap() < 1e-3);
-    assert_eq!(find("06-compile", "max-autotune")["outcome"], "unavailable");
+    assert_eq!(
+        find("06-compile", "reduce-overhead")["outcome"],
+        "unavailable"
+    );
+    assert_eq!(
+        find("06-compile", "max-autotune-again")["metrics"]["autotune_timed"],
+        0.0
+    );
     let chart = find("10-compare", "comparison");
     assert!(chart["metrics"]["fp16.ratio"].as_f64().unwrap() > 0.0);
     assert!(dir.join("records/10-compare.fp16.json").exists());

@@ -9,7 +9,7 @@ pub mod webgpu;
 
 use serde::{Deserialize, Serialize};
 
-use crate::model::{Plan, Precision, Tensor, Weights};
+use crate::model::{Op, Plan, Precision, Tensor, Weights};
 
 /// Every backend the project knows, whether or not this build has it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
@@ -73,6 +73,9 @@ pub struct ExecOptions {
     /// CPU backend: run one worker per listed core, each pinned to its core where the OS
     /// allows (a "device" of a multi-device run is a disjoint set of cores).
     pub cores: Option<Vec<usize>>,
+    /// Kernel variant per node name, as [`Backend::variants`] names them (`--compile
+    /// max-autotune` fills it); nodes not listed use the backend's default.
+    pub variants: std::collections::BTreeMap<String, String>,
     /// Collect per-kernel times (costs a little per op).
     pub profile: bool,
     /// Read GPU kernels from this directory (`wgsl/`, `cuda/`, `hip/`) instead of the copies
@@ -88,6 +91,7 @@ impl Default for ExecOptions {
             profile: false,
             kernels_dir: None,
             cores: None,
+            variants: Default::default(),
         }
     }
 }
@@ -158,6 +162,11 @@ pub trait Backend {
     /// Memory a run on device `dev` may use now, when the backend knows it.
     fn memory_budget(&self, _dev: usize) -> Option<u64> {
         None
+    }
+    /// The kernel variants this backend can run `op` with, for an output of `out` (NCHW):
+    /// what max-autotune times. Empty when there is no choice; the first is the default.
+    fn variants(&self, _op: &Op, _out: &[usize]) -> Vec<&'static str> {
+        Vec::new()
     }
     /// Time a copy (b = a) and a triad (b = a + 0.5·c) over `n` f32 values in device `dev`'s
     /// memory, `iterations` times each after one untimed pass, and check the triad's result.

@@ -3,6 +3,7 @@
 //! summarise the samples into a [`record::BenchRecord`]. Progress is reported as events so
 //! presentation stays in `report`.
 
+pub mod autotune;
 pub mod compare;
 pub mod flops;
 pub mod multi;
@@ -86,50 +87,60 @@ pub fn prepare(cfg: &BenchConfig, weights_file: Option<&std::path::Path>) -> Res
         profile: cfg.profile || cfg.flops_prof_step.is_some(),
         kernels_dir: cfg.kernels_dir.clone(),
         cores: cfg.cores.clone(),
+        variants: Default::default(),
     };
     backend.check_fits(cfg.device, &eager_plan, &opt)?;
     let weights = match weights_file {
         Some(path) => Weights::load(path, &graph)?,
         None => seeded_weights(&graph, cfg.seed, cfg.input_size)?,
     };
+    // Asked once here: enumerating devices can be slow (wgpu lists every adapter).
+    let device = backend
+        .devices()
+        .into_iter()
+        .nth(cfg.device)
+        .context("there is no such device")?;
+    let mut opt = opt;
     let (plan, weights, compile) = match cfg.compile {
         None => (eager_plan, weights, None),
-        Some(CompileMode::Default) => {
+        Some(mode @ (CompileMode::Default | CompileMode::MaxAutotune)) => {
             let start = Instant::now();
             let (g, w, passes) = crate::model::passes::optimize(&graph, &weights)
                 .map_err(|e| anyhow::anyhow!("the compile passes failed: {e}"))?;
             let plan = g.plan(cfg.batch_size, cfg.input_size, cfg.input_size)?;
+            let autotune = if mode == CompileMode::MaxAutotune {
+                let (variants, report) = autotune::tune(cfg, &plan, backend.as_ref(), &device)?;
+                opt.variants = variants;
+                Some(report)
+            } else {
+                None
+            };
             let compile_s = start.elapsed().as_secs_f64();
             let total = |p: &Plan| {
                 let m = p.memory_estimate(cfg.precision);
                 m.weights + m.activations
             };
             let info = CompileInfo {
-                mode: CompileMode::Default,
+                mode,
                 passes,
                 compile_s,
                 eager_memory: total(&eager_plan),
                 compiled_memory: total(&plan),
                 max_abs_diff: f64::NAN,
                 rel_diff: f64::NAN,
+                autotune,
             };
             (plan, w, Some(info))
         }
         Some(mode) => {
             return Err(backend::BackendError::Unsupported(format!(
-                "--compile {} is not available in this build yet (only `default`: graph passes and fused kernels)",
+                "--compile {} is not available in this build yet (`default`: graph passes and fused kernels; `max-autotune`: those plus timed kernel variants)",
                 mode.name()
             ))
             .into());
         }
     };
     let session = backend.prepare(cfg.device, &plan, &weights, &opt)?;
-    // Asked once here: enumerating devices can be slow (wgpu lists every adapter).
-    let device = backend
-        .devices()
-        .into_iter()
-        .nth(cfg.device)
-        .context("the device disappeared while preparing")?;
     Ok((plan, session, device, compile))
 }
 
@@ -174,6 +185,7 @@ pub fn run(
         // The compiled network must still compute what eager FP32 does.
         let eager = BenchConfig {
             compile: None,
+            recompile: false,
             precision: crate::model::Precision::Fp32,
             profile: false,
             flops_prof_step: None,

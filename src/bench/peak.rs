@@ -83,6 +83,7 @@ pub fn gemm(
         profile: false,
         kernels_dir: None,
         cores: None,
+        variants: Default::default(),
     };
     let mut session = b.prepare(device, &plan, &weights, &opt)?;
     // The reference sees the values the backend stores.
@@ -263,15 +264,19 @@ impl CachedPeak {
     }
 }
 
-/// The cache file: `$WORKSHOP_CACHE_DIR/peak.json`, else under `$XDG_CACHE_HOME/workshop` or
+/// The cache folder: `$WORKSHOP_CACHE_DIR`, else `$XDG_CACHE_HOME/workshop` or
 /// `~/.cache/workshop`.
-pub fn cache_path() -> Option<std::path::PathBuf> {
+pub fn cache_dir() -> Option<std::path::PathBuf> {
     let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
-    let dir = var("WORKSHOP_CACHE_DIR")
+    var("WORKSHOP_CACHE_DIR")
         .map(std::path::PathBuf::from)
         .or_else(|| var("XDG_CACHE_HOME").map(|d| std::path::Path::new(&d).join("workshop")))
-        .or_else(|| var("HOME").map(|h| std::path::Path::new(&h).join(".cache/workshop")))?;
-    Some(dir.join("peak.json"))
+        .or_else(|| var("HOME").map(|h| std::path::Path::new(&h).join(".cache/workshop")))
+}
+
+/// The measured peaks, kept per device.
+pub fn cache_path() -> Option<std::path::PathBuf> {
+    Some(cache_dir()?.join("peak.json"))
 }
 
 fn read_cache() -> Vec<CachedPeak> {

@@ -72,6 +72,9 @@ pub struct BenchConfig {
     /// Graph compilation mode (`--compile`); `None` runs the network as built (eager).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compile: Option<CompileMode>,
+    /// max-autotune: time the variants again instead of using the kept choices.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub recompile: bool,
     /// Timed iteration (from 1) whose FLOPs profile is kept (`--flops-prof-step`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub flops_prof_step: Option<usize>,
@@ -135,4 +138,7 @@ pub struct CompileInfo {
     pub max_abs_diff: f64,
     /// `max_abs_diff` over the largest eager output magnitude.
     pub rel_diff: f64,
+    /// What max-autotune tried and chose.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autotune: Option<super::autotune::AutotuneReport>,
 }

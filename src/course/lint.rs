@@ -59,6 +59,8 @@ pub fn metrics_of(kind: StepKind) -> &'static [&'static str] {
             "compile_s",
             "rel_diff",
             "memory_saved",
+            "autotune_timed",
+            "autotune_cached",
             // Multi-device steps (`devices` or `cpu_groups`).
             "scaling_efficiency",
             "spread",

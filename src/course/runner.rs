@@ -44,6 +44,7 @@ fn bench_config(ws: &Workspace, spec: &BenchSpec) -> BenchConfig {
         flops_prof_step: None,
         cores: None,
         compile: s.compile,
+        recompile: false,
     }
 }
 
@@ -110,6 +111,11 @@ fn bench_metrics(
             "memory_saved".into(),
             1.0 - c.compiled_memory as f64 / c.eager_memory.max(1) as f64,
         );
+        if let Some(a) = &c.autotune {
+            let cached = a.choices.iter().filter(|c| c.cached).count();
+            m.insert("autotune_timed".into(), (a.choices.len() - cached) as f64);
+            m.insert("autotune_cached".into(), cached as f64);
+        }
     }
     m
 }
@@ -712,6 +718,7 @@ pub fn accuracy(cfg: &BenchConfig) -> Result<(f64, f64, f64)> {
             profile: false,
             kernels_dir: cfg.kernels_dir.clone(),
             cores: None,
+            variants: Default::default(),
         };
         let mut s = b.prepare(cfg.device, &plan, &weights, &opt)?;
         outs.push(bench::infer(s.as_mut(), &input)?);

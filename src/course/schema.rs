@@ -144,7 +144,8 @@ pub struct BenchSpec {
     /// Data parallel over this many groups of CPU cores (CPU backend; wins over `devices`).
     pub cpu_groups: Option<usize>,
     /// Graph compilation (`default`, `reduce-overhead`, `max-autotune`); metrics then add
-    /// `compile_s`, `rel_diff` (against eager FP32) and `memory_saved` (fraction of the plan).
+    /// `compile_s`, `rel_diff` (against eager FP32) and `memory_saved` (fraction of the plan),
+    /// and for max-autotune `autotune_timed` and `autotune_cached` (layer shapes).
     pub compile: Option<crate::bench::record::CompileMode>,
     /// Overrides that apply when the workspace runs on the CPU backend, so a step that takes a
     /// few seconds on a GPU stays well under a minute on a laptop (e.g. a smaller batch).

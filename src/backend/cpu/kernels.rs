@@ -66,6 +66,21 @@ pub struct PackedConv<T> {
     pub groups: Vec<PackedB<T>>,
     /// Depthwise: weights as (ky, kx, c) in f32 instead, for the direct kernel, and the bias.
     pub depthwise: Option<(Vec<f32>, Option<Vec<f32>>)>,
+    /// Output rows per work item, as a multiple of [`chunk_rows`]'s choice (a tile-size
+    /// variant max-autotune may pick: 1, 2 or 4).
+    pub chunk_scale: usize,
+}
+
+/// The CPU backend's conv variants: rows per work item at 1×, 2× and 4× the default.
+pub const CONV_VARIANTS: [&str; 3] = ["rows-x1", "rows-x2", "rows-x4"];
+
+/// The chunk scale of a variant name (1 for unknown names).
+pub fn chunk_scale(variant: Option<&str>) -> usize {
+    match variant {
+        Some("rows-x2") => 2,
+        Some("rows-x4") => 4,
+        _ => 1,
+    }
 }
 
 impl<T: Elem> PackedConv<T> {
@@ -87,6 +102,7 @@ impl<T: Elem> PackedConv<T> {
                 conv,
                 groups: Vec::new(),
                 depthwise: Some((dw, bias)),
+                chunk_scale: 1,
             };
         }
         let cin_g = conv.in_channels / conv.groups;
@@ -116,6 +132,7 @@ impl<T: Elem> PackedConv<T> {
             conv,
             groups,
             depthwise: None,
+            chunk_scale: 1,
         }
     }
 
@@ -320,7 +337,7 @@ pub fn conv2d<T: Elem>(
         rest = tail;
         views.push(g.view(mine));
     }
-    let rows = chunk_rows(m, k);
+    let rows = (chunk_rows(m, k) * p.chunk_scale).min(m.max(1));
     let (chunks, splits) = work_split(m, rows, views[0].panels(), threads);
     let direct = if is_pointwise(c) { T::as_f32(x) } else { None };
     assert!(y.len() >= m * cout, "conv2d output buffer too small");

@@ -103,6 +103,15 @@ impl Backend for CpuBackend {
         BackendKind::Cpu
     }
 
+    fn variants(&self, op: &Op, _out: &[usize]) -> Vec<&'static str> {
+        match op {
+            Op::Conv2d(c) if !(c.groups > 1 && c.groups == c.in_channels) => {
+                kernels::CONV_VARIANTS.to_vec()
+            }
+            _ => Vec::new(),
+        }
+    }
+
     fn stream(
         &self,
         _dev: usize,
@@ -215,6 +224,7 @@ impl Backend for CpuBackend {
                 pool,
                 threads,
                 opt.profile,
+                &opt.variants,
             )?),
             Precision::Fp16 => Box::new(CpuSession::<f16>::new(
                 plan,
@@ -222,6 +232,7 @@ impl Backend for CpuBackend {
                 pool,
                 threads,
                 opt.profile,
+                &opt.variants,
             )?),
             Precision::Bf16 => Box::new(CpuSession::<bf16>::new(
                 plan,
@@ -229,6 +240,7 @@ impl Backend for CpuBackend {
                 pool,
                 threads,
                 opt.profile,
+                &opt.variants,
             )?),
         })
     }
@@ -315,6 +327,7 @@ impl<T: Elem> CpuSession<T> {
         pool: Arc<rayon::ThreadPool>,
         threads: usize,
         profile: bool,
+        variants: &std::collections::BTreeMap<String, String>,
     ) -> Result<Self, BackendError> {
         let mut steps = Vec::with_capacity(plan.graph.nodes.len());
         let mut weight_bytes = 0u64;
@@ -332,7 +345,9 @@ impl<T: Elem> CpuSession<T> {
                 Op::Input { .. } => Step::Input,
                 Op::Conv2d(c) => {
                     let bias = if c.bias { Some(get("bias")?) } else { None };
-                    let packed = PackedConv::<T>::new(c, get("weight")?, bias);
+                    let mut packed = PackedConv::<T>::new(c, get("weight")?, bias);
+                    packed.chunk_scale =
+                        kernels::chunk_scale(variants.get(&node.name).map(String::as_str));
                     weight_bytes += packed.bytes();
                     Step::Conv(packed)
                 }
@@ -646,7 +661,14 @@ pub fn calibrate_batch_norm(
         .num_threads(threads)
         .build()
         .map_err(|e| BackendError::Invalid(format!("cannot start CPU worker threads: {e}")))?;
-    let mut session = CpuSession::<f32>::new(plan, weights, Arc::new(pool), threads, false)?;
+    let mut session = CpuSession::<f32>::new(
+        plan,
+        weights,
+        Arc::new(pool),
+        threads,
+        false,
+        &Default::default(),
+    )?;
     // Calibration normalises with batch statistics, so the steps carry gamma and beta.
     for (step, node) in session.steps.iter_mut().zip(&plan.graph.nodes) {
         if let Step::Affine { scale, shift } = step {

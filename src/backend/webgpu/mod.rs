@@ -211,6 +211,32 @@ impl Backend for WgpuBackend {
         self.adapters.iter().map(device_info).collect()
     }
 
+    fn variants(&self, op: &Op, out: &[usize]) -> Vec<&'static str> {
+        let rows: usize = match op {
+            Op::Conv2d(c)
+                if c.groups > 1
+                    && c.groups == c.in_channels
+                    && c.act == crate::model::op::Act::None
+                    && !c.residual =>
+            {
+                return Vec::new();
+            }
+            Op::Conv2d(_) => out[0] * out[2] * out[3],
+            Op::Linear { .. } => out[0],
+            _ => return Vec::new(),
+        };
+        // The few-rows kernel re-reads B once per 8 rows: only worth timing for few rows.
+        if rows <= 256 {
+            if rows <= FEW_ROWS {
+                vec!["rows", "tiled"]
+            } else {
+                vec!["tiled", "rows"]
+            }
+        } else {
+            Vec::new()
+        }
+    }
+
     fn stream(
         &self,
         dev: usize,
@@ -832,6 +858,7 @@ impl WgpuSession {
                         weights: &pack_conv(conv, get("weight")?),
                         input: (xh, xw, xc),
                         output: (n, h, w),
+                        variant: opt.variants.get(&node.name).map(String::as_str),
                     };
                     let (launches, bytes) =
                         gemm.launches(&device, &node.name, precision, max_binding)?;
@@ -868,6 +895,7 @@ impl WgpuSession {
                         weights: &packed,
                         input: (1, 1, fin),
                         output: (n, 1, 1),
+                        variant: opt.variants.get(&node.name).map(String::as_str),
                     };
                     let (launches, bytes) =
                         gemm.launches(&device, &node.name, precision, max_binding)?;
@@ -1121,6 +1149,8 @@ struct Gemm<'a> {
     weights: &'a [f32],
     input: (usize, usize, usize),
     output: (usize, usize, usize),
+    /// `tiled` or `rows` to force a kernel (max-autotune), else chosen by the row count.
+    variant: Option<&'a str>,
 }
 
 impl Gemm<'_> {
@@ -1140,10 +1170,11 @@ impl Gemm<'_> {
         let bytes = elem_bytes(self.weights.len(), precision);
         let (n, oh, ow) = self.output;
         let m = n * oh * ow;
-        let kernel = if m <= FEW_ROWS {
-            Kernel::Conv2dRows
-        } else {
-            Kernel::Conv2d
+        let kernel = match self.variant {
+            Some("rows") => Kernel::Conv2dRows,
+            Some("tiled") => Kernel::Conv2d,
+            _ if m <= FEW_ROWS => Kernel::Conv2dRows,
+            _ => Kernel::Conv2d,
         };
         let slice = if bytes <= max_binding {
             cout_g
