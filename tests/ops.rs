@@ -321,17 +321,22 @@ fn loss_and_softmax_match_closed_forms() {
     assert!((reference::cross_entropy(&t, &[2]) - 0.407_605_96).abs() < 1e-7);
 }
 
-/// Timing every kernel must not change a single output value.
-fn profiling_changes_nothing(kind: BackendKind) {
+/// A narrow bottleneck ResNet for whole-network tests.
+fn tiny_bottleneck(layers: [usize; 4], widths: [usize; 4]) -> Graph {
     use workshop::model::zoo::{Block, ResNetConfig, resnet_custom};
     let cfg = ResNetConfig {
         block: Block::Bottleneck,
-        layers: [1, 1, 1, 1],
+        layers,
         stem: 8,
-        widths: [4, 8, 8, 8],
+        widths,
         classes: 10,
     };
-    let graph = resnet_custom("tiny", &cfg);
+    resnet_custom("tiny", &cfg)
+}
+
+/// Timing every kernel must not change a single output value.
+fn profiling_changes_nothing(kind: BackendKind) {
+    let graph = tiny_bottleneck([1, 1, 1, 1], [4, 8, 8, 8]);
     let plan = graph.plan(2, 32, 32).expect("valid plan");
     let w = random_weights(&graph, 3);
     let x = Rng::new(4).normal_tensor(plan.input_shape().to_vec());
@@ -412,15 +417,7 @@ backend_test!(fused_conv_epilogues, cpu, wgpu, cuda, hip);
 
 /// A whole network after the compile passes equals the eager one on the same backend.
 fn compiled_network_matches_eager(kind: BackendKind) {
-    use workshop::model::zoo::{Block, ResNetConfig, resnet_custom};
-    let cfg = ResNetConfig {
-        block: Block::Bottleneck,
-        layers: [1, 2, 1, 1],
-        stem: 8,
-        widths: [4, 8, 8, 16],
-        classes: 10,
-    };
-    let graph = resnet_custom("tiny", &cfg);
+    let graph = tiny_bottleneck([1, 2, 1, 1], [4, 8, 8, 16]);
     let w = random_weights(&graph, 3);
     let (opt, w2, report) = workshop::model::passes::optimize(&graph, &w).unwrap();
     assert!(
