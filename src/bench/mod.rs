@@ -94,12 +94,9 @@ pub fn prepare(cfg: &BenchConfig, weights_file: Option<&std::path::Path>) -> Res
         Some(path) => Weights::load(path, &graph)?,
         None => seeded_weights(&graph, cfg.seed, cfg.input_size)?,
     };
-    // Asked once here: enumerating devices can be slow (wgpu lists every adapter).
-    let device = backend
-        .devices()
-        .into_iter()
-        .nth(cfg.device)
-        .context("there is no such device")?;
+    // Asked once here: enumerating devices can be slow (wgpu lists every adapter). A missing
+    // device is reported by the backend's own `prepare`, which says what there is.
+    let device = backend.devices().into_iter().nth(cfg.device);
     let mut opt = opt;
     let (plan, weights, compile) = match cfg.compile {
         None => (eager_plan, weights, None),
@@ -109,7 +106,11 @@ pub fn prepare(cfg: &BenchConfig, weights_file: Option<&std::path::Path>) -> Res
                 .map_err(|e| anyhow::anyhow!("the compile passes failed: {e}"))?;
             let plan = g.plan(cfg.batch_size, cfg.input_size, cfg.input_size)?;
             let autotune = if mode == CompileMode::MaxAutotune {
-                let (variants, report) = autotune::tune(cfg, &plan, backend.as_ref(), &device)?;
+                let Some(device) = &device else {
+                    backend.prepare(cfg.device, &plan, &w, &opt)?;
+                    bail!("there is no device {}", cfg.device);
+                };
+                let (variants, report) = autotune::tune(cfg, &plan, backend.as_ref(), device)?;
                 opt.variants = variants;
                 Some(report)
             } else {
@@ -141,6 +142,7 @@ pub fn prepare(cfg: &BenchConfig, weights_file: Option<&std::path::Path>) -> Res
         }
     };
     let session = backend.prepare(cfg.device, &plan, &weights, &opt)?;
+    let device = device.context("the device disappeared while preparing")?;
     Ok((plan, session, device, compile))
 }
 
