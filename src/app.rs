@@ -334,14 +334,7 @@ fn peak_cmd(a: PeakArgs) -> Result<()> {
     } else {
         println!("{}", report::peak(&gemm, bandwidth.as_deref()));
         let host = backend::cpu::host_device();
-        let theoretical = match a.backend {
-            backend::BackendKind::Cpu => bench::peak::theoretical_cpu(
-                &host.features,
-                a.threads.or(host.compute_units).unwrap_or(1),
-            ),
-            _ => None,
-        };
-        match theoretical {
+        match bench::peak::theoretical(a.backend, &host, a.threads) {
             Some(t) => println!(
                 "Theoretical FP32 peak {:.1} GFLOP/s = {}: the measured GEMM reaches {:.0}% of it",
                 t.gflops,
@@ -354,21 +347,15 @@ fn peak_cmd(a: PeakArgs) -> Result<()> {
         }
     }
     if gemm.validated == gemm.iterations {
-        let device = backend::open(a.backend)?
-            .devices()
-            .into_iter()
-            .nth(a.device)
-            .map(|d| d.name)
-            .unwrap_or_default();
-        let entry = bench::peak::CachedPeak {
-            device,
-            threads: a.threads,
-            gemm: gemm.clone(),
-            bandwidth: bandwidth.clone().unwrap_or_default(),
-            measured_unix: bench::peak::now_unix(),
-        };
+        let kept = bench::peak::keep(
+            a.backend,
+            a.device,
+            a.threads,
+            &gemm,
+            bandwidth.as_deref().unwrap_or_default(),
+        );
         // The measurement stands without the cache; say why it was not kept.
-        match bench::peak::remember(entry) {
+        match kept {
             Ok(path) if !a.json => println!(
                 "Kept for FLOPs profiles and exercises in {}",
                 path.display()

@@ -380,11 +380,11 @@ pub fn infer(session: &mut dyn Session, input: &Tensor) -> Result<Tensor> {
     Ok(session.read_output()?)
 }
 
-/// The limits a FLOPs profile is judged against: the cached `workshop peak` measurement of
-/// this device, or a short probe run now (and cached), plus the theoretical peak where known.
 /// GEMM size of the quick peak probe.
 const PROBE_SIZE: usize = 512;
 
+/// The limits a FLOPs profile is judged against: the cached `workshop peak` measurement of
+/// this device, or a short probe run now (and cached), plus the theoretical peak where known.
 fn limits(cfg: &BenchConfig, device: &DeviceInfo) -> Result<flops::Limits> {
     let cached = match peak::cached(cfg.backend, &device.name, cfg.precision, cfg.threads) {
         Some(c) => {
@@ -408,13 +408,7 @@ fn limits(cfg: &BenchConfig, device: &DeviceInfo) -> Result<flops::Limits> {
             )?;
             let bandwidth = peak::bandwidth_if_any(cfg.backend, cfg.device, 64, 3, cfg.threads)?
                 .unwrap_or_default();
-            let entry = peak::CachedPeak {
-                device: device.name.clone(),
-                threads: cfg.threads,
-                gemm,
-                bandwidth,
-                measured_unix: peak::now_unix(),
-            };
+            let entry = peak::CachedPeak::new(device.name.clone(), cfg.threads, gemm, bandwidth);
             // A failed check keeps the probe out of the cache; the profile still shows it.
             let _ = peak::remember(entry.clone());
             let how =
@@ -423,13 +417,7 @@ fn limits(cfg: &BenchConfig, device: &DeviceInfo) -> Result<flops::Limits> {
         }
     };
     let (c, source) = cached;
-    let theoretical = match cfg.backend {
-        backend::BackendKind::Cpu => peak::theoretical_cpu(
-            &device.features,
-            cfg.threads.or(device.compute_units).unwrap_or(1),
-        ),
-        _ => None,
-    };
+    let theoretical = peak::theoretical(cfg.backend, device, cfg.threads);
     Ok(flops::Limits {
         peak_gflops: (c.gemm.validated == c.gemm.iterations).then_some(c.gemm.gflops),
         peak_source: source,

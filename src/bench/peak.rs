@@ -205,7 +205,7 @@ pub struct Theoretical {
 /// The FP32 peak of `cores` CPU cores from their clock and vector width: cores × GHz × FLOPs
 /// per cycle, assuming two FMA units per core (most x86 server and desktop cores since
 /// Haswell and Zen 2). `None` when the clock is unknown or the device is not the host CPU.
-pub fn theoretical_cpu(features: &[String], cores: usize) -> Option<Theoretical> {
+fn theoretical_cpu(features: &[String], cores: usize) -> Option<Theoretical> {
     let mut sys = sysinfo::System::new().ok()?;
     sys.refresh_cpu_list(sysinfo::CpuRefreshKind::nothing().with_frequency());
     let mhz = sys
@@ -248,6 +248,22 @@ pub struct CachedPeak {
 }
 
 impl CachedPeak {
+    /// A measurement of `device` taken now.
+    pub fn new(
+        device: String,
+        threads: Option<usize>,
+        gemm: GemmPeak,
+        bandwidth: Vec<Bandwidth>,
+    ) -> Self {
+        CachedPeak {
+            device,
+            threads,
+            gemm,
+            bandwidth,
+            measured_unix: now_unix(),
+        }
+    }
+
     fn same_key(&self, other: &CachedPeak) -> bool {
         self.device == other.device
             && self.threads == other.threads
@@ -313,6 +329,44 @@ pub fn remember(entry: CachedPeak) -> Result<std::path::PathBuf> {
     all.push(entry);
     crate::files::write_atomic(&path, serde_json::to_string_pretty(&all)?.as_bytes())?;
     Ok(path)
+}
+
+/// Keep a validated measurement of device `index` of backend `kind` (see [`remember`]).
+pub fn keep(
+    kind: BackendKind,
+    index: usize,
+    threads: Option<usize>,
+    gemm: &GemmPeak,
+    bandwidth: &[Bandwidth],
+) -> Result<std::path::PathBuf> {
+    let device = backend::open(kind)?
+        .devices()
+        .into_iter()
+        .nth(index)
+        .map(|d| d.name)
+        .with_context(|| format!("{kind} has no device {index}"))?;
+    remember(CachedPeak::new(
+        device,
+        threads,
+        gemm.clone(),
+        bandwidth.to_vec(),
+    ))
+}
+
+/// The theoretical peak of `device` running `threads` workers, where the device gives the facts
+/// for it (the host CPU).
+pub fn theoretical(
+    kind: BackendKind,
+    device: &backend::DeviceInfo,
+    threads: Option<usize>,
+) -> Option<Theoretical> {
+    match kind {
+        BackendKind::Cpu => theoretical_cpu(
+            &device.features,
+            threads.or(device.compute_units).unwrap_or(1),
+        ),
+        _ => None,
+    }
 }
 
 /// Seconds since the Unix epoch.

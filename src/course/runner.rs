@@ -535,18 +535,13 @@ pub fn run_step(
                 }
                 metrics.insert("gemm_gflops".into(), g.gflops);
                 // Kept for later FLOPs profiles of this device (a failure to keep it is harmless).
-                if let Some(d) = backend::open(ws.state.backend)
-                    .ok()
-                    .and_then(|b| b.devices().into_iter().nth(ws.state.device))
-                {
-                    let _ = bench::peak::remember(bench::peak::CachedPeak {
-                        device: d.name,
-                        threads: ws.state.threads,
-                        gemm: g.clone(),
-                        bandwidth: bw.clone().unwrap_or_default(),
-                        measured_unix: bench::peak::now_unix(),
-                    });
-                }
+                let _ = bench::peak::keep(
+                    ws.state.backend,
+                    ws.state.device,
+                    ws.state.threads,
+                    &g,
+                    bw.as_deref().unwrap_or_default(),
+                );
                 for b in bw.unwrap_or_default() {
                     metrics.insert(format!("{}_gbps", b.kernel), b.median_gbps);
                 }
