@@ -194,7 +194,7 @@ pub fn run(
             ..cfg.clone()
         };
         let (plan, mut session, _, _) = prepare(&eager, weights_file)?;
-        let want = infer(session.as_mut(), &bench_input(cfg, &plan))?;
+        let want = infer(session.as_mut(), &bench_batch(cfg, &plan).0)?;
         let scale = want.data.iter().fold(0f64, |m, v| m.max(v.abs() as f64));
         info.max_abs_diff = want
             .data
@@ -206,14 +206,19 @@ pub fn run(
     Ok(record)
 }
 
-/// The seeded input batch of a run.
-fn bench_input(cfg: &BenchConfig, plan: &Plan) -> Tensor {
-    Rng::new(cfg.seed.wrapping_add(1)).normal_tensor(plan.input_shape().to_vec())
+/// The seeded batch of a run: normal noise and random labels, like the classic benchmark (the
+/// loss of an untrained network on it sits near ln(classes)).
+fn bench_batch(cfg: &BenchConfig, plan: &Plan) -> (Tensor, Vec<usize>) {
+    let mut rng = Rng::new(cfg.seed.wrapping_add(1));
+    let input = rng.normal_tensor(plan.input_shape().to_vec());
+    let classes = plan.output_shape()[1];
+    let labels = (0..plan.batch()).map(|_| rng.below(classes)).collect();
+    (input, labels)
 }
 
 /// Waits for every device of a multi-device run at the start and at the end of each
 /// iteration; an error means another device failed and the run is over.
-pub type Sync<'a> = &'a (dyn Fn() -> Result<()> + std::marker::Sync);
+pub type Together<'a> = &'a (dyn Fn() -> Result<()> + Sync);
 
 /// The warm-up and timed iterations of a prepared session, and its record. With `sync`, each
 /// iteration starts and ends together with the other devices'.
@@ -221,21 +226,14 @@ pub fn measure(
     cfg: &BenchConfig,
     (plan, mut session, device, compile): Prepared,
     on_event: &mut dyn FnMut(Event),
-    sync: Option<Sync<'_>>,
+    sync: Option<Together<'_>>,
 ) -> Result<BenchRecord> {
     let together = || sync.map_or(Ok(()), |s| s());
     on_event(Event::Preparing {
         params: plan.graph.param_count(),
         weights: cfg.weights.clone(),
     });
-
-    // A fixed batch of normal noise with random labels, like the classic benchmark: the loss
-    // of an untrained network on it sits near ln(classes).
-    let mut rng = Rng::new(cfg.seed.wrapping_add(1));
-    let input = rng.normal_tensor(plan.input_shape().to_vec());
-    debug_assert_eq!(input, bench_input(cfg, &plan));
-    let classes = plan.output_shape()[1];
-    let labels: Vec<usize> = (0..cfg.batch_size).map(|_| rng.below(classes)).collect();
+    let (input, labels) = bench_batch(cfg, &plan);
 
     let mut last = Vec::new();
     let mut step = |session: &mut Box<dyn Session>| -> Result<(f64, f64)> {

@@ -120,6 +120,17 @@ fn bench_metrics(
     m
 }
 
+/// Put a run's device and kernel version into a step's environment; returns the device name.
+fn note_run(environment: &mut BTreeMap<String, String>, r: &bench::record::BenchRecord) -> String {
+    let device = r.environment.device.name.clone();
+    environment.insert("device".into(), device.clone());
+    environment.insert(
+        "kernel_version".into(),
+        r.environment.kernel_version.clone(),
+    );
+    device
+}
+
 /// Where the course keeps the record of a bench or profile step.
 fn record_path(ws: &Workspace, exercise: &str, step: &str) -> std::path::PathBuf {
     ws.dir
@@ -295,12 +306,7 @@ pub fn run_step(
                 println!("{}", report::summary(&r));
                 keep_record(ws, exercise, &sid, &r)?;
                 metrics = bench_metrics(&r, bench::max_batch_estimate(&cfg));
-                device_name = r.environment.device.name.clone();
-                environment.insert("device".into(), device_name.clone());
-                environment.insert(
-                    "kernel_version".into(),
-                    r.environment.kernel_version.clone(),
-                );
+                device_name = note_run(&mut environment, &r);
                 environment.insert("cpu_model".into(), r.environment.cpu_model.clone());
             }
             StepKind::Profile => {
@@ -352,12 +358,7 @@ pub fn run_step(
                 metrics = bench_metrics(&r, None);
                 metrics.extend(profile_metrics(&r));
                 table = Some(module_table(f));
-                device_name = r.environment.device.name.clone();
-                environment.insert("device".into(), device_name.clone());
-                environment.insert(
-                    "kernel_version".into(),
-                    r.environment.kernel_version.clone(),
-                );
+                device_name = note_run(&mut environment, &r);
             }
             StepKind::Chart => {
                 let spec = step
@@ -429,12 +430,7 @@ pub fn run_step(
                         SweepParam::InputSize => cfg.input_size = v,
                     }
                     let r = bench_with_progress(&cfg)?;
-                    device_name = r.environment.device.name.clone();
-                    environment.insert("device".into(), device_name.clone());
-                    environment.insert(
-                        "kernel_version".into(),
-                        r.environment.kernel_version.clone(),
-                    );
+                    device_name = note_run(&mut environment, &r);
                     let s = &r.stats;
                     rows.push(vec![
                         v.to_string(),

@@ -53,8 +53,8 @@ impl Work {
         reads + usize::from(self.resolve(self.output) == id)
     }
 
-    /// The convolution at `id` if a fusion may change it: it has no epilogue of `kind` yet and
-    /// `reader` is its only reader.
+    /// The convolution at `id` if a fusion may change it: exactly one node (the one being fused
+    /// into it) reads its value.
     fn fusable_conv(&self, id: ValueId) -> Option<Conv2d> {
         match self.nodes[id].as_ref()?.op {
             Op::Conv2d(c) if self.readers(id) == 1 => Some(c),
