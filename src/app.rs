@@ -93,6 +93,7 @@ fn bench_cmd(args: BenchArgs) -> Result<()> {
         weights: weights_label(&args.run),
         profile: args.profile || args.profile_csv.is_some() || args.trace.is_some(),
         kernels_dir: args.run.kernels_dir.clone(),
+        kernels: args.run.kernels,
         flops_prof_step: args.flops_prof_step,
         cores: None,
         compile: args.compile,
@@ -246,6 +247,7 @@ fn infer_cmd(args: InferArgs) -> Result<()> {
         threads: args.run.threads,
         profile: false,
         kernels_dir: args.run.kernels_dir.clone(),
+        kernels: args.run.kernels,
         cores: None,
         variants: Default::default(),
     };
@@ -403,6 +405,37 @@ fn compare_cmd(a: CompareArgs) -> Result<()> {
     if let Some(path) = &a.chart {
         crate::chart::comparison(&c, path)?;
         eprintln!("Drew {}", path.display());
+    }
+    Ok(())
+}
+
+/// `workshop dev kernels-check`.
+pub(crate) fn kernels_check_cmd(args: crate::cli::KernelsCheckArgs) -> Result<()> {
+    use crate::backend::gpu::check;
+    for r in &args.require {
+        if !check::COMPILERS.contains(&r.as_str()) {
+            anyhow::bail!("--require takes {}, not `{r}`", check::COMPILERS.join(", "));
+        }
+    }
+    let checks = check::run(args.kernels_dir.as_deref());
+    println!("{}", report::kernels_check(&checks));
+    let failed = checks
+        .iter()
+        .filter(|c| matches!(c.outcome, check::Outcome::Failed(_)))
+        .count();
+    let missing: Vec<&str> = checks
+        .iter()
+        .filter(|c| {
+            matches!(c.outcome, check::Outcome::Skipped(_))
+                && args.require.iter().any(|r| r == c.compiler)
+        })
+        .map(|c| c.compiler)
+        .collect();
+    if failed > 0 {
+        anyhow::bail!("{failed} kernel compilation(s) failed (logs above)");
+    }
+    if !missing.is_empty() {
+        anyhow::bail!("required compiler(s) missing: {}", missing.join(", "));
     }
     Ok(())
 }

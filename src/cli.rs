@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::backend::BackendKind;
+use crate::backend::{BackendKind, KernelFamily};
 use crate::model::Precision;
 
 #[derive(Debug, Parser)]
@@ -45,7 +45,7 @@ pub enum Command {
     Doctor(DoctorArgs),
     /// Print a chapter of the course book (the current exercise's by default)
     Book(BookArgs),
-    /// Tools for instructors
+    /// Tools for instructors and kernel developers
     #[command(subcommand)]
     Dev(DevCommand),
     /// Benchmark inference of a zoo network (like micro_benchmarking_pytorch.py)
@@ -64,6 +64,16 @@ pub enum Command {
     Collect(CollectArgs),
     /// Merge the rank records that launched ranks (`bench --results-dir DIR`) wrote into DIR
     Gather(GatherArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct KernelsCheckArgs {
+    /// Compile the kernels in DIR (DIR/cuda, DIR/hip, DIR/gpu) instead of the embedded ones
+    #[arg(long, value_name = "DIR")]
+    pub kernels_dir: Option<PathBuf>,
+    /// Fail when one of these compilers is missing instead of skipping it: nvrtc, hiprtc, host
+    #[arg(long, value_delimiter = ',', value_name = "LIST")]
+    pub require: Vec<String>,
 }
 
 /// Where and how to run: shared by every command that runs a network.
@@ -97,6 +107,9 @@ pub struct RunArgs {
     /// to edit a kernel and run it again
     #[arg(long, value_name = "DIR")]
     pub kernels_dir: Option<PathBuf>,
+    /// Our own kernels, or the vendor library (cuBLAS) for convolutions and linear layers
+    #[arg(long, value_enum, default_value_t = KernelFamily::Native)]
+    pub kernels: KernelFamily,
 }
 
 #[derive(Debug, Args)]
@@ -364,6 +377,9 @@ pub enum DevCommand {
         #[arg(long, default_value = ".")]
         dir: PathBuf,
     },
+    /// Compile every GPU kernel file (CUDA with NVRTC, HIP with hiprtc, and for the CPU
+    /// emulator) for the usual targets and precisions, without a GPU
+    KernelsCheck(KernelsCheckArgs),
 }
 
 #[derive(Debug, Args)]

@@ -1123,3 +1123,53 @@ pub fn comparison_markdown(c: &crate::bench::compare::Comparison) -> String {
     );
     s
 }
+
+/// `workshop dev kernels-check`: one row per file, compiler and target, a column per
+/// precision, then the full log of every failure and why anything was skipped.
+pub fn kernels_check(checks: &[crate::backend::gpu::check::Check]) -> String {
+    use crate::backend::gpu::check::Outcome;
+    let mut t = Table::new();
+    t.load_style(UTF8_FULL_CONDENSED);
+    t.set_header(["file", "compiler", "target", "fp32", "fp16", "bf16"]);
+    let mut rows: Vec<(&str, &str, &str)> = Vec::new();
+    for c in checks {
+        let key = (c.file, c.compiler, c.target.as_str());
+        if !rows.contains(&key) {
+            rows.push(key);
+        }
+    }
+    let mut notes = Vec::new();
+    for (file, compiler, target) in rows {
+        let mut cells = vec![format!("kernels/{file}"), compiler.into(), target.into()];
+        for p in [
+            crate::model::Precision::Fp32,
+            crate::model::Precision::Fp16,
+            crate::model::Precision::Bf16,
+        ] {
+            let c = checks.iter().find(|c| {
+                c.file == file && c.compiler == compiler && c.target == target && c.precision == p
+            });
+            cells.push(match c.map(|c| (&c.outcome, c.seconds)) {
+                Some((Outcome::Compiled, s)) => format!("ok {s:.2} s"),
+                Some((Outcome::Failed(log), _)) => {
+                    notes.push(format!(
+                        "FAILED kernels/{file} ({compiler}, {target}, {p}):\n{log}"
+                    ));
+                    "FAILED".into()
+                }
+                Some((Outcome::Skipped(why), _)) => {
+                    notes.push(format!("skipped {compiler}: {why}"));
+                    "skipped".into()
+                }
+                None => "-".into(),
+            });
+        }
+        t.add_row(cells);
+    }
+    let mut out = format!("Kernel compile check (no GPU needed)\n{t}");
+    for n in notes {
+        out.push('\n');
+        out.push_str(&n);
+    }
+    out
+}

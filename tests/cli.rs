@@ -209,9 +209,33 @@ fn bad_input_gets_one_clear_line() {
         &["bench", "--precision", "bf16", "--fp16", "1"],
         "contradicts --fp16 1",
     );
-    fails_with(
-        &["bench", "--backend", "cuda"],
-        "the cuda backend is not available in this build yet",
+    // Without the emulator (CI sets it for the backend tests), as a user's build sees them.
+    let without_emulator = |args: &[&str], needle: &str| {
+        let o = crate::common::command()
+            .env_remove(workshop::backend::gpu::emu::ENV)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!o.status.success(), "{args:?} succeeded");
+        assert!(stderr(&o).contains(needle), "{}", stderr(&o));
+        assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
+    };
+    if !cfg!(feature = "hip") {
+        without_emulator(
+            &["bench", "--backend", "hip"],
+            "the hip backend is not available in this build (rebuild with `--features hip`)",
+        );
+    }
+    #[cfg(feature = "cuda")]
+    if !workshop::backend::cuda::driver_present() {
+        without_emulator(
+            &["bench", "--backend", "cuda"],
+            "no cuda device: the NVIDIA driver library (libcuda.so) was not found",
+        );
+    }
+    without_emulator(
+        &["bench", "--kernels", "vendor", "--network", "resnet18"],
+        "the cpu backend has only our own kernels: --kernels vendor is for cuda (cuBLAS)",
     );
     fails_with(
         &[
@@ -1089,4 +1113,43 @@ fn a_closed_pipe_ends_quietly() {
     drop(child.stdout.take());
     let o = child.wait_with_output().unwrap();
     assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
+}
+
+#[test]
+fn kernels_check_compiles_every_kernel_file_and_reports_errors_with_their_line() {
+    let o = workshop(&["dev", "kernels-check", "--require", "host"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("kernels/gpu/ops.cuh"), "{out}");
+    assert!(out.contains("emulator"), "{out}");
+    let o = workshop(&["dev", "kernels-check", "--require", "cuda"]);
+    assert!(stderr(&o).contains("--require takes nvrtc, hiprtc, host, not `cuda`"));
+    // A broken copy of the kernels fails, naming the file and line of the error.
+    let dir = tempfile::tempdir().unwrap();
+    for sub in ["gpu", "cuda", "hip"] {
+        std::fs::create_dir_all(dir.path().join(sub)).unwrap();
+    }
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+    for f in ["gpu/ops.cuh", "cuda/ops.cu", "hip/ops.hip"] {
+        let mut text = std::fs::read_to_string(root.join(f)).unwrap();
+        if f == "gpu/ops.cuh" {
+            text = text.replace("float r = acc[j];", "float r = acc[j] + no_such_value;");
+        }
+        std::fs::write(dir.path().join(f), text).unwrap();
+    }
+    let o = workshop(&[
+        "dev",
+        "kernels-check",
+        "--kernels-dir",
+        dir.path().to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    let out = stdout(&o);
+    assert!(out.contains("FAILED"), "{out}");
+    assert!(out.contains("no_such_value"), "{out}");
+    assert!(
+        out.contains("gpu/ops.cuh:122") || out.contains("gpu/ops.cuh(122)"),
+        "the error names the shared file and its line:\n{out}"
+    );
+    assert!(stderr(&o).contains("kernel compilation(s) failed"));
 }

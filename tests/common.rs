@@ -62,6 +62,23 @@ pub fn profiled_session(
     precision: Precision,
     profile: bool,
 ) -> Option<Box<dyn Session>> {
+    let opt = ExecOptions {
+        precision,
+        threads: Some(2),
+        profile,
+        ..Default::default()
+    };
+    session_with(kind, plan, w, &opt)
+}
+
+/// [`session`] with every execution option given.
+pub fn session_with(
+    kind: BackendKind,
+    plan: &Plan,
+    w: &Weights,
+    opt: &ExecOptions,
+) -> Option<Box<dyn Session>> {
+    let precision = opt.precision;
     let b = match backend::open(kind) {
         Ok(b) => b,
         Err(e) => {
@@ -69,15 +86,7 @@ pub fn profiled_session(
             return None;
         }
     };
-    let opt = ExecOptions {
-        precision,
-        threads: Some(2),
-        profile,
-        kernels_dir: None,
-        cores: None,
-        variants: Default::default(),
-    };
-    match b.prepare(0, plan, w, &opt) {
+    match b.prepare(0, plan, w, opt) {
         Ok(s) => Some(s),
         Err(backend::BackendError::NoDevice { reason, .. }) => {
             skip(kind, &reason);

@@ -3,12 +3,12 @@
 //! kernels, several chunks of the im2col path, and every precision.
 
 use crate::backend_test;
-use workshop::backend::BackendKind;
+use workshop::backend::{BackendKind, ExecOptions, KernelFamily};
 use workshop::model::graph::{ConvInit, GraphBuilder, LinearInit, ValueId};
 use workshop::model::op::{Conv2d, Op, Pool};
 use workshop::model::{Graph, Precision, Rng, Tensor, Weights, reference};
 
-use crate::common::{conv, profiled_session, session, tolerance};
+use crate::common::{conv, profiled_session, session, session_with, tolerance};
 
 /// Weights for `graph` with every tensor random (batch-norm statistics included), so no op
 /// degenerates to an identity.
@@ -33,6 +33,17 @@ fn random_weights(graph: &Graph, seed: u64) -> Weights {
 
 /// Run `graph` on `kind` at every precision and compare with the reference.
 fn check(kind: BackendKind, graph: &Graph, input_shape: [usize; 4], input_scale: f32) {
+    check_with(kind, graph, input_shape, input_scale, KernelFamily::Native)
+}
+
+/// [`check`] with the vendor library's kernels or ours.
+fn check_with(
+    kind: BackendKind,
+    graph: &Graph,
+    input_shape: [usize; 4],
+    input_scale: f32,
+    kernels: KernelFamily,
+) {
     let plan = graph
         .plan(input_shape[0], input_shape[2], input_shape[3])
         .expect("valid plan");
@@ -51,7 +62,13 @@ fn check(kind: BackendKind, graph: &Graph, input_shape: [usize; 4], input_scale:
             .values_mut()
             .for_each(|t| t.data.iter_mut().for_each(|v| *v = precision.round(*v)));
         let expected = reference::forward(&plan, &wr, &xr);
-        let Some(mut s) = session(kind, &plan, &w, precision) else {
+        let opt = ExecOptions {
+            precision,
+            threads: Some(2),
+            kernels,
+            ..Default::default()
+        };
+        let Some(mut s) = session_with(kind, &plan, &w, &opt) else {
             return;
         };
         s.run(&x).unwrap();
@@ -443,3 +460,59 @@ fn compiled_network_matches_eager(kind: BackendKind) {
     assert!(diff <= 1e-4 * scale.max(1e-3), "{kind}: {diff} vs {scale}");
 }
 backend_test!(compiled_network_matches_eager, cpu, wgpu, cuda, hip);
+
+/// `--kernels vendor`: library GEMMs (after im2col for k×k) with our epilogue kernel, for dense
+/// convolutions and linear layers, against the reference; grouped convolutions keep ours.
+/// Backends without a vendor library refuse it in words.
+fn vendor_kernels_match_the_reference(kind: BackendKind) {
+    let mut g = GraphBuilder::new(
+        "vendor_mix",
+        3,
+        ConvInit::TorchDefault,
+        LinearInit::TorchDefault,
+    );
+    let x = g.input();
+    let a = g.conv("stem", x, Conv2d::new(3, 8, 3, 2, 1).with_bias());
+    let a = g.relu("stem_relu", a);
+    let b = g.conv("pointwise", a, Conv2d::new(8, 8, 1, 1, 0));
+    let c = g.add("sum", a, b);
+    let d = g.conv(
+        "depthwise",
+        c,
+        Conv2d {
+            groups: 8,
+            ..Conv2d::new(8, 8, 3, 1, 1)
+        },
+    );
+    let e = g.adaptive_avg_pool("pool", d, (2, 2));
+    let f = g.flatten("flatten", e);
+    let h = g.linear("fc1", f, 32, 12);
+    let h = g.relu("fc1_relu", h);
+    let y = g.linear("fc2", h, 12, 5);
+    let graph = g.finish(y);
+    let (fused, w, report) =
+        workshop::model::passes::optimize(&graph, &random_weights(&graph, 9)).unwrap();
+    // The epilogue kernel then adds the residual and applies the ReLU after the GEMM.
+    assert!(report.fused_adds == 1, "{report:?}");
+    if matches!(kind, BackendKind::Cpu | BackendKind::Wgpu) {
+        let plan = fused.plan(1, 9, 7).unwrap();
+        let opt = ExecOptions {
+            kernels: KernelFamily::Vendor,
+            ..Default::default()
+        };
+        let Ok(b) = workshop::backend::open(kind) else {
+            return;
+        };
+        let Err(e) = b.prepare(0, &plan, &w, &opt) else {
+            panic!("{kind} accepted --kernels vendor");
+        };
+        assert!(
+            e.to_string().contains("--kernels vendor is for cuda"),
+            "{e}"
+        );
+        return;
+    }
+    check_with(kind, &graph, [2, 3, 9, 7], 1.0, KernelFamily::Vendor);
+    check_with(kind, &fused, [2, 3, 9, 7], 1.0, KernelFamily::Vendor);
+}
+backend_test!(vendor_kernels_match_the_reference, cpu, wgpu, cuda, hip);

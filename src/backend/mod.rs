@@ -4,6 +4,11 @@
 //! then a `Session` runs it many times; timing and profiling hang off the session.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod gpu;
+#[cfg(feature = "hip")]
+pub mod hip;
 #[cfg(feature = "wgpu")]
 pub mod webgpu;
 
@@ -55,6 +60,29 @@ pub struct DeviceInfo {
     pub features: Vec<String>,
 }
 
+/// Which kernels run the GEMM-shaped work (`--kernels`).
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum KernelFamily {
+    /// Our own kernels, on every backend.
+    #[default]
+    Native,
+    /// The vendor's library for convolutions and linear layers (cuBLAS on CUDA), ours for
+    /// the rest.
+    Vendor,
+}
+
+impl KernelFamily {
+    pub fn name(self) -> &'static str {
+        match self {
+            KernelFamily::Native => "native",
+            KernelFamily::Vendor => "vendor",
+        }
+    }
+}
+
 /// Seconds per pass of the memory-bandwidth probe ([`Backend::stream`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct StreamTimes {
@@ -78,6 +106,8 @@ pub struct ExecOptions {
     pub variants: std::collections::BTreeMap<String, String>,
     /// Collect per-kernel times (costs a little per op).
     pub profile: bool,
+    /// Our kernels or the vendor library's for GEMM-shaped work.
+    pub kernels: KernelFamily,
     /// Read GPU kernels from this directory (`wgsl/`, `cuda/`, `hip/`) instead of the copies
     /// embedded in the binary.
     pub kernels_dir: Option<std::path::PathBuf>,
@@ -89,6 +119,7 @@ impl Default for ExecOptions {
             precision: Precision::Fp32,
             threads: None,
             profile: false,
+            kernels: KernelFamily::Native,
             kernels_dir: None,
             cores: None,
             variants: Default::default(),
@@ -123,7 +154,7 @@ pub struct MemoryStats {
 
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
-    #[error("the {0} backend is not available in this build yet")]
+    #[error("the {0} backend is not available in this build (rebuild with `--features {0}`)")]
     NotCompiled(BackendKind),
     #[error("no {kind} device: {reason}")]
     NoDevice { kind: BackendKind, reason: String },
@@ -208,12 +239,33 @@ pub trait Session {
 }
 
 /// Open a backend by kind. This is the only function that knows which backends were built.
+/// With `WORKSHOP_GPU_EMULATOR=1`, cuda and hip run their kernels on the host CPU instead
+/// ([`gpu::emu`], for testing; labelled as such everywhere).
 pub fn open(kind: BackendKind) -> Result<Box<dyn Backend>, BackendError> {
     match kind {
         BackendKind::Cpu => Ok(Box::new(cpu::CpuBackend::new())),
         #[cfg(feature = "wgpu")]
         BackendKind::Wgpu => Ok(Box::new(webgpu::WgpuBackend::new()?)),
+        #[cfg(unix)]
+        BackendKind::Cuda | BackendKind::Hip if gpu::emu::requested() => {
+            Ok(Box::new(gpu::emu::EmuBackend::new(kind)))
+        }
+        #[cfg(feature = "cuda")]
+        BackendKind::Cuda => Ok(Box::new(cuda::CudaBackend::new()?)),
+        #[cfg(feature = "hip")]
+        BackendKind::Hip => Ok(Box::new(hip::HipBackend::new()?)),
+        #[allow(unreachable_patterns)]
         other => Err(BackendError::NotCompiled(other)),
+    }
+}
+
+/// Refuse `--kernels vendor` on a backend without a vendor library.
+pub fn native_only(kind: BackendKind, opt: &ExecOptions) -> Result<(), BackendError> {
+    match opt.kernels {
+        KernelFamily::Native => Ok(()),
+        KernelFamily::Vendor => Err(BackendError::Unsupported(format!(
+            "the {kind} backend has only our own kernels: --kernels vendor is for cuda (cuBLAS)"
+        ))),
     }
 }
 

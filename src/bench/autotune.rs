@@ -187,6 +187,7 @@ fn time_variant(
         variants: BTreeMap::from([("layer".to_string(), v.to_string())]),
         profile: true,
         kernels_dir: cfg.kernels_dir.clone(),
+        kernels: cfg.kernels,
     };
     let mut session = backend.prepare(cfg.device, &plan, &weights, &opt)?;
     let x = Rng::new(3).normal_tensor(plan.input_shape().to_vec());

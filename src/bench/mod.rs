@@ -86,6 +86,7 @@ pub fn prepare(cfg: &BenchConfig, weights_file: Option<&std::path::Path>) -> Res
         threads: cfg.threads,
         profile: cfg.profile || cfg.flops_prof_step.is_some(),
         kernels_dir: cfg.kernels_dir.clone(),
+        kernels: cfg.kernels,
         cores: cfg.cores.clone(),
         variants: Default::default(),
     };

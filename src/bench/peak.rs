@@ -82,6 +82,7 @@ pub fn gemm(
         threads,
         profile: false,
         kernels_dir: None,
+        kernels: Default::default(),
         cores: None,
         variants: Default::default(),
     };

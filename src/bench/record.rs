@@ -66,6 +66,9 @@ pub struct BenchConfig {
     /// GPU kernels read from this directory instead of the embedded copies.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kernels_dir: Option<std::path::PathBuf>,
+    /// Whose kernels ran the GEMM-shaped work (`--kernels`).
+    #[serde(default, skip_serializing_if = "is_native")]
+    pub kernels: crate::backend::KernelFamily,
     /// CPU backend: the cores this run was pinned to (one device of a multi-device run).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cores: Option<Vec<usize>>,
@@ -141,4 +144,8 @@ pub struct CompileInfo {
     /// What max-autotune tried and chose.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub autotune: Option<super::autotune::AutotuneReport>,
+}
+
+fn is_native(k: &crate::backend::KernelFamily) -> bool {
+    *k == crate::backend::KernelFamily::Native
 }

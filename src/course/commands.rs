@@ -526,6 +526,7 @@ pub fn book(args: BookArgs) -> Result<()> {
 
 pub fn dev(cmd: DevCommand) -> Result<()> {
     match cmd {
+        DevCommand::KernelsCheck(a) => crate::app::kernels_check_cmd(a),
         DevCommand::Lint { dir } => {
             let source = source_of(dir.as_deref());
             let files = super::read_files(&source)?;

@@ -41,6 +41,7 @@ fn bench_config(ws: &Workspace, spec: &BenchSpec) -> BenchConfig {
         weights: "random(seed=0)".into(),
         profile: false,
         kernels_dir: None,
+        kernels: Default::default(),
         flops_prof_step: None,
         cores: None,
         compile: s.compile,
@@ -708,6 +709,7 @@ pub fn accuracy(cfg: &BenchConfig) -> Result<(f64, f64, f64)> {
             threads: cfg.threads,
             profile: false,
             kernels_dir: cfg.kernels_dir.clone(),
+            kernels: cfg.kernels,
             cores: None,
             variants: Default::default(),
         };

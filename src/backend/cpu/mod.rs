@@ -186,6 +186,7 @@ impl Backend for CpuBackend {
         weights: &Weights,
         opt: &ExecOptions,
     ) -> Result<Box<dyn Session>, BackendError> {
+        super::native_only(BackendKind::Cpu, opt)?;
         if dev != 0 {
             return Err(BackendError::NoDevice {
                 kind: BackendKind::Cpu,

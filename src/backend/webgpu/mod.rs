@@ -401,6 +401,7 @@ impl Backend for WgpuBackend {
         weights: &Weights,
         opt: &ExecOptions,
     ) -> Result<Box<dyn Session>, BackendError> {
+        super::native_only(BackendKind::Wgpu, opt)?;
         let adapter = self.adapter(dev)?;
         let name = adapter.get_info().name;
         let mut features = wgpu::Features::empty();

@@ -1,0 +1,478 @@
+//! The CUDA backend: cudarc with dynamic loading, so this build runs on machines without the
+//! NVIDIA driver (and says so). Kernels are kernels/cuda/ops.cu, compiled by NVRTC at run time
+//! for the device's compute capability and cached per device for the life of the process; the
+//! vendor family hands GEMMs to cuBLAS. Everything runs in order on the legacy default stream,
+//! timed with CUDA events.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::path::Path;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream, result, sys};
+
+use super::gpu::program::{BufId, ColumnMajor};
+use super::gpu::{self, Device, GpuSession};
+use super::{Backend, BackendError, BackendKind, DeviceInfo, ExecOptions, Session, StreamTimes};
+use crate::model::{Plan, Precision, Weights};
+
+fn no_device(reason: impl Into<String>) -> BackendError {
+    BackendError::NoDevice {
+        kind: BackendKind::Cuda,
+        reason: reason.into(),
+    }
+}
+
+fn driver_error(what: &str, e: result::DriverError) -> BackendError {
+    BackendError::Invalid(format!("CUDA: {what} failed: {e:?}"))
+}
+
+/// Whether libcuda (the NVIDIA driver) can be loaded: cudarc panics on first use otherwise.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the library.
+    unsafe { sys::is_culib_present() }
+}
+
+/// Whether NVRTC can be loaded (`workshop dev kernels-check` needs only this, no GPU).
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only tries to dlopen the library.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// The NVRTC version, as `12.8`.
+pub fn nvrtc_version() -> Option<String> {
+    if !nvrtc_present() {
+        return None;
+    }
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: NVRTC is present; two out-pointers.
+    let r = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    (r == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS).then(|| format!("{major}.{minor}"))
+}
+
+fn driver_version() -> Option<String> {
+    let mut v = 0;
+    // SAFETY: the driver is loaded (callers check); one out-pointer.
+    let r = unsafe { sys::cuDriverGetVersion(&mut v) };
+    (r == sys::CUresult::CUDA_SUCCESS).then(|| format!("{}.{}", v / 1000, (v % 1000) / 10))
+}
+
+/// Compile kernels/cuda/ops.cu for `arch` (`compute_90`), returning PTX or NVRTC's full log.
+pub fn compile(
+    arch: &str,
+    precision: Precision,
+    kernels_dir: Option<&Path>,
+) -> Result<cudarc::nvrtc::Ptx, BackendError> {
+    let src = gpu::source("cuda/ops.cu", kernels_dir)?;
+    let opts = cudarc::nvrtc::CompileOptions {
+        options: vec![
+            format!("--gpu-architecture={arch}"),
+            format!("--define-macro={}", gpu::precision_define(precision)),
+            "--std=c++14".into(),
+        ],
+        name: Some("ops.cu".into()),
+        ..Default::default()
+    };
+    cudarc::nvrtc::compile_ptx_with_opts(src, opts).map_err(|e| BackendError::Compile {
+        path: kernels_dir.map_or("kernels/cuda/ops.cu (embedded)".into(), |d| {
+            d.join("cuda/ops.cu").display().to_string()
+        }),
+        log: match e {
+            cudarc::nvrtc::CompileError::CompileError { log, options, .. } => format!(
+                "{}\n(NVRTC options: {})",
+                log.to_string_lossy(),
+                options.join(" ")
+            ),
+            other => format!("{other:?}"),
+        },
+    })
+}
+
+pub struct CudaBackend {
+    count: usize,
+}
+
+impl CudaBackend {
+    pub fn new() -> Result<Self, BackendError> {
+        if !driver_present() {
+            return Err(no_device(
+                "the NVIDIA driver library (libcuda.so) was not found: install the NVIDIA \
+                 driver, or run on --backend cpu or wgpu",
+            ));
+        }
+        result::init().map_err(|e| no_device(format!("cuInit failed: {e:?}")))?;
+        let count = CudaContext::device_count()
+            .map_err(|e| no_device(format!("counting devices failed: {e:?}")))?
+            as usize;
+        if count == 0 {
+            return Err(no_device("the NVIDIA driver found no GPU"));
+        }
+        Ok(CudaBackend { count })
+    }
+
+    fn context(&self, dev: usize) -> Result<Arc<CudaContext>, BackendError> {
+        if dev >= self.count {
+            return Err(no_device(format!(
+                "there is no CUDA device {dev}: this machine has {} (0..{})",
+                self.count,
+                self.count - 1
+            )));
+        }
+        CudaContext::new(dev).map_err(|e| no_device(format!("opening device {dev}: {e:?}")))
+    }
+}
+
+fn info(ctx: &Arc<CudaContext>) -> DeviceInfo {
+    let (major, minor) = ctx.compute_capability().unwrap_or((0, 0));
+    let sms = ctx
+        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .ok();
+    DeviceInfo {
+        name: ctx.name().unwrap_or_else(|_| "CUDA device".into()),
+        memory_bytes: ctx.total_mem().ok().map(|b| b as u64),
+        driver: Some(format!(
+            "CUDA driver {}, NVRTC {}",
+            driver_version().unwrap_or_else(|| "?".into()),
+            nvrtc_version().unwrap_or_else(|| "not found".into())
+        )),
+        compute_units: sms.map(|s| s as usize),
+        features: vec![format!("sm_{major}{minor}")],
+    }
+}
+
+impl Backend for CudaBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Cuda
+    }
+
+    fn devices(&self) -> Vec<DeviceInfo> {
+        (0..self.count)
+            .filter_map(|d| self.context(d).ok())
+            .map(|c| info(&c))
+            .collect()
+    }
+
+    fn stream(
+        &self,
+        dev: usize,
+        n: usize,
+        iterations: usize,
+        _threads: Option<usize>,
+    ) -> Result<StreamTimes, BackendError> {
+        gpu::stream(CudaDevice::new(self.context(dev)?, dev)?, n, iterations)
+    }
+
+    fn memory_budget(&self, dev: usize) -> Option<u64> {
+        let ctx = self.context(dev).ok()?;
+        ctx.mem_get_info().ok().map(|(free, _)| free as u64)
+    }
+
+    fn prepare(
+        &self,
+        dev: usize,
+        plan: &Plan,
+        weights: &Weights,
+        opt: &ExecOptions,
+    ) -> Result<Box<dyn Session>, BackendError> {
+        let ctx = self.context(dev)?;
+        if !nvrtc_present() {
+            return Err(BackendError::Unsupported(
+                "NVRTC (libnvrtc.so) was not found: install the CUDA toolkit's runtime \
+                 compiler (e.g. `pip install nvidia-cuda-nvrtc-cu12` and add its lib folder to \
+                 LD_LIBRARY_PATH)"
+                    .into(),
+            ));
+        }
+        let free = ctx.mem_get_info().ok().map(|(f, _)| f as u64);
+        let device = CudaDevice::new(ctx, dev)?;
+        Ok(Box::new(GpuSession::new(device, plan, weights, opt, free)?))
+    }
+}
+
+/// Modules compiled in this process, by (device, precision, source): a session after the first
+/// pays nothing.
+type ModuleCache = HashMap<(usize, Precision, u64), Arc<CudaModule>>;
+
+fn modules() -> &'static Mutex<ModuleCache> {
+    static M: OnceLock<Mutex<ModuleCache>> = OnceLock::new();
+    M.get_or_init(Default::default)
+}
+
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    ordinal: usize,
+    allocations: Vec<sys::CUdeviceptr>,
+    events: Vec<CudaEvent>,
+    blas: Option<cudarc::cublas::CudaBlas>,
+    name: String,
+}
+
+impl CudaDevice {
+    fn new(ctx: Arc<CudaContext>, ordinal: usize) -> Result<Self, BackendError> {
+        let stream = ctx.default_stream();
+        let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
+        Ok(CudaDevice {
+            ctx,
+            stream,
+            ordinal,
+            allocations: Vec::new(),
+            events: Vec::new(),
+            blas: None,
+            name,
+        })
+    }
+
+    fn arch(&self) -> Result<String, BackendError> {
+        let (major, minor) = self
+            .ctx
+            .compute_capability()
+            .map_err(|e| driver_error("reading the compute capability", e))?;
+        Ok(format!("compute_{major}{minor}"))
+    }
+
+    fn bind(&self) -> Result<(), BackendError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver_error("binding the context", e))
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        if self.bind().is_ok() {
+            let _ = self.ctx.synchronize();
+            for p in self.allocations.drain(..) {
+                // SAFETY: allocated by `alloc` in this context and no longer used.
+                let _ = unsafe { result::free_sync(p) };
+            }
+        }
+    }
+}
+
+impl Device for CudaDevice {
+    type Function = CudaFunction;
+
+    fn compile(
+        &mut self,
+        precision: Precision,
+        kernels_dir: Option<&Path>,
+        names: &[&'static str],
+    ) -> Result<Vec<CudaFunction>, BackendError> {
+        self.bind()?;
+        let src = gpu::source("cuda/ops.cu", kernels_dir)?;
+        let key = (self.ordinal, precision, hash(&src));
+        let cached = modules()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&key)
+            .cloned();
+        let module = match cached {
+            Some(m) => m,
+            None => {
+                let ptx = compile(&self.arch()?, precision, kernels_dir)?;
+                let m = self
+                    .ctx
+                    .load_module(ptx)
+                    .map_err(|e| driver_error("loading the compiled kernels", e))?;
+                modules()
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(key, m.clone());
+                m
+            }
+        };
+        names
+            .iter()
+            .map(|n| {
+                module.load_function(n).map_err(|e| BackendError::Compile {
+                    path: "kernels/cuda/ops.cu".into(),
+                    log: format!("no kernel `{n}` in the compiled module: {e:?}"),
+                })
+            })
+            .collect()
+    }
+
+    fn alloc(&mut self, bytes: u64) -> Result<u64, BackendError> {
+        self.bind()?;
+        // SAFETY: a plain allocation, freed in Drop.
+        let p = unsafe { result::malloc_sync(bytes as usize) }.map_err(|e| {
+            if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                BackendError::OutOfMemory {
+                    needed: bytes,
+                    available: result::mem_get_info().map_or(0, |(f, _)| f as u64),
+                    suggestion: None,
+                }
+            } else {
+                driver_error("allocating device memory", e)
+            }
+        })?;
+        self.allocations.push(p);
+        // SAFETY: `p` has `bytes` bytes.
+        unsafe { result::memset_d8_sync(p, 0, bytes as usize) }
+            .map_err(|e| driver_error("clearing device memory", e))?;
+        Ok(p)
+    }
+
+    fn upload(&mut self, ptr: u64, data: &[u8]) -> Result<(), BackendError> {
+        self.bind()?;
+        // SAFETY: `ptr` is one of our allocations, at least `data.len()` long. The copy is
+        // synchronous and ordered with the legacy default stream.
+        unsafe { result::memcpy_htod_sync(ptr, data) }
+            .map_err(|e| driver_error("copying to the device", e))
+    }
+
+    fn download(&mut self, ptr: u64, out: &mut [u8]) -> Result<(), BackendError> {
+        self.bind()?;
+        // SAFETY: as in `upload`; waits for the work before it on the default stream.
+        unsafe { result::memcpy_dtoh_sync(out, ptr) }
+            .map_err(|e| driver_error("copying from the device", e))
+    }
+
+    fn launch(
+        &mut self,
+        f: &CudaFunction,
+        grid: [u32; 3],
+        block: u32,
+        args: &[u8],
+    ) -> Result<(), BackendError> {
+        let mut params = [args.as_ptr() as *mut c_void];
+        // SAFETY: the kernel takes one argument struct, of which `args` holds the bytes (the
+        // driver copies them at launch); its pointers are our allocations.
+        unsafe {
+            result::launch_kernel(
+                f.cu_function(),
+                (grid[0], grid[1], grid[2]),
+                (block, 1, 1),
+                0,
+                self.stream.cu_stream(),
+                &mut params,
+            )
+        }
+        .map_err(|e| driver_error("launching a kernel", e))
+    }
+
+    fn vendor_gemm(&self) -> Result<(), BackendError> {
+        // SAFETY: only tries to dlopen the library.
+        if unsafe { cudarc::cublas::sys::is_culib_present() } {
+            Ok(())
+        } else {
+            Err(BackendError::Unsupported(
+                "--kernels vendor needs cuBLAS (libcublas.so), which was not found: install \
+                 the CUDA toolkit's libraries (e.g. `pip install nvidia-cublas-cu12`)"
+                    .into(),
+            ))
+        }
+    }
+
+    fn gemm(
+        &mut self,
+        g: &ColumnMajor,
+        ptr: &dyn Fn(BufId) -> u64,
+        precision: Precision,
+    ) -> Result<(), BackendError> {
+        use cudarc::cublas::sys as cb;
+        if self.blas.is_none() {
+            self.vendor_gemm()?;
+            self.blas = Some(
+                cudarc::cublas::CudaBlas::new(self.stream.clone()).map_err(|e| {
+                    BackendError::Invalid(format!("creating the cuBLAS handle failed: {e:?}"))
+                })?,
+            );
+        }
+        let blas = self.blas.as_ref().expect("created above");
+        let ty = match precision {
+            Precision::Fp32 => cb::cudaDataType::CUDA_R_32F,
+            Precision::Fp16 => cb::cudaDataType::CUDA_R_16F,
+            Precision::Bf16 => cb::cudaDataType::CUDA_R_16BF,
+        };
+        let op = |t: bool| {
+            if t {
+                cb::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                cb::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let (alpha, beta) = (1f32, 0f32);
+        let i = |v: usize| v as i32;
+        // SAFETY: the pointers are our allocations, sized by the program for this GEMM.
+        unsafe {
+            cudarc::cublas::result::gemm_strided_batched_ex(
+                *blas.handle(),
+                op(g.trans_first),
+                cb::cublasOperation_t::CUBLAS_OP_N,
+                i(g.m),
+                i(g.n),
+                i(g.k),
+                &alpha as *const f32 as *const c_void,
+                ptr(g.first) as *const c_void,
+                ty,
+                i(g.ld_first),
+                g.stride_first as i64,
+                ptr(g.second) as *const c_void,
+                ty,
+                i(g.ld_second),
+                g.stride_second as i64,
+                &beta as *const f32 as *const c_void,
+                ptr(g.c) as *mut c_void,
+                ty,
+                i(g.ldc),
+                g.stride_c as i64,
+                i(g.batch),
+                cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| BackendError::Invalid(format!("cuBLAS GEMM failed: {e:?}")))
+    }
+
+    fn marks(&mut self, count: usize) -> Result<(), BackendError> {
+        self.events = (0..count)
+            .map(|_| {
+                self.ctx
+                    .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(|e| driver_error("creating an event", e))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(())
+    }
+
+    fn mark(&mut self, i: usize) -> Result<(), BackendError> {
+        self.events[i]
+            .record(&self.stream)
+            .map_err(|e| driver_error("recording an event", e))
+    }
+
+    fn mark_times(&mut self, count: usize) -> Result<Vec<u64>, BackendError> {
+        (0..count)
+            .map(|i| {
+                self.events[0]
+                    .elapsed_ms(&self.events[i])
+                    .map(|ms| (ms as f64 * 1e6) as u64)
+                    .map_err(|e| driver_error("reading an event", e))
+            })
+            .collect()
+    }
+
+    fn sync(&mut self) -> Result<(), BackendError> {
+        self.stream
+            .synchronize()
+            .map_err(|e| driver_error("waiting for the GPU", e))
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{} ({}, NVRTC {})",
+            self.name,
+            self.arch().unwrap_or_default(),
+            nvrtc_version().unwrap_or_default()
+        )
+    }
+}
+
+fn hash(s: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    s.hash(&mut h);
+    h.finish()
+}

@@ -1,0 +1,442 @@
+//! The GPU kernels run on the host CPU, for testing. The kernels of kernels/gpu/ops.cuh use no
+//! shared memory and no barriers, so each thread can run on its own: a small C++ prelude turns
+//! `KERNEL(...)` into a function that loops over a range of blocks and threads, the system C++
+//! compiler builds it into a shared library, and launches call it (blocks in parallel). Library
+//! GEMMs (the vendor family) are computed here in column-major order, exactly as cuBLAS and
+//! hipBLAS are called, so the argument mapping is tested too.
+//!
+//! It is a developer's tool, selected with `WORKSHOP_GPU_EMULATOR=1` for the cuda and hip
+//! backends: every number it produces is labelled as emulated, and its timings say nothing
+//! about any GPU.
+
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::path::Path;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
+
+use rayon::prelude::*;
+
+use super::program::{BufId, ColumnMajor};
+use super::{Device, precision_define, source};
+use crate::backend::{BackendError, BackendKind, DeviceInfo};
+use crate::model::Precision;
+
+/// The environment variable that makes the cuda and hip backends run on this emulator.
+pub const ENV: &str = "WORKSHOP_GPU_EMULATOR";
+
+/// Whether the emulator was asked for.
+pub fn requested() -> bool {
+    std::env::var(ENV).is_ok_and(|v| !v.is_empty() && v != "0")
+}
+
+/// What `devices()` shows for an emulated backend.
+pub fn device_info(kind: BackendKind) -> DeviceInfo {
+    DeviceInfo {
+        name: format!("{kind} kernels emulated on the host CPU ({ENV}; timings mean nothing)"),
+        memory_bytes: None,
+        driver: Some(compiler()),
+        compute_units: None,
+        features: vec!["emulated".into()],
+    }
+}
+
+/// The C++ compiler: `$CXX`, or `c++`.
+fn compiler() -> String {
+    std::env::var("CXX").unwrap_or_else(|_| "c++".into())
+}
+
+/// Turns the CUDA-style kernels into host functions over a range of blocks.
+const PRELUDE: &str = r#"
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+struct ws_dim3 { unsigned x, y, z; };
+static thread_local ws_dim3 blockIdx, threadIdx, blockDim, gridDim;
+#define __device__
+#define __global__
+using std::max;
+using std::min;
+static inline float f16_to_f32(unsigned short h) { _Float16 v; std::memcpy(&v, &h, 2); return (float)v; }
+static inline unsigned short f32_to_f16(float f) { _Float16 v = (_Float16)f; unsigned short h; std::memcpy(&h, &v, 2); return h; }
+#define KERNEL(name, Args)                                                                       \
+    static void name##_thread(const Args& a);                                                    \
+    extern "C" unsigned long emu_size_##name() { return sizeof(Args); }                          \
+    extern "C" void emu_##name(const void* args, const unsigned* dims, unsigned long first,      \
+                               unsigned long last) {                                             \
+        Args a;                                                                                  \
+        std::memcpy(&a, args, sizeof(Args));                                                     \
+        gridDim = {dims[0], dims[1], dims[2]};                                                   \
+        blockDim = {dims[3], 1, 1};                                                              \
+        for (unsigned long b = first; b < last; ++b) {                                           \
+            blockIdx = {(unsigned)(b % dims[0]), (unsigned)((b / dims[0]) % dims[1]),            \
+                        (unsigned)(b / ((unsigned long)dims[0] * dims[1]))};                     \
+            for (unsigned t = 0; t < dims[3]; ++t) {                                             \
+                threadIdx = {t, 0, 0};                                                           \
+                name##_thread(a);                                                                \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+    static void name##_thread(const Args& a)
+"#;
+
+type KernelFn = unsafe extern "C" fn(*const u8, *const u32, u64, u64);
+type SizeFn = unsafe extern "C" fn() -> u64;
+
+/// A compiled kernel library, open for the life of the process.
+struct Library(*mut libc::c_void);
+// SAFETY: the handle is only read (dlsym), which is thread-safe.
+unsafe impl Send for Library {}
+unsafe impl Sync for Library {}
+
+impl Library {
+    fn symbol(&self, name: &str) -> Option<*mut libc::c_void> {
+        let c = std::ffi::CString::new(name).ok()?;
+        // SAFETY: a valid handle and a NUL-terminated name.
+        let p = unsafe { libc::dlsym(self.0, c.as_ptr()) };
+        (!p.is_null()).then_some(p)
+    }
+}
+
+/// Compiled libraries by source hash: tests prepare many sessions from the same source.
+fn compiled() -> &'static Mutex<HashMap<u64, Arc<Library>>> {
+    static CACHE: OnceLock<Mutex<HashMap<u64, Arc<Library>>>> = OnceLock::new();
+    CACHE.get_or_init(Default::default)
+}
+
+/// Compile `text` (the prelude and the kernels) with the host C++ compiler and open it.
+fn build(text: &str, path_hint: &str) -> Result<Arc<Library>, BackendError> {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    text.hash(&mut h);
+    let key = h.finish();
+    let mut cache = compiled().lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(lib) = cache.get(&key) {
+        return Ok(lib.clone());
+    }
+    let fail = |log: String| BackendError::Compile {
+        path: format!("{path_hint} (for the CPU emulator)"),
+        log,
+    };
+    let dir = std::env::temp_dir().join(format!("workshop-emu-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| fail(format!("cannot create {dir:?}: {e}")))?;
+    let src = dir.join(format!("{key:016x}.cpp"));
+    let lib = dir.join(format!("{key:016x}.so"));
+    std::fs::write(&src, text).map_err(|e| fail(format!("cannot write {src:?}: {e}")))?;
+    let out = std::process::Command::new(compiler())
+        .args(["-std=c++17", "-O2", "-fPIC", "-shared", "-w", "-o"])
+        .arg(&lib)
+        .arg(&src)
+        .output()
+        .map_err(|e| {
+            fail(format!(
+                "cannot run the C++ compiler `{}` ({e}): install g++ or set CXX",
+                compiler()
+            ))
+        })?;
+    if !out.status.success() {
+        return Err(fail(String::from_utf8_lossy(&out.stderr).into_owned()));
+    }
+    let c = std::ffi::CString::new(lib.to_string_lossy().as_bytes()).expect("a path");
+    // SAFETY: dlopen of a library we just built; RTLD_NOW resolves everything up front.
+    let handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    let _ = std::fs::remove_file(&src);
+    let _ = std::fs::remove_file(&lib);
+    if handle.is_null() {
+        return Err(fail("dlopen failed on the compiled kernels".into()));
+    }
+    let lib = Arc::new(Library(handle));
+    cache.insert(key, lib.clone());
+    Ok(lib)
+}
+
+/// A kernel of the emulator: its entry point and the size of its argument struct.
+#[derive(Clone)]
+pub struct EmuFunction {
+    name: &'static str,
+    entry: KernelFn,
+    args_size: usize,
+    _lib: Arc<Library>,
+}
+
+/// Host memory posing as device memory; launches run before `launch` returns.
+pub struct EmuDevice {
+    kind: BackendKind,
+    /// Every allocation, kept alive (and in place) for the session's life.
+    memory: Vec<Box<[u64]>>,
+    marks: Vec<Option<Instant>>,
+}
+
+impl EmuDevice {
+    pub fn new(kind: BackendKind) -> Self {
+        EmuDevice {
+            kind,
+            memory: Vec::new(),
+            marks: Vec::new(),
+        }
+    }
+
+    /// The dialect file whose kernels this emulates (their shared body is the same).
+    fn dialect(&self) -> &'static str {
+        match self.kind {
+            BackendKind::Hip => "hip/ops.hip",
+            _ => "cuda/ops.cu",
+        }
+    }
+}
+
+/// Compile the shared kernel body for the host, as [`Device::compile`] does for a GPU; also
+/// used by `workshop dev kernels-check`.
+pub fn compile_source(
+    precision: Precision,
+    kernels_dir: Option<&Path>,
+) -> Result<String, BackendError> {
+    let body = source("gpu/ops.cuh", kernels_dir)?;
+    Ok(format!(
+        "#define {}\n{PRELUDE}\n{body}",
+        precision_define(precision)
+    ))
+}
+
+impl Device for EmuDevice {
+    type Function = EmuFunction;
+
+    fn compile(
+        &mut self,
+        precision: Precision,
+        kernels_dir: Option<&Path>,
+        names: &[&'static str],
+    ) -> Result<Vec<EmuFunction>, BackendError> {
+        let lib = build(
+            &compile_source(precision, kernels_dir)?,
+            "kernels/gpu/ops.cuh",
+        )?;
+        names
+            .iter()
+            .map(|&name| {
+                let missing = || BackendError::Compile {
+                    path: self.dialect().into(),
+                    log: format!("no kernel named `{name}`"),
+                };
+                let entry = lib.symbol(&format!("emu_{name}")).ok_or_else(missing)?;
+                let size = lib
+                    .symbol(&format!("emu_size_{name}"))
+                    .ok_or_else(missing)?;
+                // SAFETY: both symbols come from the KERNEL macro of the prelude, with these types.
+                let (entry, size) = unsafe {
+                    (
+                        std::mem::transmute::<*mut libc::c_void, KernelFn>(entry),
+                        std::mem::transmute::<*mut libc::c_void, SizeFn>(size),
+                    )
+                };
+                Ok(EmuFunction {
+                    name,
+                    entry,
+                    // SAFETY: a plain function returning sizeof.
+                    args_size: unsafe { size() } as usize,
+                    _lib: lib.clone(),
+                })
+            })
+            .collect()
+    }
+
+    fn alloc(&mut self, bytes: u64) -> Result<u64, BackendError> {
+        let words = (bytes as usize).div_ceil(8).max(1);
+        let b = vec![0u64; words].into_boxed_slice();
+        let p = b.as_ptr() as u64;
+        self.memory.push(b);
+        Ok(p)
+    }
+
+    fn upload(&mut self, ptr: u64, data: &[u8]) -> Result<(), BackendError> {
+        // SAFETY: `ptr` came from `alloc` with at least `data.len()` bytes (the program sizes
+        // every buffer for what is written to it).
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), ptr as *mut u8, data.len()) };
+        Ok(())
+    }
+
+    fn download(&mut self, ptr: u64, out: &mut [u8]) -> Result<(), BackendError> {
+        // SAFETY: as in `upload`.
+        unsafe { std::ptr::copy_nonoverlapping(ptr as *const u8, out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    fn launch(
+        &mut self,
+        f: &EmuFunction,
+        grid: [u32; 3],
+        block: u32,
+        args: &[u8],
+    ) -> Result<(), BackendError> {
+        if args.len() != f.args_size {
+            return Err(BackendError::Invalid(format!(
+                "kernel `{}` takes a {}-byte argument struct, the host packed {} bytes",
+                f.name,
+                f.args_size,
+                args.len()
+            )));
+        }
+        let dims = [grid[0], grid[1], grid[2], block];
+        let blocks = grid.iter().map(|&g| g as u64).product::<u64>();
+        let chunk = blocks
+            .div_ceil(rayon::current_num_threads() as u64 * 4)
+            .max(1);
+        let (args_ptr, dims_ptr) = (args.as_ptr() as usize, dims.as_ptr() as usize);
+        (0..blocks.div_ceil(chunk)).into_par_iter().for_each(|c| {
+            let first = c * chunk;
+            let last = (first + chunk).min(blocks);
+            // SAFETY: the argument struct has the size the kernel expects (checked above), its
+            // pointers are this device's allocations, and the kernels write disjoint outputs
+            // per thread, so blocks may run concurrently.
+            unsafe { (f.entry)(args_ptr as *const u8, dims_ptr as *const u32, first, last) };
+        });
+        Ok(())
+    }
+
+    fn vendor_gemm(&self) -> Result<(), BackendError> {
+        if self.kind == BackendKind::Hip {
+            // As the real HIP backend: this build links no hipBLAS.
+            return Err(BackendError::Unsupported(
+                "--kernels vendor on hip needs hipBLAS, which is not in this build".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn gemm(
+        &mut self,
+        g: &ColumnMajor,
+        ptr: &dyn Fn(BufId) -> u64,
+        precision: Precision,
+    ) -> Result<(), BackendError> {
+        self.vendor_gemm()?;
+        let (first, second, c) = (ptr(g.first), ptr(g.second), ptr(g.c));
+        for batch in 0..g.batch {
+            let f0 = batch * g.stride_first;
+            let s0 = batch * g.stride_second;
+            let c0 = batch * g.stride_c;
+            for j in 0..g.n {
+                for i in 0..g.m {
+                    let mut acc = 0f32;
+                    for l in 0..g.k {
+                        let a = if g.trans_first {
+                            f0 + l + i * g.ld_first
+                        } else {
+                            f0 + i + l * g.ld_first
+                        };
+                        // SAFETY: indices within the buffers the program sized for this GEMM.
+                        unsafe {
+                            acc += load(first, a, precision)
+                                * load(second, s0 + l + j * g.ld_second, precision);
+                        }
+                    }
+                    // SAFETY: as above.
+                    unsafe { store(c, c0 + i + j * g.ldc, acc, precision) };
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn marks(&mut self, count: usize) -> Result<(), BackendError> {
+        self.marks = vec![None; count];
+        Ok(())
+    }
+
+    fn mark(&mut self, i: usize) -> Result<(), BackendError> {
+        self.marks[i] = Some(Instant::now());
+        Ok(())
+    }
+
+    fn mark_times(&mut self, count: usize) -> Result<Vec<u64>, BackendError> {
+        let t0 = self.marks.first().copied().flatten();
+        (0..count)
+            .map(|i| match (t0, self.marks.get(i).copied().flatten()) {
+                (Some(a), Some(b)) => Ok(b.duration_since(a).as_nanos() as u64),
+                _ => Err(BackendError::Invalid(
+                    "a timing mark was not recorded".into(),
+                )),
+            })
+            .collect()
+    }
+
+    fn sync(&mut self) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn describe(&self) -> String {
+        format!("{} kernels emulated on the host CPU", self.kind)
+    }
+}
+
+/// Element `i` of an array in the storage type, as f32.
+unsafe fn load(base: u64, i: usize, p: Precision) -> f32 {
+    // SAFETY: the caller keeps `i` within the array.
+    unsafe {
+        match p {
+            Precision::Fp32 => *(base as *const f32).add(i),
+            Precision::Fp16 => half::f16::from_bits(*(base as *const u16).add(i)).to_f32(),
+            Precision::Bf16 => half::bf16::from_bits(*(base as *const u16).add(i)).to_f32(),
+        }
+    }
+}
+
+unsafe fn store(base: u64, i: usize, v: f32, p: Precision) {
+    // SAFETY: the caller keeps `i` within the array.
+    unsafe {
+        match p {
+            Precision::Fp32 => *(base as *mut f32).add(i) = v,
+            Precision::Fp16 => *(base as *mut u16).add(i) = half::f16::from_f32(v).to_bits(),
+            Precision::Bf16 => *(base as *mut u16).add(i) = half::bf16::from_f32(v).to_bits(),
+        }
+    }
+}
+
+/// The cuda or hip backend with [`EmuDevice`] underneath (`WORKSHOP_GPU_EMULATOR=1`).
+pub struct EmuBackend {
+    kind: BackendKind,
+}
+
+impl EmuBackend {
+    pub fn new(kind: BackendKind) -> Self {
+        EmuBackend { kind }
+    }
+}
+
+impl crate::backend::Backend for EmuBackend {
+    fn kind(&self) -> BackendKind {
+        self.kind
+    }
+
+    fn devices(&self) -> Vec<DeviceInfo> {
+        vec![device_info(self.kind)]
+    }
+
+    fn stream(
+        &self,
+        _dev: usize,
+        n: usize,
+        iterations: usize,
+        _threads: Option<usize>,
+    ) -> Result<crate::backend::StreamTimes, BackendError> {
+        super::stream(EmuDevice::new(self.kind), n, iterations)
+    }
+
+    fn prepare(
+        &self,
+        dev: usize,
+        plan: &crate::model::Plan,
+        weights: &crate::model::Weights,
+        opt: &crate::backend::ExecOptions,
+    ) -> Result<Box<dyn crate::backend::Session>, BackendError> {
+        if dev != 0 {
+            return Err(BackendError::NoDevice {
+                kind: self.kind,
+                reason: format!("the emulator has one device (0), not {dev}"),
+            });
+        }
+        let device = EmuDevice::new(self.kind);
+        Ok(Box::new(super::GpuSession::new(
+            device, plan, weights, opt, None,
+        )?))
+    }
+}

@@ -1,0 +1,401 @@
+//! What the CUDA and HIP backends share: one kernel source (kernels/gpu/ops.cuh, included by
+//! kernels/cuda/ops.cu and kernels/hip/ops.hip), one [`program`] that lays a plan out as
+//! launches, and one [`GpuSession`] that runs it on anything implementing [`Device`]: CUDA
+//! through cudarc, HIP through hip-sys, or [`emu`], which compiles the same kernels for the host
+//! CPU so that the shared path is tested on machines without a GPU.
+
+pub mod check;
+#[cfg(unix)]
+pub mod emu;
+pub mod program;
+
+use std::path::Path;
+
+use super::{BackendError, ExecOptions, KernelTime, MemoryStats, Session};
+use crate::model::{Plan, Precision, Tensor, Weights};
+use program::{Contents, Program, Work};
+
+/// The kernel files in the binary, by their path under kernels/.
+pub const SOURCES: &[(&str, &str)] = &[
+    ("gpu/ops.cuh", include_str!("../../../kernels/gpu/ops.cuh")),
+    ("cuda/ops.cu", include_str!("../../../kernels/cuda/ops.cu")),
+    ("hip/ops.hip", include_str!("../../../kernels/hip/ops.hip")),
+];
+
+/// A kernel file with its `#include "..."` lines replaced by the files they name (relative to
+/// kernels/), with `#line` markers so compile errors name the right file and line. Read from
+/// `kernels_dir` when given, else from the copies in the binary.
+pub fn source(path: &str, kernels_dir: Option<&Path>) -> Result<String, BackendError> {
+    let read = |p: &str| -> Result<(String, String), BackendError> {
+        match kernels_dir {
+            Some(dir) => {
+                let full = dir.join(p);
+                let text = std::fs::read_to_string(&full).map_err(|e| BackendError::Compile {
+                    path: full.display().to_string(),
+                    log: format!("cannot read the kernel: {e}"),
+                })?;
+                Ok((full.display().to_string(), text))
+            }
+            None => SOURCES
+                .iter()
+                .find(|(f, _)| *f == p)
+                .map(|(f, t)| (format!("kernels/{f}"), t.to_string()))
+                .ok_or_else(|| BackendError::Compile {
+                    path: format!("kernels/{p}"),
+                    log: "this kernel file is not embedded in the binary (add it to SOURCES)"
+                        .into(),
+                }),
+        }
+    };
+    let (name, text) = read(path)?;
+    let dir = Path::new(path).parent().unwrap_or(Path::new(""));
+    let mut out = format!("#line 1 \"{name}\"\n");
+    for (i, line) in text.lines().enumerate() {
+        let included = line
+            .trim()
+            .strip_prefix("#include \"")
+            .and_then(|r| r.strip_suffix('"'));
+        match included {
+            Some(inc) => {
+                let target = normalize(&dir.join(inc));
+                out.push_str(&source(&target, kernels_dir)?);
+                out.push_str(&format!("#line {} \"{name}\"\n", i + 2));
+            }
+            None => {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// `cuda/../gpu/ops.cuh` → `gpu/ops.cuh`.
+fn normalize(p: &Path) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for c in p.components() {
+        match c {
+            std::path::Component::ParentDir => {
+                parts.pop();
+            }
+            std::path::Component::Normal(s) => parts.push(s.to_string_lossy().into_owned()),
+            _ => {}
+        }
+    }
+    parts.join("/")
+}
+
+/// The preprocessor definition that selects the storage type in ops.cuh.
+pub fn precision_define(p: Precision) -> &'static str {
+    match p {
+        Precision::Fp32 => "WS_FP32",
+        Precision::Fp16 => "WS_FP16",
+        Precision::Bf16 => "WS_BF16",
+    }
+}
+
+/// A device as the shared session drives it: memory, compiled kernels, launches in order on one
+/// stream, and timing marks between them.
+pub trait Device {
+    type Function: Clone;
+    /// Compile kernels/gpu/ops.cuh (through the backend's dialect file) for `precision` and
+    /// look up `names` in it.
+    fn compile(
+        &mut self,
+        precision: Precision,
+        kernels_dir: Option<&Path>,
+        names: &[&'static str],
+    ) -> Result<Vec<Self::Function>, BackendError>;
+    /// Device memory of `bytes` (zeroed), as an address kernels take.
+    fn alloc(&mut self, bytes: u64) -> Result<u64, BackendError>;
+    fn upload(&mut self, ptr: u64, data: &[u8]) -> Result<(), BackendError>;
+    /// Copy device memory to the host, after everything enqueued before has finished.
+    fn download(&mut self, ptr: u64, out: &mut [u8]) -> Result<(), BackendError>;
+    /// Enqueue a launch of `block` threads per block; `args` is the kernel's argument struct.
+    fn launch(
+        &mut self,
+        f: &Self::Function,
+        grid: [u32; 3],
+        block: u32,
+        args: &[u8],
+    ) -> Result<(), BackendError>;
+    /// Whether [`Device::gemm`] can run here: asked at prepare time, so `--kernels vendor`
+    /// without a library is refused before anything runs.
+    fn vendor_gemm(&self) -> Result<(), BackendError>;
+    /// Enqueue a library GEMM in the session's precision (the vendor kernel family).
+    fn gemm(
+        &mut self,
+        g: &program::ColumnMajor,
+        ptr: &dyn Fn(program::BufId) -> u64,
+        precision: Precision,
+    ) -> Result<(), BackendError>;
+    /// Make `count` timing marks available (0..count).
+    fn marks(&mut self, count: usize) -> Result<(), BackendError>;
+    /// Enqueue mark `i`: it records when the work enqueued before it has finished.
+    fn mark(&mut self, i: usize) -> Result<(), BackendError>;
+    /// Nanoseconds from mark 0 to each mark, once `sync` has returned.
+    fn mark_times(&mut self, count: usize) -> Result<Vec<u64>, BackendError>;
+    fn sync(&mut self) -> Result<(), BackendError>;
+    /// For records: the device, the compiler and the kernel library.
+    fn describe(&self) -> String;
+}
+
+/// A launch with everything resolved: the function, the grid and the argument bytes.
+enum Ready<F> {
+    Kernel { f: F, grid: [u32; 3], args: Vec<u8> },
+    Gemm(program::ColumnMajor),
+}
+
+/// A prepared forward pass on a [`Device`]. Every launch's arguments are packed once, at
+/// prepare time; a forward pass only enqueues.
+pub struct GpuSession<D: Device> {
+    device: D,
+    program: Program,
+    ready: Vec<Ready<D::Function>>,
+    ptrs: Vec<u64>,
+    profile: bool,
+    ran: bool,
+}
+
+impl<D: Device> GpuSession<D> {
+    /// Lay `plan` out, refuse it when it needs more than `free` bytes, then allocate, upload
+    /// and resolve every launch on `device`.
+    pub fn new(
+        mut device: D,
+        plan: &Plan,
+        weights: &Weights,
+        opt: &ExecOptions,
+        free: Option<u64>,
+    ) -> Result<Self, BackendError> {
+        let program = program::build(plan, weights, opt.precision, opt.kernels)?;
+        if let Some(free) = free {
+            fits(&program, plan.batch(), free)?;
+        }
+        if program
+            .steps
+            .iter()
+            .any(|s| matches!(s.work, Work::Gemm(_)))
+        {
+            device.vendor_gemm()?;
+        }
+        let mut names: Vec<&'static str> = program
+            .steps
+            .iter()
+            .filter_map(|s| match &s.work {
+                Work::Kernel(l) => Some(l.kernel),
+                Work::Gemm(_) => None,
+            })
+            .collect();
+        names.sort_unstable();
+        names.dedup();
+        let functions = device.compile(opt.precision, opt.kernels_dir.as_deref(), &names)?;
+        let mut ptrs = Vec::with_capacity(program.buffers.len());
+        for b in &program.buffers {
+            let p = device.alloc(b.bytes)?;
+            if let Contents::Weights(data) = &b.contents {
+                device.upload(p, data)?;
+            }
+            ptrs.push(p);
+        }
+        let ptr = |b: program::BufId| ptrs[b];
+        let mut ready = Vec::with_capacity(program.steps.len());
+        for s in &program.steps {
+            ready.push(match &s.work {
+                Work::Kernel(l) => {
+                    let i = names
+                        .binary_search(&l.kernel)
+                        .expect("every kernel was compiled");
+                    Ready::Kernel {
+                        f: functions[i].clone(),
+                        grid: l.grid,
+                        args: program::pack(&l.args, ptr),
+                    }
+                }
+                Work::Gemm(g) => Ready::Gemm(g.column_major()),
+            });
+        }
+        if opt.profile {
+            device.marks(program.steps.len() + 1)?;
+        }
+        Ok(GpuSession {
+            device,
+            program,
+            ready,
+            ptrs,
+            profile: opt.profile,
+            ran: false,
+        })
+    }
+}
+
+impl<D: Device> Session for GpuSession<D> {
+    fn run(&mut self, input: &Tensor) -> Result<(), BackendError> {
+        if input.shape != self.program.input_shape {
+            return Err(BackendError::Invalid(format!(
+                "input has shape {:?}, the prepared plan expects {:?}",
+                input.shape, self.program.input_shape
+            )));
+        }
+        let bytes = program::storage_bytes(&input.data, Precision::Fp32);
+        self.device.upload(self.ptrs[self.program.input], &bytes)?;
+        if self.profile {
+            self.device.mark(0)?;
+        }
+        let ptrs = &self.ptrs;
+        for (i, r) in self.ready.iter().enumerate() {
+            match r {
+                Ready::Kernel { f, grid, args } => {
+                    self.device.launch(f, *grid, program::BLOCK, args)?
+                }
+                Ready::Gemm(g) => self.device.gemm(g, &|b| ptrs[b], self.program.precision)?,
+            }
+            if self.profile {
+                self.device.mark(i + 1)?;
+            }
+        }
+        self.ran = true;
+        Ok(())
+    }
+
+    fn sync(&mut self) -> Result<(), BackendError> {
+        self.device.sync()
+    }
+
+    fn read_output(&mut self) -> Result<Tensor, BackendError> {
+        if !self.ran {
+            return Err(BackendError::Invalid("no forward pass has run yet".into()));
+        }
+        let n: usize = self.program.output_shape.iter().product();
+        let mut bytes = vec![0u8; n * 4];
+        self.device
+            .download(self.ptrs[self.program.output], &mut bytes)?;
+        let data = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        Ok(Tensor::new(self.program.output_shape.clone(), data))
+    }
+
+    fn kernel_times(&mut self) -> Option<Vec<KernelTime>> {
+        if !self.profile {
+            return None;
+        }
+        if !self.ran {
+            return Some(Vec::new());
+        }
+        self.device.sync().ok()?;
+        let t = self.device.mark_times(self.ready.len() + 1).ok()?;
+        let p = self.program.precision;
+        Some(
+            self.program
+                .steps
+                .iter()
+                .enumerate()
+                .map(|(i, s)| KernelTime {
+                    node: s.node.clone(),
+                    op: s.op.to_string(),
+                    kernel: s.kernel_name(p),
+                    start_ns: t[i],
+                    ns: t[i + 1].saturating_sub(t[i]),
+                })
+                .collect(),
+        )
+    }
+
+    fn memory(&self) -> MemoryStats {
+        let weights = self.program.weight_bytes();
+        let activations = self.program.activation_bytes();
+        MemoryStats {
+            weights,
+            peak_activations: activations,
+            peak: weights + activations,
+        }
+    }
+
+    fn kernel_version(&self) -> String {
+        format!(
+            "workshop-gpu {} on {} ({})",
+            env!("CARGO_PKG_VERSION"),
+            self.device.describe(),
+            self.program.precision
+        )
+    }
+}
+
+/// The memory-bandwidth probe on a [`Device`]: `n` f32 values per array, timed with marks.
+pub fn stream<D: Device>(
+    mut device: D,
+    n: usize,
+    iterations: usize,
+) -> Result<super::StreamTimes, BackendError> {
+    let n = n.min(i32::MAX as usize);
+    let f = device
+        .compile(Precision::Fp32, None, &["stream"])?
+        .remove(0);
+    let bytes = n as u64 * 4;
+    let (a, b, c) = (
+        device.alloc(bytes)?,
+        device.alloc(bytes)?,
+        device.alloc(bytes)?,
+    );
+    let fill = |v: f32| program::storage_bytes(&vec![v; n], Precision::Fp32);
+    device.upload(a, &fill(1.0))?;
+    device.upload(c, &fill(3.0))?;
+    let grid = program::grid_1d(n)?;
+    let time = |device: &mut D, triad: bool| -> Result<Vec<f64>, BackendError> {
+        let args = program::pack(
+            &[
+                program::Arg::Buf(0),
+                program::Arg::Buf(1),
+                program::Arg::Buf(2),
+                program::Arg::I32(n as i32),
+                program::Arg::I32(triad as i32),
+            ],
+            |i| [a, c, b][i],
+        );
+        device.marks(iterations + 2)?;
+        device.launch(&f, grid, program::BLOCK, &args)?;
+        for i in 0..=iterations {
+            device.mark(i)?;
+            device.launch(&f, grid, program::BLOCK, &args)?;
+        }
+        device.mark(iterations + 1)?;
+        device.sync()?;
+        let t = device.mark_times(iterations + 2)?;
+        Ok(t.windows(2)
+            .skip(1)
+            .map(|w| (w[1] - w[0]) as f64 * 1e-9)
+            .collect())
+    };
+    let copy_s = time(&mut device, false)?;
+    let triad_s = time(&mut device, true)?;
+    let mut out = vec![0u8; n * 4];
+    device.download(b, &mut out)?;
+    if out
+        .chunks_exact(4)
+        .any(|v| f32::from_ne_bytes([v[0], v[1], v[2], v[3]]) != 2.5)
+    {
+        return Err(BackendError::Invalid(
+            "the triad computed wrong values: the measurement is void".into(),
+        ));
+    }
+    Ok(super::StreamTimes { n, copy_s, triad_s })
+}
+
+/// Refuse a program that needs more than `free` bytes, suggesting a batch that fits.
+pub fn fits(p: &Program, batch: usize, free: u64) -> Result<(), BackendError> {
+    let needed = p.weight_bytes() + p.activation_bytes();
+    if needed <= free {
+        return Ok(());
+    }
+    let per_image = p.activation_bytes() / batch.max(1) as u64;
+    let room = free.saturating_sub(p.weight_bytes());
+    let suggestion = (per_image > 0)
+        .then(|| (room / per_image) as usize)
+        .filter(|&b| b >= 1 && b < batch);
+    Err(BackendError::OutOfMemory {
+        needed,
+        available: free,
+        suggestion,
+    })
+}

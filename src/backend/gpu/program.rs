@@ -1,0 +1,872 @@
+//! A planned graph as a list of kernel launches over numbered buffers, for the CUDA and HIP
+//! backends (and the CPU emulator of their kernels). Building it is plain arithmetic — launch
+//! shapes, argument structs, buffer reuse — so it is tested without a device; a `Device` then
+//! only allocates, uploads and launches what the program says.
+
+use std::collections::HashMap;
+
+use crate::backend::{BackendError, KernelFamily};
+use crate::model::op::{Act, Conv2d, Op, batch_norm_affine};
+use crate::model::{Plan, Precision, Weights};
+
+/// A buffer of the program, by index into [`Program::buffers`].
+pub type BufId = usize;
+
+/// One field of a kernel's argument struct, in declaration order.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Arg {
+    Buf(BufId),
+    /// A pointer the kernel does not read (an absent bias or residual).
+    Null,
+    I32(i32),
+    F32(f32),
+}
+
+/// The bytes of a C struct holding `args` in order: pointers 8-aligned, 32-bit values 4-aligned,
+/// the size rounded up to 8 (the struct's alignment when it holds a pointer). `ptr` gives a
+/// buffer's device address.
+pub fn pack(args: &[Arg], ptr: impl Fn(BufId) -> u64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(args.len() * 8);
+    for a in args {
+        match *a {
+            Arg::Buf(_) | Arg::Null => {
+                out.resize(out.len().next_multiple_of(8), 0);
+                let p = if let Arg::Buf(b) = *a { ptr(b) } else { 0 };
+                out.extend_from_slice(&p.to_ne_bytes());
+            }
+            Arg::I32(v) => out.extend_from_slice(&v.to_ne_bytes()),
+            Arg::F32(v) => out.extend_from_slice(&v.to_ne_bytes()),
+        }
+    }
+    out.resize(out.len().next_multiple_of(8).max(8), 0);
+    out
+}
+
+/// Threads per block of every launch.
+pub const BLOCK: u32 = 256;
+/// The largest grid dimension every CUDA and HIP device takes in y and z (and our x, folded).
+pub const MAX_GRID: u32 = 65_535;
+
+/// A 1-D launch of `total` threads folded into a 2-D grid (the kernels' `linear_index`).
+pub fn grid_1d(total: usize) -> Result<[u32; 3], BackendError> {
+    let blocks = total.div_ceil(BLOCK as usize).max(1);
+    let gx = blocks.min(MAX_GRID as usize);
+    let gy = blocks.div_ceil(gx);
+    if gy > MAX_GRID as usize {
+        return Err(BackendError::Invalid(format!(
+            "{total} threads are more than one launch takes: use a smaller batch"
+        )));
+    }
+    Ok([gx as u32, gy as u32, 1])
+}
+
+/// Must match CONV_CO_TILE in kernels/gpu/ops.cuh.
+pub const CONV_CO_TILE: usize = 8;
+
+/// The conv kernel's grid: x over output pixels, y over groups × blocks of output channels.
+pub fn conv_grid(
+    pixels: usize,
+    out_channels: usize,
+    groups: usize,
+) -> Result<[u32; 3], BackendError> {
+    let gx = pixels.div_ceil(BLOCK as usize).max(1);
+    let gy = groups * (out_channels / groups).div_ceil(CONV_CO_TILE);
+    if gx > i32::MAX as usize || gy > MAX_GRID as usize {
+        return Err(BackendError::Invalid(format!(
+            "a convolution over {pixels} pixels and {out_channels} channels in {groups} groups \
+             needs a larger grid than devices take: use a smaller batch"
+        )));
+    }
+    Ok([gx as u32, gy as u32, 1])
+}
+
+/// A kernel launch of the program.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Launch {
+    /// The `extern "C"` name in kernels/gpu/ops.cuh.
+    pub kernel: &'static str,
+    pub grid: [u32; 3],
+    pub args: Vec<Arg>,
+}
+
+/// A library GEMM in row-major terms, batched with strides (in elements):
+/// C[i] (m×n) = A[i] (m×k) · B[i] (k×n), where B is stored n×k when `trans_b`.
+/// Storage is the session's precision; accumulation is f32; C is overwritten.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Gemm {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub a: BufId,
+    pub b: BufId,
+    pub c: BufId,
+    pub trans_b: bool,
+    pub batch: usize,
+    pub stride_a: usize,
+    pub stride_b: usize,
+    pub stride_c: usize,
+}
+
+/// The same GEMM as a column-major library sees it (cuBLAS, hipBLAS): a row-major matrix is its
+/// transpose in column-major, so C = A·B is computed as Cᵀ = Bᵀ·Aᵀ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ColumnMajor {
+    pub trans_first: bool,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    /// The first operand (our B) and its leading dimension and stride.
+    pub first: BufId,
+    pub ld_first: usize,
+    pub stride_first: usize,
+    /// The second operand (our A).
+    pub second: BufId,
+    pub ld_second: usize,
+    pub stride_second: usize,
+    pub c: BufId,
+    pub ldc: usize,
+    pub stride_c: usize,
+    pub batch: usize,
+}
+
+impl Gemm {
+    pub fn column_major(&self) -> ColumnMajor {
+        ColumnMajor {
+            trans_first: self.trans_b,
+            m: self.n,
+            n: self.m,
+            k: self.k,
+            first: self.b,
+            ld_first: if self.trans_b { self.k } else { self.n },
+            stride_first: self.stride_b,
+            second: self.a,
+            ld_second: self.k,
+            stride_second: self.stride_a,
+            c: self.c,
+            ldc: self.n,
+            stride_c: self.stride_c,
+            batch: self.batch,
+        }
+    }
+
+    pub fn flops(&self) -> u64 {
+        2 * (self.m * self.n * self.k * self.batch) as u64
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Work {
+    Kernel(Launch),
+    Gemm(Gemm),
+}
+
+/// One piece of work and the graph node it belongs to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Step {
+    /// The node's module name, or `output` for the final conversion.
+    pub node: String,
+    pub op: &'static str,
+    pub work: Work,
+}
+
+impl Step {
+    /// The kernel's name as profiles show it.
+    pub fn kernel_name(&self, precision: Precision) -> String {
+        match &self.work {
+            Work::Kernel(l) => format!("{}_{}", l.kernel, precision.name()),
+            Work::Gemm(_) => format!("vendor_gemm_{}", precision.name()),
+        }
+    }
+}
+
+/// What a buffer holds when the session starts.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Contents {
+    /// Weights, already in the storage type.
+    Weights(Vec<u8>),
+    /// Activations, scratch, the input and the output: written by the program.
+    Empty,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Buffer {
+    pub bytes: u64,
+    pub contents: Contents,
+}
+
+/// A planned graph, ready to be laid out on a device.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Program {
+    pub buffers: Vec<Buffer>,
+    pub steps: Vec<Step>,
+    /// The f32 NCHW input the host writes.
+    pub input: BufId,
+    /// The f32 output the host reads, in the plan's logical shape.
+    pub output: BufId,
+    pub input_shape: Vec<usize>,
+    pub output_shape: Vec<usize>,
+    pub precision: Precision,
+}
+
+impl Program {
+    pub fn weight_bytes(&self) -> u64 {
+        self.buffers
+            .iter()
+            .filter(|b| matches!(b.contents, Contents::Weights(_)))
+            .map(|b| b.bytes)
+            .sum()
+    }
+
+    /// Everything else: activations (reused once dead), scratch, input and output.
+    pub fn activation_bytes(&self) -> u64 {
+        self.buffers
+            .iter()
+            .filter(|b| b.contents == Contents::Empty)
+            .map(|b| b.bytes)
+            .sum()
+    }
+}
+
+/// Values in the storage type, as bytes (native endianness, as the device reads them).
+pub fn storage_bytes(v: &[f32], precision: Precision) -> Vec<u8> {
+    match precision {
+        Precision::Fp32 => v.iter().flat_map(|x| x.to_ne_bytes()).collect(),
+        Precision::Fp16 => v
+            .iter()
+            .flat_map(|x| half::f16::from_f32(*x).to_ne_bytes())
+            .collect(),
+        Precision::Bf16 => v
+            .iter()
+            .flat_map(|x| half::bf16::from_f32(*x).to_ne_bytes())
+            .collect(),
+    }
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    storage_bytes(v, Precision::Fp32)
+}
+
+fn i32_of(v: usize, what: &str) -> Result<i32, BackendError> {
+    i32::try_from(v).map_err(|_| {
+        BackendError::Invalid(format!(
+            "{what} is {v}, more than the kernels' 32-bit indices take: use a smaller batch"
+        ))
+    })
+}
+
+/// Builds a [`Program`]: buffers are added as they are needed and activation buffers are
+/// reused once every reader of their value has run.
+struct Builder {
+    buffers: Vec<Buffer>,
+    steps: Vec<Step>,
+    /// Free activation buffers.
+    free: Vec<BufId>,
+    /// Value (node id) → buffer.
+    of: HashMap<usize, BufId>,
+    /// Live values per buffer (aliases share one).
+    refs: HashMap<BufId, usize>,
+    precision: Precision,
+}
+
+impl Builder {
+    fn buffer(&mut self, bytes: u64, contents: Contents) -> BufId {
+        self.buffers.push(Buffer {
+            bytes: bytes.next_multiple_of(8).max(8),
+            contents,
+        });
+        self.buffers.len() - 1
+    }
+
+    fn weights(&mut self, values: &[f32]) -> BufId {
+        let bytes = storage_bytes(values, self.precision);
+        self.buffer(bytes.len() as u64, Contents::Weights(bytes))
+    }
+
+    fn f32s(&mut self, values: &[f32]) -> BufId {
+        let bytes = f32_bytes(values);
+        self.buffer(bytes.len() as u64, Contents::Weights(bytes))
+    }
+
+    /// An activation buffer of at least `bytes` for `value`: the smallest free one that fits.
+    fn take(&mut self, value: usize, bytes: u64) -> BufId {
+        let bytes = bytes.next_multiple_of(8).max(8);
+        let best = self
+            .free
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| self.buffers[**b].bytes >= bytes)
+            .min_by_key(|(_, b)| self.buffers[**b].bytes)
+            .map(|(slot, &b)| (slot, b));
+        let id = match best {
+            Some((slot, b)) => {
+                self.free.swap_remove(slot);
+                b
+            }
+            None => self.buffer(bytes, Contents::Empty),
+        };
+        *self.refs.entry(id).or_default() += 1;
+        self.of.insert(value, id);
+        id
+    }
+
+    fn alias(&mut self, value: usize, of: usize) {
+        let b = self.of[&of];
+        *self.refs.entry(b).or_default() += 1;
+        self.of.insert(value, b);
+    }
+
+    fn release(&mut self, value: usize) {
+        if let Some(&b) = self.of.get(&value) {
+            let r = self.refs.entry(b).or_default();
+            *r -= 1;
+            if *r == 0 {
+                self.free.push(b);
+            }
+        }
+    }
+
+    fn launch(
+        &mut self,
+        node: &str,
+        op: &'static str,
+        kernel: &'static str,
+        grid: [u32; 3],
+        args: Vec<Arg>,
+    ) {
+        self.steps.push(Step {
+            node: node.to_string(),
+            op,
+            work: Work::Kernel(Launch { kernel, grid, args }),
+        });
+    }
+}
+
+/// The epilogue fields of the conv kernel (and of the vendor path's epilogue kernel).
+fn act_code(act: Act) -> i32 {
+    match act {
+        Act::None => 0,
+        Act::Relu => 1,
+        Act::Relu6 => 2,
+    }
+}
+
+/// Lay `plan` out as kernel launches in `precision`. With [`KernelFamily::Vendor`], dense
+/// convolutions and linear layers become library GEMMs (after an im2col for k×k convolutions)
+/// followed by an epilogue kernel; grouped convolutions keep our kernel.
+pub fn build(
+    plan: &Plan,
+    weights: &Weights,
+    precision: Precision,
+    family: KernelFamily,
+) -> Result<Program, BackendError> {
+    let mut b = Builder {
+        buffers: Vec::new(),
+        steps: Vec::new(),
+        free: Vec::new(),
+        of: HashMap::new(),
+        refs: HashMap::new(),
+        precision,
+    };
+    let numel = |s: &[usize]| s.iter().product::<usize>();
+    let esize = precision.bytes() as u64;
+    let input_shape = plan.input_shape().to_vec();
+    let output_shape = plan.output_shape().to_vec();
+    let input = b.buffer(numel(&input_shape) as u64 * 4, Contents::Empty);
+    // One im2col buffer serves every vendor convolution (they run one after another).
+    let mut scratch: Option<BufId> = None;
+    let mut scratch_bytes = 0u64;
+    let mut scratch_users: Vec<usize> = Vec::new();
+    let dims4 = |id: usize| -> (usize, usize, usize, usize) {
+        match *plan.shapes[id].as_slice() {
+            [n, c, h, w] => (n, c, h, w),
+            [n, f] => (n, f, 1, 1),
+            _ => (1, numel(&plan.shapes[id]), 1, 1),
+        }
+    };
+    for (id, node) in plan.graph.nodes.iter().enumerate() {
+        let op = node.op.kind_name();
+        let total = numel(&plan.shapes[id]);
+        let total_i = i32_of(total, &format!("`{}`'s size", node.name))?;
+        let get = |suffix: &str| -> Result<&[f32], BackendError> {
+            let name = format!("{}.{}", node.name, suffix);
+            weights
+                .get(&name)
+                .map(|t| t.data.as_slice())
+                .ok_or_else(|| BackendError::Invalid(format!("weights have no tensor `{name}`")))
+        };
+        let (n, c, h, w) = dims4(id);
+        let (_, xc, xh, xw) = node.inputs.first().map_or((0, 0, 0, 0), |&i| dims4(i));
+        let x = node.inputs.first().map(|i| b.of.get(i).copied());
+        let x = match x {
+            Some(Some(buf)) => Arg::Buf(buf),
+            _ => Arg::Null,
+        };
+        if matches!(node.op, Op::Dropout { .. } | Op::Flatten) {
+            // NCHW order is already the flattened order: the value shares its input's buffer.
+            b.alias(id, node.inputs[0]);
+        } else {
+            let y = b.take(id, total as u64 * esize);
+            let grid = grid_1d(total)?;
+            let conv_like = match &node.op {
+                Op::Conv2d(conv) => Some((*conv, get("weight")?, conv.bias)),
+                Op::Linear {
+                    in_features,
+                    out_features,
+                    bias,
+                } => Some((
+                    Conv2d {
+                        bias: *bias,
+                        ..Conv2d::new(*in_features, *out_features, 1, 1, 0)
+                    },
+                    get("weight")?,
+                    *bias,
+                )),
+                _ => None,
+            };
+            match (&node.op, conv_like) {
+                (_, Some((conv, wt, has_bias))) => {
+                    let bias = if has_bias {
+                        Some(b.f32s(get("bias")?))
+                    } else {
+                        None
+                    };
+                    let res = if conv.residual {
+                        Arg::Buf(b.of[&node.inputs[1]])
+                    } else {
+                        Arg::Null
+                    };
+                    let wbuf = b.weights(wt);
+                    let bias_arg = bias.map_or(Arg::Null, Arg::Buf);
+                    let dense = conv.groups == 1;
+                    if family == KernelFamily::Vendor && dense {
+                        let pixels = h * w;
+                        let kk = xc * conv.kernel.0 * conv.kernel.1;
+                        let direct = conv.kernel == (1, 1)
+                            && conv.stride == (1, 1)
+                            && conv.padding == (0, 0);
+                        let cols = if direct {
+                            match x {
+                                Arg::Buf(buf) => buf,
+                                _ => unreachable!("a convolution always has an input"),
+                            }
+                        } else {
+                            let bytes = (n * kk * pixels) as u64 * esize;
+                            let s = *scratch.get_or_insert_with(|| {
+                                let id = b.buffers.len();
+                                b.buffers.push(Buffer {
+                                    bytes: 0,
+                                    contents: Contents::Empty,
+                                });
+                                id
+                            });
+                            scratch_bytes = scratch_bytes.max(bytes);
+                            scratch_users.push(id);
+                            let args = vec![
+                                x,
+                                Arg::Buf(s),
+                                Arg::I32(n as i32),
+                                Arg::I32(xc as i32),
+                                Arg::I32(xh as i32),
+                                Arg::I32(xw as i32),
+                                Arg::I32(h as i32),
+                                Arg::I32(w as i32),
+                                Arg::I32(conv.kernel.0 as i32),
+                                Arg::I32(conv.kernel.1 as i32),
+                                Arg::I32(conv.stride.0 as i32),
+                                Arg::I32(conv.stride.1 as i32),
+                                Arg::I32(conv.padding.0 as i32),
+                                Arg::I32(conv.padding.1 as i32),
+                                Arg::I32(conv.dilation.0 as i32),
+                                Arg::I32(conv.dilation.1 as i32),
+                            ];
+                            i32_of(n * kk * pixels, &format!("`{}`'s im2col", node.name))?;
+                            b.launch(&node.name, op, "im2col", grid_1d(n * kk * pixels)?, args);
+                            s
+                        };
+                        let gemm = if matches!(node.op, Op::Linear { .. }) {
+                            // Y (n × out) = X (n × in) · Wᵀ, W stored out × in.
+                            Gemm {
+                                m: n,
+                                n: c,
+                                k: xc,
+                                a: cols,
+                                b: wbuf,
+                                c: y,
+                                trans_b: true,
+                                batch: 1,
+                                stride_a: 0,
+                                stride_b: 0,
+                                stride_c: 0,
+                            }
+                        } else {
+                            // Per image: Y (cout × pixels) = W (cout × cin·kh·kw) · columns.
+                            Gemm {
+                                m: c,
+                                n: pixels,
+                                k: kk,
+                                a: wbuf,
+                                b: cols,
+                                c: y,
+                                trans_b: false,
+                                batch: n,
+                                stride_a: 0,
+                                stride_b: kk * pixels,
+                                stride_c: c * pixels,
+                            }
+                        };
+                        b.steps.push(Step {
+                            node: node.name.clone(),
+                            op,
+                            work: Work::Gemm(gemm),
+                        });
+                        if has_bias || conv.residual || conv.act != Act::None {
+                            let args = vec![
+                                bias_arg,
+                                res,
+                                Arg::Buf(y),
+                                Arg::I32(total_i),
+                                Arg::I32(c as i32),
+                                Arg::I32((h * w) as i32),
+                                Arg::I32(act_code(conv.act)),
+                                Arg::I32(has_bias as i32),
+                                Arg::I32(conv.residual as i32),
+                            ];
+                            b.launch(&node.name, op, "epilogue", grid, args);
+                        }
+                    } else {
+                        let args = vec![
+                            x,
+                            Arg::Buf(wbuf),
+                            bias_arg,
+                            res,
+                            Arg::Buf(y),
+                            Arg::I32(n as i32),
+                            Arg::I32(xc as i32),
+                            Arg::I32(xh as i32),
+                            Arg::I32(xw as i32),
+                            Arg::I32(c as i32),
+                            Arg::I32(h as i32),
+                            Arg::I32(w as i32),
+                            Arg::I32(conv.kernel.0 as i32),
+                            Arg::I32(conv.kernel.1 as i32),
+                            Arg::I32(conv.stride.0 as i32),
+                            Arg::I32(conv.stride.1 as i32),
+                            Arg::I32(conv.padding.0 as i32),
+                            Arg::I32(conv.padding.1 as i32),
+                            Arg::I32(conv.dilation.0 as i32),
+                            Arg::I32(conv.dilation.1 as i32),
+                            Arg::I32(conv.groups as i32),
+                            Arg::I32(act_code(conv.act)),
+                            Arg::I32(has_bias as i32),
+                            Arg::I32(conv.residual as i32),
+                        ];
+                        let g = conv_grid(n * h * w, c, conv.groups)?;
+                        b.launch(&node.name, op, "conv2d", g, args);
+                    }
+                }
+                (Op::Input { .. }, _) => {
+                    let args = vec![Arg::Buf(input), Arg::Buf(y), Arg::I32(total_i)];
+                    b.launch(&node.name, op, "to_elem", grid, args);
+                }
+                (Op::BatchNorm { eps, .. }, _) => {
+                    let (g, beta, m, v) = (
+                        get("weight")?,
+                        get("bias")?,
+                        get("running_mean")?,
+                        get("running_var")?,
+                    );
+                    let (scale, shift) = batch_norm_affine(g, beta, m, v, *eps);
+                    let (scale, shift) = (b.f32s(&scale), b.f32s(&shift));
+                    let args = vec![
+                        x,
+                        Arg::Buf(scale),
+                        Arg::Buf(shift),
+                        Arg::Buf(y),
+                        Arg::I32(total_i),
+                        Arg::I32(c as i32),
+                        Arg::I32((h * w) as i32),
+                    ];
+                    b.launch(&node.name, op, "affine", grid, args);
+                }
+                (Op::Relu | Op::Relu6, _) => {
+                    let hi = if matches!(node.op, Op::Relu6) {
+                        6.0
+                    } else {
+                        f32::MAX
+                    };
+                    let args = vec![
+                        x,
+                        Arg::Buf(y),
+                        Arg::I32(total_i),
+                        Arg::F32(0.0),
+                        Arg::F32(hi),
+                    ];
+                    b.launch(&node.name, op, "clamp", grid, args);
+                }
+                (Op::Add, _) => {
+                    let z = Arg::Buf(b.of[&node.inputs[1]]);
+                    b.launch(
+                        &node.name,
+                        op,
+                        "add",
+                        grid,
+                        vec![x, z, Arg::Buf(y), Arg::I32(total_i)],
+                    );
+                }
+                (Op::MaxPool(p) | Op::AvgPool(p), _) => {
+                    let kernel = if matches!(node.op, Op::MaxPool(_)) {
+                        "max_pool"
+                    } else {
+                        "avg_pool"
+                    };
+                    let args = pool_args(
+                        x,
+                        y,
+                        (n * c, xh, xw, h, w),
+                        p.kernel,
+                        p.stride,
+                        p.padding,
+                        p.count_include_pad,
+                    );
+                    b.launch(&node.name, op, kernel, grid, args);
+                }
+                (Op::AdaptiveAvgPool { .. }, _) => {
+                    let args =
+                        pool_args(x, y, (n * c, xh, xw, h, w), (1, 1), (1, 1), (0, 0), false);
+                    b.launch(&node.name, op, "adaptive_avg_pool", grid, args);
+                }
+                (Op::Softmax, _) => {
+                    let cols = *plan.shapes[id].last().unwrap_or(&1);
+                    let rows = total / cols.max(1);
+                    let args = vec![x, Arg::Buf(y), Arg::I32(rows as i32), Arg::I32(cols as i32)];
+                    b.launch(&node.name, op, "softmax", grid_1d(rows)?, args);
+                }
+                (Op::Conv2d(_) | Op::Linear { .. } | Op::Dropout { .. } | Op::Flatten, None) => {
+                    unreachable!("handled above")
+                }
+            }
+        }
+        for &i in &node.inputs {
+            if plan.last_use[i] == id {
+                b.release(i);
+            }
+        }
+    }
+    if let Some(s) = scratch {
+        b.buffers[s].bytes = scratch_bytes.next_multiple_of(8).max(8);
+    }
+    let out_total = numel(&output_shape);
+    let output = b.buffer(out_total as u64 * 4, Contents::Empty);
+    let last = Arg::Buf(b.of[&plan.graph.output]);
+    b.launch(
+        "output",
+        "output",
+        "to_f32",
+        grid_1d(out_total)?,
+        vec![last, Arg::Buf(output), Arg::I32(out_total as i32)],
+    );
+    Ok(Program {
+        buffers: b.buffers,
+        steps: b.steps,
+        input,
+        output,
+        input_shape,
+        output_shape,
+        precision,
+    })
+}
+
+/// The pooling kernels' arguments: (planes, h, w, oh, ow), window, stride, padding.
+fn pool_args(
+    x: Arg,
+    y: BufId,
+    (planes, h, w, oh, ow): (usize, usize, usize, usize, usize),
+    kernel: (usize, usize),
+    stride: (usize, usize),
+    padding: (usize, usize),
+    count_include_pad: bool,
+) -> Vec<Arg> {
+    let i = |v: usize| Arg::I32(v as i32);
+    vec![
+        x,
+        Arg::Buf(y),
+        i(planes),
+        i(h),
+        i(w),
+        i(oh),
+        i(ow),
+        i(kernel.0),
+        i(kernel.1),
+        i(stride.0),
+        i(stride.1),
+        i(padding.0),
+        i(padding.1),
+        i(count_include_pad as usize),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arguments_pack_like_a_c_struct() {
+        // struct { const float* x; float* y; int total; float lo; float hi; } → 8+8+4+4+4 = 28,
+        // rounded up to the struct's 8-byte alignment.
+        let b = pack(
+            &[
+                Arg::Buf(0),
+                Arg::Buf(1),
+                Arg::I32(7),
+                Arg::F32(0.0),
+                Arg::F32(6.0),
+            ],
+            |i| 0x1000 + i as u64 * 0x100,
+        );
+        assert_eq!(b.len(), 32);
+        assert_eq!(u64::from_ne_bytes(b[8..16].try_into().unwrap()), 0x1100);
+        assert_eq!(i32::from_ne_bytes(b[16..20].try_into().unwrap()), 7);
+        assert_eq!(f32::from_ne_bytes(b[24..28].try_into().unwrap()), 6.0);
+        // A pointer after an odd number of ints is realigned; a null pointer is zero.
+        let b = pack(&[Arg::I32(1), Arg::Null, Arg::I32(2)], |_| 9);
+        assert_eq!(b.len(), 24);
+        assert_eq!(&b[4..16], &[0u8; 12]);
+    }
+
+    #[test]
+    fn launches_fold_into_grids_devices_take() {
+        assert_eq!(grid_1d(1).unwrap(), [1, 1, 1]);
+        assert_eq!(grid_1d(256).unwrap(), [1, 1, 1]);
+        assert_eq!(grid_1d(257).unwrap(), [2, 1, 1]);
+        let g = grid_1d(65_536 * 256).unwrap();
+        assert_eq!(g, [65_535, 2, 1]);
+        assert!((g[0] as usize * g[1] as usize) * 256 >= 65_536 * 256);
+        assert!(grid_1d(usize::MAX / 2).is_err());
+        // ResNet-50's first conv at batch 32: 112² pixels per image, 64 channels in 8 blocks.
+        assert_eq!(conv_grid(32 * 112 * 112, 64, 1).unwrap(), [1568, 8, 1]);
+        // Depthwise: one block per group of 1 channel.
+        assert_eq!(conv_grid(100, 960, 960).unwrap(), [1, 960, 1]);
+        assert!(conv_grid(100, 70_000 * 8, 70_000).is_err());
+    }
+
+    /// A column-major GEMM as cuBLAS computes it, on f32 slices.
+    fn column_major_gemm(g: &ColumnMajor, bufs: &mut [Vec<f32>]) {
+        for batch in 0..g.batch {
+            for j in 0..g.n {
+                for i in 0..g.m {
+                    let mut acc = 0.0;
+                    for l in 0..g.k {
+                        let f = if g.trans_first {
+                            l + i * g.ld_first
+                        } else {
+                            i + l * g.ld_first
+                        };
+                        acc += bufs[g.first][batch * g.stride_first + f]
+                            * bufs[g.second][batch * g.stride_second + l + j * g.ld_second];
+                    }
+                    bufs[g.c][batch * g.stride_c + i + j * g.ldc] = acc;
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn row_major_gemms_map_onto_column_major_calls() {
+        let (m, n, k, batch) = (3, 4, 5, 2);
+        let a: Vec<f32> = (0..batch * m * k).map(|v| (v % 7) as f32 - 3.0).collect();
+        let b: Vec<f32> = (0..batch * k * n).map(|v| (v % 5) as f32 * 0.5).collect();
+        for trans_b in [false, true] {
+            // B stored n×k when transposed: the same matrix, laid out the other way.
+            let stored_b: Vec<f32> = if trans_b {
+                (0..batch)
+                    .flat_map(|s| {
+                        let b = &b;
+                        (0..n).flat_map(move |j| (0..k).map(move |l| b[s * k * n + l * n + j]))
+                    })
+                    .collect()
+            } else {
+                b.clone()
+            };
+            let g = Gemm {
+                m,
+                n,
+                k,
+                a: 0,
+                b: 1,
+                c: 2,
+                trans_b,
+                batch,
+                stride_a: m * k,
+                stride_b: k * n,
+                stride_c: m * n,
+            };
+            let mut bufs = vec![a.clone(), stored_b, vec![0.0; batch * m * n]];
+            column_major_gemm(&g.column_major(), &mut bufs);
+            for s in 0..batch {
+                for i in 0..m {
+                    for j in 0..n {
+                        let want: f32 = (0..k)
+                            .map(|l| a[s * m * k + i * k + l] * b[s * k * n + l * n + j])
+                            .sum();
+                        assert_eq!(bufs[2][s * m * n + i * n + j], want, "trans_b {trans_b}");
+                    }
+                }
+            }
+        }
+        assert_eq!(
+            Gemm {
+                m,
+                n,
+                k,
+                a: 0,
+                b: 1,
+                c: 2,
+                trans_b: false,
+                batch,
+                stride_a: 0,
+                stride_b: 0,
+                stride_c: 0
+            }
+            .flops(),
+            2 * 3 * 4 * 5 * 2
+        );
+    }
+
+    #[test]
+    fn activation_buffers_are_reused_once_dead() {
+        use crate::model::zoo;
+        let g = zoo::build("resnet18").unwrap();
+        let plan = g.plan(1, 64, 64).unwrap();
+        let w = Weights::init(&g, 0);
+        let p = build(&plan, &w, Precision::Fp32, KernelFamily::Native).unwrap();
+        let activations = p
+            .buffers
+            .iter()
+            .filter(|b| b.contents == Contents::Empty)
+            .count();
+        assert!(
+            activations < plan.graph.nodes.len() / 4,
+            "{activations} activation buffers for {} nodes",
+            plan.graph.nodes.len()
+        );
+        // Every launch names only buffers of the program, and the last one writes the output.
+        for s in &p.steps {
+            if let Work::Kernel(l) = &s.work {
+                for a in &l.args {
+                    if let Arg::Buf(b) = a {
+                        assert!(*b < p.buffers.len());
+                    }
+                }
+            }
+        }
+        let Work::Kernel(last) = &p.steps.last().unwrap().work else {
+            panic!("the last step converts the output");
+        };
+        assert_eq!(last.kernel, "to_f32");
+        assert_eq!(last.args[1], Arg::Buf(p.output));
+        // The vendor family adds an im2col scratch buffer and GEMMs, never more weights.
+        let v = build(&plan, &w, Precision::Fp32, KernelFamily::Vendor).unwrap();
+        assert_eq!(v.weight_bytes(), p.weight_bytes());
+        assert!(v.steps.iter().any(|s| matches!(s.work, Work::Gemm(_))));
+    }
+}

@@ -1,0 +1,572 @@
+//! The HIP backend (opt-in: `--features hip`, which links libamdhip64 through hip-sys). Kernels
+//! are kernels/hip/ops.hip, compiled by hiprtc at run time for the device's gfx target — only
+//! for targets this ROCm's hiprtc knows, since it aborts the process on others — and cached per
+//! device for the life of the process. hiprtc's functions are exported by libamdhip64 itself;
+//! the few we need are declared here. There is no vendor GEMM in this build (hipBLAS is not
+//! linked): `--kernels vendor` says so.
+
+use std::collections::HashMap;
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::path::Path;
+use std::sync::{Mutex, OnceLock};
+
+use hip_sys::hiprt as h;
+
+use super::gpu::program::{BufId, ColumnMajor};
+use super::gpu::{self, Device, GpuSession};
+use super::{Backend, BackendError, BackendKind, DeviceInfo, ExecOptions, Session, StreamTimes};
+use crate::model::{Plan, Precision, Weights};
+
+#[link(name = "amdhip64")]
+unsafe extern "C" {
+    fn hiprtcCreateProgram(
+        prog: *mut *mut c_void,
+        src: *const c_char,
+        name: *const c_char,
+        num_headers: c_int,
+        headers: *const *const c_char,
+        include_names: *const *const c_char,
+    ) -> c_int;
+    fn hiprtcCompileProgram(prog: *mut c_void, n: c_int, options: *const *const c_char) -> c_int;
+    fn hiprtcGetProgramLogSize(prog: *mut c_void, size: *mut usize) -> c_int;
+    fn hiprtcGetProgramLog(prog: *mut c_void, log: *mut c_char) -> c_int;
+    fn hiprtcGetCodeSize(prog: *mut c_void, size: *mut usize) -> c_int;
+    fn hiprtcGetCode(prog: *mut c_void, code: *mut c_char) -> c_int;
+    fn hiprtcDestroyProgram(prog: *mut *mut c_void) -> c_int;
+    fn hiprtcVersion(major: *mut c_int, minor: *mut c_int) -> c_int;
+}
+
+/// The targets `workshop dev kernels-check` compiles for without a GPU.
+pub const CHECK_TARGETS: [&str; 3] = ["gfx90a", "gfx908", "gfx1030"];
+
+/// hiprtc's version, as (major, minor).
+pub fn hiprtc_version() -> Option<(i32, i32)> {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: two out-pointers.
+    let r = unsafe { hiprtcVersion(&mut major, &mut minor) };
+    (r == 0).then_some((major, minor))
+}
+
+/// The gfx targets this ROCm's hiprtc compiles for. It aborts the whole process on a target it
+/// does not know (ROCm 5.2 on gfx940/942/1100), so anything else is refused before it is asked.
+pub fn known_targets() -> Vec<&'static str> {
+    let mut t = vec![
+        "gfx803", "gfx900", "gfx906", "gfx908", "gfx90a", "gfx1010", "gfx1011", "gfx1012",
+        "gfx1030", "gfx1031", "gfx1032", "gfx1034", "gfx1035",
+    ];
+    let v = hiprtc_version().unwrap_or((0, 0));
+    if v >= (5, 5) {
+        t.extend([
+            "gfx940", "gfx941", "gfx942", "gfx1100", "gfx1101", "gfx1102",
+        ]);
+    }
+    if v >= (6, 3) {
+        t.extend(["gfx1200", "gfx1201"]);
+    }
+    if v >= (6, 4) {
+        t.push("gfx950");
+    }
+    t
+}
+
+/// `gfx90a:sramecc+:xnack-` → `gfx90a`.
+pub fn base_target(arch: &str) -> &str {
+    arch.split(':').next().unwrap_or(arch)
+}
+
+/// Compile kernels/hip/ops.hip for `arch` with hiprtc: a code object, or the full log.
+pub fn compile(
+    arch: &str,
+    precision: Precision,
+    kernels_dir: Option<&Path>,
+) -> Result<Vec<u8>, BackendError> {
+    let path = kernels_dir.map_or("kernels/hip/ops.hip (embedded)".into(), |d| {
+        d.join("hip/ops.hip").display().to_string()
+    });
+    let fail = |log: String| BackendError::Compile {
+        path: path.clone(),
+        log,
+    };
+    if !known_targets().contains(&base_target(arch)) {
+        return Err(BackendError::Unsupported(format!(
+            "this ROCm's hiprtc ({}) does not know the target {arch}; it knows {}",
+            hiprtc_version().map_or("unknown version".into(), |(a, b)| format!("{a}.{b}")),
+            known_targets().join(", ")
+        )));
+    }
+    let src = CString::new(gpu::source("hip/ops.hip", kernels_dir)?)
+        .map_err(|_| fail("the source contains a NUL byte".into()))?;
+    let name = CString::new("ops.hip").expect("no NUL");
+    let options: Vec<CString> = [
+        format!("--offload-arch={arch}"),
+        format!("-D{}", gpu::precision_define(precision)),
+        "-O3".into(),
+    ]
+    .into_iter()
+    .map(|o| CString::new(o).expect("no NUL"))
+    .collect();
+    let option_ptrs: Vec<*const c_char> = options.iter().map(|o| o.as_ptr()).collect();
+    let mut prog: *mut c_void = std::ptr::null_mut();
+    // SAFETY: valid C strings that outlive the program; the program is destroyed below.
+    unsafe {
+        let r = hiprtcCreateProgram(
+            &mut prog,
+            src.as_ptr(),
+            name.as_ptr(),
+            0,
+            std::ptr::null(),
+            std::ptr::null(),
+        );
+        if r != 0 {
+            return Err(fail(format!("hiprtcCreateProgram failed ({r})")));
+        }
+        let r = hiprtcCompileProgram(prog, option_ptrs.len() as c_int, option_ptrs.as_ptr());
+        let mut log_size = 0usize;
+        hiprtcGetProgramLogSize(prog, &mut log_size);
+        let mut log = vec![0u8; log_size.max(1)];
+        hiprtcGetProgramLog(prog, log.as_mut_ptr() as *mut c_char);
+        let log = String::from_utf8_lossy(&log)
+            .trim_end_matches('\0')
+            .to_string();
+        let code = if r == 0 {
+            let mut size = 0usize;
+            hiprtcGetCodeSize(prog, &mut size);
+            let mut code = vec![0u8; size];
+            hiprtcGetCode(prog, code.as_mut_ptr() as *mut c_char);
+            Ok(code)
+        } else {
+            Err(fail(format!("{log}\n(hiprtc options: {})", {
+                let o: Vec<String> = options
+                    .iter()
+                    .map(|o| o.to_string_lossy().into_owned())
+                    .collect();
+                o.join(" ")
+            })))
+        };
+        hiprtcDestroyProgram(&mut prog);
+        code
+    }
+}
+
+fn check(what: &str, e: h::hipError_t) -> Result<(), BackendError> {
+    if e == h::hipError_t::hipSuccess {
+        return Ok(());
+    }
+    // SAFETY: returns a static string for any code.
+    let s = unsafe { CStr::from_ptr(h::hipGetErrorString(e)) };
+    Err(if e == h::hipError_t::hipErrorOutOfMemory {
+        BackendError::OutOfMemory {
+            needed: 0,
+            available: 0,
+            suggestion: None,
+        }
+    } else {
+        BackendError::Invalid(format!("HIP: {what} failed: {}", s.to_string_lossy()))
+    })
+}
+
+fn no_device(reason: impl Into<String>) -> BackendError {
+    BackendError::NoDevice {
+        kind: BackendKind::Hip,
+        reason: reason.into(),
+    }
+}
+
+pub struct HipBackend {
+    count: usize,
+}
+
+impl HipBackend {
+    pub fn new() -> Result<Self, BackendError> {
+        let mut count: c_int = 0;
+        // SAFETY: an out-pointer. Without an AMD GPU this returns an error code (no crash).
+        let e = unsafe { h::hipGetDeviceCount(&mut count) };
+        if e != h::hipError_t::hipSuccess || count <= 0 {
+            // SAFETY: a static string.
+            let why = unsafe { CStr::from_ptr(h::hipGetErrorString(e)) };
+            return Err(no_device(format!(
+                "the HIP runtime found no AMD GPU ({})",
+                why.to_string_lossy()
+            )));
+        }
+        Ok(HipBackend {
+            count: count as usize,
+        })
+    }
+
+    fn select(&self, dev: usize) -> Result<(), BackendError> {
+        if dev >= self.count {
+            return Err(no_device(format!(
+                "there is no HIP device {dev}: this machine has {} (0..{})",
+                self.count,
+                self.count - 1
+            )));
+        }
+        // SAFETY: a valid ordinal.
+        check("selecting the device", unsafe {
+            h::hipSetDevice(dev as c_int)
+        })
+    }
+}
+
+/// A C string field of the device properties, read within its bounds.
+fn field(chars: &[c_char]) -> String {
+    let bytes: Vec<u8> = chars
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// Name, gfx target, memory and compute units of device `dev`. The properties struct changes
+/// between ROCm versions, so it is read into a larger zeroed buffer and the target is trusted
+/// only when it looks like one.
+fn properties(dev: usize) -> Result<(String, Option<String>, u64, usize), BackendError> {
+    #[repr(C, align(8))]
+    struct Room([u8; 8192]);
+    let mut room = Box::new(Room([0; 8192]));
+    const _: () = assert!(std::mem::size_of::<h::hipDeviceProp_t>() <= 8192);
+    // SAFETY: the buffer is larger than any version's struct and suitably aligned.
+    check("reading device properties", unsafe {
+        h::hipGetDeviceProperties(
+            room.as_mut() as *mut Room as *mut h::hipDeviceProp_t,
+            dev as c_int,
+        )
+    })?;
+    // SAFETY: the buffer holds at least a hipDeviceProp_t of these bindings.
+    let p = unsafe { &*(room.as_ref() as *const Room as *const h::hipDeviceProp_t) };
+    let arch = field(&p.gcnArchName);
+    let arch = arch.starts_with("gfx").then_some(arch);
+    Ok((
+        field(&p.name),
+        arch,
+        p.totalGlobalMem as u64,
+        p.multiProcessorCount.max(0) as usize,
+    ))
+}
+
+fn versions() -> String {
+    let (mut d, mut r) = (0, 0);
+    // SAFETY: out-pointers.
+    unsafe {
+        h::hipDriverGetVersion(&mut d);
+        h::hipRuntimeGetVersion(&mut r);
+    }
+    format!(
+        "HIP driver {d}, runtime {r}, hiprtc {}",
+        hiprtc_version().map_or("?".into(), |(a, b)| format!("{a}.{b}"))
+    )
+}
+
+fn free_memory() -> Option<u64> {
+    let (mut free, mut total) = (0usize, 0usize);
+    // SAFETY: out-pointers.
+    let e = unsafe { h::hipMemGetInfo(&mut free, &mut total) };
+    (e == h::hipError_t::hipSuccess).then_some(free as u64)
+}
+
+impl Backend for HipBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Hip
+    }
+
+    fn devices(&self) -> Vec<DeviceInfo> {
+        (0..self.count)
+            .filter_map(|d| properties(d).ok())
+            .map(|(name, arch, mem, cus)| DeviceInfo {
+                name,
+                memory_bytes: Some(mem),
+                driver: Some(versions()),
+                compute_units: Some(cus),
+                features: arch.into_iter().collect(),
+            })
+            .collect()
+    }
+
+    fn memory_budget(&self, dev: usize) -> Option<u64> {
+        self.select(dev).ok()?;
+        free_memory()
+    }
+
+    fn stream(
+        &self,
+        dev: usize,
+        n: usize,
+        iterations: usize,
+        _threads: Option<usize>,
+    ) -> Result<StreamTimes, BackendError> {
+        gpu::stream(HipDevice::new(dev)?, n, iterations)
+    }
+
+    fn prepare(
+        &self,
+        dev: usize,
+        plan: &Plan,
+        weights: &Weights,
+        opt: &ExecOptions,
+    ) -> Result<Box<dyn Session>, BackendError> {
+        self.select(dev)?;
+        let device = HipDevice::new(dev)?;
+        Ok(Box::new(GpuSession::new(
+            device,
+            plan,
+            weights,
+            opt,
+            free_memory(),
+        )?))
+    }
+}
+
+/// Code objects loaded in this process, by (device, precision, source).
+type ModuleCache = HashMap<(usize, Precision, u64), usize>;
+
+fn modules() -> &'static Mutex<ModuleCache> {
+    static M: OnceLock<Mutex<ModuleCache>> = OnceLock::new();
+    M.get_or_init(Default::default)
+}
+
+pub struct HipDevice {
+    ordinal: usize,
+    arch: String,
+    name: String,
+    allocations: Vec<*mut c_void>,
+    events: Vec<h::hipEvent_t>,
+}
+
+impl HipDevice {
+    fn new(ordinal: usize) -> Result<Self, BackendError> {
+        let (name, arch, _, _) = properties(ordinal)?;
+        let arch = arch.ok_or_else(|| {
+            BackendError::Unsupported(format!(
+                "cannot read device {ordinal}'s gfx target (this build's HIP headers may not \
+                 match the installed ROCm)"
+            ))
+        })?;
+        Ok(HipDevice {
+            ordinal,
+            arch,
+            name,
+            allocations: Vec::new(),
+            events: Vec::new(),
+        })
+    }
+
+    fn select(&self) -> Result<(), BackendError> {
+        // SAFETY: an ordinal that exists.
+        check("selecting the device", unsafe {
+            h::hipSetDevice(self.ordinal as c_int)
+        })
+    }
+}
+
+impl Drop for HipDevice {
+    fn drop(&mut self) {
+        if self.select().is_ok() {
+            // SAFETY: our own allocations and events, no longer used once the device is idle.
+            unsafe {
+                h::hipDeviceSynchronize();
+                for p in self.allocations.drain(..) {
+                    h::hipFree(p);
+                }
+                for e in self.events.drain(..) {
+                    h::hipEventDestroy(e);
+                }
+            }
+        }
+    }
+}
+
+impl Device for HipDevice {
+    type Function = usize;
+
+    fn compile(
+        &mut self,
+        precision: Precision,
+        kernels_dir: Option<&Path>,
+        names: &[&'static str],
+    ) -> Result<Vec<usize>, BackendError> {
+        self.select()?;
+        let src = gpu::source("hip/ops.hip", kernels_dir)?;
+        let key = (self.ordinal, precision, {
+            use std::hash::{Hash, Hasher};
+            let mut hs = std::collections::hash_map::DefaultHasher::new();
+            src.hash(&mut hs);
+            hs.finish()
+        });
+        let cached = modules()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&key)
+            .copied();
+        let module = match cached {
+            Some(m) => m as h::hipModule_t,
+            None => {
+                let code = compile(&self.arch, precision, kernels_dir)?;
+                let mut m: h::hipModule_t = std::ptr::null_mut();
+                // SAFETY: a code object hiprtc produced for this device's target.
+                check("loading the compiled kernels", unsafe {
+                    h::hipModuleLoadData(&mut m, code.as_ptr() as *const c_void)
+                })?;
+                modules()
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(key, m as usize);
+                m
+            }
+        };
+        names
+            .iter()
+            .map(|n| {
+                let c = CString::new(*n).expect("no NUL");
+                let mut f: h::hipFunction_t = std::ptr::null_mut();
+                // SAFETY: a loaded module and a NUL-terminated name.
+                check(&format!("finding kernel `{n}`"), unsafe {
+                    h::hipModuleGetFunction(&mut f, module, c.as_ptr())
+                })?;
+                Ok(f as usize)
+            })
+            .collect()
+    }
+
+    fn alloc(&mut self, bytes: u64) -> Result<u64, BackendError> {
+        self.select()?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: an out-pointer; freed in Drop.
+        match check("allocating device memory", unsafe {
+            h::hipMalloc(&mut p, bytes as usize)
+        }) {
+            Err(BackendError::OutOfMemory { .. }) => {
+                return Err(BackendError::OutOfMemory {
+                    needed: bytes,
+                    available: free_memory().unwrap_or(0),
+                    suggestion: None,
+                });
+            }
+            other => other?,
+        }
+        self.allocations.push(p);
+        // SAFETY: `p` has `bytes` bytes.
+        check("clearing device memory", unsafe {
+            h::hipMemset(p, 0, bytes as usize)
+        })?;
+        Ok(p as u64)
+    }
+
+    fn upload(&mut self, ptr: u64, data: &[u8]) -> Result<(), BackendError> {
+        self.select()?;
+        // SAFETY: one of our allocations, at least `data.len()` long; synchronous.
+        check("copying to the device", unsafe {
+            h::hipMemcpy(
+                ptr as *mut c_void,
+                data.as_ptr() as *const c_void,
+                data.len(),
+                h::hipMemcpyKind::hipMemcpyHostToDevice,
+            )
+        })
+    }
+
+    fn download(&mut self, ptr: u64, out: &mut [u8]) -> Result<(), BackendError> {
+        self.select()?;
+        // SAFETY: as in `upload`; waits for the work before it on the null stream.
+        check("copying from the device", unsafe {
+            h::hipMemcpy(
+                out.as_mut_ptr() as *mut c_void,
+                ptr as *const c_void,
+                out.len(),
+                h::hipMemcpyKind::hipMemcpyDeviceToHost,
+            )
+        })
+    }
+
+    fn launch(
+        &mut self,
+        f: &usize,
+        grid: [u32; 3],
+        block: u32,
+        args: &[u8],
+    ) -> Result<(), BackendError> {
+        // The argument struct is the whole kernarg buffer: HIP's `extra` launch form takes it
+        // as it is (HIP_LAUNCH_PARAM_BUFFER_POINTER, _SIZE, _END).
+        let mut size = args.len();
+        let mut extra: [*mut c_void; 5] = [
+            std::ptr::without_provenance_mut(1),
+            args.as_ptr() as *mut c_void,
+            std::ptr::without_provenance_mut(2),
+            &mut size as *mut usize as *mut c_void,
+            std::ptr::without_provenance_mut(3),
+        ];
+        // SAFETY: a function of our module; the kernarg buffer matches its one struct argument.
+        check("launching a kernel", unsafe {
+            h::hipModuleLaunchKernel(
+                *f as h::hipFunction_t,
+                grid[0],
+                grid[1],
+                grid[2],
+                block,
+                1,
+                1,
+                0,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                extra.as_mut_ptr(),
+            )
+        })
+    }
+
+    fn vendor_gemm(&self) -> Result<(), BackendError> {
+        Err(BackendError::Unsupported(
+            "--kernels vendor on hip needs hipBLAS, which is not in this build".into(),
+        ))
+    }
+
+    fn gemm(
+        &mut self,
+        _g: &ColumnMajor,
+        _ptr: &dyn Fn(BufId) -> u64,
+        _precision: Precision,
+    ) -> Result<(), BackendError> {
+        self.vendor_gemm()
+    }
+
+    fn marks(&mut self, count: usize) -> Result<(), BackendError> {
+        self.select()?;
+        while self.events.len() < count {
+            let mut e: h::hipEvent_t = std::ptr::null_mut();
+            // SAFETY: an out-pointer; destroyed in Drop.
+            check("creating an event", unsafe { h::hipEventCreate(&mut e) })?;
+            self.events.push(e);
+        }
+        Ok(())
+    }
+
+    fn mark(&mut self, i: usize) -> Result<(), BackendError> {
+        // SAFETY: one of our events, on the null stream.
+        check("recording an event", unsafe {
+            h::hipEventRecord(self.events[i], std::ptr::null_mut())
+        })
+    }
+
+    fn mark_times(&mut self, count: usize) -> Result<Vec<u64>, BackendError> {
+        (0..count)
+            .map(|i| {
+                let mut ms = 0f32;
+                // SAFETY: recorded events of this device.
+                check("reading an event", unsafe {
+                    h::hipEventElapsedTime(&mut ms, self.events[0], self.events[i])
+                })?;
+                Ok((ms as f64 * 1e6) as u64)
+            })
+            .collect()
+    }
+
+    fn sync(&mut self) -> Result<(), BackendError> {
+        self.select()?;
+        // SAFETY: no arguments.
+        check("waiting for the GPU", unsafe { h::hipDeviceSynchronize() })
+    }
+
+    fn describe(&self) -> String {
+        format!("{} ({}, {})", self.name, self.arch, versions())
+    }
+}
