@@ -248,6 +248,7 @@ fn infer_cmd(args: InferArgs) -> Result<()> {
         profile: false,
         kernels_dir: args.run.kernels_dir.clone(),
         kernels: args.run.kernels,
+        replay: false,
         cores: None,
         variants: Default::default(),
     };

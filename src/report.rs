@@ -72,7 +72,7 @@ pub fn summary(r: &BenchRecord) -> String {
          Per batch     {:.2} ms    per sample {:.1} µs\n\
          Compute       {:.1} GFLOP/s (conv + linear, {:.2} GMACs per image)\n\
          Memory        {} peak ({} weights + {} activations)\n\
-         Loss          {:.4} (random labels: ln(classes) ≈ {:.4} for an untrained network)\n{}{line}",
+         Loss          {:.4} (random labels: ln(classes) ≈ {:.4} for an untrained network)\n{}{}{line}",
         c.network,
         c.precision.name().to_uppercase(),
         c.batch_size,
@@ -96,7 +96,22 @@ pub fn summary(r: &BenchRecord) -> String {
         human_bytes(r.memory.peak_activations),
         r.loss,
         1000f64.ln(),
+        enqueue_line(r),
         r.compile.as_ref().map_or(String::new(), compile_lines),
+    )
+}
+
+/// The host's time to enqueue one pass, on backends that run asynchronously: what launch
+/// overhead and `--compile reduce-overhead` are about.
+fn enqueue_line(r: &BenchRecord) -> String {
+    if r.config.backend == crate::backend::BackendKind::Cpu || r.enqueue_s.is_empty() {
+        return String::new();
+    }
+    let mut v = r.enqueue_s.clone();
+    v.sort_by(f64::total_cmp);
+    format!(
+        "Host enqueue  median {:.1} µs per pass (time in run() before waiting for the device)\n",
+        v[v.len() / 2] * 1e6
     )
 }
 
@@ -120,6 +135,11 @@ fn compile_lines(c: &crate::bench::record::CompileInfo) -> String {
         c.max_abs_diff,
         c.rel_diff * 100.0
     ) + &c.autotune.as_ref().map_or(String::new(), autotune_lines)
+        + &match &c.replay {
+            Some(Ok(how)) => format!("Replay        {how}\n"),
+            Some(Err(why)) => format!("Replay        none: {why}\n"),
+            None => String::new(),
+        }
 }
 
 /// What max-autotune tried and chose.

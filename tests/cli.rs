@@ -1046,13 +1046,58 @@ fn compile_default_fuses_checks_and_reports() {
     assert!(c["rel_diff"].as_f64().unwrap() < 1e-4, "{c}");
     assert!(c["passes"]["nodes_after"].as_u64() < c["passes"]["nodes_before"].as_u64());
     assert!(c["compiled_memory"].as_u64() < c["eager_memory"].as_u64());
-    let o = workshop(&args("reduce-overhead"));
+    // reduce-overhead: the default passes, and on the CPU no replay, with the reason.
+    let mut a = args("reduce-overhead");
+    a.extend(["--json", json.to_str().unwrap()]);
+    let o = workshop(&a);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
     assert!(
-        !o.status.success()
-            && stderr(&o).contains("--compile reduce-overhead is not available in this build yet"),
-        "{}",
-        stderr(&o)
+        out.contains("Compile       reduce-overhead in")
+            && out.contains("Replay        none: the CPU backend runs every pass itself"),
+        "{out}"
     );
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert!(
+        r["compile"]["replay"]["Err"].is_string(),
+        "{}",
+        r["compile"]
+    );
+}
+
+/// On the GPU backends reduce-overhead records a graph, and the summary shows the host's
+/// enqueue time per pass (emulated here when no GPU is present: CI sets the emulator).
+#[test]
+fn reduce_overhead_replays_a_graph_on_gpu_backends() {
+    let o = crate::common::command()
+        .env(workshop::backend::gpu::emu::ENV, "1")
+        .args([
+            "bench",
+            "--backend",
+            "cuda",
+            "--network",
+            "resnet18",
+            "--input-size",
+            "32",
+            "--batch-size",
+            "1",
+            "--iterations",
+            "3",
+            "--warmup",
+            "1",
+            "--compile",
+            "reduce-overhead",
+        ])
+        .output()
+        .unwrap();
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        out.contains("graph of") && out.contains("launches recorded once"),
+        "{out}"
+    );
+    assert!(out.contains("Host enqueue  median"), "{out}");
+    assert!(out.contains("against eager FP32"), "{out}");
 }
 
 #[test]

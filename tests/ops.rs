@@ -516,3 +516,43 @@ fn vendor_kernels_match_the_reference(kind: BackendKind) {
     check_with(kind, &fused, [2, 3, 9, 7], 1.0, KernelFamily::Vendor);
 }
 backend_test!(vendor_kernels_match_the_reference, cpu, wgpu, cuda, hip);
+
+/// `ExecOptions::replay` (`--compile reduce-overhead`): a pass recorded once and replayed
+/// computes what the enqueued pass computes, for new inputs each time; backends that cannot
+/// record say why.
+fn replayed_pass_matches_the_enqueued_one(kind: BackendKind) {
+    let graph = tiny_bottleneck([1, 1, 1, 1], [4, 8, 8, 16]);
+    let (graph, w, _) =
+        workshop::model::passes::optimize(&graph, &random_weights(&graph, 5)).unwrap();
+    let plan = graph.plan(2, 32, 32).unwrap();
+    let opt = |replay| ExecOptions {
+        replay,
+        threads: Some(2),
+        ..Default::default()
+    };
+    let (Some(mut plain), Some(mut replayed)) = (
+        session_with(kind, &plan, &w, &opt(false)),
+        session_with(kind, &plan, &w, &opt(true)),
+    ) else {
+        return;
+    };
+    match (kind, replayed.replay()) {
+        (BackendKind::Cuda | BackendKind::Hip, Ok(how)) => {
+            assert!(how.contains("graph of"), "{how}")
+        }
+        (BackendKind::Cpu | BackendKind::Wgpu, Err(why)) => assert!(!why.is_empty()),
+        (k, r) => panic!("{k}: unexpected replay state {r:?}"),
+    }
+    assert!(plain.replay().is_err(), "replay was not asked for");
+    for seed in [1, 2] {
+        let x = Rng::new(seed).normal_tensor(vec![2, 3, 32, 32]);
+        let mut out = Vec::new();
+        for s in [&mut plain, &mut replayed] {
+            s.run(&x).unwrap();
+            s.sync().unwrap();
+            out.push(s.read_output().unwrap());
+        }
+        assert_eq!(out[0], out[1], "{kind}: seed {seed}");
+    }
+}
+backend_test!(replayed_pass_matches_the_enqueued_one, cpu, wgpu, cuda, hip);

@@ -1,15 +1,17 @@
 //! The CUDA backend: cudarc with dynamic loading, so this build runs on machines without the
 //! NVIDIA driver (and says so). Kernels are kernels/cuda/ops.cu, compiled by NVRTC at run time
 //! for the device's compute capability and cached per device for the life of the process; the
-//! vendor family hands GEMMs to cuBLAS. Everything runs in order on the legacy default stream,
-//! timed with CUDA events.
+//! vendor family hands GEMMs to cuBLAS. Everything runs in order on one stream of the session,
+//! timed with CUDA events; `--compile reduce-overhead` captures the pass into a CUDA graph.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream, result, sys};
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaModule, CudaStream, result, sys,
+};
 
 use super::gpu::program::{BufId, ColumnMajor};
 use super::gpu::{self, Device, GpuSession};
@@ -205,12 +207,16 @@ pub struct CudaDevice {
     allocations: Vec<sys::CUdeviceptr>,
     events: Vec<CudaEvent>,
     blas: Option<cudarc::cublas::CudaBlas>,
+    graph: Option<CudaGraph>,
     name: String,
 }
 
 impl CudaDevice {
     fn new(ctx: Arc<CudaContext>, ordinal: usize) -> Result<Self, BackendError> {
-        let stream = ctx.default_stream();
+        // A stream of our own (not the legacy default stream, which cannot be captured).
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| driver_error("creating a stream", e))?;
         let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
         Ok(CudaDevice {
             ctx,
@@ -219,6 +225,7 @@ impl CudaDevice {
             allocations: Vec::new(),
             events: Vec::new(),
             blas: None,
+            graph: None,
             name,
         })
     }
@@ -240,8 +247,9 @@ impl CudaDevice {
 
 impl Drop for CudaDevice {
     fn drop(&mut self) {
+        self.graph = None;
         if self.bind().is_ok() {
-            let _ = self.ctx.synchronize();
+            let _ = self.stream.synchronize();
             for p in self.allocations.drain(..) {
                 // SAFETY: allocated by `alloc` in this context and no longer used.
                 let _ = unsafe { result::free_sync(p) };
@@ -308,25 +316,26 @@ impl Device for CudaDevice {
             }
         })?;
         self.allocations.push(p);
-        // SAFETY: `p` has `bytes` bytes.
-        unsafe { result::memset_d8_sync(p, 0, bytes as usize) }
+        // SAFETY: `p` has `bytes` bytes; ordered before everything later on the stream.
+        unsafe { result::memset_d8_async(p, 0, bytes as usize, self.stream.cu_stream()) }
             .map_err(|e| driver_error("clearing device memory", e))?;
         Ok(p)
     }
 
     fn upload(&mut self, ptr: u64, data: &[u8]) -> Result<(), BackendError> {
         self.bind()?;
-        // SAFETY: `ptr` is one of our allocations, at least `data.len()` long. The copy is
-        // synchronous and ordered with the legacy default stream.
-        unsafe { result::memcpy_htod_sync(ptr, data) }
+        // SAFETY: `ptr` is one of our allocations, at least `data.len()` long. From pageable
+        // memory the call returns once `data` has been staged, so it may be dropped after.
+        unsafe { result::memcpy_htod_async(ptr, data, self.stream.cu_stream()) }
             .map_err(|e| driver_error("copying to the device", e))
     }
 
     fn download(&mut self, ptr: u64, out: &mut [u8]) -> Result<(), BackendError> {
         self.bind()?;
-        // SAFETY: as in `upload`; waits for the work before it on the default stream.
-        unsafe { result::memcpy_dtoh_sync(out, ptr) }
-            .map_err(|e| driver_error("copying from the device", e))
+        // SAFETY: as in `upload`; the stream is synchronised before `out` is read.
+        unsafe { result::memcpy_dtoh_async(out, ptr, self.stream.cu_stream()) }
+            .map_err(|e| driver_error("copying from the device", e))?;
+        self.sync()
     }
 
     fn launch(
@@ -458,6 +467,40 @@ impl Device for CudaDevice {
         self.stream
             .synchronize()
             .map_err(|e| driver_error("waiting for the GPU", e))
+    }
+
+    fn begin_capture(&mut self) -> Result<bool, BackendError> {
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| driver_error("starting a stream capture", e))?;
+        Ok(true)
+    }
+
+    fn end_capture(&mut self) -> Result<(), BackendError> {
+        self.graph = self
+            .stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(|e| driver_error("ending the stream capture", e))?;
+        if let Some(g) = &self.graph {
+            g.upload()
+                .map_err(|e| driver_error("uploading the graph", e))?;
+        }
+        Ok(())
+    }
+
+    fn replay(&mut self) -> Result<(), BackendError> {
+        match &self.graph {
+            Some(g) => g
+                .launch()
+                .map_err(|e| driver_error("launching the graph", e)),
+            None => Err(BackendError::Invalid(
+                "the stream capture recorded no graph".into(),
+            )),
+        }
+    }
+
+    fn graph_name(&self) -> &'static str {
+        "CUDA graph"
     }
 
     fn describe(&self) -> String {

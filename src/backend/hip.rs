@@ -330,8 +330,11 @@ pub struct HipDevice {
     ordinal: usize,
     arch: String,
     name: String,
+    /// The session's stream (capturable, unlike the null stream).
+    stream: h::hipStream_t,
     allocations: Vec<*mut c_void>,
     events: Vec<h::hipEvent_t>,
+    graph: Option<(h::hipGraph_t, h::hipGraphExec_t)>,
 }
 
 impl HipDevice {
@@ -343,12 +346,23 @@ impl HipDevice {
                  match the installed ROCm)"
             ))
         })?;
+        // SAFETY: a valid ordinal.
+        check("selecting the device", unsafe {
+            h::hipSetDevice(ordinal as c_int)
+        })?;
+        let mut stream: h::hipStream_t = std::ptr::null_mut();
+        // SAFETY: an out-pointer; destroyed in Drop.
+        check("creating a stream", unsafe {
+            h::hipStreamCreate(&mut stream)
+        })?;
         Ok(HipDevice {
             ordinal,
             arch,
             name,
+            stream,
             allocations: Vec::new(),
             events: Vec::new(),
+            graph: None,
         })
     }
 
@@ -365,13 +379,18 @@ impl Drop for HipDevice {
         if self.select().is_ok() {
             // SAFETY: our own allocations and events, no longer used once the device is idle.
             unsafe {
-                h::hipDeviceSynchronize();
+                h::hipStreamSynchronize(self.stream);
+                if let Some((g, exec)) = self.graph.take() {
+                    h::hipGraphExecDestroy(exec);
+                    h::hipGraphDestroy(g);
+                }
                 for p in self.allocations.drain(..) {
                     h::hipFree(p);
                 }
                 for e in self.events.drain(..) {
                     h::hipEventDestroy(e);
                 }
+                h::hipStreamDestroy(self.stream);
             }
         }
     }
@@ -448,35 +467,40 @@ impl Device for HipDevice {
         self.allocations.push(p);
         // SAFETY: `p` has `bytes` bytes.
         check("clearing device memory", unsafe {
-            h::hipMemset(p, 0, bytes as usize)
+            h::hipMemsetAsync(p, 0, bytes as usize, self.stream)
         })?;
         Ok(p as u64)
     }
 
     fn upload(&mut self, ptr: u64, data: &[u8]) -> Result<(), BackendError> {
         self.select()?;
-        // SAFETY: one of our allocations, at least `data.len()` long; synchronous.
+        // SAFETY: one of our allocations, at least `data.len()` long. The copy is waited for,
+        // so `data` may be dropped after.
         check("copying to the device", unsafe {
-            h::hipMemcpy(
+            h::hipMemcpyAsync(
                 ptr as *mut c_void,
                 data.as_ptr() as *const c_void,
                 data.len(),
                 h::hipMemcpyKind::hipMemcpyHostToDevice,
+                self.stream,
             )
-        })
+        })?;
+        self.sync()
     }
 
     fn download(&mut self, ptr: u64, out: &mut [u8]) -> Result<(), BackendError> {
         self.select()?;
-        // SAFETY: as in `upload`; waits for the work before it on the null stream.
+        // SAFETY: as in `upload`; ordered after the pass on the stream, then waited for.
         check("copying from the device", unsafe {
-            h::hipMemcpy(
+            h::hipMemcpyAsync(
                 out.as_mut_ptr() as *mut c_void,
                 ptr as *const c_void,
                 out.len(),
                 h::hipMemcpyKind::hipMemcpyDeviceToHost,
+                self.stream,
             )
-        })
+        })?;
+        self.sync()
     }
 
     fn launch(
@@ -507,7 +531,7 @@ impl Device for HipDevice {
                 1,
                 1,
                 0,
-                std::ptr::null_mut(),
+                self.stream,
                 std::ptr::null_mut(),
                 extra.as_mut_ptr(),
             )
@@ -541,9 +565,9 @@ impl Device for HipDevice {
     }
 
     fn mark(&mut self, i: usize) -> Result<(), BackendError> {
-        // SAFETY: one of our events, on the null stream.
+        // SAFETY: one of our events, on our stream.
         check("recording an event", unsafe {
-            h::hipEventRecord(self.events[i], std::ptr::null_mut())
+            h::hipEventRecord(self.events[i], self.stream)
         })
     }
 
@@ -562,8 +586,61 @@ impl Device for HipDevice {
 
     fn sync(&mut self) -> Result<(), BackendError> {
         self.select()?;
-        // SAFETY: no arguments.
-        check("waiting for the GPU", unsafe { h::hipDeviceSynchronize() })
+        // SAFETY: our stream.
+        check("waiting for the GPU", unsafe {
+            h::hipStreamSynchronize(self.stream)
+        })
+    }
+
+    fn begin_capture(&mut self) -> Result<bool, BackendError> {
+        // SAFETY: our stream, idle between passes.
+        check("starting a stream capture", unsafe {
+            h::hipStreamBeginCapture(
+                self.stream,
+                h::hipStreamCaptureMode::hipStreamCaptureModeThreadLocal,
+            )
+        })?;
+        Ok(true)
+    }
+
+    fn end_capture(&mut self) -> Result<(), BackendError> {
+        let mut graph: h::hipGraph_t = std::ptr::null_mut();
+        let mut exec: h::hipGraphExec_t = std::ptr::null_mut();
+        // SAFETY: out-pointers; both are destroyed in Drop.
+        unsafe {
+            check(
+                "ending the stream capture",
+                h::hipStreamEndCapture(self.stream, &mut graph),
+            )?;
+            check(
+                "instantiating the graph",
+                h::hipGraphInstantiate(
+                    &mut exec,
+                    graph,
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    0,
+                ),
+            )?;
+        }
+        self.graph = Some((graph, exec));
+        Ok(())
+    }
+
+    fn replay(&mut self) -> Result<(), BackendError> {
+        let Some((_, exec)) = self.graph else {
+            return Err(BackendError::Invalid(
+                "the stream capture recorded no graph".into(),
+            ));
+        };
+        // SAFETY: an instantiated graph of this device, on our stream.
+        check("launching the graph", unsafe {
+            h::hipGraphLaunch(exec, self.stream)
+        })
+    }
+
+    fn graph_name(&self) -> &'static str {
+        "HIP graph"
     }
 
     fn describe(&self) -> String {

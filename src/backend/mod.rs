@@ -108,6 +108,9 @@ pub struct ExecOptions {
     pub profile: bool,
     /// Our kernels or the vendor library's for GEMM-shaped work.
     pub kernels: KernelFamily,
+    /// Record the forward pass once and replay it (`--compile reduce-overhead`): CUDA and HIP
+    /// graphs. Backends without a replay run as usual and say why in [`Session::replay`].
+    pub replay: bool,
     /// Read GPU kernels from this directory (`wgsl/`, `cuda/`, `hip/`) instead of the copies
     /// embedded in the binary.
     pub kernels_dir: Option<std::path::PathBuf>,
@@ -120,6 +123,7 @@ impl Default for ExecOptions {
             threads: None,
             profile: false,
             kernels: KernelFamily::Native,
+            replay: false,
             kernels_dir: None,
             cores: None,
             variants: Default::default(),
@@ -236,6 +240,11 @@ pub trait Session {
     fn memory(&self) -> MemoryStats;
     /// A short name of the kernel library and version, for records.
     fn kernel_version(&self) -> String;
+    /// With [`ExecOptions::replay`]: how this session replays its recorded pass (Ok), or why
+    /// it runs every pass as usual (Err).
+    fn replay(&self) -> Result<String, String> {
+        Err("this backend has no recorded replay".into())
+    }
 }
 
 /// Open a backend by kind. This is the only function that knows which backends were built.

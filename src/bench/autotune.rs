@@ -188,6 +188,7 @@ fn time_variant(
         profile: true,
         kernels_dir: cfg.kernels_dir.clone(),
         kernels: cfg.kernels,
+        replay: false,
     };
     let mut session = backend.prepare(cfg.device, &plan, &weights, &opt)?;
     let x = Rng::new(3).normal_tensor(plan.input_shape().to_vec());

@@ -87,6 +87,7 @@ pub fn prepare(cfg: &BenchConfig, weights_file: Option<&std::path::Path>) -> Res
         profile: cfg.profile || cfg.flops_prof_step.is_some(),
         kernels_dir: cfg.kernels_dir.clone(),
         kernels: cfg.kernels,
+        replay: cfg.compile == Some(CompileMode::ReduceOverhead),
         cores: cfg.cores.clone(),
         variants: Default::default(),
     };
@@ -101,7 +102,7 @@ pub fn prepare(cfg: &BenchConfig, weights_file: Option<&std::path::Path>) -> Res
     let mut opt = opt;
     let (plan, weights, compile) = match cfg.compile {
         None => (eager_plan, weights, None),
-        Some(mode @ (CompileMode::Default | CompileMode::MaxAutotune)) => {
+        Some(mode) => {
             let start = Instant::now();
             let (g, w, passes) = crate::model::passes::optimize(&graph, &weights)
                 .map_err(|e| anyhow::anyhow!("the compile passes failed: {e}"))?;
@@ -131,19 +132,17 @@ pub fn prepare(cfg: &BenchConfig, weights_file: Option<&std::path::Path>) -> Res
                 max_abs_diff: f64::NAN,
                 rel_diff: f64::NAN,
                 autotune,
+                replay: None,
             };
             (plan, w, Some(info))
-        }
-        Some(mode) => {
-            return Err(backend::BackendError::Unsupported(format!(
-                "--compile {} is not available in this build yet (`default`: graph passes and fused kernels; `max-autotune`: those plus timed kernel variants)",
-                mode.name()
-            ))
-            .into());
         }
     };
     let session = backend.prepare(cfg.device, &plan, &weights, &opt)?;
     let device = device.context("the device disappeared while preparing")?;
+    let compile = compile.map(|c| CompileInfo {
+        replay: opt.replay.then(|| session.replay()),
+        ..c
+    });
     Ok((plan, session, device, compile))
 }
 
@@ -237,9 +236,11 @@ pub fn measure(
     let (input, labels) = bench_batch(cfg, &plan);
 
     let mut last = Vec::new();
+    let mut enqueue_s = Vec::with_capacity(cfg.iterations);
     let mut step = |session: &mut Box<dyn Session>| -> Result<(f64, f64)> {
         let start = Instant::now();
         session.run(&input)?;
+        enqueue_s.push(start.elapsed().as_secs_f64());
         session.sync()?;
         let logits = session.read_output()?;
         let seconds = start.elapsed().as_secs_f64();
@@ -334,6 +335,8 @@ pub fn measure(
         environment,
         model,
         warmup_s,
+        // The warm-up's enqueue times came first.
+        enqueue_s: enqueue_s.split_off(enqueue_s.len().saturating_sub(samples_s.len())),
         samples_s,
         stats,
         loss,

@@ -83,6 +83,7 @@ pub fn gemm(
         profile: false,
         kernels_dir: None,
         kernels: Default::default(),
+        replay: false,
         cores: None,
         variants: Default::default(),
     };

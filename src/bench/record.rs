@@ -24,6 +24,10 @@ pub struct BenchRecord {
     pub warmup_s: Vec<f64>,
     /// Seconds per timed iteration.
     pub samples_s: Vec<f64>,
+    /// Seconds of each timed iteration spent enqueueing the pass (before waiting for the
+    /// device): the host overhead that replay removes on asynchronous backends.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub enqueue_s: Vec<f64>,
     pub stats: Stats,
     /// Cross-entropy of the last iteration's logits against the seeded random labels.
     pub loss: f64,
@@ -112,7 +116,8 @@ pub enum CompileMode {
     /// Graph passes: batch norm folded into convolutions, activations and residual adds fused
     /// into their epilogues, dropout dropped
     Default,
-    /// Record everything once and replay it each iteration
+    /// The default passes, then the forward pass recorded once and replayed each iteration
+    /// (CUDA and HIP graphs; other backends say why they run it as usual)
     ReduceOverhead,
     /// Time each layer's kernel variants and keep the fastest
     MaxAutotune,
@@ -144,6 +149,9 @@ pub struct CompileInfo {
     /// What max-autotune tried and chose.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub autotune: Option<super::autotune::AutotuneReport>,
+    /// reduce-overhead: how the pass is replayed (Ok), or why this backend runs it as usual.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay: Option<Result<String, String>>,
 }
 
 fn is_native(k: &crate::backend::KernelFamily) -> bool {

@@ -55,12 +55,14 @@ pub fn metrics_of(kind: StepKind) -> &'static [&'static str] {
             "peak_memory_mib",
             "loss",
             "max_batch",
+            "enqueue_us",
             // Compiled steps (`compile`).
             "compile_s",
             "rel_diff",
             "memory_saved",
             "autotune_timed",
             "autotune_cached",
+            "replayed",
             // Multi-device steps (`devices` or `cpu_groups`).
             "scaling_efficiency",
             "spread",

@@ -105,6 +105,11 @@ fn bench_metrics(
     if let Some(b) = max_batch {
         m.insert("max_batch".into(), b as f64);
     }
+    if !r.enqueue_s.is_empty() {
+        let mut v = r.enqueue_s.clone();
+        v.sort_by(f64::total_cmp);
+        m.insert("enqueue_us".into(), v[v.len() / 2] * 1e6);
+    }
     if let Some(c) = &r.compile {
         m.insert("compile_s".into(), c.compile_s);
         m.insert("rel_diff".into(), c.rel_diff);
@@ -112,6 +117,9 @@ fn bench_metrics(
             "memory_saved".into(),
             1.0 - c.compiled_memory as f64 / c.eager_memory.max(1) as f64,
         );
+        if let Some(replay) = &c.replay {
+            m.insert("replayed".into(), replay.is_ok() as u8 as f64);
+        }
         if let Some(a) = &c.autotune {
             let cached = a.choices.iter().filter(|c| c.cached).count();
             m.insert("autotune_timed".into(), (a.choices.len() - cached) as f64);
@@ -710,6 +718,7 @@ pub fn accuracy(cfg: &BenchConfig) -> Result<(f64, f64, f64)> {
             profile: false,
             kernels_dir: cfg.kernels_dir.clone(),
             kernels: cfg.kernels,
+            replay: false,
             cores: None,
             variants: Default::default(),
         };

@@ -145,7 +145,9 @@ pub struct BenchSpec {
     pub cpu_groups: Option<usize>,
     /// Graph compilation (`default`, `reduce-overhead`, `max-autotune`); metrics then add
     /// `compile_s`, `rel_diff` (against eager FP32) and `memory_saved` (fraction of the plan),
-    /// and for max-autotune `autotune_timed` and `autotune_cached` (layer shapes).
+    /// for max-autotune `autotune_timed` and `autotune_cached` (layer shapes), and for
+    /// reduce-overhead `replayed` (1 when the pass is recorded and replayed, 0 when the backend
+    /// runs it as usual). Asynchronous backends also record `enqueue_us` (host time per pass).
     pub compile: Option<crate::bench::record::CompileMode>,
     /// Overrides that apply when the workspace runs on the CPU backend, so a step that takes a
     /// few seconds on a GPU stays well under a minute on a laptop (e.g. a smaller batch).

@@ -744,6 +744,14 @@ impl<T: Elem> Session for CpuSession<T> {
         }
     }
 
+    fn replay(&self) -> Result<String, String> {
+        Err(
+            "the CPU backend runs every pass itself, synchronously, on a persistent thread pool \
+             with buffers recycled from the first pass: there are no launches to record"
+                .into(),
+        )
+    }
+
     fn kernel_version(&self) -> String {
         format!(
             "workshop-cpu {} (sgemm {}, {})",

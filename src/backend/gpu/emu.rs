@@ -158,12 +158,30 @@ pub struct EmuFunction {
     _lib: Arc<Library>,
 }
 
-/// Host memory posing as device memory; launches run before `launch` returns.
+/// A launch kept in a recorded graph, with everything resolved.
+enum Recorded {
+    Kernel {
+        f: EmuFunction,
+        grid: [u32; 3],
+        block: u32,
+        args: Vec<u8>,
+    },
+    Gemm {
+        g: ColumnMajor,
+        ptrs: [u64; 3],
+        precision: Precision,
+    },
+}
+
+/// Host memory posing as device memory; launches run before `launch` returns, or are kept in a
+/// graph while capturing (as CUDA and HIP graphs keep them) and run by `replay`.
 pub struct EmuDevice {
     kind: BackendKind,
     /// Every allocation, kept alive (and in place) for the session's life.
     memory: Vec<Box<[u64]>>,
     marks: Vec<Option<Instant>>,
+    capturing: bool,
+    graph: Vec<Recorded>,
 }
 
 impl EmuDevice {
@@ -172,6 +190,8 @@ impl EmuDevice {
             kind,
             memory: Vec::new(),
             marks: Vec::new(),
+            capturing: false,
+            graph: Vec::new(),
         }
     }
 
@@ -275,6 +295,15 @@ impl Device for EmuDevice {
                 args.len()
             )));
         }
+        if self.capturing {
+            self.graph.push(Recorded::Kernel {
+                f: f.clone(),
+                grid,
+                block,
+                args: args.to_vec(),
+            });
+            return Ok(());
+        }
         let dims = [grid[0], grid[1], grid[2], block];
         let blocks = grid.iter().map(|&g| g as u64).product::<u64>();
         let chunk = blocks
@@ -309,32 +338,50 @@ impl Device for EmuDevice {
         precision: Precision,
     ) -> Result<(), BackendError> {
         self.vendor_gemm()?;
-        let (first, second, c) = (ptr(g.first), ptr(g.second), ptr(g.c));
-        for batch in 0..g.batch {
-            let f0 = batch * g.stride_first;
-            let s0 = batch * g.stride_second;
-            let c0 = batch * g.stride_c;
-            for j in 0..g.n {
-                for i in 0..g.m {
-                    let mut acc = 0f32;
-                    for l in 0..g.k {
-                        let a = if g.trans_first {
-                            f0 + l + i * g.ld_first
-                        } else {
-                            f0 + i + l * g.ld_first
-                        };
-                        // SAFETY: indices within the buffers the program sized for this GEMM.
-                        unsafe {
-                            acc += load(first, a, precision)
-                                * load(second, s0 + l + j * g.ld_second, precision);
-                        }
-                    }
-                    // SAFETY: as above.
-                    unsafe { store(c, c0 + i + j * g.ldc, acc, precision) };
-                }
-            }
+        let ptrs = [ptr(g.first), ptr(g.second), ptr(g.c)];
+        if self.capturing {
+            self.graph.push(Recorded::Gemm {
+                g: *g,
+                ptrs,
+                precision,
+            });
+            return Ok(());
         }
+        column_major_gemm(g, ptrs, precision);
         Ok(())
+    }
+
+    fn begin_capture(&mut self) -> Result<bool, BackendError> {
+        self.capturing = true;
+        self.graph.clear();
+        Ok(true)
+    }
+
+    fn end_capture(&mut self) -> Result<(), BackendError> {
+        self.capturing = false;
+        Ok(())
+    }
+
+    fn replay(&mut self) -> Result<(), BackendError> {
+        let graph = std::mem::take(&mut self.graph);
+        let result = graph.iter().try_for_each(|r| match r {
+            Recorded::Kernel {
+                f,
+                grid,
+                block,
+                args,
+            } => self.launch(f, *grid, *block, args),
+            Recorded::Gemm { g, ptrs, precision } => {
+                column_major_gemm(g, *ptrs, *precision);
+                Ok(())
+            }
+        });
+        self.graph = graph;
+        result
+    }
+
+    fn graph_name(&self) -> &'static str {
+        "emulated graph"
     }
 
     fn marks(&mut self, count: usize) -> Result<(), BackendError> {
@@ -365,6 +412,36 @@ impl Device for EmuDevice {
 
     fn describe(&self) -> String {
         format!("{} kernels emulated on the host CPU", self.kind)
+    }
+}
+
+/// C = op(first) · second in column-major order, as cuBLAS's strided batched GEMM computes it.
+fn column_major_gemm(g: &ColumnMajor, [first, second, c]: [u64; 3], precision: Precision) {
+    {
+        for batch in 0..g.batch {
+            let f0 = batch * g.stride_first;
+            let s0 = batch * g.stride_second;
+            let c0 = batch * g.stride_c;
+            for j in 0..g.n {
+                for i in 0..g.m {
+                    let mut acc = 0f32;
+                    for l in 0..g.k {
+                        let a = if g.trans_first {
+                            f0 + l + i * g.ld_first
+                        } else {
+                            f0 + i + l * g.ld_first
+                        };
+                        // SAFETY: indices within the buffers the program sized for this GEMM.
+                        unsafe {
+                            acc += load(first, a, precision)
+                                * load(second, s0 + l + j * g.ld_second, precision);
+                        }
+                    }
+                    // SAFETY: as above.
+                    unsafe { store(c, c0 + i + j * g.ldc, acc, precision) };
+                }
+            }
+        }
     }
 }
 

@@ -136,6 +136,25 @@ pub trait Device {
     /// Nanoseconds from mark 0 to each mark, once `sync` has returned.
     fn mark_times(&mut self, count: usize) -> Result<Vec<u64>, BackendError>;
     fn sync(&mut self) -> Result<(), BackendError>;
+    /// Start recording the launches enqueued from now on into a graph instead of running
+    /// them; `Ok(false)` when this device cannot.
+    fn begin_capture(&mut self) -> Result<bool, BackendError> {
+        Ok(false)
+    }
+    /// Stop recording and keep the graph for [`Device::replay`].
+    fn end_capture(&mut self) -> Result<(), BackendError> {
+        Ok(())
+    }
+    /// Enqueue the recorded graph: the whole pass in one call.
+    fn replay(&mut self) -> Result<(), BackendError> {
+        Err(BackendError::Unsupported(
+            "this device records no graphs".into(),
+        ))
+    }
+    /// What a recorded graph is called here (`CUDA graph`).
+    fn graph_name(&self) -> &'static str {
+        "graph"
+    }
     /// For records: the device, the compiler and the kernel library.
     fn describe(&self) -> String;
 }
@@ -155,6 +174,8 @@ pub struct GpuSession<D: Device> {
     ptrs: Vec<u64>,
     profile: bool,
     ran: bool,
+    /// The pass was recorded at prepare time and is replayed (`ExecOptions::replay`); else why not.
+    replay: Result<String, String>,
 }
 
 impl<D: Device> GpuSession<D> {
@@ -217,27 +238,38 @@ impl<D: Device> GpuSession<D> {
         if opt.profile {
             device.marks(program.steps.len() + 1)?;
         }
-        Ok(GpuSession {
+        let mut session = GpuSession {
             device,
             program,
             ready,
             ptrs,
             profile: opt.profile,
             ran: false,
-        })
-    }
-}
-
-impl<D: Device> Session for GpuSession<D> {
-    fn run(&mut self, input: &Tensor) -> Result<(), BackendError> {
-        if input.shape != self.program.input_shape {
-            return Err(BackendError::Invalid(format!(
-                "input has shape {:?}, the prepared plan expects {:?}",
-                input.shape, self.program.input_shape
-            )));
+            replay: Err("not asked for (--compile reduce-overhead asks)".into()),
+        };
+        if opt.replay {
+            session.replay = if opt.profile {
+                Err("profiling times every launch, so the pass is not recorded".into())
+            } else if session.device.begin_capture()? {
+                session.enqueue()?;
+                session.device.end_capture()?;
+                Ok(format!(
+                    "{} of {} launches recorded once, replayed with one call per pass",
+                    session.device.graph_name(),
+                    session.ready.len()
+                ))
+            } else {
+                Err(format!(
+                    "{} cannot record graphs: every pass enqueues its launches",
+                    session.device.describe()
+                ))
+            };
         }
-        let bytes = program::storage_bytes(&input.data, Precision::Fp32);
-        self.device.upload(self.ptrs[self.program.input], &bytes)?;
+        Ok(session)
+    }
+
+    /// Enqueue every launch of the pass, with timing marks when profiling.
+    fn enqueue(&mut self) -> Result<(), BackendError> {
         if self.profile {
             self.device.mark(0)?;
         }
@@ -252,6 +284,25 @@ impl<D: Device> Session for GpuSession<D> {
             if self.profile {
                 self.device.mark(i + 1)?;
             }
+        }
+        Ok(())
+    }
+}
+
+impl<D: Device> Session for GpuSession<D> {
+    fn run(&mut self, input: &Tensor) -> Result<(), BackendError> {
+        if input.shape != self.program.input_shape {
+            return Err(BackendError::Invalid(format!(
+                "input has shape {:?}, the prepared plan expects {:?}",
+                input.shape, self.program.input_shape
+            )));
+        }
+        let bytes = program::storage_bytes(&input.data, Precision::Fp32);
+        self.device.upload(self.ptrs[self.program.input], &bytes)?;
+        if self.replay.is_ok() {
+            self.device.replay()?;
+        } else {
+            self.enqueue()?;
         }
         self.ran = true;
         Ok(())
@@ -310,6 +361,10 @@ impl<D: Device> Session for GpuSession<D> {
             peak_activations: activations,
             peak: weights + activations,
         }
+    }
+
+    fn replay(&self) -> Result<String, String> {
+        self.replay.clone()
     }
 
     fn kernel_version(&self) -> String {

@@ -1371,6 +1371,14 @@ impl Session for WgpuSession {
         }
     }
 
+    fn replay(&self) -> Result<String, String> {
+        Err(
+            "WebGPU cannot replay a command buffer: pipelines and bind groups are created once \
+             in every mode, and each pass encodes one compute pass"
+                .into(),
+        )
+    }
+
     fn kernel_version(&self) -> String {
         format!(
             "workshop-wgsl {} on {} ({})",
