@@ -235,7 +235,7 @@ impl CudaDevice {
             .ctx
             .compute_capability()
             .map_err(|e| driver_error("reading the compute capability", e))?;
-        Ok(format!("compute_{major}{minor}"))
+        Ok(gpu::arch::cuda_arch((major, minor)))
     }
 
     fn bind(&self) -> Result<(), BackendError> {

@@ -47,33 +47,6 @@ pub fn hiprtc_version() -> Option<(i32, i32)> {
     (r == 0).then_some((major, minor))
 }
 
-/// The gfx targets this ROCm's hiprtc compiles for. It aborts the whole process on a target it
-/// does not know (ROCm 5.2 on gfx940/942/1100), so anything else is refused before it is asked.
-pub fn known_targets() -> Vec<&'static str> {
-    let mut t = vec![
-        "gfx803", "gfx900", "gfx906", "gfx908", "gfx90a", "gfx1010", "gfx1011", "gfx1012",
-        "gfx1030", "gfx1031", "gfx1032", "gfx1034", "gfx1035",
-    ];
-    let v = hiprtc_version().unwrap_or((0, 0));
-    if v >= (5, 5) {
-        t.extend([
-            "gfx940", "gfx941", "gfx942", "gfx1100", "gfx1101", "gfx1102",
-        ]);
-    }
-    if v >= (6, 3) {
-        t.extend(["gfx1200", "gfx1201"]);
-    }
-    if v >= (6, 4) {
-        t.push("gfx950");
-    }
-    t
-}
-
-/// `gfx90a:sramecc+:xnack-` → `gfx90a`.
-pub fn base_target(arch: &str) -> &str {
-    arch.split(':').next().unwrap_or(arch)
-}
-
 /// Compile kernels/hip/ops.hip for `arch` with hiprtc: a code object, or the full log.
 pub fn compile(
     arch: &str,
@@ -87,13 +60,8 @@ pub fn compile(
         path: path.clone(),
         log,
     };
-    if !known_targets().contains(&base_target(arch)) {
-        return Err(BackendError::Unsupported(format!(
-            "this ROCm's hiprtc ({}) does not know the target {arch}; it knows {}",
-            hiprtc_version().map_or("unknown version".into(), |(a, b)| format!("{a}.{b}")),
-            known_targets().join(", ")
-        )));
-    }
+    let arch = gpu::arch::hip_target(arch, hiprtc_version().unwrap_or((0, 0)))
+        .map_err(BackendError::Unsupported)?;
     let src = CString::new(gpu::source("hip/ops.hip", kernels_dir)?)
         .map_err(|_| fail("the source contains a NUL byte".into()))?;
     let name = CString::new("ops.hip").expect("no NUL");

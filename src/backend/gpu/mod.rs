@@ -4,6 +4,7 @@
 //! through cudarc, HIP through hip-sys, or [`emu`], which compiles the same kernels for the host
 //! CPU so that the shared path is tested on machines without a GPU.
 
+pub mod arch;
 pub mod check;
 #[cfg(unix)]
 pub mod emu;

@@ -1,0 +1,81 @@
+//! Which target the runtime compilers build for: NVRTC's virtual architecture from a CUDA
+//! device's compute capability, and hiprtc's gfx target from an AMD device's name, checked
+//! against what the installed ROCm knows (hiprtc aborts the whole process on a target it does
+//! not know, e.g. gfx940/942/1100 with ROCm 5.2).
+
+/// NVRTC's `--gpu-architecture` for a compute capability: PTX for the virtual architecture,
+/// which the driver compiles for the exact device when it loads the module.
+pub fn cuda_arch((major, minor): (i32, i32)) -> String {
+    format!("compute_{major}{minor}")
+}
+
+/// `gfx90a:sramecc+:xnack-` → `gfx90a`.
+pub fn base_target(arch: &str) -> &str {
+    arch.split(':').next().unwrap_or(arch)
+}
+
+/// The gfx targets a ROCm release's hiprtc compiles for.
+pub fn known_targets((major, minor): (i32, i32)) -> Vec<&'static str> {
+    let v = (major, minor);
+    let mut t = vec![
+        "gfx803", "gfx900", "gfx906", "gfx908", "gfx90a", "gfx1010", "gfx1011", "gfx1012",
+        "gfx1030", "gfx1031", "gfx1032", "gfx1034", "gfx1035",
+    ];
+    if v >= (5, 5) {
+        t.extend([
+            "gfx940", "gfx941", "gfx942", "gfx1100", "gfx1101", "gfx1102",
+        ]);
+    }
+    if v >= (6, 3) {
+        t.extend(["gfx1200", "gfx1201"]);
+    }
+    if v >= (6, 4) {
+        t.push("gfx950");
+    }
+    t
+}
+
+/// The target to hand hiprtc for device `arch` (its full name, features included, so the code
+/// object matches the device), or why this ROCm cannot build for it.
+pub fn hip_target(arch: &str, rocm: (i32, i32)) -> Result<&str, String> {
+    let known = known_targets(rocm);
+    if known.contains(&base_target(arch)) {
+        Ok(arch)
+    } else {
+        Err(format!(
+            "this ROCm's hiprtc ({}.{}) does not know the target {arch}; it knows {}",
+            rocm.0,
+            rocm.1,
+            known.join(", ")
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cuda_targets_follow_the_compute_capability() {
+        assert_eq!(cuda_arch((9, 0)), "compute_90");
+        assert_eq!(cuda_arch((8, 6)), "compute_86");
+    }
+
+    #[test]
+    fn hip_targets_are_refused_when_this_rocm_would_abort_on_them() {
+        assert_eq!(
+            hip_target("gfx90a:sramecc+:xnack-", (5, 2)),
+            Ok("gfx90a:sramecc+:xnack-")
+        );
+        assert_eq!(hip_target("gfx1030", (5, 2)), Ok("gfx1030"));
+        let e = hip_target("gfx942:sramecc+:xnack-", (5, 2)).unwrap_err();
+        assert!(
+            e.contains("(5.2) does not know the target gfx942") && e.contains("gfx90a"),
+            "{e}"
+        );
+        assert!(hip_target("gfx942", (6, 0)).is_ok());
+        assert!(hip_target("gfx1100", (5, 2)).is_err());
+        assert!(hip_target("gfx950", (6, 2)).is_err());
+        assert!(hip_target("gfx950", (6, 4)).is_ok());
+    }
+}
