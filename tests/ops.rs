@@ -556,3 +556,49 @@ fn replayed_pass_matches_the_enqueued_one(kind: BackendKind) {
     }
 }
 backend_test!(replayed_pass_matches_the_enqueued_one, cpu, wgpu, cuda, hip);
+
+/// The CPU backend's Winograd F(2×2, 3×3) path, forced on layers of every awkward shape (odd
+/// sizes leave partial tiles; padding 0, 1 and 2; bias; a fused residual and ReLU) and on a
+/// whole network, against the reference. It runs by default only on layers with ≥ 32 channels.
+#[test]
+fn winograd_matches_the_reference() {
+    use workshop::backend::cpu::winograd::VARIANT;
+    let cases = [
+        ("odd", 5, 7, 1, [2, 5, 9, 7]),
+        ("no_pad", 8, 3, 0, [1, 8, 6, 5]),
+        ("pad2", 3, 4, 2, [1, 3, 4, 4]),
+        ("one_pixel", 4, 6, 1, [1, 4, 1, 1]),
+    ];
+    for (name, cin, cout, pad, shape) in cases {
+        let mut g = GraphBuilder::new(name, cin, ConvInit::TorchDefault, LinearInit::TorchDefault);
+        let x = g.input();
+        let a = g.conv("a", x, Conv2d::new(cin, cout, 3, 1, pad).with_bias());
+        // `b` adds its input back (a residual) and applies ReLU in its epilogue.
+        let fused = Conv2d {
+            residual: true,
+            act: workshop::model::op::Act::Relu,
+            ..Conv2d::new(cout, cout, 3, 1, 1)
+        };
+        let y = g.add_node("b", Op::Conv2d(fused), &[a, a]);
+        let graph = g.finish(y);
+        let plan = graph.plan(shape[0], shape[2], shape[3]).unwrap();
+        let w = random_weights(&graph, 3);
+        let x = Rng::new(8).normal_tensor(shape.to_vec());
+        let expected = reference::forward(&plan, &w, &x);
+        let opt = ExecOptions {
+            threads: Some(2),
+            variants: ["a", "b"]
+                .into_iter()
+                .map(|n| (n.to_string(), VARIANT.to_string()))
+                .collect(),
+            ..Default::default()
+        };
+        let b = workshop::backend::open(BackendKind::Cpu).unwrap();
+        let mut s = b.prepare(0, &plan, &w, &opt).unwrap();
+        s.run(&x).unwrap();
+        let got = s.read_output().unwrap();
+        let scale = expected.data.iter().fold(1f32, |m, v| m.max(v.abs()));
+        let diff = got.max_abs_diff(&expected);
+        assert!(diff <= 1e-4 * scale, "{name}: {diff} vs {scale}");
+    }
+}

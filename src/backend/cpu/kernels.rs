@@ -69,6 +69,9 @@ pub struct PackedConv<T> {
     /// Output rows per work item, as a multiple of [`chunk_rows`]'s choice (a tile-size
     /// variant max-autotune may pick: 1, 2 or 4).
     pub chunk_scale: usize,
+    /// Winograd F(2×2, 3×3) weights, when this layer runs that way (f32 storage, 3×3 stride
+    /// 1): `groups` is then empty.
+    pub winograd: Option<super::winograd::Winograd>,
 }
 
 /// The CPU backend's conv variants: rows per work item at 1×, 2× and 4× the default.
@@ -103,6 +106,7 @@ impl<T: Elem> PackedConv<T> {
                 groups: Vec::new(),
                 depthwise: Some((dw, bias)),
                 chunk_scale: 1,
+                winograd: None,
             };
         }
         let cin_g = conv.in_channels / conv.groups;
@@ -133,14 +137,28 @@ impl<T: Elem> PackedConv<T> {
             groups,
             depthwise: None,
             chunk_scale: 1,
+            winograd: None,
         }
+    }
+
+    /// Pack for Winograd F(2×2, 3×3) instead, when the layer and storage type allow it.
+    pub fn winograd(conv: Conv2d, weight: &[f32], bias: Option<&[f32]>) -> Option<Self> {
+        (T::IS_F32 && super::winograd::eligible(&conv)).then(|| PackedConv {
+            conv,
+            groups: Vec::new(),
+            depthwise: None,
+            chunk_scale: 1,
+            winograd: Some(super::winograd::Winograd::new(&conv, weight, bias)),
+        })
     }
 
     pub fn bytes(&self) -> u64 {
         let dw = self.depthwise.as_ref().map_or(0, |(w, b)| {
             (w.len() + b.as_ref().map_or(0, |b| b.len())) as u64 * 4
         });
-        self.groups.iter().map(|g| g.bytes()).sum::<u64>() + dw
+        self.groups.iter().map(|g| g.bytes()).sum::<u64>()
+            + dw
+            + self.winograd.as_ref().map_or(0, |w| w.bytes())
     }
 
     /// f32 scratch for widened weights (0 for f32 storage, which is read in place).
@@ -153,7 +171,9 @@ impl<T: Elem> PackedConv<T> {
     }
 
     pub fn kernel_name(&self) -> String {
-        let form = if self.depthwise.is_some() {
+        let form = if self.winograd.is_some() {
+            "winograd_f2x2"
+        } else if self.depthwise.is_some() {
             "depthwise_direct"
         } else if is_pointwise(&self.conv) {
             "pointwise_gemm"
@@ -268,7 +288,7 @@ impl<T: Elem> Epilogue<'_, T> {
     }
 
     /// Apply to `row`, the outputs starting at flat index `at`; `scratch` widens the residual.
-    fn apply(&self, row: &mut [f32], at: usize, scratch: &mut Vec<f32>) {
+    pub(crate) fn apply(&self, row: &mut [f32], at: usize, scratch: &mut Vec<f32>) {
         if let Some(r) = self.residual {
             let r = &r[at..at + row.len()];
             match T::as_f32(r) {
@@ -319,6 +339,16 @@ pub fn conv2d<T: Elem>(
                 T::narrow(&tmp, part);
             }
         }
+        return;
+    }
+    if let Some(w) = &p.winograd {
+        let xf = T::as_f32(x).expect("Winograd layers store f32");
+        let yf = T::as_f32_mut(y).expect("Winograd layers store f32");
+        let epilogue = Epilogue {
+            residual: residual.map(|r| T::as_f32(r).expect("f32 residual")),
+            act: p.conv.act,
+        };
+        super::winograd::conv2d(w, &p.conv, xf, xs, yf, ys, &epilogue);
         return;
     }
     let c = &p.conv;

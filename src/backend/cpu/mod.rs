@@ -6,6 +6,7 @@
 pub mod elem;
 pub mod kernels;
 pub mod sgemm;
+pub mod winograd;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -106,7 +107,11 @@ impl Backend for CpuBackend {
     fn variants(&self, op: &Op, _out: &[usize]) -> Vec<&'static str> {
         match op {
             Op::Conv2d(c) if !(c.groups > 1 && c.groups == c.in_channels) => {
-                kernels::CONV_VARIANTS.to_vec()
+                let mut v = kernels::CONV_VARIANTS.to_vec();
+                if winograd::eligible(c) {
+                    v.push(winograd::VARIANT);
+                }
+                v
             }
             _ => Vec::new(),
         }
@@ -346,9 +351,19 @@ impl<T: Elem> CpuSession<T> {
                 Op::Input { .. } => Step::Input,
                 Op::Conv2d(c) => {
                     let bias = if c.bias { Some(get("bias")?) } else { None };
-                    let mut packed = PackedConv::<T>::new(c, get("weight")?, bias);
-                    packed.chunk_scale =
-                        kernels::chunk_scale(variants.get(&node.name).map(String::as_str));
+                    let variant = variants.get(&node.name).map(String::as_str);
+                    let winograd = match variant {
+                        Some(v) => v == winograd::VARIANT,
+                        None => winograd::by_default(&c),
+                    };
+                    let mut packed = winograd
+                        .then(|| PackedConv::<T>::winograd(c, get("weight").ok()?, bias))
+                        .flatten()
+                        .map_or_else(
+                            || get("weight").map(|w| PackedConv::<T>::new(c, w, bias)),
+                            Ok,
+                        )?;
+                    packed.chunk_scale = kernels::chunk_scale(variant);
                     weight_bytes += packed.bytes();
                     Step::Conv(packed)
                 }
