@@ -451,7 +451,7 @@ fn profile_tables_csv_and_trace() {
         Some("\"Name\",\"Calls\",\"TotalDurationNs\",\"AverageNs\",\"Percentage\"")
     );
     let first: Vec<&str> = lines.next().unwrap().split(',').collect();
-    assert_eq!(first[0], "\"conv2d_im2col_gemm_f32\"", "{text}");
+    assert!(first[0].starts_with("\"conv2d_"), "{text}");
     // The percentages of all kernels add up to 100.
     let total: f64 = text
         .lines()

@@ -354,7 +354,7 @@ impl<T: Elem> CpuSession<T> {
                     let variant = variants.get(&node.name).map(String::as_str);
                     let winograd = match variant {
                         Some(v) => v == winograd::VARIANT,
-                        None => winograd::by_default(&c),
+                        None => winograd::by_default(&c, &plan.shapes[id]),
                     };
                     let mut packed = winograd
                         .then(|| PackedConv::<T>::winograd(c, get("weight").ok()?, bias))
