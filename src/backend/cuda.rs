@@ -269,7 +269,7 @@ impl Device for CudaDevice {
     ) -> Result<Vec<CudaFunction>, BackendError> {
         self.bind()?;
         let src = gpu::source("cuda/ops.cu", kernels_dir)?;
-        let key = (self.ordinal, precision, hash(&src));
+        let key = (self.ordinal, precision, gpu::source_hash(&src));
         let cached = modules()
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -511,11 +511,4 @@ impl Device for CudaDevice {
             nvrtc_version().unwrap_or_default()
         )
     }
-}
-
-fn hash(s: &str) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    s.hash(&mut h);
-    h.finish()
 }

@@ -375,12 +375,7 @@ impl Device for HipDevice {
     ) -> Result<Vec<usize>, BackendError> {
         self.select()?;
         let src = gpu::source("hip/ops.hip", kernels_dir)?;
-        let key = (self.ordinal, precision, {
-            use std::hash::{Hash, Hasher};
-            let mut hs = std::collections::hash_map::DefaultHasher::new();
-            src.hash(&mut hs);
-            hs.finish()
-        });
+        let key = (self.ordinal, precision, gpu::source_hash(&src));
         let cached = modules()
             .lock()
             .unwrap_or_else(|p| p.into_inner())

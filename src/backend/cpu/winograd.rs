@@ -99,7 +99,9 @@ thread_local! {
 /// Tiles per work item: the chunk's transformed inputs and results stay about 1 MiB.
 /// Fewer when that leaves too few work items for the workers.
 fn chunk_tiles(cin: usize, cout: usize, tiles: usize, threads: usize) -> usize {
-    let fair = tiles.div_ceil(2 * threads.max(1)).next_multiple_of(sgemm::MR);
+    let fair = tiles
+        .div_ceil(2 * threads.max(1))
+        .next_multiple_of(sgemm::MR);
     (16_384 / (cin + cout).max(1))
         .clamp(sgemm::MR * 2, sgemm::MR * 16)
         .next_multiple_of(sgemm::MR)

@@ -10,7 +10,6 @@
 //! about any GPU.
 
 use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
 use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
@@ -106,9 +105,7 @@ fn compiled() -> &'static Mutex<HashMap<u64, Arc<Library>>> {
 
 /// Compile `text` (the prelude and the kernels) with the host C++ compiler and open it.
 fn build(text: &str, path_hint: &str) -> Result<Arc<Library>, BackendError> {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    text.hash(&mut h);
-    let key = h.finish();
+    let key = super::source_hash(text);
     let mut cache = compiled().lock().unwrap_or_else(|p| p.into_inner());
     if let Some(lib) = cache.get(&key) {
         return Ok(lib.clone());

@@ -86,6 +86,14 @@ fn normalize(p: &Path) -> String {
     parts.join("/")
 }
 
+/// A kernel source's hash: compiled modules are cached by it (and by device and precision).
+pub fn source_hash(src: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    src.hash(&mut h);
+    h.finish()
+}
+
 /// The preprocessor definition that selects the storage type in ops.cuh.
 pub fn precision_define(p: Precision) -> &'static str {
     match p {

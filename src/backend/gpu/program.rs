@@ -470,15 +470,8 @@ pub fn build(
                                 Arg::I32(xw as i32),
                                 Arg::I32(h as i32),
                                 Arg::I32(w as i32),
-                                Arg::I32(conv.kernel.0 as i32),
-                                Arg::I32(conv.kernel.1 as i32),
-                                Arg::I32(conv.stride.0 as i32),
-                                Arg::I32(conv.stride.1 as i32),
-                                Arg::I32(conv.padding.0 as i32),
-                                Arg::I32(conv.padding.1 as i32),
-                                Arg::I32(conv.dilation.0 as i32),
-                                Arg::I32(conv.dilation.1 as i32),
                             ];
+                            let args = [args, window(&conv)].concat();
                             i32_of(n * kk * pixels, &format!("`{}`'s im2col", node.name))?;
                             b.launch(&node.name, op, "im2col", grid_1d(n * kk * pixels)?, args);
                             s
@@ -547,19 +540,18 @@ pub fn build(
                             Arg::I32(c as i32),
                             Arg::I32(h as i32),
                             Arg::I32(w as i32),
-                            Arg::I32(conv.kernel.0 as i32),
-                            Arg::I32(conv.kernel.1 as i32),
-                            Arg::I32(conv.stride.0 as i32),
-                            Arg::I32(conv.stride.1 as i32),
-                            Arg::I32(conv.padding.0 as i32),
-                            Arg::I32(conv.padding.1 as i32),
-                            Arg::I32(conv.dilation.0 as i32),
-                            Arg::I32(conv.dilation.1 as i32),
-                            Arg::I32(conv.groups as i32),
-                            Arg::I32(act_code(conv.act)),
-                            Arg::I32(has_bias as i32),
-                            Arg::I32(conv.residual as i32),
                         ];
+                        let args = [
+                            args,
+                            window(&conv),
+                            vec![
+                                Arg::I32(conv.groups as i32),
+                                Arg::I32(act_code(conv.act)),
+                                Arg::I32(has_bias as i32),
+                                Arg::I32(conv.residual as i32),
+                            ],
+                        ]
+                        .concat();
                         let g = conv_grid(n * h * w, c, conv.groups)?;
                         b.launch(&node.name, op, "conv2d", g, args);
                     }
@@ -674,6 +666,15 @@ pub fn build(
         output_shape,
         precision,
     })
+}
+
+/// A convolution's window fields, in the order the kernels' structs declare them:
+/// kh, kw, sh, sw, ph, pw, dh, dw.
+fn window(conv: &Conv2d) -> Vec<Arg> {
+    [conv.kernel, conv.stride, conv.padding, conv.dilation]
+        .into_iter()
+        .flat_map(|(a, b)| [Arg::I32(a as i32), Arg::I32(b as i32)])
+        .collect()
 }
 
 /// The pooling kernels' arguments: (planes, h, w, oh, ow), window, stride, padding.
