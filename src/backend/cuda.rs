@@ -4,10 +4,9 @@
 //! vendor family hands GEMMs to cuBLAS. Everything runs in order on one stream of the session,
 //! timed with CUDA events; `--compile reduce-overhead` captures the pass into a CUDA graph.
 
-use std::collections::HashMap;
 use std::ffi::c_void;
 use std::path::Path;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaModule, CudaStream, result, sys,
@@ -193,12 +192,7 @@ impl Backend for CudaBackend {
 
 /// Modules compiled in this process, by (device, precision, source): a session after the first
 /// pays nothing.
-type ModuleCache = HashMap<(usize, Precision, u64), Arc<CudaModule>>;
-
-fn modules() -> &'static Mutex<ModuleCache> {
-    static M: OnceLock<Mutex<ModuleCache>> = OnceLock::new();
-    M.get_or_init(Default::default)
-}
+static MODULES: gpu::ModuleCache<Arc<CudaModule>> = gpu::ModuleCache::new();
 
 pub struct CudaDevice {
     ctx: Arc<CudaContext>,
@@ -269,27 +263,12 @@ impl Device for CudaDevice {
     ) -> Result<Vec<CudaFunction>, BackendError> {
         self.bind()?;
         let src = gpu::source("cuda/ops.cu", kernels_dir)?;
-        let key = (self.ordinal, precision, gpu::source_hash(&src));
-        let cached = modules()
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&key)
-            .cloned();
-        let module = match cached {
-            Some(m) => m,
-            None => {
-                let ptx = compile(&self.arch()?, precision, kernels_dir)?;
-                let m = self
-                    .ctx
-                    .load_module(ptx)
-                    .map_err(|e| driver_error("loading the compiled kernels", e))?;
-                modules()
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(key, m.clone());
-                m
-            }
-        };
+        let module = MODULES.get_or_load(self.ordinal, precision, &src, || {
+            let ptx = compile(&self.arch()?, precision, kernels_dir)?;
+            self.ctx
+                .load_module(ptx)
+                .map_err(|e| driver_error("loading the compiled kernels", e))
+        })?;
         names
             .iter()
             .map(|n| {

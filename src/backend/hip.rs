@@ -5,10 +5,8 @@
 //! the few we need are declared here. There is no vendor GEMM in this build (hipBLAS is not
 //! linked): `--kernels vendor` says so.
 
-use std::collections::HashMap;
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::path::Path;
-use std::sync::{Mutex, OnceLock};
 
 use hip_sys::hiprt as h;
 
@@ -286,13 +284,8 @@ impl Backend for HipBackend {
     }
 }
 
-/// Code objects loaded in this process, by (device, precision, source).
-type ModuleCache = HashMap<(usize, Precision, u64), usize>;
-
-fn modules() -> &'static Mutex<ModuleCache> {
-    static M: OnceLock<Mutex<ModuleCache>> = OnceLock::new();
-    M.get_or_init(Default::default)
-}
+/// Loaded code objects (module handles as integers, which are Send).
+static MODULES: gpu::ModuleCache<usize> = gpu::ModuleCache::new();
 
 pub struct HipDevice {
     ordinal: usize,
@@ -375,28 +368,15 @@ impl Device for HipDevice {
     ) -> Result<Vec<usize>, BackendError> {
         self.select()?;
         let src = gpu::source("hip/ops.hip", kernels_dir)?;
-        let key = (self.ordinal, precision, gpu::source_hash(&src));
-        let cached = modules()
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&key)
-            .copied();
-        let module = match cached {
-            Some(m) => m as h::hipModule_t,
-            None => {
-                let code = compile(&self.arch, precision, kernels_dir)?;
-                let mut m: h::hipModule_t = std::ptr::null_mut();
-                // SAFETY: a code object hiprtc produced for this device's target.
-                check("loading the compiled kernels", unsafe {
-                    h::hipModuleLoadData(&mut m, code.as_ptr() as *const c_void)
-                })?;
-                modules()
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(key, m as usize);
-                m
-            }
-        };
+        let module = MODULES.get_or_load(self.ordinal, precision, &src, || {
+            let code = compile(&self.arch, precision, kernels_dir)?;
+            let mut m: h::hipModule_t = std::ptr::null_mut();
+            // SAFETY: a code object hiprtc produced for this device's target.
+            check("loading the compiled kernels", unsafe {
+                h::hipModuleLoadData(&mut m, code.as_ptr() as *const c_void)
+            })?;
+            Ok(m as usize)
+        })? as h::hipModule_t;
         names
             .iter()
             .map(|n| {

@@ -9,9 +9,8 @@
 //! backends: every number it produces is labelled as emulated, and its timings say nothing
 //! about any GPU.
 
-use std::collections::HashMap;
 use std::path::Path;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 use std::time::Instant;
 
 use rayon::prelude::*;
@@ -97,19 +96,12 @@ impl Library {
     }
 }
 
-/// Compiled libraries by source hash: tests prepare many sessions from the same source.
-fn compiled() -> &'static Mutex<HashMap<u64, Arc<Library>>> {
-    static CACHE: OnceLock<Mutex<HashMap<u64, Arc<Library>>>> = OnceLock::new();
-    CACHE.get_or_init(Default::default)
-}
+/// Compiled libraries: tests prepare many sessions from the same source.
+static LIBRARIES: super::ModuleCache<Arc<Library>> = super::ModuleCache::new();
 
 /// Compile `text` (the prelude and the kernels) with the host C++ compiler and open it.
 fn build(text: &str, path_hint: &str) -> Result<Arc<Library>, BackendError> {
     let key = super::source_hash(text);
-    let mut cache = compiled().lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(lib) = cache.get(&key) {
-        return Ok(lib.clone());
-    }
     let fail = |log: String| BackendError::Compile {
         path: format!("{path_hint} (for the CPU emulator)"),
         log,
@@ -141,9 +133,7 @@ fn build(text: &str, path_hint: &str) -> Result<Arc<Library>, BackendError> {
     if handle.is_null() {
         return Err(fail("dlopen failed on the compiled kernels".into()));
     }
-    let lib = Arc::new(Library(handle));
-    cache.insert(key, lib.clone());
-    Ok(lib)
+    Ok(Arc::new(Library(handle)))
 }
 
 /// A kernel of the emulator: its entry point and the size of its argument struct.
@@ -223,10 +213,9 @@ impl Device for EmuDevice {
         kernels_dir: Option<&Path>,
         names: &[&'static str],
     ) -> Result<Vec<EmuFunction>, BackendError> {
-        let lib = build(
-            &compile_source(precision, kernels_dir)?,
-            "kernels/gpu/ops.cuh",
-        )?;
+        let text = compile_source(precision, kernels_dir)?;
+        let lib =
+            LIBRARIES.get_or_load(0, precision, &text, || build(&text, "kernels/gpu/ops.cuh"))?;
         names
             .iter()
             .map(|&name| {

@@ -10,7 +10,9 @@ pub mod check;
 pub mod emu;
 pub mod program;
 
+use std::collections::HashMap;
 use std::path::Path;
+use std::sync::{Mutex, OnceLock};
 
 use super::{BackendError, ExecOptions, KernelTime, MemoryStats, Session};
 use crate::model::{Plan, Precision, Tensor, Weights};
@@ -92,6 +94,47 @@ pub fn source_hash(src: &str) -> u64 {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     src.hash(&mut h);
     h.finish()
+}
+
+/// Compiled modules of one backend by (device, precision, source hash), kept for the life of
+/// the process: a session after the first compiles nothing.
+pub struct ModuleCache<M>(OnceLock<Mutex<ModuleMap<M>>>);
+
+type ModuleMap<M> = HashMap<(usize, Precision, u64), M>;
+
+impl<M: Clone> Default for ModuleCache<M> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<M: Clone> ModuleCache<M> {
+    pub const fn new() -> Self {
+        ModuleCache(OnceLock::new())
+    }
+
+    /// The module of `source` for `device` and `precision`, loaded by `load` the first time
+    /// (under the lock: sessions prepared in parallel compile a source once).
+    pub fn get_or_load(
+        &self,
+        device: usize,
+        precision: Precision,
+        source: &str,
+        load: impl FnOnce() -> Result<M, BackendError>,
+    ) -> Result<M, BackendError> {
+        let key = (device, precision, source_hash(source));
+        let mut map = self
+            .0
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(m) = map.get(&key) {
+            return Ok(m.clone());
+        }
+        let m = load()?;
+        map.insert(key, m.clone());
+        Ok(m)
+    }
 }
 
 /// The preprocessor definition that selects the storage type in ops.cuh.
