@@ -93,6 +93,11 @@ fn the_embedded_course_runs_start_to_finish_on_the_cpu() {
         dir.join("profiles/07-kernel-profile.large.trace.json")
             .exists()
     );
+    // The vendor-library step needs cuBLAS: on the CPU it is recorded as unavailable.
+    assert_eq!(
+        find("07-kernel-profile", "vendor")["outcome"],
+        "unavailable"
+    );
     let compiled = find("06-compile", "default");
     assert!(compiled["metrics"]["rel_diff"].as_f64().unwrap() < 1e-3);
     // The CPU backend has nothing to replay: the step runs like default and records that.

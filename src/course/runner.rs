@@ -41,7 +41,7 @@ fn bench_config(ws: &Workspace, spec: &BenchSpec) -> BenchConfig {
         weights: "random(seed=0)".into(),
         profile: false,
         kernels_dir: None,
-        kernels: Default::default(),
+        kernels: s.kernels.unwrap_or_default(),
         flops_prof_step: None,
         cores: None,
         compile: s.compile,

@@ -143,6 +143,9 @@ pub struct BenchSpec {
     pub devices: Option<String>,
     /// Data parallel over this many groups of CPU cores (CPU backend; wins over `devices`).
     pub cpu_groups: Option<usize>,
+    /// `native` (our kernels, the default) or `vendor` (the vendor library for convolutions and
+    /// linear layers: cuBLAS on cuda). Backends without one record the step as unavailable.
+    pub kernels: Option<crate::backend::KernelFamily>,
     /// Graph compilation (`default`, `reduce-overhead`, `max-autotune`); metrics then add
     /// `compile_s`, `rel_diff` (against eager FP32) and `memory_saved` (fraction of the plan),
     /// for max-autotune `autotune_timed` and `autotune_cached` (layer shapes), and for
@@ -334,6 +337,7 @@ impl BenchSpec {
             out.input_size = cpu.input_size.or(out.input_size);
             out.cpu_groups = cpu.cpu_groups.or(out.cpu_groups);
             out.compile = cpu.compile.or(out.compile);
+            out.kernels = cpu.kernels.or(out.kernels);
             out.devices = cpu.devices.clone().or(out.devices);
         }
         if backend != BackendKind::Cpu {
