@@ -584,21 +584,36 @@ fn winograd_matches_the_reference() {
         let plan = graph.plan(shape[0], shape[2], shape[3]).unwrap();
         let w = random_weights(&graph, 3);
         let x = Rng::new(8).normal_tensor(shape.to_vec());
-        let expected = reference::forward(&plan, &w, &x);
-        let opt = ExecOptions {
-            threads: Some(2),
-            variants: ["a", "b"]
-                .into_iter()
-                .map(|n| (n.to_string(), VARIANT.to_string()))
-                .collect(),
-            ..Default::default()
-        };
-        let b = workshop::backend::open(BackendKind::Cpu).unwrap();
-        let mut s = b.prepare(0, &plan, &w, &opt).unwrap();
-        s.run(&x).unwrap();
-        let got = s.read_output().unwrap();
-        let scale = expected.data.iter().fold(1f32, |m, v| m.max(v.abs()));
-        let diff = got.max_abs_diff(&expected);
-        assert!(diff <= 1e-4 * scale, "{name}: {diff} vs {scale}");
+        for precision in [Precision::Fp32, Precision::Fp16, Precision::Bf16] {
+            // The reference sees the input and weights as this precision stores them.
+            let round = |t: &Tensor| {
+                Tensor::new(
+                    t.shape.clone(),
+                    t.data.iter().map(|&v| precision.round(v)).collect(),
+                )
+            };
+            let mut wr = w.clone();
+            wr.tensors.values_mut().for_each(|t| *t = round(t));
+            let expected = reference::forward(&plan, &wr, &round(&x));
+            let opt = ExecOptions {
+                precision,
+                threads: Some(2),
+                variants: ["a", "b"]
+                    .into_iter()
+                    .map(|n| (n.to_string(), VARIANT.to_string()))
+                    .collect(),
+                ..Default::default()
+            };
+            let b = workshop::backend::open(BackendKind::Cpu).unwrap();
+            let mut s = b.prepare(0, &plan, &w, &opt).unwrap();
+            s.run(&x).unwrap();
+            let got = s.read_output().unwrap();
+            let scale = expected.data.iter().fold(1f32, |m, v| m.max(v.abs()));
+            let diff = got.max_abs_diff(&expected);
+            assert!(
+                diff <= tolerance(precision) * scale,
+                "{name} {precision}: {diff} vs {scale}"
+            );
+        }
     }
 }

@@ -69,8 +69,8 @@ pub struct PackedConv<T> {
     /// Output rows per work item, as a multiple of [`chunk_rows`]'s choice (a tile-size
     /// variant max-autotune may pick: 1, 2 or 4).
     pub chunk_scale: usize,
-    /// Winograd F(2×2, 3×3) weights, when this layer runs that way (f32 storage, 3×3 stride
-    /// 1): `groups` is then empty.
+    /// Winograd F(2×2, 3×3) weights, when this layer runs that way (3×3, stride 1): `groups`
+    /// is then empty.
     pub winograd: Option<super::winograd::Winograd>,
 }
 
@@ -141,14 +141,14 @@ impl<T: Elem> PackedConv<T> {
         }
     }
 
-    /// Pack for Winograd F(2×2, 3×3) instead, when the layer and storage type allow it.
+    /// Pack for Winograd F(2×2, 3×3) instead, when the layer allows it.
     pub fn winograd(conv: Conv2d, weight: &[f32], bias: Option<&[f32]>) -> Option<Self> {
-        (T::IS_F32 && super::winograd::eligible(&conv)).then(|| PackedConv {
+        super::winograd::eligible(&conv).then(|| PackedConv {
             conv,
             groups: Vec::new(),
             depthwise: None,
             chunk_scale: 1,
-            winograd: Some(super::winograd::Winograd::new(&conv, weight, bias)),
+            winograd: Some(super::winograd::Winograd::new::<T>(&conv, weight, bias)),
         })
     }
 
@@ -342,13 +342,7 @@ pub fn conv2d<T: Elem>(
         return;
     }
     if let Some(w) = &p.winograd {
-        let xf = T::as_f32(x).expect("Winograd layers store f32");
-        let yf = T::as_f32_mut(y).expect("Winograd layers store f32");
-        let epilogue = Epilogue {
-            residual: residual.map(|r| T::as_f32(r).expect("f32 residual")),
-            act: p.conv.act,
-        };
-        super::winograd::conv2d(w, &p.conv, xf, xs, yf, ys, &epilogue);
+        super::winograd::conv2d(w, &p.conv, x, xs, y, ys, &epilogue);
         return;
     }
     let c = &p.conv;

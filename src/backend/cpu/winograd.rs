@@ -1,14 +1,17 @@
-//! Winograd F(2×2, 3×3) for dense 3×3 stride-1 convolutions in f32: each 2×2 block of outputs
+//! Winograd F(2×2, 3×3) for dense 3×3 stride-1 convolutions: each 2×2 block of outputs
 //! comes from a 4×4 input tile with 16 multiplications per (input, output) channel pair instead
 //! of 36. Per chunk of tiles: the input transform V = Bᵀ·d·B of every tile and channel, 16 GEMMs
 //! M_ξ = V_ξ·U_ξ (tiles × cin by cin × cout, on our packed SGEMM) against the transformed
 //! weights U = G·g·Gᵀ, and the output transform Y = Aᵀ·M·A with bias and the fused epilogue.
+//! Activations may be stored in any precision (widened per pixel, narrowed per output row); the
+//! transformed weights are kept in f32, made from the weights as the storage type rounds them.
 //! Lavin & Gray, "Fast Algorithms for Convolutional Neural Networks" (2015).
 
 use std::cell::RefCell;
 
 use rayon::prelude::*;
 
+use super::elem::Elem;
 use super::kernels::{Epilogue, Nhwc};
 use super::sgemm::{self, PackedB};
 use crate::model::op::Conv2d;
@@ -43,14 +46,17 @@ pub struct Winograd {
 }
 
 impl Winograd {
-    /// From PyTorch's (cout, cin, 3, 3) weight.
-    pub fn new(conv: &Conv2d, weight: &[f32], bias: Option<&[f32]>) -> Self {
+    /// From PyTorch's (cout, cin, 3, 3) weight, as storage type `T` rounds it.
+    pub fn new<T: Elem>(conv: &Conv2d, weight: &[f32], bias: Option<&[f32]>) -> Self {
         let (cin, cout) = (conv.in_channels, conv.out_channels);
         // t[ξ][co·cin + ci] = (G·g·Gᵀ)[ξ] with G = [[1,0,0],[½,½,½],[½,−½,½],[0,0,1]].
         let mut t = vec![vec![0f32; cout * cin]; 16];
         for co in 0..cout {
             for ci in 0..cin {
-                let g = &weight[(co * cin + ci) * 9..][..9];
+                let g: Vec<f32> = weight[(co * cin + ci) * 9..][..9]
+                    .iter()
+                    .map(|&v| T::from_f32(v).to_f32())
+                    .collect();
                 let mut gg = [[0f32; 3]; 4];
                 for j in 0..3 {
                     let (a, b, c) = (g[j], g[3 + j], g[6 + j]);
@@ -109,20 +115,20 @@ fn chunk_tiles(cin: usize, cout: usize, tiles: usize, threads: usize) -> usize {
         .min(tiles.max(1))
 }
 
-struct OutPtr(*mut f32);
+struct OutPtr<T>(*mut T);
 // SAFETY: work items write the outputs of disjoint tiles.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
+unsafe impl<T> Send for OutPtr<T> {}
+unsafe impl<T> Sync for OutPtr<T> {}
 
-/// The convolution `x` (xs) → `y` (ys), NHWC f32, with the epilogue applied to each output row.
-pub fn conv2d(
+/// The convolution `x` (xs) → `y` (ys), NHWC, with the epilogue applied to each output row.
+pub fn conv2d<T: Elem>(
     w: &Winograd,
     conv: &Conv2d,
-    x: &[f32],
+    x: &[T],
     xs: Nhwc,
-    y: &mut [f32],
+    y: &mut [T],
     ys: Nhwc,
-    epilogue: &Epilogue<'_, f32>,
+    epilogue: &Epilogue<'_, T>,
 ) {
     let (cin, cout) = (xs.c, ys.c);
     let (th, tw) = (ys.h.div_ceil(2), ys.w.div_ceil(2));
@@ -157,7 +163,7 @@ pub fn conv2d(
                                 dst.fill(0.0);
                             } else {
                                 let at = ((b * xs.h + iy as usize) * xs.w + ix as usize) * cin;
-                                dst.copy_from_slice(&x[at..at + cin]);
+                                T::widen(&x[at..at + cin], dst);
                             }
                         }
                     }
@@ -186,6 +192,7 @@ pub fn conv2d(
                 }
                 // Output transform, bias and epilogue, row by row of the 2×2 block.
                 let mut row = vec![0f32; cout];
+                let mut narrow = vec![T::default(); cout];
                 let mut scratch = Vec::new();
                 for t in 0..nt {
                     let (b, ty, tx) = tile_position(t0 + t, th, tw);
@@ -206,9 +213,14 @@ pub fn conv2d(
                             }
                             let flat = ((b * ys.h + oy) * ys.w + ox) * cout;
                             epilogue.apply(&mut row, flat, &mut scratch);
+                            T::narrow(&row, &mut narrow);
                             // SAFETY: this pixel belongs to this tile only.
                             unsafe {
-                                std::ptr::copy_nonoverlapping(row.as_ptr(), out.0.add(flat), cout);
+                                std::ptr::copy_nonoverlapping(
+                                    narrow.as_ptr(),
+                                    out.0.add(flat),
+                                    cout,
+                                );
                             }
                         }
                     }
