@@ -498,12 +498,14 @@ fn map_f32<T: Elem>(buf: &mut [T], block: usize, f: impl Fn(&mut [f32]) + Sync) 
     buf.par_chunks_mut(block)
         .for_each(|part| match T::as_f32_mut(part) {
             Some(p) => f(p),
-            None => {
-                let mut tmp = vec![0f32; part.len()];
-                T::widen(part, &mut tmp);
-                f(&mut tmp);
-                T::narrow(&tmp, part);
-            }
+            // Half storage: widened into the worker's scratch (no allocation per block).
+            None => SCRATCH.with(|s| {
+                let tmp = &mut s.borrow_mut().1;
+                tmp.resize(part.len(), 0.0);
+                T::widen(part, &mut tmp[..part.len()]);
+                f(&mut tmp[..part.len()]);
+                T::narrow(&tmp[..part.len()], part);
+            }),
         });
 }
 
