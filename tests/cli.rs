@@ -8,6 +8,19 @@ use workshop::model::{Rng, Weights, reference, zoo};
 use crate::common::{stderr, stdout, workshop};
 
 /// A failed command: non-zero exit, a one-line `error:` message containing `needle`, no panic.
+/// Run `args` with `--json PATH` added, expect success, and return stdout and the record.
+fn run_json(args: &[&str], json: &std::path::Path) -> (String, Value) {
+    let mut a = args.to_vec();
+    a.extend(["--json", json.to_str().unwrap()]);
+    let o = workshop(&a);
+    assert!(o.status.success(), "{}", stderr(&o));
+    (stdout(&o), read_json(json))
+}
+
+fn read_json(path: &std::path::Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
 /// Run `args` as a user's build does (without the GPU emulator CI sets for backend tests) and
 /// expect a failure that says `needle`, with no panic.
 fn fails_with(args: &[&str], needle: &str) {
@@ -73,7 +86,7 @@ fn bench_prints_iterations_and_writes_a_record() {
         out.contains("Throughput") && out.contains("images/s") && out.contains("CV"),
         "{out}"
     );
-    let r: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let r: Value = read_json(&json);
     assert_eq!(r["schema_version"], 1);
     assert_eq!(r["config"]["network"], "resnet18");
     assert_eq!(r["config"]["precision"], "fp32");
@@ -110,7 +123,7 @@ fn random_resnet50_loss_is_near_ln_1000() {
         json.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let r: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let r: Value = read_json(&json);
     let loss = r["loss"].as_f64().unwrap();
     assert!((loss - 1000f64.ln()).abs() < 0.75, "loss {loss}");
 }
@@ -601,7 +614,7 @@ fn flops_profile_of_one_step() {
     }
     // --flops-depth 2 stops the tree above the blocks' layers.
     assert!(!out.contains("(conv2): "), "{out}");
-    let r: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let r: Value = read_json(&json);
     let f = &r["flops_profile"];
     let modules = f["modules"].as_array().unwrap();
     let root = &modules[0];
@@ -662,18 +675,13 @@ fn data_parallel_over_cpu_groups() {
             "2",
         ]
     };
-    let mut a = args("4");
-    a.extend(["--json", json.to_str().unwrap()]);
-    let o = workshop(&a);
-    let out = stdout(&o);
-    assert!(o.status.success(), "{}", stderr(&o));
+    let (out, r) = run_json(&args("4"), &json);
     assert!(
         out.contains("Performance summary (global): resnet18 FP32 on 2 devices")
             && out.contains("Global batch  4 (2 per device)")
             && out.contains("efficiency"),
         "{out}"
     );
-    let r: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(r["kind"], "multi");
     assert_eq!(r["runs"].as_array().unwrap().len(), 2);
     assert_eq!(r["global_samples_s"].as_array().unwrap().len(), 3);
@@ -1024,35 +1032,25 @@ fn compile_default_fuses_checks_and_reports() {
             mode,
         ]
     };
-    let mut a = args("default");
-    a.extend(["--json", json.to_str().unwrap()]);
-    let o = workshop(&a);
-    let out = stdout(&o);
-    assert!(o.status.success(), "{}", stderr(&o));
+    let (out, r) = run_json(&args("default"), &json);
     assert!(
         out.contains("Compile       default in")
             && out.contains("20 batch norms folded, 17 activations and 8 residual adds fused")
             && out.contains("against eager FP32"),
         "{out}"
     );
-    let r: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let c = &r["compile"];
     assert_eq!(r["config"]["compile"], "default");
     assert!(c["rel_diff"].as_f64().unwrap() < 1e-4, "{c}");
     assert!(c["passes"]["nodes_after"].as_u64() < c["passes"]["nodes_before"].as_u64());
     assert!(c["compiled_memory"].as_u64() < c["eager_memory"].as_u64());
     // reduce-overhead: the default passes, and on the CPU no replay, with the reason.
-    let mut a = args("reduce-overhead");
-    a.extend(["--json", json.to_str().unwrap()]);
-    let o = workshop(&a);
-    let out = stdout(&o);
-    assert!(o.status.success(), "{}", stderr(&o));
+    let (out, r) = run_json(&args("reduce-overhead"), &json);
     assert!(
         out.contains("Compile       reduce-overhead in")
             && out.contains("Replay        none: the CPU backend runs every pass itself"),
         "{out}"
     );
-    let r: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert!(
         r["compile"]["replay"]["Err"].is_string(),
         "{}",

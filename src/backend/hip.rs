@@ -120,15 +120,10 @@ fn check(what: &str, e: h::hipError_t) -> Result<(), BackendError> {
     }
     // SAFETY: returns a static string for any code.
     let s = unsafe { CStr::from_ptr(h::hipGetErrorString(e)) };
-    Err(if e == h::hipError_t::hipErrorOutOfMemory {
-        BackendError::OutOfMemory {
-            needed: 0,
-            available: 0,
-            suggestion: None,
-        }
-    } else {
-        BackendError::Invalid(format!("HIP: {what} failed: {}", s.to_string_lossy()))
-    })
+    Err(BackendError::Invalid(format!(
+        "HIP: {what} failed: {}",
+        s.to_string_lossy()
+    )))
 }
 
 fn no_device(reason: impl Into<String>) -> BackendError {
@@ -395,18 +390,15 @@ impl Device for HipDevice {
         self.select()?;
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: an out-pointer; freed in Drop.
-        match check("allocating device memory", unsafe {
-            h::hipMalloc(&mut p, bytes as usize)
-        }) {
-            Err(BackendError::OutOfMemory { .. }) => {
-                return Err(BackendError::OutOfMemory {
-                    needed: bytes,
-                    available: free_memory().unwrap_or(0),
-                    suggestion: None,
-                });
-            }
-            other => other?,
+        let e = unsafe { h::hipMalloc(&mut p, bytes as usize) };
+        if e == h::hipError_t::hipErrorOutOfMemory {
+            return Err(BackendError::OutOfMemory {
+                needed: bytes,
+                available: free_memory().unwrap_or(0),
+                suggestion: None,
+            });
         }
+        check("allocating device memory", e)?;
         self.allocations.push(p);
         // SAFETY: `p` has `bytes` bytes.
         check("clearing device memory", unsafe {

@@ -97,9 +97,23 @@ impl Winograd {
     }
 }
 
+/// Per worker, reused across chunks, layers and passes.
+#[derive(Default)]
+struct Scratch {
+    /// Transformed inputs, 16 × tiles × cin.
+    v: Vec<f32>,
+    /// GEMM results, 16 × tiles × cout.
+    m: Vec<f32>,
+    /// One tile's 16 input pixels and its half-transformed copy, 16 × cin each.
+    d: Vec<f32>,
+    tmp: Vec<f32>,
+    /// One output pixel's channels, and the epilogue's widened residual.
+    row: Vec<f32>,
+    residual: Vec<f32>,
+}
+
 thread_local! {
-    /// Per worker: transformed inputs (16 × tiles × cin) and GEMM results (16 × tiles × cout).
-    static SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
 /// Tiles per work item: the chunk's transformed inputs and results stay about 1 MiB.
@@ -146,12 +160,20 @@ pub fn conv2d<T: Elem>(
             let t0 = chunk * per;
             let nt = per.min(tiles - t0);
             SCRATCH.with(|s| {
-                let (v, m) = &mut *s.borrow_mut();
+                let Scratch {
+                    v,
+                    m,
+                    d,
+                    tmp,
+                    row,
+                    residual,
+                } = &mut *s.borrow_mut();
                 v.resize(16 * nt * cin, 0.0);
                 m.resize(16 * nt * cout, 0.0);
+                d.resize(16 * cin, 0.0);
+                tmp.resize(16 * cin, 0.0);
+                row.resize(cout, 0.0);
                 // Input transform, vectorised over channels.
-                let mut d = vec![0f32; 16 * cin];
-                let mut tmp = vec![0f32; 16 * cin];
                 for t in 0..nt {
                     let (b, ty, tx) = tile_position(t0 + t, th, tw);
                     for i in 0..4 {
@@ -167,7 +189,7 @@ pub fn conv2d<T: Elem>(
                             }
                         }
                     }
-                    input_transform(&d, cin, &mut tmp, |xi| {
+                    input_transform(d, cin, tmp, |xi| {
                         let at = (xi * nt + t) * cin;
                         // SAFETY: a distinct row of `v` per (ξ, t); `v` outlives the closure.
                         unsafe {
@@ -191,9 +213,6 @@ pub fn conv2d<T: Elem>(
                     }
                 }
                 // Output transform, bias and epilogue, row by row of the 2×2 block.
-                let mut row = vec![0f32; cout];
-                let mut narrow = vec![T::default(); cout];
-                let mut scratch = Vec::new();
                 for t in 0..nt {
                     let (b, ty, tx) = tile_position(t0 + t, th, tw);
                     let at = |xi: usize| &m[(xi * nt + t) * cout..][..cout];
@@ -207,21 +226,16 @@ pub fn conv2d<T: Elem>(
                             if ox >= ys.w {
                                 continue;
                             }
-                            output_transform(&at, r, c, &mut row);
+                            output_transform(&at, r, c, row);
                             if let Some(bias) = &w.bias {
                                 row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
                             }
                             let flat = ((b * ys.h + oy) * ys.w + ox) * cout;
-                            epilogue.apply(&mut row, flat, &mut scratch);
-                            T::narrow(&row, &mut narrow);
-                            // SAFETY: this pixel belongs to this tile only.
-                            unsafe {
-                                std::ptr::copy_nonoverlapping(
-                                    narrow.as_ptr(),
-                                    out.0.add(flat),
-                                    cout,
-                                );
-                            }
+                            epilogue.apply(row, flat, residual);
+                            // SAFETY: this pixel's cout outputs belong to this tile only.
+                            let dst =
+                                unsafe { std::slice::from_raw_parts_mut(out.0.add(flat), cout) };
+                            T::narrow(row, dst);
                         }
                     }
                 }

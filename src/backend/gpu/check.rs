@@ -5,6 +5,7 @@
 use std::path::Path;
 use std::time::Instant;
 
+use crate::backend::BackendError;
 use crate::model::Precision;
 
 /// One compilation: what, for which target and precision, and how it went.
@@ -34,23 +35,32 @@ pub const CUDA_TARGETS: [&str; 3] = ["compute_70", "compute_80", "compute_90"];
 
 const PRECISIONS: [Precision; 3] = [Precision::Fp32, Precision::Fp16, Precision::Bf16];
 
-fn timed(
+/// Compile `file` with `compiler` for every target in every precision, timing each.
+fn each<T>(
     file: &'static str,
     compiler: &'static str,
-    target: &str,
-    precision: Precision,
-    f: impl FnOnce() -> Outcome,
-) -> Check {
-    let t = Instant::now();
-    let outcome = f();
-    Check {
-        file,
-        compiler,
-        target: target.to_string(),
-        precision,
-        outcome,
-        seconds: t.elapsed().as_secs_f64(),
+    targets: &[&str],
+    compile: impl Fn(&str, Precision) -> Result<T, BackendError>,
+) -> Vec<Check> {
+    let mut out = Vec::new();
+    for &target in targets {
+        for precision in PRECISIONS {
+            let t = Instant::now();
+            let outcome = match compile(target, precision) {
+                Ok(_) => Outcome::Compiled,
+                Err(e) => Outcome::Failed(e.to_string()),
+            };
+            out.push(Check {
+                file,
+                compiler,
+                target: target.to_string(),
+                precision,
+                outcome,
+                seconds: t.elapsed().as_secs_f64(),
+            });
+        }
     }
+    out
 }
 
 fn skipped(file: &'static str, compiler: &'static str, why: &str) -> Vec<Check> {
@@ -84,22 +94,9 @@ fn cuda(dir: Option<&Path>) -> Vec<Check> {
              nvidia/cuda_nvrtc/lib folder to LD_LIBRARY_PATH",
         );
     }
-    let mut out = Vec::new();
-    for target in CUDA_TARGETS {
-        for p in PRECISIONS {
-            out.push(timed(
-                "cuda/ops.cu",
-                "nvrtc",
-                target,
-                p,
-                || match cuda::compile(target, p, dir) {
-                    Ok(_) => Outcome::Compiled,
-                    Err(e) => Outcome::Failed(e.to_string()),
-                },
-            ));
-        }
-    }
-    out
+    each("cuda/ops.cu", "nvrtc", &CUDA_TARGETS, |target, p| {
+        cuda::compile(target, p, dir)
+    })
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -114,22 +111,9 @@ fn cuda(_dir: Option<&Path>) -> Vec<Check> {
 #[cfg(feature = "hip")]
 fn hip(dir: Option<&Path>) -> Vec<Check> {
     use crate::backend::hip;
-    let mut out = Vec::new();
-    for target in hip::CHECK_TARGETS {
-        for p in PRECISIONS {
-            out.push(timed(
-                "hip/ops.hip",
-                "hiprtc",
-                target,
-                p,
-                || match hip::compile(target, p, dir) {
-                    Ok(_) => Outcome::Compiled,
-                    Err(e) => Outcome::Failed(e.to_string()),
-                },
-            ));
-        }
-    }
-    out
+    each("hip/ops.hip", "hiprtc", &hip::CHECK_TARGETS, |target, p| {
+        hip::compile(target, p, dir)
+    })
 }
 
 #[cfg(not(feature = "hip"))]
@@ -145,18 +129,9 @@ fn hip(_dir: Option<&Path>) -> Vec<Check> {
 #[cfg(unix)]
 fn host(dir: Option<&Path>) -> Vec<Check> {
     use super::Device;
-    PRECISIONS
-        .iter()
-        .map(|&p| {
-            timed("gpu/ops.cuh", "host", "emulator", p, || {
-                let mut d = super::emu::EmuDevice::new(crate::backend::BackendKind::Cuda);
-                match d.compile(p, dir, &["conv2d"]) {
-                    Ok(_) => Outcome::Compiled,
-                    Err(e) => Outcome::Failed(e.to_string()),
-                }
-            })
-        })
-        .collect()
+    each("gpu/ops.cuh", "host", &["emulator"], |_, p| {
+        super::emu::EmuDevice::new(crate::backend::BackendKind::Cuda).compile(p, dir, &["conv2d"])
+    })
 }
 
 #[cfg(not(unix))]

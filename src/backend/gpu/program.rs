@@ -374,8 +374,6 @@ pub fn build(
     let input = b.buffer(numel(&input_shape) as u64 * 4, Contents::Empty);
     // One im2col buffer serves every vendor convolution (they run one after another).
     let mut scratch: Option<BufId> = None;
-    let mut scratch_bytes = 0u64;
-    let mut scratch_users: Vec<usize> = Vec::new();
     let dims4 = |id: usize| -> (usize, usize, usize, usize) {
         match *plan.shapes[id].as_slice() {
             [n, c, h, w] => (n, c, h, w),
@@ -396,11 +394,11 @@ pub fn build(
         };
         let (n, c, h, w) = dims4(id);
         let (_, xc, xh, xw) = node.inputs.first().map_or((0, 0, 0, 0), |&i| dims4(i));
-        let x = node.inputs.first().map(|i| b.of.get(i).copied());
-        let x = match x {
-            Some(Some(buf)) => Arg::Buf(buf),
-            _ => Arg::Null,
-        };
+        let x = node
+            .inputs
+            .first()
+            .and_then(|i| b.of.get(i))
+            .map_or(Arg::Null, |&buf| Arg::Buf(buf));
         if matches!(node.op, Op::Dropout { .. } | Op::Flatten) {
             // NCHW order is already the flattened order: the value shares its input's buffer.
             b.alias(id, node.inputs[0]);
@@ -450,17 +448,11 @@ pub fn build(
                                 _ => unreachable!("a convolution always has an input"),
                             }
                         } else {
-                            let bytes = (n * kk * pixels) as u64 * esize;
-                            let s = *scratch.get_or_insert_with(|| {
-                                let id = b.buffers.len();
-                                b.buffers.push(Buffer {
-                                    bytes: 0,
-                                    contents: Contents::Empty,
-                                });
-                                id
-                            });
-                            scratch_bytes = scratch_bytes.max(bytes);
-                            scratch_users.push(id);
+                            let bytes = ((n * kk * pixels) as u64 * esize).next_multiple_of(8);
+                            let s =
+                                *scratch.get_or_insert_with(|| b.buffer(bytes, Contents::Empty));
+                            // Sized for the largest user.
+                            b.buffers[s].bytes = b.buffers[s].bytes.max(bytes);
                             let args = vec![
                                 x,
                                 Arg::Buf(s),
@@ -643,9 +635,6 @@ pub fn build(
                 b.release(i);
             }
         }
-    }
-    if let Some(s) = scratch {
-        b.buffers[s].bytes = scratch_bytes.next_multiple_of(8).max(8);
     }
     let out_total = numel(&output_shape);
     let output = b.buffer(out_total as u64 * 4, Contents::Empty);
