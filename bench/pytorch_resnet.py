@@ -1,8 +1,13 @@
 #!/usr/bin/env python3
-"""PyTorch CPU eager baseline for `workshop bench`: same network, batch, threads and a random
+"""PyTorch eager baseline for `workshop bench`: same network, batch, threads and a random
 input, inference mode, median of the timed iterations. Prints one JSON line per run.
 
     python3 bench/pytorch_resnet.py --network resnet50 --batch-size 8 --threads 2 [--channels-last] [--dtype bf16]
+    python3 bench/pytorch_resnet.py --device cuda --batch-size 32 --dtype fp16   # against `--backend cuda`
+
+On a GPU each timed iteration ends with a synchronize, as `workshop bench` waits for the device;
+`--tf32` lets FP32 convolutions and matrix products use TF32 tensor cores (PyTorch's default for
+cuDNN convolutions, off for matmuls), which our FP32 kernels do not.
 """
 import argparse
 import json
@@ -20,25 +25,35 @@ p.add_argument("--warmup", type=int, default=3)
 p.add_argument("--threads", type=int, default=2)
 p.add_argument("--channels-last", action="store_true")
 p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
+p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (ROCm builds name their GPUs cuda too)")
+p.add_argument("--tf32", action="store_true", help="allow TF32 in FP32 convolutions and matmuls")
 a = p.parse_args()
 
 torch.set_num_threads(a.threads)
+torch.backends.cudnn.allow_tf32 = a.tf32
+torch.backends.cuda.matmul.allow_tf32 = a.tf32
+gpu = a.device != "cpu"
+sync = torch.cuda.synchronize if gpu else (lambda: None)
 dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[a.dtype]
-model = getattr(torchvision.models, a.network)().eval().to(dtype)
-x = torch.randn(a.batch_size, 3, 224, 224, dtype=dtype)
+model = getattr(torchvision.models, a.network)().eval().to(a.device, dtype)
+x = torch.randn(a.batch_size, 3, 224, 224, dtype=dtype, device=a.device)
 if a.channels_last:
     model = model.to(memory_format=torch.channels_last)
     x = x.to(memory_format=torch.channels_last)
 samples = []
 with torch.inference_mode():
     for i in range(a.warmup + a.iterations):
+        sync()
         t = time.perf_counter()
         model(x)
+        sync()
         if i >= a.warmup:
             samples.append(time.perf_counter() - t)
 median = statistics.median(samples)
 print(json.dumps({
-    "impl": f"pytorch {torch.__version__} eager" + (" channels_last" if a.channels_last else ""),
+    "impl": f"pytorch {torch.__version__} eager" + (" channels_last" if a.channels_last else "")
+    + (" tf32" if a.tf32 else ""),
+    "device": torch.cuda.get_device_name(a.device) if gpu else "cpu",
     "network": a.network, "batch_size": a.batch_size, "dtype": a.dtype, "threads": a.threads,
     "median_s": median, "images_per_s": a.batch_size / median,
 }))

@@ -1181,6 +1181,12 @@ pub fn kernels_check(checks: &[crate::backend::gpu::check::Check]) -> String {
                     notes.push(format!("skipped {compiler}: {why}"));
                     "skipped".into()
                 }
+                Some((Outcome::NotSupported(why), _)) => {
+                    if p == crate::model::Precision::Fp32 {
+                        notes.push(format!("not built {compiler} {target}: {why}"));
+                    }
+                    "not supported".into()
+                }
                 None => "-".into(),
             });
         }

@@ -524,25 +524,59 @@ fn a_step_this_machine_cannot_run_is_recorded_as_unavailable() {
         "input_size = 32, precision = \"bf16\" }",
     );
     let dir = &tiny_workspace(d.path(), bf16, &["--name", "Eve", "--backend", "wgpu"]);
+    // Steps built on the one that cannot run: a comparison and a question about its numbers
+    // (05-multi-device's summary on a one-GPU machine).
+    let f = d.path().join("course/exercises/00-first.toml");
+    let mut text = std::fs::read_to_string(&f).unwrap();
+    text.push_str(
+        r#"
+[[step]]
+id = "ratio"
+kind = "compare"
+say = "A ratio of the run's numbers."
+derive = [{ name = "same", numerator = "run.throughput", denominator = "run.throughput" }]
+
+[[step]]
+id = "which"
+kind = "question"
+say = "A question the run would answer."
+question = { prompt = "Which?", choices = ["a", "b"], correct = { values = ["run.throughput", "run.median_ms"] } }
+"#,
+    );
+    std::fs::write(&f, text).unwrap();
     ok(dir, &["next", "--yes"]);
     let out = ok(dir, &["next", "--yes"]);
     assert!(
         out.contains("not available on this machine/build") && out.contains("unavailable here"),
         "{out}"
     );
+    // Neither an error that asks to run `run` again nor a question to guess at: unavailable too.
+    for step in ["ratio", "which"] {
+        let out = ok(dir, &["next", "--yes"]);
+        assert!(
+            out.contains("it uses step `run`, which could not run here")
+                && out.contains(&format!("Step {step}: unavailable here")),
+            "{out}"
+        );
+    }
     let r = results(dir);
-    let a = r["attempts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|a| a["step"] == "run")
-        .unwrap()
-        .clone();
+    let attempt = |step: &str| {
+        r["attempts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|a| a["step"] == step)
+            .unwrap()
+            .clone()
+    };
+    let a = attempt("run");
     assert_eq!(a["outcome"], "unavailable");
     assert!(
         a["metrics"].as_object().unwrap().is_empty(),
         "no numbers are made up: {a}"
     );
+    assert_eq!(attempt("ratio")["outcome"], "unavailable");
+    assert_eq!(attempt("which")["answer"], Value::Null);
     // The course goes on.
     assert!(ok(dir, &["status"]).contains("01-second"));
 }

@@ -51,6 +51,25 @@ pub fn nvrtc_version() -> Option<String> {
     (r == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS).then(|| format!("{major}.{minor}"))
 }
 
+/// The virtual architectures this NVRTC builds for (75, 80, 90, ...); empty when it cannot say.
+pub fn nvrtc_archs() -> Vec<i32> {
+    use cudarc::nvrtc::sys::{self as nvrtc, nvrtcResult::NVRTC_SUCCESS};
+    if !nvrtc_present() {
+        return Vec::new();
+    }
+    let mut n = 0;
+    // SAFETY: NVRTC is present; one out-pointer.
+    if unsafe { nvrtc::nvrtcGetNumSupportedArchs(&mut n) } != NVRTC_SUCCESS || n <= 0 {
+        return Vec::new();
+    }
+    let mut archs = vec![0; n as usize];
+    // SAFETY: `archs` holds the `n` entries NVRTC writes.
+    if unsafe { nvrtc::nvrtcGetSupportedArchs(archs.as_mut_ptr()) } != NVRTC_SUCCESS {
+        return Vec::new();
+    }
+    archs
+}
+
 fn driver_version() -> Option<String> {
     let mut v = 0;
     // SAFETY: the driver is loaded (callers check); one out-pointer.
@@ -225,11 +244,11 @@ impl CudaDevice {
     }
 
     fn arch(&self) -> Result<String, BackendError> {
-        let (major, minor) = self
+        let cc = self
             .ctx
             .compute_capability()
             .map_err(|e| driver_error("reading the compute capability", e))?;
-        Ok(gpu::arch::cuda_arch((major, minor)))
+        gpu::arch::cuda_target(cc, &nvrtc_archs()).map_err(BackendError::Unsupported)
     }
 
     fn bind(&self) -> Result<(), BackendError> {

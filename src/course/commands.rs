@@ -9,8 +9,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
 
-use super::expect::Metrics;
-use super::runner::{RunOptions, run_step};
+use super::runner::{Earlier, RunOptions, UNAVAILABLE, run_step};
 use super::state::{self, Attempt, Outcome, Progress, Status, Workspace, now, with_lock};
 use super::{Course, Source};
 use crate::cli::{
@@ -51,14 +50,23 @@ fn current<'a>(ws: &Workspace, course: &'a Course) -> Option<&'a super::LoadedEx
     course.exercises.iter().find(|e| open_ex(e.id()))
 }
 
-/// Metrics of the latest attempt of each step of an exercise.
-fn earlier_metrics(ws: &Workspace, exercise: &str) -> Metrics {
-    ws.results
-        .latest(exercise)
-        .into_iter()
-        .filter(|a| !matches!(a.outcome, Outcome::Skipped | Outcome::Unavailable))
-        .map(|a| (a.step.clone(), a.metrics.clone()))
-        .collect()
+/// Metrics of the latest attempt of each step of an exercise, and the steps that could not run.
+fn earlier_metrics(ws: &Workspace, exercise: &str) -> Earlier {
+    let mut earlier = Earlier::default();
+    for a in ws.results.latest(exercise) {
+        match a.outcome {
+            Outcome::Skipped => {}
+            Outcome::Unavailable => {
+                let why = a.note.as_deref().unwrap_or("unavailable");
+                let why = why.strip_prefix(UNAVAILABLE).unwrap_or(why);
+                earlier.unavailable.insert(a.step.clone(), why.to_string());
+            }
+            _ => {
+                earlier.metrics.insert(a.step.clone(), a.metrics.clone());
+            }
+        }
+    }
+    earlier
 }
 
 /// Record an attempt and write state, results.json and results.md.

@@ -252,16 +252,47 @@ fn module_table(f: &bench::flops::FlopsProfile) -> Table {
     }
 }
 
+/// How the note of an unavailable attempt starts.
+pub const UNAVAILABLE: &str = "not available on this machine/build: ";
+
+/// What the earlier steps of an exercise left: the metrics of each step's latest attempt, and
+/// why each step that could not run here (its latest attempt unavailable) could not.
+#[derive(Debug, Default)]
+pub struct Earlier {
+    pub metrics: Metrics,
+    pub unavailable: BTreeMap<String, String>,
+}
+
+/// The first `STEP.metric` of `references` whose step could not run on this machine, as the
+/// reason this step cannot either: a comparison of runs that never happened (the two-device run
+/// on a one-GPU machine) is not available here, not a failure and not a question to guess at.
+fn unavailable_input<'a>(
+    references: impl IntoIterator<Item = &'a str>,
+    earlier: &Earlier,
+) -> Result<()> {
+    for r in references {
+        let s = r.split_once('.').map_or(r, |(s, _)| s);
+        if let Some(why) = earlier.unavailable.get(s) {
+            return Err(BackendError::Unsupported(format!(
+                "it uses step `{s}`, which could not run here ({why})"
+            ))
+            .into());
+        }
+    }
+    Ok(())
+}
+
 /// Run step `index` of `exercise` and return the attempt to record (nothing is written here).
 pub fn run_step(
     ws: &Workspace,
     exercise: &str,
     step: &Step,
-    earlier: &Metrics,
+    earlier: &Earlier,
     opts: &RunOptions,
 ) -> Result<Attempt> {
     let started = now();
     let sid = step.id.get_ref().clone();
+    let (unavailable, earlier) = (earlier, &earlier.metrics);
     let mut metrics: BTreeMap<String, f64> = BTreeMap::new();
     let mut table = None;
     let mut answer = None;
@@ -552,6 +583,13 @@ pub fn run_step(
                 }
             }
             StepKind::Compare => {
+                unavailable_input(
+                    step.derive.iter().flat_map(|d| {
+                        let d = d.get_ref();
+                        [d.numerator.as_str(), d.denominator.as_str()]
+                    }),
+                    unavailable,
+                )?;
                 for d in &step.derive {
                     let d = d.get_ref();
                     let get = |r: &str| -> Result<f64> {
@@ -578,6 +616,9 @@ pub fn run_step(
                     .as_ref()
                     .context("question step without question")?
                     .get_ref();
+                if let Some(c) = &q.correct {
+                    unavailable_input(c.references().iter().map(String::as_str), unavailable)?;
+                }
                 let given = match &opts.answer {
                     Some(a) => q
                         .choices
@@ -680,7 +721,7 @@ pub fn run_step(
         }
         Err(e) => match unavailable_reason(&e) {
             Some(reason) => {
-                note = Some(format!("not available on this machine/build: {reason}"));
+                note = Some(format!("{UNAVAILABLE}{reason}"));
                 Outcome::Unavailable
             }
             None => return Err(e),

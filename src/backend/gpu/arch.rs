@@ -9,6 +9,27 @@ pub fn cuda_arch((major, minor): (i32, i32)) -> String {
     format!("compute_{major}{minor}")
 }
 
+/// The virtual architecture to build a device of compute capability `cc` for, given the ones
+/// this NVRTC supports (`supported`, as 75, 80, 90, ...; empty when NVRTC cannot say): its own
+/// when listed, else the newest older one (PTX runs on later devices: the driver compiles it),
+/// or why there is none (NVRTC 13 dropped compute_70 and older).
+pub fn cuda_target(cc: (i32, i32), supported: &[i32]) -> Result<String, String> {
+    let own = cc.0 * 10 + cc.1;
+    if supported.is_empty() || supported.contains(&own) {
+        return Ok(cuda_arch(cc));
+    }
+    match supported.iter().copied().filter(|&a| a < own).max() {
+        Some(a) => Ok(format!("compute_{a}")),
+        None => Err(format!(
+            "this NVRTC builds for compute_{} and newer, not for compute_{own} (compute \
+             capability {}.{}): use an NVRTC of an older CUDA release for this GPU",
+            supported.iter().min().copied().unwrap_or_default(),
+            cc.0,
+            cc.1
+        )),
+    }
+}
+
 /// `gfx90a:sramecc+:xnack-` → `gfx90a`.
 pub fn base_target(arch: &str) -> &str {
     arch.split(':').next().unwrap_or(arch)
@@ -59,6 +80,21 @@ mod tests {
     fn cuda_targets_follow_the_compute_capability() {
         assert_eq!(cuda_arch((9, 0)), "compute_90");
         assert_eq!(cuda_arch((8, 6)), "compute_86");
+    }
+
+    #[test]
+    fn cuda_targets_fall_back_to_what_this_nvrtc_supports() {
+        let nvrtc13 = [75, 80, 86, 87, 89, 90, 100, 103, 120];
+        assert_eq!(cuda_target((9, 0), &nvrtc13).unwrap(), "compute_90");
+        assert_eq!(cuda_target((9, 0), &[]).unwrap(), "compute_90");
+        // A device newer than this NVRTC: the newest PTX it can write, JIT-compiled by the driver.
+        assert_eq!(cuda_target((12, 1), &nvrtc13).unwrap(), "compute_120");
+        assert_eq!(cuda_target((10, 1), &[70, 80, 90]).unwrap(), "compute_90");
+        let e = cuda_target((7, 0), &nvrtc13).unwrap_err();
+        assert!(
+            e.contains("compute_75 and newer, not for compute_70"),
+            "{e}"
+        );
     }
 
     #[test]

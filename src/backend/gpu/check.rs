@@ -24,6 +24,8 @@ pub enum Outcome {
     Compiled,
     /// The compiler is not in this build or on this machine: why, and what to install.
     Skipped(String),
+    /// The compiler is here but no longer (or not yet) builds for this target.
+    NotSupported(String),
     Failed(String),
 }
 
@@ -94,9 +96,36 @@ fn cuda(dir: Option<&Path>) -> Vec<Check> {
              nvidia/cuda_nvrtc/lib folder to LD_LIBRARY_PATH",
         );
     }
-    each("cuda/ops.cu", "nvrtc", &CUDA_TARGETS, |target, p| {
+    let archs = cuda::nvrtc_archs();
+    let (known, unknown): (Vec<&str>, Vec<&str>) = CUDA_TARGETS.iter().partition(|t| {
+        let n = t.trim_start_matches("compute_").parse().unwrap_or(0);
+        archs.is_empty() || archs.contains(&n)
+    });
+    let version = cuda::nvrtc_version().unwrap_or_default();
+    let why = |t: &str| {
+        let list: Vec<String> = archs.iter().map(|a| format!("compute_{a}")).collect();
+        format!(
+            "NVRTC {version} does not build for {t} (it builds for {})",
+            list.join(", ")
+        )
+    };
+    let mut out: Vec<Check> = unknown
+        .into_iter()
+        .flat_map(|t| {
+            PRECISIONS.map(|precision| Check {
+                file: "cuda/ops.cu",
+                compiler: "nvrtc",
+                target: t.to_string(),
+                precision,
+                outcome: Outcome::NotSupported(why(t)),
+                seconds: 0.0,
+            })
+        })
+        .collect();
+    out.extend(each("cuda/ops.cu", "nvrtc", &known, |target, p| {
         cuda::compile(target, p, dir)
-    })
+    }));
+    out
 }
 
 #[cfg(not(feature = "cuda"))]
