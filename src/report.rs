@@ -645,7 +645,7 @@ pub fn peak(
 ) -> String {
     let mut s = format!(
         "GEMM {0}×{0}×{0} {1} on {2}: {3}/{4} iterations validated (success rate {5:.0}%, max relative error {6:.1e})\n\
-         Average {7:.1} GFLOP/s (median {8:.2} ms), best {9:.1} GFLOP/s",
+         Average {7:.1} GFLOP/s (median {8:.3} ms{10}), best {9:.1} GFLOP/s",
         g.size,
         g.precision.name().to_uppercase(),
         g.backend,
@@ -655,7 +655,12 @@ pub fn peak(
         g.max_rel_error,
         g.gflops,
         g.median_s * 1e3,
-        g.best_gflops
+        g.best_gflops,
+        if g.backend == crate::backend::BackendKind::Cpu {
+            ""
+        } else {
+            ", kernel time on the device"
+        }
     );
     match bw {
         Some(bw) => {

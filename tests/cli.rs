@@ -1176,10 +1176,13 @@ fn kernels_check_compiles_every_kernel_file_and_reports_errors_with_their_line()
         std::fs::create_dir_all(dir.path().join(sub)).unwrap();
     }
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+    let mut line = 0;
     for f in ["gpu/ops.cuh", "cuda/ops.cu", "hip/ops.hip"] {
         let mut text = std::fs::read_to_string(root.join(f)).unwrap();
         if f == "gpu/ops.cuh" {
-            text = text.replace("float r = acc[j];", "float r = acc[j] + no_such_value;");
+            let planted = "float r = acc[j];";
+            line = 1 + text.lines().position(|l| l.contains(planted)).unwrap();
+            text = text.replace(planted, "float r = acc[j] + no_such_value;");
         }
         std::fs::write(dir.path().join(f), text).unwrap();
     }
@@ -1194,7 +1197,8 @@ fn kernels_check_compiles_every_kernel_file_and_reports_errors_with_their_line()
     assert!(out.contains("FAILED"), "{out}");
     assert!(out.contains("no_such_value"), "{out}");
     assert!(
-        out.contains("gpu/ops.cuh:122") || out.contains("gpu/ops.cuh(122)"),
+        out.contains(&format!("gpu/ops.cuh:{line}"))
+            || out.contains(&format!("gpu/ops.cuh({line})")),
         "the error names the shared file and its line:\n{out}"
     );
     assert!(stderr(&o).contains("kernel compilation(s) failed"));

@@ -186,6 +186,38 @@ fn conv2d_variants(kind: BackendKind) {
             conv(64, 16, (3, 3), 1, (1, 1), 1, 1, true),
             [2, 64, 32, 32],
         ),
+        // The GPU backends' tiled implicit GEMM: a tail in every dimension (70 channels, K = 45,
+        // 90 pixels over 3 images), with groups and dilation, pointwise, and 128-wide tiles.
+        (
+            "tiled_tails_stride2",
+            5,
+            conv(5, 70, (3, 3), 2, (1, 1), 1, 1, true),
+            [3, 5, 11, 9],
+        ),
+        (
+            "tiled_grouped_dilated",
+            64,
+            conv(64, 66, (3, 3), 1, (2, 2), 2, 2, false),
+            [1, 64, 9, 7],
+        ),
+        (
+            "tiled_pointwise_tails",
+            40,
+            conv(40, 36, (1, 1), 1, (0, 0), 1, 1, false),
+            [3, 40, 5, 7],
+        ),
+        (
+            "tiled_128",
+            8,
+            conv(8, 40, (3, 3), 1, (1, 1), 1, 1, true),
+            [1, 8, 128, 256],
+        ),
+        (
+            "tiled_128_pointwise",
+            32,
+            conv(32, 40, (1, 1), 1, (0, 0), 1, 1, true),
+            [2, 32, 128, 128],
+        ),
     ];
     for (name, c, op, shape) in cases {
         check(kind, &single(&format!("conv2d_{name}"), c, op), shape, 1.0);
@@ -289,6 +321,13 @@ fn flatten_linear_softmax(kind: BackendKind) {
     // Batch 3 takes the GPU backends' few-rows GEMM, batch 20 their tiled one.
     check(kind, &g, [3, 3, 4, 5], 1.0);
     check(kind, &g, [20, 3, 4, 5], 1.0);
+    // A wide linear layer over a large batch: the GPU backends' 128-wide tiles for linear
+    // layers, with a tail in every dimension (2000 rows, 2100 outputs, 44 inputs).
+    let mut g = GraphBuilder::new("wide", 44, ConvInit::TorchDefault, LinearInit::TorchDefault);
+    let x = g.input();
+    let y = g.flatten("flatten", x);
+    let y = g.linear("fc", y, 44, 2100);
+    check(kind, &g.finish(y), [2000, 44, 1, 1], 1.0);
 }
 backend_test!(flatten_linear_softmax, cpu, wgpu, cuda, hip);
 

@@ -16,5 +16,6 @@ __device__ inline unsigned short f32_to_f16(float f) {
 }
 
 #define KERNEL(name, Args) extern "C" __global__ void name(const Args a)
+#define BLOCK_KERNEL(name, Args) extern "C" __global__ void __launch_bounds__(256) name(const Args a)
 
 #include "../gpu/ops.cuh"

@@ -2,12 +2,15 @@
 // file that includes this one (cuda/ops.cu, hip/ops.hip) first defines:
 //   f16_to_f32(unsigned short), f32_to_f16(float): IEEE half conversions
 //   KERNEL(name, Args): opens `extern "C" __global__ void name(const Args a)`
+//
+//   BLOCK_KERNEL(name, Args): the same for a kernel whose 256 threads cooperate through
+//     __shared__ memory and __syncthreads() (the emulator runs those threads as fibers)
 // and the build defines WS_FP16 or WS_BF16 for half-precision storage (f32 math throughout).
 //
 // Layout is NCHW, as PyTorch's. Every kernel takes one struct of arguments, packed by the host
-// in declaration order (pointers first, then 32-bit values), and uses neither shared memory nor
-// barriers: one thread, one piece of output. That keeps them simple enough to check on the CPU
-// too (the emulator runs them thread by thread). Bias vectors stay in f32.
+// in declaration order (pointers first, then 32-bit values). Most are one thread, one piece of
+// output; the tiled convolution shares tiles between a block's threads. Every block has 256
+// threads. Bias vectors stay in f32.
 
 #if defined(WS_FP16)
 typedef unsigned short elem;
@@ -125,6 +128,133 @@ KERNEL(conv2d, ConvArgs) {
         a.y[o] = st(activate(r, a.act));
     }
 }
+
+// The same convolution as an implicit GEMM, tiled for the block: per group, Y (cout × pixels)
+// = W (cout × cin·kh·kw) · columns, where the columns (the im2col matrix) are gathered from x
+// tile by tile into shared memory and never stored. A block computes a BM × BN tile of Y; each
+// of its 256 threads (16 × 16) a TM × TN piece of it, read from shared memory as contiguous
+// runs. The next k tile is fetched into registers while the current one is multiplied. The
+// epilogue (bias, residual, activation) is the direct kernel's. PW: a 1×1, stride-1, unpadded
+// convolution, whose columns are x itself; LIN: PW on 1×1 images (a linear layer), whose
+// columns are x's rows, gathered along k as the weights are. grid.x covers the pixels of all
+// images, grid.y = groups × blocks of BM output channels.
+template <int BM, int BN, int BK, int TM, int TN, bool PW, bool LIN>
+__device__ inline void conv_tiled(const ConvArgs& a) {
+    // +4: the transposed stores of a tile land in different banks; rows stay 16-byte aligned
+    // for vector loads.
+    alignas(16) __shared__ float As[BK][BM + 4];
+    alignas(16) __shared__ float Bs[BK][BN + 4];
+    const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
+    const int cout_g = a.cout / a.groups, cin_g = a.cin / a.groups;
+    const int mblocks = (cout_g + BM - 1) / BM;
+    const int g = blockIdx.y / mblocks, m0 = (blockIdx.y % mblocks) * BM;
+    const int khw = a.kh * a.kw, K = cin_g * khw, ohw = a.oh * a.ow;
+    const long long N = (long long)a.n * ohw, n0 = (long long)blockIdx.x * BN;
+    const long long hw = (long long)a.h * a.w_;
+    // The column this thread gathers for every k tile, and the rows it fills.
+    const int bn = tid % BN, bk0 = tid / BN;
+    const long long col = n0 + bn;
+    const bool col_ok = col < N;
+    const int cb = col_ok ? (int)(col / ohw) : 0, cp = (int)(col % ohw);
+    const int iy0 = (cp / a.ow) * a.sh - a.ph, ix0 = (cp % a.ow) * a.sw - a.pw;
+    const elem* xb = a.x + ((long long)cb * a.cin + (long long)g * cin_g) * hw;
+    const elem* wg = a.w + ((long long)g * cout_g + m0) * K;
+    constexpr int AL = BM * BK / 256, BL = BK * BN / 256, BSTEP = 256 / BN;
+    float ra[AL], rb[BL];
+    auto fetch = [&](int k0) {
+#pragma unroll
+        for (int l = 0; l < AL; ++l) {
+            const int e = tid + 256 * l, am = e / BK, k = k0 + e % BK;
+            ra[l] = (m0 + am < cout_g && k < K) ? ld(wg[(long long)am * K + k]) : 0.0f;
+        }
+#pragma unroll
+        for (int l = 0; l < BL; ++l) {
+            if (LIN) {
+                const int e = tid + 256 * l, k = k0 + e % BK;
+                const long long c = n0 + e / BK;
+                rb[l] = (c < N && k < K) ? ld(a.x[c * a.cin + (long long)g * cin_g + k]) : 0.0f;
+                continue;
+            }
+            const int k = k0 + bk0 + BSTEP * l;
+            float v = 0.0f;
+            if (col_ok && k < K) {
+                if (PW) {
+                    v = ld(xb[k * hw + cp]);
+                } else {
+                    const int ci = k / khw, r = k - ci * khw, ky = r / a.kw, kx = r - ky * a.kw;
+                    const int iy = iy0 + ky * a.dh, ix = ix0 + kx * a.dw;
+                    if (iy >= 0 && iy < a.h && ix >= 0 && ix < a.w_)
+                        v = ld(xb[ci * hw + (long long)iy * a.w_ + ix]);
+                }
+            }
+            rb[l] = v;
+        }
+    };
+    float acc[TM][TN];
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;
+    fetch(0);
+    for (int k0 = 0; k0 < K; k0 += BK) {
+#pragma unroll
+        for (int l = 0; l < AL; ++l) {
+            const int e = tid + 256 * l;
+            As[e % BK][e / BK] = ra[l];
+        }
+#pragma unroll
+        for (int l = 0; l < BL; ++l) {
+            const int e = tid + 256 * l;
+            if (LIN)
+                Bs[e % BK][e / BK] = rb[l];
+            else
+                Bs[bk0 + BSTEP * l][bn] = rb[l];
+        }
+        __syncthreads();
+        if (k0 + BK < K) fetch(k0 + BK);
+#pragma unroll
+        for (int kk = 0; kk < BK; ++kk) {
+            float av[TM], bv[TN];
+#pragma unroll
+            for (int i = 0; i < TM; ++i) av[i] = As[kk][ty * TM + i];
+#pragma unroll
+            for (int j = 0; j < TN; ++j) bv[j] = Bs[kk][tx * TN + j];
+#pragma unroll
+            for (int i = 0; i < TM; ++i)
+#pragma unroll
+                for (int j = 0; j < TN; ++j) acc[i][j] += av[i] * bv[j];
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int j = 0; j < TN; ++j) {
+        const long long c = n0 + tx * TN + j;
+        if (c >= N) continue;
+        const long long b = c / ohw, p = c % ohw;
+#pragma unroll
+        for (int i = 0; i < TM; ++i) {
+            const int m = m0 + ty * TM + i;
+            if (m >= cout_g) continue;
+            const int co = g * cout_g + m;
+            const long long o = (b * a.cout + co) * ohw + p;
+            float r = acc[i][j];
+            if (a.has_bias) r += a.bias[co];
+            if (a.has_res) r += ld(a.res[o]);
+            a.y[o] = st(activate(r, a.act));
+        }
+    }
+}
+
+// Large layers: 128 × 128 tiles, 8 × 8 outputs per thread.
+BLOCK_KERNEL(conv2d_t128, ConvArgs) { conv_tiled<128, 128, 8, 8, 8, false, false>(a); }
+BLOCK_KERNEL(conv2d_pw_t128, ConvArgs) { conv_tiled<128, 128, 8, 8, 8, true, false>(a); }
+BLOCK_KERNEL(conv2d_lin_t128, ConvArgs) { conv_tiled<128, 128, 8, 8, 8, true, true>(a); }
+
+// Layers with fewer output tiles or channels (late stages, small batches, 64-channel layers):
+// 64 × 64 tiles, 4 × 4 per thread.
+BLOCK_KERNEL(conv2d_t64, ConvArgs) { conv_tiled<64, 64, 16, 4, 4, false, false>(a); }
+BLOCK_KERNEL(conv2d_pw_t64, ConvArgs) { conv_tiled<64, 64, 16, 4, 4, true, false>(a); }
+BLOCK_KERNEL(conv2d_lin_t64, ConvArgs) { conv_tiled<64, 64, 16, 4, 4, true, true>(a); }
 
 // ---- the vendor path's helpers: im2col in front of a library GEMM, the epilogue behind it ----
 

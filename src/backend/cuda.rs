@@ -138,7 +138,13 @@ impl CudaBackend {
                 self.count - 1
             )));
         }
-        CudaContext::new(dev).map_err(|e| no_device(format!("opening device {dev}: {e:?}")))
+        let ctx =
+            CudaContext::new(dev).map_err(|e| no_device(format!("opening device {dev}: {e:?}")))?;
+        // SAFETY: we order our own work: one stream per session, synchronised explicitly.
+        // cudarc's tracking would also synchronise the whole (shared, primary) context when a
+        // session opens its stream, which breaks another session's graph capture in flight.
+        unsafe { ctx.disable_event_tracking() };
+        Ok(ctx)
     }
 }
 

@@ -159,7 +159,11 @@ fn hip(_dir: Option<&Path>) -> Vec<Check> {
 fn host(dir: Option<&Path>) -> Vec<Check> {
     use super::Device;
     each("gpu/ops.cuh", "host", &["emulator"], |_, p| {
-        super::emu::EmuDevice::new(crate::backend::BackendKind::Cuda).compile(p, dir, &["conv2d"])
+        super::emu::EmuDevice::new(crate::backend::BackendKind::Cuda).compile(
+            p,
+            dir,
+            &["conv2d", "conv2d_t128"],
+        )
     })
 }
 

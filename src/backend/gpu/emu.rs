@@ -57,6 +57,64 @@ using std::max;
 using std::min;
 static inline float f16_to_f32(unsigned short h) { _Float16 v; std::memcpy(&v, &h, 2); return (float)v; }
 static inline unsigned short f32_to_f16(float f) { _Float16 v = (_Float16)f; unsigned short h; std::memcpy(&h, &v, 2); return h; }
+// A block whose threads meet at __syncthreads() runs its threads as fibers on this OS thread:
+// each runs until the barrier (or its end), then the next; once all are there, all go on.
+// __shared__ arrays are per OS thread, as one block at a time runs on it. Fibers start with
+// makecontext and switch with _setjmp/_longjmp (no system call per switch).
+#include <setjmp.h>
+#include <ucontext.h>
+#include <vector>
+#define __shared__ static thread_local
+struct ws_fiber { ucontext_t uc; jmp_buf jb; bool started = false, done = false; };
+static thread_local jmp_buf ws_sched;
+static thread_local ws_fiber* ws_cur;
+static thread_local void (*ws_body)(const void*);
+static thread_local const void* ws_args;
+static inline void __syncthreads() { if (!_setjmp(ws_cur->jb)) _longjmp(ws_sched, 1); }
+static void ws_fiber_main() { ws_body(ws_args); ws_cur->done = true; _longjmp(ws_sched, 1); }
+static void ws_run_block(unsigned threads, void (*body)(const void*), const void* args) {
+    const size_t stack = 64 * 1024;
+    static thread_local std::vector<char> stacks;
+    if (stacks.size() < threads * stack) stacks.resize(threads * stack);
+    std::vector<ws_fiber> f(threads);
+    ws_body = body;
+    ws_args = args;
+    for (unsigned left = threads; left > 0;) {
+        for (unsigned t = 0; t < threads; ++t) {
+            if (f[t].done) continue;
+            ws_cur = &f[t];
+            threadIdx = {t, 0, 0};
+            if (!_setjmp(ws_sched)) {
+                if (f[t].started) _longjmp(f[t].jb, 1);
+                f[t].started = true;
+                getcontext(&f[t].uc);
+                f[t].uc.uc_stack.ss_sp = &stacks[t * stack];
+                f[t].uc.uc_stack.ss_size = stack;
+                f[t].uc.uc_link = nullptr;
+                makecontext(&f[t].uc, ws_fiber_main, 0);
+                setcontext(&f[t].uc);
+            }
+            if (f[t].done) --left;
+        }
+    }
+}
+#define BLOCK_KERNEL(name, Args)                                                                 \
+    static void name##_thread(const Args& a);                                                    \
+    static void name##_fiber(const void* p) { name##_thread(*(const Args*)p); }                  \
+    extern "C" unsigned long emu_size_##name() { return sizeof(Args); }                          \
+    extern "C" void emu_##name(const void* args, const unsigned* dims, unsigned long first,      \
+                               unsigned long last) {                                             \
+        Args a;                                                                                  \
+        std::memcpy(&a, args, sizeof(Args));                                                     \
+        gridDim = {dims[0], dims[1], dims[2]};                                                   \
+        blockDim = {dims[3], 1, 1};                                                              \
+        for (unsigned long b = first; b < last; ++b) {                                           \
+            blockIdx = {(unsigned)(b % dims[0]), (unsigned)((b / dims[0]) % dims[1]),            \
+                        (unsigned)(b / ((unsigned long)dims[0] * dims[1]))};                     \
+            ws_run_block(dims[3], name##_fiber, &a);                                             \
+        }                                                                                        \
+    }                                                                                            \
+    static void name##_thread(const Args& a)
 #define KERNEL(name, Args)                                                                       \
     static void name##_thread(const Args& a);                                                    \
     extern "C" unsigned long emu_size_##name() { return sizeof(Args); }                          \
@@ -112,7 +170,16 @@ fn build(text: &str, path_hint: &str) -> Result<Arc<Library>, BackendError> {
     let lib = dir.join(format!("{key:016x}.so"));
     std::fs::write(&src, text).map_err(|e| fail(format!("cannot write {src:?}: {e}")))?;
     let out = std::process::Command::new(compiler())
-        .args(["-std=c++17", "-O2", "-fPIC", "-shared", "-w", "-o"])
+        // No fortified longjmp: the fibers jump between stacks on purpose.
+        .args([
+            "-std=c++17",
+            "-O2",
+            "-U_FORTIFY_SOURCE",
+            "-fPIC",
+            "-shared",
+            "-w",
+            "-o",
+        ])
         .arg(&lib)
         .arg(&src)
         .output()

@@ -63,21 +63,65 @@ pub fn grid_1d(total: usize) -> Result<[u32; 3], BackendError> {
 /// Must match CONV_CO_TILE in kernels/gpu/ops.cuh.
 pub const CONV_CO_TILE: usize = 8;
 
-/// The conv kernel's grid: x over output pixels, y over groups × blocks of output channels.
-pub fn conv_grid(
+/// What a convolution's columns (its im2col matrix) are, for the tiled kernels.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ConvShape {
+    /// Gathered from x through the window.
+    General,
+    /// x itself: a 1×1, stride-1, unpadded convolution.
+    Pointwise,
+    /// x's rows: a pointwise convolution of 1×1 images (a linear layer).
+    Linear,
+}
+
+/// The conv kernel for a layer and its grid. Layers with enough arithmetic per output take the
+/// tiled implicit GEMM (`conv2d_t128`, or `conv2d_t64` when 128-wide tiles would leave a large
+/// GPU with too few blocks, or the layer has at most 64 output channels; `pw` for 1×1,
+/// stride-1, unpadded layers, which read x as their columns, `lin` for those on 1×1 images,
+/// linear layers); thin ones (depthwise, few outputs or a short reduction) the direct kernel:
+/// x over output pixels, y over groups × blocks of CONV_CO_TILE channels.
+pub fn conv_kernel(
     pixels: usize,
     out_channels: usize,
     groups: usize,
-) -> Result<[u32; 3], BackendError> {
-    let gx = pixels.div_ceil(BLOCK as usize).max(1);
-    let gy = groups * (out_channels / groups).div_ceil(CONV_CO_TILE);
+    reduction: usize,
+    shape: ConvShape,
+) -> Result<(&'static str, [u32; 3]), BackendError> {
+    let cout_g = out_channels / groups;
+    let tiles = |m: usize, n: usize| (pixels.div_ceil(n), groups * cout_g.div_ceil(m));
+    let (kernel, (gx, gy)) = if reduction < 32 || cout_g < 32 {
+        (
+            "conv2d",
+            (
+                pixels.div_ceil(BLOCK as usize).max(1),
+                groups * cout_g.div_ceil(CONV_CO_TILE),
+            ),
+        )
+    } else if let (x, y) = tiles(128, 128)
+        && x * y >= 256
+        && cout_g > 64
+    {
+        let k = match shape {
+            ConvShape::General => "conv2d_t128",
+            ConvShape::Pointwise => "conv2d_pw_t128",
+            ConvShape::Linear => "conv2d_lin_t128",
+        };
+        (k, (x, y))
+    } else {
+        let k = match shape {
+            ConvShape::General => "conv2d_t64",
+            ConvShape::Pointwise => "conv2d_pw_t64",
+            ConvShape::Linear => "conv2d_lin_t64",
+        };
+        (k, tiles(64, 64))
+    };
     if gx > i32::MAX as usize || gy > MAX_GRID as usize {
         return Err(BackendError::Invalid(format!(
             "a convolution over {pixels} pixels and {out_channels} channels in {groups} groups \
              needs a larger grid than devices take: use a smaller batch"
         )));
     }
-    Ok([gx as u32, gy as u32, 1])
+    Ok((kernel, [gx.max(1) as u32, gy as u32, 1]))
 }
 
 /// A kernel launch of the program.
@@ -544,8 +588,19 @@ pub fn build(
                             ],
                         ]
                         .concat();
-                        let g = conv_grid(n * h * w, c, conv.groups)?;
-                        b.launch(&node.name, op, "conv2d", g, args);
+                        let reduction = xc / conv.groups * conv.kernel.0 * conv.kernel.1;
+                        let shape = if conv.kernel != (1, 1)
+                            || conv.stride != (1, 1)
+                            || conv.padding != (0, 0)
+                        {
+                            ConvShape::General
+                        } else if h * w == 1 {
+                            ConvShape::Linear
+                        } else {
+                            ConvShape::Pointwise
+                        };
+                        let (kernel, g) = conv_kernel(n * h * w, c, conv.groups, reduction, shape)?;
+                        b.launch(&node.name, op, kernel, g, args);
                     }
                 }
                 (Op::Input { .. }, _) => {
@@ -732,11 +787,26 @@ mod tests {
         assert_eq!(g, [65_535, 2, 1]);
         assert!((g[0] as usize * g[1] as usize) * 256 >= 65_536 * 256);
         assert!(grid_1d(usize::MAX / 2).is_err());
-        // ResNet-50's first conv at batch 32: 112² pixels per image, 64 channels in 8 blocks.
-        assert_eq!(conv_grid(32 * 112 * 112, 64, 1).unwrap(), [1568, 8, 1]);
-        // Depthwise: one block per group of 1 channel.
-        assert_eq!(conv_grid(100, 960, 960).unwrap(), [1, 960, 1]);
-        assert!(conv_grid(100, 70_000 * 8, 70_000).is_err());
+        // ResNet-50's stem at batch 32: 3·7·7 = 147 deep, 64 channels: 128-wide tiles.
+        use ConvShape::*;
+        // ResNet-50's stem at batch 32: 3·7·7 = 147 deep, but 64 channels: 64-wide tiles.
+        let stem = conv_kernel(32 * 112 * 112, 64, 1, 147, General).unwrap();
+        assert_eq!(stem, ("conv2d_t64", [6272, 1, 1]));
+        let wide = conv_kernel(32 * 56 * 56, 256, 1, 64, Pointwise).unwrap();
+        assert_eq!(wide, ("conv2d_pw_t128", [784, 2, 1]));
+        // Its last 3×3 conv at batch 1: 49 pixels, 512 channels: the smaller tiles.
+        let late = conv_kernel(49, 512, 1, 4608, General).unwrap();
+        assert_eq!(late, ("conv2d_t64", [1, 8, 1]));
+        let expand = conv_kernel(49, 2048, 1, 512, Pointwise).unwrap();
+        assert_eq!(expand, ("conv2d_pw_t64", [1, 32, 1]));
+        let fc = conv_kernel(32, 1000, 1, 2048, Linear).unwrap();
+        assert_eq!(fc, ("conv2d_lin_t64", [1, 16, 1]));
+        // Depthwise: the direct kernel, one block per group of 1 channel.
+        assert_eq!(
+            conv_kernel(100, 960, 960, 9, General).unwrap(),
+            ("conv2d", [1, 960, 1])
+        );
+        assert!(conv_kernel(100, 70_000 * 8, 70_000, 9, General).is_err());
     }
 
     /// A column-major GEMM as cuBLAS computes it, on f32 slices.
