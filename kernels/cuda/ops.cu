@@ -15,6 +15,16 @@ __device__ inline unsigned short f32_to_f16(float f) {
     return h;
 }
 
+// Tensor cores (mma.sync m16n8k16 on FP16 and BF16) from the A100 on; their kernels exist
+// only in half-precision builds for compute_80 and later.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if defined(WS_FP16)
+#define WS_MMA_PTX "f16"
+#elif defined(WS_BF16)
+#define WS_MMA_PTX "bf16"
+#endif
+#endif
+
 #define KERNEL(name, Args) extern "C" __global__ void name(const Args a)
 #define BLOCK_KERNEL(name, Args) extern "C" __global__ void __launch_bounds__(256) name(const Args a)
 

@@ -226,19 +226,23 @@ __device__ inline void conv_tiled(const ConvArgs& a) {
         }
         __syncthreads();
     }
+    long long cols[TN];
 #pragma unroll
     for (int j = 0; j < TN; ++j) {
         const long long c = n0 + tx * TN + j;
-        if (c >= N) continue;
-        const long long b = c / ohw, p = c % ohw;
+        cols[j] = c < N ? (c / ohw) * a.cout * ohw + c % ohw : -1;
+    }
 #pragma unroll
-        for (int i = 0; i < TM; ++i) {
-            const int m = m0 + ty * TM + i;
-            if (m >= cout_g) continue;
-            const int co = g * cout_g + m;
-            const long long o = (b * a.cout + co) * ohw + p;
-            float r = acc[i][j];
-            if (a.has_bias) r += a.bias[co];
+    for (int i = 0; i < TM; ++i) {
+        const int m = m0 + ty * TM + i;
+        if (m >= cout_g) continue;
+        const int co = g * cout_g + m;
+        const float bias = a.has_bias ? a.bias[co] : 0.0f;
+#pragma unroll
+        for (int j = 0; j < TN; ++j) {
+            if (cols[j] < 0) continue;
+            const long long o = cols[j] + (long long)co * ohw;
+            float r = acc[i][j] + bias;
             if (a.has_res) r += ld(a.res[o]);
             a.y[o] = st(activate(r, a.act));
         }
@@ -255,6 +259,192 @@ BLOCK_KERNEL(conv2d_lin_t128, ConvArgs) { conv_tiled<128, 128, 8, 8, 8, true, tr
 BLOCK_KERNEL(conv2d_t64, ConvArgs) { conv_tiled<64, 64, 16, 4, 4, false, false>(a); }
 BLOCK_KERNEL(conv2d_pw_t64, ConvArgs) { conv_tiled<64, 64, 16, 4, 4, true, false>(a); }
 BLOCK_KERNEL(conv2d_lin_t64, ConvArgs) { conv_tiled<64, 64, 16, 4, 4, true, true>(a); }
+
+// ---- tensor cores: the tiled convolution on half-precision matrix units ----------------------
+
+#if (defined(WS_FP16) || defined(WS_BF16)) && (defined(WS_MMA_PTX) || defined(WS_EMULATOR))
+#define WS_MMA 1
+
+// One warp: D (16 × 8, f32) += A (16 × 16, row-major) · B (16 × 8, column-major), as PTX's
+// mma.sync m16n8k16. With g = lane / 4 and t = lane % 4, a lane holds in a[0..3] A's
+// (row g, columns 2t, 2t+1), (g + 8, 2t..), (g, 2t + 8..), (g + 8, 2t + 8..), two halves per
+// register, lower column in the low bits; in b[0..1] B's (rows 2t, 2t+1, column g) and
+// (2t + 8.., g); in d[0..3] D's (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1).
+__device__ inline void mma16816(float* d, const unsigned* a, const unsigned* b) {
+#if defined(WS_MMA_PTX)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32." WS_MMA_PTX "." WS_MMA_PTX ".f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    // The emulator: the warp's fragments meet in shared memory, each lane computes its four.
+    __shared__ unsigned fa[256][4], fb[256][2];
+    const int tid = threadIdx.x, lane = tid % 32, warp0 = tid - lane;
+    for (int r = 0; r < 4; ++r) fa[tid][r] = a[r];
+    fb[tid][0] = b[0];
+    fb[tid][1] = b[1];
+    __syncthreads();
+    for (int r = 0; r < 4; ++r) {
+        const int row = lane / 4 + 8 * (r / 2), col = (lane % 4) * 2 + (r % 2);
+        float sum = 0.0f;
+        for (int k = 0; k < 16; ++k) {
+            const unsigned ar = fa[warp0 + (row % 8) * 4 + (k % 8) / 2][(row / 8) + 2 * (k / 8)];
+            const unsigned br = fb[warp0 + col * 4 + (k % 8) / 2][k / 8];
+            sum += ld((elem)(k % 2 ? ar >> 16 : ar & 0xffffu)) *
+                   ld((elem)(k % 2 ? br >> 16 : br & 0xffffu));
+        }
+        d[r] += sum;
+    }
+    __syncthreads();
+#endif
+}
+
+__device__ inline unsigned pack2(const elem* p) { return (unsigned)p[0] | ((unsigned)p[1] << 16); }
+
+// conv_tiled's implicit GEMM on tensor cores: tiles of BM × BN outputs and 32-deep slices of
+// the reduction in shared memory as half-precision values (A row-major, the columns n-major),
+// 8 warps in 2 × 4, each multiplying a (BM / 2) × (BN / 4) piece with m16n8k16 steps.
+// Accumulation, bias, residual and activation in f32, as everywhere.
+template <int BM, int BN, bool PW, bool LIN>
+__device__ inline void conv_mma(const ConvArgs& a) {
+    constexpr int BK = 32, LD = BK + 8;  // +8: the fragment loads of a warp hit 32 banks
+    constexpr int MT = BM / 32, NT = BN / 32;
+    alignas(16) __shared__ elem As[BM][LD];
+    alignas(16) __shared__ elem Bs[BN][LD];
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int wm = warp / 4, wn = warp % 4, gq = lane / 4, tq = lane % 4;
+    const int cout_g = a.cout / a.groups, cin_g = a.cin / a.groups;
+    const int mblocks = (cout_g + BM - 1) / BM;
+    const int g = blockIdx.y / mblocks, m0 = (blockIdx.y % mblocks) * BM;
+    const int khw = a.kh * a.kw, K = cin_g * khw, ohw = a.oh * a.ow;
+    const long long N = (long long)a.n * ohw, n0 = (long long)blockIdx.x * BN;
+    const long long hw = (long long)a.h * a.w_;
+    const int bn = tid % BN, bk0 = tid / BN;
+    const long long col = n0 + bn;
+    const bool col_ok = col < N;
+    const int cb = col_ok ? (int)(col / ohw) : 0, cp = (int)(col % ohw);
+    const int iy0 = (cp / a.ow) * a.sh - a.ph, ix0 = (cp % a.ow) * a.sw - a.pw;
+    const elem* xb = a.x + ((long long)cb * a.cin + (long long)g * cin_g) * hw;
+    const elem* wg = a.w + ((long long)g * cout_g + m0) * K;
+    constexpr int AL = BM * BK / 256, BL = BK * BN / 256, BSTEP = 256 / BN;
+    const elem zero = 0;
+    elem ra[AL], rb[BL];
+    auto fetch = [&](int k0) {
+#pragma unroll
+        for (int l = 0; l < AL; ++l) {
+            const int e = tid + 256 * l, am = e / BK, k = k0 + e % BK;
+            ra[l] = (m0 + am < cout_g && k < K) ? wg[(long long)am * K + k] : zero;
+        }
+#pragma unroll
+        for (int l = 0; l < BL; ++l) {
+            if (LIN) {
+                const int e = tid + 256 * l, k = k0 + e % BK;
+                const long long c = n0 + e / BK;
+                rb[l] = (c < N && k < K) ? a.x[c * a.cin + (long long)g * cin_g + k] : zero;
+                continue;
+            }
+            const int k = k0 + bk0 + BSTEP * l;
+            elem v = zero;
+            if (col_ok && k < K) {
+                if (PW) {
+                    v = xb[k * hw + cp];
+                } else {
+                    const int ci = k / khw, r = k - ci * khw, ky = r / a.kw, kx = r - ky * a.kw;
+                    const int iy = iy0 + ky * a.dh, ix = ix0 + kx * a.dw;
+                    if (iy >= 0 && iy < a.h && ix >= 0 && ix < a.w_)
+                        v = xb[ci * hw + (long long)iy * a.w_ + ix];
+                }
+            }
+            rb[l] = v;
+        }
+    };
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.0f;
+    fetch(0);
+    for (int k0 = 0; k0 < K; k0 += BK) {
+#pragma unroll
+        for (int l = 0; l < AL; ++l) {
+            const int e = tid + 256 * l;
+            As[e / BK][e % BK] = ra[l];
+        }
+#pragma unroll
+        for (int l = 0; l < BL; ++l) {
+            const int e = tid + 256 * l;
+            if (LIN)
+                Bs[e / BK][e % BK] = rb[l];
+            else
+                Bs[bn][bk0 + BSTEP * l] = rb[l];
+        }
+        __syncthreads();
+        if (k0 + BK < K) fetch(k0 + BK);
+#pragma unroll
+        for (int ks = 0; ks < BK; ks += 16) {
+            unsigned af[MT][4], bf[NT][2];
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+                const int m = wm * (BM / 2) + i * 16 + gq, k = ks + 2 * tq;
+                af[i][0] = pack2(&As[m][k]);
+                af[i][1] = pack2(&As[m + 8][k]);
+                af[i][2] = pack2(&As[m][k + 8]);
+                af[i][3] = pack2(&As[m + 8][k + 8]);
+            }
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                const int n = wn * (BN / 4) + j * 8 + gq, k = ks + 2 * tq;
+                bf[j][0] = pack2(&Bs[n][k]);
+                bf[j][1] = pack2(&Bs[n][k + 8]);
+            }
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int j = 0; j < NT; ++j) mma16816(acc[i][j], af[i], bf[j]);
+        }
+        __syncthreads();
+    }
+    // Where each of this thread's output columns starts in y (-1: past the last pixel), so
+    // the unrolled stores below do no division.
+    long long cols[NT][2];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const long long c = n0 + wn * (BN / 4) + j * 8 + tq * 2 + h;
+            cols[j][h] = c < N ? (c / ohw) * a.cout * ohw + c % ohw : -1;
+        }
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int rh = 0; rh < 2; ++rh) {
+            const int m = m0 + wm * (BM / 2) + i * 16 + gq + 8 * rh;
+            if (m >= cout_g) continue;
+            const int co = g * cout_g + m;
+            const float bias = a.has_bias ? a.bias[co] : 0.0f;
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    if (cols[j][h] < 0) continue;
+                    const long long o = cols[j][h] + (long long)co * ohw;
+                    float v = acc[i][j][2 * rh + h] + bias;
+                    if (a.has_res) v += ld(a.res[o]);
+                    a.y[o] = st(activate(v, a.act));
+                }
+        }
+}
+
+BLOCK_KERNEL(conv2d_mma_t128, ConvArgs) { conv_mma<128, 128, false, false>(a); }
+BLOCK_KERNEL(conv2d_pw_mma_t128, ConvArgs) { conv_mma<128, 128, true, false>(a); }
+BLOCK_KERNEL(conv2d_lin_mma_t128, ConvArgs) { conv_mma<128, 128, true, true>(a); }
+BLOCK_KERNEL(conv2d_mma_t64, ConvArgs) { conv_mma<64, 64, false, false>(a); }
+BLOCK_KERNEL(conv2d_pw_mma_t64, ConvArgs) { conv_mma<64, 64, true, false>(a); }
+BLOCK_KERNEL(conv2d_lin_mma_t64, ConvArgs) { conv_mma<64, 64, true, true>(a); }
+#endif
 
 // ---- the vendor path's helpers: im2col in front of a library GEMM, the epilogue behind it ----
 

@@ -108,6 +108,38 @@ pub fn compile(
     })
 }
 
+/// [`compile`], through a cache of PTX on disk (`ptx/` in the cache folder), keyed by the
+/// expanded source, the target, the precision and the NVRTC version: NVRTC takes seconds for
+/// the half-precision kernels, and every run of `workshop bench` would pay them again. A cache
+/// that cannot be read or written only costs the compile.
+fn compile_cached(
+    arch: &str,
+    precision: Precision,
+    kernels_dir: Option<&Path>,
+) -> Result<cudarc::nvrtc::Ptx, BackendError> {
+    let src = gpu::source("cuda/ops.cu", kernels_dir)?;
+    let key = format!(
+        "{arch} {} NVRTC {}\n{src}",
+        gpu::precision_define(precision),
+        nvrtc_version().unwrap_or_default()
+    );
+    let path = crate::bench::peak::cache_dir().map(|d| {
+        d.join("ptx")
+            .join(format!("{:016x}.ptx", gpu::source_hash(&key)))
+    });
+    if let Some(text) = path.as_ref().and_then(|p| std::fs::read_to_string(p).ok()) {
+        return Ok(cudarc::nvrtc::Ptx::from_src(text));
+    }
+    let ptx = compile(arch, precision, kernels_dir)?;
+    if let Some(p) = &path
+        && p.parent()
+            .is_some_and(|d| std::fs::create_dir_all(d).is_ok())
+    {
+        let _ = crate::files::write_atomic(p, ptx.to_src().as_bytes());
+    }
+    Ok(ptx)
+}
+
 pub struct CudaBackend {
     count: usize,
 }
@@ -289,7 +321,7 @@ impl Device for CudaDevice {
         self.bind()?;
         let src = gpu::source("cuda/ops.cu", kernels_dir)?;
         let module = MODULES.get_or_load(self.ordinal, precision, &src, || {
-            let ptx = compile(&self.arch()?, precision, kernels_dir)?;
+            let ptx = compile_cached(&self.arch()?, precision, kernels_dir)?;
             self.ctx
                 .load_module(ptx)
                 .map_err(|e| driver_error("loading the compiled kernels", e))
@@ -303,6 +335,16 @@ impl Device for CudaDevice {
                 })
             })
             .collect()
+    }
+
+    fn matrix_units(&self) -> bool {
+        // mma.sync m16n8k16 in FP16 and BF16, and the kernels exist for compute_80 and later.
+        self.ctx.compute_capability().is_ok_and(|cc| cc >= (8, 0))
+            && self.arch().is_ok_and(|a| {
+                a.trim_start_matches("compute_")
+                    .parse::<u32>()
+                    .is_ok_and(|n| n >= 80)
+            })
     }
 
     fn alloc(&mut self, bytes: u64) -> Result<u64, BackendError> {

@@ -96,7 +96,10 @@ pub fn evaluate(
     let (min, max, range) = x
         .device
         .iter()
-        .find(|d| glob::Pattern::new(&d.glob).is_ok_and(|p| p.matches(ctx.device)))
+        .find(|d| {
+            d.backend.is_none_or(|b| b == ctx.backend)
+                && glob::Pattern::new(&d.glob).is_ok_and(|p| p.matches(ctx.device))
+        })
         .map(|d| (d.min, d.max, format!("device {}", d.glob)))
         .or_else(|| {
             x.backend
@@ -244,6 +247,7 @@ mod tests {
         );
         x.device = vec![DeviceRange {
             glob: "*A100*".into(),
+            backend: None,
             min: Some(200.0),
             max: None,
         }];
@@ -252,5 +256,15 @@ mod tests {
             (c.verdict, c.range.as_str()),
             (Verdict::Fail, "device *A100*")
         );
+        // A device range measured with another backend's kernels does not apply here.
+        x.device[0].backend = Some(BackendKind::Hip);
+        let c = evaluate(&x, "fp16", &m, &ctx, None);
+        assert_eq!(
+            (c.verdict, c.range.as_str()),
+            (Verdict::Pass, "backend cuda")
+        );
+        x.device[0].backend = Some(BackendKind::Cuda);
+        let c = evaluate(&x, "fp16", &m, &ctx, None);
+        assert_eq!(c.range, "device *A100*");
     }
 }

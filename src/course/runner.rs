@@ -562,6 +562,14 @@ pub fn run_step(
                     ws.state.threads,
                 )?;
                 println!("{}", report::peak(&g, bw.as_deref()));
+                // The device, for expectations per device (`device = [{ glob = "*H100*", ... }]`).
+                if let Some(d) = backend::open(ws.state.backend)
+                    .ok()
+                    .and_then(|b| b.devices().into_iter().nth(ws.state.device))
+                {
+                    device_name = d.name.clone();
+                    environment.insert("device".into(), d.name);
+                }
                 if g.validated < g.iterations {
                     bail!(
                         "{} of {} GEMM results did not match the reference: the peak does not count",

@@ -19,6 +19,8 @@
 //! metric = "throughput"
 //! per = "fp32.throughput"     # a ratio to an earlier step's metric
 //! min = 1.3
+//! backend = [{ backend = "cpu", min = 0.5 }]                # per backend
+//! device = [{ glob = "*H100*", backend = "cuda", min = 1.05 }]  # per device (and backend)
 //! hint = "No speedup? Does your device do FP16 natively? See `workshop doctor`."
 //! ```
 
@@ -297,6 +299,9 @@ pub struct Expect {
 pub struct DeviceRange {
     /// A glob on the device name, e.g. `*A100*` or `AMD Instinct MI2*`.
     pub glob: String,
+    /// Only on this backend (a range measured with one backend's kernels); any when absent.
+    #[serde(default)]
+    pub backend: Option<BackendKind>,
     pub min: Option<f64>,
     pub max: Option<f64>,
 }

@@ -171,6 +171,11 @@ pub trait Device {
         block: u32,
         args: &[u8],
     ) -> Result<(), BackendError>;
+    /// Whether the device has half-precision matrix units our kernels use (the `_mma_`
+    /// convolutions: tensor cores from compute capability 8.0 on).
+    fn matrix_units(&self) -> bool {
+        false
+    }
     /// Whether [`Device::gemm`] can run here: asked at prepare time, so `--kernels vendor`
     /// without a library is refused before anything runs.
     fn vendor_gemm(&self) -> Result<(), BackendError>;
@@ -240,7 +245,8 @@ impl<D: Device> GpuSession<D> {
         opt: &ExecOptions,
         free: Option<u64>,
     ) -> Result<Self, BackendError> {
-        let program = program::build(plan, weights, opt.precision, opt.kernels)?;
+        let mma = opt.precision != Precision::Fp32 && device.matrix_units();
+        let program = program::build(plan, weights, opt.precision, opt.kernels, mma)?;
         if let Some(free) = free {
             fits(&program, plan.batch(), free)?;
         }

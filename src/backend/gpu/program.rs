@@ -86,6 +86,7 @@ pub fn conv_kernel(
     groups: usize,
     reduction: usize,
     shape: ConvShape,
+    mma: bool,
 ) -> Result<(&'static str, [u32; 3]), BackendError> {
     let cout_g = out_channels / groups;
     let tiles = |m: usize, n: usize| (pixels.div_ceil(n), groups * cout_g.div_ceil(m));
@@ -101,17 +102,23 @@ pub fn conv_kernel(
         && x * y >= 256
         && cout_g > 64
     {
-        let k = match shape {
-            ConvShape::General => "conv2d_t128",
-            ConvShape::Pointwise => "conv2d_pw_t128",
-            ConvShape::Linear => "conv2d_lin_t128",
+        let k = match (shape, mma) {
+            (ConvShape::General, false) => "conv2d_t128",
+            (ConvShape::Pointwise, false) => "conv2d_pw_t128",
+            (ConvShape::Linear, false) => "conv2d_lin_t128",
+            (ConvShape::General, true) => "conv2d_mma_t128",
+            (ConvShape::Pointwise, true) => "conv2d_pw_mma_t128",
+            (ConvShape::Linear, true) => "conv2d_lin_mma_t128",
         };
         (k, (x, y))
     } else {
-        let k = match shape {
-            ConvShape::General => "conv2d_t64",
-            ConvShape::Pointwise => "conv2d_pw_t64",
-            ConvShape::Linear => "conv2d_lin_t64",
+        let k = match (shape, mma) {
+            (ConvShape::General, false) => "conv2d_t64",
+            (ConvShape::Pointwise, false) => "conv2d_pw_t64",
+            (ConvShape::Linear, false) => "conv2d_lin_t64",
+            (ConvShape::General, true) => "conv2d_mma_t64",
+            (ConvShape::Pointwise, true) => "conv2d_pw_mma_t64",
+            (ConvShape::Linear, true) => "conv2d_lin_mma_t64",
         };
         (k, tiles(64, 64))
     };
@@ -402,6 +409,7 @@ pub fn build(
     weights: &Weights,
     precision: Precision,
     family: KernelFamily,
+    mma: bool,
 ) -> Result<Program, BackendError> {
     let mut b = Builder {
         buffers: Vec::new(),
@@ -599,7 +607,8 @@ pub fn build(
                         } else {
                             ConvShape::Pointwise
                         };
-                        let (kernel, g) = conv_kernel(n * h * w, c, conv.groups, reduction, shape)?;
+                        let (kernel, g) =
+                            conv_kernel(n * h * w, c, conv.groups, reduction, shape, mma)?;
                         b.launch(&node.name, op, kernel, g, args);
                     }
                 }
@@ -790,23 +799,28 @@ mod tests {
         // ResNet-50's stem at batch 32: 3·7·7 = 147 deep, 64 channels: 128-wide tiles.
         use ConvShape::*;
         // ResNet-50's stem at batch 32: 3·7·7 = 147 deep, but 64 channels: 64-wide tiles.
-        let stem = conv_kernel(32 * 112 * 112, 64, 1, 147, General).unwrap();
+        let stem = conv_kernel(32 * 112 * 112, 64, 1, 147, General, false).unwrap();
         assert_eq!(stem, ("conv2d_t64", [6272, 1, 1]));
-        let wide = conv_kernel(32 * 56 * 56, 256, 1, 64, Pointwise).unwrap();
+        let wide = conv_kernel(32 * 56 * 56, 256, 1, 64, Pointwise, false).unwrap();
         assert_eq!(wide, ("conv2d_pw_t128", [784, 2, 1]));
         // Its last 3×3 conv at batch 1: 49 pixels, 512 channels: the smaller tiles.
-        let late = conv_kernel(49, 512, 1, 4608, General).unwrap();
+        let late = conv_kernel(49, 512, 1, 4608, General, false).unwrap();
         assert_eq!(late, ("conv2d_t64", [1, 8, 1]));
-        let expand = conv_kernel(49, 2048, 1, 512, Pointwise).unwrap();
+        let expand = conv_kernel(49, 2048, 1, 512, Pointwise, false).unwrap();
         assert_eq!(expand, ("conv2d_pw_t64", [1, 32, 1]));
-        let fc = conv_kernel(32, 1000, 1, 2048, Linear).unwrap();
+        let fc = conv_kernel(32, 1000, 1, 2048, Linear, false).unwrap();
         assert_eq!(fc, ("conv2d_lin_t64", [1, 16, 1]));
+        // Half precision on tensor cores: the same tiles.
+        let wide = conv_kernel(32 * 56 * 56, 256, 1, 64, Pointwise, true).unwrap();
+        assert_eq!(wide, ("conv2d_pw_mma_t128", [784, 2, 1]));
+        let fc = conv_kernel(32, 1000, 1, 2048, Linear, true).unwrap();
+        assert_eq!(fc, ("conv2d_lin_mma_t64", [1, 16, 1]));
         // Depthwise: the direct kernel, one block per group of 1 channel.
         assert_eq!(
-            conv_kernel(100, 960, 960, 9, General).unwrap(),
+            conv_kernel(100, 960, 960, 9, General, false).unwrap(),
             ("conv2d", [1, 960, 1])
         );
-        assert!(conv_kernel(100, 70_000 * 8, 70_000, 9, General).is_err());
+        assert!(conv_kernel(100, 70_000 * 8, 70_000, 9, General, false).is_err());
     }
 
     /// A column-major GEMM as cuBLAS computes it, on f32 slices.
@@ -898,7 +912,7 @@ mod tests {
         let g = zoo::build("resnet18").unwrap();
         let plan = g.plan(1, 64, 64).unwrap();
         let w = Weights::init(&g, 0);
-        let p = build(&plan, &w, Precision::Fp32, KernelFamily::Native).unwrap();
+        let p = build(&plan, &w, Precision::Fp32, KernelFamily::Native, false).unwrap();
         let activations = p
             .buffers
             .iter()
@@ -925,7 +939,7 @@ mod tests {
         assert_eq!(last.kernel, "to_f32");
         assert_eq!(last.args[1], Arg::Buf(p.output));
         // The vendor family adds an im2col scratch buffer and GEMMs, never more weights.
-        let v = build(&plan, &w, Precision::Fp32, KernelFamily::Vendor).unwrap();
+        let v = build(&plan, &w, Precision::Fp32, KernelFamily::Vendor, false).unwrap();
         assert_eq!(v.weight_bytes(), p.weight_bytes());
         assert!(v.steps.iter().any(|s| matches!(s.work, Work::Gemm(_))));
     }
