@@ -212,6 +212,13 @@ fn conv2d_variants(kind: BackendKind) {
             conv(8, 40, (3, 3), 1, (1, 1), 1, 1, true),
             [1, 8, 128, 256],
         ),
+        // 32 input channels per group: the reduction runs window position by position (kc).
+        (
+            "tiled_window_major_stride2",
+            64,
+            conv(64, 48, (3, 3), 2, (1, 1), 1, 1, true),
+            [2, 64, 9, 11],
+        ),
         (
             "tiled_128_pointwise",
             32,

@@ -83,6 +83,9 @@ struct ConvArgs {
     int n, cin, h, w_, cout, oh, ow;
     int kh, kw, sh, sw, ph, pw, dh, dw;
     int groups, act, has_bias, has_res;
+    // The tiled kernels: the reduction (and w) runs (ky, kx, ci) instead of (ci, ky, kx), and
+    // cin / groups is a multiple of 32, so a k tile is one window position's channels.
+    int kc;
 };
 
 // grid.x · block.x covers the output pixels (n, oy, ox); grid.y = groups × channel blocks.
@@ -162,6 +165,11 @@ __device__ inline void conv_tiled(const ConvArgs& a) {
     constexpr int AL = BM * BK / 256, BL = BK * BN / 256, BSTEP = 256 / BN;
     float ra[AL], rb[BL];
     auto fetch = [&](int k0) {
+        // kc: the tile's window position, once; its channels are hw apart.
+        const int rs = a.kc ? k0 / cin_g : 0, ty_ = a.kw ? rs / a.kw : 0;
+        const int iy = iy0 + ty_ * a.dh, ix = ix0 + (rs - ty_ * a.kw) * a.dw;
+        const bool tap_ok = col_ok && iy >= 0 && iy < a.h && ix >= 0 && ix < a.w_;
+        const elem* tap = xb + (long long)(k0 - rs * cin_g) * hw + (long long)iy * a.w_ + ix;
 #pragma unroll
         for (int l = 0; l < AL; ++l) {
             const int e = tid + 256 * l, am = e / BK, k = k0 + e % BK;
@@ -177,7 +185,9 @@ __device__ inline void conv_tiled(const ConvArgs& a) {
             }
             const int k = k0 + bk0 + BSTEP * l;
             float v = 0.0f;
-            if (col_ok && k < K) {
+            if (!PW && a.kc) {
+                if (tap_ok) v = ld(tap[(long long)(bk0 + BSTEP * l) * hw]);
+            } else if (col_ok && k < K) {
                 if (PW) {
                     v = ld(xb[k * hw + cp]);
                 } else {
@@ -331,6 +341,10 @@ __device__ inline void conv_mma(const ConvArgs& a) {
     const elem zero = 0;
     elem ra[AL], rb[BL];
     auto fetch = [&](int k0) {
+        const int rs = a.kc ? k0 / cin_g : 0, ty_ = a.kw ? rs / a.kw : 0;
+        const int iy = iy0 + ty_ * a.dh, ix = ix0 + (rs - ty_ * a.kw) * a.dw;
+        const bool tap_ok = col_ok && iy >= 0 && iy < a.h && ix >= 0 && ix < a.w_;
+        const elem* tap = xb + (long long)(k0 - rs * cin_g) * hw + (long long)iy * a.w_ + ix;
 #pragma unroll
         for (int l = 0; l < AL; ++l) {
             const int e = tid + 256 * l, am = e / BK, k = k0 + e % BK;
@@ -346,7 +360,9 @@ __device__ inline void conv_mma(const ConvArgs& a) {
             }
             const int k = k0 + bk0 + BSTEP * l;
             elem v = zero;
-            if (col_ok && k < K) {
+            if (!PW && a.kc) {
+                if (tap_ok) v = tap[(long long)(bk0 + BSTEP * l) * hw];
+            } else if (col_ok && k < K) {
                 if (PW) {
                     v = xb[k * hw + cp];
                 } else {

@@ -63,6 +63,21 @@ pub fn grid_1d(total: usize) -> Result<[u32; 3], BackendError> {
 /// Must match CONV_CO_TILE in kernels/gpu/ops.cuh.
 pub const CONV_CO_TILE: usize = 8;
 
+/// Conv weights `(cout, cin_g, kh·kw)` reordered to `(cout, kh·kw, cin_g)`: the reduction
+/// order of the tiled kernels' `kc` mode.
+pub fn window_major(w: &[f32], cin_g: usize, taps: usize) -> Vec<f32> {
+    let per = cin_g * taps;
+    let mut out = vec![0.0; w.len()];
+    for (o, i) in out.chunks_exact_mut(per).zip(w.chunks_exact(per)) {
+        for ci in 0..cin_g {
+            for t in 0..taps {
+                o[t * cin_g + ci] = i[ci * taps + t];
+            }
+        }
+    }
+    out
+}
+
 /// What a convolution's columns (its im2col matrix) are, for the tiled kernels.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum ConvShape {
@@ -485,10 +500,11 @@ pub fn build(
                     } else {
                         Arg::Null
                     };
-                    let wbuf = b.weights(wt);
                     let bias_arg = bias.map_or(Arg::Null, Arg::Buf);
                     let dense = conv.groups == 1;
-                    if family == KernelFamily::Vendor && dense {
+                    let vendor = family == KernelFamily::Vendor && dense;
+                    if vendor {
+                        let wbuf = b.weights(wt);
                         let pixels = h * w;
                         let kk = xc * conv.kernel.0 * conv.kernel.1;
                         let direct = conv.kernel == (1, 1)
@@ -571,6 +587,30 @@ pub fn build(
                             b.launch(&node.name, op, "epilogue", grid, args);
                         }
                     } else {
+                        let reduction = xc / conv.groups * conv.kernel.0 * conv.kernel.1;
+                        let shape = if conv.kernel != (1, 1)
+                            || conv.stride != (1, 1)
+                            || conv.padding != (0, 0)
+                        {
+                            ConvShape::General
+                        } else if h * w == 1 {
+                            ConvShape::Linear
+                        } else {
+                            ConvShape::Pointwise
+                        };
+                        let (kernel, g) =
+                            conv_kernel(n * h * w, c, conv.groups, reduction, shape, mma)?;
+                        // The tiled kernels gather a window position's 32 channels at a time
+                        // when the reduction runs (ky, kx, ci): weights reordered to match.
+                        let cin_g = xc / conv.groups;
+                        let kc = shape == ConvShape::General
+                            && kernel != "conv2d"
+                            && cin_g.is_multiple_of(32);
+                        let wbuf = if kc {
+                            b.weights(&window_major(wt, cin_g, conv.kernel.0 * conv.kernel.1))
+                        } else {
+                            b.weights(wt)
+                        };
                         let args = vec![
                             x,
                             Arg::Buf(wbuf),
@@ -593,22 +633,10 @@ pub fn build(
                                 Arg::I32(act_code(conv.act)),
                                 Arg::I32(has_bias as i32),
                                 Arg::I32(conv.residual as i32),
+                                Arg::I32(kc as i32),
                             ],
                         ]
                         .concat();
-                        let reduction = xc / conv.groups * conv.kernel.0 * conv.kernel.1;
-                        let shape = if conv.kernel != (1, 1)
-                            || conv.stride != (1, 1)
-                            || conv.padding != (0, 0)
-                        {
-                            ConvShape::General
-                        } else if h * w == 1 {
-                            ConvShape::Linear
-                        } else {
-                            ConvShape::Pointwise
-                        };
-                        let (kernel, g) =
-                            conv_kernel(n * h * w, c, conv.groups, reduction, shape, mma)?;
                         b.launch(&node.name, op, kernel, g, args);
                     }
                 }
@@ -785,6 +813,23 @@ mod tests {
         let b = pack(&[Arg::I32(1), Arg::Null, Arg::I32(2)], |_| 9);
         assert_eq!(b.len(), 24);
         assert_eq!(&b[4..16], &[0u8; 12]);
+    }
+
+    #[test]
+    fn window_major_weights_run_tap_by_tap() {
+        // Two output channels, 2 input channels, 3 taps: w[co][ci][t] = 100co + 10ci + t.
+        let w: Vec<f32> = (0..2)
+            .flat_map(|co| {
+                (0..2).flat_map(move |ci| (0..3).map(move |t| (100 * co + 10 * ci + t) as f32))
+            })
+            .collect();
+        let r = window_major(&w, 2, 3);
+        assert_eq!(
+            r,
+            [
+                0., 10., 1., 11., 2., 12., 100., 110., 101., 111., 102., 112.
+            ]
+        );
     }
 
     #[test]
