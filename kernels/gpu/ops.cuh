@@ -134,13 +134,99 @@ KERNEL(conv2d, ConvArgs) {
 
 // The same convolution as an implicit GEMM, tiled for the block: per group, Y (cout × pixels)
 // = W (cout × cin·kh·kw) · columns, where the columns (the im2col matrix) are gathered from x
-// tile by tile into shared memory and never stored. A block computes a BM × BN tile of Y; each
-// of its 256 threads (16 × 16) a TM × TN piece of it, read from shared memory as contiguous
-// runs. The next k tile is fetched into registers while the current one is multiplied. The
-// epilogue (bias, residual, activation) is the direct kernel's. PW: a 1×1, stride-1, unpadded
-// convolution, whose columns are x itself; LIN: PW on 1×1 images (a linear layer), whose
-// columns are x's rows, gathered along k as the weights are. grid.x covers the pixels of all
-// images, grid.y = groups × blocks of BM output channels.
+// tile by tile into shared memory and never stored. PW: a 1×1, stride-1, unpadded convolution,
+// whose columns are x itself; LIN: PW on 1×1 images (a linear layer), whose columns are x's
+// rows, gathered along k as the weights are; kc (an argument): the reduction runs window
+// position by position. grid.x covers the pixels of all images, grid.y = groups × blocks of
+// BM output channels. The helpers below are shared by the FP32 kernel and the tensor-core one.
+
+// Where a block's BM × BN tile lies, and the column of the im2col matrix that this thread
+// gathers for every k tile (rows bk0, bk0 + 256 / BN, ...).
+struct ConvTile {
+    int cout_g, cin_g, g, m0, K, ohw, bn, bk0, cp, iy0, ix0;
+    long long N, n0, hw;
+    bool col_ok;
+    const elem* xb;  // the column's image, the group's first channel
+    const elem* wg;  // the block's first weight row
+};
+
+template <int BM, int BN>
+__device__ inline ConvTile conv_tile(const ConvArgs& a) {
+    ConvTile t;
+    t.cout_g = a.cout / a.groups;
+    t.cin_g = a.cin / a.groups;
+    const int mblocks = (t.cout_g + BM - 1) / BM;
+    t.g = blockIdx.y / mblocks;
+    t.m0 = (blockIdx.y % mblocks) * BM;
+    t.K = t.cin_g * a.kh * a.kw;
+    t.ohw = a.oh * a.ow;
+    t.N = (long long)a.n * t.ohw;
+    t.n0 = (long long)blockIdx.x * BN;
+    t.hw = (long long)a.h * a.w_;
+    t.bn = threadIdx.x % BN;
+    t.bk0 = threadIdx.x / BN;
+    const long long col = t.n0 + t.bn;
+    t.col_ok = col < t.N;
+    const int cb = t.col_ok ? (int)(col / t.ohw) : 0;
+    t.cp = (int)(col % t.ohw);
+    t.iy0 = (t.cp / a.ow) * a.sh - a.ph;
+    t.ix0 = (t.cp % a.ow) * a.sw - a.pw;
+    t.xb = a.x + ((long long)cb * a.cin + (long long)t.g * t.cin_g) * t.hw;
+    t.wg = a.w + ((long long)t.g * t.cout_g + t.m0) * t.K;
+    return t;
+}
+
+// With kc, a k tile's window position and where its first channel lies (null: padding).
+__device__ inline const elem* conv_tap(const ConvArgs& a, const ConvTile& t, int k0) {
+    if (!a.kc) return 0;
+    const int rs = k0 / t.cin_g, ky = rs / a.kw;
+    const int iy = t.iy0 + ky * a.dh, ix = t.ix0 + (rs - ky * a.kw) * a.dw;
+    if (!t.col_ok || iy < 0 || iy >= a.h || ix < 0 || ix >= a.w_) return 0;
+    return t.xb + (long long)(k0 - rs * t.cin_g) * t.hw + (long long)iy * a.w_ + ix;
+}
+
+// Row k0 + kr of the thread's column, in storage precision (zero outside the input).
+template <bool PW>
+__device__ inline elem conv_column(const ConvArgs& a, const ConvTile& t, const elem* tap, int k0,
+                                   int kr) {
+    const elem zero = 0;
+    if (!PW && a.kc) return tap ? tap[(long long)kr * t.hw] : zero;
+    const int k = k0 + kr;
+    if (!t.col_ok || k >= t.K) return zero;
+    if (PW) return t.xb[k * t.hw + t.cp];
+    const int khw = a.kh * a.kw, ci = k / khw, r = k - ci * khw, ky = r / a.kw, kx = r - ky * a.kw;
+    const int iy = t.iy0 + ky * a.dh, ix = t.ix0 + kx * a.dw;
+    if (iy < 0 || iy >= a.h || ix < 0 || ix >= a.w_) return zero;
+    return t.xb[ci * t.hw + (long long)iy * a.w_ + ix];
+}
+
+// LIN: element (k, column c) of the columns, x's row c.
+__device__ inline elem lin_column(const ConvArgs& a, const ConvTile& t, long long c, int k) {
+    const elem zero = 0;
+    return (c < t.N && k < t.K) ? a.x[c * a.cin + (long long)t.g * t.cin_g + k] : zero;
+}
+
+// Weight (m0 + am, k) of the block's rows (zero past the last channel or k).
+__device__ inline elem conv_weight(const ConvTile& t, int am, int k) {
+    const elem zero = 0;
+    return (t.m0 + am < t.cout_g && k < t.K) ? t.wg[(long long)am * t.K + k] : zero;
+}
+
+// Where output column c starts in y (-1: past the last pixel): the unrolled stores add
+// co · oh · ow and divide nothing.
+__device__ inline long long conv_out_col(const ConvArgs& a, const ConvTile& t, long long c) {
+    return c < t.N ? (c / t.ohw) * a.cout * t.ohw + c % t.ohw : -1;
+}
+
+// The epilogue of one output: bias (already in v), residual, activation, storage precision.
+__device__ inline void conv_store(const ConvArgs& a, long long o, float v) {
+    if (a.has_res) v += ld(a.res[o]);
+    a.y[o] = st(activate(v, a.act));
+}
+
+// FP32 math: each of the 256 threads (16 × 16) computes a TM × TN piece of the tile, read from
+// shared memory as contiguous runs; the next k tile is fetched into registers while the
+// current one is multiplied.
 template <int BM, int BN, int BK, int TM, int TN, bool PW, bool LIN>
 __device__ inline void conv_tiled(const ConvArgs& a) {
     // +4: the transposed stores of a tile land in different banks; rows stay 16-byte aligned
@@ -148,56 +234,21 @@ __device__ inline void conv_tiled(const ConvArgs& a) {
     alignas(16) __shared__ float As[BK][BM + 4];
     alignas(16) __shared__ float Bs[BK][BN + 4];
     const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
-    const int cout_g = a.cout / a.groups, cin_g = a.cin / a.groups;
-    const int mblocks = (cout_g + BM - 1) / BM;
-    const int g = blockIdx.y / mblocks, m0 = (blockIdx.y % mblocks) * BM;
-    const int khw = a.kh * a.kw, K = cin_g * khw, ohw = a.oh * a.ow;
-    const long long N = (long long)a.n * ohw, n0 = (long long)blockIdx.x * BN;
-    const long long hw = (long long)a.h * a.w_;
-    // The column this thread gathers for every k tile, and the rows it fills.
-    const int bn = tid % BN, bk0 = tid / BN;
-    const long long col = n0 + bn;
-    const bool col_ok = col < N;
-    const int cb = col_ok ? (int)(col / ohw) : 0, cp = (int)(col % ohw);
-    const int iy0 = (cp / a.ow) * a.sh - a.ph, ix0 = (cp % a.ow) * a.sw - a.pw;
-    const elem* xb = a.x + ((long long)cb * a.cin + (long long)g * cin_g) * hw;
-    const elem* wg = a.w + ((long long)g * cout_g + m0) * K;
+    const ConvTile t = conv_tile<BM, BN>(a);
     constexpr int AL = BM * BK / 256, BL = BK * BN / 256, BSTEP = 256 / BN;
     float ra[AL], rb[BL];
     auto fetch = [&](int k0) {
-        // kc: the tile's window position, once; its channels are hw apart.
-        const int rs = a.kc ? k0 / cin_g : 0, ty_ = a.kw ? rs / a.kw : 0;
-        const int iy = iy0 + ty_ * a.dh, ix = ix0 + (rs - ty_ * a.kw) * a.dw;
-        const bool tap_ok = col_ok && iy >= 0 && iy < a.h && ix >= 0 && ix < a.w_;
-        const elem* tap = xb + (long long)(k0 - rs * cin_g) * hw + (long long)iy * a.w_ + ix;
+        const elem* tap = conv_tap(a, t, k0);
 #pragma unroll
         for (int l = 0; l < AL; ++l) {
-            const int e = tid + 256 * l, am = e / BK, k = k0 + e % BK;
-            ra[l] = (m0 + am < cout_g && k < K) ? ld(wg[(long long)am * K + k]) : 0.0f;
+            const int e = tid + 256 * l;
+            ra[l] = ld(conv_weight(t, e / BK, k0 + e % BK));
         }
 #pragma unroll
         for (int l = 0; l < BL; ++l) {
-            if (LIN) {
-                const int e = tid + 256 * l, k = k0 + e % BK;
-                const long long c = n0 + e / BK;
-                rb[l] = (c < N && k < K) ? ld(a.x[c * a.cin + (long long)g * cin_g + k]) : 0.0f;
-                continue;
-            }
-            const int k = k0 + bk0 + BSTEP * l;
-            float v = 0.0f;
-            if (!PW && a.kc) {
-                if (tap_ok) v = ld(tap[(long long)(bk0 + BSTEP * l) * hw]);
-            } else if (col_ok && k < K) {
-                if (PW) {
-                    v = ld(xb[k * hw + cp]);
-                } else {
-                    const int ci = k / khw, r = k - ci * khw, ky = r / a.kw, kx = r - ky * a.kw;
-                    const int iy = iy0 + ky * a.dh, ix = ix0 + kx * a.dw;
-                    if (iy >= 0 && iy < a.h && ix >= 0 && ix < a.w_)
-                        v = ld(xb[ci * hw + (long long)iy * a.w_ + ix]);
-                }
-            }
-            rb[l] = v;
+            const int e = tid + 256 * l;
+            rb[l] = ld(LIN ? lin_column(a, t, t.n0 + e / BK, k0 + e % BK)
+                           : conv_column<PW>(a, t, tap, k0, t.bk0 + BSTEP * l));
         }
     };
     float acc[TM][TN];
@@ -206,7 +257,7 @@ __device__ inline void conv_tiled(const ConvArgs& a) {
 #pragma unroll
         for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;
     fetch(0);
-    for (int k0 = 0; k0 < K; k0 += BK) {
+    for (int k0 = 0; k0 < t.K; k0 += BK) {
 #pragma unroll
         for (int l = 0; l < AL; ++l) {
             const int e = tid + 256 * l;
@@ -218,10 +269,10 @@ __device__ inline void conv_tiled(const ConvArgs& a) {
             if (LIN)
                 Bs[e % BK][e / BK] = rb[l];
             else
-                Bs[bk0 + BSTEP * l][bn] = rb[l];
+                Bs[t.bk0 + BSTEP * l][t.bn] = rb[l];
         }
         __syncthreads();
-        if (k0 + BK < K) fetch(k0 + BK);
+        if (k0 + BK < t.K) fetch(k0 + BK);
 #pragma unroll
         for (int kk = 0; kk < BK; ++kk) {
             float av[TM], bv[TN];
@@ -238,24 +289,16 @@ __device__ inline void conv_tiled(const ConvArgs& a) {
     }
     long long cols[TN];
 #pragma unroll
-    for (int j = 0; j < TN; ++j) {
-        const long long c = n0 + tx * TN + j;
-        cols[j] = c < N ? (c / ohw) * a.cout * ohw + c % ohw : -1;
-    }
+    for (int j = 0; j < TN; ++j) cols[j] = conv_out_col(a, t, t.n0 + tx * TN + j);
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
-        const int m = m0 + ty * TM + i;
-        if (m >= cout_g) continue;
-        const int co = g * cout_g + m;
+        const int m = t.m0 + ty * TM + i;
+        if (m >= t.cout_g) continue;
+        const int co = t.g * t.cout_g + m;
         const float bias = a.has_bias ? a.bias[co] : 0.0f;
 #pragma unroll
-        for (int j = 0; j < TN; ++j) {
-            if (cols[j] < 0) continue;
-            const long long o = cols[j] + (long long)co * ohw;
-            float r = acc[i][j] + bias;
-            if (a.has_res) r += ld(a.res[o]);
-            a.y[o] = st(activate(r, a.act));
-        }
+        for (int j = 0; j < TN; ++j)
+            if (cols[j] >= 0) conv_store(a, cols[j] + (long long)co * t.ohw, acc[i][j] + bias);
     }
 }
 
@@ -324,55 +367,21 @@ __device__ inline void conv_mma(const ConvArgs& a) {
     alignas(16) __shared__ elem Bs[BN][LD];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int wm = warp / 4, wn = warp % 4, gq = lane / 4, tq = lane % 4;
-    const int cout_g = a.cout / a.groups, cin_g = a.cin / a.groups;
-    const int mblocks = (cout_g + BM - 1) / BM;
-    const int g = blockIdx.y / mblocks, m0 = (blockIdx.y % mblocks) * BM;
-    const int khw = a.kh * a.kw, K = cin_g * khw, ohw = a.oh * a.ow;
-    const long long N = (long long)a.n * ohw, n0 = (long long)blockIdx.x * BN;
-    const long long hw = (long long)a.h * a.w_;
-    const int bn = tid % BN, bk0 = tid / BN;
-    const long long col = n0 + bn;
-    const bool col_ok = col < N;
-    const int cb = col_ok ? (int)(col / ohw) : 0, cp = (int)(col % ohw);
-    const int iy0 = (cp / a.ow) * a.sh - a.ph, ix0 = (cp % a.ow) * a.sw - a.pw;
-    const elem* xb = a.x + ((long long)cb * a.cin + (long long)g * cin_g) * hw;
-    const elem* wg = a.w + ((long long)g * cout_g + m0) * K;
+    const ConvTile t = conv_tile<BM, BN>(a);
     constexpr int AL = BM * BK / 256, BL = BK * BN / 256, BSTEP = 256 / BN;
-    const elem zero = 0;
     elem ra[AL], rb[BL];
     auto fetch = [&](int k0) {
-        const int rs = a.kc ? k0 / cin_g : 0, ty_ = a.kw ? rs / a.kw : 0;
-        const int iy = iy0 + ty_ * a.dh, ix = ix0 + (rs - ty_ * a.kw) * a.dw;
-        const bool tap_ok = col_ok && iy >= 0 && iy < a.h && ix >= 0 && ix < a.w_;
-        const elem* tap = xb + (long long)(k0 - rs * cin_g) * hw + (long long)iy * a.w_ + ix;
+        const elem* tap = conv_tap(a, t, k0);
 #pragma unroll
         for (int l = 0; l < AL; ++l) {
-            const int e = tid + 256 * l, am = e / BK, k = k0 + e % BK;
-            ra[l] = (m0 + am < cout_g && k < K) ? wg[(long long)am * K + k] : zero;
+            const int e = tid + 256 * l;
+            ra[l] = conv_weight(t, e / BK, k0 + e % BK);
         }
 #pragma unroll
         for (int l = 0; l < BL; ++l) {
-            if (LIN) {
-                const int e = tid + 256 * l, k = k0 + e % BK;
-                const long long c = n0 + e / BK;
-                rb[l] = (c < N && k < K) ? a.x[c * a.cin + (long long)g * cin_g + k] : zero;
-                continue;
-            }
-            const int k = k0 + bk0 + BSTEP * l;
-            elem v = zero;
-            if (!PW && a.kc) {
-                if (tap_ok) v = tap[(long long)(bk0 + BSTEP * l) * hw];
-            } else if (col_ok && k < K) {
-                if (PW) {
-                    v = xb[k * hw + cp];
-                } else {
-                    const int ci = k / khw, r = k - ci * khw, ky = r / a.kw, kx = r - ky * a.kw;
-                    const int iy = iy0 + ky * a.dh, ix = ix0 + kx * a.dw;
-                    if (iy >= 0 && iy < a.h && ix >= 0 && ix < a.w_)
-                        v = xb[ci * hw + (long long)iy * a.w_ + ix];
-                }
-            }
-            rb[l] = v;
+            const int e = tid + 256 * l;
+            rb[l] = LIN ? lin_column(a, t, t.n0 + e / BK, k0 + e % BK)
+                        : conv_column<PW>(a, t, tap, k0, t.bk0 + BSTEP * l);
         }
     };
     float acc[MT][NT][4];
@@ -383,7 +392,7 @@ __device__ inline void conv_mma(const ConvArgs& a) {
 #pragma unroll
             for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.0f;
     fetch(0);
-    for (int k0 = 0; k0 < K; k0 += BK) {
+    for (int k0 = 0; k0 < t.K; k0 += BK) {
 #pragma unroll
         for (int l = 0; l < AL; ++l) {
             const int e = tid + 256 * l;
@@ -395,10 +404,10 @@ __device__ inline void conv_mma(const ConvArgs& a) {
             if (LIN)
                 Bs[e / BK][e % BK] = rb[l];
             else
-                Bs[bn][bk0 + BSTEP * l] = rb[l];
+                Bs[t.bn][t.bk0 + BSTEP * l] = rb[l];
         }
         __syncthreads();
-        if (k0 + BK < K) fetch(k0 + BK);
+        if (k0 + BK < t.K) fetch(k0 + BK);
 #pragma unroll
         for (int ks = 0; ks < BK; ks += 16) {
             unsigned af[MT][4], bf[NT][2];
@@ -423,34 +432,26 @@ __device__ inline void conv_mma(const ConvArgs& a) {
         }
         __syncthreads();
     }
-    // Where each of this thread's output columns starts in y (-1: past the last pixel), so
-    // the unrolled stores below do no division.
     long long cols[NT][2];
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const long long c = n0 + wn * (BN / 4) + j * 8 + tq * 2 + h;
-            cols[j][h] = c < N ? (c / ohw) * a.cout * ohw + c % ohw : -1;
-        }
+        for (int h = 0; h < 2; ++h)
+            cols[j][h] = conv_out_col(a, t, t.n0 + wn * (BN / 4) + j * 8 + tq * 2 + h);
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
         for (int rh = 0; rh < 2; ++rh) {
-            const int m = m0 + wm * (BM / 2) + i * 16 + gq + 8 * rh;
-            if (m >= cout_g) continue;
-            const int co = g * cout_g + m;
+            const int m = t.m0 + wm * (BM / 2) + i * 16 + gq + 8 * rh;
+            if (m >= t.cout_g) continue;
+            const int co = t.g * t.cout_g + m;
             const float bias = a.has_bias ? a.bias[co] : 0.0f;
 #pragma unroll
             for (int j = 0; j < NT; ++j)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    if (cols[j][h] < 0) continue;
-                    const long long o = cols[j][h] + (long long)co * ohw;
-                    float v = acc[i][j][2 * rh + h] + bias;
-                    if (a.has_res) v += ld(a.res[o]);
-                    a.y[o] = st(activate(v, a.act));
-                }
+                for (int h = 0; h < 2; ++h)
+                    if (cols[j][h] >= 0)
+                        conv_store(a, cols[j][h] + (long long)co * t.ohw, acc[i][j][2 * rh + h] + bias);
         }
 }
 

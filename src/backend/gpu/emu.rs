@@ -99,41 +99,42 @@ static void ws_run_block(unsigned threads, void (*body)(const void*), const void
         }
     }
 }
+// Every kernel's entry: unpack the arguments and run blocks first..last, one at a time.
+template <class Args>
+static void ws_blocks(const void* args, const unsigned* dims, unsigned long first,
+                      unsigned long last, void (*block)(const Args&)) {
+    Args a;
+    std::memcpy(&a, args, sizeof(Args));
+    gridDim = {dims[0], dims[1], dims[2]};
+    blockDim = {dims[3], 1, 1};
+    for (unsigned long b = first; b < last; ++b) {
+        blockIdx = {(unsigned)(b % dims[0]), (unsigned)((b / dims[0]) % dims[1]),
+                    (unsigned)(b / ((unsigned long)dims[0] * dims[1]))};
+        block(a);
+    }
+}
+#define WS_ENTRY(name, Args)                                                                     \
+    extern "C" unsigned long emu_size_##name() { return sizeof(Args); }                          \
+    extern "C" void emu_##name(const void* args, const unsigned* dims, unsigned long first,      \
+                               unsigned long last) {                                             \
+        ws_blocks<Args>(args, dims, first, last, name##_block);                                  \
+    }
+// Threads that never meet run one after another; threads that do, as fibers.
+#define KERNEL(name, Args)                                                                       \
+    static void name##_thread(const Args& a);                                                    \
+    static void name##_block(const Args& a) {                                                    \
+        for (unsigned t = 0; t < blockDim.x; ++t) {                                              \
+            threadIdx = {t, 0, 0};                                                               \
+            name##_thread(a);                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+    WS_ENTRY(name, Args)                                                                         \
+    static void name##_thread(const Args& a)
 #define BLOCK_KERNEL(name, Args)                                                                 \
     static void name##_thread(const Args& a);                                                    \
     static void name##_fiber(const void* p) { name##_thread(*(const Args*)p); }                  \
-    extern "C" unsigned long emu_size_##name() { return sizeof(Args); }                          \
-    extern "C" void emu_##name(const void* args, const unsigned* dims, unsigned long first,      \
-                               unsigned long last) {                                             \
-        Args a;                                                                                  \
-        std::memcpy(&a, args, sizeof(Args));                                                     \
-        gridDim = {dims[0], dims[1], dims[2]};                                                   \
-        blockDim = {dims[3], 1, 1};                                                              \
-        for (unsigned long b = first; b < last; ++b) {                                           \
-            blockIdx = {(unsigned)(b % dims[0]), (unsigned)((b / dims[0]) % dims[1]),            \
-                        (unsigned)(b / ((unsigned long)dims[0] * dims[1]))};                     \
-            ws_run_block(dims[3], name##_fiber, &a);                                             \
-        }                                                                                        \
-    }                                                                                            \
-    static void name##_thread(const Args& a)
-#define KERNEL(name, Args)                                                                       \
-    static void name##_thread(const Args& a);                                                    \
-    extern "C" unsigned long emu_size_##name() { return sizeof(Args); }                          \
-    extern "C" void emu_##name(const void* args, const unsigned* dims, unsigned long first,      \
-                               unsigned long last) {                                             \
-        Args a;                                                                                  \
-        std::memcpy(&a, args, sizeof(Args));                                                     \
-        gridDim = {dims[0], dims[1], dims[2]};                                                   \
-        blockDim = {dims[3], 1, 1};                                                              \
-        for (unsigned long b = first; b < last; ++b) {                                           \
-            blockIdx = {(unsigned)(b % dims[0]), (unsigned)((b / dims[0]) % dims[1]),            \
-                        (unsigned)(b / ((unsigned long)dims[0] * dims[1]))};                     \
-            for (unsigned t = 0; t < dims[3]; ++t) {                                             \
-                threadIdx = {t, 0, 0};                                                           \
-                name##_thread(a);                                                                \
-            }                                                                                    \
-        }                                                                                        \
-    }                                                                                            \
+    static void name##_block(const Args& a) { ws_run_block(blockDim.x, name##_fiber, &a); }      \
+    WS_ENTRY(name, Args)                                                                         \
     static void name##_thread(const Args& a)
 "#;
 
