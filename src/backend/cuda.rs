@@ -195,6 +195,11 @@ fn info(ctx: &Arc<CudaContext>) -> DeviceInfo {
         )),
         compute_units: sms.map(|s| s as usize),
         features: vec![format!("sm_{major}{minor}")],
+        clock_mhz: ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)
+            .ok()
+            .filter(|&khz| khz > 0)
+            .map(|khz| (khz / 1000) as u32),
     }
 }
 

@@ -241,6 +241,7 @@ impl Backend for HipBackend {
                 driver: Some(versions()),
                 compute_units: Some(cus),
                 features: arch.into_iter().collect(),
+                clock_mhz: None,
             })
             .collect()
     }

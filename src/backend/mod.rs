@@ -58,6 +58,9 @@ pub struct DeviceInfo {
     pub compute_units: Option<usize>,
     /// Instruction-set or architecture features that matter for speed (AVX2, FMA, F16C, ...).
     pub features: Vec<String>,
+    /// The highest clock the driver reports (GPUs), for the theoretical peak.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clock_mhz: Option<u32>,
 }
 
 /// Which kernels run the GEMM-shaped work (`--kernels`).

@@ -244,6 +244,27 @@ fn theoretical_cpu(features: &[String], cores: usize) -> Option<Theoretical> {
     })
 }
 
+/// An NVIDIA GPU's FP32 peak on its ordinary cores: SMs × clock × FP32 lanes per SM × 2
+/// (FMA). The lanes follow the compute capability (`sm_XY` in the features): 64 on sm_60,
+/// Volta, Turing and the A100 (sm_80), 128 on the rest from Pascal's sm_61 to Blackwell.
+fn theoretical_cuda(features: &[String], sms: usize, clock_mhz: u32) -> Option<Theoretical> {
+    let sm: u32 = features
+        .iter()
+        .find_map(|f| f.strip_prefix("sm_")?.parse().ok())?;
+    let lanes = match sm {
+        60 | 70..=75 | 80 => 64,
+        _ => 128,
+    };
+    let ghz = clock_mhz as f64 / 1e3;
+    Some(Theoretical {
+        gflops: sms as f64 * ghz * lanes as f64 * 2.0,
+        how: format!(
+            "{sms} SMs × {ghz:.2} GHz × {lanes} FP32 lanes × 2 (FMA), at the highest clock the \
+             driver reports; tensor cores (FP16, BF16, TF32) go well beyond this"
+        ),
+    })
+}
+
 /// One device's measured limits, kept between runs so profiles and exercises can compare
 /// against them without measuring again.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -374,6 +395,9 @@ pub fn theoretical(
             &device.features,
             threads.or(device.compute_units).unwrap_or(1),
         ),
+        BackendKind::Cuda => {
+            theoretical_cuda(&device.features, device.compute_units?, device.clock_mhz?)
+        }
         _ => None,
     }
 }
@@ -383,4 +407,26 @@ pub fn now_unix() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cuda_theoretical_peaks_follow_the_compute_capability() {
+        let sm = |s: &str| vec![s.to_string()];
+        // H100 SXM: 132 SMs at 1980 MHz, 128 lanes: 66.9 TFLOP/s, its specification.
+        let h100 = theoretical_cuda(&sm("sm_90"), 132, 1980).unwrap();
+        assert!((h100.gflops - 66_908.16).abs() < 0.01, "{}", h100.gflops);
+        assert!(
+            h100.how.contains("132 SMs × 1.98 GHz × 128 FP32 lanes"),
+            "{}",
+            h100.how
+        );
+        // A100: 108 SMs at 1410 MHz, 64 lanes: 19.5 TFLOP/s.
+        let a100 = theoretical_cuda(&sm("sm_80"), 108, 1410).unwrap();
+        assert!((a100.gflops - 19_491.84).abs() < 0.01, "{}", a100.gflops);
+        assert!(theoretical_cuda(&sm("emulated"), 1, 1000).is_none());
+    }
 }

@@ -88,6 +88,7 @@ pub fn host_device() -> DeviceInfo {
         )),
         compute_units: std::thread::available_parallelism().ok().map(|n| n.get()),
         features: cpu_features(),
+        clock_mhz: None,
     }
 }
 

@@ -36,6 +36,7 @@ pub fn device_info(kind: BackendKind) -> DeviceInfo {
         driver: Some(compiler()),
         compute_units: None,
         features: vec!["emulated".into()],
+        clock_mhz: None,
     }
 }
 

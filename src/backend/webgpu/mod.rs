@@ -161,6 +161,7 @@ fn device_info(a: &wgpu::Adapter) -> DeviceInfo {
         driver: Some(format!("{} {}", i.driver, i.driver_info).trim().to_string()),
         compute_units: None,
         features,
+        clock_mhz: None,
     }
 }
 
