@@ -15,6 +15,9 @@ use crate::model::{Precision, Rng, Weights};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GemmPeak {
     pub backend: BackendKind,
+    /// The device's name, as the backend lists it (empty when it lists none).
+    #[serde(default)]
+    pub device: String,
     pub precision: Precision,
     /// M = N = K.
     pub size: usize,
@@ -140,6 +143,12 @@ pub fn gemm(
     let flops = 2.0 * (size as f64).powi(3);
     Ok(GemmPeak {
         backend: kind,
+        device: b
+            .devices()
+            .into_iter()
+            .nth(device)
+            .map(|d| d.name)
+            .unwrap_or_default(),
         precision,
         size,
         iterations,

@@ -563,12 +563,9 @@ pub fn run_step(
                 )?;
                 println!("{}", report::peak(&g, bw.as_deref()));
                 // The device, for expectations per device (`device = [{ glob = "*H100*", ... }]`).
-                if let Some(d) = backend::open(ws.state.backend)
-                    .ok()
-                    .and_then(|b| b.devices().into_iter().nth(ws.state.device))
-                {
-                    device_name = d.name.clone();
-                    environment.insert("device".into(), d.name);
+                if !g.device.is_empty() {
+                    device_name = g.device.clone();
+                    environment.insert("device".into(), g.device.clone());
                 }
                 if g.validated < g.iterations {
                     bail!(

@@ -89,6 +89,20 @@ pub enum ConvShape {
     Linear,
 }
 
+/// The tiled conv kernels of ops.cuh by [tensor cores][`ConvShape`][64- or 128-wide tiles].
+const TILED: [[[&str; 2]; 3]; 2] = [
+    [
+        ["conv2d_t64", "conv2d_t128"],
+        ["conv2d_pw_t64", "conv2d_pw_t128"],
+        ["conv2d_lin_t64", "conv2d_lin_t128"],
+    ],
+    [
+        ["conv2d_mma_t64", "conv2d_mma_t128"],
+        ["conv2d_pw_mma_t64", "conv2d_pw_mma_t128"],
+        ["conv2d_lin_mma_t64", "conv2d_lin_mma_t128"],
+    ],
+];
+
 /// The conv kernel for a layer and its grid. Layers with enough arithmetic per output take the
 /// tiled implicit GEMM (`conv2d_t128`, or `conv2d_t64` when 128-wide tiles would leave a large
 /// GPU with too few blocks, or the layer has at most 64 output channels; `pw` for 1×1,
@@ -117,25 +131,9 @@ pub fn conv_kernel(
         && x * y >= 256
         && cout_g > 64
     {
-        let k = match (shape, mma) {
-            (ConvShape::General, false) => "conv2d_t128",
-            (ConvShape::Pointwise, false) => "conv2d_pw_t128",
-            (ConvShape::Linear, false) => "conv2d_lin_t128",
-            (ConvShape::General, true) => "conv2d_mma_t128",
-            (ConvShape::Pointwise, true) => "conv2d_pw_mma_t128",
-            (ConvShape::Linear, true) => "conv2d_lin_mma_t128",
-        };
-        (k, (x, y))
+        (TILED[mma as usize][shape as usize][1], (x, y))
     } else {
-        let k = match (shape, mma) {
-            (ConvShape::General, false) => "conv2d_t64",
-            (ConvShape::Pointwise, false) => "conv2d_pw_t64",
-            (ConvShape::Linear, false) => "conv2d_lin_t64",
-            (ConvShape::General, true) => "conv2d_mma_t64",
-            (ConvShape::Pointwise, true) => "conv2d_pw_mma_t64",
-            (ConvShape::Linear, true) => "conv2d_lin_mma_t64",
-        };
-        (k, tiles(64, 64))
+        (TILED[mma as usize][shape as usize][0], tiles(64, 64))
     };
     if gx > i32::MAX as usize || gy > MAX_GRID as usize {
         return Err(BackendError::Invalid(format!(
