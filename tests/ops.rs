@@ -603,19 +603,22 @@ fn replayed_pass_matches_the_enqueued_one(kind: BackendKind) {
 }
 backend_test!(replayed_pass_matches_the_enqueued_one, cpu, wgpu, cuda, hip);
 
-/// The CPU backend's Winograd F(2×2, 3×3) path, forced on layers of every awkward shape (odd
-/// sizes leave partial tiles; padding 0, 1 and 2; bias; a fused residual and ReLU) and on a
-/// whole network, against the reference. It runs by default only on layers with ≥ 32 channels.
+/// The CPU backend's Winograd paths F(2×2, 3×3) and F(4×4, 3×3), forced on layers of every
+/// awkward shape (odd sizes leave partial tiles; padding 0, 1 and 2; bias; a fused residual and
+/// ReLU), against the reference. They run by default only on layers with ≥ 32 channels.
 #[test]
 fn winograd_matches_the_reference() {
-    use workshop::backend::cpu::winograd::VARIANT;
+    use workshop::backend::cpu::winograd::VARIANTS;
     let cases = [
         ("odd", 5, 7, 1, [2, 5, 9, 7]),
         ("no_pad", 8, 3, 0, [1, 8, 6, 5]),
         ("pad2", 3, 4, 2, [1, 3, 4, 4]),
         ("one_pixel", 4, 6, 1, [1, 4, 1, 1]),
+        ("wide", 40, 24, 1, [3, 40, 11, 13]),
     ];
-    for (name, cin, cout, pad, shape) in cases {
+    for ((name, cin, cout, pad, shape), variant) in
+        cases.into_iter().flat_map(|c| VARIANTS.map(|v| (c, v)))
+    {
         let mut g = GraphBuilder::new(name, cin, ConvInit::TorchDefault, LinearInit::TorchDefault);
         let x = g.input();
         let a = g.conv("a", x, Conv2d::new(cin, cout, 3, 1, pad).with_bias());
@@ -646,7 +649,7 @@ fn winograd_matches_the_reference() {
                 threads: Some(2),
                 variants: ["a", "b"]
                     .into_iter()
-                    .map(|n| (n.to_string(), VARIANT.to_string()))
+                    .map(|n| (n.to_string(), variant.to_string()))
                     .collect(),
                 ..Default::default()
             };
@@ -658,7 +661,7 @@ fn winograd_matches_the_reference() {
             let diff = got.max_abs_diff(&expected);
             assert!(
                 diff <= tolerance(precision) * scale,
-                "{name} {precision}: {diff} vs {scale}"
+                "{name} {variant} {precision}: {diff} vs {scale}"
             );
         }
     }

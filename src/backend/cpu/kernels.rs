@@ -141,14 +141,21 @@ impl<T: Elem> PackedConv<T> {
         }
     }
 
-    /// Pack for Winograd F(2×2, 3×3) instead, when the layer allows it.
-    pub fn winograd(conv: Conv2d, weight: &[f32], bias: Option<&[f32]>) -> Option<Self> {
+    /// Pack for Winograd F(m×m, 3×3) instead, when the layer allows it.
+    pub fn winograd(
+        tile: super::winograd::Tile,
+        conv: Conv2d,
+        weight: &[f32],
+        bias: Option<&[f32]>,
+    ) -> Option<Self> {
         super::winograd::eligible(&conv).then(|| PackedConv {
             conv,
             groups: Vec::new(),
             depthwise: None,
             chunk_scale: 1,
-            winograd: Some(super::winograd::Winograd::new::<T>(&conv, weight, bias)),
+            winograd: Some(super::winograd::Winograd::new::<T>(
+                tile, &conv, weight, bias,
+            )),
         })
     }
 
@@ -171,8 +178,8 @@ impl<T: Elem> PackedConv<T> {
     }
 
     pub fn kernel_name(&self) -> String {
-        let form = if self.winograd.is_some() {
-            "winograd_f2x2"
+        let form = if let Some(w) = &self.winograd {
+            w.tile().form()
         } else if self.depthwise.is_some() {
             "depthwise_direct"
         } else if is_pointwise(&self.conv) {

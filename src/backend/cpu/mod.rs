@@ -6,6 +6,7 @@
 pub mod elem;
 pub mod kernels;
 pub mod sgemm;
+pub mod simd;
 pub mod winograd;
 
 use std::sync::Arc;
@@ -110,7 +111,7 @@ impl Backend for CpuBackend {
             Op::Conv2d(c) if !(c.groups > 1 && c.groups == c.in_channels) => {
                 let mut v = kernels::CONV_VARIANTS.to_vec();
                 if winograd::eligible(c) {
-                    v.push(winograd::VARIANT);
+                    v.extend(winograd::VARIANTS);
                 }
                 v
             }
@@ -353,13 +354,12 @@ impl<T: Elem> CpuSession<T> {
                 Op::Conv2d(c) => {
                     let bias = if c.bias { Some(get("bias")?) } else { None };
                     let variant = variants.get(&node.name).map(String::as_str);
-                    let winograd = match variant {
-                        Some(v) => v == winograd::VARIANT,
+                    let tile = match variant {
+                        Some(v) => winograd::Tile::from_variant(v),
                         None => winograd::by_default(&c, &plan.shapes[id]),
                     };
-                    let mut packed = winograd
-                        .then(|| PackedConv::<T>::winograd(c, get("weight").ok()?, bias))
-                        .flatten()
+                    let mut packed = tile
+                        .and_then(|t| PackedConv::<T>::winograd(t, c, get("weight").ok()?, bias))
                         .map_or_else(
                             || get("weight").map(|w| PackedConv::<T>::new(c, w, bias)),
                             Ok,

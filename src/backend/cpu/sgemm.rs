@@ -16,6 +16,7 @@ use std::sync::OnceLock;
 use rayon::prelude::*;
 
 use super::elem::Elem;
+use super::simd::{Simd, simd};
 
 /// Rows of the register tile.
 pub const MR: usize = 6;
@@ -168,26 +169,22 @@ enum Init {
 
 type Kernel = unsafe fn(usize, &[*const f32; MR], *const f32, *mut f32, usize, Init, *const f32);
 
-/// The best kernel this CPU can run, chosen once.
+/// The kernel for the SIMD paths in use (`simd::simd()`), chosen once.
 fn kernel() -> Kernel {
     static KERNEL: OnceLock<Kernel> = OnceLock::new();
-    *KERNEL.get_or_init(|| {
+    *KERNEL.get_or_init(|| match simd() {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            return avx2::kernel_6x16;
-        }
-        kernel_portable
+        Simd::Avx2Fma => avx2::kernel_6x16,
+        _ => kernel_portable,
     })
 }
 
 /// The name of the kernel in use, for records and `doctor`.
 pub fn kernel_name() -> &'static str {
-    #[cfg(target_arch = "x86_64")]
-    if kernel() as usize == avx2::kernel_6x16 as Kernel as usize {
-        return "avx2-fma 6x16";
+    match simd() {
+        Simd::Avx2Fma => "avx2-fma 6x16",
+        Simd::Portable => "portable 6x16",
     }
-    "portable 6x16"
 }
 
 /// C[0..m, cols of panels p0..p1] = A[0..m, 0..K] · B + bias, single-threaded.
@@ -385,8 +382,7 @@ mod tests {
     fn kernels_match_naive_matmul() {
         let mut kernels: Vec<(&str, Kernel)> = vec![("portable", kernel_portable)];
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
+        if crate::backend::cpu::simd::best() == Simd::Avx2Fma {
             kernels.push(("avx2", avx2::kernel_6x16));
         }
         for &(m, k, n) in &[

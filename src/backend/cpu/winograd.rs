@@ -1,8 +1,11 @@
-//! Winograd F(2×2, 3×3) for dense 3×3 stride-1 convolutions: each 2×2 block of outputs
-//! comes from a 4×4 input tile with 16 multiplications per (input, output) channel pair instead
-//! of 36. Per chunk of tiles: the input transform V = Bᵀ·d·B of every tile and channel, 16 GEMMs
-//! M_ξ = V_ξ·U_ξ (tiles × cin by cin × cout, on our packed SGEMM) against the transformed
-//! weights U = G·g·Gᵀ, and the output transform Y = Aᵀ·M·A with bias and the fused epilogue.
+//! Winograd convolutions F(m×m, 3×3) for dense 3×3 stride-1 layers, m = 2 or 4: each m×m
+//! block of outputs comes from an α×α input tile (α = m + 2) with α² multiplications per
+//! (input, output) channel pair instead of 9m²: 16 instead of 36 for F(2×2), 36 instead of 144
+//! for F(4×4). Per chunk of tiles: the input transform V = Bᵀ·d·B of every tile and channel,
+//! α² GEMMs M_ξ = V_ξ·U_ξ (tiles × cin by cin × cout, on our packed SGEMM) against the
+//! transformed weights U = G·g·Gᵀ, and the output transform Y = Aᵀ·M·A with bias and the fused
+//! epilogue. F(4×4) does 44% of F(2×2)'s multiplications for larger transforms, 4× the weights
+//! (against 16/9) and somewhat larger rounding errors (its points are 0, ±1, ±2, ∞).
 //! Activations may be stored in any precision (widened per pixel, narrowed per output row); the
 //! transformed weights are kept in f32, made from the weights as the storage type rounds them.
 //! Lavin & Gray, "Fast Algorithms for Convolutional Neural Networks" (2015).
@@ -14,81 +17,152 @@ use rayon::prelude::*;
 use super::elem::Elem;
 use super::kernels::{Epilogue, Nhwc};
 use super::sgemm::{self, PackedB};
+use super::simd::{self, Simd};
 use crate::model::op::Conv2d;
 
-/// The variant name max-autotune sees.
-pub const VARIANT: &str = "winograd-f2x2";
+/// The output tile: F(2×2, 3×3) or F(4×4, 3×3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tile {
+    F2,
+    F4,
+}
 
-/// Convolutions this path computes.
+/// The variant names max-autotune sees, one per tile.
+pub const VARIANTS: [&str; 2] = ["winograd-f2x2", "winograd-f4x4"];
+
+impl Tile {
+    pub fn from_variant(name: &str) -> Option<Tile> {
+        match name {
+            "winograd-f2x2" => Some(Tile::F2),
+            "winograd-f4x4" => Some(Tile::F4),
+            _ => None,
+        }
+    }
+
+    pub fn variant(self) -> &'static str {
+        VARIANTS[self as usize]
+    }
+
+    /// The kernel name's form (`conv2d_<form>_<type>`).
+    pub fn form(self) -> &'static str {
+        match self {
+            Tile::F2 => "winograd_f2x2",
+            Tile::F4 => "winograd_f4x4",
+        }
+    }
+
+    /// Outputs per tile side.
+    fn m(self) -> usize {
+        match self {
+            Tile::F2 => 2,
+            Tile::F4 => 4,
+        }
+    }
+
+    /// Inputs per tile side.
+    fn alpha(self) -> usize {
+        self.m() + 2
+    }
+
+    /// The weight transform G (α × 3).
+    fn g(self) -> &'static [[f64; 3]] {
+        const G2: [[f64; 3]; 4] = [
+            [1.0, 0.0, 0.0],
+            [0.5, 0.5, 0.5],
+            [0.5, -0.5, 0.5],
+            [0.0, 0.0, 1.0],
+        ];
+        const G4: [[f64; 3]; 6] = [
+            [1.0 / 4.0, 0.0, 0.0],
+            [-1.0 / 6.0, -1.0 / 6.0, -1.0 / 6.0],
+            [-1.0 / 6.0, 1.0 / 6.0, -1.0 / 6.0],
+            [1.0 / 24.0, 1.0 / 12.0, 1.0 / 6.0],
+            [1.0 / 24.0, -1.0 / 12.0, 1.0 / 6.0],
+            [0.0, 0.0, 1.0],
+        ];
+        match self {
+            Tile::F2 => &G2,
+            Tile::F4 => &G4,
+        }
+    }
+
+    /// Tiles covering an output of `out` (NCHW).
+    fn tiles(self, out: &[usize]) -> usize {
+        match *out {
+            [n, _, h, w] => n * h.div_ceil(self.m()) * w.div_ceil(self.m()),
+            _ => 0,
+        }
+    }
+}
+
+/// Convolutions these paths compute.
 pub fn eligible(c: &Conv2d) -> bool {
     c.kernel == (3, 3) && c.stride == (1, 1) && c.dilation == (1, 1) && c.groups == 1
 }
 
-/// Whether a layer with output `out` (NCHW) runs this way when max-autotune has not chosen:
-/// with enough channels for the transforms to pay off and enough tiles to reuse the
-/// transformed weights (16/9 the size of the plain ones). ResNet-50's stride-1 3×3 layers ran
-/// 1.9× faster this way at batch 4 on a 2-core AVX2 machine, and at batch 1 the 14×14 layers
-/// (49 tiles) 1.45× faster, but the 7×7 ones (16 tiles) 1.15× slower: with few rows the larger
-/// weights are streamed for little work.
-pub fn by_default(c: &Conv2d, out: &[usize]) -> bool {
-    let tiles = match *out {
-        [n, _, h, w] => n * h.div_ceil(2) * w.div_ceil(2),
-        _ => 0,
-    };
-    eligible(c) && c.in_channels >= 32 && c.out_channels >= 32 && tiles >= 40
+/// The tile a layer with output `out` (NCHW) runs with when max-autotune has not chosen, if
+/// any: only with enough channels for the transforms to pay off, and enough tiles to reuse the
+/// transformed weights (α²/9 the size of the plain ones). On a 2-core AVX2 machine (Zen),
+/// ResNet-50's stride-1 3×3 layers at batch 8 ran 1.1–1.8× faster with F(4×4) than with
+/// F(2×2) and 1.9–4× faster than im2col; at batch 1 F(4×4) still won with 49 tiles (28×28),
+/// tied with 16 (14×14), and with 4 (7×7) im2col and F(2×2) were as fast: with few rows the
+/// larger weights are streamed for little work.
+pub fn by_default(c: &Conv2d, out: &[usize]) -> Option<Tile> {
+    if !eligible(c) || c.in_channels < 32 || c.out_channels < 32 {
+        return None;
+    }
+    if Tile::F4.tiles(out) >= 16 {
+        Some(Tile::F4)
+    } else {
+        (Tile::F2.tiles(out) >= 40).then_some(Tile::F2)
+    }
 }
 
-/// Transformed weights: for each of the 16 positions ξ of a transformed tile, the (cin × cout)
+/// Transformed weights: for each of the α² positions ξ of a transformed tile, the (cin × cout)
 /// matrix U_ξ, packed for the GEMM.
 pub struct Winograd {
+    tile: Tile,
     u: Vec<PackedB<f32>>,
     bias: Option<Vec<f32>>,
 }
 
 impl Winograd {
     /// From PyTorch's (cout, cin, 3, 3) weight, as storage type `T` rounds it.
-    pub fn new<T: Elem>(conv: &Conv2d, weight: &[f32], bias: Option<&[f32]>) -> Self {
-        let (cin, cout) = (conv.in_channels, conv.out_channels);
-        // t[ξ][co·cin + ci] = (G·g·Gᵀ)[ξ] with G = [[1,0,0],[½,½,½],[½,−½,½],[0,0,1]].
-        let mut t = vec![vec![0f32; cout * cin]; 16];
-        for co in 0..cout {
-            for ci in 0..cin {
-                let g: Vec<f32> = weight[(co * cin + ci) * 9..][..9]
-                    .iter()
-                    .map(|&v| T::from_f32(v).to_f32())
+    pub fn new<T: Elem>(tile: Tile, conv: &Conv2d, weight: &[f32], bias: Option<&[f32]>) -> Self {
+        let (cin, a) = (conv.in_channels, tile.alpha());
+        let g = tile.g();
+        let u = (0..a * a)
+            .map(|xi| {
+                // U_ξ[ci][co] = Σ_ij G[ξ/α][i] · g[co][ci][i][j] · G[ξ%α][j].
+                let coef: Vec<f32> = (0..9)
+                    .map(|ij| (g[xi / a][ij / 3] * g[xi % a][ij % 3]) as f32)
                     .collect();
-                let mut gg = [[0f32; 3]; 4];
-                for j in 0..3 {
-                    let (a, b, c) = (g[j], g[3 + j], g[6 + j]);
-                    gg[0][j] = a;
-                    gg[1][j] = 0.5 * (a + b + c);
-                    gg[2][j] = 0.5 * (a - b + c);
-                    gg[3][j] = c;
-                }
-                for (i, row) in gg.iter().enumerate() {
-                    let [a, b, c] = *row;
-                    let u = [a, 0.5 * (a + b + c), 0.5 * (a - b + c), c];
-                    for (j, v) in u.into_iter().enumerate() {
-                        t[i * 4 + j][co * cin + ci] = v;
-                    }
-                }
-            }
-        }
-        let u = t
-            .iter()
-            .map(|m| {
                 PackedB::from_columns(
                     cin,
-                    cout,
-                    |co, col: &mut [f32]| col.copy_from_slice(&m[co * cin..(co + 1) * cin]),
+                    conv.out_channels,
+                    |co, col: &mut [f32]| {
+                        for (ci, v) in col.iter_mut().enumerate() {
+                            let w = &weight[(co * cin + ci) * 9..][..9];
+                            *v = w
+                                .iter()
+                                .zip(&coef)
+                                .map(|(&w, &c)| T::from_f32(w).to_f32() * c)
+                                .sum();
+                        }
+                    },
                     None,
                 )
             })
             .collect();
         Winograd {
+            tile,
             u,
             bias: bias.map(<[f32]>::to_vec),
         }
+    }
+
+    pub fn tile(&self) -> Tile {
+        self.tile
     }
 
     pub fn bytes(&self) -> u64 {
@@ -100,15 +174,15 @@ impl Winograd {
 /// Per worker, reused across chunks, layers and passes.
 #[derive(Default)]
 struct Scratch {
-    /// Transformed inputs, 16 × tiles × cin.
+    /// Transformed inputs, tile-major: tiles × α² × cin.
     v: Vec<f32>,
-    /// GEMM results, 16 × tiles × cout.
+    /// GEMM results, tiles × α² × cout.
     m: Vec<f32>,
-    /// One tile's 16 input pixels and its half-transformed copy, 16 × cin each.
+    /// One tile's α² input pixels and its half-transformed copy, α² × cin each.
     d: Vec<f32>,
     tmp: Vec<f32>,
-    /// One output pixel's channels, and the epilogue's widened residual.
-    row: Vec<f32>,
+    /// One tile's outputs (m² × cout) and the epilogue's widened residual.
+    y: Vec<f32>,
     residual: Vec<f32>,
 }
 
@@ -118,11 +192,11 @@ thread_local! {
 
 /// Tiles per work item: the chunk's transformed inputs and results stay about 1 MiB.
 /// Fewer when that leaves too few work items for the workers.
-fn chunk_tiles(cin: usize, cout: usize, tiles: usize, threads: usize) -> usize {
+fn chunk_tiles(positions: usize, cin: usize, cout: usize, tiles: usize, threads: usize) -> usize {
     let fair = tiles
         .div_ceil(2 * threads.max(1))
         .next_multiple_of(sgemm::MR);
-    (16_384 / (cin + cout).max(1))
+    ((1 << 18) / positions / (cin + cout).max(1))
         .clamp(sgemm::MR * 2, sgemm::MR * 16)
         .next_multiple_of(sgemm::MR)
         .min(fair)
@@ -134,6 +208,21 @@ struct OutPtr<T>(*mut T);
 unsafe impl<T> Send for OutPtr<T> {}
 unsafe impl<T> Sync for OutPtr<T> {}
 
+/// What every chunk of one convolution shares.
+struct Job<'a, T> {
+    w: &'a Winograd,
+    views: Vec<sgemm::Panels<'a>>,
+    x: &'a [T],
+    xs: Nhwc,
+    ys: Nhwc,
+    /// Tiles per output row and column.
+    th: usize,
+    tw: usize,
+    pad: (isize, isize),
+    out: OutPtr<T>,
+    epilogue: &'a Epilogue<'a, T>,
+}
+
 /// The convolution `x` (xs) → `y` (ys), NHWC, with the epilogue applied to each output row.
 pub fn conv2d<T: Elem>(
     w: &Winograd,
@@ -144,103 +233,146 @@ pub fn conv2d<T: Elem>(
     ys: Nhwc,
     epilogue: &Epilogue<'_, T>,
 ) {
-    let (cin, cout) = (xs.c, ys.c);
-    let (th, tw) = (ys.h.div_ceil(2), ys.w.div_ceil(2));
+    let m = w.tile.m();
+    let (th, tw) = (ys.h.div_ceil(m), ys.w.div_ceil(m));
     let tiles = ys.n * th * tw;
-    let per = chunk_tiles(cin, cout, tiles, rayon::current_num_threads());
-    let views: Vec<_> = w.u.iter().map(|u| u.view(&mut [])).collect();
-    let panels = views[0].panels();
+    let positions = w.tile.alpha().pow(2);
+    let per = chunk_tiles(positions, xs.c, ys.c, tiles, rayon::current_num_threads());
     assert!(y.len() >= ys.elems(), "conv2d output buffer too small");
-    let out = OutPtr(y.as_mut_ptr());
-    let (ph, pw) = (conv.padding.0 as isize, conv.padding.1 as isize);
-    let out = &out;
+    let job = Job {
+        w,
+        views: w.u.iter().map(|u| u.view(&mut [])).collect(),
+        x,
+        xs,
+        ys,
+        th,
+        tw,
+        pad: (conv.padding.0 as isize, conv.padding.1 as isize),
+        out: OutPtr(y.as_mut_ptr()),
+        epilogue,
+    };
+    let simd = simd::simd();
     (0..tiles.div_ceil(per).max(1))
         .into_par_iter()
         .for_each(|chunk| {
             let t0 = chunk * per;
-            let nt = per.min(tiles - t0);
+            let tiles = t0..t0 + per.min(tiles - t0);
             SCRATCH.with(|s| {
-                let Scratch {
-                    v,
-                    m,
-                    d,
-                    tmp,
-                    row,
-                    residual,
-                } = &mut *s.borrow_mut();
-                v.resize(16 * nt * cin, 0.0);
-                m.resize(16 * nt * cout, 0.0);
-                d.resize(16 * cin, 0.0);
-                tmp.resize(16 * cin, 0.0);
-                row.resize(cout, 0.0);
-                // Input transform, vectorised over channels.
-                for t in 0..nt {
-                    let (b, ty, tx) = tile_position(t0 + t, th, tw);
-                    for i in 0..4 {
-                        let iy = (2 * ty + i) as isize - ph;
-                        for j in 0..4 {
-                            let ix = (2 * tx + j) as isize - pw;
-                            let dst = &mut d[(i * 4 + j) * cin..][..cin];
-                            if iy < 0 || ix < 0 || iy >= xs.h as isize || ix >= xs.w as isize {
-                                dst.fill(0.0);
-                            } else {
-                                let at = ((b * xs.h + iy as usize) * xs.w + ix as usize) * cin;
-                                T::widen(&x[at..at + cin], dst);
-                            }
-                        }
-                    }
-                    input_transform(d, cin, tmp, |xi| {
-                        let at = (xi * nt + t) * cin;
-                        // SAFETY: a distinct row of `v` per (ξ, t); `v` outlives the closure.
-                        unsafe {
-                            std::slice::from_raw_parts_mut(v.as_ptr().add(at) as *mut f32, cin)
-                        }
-                    });
-                }
-                // The 16 GEMMs.
-                for (xi, view) in views.iter().enumerate() {
-                    // SAFETY: V_ξ holds nt rows of cin floats; M_ξ has nt rows of cout floats.
-                    unsafe {
-                        sgemm::gemm(
-                            nt,
-                            v.as_ptr().add(xi * nt * cin),
-                            cin,
-                            view,
-                            (0, panels),
-                            m.as_mut_ptr().add(xi * nt * cout),
-                            cout,
-                        );
-                    }
-                }
-                // Output transform, bias and epilogue, row by row of the 2×2 block.
-                for t in 0..nt {
-                    let (b, ty, tx) = tile_position(t0 + t, th, tw);
-                    let at = |xi: usize| &m[(xi * nt + t) * cout..][..cout];
-                    for r in 0..2 {
-                        let oy = 2 * ty + r;
-                        if oy >= ys.h {
-                            continue;
-                        }
-                        for c in 0..2 {
-                            let ox = 2 * tx + c;
-                            if ox >= ys.w {
-                                continue;
-                            }
-                            output_transform(&at, r, c, row);
-                            if let Some(bias) = &w.bias {
-                                row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
-                            }
-                            let flat = ((b * ys.h + oy) * ys.w + ox) * cout;
-                            epilogue.apply(row, flat, residual);
-                            // SAFETY: this pixel's cout outputs belong to this tile only.
-                            let dst =
-                                unsafe { std::slice::from_raw_parts_mut(out.0.add(flat), cout) };
-                            T::narrow(row, dst);
-                        }
-                    }
+                let s = &mut *s.borrow_mut();
+                match (simd, job.w.tile) {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: `simd()` chose AVX2 + FMA only where the CPU has them.
+                    (Simd::Avx2Fma, tile) => unsafe { run_chunk_avx2(&job, tile, tiles, s) },
+                    (_, Tile::F2) => run_chunk::<T, Bt4, At4, 4, 2>(&job, tiles, s),
+                    (_, Tile::F4) => run_chunk::<T, Bt6, At6, 6, 4>(&job, tiles, s),
                 }
             });
         });
+}
+
+/// [`run_chunk`] compiled for AVX2 + FMA: the transforms are loops over channels that the
+/// compiler vectorises 8 floats wide here instead of the baseline's 4.
+///
+/// # Safety
+/// The CPU supports AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn run_chunk_avx2<T: Elem>(
+    job: &Job<'_, T>,
+    tile: Tile,
+    tiles: std::ops::Range<usize>,
+    s: &mut Scratch,
+) {
+    match tile {
+        Tile::F2 => run_chunk::<T, Bt4, At4, 4, 2>(job, tiles, s),
+        Tile::F4 => run_chunk::<T, Bt6, At6, 6, 4>(job, tiles, s),
+    }
+}
+
+/// One work item: tiles `tiles` through the input transform `B` (α = `A`), the α² GEMMs and
+/// the output transform `O` (m = `M`).
+#[inline(always)]
+fn run_chunk<T: Elem, B: Transform<A, A>, O: Transform<A, M>, const A: usize, const M: usize>(
+    job: &Job<'_, T>,
+    tiles: std::ops::Range<usize>,
+    s: &mut Scratch,
+) {
+    let (xs, ys) = (job.xs, job.ys);
+    let (cin, cout) = (xs.c, ys.c);
+    let positions = A * A;
+    let nt = tiles.len();
+    let Scratch {
+        v,
+        m: mm,
+        d,
+        tmp,
+        y: yt,
+        residual,
+    } = s;
+    v.resize(nt * positions * cin, 0.0);
+    mm.resize(nt * positions * cout, 0.0);
+    d.resize(positions * cin, 0.0);
+    tmp.resize(positions * cin.max(cout), 0.0);
+    yt.resize(M * M * cout, 0.0);
+    // Input transform, vectorised over channels.
+    for (t, vt) in tiles.clone().zip(v.chunks_exact_mut(positions * cin)) {
+        let (b, ty, tx) = tile_position(t, job.th, job.tw);
+        for i in 0..A {
+            let iy = (M * ty + i) as isize - job.pad.0;
+            for j in 0..A {
+                let ix = (M * tx + j) as isize - job.pad.1;
+                let dst = &mut d[(i * A + j) * cin..][..cin];
+                if iy < 0 || ix < 0 || iy >= xs.h as isize || ix >= xs.w as isize {
+                    dst.fill(0.0);
+                } else {
+                    let at = ((b * xs.h + iy as usize) * xs.w + ix as usize) * cin;
+                    T::widen(&job.x[at..at + cin], dst);
+                }
+            }
+        }
+        transform_2d::<B, A, A>(d, cin, tmp, vt);
+    }
+    // The α² GEMMs: V_ξ's rows are every tile's row ξ (stride α²·cin).
+    for (xi, view) in job.views.iter().enumerate() {
+        // SAFETY: V_ξ holds nt rows of cin floats spaced positions·cin apart, M_ξ nt rows of
+        // cout floats spaced positions·cout apart, inside `v` and `mm`.
+        unsafe {
+            sgemm::gemm(
+                nt,
+                v.as_ptr().add(xi * cin),
+                positions * cin,
+                view,
+                (0, view.panels()),
+                mm.as_mut_ptr().add(xi * cout),
+                positions * cout,
+            );
+        }
+    }
+    // Output transform, bias and epilogue, pixel by pixel of the m×m block.
+    for (t, mt) in tiles.zip(mm.chunks_exact(positions * cout)) {
+        let (b, ty, tx) = tile_position(t, job.th, job.tw);
+        transform_2d::<O, A, M>(mt, cout, tmp, yt);
+        for (r, rows) in yt.chunks_exact_mut(M * cout).enumerate() {
+            let oy = M * ty + r;
+            if oy >= ys.h {
+                break;
+            }
+            for (c, row) in rows.chunks_exact_mut(cout).enumerate() {
+                let ox = M * tx + c;
+                if ox >= ys.w {
+                    break;
+                }
+                if let Some(bias) = &job.w.bias {
+                    row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
+                }
+                let flat = ((b * ys.h + oy) * ys.w + ox) * cout;
+                job.epilogue.apply(row, flat, residual);
+                // SAFETY: this pixel's cout outputs belong to this tile only.
+                let dst = unsafe { std::slice::from_raw_parts_mut(job.out.0.add(flat), cout) };
+                T::narrow(row, dst);
+            }
+        }
+    }
 }
 
 /// Tile index → (image, tile row, tile column).
@@ -248,55 +380,147 @@ fn tile_position(t: usize, th: usize, tw: usize) -> (usize, usize, usize) {
     (t / (th * tw), (t / tw) % th, t % tw)
 }
 
-/// V = Bᵀ·d·B for one tile, all channels: `d` holds the 16 input pixels (row-major 4×4, each
-/// `c` channels), `v(ξ)` the destination row of position ξ.
-/// Bᵀ = [[1,0,−1,0],[0,1,1,0],[0,−1,1,0],[0,1,0,−1]].
-fn input_transform<'a>(d: &[f32], c: usize, tmp: &mut [f32], v: impl Fn(usize) -> &'a mut [f32]) {
-    let px = |i: usize, j: usize| &d[(i * 4 + j) * c..][..c];
-    // tmp = Bᵀ·d (rows combine).
-    for j in 0..4 {
-        let (d0, d1, d2, d3) = (px(0, j), px(1, j), px(2, j), px(3, j));
-        for k in 0..c {
-            tmp[j * c + k] = d0[k] - d2[k];
-            tmp[(4 + j) * c + k] = d1[k] + d2[k];
-            tmp[(8 + j) * c + k] = d2[k] - d1[k];
-            tmp[(12 + j) * c + k] = d1[k] - d3[k];
-        }
+/// A 1-D transform of `I` channel vectors into `O`, all `c` long.
+trait Transform<const I: usize, const O: usize> {
+    fn apply(d: [&[f32]; I], o: [&mut [f32]; O], c: usize);
+}
+
+/// `out` = L·`src`·Lᵀ for one tile, all `c` channels, with the 1-D transform L (`O` × `I`):
+/// `src` holds I×I channel vectors row-major, `out` O×O, `tmp` at least I·O.
+#[inline(always)]
+fn transform_2d<L: Transform<I, O>, const I: usize, const O: usize>(
+    src: &[f32],
+    c: usize,
+    tmp: &mut [f32],
+    out: &mut [f32],
+) {
+    // Columns: tmp[j][r] = Σ_i L[r][i]·src[i][j], each column's results contiguous.
+    for (j, col) in tmp[..I * O * c].chunks_exact_mut(O * c).enumerate() {
+        let input = std::array::from_fn(|i| &src[(i * I + j) * c..][..c]);
+        let mut rows = col.chunks_exact_mut(c);
+        L::apply(input, std::array::from_fn(|_| rows.next().unwrap()), c);
     }
-    // V = tmp·B (columns combine).
-    for i in 0..4 {
-        let r = &tmp[i * 4 * c..][..4 * c];
-        let (t0, t1, t2, t3) = (&r[..c], &r[c..2 * c], &r[2 * c..3 * c], &r[3 * c..]);
-        let out = [v(i * 4), v(i * 4 + 1), v(i * 4 + 2), v(i * 4 + 3)];
-        let [o0, o1, o2, o3] = out;
+    // Rows: out[r][s] = Σ_j tmp[j][r]·L[s][j].
+    for (r, row) in out[..O * O * c].chunks_exact_mut(O * c).enumerate() {
+        let input = std::array::from_fn(|j| &tmp[(j * O + r) * c..][..c]);
+        let mut cols = row.chunks_exact_mut(c);
+        L::apply(input, std::array::from_fn(|_| cols.next().unwrap()), c);
+    }
+}
+
+/// Bᵀ of F(2×2): [[1,0,−1,0],[0,1,1,0],[0,−1,1,0],[0,1,0,−1]].
+struct Bt4;
+impl Transform<4, 4> for Bt4 {
+    #[inline(always)]
+    fn apply(d: [&[f32]; 4], o: [&mut [f32]; 4], c: usize) {
+        let [d0, d1, d2, d3] = d.map(|s| &s[..c]);
+        let [o0, o1, o2, o3] = o.map(|s| &mut s[..c]);
         for k in 0..c {
-            o0[k] = t0[k] - t2[k];
-            o1[k] = t1[k] + t2[k];
-            o2[k] = t2[k] - t1[k];
-            o3[k] = t1[k] - t3[k];
+            let (a, b, e, f) = (d0[k], d1[k], d2[k], d3[k]);
+            o0[k] = a - e;
+            o1[k] = b + e;
+            o2[k] = e - b;
+            o3[k] = b - f;
         }
     }
 }
 
-/// Output (r, c) of Y = Aᵀ·M·A for one tile, all channels, with Aᵀ = [[1,1,1,0],[0,1,−1,−1]].
-fn output_transform<'a>(m: &impl Fn(usize) -> &'a [f32], r: usize, c: usize, out: &mut [f32]) {
-    // Row r of Aᵀ·M: a combination of M's rows; then column c of that times A.
-    let rows: [(usize, f32); 3] = if r == 0 {
-        [(0, 1.0), (1, 1.0), (2, 1.0)]
-    } else {
-        [(1, 1.0), (2, -1.0), (3, -1.0)]
-    };
-    let cols: [(usize, f32); 3] = if c == 0 {
-        [(0, 1.0), (1, 1.0), (2, 1.0)]
-    } else {
-        [(1, 1.0), (2, -1.0), (3, -1.0)]
-    };
-    out.fill(0.0);
-    for (i, a) in rows {
-        for (j, b) in cols {
-            let s = a * b;
-            let src = m(i * 4 + j);
-            out.iter_mut().zip(src).for_each(|(o, v)| *o += s * v);
+/// Bᵀ of F(4×4): [[4,0,−5,0,1,0],[0,−4,−4,1,1,0],[0,4,−4,−1,1,0],[0,−2,−1,2,1,0],
+/// [0,2,−1,−2,1,0],[0,4,0,−5,0,1]].
+struct Bt6;
+impl Transform<6, 6> for Bt6 {
+    #[inline(always)]
+    fn apply(d: [&[f32]; 6], o: [&mut [f32]; 6], c: usize) {
+        let [d0, d1, d2, d3, d4, d5] = d.map(|s| &s[..c]);
+        let [o0, o1, o2, o3, o4, o5] = o.map(|s| &mut s[..c]);
+        for k in 0..c {
+            let (x0, x1, x2, x3, x4, x5) = (d0[k], d1[k], d2[k], d3[k], d4[k], d5[k]);
+            o0[k] = 4.0 * x0 - 5.0 * x2 + x4;
+            o1[k] = (x3 + x4) - 4.0 * (x1 + x2);
+            o2[k] = (x4 - x3) + 4.0 * (x1 - x2);
+            o3[k] = (x4 - x2) - 2.0 * (x1 - x3);
+            o4[k] = (x4 - x2) + 2.0 * (x1 - x3);
+            o5[k] = 4.0 * x1 - 5.0 * x3 + x5;
+        }
+    }
+}
+
+/// Aᵀ of F(2×2): [[1,1,1,0],[0,1,−1,−1]].
+struct At4;
+impl Transform<4, 2> for At4 {
+    #[inline(always)]
+    fn apply(m: [&[f32]; 4], o: [&mut [f32]; 2], c: usize) {
+        let [m0, m1, m2, m3] = m.map(|s| &s[..c]);
+        let [o0, o1] = o.map(|s| &mut s[..c]);
+        for k in 0..c {
+            o0[k] = m0[k] + m1[k] + m2[k];
+            o1[k] = m1[k] - m2[k] - m3[k];
+        }
+    }
+}
+
+/// Aᵀ of F(4×4): [[1,1,1,1,1,0],[0,1,−1,2,−2,0],[0,1,1,4,4,0],[0,1,−1,8,−8,1]].
+struct At6;
+impl Transform<6, 4> for At6 {
+    #[inline(always)]
+    fn apply(m: [&[f32]; 6], o: [&mut [f32]; 4], c: usize) {
+        let [m0, m1, m2, m3, m4, m5] = m.map(|s| &s[..c]);
+        let [o0, o1, o2, o3] = o.map(|s| &mut s[..c]);
+        for k in 0..c {
+            let (p12, n12) = (m1[k] + m2[k], m1[k] - m2[k]);
+            let (p34, n34) = (m3[k] + m4[k], m3[k] - m4[k]);
+            o0[k] = m0[k] + p12 + p34;
+            o1[k] = n12 + 2.0 * n34;
+            o2[k] = p12 + 4.0 * p34;
+            o3[k] = n12 + 8.0 * n34 + m5[k];
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// L applied to `input` (one channel).
+    fn apply<L: Transform<I, O>, const I: usize, const O: usize>(input: &[f32]) -> Vec<f32> {
+        let mut out = [[0f32]; O];
+        let mut rows = out.iter_mut().map(|r| r.as_mut_slice());
+        L::apply(
+            std::array::from_fn(|i| std::slice::from_ref(&input[i])),
+            std::array::from_fn(|_| rows.next().unwrap()),
+            1,
+        );
+        out.iter().map(|r| r[0]).collect()
+    }
+
+    /// The 1-D identity behind both tiles: Aᵀ·((G·g) ⊙ (Bᵀ·d)) is the valid correlation of d
+    /// with the 3 taps g, for the transforms as the kernels apply them.
+    #[test]
+    fn one_dimensional_transforms_correlate() {
+        let d = [0.3f32, -1.2, 2.0, 0.7, -0.4, 1.1];
+        let g = [0.5f64, -0.25, 1.5];
+        for tile in [Tile::F2, Tile::F4] {
+            let v = match tile {
+                Tile::F2 => apply::<Bt4, 4, 4>(&d),
+                Tile::F4 => apply::<Bt6, 6, 6>(&d),
+            };
+            let prod: Vec<f32> = v
+                .iter()
+                .zip(tile.g())
+                .map(|(&v, row)| v * (0..3).map(|i| row[i] * g[i]).sum::<f64>() as f32)
+                .collect();
+            let out = match tile {
+                Tile::F2 => apply::<At4, 4, 2>(&prod),
+                Tile::F4 => apply::<At6, 6, 4>(&prod),
+            };
+            assert_eq!(out.len(), tile.m());
+            for (r, o) in out.iter().enumerate() {
+                let want: f64 = (0..3).map(|i| d[r + i] as f64 * g[i]).sum();
+                assert!(
+                    (*o as f64 - want).abs() < 1e-5,
+                    "{tile:?} output {r}: {o} vs {want}"
+                );
+            }
         }
     }
 }

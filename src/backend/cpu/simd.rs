@@ -1,0 +1,34 @@
+//! Which SIMD code paths the CPU kernels take: chosen once per process from what the CPU
+//! supports, or forced to the portable paths with `WORKSHOP_CPU_SIMD=portable` (to test and
+//! time the fallbacks that CPUs without AVX2 + FMA run, on a machine that has them).
+
+use std::sync::OnceLock;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Simd {
+    /// AVX2 and FMA (x86-64 since Haswell and Zen).
+    Avx2Fma,
+    /// Plain Rust that the compiler vectorises for the target's baseline (SSE2 on x86-64).
+    Portable,
+}
+
+/// The environment variable that forces the portable paths.
+pub const ENV: &str = "WORKSHOP_CPU_SIMD";
+
+/// The paths in use.
+pub fn simd() -> Simd {
+    static SIMD: OnceLock<Simd> = OnceLock::new();
+    *SIMD.get_or_init(|| match std::env::var(ENV).as_deref() {
+        Ok("portable") => Simd::Portable,
+        _ => best(),
+    })
+}
+
+/// The best paths this CPU can run.
+pub fn best() -> Simd {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        return Simd::Avx2Fma;
+    }
+    Simd::Portable
+}
