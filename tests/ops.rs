@@ -160,6 +160,13 @@ fn conv2d_variants(kind: BackendKind) {
             conv(3, 5, (1, 3), 1, (0, 1), 1, 1, true),
             [1, 3, 4, 6],
         ),
+        // Taps clipped on both sides of one output: the CPU's contiguous im2col runs.
+        (
+            "kernel_wider_than_input",
+            2,
+            conv(2, 3, (3, 5), 1, (1, 2), 1, 1, true),
+            [1, 2, 4, 3],
+        ),
         (
             "kernel_covers_input",
             2,

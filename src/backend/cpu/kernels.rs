@@ -419,6 +419,9 @@ fn im2col<T: Elem>(
     let cin_g = c.in_channels / c.groups;
     let k_g = kh * kw * cin_g;
     let k = k_g * c.groups;
+    if c.groups == 1 && c.dilation.1 == 1 {
+        return im2col_runs(c, x, xs, ys, m0, mr, cols);
+    }
     for r in 0..mr {
         let m = m0 + r;
         let ox = m % ys.w;
@@ -444,6 +447,48 @@ fn im2col<T: Elem>(
                     }
                 }
             }
+        }
+    }
+}
+
+/// [`im2col`] for ungrouped convolutions without horizontal dilation: the taps (kx, ci) of one
+/// kernel row are one contiguous run of the NHWC input, copied at once (a stem's 7×3 floats
+/// instead of seven 3-float copies).
+fn im2col_runs<T: Elem>(
+    c: &Conv2d,
+    x: &[T],
+    xs: Nhwc,
+    ys: Nhwc,
+    m0: usize,
+    mr: usize,
+    cols: &mut [f32],
+) {
+    let (kh, kw) = c.kernel;
+    let run = kw * xs.c;
+    let (sy, sx) = c.stride;
+    let (py, px) = (c.padding.0 as isize, c.padding.1 as isize);
+    for (r, row) in cols[..mr * kh * run].chunks_exact_mut(kh * run).enumerate() {
+        let m = m0 + r;
+        let ox = m % ys.w;
+        let oy = (m / ys.w) % ys.h;
+        let n = m / (ys.w * ys.h);
+        // Taps kx in [kx0, kx1) fall inside the image.
+        let x_left = (ox * sx) as isize - px;
+        let kx0 = (-x_left).clamp(0, kw as isize) as usize;
+        let kx1 = (xs.w as isize - x_left).clamp(kx0 as isize, kw as isize) as usize;
+        for (ky, dst) in row.chunks_exact_mut(run).enumerate() {
+            let iy = (oy * sy + ky * c.dilation.0) as isize - py;
+            if iy < 0 || iy as usize >= xs.h || kx0 == kx1 {
+                dst.fill(0.0);
+                continue;
+            }
+            let ix0 = (x_left + kx0 as isize) as usize;
+            let base = ((n * xs.h + iy as usize) * xs.w + ix0) * xs.c;
+            let (head, rest) = dst.split_at_mut(kx0 * xs.c);
+            let (mid, tail) = rest.split_at_mut((kx1 - kx0) * xs.c);
+            head.fill(0.0);
+            T::widen(&x[base..base + mid.len()], mid);
+            tail.fill(0.0);
         }
     }
 }
