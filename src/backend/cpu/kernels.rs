@@ -544,26 +544,35 @@ fn depthwise<T: Elem>(
 
 /// Apply `f` to `buf` in f32, one block at a time: in place for f32 storage, through a small
 /// widened copy for half types (so conversions run over whole slices, with F16C where present,
-/// instead of one scalar conversion per element). `block` must be a multiple of any period
-/// `f` relies on (the channel count for per-channel maps).
-fn map_f32<T: Elem>(buf: &mut [T], block: usize, f: impl Fn(&mut [f32]) + Sync) {
-    buf.par_chunks_mut(block)
+/// instead of one scalar conversion per element). `period` is the period `f` relies on (the
+/// channel count for per-channel maps, else 1): blocks are multiples of it.
+fn map_f32<T: Elem>(buf: &mut [T], period: usize, f: impl Fn(&mut [f32]) + Sync) {
+    let period = period.max(1);
+    buf.par_chunks_mut((ELEMENTWISE_CHUNK / period).max(1) * period)
         .for_each(|part| match T::as_f32_mut(part) {
             Some(p) => f(p),
-            // Half storage: widened into the worker's scratch (no allocation per block).
+            // Half storage: widened a few KiB at a time into the worker's scratch, so the copy
+            // stays in L1 between the conversions and `f`.
             None => SCRATCH.with(|s| {
                 let tmp = &mut s.borrow_mut().1;
-                tmp.resize(part.len(), 0.0);
-                T::widen(part, &mut tmp[..part.len()]);
-                f(&mut tmp[..part.len()]);
-                T::narrow(&tmp[..part.len()], part);
+                let block = (HALF_BLOCK / period).max(1) * period;
+                tmp.resize(block, 0.0);
+                for sub in part.chunks_mut(block) {
+                    let wide = &mut tmp[..sub.len()];
+                    T::widen(sub, wide);
+                    f(wide);
+                    T::narrow(wide, sub);
+                }
             }),
         });
 }
 
+/// Elements per widened block of a half-precision element-wise op (8 KiB of f32).
+const HALF_BLOCK: usize = 2048;
+
 /// y = x·scale + shift per channel (batch norm folded to an affine map at prepare time).
 pub fn affine_inplace<T: Elem>(buf: &mut [T], c: usize, scale: &[f32], shift: &[f32]) {
-    map_f32(buf, (ELEMENTWISE_CHUNK / c).max(1) * c, |part| {
+    map_f32(buf, c, |part| {
         for px in part.chunks_exact_mut(c) {
             for ((v, s), b) in px.iter_mut().zip(scale).zip(shift) {
                 *v = *v * s + b;
@@ -574,7 +583,7 @@ pub fn affine_inplace<T: Elem>(buf: &mut [T], c: usize, scale: &[f32], shift: &[
 
 /// Clamp every element to [lo, hi] (ReLU: [0, ∞), ReLU6: [0, 6]).
 pub fn clamp_inplace<T: Elem>(buf: &mut [T], lo: f32, hi: f32) {
-    map_f32(buf, ELEMENTWISE_CHUNK, |part| {
+    map_f32(buf, 1, |part| {
         part.iter_mut().for_each(|v| *v = v.max(lo).min(hi))
     });
 }
@@ -586,12 +595,14 @@ pub fn add_inplace<T: Elem>(a: &mut [T], b: &[T]) {
         .for_each(|(a, b)| match (T::as_f32_mut(a), T::as_f32(b)) {
             (Some(a), Some(b)) => a.iter_mut().zip(b).for_each(|(x, y)| *x += y),
             _ => {
-                let mut ta = vec![0f32; a.len()];
-                let mut tb = vec![0f32; b.len()];
-                T::widen(a, &mut ta);
-                T::widen(b, &mut tb);
-                ta.iter_mut().zip(&tb).for_each(|(x, y)| *x += y);
-                T::narrow(&ta, a);
+                let (mut ta, mut tb) = ([0f32; HALF_BLOCK], [0f32; HALF_BLOCK]);
+                for (a, b) in a.chunks_mut(HALF_BLOCK).zip(b.chunks(HALF_BLOCK)) {
+                    let (ta, tb) = (&mut ta[..a.len()], &mut tb[..a.len()]);
+                    T::widen(a, ta);
+                    T::widen(b, tb);
+                    ta.iter_mut().zip(tb.iter()).for_each(|(x, y)| *x += y);
+                    T::narrow(ta, a);
+                }
             }
         });
 }

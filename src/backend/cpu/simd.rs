@@ -32,3 +32,15 @@ pub fn best() -> Simd {
     }
     Simd::Portable
 }
+
+/// Whether the AVX2 paths are in use and the CPU also converts f16 in hardware (F16C).
+pub fn f16c() -> bool {
+    static F16C: OnceLock<bool> = OnceLock::new();
+    *F16C.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        if simd() == Simd::Avx2Fma {
+            return std::arch::is_x86_feature_detected!("f16c");
+        }
+        false
+    })
+}
