@@ -338,12 +338,19 @@ fn peak_cmd(a: PeakArgs) -> Result<()> {
         println!("{}", report::peak(&gemm, bandwidth.as_deref()));
         let host = backend::cpu::host_device();
         match bench::peak::theoretical(a.backend, &host, a.threads) {
-            Some(t) => println!(
-                "Theoretical FP32 peak {:.1} GFLOP/s = {}: the measured GEMM reaches {:.0}% of it",
-                t.gflops,
-                t.how,
-                100.0 * gemm.gflops / t.gflops
-            ),
+            Some(t) => {
+                let share = 100.0 * gemm.gflops / t.gflops;
+                println!(
+                    "Theoretical FP32 peak {:.1} GFLOP/s = {}: the measured GEMM reaches {share:.0}% of it{}",
+                    t.gflops,
+                    t.how,
+                    if share > 100.0 {
+                        " (so the cores ran faster than the reported clock)"
+                    } else {
+                        ""
+                    }
+                )
+            }
             None => {
                 println!("Theoretical peak: this device does not report the facts to compute it")
             }

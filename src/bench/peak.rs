@@ -221,8 +221,8 @@ pub struct Theoretical {
 }
 
 /// The FP32 peak of `cores` CPU cores from their clock and vector width: cores × GHz × FLOPs
-/// per cycle, assuming two FMA units per core (most x86 server and desktop cores since
-/// Haswell and Zen 2). `None` when the clock is unknown or the device is not the host CPU.
+/// per cycle (see [`cpu_flops_per_cycle`]). `None` when the clock is unknown or the device is
+/// not the host CPU.
 fn theoretical_cpu(features: &[String], cores: usize) -> Option<Theoretical> {
     let mut sys = sysinfo::System::new().ok()?;
     sys.refresh_cpu_list(sysinfo::CpuRefreshKind::nothing().with_frequency());
@@ -231,18 +231,7 @@ fn theoretical_cpu(features: &[String], cores: usize) -> Option<Theoretical> {
         .first()
         .map(|c| c.frequency())
         .filter(|&f| f > 0)?;
-    let has = |f: &str| features.iter().any(|x| x == f);
-    let (per_cycle, isa) = if has("AVX512F") {
-        (64, "AVX-512: 16 lanes × 2 (FMA) × 2 units")
-    } else if has("AVX2") && has("FMA") {
-        (32, "AVX2: 8 lanes × 2 (FMA) × 2 units")
-    } else if has("AVX") {
-        (16, "AVX: 8 lanes × (1 add + 1 mul)")
-    } else if has("NEON") {
-        (16, "NEON: 4 lanes × 2 (FMA) × 2 units")
-    } else {
-        (8, "SSE: 4 lanes × (1 add + 1 mul)")
-    };
+    let (per_cycle, isa) = cpu_flops_per_cycle(features, amd_family_model());
     let ghz = mhz as f64 / 1e3;
     Some(Theoretical {
         gflops: cores as f64 * ghz * per_cycle as f64,
@@ -251,6 +240,68 @@ fn theoretical_cpu(features: &[String], cores: usize) -> Option<Theoretical> {
              is the one the OS reports, turbo and AVX clock offsets move it"
         ),
     })
+}
+
+/// FP32 FLOPs per cycle and core from the vector ISA, assuming two FMA units per core (most
+/// x86 server and desktop cores since Haswell), except on AMD cores whose units are narrower
+/// than the ISA (`amd`: family and model): Zen and Zen+ (family 17h, models below 30h) split
+/// each 256-bit operation into two 128-bit halves, and Zen 4 (family 19h) splits 512-bit ones.
+fn cpu_flops_per_cycle(features: &[String], amd: Option<(u32, u32)>) -> (u32, &'static str) {
+    let has = |f: &str| features.iter().any(|x| x == f);
+    let zen1 = matches!(amd, Some((0x17, model)) if model < 0x30);
+    let zen4 = matches!(amd, Some((0x19, _)));
+    if has("AVX512F") && zen4 {
+        (32, "AVX-512 on 256-bit units: 8 lanes × 2 (FMA) × 2 units")
+    } else if has("AVX512F") {
+        (64, "AVX-512: 16 lanes × 2 (FMA) × 2 units")
+    } else if has("AVX2") && has("FMA") && zen1 {
+        (
+            16,
+            "AVX2 on Zen's 128-bit units: 4 lanes × 2 (FMA) × 2 units",
+        )
+    } else if has("AVX2") && has("FMA") {
+        (32, "AVX2: 8 lanes × 2 (FMA) × 2 units")
+    } else if has("AVX") {
+        (16, "AVX: 8 lanes × (1 add + 1 mul)")
+    } else if has("NEON") {
+        (16, "NEON: 4 lanes × 2 (FMA) × 2 units")
+    } else {
+        (8, "SSE: 4 lanes × (1 add + 1 mul)")
+    }
+}
+
+/// The host CPU's family and model when it is an AMD (or Hygon) x86 CPU, from CPUID.
+fn amd_family_model() -> Option<(u32, u32)> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::__cpuid;
+        // SAFETY: CPUID leaves 0 and 1 exist on every x86-64 CPU.
+        #[allow(unused_unsafe)]
+        let (vendor, sig) = unsafe { (__cpuid(0), __cpuid(1).eax) };
+        let name: Vec<u8> = [vendor.ebx, vendor.edx, vendor.ecx]
+            .iter()
+            .flat_map(|r| r.to_le_bytes())
+            .collect();
+        if name != b"AuthenticAMD" && name != b"HygonGenuine" {
+            return None;
+        }
+        let (base_family, base_model) = ((sig >> 8) & 0xf, (sig >> 4) & 0xf);
+        let family = base_family
+            + if base_family == 0xf {
+                (sig >> 20) & 0xff
+            } else {
+                0
+            };
+        let model = base_model
+            | if base_family == 0xf {
+                ((sig >> 16) & 0xf) << 4
+            } else {
+                0
+            };
+        Some((family, model))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    None
 }
 
 /// An NVIDIA GPU's FP32 peak on its ordinary cores: SMs × clock × FP32 lanes per SM × 2
@@ -421,6 +472,35 @@ pub fn now_unix() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// FLOPs per cycle follow the ISA, halved where AMD cores split wide operations.
+    #[test]
+    fn cpu_flops_per_cycle_follow_the_isa_and_the_core() {
+        let f = |list: &[&str]| list.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let avx2 = f(&["AVX", "AVX2", "FMA"]);
+        let avx512 = f(&["AVX", "AVX2", "FMA", "AVX512F"]);
+        assert_eq!(cpu_flops_per_cycle(&avx2, None).0, 32);
+        assert_eq!(cpu_flops_per_cycle(&avx2, Some((0x17, 0x01))).0, 16, "Zen");
+        assert_eq!(cpu_flops_per_cycle(&avx2, Some((0x17, 0x08))).0, 16, "Zen+");
+        assert_eq!(
+            cpu_flops_per_cycle(&avx2, Some((0x17, 0x31))).0,
+            32,
+            "Zen 2"
+        );
+        assert_eq!(
+            cpu_flops_per_cycle(&avx2, Some((0x19, 0x01))).0,
+            32,
+            "Zen 3"
+        );
+        assert_eq!(
+            cpu_flops_per_cycle(&avx512, Some((0x19, 0x11))).0,
+            32,
+            "Zen 4"
+        );
+        assert_eq!(cpu_flops_per_cycle(&avx512, None).0, 64);
+        assert_eq!(cpu_flops_per_cycle(&f(&["AVX"]), None).0, 16);
+        assert_eq!(cpu_flops_per_cycle(&[], None).0, 8);
+    }
 
     #[test]
     fn cuda_theoretical_peaks_follow_the_compute_capability() {
