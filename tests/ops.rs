@@ -612,7 +612,7 @@ backend_test!(replayed_pass_matches_the_enqueued_one, cpu, wgpu, cuda, hip);
 
 /// The CPU backend's Winograd paths F(2×2, 3×3) and F(4×4, 3×3), forced on layers of every
 /// awkward shape (odd sizes leave partial tiles; padding 0, 1 and 2; bias; a fused residual and
-/// ReLU), against the reference. They run by default only on layers with ≥ 32 channels.
+/// ReLU; both schedules), against the reference. They run by default only on layers with ≥ 32 channels.
 #[test]
 fn winograd_matches_the_reference() {
     use workshop::backend::cpu::winograd::VARIANTS;
@@ -622,6 +622,9 @@ fn winograd_matches_the_reference() {
         ("pad2", 3, 4, 2, [1, 3, 4, 4]),
         ("one_pixel", 4, 6, 1, [1, 4, 1, 1]),
         ("wide", 40, 24, 1, [3, 40, 11, 13]),
+        // More weights than tiles: the stage-by-stage schedule (F(4×4) here, F(2×2) below).
+        ("few_tiles", 64, 64, 1, [2, 64, 12, 12]),
+        ("few_tiles_small", 64, 64, 1, [1, 64, 8, 8]),
     ];
     for ((name, cin, cout, pad, shape), variant) in
         cases.into_iter().flat_map(|c| VARIANTS.map(|v| (c, v)))

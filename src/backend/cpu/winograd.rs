@@ -11,6 +11,7 @@
 //! Lavin & Gray, "Fast Algorithms for Convolutional Neural Networks" (2015).
 
 use std::cell::RefCell;
+use std::ops::Range;
 
 use rayon::prelude::*;
 
@@ -103,19 +104,17 @@ pub fn eligible(c: &Conv2d) -> bool {
 /// The tile a layer with output `out` (NCHW) runs with when max-autotune has not chosen, if
 /// any: only with enough channels for the transforms to pay off, and enough tiles to reuse the
 /// transformed weights (α²/9 the size of the plain ones). On a 2-core AVX2 machine (Zen),
-/// ResNet-50's stride-1 3×3 layers at batch 8 ran 1.1–1.8× faster with F(4×4) than with
-/// F(2×2) and 1.9–4× faster than im2col; at batch 1 F(4×4) still won with 49 tiles (28×28),
-/// tied with 16 (14×14), and with 4 (7×7) im2col and F(2×2) were as fast: with few rows the
-/// larger weights are streamed for little work.
+/// ResNet-50's stride-1 3×3 layers ran 1.2–1.6× faster with F(4×4) than with F(2×2) and 1.6–2.7×
+/// faster than im2col at batch 8; at batch 1 F(4×4) still won with 16 tiles (14×14), but with
+/// 4 (7×7) F(2×2) was fastest (16 tiles; 1.4× im2col) and F(4×4) the slowest, its 36 MB of
+/// transformed weights streamed for little work.
 pub fn by_default(c: &Conv2d, out: &[usize]) -> Option<Tile> {
     if !eligible(c) || c.in_channels < 32 || c.out_channels < 32 {
         return None;
     }
-    if Tile::F4.tiles(out) >= 16 {
-        Some(Tile::F4)
-    } else {
-        (Tile::F2.tiles(out) >= 40).then_some(Tile::F2)
-    }
+    [Tile::F4, Tile::F2]
+        .into_iter()
+        .find(|&t| t.tiles(out) >= 16)
 }
 
 /// Transformed weights: for each of the α² positions ξ of a transformed tile, the (cin × cout)
@@ -178,7 +177,13 @@ struct Scratch {
     v: Vec<f32>,
     /// GEMM results, tiles × α² × cout.
     m: Vec<f32>,
-    /// One tile's α² input pixels and its half-transformed copy, α² × cin each.
+    t: TileScratch,
+}
+
+/// What one tile's transforms need.
+#[derive(Default)]
+struct TileScratch {
+    /// One tile's α² input pixels and a half-transformed copy, α² × channels each.
     d: Vec<f32>,
     tmp: Vec<f32>,
     /// One tile's outputs (m² × cout) and the epilogue's widened residual.
@@ -224,6 +229,13 @@ struct Job<'a, T> {
 }
 
 /// The convolution `x` (xs) → `y` (ys), NHWC, with the epilogue applied to each output row.
+///
+/// Two schedules. Where the tiles' transformed data outweighs the transformed weights, work
+/// items are chunks of tiles, each through all three stages while its data stays in cache.
+/// Where the weights outweigh it (deep layers at small batches: ResNet-50's 7×7 layers hold
+/// 36 MB of F(4×4) weights for 4 tiles per image), chunks would each stream all the weights,
+/// so the stages run one after the other over all tiles, and the GEMMs are split by position
+/// ξ: every U_ξ is read once.
 pub fn conv2d<T: Elem>(
     w: &Winograd,
     conv: &Conv2d,
@@ -237,7 +249,8 @@ pub fn conv2d<T: Elem>(
     let (th, tw) = (ys.h.div_ceil(m), ys.w.div_ceil(m));
     let tiles = ys.n * th * tw;
     let positions = w.tile.alpha().pow(2);
-    let per = chunk_tiles(positions, xs.c, ys.c, tiles, rayon::current_num_threads());
+    let threads = rayon::current_num_threads();
+    let per = chunk_tiles(positions, xs.c, ys.c, tiles, threads);
     assert!(y.len() >= ys.elems(), "conv2d output buffer too small");
     let job = Job {
         w,
@@ -251,91 +264,105 @@ pub fn conv2d<T: Elem>(
         out: OutPtr(y.as_mut_ptr()),
         epilogue,
     };
-    let simd = simd::simd();
-    (0..tiles.div_ceil(per).max(1))
-        .into_par_iter()
-        .for_each(|chunk| {
-            let t0 = chunk * per;
-            let tiles = t0..t0 + per.min(tiles - t0);
+    let chunks = tiles.div_ceil(per).max(1);
+    let chunk = |c: usize| c * per..(c * per + per).min(tiles);
+    if chunks == 1 || xs.c * ys.c <= tiles * (xs.c + ys.c) {
+        (0..chunks).into_par_iter().for_each(|c| {
             SCRATCH.with(|s| {
                 let s = &mut *s.borrow_mut();
-                match (simd, job.w.tile) {
-                    #[cfg(target_arch = "x86_64")]
-                    // SAFETY: `simd()` chose AVX2 + FMA only where the CPU has them.
-                    (Simd::Avx2Fma, tile) => unsafe { run_chunk_avx2(&job, tile, tiles, s) },
-                    (_, Tile::F2) => run_chunk::<T, Bt4, At4, 4, 2>(&job, tiles, s),
-                    (_, Tile::F4) => run_chunk::<T, Bt6, At6, 6, 4>(&job, tiles, s),
-                }
-            });
+                let tiles = chunk(c);
+                let (v, mm) = (&mut s.v, &mut s.m);
+                v.resize(tiles.len() * positions * xs.c, 0.0);
+                mm.resize(tiles.len() * positions * ys.c, 0.0);
+                with_simd(|| inputs(&job, tiles.clone(), v, &mut s.t));
+                gemms(&job, tiles.len(), v, mm, 0..positions);
+                with_simd(|| outputs(&job, tiles, mm, &mut s.t));
+            })
         });
-}
-
-/// [`run_chunk`] compiled for AVX2 + FMA: the transforms are loops over channels that the
-/// compiler vectorises 8 floats wide here instead of the baseline's 4.
-///
-/// # Safety
-/// The CPU supports AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn run_chunk_avx2<T: Elem>(
-    job: &Job<'_, T>,
-    tile: Tile,
-    tiles: std::ops::Range<usize>,
-    s: &mut Scratch,
-) {
-    match tile {
-        Tile::F2 => run_chunk::<T, Bt4, At4, 4, 2>(job, tiles, s),
-        Tile::F4 => run_chunk::<T, Bt6, At6, 6, 4>(job, tiles, s),
+        return;
     }
+    // Stage by stage, in buffers this (calling) thread keeps between calls.
+    let (mut v, mut mm) = SCRATCH.with(|s| {
+        let s = &mut *s.borrow_mut();
+        (std::mem::take(&mut s.v), std::mem::take(&mut s.m))
+    });
+    v.resize(tiles * positions * xs.c, 0.0);
+    mm.resize(tiles * positions * ys.c, 0.0);
+    v.par_chunks_mut(per * positions * xs.c)
+        .enumerate()
+        .for_each(|(c, v)| {
+            SCRATCH.with(|s| with_simd(|| inputs(&job, chunk(c), v, &mut s.borrow_mut().t)))
+        });
+    let (vp, mp) = (OutPtr(v.as_mut_ptr()), OutPtr(mm.as_mut_ptr()));
+    let (vp, mp) = (&vp, &mp);
+    (0..positions).into_par_iter().for_each(|xi| {
+        // SAFETY: position ξ's GEMM reads V (complete) and writes only M's rows of ξ: the
+        // columns [ξ·cout, (ξ + 1)·cout) of every tile, disjoint from every other position's.
+        let (v, mm) = unsafe {
+            (
+                std::slice::from_raw_parts(vp.0 as *const f32, tiles * positions * xs.c),
+                std::slice::from_raw_parts_mut(mp.0, tiles * positions * ys.c),
+            )
+        };
+        gemms(&job, tiles, v, mm, xi..xi + 1);
+    });
+    mm.par_chunks(per * positions * ys.c)
+        .enumerate()
+        .for_each(|(c, mm)| {
+            SCRATCH.with(|s| with_simd(|| outputs(&job, chunk(c), mm, &mut s.borrow_mut().t)))
+        });
+    SCRATCH.with(|s| {
+        let s = &mut *s.borrow_mut();
+        (s.v, s.m) = (v, mm);
+    });
 }
 
-/// One work item: tiles `tiles` through the input transform `B` (α = `A`), the α² GEMMs and
-/// the output transform `O` (m = `M`).
+/// Run `f` compiled for AVX2 + FMA where `simd()` chose those paths: the transforms are loops
+/// over channels that the compiler vectorises 8 floats wide there instead of the baseline's 4.
 #[inline(always)]
-fn run_chunk<T: Elem, B: Transform<A, A>, O: Transform<A, M>, const A: usize, const M: usize>(
-    job: &Job<'_, T>,
-    tiles: std::ops::Range<usize>,
-    s: &mut Scratch,
-) {
-    let (xs, ys) = (job.xs, job.ys);
-    let (cin, cout) = (xs.c, ys.c);
-    let positions = A * A;
-    let nt = tiles.len();
-    let Scratch {
-        v,
-        m: mm,
-        d,
-        tmp,
-        y: yt,
-        residual,
-    } = s;
-    v.resize(nt * positions * cin, 0.0);
-    mm.resize(nt * positions * cout, 0.0);
-    d.resize(positions * cin, 0.0);
-    tmp.resize(positions * cin.max(cout), 0.0);
-    yt.resize(M * M * cout, 0.0);
-    // Input transform, vectorised over channels.
-    for (t, vt) in tiles.clone().zip(v.chunks_exact_mut(positions * cin)) {
-        let (b, ty, tx) = tile_position(t, job.th, job.tw);
-        for i in 0..A {
-            let iy = (M * ty + i) as isize - job.pad.0;
-            for j in 0..A {
-                let ix = (M * tx + j) as isize - job.pad.1;
-                let dst = &mut d[(i * A + j) * cin..][..cin];
-                if iy < 0 || ix < 0 || iy >= xs.h as isize || ix >= xs.w as isize {
-                    dst.fill(0.0);
-                } else {
-                    let at = ((b * xs.h + iy as usize) * xs.w + ix as usize) * cin;
-                    T::widen(&job.x[at..at + cin], dst);
-                }
-            }
+fn with_simd<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    if simd::simd() == Simd::Avx2Fma {
+        /// # Safety
+        /// The CPU supports AVX2 and FMA.
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
+            f()
         }
-        transform_2d::<B, A, A>(d, cin, tmp, vt);
+        // SAFETY: `simd()` chose AVX2 + FMA only where the CPU has them.
+        return unsafe { avx2(f) };
     }
-    // The α² GEMMs: V_ξ's rows are every tile's row ξ (stride α²·cin).
-    for (xi, view) in job.views.iter().enumerate() {
+    f()
+}
+
+/// The input transform of `tiles` into `v` (tile-major: tiles × α² × cin).
+#[inline(always)]
+fn inputs<T: Elem>(job: &Job<'_, T>, tiles: Range<usize>, v: &mut [f32], s: &mut TileScratch) {
+    match job.w.tile {
+        Tile::F2 => inputs_with::<T, Bt4, 4, 2>(job, tiles, v, s),
+        Tile::F4 => inputs_with::<T, Bt6, 6, 4>(job, tiles, v, s),
+    }
+}
+
+/// The output transform of `tiles` from `mm` (tiles × α² × cout), with bias and epilogue.
+#[inline(always)]
+fn outputs<T: Elem>(job: &Job<'_, T>, tiles: Range<usize>, mm: &[f32], s: &mut TileScratch) {
+    match job.w.tile {
+        Tile::F2 => outputs_with::<T, At4, 4, 2>(job, tiles, mm, s),
+        Tile::F4 => outputs_with::<T, At6, 6, 4>(job, tiles, mm, s),
+    }
+}
+
+/// The GEMMs of positions `xis` for `nt` tiles: V_ξ's rows are every tile's row ξ (stride
+/// α²·cin), M_ξ's likewise.
+fn gemms<T>(job: &Job<'_, T>, nt: usize, v: &[f32], mm: &mut [f32], xis: Range<usize>) {
+    let (cin, cout) = (job.xs.c, job.ys.c);
+    let positions = job.views.len();
+    assert!(v.len() >= nt * positions * cin && mm.len() >= nt * positions * cout);
+    for xi in xis {
+        let view = &job.views[xi];
         // SAFETY: V_ξ holds nt rows of cin floats spaced positions·cin apart, M_ξ nt rows of
-        // cout floats spaced positions·cout apart, inside `v` and `mm`.
+        // cout floats spaced positions·cout apart, inside `v` and `mm` (asserted above).
         unsafe {
             sgemm::gemm(
                 nt,
@@ -348,11 +375,53 @@ fn run_chunk<T: Elem, B: Transform<A, A>, O: Transform<A, M>, const A: usize, co
             );
         }
     }
-    // Output transform, bias and epilogue, pixel by pixel of the m×m block.
+}
+
+#[inline(always)]
+fn inputs_with<T: Elem, B: Transform<A, A>, const A: usize, const M: usize>(
+    job: &Job<'_, T>,
+    tiles: Range<usize>,
+    v: &mut [f32],
+    s: &mut TileScratch,
+) {
+    let (xs, cin) = (job.xs, job.xs.c);
+    let positions = A * A;
+    s.d.resize(positions * cin, 0.0);
+    s.tmp.resize(positions * cin.max(job.ys.c), 0.0);
+    for (t, vt) in tiles.zip(v.chunks_exact_mut(positions * cin)) {
+        let (b, ty, tx) = tile_position(t, job.th, job.tw);
+        for i in 0..A {
+            let iy = (M * ty + i) as isize - job.pad.0;
+            for j in 0..A {
+                let ix = (M * tx + j) as isize - job.pad.1;
+                let dst = &mut s.d[(i * A + j) * cin..][..cin];
+                if iy < 0 || ix < 0 || iy >= xs.h as isize || ix >= xs.w as isize {
+                    dst.fill(0.0);
+                } else {
+                    let at = ((b * xs.h + iy as usize) * xs.w + ix as usize) * cin;
+                    T::widen(&job.x[at..at + cin], dst);
+                }
+            }
+        }
+        transform_2d::<B, A, A>(&s.d, cin, &mut s.tmp, vt);
+    }
+}
+
+#[inline(always)]
+fn outputs_with<T: Elem, O: Transform<A, M>, const A: usize, const M: usize>(
+    job: &Job<'_, T>,
+    tiles: Range<usize>,
+    mm: &[f32],
+    s: &mut TileScratch,
+) {
+    let (ys, cout) = (job.ys, job.ys.c);
+    let positions = A * A;
+    s.y.resize(M * M * cout, 0.0);
+    s.tmp.resize(positions * cout.max(job.xs.c), 0.0);
     for (t, mt) in tiles.zip(mm.chunks_exact(positions * cout)) {
         let (b, ty, tx) = tile_position(t, job.th, job.tw);
-        transform_2d::<O, A, M>(mt, cout, tmp, yt);
-        for (r, rows) in yt.chunks_exact_mut(M * cout).enumerate() {
+        transform_2d::<O, A, M>(mt, cout, &mut s.tmp, &mut s.y);
+        for (r, rows) in s.y.chunks_exact_mut(M * cout).enumerate() {
             let oy = M * ty + r;
             if oy >= ys.h {
                 break;
@@ -366,7 +435,7 @@ fn run_chunk<T: Elem, B: Transform<A, A>, O: Transform<A, M>, const A: usize, co
                     row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
                 }
                 let flat = ((b * ys.h + oy) * ys.w + ox) * cout;
-                job.epilogue.apply(row, flat, residual);
+                job.epilogue.apply(row, flat, &mut s.residual);
                 // SAFETY: this pixel's cout outputs belong to this tile only.
                 let dst = unsafe { std::slice::from_raw_parts_mut(job.out.0.add(flat), cout) };
                 T::narrow(row, dst);
