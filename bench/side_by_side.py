@@ -2,12 +2,14 @@
 """Our CPU backend next to PyTorch CPU eager, interleaved in one run, medians and ratios.
 
     cargo build --release
-    pip install torch torchvision            # outside the project's dependencies
-    python3 bench/side_by_side.py --network resnet50 --batch-sizes 8 32 --threads 2 --rounds 3
+    pip install torch torchvision            # outside the project's dependencies (or bench/vs-pytorch.sh)
+    python3 bench/side_by_side.py --network resnet50 --batch-sizes 8 32 --precisions fp32 bf16 --rounds 3
 
 Each round runs every configuration once, alternating implementations, so a slow patch of a
 noisy machine hits both sides alike. The report gives each side's median images/s over the
-rounds and the ratio ours / PyTorch's best layout.
+rounds, the ratio ours / PyTorch's best layout, and each side's effective GFLOP/s (the
+network's conv and linear MACs × 2 per second, whatever algorithm ran) as a share of the
+machine's measured FP32 GEMM peak (`workshop peak`, measured once at the start).
 """
 import argparse
 import json
@@ -22,6 +24,7 @@ WORKSHOP = ROOT / "target" / "release" / "workshop"
 
 
 def ours(net, batch, threads, iters, precision):
+    """(images/s, effective GFLOP/s) of one `workshop bench` run."""
     with tempfile.TemporaryDirectory() as d:
         out = pathlib.Path(d) / "r.json"
         subprocess.run(
@@ -29,7 +32,7 @@ def ours(net, batch, threads, iters, precision):
              "--iterations", str(iters), "--warmup", "2", "--precision", precision, "--json", str(out)],
             check=True, stdout=subprocess.DEVNULL)
         r = json.loads(out.read_text())
-    return r["stats"]["throughput_median"], r["loss"]
+    return r["stats"]["throughput_median"], r["stats"]["gflops"] / r["stats"]["throughput"]
 
 
 def pytorch(net, batch, threads, iters, channels_last, dtype):
@@ -41,6 +44,13 @@ def pytorch(net, batch, threads, iters, channels_last, dtype):
     return r["images_per_s"]
 
 
+def measured_peak(threads):
+    """The FP32 GEMM peak `workshop peak` measures on `threads` cores, GFLOP/s."""
+    out = subprocess.run([str(WORKSHOP), "peak", "--threads", str(threads), "--json"],
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out)["gemm"]["gflops"]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--network", default="resnet50")
@@ -48,27 +58,49 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iterations", type=int, default=5)
-    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16"])
+    p.add_argument("--precisions", nargs="+", default=["fp32"], choices=["fp32", "fp16", "bf16"])
+    p.add_argument("--no-peak", action="store_true", help="skip measuring the GEMM peak")
     a = p.parse_args()
     if not WORKSHOP.exists():
         sys.exit(f"{WORKSHOP} not found: run `cargo build --release` first")
+    peak = None if a.no_peak else measured_peak(a.threads)
+    if peak:
+        print(f"measured FP32 GEMM peak: {peak:.1f} GFLOP/s on {a.threads} threads", flush=True)
     results = {}
+    gflop_per_image = {}
     for rnd in range(a.rounds):
+        for prec in a.precisions:
+            for b in a.batch_sizes:
+                def run_ours():
+                    ips, per_image = ours(a.network, b, a.threads, a.iterations, prec)
+                    gflop_per_image[a.network] = per_image
+                    return ips
+                for name, fn in [
+                    ("workshop", run_ours),
+                    ("pytorch NCHW", lambda: pytorch(a.network, b, a.threads, a.iterations, False, prec)),
+                    ("pytorch channels_last", lambda: pytorch(a.network, b, a.threads, a.iterations, True, prec)),
+                ]:
+                    v = fn()
+                    results.setdefault((prec, b, name), []).append(v)
+                    print(f"round {rnd} {prec} batch {b:>3} {name:<22} {v:7.2f} images/s", flush=True)
+    per_image = gflop_per_image[a.network]
+    print(f"\n{a.network}, {a.threads} threads, median of {a.rounds} interleaved rounds "
+          f"({per_image:.2f} GFLOP per image)")
+    head = f"{'precision':>9}  {'batch':>5}  {'workshop':>9}  {'torch NCHW':>10}  {'torch CL':>9}  {'ours / best torch':>17}"
+    if peak:
+        head += f"  {'ours % peak':>11}  {'torch % peak':>12}"
+    print(head)
+    for prec in a.precisions:
         for b in a.batch_sizes:
-            for name, fn in [
-                ("workshop", lambda: ours(a.network, b, a.threads, a.iterations, a.precision)[0]),
-                ("pytorch NCHW", lambda: pytorch(a.network, b, a.threads, a.iterations, False, a.precision)),
-                ("pytorch channels_last", lambda: pytorch(a.network, b, a.threads, a.iterations, True, a.precision)),
-            ]:
-                v = fn()
-                results.setdefault((b, name), []).append(v)
-                print(f"round {rnd} batch {b:>3} {name:<22} {v:7.2f} images/s", flush=True)
-    print(f"\n{a.network} {a.precision}, {a.threads} threads, median of {a.rounds} interleaved rounds")
-    print(f"{'batch':>5}  {'workshop':>9}  {'torch NCHW':>10}  {'torch CL':>9}  {'ours / best torch':>17}")
-    for b in a.batch_sizes:
-        m = {n: statistics.median(results[(b, n)]) for n in ["workshop", "pytorch NCHW", "pytorch channels_last"]}
-        best = max(m["pytorch NCHW"], m["pytorch channels_last"])
-        print(f"{b:>5}  {m['workshop']:>9.2f}  {m['pytorch NCHW']:>10.2f}  {m['pytorch channels_last']:>9.2f}  {m['workshop'] / best:>16.2f}×")
+            m = {n: statistics.median(results[(prec, b, n)])
+                 for n in ["workshop", "pytorch NCHW", "pytorch channels_last"]}
+            best = max(m["pytorch NCHW"], m["pytorch channels_last"])
+            line = (f"{prec:>9}  {b:>5}  {m['workshop']:>9.2f}  {m['pytorch NCHW']:>10.2f}  "
+                    f"{m['pytorch channels_last']:>9.2f}  {m['workshop'] / best:>16.2f}×")
+            if peak:
+                line += (f"  {100 * m['workshop'] * per_image / peak:>10.0f}%"
+                         f"  {100 * best * per_image / peak:>11.0f}%")
+            print(line)
 
 
 if __name__ == "__main__":
