@@ -71,7 +71,7 @@ pub struct PackedConv<T> {
     pub chunk_scale: usize,
     /// Winograd F(2×2, 3×3) weights, when this layer runs that way (3×3, stride 1): `groups`
     /// is then empty.
-    pub winograd: Option<super::winograd::Winograd>,
+    pub winograd: Option<super::winograd::Winograd<T>>,
 }
 
 /// The CPU backend's conv variants: rows per work item at 1×, 2× and 4× the default.
@@ -147,14 +147,15 @@ impl<T: Elem> PackedConv<T> {
         conv: Conv2d,
         weight: &[f32],
         bias: Option<&[f32]>,
+        out: &[usize],
     ) -> Option<Self> {
         super::winograd::eligible(&conv).then(|| PackedConv {
             conv,
             groups: Vec::new(),
             depthwise: None,
             chunk_scale: 1,
-            winograd: Some(super::winograd::Winograd::new::<T>(
-                tile, &conv, weight, bias,
+            winograd: Some(super::winograd::Winograd::new(
+                tile, &conv, weight, bias, out,
             )),
         })
     }

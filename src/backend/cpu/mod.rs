@@ -359,7 +359,10 @@ impl<T: Elem> CpuSession<T> {
                         None => winograd::by_default(&c, &plan.shapes[id]),
                     };
                     let mut packed = tile
-                        .and_then(|t| PackedConv::<T>::winograd(t, c, get("weight").ok()?, bias))
+                        .and_then(|t| {
+                            let w = get("weight").ok()?;
+                            PackedConv::<T>::winograd(t, c, w, bias, &plan.shapes[id])
+                        })
                         .map_or_else(
                             || get("weight").map(|w| PackedConv::<T>::new(c, w, bias)),
                             Ok,

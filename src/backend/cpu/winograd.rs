@@ -7,7 +7,7 @@
 //! epilogue. F(4×4) does 44% of F(2×2)'s multiplications for larger transforms, 4× the weights
 //! (against 16/9) and somewhat larger rounding errors (its points are 0, ±1, ±2, ∞).
 //! Activations may be stored in any precision (widened per pixel, narrowed per output row); the
-//! transformed weights are kept in f32, made from the weights as the storage type rounds them.
+//! transformed weights are stored in that precision too (made from the weights as it rounds them).
 //! Lavin & Gray, "Fast Algorithms for Convolutional Neural Networks" (2015).
 
 use std::cell::RefCell;
@@ -119,42 +119,44 @@ pub fn by_default(c: &Conv2d, out: &[usize]) -> Option<Tile> {
 
 /// Transformed weights: for each of the α² positions ξ of a transformed tile, the (cin × cout)
 /// matrix U_ξ, packed for the GEMM.
-pub struct Winograd {
+pub struct Winograd<T> {
     tile: Tile,
-    u: Vec<PackedB<f32>>,
+    /// Whether the convolution runs stage by stage (see [`conv2d`]), decided from the output
+    /// shape at prepare time.
+    staged: bool,
+    u: Transformed<T>,
     bias: Option<Vec<f32>>,
 }
 
-impl Winograd {
-    /// From PyTorch's (cout, cin, 3, 3) weight, as storage type `T` rounds it.
-    pub fn new<T: Elem>(tile: Tile, conv: &Conv2d, weight: &[f32], bias: Option<&[f32]>) -> Self {
-        let (cin, a) = (conv.in_channels, tile.alpha());
-        let g = tile.g();
-        let u = (0..a * a)
-            .map(|xi| {
-                // U_ξ[ci][co] = Σ_ij G[ξ/α][i] · g[co][ci][i][j] · G[ξ%α][j].
-                let coef: Vec<f32> = (0..9)
-                    .map(|ij| (g[xi / a][ij / 3] * g[xi % a][ij % 3]) as f32)
-                    .collect();
-                PackedB::from_columns(
-                    cin,
-                    conv.out_channels,
-                    |co, col: &mut [f32]| {
-                        for (ci, v) in col.iter_mut().enumerate() {
-                            let w = &weight[(co * cin + ci) * 9..][..9];
-                            *v = w
-                                .iter()
-                                .zip(&coef)
-                                .map(|(&w, &c)| T::from_f32(w).to_f32() * c)
-                                .sum();
-                        }
-                    },
-                    None,
-                )
-            })
-            .collect();
+/// U in f32, or in the session's half type where the layer runs stage by stage: there the
+/// weights dominate (F(4×4)'s are 4× the size of the plain ones, ResNet-50's last stage
+/// alone 75 MB in f32) and each U_ξ is widened once per pass; chunks would widen every U_ξ
+/// once each, so layers that run in chunks keep f32 (they are the ones with small weights).
+enum Transformed<T> {
+    F32(Vec<PackedB<f32>>),
+    Stored(Vec<PackedB<T>>),
+}
+
+impl<T: Elem> Winograd<T> {
+    /// From PyTorch's (cout, cin, 3, 3) weight, as storage type `T` rounds it, for an output
+    /// of shape `out` (NCHW).
+    pub fn new(
+        tile: Tile,
+        conv: &Conv2d,
+        weight: &[f32],
+        bias: Option<&[f32]>,
+        out: &[usize],
+    ) -> Self {
+        let staged = conv.in_channels * conv.out_channels
+            > tile.tiles(out) * (conv.in_channels + conv.out_channels);
+        let u = if staged && !T::IS_F32 {
+            Transformed::Stored(transform_weights::<T, T>(tile, conv, weight))
+        } else {
+            Transformed::F32(transform_weights::<T, f32>(tile, conv, weight))
+        };
         Winograd {
             tile,
+            staged,
             u,
             bias: bias.map(<[f32]>::to_vec),
         }
@@ -164,10 +166,50 @@ impl Winograd {
         self.tile
     }
 
-    pub fn bytes(&self) -> u64 {
-        self.u.iter().map(|u| u.bytes()).sum::<u64>()
-            + self.bias.as_ref().map_or(0, |b| b.len() as u64 * 4)
+    fn positions(&self) -> usize {
+        self.tile.alpha().pow(2)
     }
+
+    pub fn bytes(&self) -> u64 {
+        let u = match &self.u {
+            Transformed::F32(u) => u.iter().map(|u| u.bytes()).sum::<u64>(),
+            Transformed::Stored(u) => u.iter().map(|u| u.bytes()).sum::<u64>(),
+        };
+        u + self.bias.as_ref().map_or(0, |b| b.len() as u64 * 4)
+    }
+}
+
+/// U_ξ[ci][co] = Σ_ij G[ξ/α][i] · g[co][ci][i][j] · G[ξ%α][j] for every position ξ, from
+/// PyTorch's (cout, cin, 3, 3) weight as `T` rounds it, packed in `S`.
+fn transform_weights<T: Elem, S: Elem>(
+    tile: Tile,
+    conv: &Conv2d,
+    weight: &[f32],
+) -> Vec<PackedB<S>> {
+    let (cin, a) = (conv.in_channels, tile.alpha());
+    let g = tile.g();
+    (0..a * a)
+        .map(|xi| {
+            let coef: Vec<f32> = (0..9)
+                .map(|ij| (g[xi / a][ij / 3] * g[xi % a][ij % 3]) as f32)
+                .collect();
+            PackedB::from_columns(
+                cin,
+                conv.out_channels,
+                |co, col: &mut [f32]| {
+                    for (ci, v) in col.iter_mut().enumerate() {
+                        let w = &weight[(co * cin + ci) * 9..][..9];
+                        *v = w
+                            .iter()
+                            .zip(&coef)
+                            .map(|(&w, &c)| T::from_f32(w).to_f32() * c)
+                            .sum();
+                    }
+                },
+                None,
+            )
+        })
+        .collect()
 }
 
 /// Per worker, reused across chunks, layers and passes.
@@ -178,6 +220,8 @@ struct Scratch {
     /// GEMM results, tiles × α² × cout.
     m: Vec<f32>,
     t: TileScratch,
+    /// One U_ξ widened to f32 (half-precision sessions).
+    wide: Vec<f32>,
 }
 
 /// What one tile's transforms need.
@@ -215,8 +259,7 @@ unsafe impl<T> Sync for OutPtr<T> {}
 
 /// What every chunk of one convolution shares.
 struct Job<'a, T> {
-    w: &'a Winograd,
-    views: Vec<sgemm::Panels<'a>>,
+    w: &'a Winograd<T>,
     x: &'a [T],
     xs: Nhwc,
     ys: Nhwc,
@@ -234,10 +277,10 @@ struct Job<'a, T> {
 /// items are chunks of tiles, each through all three stages while its data stays in cache.
 /// Where the weights outweigh it (deep layers at small batches: ResNet-50's 7×7 layers hold
 /// 36 MB of F(4×4) weights for 4 tiles per image), chunks would each stream all the weights,
-/// so the stages run one after the other over all tiles, and the GEMMs are split by position
-/// ξ: every U_ξ is read once.
+/// so the stages run one after the other over all tiles ("staged"), and the GEMMs are split by
+/// position ξ: every U_ξ is read once.
 pub fn conv2d<T: Elem>(
-    w: &Winograd,
+    w: &Winograd<T>,
     conv: &Conv2d,
     x: &[T],
     xs: Nhwc,
@@ -248,13 +291,12 @@ pub fn conv2d<T: Elem>(
     let m = w.tile.m();
     let (th, tw) = (ys.h.div_ceil(m), ys.w.div_ceil(m));
     let tiles = ys.n * th * tw;
-    let positions = w.tile.alpha().pow(2);
+    let positions = w.positions();
     let threads = rayon::current_num_threads();
     let per = chunk_tiles(positions, xs.c, ys.c, tiles, threads);
     assert!(y.len() >= ys.elems(), "conv2d output buffer too small");
     let job = Job {
         w,
-        views: w.u.iter().map(|u| u.view(&mut [])).collect(),
         x,
         xs,
         ys,
@@ -266,7 +308,7 @@ pub fn conv2d<T: Elem>(
     };
     let chunks = tiles.div_ceil(per).max(1);
     let chunk = |c: usize| c * per..(c * per + per).min(tiles);
-    if chunks == 1 || xs.c * ys.c <= tiles * (xs.c + ys.c) {
+    if !w.staged {
         (0..chunks).into_par_iter().for_each(|c| {
             SCRATCH.with(|s| {
                 let s = &mut *s.borrow_mut();
@@ -275,7 +317,7 @@ pub fn conv2d<T: Elem>(
                 v.resize(tiles.len() * positions * xs.c, 0.0);
                 mm.resize(tiles.len() * positions * ys.c, 0.0);
                 with_simd(|| inputs(&job, tiles.clone(), v, &mut s.t));
-                gemms(&job, tiles.len(), v, mm, 0..positions);
+                gemms(&job, tiles.len(), v, mm, 0..positions, &mut s.wide);
                 with_simd(|| outputs(&job, tiles, mm, &mut s.t));
             })
         });
@@ -304,7 +346,7 @@ pub fn conv2d<T: Elem>(
                 std::slice::from_raw_parts_mut(mp.0, tiles * positions * ys.c),
             )
         };
-        gemms(&job, tiles, v, mm, xi..xi + 1);
+        SCRATCH.with(|s| gemms(&job, tiles, v, mm, xi..xi + 1, &mut s.borrow_mut().wide));
     });
     mm.par_chunks(per * positions * ys.c)
         .enumerate()
@@ -354,13 +396,26 @@ fn outputs<T: Elem>(job: &Job<'_, T>, tiles: Range<usize>, mm: &[f32], s: &mut T
 }
 
 /// The GEMMs of positions `xis` for `nt` tiles: V_ξ's rows are every tile's row ξ (stride
-/// α²·cin), M_ξ's likewise.
-fn gemms<T>(job: &Job<'_, T>, nt: usize, v: &[f32], mm: &mut [f32], xis: Range<usize>) {
+/// α²·cin), M_ξ's likewise. `wide` holds U_ξ widened to f32 in half-precision sessions.
+fn gemms<T: Elem>(
+    job: &Job<'_, T>,
+    nt: usize,
+    v: &[f32],
+    mm: &mut [f32],
+    xis: Range<usize>,
+    wide: &mut Vec<f32>,
+) {
     let (cin, cout) = (job.xs.c, job.ys.c);
-    let positions = job.views.len();
+    let positions = job.w.positions();
     assert!(v.len() >= nt * positions * cin && mm.len() >= nt * positions * cout);
     for xi in xis {
-        let view = &job.views[xi];
+        let view = match &job.w.u {
+            Transformed::F32(u) => u[xi].view(&mut []),
+            Transformed::Stored(u) => {
+                wide.resize(u[xi].packed_len(), 0.0);
+                u[xi].view_panels(0, u[xi].panels(), wide)
+            }
+        };
         // SAFETY: V_ξ holds nt rows of cin floats spaced positions·cin apart, M_ξ nt rows of
         // cout floats spaced positions·cout apart, inside `v` and `mm` (asserted above).
         unsafe {
@@ -368,7 +423,7 @@ fn gemms<T>(job: &Job<'_, T>, nt: usize, v: &[f32], mm: &mut [f32], xis: Range<u
                 nt,
                 v.as_ptr().add(xi * cin),
                 positions * cin,
-                view,
+                &view,
                 (0, view.panels()),
                 mm.as_mut_ptr().add(xi * cout),
                 positions * cout,
