@@ -184,28 +184,38 @@ fn infer_matches_the_reference_through_files() {
     assert!(o.status.success(), "{}", stderr(&o));
     let x = Rng::new(9).normal_tensor(vec![2, 3, 48, 40]);
     write_tensors(&xpath, &[("input", &x)]).unwrap();
-    let o = workshop(&[
-        "infer",
-        "--network",
-        "resnet18",
-        "--weights",
-        wpath.to_str().unwrap(),
-        "--input",
-        xpath.to_str().unwrap(),
-        "--output",
-        ypath.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let got = read_tensor(&ypath, "logits").unwrap();
     let graph = zoo::build("resnet18").unwrap();
     let w = Weights::load(&wpath, &graph).unwrap();
     let expected = reference::forward(&graph.plan(2, 48, 40).unwrap(), &w, &x);
     let scale = expected.data.iter().fold(1f32, |a, v| a.max(v.abs()));
-    assert!(
-        got.max_abs_diff(&expected) <= 1e-4 * scale,
-        "diff {}",
-        got.max_abs_diff(&expected)
-    );
+    // The CPU's best SIMD paths, then the portable ones that CPUs without AVX2 + FMA run.
+    for simd in ["", "portable"] {
+        let o = crate::common::command()
+            .env("WORKSHOP_CPU_SIMD", simd)
+            .args([
+                "infer",
+                "--network",
+                "resnet18",
+                "--weights",
+                wpath.to_str().unwrap(),
+                "--input",
+                xpath.to_str().unwrap(),
+                "--output",
+                ypath.to_str().unwrap(),
+            ])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        let got = read_tensor(&ypath, "logits").unwrap();
+        let diff = got.max_abs_diff(&expected);
+        assert!(diff <= 1e-4 * scale, "simd `{simd}`: diff {diff}");
+    }
+    let o = crate::common::command()
+        .env("WORKSHOP_CPU_SIMD", "portable")
+        .args(["doctor"])
+        .output()
+        .unwrap();
+    assert!(stdout(&o).contains("portable 6x16"), "{}", stdout(&o));
 }
 
 #[test]

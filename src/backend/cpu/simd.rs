@@ -20,7 +20,14 @@ pub fn simd() -> Simd {
     static SIMD: OnceLock<Simd> = OnceLock::new();
     *SIMD.get_or_init(|| match std::env::var(ENV).as_deref() {
         Ok("portable") => Simd::Portable,
-        _ => best(),
+        Ok("") | Err(_) => best(),
+        Ok(other) => {
+            eprintln!(
+                "warning: {ENV}={other} is not a choice (`portable`, or unset for the best this \
+                 CPU runs): using the best"
+            );
+            best()
+        }
     })
 }
 
