@@ -317,7 +317,17 @@ pub fn conv2d<T: Elem>(
                 v.resize(tiles.len() * positions * xs.c, 0.0);
                 mm.resize(tiles.len() * positions * ys.c, 0.0);
                 with_simd(|| inputs(&job, tiles.clone(), v, &mut s.t));
-                gemms(&job, tiles.len(), v, mm, 0..positions, &mut s.wide);
+                // SAFETY: `mm` is this work item's own buffer, sized for its tiles above.
+                unsafe {
+                    gemms(
+                        &job,
+                        tiles.len(),
+                        v,
+                        (mm.as_mut_ptr(), mm.len()),
+                        0..positions,
+                        &mut s.wide,
+                    )
+                };
                 with_simd(|| outputs(&job, tiles, mm, &mut s.t));
             })
         });
@@ -335,18 +345,21 @@ pub fn conv2d<T: Elem>(
         .for_each(|(c, v)| {
             SCRATCH.with(|s| with_simd(|| inputs(&job, chunk(c), v, &mut s.borrow_mut().t)))
         });
-    let (vp, mp) = (OutPtr(v.as_mut_ptr()), OutPtr(mm.as_mut_ptr()));
-    let (vp, mp) = (&vp, &mp);
+    let (v_all, mp) = (&v, OutPtr(mm.as_mut_ptr()));
+    let (mp, m_len) = (&mp, mm.len());
     (0..positions).into_par_iter().for_each(|xi| {
-        // SAFETY: position ξ's GEMM reads V (complete) and writes only M's rows of ξ: the
-        // columns [ξ·cout, (ξ + 1)·cout) of every tile, disjoint from every other position's.
-        let (v, mm) = unsafe {
-            (
-                std::slice::from_raw_parts(vp.0 as *const f32, tiles * positions * xs.c),
-                std::slice::from_raw_parts_mut(mp.0, tiles * positions * ys.c),
+        // SAFETY: position ξ's GEMM writes only M's rows of ξ (the columns [ξ·cout, (ξ + 1)·cout)
+        // of every tile), disjoint from every other position's; V is complete and only read.
+        SCRATCH.with(|s| unsafe {
+            gemms(
+                &job,
+                tiles,
+                v_all,
+                (mp.0, m_len),
+                xi..xi + 1,
+                &mut s.borrow_mut().wide,
             )
-        };
-        SCRATCH.with(|s| gemms(&job, tiles, v, mm, xi..xi + 1, &mut s.borrow_mut().wide));
+        });
     });
     mm.par_chunks(per * positions * ys.c)
         .enumerate()
@@ -397,17 +410,21 @@ fn outputs<T: Elem>(job: &Job<'_, T>, tiles: Range<usize>, mm: &[f32], s: &mut T
 
 /// The GEMMs of positions `xis` for `nt` tiles: V_ξ's rows are every tile's row ξ (stride
 /// α²·cin), M_ξ's likewise. `wide` holds U_ξ widened to f32 in half-precision sessions.
-fn gemms<T: Elem>(
+///
+/// # Safety
+/// `mm` points at `mm.1` writable floats that nothing reads or writes during the call except
+/// other calls for other positions (which touch other rows).
+unsafe fn gemms<T: Elem>(
     job: &Job<'_, T>,
     nt: usize,
     v: &[f32],
-    mm: &mut [f32],
+    mm: (*mut f32, usize),
     xis: Range<usize>,
     wide: &mut Vec<f32>,
 ) {
     let (cin, cout) = (job.xs.c, job.ys.c);
     let positions = job.w.positions();
-    assert!(v.len() >= nt * positions * cin && mm.len() >= nt * positions * cout);
+    assert!(v.len() >= nt * positions * cin && mm.1 >= nt * positions * cout);
     for xi in xis {
         let view = match &job.w.u {
             Transformed::F32(u) => u[xi].view(&mut []),
@@ -425,7 +442,7 @@ fn gemms<T: Elem>(
                 positions * cin,
                 &view,
                 (0, view.panels()),
-                mm.as_mut_ptr().add(xi * cout),
+                mm.0.add(xi * cout),
                 positions * cout,
             );
         }
