@@ -16,7 +16,7 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 use super::elem::Elem;
-use super::kernels::{Epilogue, Nhwc};
+use super::kernels::{Epilogue, Nhwc, balanced_rows};
 use super::sgemm::{self, PackedB};
 use super::simd::{self, Simd};
 use crate::model::op::Conv2d;
@@ -293,7 +293,11 @@ pub fn conv2d<T: Elem>(
     let tiles = ys.n * th * tw;
     let positions = w.positions();
     let threads = rayon::current_num_threads();
-    let per = chunk_tiles(positions, xs.c, ys.c, tiles, threads);
+    let per = balanced_rows(
+        tiles,
+        chunk_tiles(positions, xs.c, ys.c, tiles, threads),
+        threads,
+    );
     assert!(y.len() >= ys.elems(), "conv2d output buffer too small");
     let job = Job {
         w,
