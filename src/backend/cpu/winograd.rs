@@ -180,31 +180,50 @@ impl<T: Elem> Winograd<T> {
 }
 
 /// U_ξ[ci][co] = Σ_ij G[ξ/α][i] · g[co][ci][i][j] · G[ξ%α][j] for every position ξ, from
-/// PyTorch's (cout, cin, 3, 3) weight as `T` rounds it, packed in `S`.
+/// PyTorch's (cout, cin, 3, 3) weight as `T` rounds it, packed in `S`. All α² positions of one
+/// output channel are computed together (G·g, then ·Gᵀ), in parallel over output channels:
+/// this runs for every eligible layer at start-up.
 fn transform_weights<T: Elem, S: Elem>(
     tile: Tile,
     conv: &Conv2d,
     weight: &[f32],
 ) -> Vec<PackedB<S>> {
-    let (cin, a) = (conv.in_channels, tile.alpha());
-    let g = tile.g();
-    (0..a * a)
+    let (cin, cout, a) = (conv.in_channels, conv.out_channels, tile.alpha());
+    let positions = a * a;
+    let g: Vec<[f32; 3]> = tile.g().iter().map(|r| r.map(|v| v as f32)).collect();
+    // t[co][ξ][ci], the transformed weights of one output channel contiguous.
+    let mut t = vec![0f32; cout * positions * cin];
+    t.par_chunks_mut(positions * cin)
+        .enumerate()
+        .for_each(|(co, out)| {
+            let mut gg = vec![[0f32; 3]; a];
+            for ci in 0..cin {
+                let w: Vec<f32> = weight[(co * cin + ci) * 9..][..9]
+                    .iter()
+                    .map(|&v| T::from_f32(v).to_f32())
+                    .collect();
+                // G·g: α × 3.
+                for (row, gr) in gg.iter_mut().zip(&g) {
+                    for (j, v) in row.iter_mut().enumerate() {
+                        *v = gr[0] * w[j] + gr[1] * w[3 + j] + gr[2] * w[6 + j];
+                    }
+                }
+                // (G·g)·Gᵀ: α × α.
+                for (i, row) in gg.iter().enumerate() {
+                    for (j, gc) in g.iter().enumerate() {
+                        out[(i * a + j) * cin + ci] =
+                            row[0] * gc[0] + row[1] * gc[1] + row[2] * gc[2];
+                    }
+                }
+            }
+        });
+    (0..positions)
         .map(|xi| {
-            let coef: Vec<f32> = (0..9)
-                .map(|ij| (g[xi / a][ij / 3] * g[xi % a][ij % 3]) as f32)
-                .collect();
             PackedB::from_columns(
                 cin,
-                conv.out_channels,
+                cout,
                 |co, col: &mut [f32]| {
-                    for (ci, v) in col.iter_mut().enumerate() {
-                        let w = &weight[(co * cin + ci) * 9..][..9];
-                        *v = w
-                            .iter()
-                            .zip(&coef)
-                            .map(|(&w, &c)| T::from_f32(w).to_f32() * c)
-                            .sum();
-                    }
+                    col.copy_from_slice(&t[(co * positions + xi) * cin..][..cin]);
                 },
                 None,
             )
