@@ -32,7 +32,7 @@ def ours(net, batch, threads, iters, precision):
              "--iterations", str(iters), "--warmup", "2", "--precision", precision, "--json", str(out)],
             check=True, stdout=subprocess.DEVNULL)
         r = json.loads(out.read_text())
-    return r["stats"]["throughput_median"], r["stats"]["gflops"] / r["stats"]["throughput"]
+    return r["stats"]["throughput_median"], 2 * r["model"]["macs_per_image"] / 1e9
 
 
 def pytorch(net, batch, threads, iters, channels_last, dtype):
