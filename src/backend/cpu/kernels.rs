@@ -69,7 +69,7 @@ pub struct PackedConv<T> {
     /// Output rows per work item, as a multiple of [`chunk_rows`]'s choice (a tile-size
     /// variant max-autotune may pick: 1, 2 or 4).
     pub chunk_scale: usize,
-    /// Winograd F(2×2, 3×3) weights, when this layer runs that way (3×3, stride 1): `groups`
+    /// Winograd F(m×m, 3×3) weights, when this layer runs that way (3×3, stride 1): `groups`
     /// is then empty.
     pub winograd: Option<super::winograd::Winograd<T>>,
 }

@@ -7,7 +7,8 @@
 //! epilogue. F(4×4) does 44% of F(2×2)'s multiplications for larger transforms, 4× the weights
 //! (against 16/9) and somewhat larger rounding errors (its points are 0, ±1, ±2, ∞).
 //! Activations may be stored in any precision (widened per pixel, narrowed per output row); the
-//! transformed weights are stored in that precision too (made from the weights as it rounds them).
+//! transformed weights are made from the weights as that precision rounds them, and kept in f32
+//! or, for layers that run stage by stage, in that precision (see `Transformed`).
 //! Lavin & Gray, "Fast Algorithms for Convolutional Neural Networks" (2015).
 
 use std::cell::RefCell;
@@ -33,11 +34,9 @@ pub const VARIANTS: [&str; 2] = ["winograd-f2x2", "winograd-f4x4"];
 
 impl Tile {
     pub fn from_variant(name: &str) -> Option<Tile> {
-        match name {
-            "winograd-f2x2" => Some(Tile::F2),
-            "winograd-f4x4" => Some(Tile::F4),
-            _ => None,
-        }
+        [Tile::F2, Tile::F4]
+            .into_iter()
+            .find(|t| t.variant() == name)
     }
 
     pub fn variant(self) -> &'static str {
