@@ -33,9 +33,14 @@ pub fn config_echo(cfg: &BenchConfig) -> String {
 /// One progress line per event.
 pub fn event_line(ev: &Event) -> String {
     match ev {
-        Event::Preparing { params, weights } => {
-            format!("Prepared {} parameters ({weights}).", group_digits(*params))
-        }
+        Event::Preparing {
+            params,
+            weights,
+            seconds,
+        } => format!(
+            "Prepared {} parameters ({weights}) in {seconds:.2} s.",
+            group_digits(*params)
+        ),
         Event::Warmup {
             index,
             loss,

@@ -26,8 +26,13 @@ use stats::Stats;
 /// What the runner reports while it works.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
-    /// The network is built and its weights are ready; the session is being prepared.
-    Preparing { params: u64, weights: String },
+    /// The network is built, its weights are ready and the session is prepared, `seconds`
+    /// after the run started (the start-up a user waits through before the first warm-up).
+    Preparing {
+        params: u64,
+        weights: String,
+        seconds: f64,
+    },
     Warmup {
         index: usize,
         loss: f64,
@@ -181,7 +186,13 @@ pub fn run(
     on_event: &mut dyn FnMut(Event),
 ) -> Result<BenchRecord> {
     validate(cfg)?;
+    let start = Instant::now();
     let prepared = prepare(cfg, weights_file)?;
+    on_event(Event::Preparing {
+        params: prepared.0.graph.param_count(),
+        weights: cfg.weights.clone(),
+        seconds: start.elapsed().as_secs_f64(),
+    });
     let mut record = measure(cfg, prepared, on_event, None)?;
     if let Some(info) = record.compile.as_mut() {
         // The compiled network must still compute what eager FP32 does.
@@ -229,10 +240,6 @@ pub fn measure(
     sync: Option<Together<'_>>,
 ) -> Result<BenchRecord> {
     let together = || sync.map_or(Ok(()), |s| s());
-    on_event(Event::Preparing {
-        params: plan.graph.param_count(),
-        weights: cfg.weights.clone(),
-    });
     let (input, labels) = bench_batch(cfg, &plan);
 
     let mut last = Vec::new();

@@ -73,11 +73,16 @@ impl<T: Elem> PackedB<T> {
         data.par_chunks_mut((k * NR).max(1))
             .enumerate()
             .for_each(|(p, panel)| {
-                let mut col = vec![0f32; k];
-                for jj in 0..NR.min(n - p * NR) {
-                    fill(p * NR + jj, &mut col);
-                    for (kk, &v) in col.iter().enumerate() {
-                        panel[kk * NR + jj] = T::from_f32(v);
+                // The panel's columns first, then its rows: each row is one cache line,
+                // written whole and once.
+                let width = NR.min(n - p * NR);
+                let mut cols = vec![0f32; width * k];
+                for (jj, col) in cols.chunks_mut(k.max(1)).enumerate() {
+                    fill(p * NR + jj, col);
+                }
+                for (kk, row) in panel.chunks_mut(NR).enumerate() {
+                    for (jj, v) in row[..width].iter_mut().enumerate() {
+                        *v = T::from_f32(cols[jj * k + kk]);
                     }
                 }
             });
@@ -91,6 +96,56 @@ impl<T: Elem> PackedB<T> {
             data,
             bias: padded,
         }
+    }
+
+    /// Pack `count` matrices of the same shape (K × N, no bias) made together, a panel row at
+    /// a time: `row(kk, j0, values)` writes elements (kk, j0..j0 + NR) of every matrix, matrix
+    /// i's at `values[i·NR..(i + 1)·NR]` (columns past N are ignored). For weights that one
+    /// computation turns into several matrices (Winograd's α² positions): each row is one
+    /// whole cache line of each panel, written once, and `row` can work on NR columns with
+    /// vector instructions.
+    pub fn many_from_rows(
+        count: usize,
+        k: usize,
+        n: usize,
+        row: impl Fn(usize, usize, &mut [f32]) + Sync,
+    ) -> Vec<Self> {
+        let panels = n.div_ceil(NR);
+        let span = (k * NR).max(1);
+        let mut data: Vec<Vec<T>> = (0..count)
+            .map(|_| vec![T::default(); panels * span])
+            .collect();
+        // Panel p of every matrix, handed to one work item together.
+        let mut by_panel: Vec<Vec<&mut [T]>> = (0..panels).map(|_| Vec::new()).collect();
+        for matrix in &mut data {
+            for (p, panel) in matrix.chunks_mut(span).enumerate() {
+                by_panel[p].push(panel);
+            }
+        }
+        by_panel
+            .into_par_iter()
+            .enumerate()
+            .for_each(|(p, mut outs)| {
+                let width = NR.min(n - p * NR);
+                let mut values = vec![0f32; count * NR];
+                for kk in 0..k {
+                    row(kk, p * NR, &mut values);
+                    for (panel, v) in outs.iter_mut().zip(values.chunks(NR)) {
+                        let dst = &mut panel[kk * NR..][..width];
+                        dst.iter_mut()
+                            .zip(v)
+                            .for_each(|(d, &v)| *d = T::from_f32(v));
+                    }
+                }
+            });
+        data.into_iter()
+            .map(|data| PackedB {
+                k,
+                n,
+                data,
+                bias: vec![0f32; panels * NR],
+            })
+            .collect()
     }
 
     pub fn panels(&self) -> usize {
@@ -432,6 +487,53 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    /// Both packers lay the panels out as the kernels read them (panel p, row kk, column jj
+    /// at `(p·K + kk)·NR + jj`), including the zero padding of the last panel.
+    #[test]
+    fn packers_lay_out_panels() {
+        let b = |i: usize, kk: usize, j: usize| (i * 1000 + kk * 37 + j) as f32 * 0.5;
+        for &(count, k, n) in &[(3usize, 5usize, 37usize), (1, 1, 16), (2, 300, 5)] {
+            let expected = |i: usize| {
+                let mut data = vec![0f32; n.div_ceil(NR) * k * NR];
+                for j in 0..n {
+                    for kk in 0..k {
+                        data[((j / NR) * k + kk) * NR + j % NR] = b(i, kk, j);
+                    }
+                }
+                data
+            };
+            let rows = PackedB::<f32>::many_from_rows(count, k, n, |kk, j0, values| {
+                for (i, v) in values.chunks_mut(NR).enumerate() {
+                    for (jj, v) in v.iter_mut().enumerate() {
+                        *v = b(i, kk, j0 + jj);
+                    }
+                }
+            });
+            assert_eq!(rows.len(), count);
+            for (i, packed) in rows.iter().enumerate() {
+                assert_eq!(
+                    packed.data,
+                    expected(i),
+                    "rows: matrix {i} of {count}, {k}×{n}"
+                );
+                assert!(packed.bias.iter().all(|&v| v == 0.0));
+                let bias: Vec<f32> = (0..n).map(|j| j as f32).collect();
+                let by_col = PackedB::<f32>::from_columns(
+                    k,
+                    n,
+                    |j, col| {
+                        col.iter_mut()
+                            .enumerate()
+                            .for_each(|(kk, v)| *v = b(i, kk, j))
+                    },
+                    Some(&bias),
+                );
+                assert_eq!(by_col.data, expected(i), "columns: matrix {i}, {k}×{n}");
+                assert_eq!(by_col.bias[..n], bias[..]);
             }
         }
     }

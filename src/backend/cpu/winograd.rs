@@ -18,7 +18,7 @@ use rayon::prelude::*;
 
 use super::elem::Elem;
 use super::kernels::{Epilogue, Nhwc, balanced_rows};
-use super::sgemm::{self, PackedB};
+use super::sgemm::{self, NR, PackedB};
 use super::simd::{self, Simd};
 use crate::model::op::Conv2d;
 
@@ -179,55 +179,44 @@ impl<T: Elem> Winograd<T> {
 }
 
 /// U_ξ[ci][co] = Σ_ij G[ξ/α][i] · g[co][ci][i][j] · G[ξ%α][j] for every position ξ, from
-/// PyTorch's (cout, cin, 3, 3) weight as `T` rounds it, packed in `S`. All α² positions of one
-/// output channel are computed together (G·g, then ·Gᵀ), in parallel over output channels:
-/// this runs for every eligible layer at start-up.
+/// PyTorch's (cout, cin, 3, 3) weight as `T` rounds it, packed in `S`. All α² positions of
+/// one input channel and one panel of output channels are computed together (G·g, then ·Gᵀ,
+/// over the panel's columns at once) straight into the packed panels, in parallel over
+/// panels: this runs for every eligible layer at start-up.
 fn transform_weights<T: Elem, S: Elem>(
     tile: Tile,
     conv: &Conv2d,
     weight: &[f32],
 ) -> Vec<PackedB<S>> {
     let (cin, cout, a) = (conv.in_channels, conv.out_channels, tile.alpha());
-    let positions = a * a;
     let g: Vec<[f32; 3]> = tile.g().iter().map(|r| r.map(|v| v as f32)).collect();
-    // t[co][ξ][ci], the transformed weights of one output channel contiguous.
-    let mut t = vec![0f32; cout * positions * cin];
-    t.par_chunks_mut(positions * cin)
-        .enumerate()
-        .for_each(|(co, out)| {
-            let mut gg = vec![[0f32; 3]; a];
-            for ci in 0..cin {
-                let w: Vec<f32> = weight[(co * cin + ci) * 9..][..9]
-                    .iter()
-                    .map(|&v| T::from_f32(v).to_f32())
-                    .collect();
-                // G·g: α × 3.
-                for (row, gr) in gg.iter_mut().zip(&g) {
-                    for (j, v) in row.iter_mut().enumerate() {
-                        *v = gr[0] * w[j] + gr[1] * w[3 + j] + gr[2] * w[6 + j];
-                    }
-                }
-                // (G·g)·Gᵀ: α × α.
-                for (i, row) in gg.iter().enumerate() {
-                    for (j, gc) in g.iter().enumerate() {
-                        out[(i * a + j) * cin + ci] =
-                            row[0] * gc[0] + row[1] * gc[1] + row[2] * gc[2];
-                    }
+    PackedB::many_from_rows(a * a, cin, cout, |ci, co0, u: &mut [f32]| {
+        // w[tap][column]: the panel's 3×3 kernels of input channel ci.
+        let mut w = [[0f32; NR]; 9];
+        for (jj, co) in (co0..cout.min(co0 + NR)).enumerate() {
+            for (tap, &src) in weight[(co * cin + ci) * 9..][..9].iter().enumerate() {
+                w[tap][jj] = T::from_f32(src).to_f32();
+            }
+        }
+        // G·g: α × 3 (per column).
+        let mut gg = [[[0f32; NR]; 3]; 6];
+        for (row, gr) in gg.iter_mut().zip(&g) {
+            for (j, v) in row.iter_mut().enumerate() {
+                for jj in 0..NR {
+                    v[jj] = gr[0] * w[j][jj] + gr[1] * w[3 + j][jj] + gr[2] * w[6 + j][jj];
                 }
             }
-        });
-    (0..positions)
-        .map(|xi| {
-            PackedB::from_columns(
-                cin,
-                cout,
-                |co, col: &mut [f32]| {
-                    col.copy_from_slice(&t[(co * positions + xi) * cin..][..cin]);
-                },
-                None,
-            )
-        })
-        .collect()
+        }
+        // (G·g)·Gᵀ: α × α (per column).
+        for (i, row) in gg[..a].iter().enumerate() {
+            for (j, gc) in g.iter().enumerate() {
+                let out = &mut u[(i * a + j) * NR..][..NR];
+                for jj in 0..NR {
+                    out[jj] = row[0][jj] * gc[0] + row[1][jj] * gc[1] + row[2][jj] * gc[2];
+                }
+            }
+        }
+    })
 }
 
 /// Per worker, reused across chunks, layers and passes.
