@@ -336,8 +336,12 @@ fn peak_cmd(a: PeakArgs) -> Result<()> {
         );
     } else {
         println!("{}", report::peak(&gemm, bandwidth.as_deref()));
-        let host = backend::cpu::host_device();
-        match bench::peak::theoretical(a.backend, &host, a.threads) {
+        // The facts of the device that was measured (a GPU's SMs and clock, not the host's).
+        let device = backend::open(a.backend)?
+            .devices()
+            .into_iter()
+            .nth(a.device);
+        match device.and_then(|d| bench::peak::theoretical(a.backend, &d, a.threads)) {
             Some(t) => {
                 let share = 100.0 * gemm.gflops / t.gflops;
                 println!(
