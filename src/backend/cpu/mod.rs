@@ -232,7 +232,7 @@ impl Backend for CpuBackend {
                 pool,
                 threads,
                 opt.profile,
-                ConvChoice::Tuned(&opt.variants),
+                &opt.variants,
             )?),
             Precision::Fp16 => Box::new(CpuSession::<f16>::new(
                 plan,
@@ -240,7 +240,7 @@ impl Backend for CpuBackend {
                 pool,
                 threads,
                 opt.profile,
-                ConvChoice::Tuned(&opt.variants),
+                &opt.variants,
             )?),
             Precision::Bf16 => Box::new(CpuSession::<bf16>::new(
                 plan,
@@ -248,7 +248,7 @@ impl Backend for CpuBackend {
                 pool,
                 threads,
                 opt.profile,
-                ConvChoice::Tuned(&opt.variants),
+                &opt.variants,
             )?),
         })
     }
@@ -306,18 +306,6 @@ enum Step<T> {
     Softmax,
 }
 
-/// How a session picks each convolution's kernel.
-#[derive(Clone, Copy)]
-enum ConvChoice<'a> {
-    /// Max-autotune's choice where it made one (by layer name), else Winograd where
-    /// [`winograd::by_default`] says so, else im2col + GEMM.
-    Tuned(&'a std::collections::BTreeMap<String, String>),
-    /// im2col + GEMM everywhere: for the single pass of batch-norm calibration, where
-    /// Winograd's weight transforms cost more start-up time than they save (ResNet-50 at
-    /// batch 1: prepare 55 ms instead of 120–190 ms, the pass 140 ms instead of 110–150 ms).
-    Im2col,
-}
-
 struct CpuSession<T: Elem> {
     plan: Plan,
     steps: Vec<Step<T>>,
@@ -347,7 +335,7 @@ impl<T: Elem> CpuSession<T> {
         pool: Arc<rayon::ThreadPool>,
         threads: usize,
         profile: bool,
-        convs: ConvChoice,
+        variants: &std::collections::BTreeMap<String, String>,
     ) -> Result<Self, BackendError> {
         let mut steps = Vec::with_capacity(plan.graph.nodes.len());
         let mut weight_bytes = 0u64;
@@ -365,12 +353,10 @@ impl<T: Elem> CpuSession<T> {
                 Op::Input { .. } => Step::Input,
                 Op::Conv2d(c) => {
                     let bias = if c.bias { Some(get("bias")?) } else { None };
-                    let (variant, tile) = match convs {
-                        ConvChoice::Im2col => (None, None),
-                        ConvChoice::Tuned(variants) => match variants.get(&node.name) {
-                            Some(v) => (Some(v.as_str()), winograd::Tile::from_variant(v)),
-                            None => (None, winograd::by_default(&c, &plan.shapes[id])),
-                        },
+                    let variant = variants.get(&node.name).map(String::as_str);
+                    let tile = match variant {
+                        Some(v) => winograd::Tile::from_variant(v),
+                        None => winograd::by_default(&c, &plan.shapes[id]),
                     };
                     let mut packed = tile
                         .and_then(|t| {
@@ -701,7 +687,7 @@ pub fn calibrate_batch_norm(
         Arc::new(pool),
         threads,
         false,
-        ConvChoice::Im2col,
+        &Default::default(),
     )?;
     // Calibration normalises with batch statistics, so the steps carry gamma and beta.
     for (step, node) in session.steps.iter_mut().zip(&plan.graph.nodes) {
