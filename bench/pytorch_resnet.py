@@ -35,10 +35,14 @@ torch.backends.cuda.matmul.allow_tf32 = a.tf32
 gpu = a.device != "cpu"
 sync = torch.cuda.synchronize if gpu else (lambda: None)
 dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[a.dtype]
+start = time.perf_counter()
 model = getattr(torchvision.models, a.network)().eval().to(a.device, dtype)
-x = torch.randn(a.batch_size, 3, 224, 224, dtype=dtype, device=a.device)
 if a.channels_last:
     model = model.to(memory_format=torch.channels_last)
+sync()
+prepare_s = time.perf_counter() - start  # building the model and initialising its weights
+x = torch.randn(a.batch_size, 3, 224, 224, dtype=dtype, device=a.device)
+if a.channels_last:
     x = x.to(memory_format=torch.channels_last)
 samples = []
 with torch.inference_mode():
@@ -55,5 +59,5 @@ print(json.dumps({
     + (" tf32" if a.tf32 else ""),
     "device": torch.cuda.get_device_name(a.device) if gpu else "cpu",
     "network": a.network, "batch_size": a.batch_size, "dtype": a.dtype, "threads": a.threads,
-    "median_s": median, "images_per_s": a.batch_size / median,
+    "median_s": median, "images_per_s": a.batch_size / median, "prepare_s": prepare_s,
 }))

@@ -7,9 +7,12 @@
 
 Each round runs every configuration once, alternating implementations, so a slow patch of a
 noisy machine hits both sides alike. The report gives each side's median images/s over the
-rounds, the ratio ours / PyTorch's best layout, and each side's effective GFLOP/s (the
+rounds, the ratio ours / PyTorch's best layout, each side's effective GFLOP/s (the
 network's conv and linear MACs × 2 per second, whatever algorithm ran) as a share of the
-machine's measured FP32 GEMM peak (`workshop peak`, measured once at the start).
+machine's measured FP32 GEMM peak (`workshop peak`, measured once at the start), and each
+side's start-up: seconds from the start until the model was ready to run (ours: building,
+seeding and calibrating the weights, packing them; PyTorch's: building and initialising the
+model in NCHW), medians over the rounds.
 """
 import argparse
 import json
@@ -24,7 +27,7 @@ WORKSHOP = ROOT / "target" / "release" / "workshop"
 
 
 def ours(net, batch, threads, iters, precision):
-    """(images/s, effective GFLOP/s) of one `workshop bench` run."""
+    """(images/s, effective GFLOP per image, start-up s) of one `workshop bench` run."""
     with tempfile.TemporaryDirectory() as d:
         out = pathlib.Path(d) / "r.json"
         subprocess.run(
@@ -32,7 +35,7 @@ def ours(net, batch, threads, iters, precision):
              "--iterations", str(iters), "--warmup", "2", "--precision", precision, "--json", str(out)],
             check=True, stdout=subprocess.DEVNULL)
         r = json.loads(out.read_text())
-    return r["stats"]["throughput_median"], 2 * r["model"]["macs_per_image"] / 1e9
+    return r["stats"]["throughput_median"], 2 * r["model"]["macs_per_image"] / 1e9, r["prepare_s"]
 
 
 def pytorch(net, batch, threads, iters, channels_last, dtype):
@@ -41,7 +44,7 @@ def pytorch(net, batch, threads, iters, channels_last, dtype):
     if channels_last:
         cmd.append("--channels-last")
     r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-    return r["images_per_s"]
+    return r["images_per_s"], r["prepare_s"]
 
 
 def measured_peak(threads):
@@ -67,21 +70,23 @@ def main():
     if peak:
         print(f"measured FP32 GEMM peak: {peak:.1f} GFLOP/s on {a.threads} threads", flush=True)
     results = {}
+    startup = {}
     gflop_per_image = {}
     for rnd in range(a.rounds):
         for prec in a.precisions:
             for b in a.batch_sizes:
                 def run_ours():
-                    ips, per_image = ours(a.network, b, a.threads, a.iterations, prec)
+                    ips, per_image, prepare_s = ours(a.network, b, a.threads, a.iterations, prec)
                     gflop_per_image[a.network] = per_image
-                    return ips
+                    return ips, prepare_s
                 for name, fn in [
                     ("workshop", run_ours),
                     ("pytorch NCHW", lambda: pytorch(a.network, b, a.threads, a.iterations, False, prec)),
                     ("pytorch channels_last", lambda: pytorch(a.network, b, a.threads, a.iterations, True, prec)),
                 ]:
-                    v = fn()
+                    v, prepare_s = fn()
                     results.setdefault((prec, b, name), []).append(v)
+                    startup.setdefault((prec, b, name), []).append(prepare_s)
                     print(f"round {rnd} {prec} batch {b:>3} {name:<22} {v:7.2f} images/s", flush=True)
     per_image = gflop_per_image[a.network]
     print(f"\n{a.network}, {a.threads} threads, median of {a.rounds} interleaved rounds "
@@ -89,6 +94,7 @@ def main():
     head = f"{'precision':>9}  {'batch':>5}  {'workshop':>9}  {'torch NCHW':>10}  {'torch CL':>9}  {'ours / best torch':>17}"
     if peak:
         head += f"  {'ours % peak':>11}  {'torch % peak':>12}"
+    head += f"  {'start-up ours':>13}  {'torch NCHW':>10}"
     print(head)
     for prec in a.precisions:
         for b in a.batch_sizes:
@@ -100,6 +106,8 @@ def main():
             if peak:
                 line += (f"  {100 * m['workshop'] * per_image / peak:>10.0f}%"
                          f"  {100 * best * per_image / peak:>11.0f}%")
+            up = {n: statistics.median(startup[(prec, b, n)]) for n in ["workshop", "pytorch NCHW"]}
+            line += f"  {up['workshop']:>12.2f}s  {up['pytorch NCHW']:>9.2f}s"
             print(line)
 
 

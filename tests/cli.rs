@@ -92,6 +92,14 @@ fn bench_prints_iterations_and_writes_a_record() {
     assert_eq!(r["config"]["precision"], "fp32");
     assert_eq!(r["samples_s"].as_array().unwrap().len(), 3);
     assert_eq!(r["warmup_s"].as_array().unwrap().len(), 1);
+    // Start-up is reported on the Prepared line and kept, apart from the statistics.
+    let prepare_s = r["prepare_s"].as_f64().unwrap();
+    assert!(prepare_s > 0.0, "{prepare_s}");
+    let line = out.lines().find(|l| l.starts_with("Prepared ")).unwrap();
+    assert!(
+        line.contains("parameters (random(seed=0)) in ") && line.ends_with(" s."),
+        "{line}"
+    );
     let median = r["stats"]["median_s"].as_f64().unwrap();
     let throughput = r["stats"]["throughput_median"].as_f64().unwrap();
     assert!(median > 0.0 && (throughput - 2.0 / median).abs() < 1e-6 * throughput);

@@ -188,12 +188,14 @@ pub fn run(
     validate(cfg)?;
     let start = Instant::now();
     let prepared = prepare(cfg, weights_file)?;
+    let prepare_s = start.elapsed().as_secs_f64();
     on_event(Event::Preparing {
         params: prepared.0.graph.param_count(),
         weights: cfg.weights.clone(),
-        seconds: start.elapsed().as_secs_f64(),
+        seconds: prepare_s,
     });
     let mut record = measure(cfg, prepared, on_event, None)?;
+    record.prepare_s = Some(prepare_s);
     if let Some(info) = record.compile.as_mut() {
         // The compiled network must still compute what eager FP32 does.
         let eager = BenchConfig {
@@ -341,6 +343,7 @@ pub fn measure(
         config: cfg.clone(),
         environment,
         model,
+        prepare_s: None,
         warmup_s,
         // The warm-up's enqueue times came first.
         enqueue_s: enqueue_s.split_off(enqueue_s.len().saturating_sub(samples_s.len())),

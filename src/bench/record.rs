@@ -20,6 +20,12 @@ pub struct BenchRecord {
     pub config: BenchConfig,
     pub environment: Environment,
     pub model: ModelInfo,
+    /// Seconds from the start of the run until the session was ready (building the network,
+    /// its weights — seeded ones calibrated — and preparing them for the backend): the
+    /// start-up a user waits through, not in the statistics. Absent in older records and in
+    /// each device's share of a multi-device run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prepare_s: Option<f64>,
     /// Seconds per warm-up iteration (not in the statistics).
     pub warmup_s: Vec<f64>,
     /// Seconds per timed iteration.
