@@ -72,11 +72,11 @@ impl<T: Elem> PackedB<T> {
         // Panels in parallel: packing every layer is most of a large network's preparation.
         data.par_chunks_mut((k * NR).max(1))
             .enumerate()
-            .for_each(|(p, panel)| {
+            .for_each_init(Vec::new, |cols, (p, panel)| {
                 // The panel's columns first, then its rows: each row is one cache line,
-                // written whole and once.
+                // written whole and once. (`fill` writes every value of the scratch.)
                 let width = NR.min(n - p * NR);
-                let mut cols = vec![0f32; width * k];
+                cols.resize(width * k, 0.0);
                 for (jj, col) in cols.chunks_mut(k.max(1)).enumerate() {
                     fill(p * NR + jj, col);
                 }
