@@ -16,7 +16,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 
-use crate::backend::{self, DeviceInfo, ExecOptions, Session};
+use crate::backend::{self, BackendKind, DeviceInfo, ExecOptions, Session};
 use crate::model::{Graph, Op, Plan, Rng, Tensor, Weights, reference, zoo};
 use record::{
     BenchConfig, BenchRecord, CompileInfo, CompileMode, Environment, ModelInfo, SCHEMA_VERSION,
@@ -97,10 +97,13 @@ pub fn prepare(cfg: &BenchConfig, weights_file: Option<&std::path::Path>) -> Res
         variants: Default::default(),
     };
     backend.check_fits(cfg.device, &eager_plan, &opt)?;
-    let weights = match weights_file {
-        Some(path) => Weights::load(path, &graph)?,
-        None => seeded_weights(&graph, cfg.seed, cfg.input_size)?,
+    let (weights, calibration) = match weights_file {
+        Some(path) => (Weights::load(path, &graph)?, None),
+        None => seeded_weights_calibrated(&graph, cfg.seed, cfg.input_size)?,
     };
+    // The calibrating session can only be the CPU's eager one; otherwise free it now.
+    let calibration =
+        calibration.filter(|_| cfg.backend == BackendKind::Cpu && cfg.compile.is_none());
     // Asked once here: enumerating devices can be slow (wgpu lists every adapter). A missing
     // device is reported by the backend's own `prepare`, which says what there is.
     let device = backend.devices().into_iter().nth(cfg.device);
@@ -142,7 +145,14 @@ pub fn prepare(cfg: &BenchConfig, weights_file: Option<&std::path::Path>) -> Res
             (plan, w, Some(info))
         }
     };
-    let session = backend.prepare(cfg.device, &plan, &weights, &opt)?;
+    // Calibration prepared a CPU session already: where the run asks for the same one (FP32
+    // eager at the calibration's batch, every core), it runs on that one. Otherwise it is freed
+    // before the backend prepares its own.
+    let reused = calibration.and_then(|c| c.into_session(cfg.device, &plan, &weights, &opt));
+    let session = match reused {
+        Some(session) => session,
+        None => backend.prepare(cfg.device, &plan, &weights, &opt)?,
+    };
     let device = device.context("the device disappeared while preparing")?;
     let compile = compile.map(|c| CompileInfo {
         replay: opt.replay.then(|| session.replay()),
@@ -158,25 +168,37 @@ const CALIBRATION_BATCH: usize = 4;
 /// calibrated on a seeded noise batch at `input_size` (see
 /// [`backend::cpu::calibrate_batch_norm`] for why).
 pub fn seeded_weights(graph: &Graph, seed: u64, input_size: usize) -> Result<Weights> {
+    Ok(seeded_weights_calibrated(graph, seed, input_size)?.0)
+}
+
+/// [`seeded_weights`], and the CPU session that calibrated them (where the network has batch
+/// norm): a benchmark of the same plan on the CPU can run on it (see
+/// [`backend::cpu::Calibration::into_session`]).
+fn seeded_weights_calibrated(
+    graph: &Graph,
+    seed: u64,
+    input_size: usize,
+) -> Result<(Weights, Option<backend::cpu::Calibration>)> {
     let mut weights = Weights::init(graph, seed);
-    if graph
+    if !graph
         .nodes
         .iter()
         .any(|n| matches!(n.op, Op::BatchNorm { .. }))
     {
-        // At ImageNet sizes one image gives every channel of the last stage 49 samples; small
-        // inputs need more images for usable statistics.
-        let batch = if input_size >= 128 {
-            1
-        } else {
-            CALIBRATION_BATCH
-        };
-        let plan = graph.plan(batch, input_size, input_size)?;
-        let mut rng = Rng::new(seed.wrapping_add(0xCA11));
-        let batch = rng.normal_tensor(plan.input_shape().to_vec());
-        backend::cpu::calibrate_batch_norm(&plan, &mut weights, &batch)?;
+        return Ok((weights, None));
     }
-    Ok(weights)
+    // At ImageNet sizes one image gives every channel of the last stage 49 samples; small
+    // inputs need more images for usable statistics.
+    let batch = if input_size >= 128 {
+        1
+    } else {
+        CALIBRATION_BATCH
+    };
+    let plan = graph.plan(batch, input_size, input_size)?;
+    let mut rng = Rng::new(seed.wrapping_add(0xCA11));
+    let batch = rng.normal_tensor(plan.input_shape().to_vec());
+    let calibration = backend::cpu::calibrate_batch_norm(&plan, &mut weights, &batch)?;
+    Ok((weights, Some(calibration)))
 }
 
 /// Run a benchmark as configured.
@@ -436,4 +458,69 @@ fn limits(cfg: &BenchConfig, device: &DeviceInfo) -> Result<flops::Limits> {
         bandwidth_gbps: c.triad_gbps(),
         theoretical,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Precision;
+
+    /// The session that calibrated batch norm, handed over to a run, computes bit for bit what
+    /// a freshly prepared session computes; a run that asks for anything else does not get it.
+    #[test]
+    fn calibration_session_runs_the_same_network() {
+        let graph = zoo::build("resnet18").unwrap();
+        // Below 128 px calibration takes CALIBRATION_BATCH images.
+        let (size, batch) = (32, CALIBRATION_BATCH);
+        let plan = graph.plan(batch, size, size).unwrap();
+        let input = Rng::new(7).normal_tensor(plan.input_shape().to_vec());
+        let cpu = backend::open(BackendKind::Cpu).unwrap();
+        let default = ExecOptions::default();
+
+        let (weights, calibration) = seeded_weights_calibrated(&graph, 3, size).unwrap();
+        let mut reused = calibration
+            .expect("resnet18 has batch norm")
+            .into_session(0, &plan, &weights, &default)
+            .expect("the run asks for the calibration's own plan and options");
+        let mut fresh = cpu.prepare(0, &plan, &weights, &default).unwrap();
+        let want = infer(fresh.as_mut(), &input).unwrap();
+        assert_eq!(infer(reused.as_mut(), &input).unwrap().data, want.data);
+        // And again, now that it holds the first run's buffers.
+        assert_eq!(infer(reused.as_mut(), &input).unwrap().data, want.data);
+
+        let other_batch = graph.plan(batch + 1, size, size).unwrap();
+        let refused: [(usize, &Plan, ExecOptions); 5] = [
+            (1, &plan, ExecOptions::default()),
+            (0, &other_batch, ExecOptions::default()),
+            (
+                0,
+                &plan,
+                ExecOptions {
+                    precision: Precision::Fp16,
+                    ..Default::default()
+                },
+            ),
+            (
+                0,
+                &plan,
+                ExecOptions {
+                    threads: Some(1000),
+                    ..Default::default()
+                },
+            ),
+            (
+                0,
+                &plan,
+                ExecOptions {
+                    cores: Some(vec![0]),
+                    ..Default::default()
+                },
+            ),
+        ];
+        for (dev, plan, opt) in refused {
+            let (weights, calibration) = seeded_weights_calibrated(&graph, 3, size).unwrap();
+            let session = calibration.unwrap().into_session(dev, plan, &weights, &opt);
+            assert!(session.is_none(), "handed over for device {dev}, {opt:?}");
+        }
+    }
 }

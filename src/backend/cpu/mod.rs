@@ -210,21 +210,7 @@ impl Backend for CpuBackend {
             return Err(BackendError::Invalid("--threads must be at least 1".into()));
         }
         check_memory(plan, opt.precision, threads)?;
-        let cores = opt.cores.clone().unwrap_or_default();
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("workshop-cpu-{i}"))
-            .start_handler(move |i| {
-                // Pinning is a request: where the OS refuses it the thread runs unpinned.
-                if let Some(&core) = cores.get(i) {
-                    core_affinity::set_for_current(core_affinity::CoreId { id: core });
-                }
-            })
-            .build()
-            .map(Arc::new)
-            .map_err(|e| {
-                BackendError::Invalid(format!("cannot start {threads} CPU worker threads: {e}"))
-            })?;
+        let pool = worker_pool(threads, opt.cores.clone().unwrap_or_default())?;
         Ok(match opt.precision {
             Precision::Fp32 => Box::new(CpuSession::<f32>::new(
                 plan,
@@ -256,6 +242,24 @@ impl Backend for CpuBackend {
 
 fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// A pool of `threads` workers, the i-th pinned to `cores[i]` where one is listed.
+fn worker_pool(threads: usize, cores: Vec<usize>) -> Result<Arc<rayon::ThreadPool>, BackendError> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("workshop-cpu-{i}"))
+        .start_handler(move |i| {
+            // Pinning is a request: where the OS refuses it the thread runs unpinned.
+            if let Some(&core) = cores.get(i) {
+                core_affinity::set_for_current(core_affinity::CoreId { id: core });
+            }
+        })
+        .build()
+        .map(Arc::new)
+        .map_err(|e| {
+            BackendError::Invalid(format!("cannot start {threads} CPU worker threads: {e}"))
+        })
 }
 
 /// Refuse a plan that cannot fit in the memory available now, before allocating anything, and
@@ -340,15 +344,7 @@ impl<T: Elem> CpuSession<T> {
         let mut steps = Vec::with_capacity(plan.graph.nodes.len());
         let mut weight_bytes = 0u64;
         for (id, node) in plan.graph.nodes.iter().enumerate() {
-            let get = |suffix: &str| -> Result<&[f32], BackendError> {
-                let name = format!("{}.{}", node.name, suffix);
-                weights
-                    .get(&name)
-                    .map(|t| t.data.as_slice())
-                    .ok_or_else(|| {
-                        BackendError::Invalid(format!("weights have no tensor `{name}`"))
-                    })
-            };
+            let get = |suffix: &str| tensor(weights, &node.name, suffix);
             let step = match node.op {
                 Op::Input { .. } => Step::Input,
                 Op::Conv2d(c) => {
@@ -372,13 +368,7 @@ impl<T: Elem> CpuSession<T> {
                     Step::Conv(packed)
                 }
                 Op::BatchNorm { eps, .. } => {
-                    let (g, b, m, v) = (
-                        get("weight")?,
-                        get("bias")?,
-                        get("running_mean")?,
-                        get("running_var")?,
-                    );
-                    let (scale, shift) = batch_norm_affine(g, b, m, v, eps);
+                    let (scale, shift) = inference_affine(weights, &node.name, eps)?;
                     weight_bytes += 2 * scale.len() as u64 * 4;
                     Step::Affine { scale, shift }
                 }
@@ -642,6 +632,27 @@ impl<T: Elem> CpuSession<T> {
     }
 }
 
+/// The tensor `{node}.{suffix}` of `weights`.
+fn tensor<'w>(weights: &'w Weights, node: &str, suffix: &str) -> Result<&'w [f32], BackendError> {
+    let name = format!("{node}.{suffix}");
+    weights
+        .get(&name)
+        .map(|t| t.data.as_slice())
+        .ok_or_else(|| BackendError::Invalid(format!("weights have no tensor `{name}`")))
+}
+
+/// Batch norm `node` in inference: the per-channel scale and shift of its running statistics.
+fn inference_affine(
+    weights: &Weights,
+    node: &str,
+    eps: f32,
+) -> Result<(Vec<f32>, Vec<f32>), BackendError> {
+    let get = |suffix| tensor(weights, node, suffix);
+    let (g, b) = (get("weight")?, get("bias")?);
+    let (m, v) = (get("running_mean")?, get("running_var")?);
+    Ok(batch_norm_affine(g, b, m, v, eps))
+}
+
 /// Batch norm epsilon used in calibration (every zoo network uses PyTorch's default).
 const BN_EPS: f32 = 1e-5;
 
@@ -675,31 +686,21 @@ pub fn calibrate_batch_norm(
     plan: &Plan,
     weights: &mut Weights,
     input: &Tensor,
-) -> Result<(), BackendError> {
+) -> Result<Calibration, BackendError> {
     let threads = default_threads();
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .map_err(|e| BackendError::Invalid(format!("cannot start CPU worker threads: {e}")))?;
-    let mut session = CpuSession::<f32>::new(
-        plan,
-        weights,
-        Arc::new(pool),
-        threads,
-        false,
-        &Default::default(),
-    )?;
+    let pool = worker_pool(threads, Vec::new())?;
+    let mut session =
+        CpuSession::<f32>::new(plan, weights, pool, threads, false, &Default::default())?;
     // Calibration normalises with batch statistics, so the steps carry gamma and beta.
     for (step, node) in session.steps.iter_mut().zip(&plan.graph.nodes) {
         if let Step::Affine { scale, shift } = step {
-            let gamma = &weights.tensors[&format!("{}.weight", node.name)].data;
-            let beta = &weights.tensors[&format!("{}.bias", node.name)].data;
-            scale.copy_from_slice(gamma);
-            shift.copy_from_slice(beta);
+            scale.copy_from_slice(tensor(weights, &node.name, "weight")?);
+            shift.copy_from_slice(tensor(weights, &node.name, "bias")?);
         }
     }
     session.calibrate = true;
     session.run(input)?;
+    session.calibrate = false;
     for (id, mean, var) in std::mem::take(&mut session.batch_stats) {
         let name = &plan.graph.nodes[id].name;
         let c = mean.len();
@@ -710,7 +711,46 @@ pub fn calibrate_batch_norm(
             .tensors
             .insert(format!("{name}.running_var"), Tensor::new(vec![c], var));
     }
-    Ok(())
+    Ok(Calibration(session))
+}
+
+/// The FP32 session that calibrated a network's batch norm, on every core. Its packed weights
+/// (Winograd transforms, GEMM panels: most of a session's preparation) do not depend on the
+/// statistics, so a benchmark of the same plan can run on it instead of preparing them again.
+pub struct Calibration(CpuSession<f32>);
+
+impl Calibration {
+    /// This session, normalising with the running statistics calibration gave `weights` (the
+    /// weights it calibrated), when it is exactly what the CPU backend would prepare for
+    /// `plan` with `opt` on device `dev`; otherwise `None`, and it is freed.
+    pub fn into_session(
+        self,
+        dev: usize,
+        plan: &Plan,
+        weights: &Weights,
+        opt: &ExecOptions,
+    ) -> Option<Box<dyn Session>> {
+        let mut session = self.0;
+        let same = dev == 0
+            && super::native_only(BackendKind::Cpu, opt).is_ok()
+            && opt.precision == Precision::Fp32
+            && opt.threads.unwrap_or(session.threads) == session.threads
+            && opt.cores.is_none()
+            && opt.variants.is_empty()
+            && session.plan == *plan;
+        if !same {
+            return None;
+        }
+        for (step, node) in session.steps.iter_mut().zip(&plan.graph.nodes) {
+            if let (Step::Affine { scale, shift }, Op::BatchNorm { eps, .. }) = (step, &node.op) {
+                (*scale, *shift) = inference_affine(weights, &node.name, *eps).ok()?;
+            }
+        }
+        session.profile = opt.profile;
+        session.output = None;
+        session.times.clear();
+        Some(Box::new(session))
+    }
 }
 
 fn kernel_name<T: Elem>(step: &Step<T>, op: &Op) -> String {
