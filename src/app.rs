@@ -319,7 +319,7 @@ fn weights_cmd(args: WeightsArgs) -> Result<()> {
 }
 
 fn peak_cmd(a: PeakArgs) -> Result<()> {
-    let gemm = bench::peak::gemm(
+    let (gemm, device) = bench::peak::gemm_on(
         a.backend,
         a.device,
         a.precision,
@@ -337,10 +337,6 @@ fn peak_cmd(a: PeakArgs) -> Result<()> {
     } else {
         println!("{}", report::peak(&gemm, bandwidth.as_deref()));
         // The facts of the device that was measured (a GPU's SMs and clock, not the host's).
-        let device = backend::open(a.backend)?
-            .devices()
-            .into_iter()
-            .nth(a.device);
         match device.and_then(|d| bench::peak::theoretical(a.backend, &d, a.threads)) {
             Some(t) => {
                 let share = 100.0 * gemm.gflops / t.gflops;

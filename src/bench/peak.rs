@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 
-use crate::backend::{self, BackendKind, ExecOptions};
+use crate::backend::{self, BackendKind, DeviceInfo, ExecOptions};
 use crate::model::graph::{ConvInit, GraphBuilder, LinearInit};
 use crate::model::{Precision, Rng, Weights};
 
@@ -63,6 +63,18 @@ pub fn gemm(
     size: usize,
     iterations: usize,
 ) -> Result<GemmPeak> {
+    Ok(gemm_on(kind, device, precision, threads, size, iterations)?.0)
+}
+
+/// [`gemm`], and the facts of the device it measured (where the backend lists it).
+pub fn gemm_on(
+    kind: BackendKind,
+    device: usize,
+    precision: Precision,
+    threads: Option<usize>,
+    size: usize,
+    iterations: usize,
+) -> Result<(GemmPeak, Option<DeviceInfo>)> {
     if size == 0 || iterations == 0 {
         bail!("--size and --iterations must be at least 1");
     }
@@ -141,14 +153,10 @@ pub fn gemm(
     sorted.sort_by(f64::total_cmp);
     let median = sorted[sorted.len() / 2];
     let flops = 2.0 * (size as f64).powi(3);
-    Ok(GemmPeak {
+    let info = b.devices().into_iter().nth(device);
+    let peak = GemmPeak {
         backend: kind,
-        device: b
-            .devices()
-            .into_iter()
-            .nth(device)
-            .map(|d| d.name)
-            .unwrap_or_default(),
+        device: info.as_ref().map(|d| d.name.clone()).unwrap_or_default(),
         precision,
         size,
         iterations,
@@ -157,7 +165,8 @@ pub fn gemm(
         best_gflops: flops / sorted[0] / 1e9,
         validated,
         max_rel_error,
-    })
+    };
+    Ok((peak, info))
 }
 
 /// Copy and triad bandwidth of device `device`'s memory over `mib` MiB arrays (host memory
