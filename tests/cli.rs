@@ -196,8 +196,9 @@ fn infer_matches_the_reference_through_files() {
     let w = Weights::load(&wpath, &graph).unwrap();
     let expected = reference::forward(&graph.plan(2, 48, 40).unwrap(), &w, &x);
     let scale = expected.data.iter().fold(1f32, |a, v| a.max(v.abs()));
-    // The CPU's best SIMD paths, then the portable ones that CPUs without AVX2 + FMA run.
-    for simd in ["", "portable"] {
+    // The CPU's best SIMD paths, then AVX2's (what an AVX-512 CPU would otherwise never run
+    // here) and the portable ones that CPUs without AVX2 + FMA run.
+    for simd in ["", "avx2", "portable"] {
         let o = crate::common::command()
             .env("WORKSHOP_CPU_SIMD", simd)
             .args([
@@ -224,6 +225,23 @@ fn infer_matches_the_reference_through_files() {
         .output()
         .unwrap();
     assert!(stdout(&o).contains("portable 6x16"), "{}", stdout(&o));
+    // Asking for more than the CPU has says so, and runs the best it has.
+    use workshop::backend::cpu::simd::{Simd, best};
+    if best() < Simd::Avx512 {
+        let o = crate::common::command()
+            .env("WORKSHOP_CPU_SIMD", "avx512")
+            .args(["doctor"])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert!(
+            stderr(&o).contains("cannot run those paths"),
+            "{}",
+            stderr(&o)
+        );
+        let kernel = workshop::backend::cpu::sgemm::kernel_name();
+        assert!(stdout(&o).contains(kernel), "{kernel}: {}", stdout(&o));
+    }
 }
 
 #[test]

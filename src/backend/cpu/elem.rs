@@ -106,7 +106,7 @@ fn narrow_f16(src: &[f32], dst: &mut [f16]) {
 
 fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if simd::simd() == simd::Simd::Avx2Fma {
+    if simd::simd().has_avx2() {
         // SAFETY: the CPU has AVX2 (checked by `simd::simd`); the lengths are equal.
         return unsafe { x86::widen_bf16(src, dst) };
     }
@@ -115,7 +115,7 @@ fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
 
 fn narrow_bf16(src: &[f32], dst: &mut [bf16]) {
     #[cfg(target_arch = "x86_64")]
-    if simd::simd() == simd::Simd::Avx2Fma {
+    if simd::simd().has_avx2() {
         // SAFETY: as for `widen_bf16`.
         return unsafe { x86::narrow_bf16(src, dst) };
     }

@@ -1,33 +1,65 @@
 //! Which SIMD code paths the CPU kernels take: chosen once per process from what the CPU
-//! supports, or forced to the portable paths with `WORKSHOP_CPU_SIMD=portable` (to test and
-//! time the fallbacks that CPUs without AVX2 + FMA run, on a machine that has them).
+//! supports, or forced with `WORKSHOP_CPU_SIMD` to a lesser path the CPU also runs (`avx2` on
+//! an AVX-512 CPU, `portable` anywhere), to test and time the paths that other CPUs take.
 
 use std::sync::OnceLock;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Simd {
-    /// AVX2 and FMA (x86-64 since Haswell and Zen).
-    Avx2Fma,
     /// Plain Rust that the compiler vectorises for the target's baseline (SSE2 on x86-64).
     Portable,
+    /// AVX2 and FMA (x86-64 since Haswell and Zen).
+    Avx2Fma,
+    /// AVX-512 Foundation (with AVX2 and FMA): Skylake-SP and later Xeons, Ice Lake, Zen 4.
+    Avx512,
 }
 
-/// The environment variable that forces the portable paths.
+impl Simd {
+    /// Whether these paths include AVX2 + FMA (AVX-512 CPUs have them too).
+    pub fn has_avx2(self) -> bool {
+        self >= Simd::Avx2Fma
+    }
+
+    /// The name `WORKSHOP_CPU_SIMD` knows it by.
+    pub fn name(self) -> &'static str {
+        match self {
+            Simd::Portable => "portable",
+            Simd::Avx2Fma => "avx2",
+            Simd::Avx512 => "avx512",
+        }
+    }
+}
+
+/// The environment variable that forces a path.
 pub const ENV: &str = "WORKSHOP_CPU_SIMD";
 
 /// The paths in use.
 pub fn simd() -> Simd {
     static SIMD: OnceLock<Simd> = OnceLock::new();
-    *SIMD.get_or_init(|| match std::env::var(ENV).as_deref() {
-        Ok("portable") => Simd::Portable,
-        Ok("") | Err(_) => best(),
-        Ok(other) => {
+    *SIMD.get_or_init(|| {
+        let best = best();
+        let asked = match std::env::var(ENV).as_deref() {
+            Ok("") | Err(_) => return best,
+            Ok("portable") => Simd::Portable,
+            Ok("avx2") => Simd::Avx2Fma,
+            Ok("avx512") => Simd::Avx512,
+            Ok(other) => {
+                eprintln!(
+                    "warning: {ENV}={other} is not a choice (`portable`, `avx2`, `avx512`, or \
+                     unset for the best this CPU runs): using the best"
+                );
+                return best;
+            }
+        };
+        if asked > best {
             eprintln!(
-                "warning: {ENV}={other} is not a choice (`portable`, or unset for the best this \
-                 CPU runs): using the best"
+                "warning: {ENV}={}: this CPU cannot run those paths: using {}",
+                asked.name(),
+                best.name()
             );
-            best()
+            return best;
         }
+        asked
     })
 }
 
@@ -35,7 +67,11 @@ pub fn simd() -> Simd {
 pub fn best() -> Simd {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        return Simd::Avx2Fma;
+        return if std::arch::is_x86_feature_detected!("avx512f") {
+            Simd::Avx512
+        } else {
+            Simd::Avx2Fma
+        };
     }
     Simd::Portable
 }
@@ -45,7 +81,7 @@ pub fn f16c() -> bool {
     static F16C: OnceLock<bool> = OnceLock::new();
     *F16C.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
-        if simd() == Simd::Avx2Fma {
+        if simd().has_avx2() {
             return std::arch::is_x86_feature_detected!("f16c");
         }
         false
