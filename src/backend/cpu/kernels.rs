@@ -203,9 +203,8 @@ fn is_pointwise(c: &Conv2d) -> bool {
 /// Output rows per chunk for columns of length `k`: a multiple of the GEMM tile's rows.
 pub fn chunk_rows(m: usize, k: usize) -> usize {
     let rows = (COLUMN_CHUNK_ELEMS / k.max(1)).clamp(MIN_CHUNK_ROWS, MAX_CHUNK_ROWS);
-    rows.div_ceil(sgemm::MR)
-        .saturating_mul(sgemm::MR)
-        .min(m.max(1))
+    let tile = sgemm::tile_rows();
+    rows.div_ceil(tile).saturating_mul(tile).min(m.max(1))
 }
 
 /// `rows` per chunk evened out so that the chunks of `m` rows come in a multiple of `threads`
@@ -214,7 +213,7 @@ pub fn chunk_rows(m: usize, k: usize) -> usize {
 pub(crate) fn balanced_rows(m: usize, rows: usize, threads: usize) -> usize {
     let chunks = m.div_ceil(rows.max(1)).next_multiple_of(threads.max(1));
     m.div_ceil(chunks)
-        .next_multiple_of(sgemm::MR)
+        .next_multiple_of(sgemm::tile_rows())
         .min(rows.max(1))
 }
 
@@ -916,7 +915,10 @@ mod tests {
         assert_eq!(balanced_rows(3136, 768, 2), 528);
         assert_eq!(3136usize.div_ceil(528), 6);
         assert_eq!(balanced_rows(784, 768, 2), 396);
-        assert_eq!(balanced_rows(100, 768, 2), 54);
+        assert_eq!(
+            balanced_rows(100, 768, 2),
+            50usize.next_multiple_of(sgemm::tile_rows())
+        );
         assert_eq!(balanced_rows(4, 4, 2), 4);
         assert_eq!(balanced_rows(1, 1, 8), 1);
         for (m, rows, threads) in [(25088, 768, 2), (3136, 512, 3), (49, 96, 2), (7, 6, 4)] {

@@ -267,6 +267,12 @@ fn kernels_for(simd: Simd) -> Kernels {
     }
 }
 
+/// Rows of the tallest tile in use: row chunks that are a multiple of it never end in a
+/// short tile.
+pub fn tile_rows() -> usize {
+    kernels().rows
+}
+
 /// The name of the kernel in use, for records and `doctor`.
 pub fn kernel_name() -> &'static str {
     match simd() {

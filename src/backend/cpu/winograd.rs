@@ -249,12 +249,11 @@ thread_local! {
 /// Tiles per work item: the chunk's transformed inputs and results stay about 1 MiB.
 /// Fewer when that leaves too few work items for the workers.
 fn chunk_tiles(positions: usize, cin: usize, cout: usize, tiles: usize, threads: usize) -> usize {
-    let fair = tiles
-        .div_ceil(2 * threads.max(1))
-        .next_multiple_of(sgemm::MR);
+    let tile = sgemm::tile_rows();
+    let fair = tiles.div_ceil(2 * threads.max(1)).next_multiple_of(tile);
     ((1 << 18) / positions / (cin + cout).max(1))
         .clamp(sgemm::MR * 2, sgemm::MR * 16)
-        .next_multiple_of(sgemm::MR)
+        .next_multiple_of(tile)
         .min(fair)
         .min(tiles.max(1))
 }
