@@ -481,22 +481,38 @@ fn inputs_with<T: Elem, B: Transform<A, A>, const A: usize, const M: usize>(
     let positions = A * A;
     s.d.resize(positions * cin, 0.0);
     s.tmp.resize(positions * cin.max(job.ys.c), 0.0);
+    // f32 activations are read in place where a tile's window lies inside the image.
+    let direct = T::as_f32(job.x);
     for (t, vt) in tiles.zip(v.chunks_exact_mut(positions * cin)) {
         let (b, ty, tx) = tile_position(t, job.th, job.tw);
+        let (y0, x0) = ((M * ty) as isize - job.pad.0, (M * tx) as isize - job.pad.1);
+        // Input pixel (i, j) of the window, where it lies inside the image.
+        let pixel = |i: usize, j: usize| {
+            let (iy, ix) = ((y0 + i as isize) as usize, (x0 + j as isize) as usize);
+            ((b * xs.h + iy) * xs.w + ix) * cin
+        };
+        let inside = y0 >= 0 && x0 >= 0 && y0 as usize + A <= xs.h && x0 as usize + A <= xs.w;
+        if let (Some(x), true) = (direct, inside) {
+            let rows = vt.chunks_exact_mut(A * cin);
+            transform_2d::<B, A, A>(|i, j| &x[pixel(i, j)..][..cin], cin, &mut s.tmp, rows);
+            continue;
+        }
         for i in 0..A {
-            let iy = (M * ty + i) as isize - job.pad.0;
+            let iy = y0 + i as isize;
             for j in 0..A {
-                let ix = (M * tx + j) as isize - job.pad.1;
+                let ix = x0 + j as isize;
                 let dst = &mut s.d[(i * A + j) * cin..][..cin];
                 if iy < 0 || ix < 0 || iy >= xs.h as isize || ix >= xs.w as isize {
                     dst.fill(0.0);
                 } else {
-                    let at = ((b * xs.h + iy as usize) * xs.w + ix as usize) * cin;
+                    let at = pixel(i, j);
                     T::widen(&job.x[at..at + cin], dst);
                 }
             }
         }
-        transform_2d::<B, A, A>(&s.d, cin, &mut s.tmp, vt);
+        let d = &s.d;
+        let rows = vt.chunks_exact_mut(A * cin);
+        transform_2d::<B, A, A>(|i, j| &d[(i * A + j) * cin..][..cin], cin, &mut s.tmp, rows);
     }
 }
 
@@ -513,24 +529,44 @@ fn outputs_with<T: Elem, O: Transform<A, M>, const A: usize, const M: usize>(
     s.tmp.resize(positions * cout.max(job.xs.c), 0.0);
     for (t, mt) in tiles.zip(mm.chunks_exact(positions * cout)) {
         let (b, ty, tx) = tile_position(t, job.th, job.tw);
-        transform_2d::<O, A, M>(mt, cout, &mut s.tmp, &mut s.y);
+        let src = |i: usize, j: usize| &mt[(i * A + j) * cout..][..cout];
+        let flat = |r: usize, c: usize| ((b * ys.h + M * ty + r) * ys.w + M * tx + c) * cout;
+        let whole = M * ty + M <= ys.h && M * tx + M <= ys.w;
+        if T::IS_F32 && whole {
+            // f32 outputs of a whole tile: each output row's M pixels are contiguous in the
+            // image, so the transform writes them in place.
+            // SAFETY: the tile's output pixels belong to this tile only; with T = f32 the
+            // output holds f32 values.
+            let row = |r: usize| unsafe {
+                std::slice::from_raw_parts_mut(job.out.0.add(flat(r, 0)).cast::<f32>(), M * cout)
+            };
+            transform_2d::<O, A, M>(src, cout, &mut s.tmp, (0..M).map(row));
+            for r in 0..M {
+                for (c, px) in row(r).chunks_exact_mut(cout).enumerate() {
+                    if let Some(bias) = &job.w.bias {
+                        px.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
+                    }
+                    job.epilogue.apply(px, flat(r, c), &mut s.residual);
+                }
+            }
+            continue;
+        }
+        transform_2d::<O, A, M>(src, cout, &mut s.tmp, s.y.chunks_exact_mut(M * cout));
         for (r, rows) in s.y.chunks_exact_mut(M * cout).enumerate() {
-            let oy = M * ty + r;
-            if oy >= ys.h {
+            if M * ty + r >= ys.h {
                 break;
             }
             for (c, row) in rows.chunks_exact_mut(cout).enumerate() {
-                let ox = M * tx + c;
-                if ox >= ys.w {
+                if M * tx + c >= ys.w {
                     break;
                 }
                 if let Some(bias) = &job.w.bias {
                     row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
                 }
-                let flat = ((b * ys.h + oy) * ys.w + ox) * cout;
-                job.epilogue.apply(row, flat, &mut s.residual);
+                let at = flat(r, c);
+                job.epilogue.apply(row, at, &mut s.residual);
                 // SAFETY: this pixel's cout outputs belong to this tile only.
-                let dst = unsafe { std::slice::from_raw_parts_mut(job.out.0.add(flat), cout) };
+                let dst = unsafe { std::slice::from_raw_parts_mut(job.out.0.add(at), cout) };
                 T::narrow(row, dst);
             }
         }
@@ -548,24 +584,25 @@ trait Transform<const I: usize, const O: usize> {
 }
 
 /// `out` = L·`src`·Lᵀ for one tile, all `c` channels, with the 1-D transform L (`O` × `I`):
-/// `src` holds I×I channel vectors row-major, `out` O×O, `tmp` at least I·O.
+/// `src(i, j)` is input (i, j)'s channel vector, `out` yields the O channel vectors of output row
+/// r in turn (O·c contiguous floats), `tmp` at least I·O·c.
 #[inline(always)]
-fn transform_2d<L: Transform<I, O>, const I: usize, const O: usize>(
-    src: &[f32],
+fn transform_2d<'s, 'o, L: Transform<I, O>, const I: usize, const O: usize>(
+    src: impl Fn(usize, usize) -> &'s [f32],
     c: usize,
     tmp: &mut [f32],
-    out: &mut [f32],
+    out: impl Iterator<Item = &'o mut [f32]>,
 ) {
     // Columns: tmp[j][r] = Σ_i L[r][i]·src[i][j], each column's results contiguous.
     for (j, col) in tmp[..I * O * c].chunks_exact_mut(O * c).enumerate() {
-        let input = std::array::from_fn(|i| &src[(i * I + j) * c..][..c]);
+        let input = std::array::from_fn(|i| src(i, j));
         let mut rows = col.chunks_exact_mut(c);
         L::apply(input, std::array::from_fn(|_| rows.next().unwrap()), c);
     }
     // Rows: out[r][s] = Σ_j tmp[j][r]·L[s][j].
-    for (r, row) in out[..O * O * c].chunks_exact_mut(O * c).enumerate() {
+    for (r, row) in out.take(O).enumerate() {
         let input = std::array::from_fn(|j| &tmp[(j * O + r) * c..][..c]);
-        let mut cols = row.chunks_exact_mut(c);
+        let mut cols = row[..O * c].chunks_exact_mut(c);
         L::apply(input, std::array::from_fn(|_| cols.next().unwrap()), c);
     }
 }
