@@ -145,12 +145,10 @@ pub fn prepare(cfg: &BenchConfig, weights_file: Option<&std::path::Path>) -> Res
             (plan, w, Some(info))
         }
     };
-    // Calibration prepared a CPU session already: where the run asks for the same one (FP32
-    // eager at the calibration's batch, every core), it runs on that one. Otherwise it is freed
-    // before the backend prepares its own.
-    let reused = calibration.and_then(|c| c.into_session(cfg.device, &plan, &weights, &opt));
-    let session = match reused {
-        Some(session) => session,
+    // Calibration prepared a CPU session already: the run's session is that one, or takes its
+    // packed weights, where they fit (see `Calibration::prepare`).
+    let session = match calibration {
+        Some(calibration) => calibration.prepare(cfg.device, &plan, &weights, &opt)?,
         None => backend.prepare(cfg.device, &plan, &weights, &opt)?,
     };
     let device = device.context("the device disappeared while preparing")?;
@@ -172,8 +170,8 @@ pub fn seeded_weights(graph: &Graph, seed: u64, input_size: usize) -> Result<Wei
 }
 
 /// [`seeded_weights`], and the CPU session that calibrated them (where the network has batch
-/// norm): a benchmark of the same plan on the CPU can run on it (see
-/// [`backend::cpu::Calibration::into_session`]).
+/// norm): a CPU run of the same network takes its packed weights (see
+/// [`backend::cpu::Calibration::prepare`]).
 fn seeded_weights_calibrated(
     graph: &Graph,
     seed: u64,
@@ -465,62 +463,63 @@ mod tests {
     use super::*;
     use crate::model::Precision;
 
-    /// The session that calibrated batch norm, handed over to a run, computes bit for bit what
-    /// a freshly prepared session computes; a run that asks for anything else does not get it.
+    /// A run on the session that calibrated batch norm, or on one that took its packed
+    /// convolutions, computes bit for bit what a freshly prepared session computes: at the
+    /// calibration's batch; at a larger one (where a Winograd layer changes schedule); at a
+    /// smaller one (where layers change tile, so their packing is redone); with other threads;
+    /// and in FP16 (which takes nothing).
     #[test]
     fn calibration_session_runs_the_same_network() {
         let graph = zoo::build("resnet18").unwrap();
-        // Below 128 px calibration takes CALIBRATION_BATCH images.
-        let (size, batch) = (32, CALIBRATION_BATCH);
-        let plan = graph.plan(batch, size, size).unwrap();
-        let input = Rng::new(7).normal_tensor(plan.input_shape().to_vec());
+        // Below 128 px calibration takes CALIBRATION_BATCH (4) images.
+        let size = 32;
         let cpu = backend::open(BackendKind::Cpu).unwrap();
-        let default = ExecOptions::default();
-
-        let (weights, calibration) = seeded_weights_calibrated(&graph, 3, size).unwrap();
-        let mut reused = calibration
-            .expect("resnet18 has batch norm")
-            .into_session(0, &plan, &weights, &default)
-            .expect("the run asks for the calibration's own plan and options");
-        let mut fresh = cpu.prepare(0, &plan, &weights, &default).unwrap();
-        let want = infer(fresh.as_mut(), &input).unwrap();
-        assert_eq!(infer(reused.as_mut(), &input).unwrap().data, want.data);
-        // And again, now that it holds the first run's buffers.
-        assert_eq!(infer(reused.as_mut(), &input).unwrap().data, want.data);
-
-        let other_batch = graph.plan(batch + 1, size, size).unwrap();
-        let refused: [(usize, &Plan, ExecOptions); 5] = [
-            (1, &plan, ExecOptions::default()),
-            (0, &other_batch, ExecOptions::default()),
-            (
-                0,
-                &plan,
-                ExecOptions {
-                    precision: Precision::Fp16,
-                    ..Default::default()
-                },
-            ),
-            (
-                0,
-                &plan,
-                ExecOptions {
-                    threads: Some(1000),
-                    ..Default::default()
-                },
-            ),
-            (
-                0,
-                &plan,
-                ExecOptions {
-                    cores: Some(vec![0]),
-                    ..Default::default()
-                },
-            ),
+        let fp16 = ExecOptions {
+            precision: Precision::Fp16,
+            ..Default::default()
+        };
+        let one_thread = ExecOptions {
+            threads: Some(1),
+            ..Default::default()
+        };
+        let cases = [
+            (CALIBRATION_BATCH, ExecOptions::default()),
+            (8, ExecOptions::default()),
+            (2, ExecOptions::default()),
+            (CALIBRATION_BATCH, one_thread),
+            (CALIBRATION_BATCH, fp16),
         ];
-        for (dev, plan, opt) in refused {
+        for (batch, opt) in cases {
+            let plan = graph.plan(batch, size, size).unwrap();
+            let input = Rng::new(7).normal_tensor(plan.input_shape().to_vec());
             let (weights, calibration) = seeded_weights_calibrated(&graph, 3, size).unwrap();
-            let session = calibration.unwrap().into_session(dev, plan, &weights, &opt);
-            assert!(session.is_none(), "handed over for device {dev}, {opt:?}");
+            let mut fresh = cpu.prepare(0, &plan, &weights, &opt).unwrap();
+            let want = infer(fresh.as_mut(), &input).unwrap();
+            let mut handed = calibration
+                .expect("resnet18 has batch norm")
+                .prepare(0, &plan, &weights, &opt)
+                .unwrap();
+            let what = format!("batch {batch}, {opt:?}");
+            assert_eq!(
+                infer(handed.as_mut(), &input).unwrap().data,
+                want.data,
+                "{what}"
+            );
+            // And again, with the first run's buffers.
+            assert_eq!(
+                infer(handed.as_mut(), &input).unwrap().data,
+                want.data,
+                "{what}"
+            );
         }
+        // A device the CPU does not have is refused as the backend refuses it.
+        let plan = graph.plan(CALIBRATION_BATCH, size, size).unwrap();
+        let (weights, calibration) = seeded_weights_calibrated(&graph, 3, size).unwrap();
+        let err = calibration
+            .unwrap()
+            .prepare(1, &plan, &weights, &Default::default())
+            .err()
+            .expect("device 1 refused");
+        assert!(err.to_string().contains("one device"), "{err}");
     }
 }

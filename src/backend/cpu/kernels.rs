@@ -160,6 +160,21 @@ impl<T: Elem> PackedConv<T> {
         })
     }
 
+    /// This packing for the same convolution with output `out` (another batch), where that
+    /// output runs with `tile` (Winograd's, or none) as this packing does.
+    pub fn for_output(
+        mut self,
+        tile: Option<super::winograd::Tile>,
+        out: &[usize],
+    ) -> Option<Self> {
+        self.winograd = match (self.winograd.take(), tile) {
+            (None, None) => None,
+            (Some(w), Some(t)) if w.tile() == t => Some(w.for_output(&self.conv, out)?),
+            _ => return None,
+        };
+        Some(self)
+    }
+
     pub fn bytes(&self) -> u64 {
         let dw = self.depthwise.as_ref().map_or(0, |(w, b)| {
             (w.len() + b.as_ref().map_or(0, |b| b.len())) as u64 * 4

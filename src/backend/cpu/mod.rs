@@ -38,6 +38,66 @@ impl Default for CpuBackend {
     }
 }
 
+impl CpuBackend {
+    /// [`Backend::prepare`], taking from `donor` the packed convolutions that fit.
+    fn prepare_with(
+        &self,
+        dev: usize,
+        plan: &Plan,
+        weights: &Weights,
+        opt: &ExecOptions,
+        donor: &mut Donor,
+    ) -> Result<Box<dyn Session>, BackendError> {
+        super::native_only(BackendKind::Cpu, opt)?;
+        if dev != 0 {
+            return Err(BackendError::NoDevice {
+                kind: BackendKind::Cpu,
+                reason: format!(
+                    "the CPU backend has one device (0), not {dev}; use --threads to choose cores"
+                ),
+            });
+        }
+        let threads = match &opt.cores {
+            Some(cores) => cores.len(),
+            None => opt.threads.unwrap_or_else(default_threads),
+        };
+        if threads == 0 {
+            return Err(BackendError::Invalid("--threads must be at least 1".into()));
+        }
+        check_memory(plan, opt.precision, threads)?;
+        let pool = worker_pool(threads, opt.cores.clone().unwrap_or_default())?;
+        Ok(match opt.precision {
+            Precision::Fp32 => Box::new(CpuSession::<f32>::new(
+                plan,
+                weights,
+                pool,
+                threads,
+                opt.profile,
+                &opt.variants,
+                donor,
+            )?),
+            Precision::Fp16 => Box::new(CpuSession::<f16>::new(
+                plan,
+                weights,
+                pool,
+                threads,
+                opt.profile,
+                &opt.variants,
+                donor,
+            )?),
+            Precision::Bf16 => Box::new(CpuSession::<bf16>::new(
+                plan,
+                weights,
+                pool,
+                threads,
+                opt.profile,
+                &opt.variants,
+                donor,
+            )?),
+        })
+    }
+}
+
 /// Instruction-set features that our kernels (and `gemm`'s) take advantage of.
 pub fn cpu_features() -> Vec<String> {
     let mut f = Vec::new();
@@ -193,50 +253,7 @@ impl Backend for CpuBackend {
         weights: &Weights,
         opt: &ExecOptions,
     ) -> Result<Box<dyn Session>, BackendError> {
-        super::native_only(BackendKind::Cpu, opt)?;
-        if dev != 0 {
-            return Err(BackendError::NoDevice {
-                kind: BackendKind::Cpu,
-                reason: format!(
-                    "the CPU backend has one device (0), not {dev}; use --threads to choose cores"
-                ),
-            });
-        }
-        let threads = match &opt.cores {
-            Some(cores) => cores.len(),
-            None => opt.threads.unwrap_or_else(default_threads),
-        };
-        if threads == 0 {
-            return Err(BackendError::Invalid("--threads must be at least 1".into()));
-        }
-        check_memory(plan, opt.precision, threads)?;
-        let pool = worker_pool(threads, opt.cores.clone().unwrap_or_default())?;
-        Ok(match opt.precision {
-            Precision::Fp32 => Box::new(CpuSession::<f32>::new(
-                plan,
-                weights,
-                pool,
-                threads,
-                opt.profile,
-                &opt.variants,
-            )?),
-            Precision::Fp16 => Box::new(CpuSession::<f16>::new(
-                plan,
-                weights,
-                pool,
-                threads,
-                opt.profile,
-                &opt.variants,
-            )?),
-            Precision::Bf16 => Box::new(CpuSession::<bf16>::new(
-                plan,
-                weights,
-                pool,
-                threads,
-                opt.profile,
-                &opt.variants,
-            )?),
-        })
+        self.prepare_with(dev, plan, weights, opt, &mut Donor::default())
     }
 }
 
@@ -340,6 +357,7 @@ impl<T: Elem> CpuSession<T> {
         threads: usize,
         profile: bool,
         variants: &std::collections::BTreeMap<String, String>,
+        donor: &mut Donor,
     ) -> Result<Self, BackendError> {
         let mut steps = Vec::with_capacity(plan.graph.nodes.len());
         let mut weight_bytes = 0u64;
@@ -354,15 +372,22 @@ impl<T: Elem> CpuSession<T> {
                         Some(v) => winograd::Tile::from_variant(v),
                         None => winograd::by_default(&c, &plan.shapes[id]),
                     };
-                    let mut packed = tile
-                        .and_then(|t| {
-                            let w = get("weight").ok()?;
-                            PackedConv::<T>::winograd(t, c, w, bias, &plan.shapes[id])
-                        })
-                        .map_or_else(
-                            || get("weight").map(|w| PackedConv::<T>::new(c, w, bias)),
-                            Ok,
-                        )?;
+                    let donated = variant
+                        .is_none()
+                        .then(|| donor.take::<T>(id, tile, &plan.shapes[id]))
+                        .flatten();
+                    let mut packed = match donated {
+                        Some(packed) => packed,
+                        None => tile
+                            .and_then(|t| {
+                                let w = get("weight").ok()?;
+                                PackedConv::<T>::winograd(t, c, w, bias, &plan.shapes[id])
+                            })
+                            .map_or_else(
+                                || get("weight").map(|w| PackedConv::<T>::new(c, w, bias)),
+                                Ok,
+                            )?,
+                    };
                     packed.chunk_scale = kernels::chunk_scale(variant);
                     weight_bytes += packed.bytes();
                     Step::Conv(packed)
@@ -689,8 +714,15 @@ pub fn calibrate_batch_norm(
 ) -> Result<Calibration, BackendError> {
     let threads = default_threads();
     let pool = worker_pool(threads, Vec::new())?;
-    let mut session =
-        CpuSession::<f32>::new(plan, weights, pool, threads, false, &Default::default())?;
+    let mut session = CpuSession::<f32>::new(
+        plan,
+        weights,
+        pool,
+        threads,
+        false,
+        &Default::default(),
+        &mut Donor::default(),
+    )?;
     // Calibration normalises with batch statistics, so the steps carry gamma and beta.
     for (step, node) in session.steps.iter_mut().zip(&plan.graph.nodes) {
         if let Step::Affine { scale, shift } = step {
@@ -716,20 +748,22 @@ pub fn calibrate_batch_norm(
 
 /// The FP32 session that calibrated a network's batch norm, on every core. Its packed weights
 /// (Winograd transforms, GEMM panels: most of a session's preparation) do not depend on the
-/// statistics, so a benchmark of the same plan can run on it instead of preparing them again.
+/// statistics, so a CPU run of the same network takes them instead of packing them again.
 pub struct Calibration(CpuSession<f32>);
 
 impl Calibration {
-    /// This session, normalising with the running statistics calibration gave `weights` (the
-    /// weights it calibrated), when it is exactly what the CPU backend would prepare for
-    /// `plan` with `opt` on device `dev`; otherwise `None`, and it is freed.
-    pub fn into_session(
+    /// The CPU backend's session for `plan` with `opt` on device `dev`, normalising with the
+    /// running statistics this calibration gave `weights` (the weights it calibrated): this
+    /// very session where it is exactly what the run asks for (FP32 at the calibration's batch,
+    /// default variants, every core); otherwise a new one, which at FP32 takes over the packed
+    /// convolutions that fit its batch (all but the layers whose Winograd tile changes).
+    pub fn prepare(
         self,
         dev: usize,
         plan: &Plan,
         weights: &Weights,
         opt: &ExecOptions,
-    ) -> Option<Box<dyn Session>> {
+    ) -> Result<Box<dyn Session>, BackendError> {
         let mut session = self.0;
         let same = dev == 0
             && super::native_only(BackendKind::Cpu, opt).is_ok()
@@ -738,18 +772,51 @@ impl Calibration {
             && opt.cores.is_none()
             && opt.variants.is_empty()
             && session.plan == *plan;
-        if !same {
-            return None;
-        }
-        for (step, node) in session.steps.iter_mut().zip(&plan.graph.nodes) {
-            if let (Step::Affine { scale, shift }, Op::BatchNorm { eps, .. }) = (step, &node.op) {
-                (*scale, *shift) = inference_affine(weights, &node.name, *eps).ok()?;
+        if same {
+            for (step, node) in session.steps.iter_mut().zip(&plan.graph.nodes) {
+                if let (Step::Affine { scale, shift }, Op::BatchNorm { eps, .. }) = (step, &node.op)
+                {
+                    (*scale, *shift) = inference_affine(weights, &node.name, *eps)?;
+                }
             }
+            session.profile = opt.profile;
+            session.output = None;
+            session.times.clear();
+            return Ok(Box::new(session));
         }
-        session.profile = opt.profile;
-        session.output = None;
-        session.times.clear();
-        Some(Box::new(session))
+        let mut donor = Donor::default();
+        if session.plan.graph == plan.graph && opt.precision == Precision::Fp32 {
+            donor.0 = std::mem::take(&mut session.steps)
+                .into_iter()
+                .map(|step| match step {
+                    Step::Conv(p) => Some(p),
+                    _ => None,
+                })
+                .collect();
+        }
+        // Its activations go before the new session allocates.
+        drop(session);
+        CpuBackend.prepare_with(dev, plan, weights, opt, &mut donor)
+    }
+}
+
+/// Packed FP32 convolutions by node id, from a session of the same graph, that a new session
+/// takes where they fit instead of packing the weights again.
+#[derive(Default)]
+struct Donor(Vec<Option<PackedConv<f32>>>);
+
+impl Donor {
+    /// Node `id`'s packed convolution as `T`, for output `out` run with `tile`, where there is
+    /// one and it fits (only FP32 sessions take any).
+    fn take<T: Elem>(
+        &mut self,
+        id: usize,
+        tile: Option<winograd::Tile>,
+        out: &[usize],
+    ) -> Option<PackedConv<T>> {
+        let packed = self.0.get_mut(id)?.take()?.for_output(tile, out)?;
+        let packed: Box<dyn std::any::Any> = Box::new(packed);
+        packed.downcast::<PackedConv<T>>().ok().map(|p| *p)
     }
 }
 
@@ -818,5 +885,73 @@ impl<T: Elem> Session for CpuSession<T> {
             sgemm::kernel_name(),
             T::PRECISION
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::zoo;
+    use winograd::Tile;
+
+    /// A session's packed convolutions go to a new session where its layer runs as they were
+    /// packed (another batch, the same Winograd tile or none), and only to FP32 sessions.
+    #[test]
+    fn donor_gives_only_what_fits() {
+        let graph = zoo::build("resnet18").unwrap();
+        let weights = Weights::init(&graph, 1);
+        // At 32 px, layer1 is 8×8: F(4×4) from batch 4 up, F(2×2) below.
+        let at = |batch| graph.plan(batch, 32, 32).unwrap();
+        let donor = || {
+            let plan = at(4);
+            let pool = worker_pool(1, Vec::new()).unwrap();
+            let session = CpuSession::<f32>::new(
+                &plan,
+                &weights,
+                pool,
+                1,
+                false,
+                &Default::default(),
+                &mut Donor::default(),
+            )
+            .unwrap();
+            let convs = session.steps.into_iter().map(|s| match s {
+                Step::Conv(p) => Some(p),
+                _ => None,
+            });
+            Donor(convs.collect())
+        };
+        let id = |name: &str| graph.nodes.iter().position(|n| n.name == name).unwrap();
+        let (winograd, stem) = (id("layer1.0.conv1"), id("conv1"));
+        let shape = |batch: usize, node: usize| at(batch).shapes[node].clone();
+        let tile = |p: &PackedConv<f32>| p.winograd.as_ref().map(|w| w.tile());
+
+        let mut d = donor();
+        let taken = d.take::<f32>(winograd, Some(Tile::F4), &shape(8, winograd));
+        assert_eq!(taken.as_ref().map(tile), Some(Some(Tile::F4)));
+        assert!(
+            d.take::<f32>(winograd, Some(Tile::F4), &shape(8, winograd))
+                .is_none(),
+            "taken once only"
+        );
+        let stem_conv = d.take::<f32>(stem, None, &shape(8, stem));
+        assert_eq!(stem_conv.as_ref().map(tile), Some(None));
+
+        let mut d = donor();
+        assert!(
+            d.take::<f32>(winograd, Some(Tile::F2), &shape(2, winograd))
+                .is_none(),
+            "packed for F(4×4), asked for F(2×2)"
+        );
+        assert!(
+            d.take::<f32>(stem, Some(Tile::F2), &shape(2, stem))
+                .is_none()
+        );
+        assert!(
+            donor()
+                .take::<f16>(winograd, Some(Tile::F4), &shape(4, winograd))
+                .is_none(),
+            "FP32 packing for an FP16 session"
+        );
     }
 }

@@ -146,8 +146,7 @@ impl<T: Elem> Winograd<T> {
         bias: Option<&[f32]>,
         out: &[usize],
     ) -> Self {
-        let staged = conv.in_channels * conv.out_channels
-            > tile.tiles(out) * (conv.in_channels + conv.out_channels);
+        let staged = staged(tile, conv, out);
         let u = if staged && !T::IS_F32 {
             Transformed::Stored(transform_weights::<T, T>(tile, conv, weight))
         } else {
@@ -159,6 +158,18 @@ impl<T: Elem> Winograd<T> {
             u,
             bias: bias.map(<[f32]>::to_vec),
         }
+    }
+
+    /// The same weights for the same convolution with output `out` (another batch), on the
+    /// schedule that output takes; `None` where they would be stored differently.
+    pub fn for_output(mut self, conv: &Conv2d, out: &[usize]) -> Option<Self> {
+        let staged = staged(self.tile, conv, out);
+        // f32 sessions keep U in f32 on either schedule (see `Transformed`).
+        if staged != self.staged && !T::IS_F32 {
+            return None;
+        }
+        self.staged = staged;
+        Some(self)
     }
 
     pub fn tile(&self) -> Tile {
@@ -176,6 +187,12 @@ impl<T: Elem> Winograd<T> {
         };
         u + self.bias.as_ref().map_or(0, |b| b.len() as u64 * 4)
     }
+}
+
+/// Whether a layer with output `out` runs stage by stage (see [`conv2d`]): where its
+/// transformed weights outweigh its tiles' transformed data.
+fn staged(tile: Tile, conv: &Conv2d, out: &[usize]) -> bool {
+    conv.in_channels * conv.out_channels > tile.tiles(out) * (conv.in_channels + conv.out_channels)
 }
 
 /// U_ξ[ci][co] = Σ_ij G[ξ/α][i] · g[co][ci][i][j] · G[ξ%α][j] for every position ξ, from
