@@ -66,8 +66,15 @@ impl CpuBackend {
         }
         check_memory(plan, opt.precision, threads)?;
         let pool = worker_pool(threads, opt.cores.clone().unwrap_or_default())?;
-        Ok(match opt.precision {
-            Precision::Fp32 => Box::new(CpuSession::<f32>::new(
+        fn boxed<T: Elem>(
+            plan: &Plan,
+            weights: &Weights,
+            pool: Arc<rayon::ThreadPool>,
+            threads: usize,
+            opt: &ExecOptions,
+            donor: &mut Donor,
+        ) -> Result<Box<dyn Session>, BackendError> {
+            let session = CpuSession::<T>::new(
                 plan,
                 weights,
                 pool,
@@ -75,26 +82,14 @@ impl CpuBackend {
                 opt.profile,
                 &opt.variants,
                 donor,
-            )?),
-            Precision::Fp16 => Box::new(CpuSession::<f16>::new(
-                plan,
-                weights,
-                pool,
-                threads,
-                opt.profile,
-                &opt.variants,
-                donor,
-            )?),
-            Precision::Bf16 => Box::new(CpuSession::<bf16>::new(
-                plan,
-                weights,
-                pool,
-                threads,
-                opt.profile,
-                &opt.variants,
-                donor,
-            )?),
-        })
+            )?;
+            Ok(Box::new(session))
+        }
+        match opt.precision {
+            Precision::Fp32 => boxed::<f32>(plan, weights, pool, threads, opt, donor),
+            Precision::Fp16 => boxed::<f16>(plan, weights, pool, threads, opt, donor),
+            Precision::Bf16 => boxed::<bf16>(plan, weights, pool, threads, opt, donor),
+        }
     }
 }
 
