@@ -101,7 +101,8 @@ pub fn prepare(cfg: &BenchConfig, weights_file: Option<&std::path::Path>) -> Res
         Some(path) => (Weights::load(path, &graph)?, None),
         None => seeded_weights_calibrated(&graph, cfg.seed, cfg.input_size)?,
     };
-    // The calibrating session can only be the CPU's eager one; otherwise free it now.
+    // Only the CPU's eager sessions take over the calibration's packed weights; free it now
+    // for any other run.
     let calibration =
         calibration.filter(|_| cfg.backend == BackendKind::Cpu && cfg.compile.is_none());
     // Asked once here: enumerating devices can be slow (wgpu lists every adapter). A missing
@@ -145,8 +146,8 @@ pub fn prepare(cfg: &BenchConfig, weights_file: Option<&std::path::Path>) -> Res
             (plan, w, Some(info))
         }
     };
-    // Calibration prepared a CPU session already: the run's session is that one, or takes its
-    // packed weights, where they fit (see `Calibration::prepare`).
+    // Calibration packed the weights for the CPU already: the run's session takes them over
+    // where they fit (see `Calibration::prepare`).
     let session = match calibration {
         Some(calibration) => calibration.prepare(cfg.device, &plan, &weights, &opt)?,
         None => backend.prepare(cfg.device, &plan, &weights, &opt)?,
@@ -463,9 +464,9 @@ mod tests {
     use super::*;
     use crate::model::Precision;
 
-    /// A run on the session that calibrated batch norm, or on one that took its packed
-    /// convolutions, computes bit for bit what a freshly prepared session computes: at the
-    /// calibration's batch; at a larger one (where a Winograd layer changes schedule); at a
+    /// A session that took over the packed convolutions of the one that calibrated batch norm
+    /// computes bit for bit what a freshly prepared session computes: at the calibration's
+    /// batch; at a larger one (where a Winograd layer changes schedule); at a
     /// smaller one (where layers change tile, so their packing is redone); with other threads;
     /// and in FP16 (which takes nothing).
     #[test]

@@ -123,7 +123,7 @@ impl Graph {
 }
 
 /// A graph fixed to one input shape: what backends prepare and what the counters read.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct Plan {
     pub graph: Graph,
     /// Logical (NCHW) shape of every node's output.

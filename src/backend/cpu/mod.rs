@@ -388,7 +388,13 @@ impl<T: Elem> CpuSession<T> {
                     Step::Conv(packed)
                 }
                 Op::BatchNorm { eps, .. } => {
-                    let (scale, shift) = inference_affine(weights, &node.name, eps)?;
+                    let (g, b, m, v) = (
+                        get("weight")?,
+                        get("bias")?,
+                        get("running_mean")?,
+                        get("running_var")?,
+                    );
+                    let (scale, shift) = batch_norm_affine(g, b, m, v, eps);
                     weight_bytes += 2 * scale.len() as u64 * 4;
                     Step::Affine { scale, shift }
                 }
@@ -661,18 +667,6 @@ fn tensor<'w>(weights: &'w Weights, node: &str, suffix: &str) -> Result<&'w [f32
         .ok_or_else(|| BackendError::Invalid(format!("weights have no tensor `{name}`")))
 }
 
-/// Batch norm `node` in inference: the per-channel scale and shift of its running statistics.
-fn inference_affine(
-    weights: &Weights,
-    node: &str,
-    eps: f32,
-) -> Result<(Vec<f32>, Vec<f32>), BackendError> {
-    let get = |suffix| tensor(weights, node, suffix);
-    let (g, b) = (get("weight")?, get("bias")?);
-    let (m, v) = (get("running_mean")?, get("running_var")?);
-    Ok(batch_norm_affine(g, b, m, v, eps))
-}
-
 /// Batch norm epsilon used in calibration (every zoo network uses PyTorch's default).
 const BN_EPS: f32 = 1e-5;
 
@@ -727,7 +721,6 @@ pub fn calibrate_batch_norm(
     }
     session.calibrate = true;
     session.run(input)?;
-    session.calibrate = false;
     for (id, mean, var) in std::mem::take(&mut session.batch_stats) {
         let name = &plan.graph.nodes[id].name;
         let c = mean.len();
@@ -747,11 +740,9 @@ pub fn calibrate_batch_norm(
 pub struct Calibration(CpuSession<f32>);
 
 impl Calibration {
-    /// The CPU backend's session for `plan` with `opt` on device `dev`, normalising with the
-    /// running statistics this calibration gave `weights` (the weights it calibrated): this
-    /// very session where it is exactly what the run asks for (FP32 at the calibration's batch,
-    /// default variants, every core); otherwise a new one, which at FP32 takes over the packed
-    /// convolutions that fit its batch (all but the layers whose Winograd tile changes).
+    /// The CPU backend's session for `plan` with `opt` on device `dev`, with `weights` (the
+    /// weights this calibrated, now with their running statistics): at FP32 it takes over the
+    /// packed convolutions that fit its batch (all but the layers whose Winograd tile changes).
     pub fn prepare(
         self,
         dev: usize,
@@ -760,25 +751,6 @@ impl Calibration {
         opt: &ExecOptions,
     ) -> Result<Box<dyn Session>, BackendError> {
         let mut session = self.0;
-        let same = dev == 0
-            && super::native_only(BackendKind::Cpu, opt).is_ok()
-            && opt.precision == Precision::Fp32
-            && opt.threads.unwrap_or(session.threads) == session.threads
-            && opt.cores.is_none()
-            && opt.variants.is_empty()
-            && session.plan == *plan;
-        if same {
-            for (step, node) in session.steps.iter_mut().zip(&plan.graph.nodes) {
-                if let (Step::Affine { scale, shift }, Op::BatchNorm { eps, .. }) = (step, &node.op)
-                {
-                    (*scale, *shift) = inference_affine(weights, &node.name, *eps)?;
-                }
-            }
-            session.profile = opt.profile;
-            session.output = None;
-            session.times.clear();
-            return Ok(Box::new(session));
-        }
         let mut donor = Donor::default();
         if session.plan.graph == plan.graph && opt.precision == Precision::Fp32 {
             donor.0 = std::mem::take(&mut session.steps)
