@@ -544,6 +544,13 @@ fn outputs_with<T: Elem, O: Transform<A, M>, const A: usize, const M: usize>(
     let positions = A * A;
     s.y.resize(M * M * cout, 0.0);
     s.tmp.resize(positions * cout.max(job.xs.c), 0.0);
+    // Bias and epilogue of the output pixel at flat index `at`.
+    let finish = |px: &mut [f32], at: usize, residual: &mut Vec<f32>| {
+        if let Some(bias) = &job.w.bias {
+            px.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
+        }
+        job.epilogue.apply(px, at, residual);
+    };
     for (t, mt) in tiles.zip(mm.chunks_exact(positions * cout)) {
         let (b, ty, tx) = tile_position(t, job.th, job.tw);
         let src = |i: usize, j: usize| &mt[(i * A + j) * cout..][..cout];
@@ -560,10 +567,7 @@ fn outputs_with<T: Elem, O: Transform<A, M>, const A: usize, const M: usize>(
             transform_2d::<O, A, M>(src, cout, &mut s.tmp, (0..M).map(row));
             for r in 0..M {
                 for (c, px) in row(r).chunks_exact_mut(cout).enumerate() {
-                    if let Some(bias) = &job.w.bias {
-                        px.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
-                    }
-                    job.epilogue.apply(px, flat(r, c), &mut s.residual);
+                    finish(px, flat(r, c), &mut s.residual);
                 }
             }
             continue;
@@ -577,11 +581,8 @@ fn outputs_with<T: Elem, O: Transform<A, M>, const A: usize, const M: usize>(
                 if M * tx + c >= ys.w {
                     break;
                 }
-                if let Some(bias) = &job.w.bias {
-                    row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
-                }
                 let at = flat(r, c);
-                job.epilogue.apply(row, at, &mut s.residual);
+                finish(row, at, &mut s.residual);
                 // SAFETY: this pixel's cout outputs belong to this tile only.
                 let dst = unsafe { std::slice::from_raw_parts_mut(job.out.0.add(at), cout) };
                 T::narrow(row, dst);
