@@ -19,6 +19,8 @@ pub trait Elem: Copy + Send + Sync + Default + 'static {
     /// The slice itself when the storage type is already f32 (no copy needed).
     fn as_f32(s: &[Self]) -> Option<&[f32]>;
     fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]>;
+    /// The slice itself when the storage type is bf16 (what AMX tiles read).
+    fn as_bf16(s: &[Self]) -> Option<&[bf16]>;
     fn widen(src: &[Self], dst: &mut [f32]);
     fn narrow(src: &[f32], dst: &mut [Self]);
 }
@@ -39,6 +41,9 @@ impl Elem for f32 {
     fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]> {
         Some(s)
     }
+    fn as_bf16(_: &[Self]) -> Option<&[bf16]> {
+        None
+    }
     fn widen(src: &[Self], dst: &mut [f32]) {
         dst.copy_from_slice(src);
     }
@@ -49,7 +54,7 @@ impl Elem for f32 {
 
 /// The two half types differ only in their names, formats and conversion loops.
 macro_rules! half_elem {
-    ($t:ty, $precision:expr, $suffix:literal, $widen:path, $narrow:path) => {
+    ($t:ty, $precision:expr, $suffix:literal, $widen:path, $narrow:path, $as_bf16:path) => {
         impl Elem for $t {
             const PRECISION: Precision = $precision;
             const SUFFIX: &'static str = $suffix;
@@ -66,6 +71,9 @@ macro_rules! half_elem {
             fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
                 None
             }
+            fn as_bf16(s: &[Self]) -> Option<&[bf16]> {
+                $as_bf16(s)
+            }
             fn widen(src: &[Self], dst: &mut [f32]) {
                 assert_eq!(src.len(), dst.len(), "widen: lengths differ");
                 $widen(src, dst);
@@ -78,8 +86,12 @@ macro_rules! half_elem {
     };
 }
 
-half_elem!(f16, Precision::Fp16, "f16", widen_f16, narrow_f16);
-half_elem!(bf16, Precision::Bf16, "bf16", widen_bf16, narrow_bf16);
+half_elem!(f16, Precision::Fp16, "f16", widen_f16, narrow_f16, not_bf16);
+half_elem!(bf16, Precision::Bf16, "bf16", widen_bf16, narrow_bf16, Some);
+
+fn not_bf16(_: &[f16]) -> Option<&[bf16]> {
+    None
+}
 
 // The conversions run over every activation of a half-precision session, several times per
 // layer: `half`'s slice routines convert 8 values per call (about 0.5 ns per value on a Zen

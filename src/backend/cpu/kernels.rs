@@ -12,8 +12,10 @@
 
 use std::cell::RefCell;
 
+use half::bf16;
 use rayon::prelude::*;
 
+use super::amx::{self, PackedAmx};
 use super::elem::Elem;
 use super::sgemm::{self, NR, PackedB, Panels};
 use crate::model::op::{Act, Conv2d, Pool};
@@ -72,6 +74,9 @@ pub struct PackedConv<T> {
     /// Winograd F(m×m, 3×3) weights, when this layer runs that way (3×3, stride 1): `groups`
     /// is then empty.
     pub winograd: Option<super::winograd::Winograd<T>>,
+    /// The weights packed for AMX tiles, when this BF16 layer runs on them (ungrouped layers
+    /// where the CPU has AMX): `groups` is then empty.
+    pub amx: Option<Box<PackedAmx>>,
 }
 
 /// The CPU backend's conv variants: rows per work item at 1×, 2× and 4× the default.
@@ -107,23 +112,42 @@ impl<T: Elem> PackedConv<T> {
                 depthwise: Some((dw, bias)),
                 chunk_scale: 1,
                 winograd: None,
+                amx: None,
             };
         }
         let cin_g = conv.in_channels / conv.groups;
         let taps = kh * kw;
+        // Column co of group g: PyTorch's (cin_g, kh, kw) block of that output channel,
+        // reordered to (ky, kx, ci) like the NHWC columns (`Conv2d::weight_index`, without the
+        // divisions per element).
+        let fill = |g: usize| {
+            move |co: usize, col: &mut [f32]| {
+                let src = &weight[(g * cout_g + co) * cin_g * taps..][..cin_g * taps];
+                for ci in 0..cin_g {
+                    for t in 0..taps {
+                        col[t * cin_g + ci] = src[ci * taps + t];
+                    }
+                }
+            }
+        };
+        if uses_amx::<T>(&conv) {
+            return PackedConv {
+                conv,
+                groups: Vec::new(),
+                depthwise: None,
+                chunk_scale: 1,
+                winograd: None,
+                amx: Some(Box::new(PackedAmx::from_columns(
+                    conv.taps(),
+                    cout_g,
+                    fill(0),
+                    bias,
+                ))),
+            };
+        }
         let groups = (0..conv.groups)
             .map(|g| {
-                // Column co: PyTorch's (cin_g, kh, kw) block of that output channel, reordered
-                // to (ky, kx, ci) like the NHWC columns (`Conv2d::weight_index`, without the
-                // divisions per element).
-                let fill = |co: usize, col: &mut [f32]| {
-                    let src = &weight[(g * cout_g + co) * cin_g * taps..][..cin_g * taps];
-                    for ci in 0..cin_g {
-                        for t in 0..taps {
-                            col[t * cin_g + ci] = src[ci * taps + t];
-                        }
-                    }
-                };
+                let fill = fill(g);
                 PackedB::from_columns(
                     conv.taps(),
                     cout_g,
@@ -138,6 +162,7 @@ impl<T: Elem> PackedConv<T> {
             depthwise: None,
             chunk_scale: 1,
             winograd: None,
+            amx: None,
         }
     }
 
@@ -157,6 +182,7 @@ impl<T: Elem> PackedConv<T> {
             winograd: Some(super::winograd::Winograd::new(
                 tile, &conv, weight, bias, out,
             )),
+            amx: None,
         })
     }
 
@@ -182,6 +208,7 @@ impl<T: Elem> PackedConv<T> {
         self.groups.iter().map(|g| g.bytes()).sum::<u64>()
             + dw
             + self.winograd.as_ref().map_or(0, |w| w.bytes())
+            + self.amx.as_ref().map_or(0, |a| a.bytes())
     }
 
     /// f32 scratch for widened weights (0 for f32 storage, which is read in place).
@@ -196,6 +223,8 @@ impl<T: Elem> PackedConv<T> {
     pub fn kernel_name(&self) -> String {
         let form = if let Some(w) = &self.winograd {
             w.tile().form()
+        } else if self.amx.is_some() {
+            "amx_gemm"
         } else if self.depthwise.is_some() {
             "depthwise_direct"
         } else if is_pointwise(&self.conv) {
@@ -205,6 +234,14 @@ impl<T: Elem> PackedConv<T> {
         };
         format!("conv2d_{form}_{}", T::SUFFIX)
     }
+}
+
+/// Whether a convolution of this precision runs on AMX tiles: BF16, ungrouped, where the
+/// paths in use include AMX (see [`super::amx`]).
+pub fn uses_amx<T: Elem>(c: &Conv2d) -> bool {
+    T::PRECISION == crate::model::Precision::Bf16
+        && c.groups == 1
+        && super::simd::simd() == super::simd::Simd::Amx
 }
 
 fn is_depthwise(c: &Conv2d) -> bool {
@@ -294,17 +331,91 @@ fn gemm_tile<T: Elem>(
                     res.as_mut_ptr(),
                     ldc,
                 );
-                let mut scratch = Vec::new();
-                for r in 0..mr {
-                    let out =
-                        std::slice::from_raw_parts_mut(y.0.add((m0 + r) * cout + col0), width);
-                    let row = &mut res[r * ldc..r * ldc + width];
-                    epilogue.apply(row, (m0 + r) * cout + col0, &mut scratch);
-                    T::narrow(row, out);
-                }
+                finish_rows(res, ldc, (m0, mr), (col0, width), y, cout, epilogue);
             }
         }
     }
+}
+
+/// Apply the epilogue to f32 results (`mr` rows spaced `ldc` apart in `res`) and store them
+/// into rows [m0, m0 + mr), columns [col0, col0 + width) of the NHWC output `y`.
+///
+/// # Safety
+/// That tile of `y` (row stride `cout`) is this work item's alone.
+unsafe fn finish_rows<T: Elem>(
+    res: &mut [f32],
+    ldc: usize,
+    (m0, mr): (usize, usize),
+    (col0, width): (usize, usize),
+    y: TilePtr<T>,
+    cout: usize,
+    epilogue: &Epilogue<'_, T>,
+) {
+    let mut scratch = Vec::new();
+    for r in 0..mr {
+        // SAFETY: inside the work item's tile (the contract).
+        let out = unsafe { std::slice::from_raw_parts_mut(y.0.add((m0 + r) * cout + col0), width) };
+        let row = &mut res[r * ldc..r * ldc + width];
+        epilogue.apply(row, (m0 + r) * cout + col0, &mut scratch);
+        T::narrow(row, out);
+    }
+}
+
+/// [`conv2d`] on AMX tiles: A is the bf16 input itself for a 1×1 stride-1 layer whose
+/// channels fill whole tile steps, else bf16 columns gathered per chunk (K padded with zeros
+/// to the tile step); results come back in f32 for the bias-free epilogue and the narrowing.
+#[allow(clippy::too_many_arguments)]
+fn conv2d_amx<T: Elem>(
+    p: &PackedConv<T>,
+    b: &PackedAmx,
+    x: &[T],
+    xs: Nhwc,
+    y: &mut [T],
+    ys: Nhwc,
+    threads: usize,
+    epilogue: &Epilogue<'_, T>,
+) {
+    let c = &p.conv;
+    let x16 = T::as_bf16(x).expect("AMX layers store bf16");
+    let (k, kp) = (b.k, b.kp());
+    let m = ys.n * ys.h * ys.w;
+    let cout = c.out_channels;
+    let rows = balanced_rows(m, (chunk_rows(m, k) * p.chunk_scale).min(m.max(1)), threads);
+    let (chunks, splits) = work_split(m, rows, b.panels(), threads);
+    let direct = is_pointwise(c) && c.in_channels == kp;
+    assert!(y.len() >= m * cout, "conv2d output buffer too small");
+    let out = TilePtr(y.as_mut_ptr());
+    (0..chunks * splits).into_par_iter().for_each(|item| {
+        let (chunk, split) = (item / splits, item % splits);
+        let m0 = chunk * rows;
+        let mr = rows.min(m - m0);
+        let (p0, p1) = panel_range(b.panels(), splits, split);
+        AMX_SCRATCH.with_borrow_mut(|(cols, res)| {
+            let a: &[bf16] = if direct {
+                &x16[m0 * kp..(m0 + mr) * kp]
+            } else {
+                cols.resize(mr * kp, bf16::ZERO);
+                im2col(c, x, xs, ys, m0, mr, &mut cols[..mr * kp], kp);
+                &cols[..mr * kp]
+            };
+            let ldc = (p1 - p0) * amx::PANEL;
+            res.resize(mr * ldc, 0.0);
+            let col0 = p0 * amx::PANEL;
+            let width = (p1 * amx::PANEL).min(cout) - col0;
+            // SAFETY: AMX packings exist only where `simd()` chose AMX, which `amx::available()`
+            // allowed; A has mr rows of kp values (zeros past K: gathered so, or K = kp); `res`
+            // holds mr rows of ldc ≥ width floats; the output tile is this item's alone.
+            unsafe {
+                amx::gemm(mr, a.as_ptr(), kp, b, (p0, p1), res.as_mut_ptr(), ldc);
+                finish_rows(res, ldc, (m0, mr), (col0, width), out, cout, epilogue);
+            }
+        });
+    });
+}
+
+thread_local! {
+    /// Per-worker bf16 columns and f32 results of the AMX convolutions.
+    static AMX_SCRATCH: RefCell<(Vec<bf16>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// What a fused convolution does to its results before storing them: add a residual tensor
@@ -377,6 +488,9 @@ pub fn conv2d<T: Elem>(
         super::winograd::conv2d(w, &p.conv, x, xs, y, ys, &epilogue);
         return;
     }
+    if let Some(b) = &p.amx {
+        return conv2d_amx(p, b, x, xs, y, ys, threads, &epilogue);
+    }
     let c = &p.conv;
     let k_g = c.kernel.0 * c.kernel.1 * (c.in_channels / c.groups);
     let k = k_g * c.groups;
@@ -409,7 +523,7 @@ pub fn conv2d<T: Elem>(
                 Some(xf) => &xf[m0 * k..(m0 + mr) * k],
                 None => {
                     cols.resize(mr * k, 0.0);
-                    im2col(c, x, xs, ys, m0, mr, &mut cols[..mr * k]);
+                    im2col(c, x, xs, ys, m0, mr, &mut cols[..mr * k], k);
                     &cols[..mr * k]
                 }
             };
@@ -429,30 +543,55 @@ pub fn conv2d<T: Elem>(
     });
 }
 
+/// What [`im2col`] gathers into: f32 columns (widened) for the SGEMM, or the bf16 storage
+/// itself for AMX tiles.
+trait Gathered<T: Elem>: Copy {
+    const ZERO: Self;
+    fn put(src: &[T], dst: &mut [Self]);
+}
+
+impl<T: Elem> Gathered<T> for f32 {
+    const ZERO: f32 = 0.0;
+    fn put(src: &[T], dst: &mut [f32]) {
+        T::widen(src, dst);
+    }
+}
+
+impl<T: Elem> Gathered<T> for bf16 {
+    const ZERO: bf16 = bf16::ZERO;
+    fn put(src: &[T], dst: &mut [bf16]) {
+        dst.copy_from_slice(T::as_bf16(src).expect("bf16 columns are gathered from bf16"));
+    }
+}
+
 /// Gather the columns of output rows [m0, m0 + mr) into `cols` (mr × K, K ordered
-/// (group, ky, kx, ci)), widening to f32 and writing zeros for padding.
-fn im2col<T: Elem>(
+/// (group, ky, kx, ci)), row r at r·ld (zeros from K to ld), converting to `D` and writing
+/// zeros for padding.
+#[allow(clippy::too_many_arguments)]
+fn im2col<T: Elem, D: Gathered<T>>(
     c: &Conv2d,
     x: &[T],
     xs: Nhwc,
     ys: Nhwc,
     m0: usize,
     mr: usize,
-    cols: &mut [f32],
+    cols: &mut [D],
+    ld: usize,
 ) {
     let (kh, kw) = c.kernel;
     let cin_g = c.in_channels / c.groups;
     let k_g = kh * kw * cin_g;
     let k = k_g * c.groups;
     if c.groups == 1 && c.dilation.1 == 1 {
-        return im2col_runs(c, x, xs, ys, m0, mr, cols);
+        return im2col_runs(c, x, xs, ys, m0, mr, cols, ld);
     }
     for r in 0..mr {
         let m = m0 + r;
         let ox = m % ys.w;
         let oy = (m / ys.w) % ys.h;
         let n = m / (ys.w * ys.h);
-        let row = &mut cols[r * k..(r + 1) * k];
+        let (row, pad) = cols[r * ld..(r + 1) * ld].split_at_mut(k);
+        pad.fill(D::ZERO);
         for ky in 0..kh {
             let iy = (oy * c.stride.0 + ky * c.dilation.0) as isize - c.padding.0 as isize;
             for kx in 0..kw {
@@ -466,9 +605,9 @@ fn im2col<T: Elem>(
                 for g in 0..c.groups {
                     let dst = &mut row[g * k_g + (ky * kw + kx) * cin_g..][..cin_g];
                     if inside {
-                        T::widen(&x[base + g * cin_g..][..cin_g], dst);
+                        D::put(&x[base + g * cin_g..][..cin_g], dst);
                     } else {
-                        dst.fill(0.0);
+                        dst.fill(D::ZERO);
                     }
                 }
             }
@@ -479,20 +618,24 @@ fn im2col<T: Elem>(
 /// [`im2col`] for ungrouped convolutions without horizontal dilation: the taps (kx, ci) of one
 /// kernel row are one contiguous run of the NHWC input, copied at once (a stem's 7×3 floats
 /// instead of seven 3-float copies).
-fn im2col_runs<T: Elem>(
+#[allow(clippy::too_many_arguments)]
+fn im2col_runs<T: Elem, D: Gathered<T>>(
     c: &Conv2d,
     x: &[T],
     xs: Nhwc,
     ys: Nhwc,
     m0: usize,
     mr: usize,
-    cols: &mut [f32],
+    cols: &mut [D],
+    ld: usize,
 ) {
     let (kh, kw) = c.kernel;
     let run = kw * xs.c;
     let (sy, sx) = c.stride;
     let (py, px) = (c.padding.0 as isize, c.padding.1 as isize);
-    for (r, row) in cols[..mr * kh * run].chunks_exact_mut(kh * run).enumerate() {
+    for (r, row) in cols[..mr * ld].chunks_exact_mut(ld).enumerate() {
+        let (row, pad) = row.split_at_mut(kh * run);
+        pad.fill(D::ZERO);
         let m = m0 + r;
         let ox = m % ys.w;
         let oy = (m / ys.w) % ys.h;
@@ -504,16 +647,16 @@ fn im2col_runs<T: Elem>(
         for (ky, dst) in row.chunks_exact_mut(run).enumerate() {
             let iy = (oy * sy + ky * c.dilation.0) as isize - py;
             if iy < 0 || iy as usize >= xs.h || kx0 == kx1 {
-                dst.fill(0.0);
+                dst.fill(D::ZERO);
                 continue;
             }
             let ix0 = (x_left + kx0 as isize) as usize;
             let base = ((n * xs.h + iy as usize) * xs.w + ix0) * xs.c;
             let (head, rest) = dst.split_at_mut(kx0 * xs.c);
             let (mid, tail) = rest.split_at_mut((kx1 - kx0) * xs.c);
-            head.fill(0.0);
-            T::widen(&x[base..base + mid.len()], mid);
-            tail.fill(0.0);
+            head.fill(D::ZERO);
+            D::put(&x[base..base + mid.len()], mid);
+            tail.fill(D::ZERO);
         }
     }
 }

@@ -3,6 +3,7 @@
 //! graph node by node on a rayon pool of `--threads` workers, freeing each activation after
 //! its last reader and recycling buffers so the timed loop does not allocate.
 
+pub mod amx;
 pub mod elem;
 pub mod kernels;
 pub mod sgemm;
@@ -365,7 +366,10 @@ impl<T: Elem> CpuSession<T> {
                     let variant = variants.get(&node.name).map(String::as_str);
                     let tile = match variant {
                         Some(v) => winograd::Tile::from_variant(v),
-                        None => winograd::by_default(&c, &plan.shapes[id]),
+                        // On AMX tiles a BF16 3×3 layer's im2col GEMM outruns Winograd's
+                        // f32 transforms and GEMMs.
+                        None => winograd::by_default(&c, &plan.shapes[id])
+                            .filter(|_| !kernels::uses_amx::<T>(&c)),
                     };
                     let donated = variant
                         .is_none()

@@ -12,6 +12,9 @@ pub enum Simd {
     Avx2Fma,
     /// AVX-512 Foundation (with AVX2 and FMA): Skylake-SP and later Xeons, Ice Lake, Zen 4.
     Avx512,
+    /// AVX-512 and AMX's BF16 tiles (Sapphire Rapids and later Xeons): BF16 sessions'
+    /// convolutions run on the tiles ([`super::amx`]), the rest as on AVX-512.
+    Amx,
 }
 
 impl Simd {
@@ -26,6 +29,7 @@ impl Simd {
             Simd::Portable => "portable",
             Simd::Avx2Fma => "avx2",
             Simd::Avx512 => "avx512",
+            Simd::Amx => "amx",
         }
     }
 }
@@ -43,10 +47,11 @@ pub fn simd() -> Simd {
             Ok("portable") => Simd::Portable,
             Ok("avx2") => Simd::Avx2Fma,
             Ok("avx512") => Simd::Avx512,
+            Ok("amx") => Simd::Amx,
             Ok(other) => {
                 eprintln!(
-                    "warning: {ENV}={other} is not a choice (`portable`, `avx2`, `avx512`, or \
-                     unset for the best this CPU runs): using the best"
+                    "warning: {ENV}={other} is not a choice (`portable`, `avx2`, `avx512`, \
+                     `amx`, or unset for the best this CPU runs): using the best"
                 );
                 return best;
             }
@@ -67,10 +72,12 @@ pub fn simd() -> Simd {
 pub fn best() -> Simd {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        return if std::arch::is_x86_feature_detected!("avx512f") {
-            Simd::Avx512
-        } else {
+        return if !std::arch::is_x86_feature_detected!("avx512f") {
             Simd::Avx2Fma
+        } else if super::amx::available() {
+            Simd::Amx
+        } else {
+            Simd::Avx512
         };
     }
     Simd::Portable

@@ -420,7 +420,7 @@ fn with_simd<R>(f: impl FnOnce() -> R) -> R {
         }
         match simd::simd() {
             // SAFETY: `simd()` chooses a path only where the CPU has its features.
-            Simd::Avx512 => return unsafe { avx512(f) },
+            Simd::Avx512 | Simd::Amx => return unsafe { avx512(f) },
             Simd::Avx2Fma => return unsafe { avx2(f) },
             Simd::Portable => {}
         }
