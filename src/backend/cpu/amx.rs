@@ -136,82 +136,85 @@ const CONFIG: Config = {
 };
 
 thread_local! {
-    /// A block's rows copied and zero-padded when fewer than 32 are left.
+    /// The last rows of A copied and zero-padded to a whole block when fewer than 32 are left.
     static EDGE: std::cell::RefCell<Vec<bf16>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// C[0..m, columns of panels p0..p1] = A[0..m, 0..Kp] · B + bias, single-threaded, in f32.
+/// A finished block of C: its first row and row count, its first column (from panel p0's) and
+/// valid column count, and its values (32 rows of [`BLOCK_COLS`] f32, `cols` valid per row).
+pub struct Done<'a> {
+    pub row: usize,
+    pub rows: usize,
+    pub col: usize,
+    pub cols: usize,
+    pub values: &'a mut [f32],
+}
+
+/// Row length of a finished block's values.
+pub const BLOCK_COLS: usize = 2 * PANEL;
+
+/// C = A[0..m, 0..Kp] · B[.., panels p0..p1] + bias, single-threaded, in f32, handed to `done`
+/// one block (up to 32 × 32) at a time while it is in L1: the caller applies its epilogue and
+/// stores the block wherever it belongs.
 ///
-/// `c` points at row 0, column p0·16 of C.
+/// Panels are the outer loop: a pair of B panels (Kp × 32 bf16) is reused by every row block
+/// of A, which streams from L2.
 ///
 /// # Safety
 /// [`available`] is true; `a` points to `m` rows of at least `b.kp()` readable bf16 spaced
-/// `lda` apart, zero past `b.k` (finite at least: they meet B's zero padding); `c` to `m` rows
-/// spaced `ldc` apart of at least `min(p1·16, n) − p0·16` writable floats.
+/// `lda` apart, zero past `b.k` (finite at least: they meet B's zero padding).
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
 pub unsafe fn gemm(
     m: usize,
     a: *const bf16,
     lda: usize,
     b: &PackedAmx,
     (p0, p1): (usize, usize),
-    c: *mut f32,
-    ldc: usize,
+    done: &mut impl FnMut(Done<'_>),
 ) {
     use std::arch::asm;
     let kp = b.kp;
+    let whole = m / BLOCK_ROWS * BLOCK_ROWS;
     // SAFETY: `available()` (the contract) means the CPU runs these instructions and the
     // kernel holds tile state for this process; the configuration is 64 aligned bytes.
     unsafe { asm!("ldtilecfg [{0}]", in(reg) CONFIG.0.as_ptr(), options(nostack)) };
     EDGE.with_borrow_mut(|edge| {
-        let mut i = 0;
-        while i < m {
-            let rows = BLOCK_ROWS.min(m - i);
-            // A's 32 rows: in place, or the last rows copied into a zero-padded block.
-            let (ab, ldab) = if rows == BLOCK_ROWS {
-                // SAFETY: row i exists (the contract).
-                (unsafe { a.add(i * lda) }, lda)
-            } else {
-                edge.clear();
-                edge.resize(BLOCK_ROWS * kp, bf16::ZERO);
-                for r in 0..rows {
-                    // SAFETY: rows i..m of A have kp readable values (the contract).
-                    let src = unsafe { std::slice::from_raw_parts(a.add((i + r) * lda), kp) };
-                    edge[r * kp..(r + 1) * kp].copy_from_slice(src);
-                }
-                (edge.as_ptr(), kp)
-            };
-            let mut p = p0;
-            while p < p1 {
-                let pair = p + 1 < p1;
-                let cols = (if pair { 2 } else { 1 }) * PANEL;
-                let valid = cols.min(b.n - p * PANEL);
-                // SAFETY: the block's A rows have kp values (above), panels p (and p + 1) of B
-                // exist; the C tiles go straight to C when the block is whole, else to
-                // `local` and its valid part is copied.
-                unsafe {
-                    let mut local = [0f32; BLOCK_ROWS * 2 * PANEL];
-                    let whole = rows == BLOCK_ROWS && valid == cols;
-                    let (cb, ldcb) = if whole {
-                        (c.add(i * ldc + (p - p0) * PANEL), ldc)
-                    } else {
-                        (local.as_mut_ptr(), 2 * PANEL)
-                    };
-                    block(ab, ldab, b, p, pair, cb, ldcb);
-                    if !whole {
-                        for r in 0..rows {
-                            std::ptr::copy_nonoverlapping(
-                                local[r * 2 * PANEL..].as_ptr(),
-                                c.add((i + r) * ldc + (p - p0) * PANEL),
-                                valid,
-                            );
-                        }
-                    }
-                }
-                p += if pair { 2 } else { 1 };
+        if whole < m {
+            edge.clear();
+            edge.resize(BLOCK_ROWS * kp, bf16::ZERO);
+            for r in 0..m - whole {
+                // SAFETY: rows whole..m of A have kp readable values (the contract).
+                let src = unsafe { std::slice::from_raw_parts(a.add((whole + r) * lda), kp) };
+                edge[r * kp..(r + 1) * kp].copy_from_slice(src);
             }
-            i += rows;
+        }
+        let mut values = [0f32; BLOCK_ROWS * BLOCK_COLS];
+        let mut p = p0;
+        while p < p1 {
+            let pair = p + 1 < p1;
+            let cols = (if pair { 2 } else { 1 } * PANEL).min(b.n - p * PANEL);
+            let mut i = 0;
+            while i < m {
+                let (ab, ldab) = if i < whole {
+                    // SAFETY: row i exists (the contract).
+                    (unsafe { a.add(i * lda) }, lda)
+                } else {
+                    (edge.as_ptr(), kp)
+                };
+                // SAFETY: the block's A rows have kp values (above), panels p (and p + 1) of
+                // B exist, `values` holds 32 rows of BLOCK_COLS floats.
+                unsafe { block(ab, ldab, b, p, pair, values.as_mut_ptr(), BLOCK_COLS) };
+                let rows = BLOCK_ROWS.min(m - i);
+                done(Done {
+                    row: i,
+                    rows,
+                    col: (p - p0) * PANEL,
+                    cols,
+                    values: &mut values,
+                });
+                i += rows;
+            }
+            p += if pair { 2 } else { 1 };
         }
     });
     // SAFETY: as above; hands the tile state back.
@@ -313,15 +316,13 @@ unsafe fn block(
 /// # Safety
 /// None needed; it panics.
 #[cfg(not(target_arch = "x86_64"))]
-#[allow(clippy::too_many_arguments)]
 pub unsafe fn gemm(
     _m: usize,
     _a: *const bf16,
     _lda: usize,
     _b: &PackedAmx,
     _panels: (usize, usize),
-    _c: *mut f32,
-    _ldc: usize,
+    _done: &mut impl FnMut(Done<'_>),
 ) {
     unreachable!("AMX is x86-64 only")
 }
@@ -377,9 +378,19 @@ mod tests {
             let width = (p1 * PANEL).min(n) - p0 * PANEL;
             let ldc = width + 5;
             let mut c = vec![f32::NAN; m * ldc];
-            // SAFETY: AMX is available; A has m rows of kp values (zeros past k), C m rows of
-            // `width` floats.
-            unsafe { gemm(m, a.as_ptr(), lda, &packed, (p0, p1), c.as_mut_ptr(), ldc) };
+            let mut seen = 0;
+            // SAFETY: AMX is available; A has m rows of kp values (zeros past k).
+            unsafe {
+                gemm(m, a.as_ptr(), lda, &packed, (p0, p1), &mut |d: Done<'_>| {
+                    assert!(d.col + d.cols <= width && d.row + d.rows <= m);
+                    for r in 0..d.rows {
+                        let row = (d.row + r) * ldc + d.col;
+                        c[row..row + d.cols].copy_from_slice(&d.values[r * BLOCK_COLS..][..d.cols]);
+                    }
+                    seen += d.rows * d.cols;
+                })
+            };
+            assert_eq!(seen, m * width, "every element handed over once");
             for r in 0..m {
                 for jj in 0..width {
                     let j = p0 * PANEL + jj;

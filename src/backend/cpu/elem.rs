@@ -118,6 +118,11 @@ fn narrow_f16(src: &[f32], dst: &mut [f16]) {
 
 fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
+    if simd::simd() >= simd::Simd::Avx512 {
+        // SAFETY: the CPU has AVX-512F (checked by `simd::simd`); the lengths are equal.
+        return unsafe { x86_512::widen_bf16_avx512(src, dst) };
+    }
+    #[cfg(target_arch = "x86_64")]
     if simd::simd().has_avx2() {
         // SAFETY: the CPU has AVX2 (checked by `simd::simd`); the lengths are equal.
         return unsafe { x86::widen_bf16(src, dst) };
@@ -126,6 +131,11 @@ fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
 }
 
 fn narrow_bf16(src: &[f32], dst: &mut [bf16]) {
+    #[cfg(target_arch = "x86_64")]
+    if simd::simd() >= simd::Simd::Avx512 {
+        // SAFETY: as for `widen_bf16`.
+        return unsafe { x86_512::narrow_bf16_avx512(src, dst) };
+    }
     #[cfg(target_arch = "x86_64")]
     if simd::simd().has_avx2() {
         // SAFETY: as for `widen_bf16`.
@@ -219,6 +229,65 @@ mod x86 {
                 _mm_storeu_si128(
                     dst.as_mut_ptr().add(i) as *mut __m128i,
                     _mm256_castsi256_si128(packed),
+                );
+            }
+        }
+        for (d, s) in dst[n..].iter_mut().zip(&src[n..]) {
+            *d = bf16::from_f32(*s);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86_512 {
+    use half::bf16;
+    use std::arch::x86_64::*;
+
+    /// [`super::x86::widen_bf16`] 16 values at a time.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; `src` and `dst` have the same length.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn widen_bf16_avx512(src: &[bf16], dst: &mut [f32]) {
+        let n = src.len() / 16 * 16;
+        // SAFETY: every 16-value access lies below n ≤ both lengths.
+        unsafe {
+            for i in (0..n).step_by(16) {
+                let h = _mm256_loadu_si256(src.as_ptr().add(i) as *const __m256i);
+                let bits = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h));
+                _mm512_storeu_ps(dst.as_mut_ptr().add(i), _mm512_castsi512_ps(bits));
+            }
+        }
+        for (d, s) in dst[n..].iter_mut().zip(&src[n..]) {
+            *d = s.to_f32();
+        }
+    }
+
+    /// [`super::x86::narrow_bf16`] 16 values at a time, with the same rounding and NaNs.
+    ///
+    /// # Safety
+    /// As for [`widen_bf16_avx512`].
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn narrow_bf16_avx512(src: &[f32], dst: &mut [bf16]) {
+        let n = src.len() / 16 * 16;
+        // SAFETY: as in `widen_bf16_avx512`.
+        unsafe {
+            let bias = _mm512_set1_epi32(0x7fff);
+            let one = _mm512_set1_epi32(1);
+            let quiet = _mm512_set1_epi32(0x40);
+            for i in (0..n).step_by(16) {
+                let v = _mm512_loadu_ps(src.as_ptr().add(i));
+                let x = _mm512_castps_si512(v);
+                let high = _mm512_srli_epi32::<16>(x);
+                let odd = _mm512_and_si512(high, one);
+                let rounded =
+                    _mm512_srli_epi32::<16>(_mm512_add_epi32(x, _mm512_add_epi32(bias, odd)));
+                let is_nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+                let r = _mm512_mask_blend_epi32(is_nan, rounded, _mm512_or_si512(high, quiet));
+                // Every lane is below 2¹⁶: the truncating 32 → 16-bit move keeps it whole.
+                _mm256_storeu_si256(
+                    dst.as_mut_ptr().add(i) as *mut __m256i,
+                    _mm512_cvtepi32_epi16(r),
                 );
             }
         }

@@ -60,6 +60,17 @@ struct TilePtr<T>(*mut T);
 unsafe impl<T> Send for TilePtr<T> {}
 unsafe impl<T> Sync for TilePtr<T> {}
 
+impl<T> TilePtr<T> {
+    /// The element `i` past the base (a method, so that closures capture the whole `TilePtr`).
+    ///
+    /// # Safety
+    /// As for `pointer::add`.
+    unsafe fn add(self, i: usize) -> *mut T {
+        // SAFETY: the caller's.
+        unsafe { self.0.add(i) }
+    }
+}
+
 /// A convolution's weights, prepared for its kernel.
 pub struct PackedConv<T> {
     pub conv: Conv2d,
@@ -390,7 +401,7 @@ fn conv2d_amx<T: Elem>(
         let m0 = chunk * rows;
         let mr = rows.min(m - m0);
         let (p0, p1) = panel_range(b.panels(), splits, split);
-        AMX_SCRATCH.with_borrow_mut(|(cols, res)| {
+        AMX_COLUMNS.with_borrow_mut(|cols| {
             let a: &[bf16] = if direct {
                 &x16[m0 * kp..(m0 + mr) * kp]
             } else {
@@ -398,24 +409,29 @@ fn conv2d_amx<T: Elem>(
                 im2col(c, x, xs, ys, m0, mr, &mut cols[..mr * kp], kp);
                 &cols[..mr * kp]
             };
-            let ldc = (p1 - p0) * amx::PANEL;
-            res.resize(mr * ldc, 0.0);
             let col0 = p0 * amx::PANEL;
-            let width = (p1 * amx::PANEL).min(cout) - col0;
+            let mut scratch = Vec::new();
+            let mut store = |d: amx::Done<'_>| {
+                for r in 0..d.rows {
+                    let row = &mut d.values[r * amx::BLOCK_COLS..][..d.cols];
+                    let at = (m0 + d.row + r) * cout + col0 + d.col;
+                    epilogue.apply(row, at, &mut scratch);
+                    // SAFETY: rows m0..m0 + mr, columns of panels p0..p1 of y are this work
+                    // item's alone; `at` is inside them.
+                    let out = unsafe { std::slice::from_raw_parts_mut(out.add(at), d.cols) };
+                    T::narrow(row, out);
+                }
+            };
             // SAFETY: AMX packings exist only where `simd()` chose AMX, which `amx::available()`
-            // allowed; A has mr rows of kp values (zeros past K: gathered so, or K = kp); `res`
-            // holds mr rows of ldc ≥ width floats; the output tile is this item's alone.
-            unsafe {
-                amx::gemm(mr, a.as_ptr(), kp, b, (p0, p1), res.as_mut_ptr(), ldc);
-                finish_rows(res, ldc, (m0, mr), (col0, width), out, cout, epilogue);
-            }
+            // allowed; A has mr rows of kp values (zeros past K: gathered so, or K = kp).
+            unsafe { amx::gemm(mr, a.as_ptr(), kp, b, (p0, p1), &mut store) };
         });
     });
 }
 
 thread_local! {
-    /// Per-worker bf16 columns and f32 results of the AMX convolutions.
-    static AMX_SCRATCH: RefCell<(Vec<bf16>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    /// Per-worker bf16 columns of the AMX convolutions.
+    static AMX_COLUMNS: RefCell<Vec<bf16>> = const { RefCell::new(Vec::new()) };
 }
 
 /// What a fused convolution does to its results before storing them: add a residual tensor

@@ -612,6 +612,9 @@ mod tests {
             (5, 3, 33),
             (30, 20, 32),
             (19, 260, 17),
+            // Rows 4 and 8 KiB apart: the K blocks are copied first (`aliases`).
+            (14, 1024, 20),
+            (3, 2048, 16),
         ] {
             let a: Vec<f32> = (0..m * k)
                 .map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0)
