@@ -21,6 +21,7 @@ pub trait Elem: Copy + Send + Sync + Default + 'static {
     fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]>;
     /// The slice itself when the storage type is bf16 (what AMX tiles read).
     fn as_bf16(s: &[Self]) -> Option<&[bf16]>;
+    fn as_bf16_mut(s: &mut [Self]) -> Option<&mut [bf16]>;
     fn widen(src: &[Self], dst: &mut [f32]);
     fn narrow(src: &[f32], dst: &mut [Self]);
 }
@@ -44,6 +45,9 @@ impl Elem for f32 {
     fn as_bf16(_: &[Self]) -> Option<&[bf16]> {
         None
     }
+    fn as_bf16_mut(_: &mut [Self]) -> Option<&mut [bf16]> {
+        None
+    }
     fn widen(src: &[Self], dst: &mut [f32]) {
         dst.copy_from_slice(src);
     }
@@ -54,7 +58,8 @@ impl Elem for f32 {
 
 /// The two half types differ only in their names, formats and conversion loops.
 macro_rules! half_elem {
-    ($t:ty, $precision:expr, $suffix:literal, $widen:path, $narrow:path, $as_bf16:path) => {
+    ($t:ty, $precision:expr, $suffix:literal, $widen:path, $narrow:path, $as_bf16:path,
+     $as_bf16_mut:path) => {
         impl Elem for $t {
             const PRECISION: Precision = $precision;
             const SUFFIX: &'static str = $suffix;
@@ -74,6 +79,9 @@ macro_rules! half_elem {
             fn as_bf16(s: &[Self]) -> Option<&[bf16]> {
                 $as_bf16(s)
             }
+            fn as_bf16_mut(s: &mut [Self]) -> Option<&mut [bf16]> {
+                $as_bf16_mut(s)
+            }
             fn widen(src: &[Self], dst: &mut [f32]) {
                 assert_eq!(src.len(), dst.len(), "widen: lengths differ");
                 $widen(src, dst);
@@ -86,10 +94,30 @@ macro_rules! half_elem {
     };
 }
 
-half_elem!(f16, Precision::Fp16, "f16", widen_f16, narrow_f16, not_bf16);
-half_elem!(bf16, Precision::Bf16, "bf16", widen_bf16, narrow_bf16, Some);
+half_elem!(
+    f16,
+    Precision::Fp16,
+    "f16",
+    widen_f16,
+    narrow_f16,
+    not_bf16,
+    not_bf16_mut
+);
+half_elem!(
+    bf16,
+    Precision::Bf16,
+    "bf16",
+    widen_bf16,
+    narrow_bf16,
+    Some,
+    Some
+);
 
 fn not_bf16(_: &[f16]) -> Option<&[bf16]> {
+    None
+}
+
+fn not_bf16_mut(_: &mut [f16]) -> Option<&mut [bf16]> {
     None
 }
 

@@ -18,6 +18,7 @@ use rayon::prelude::*;
 use super::amx::{self, PackedAmx};
 use super::elem::Elem;
 use super::sgemm::{self, NR, PackedB, Panels};
+use super::simd::with_simd;
 use crate::model::op::{Act, Conv2d, Pool};
 use crate::model::reference::adaptive_bins;
 
@@ -754,8 +755,42 @@ fn map_f32<T: Elem>(buf: &mut [T], period: usize, f: impl Fn(&mut [f32]) + Sync)
 /// Elements per widened block of a half-precision element-wise op (8 KiB of f32).
 const HALF_BLOCK: usize = 2048;
 
+/// A bf16 value's f32 (exact).
+#[inline(always)]
+fn bf16_f32(v: bf16) -> f32 {
+    f32::from_bits((v.to_bits() as u32) << 16)
+}
+
+/// The bf16 nearest an f32 (ties to even; a NaN stays a quiet NaN), bit for bit as
+/// `bf16::from_f32`, written so that a loop of it vectorises.
+#[inline(always)]
+fn f32_bf16(v: f32) -> bf16 {
+    let x = v.to_bits();
+    let bits = if v.is_nan() {
+        (x >> 16) | 0x40
+    } else {
+        (x + 0x7fff + ((x >> 16) & 1)) >> 16
+    };
+    bf16::from_bits(bits as u16)
+}
+
 /// y = x·scale + shift per channel (batch norm folded to an affine map at prepare time).
 pub fn affine_inplace<T: Elem>(buf: &mut [T], c: usize, scale: &[f32], shift: &[f32]) {
+    if let Some(b) = T::as_bf16_mut(buf) {
+        // bf16: converted in registers, one pass over memory (no widened copy).
+        let c = c.max(1);
+        b.par_chunks_mut((ELEMENTWISE_CHUNK / c).max(1) * c)
+            .for_each(|part| {
+                with_simd(|| {
+                    for px in part.chunks_exact_mut(c) {
+                        for ((v, s), sh) in px.iter_mut().zip(scale).zip(shift) {
+                            *v = f32_bf16(bf16_f32(*v) * s + sh);
+                        }
+                    }
+                })
+            });
+        return;
+    }
     map_f32(buf, c, |part| {
         for px in part.chunks_exact_mut(c) {
             for ((v, s), b) in px.iter_mut().zip(scale).zip(shift) {
@@ -767,6 +802,25 @@ pub fn affine_inplace<T: Elem>(buf: &mut [T], c: usize, scale: &[f32], shift: &[
 
 /// Clamp every element to [lo, hi] (ReLU: [0, ∞), ReLU6: [0, 6]).
 pub fn clamp_inplace<T: Elem>(buf: &mut [T], lo: f32, hi: f32) {
+    if lo == 0.0
+        && hi == f32::INFINITY
+        && let Some(b) = T::as_bf16_mut(buf)
+    {
+        // ReLU on bf16 needs no conversion: a value stays when its bits, as an integer, lie in
+        // 1..=0x7f80 (positive, up to +∞), and becomes +0 otherwise (zeros, negatives, NaNs),
+        // as the f32 path's max(v, 0) does. A compare and a select the compiler vectorises.
+        b.par_chunks_mut(ELEMENTWISE_CHUNK).for_each(|part| {
+            part.iter_mut().for_each(|v| {
+                let bits = v.to_bits();
+                *v = bf16::from_bits(if bits.wrapping_sub(1) < 0x7f80 {
+                    bits
+                } else {
+                    0
+                });
+            })
+        });
+        return;
+    }
     map_f32(buf, 1, |part| {
         part.iter_mut().for_each(|v| *v = v.max(lo).min(hi))
     });
@@ -776,19 +830,34 @@ pub fn clamp_inplace<T: Elem>(buf: &mut [T], lo: f32, hi: f32) {
 pub fn add_inplace<T: Elem>(a: &mut [T], b: &[T]) {
     a.par_chunks_mut(ELEMENTWISE_CHUNK)
         .zip(b.par_chunks(ELEMENTWISE_CHUNK))
-        .for_each(|(a, b)| match (T::as_f32_mut(a), T::as_f32(b)) {
-            (Some(a), Some(b)) => a.iter_mut().zip(b).for_each(|(x, y)| *x += y),
-            _ => {
-                let (mut ta, mut tb) = ([0f32; HALF_BLOCK], [0f32; HALF_BLOCK]);
-                for (a, b) in a.chunks_mut(HALF_BLOCK).zip(b.chunks(HALF_BLOCK)) {
-                    let (ta, tb) = (&mut ta[..a.len()], &mut tb[..a.len()]);
-                    T::widen(a, ta);
-                    T::widen(b, tb);
-                    ta.iter_mut().zip(tb.iter()).for_each(|(x, y)| *x += y);
-                    T::narrow(ta, a);
-                }
+        .for_each(|(a, b)| {
+            if let (Some(a), Some(b)) = (T::as_bf16_mut(a), T::as_bf16(b)) {
+                // bf16: converted in registers, one pass over memory.
+                return with_simd(|| {
+                    a.iter_mut()
+                        .zip(b)
+                        .for_each(|(x, y)| *x = f32_bf16(bf16_f32(*x) + bf16_f32(*y)))
+                });
             }
+            add_chunk(a, b)
         });
+}
+
+/// [`add_inplace`] of one chunk, f32 in place or through widened copies.
+fn add_chunk<T: Elem>(a: &mut [T], b: &[T]) {
+    match (T::as_f32_mut(a), T::as_f32(b)) {
+        (Some(a), Some(b)) => a.iter_mut().zip(b).for_each(|(x, y)| *x += y),
+        _ => {
+            let (mut ta, mut tb) = ([0f32; HALF_BLOCK], [0f32; HALF_BLOCK]);
+            for (a, b) in a.chunks_mut(HALF_BLOCK).zip(b.chunks(HALF_BLOCK)) {
+                let (ta, tb) = (&mut ta[..a.len()], &mut tb[..a.len()]);
+                T::widen(a, ta);
+                T::widen(b, tb);
+                ta.iter_mut().zip(tb.iter()).for_each(|(x, y)| *x += y);
+                T::narrow(ta, a);
+            }
+        }
+    }
 }
 
 /// Max or average pooling over windows, one output row per work item.
@@ -1082,6 +1151,53 @@ pub fn softmax<T: Elem>(x: &[T], len: usize, y: &mut [T]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Batch norm's affine map and the residual add on bf16, converted in registers, give bit
+    /// for bit what widening to f32, the f32 kernels and narrowing give, for every bf16 value.
+    #[test]
+    fn bf16_affine_and_add_match_the_f32_path() {
+        let all: Vec<bf16> = (0..=u16::MAX).map(bf16::from_bits).collect();
+        let other: Vec<bf16> = (0..=u16::MAX)
+            .map(|i| bf16::from_bits(i.wrapping_mul(40_503)))
+            .collect();
+        let widen = |v: &[bf16]| v.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
+        let narrow = |v: &[f32]| v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<bf16>>();
+        let same = |what: &str, got: &[bf16], want: &[bf16]| {
+            for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                assert_eq!(g.to_bits(), w.to_bits(), "{what} of element {i}: {g} vs {w}");
+            }
+        };
+        let scale = [1.0, -0.5, 3.0e38, 1.0e-3, 0.0, 7.25, -2.0, 1.5];
+        let shift = [0.0, 1.0, -1.0, 3.0e38, -0.0, 0.1, 1.0e-30, -7.0];
+        let mut fast = all.clone();
+        affine_inplace(&mut fast, 8, &scale, &shift);
+        let mut wide = widen(&all);
+        affine_inplace(&mut wide, 8, &scale, &shift);
+        same("affine", &fast, &narrow(&wide));
+        let mut fast = all.clone();
+        add_inplace(&mut fast, &other);
+        let mut wide = widen(&all);
+        add_inplace(&mut wide, &widen(&other));
+        same("add", &fast, &narrow(&wide));
+    }
+
+    /// ReLU straight on bf16 bits gives what the f32 path gives (widen, max(v, 0), narrow),
+    /// up to the sign of zero, for every bf16 value: NaNs, infinities, zeros, subnormals.
+    #[test]
+    fn bf16_relu_matches_the_f32_path() {
+        let all: Vec<bf16> = (0..=u16::MAX).map(bf16::from_bits).collect();
+        let mut fast = all.clone();
+        clamp_inplace(&mut fast, 0.0, f32::INFINITY);
+        let mut wide: Vec<f32> = all.iter().map(|v| v.to_f32()).collect();
+        clamp_inplace(&mut wide, 0.0, f32::INFINITY);
+        for ((x, got), want) in all.iter().zip(&fast).zip(&wide) {
+            let want = bf16::from_f32(*want);
+            assert!(
+                got.to_bits() == want.to_bits() || (got.to_f32() == 0.0 && want.to_f32() == 0.0),
+                "relu({x}) = {got}, the f32 path gives {want}"
+            );
+        }
+    }
 
     /// Balanced chunks: a multiple of the workers, nearly equal, never above the asked size.
     #[test]

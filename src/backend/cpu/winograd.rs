@@ -19,7 +19,7 @@ use rayon::prelude::*;
 use super::elem::Elem;
 use super::kernels::{Epilogue, Nhwc, balanced_rows};
 use super::sgemm::{self, NR, PackedB};
-use super::simd::{self, Simd};
+use super::simd::with_simd;
 use crate::model::op::Conv2d;
 
 /// The output tile: F(2×2, 3×3) or F(4×4, 3×3).
@@ -397,35 +397,6 @@ pub fn conv2d<T: Elem>(
         let s = &mut *s.borrow_mut();
         (s.v, s.m) = (v, mm);
     });
-}
-
-/// Run `f` compiled for the widest vectors `simd()` chose: the transforms are loops over
-/// channels that the compiler vectorises 8 floats wide with AVX2 and 16 with AVX-512, instead
-/// of the baseline's 4.
-#[inline(always)]
-fn with_simd<R>(f: impl FnOnce() -> R) -> R {
-    #[cfg(target_arch = "x86_64")]
-    {
-        /// # Safety
-        /// The CPU supports AVX2 and FMA.
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
-            f()
-        }
-        /// # Safety
-        /// The CPU supports AVX-512F.
-        #[target_feature(enable = "avx512f")]
-        unsafe fn avx512<R>(f: impl FnOnce() -> R) -> R {
-            f()
-        }
-        match simd::simd() {
-            // SAFETY: `simd()` chooses a path only where the CPU has its features.
-            Simd::Avx512 | Simd::Amx => return unsafe { avx512(f) },
-            Simd::Avx2Fma => return unsafe { avx2(f) },
-            Simd::Portable => {}
-        }
-    }
-    f()
 }
 
 /// The input transform of `tiles` into `v` (tile-major: tiles × α² × cin).
