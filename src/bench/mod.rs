@@ -250,9 +250,10 @@ fn bench_batch(cfg: &BenchConfig, plan: &Plan) -> (Tensor, Vec<usize>) {
     (input, labels)
 }
 
-/// Waits for every device of a multi-device run at the start and at the end of each
-/// iteration; an error means another device failed and the run is over.
-pub type Together<'a> = &'a (dyn Fn() -> Result<()> + Sync);
+/// Waits for every device of a multi-device run at the start (called with `None`) and at the
+/// end of each iteration (called with the step's start and end instants, warm-up included);
+/// an error means another device failed and the run is over.
+pub type Together<'a> = &'a (dyn Fn(Option<(Instant, Instant)>) -> Result<()> + Sync);
 
 /// The warm-up and timed iterations of a prepared session, and its record. With `sync`, each
 /// iteration starts and ends together with the other devices'.
@@ -262,27 +263,29 @@ pub fn measure(
     on_event: &mut dyn FnMut(Event),
     sync: Option<Together<'_>>,
 ) -> Result<BenchRecord> {
-    let together = || sync.map_or(Ok(()), |s| s());
+    let together = |step| sync.map_or(Ok(()), |s| s(step));
     let (input, labels) = bench_batch(cfg, &plan);
 
     let mut last = Vec::new();
     let mut enqueue_s = Vec::with_capacity(cfg.iterations);
-    let mut step = |session: &mut Box<dyn Session>| -> Result<(f64, f64)> {
+    // One iteration: its start and end instants and its loss.
+    let mut step = |session: &mut Box<dyn Session>| -> Result<(Instant, Instant, f64)> {
         let start = Instant::now();
         session.run(&input)?;
         enqueue_s.push(start.elapsed().as_secs_f64());
         session.sync()?;
         let logits = session.read_output()?;
-        let seconds = start.elapsed().as_secs_f64();
+        let end = Instant::now();
         let loss = reference::cross_entropy(&logits, &labels);
         last = logits.data;
-        Ok((seconds, loss))
+        Ok((start, end, loss))
     };
     let mut warmup_s = Vec::with_capacity(cfg.warmup);
     for index in 0..cfg.warmup {
-        together()?;
-        let (seconds, loss) = step(&mut session)?;
-        together()?;
+        together(None)?;
+        let (start, end, loss) = step(&mut session)?;
+        together(Some((start, end)))?;
+        let seconds = (end - start).as_secs_f64();
         warmup_s.push(seconds);
         on_event(Event::Warmup {
             index,
@@ -296,10 +299,11 @@ pub fn measure(
     let mut flops_step = None;
     let run_start = Instant::now();
     for index in 0..cfg.iterations {
-        together()?;
+        together(None)?;
         let start_us = run_start.elapsed().as_secs_f64() * 1e6;
-        let (seconds, l) = step(&mut session)?;
-        together()?;
+        let (start, end, l) = step(&mut session)?;
+        together(Some((start, end)))?;
+        let seconds = (end - start).as_secs_f64();
         samples_s.push(seconds);
         loss = l;
         let wanted = cfg.flops_prof_step == Some(index + 1);

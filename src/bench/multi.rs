@@ -8,6 +8,7 @@
 //! writes its record into a shared folder, and [`gather`] merges the ranks.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -181,8 +182,8 @@ pub struct MultiRecord {
     pub devices: Vec<DeviceSpec>,
     /// Each device's own record (its own step times).
     pub runs: Vec<BenchRecord>,
-    /// Seconds per iteration from the start barrier to the end barrier: the slowest device
-    /// sets the pace.
+    /// Seconds per iteration from the first device's start of its step to the last device's
+    /// end of its step: the slowest device sets the pace, and no device's own step is longer.
     pub global_samples_s: Vec<f64>,
     pub global: Stats,
     /// One device alone with the per-device batch, when measured or cited.
@@ -242,18 +243,36 @@ pub fn run(
             .collect::<Vec<_>>()
             .join(", ")
     ));
-    let barrier = Barrier::new(devices.len() + 1);
+    let barrier = Barrier::new(devices.len());
     let steps = cfg.warmup + cfg.iterations;
-    let (results, global_samples_s) = std::thread::scope(|scope| {
+    // Per iteration (warm-up included), the earliest start and the latest end of any device's
+    // step: the global step. Taken from the devices' own clocks, so it never comes out shorter
+    // than one of their steps (a separate clock thread, woken late by a busy machine, could).
+    let windows: Mutex<Vec<Option<(Instant, Instant)>>> = Mutex::new(vec![None; steps]);
+    let results: Vec<Result<BenchRecord>> = std::thread::scope(|scope| {
         let workers: Vec<_> = configs
             .iter()
             .map(|c| {
-                let barrier = &barrier;
+                let (barrier, windows) = (&barrier, &windows);
                 scope.spawn(move || {
+                    let done = AtomicUsize::new(0);
+                    let together = |step: Option<(Instant, Instant)>| {
+                        if let Some((start, end)) = step {
+                            let i = done.fetch_add(1, Ordering::Relaxed);
+                            let mut w = windows.lock().unwrap_or_else(|p| p.into_inner());
+                            if let Some(slot) = w.get_mut(i) {
+                                *slot = Some(match *slot {
+                                    None => (start, end),
+                                    Some((s, e)) => (s.min(start), e.max(end)),
+                                });
+                            }
+                        }
+                        barrier.wait()
+                    };
                     let out = (|| {
                         let prepared = super::prepare(c, None)?;
                         barrier.wait()?;
-                        super::measure(c, prepared, &mut |_| {}, Some(&|| barrier.wait()))
+                        super::measure(c, prepared, &mut |_| {}, Some(&together))
                     })();
                     if out.is_err() {
                         barrier.abort();
@@ -262,32 +281,22 @@ pub fn run(
                 })
             })
             .collect();
-        // This thread keeps the global clock: from all devices starting to all finishing.
-        let mut samples = Vec::with_capacity(cfg.iterations);
-        let clock = (|| -> Result<()> {
-            barrier.wait()?;
-            for i in 0..steps {
-                barrier.wait()?;
-                let start = Instant::now();
-                barrier.wait()?;
-                if i >= cfg.warmup {
-                    samples.push(start.elapsed().as_secs_f64());
-                }
-            }
-            Ok(())
-        })();
-        if clock.is_err() {
-            barrier.abort();
-        }
-        let results: Vec<Result<BenchRecord>> = workers
+        workers
             .into_iter()
             .map(|w| {
                 w.join()
                     .unwrap_or_else(|_| Err(anyhow::anyhow!("a device's worker panicked")))
             })
-            .collect();
-        (results, samples)
+            .collect()
     });
+    let global_samples_s: Vec<f64> = windows
+        .into_inner()
+        .unwrap_or_else(|p| p.into_inner())
+        .into_iter()
+        .skip(cfg.warmup)
+        .flatten()
+        .map(|(start, end)| (end - start).as_secs_f64())
+        .collect();
     let mut runs = Vec::with_capacity(results.len());
     for (r, d) in results.into_iter().zip(devices) {
         runs.push(r.with_context(|| format!("device {}", d.label))?);

@@ -1164,7 +1164,11 @@ mod tests {
         let narrow = |v: &[f32]| v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<bf16>>();
         let same = |what: &str, got: &[bf16], want: &[bf16]| {
             for (i, (g, w)) in got.iter().zip(want).enumerate() {
-                assert_eq!(g.to_bits(), w.to_bits(), "{what} of element {i}: {g} vs {w}");
+                assert_eq!(
+                    g.to_bits(),
+                    w.to_bits(),
+                    "{what} of element {i}: {g} vs {w}"
+                );
             }
         };
         let scale = [1.0, -0.5, 3.0e38, 1.0e-3, 0.0, 7.25, -2.0, 1.5];
