@@ -412,15 +412,29 @@ fn conv2d_amx<T: Elem>(
             };
             let col0 = p0 * amx::PANEL;
             let mut scratch = Vec::new();
+            let mut narrowed = [T::default(); amx::BLOCK_ROWS * amx::BLOCK_COLS];
             let mut store = |d: amx::Done<'_>| {
+                let at = |r: usize| (m0 + d.row + r) * cout + col0 + d.col;
+                if !epilogue.is_empty() {
+                    for r in 0..d.rows {
+                        let row = &mut d.values[r * amx::BLOCK_COLS..][..d.cols];
+                        epilogue.apply(row, at(r), &mut scratch);
+                    }
+                }
+                // The block narrowed in one pass (a 32-value row per call would spend more on
+                // the calls than on the conversion where K is small), then its rows copied.
+                let n = d.rows * amx::BLOCK_COLS;
+                T::narrow(&d.values[..n], &mut narrowed[..n]);
                 for r in 0..d.rows {
-                    let row = &mut d.values[r * amx::BLOCK_COLS..][..d.cols];
-                    let at = (m0 + d.row + r) * cout + col0 + d.col;
-                    epilogue.apply(row, at, &mut scratch);
                     // SAFETY: rows m0..m0 + mr, columns of panels p0..p1 of y are this work
-                    // item's alone; `at` is inside them.
-                    let out = unsafe { std::slice::from_raw_parts_mut(out.add(at), d.cols) };
-                    T::narrow(row, out);
+                    // item's alone; row r's `cols` values from `at(r)` are inside them.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            narrowed[r * amx::BLOCK_COLS..].as_ptr(),
+                            out.add(at(r)),
+                            d.cols,
+                        )
+                    };
                 }
             };
             // SAFETY: AMX packings exist only where `simd()` chose AMX, which `amx::available()`
