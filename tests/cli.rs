@@ -240,7 +240,7 @@ fn infer_matches_the_reference_through_files() {
             stderr(&o)
         );
         let kernel = workshop::backend::cpu::sgemm::kernel_name();
-        assert!(stdout(&o).contains(kernel), "{kernel}: {}", stdout(&o));
+        assert!(stdout(&o).contains(&kernel), "{kernel}: {}", stdout(&o));
     }
 }
 

@@ -273,14 +273,24 @@ pub fn tile_rows() -> usize {
     kernels().rows
 }
 
-/// The name of the kernel in use, for records and `doctor`.
-pub fn kernel_name() -> &'static str {
-    match simd() {
-        Simd::Avx512 => "avx512 12x16",
-        Simd::Amx => "avx512 12x16, amx-bf16 32x32",
-        Simd::Avx2Fma => "avx2-fma 6x16",
-        Simd::Portable => "portable 6x16",
-    }
+/// The name of the kernel in use, for records and `doctor`: the SIMD path and the tall tile's
+/// shape, and AMX's block where BF16 convolutions use it.
+pub fn kernel_name() -> String {
+    let path = match simd() {
+        Simd::Avx512 | Simd::Amx => "avx512",
+        Simd::Avx2Fma => "avx2-fma",
+        Simd::Portable => "portable",
+    };
+    let amx = if simd() == Simd::Amx {
+        format!(
+            ", amx-bf16 {}x{}",
+            super::amx::BLOCK_ROWS,
+            super::amx::BLOCK_COLS
+        )
+    } else {
+        String::new()
+    };
+    format!("{path} {}x{NR}{amx}", kernels().rows)
 }
 
 /// C[0..m, cols of panels p0..p1] = A[0..m, 0..K] · B + bias, single-threaded.
