@@ -16,7 +16,7 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::amx::{self, PackedAmx};
-use super::elem::Elem;
+use super::elem::{Elem, bf16_f32, f32_bf16};
 use super::sgemm::{self, NR, PackedB, Panels};
 use super::simd::with_simd;
 use crate::model::op::{Act, Conv2d, Pool};
@@ -768,25 +768,6 @@ fn map_f32<T: Elem>(buf: &mut [T], period: usize, f: impl Fn(&mut [f32]) + Sync)
 
 /// Elements per widened block of a half-precision element-wise op (8 KiB of f32).
 const HALF_BLOCK: usize = 2048;
-
-/// A bf16 value's f32 (exact).
-#[inline(always)]
-fn bf16_f32(v: bf16) -> f32 {
-    f32::from_bits((v.to_bits() as u32) << 16)
-}
-
-/// The bf16 nearest an f32 (ties to even; a NaN stays a quiet NaN), bit for bit as
-/// `bf16::from_f32`, written so that a loop of it vectorises.
-#[inline(always)]
-fn f32_bf16(v: f32) -> bf16 {
-    let x = v.to_bits();
-    let bits = if v.is_nan() {
-        (x >> 16) | 0x40
-    } else {
-        (x + 0x7fff + ((x >> 16) & 1)) >> 16
-    };
-    bf16::from_bits(bits as u16)
-}
 
 /// y = x·scale + shift per channel (batch norm folded to an affine map at prepare time).
 pub fn affine_inplace<T: Elem>(buf: &mut [T], c: usize, scale: &[f32], shift: &[f32]) {
