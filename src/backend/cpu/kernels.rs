@@ -298,6 +298,24 @@ fn panel_range(panels: usize, splits: usize, s: usize) -> (usize, usize) {
     (panels * s / splits, panels * (s + 1) / splits)
 }
 
+/// The work items of a GEMM of `m` rows in chunks of `rows` over `panels` column panels
+/// ([`work_split`]), in parallel: each item's rows (m0, mr) and panels [p0, p1).
+fn work_items(
+    m: usize,
+    rows: usize,
+    panels: usize,
+    threads: usize,
+) -> impl IndexedParallelIterator<Item = ((usize, usize), (usize, usize))> {
+    let (chunks, splits) = work_split(m, rows, panels, threads);
+    (0..chunks * splits).into_par_iter().map(move |item| {
+        let m0 = item / splits * rows;
+        (
+            (m0, rows.min(m - m0)),
+            panel_range(panels, splits, item % splits),
+        )
+    })
+}
+
 /// Multiply rows [m0, m0 + mr) of `a` (row stride `lda`, group g's columns at g·k_g) by each
 /// group's panels [p0, p1), writing into the NHWC output `y` (row stride `cout`).
 #[allow(clippy::too_many_arguments)]
@@ -393,15 +411,10 @@ fn conv2d_amx<T: Elem>(
     let m = ys.n * ys.h * ys.w;
     let cout = c.out_channels;
     let rows = balanced_rows(m, (chunk_rows(m, k) * p.chunk_scale).min(m.max(1)), threads);
-    let (chunks, splits) = work_split(m, rows, b.panels(), threads);
     let direct = is_pointwise(c) && c.in_channels == kp;
     assert!(y.len() >= m * cout, "conv2d output buffer too small");
     let out = TilePtr(y.as_mut_ptr());
-    (0..chunks * splits).into_par_iter().for_each(|item| {
-        let (chunk, split) = (item / splits, item % splits);
-        let m0 = chunk * rows;
-        let mr = rows.min(m - m0);
-        let (p0, p1) = panel_range(b.panels(), splits, split);
+    work_items(m, rows, b.panels(), threads).for_each(|((m0, mr), (p0, p1))| {
         AMX_COLUMNS.with_borrow_mut(|cols| {
             let a: &[bf16] = if direct {
                 &x16[m0 * kp..(m0 + mr) * kp]
@@ -539,15 +552,10 @@ pub fn conv2d<T: Elem>(
         views.push(g.view(mine));
     }
     let rows = balanced_rows(m, (chunk_rows(m, k) * p.chunk_scale).min(m.max(1)), threads);
-    let (chunks, splits) = work_split(m, rows, views[0].panels(), threads);
     let direct = if is_pointwise(c) { T::as_f32(x) } else { None };
     assert!(y.len() >= m * cout, "conv2d output buffer too small");
     let out = TilePtr(y.as_mut_ptr());
-    (0..chunks * splits).into_par_iter().for_each(|item| {
-        let (chunk, split) = (item / splits, item % splits);
-        let m0 = chunk * rows;
-        let mr = rows.min(m - m0);
-        let panels = panel_range(views[0].panels(), splits, split);
+    work_items(m, rows, views[0].panels(), threads).for_each(|((m0, mr), panels)| {
         SCRATCH.with(|s| {
             let (cols, res) = &mut *s.borrow_mut();
             let a: &[f32] = match direct {
@@ -1021,14 +1029,9 @@ pub fn linear<T: Elem>(
                 }
             };
             let rows = balanced_rows(n, chunk_rows(n, fin), threads);
-            let (chunks, splits) = work_split(n, rows, b.panels(), threads);
             assert!(y.len() >= n * fout, "linear output buffer too small");
             let out = TilePtr(y.as_mut_ptr());
-            (0..chunks * splits).into_par_iter().for_each(|item| {
-                let (chunk, split) = (item / splits, item % splits);
-                let m0 = chunk * rows;
-                let mr = rows.min(n - m0);
-                let (p0, p1) = panel_range(b.panels(), splits, split);
+            work_items(n, rows, b.panels(), threads).for_each(|((m0, mr), (p0, p1))| {
                 let a = &a[m0 * fin..(m0 + mr) * fin];
                 if T::IS_F32 {
                     let view = b.view(&mut []);
