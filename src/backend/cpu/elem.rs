@@ -146,11 +146,15 @@ fn narrow_f16(src: &[f32], dst: &mut [f16]) {
 }
 
 fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
-    simd::with_simd(|| dst.iter_mut().zip(src).for_each(|(d, s)| *d = bf16_f32(*s)));
+    simd::with_simd(simd::ZipWith(dst, src, |d: &mut f32, s: &bf16| {
+        *d = bf16_f32(*s)
+    }));
 }
 
 fn narrow_bf16(src: &[f32], dst: &mut [bf16]) {
-    simd::with_simd(|| dst.iter_mut().zip(src).for_each(|(d, s)| *d = f32_bf16(*s)));
+    simd::with_simd(simd::ZipWith(dst, src, |d: &mut bf16, s: &f32| {
+        *d = f32_bf16(*s)
+    }));
 }
 
 /// A bf16 value's f32 (exact: the bf16 bits are the f32's top half).

@@ -18,7 +18,7 @@ use rayon::prelude::*;
 use super::amx::{self, PackedAmx};
 use super::elem::{Elem, bf16_f32, f32_bf16};
 use super::sgemm::{self, NR, PackedB, Panels};
-use super::simd::with_simd;
+use super::simd::{Update, Vectorised, ZipWith, with_simd};
 use crate::model::op::{Act, Conv2d, Pool};
 use crate::model::reference::adaptive_bins;
 
@@ -475,6 +475,8 @@ impl<T: Elem> Epilogue<'_, T> {
     }
 
     /// Apply to `row`, the outputs starting at flat index `at`; `scratch` widens the residual.
+    /// Inlined so that it is vectorised where its caller is (the Winograd output transform).
+    #[inline(always)]
     pub(crate) fn apply(&self, row: &mut [f32], at: usize, scratch: &mut Vec<f32>) {
         if let Some(r) = self.residual {
             let r = &r[at..at + row.len()];
@@ -779,28 +781,59 @@ const HALF_BLOCK: usize = 2048;
 
 /// y = x·scale + shift per channel (batch norm folded to an affine map at prepare time).
 pub fn affine_inplace<T: Elem>(buf: &mut [T], c: usize, scale: &[f32], shift: &[f32]) {
+    let c = c.max(1);
     if let Some(b) = T::as_bf16_mut(buf) {
         // bf16: converted in registers, one pass over memory (no widened copy).
-        let c = c.max(1);
         b.par_chunks_mut((ELEMENTWISE_CHUNK / c).max(1) * c)
-            .for_each(|part| {
-                with_simd(|| {
-                    for px in part.chunks_exact_mut(c) {
-                        for ((v, s), sh) in px.iter_mut().zip(scale).zip(shift) {
-                            *v = f32_bf16(bf16_f32(*v) * s + sh);
-                        }
-                    }
-                })
-            });
+            .for_each(|part| with_simd(Affine::new(part, c, scale, shift, bf16_f32, f32_bf16)));
         return;
     }
     map_f32(buf, c, |part| {
-        for px in part.chunks_exact_mut(c) {
-            for ((v, s), b) in px.iter_mut().zip(scale).zip(shift) {
-                *v = *v * s + b;
+        with_simd(Affine::new(part, c, scale, shift, |v: f32| v, |v: f32| v))
+    });
+}
+
+/// [`affine_inplace`] over whole pixels of `part`, as vectorised work: each value read as f32
+/// by `load` and written back by `store` (the identity for f32, in registers for bf16).
+struct Affine<'a, V, L, S> {
+    part: &'a mut [V],
+    c: usize,
+    scale: &'a [f32],
+    shift: &'a [f32],
+    load: L,
+    store: S,
+}
+
+impl<'a, V, L, S> Affine<'a, V, L, S> {
+    fn new(
+        part: &'a mut [V],
+        c: usize,
+        scale: &'a [f32],
+        shift: &'a [f32],
+        load: L,
+        store: S,
+    ) -> Self {
+        Affine {
+            part,
+            c,
+            scale,
+            shift,
+            load,
+            store,
+        }
+    }
+}
+
+impl<V: Copy, L: Fn(V) -> f32, S: Fn(f32) -> V> Vectorised for Affine<'_, V, L, S> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        for px in self.part.chunks_exact_mut(self.c) {
+            for ((v, s), b) in px.iter_mut().zip(self.scale).zip(self.shift) {
+                *v = (self.store)((self.load)(*v) * s + b);
             }
         }
-    });
+    }
 }
 
 /// Clamp every element to [lo, hi] (ReLU: [0, ∞), ReLU6: [0, 6]).
@@ -813,19 +846,19 @@ pub fn clamp_inplace<T: Elem>(buf: &mut [T], lo: f32, hi: f32) {
         // 1..=0x7f80 (positive, up to +∞), and becomes +0 otherwise (zeros, negatives, NaNs),
         // as the f32 path's max(v, 0) does. A compare and a select the compiler vectorises.
         b.par_chunks_mut(ELEMENTWISE_CHUNK).for_each(|part| {
-            part.iter_mut().for_each(|v| {
+            with_simd(Update(part, |v: &mut bf16| {
                 let bits = v.to_bits();
                 *v = bf16::from_bits(if bits.wrapping_sub(1) < 0x7f80 {
                     bits
                 } else {
                     0
                 });
-            })
+            }))
         });
         return;
     }
     map_f32(buf, 1, |part| {
-        part.iter_mut().for_each(|v| *v = v.max(lo).min(hi))
+        with_simd(Update(part, |v: &mut f32| *v = v.max(lo).min(hi)))
     });
 }
 
@@ -836,11 +869,9 @@ pub fn add_inplace<T: Elem>(a: &mut [T], b: &[T]) {
         .for_each(|(a, b)| {
             if let (Some(a), Some(b)) = (T::as_bf16_mut(a), T::as_bf16(b)) {
                 // bf16: converted in registers, one pass over memory.
-                return with_simd(|| {
-                    a.iter_mut()
-                        .zip(b)
-                        .for_each(|(x, y)| *x = f32_bf16(bf16_f32(*x) + bf16_f32(*y)))
-                });
+                return with_simd(ZipWith(a, b, |x: &mut bf16, y: &bf16| {
+                    *x = f32_bf16(bf16_f32(*x) + bf16_f32(*y))
+                }));
             }
             add_chunk(a, b)
         });
@@ -848,15 +879,16 @@ pub fn add_inplace<T: Elem>(a: &mut [T], b: &[T]) {
 
 /// [`add_inplace`] of one chunk, f32 in place or through widened copies.
 fn add_chunk<T: Elem>(a: &mut [T], b: &[T]) {
+    let add = |x: &mut f32, y: &f32| *x += y;
     match (T::as_f32_mut(a), T::as_f32(b)) {
-        (Some(a), Some(b)) => a.iter_mut().zip(b).for_each(|(x, y)| *x += y),
+        (Some(a), Some(b)) => with_simd(ZipWith(a, b, add)),
         _ => {
             let (mut ta, mut tb) = ([0f32; HALF_BLOCK], [0f32; HALF_BLOCK]);
             for (a, b) in a.chunks_mut(HALF_BLOCK).zip(b.chunks(HALF_BLOCK)) {
                 let (ta, tb) = (&mut ta[..a.len()], &mut tb[..a.len()]);
                 T::widen(a, ta);
                 T::widen(b, tb);
-                ta.iter_mut().zip(tb.iter()).for_each(|(x, y)| *x += y);
+                with_simd(ZipWith(ta, tb, add));
                 T::narrow(ta, a);
             }
         }

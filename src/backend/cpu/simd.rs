@@ -95,31 +95,68 @@ pub fn f16c() -> bool {
     })
 }
 
-/// Run `f` compiled for the widest vectors `simd()` chose: loops over floats that the
-/// compiler vectorises 8 wide with AVX2 and 16 with AVX-512, instead of the baseline's 4
-/// (the closure is inlined into a function compiled with those features).
+/// Work that [`with_simd`] compiles for the widest vectors in use: loops over floats that
+/// the compiler vectorises 8 wide with AVX2 and 16 with AVX-512, instead of the baseline's 4.
+///
+/// `run` must be `#[inline(always)]`, and so must every function it calls whose loops should
+/// be vectorised: only code inlined into `with_simd`'s target-feature functions is compiled
+/// with their features. A closure is not enough: the compiler is free not to inline a large
+/// one, and then its loops run on the baseline's SSE. The Winograd transforms did, at every
+/// width, while they were passed as closures (the disassembly showed only xmm registers).
+pub trait Vectorised {
+    type Output;
+    fn run(self) -> Self::Output;
+}
+
+/// Run `work` compiled for the widest vectors `simd()` chose (see [`Vectorised`]).
 #[inline(always)]
-pub fn with_simd<R>(f: impl FnOnce() -> R) -> R {
+pub fn with_simd<W: Vectorised>(work: W) -> W::Output {
     #[cfg(target_arch = "x86_64")]
     {
         /// # Safety
         /// The CPU supports AVX2 and FMA.
         #[target_feature(enable = "avx2,fma")]
-        unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
-            f()
+        unsafe fn avx2<W: Vectorised>(work: W) -> W::Output {
+            work.run()
         }
         /// # Safety
         /// The CPU supports AVX-512F.
         #[target_feature(enable = "avx512f")]
-        unsafe fn avx512<R>(f: impl FnOnce() -> R) -> R {
-            f()
+        unsafe fn avx512<W: Vectorised>(work: W) -> W::Output {
+            work.run()
         }
         match simd() {
             // SAFETY: `simd()` chooses a path only where the CPU has its features.
-            Simd::Avx512 | Simd::Amx => return unsafe { avx512(f) },
-            Simd::Avx2Fma => return unsafe { avx2(f) },
+            Simd::Avx512 | Simd::Amx => return unsafe { avx512(work) },
+            Simd::Avx2Fma => return unsafe { avx2(work) },
             Simd::Portable => {}
         }
     }
-    f()
+    work.run()
+}
+
+/// `f(d)` for each element of a slice, as [`Vectorised`] work (`f` as for [`ZipWith`]).
+pub struct Update<'a, D, F>(pub &'a mut [D], pub F);
+
+impl<D, F: Fn(&mut D)> Vectorised for Update<'_, D, F> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        let Update(dst, f) = self;
+        dst.iter_mut().for_each(f);
+    }
+}
+
+/// `f(d, s)` for each pair of `dst` and `src` elements (the shorter's length), as
+/// [`Vectorised`] work: the element-wise loops. `f` should be a small per-element closure
+/// (the compiler inlines those; the loop around it is what must be inlined for sure).
+pub struct ZipWith<'a, D, S, F>(pub &'a mut [D], pub &'a [S], pub F);
+
+impl<D, S, F: Fn(&mut D, &S)> Vectorised for ZipWith<'_, D, S, F> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        let ZipWith(dst, src, f) = self;
+        dst.iter_mut().zip(src).for_each(|(d, s)| f(d, s));
+    }
 }

@@ -19,7 +19,7 @@ use rayon::prelude::*;
 use super::elem::Elem;
 use super::kernels::{Epilogue, Nhwc, balanced_rows};
 use super::sgemm::{self, NR, PackedB};
-use super::simd::with_simd;
+use super::simd::{Vectorised, with_simd};
 use crate::model::op::Conv2d;
 
 /// The output tile: F(2×2, 3×3) or F(4×4, 3×3).
@@ -343,7 +343,12 @@ pub fn conv2d<T: Elem>(
                 let (v, mm) = (&mut s.v, &mut s.m);
                 v.resize(tiles.len() * positions * xs.c, 0.0);
                 mm.resize(tiles.len() * positions * ys.c, 0.0);
-                with_simd(|| inputs(&job, tiles.clone(), v, &mut s.t));
+                with_simd(Inputs {
+                    job: &job,
+                    tiles: tiles.clone(),
+                    v,
+                    s: &mut s.t,
+                });
                 // SAFETY: `mm` is this work item's own buffer, sized for its tiles above.
                 unsafe {
                     gemms(
@@ -355,7 +360,12 @@ pub fn conv2d<T: Elem>(
                         &mut s.wide,
                     )
                 };
-                with_simd(|| outputs(&job, tiles, mm, &mut s.t));
+                with_simd(Outputs {
+                    job: &job,
+                    tiles,
+                    mm,
+                    s: &mut s.t,
+                });
             })
         });
         return;
@@ -370,7 +380,14 @@ pub fn conv2d<T: Elem>(
     v.par_chunks_mut(per * positions * xs.c)
         .enumerate()
         .for_each(|(c, v)| {
-            SCRATCH.with(|s| with_simd(|| inputs(&job, chunk(c), v, &mut s.borrow_mut().t)))
+            SCRATCH.with(|s| {
+                with_simd(Inputs {
+                    job: &job,
+                    tiles: chunk(c),
+                    v,
+                    s: &mut s.borrow_mut().t,
+                })
+            })
         });
     let (v_all, mp) = (&v, OutPtr(mm.as_mut_ptr()));
     let (mp, m_len) = (&mp, mm.len());
@@ -391,7 +408,14 @@ pub fn conv2d<T: Elem>(
     mm.par_chunks(per * positions * ys.c)
         .enumerate()
         .for_each(|(c, mm)| {
-            SCRATCH.with(|s| with_simd(|| outputs(&job, chunk(c), mm, &mut s.borrow_mut().t)))
+            SCRATCH.with(|s| {
+                with_simd(Outputs {
+                    job: &job,
+                    tiles: chunk(c),
+                    mm,
+                    s: &mut s.borrow_mut().t,
+                })
+            })
         });
     SCRATCH.with(|s| {
         let s = &mut *s.borrow_mut();
@@ -399,21 +423,44 @@ pub fn conv2d<T: Elem>(
     });
 }
 
-/// The input transform of `tiles` into `v` (tile-major: tiles × α² × cin).
-#[inline(always)]
-fn inputs<T: Elem>(job: &Job<'_, T>, tiles: Range<usize>, v: &mut [f32], s: &mut TileScratch) {
-    match job.w.tile {
-        Tile::F2 => inputs_with::<T, Bt4, 4, 2>(job, tiles, v, s),
-        Tile::F4 => inputs_with::<T, Bt6, 6, 4>(job, tiles, v, s),
+/// The input transform of `tiles` into `v` (tile-major: tiles × α² × cin), as vectorised work.
+struct Inputs<'a, 'j, T> {
+    job: &'a Job<'j, T>,
+    tiles: Range<usize>,
+    v: &'a mut [f32],
+    s: &'a mut TileScratch,
+}
+
+impl<T: Elem> Vectorised for Inputs<'_, '_, T> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        let Inputs { job, tiles, v, s } = self;
+        match job.w.tile {
+            Tile::F2 => inputs_with::<T, Bt4, 4, 2>(job, tiles, v, s),
+            Tile::F4 => inputs_with::<T, Bt6, 6, 4>(job, tiles, v, s),
+        }
     }
 }
 
-/// The output transform of `tiles` from `mm` (tiles × α² × cout), with bias and epilogue.
-#[inline(always)]
-fn outputs<T: Elem>(job: &Job<'_, T>, tiles: Range<usize>, mm: &[f32], s: &mut TileScratch) {
-    match job.w.tile {
-        Tile::F2 => outputs_with::<T, At4, 4, 2>(job, tiles, mm, s),
-        Tile::F4 => outputs_with::<T, At6, 6, 4>(job, tiles, mm, s),
+/// The output transform of `tiles` from `mm` (tiles × α² × cout), with bias and epilogue, as
+/// vectorised work.
+struct Outputs<'a, 'j, T> {
+    job: &'a Job<'j, T>,
+    tiles: Range<usize>,
+    mm: &'a [f32],
+    s: &'a mut TileScratch,
+}
+
+impl<T: Elem> Vectorised for Outputs<'_, '_, T> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        let Outputs { job, tiles, mm, s } = self;
+        match job.w.tile {
+            Tile::F2 => outputs_with::<T, At4, 4, 2>(job, tiles, mm, s),
+            Tile::F4 => outputs_with::<T, At6, 6, 4>(job, tiles, mm, s),
+        }
     }
 }
 
@@ -515,13 +562,6 @@ fn outputs_with<T: Elem, O: Transform<A, M>, const A: usize, const M: usize>(
     let positions = A * A;
     s.y.resize(M * M * cout, 0.0);
     s.tmp.resize(positions * cout.max(job.xs.c), 0.0);
-    // Bias and epilogue of the output pixel at flat index `at`.
-    let finish = |px: &mut [f32], at: usize, residual: &mut Vec<f32>| {
-        if let Some(bias) = &job.w.bias {
-            px.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
-        }
-        job.epilogue.apply(px, at, residual);
-    };
     for (t, mt) in tiles.zip(mm.chunks_exact(positions * cout)) {
         let (b, ty, tx) = tile_position(t, job.th, job.tw);
         let src = |i: usize, j: usize| &mt[(i * A + j) * cout..][..cout];
@@ -538,7 +578,7 @@ fn outputs_with<T: Elem, O: Transform<A, M>, const A: usize, const M: usize>(
             transform_2d::<O, A, M>(src, cout, &mut s.tmp, (0..M).map(row));
             for r in 0..M {
                 for (c, px) in row(r).chunks_exact_mut(cout).enumerate() {
-                    finish(px, flat(r, c), &mut s.residual);
+                    finish(job, px, flat(r, c), &mut s.residual);
                 }
             }
             continue;
@@ -553,13 +593,22 @@ fn outputs_with<T: Elem, O: Transform<A, M>, const A: usize, const M: usize>(
                     break;
                 }
                 let at = flat(r, c);
-                finish(row, at, &mut s.residual);
+                finish(job, row, at, &mut s.residual);
                 // SAFETY: this pixel's cout outputs belong to this tile only.
                 let dst = unsafe { std::slice::from_raw_parts_mut(job.out.0.add(at), cout) };
                 T::narrow(row, dst);
             }
         }
     }
+}
+
+/// Bias and epilogue of the output pixel at flat index `at`.
+#[inline(always)]
+fn finish<T: Elem>(job: &Job<'_, T>, px: &mut [f32], at: usize, residual: &mut Vec<f32>) {
+    if let Some(bias) = &job.w.bias {
+        px.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
+    }
+    job.epilogue.apply(px, at, residual);
 }
 
 /// Tile index → (image, tile row, tile column).
