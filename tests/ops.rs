@@ -148,6 +148,13 @@ fn conv2d_variants(kind: BackendKind) {
             conv(5, 5, (3, 3), 2, (1, 1), 1, 5, true),
             [1, 5, 7, 8],
         ),
+        // 24 channels: the CPU's 16-channel register block and an 8-channel tail.
+        (
+            "depthwise_block_and_tail_dilated_stride2",
+            24,
+            conv(24, 24, (3, 3), 2, (2, 2), 2, 24, true),
+            [2, 24, 9, 7],
+        ),
         (
             "dilated",
             3,
@@ -468,6 +475,15 @@ fn fused_conv_epilogues(kind: BackendKind) {
                 ..Conv2d::new(8, 8, 3, 1, 1).with_groups(8)
             },
             [1, 8, 5, 5],
+        ),
+        (
+            "depthwise_res_blocks",
+            Conv2d {
+                residual: true,
+                act: Act::Relu,
+                ..Conv2d::new(32, 32, 3, 1, 1).with_groups(32)
+            },
+            [2, 32, 6, 5],
         ),
     ];
     for (name, c, shape) in cases {

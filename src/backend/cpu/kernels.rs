@@ -517,18 +517,7 @@ pub fn conv2d<T: Elem>(
         act: p.conv.act,
     };
     if let Some((dw, bias)) = &p.depthwise {
-        depthwise(&p.conv, dw, bias.as_deref(), x, xs, y, ys);
-        if !epilogue.is_empty() {
-            let mut tmp = Vec::new();
-            let mut scratch = Vec::new();
-            for (i, part) in y[..ys.elems()].chunks_mut(ys.c).enumerate() {
-                tmp.resize(part.len(), 0.0);
-                T::widen(part, &mut tmp);
-                epilogue.apply(&mut tmp, i * ys.c, &mut scratch);
-                T::narrow(&tmp, part);
-            }
-        }
-        return;
+        return depthwise(&p.conv, dw, bias.as_deref(), x, xs, y, ys, &epilogue);
     }
     if let Some(w) = &p.winograd {
         super::winograd::conv2d(w, &p.conv, x, xs, y, ys, &epilogue);
@@ -702,7 +691,10 @@ fn im2col_runs<T: Elem, D: Gathered<T>>(
     }
 }
 
-/// Depthwise convolution, one output row (n, oy) per work item, channels vectorised.
+/// Depthwise convolution (one filter per channel) with its epilogue, one output row per work
+/// item ([`DepthwiseRow`]), then the epilogue on the finished row. f32 activations are read
+/// and written in place; half types go through widened input rows and an f32 output row.
+#[allow(clippy::too_many_arguments)]
 fn depthwise<T: Elem>(
     c: &Conv2d,
     dw: &[f32],
@@ -711,44 +703,150 @@ fn depthwise<T: Elem>(
     xs: Nhwc,
     y: &mut [T],
     ys: Nhwc,
+    epilogue: &Epilogue<'_, T>,
 ) {
     let ch = ys.c;
     let (kh, kw) = c.kernel;
+    let (row_len, in_len) = (ys.w * ch, xs.w * ch);
+    let zeros = vec![0f32; ch];
     y[..ys.elems()]
-        .par_chunks_mut(ys.w * ch)
+        .par_chunks_mut(row_len)
         .enumerate()
         .for_each(|(row, out)| {
-            let oy = row % ys.h;
-            let n = row / ys.h;
-            let mut acc = vec![0f32; ch];
-            let mut xin = vec![0f32; ch];
-            for ox in 0..ys.w {
-                match bias {
-                    Some(b) => acc.copy_from_slice(b),
-                    None => acc.fill(0.0),
-                }
-                for ky in 0..kh {
-                    let iy = (oy * c.stride.0 + ky * c.dilation.0) as isize - c.padding.0 as isize;
-                    if iy < 0 || iy as usize >= xs.h {
-                        continue;
-                    }
-                    for kx in 0..kw {
-                        let ix =
-                            (ox * c.stride.1 + kx * c.dilation.1) as isize - c.padding.1 as isize;
-                        if ix < 0 || ix as usize >= xs.w {
-                            continue;
-                        }
-                        let base = ((n * xs.h + iy as usize) * xs.w + ix as usize) * ch;
-                        T::widen(&x[base..base + ch], &mut xin);
-                        let w = &dw[(ky * kw + kx) * ch..][..ch];
-                        for ((a, xv), wv) in acc.iter_mut().zip(&xin).zip(w) {
-                            *a += xv * wv;
+            let (oy, n) = (row % ys.h, row / ys.h);
+            SCRATCH.with(|s| {
+                let (wide_in, wide_out) = &mut *s.borrow_mut();
+                // The input rows of taps ky = 0..kh, where inside the image.
+                let rows: Vec<Option<usize>> = (0..kh)
+                    .map(|ky| {
+                        let iy =
+                            (oy * c.stride.0 + ky * c.dilation.0) as isize - c.padding.0 as isize;
+                        (iy >= 0 && (iy as usize) < xs.h).then(|| (n * xs.h + iy as usize) * in_len)
+                    })
+                    .collect();
+                if T::as_f32(x).is_none() {
+                    wide_in.resize(kh * in_len, 0.0);
+                    for (ky, at) in rows.iter().enumerate() {
+                        if let Some(at) = at {
+                            T::widen(&x[*at..][..in_len], &mut wide_in[ky * in_len..][..in_len]);
                         }
                     }
                 }
-                T::narrow(&acc, &mut out[ox * ch..(ox + 1) * ch]);
-            }
+                let input: Vec<Option<&[f32]>> = rows
+                    .iter()
+                    .enumerate()
+                    .map(|(ky, at)| {
+                        at.map(|at| match T::as_f32(x) {
+                            Some(x) => &x[at..][..in_len],
+                            None => &wide_in[ky * in_len..][..in_len],
+                        })
+                    })
+                    .collect();
+                let run = |acc: &mut [f32]| {
+                    with_simd(DepthwiseRow {
+                        acc,
+                        input: &input,
+                        w: dw,
+                        bias: bias.unwrap_or(&zeros),
+                        kw,
+                        stride: c.stride.1,
+                        dilation: c.dilation.1,
+                        pad: c.padding.1,
+                    })
+                };
+                let mut residual = Vec::new();
+                match T::as_f32_mut(out) {
+                    Some(out) => {
+                        run(&mut *out);
+                        if !epilogue.is_empty() {
+                            epilogue.apply(out, row * row_len, &mut residual);
+                        }
+                    }
+                    None => {
+                        wide_out.resize(row_len, 0.0);
+                        run(&mut wide_out[..]);
+                        if !epilogue.is_empty() {
+                            epilogue.apply(wide_out, row * row_len, &mut residual);
+                        }
+                        T::narrow(wide_out, out);
+                    }
+                }
+            })
         });
+}
+
+/// Channels per register block of [`DepthwiseRow`]: two AVX2 vectors, one AVX-512 vector.
+const DW_BLOCK: usize = 16;
+
+/// One output row of [`depthwise`], as vectorised work: for each output pixel and each block
+/// of [`DW_BLOCK`] channels, the accumulators start from the bias and stay in registers
+/// through every tap (the input pixel at row ky, column ox·stride + kx·dilation − pad, where
+/// inside the image, times the tap's weights), and are stored once. Channels past the last
+/// whole block take a plain loop.
+struct DepthwiseRow<'a> {
+    acc: &'a mut [f32],
+    /// The input row of each tap row ky (`None` above or below the image).
+    input: &'a [Option<&'a [f32]>],
+    /// Weights, (ky, kx, channel).
+    w: &'a [f32],
+    bias: &'a [f32],
+    kw: usize,
+    stride: usize,
+    dilation: usize,
+    pad: usize,
+}
+
+impl Vectorised for DepthwiseRow<'_> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        let ch = self.bias.len();
+        let width = self
+            .input
+            .iter()
+            .flatten()
+            .next()
+            .map_or(0, |r| r.len() / ch);
+        let blocks = ch / DW_BLOCK * DW_BLOCK;
+        // The taps of one output pixel: its input pixel's channels and the tap's weight offset.
+        let mut taps: Vec<(&[f32], usize)> = Vec::with_capacity(self.input.len() * self.kw);
+        for (ox, out) in self.acc.chunks_exact_mut(ch).enumerate() {
+            taps.clear();
+            for (ky, row) in self.input.iter().enumerate() {
+                let Some(row) = row else { continue };
+                for kx in 0..self.kw {
+                    if let Some(ix) = (ox * self.stride + kx * self.dilation).checked_sub(self.pad)
+                        && ix < width
+                    {
+                        taps.push((&row[ix * ch..][..ch], (ky * self.kw + kx) * ch));
+                    }
+                }
+            }
+            for c0 in (0..blocks).step_by(DW_BLOCK) {
+                let mut acc: [f32; DW_BLOCK] = self.bias[c0..][..DW_BLOCK].try_into().unwrap();
+                for &(x, w0) in &taps {
+                    let (x, w) = (&x[c0..][..DW_BLOCK], &self.w[w0 + c0..][..DW_BLOCK]);
+                    for i in 0..DW_BLOCK {
+                        acc[i] += x[i] * w[i];
+                    }
+                }
+                out[c0..][..DW_BLOCK].copy_from_slice(&acc);
+            }
+            if blocks < ch {
+                let tail = &mut out[blocks..];
+                tail.copy_from_slice(&self.bias[blocks..]);
+                for &(x, w0) in &taps {
+                    for ((a, xv), wv) in tail
+                        .iter_mut()
+                        .zip(&x[blocks..])
+                        .zip(&self.w[w0 + blocks..])
+                    {
+                        *a += xv * wv;
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Apply `f` to `buf` in f32, one block at a time: in place for f32 storage, through a small
