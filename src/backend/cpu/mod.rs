@@ -323,6 +323,28 @@ enum Step<T> {
     Softmax,
 }
 
+/// An activation buffer: the first `len` elements of `data` in use. Every element of `data` is
+/// initialised (zeros when it was made), so a buffer serves any length up to `data.len()`
+/// without being filled again: a `Vec` truncated and grown back would refill the difference on
+/// every pass (a memset of up to a whole tensor per op).
+struct Buf<T> {
+    data: Vec<T>,
+    len: usize,
+}
+
+impl<T> std::ops::Deref for Buf<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        &self.data[..self.len]
+    }
+}
+
+impl<T> std::ops::DerefMut for Buf<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut self.data[..self.len]
+    }
+}
+
 struct CpuSession<T: Elem> {
     plan: Plan,
     steps: Vec<Step<T>>,
@@ -331,8 +353,8 @@ struct CpuSession<T: Elem> {
     threads: usize,
     profile: bool,
     /// Buffers that are free for reuse, and the one holding the last output.
-    free: Vec<Vec<T>>,
-    output: Option<Vec<T>>,
+    free: Vec<Buf<T>>,
+    output: Option<Buf<T>>,
     /// Widened (f32) conv weights for non-f32 storage, reused across layers.
     wide: Vec<f32>,
     times: Vec<KernelTime>,
@@ -457,24 +479,26 @@ impl<T: Elem> CpuSession<T> {
     }
 
     /// A buffer of exactly `len` elements: the smallest free one that is large enough, or a new one.
-    fn alloc(&mut self, len: usize) -> Vec<T> {
+    fn alloc(&mut self, len: usize) -> Buf<T> {
         let best = self
             .free
             .iter()
             .enumerate()
-            .filter(|(_, b)| b.capacity() >= len)
-            .min_by_key(|(_, b)| b.capacity())
+            .filter(|(_, b)| b.data.len() >= len)
+            .min_by_key(|(_, b)| b.data.len())
             .map(|(i, _)| i);
         let mut buf = match best {
             Some(i) => self.free.swap_remove(i),
             None => {
                 self.held_bytes += (len * std::mem::size_of::<T>()) as u64;
                 self.peak_bytes = self.peak_bytes.max(self.held_bytes);
-                Vec::with_capacity(len)
+                Buf {
+                    data: vec![T::default(); len],
+                    len,
+                }
             }
         };
-        buf.resize(len, T::default());
-        buf.truncate(len);
+        buf.len = len;
         buf
     }
 
@@ -510,7 +534,7 @@ impl<T: Elem> CpuSession<T> {
         self.times.clear();
         let forward_start = Instant::now();
         let n_nodes = self.plan.graph.nodes.len();
-        let mut values: Vec<Option<Vec<T>>> = (0..n_nodes).map(|_| None).collect();
+        let mut values: Vec<Option<Buf<T>>> = (0..n_nodes).map(|_| None).collect();
         let mut steps = std::mem::take(&mut self.steps);
         for (id, step) in steps.iter_mut().enumerate() {
             let start = self.profile.then(Instant::now);
@@ -651,7 +675,7 @@ impl<T: Elem> CpuSession<T> {
     }
 
     /// The input buffer itself when this node is its last reader, else a copy of it.
-    fn take_or_copy(&mut self, values: &mut [Option<Vec<T>>], v: usize, last: bool) -> Vec<T> {
+    fn take_or_copy(&mut self, values: &mut [Option<Buf<T>>], v: usize, last: bool) -> Buf<T> {
         if last {
             return values[v].take().expect("input computed");
         }
