@@ -17,7 +17,7 @@ use rayon::prelude::*;
 
 use super::amx::{self, PackedAmx};
 use super::elem::{Elem, bf16_f32, f32_bf16};
-use super::sgemm::{self, NR, PackedB, Panels};
+use super::sgemm::{self, NR, PackedB};
 use super::simd::{Update, Vectorised, ZipWith, with_simd};
 use crate::model::op::{Act, Conv2d, Pool};
 use crate::model::reference::adaptive_bins;
@@ -223,15 +223,6 @@ impl<T: Elem> PackedConv<T> {
             + self.amx.as_ref().map_or(0, |a| a.bytes())
     }
 
-    /// f32 scratch for widened weights (0 for f32 storage, which is read in place).
-    pub fn wide_len(&self) -> usize {
-        if T::IS_F32 {
-            0
-        } else {
-            self.groups.iter().map(|g| g.packed_len()).sum()
-        }
-    }
-
     pub fn kernel_name(&self) -> String {
         let form = if let Some(w) = &self.winograd {
             w.tile().form()
@@ -322,7 +313,7 @@ fn work_items(
 fn gemm_tile<T: Elem>(
     a: &[f32],
     lda: usize,
-    views: &[Panels<'_>],
+    groups: &[PackedB<T>],
     k_g: usize,
     (m0, mr): (usize, usize),
     (p0, p1): (usize, usize),
@@ -331,8 +322,8 @@ fn gemm_tile<T: Elem>(
     res: &mut Vec<f32>,
     epilogue: &Epilogue<'_, T>,
 ) {
-    for (g, b) in views.iter().enumerate() {
-        let cout_g = cout / views.len();
+    for (g, b) in groups.iter().enumerate() {
+        let cout_g = cout / groups.len();
         let col0 = g * cout_g + p0 * NR;
         let width = (p1 * NR).min(cout_g) - p0 * NR;
         // SAFETY: `a` holds mr rows of lda ≥ (g + 1)·k_g floats. The output tile is rows
@@ -342,7 +333,7 @@ fn gemm_tile<T: Elem>(
         unsafe {
             if T::IS_F32 {
                 let c = y.0.add(m0 * cout + col0) as *mut f32;
-                sgemm::gemm(mr, a.as_ptr().add(g * k_g), lda, b, (p0, p1), c, cout);
+                sgemm::gemm_packed(mr, a.as_ptr().add(g * k_g), lda, b, (p0, p1), c, cout);
                 if !epilogue.is_empty() {
                     for r in 0..mr {
                         let row = std::slice::from_raw_parts_mut(c.add(r * cout), width);
@@ -352,7 +343,7 @@ fn gemm_tile<T: Elem>(
             } else {
                 let ldc = (p1 - p0) * NR;
                 res.resize(mr * ldc, 0.0);
-                sgemm::gemm(
+                sgemm::gemm_packed(
                     mr,
                     a.as_ptr().add(g * k_g),
                     lda,
@@ -499,8 +490,7 @@ impl<T: Elem> Epilogue<'_, T> {
     }
 }
 
-/// The convolution: `x` (xs) → `y` (ys), both NHWC. `wide` is scratch for widened weights
-/// (`p.wide_len()` floats; unused for f32 storage).
+/// The convolution: `x` (xs) → `y` (ys), both NHWC.
 #[allow(clippy::too_many_arguments)]
 pub fn conv2d<T: Elem>(
     p: &PackedConv<T>,
@@ -508,7 +498,6 @@ pub fn conv2d<T: Elem>(
     xs: Nhwc,
     y: &mut [T],
     ys: Nhwc,
-    wide: &mut [f32],
     threads: usize,
     residual: Option<&[T]>,
 ) {
@@ -531,22 +520,11 @@ pub fn conv2d<T: Elem>(
     let k = k_g * c.groups;
     let m = ys.n * ys.h * ys.w;
     let cout = c.out_channels;
-    let mut views = Vec::with_capacity(p.groups.len());
-    let mut rest = wide;
-    for g in &p.groups {
-        let (mine, tail) = if T::IS_F32 {
-            rest.split_at_mut(0)
-        } else {
-            rest.split_at_mut(g.packed_len())
-        };
-        rest = tail;
-        views.push(g.view(mine));
-    }
     let rows = balanced_rows(m, (chunk_rows(m, k) * p.chunk_scale).min(m.max(1)), threads);
     let direct = if is_pointwise(c) { T::as_f32(x) } else { None };
     assert!(y.len() >= m * cout, "conv2d output buffer too small");
     let out = TilePtr(y.as_mut_ptr());
-    work_items(m, rows, views[0].panels(), threads).for_each(|((m0, mr), panels)| {
+    work_items(m, rows, p.groups[0].panels(), threads).for_each(|((m0, mr), panels)| {
         SCRATCH.with(|s| {
             let (cols, res) = &mut *s.borrow_mut();
             let a: &[f32] = match direct {
@@ -560,7 +538,7 @@ pub fn conv2d<T: Elem>(
             gemm_tile(
                 a,
                 k,
-                &views,
+                &p.groups,
                 k_g,
                 (m0, mr),
                 panels,
@@ -1134,11 +1112,6 @@ impl<T: Elem> PackedLinear<T> {
 /// Rows up to which half-precision linear layers stream their weights instead of a GEMM.
 const STREAM_ROWS: usize = 8;
 
-thread_local! {
-    /// Widened panels of a half-precision linear layer's work item.
-    static PANELS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-}
-
 /// Fully connected layer: y (n × out) = x (n × in) · Wᵀ + b; `dims` is (n, in, out).
 pub fn linear<T: Elem>(
     x: &[T],
@@ -1161,60 +1134,24 @@ pub fn linear<T: Elem>(
             let rows = balanced_rows(n, chunk_rows(n, fin), threads);
             assert!(y.len() >= n * fout, "linear output buffer too small");
             let out = TilePtr(y.as_mut_ptr());
-            work_items(n, rows, b.panels(), threads).for_each(|((m0, mr), (p0, p1))| {
-                let a = &a[m0 * fin..(m0 + mr) * fin];
-                if T::IS_F32 {
-                    let view = b.view(&mut []);
-                    let mut res = Vec::new();
-                    let none = Epilogue {
-                        residual: None,
-                        act: Act::None,
-                    };
-                    let tile = std::slice::from_ref(&view);
+            work_items(n, rows, b.panels(), threads).for_each(|((m0, mr), panels)| {
+                let none = Epilogue {
+                    residual: None,
+                    act: Act::None,
+                };
+                SCRATCH.with(|s| {
                     gemm_tile(
-                        a,
+                        &a[m0 * fin..(m0 + mr) * fin],
                         fin,
-                        tile,
+                        std::slice::from_ref(b),
                         fin,
                         (m0, mr),
-                        (p0, p1),
+                        panels,
                         out,
                         fout,
-                        &mut res,
+                        &mut s.borrow_mut().1,
                         &none,
-                    );
-                    return;
-                }
-                PANELS.with(|w| {
-                    SCRATCH.with(|s| {
-                        let (mut wide, (_, res)) = (w.borrow_mut(), &mut *s.borrow_mut());
-                        wide.resize((p1 - p0) * fin * NR, 0.0);
-                        let view = b.view_panels(p0, p1, &mut wide);
-                        let ldc = (p1 - p0) * NR;
-                        let width = fout.min(p1 * NR) - p0 * NR;
-                        res.resize(mr * ldc, 0.0);
-                        // SAFETY: `a` holds mr rows of `fin`; `res` holds mr × ldc; the output
-                        // rows [m0, m0 + mr) × columns [p0·NR, p0·NR + width) lie inside y and
-                        // belong to this work item alone.
-                        unsafe {
-                            sgemm::gemm(
-                                mr,
-                                a.as_ptr(),
-                                fin,
-                                &view,
-                                (0, p1 - p0),
-                                res.as_mut_ptr(),
-                                ldc,
-                            );
-                            for r in 0..mr {
-                                let dst = std::slice::from_raw_parts_mut(
-                                    out.0.add((m0 + r) * fout + p0 * NR),
-                                    width,
-                                );
-                                T::narrow(&res[r * ldc..r * ldc + width], dst);
-                            }
-                        }
-                    })
+                    )
                 });
             });
         }

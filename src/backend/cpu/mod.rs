@@ -355,8 +355,6 @@ struct CpuSession<T: Elem> {
     /// Buffers that are free for reuse, and the one holding the last output.
     free: Vec<Buf<T>>,
     output: Option<Buf<T>>,
-    /// Widened (f32) conv weights for non-f32 storage, reused across layers.
-    wide: Vec<f32>,
     times: Vec<KernelTime>,
     /// Batch-norm calibration mode: normalise with each batch's own statistics and keep
     /// them (node id, mean, biased variance) instead of using the running ones.
@@ -468,7 +466,6 @@ impl<T: Elem> CpuSession<T> {
             profile,
             free: Vec::new(),
             output: None,
-            wide: Vec::new(),
             times: Vec::new(),
             calibrate: false,
             batch_stats: Vec::new(),
@@ -551,13 +548,12 @@ impl<T: Elem> CpuSession<T> {
                 }
                 Step::Conv(p) => {
                     let xs = self.dims(inputs[0]);
-                    self.wide.resize(p.wide_len(), 0.0);
                     let mut y = self.alloc(os.elems());
                     let x = values[inputs[0]].as_ref().expect("input computed");
                     let residual = inputs
                         .get(1)
                         .map(|&r| values[r].as_deref().expect("residual computed"));
-                    kernels::conv2d(p, x, xs, &mut y, os, &mut self.wide, self.threads, residual);
+                    kernels::conv2d(p, x, xs, &mut y, os, self.threads, residual);
                     y
                 }
                 Step::Affine { scale, shift } => {

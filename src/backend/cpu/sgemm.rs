@@ -326,7 +326,91 @@ unsafe fn gemm_with(
     c: *mut f32,
     ldc: usize,
 ) {
-    let k = b.k;
+    // SAFETY: forwarded from the contract of `gemm`.
+    unsafe {
+        for_k_blocks(m, a, lda, b.k, |a, lda, block| {
+            gemm_block(kern, m, a, lda, b, (p0, p1), block, c, ldc)
+        })
+    }
+}
+
+/// [`gemm`] straight from packed `b` in any storage type: f32 panels are read in place; half
+/// panels are widened one panel's K block at a time (KC × NR, 16 KiB) into the worker's
+/// buffer just before that block's tiles run, so the widening stays in L1. Widening the whole
+/// matrix first (as once per layer call) wrote and read back a 4-byte copy of every weight,
+/// which at small batches cost more than the multiplications it fed.
+///
+/// # Safety
+/// As for [`gemm`].
+pub unsafe fn gemm_packed<T: Elem>(
+    m: usize,
+    a: *const f32,
+    lda: usize,
+    b: &PackedB<T>,
+    (p0, p1): (usize, usize),
+    c: *mut f32,
+    ldc: usize,
+) {
+    if let Some(data) = T::as_f32(&b.data) {
+        let view = Panels {
+            k: b.k,
+            n: b.n,
+            data,
+            bias: &b.bias,
+        };
+        // SAFETY: forwarded from this function's contract.
+        return unsafe { gemm(m, a, lda, &view, (p0, p1), c, ldc) };
+    }
+    let kern = kernels();
+    B_BLOCK.with_borrow_mut(|wide| {
+        wide.resize(KC * NR, 0.0);
+        // SAFETY: forwarded from this function's contract; each panel's view is its K block
+        // alone (k0 = 0 within it), and C's columns for panel p start (p − p0)·NR in.
+        unsafe {
+            for_k_blocks(m, a, lda, b.k, |a, lda, block| {
+                for p in p0..p1 {
+                    let len = block.kc * NR;
+                    T::widen(
+                        &b.data[(p * b.k + block.k0) * NR..][..len],
+                        &mut wide[..len],
+                    );
+                    let view = Panels {
+                        k: block.kc,
+                        n: NR.min(b.n - p * NR),
+                        data: &wide[..len],
+                        bias: &b.bias[p * NR..],
+                    };
+                    let at_zero = Block { k0: 0, ..block };
+                    gemm_block(
+                        kern,
+                        m,
+                        a,
+                        lda,
+                        &view,
+                        (0, 1),
+                        at_zero,
+                        c.add((p - p0) * NR),
+                        ldc,
+                    );
+                }
+            })
+        }
+    })
+}
+
+/// Run `f(a, lda, block)` for each K block of a GEMM over K = `k`, `a` pointing at the
+/// block's first column: A itself, or a copy of the block where A's stride aliases (see
+/// [`aliases`]).
+///
+/// # Safety
+/// `a` must point to `m` rows of at least `k` readable floats spaced `lda` apart.
+unsafe fn for_k_blocks(
+    m: usize,
+    a: *const f32,
+    lda: usize,
+    k: usize,
+    mut f: impl FnMut(*const f32, usize, Block),
+) {
     let mut k0 = 0;
     while k0 < k {
         let kc = KC.min(k - k0);
@@ -345,12 +429,11 @@ unsafe fn gemm_with(
                     let src = unsafe { std::slice::from_raw_parts(a.add(r * lda + k0), kc) };
                     row[..kc].copy_from_slice(src);
                 }
-                // SAFETY: the copy holds the block's m rows; C as in the contract.
-                unsafe { gemm_block(kern, m, copy.as_ptr(), ld, b, (p0, p1), block, c, ldc) }
+                f(copy.as_ptr(), ld, block)
             });
         } else {
-            // SAFETY: forwarded from the contract (the block starts k0 into each row).
-            unsafe { gemm_block(kern, m, a.add(k0), lda, b, (p0, p1), block, c, ldc) }
+            // SAFETY: the block starts k0 into each row (the contract).
+            f(unsafe { a.add(k0) }, lda, block)
         }
         k0 += kc;
     }
@@ -437,6 +520,8 @@ const COPY_PAD: usize = 16;
 thread_local! {
     /// The copied K block of A (see [`aliases`]): grown once per worker, reused by every call.
     static A_COPY: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// One widened K block of a half-precision panel (see [`gemm_packed`]).
+    static B_BLOCK: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Whether rows `lda` floats apart fall on the same L1 sets: a stride that is a multiple of
@@ -663,6 +748,55 @@ mod tests {
                         assert!(
                             (got - want).abs() < 1e-4 * (1.0 + want.abs()),
                             "{name} m{m} k{k} n{n} ({i},{j}): {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Half-precision panels, widened one K block at a time by `gemm_packed`, give exactly what
+    /// the same values packed in f32 give: several K blocks, strides that alias (A's blocks
+    /// copied), an edge panel, and a panel range that starts past panel 0.
+    #[test]
+    fn packed_halves_match_f32() {
+        fn run<T: Elem>(b: &PackedB<T>, a: &[f32], m: usize, p: (usize, usize)) -> Vec<f32> {
+            let ldc = (p.1 - p.0) * NR;
+            let mut c = vec![f32::NAN; m * ldc];
+            // SAFETY: a is m × b.k, c is m × ldc, wide enough for the panels' columns.
+            unsafe { gemm_packed(m, a.as_ptr(), b.k, b, p, c.as_mut_ptr(), ldc) };
+            c
+        }
+        for &(m, k, n) in &[(7, 300, 17), (14, 1024, 40), (3, 2048, 33)] {
+            let a: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0)
+                .collect();
+            // Multiples of 1/8 below 2 in magnitude: exact in f16 and bf16.
+            let b = |kk: usize, j: usize| ((kk * 5 + j * 3) % 17) as f32 / 8.0 - 1.0;
+            let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.25).collect();
+            let f = PackedB::<f32>::new(k, n, b, Some(&bias));
+            let h = PackedB::<half::f16>::new(k, n, b, Some(&bias));
+            let bf = PackedB::<half::bf16>::new(k, n, b, Some(&bias));
+            let panels = n.div_ceil(NR);
+            for p in [(0, panels), (1, panels)] {
+                let want = run(&f, &a, m, p);
+                let cols = (p.1 * NR).min(n) - p.0 * NR;
+                let ldc = want.len() / m;
+                assert!(
+                    want.chunks(ldc)
+                        .all(|row| row[..cols].iter().all(|v| v.is_finite())),
+                    "m{m} k{k} n{n}: C not all written"
+                );
+                for (name, got) in [("f16", run(&h, &a, m, p)), ("bf16", run(&bf, &a, m, p))] {
+                    for (r, (g, w)) in got
+                        .chunks(want.len() / m)
+                        .zip(want.chunks(want.len() / m))
+                        .enumerate()
+                    {
+                        assert_eq!(
+                            g[..cols],
+                            w[..cols],
+                            "{name} m{m} k{k} n{n} panels {p:?} row {r}"
                         );
                     }
                 }
