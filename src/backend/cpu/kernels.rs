@@ -685,7 +685,7 @@ fn depthwise<T: Elem>(
 ) {
     let ch = ys.c;
     let (kh, kw) = c.kernel;
-    let (row_len, in_len) = (ys.w * ch, xs.w * ch);
+    let row_len = ys.w * ch;
     let zeros = vec![0f32; ch];
     y[..ys.elems()]
         .par_chunks_mut(row_len)
@@ -694,32 +694,10 @@ fn depthwise<T: Elem>(
             let (oy, n) = (row % ys.h, row / ys.h);
             SCRATCH.with(|s| {
                 let (wide_in, wide_out) = &mut *s.borrow_mut();
-                // The input rows of taps ky = 0..kh, where inside the image.
-                let rows: Vec<Option<usize>> = (0..kh)
-                    .map(|ky| {
-                        let iy =
-                            (oy * c.stride.0 + ky * c.dilation.0) as isize - c.padding.0 as isize;
-                        (iy >= 0 && (iy as usize) < xs.h).then(|| (n * xs.h + iy as usize) * in_len)
-                    })
+                let iys: Vec<isize> = (0..kh)
+                    .map(|ky| (oy * c.stride.0 + ky * c.dilation.0) as isize - c.padding.0 as isize)
                     .collect();
-                if T::as_f32(x).is_none() {
-                    wide_in.resize(kh * in_len, 0.0);
-                    for (ky, at) in rows.iter().enumerate() {
-                        if let Some(at) = at {
-                            T::widen(&x[*at..][..in_len], &mut wide_in[ky * in_len..][..in_len]);
-                        }
-                    }
-                }
-                let input: Vec<Option<&[f32]>> = rows
-                    .iter()
-                    .enumerate()
-                    .map(|(ky, at)| {
-                        at.map(|at| match T::as_f32(x) {
-                            Some(x) => &x[at..][..in_len],
-                            None => &wide_in[ky * in_len..][..in_len],
-                        })
-                    })
-                    .collect();
+                let input = input_rows(x, xs, n, &iys, wide_in);
                 let run = |acc: &mut [f32]| {
                     with_simd(DepthwiseRow {
                         acc,
@@ -971,46 +949,124 @@ fn add_chunk<T: Elem>(a: &mut [T], b: &[T]) {
     }
 }
 
-/// Max or average pooling over windows, one output row per work item.
+/// Max or average pooling over windows, one output row per work item ([`PoolRow`]): f32
+/// inputs read in place, half types through their widened input rows.
 pub fn pool<T: Elem>(p: &Pool, max: bool, x: &[T], xs: Nhwc, y: &mut [T], ys: Nhwc) {
     let ch = xs.c;
+    let row_len = ys.w * ch;
     y[..ys.elems()]
-        .par_chunks_mut(ys.w * ch)
+        .par_chunks_mut(row_len)
         .enumerate()
         .for_each(|(row, out)| {
-            let oy = row % ys.h;
-            let n = row / ys.h;
-            let mut acc = vec![0f32; ch];
-            for ox in 0..ys.w {
-                acc.fill(if max { f32::NEG_INFINITY } else { 0.0 });
-                let y0 = (oy * p.stride.0) as isize - p.padding.0 as isize;
-                let x0 = (ox * p.stride.1) as isize - p.padding.1 as isize;
-                let mut count = 0usize;
-                let mut inside = 0usize;
-                for iy in y0..y0 + p.kernel.0 as isize {
-                    for ix in x0..x0 + p.kernel.1 as isize {
-                        if iy < (xs.h + p.padding.0) as isize && ix < (xs.w + p.padding.1) as isize
-                        {
-                            count += 1;
-                        }
-                        if iy < 0 || ix < 0 || iy as usize >= xs.h || ix as usize >= xs.w {
-                            continue;
-                        }
-                        inside += 1;
-                        let base = ((n * xs.h + iy as usize) * xs.w + ix as usize) * ch;
-                        for (a, v) in acc.iter_mut().zip(&x[base..base + ch]) {
-                            let v = v.to_f32();
-                            *a = if max { a.max(v) } else { *a + v };
-                        }
+            let (oy, n) = (row % ys.h, row / ys.h);
+            let y0 = (oy * p.stride.0) as isize - p.padding.0 as isize;
+            SCRATCH.with(|s| {
+                let (wide_in, wide_out) = &mut *s.borrow_mut();
+                let iys: Vec<isize> = (y0..y0 + p.kernel.0 as isize).collect();
+                let input = input_rows(x, xs, n, &iys, wide_in);
+                let rows: Vec<(isize, Option<&[f32]>)> = iys.into_iter().zip(input).collect();
+                let run = |acc: &mut [f32]| {
+                    with_simd(PoolRow {
+                        acc,
+                        rows: &rows,
+                        ch,
+                        width: xs.w,
+                        pool: p,
+                        max,
+                        // Rows and columns up to these count towards an average's divisor
+                        // with `count_include_pad` (the padding, not what lies beyond it).
+                        limit: ((xs.h + p.padding.0) as isize, (xs.w + p.padding.1) as isize),
+                    })
+                };
+                match T::as_f32_mut(out) {
+                    Some(out) => run(out),
+                    None => {
+                        wide_out.resize(row_len, 0.0);
+                        run(&mut wide_out[..]);
+                        T::narrow(wide_out, out);
                     }
                 }
-                if !max {
-                    let div = if p.count_include_pad { count } else { inside } as f32;
-                    acc.iter_mut().for_each(|a| *a /= div);
-                }
-                T::narrow(&acc, &mut out[ox * ch..(ox + 1) * ch]);
-            }
+            })
         });
+}
+
+/// The input rows `iys` of image `n` as f32, `None` where a row lies outside the image: f32
+/// activations in place, half types widened into `wide`.
+fn input_rows<'a, T: Elem>(
+    x: &'a [T],
+    xs: Nhwc,
+    n: usize,
+    iys: &[isize],
+    wide: &'a mut Vec<f32>,
+) -> Vec<Option<&'a [f32]>> {
+    let len = xs.w * xs.c;
+    let at = |iy: isize| (iy >= 0 && (iy as usize) < xs.h).then(|| (n * xs.h + iy as usize) * len);
+    if let Some(x) = T::as_f32(x) {
+        return iys
+            .iter()
+            .map(|&iy| at(iy).map(|a| &x[a..][..len]))
+            .collect();
+    }
+    wide.resize(iys.len() * len, 0.0);
+    for (i, &iy) in iys.iter().enumerate() {
+        if let Some(a) = at(iy) {
+            T::widen(&x[a..][..len], &mut wide[i * len..][..len]);
+        }
+    }
+    let wide: &'a [f32] = wide;
+    iys.iter()
+        .enumerate()
+        .map(|(i, &iy)| at(iy).map(|_| &wide[i * len..][..len]))
+        .collect()
+}
+
+/// One output row of [`pool`], as vectorised work: each output pixel's channels start from
+/// −∞ (max) or 0 (average), take in each window pixel inside the image, and an average is
+/// divided by its window's count.
+struct PoolRow<'a> {
+    acc: &'a mut [f32],
+    /// Each window row's index and its input row (`None` outside the image).
+    rows: &'a [(isize, Option<&'a [f32]>)],
+    ch: usize,
+    width: usize,
+    pool: &'a Pool,
+    max: bool,
+    limit: (isize, isize),
+}
+
+impl Vectorised for PoolRow<'_> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        let p = self.pool;
+        for (ox, out) in self.acc.chunks_exact_mut(self.ch).enumerate() {
+            out.fill(if self.max { f32::NEG_INFINITY } else { 0.0 });
+            let x0 = (ox * p.stride.1) as isize - p.padding.1 as isize;
+            let (mut count, mut inside) = (0usize, 0usize);
+            for &(iy, row) in self.rows {
+                for ix in x0..x0 + p.kernel.1 as isize {
+                    if iy < self.limit.0 && ix < self.limit.1 {
+                        count += 1;
+                    }
+                    let Some(row) = row else { continue };
+                    if ix < 0 || ix as usize >= self.width {
+                        continue;
+                    }
+                    inside += 1;
+                    let px = &row[ix as usize * self.ch..][..self.ch];
+                    if self.max {
+                        out.iter_mut().zip(px).for_each(|(a, v)| *a = a.max(*v));
+                    } else {
+                        out.iter_mut().zip(px).for_each(|(a, v)| *a += v);
+                    }
+                }
+            }
+            if !self.max {
+                let div = if p.count_include_pad { count } else { inside } as f32;
+                out.iter_mut().for_each(|a| *a /= div);
+            }
+        }
+    }
 }
 
 /// Adaptive average pooling with PyTorch's bin edges.
