@@ -1128,45 +1128,21 @@ pub fn nchw_to_nhwc<T: Elem>(x: &[f32], xs: Nhwc, y: &mut [T]) {
         });
 }
 
-/// A fully connected layer's weights: packed for the GEMM, except in half precision with a few
-/// rows, where they are streamed row by row (bandwidth-bound; the GEMM would widen every panel
-/// for a handful of rows). Half-precision GEMMs widen each work item's panels only, never the
-/// whole matrix (VGG's fc6 alone would take 411 MB).
-pub enum PackedLinear<T> {
-    Gemm(PackedB<T>),
-    Rows {
-        weight: Vec<T>,
-        bias: Option<Vec<f32>>,
-    },
-}
+/// A fully connected layer's weights, packed for the GEMM (half types widened a panel block at
+/// a time as the GEMM runs: see [`sgemm::gemm_packed`]).
+pub struct PackedLinear<T>(PackedB<T>);
 
 impl<T: Elem> PackedLinear<T> {
-    /// From PyTorch's (out × in) weight, for `rows` input rows per call.
-    pub fn new(weight: &[f32], bias: Option<&[f32]>, fin: usize, fout: usize, rows: usize) -> Self {
-        if T::IS_F32 || rows > STREAM_ROWS {
-            let fill = |j: usize, col: &mut [f32]| col.copy_from_slice(&weight[j * fin..][..fin]);
-            PackedLinear::Gemm(PackedB::from_columns(fin, fout, fill, bias))
-        } else {
-            PackedLinear::Rows {
-                weight: weight.iter().map(|&v| T::from_f32(v)).collect(),
-                bias: bias.map(|b| b.to_vec()),
-            }
-        }
+    /// From PyTorch's (out × in) weight.
+    pub fn new(weight: &[f32], bias: Option<&[f32]>, fin: usize, fout: usize) -> Self {
+        let fill = |j: usize, col: &mut [f32]| col.copy_from_slice(&weight[j * fin..][..fin]);
+        PackedLinear(PackedB::from_columns(fin, fout, fill, bias))
     }
 
     pub fn bytes(&self) -> u64 {
-        match self {
-            PackedLinear::Gemm(b) => b.bytes(),
-            PackedLinear::Rows { weight, bias } => {
-                (weight.len() * std::mem::size_of::<T>()) as u64
-                    + bias.as_ref().map_or(0, |b| b.len() as u64 * 4)
-            }
-        }
+        self.0.bytes()
     }
 }
-
-/// Rows up to which half-precision linear layers stream their weights instead of a GEMM.
-const STREAM_ROWS: usize = 8;
 
 /// Fully connected layer: y (n × out) = x (n × in) · Wᵀ + b; `dims` is (n, in, out).
 pub fn linear<T: Elem>(
@@ -1177,81 +1153,39 @@ pub fn linear<T: Elem>(
     threads: usize,
 ) {
     let (n, fin, fout) = dims;
-    match w {
-        PackedLinear::Gemm(b) => {
-            let xf: Vec<f32>;
-            let a = match T::as_f32(x) {
-                Some(a) => a,
-                None => {
-                    xf = x[..n * fin].iter().map(|v| v.to_f32()).collect();
-                    &xf
-                }
-            };
-            let rows = balanced_rows(n, chunk_rows(n, fin), threads);
-            assert!(y.len() >= n * fout, "linear output buffer too small");
-            let out = TilePtr(y.as_mut_ptr());
-            work_items(n, rows, b.panels(), threads).for_each(|((m0, mr), panels)| {
-                let none = Epilogue {
-                    residual: None,
-                    act: Act::None,
-                };
-                SCRATCH.with(|s| {
-                    gemm_tile(
-                        &a[m0 * fin..(m0 + mr) * fin],
-                        fin,
-                        std::slice::from_ref(b),
-                        fin,
-                        (m0, mr),
-                        panels,
-                        out,
-                        fout,
-                        &mut s.borrow_mut().1,
-                        &none,
-                    )
-                });
-            });
+    let b = &w.0;
+    let mut xf = Vec::new();
+    let a = match T::as_f32(x) {
+        Some(a) => a,
+        None => {
+            xf.resize(n * fin, 0.0);
+            T::widen(&x[..n * fin], &mut xf);
+            &xf
         }
-        PackedLinear::Rows { weight, bias } => linear_rows(x, weight, bias.as_deref(), dims, y),
-    }
-}
-
-fn linear_rows<T: Elem>(
-    x: &[T],
-    w: &[T],
-    bias: Option<&[f32]>,
-    (n, fin, fout): (usize, usize, usize),
-    y: &mut [T],
-) {
-    let mut xf = vec![0f32; n * fin];
-    T::widen(&x[..n * fin], &mut xf);
-    let mut outs = vec![0f32; n * fout];
-    const BLOCK: usize = 16;
-    let cols: Vec<(usize, Vec<f32>)> = (0..fout.div_ceil(BLOCK))
-        .into_par_iter()
-        .map(|blk| {
-            let o0 = blk * BLOCK;
-            let o1 = (o0 + BLOCK).min(fout);
-            let mut row = vec![0f32; fin];
-            let mut res = vec![0f32; n * (o1 - o0)];
-            for o in o0..o1 {
-                T::widen(&w[o * fin..(o + 1) * fin], &mut row);
-                for i in 0..n {
-                    let xi = &xf[i * fin..(i + 1) * fin];
-                    let dot: f32 = xi.iter().zip(&row).map(|(a, b)| a * b).sum();
-                    res[i * (o1 - o0) + (o - o0)] = dot + bias.map_or(0.0, |b| b[o]);
-                }
-            }
-            (o0, res)
-        })
-        .collect();
-    for (o0, res) in cols {
-        let width = res.len() / n.max(1);
-        for i in 0..n {
-            outs[i * fout + o0..i * fout + o0 + width]
-                .copy_from_slice(&res[i * width..(i + 1) * width]);
-        }
-    }
-    T::narrow(&outs, &mut y[..n * fout]);
+    };
+    let rows = balanced_rows(n, chunk_rows(n, fin), threads);
+    assert!(y.len() >= n * fout, "linear output buffer too small");
+    let out = TilePtr(y.as_mut_ptr());
+    work_items(n, rows, b.panels(), threads).for_each(|((m0, mr), panels)| {
+        let none = Epilogue {
+            residual: None,
+            act: Act::None,
+        };
+        SCRATCH.with(|s| {
+            gemm_tile(
+                &a[m0 * fin..(m0 + mr) * fin],
+                fin,
+                std::slice::from_ref(b),
+                fin,
+                (m0, mr),
+                panels,
+                out,
+                fout,
+                &mut s.borrow_mut().1,
+                &none,
+            )
+        });
+    });
 }
 
 /// Softmax over rows of length `len`, in f32 with the row maximum subtracted.

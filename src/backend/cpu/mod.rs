@@ -440,9 +440,7 @@ impl<T: Elem> CpuSession<T> {
                     bias,
                 } => {
                     let bias = if bias { Some(get("bias")?) } else { None };
-                    let rows = plan.shapes[id].first().copied().unwrap_or(1);
-                    let weight =
-                        PackedLinear::new(get("weight")?, bias, in_features, out_features, rows);
+                    let weight = PackedLinear::new(get("weight")?, bias, in_features, out_features);
                     weight_bytes += weight.bytes();
                     Step::Linear {
                         weight,
