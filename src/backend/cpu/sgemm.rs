@@ -154,57 +154,19 @@ impl<T: Elem> PackedB<T> {
         self.n.div_ceil(NR)
     }
 
-    /// Elements of the packed matrix (the f32 scratch a widened view needs).
-    pub fn packed_len(&self) -> usize {
-        self.data.len()
-    }
-
     pub fn bytes(&self) -> u64 {
         (self.data.len() * std::mem::size_of::<T>() + self.bias.len() * 4) as u64
     }
+}
 
-    /// The panels as f32: the data itself for f32 storage, else widened into `wide`
-    /// (`packed_len()` long).
-    pub fn view<'a>(&'a self, wide: &'a mut [f32]) -> Panels<'a> {
-        let data = match T::as_f32(&self.data) {
-            Some(d) => d,
-            None => {
-                // Widened in parallel: this runs once per layer call in half-precision sessions.
-                const BLOCK: usize = 1 << 16;
-                wide.par_chunks_mut(BLOCK)
-                    .zip(self.data.par_chunks(BLOCK))
-                    .for_each(|(w, d)| T::widen(d, w));
-                wide
-            }
-        };
+impl PackedB<f32> {
+    /// The panels as the kernels read them.
+    pub fn view(&self) -> Panels<'_> {
         Panels {
             k: self.k,
             n: self.n,
-            data,
+            data: &self.data,
             bias: &self.bias,
-        }
-    }
-}
-
-impl<T: Elem> PackedB<T> {
-    /// Panels [p0, p1) alone as f32 (widened into `wide`, `(p1 - p0)·K·NR` long, for half
-    /// storage): multiply with panel range (0, p1 − p0) and columns from p0·NR. For work items
-    /// that each need a few panels, instead of widening the whole matrix per call.
-    pub fn view_panels<'a>(&'a self, p0: usize, p1: usize, wide: &'a mut [f32]) -> Panels<'a> {
-        let span = self.k * NR;
-        let data = &self.data[p0 * span..p1 * span];
-        let data = match T::as_f32(data) {
-            Some(d) => d,
-            None => {
-                T::widen(data, &mut wide[..data.len()]);
-                &wide[..data.len()]
-            }
-        };
-        Panels {
-            k: self.k,
-            n: self.n - p0 * NR,
-            data,
-            bias: &self.bias[p0 * NR..],
         }
     }
 }
@@ -719,7 +681,7 @@ mod tests {
                 .collect();
             let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.1).collect();
             let packed = PackedB::<f32>::new(k, n, |kk, j| bm[kk * n + j], Some(&bias));
-            let packed = packed.view(&mut []);
+            let packed = packed.view();
             for (name, kern) in &kernels {
                 // C has a wider row stride than N, to check that ldc is honoured.
                 let ldc = n + 3;

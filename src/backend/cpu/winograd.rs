@@ -129,8 +129,9 @@ pub struct Winograd<T> {
 
 /// U in f32, or in the session's half type where the layer runs stage by stage: there the
 /// weights dominate (F(4×4)'s are 4× the size of the plain ones, ResNet-50's last stage
-/// alone 75 MB in f32) and each U_ξ is widened once per pass; chunks would widen every U_ξ
-/// once each, so layers that run in chunks keep f32 (they are the ones with small weights).
+/// alone 75 MB in f32) and each U_ξ is widened a panel block at a time as its one GEMM per
+/// pass runs; chunks would widen every U_ξ once each, so layers that run in chunks keep f32
+/// (they are the ones with small weights).
 enum Transformed<T> {
     F32(Vec<PackedB<f32>>),
     Stored(Vec<PackedB<T>>),
@@ -244,8 +245,6 @@ struct Scratch {
     /// GEMM results, tiles × α² × cout.
     m: Vec<f32>,
     t: TileScratch,
-    /// One U_ξ widened to f32 (half-precision sessions).
-    wide: Vec<f32>,
 }
 
 /// What one tile's transforms need.
@@ -357,7 +356,6 @@ pub fn conv2d<T: Elem>(
                         v,
                         (mm.as_mut_ptr(), mm.len()),
                         0..positions,
-                        &mut s.wide,
                     )
                 };
                 with_simd(Outputs {
@@ -394,16 +392,7 @@ pub fn conv2d<T: Elem>(
     (0..positions).into_par_iter().for_each(|xi| {
         // SAFETY: position ξ's GEMM writes only M's rows of ξ (the columns [ξ·cout, (ξ + 1)·cout)
         // of every tile), disjoint from every other position's; V is complete and only read.
-        SCRATCH.with(|s| unsafe {
-            gemms(
-                &job,
-                tiles,
-                v_all,
-                (mp.0, m_len),
-                xi..xi + 1,
-                &mut s.borrow_mut().wide,
-            )
-        });
+        unsafe { gemms(&job, tiles, v_all, (mp.0, m_len), xi..xi + 1) };
     });
     mm.par_chunks(per * positions * ys.c)
         .enumerate()
@@ -465,7 +454,7 @@ impl<T: Elem> Vectorised for Outputs<'_, '_, T> {
 }
 
 /// The GEMMs of positions `xis` for `nt` tiles: V_ξ's rows are every tile's row ξ (stride
-/// α²·cin), M_ξ's likewise. `wide` holds U_ξ widened to f32 in half-precision sessions.
+/// α²·cin), M_ξ's likewise (half-precision U_ξ widened a panel block at a time as it runs).
 ///
 /// # Safety
 /// `mm` points at `mm.1` writable floats that nothing reads or writes during the call except
@@ -476,31 +465,24 @@ unsafe fn gemms<T: Elem>(
     v: &[f32],
     mm: (*mut f32, usize),
     xis: Range<usize>,
-    wide: &mut Vec<f32>,
 ) {
     let (cin, cout) = (job.xs.c, job.ys.c);
     let positions = job.w.positions();
     assert!(v.len() >= nt * positions * cin && mm.1 >= nt * positions * cout);
     for xi in xis {
-        let view = match &job.w.u {
-            Transformed::F32(u) => u[xi].view(&mut []),
-            Transformed::Stored(u) => {
-                wide.resize(u[xi].packed_len(), 0.0);
-                u[xi].view_panels(0, u[xi].panels(), wide)
-            }
-        };
         // SAFETY: V_ξ holds nt rows of cin floats spaced positions·cin apart, M_ξ nt rows of
         // cout floats spaced positions·cout apart, inside `v` and `mm` (asserted above).
         unsafe {
-            sgemm::gemm(
-                nt,
-                v.as_ptr().add(xi * cin),
-                positions * cin,
-                &view,
-                (0, view.panels()),
-                mm.0.add(xi * cout),
-                positions * cout,
-            );
+            let (a, lda) = (v.as_ptr().add(xi * cin), positions * cin);
+            let (c, ldc) = (mm.0.add(xi * cout), positions * cout);
+            match &job.w.u {
+                Transformed::F32(u) => {
+                    sgemm::gemm_packed(nt, a, lda, &u[xi], (0, u[xi].panels()), c, ldc)
+                }
+                Transformed::Stored(u) => {
+                    sgemm::gemm_packed(nt, a, lda, &u[xi], (0, u[xi].panels()), c, ldc)
+                }
+            }
         }
     }
 }
