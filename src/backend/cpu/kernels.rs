@@ -839,11 +839,27 @@ pub fn affine_inplace<T: Elem>(buf: &mut [T], c: usize, scale: &[f32], shift: &[
     if let Some(b) = T::as_bf16_mut(buf) {
         // bf16: converted in registers, one pass over memory (no widened copy).
         b.par_chunks_mut((ELEMENTWISE_CHUNK / c).max(1) * c)
-            .for_each(|part| with_simd(Affine::new(part, c, scale, shift, bf16_f32, f32_bf16)));
+            .for_each(|part| {
+                with_simd(Affine {
+                    part,
+                    c,
+                    scale,
+                    shift,
+                    load: bf16_f32,
+                    store: f32_bf16,
+                })
+            });
         return;
     }
     map_f32(buf, c, |part| {
-        with_simd(Affine::new(part, c, scale, shift, |v: f32| v, |v: f32| v))
+        with_simd(Affine {
+            part,
+            c,
+            scale,
+            shift,
+            load: |v: f32| v,
+            store: |v: f32| v,
+        })
     });
 }
 
@@ -856,26 +872,6 @@ struct Affine<'a, V, L, S> {
     shift: &'a [f32],
     load: L,
     store: S,
-}
-
-impl<'a, V, L, S> Affine<'a, V, L, S> {
-    fn new(
-        part: &'a mut [V],
-        c: usize,
-        scale: &'a [f32],
-        shift: &'a [f32],
-        load: L,
-        store: S,
-    ) -> Self {
-        Affine {
-            part,
-            c,
-            scale,
-            shift,
-            load,
-            store,
-        }
-    }
 }
 
 impl<V: Copy, L: Fn(V) -> f32, S: Fn(f32) -> V> Vectorised for Affine<'_, V, L, S> {
