@@ -710,25 +710,27 @@ fn depthwise<T: Elem>(
                         pad: c.padding.1,
                     })
                 };
-                let mut residual = Vec::new();
-                match T::as_f32_mut(out) {
-                    Some(out) => {
-                        run(&mut *out);
-                        if !epilogue.is_empty() {
-                            epilogue.apply(out, row * row_len, &mut residual);
-                        }
+                as_f32_row(out, wide_out, |acc| {
+                    run(&mut *acc);
+                    if !epilogue.is_empty() {
+                        epilogue.apply(acc, row * row_len, &mut Vec::new());
                     }
-                    None => {
-                        wide_out.resize(row_len, 0.0);
-                        run(&mut wide_out[..]);
-                        if !epilogue.is_empty() {
-                            epilogue.apply(wide_out, row * row_len, &mut residual);
-                        }
-                        T::narrow(wide_out, out);
-                    }
-                }
+                });
             })
         });
+}
+
+/// `f` on `out` as f32: in place for f32 storage, else on `wide` (resized to `out`'s length)
+/// narrowed into `out` afterwards.
+fn as_f32_row<T: Elem>(out: &mut [T], wide: &mut Vec<f32>, f: impl FnOnce(&mut [f32])) {
+    match T::as_f32_mut(out) {
+        Some(out) => f(out),
+        None => {
+            wide.resize(out.len(), 0.0);
+            f(wide);
+            T::narrow(wide, out);
+        }
+    }
 }
 
 /// Channels per register block of [`DepthwiseRow`]: two AVX2 vectors, one AVX-512 vector.
@@ -974,14 +976,7 @@ pub fn pool<T: Elem>(p: &Pool, max: bool, x: &[T], xs: Nhwc, y: &mut [T], ys: Nh
                         limit: ((xs.h + p.padding.0) as isize, (xs.w + p.padding.1) as isize),
                     })
                 };
-                match T::as_f32_mut(out) {
-                    Some(out) => run(out),
-                    None => {
-                        wide_out.resize(row_len, 0.0);
-                        run(&mut wide_out[..]);
-                        T::narrow(wide_out, out);
-                    }
-                }
+                as_f32_row(out, wide_out, run);
             })
         });
 }
