@@ -12,10 +12,13 @@ network's conv and linear MACs × 2 per second, whatever algorithm ran) as a sha
 machine's measured FP32 GEMM peak (`workshop peak`, measured once at the start), and each
 side's start-up: seconds from the start until the model was ready to run (ours: building,
 seeding and calibrating the weights, packing them; PyTorch's: building and initialising the
-model in NCHW), medians over the rounds.
+model in NCHW), medians over the rounds, and each process's peak resident memory (the
+kernel's high-water mark of its RSS, from wait4: weights, activations, code, the Python
+interpreter and libtorch on PyTorch's side), the largest over the rounds.
 """
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import subprocess
@@ -26,16 +29,27 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKSHOP = ROOT / "target" / "release" / "workshop"
 
 
+def run_measured(cmd):
+    """(stdout, peak resident bytes) of a command that must succeed."""
+    with tempfile.TemporaryFile() as out:
+        proc = subprocess.Popen(cmd, stdout=out)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            sys.exit(f"{' '.join(cmd)} failed with exit status {proc.returncode}")
+        out.seek(0)
+        return out.read().decode(), usage.ru_maxrss * 1024  # Linux reports KiB
+
+
 def ours(net, batch, threads, iters, precision):
-    """(images/s, effective GFLOP per image, start-up s) of one `workshop bench` run."""
+    """(images/s, effective GFLOP per image, start-up s, peak RSS bytes) of one `workshop bench` run."""
     with tempfile.TemporaryDirectory() as d:
         out = pathlib.Path(d) / "r.json"
-        subprocess.run(
+        _, rss = run_measured(
             [str(WORKSHOP), "bench", "--network", net, "--batch-size", str(batch), "--threads", str(threads),
-             "--iterations", str(iters), "--warmup", "2", "--precision", precision, "--json", str(out)],
-            check=True, stdout=subprocess.DEVNULL)
+             "--iterations", str(iters), "--warmup", "2", "--precision", precision, "--json", str(out)])
         r = json.loads(out.read_text())
-    return r["stats"]["throughput_median"], 2 * r["model"]["macs_per_image"] / 1e9, r["prepare_s"]
+    return r["stats"]["throughput_median"], 2 * r["model"]["macs_per_image"] / 1e9, r["prepare_s"], rss
 
 
 def pytorch(net, batch, threads, iters, channels_last, dtype):
@@ -43,8 +57,9 @@ def pytorch(net, batch, threads, iters, channels_last, dtype):
            "--threads", str(threads), "--iterations", str(iters), "--warmup", "2", "--dtype", dtype]
     if channels_last:
         cmd.append("--channels-last")
-    r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-    return r["images_per_s"], r["prepare_s"]
+    stdout, rss = run_measured(cmd)
+    r = json.loads(stdout)
+    return r["images_per_s"], r["prepare_s"], rss
 
 
 def measured_peak(threads):
@@ -71,23 +86,26 @@ def main():
         print(f"measured FP32 GEMM peak: {peak:.1f} GFLOP/s on {a.threads} threads", flush=True)
     results = {}
     startup = {}
+    peak_rss = {}
     gflop_per_image = {}
     for rnd in range(a.rounds):
         for prec in a.precisions:
             for b in a.batch_sizes:
                 def run_ours():
-                    ips, per_image, prepare_s = ours(a.network, b, a.threads, a.iterations, prec)
+                    ips, per_image, prepare_s, rss = ours(a.network, b, a.threads, a.iterations, prec)
                     gflop_per_image[a.network] = per_image
-                    return ips, prepare_s
+                    return ips, prepare_s, rss
                 for name, fn in [
                     ("workshop", run_ours),
                     ("pytorch NCHW", lambda: pytorch(a.network, b, a.threads, a.iterations, False, prec)),
                     ("pytorch channels_last", lambda: pytorch(a.network, b, a.threads, a.iterations, True, prec)),
                 ]:
-                    v, prepare_s = fn()
+                    v, prepare_s, rss = fn()
                     results.setdefault((prec, b, name), []).append(v)
                     startup.setdefault((prec, b, name), []).append(prepare_s)
-                    print(f"round {rnd} {prec} batch {b:>3} {name:<22} {v:7.2f} images/s", flush=True)
+                    peak_rss[(prec, b, name)] = max(peak_rss.get((prec, b, name), 0), rss)
+                    print(f"round {rnd} {prec} batch {b:>3} {name:<22} {v:7.2f} images/s  "
+                          f"peak RSS {rss / 2**30:.2f} GiB", flush=True)
     per_image = gflop_per_image[a.network]
     print(f"\n{a.network}, {a.threads} threads, median of {a.rounds} interleaved rounds "
           f"({per_image:.2f} GFLOP per image)")
@@ -95,6 +113,7 @@ def main():
     if peak:
         head += f"  {'ours % peak':>11}  {'torch % peak':>12}"
     head += f"  {'start-up ours':>13}  {'torch NCHW':>10}"
+    head += f"  {'peak RSS ours':>13}  {'torch NCHW':>10}  {'torch CL':>9}"
     print(head)
     for prec in a.precisions:
         for b in a.batch_sizes:
@@ -108,6 +127,9 @@ def main():
                          f"  {100 * best * per_image / peak:>11.0f}%")
             up = {n: statistics.median(startup[(prec, b, n)]) for n in ["workshop", "pytorch NCHW"]}
             line += f"  {up['workshop']:>12.2f}s  {up['pytorch NCHW']:>9.2f}s"
+            rss = {n: peak_rss[(prec, b, n)] / 2**30 for n in ["workshop", "pytorch NCHW", "pytorch channels_last"]}
+            line += (f"  {rss['workshop']:>9.2f} GiB  {rss['pytorch NCHW']:>6.2f} GiB"
+                     f"  {rss['pytorch channels_last']:>5.2f} GiB")
             print(line)
 
 
