@@ -9,7 +9,8 @@ Each round runs every configuration once, alternating implementations, so a slow
 noisy machine hits both sides alike. The report gives each side's median images/s over the
 rounds, the ratio ours / PyTorch's best layout, each side's effective GFLOP/s (the
 network's conv and linear MACs × 2 per second, whatever algorithm ran) as a share of the
-machine's measured FP32 GEMM peak (`workshop peak`, measured once at the start), and each
+machine's measured FP32 GEMM peak (`workshop peak`, measured once at the start; ours also
+against the cores' FMA ceiling it measures on registers, which no kernel's real FLOPs pass), and each
 side's start-up: seconds from the start until the model was ready to run (ours: building,
 seeding and calibrating the weights, packing them; PyTorch's: building and initialising the
 model in NCHW), medians over the rounds, and each process's peak resident memory (the
@@ -63,10 +64,13 @@ def pytorch(net, batch, threads, iters, channels_last, dtype):
 
 
 def measured_peak(threads):
-    """The FP32 GEMM peak `workshop peak` measures on `threads` cores, GFLOP/s."""
+    """The FP32 GEMM peak `workshop peak` measures on `threads` cores, and the cores' FMA
+    ceiling it measures (registers only; None where it has none), GFLOP/s."""
     out = subprocess.run([str(WORKSHOP), "peak", "--threads", str(threads), "--json"],
                          check=True, capture_output=True, text=True).stdout
-    return json.loads(out)["gemm"]["gflops"]
+    r = json.loads(out)
+    ceiling = r.get("theoretical") or {}
+    return r["gemm"]["gflops"], ceiling.get("gflops") if ceiling.get("measured") else None
 
 
 def main():
@@ -81,9 +85,11 @@ def main():
     a = p.parse_args()
     if not WORKSHOP.exists():
         sys.exit(f"{WORKSHOP} not found: run `cargo build --release` first")
-    peak = None if a.no_peak else measured_peak(a.threads)
+    peak, ceiling = (None, None) if a.no_peak else measured_peak(a.threads)
     if peak:
         print(f"measured FP32 GEMM peak: {peak:.1f} GFLOP/s on {a.threads} threads", flush=True)
+    if ceiling:
+        print(f"measured FP32 FMA ceiling (registers only): {ceiling:.1f} GFLOP/s", flush=True)
     results = {}
     startup = {}
     peak_rss = {}
@@ -112,6 +118,8 @@ def main():
     head = f"{'precision':>9}  {'batch':>5}  {'workshop':>9}  {'torch NCHW':>10}  {'torch CL':>9}  {'ours / best torch':>17}"
     if peak:
         head += f"  {'ours % peak':>11}  {'torch % peak':>12}"
+    if ceiling:
+        head += f"  {'ours % FMA':>10}"
     head += f"  {'start-up ours':>13}  {'torch NCHW':>10}"
     head += f"  {'peak RSS ours':>13}  {'torch NCHW':>10}  {'torch CL':>9}"
     print(head)
@@ -125,6 +133,8 @@ def main():
             if peak:
                 line += (f"  {100 * m['workshop'] * per_image / peak:>10.0f}%"
                          f"  {100 * best * per_image / peak:>11.0f}%")
+            if ceiling:
+                line += f"  {100 * m['workshop'] * per_image / ceiling:>9.0f}%"
             up = {n: statistics.median(startup[(prec, b, n)]) for n in ["workshop", "pytorch NCHW"]}
             line += f"  {up['workshop']:>12.2f}s  {up['pytorch NCHW']:>9.2f}s"
             rss = {n: peak_rss[(prec, b, n)] / 2**30 for n in ["workshop", "pytorch NCHW", "pytorch channels_last"]}

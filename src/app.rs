@@ -329,15 +329,23 @@ fn peak_cmd(a: PeakArgs) -> Result<()> {
     )?;
     let bandwidth =
         bench::peak::bandwidth_if_any(a.backend, a.device, a.array_mib, a.iterations, a.threads)?;
+    // From the facts of the device that was measured (a GPU's SMs and clock, not the
+    // host's), or measured on the CPU's cores.
+    let ceiling = device.and_then(|d| bench::peak::theoretical(a.backend, &d, a.threads));
     if a.json {
         println!(
             "{}",
-            serde_json::json!({ "gemm": gemm, "bandwidth": bandwidth })
+            serde_json::json!({ "gemm": gemm, "bandwidth": bandwidth, "theoretical": ceiling })
         );
     } else {
         println!("{}", report::peak(&gemm, bandwidth.as_deref()));
-        // The facts of the device that was measured (a GPU's SMs and clock, not the host's).
-        match device.and_then(|d| bench::peak::theoretical(a.backend, &d, a.threads)) {
+        match ceiling {
+            Some(t) if t.measured => println!(
+                "FP32 FMA ceiling {:.1} GFLOP/s ({}): the GEMM reaches {:.0}% of it",
+                t.gflops,
+                t.how,
+                100.0 * gemm.gflops / t.gflops
+            ),
             Some(t) => {
                 let share = 100.0 * gemm.gflops / t.gflops;
                 println!(

@@ -777,7 +777,11 @@ pub fn flops_profile(
     if let Some(t) = &p.limits.theoretical {
         line(
             &mut s,
-            "theoretical peak:",
+            if t.measured {
+                "FMA ceiling (measured):"
+            } else {
+                "theoretical peak:"
+            },
             format!("{} = {}", si(t.gflops * 1e9, "FLOPS"), t.how),
         );
         line(

@@ -563,6 +563,19 @@ fn peak_reports_a_validated_gemm_and_bandwidth(kind: workshop::backend::BackendK
     assert_eq!(r["gemm"]["validated"], 3, "{r}");
     assert!(r["gemm"]["gflops"].as_f64().unwrap() > 0.0);
     assert!(r["gemm"]["max_rel_error"].as_f64().unwrap() < 1e-5);
+    if kind == workshop::backend::BackendKind::Cpu
+        && workshop::backend::cpu::simd::simd().has_avx2()
+    {
+        // The cores' FMA throughput, measured: at least what the GEMM reached (on a noisy
+        // machine either can be slowed, so only a wide margin is checked).
+        let t = &r["theoretical"];
+        assert_eq!(t["measured"], true, "{r}");
+        let ceiling = t["gflops"].as_f64().unwrap();
+        assert!(
+            ceiling > 0.25 * r["gemm"]["gflops"].as_f64().unwrap(),
+            "{r}"
+        );
+    }
     let bw = r["bandwidth"].as_array().unwrap();
     assert_eq!(bw.len(), 2);
     assert!(bw.iter().all(|b| b["median_gbps"].as_f64().unwrap() > 0.0));
@@ -610,9 +623,10 @@ fn flops_profile_of_one_step() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("run.json");
     let cache = dir.path().join("cache");
-    let run = |step: &str| {
+    let run_simd = |step: &str, simd: &str| {
         crate::common::command()
             .env("WORKSHOP_CACHE_DIR", &cache)
+            .env("WORKSHOP_CPU_SIMD", simd)
             .args([
                 "bench",
                 "--network",
@@ -635,6 +649,7 @@ fn flops_profile_of_one_step() {
             .output()
             .unwrap()
     };
+    let run = |step: &str| run_simd(step, "");
     let o = run("2");
     let out = stdout(&o);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -674,6 +689,24 @@ fn flops_profile_of_one_step() {
     let o = run("1");
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains("kept in"), "{}", stdout(&o));
+    // The ceiling next to it: measured where the kernels have FMA instructions.
+    let fma = workshop::backend::cpu::simd::simd().has_avx2();
+    let label = if fma {
+        "FMA ceiling (measured):"
+    } else {
+        "theoretical peak:"
+    };
+    assert!(stdout(&o).contains(label), "{}", stdout(&o));
+    // Other kernels (the portable ones) are not judged by that measurement: a probe runs.
+    if fma {
+        let o = run_simd("1", "portable");
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert!(
+            stdout(&o).contains("a 512³ GEMM probe run now"),
+            "{}",
+            stdout(&o)
+        );
+    }
 
     let o = run("3");
     assert!(!o.status.success());

@@ -8,6 +8,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 
+use crate::backend::cpu::simd::Simd;
 use crate::backend::{self, BackendKind, DeviceInfo, ExecOptions};
 use crate::model::graph::{ConvInit, GraphBuilder, LinearInit};
 use crate::model::{Precision, Rng, Weights};
@@ -221,33 +222,75 @@ pub fn bandwidth_if_any(
     }
 }
 
-/// A peak the device's specification gives rather than a measurement.
+/// The compute ceiling a device's layers are judged against besides the measured GEMM: on
+/// the CPU the FMA throughput of its cores, measured (see [`theoretical_cpu`]); on a GPU
+/// the specification's peak.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Theoretical {
     pub gflops: f64,
-    /// How it was computed, with its assumptions.
+    /// How it was found, with its assumptions.
     pub how: String,
+    /// Measured on the device (an FMA loop), not computed from a specification.
+    #[serde(default)]
+    pub measured: bool,
 }
 
-/// The FP32 peak of `cores` CPU cores from their clock and vector width: cores × GHz × FLOPs
-/// per cycle (see [`cpu_flops_per_cycle`]). `None` when the clock is unknown or the device is
-/// not the host CPU.
+/// The FP32 peak of `cores` CPU cores. Measured where the SIMD paths in use have an FMA
+/// instruction: each core runs independent FMA chains on registers
+/// ([`simd::fma_ceiling`]), which takes the clock the cores really run at (turbo, AVX
+/// offsets, a VM's share) where the OS reports a nominal one, and the units' real width;
+/// the clock that result implies at the ISA's FLOPs per cycle ([`cpu_flops_per_cycle`]) is
+/// given next to the OS's. Elsewhere cores × the OS's clock × FLOPs per cycle, an estimate.
+/// `None` when neither is known or the device is not the host CPU.
+///
+/// [`simd::fma_ceiling`]: crate::backend::cpu::simd::fma_ceiling
 fn theoretical_cpu(features: &[String], cores: usize) -> Option<Theoretical> {
-    let mut sys = sysinfo::System::new().ok()?;
-    sys.refresh_cpu_list(sysinfo::CpuRefreshKind::nothing().with_frequency());
-    let mhz = sys
-        .cpus()
-        .first()
-        .map(|c| c.frequency())
-        .filter(|&f| f > 0)?;
-    let (per_cycle, isa) = cpu_flops_per_cycle(features, amd_family_model());
-    let ghz = mhz as f64 / 1e3;
+    let os_ghz = sysinfo::System::new().ok().and_then(|mut sys| {
+        sys.refresh_cpu_list(sysinfo::CpuRefreshKind::nothing().with_frequency());
+        let mhz = sys
+            .cpus()
+            .first()
+            .map(|c| c.frequency())
+            .filter(|&f| f > 0)?;
+        Some(mhz as f64 / 1e3)
+    });
+    // The vector width of the paths in use (`WORKSHOP_CPU_SIMD` may choose a narrower one).
+    let in_use = crate::backend::cpu::simd::simd();
+    let features: Vec<String> = features
+        .iter()
+        .filter(|f| match f.as_str() {
+            "AVX512F" => in_use >= Simd::Avx512,
+            "AVX2" | "FMA" | "AVX" => in_use >= Simd::Avx2Fma,
+            _ => true,
+        })
+        .cloned()
+        .collect();
+    let (per_cycle, isa) = cpu_flops_per_cycle(&features, amd_family_model());
+    if let Some(gflops) = crate::backend::cpu::simd::fma_ceiling(cores) {
+        let ghz = gflops / (cores as f64 * per_cycle as f64);
+        let os = os_ghz.map_or(String::new(), |g| format!(", the OS reports {g:.2} GHz"));
+        let cores = if cores == 1 {
+            "1 core".to_string()
+        } else {
+            format!("{cores} cores")
+        };
+        return Some(Theoretical {
+            gflops,
+            how: format!(
+                "FMA chains on registers, measured now on {cores}: {ghz:.2} GHz at {per_cycle} \
+                 FLOP/cycle ({isa}){os}"
+            ),
+            measured: true,
+        });
+    }
+    let ghz = os_ghz?;
     Some(Theoretical {
         gflops: cores as f64 * ghz * per_cycle as f64,
         how: format!(
             "{cores} cores × {ghz:.2} GHz × {per_cycle} FLOP/cycle ({isa}); an estimate: the clock \
              is the one the OS reports, turbo and AVX clock offsets move it"
         ),
+        measured: false,
     })
 }
 
@@ -331,6 +374,7 @@ fn theoretical_cuda(features: &[String], sms: usize, clock_mhz: u32) -> Option<T
             "{sms} SMs × {ghz:.2} GHz × {lanes} FP32 lanes × 2 (FMA), at the highest clock the \
              driver reports; tensor cores (FP16, BF16, TF32) go well beyond this"
         ),
+        measured: false,
     })
 }
 
@@ -344,6 +388,10 @@ pub struct CachedPeak {
     #[serde(default)]
     pub bandwidth: Vec<Bandwidth>,
     pub measured_unix: u64,
+    /// The CPU kernels that ran (`sgemm::kernel_name`: the SIMD path `WORKSHOP_CPU_SIMD`
+    /// may force), so a measurement of one path is never taken for another's; empty on GPUs.
+    #[serde(default)]
+    pub kernels: String,
 }
 
 impl CachedPeak {
@@ -357,6 +405,7 @@ impl CachedPeak {
         CachedPeak {
             device,
             threads,
+            kernels: kernels_of(gemm.backend),
             gemm,
             bandwidth,
             measured_unix: now_unix(),
@@ -364,10 +413,25 @@ impl CachedPeak {
     }
 
     fn same_key(&self, other: &CachedPeak) -> bool {
-        self.device == other.device
-            && self.threads == other.threads
-            && self.gemm.backend == other.gemm.backend
-            && self.gemm.precision == other.gemm.precision
+        self.is_for(
+            other.gemm.backend,
+            &other.device,
+            other.gemm.precision,
+            other.threads,
+        ) && self.kernels == other.kernels
+    }
+
+    fn is_for(
+        &self,
+        backend: BackendKind,
+        device: &str,
+        precision: Precision,
+        threads: Option<usize>,
+    ) -> bool {
+        self.device == device
+            && self.threads == threads
+            && self.gemm.backend == backend
+            && self.gemm.precision == precision
     }
 
     /// Median triad bandwidth, when measured.
@@ -408,12 +472,18 @@ pub fn cached(
     precision: Precision,
     threads: Option<usize>,
 ) -> Option<CachedPeak> {
-    read_cache().into_iter().find(|c| {
-        c.device == device
-            && c.threads == threads
-            && c.gemm.backend == backend
-            && c.gemm.precision == precision
-    })
+    let kernels = kernels_of(backend);
+    read_cache()
+        .into_iter()
+        .find(|c| c.is_for(backend, device, precision, threads) && c.kernels == kernels)
+}
+
+/// [`CachedPeak::kernels`] for a measurement made now.
+fn kernels_of(backend: BackendKind) -> String {
+    match backend {
+        BackendKind::Cpu => crate::backend::cpu::sgemm::kernel_name(),
+        _ => String::new(),
+    }
 }
 
 /// Keep a validated measurement (replacing the device's earlier one); a measurement with a

@@ -160,3 +160,108 @@ impl<D, S, F: Fn(&mut D, &S)> Vectorised for ZipWith<'_, D, S, F> {
         dst.iter_mut().zip(src).for_each(|(d, s)| f(d, s));
     }
 }
+
+/// Independent FMA chains per thread in [`fma_ceiling`]: enough to keep two FMA units busy
+/// through a latency of up to 6 cycles.
+const CHAINS: usize = 12;
+
+/// `iters` rounds of x ← x·b + c (fused) on `CHAINS` chains of `LANES` floats, all in
+/// registers; chain i starts at i. Returns each chain's first lane, so the work can't be
+/// optimised away and can be checked against the scalar recurrence.
+struct FmaChains<const LANES: usize> {
+    iters: u64,
+}
+
+impl<const LANES: usize> Vectorised for FmaChains<LANES> {
+    type Output = [f32; CHAINS];
+    #[inline(always)]
+    fn run(self) -> [f32; CHAINS] {
+        let (b, c) = (
+            std::hint::black_box(0.999_9f32),
+            std::hint::black_box(1e-4f32),
+        );
+        let mut acc: [[f32; LANES]; CHAINS] = std::array::from_fn(|i| [i as f32; LANES]);
+        for _ in 0..self.iters {
+            for chain in acc.iter_mut() {
+                for x in chain.iter_mut() {
+                    *x = x.mul_add(b, c);
+                }
+            }
+        }
+        acc.map(|chain| chain[0])
+    }
+}
+
+/// A run of [`FmaChains`] of some width: rounds in, chain results out.
+type ChainsRun = fn(u64) -> [f32; CHAINS];
+
+/// FP32 FLOPs of one round of [`FmaChains`] at the width `simd()` chose, and the run itself;
+/// `None` on the portable paths (no FMA instruction to time).
+fn fma_chains() -> Option<(u64, ChainsRun)> {
+    fn run<const LANES: usize>(iters: u64) -> [f32; CHAINS] {
+        with_simd(FmaChains::<LANES> { iters })
+    }
+    match simd() {
+        Simd::Avx512 | Simd::Amx => Some((2 * 16 * CHAINS as u64, run::<16>)),
+        Simd::Avx2Fma => Some((2 * 8 * CHAINS as u64, run::<8>)),
+        Simd::Portable => None,
+    }
+}
+
+/// The FP32 FMA throughput of `threads` cores in GFLOP/s, measured: every thread runs
+/// independent fused multiply-adds on registers only (no memory traffic), at the widest
+/// vectors in use, started together; best of three runs of about 30 ms. What the cores can
+/// compute at the clock they run now: the ceiling any kernel can reach. `None` where the
+/// paths in use have no FMA instruction (the portable ones).
+pub fn fma_ceiling(threads: usize) -> Option<f64> {
+    let (flops_per_iter, run) = fma_chains()?;
+    let threads = threads.max(1);
+    // Calibrate on one thread: rounds for about 30 ms.
+    let probe = 1 << 16;
+    let start = std::time::Instant::now();
+    std::hint::black_box(run(probe));
+    let per_iter = start.elapsed().as_secs_f64() / probe as f64;
+    let iters = ((0.03 / per_iter.max(1e-12)) as u64).clamp(probe, 1 << 32);
+    let mut best = 0f64;
+    for _ in 0..3 {
+        let barrier = std::sync::Barrier::new(threads);
+        let longest = std::thread::scope(|s| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    s.spawn(|| {
+                        barrier.wait();
+                        let start = std::time::Instant::now();
+                        std::hint::black_box(run(iters));
+                        start.elapsed().as_secs_f64()
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .map(|w| w.join().unwrap_or(f64::INFINITY))
+                .fold(0f64, f64::max)
+        });
+        best = best.max((threads as u64 * iters * flops_per_iter) as f64 / longest / 1e9);
+    }
+    Some(best)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The FMA chains run every round they are asked for, fused, on every chain and lane:
+    /// each chain's result equals the scalar recurrence's, bit for bit, at both widths.
+    #[test]
+    fn fma_chains_compute_the_recurrence() {
+        let iters = 1000;
+        let scalar: [f32; CHAINS] =
+            std::array::from_fn(|i| (0..iters).fold(i as f32, |x, _| x.mul_add(0.999_9, 1e-4)));
+        assert_eq!(with_simd(FmaChains::<8> { iters }), scalar);
+        assert_eq!(with_simd(FmaChains::<16> { iters }), scalar);
+        match fma_ceiling(1) {
+            Some(gflops) => assert!(gflops > 0.0 && simd().has_avx2()),
+            None => assert!(!simd().has_avx2()),
+        }
+    }
+}
