@@ -22,6 +22,9 @@ pub trait Elem: Copy + Send + Sync + Default + 'static {
     /// The slice itself when the storage type is bf16 (what AMX tiles read).
     fn as_bf16(s: &[Self]) -> Option<&[bf16]>;
     fn as_bf16_mut(s: &mut [Self]) -> Option<&mut [bf16]>;
+    /// A half type's values as their bits, with +∞'s bits: the values above it are NaNs,
+    /// those in 1..=+∞ positive (what ReLU keeps). `None` for f32.
+    fn half_bits_mut(s: &mut [Self]) -> Option<(&mut [u16], u16)>;
     fn widen(src: &[Self], dst: &mut [f32]);
     fn narrow(src: &[f32], dst: &mut [Self]);
 }
@@ -46,6 +49,9 @@ impl Elem for f32 {
         None
     }
     fn as_bf16_mut(_: &mut [Self]) -> Option<&mut [bf16]> {
+        None
+    }
+    fn half_bits_mut(_: &mut [Self]) -> Option<(&mut [u16], u16)> {
         None
     }
     fn widen(src: &[Self], dst: &mut [f32]) {
@@ -81,6 +87,9 @@ macro_rules! half_elem {
             }
             fn as_bf16_mut(s: &mut [Self]) -> Option<&mut [bf16]> {
                 $as_bf16_mut(s)
+            }
+            fn half_bits_mut(s: &mut [Self]) -> Option<(&mut [u16], u16)> {
+                Some((s.reinterpret_cast_mut(), <$t>::INFINITY.to_bits()))
             }
             fn widen(src: &[Self], dst: &mut [f32]) {
                 assert_eq!(src.len(), dst.len(), "widen: lengths differ");

@@ -892,19 +892,15 @@ impl<V: Copy, L: Fn(V) -> f32, S: Fn(f32) -> V> Vectorised for Affine<'_, V, L, 
 pub fn clamp_inplace<T: Elem>(buf: &mut [T], lo: f32, hi: f32) {
     if lo == 0.0
         && hi == f32::INFINITY
-        && let Some(b) = T::as_bf16_mut(buf)
+        && let Some((bits, inf)) = T::half_bits_mut(buf)
     {
-        // ReLU on bf16 needs no conversion: a value stays when its bits, as an integer, lie in
-        // 1..=0x7f80 (positive, up to +∞), and becomes +0 otherwise (zeros, negatives, NaNs),
-        // as the f32 path's max(v, 0) does. A compare and a select the compiler vectorises.
-        b.par_chunks_mut(ELEMENTWISE_CHUNK).for_each(|part| {
-            with_simd(Update(part, |v: &mut bf16| {
-                let bits = v.to_bits();
-                *v = bf16::from_bits(if bits.wrapping_sub(1) < 0x7f80 {
-                    bits
-                } else {
-                    0
-                });
+        // ReLU on a half type needs no conversion: a value stays when its bits, as an
+        // integer, lie in 1..=+∞'s (positive, up to +∞), and becomes +0 otherwise (zeros,
+        // negatives, NaNs), as the f32 path's max(v, 0) does. A compare and a select the
+        // compiler vectorises.
+        bits.par_chunks_mut(ELEMENTWISE_CHUNK).for_each(|part| {
+            with_simd(Update(part, |v: &mut u16| {
+                *v = if v.wrapping_sub(1) < inf { *v } else { 0 };
             }))
         });
         return;
@@ -1197,6 +1193,7 @@ pub fn softmax<T: Elem>(x: &[T], len: usize, y: &mut [T]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::f16;
 
     /// Batch norm's affine map and the residual add on bf16, converted in registers, give bit
     /// for bit what widening to f32, the f32 kernels and narrowing give, for every bf16 value.
@@ -1231,22 +1228,38 @@ mod tests {
         same("add", &fast, &narrow(&wide));
     }
 
-    /// ReLU straight on bf16 bits gives what the f32 path gives (widen, max(v, 0), narrow),
-    /// up to the sign of zero, for every bf16 value: NaNs, infinities, zeros, subnormals.
-    #[test]
-    fn bf16_relu_matches_the_f32_path() {
-        let all: Vec<bf16> = (0..=u16::MAX).map(bf16::from_bits).collect();
+    /// ReLU straight on the bits of a half type gives what the f32 path gives (widen,
+    /// max(v, 0), narrow), up to the sign of zero, for every value: NaNs, infinities, zeros,
+    /// subnormals.
+    fn relu_on_bits_matches_the_f32_path<T: Elem + std::fmt::Display>(bits: fn(T) -> u16) {
+        let all: Vec<T> = (0..=u16::MAX)
+            .map(|b| {
+                let mut v = [T::default()];
+                T::half_bits_mut(&mut v).expect("a half type").0[0] = b;
+                v[0]
+            })
+            .collect();
         let mut fast = all.clone();
         clamp_inplace(&mut fast, 0.0, f32::INFINITY);
         let mut wide: Vec<f32> = all.iter().map(|v| v.to_f32()).collect();
         clamp_inplace(&mut wide, 0.0, f32::INFINITY);
         for ((x, got), want) in all.iter().zip(&fast).zip(&wide) {
-            let want = bf16::from_f32(*want);
+            let want = T::from_f32(*want);
             assert!(
-                got.to_bits() == want.to_bits() || (got.to_f32() == 0.0 && want.to_f32() == 0.0),
+                bits(*got) == bits(want) || (got.to_f32() == 0.0 && want.to_f32() == 0.0),
                 "relu({x}) = {got}, the f32 path gives {want}"
             );
         }
+    }
+
+    #[test]
+    fn bf16_relu_matches_the_f32_path() {
+        relu_on_bits_matches_the_f32_path::<bf16>(bf16::to_bits);
+    }
+
+    #[test]
+    fn f16_relu_matches_the_f32_path() {
+        relu_on_bits_matches_the_f32_path::<f16>(f16::to_bits);
     }
 
     /// Balanced chunks: a multiple of the workers, nearly equal, never above the asked size.
