@@ -269,15 +269,17 @@ fn theoretical_cpu(features: &[String], cores: usize) -> Option<Theoretical> {
     if let Some(gflops) = crate::backend::cpu::simd::fma_ceiling(cores) {
         let ghz = gflops / (cores as f64 * per_cycle as f64);
         let os = os_ghz.map_or(String::new(), |g| format!(", the OS reports {g:.2} GHz"));
-        let cores = if cores == 1 {
-            "1 core".to_string()
+        // Threads, not cores: two threads of one SMT core share its FMA units, and the
+        // clock this implies per thread is then half the core's.
+        let threads = if cores == 1 {
+            "1 thread".to_string()
         } else {
-            format!("{cores} cores")
+            format!("{cores} threads")
         };
         return Some(Theoretical {
             gflops,
             how: format!(
-                "FMA chains on registers, measured now on {cores}: {ghz:.2} GHz at {per_cycle} \
+                "FMA chains on registers, measured now on {threads}: {ghz:.2} GHz at {per_cycle} \
                  FLOP/cycle ({isa}){os}"
             ),
             measured: true,
