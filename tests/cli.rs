@@ -618,6 +618,62 @@ fn peak_in_half_precision_and_bad_sizes() {
     );
 }
 
+/// A small `peak` measurement (a quick check, the profiles' probe) never replaces a larger one
+/// as what profiles judge against.
+#[test]
+fn profiles_use_the_largest_peak_measured() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let run = |args: &[&str]| {
+        let o = crate::common::command()
+            .env("WORKSHOP_CACHE_DIR", &cache)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        stdout(&o)
+    };
+    // The smaller one first: the order they were kept in does not decide.
+    for size in ["48", "96"] {
+        run(&[
+            "peak",
+            "--size",
+            size,
+            "--iterations",
+            "2",
+            "--array-mib",
+            "4",
+            "--threads",
+            "1",
+        ]);
+    }
+    let kept: Value =
+        serde_json::from_str(&std::fs::read_to_string(cache.join("peak.json")).unwrap()).unwrap();
+    assert_eq!(
+        kept.as_array().unwrap().len(),
+        2,
+        "one entry per size: {kept}"
+    );
+    let out = run(&[
+        "bench",
+        "--network",
+        "resnet18",
+        "--input-size",
+        "64",
+        "--batch-size",
+        "1",
+        "--iterations",
+        "1",
+        "--warmup",
+        "0",
+        "--threads",
+        "1",
+        "--flops-prof-step",
+        "1",
+    ]);
+    assert!(out.contains("a 96³ GEMM measured"), "{out}");
+}
+
 #[test]
 fn flops_profile_of_one_step() {
     let dir = tempfile::tempdir().unwrap();

@@ -421,6 +421,7 @@ impl CachedPeak {
             other.gemm.precision,
             other.threads,
         ) && self.kernels == other.kernels
+            && self.gemm.size == other.gemm.size
     }
 
     fn is_for(
@@ -467,7 +468,9 @@ fn read_cache() -> Vec<CachedPeak> {
         .unwrap_or_default()
 }
 
-/// The cached limits of `device` on `backend` at `precision` with `threads`.
+/// The cached limits of `device` on `backend` at `precision` with `threads`: of the sizes
+/// measured, the largest (a small GEMM, as a quick `--size 256` or the profiles' probe, stays
+/// below the machine's peak and must not replace a full measurement).
 pub fn cached(
     backend: BackendKind,
     device: &str,
@@ -477,7 +480,8 @@ pub fn cached(
     let kernels = kernels_of(backend);
     read_cache()
         .into_iter()
-        .find(|c| c.is_for(backend, device, precision, threads) && c.kernels == kernels)
+        .filter(|c| c.is_for(backend, device, precision, threads) && c.kernels == kernels)
+        .max_by_key(|c| (c.gemm.size, c.measured_unix))
 }
 
 /// [`CachedPeak::kernels`] for a measurement made now.
@@ -488,8 +492,8 @@ fn kernels_of(backend: BackendKind) -> String {
     }
 }
 
-/// Keep a validated measurement (replacing the device's earlier one); a measurement with a
-/// failed check is never kept. Returns where it was written.
+/// Keep a validated measurement (replacing the device's earlier one of the same size); a
+/// measurement with a failed check is never kept. Returns where it was written.
 pub fn remember(entry: CachedPeak) -> Result<std::path::PathBuf> {
     if entry.gemm.validated < entry.gemm.iterations {
         bail!("a GEMM result did not match the reference: not kept");
