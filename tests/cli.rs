@@ -647,8 +647,7 @@ fn profiles_use_the_largest_peak_measured() {
             "1",
         ]);
     }
-    let kept: Value =
-        serde_json::from_str(&std::fs::read_to_string(cache.join("peak.json")).unwrap()).unwrap();
+    let kept = read_json(&cache.join("peak.json"));
     assert_eq!(
         kept.as_array().unwrap().len(),
         2,

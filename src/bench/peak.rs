@@ -420,21 +420,25 @@ impl CachedPeak {
             &other.device,
             other.gemm.precision,
             other.threads,
-        ) && self.kernels == other.kernels
-            && self.gemm.size == other.gemm.size
+            &other.kernels,
+        ) && self.gemm.size == other.gemm.size
     }
 
+    /// Whether this measures `device` of `backend` at `precision` with `threads` workers
+    /// running `kernels` (any size).
     fn is_for(
         &self,
         backend: BackendKind,
         device: &str,
         precision: Precision,
         threads: Option<usize>,
+        kernels: &str,
     ) -> bool {
         self.device == device
             && self.threads == threads
             && self.gemm.backend == backend
             && self.gemm.precision == precision
+            && self.kernels == kernels
     }
 
     /// Median triad bandwidth, when measured.
@@ -480,7 +484,7 @@ pub fn cached(
     let kernels = kernels_of(backend);
     read_cache()
         .into_iter()
-        .filter(|c| c.is_for(backend, device, precision, threads) && c.kernels == kernels)
+        .filter(|c| c.is_for(backend, device, precision, threads, &kernels))
         .max_by_key(|c| (c.gemm.size, c.measured_unix))
 }
 
