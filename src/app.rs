@@ -339,30 +339,7 @@ fn peak_cmd(a: PeakArgs) -> Result<()> {
         );
     } else {
         println!("{}", report::peak(&gemm, bandwidth.as_deref()));
-        match ceiling {
-            Some(t) if t.measured => println!(
-                "FP32 FMA ceiling {:.1} GFLOP/s ({}): the GEMM reaches {:.0}% of it",
-                t.gflops,
-                t.how,
-                100.0 * gemm.gflops / t.gflops
-            ),
-            Some(t) => {
-                let share = 100.0 * gemm.gflops / t.gflops;
-                println!(
-                    "Theoretical FP32 peak {:.1} GFLOP/s = {}: the measured GEMM reaches {share:.0}% of it{}",
-                    t.gflops,
-                    t.how,
-                    if share > 100.0 {
-                        " (so the cores ran faster than the reported clock)"
-                    } else {
-                        ""
-                    }
-                )
-            }
-            None => {
-                println!("Theoretical peak: this device does not report the facts to compute it")
-            }
-        }
+        println!("{}", report::ceiling(gemm.gflops, ceiling.as_ref()));
     }
     if gemm.validated == gemm.iterations {
         let kept = bench::peak::keep(

@@ -684,6 +684,34 @@ pub fn peak(
     s
 }
 
+/// The line after a GEMM peak that places it under the device's compute ceiling: the FMA
+/// ceiling measured on a CPU's registers, or a GPU's specification peak (`None`: the device
+/// does not give the facts for one).
+pub fn ceiling(gemm_gflops: f64, t: Option<&crate::bench::peak::Theoretical>) -> String {
+    match t {
+        Some(t) if t.measured => format!(
+            "FP32 FMA ceiling {:.1} GFLOP/s ({}): the GEMM reaches {:.0}% of it",
+            t.gflops,
+            t.how,
+            100.0 * gemm_gflops / t.gflops
+        ),
+        Some(t) => {
+            let share = 100.0 * gemm_gflops / t.gflops;
+            format!(
+                "Theoretical FP32 peak {:.1} GFLOP/s = {}: the measured GEMM reaches {share:.0}% of it{}",
+                t.gflops,
+                t.how,
+                if share > 100.0 {
+                    " (so the cores ran faster than the reported clock)"
+                } else {
+                    ""
+                }
+            )
+        }
+        None => "Theoretical peak: this device does not report the facts to compute it".into(),
+    }
+}
+
 /// A count with a metric prefix and a unit: `si(4.09e9, "MACs")` is `4.09 GMACs`,
 /// `si(25.56e6, "")` is `25.56 M`, small counts stay whole (`128`).
 pub fn si(v: f64, unit: &str) -> String {

@@ -71,6 +71,24 @@ fn the_embedded_course_runs_start_to_finish_on_the_cpu() {
             .unwrap()
             .clone()
     };
+    // The peak steps record the cores' FMA ceiling beside the GEMM, and 09 judges the GEMM
+    // as a share of it (on the CPU's own range).
+    assert!(
+        find("01-baseline", "peak")["metrics"]["ceiling_gflops"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+    let peak = find("09-peak", "fp32");
+    assert!(peak["metrics"]["ceiling_gflops"].as_f64().unwrap() > 0.0);
+    let share = peak["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["what"] == "gemm_gflops / ceiling_gflops")
+        .expect("the GEMM judged against the ceiling");
+    assert_eq!(share["range"], "backend cpu");
+    assert!(share["value"].as_f64().unwrap() > 0.0);
     let baseline = find("01-baseline", "baseline");
     assert!(baseline["metrics"]["throughput"].as_f64().unwrap() > 0.0);
     assert_eq!(baseline["environment"]["backend"], "cpu");

@@ -38,6 +38,7 @@ pub struct Check {
 }
 
 /// Where the step ran, for device- and backend-keyed ranges.
+#[derive(Clone, Copy)]
 pub struct Context<'a> {
     pub device: &'a str,
     pub backend: BackendKind,
@@ -81,14 +82,16 @@ fn cv_of(reference: &str, step: &str, metrics: &Metrics) -> Option<f64> {
     metrics.get(s).and_then(|m| m.get("cv")).copied()
 }
 
-/// Judge one expectation of step `step` (whose own metrics are already in `metrics`).
+/// Judge one expectation of step `step` (whose own metrics are already in `metrics`); `None`
+/// where the range that applies has neither `min` nor `max` (not judged on this device or
+/// backend: a metric it does not measure, say).
 pub fn evaluate(
     x: &Expect,
     step: &str,
     metrics: &Metrics,
     ctx: &Context<'_>,
     max_cv: Option<f64>,
-) -> Check {
+) -> Option<Check> {
     let what = match &x.per {
         Some(per) => format!("{} / {per}", x.metric),
         None => x.metric.clone(),
@@ -108,6 +111,9 @@ pub fn evaluate(
                 .map(|b| (b.min, b.max, format!("backend {}", b.backend)))
         })
         .unwrap_or((x.min, x.max, "default".into()));
+    if min.is_none() && max.is_none() {
+        return None;
+    }
     let mut check = Check {
         what,
         value: None,
@@ -132,7 +138,7 @@ pub fn evaluate(
         Ok(v) => v,
         Err(reason) => {
             check.reason = Some(reason);
-            return check;
+            return Some(check);
         }
     };
     check.value = Some(value);
@@ -145,7 +151,7 @@ pub fn evaluate(
                     cv * 100.0,
                     limit * 100.0
                 ));
-                return check;
+                return Some(check);
             }
         }
     }
@@ -154,7 +160,7 @@ pub fn evaluate(
     if !ok {
         check.hint = Some(x.hint.clone());
     }
-    check
+    Some(check)
 }
 
 #[cfg(test)]
@@ -201,7 +207,8 @@ mod tests {
             &m,
             &ctx,
             None,
-        );
+        )
+        .unwrap();
         assert_eq!((c.verdict, c.value), (Verdict::Pass, Some(1.5)));
         // Above 1.6 fails, with the hint kept.
         let c = evaluate(
@@ -210,7 +217,8 @@ mod tests {
             &m,
             &ctx,
             None,
-        );
+        )
+        .unwrap();
         assert_eq!(c.verdict, Verdict::Fail);
         assert_eq!(c.hint.as_deref(), Some("try again"));
         // The fp16 run's CV of 30% is above a 10% limit: inconclusive, not failed.
@@ -220,7 +228,8 @@ mod tests {
             &m,
             &ctx,
             Some(0.1),
-        );
+        )
+        .unwrap();
         assert_eq!(c.verdict, Verdict::Inconclusive);
         assert!(c.reason.unwrap().contains("too noisy"));
         // A missing step is inconclusive with the reason.
@@ -230,7 +239,8 @@ mod tests {
             &m,
             &ctx,
             None,
-        );
+        )
+        .unwrap();
         assert_eq!(c.verdict, Verdict::Inconclusive);
         assert!(c.reason.unwrap().contains("step `bf16` has no results"));
         // Device globs win over backend ranges, which win over the fallback.
@@ -240,7 +250,7 @@ mod tests {
             min: Some(120.0),
             max: None,
         }];
-        let c = evaluate(&x, "fp16", &m, &ctx, None);
+        let c = evaluate(&x, "fp16", &m, &ctx, None).unwrap();
         assert_eq!(
             (c.verdict, c.range.as_str()),
             (Verdict::Pass, "backend cuda")
@@ -251,20 +261,35 @@ mod tests {
             min: Some(200.0),
             max: None,
         }];
-        let c = evaluate(&x, "fp16", &m, &ctx, None);
+        let c = evaluate(&x, "fp16", &m, &ctx, None).unwrap();
         assert_eq!(
             (c.verdict, c.range.as_str()),
             (Verdict::Fail, "device *A100*")
         );
         // A device range measured with another backend's kernels does not apply here.
         x.device[0].backend = Some(BackendKind::Hip);
-        let c = evaluate(&x, "fp16", &m, &ctx, None);
+        let c = evaluate(&x, "fp16", &m, &ctx, None).unwrap();
         assert_eq!(
             (c.verdict, c.range.as_str()),
             (Verdict::Pass, "backend cuda")
         );
         x.device[0].backend = Some(BackendKind::Cuda);
-        let c = evaluate(&x, "fp16", &m, &ctx, None);
+        let c = evaluate(&x, "fp16", &m, &ctx, None).unwrap();
         assert_eq!(c.range, "device *A100*");
+        // A range with no bounds is not judged there: no check at all, even for a metric
+        // the step did not measure; other devices still fall back to the default.
+        x.device[0].min = None;
+        let mut y = x.clone();
+        y.metric = "ceiling_gflops".into();
+        assert_eq!(evaluate(&y, "fp16", &m, &ctx, None), None);
+        let elsewhere = Context {
+            device: "NVIDIA H100 80GB HBM3",
+            ..ctx
+        };
+        let c = evaluate(&y, "fp16", &m, &elsewhere, None).unwrap();
+        assert_eq!(
+            (c.verdict, c.range.as_str()),
+            (Verdict::Inconclusive, "backend cuda")
+        );
     }
 }

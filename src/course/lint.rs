@@ -72,7 +72,7 @@ pub fn metrics_of(kind: StepKind) -> &'static [&'static str] {
         StepKind::Sweep => &["best_throughput", "best_value", "scaling"],
         StepKind::Accuracy => &["max_abs_diff", "rel_diff", "top1_agreement"],
         StepKind::Doctor => &["cores", "memory_gib"],
-        StepKind::Peak => &["gemm_gflops", "copy_gbps", "triad_gbps"],
+        StepKind::Peak => &["gemm_gflops", "ceiling_gflops", "copy_gbps", "triad_gbps"],
         // Besides the per-module and per-op metrics of its network (`flops::metric_names`).
         StepKind::Profile => &[
             "throughput",

@@ -546,7 +546,7 @@ pub fn run_step(
                     over(|s| s.size).unwrap_or(1024),
                     over(|s| s.iterations).unwrap_or(10),
                 );
-                let g = bench::peak::gemm(
+                let (g, info) = bench::peak::gemm_on(
                     ws.state.backend,
                     ws.state.device,
                     precision,
@@ -562,6 +562,14 @@ pub fn run_step(
                     ws.state.threads,
                 )?;
                 println!("{}", report::peak(&g, bw.as_deref()));
+                // The ceiling above the GEMM (a CPU's FMA throughput, measured now; a GPU's
+                // specification), recorded so expectations can place the GEMM under it.
+                let ceiling = info
+                    .and_then(|d| bench::peak::theoretical(ws.state.backend, &d, ws.state.threads));
+                println!("{}", report::ceiling(g.gflops, ceiling.as_ref()));
+                if let Some(t) = &ceiling {
+                    metrics.insert("ceiling_gflops".into(), t.gflops);
+                }
                 // The device, for expectations per device (`device = [{ glob = "*H100*", ... }]`).
                 if !g.device.is_empty() {
                     device_name = g.device.clone();
@@ -714,7 +722,7 @@ pub fn run_step(
             checks.extend(
                 step.expects
                     .iter()
-                    .map(|x| expect::evaluate(x.get_ref(), &sid, &all, &ctx, step.max_cv)),
+                    .filter_map(|x| expect::evaluate(x.get_ref(), &sid, &all, &ctx, step.max_cv)),
             );
             if checks.iter().any(|c| c.verdict == Verdict::Fail) {
                 Outcome::Fail

@@ -74,7 +74,9 @@ pub enum StepKind {
     /// A question whose answer is recorded and, where `question.correct` says how, checked
     /// against the student's own measurements (needs `question`).
     Question,
-    /// The machine's measured limits (`workshop peak`): `gemm_gflops`, and on the CPU backend
+    /// The machine's measured limits (`workshop peak`): `gemm_gflops`; `ceiling_gflops`, the
+    /// FP32 compute ceiling above it where the device gives one (a CPU's FMA throughput,
+    /// measured on registers; a CUDA GPU's specification peak); and on the CPU backend
     /// `copy_gbps` and `triad_gbps`. Later expectations can be a fraction of them
     /// (`metric = "gflops"`, `per = "peak.gemm_gflops"`). Optional `peak` section.
     Peak,
@@ -284,7 +286,9 @@ pub struct Expect {
     /// Range that applies when no `device` entry matches.
     pub min: Option<f64>,
     pub max: Option<f64>,
-    /// Ranges keyed by device: the first whose glob matches the device name wins.
+    /// Ranges keyed by device: the first whose glob matches the device name wins. A device or
+    /// backend range with neither `min` nor `max` means "not judged there" (a metric that
+    /// device or backend does not measure).
     #[serde(default)]
     pub device: Vec<DeviceRange>,
     /// Ranges keyed by backend (checked after `device`, before the fallback).
