@@ -14,7 +14,9 @@ use cudarc::driver::{
 
 use super::gpu::program::{BufId, ColumnMajor};
 use super::gpu::{self, Device, GpuSession};
-use super::{Backend, BackendError, BackendKind, DeviceInfo, ExecOptions, Session, StreamTimes};
+use super::{
+    Backend, BackendError, BackendKind, DeviceInfo, ExecOptions, Session, StreamTimes, Theoretical,
+};
 use crate::model::{Plan, Precision, Weights};
 
 fn no_device(reason: impl Into<String>) -> BackendError {
@@ -203,9 +205,35 @@ fn info(ctx: &Arc<CudaContext>) -> DeviceInfo {
     }
 }
 
+/// An NVIDIA GPU's FP32 peak on its ordinary cores: SMs × clock × FP32 lanes per SM × 2
+/// (FMA). The lanes follow the compute capability (`sm_XY` in the features): 64 on sm_60,
+/// Volta, Turing and the A100 (sm_80), 128 on the rest from Pascal's sm_61 to Blackwell.
+fn theoretical(features: &[String], sms: usize, clock_mhz: u32) -> Option<Theoretical> {
+    let sm: u32 = features
+        .iter()
+        .find_map(|f| f.strip_prefix("sm_")?.parse().ok())?;
+    let lanes = match sm {
+        60 | 70..=75 | 80 => 64,
+        _ => 128,
+    };
+    let ghz = clock_mhz as f64 / 1e3;
+    Some(Theoretical {
+        gflops: sms as f64 * ghz * lanes as f64 * 2.0,
+        how: format!(
+            "{sms} SMs × {ghz:.2} GHz × {lanes} FP32 lanes × 2 (FMA), at the highest clock the \
+             driver reports; tensor cores (FP16, BF16, TF32) go well beyond this"
+        ),
+        measured: false,
+    })
+}
+
 impl Backend for CudaBackend {
     fn kind(&self) -> BackendKind {
         BackendKind::Cuda
+    }
+
+    fn ceiling(&self, device: &DeviceInfo, _workers: Option<usize>) -> Option<Theoretical> {
+        theoretical(&device.features, device.compute_units?, device.clock_mhz?)
     }
 
     fn devices(&self) -> Vec<DeviceInfo> {
@@ -561,5 +589,27 @@ impl Device for CudaDevice {
             self.arch().unwrap_or_default(),
             nvrtc_version().unwrap_or_default()
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cuda_theoretical_peaks_follow_the_compute_capability() {
+        let sm = |s: &str| vec![s.to_string()];
+        // H100 SXM: 132 SMs at 1980 MHz, 128 lanes: 66.9 TFLOP/s, its specification.
+        let h100 = theoretical(&sm("sm_90"), 132, 1980).unwrap();
+        assert!((h100.gflops - 66_908.16).abs() < 0.01, "{}", h100.gflops);
+        assert!(
+            h100.how.contains("132 SMs × 1.98 GHz × 128 FP32 lanes"),
+            "{}",
+            h100.how
+        );
+        // A100: 108 SMs at 1410 MHz, 64 lanes: 19.5 TFLOP/s.
+        let a100 = theoretical(&sm("sm_80"), 108, 1410).unwrap();
+        assert!((a100.gflops - 19_491.84).abs() < 0.01, "{}", a100.gflops);
+        assert!(theoretical(&sm("emulated"), 1, 1000).is_none());
     }
 }

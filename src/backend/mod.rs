@@ -185,6 +185,19 @@ pub enum BackendError {
     Invalid(String),
 }
 
+/// The compute ceiling a device's layers are judged against besides the measured GEMM: on
+/// the CPU the FMA throughput of its cores, measured (see `cpu::ceiling`); on a GPU
+/// the specification's peak.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Theoretical {
+    pub gflops: f64,
+    /// How it was found, with its assumptions.
+    pub how: String,
+    /// Measured on the device (an FMA loop), not computed from a specification.
+    #[serde(default)]
+    pub measured: bool,
+}
+
 pub trait Backend {
     fn kind(&self) -> BackendKind;
     fn devices(&self) -> Vec<DeviceInfo>;
@@ -196,6 +209,13 @@ pub trait Backend {
         _opt: &ExecOptions,
     ) -> Result<(), BackendError> {
         Ok(())
+    }
+    /// The FP32 compute ceiling of `device` (one of [`Self::devices`]) running `workers`
+    /// workers (CPU threads; the device's own count when `None`): measured where the backend
+    /// can (a CPU's FMA units), from the specification elsewhere, `None` where it knows
+    /// neither.
+    fn ceiling(&self, _device: &DeviceInfo, _workers: Option<usize>) -> Option<Theoretical> {
+        None
     }
     /// Memory a run on device `dev` may use now, when the backend knows it.
     fn memory_budget(&self, _dev: usize) -> Option<u64> {

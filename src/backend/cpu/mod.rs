@@ -4,6 +4,7 @@
 //! its last reader and recycling buffers so the timed loop does not allocate.
 
 pub mod amx;
+pub mod ceiling;
 pub mod elem;
 pub mod kernels;
 pub mod sgemm;
@@ -18,7 +19,7 @@ use rayon::prelude::*;
 
 use super::{
     Backend, BackendError, BackendKind, DeviceInfo, ExecOptions, KernelTime, MemoryStats, Session,
-    StreamTimes,
+    StreamTimes, Theoretical,
 };
 use crate::model::op::{Op, Pool, batch_norm_affine};
 use crate::model::{Plan, Precision, Tensor, Weights};
@@ -160,6 +161,13 @@ pub fn available_memory() -> u64 {
 impl Backend for CpuBackend {
     fn kind(&self) -> BackendKind {
         BackendKind::Cpu
+    }
+
+    fn ceiling(&self, device: &DeviceInfo, workers: Option<usize>) -> Option<Theoretical> {
+        ceiling::ceiling(
+            &device.features,
+            workers.or(device.compute_units).unwrap_or(1),
+        )
     }
 
     fn variants(&self, op: &Op, _out: &[usize]) -> Vec<&'static str> {
