@@ -529,10 +529,10 @@ unsafe fn gemm_block(
 /// outer: half the L2 cache, so the block stays there beside A's rows and C's lines.
 ///
 /// Measured on a 2-core Zen 3 VM (512 KiB L2), single ResNet-50 layers at batch 8 interleaved
-/// in one process: rows outer ran the 1×1 convs with K ≤ 256 and N·K ≤ 64 Ki 5–25% faster
-/// (C is written whole rows at a time instead of one 64-byte piece of every row per panel)
-/// and those with 1 MiB blocks up to 10% slower (their B then streams from L3 for every row
-/// group).
+/// in one process: rows outer ran the 1×1 convs whose blocks are 64–256 KiB (64→256,
+/// 256→64, 128→512, 512→128) up to 25% faster (C is written whole rows at a time instead of
+/// one 64-byte piece of every row per panel) and those with 512 KiB blocks (2048→512, 1×1
+/// s2 512→1024) 7–10% slower (their B then streams from L3 for every row group).
 fn row_outer_fits() -> usize {
     static FITS: OnceLock<usize> = OnceLock::new();
     *FITS.get_or_init(|| l2_bytes() / 2)
