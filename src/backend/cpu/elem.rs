@@ -19,7 +19,7 @@ pub trait Elem: Copy + Send + Sync + Default + 'static {
     /// The slice itself when the storage type is already f32 (no copy needed).
     fn as_f32(s: &[Self]) -> Option<&[f32]>;
     fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]>;
-    /// The slice itself when the storage type is bf16 (what AMX tiles read).
+    /// The slice itself when the storage type is bf16 (what the bf16-pair GEMMs read).
     fn as_bf16(s: &[Self]) -> Option<&[bf16]>;
     fn as_bf16_mut(s: &mut [Self]) -> Option<&mut [bf16]>;
     /// A half type's values as their bits, with +∞'s bits: the values above it are NaNs,

@@ -15,8 +15,8 @@ use std::cell::RefCell;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::amx::{self, PackedAmx};
 use super::elem::{Elem, bf16_f32, f32_bf16};
+use super::pairs::{self, PackedPairs};
 use super::sgemm::{self, NR, PackedB};
 use super::simd::{Update, Vectorised, ZipWith, with_simd};
 use crate::model::op::{Act, Conv2d, Pool};
@@ -86,9 +86,10 @@ pub struct PackedConv<T> {
     /// Winograd F(m×m, 3×3) weights, when this layer runs that way (3×3, stride 1): `groups`
     /// is then empty.
     pub winograd: Option<super::winograd::Winograd<T>>,
-    /// The weights packed for AMX tiles, when this BF16 layer runs on them (ungrouped layers
-    /// where the CPU has AMX): `groups` is then empty.
-    pub amx: Option<Box<PackedAmx>>,
+    /// The weights packed as bf16 k-pairs, when this BF16 layer multiplies pairs (ungrouped
+    /// layers where the CPU has AMX or AVX512_BF16, see [`uses_pairs`]): `groups` is then
+    /// empty.
+    pub pairs: Option<Box<PackedPairs>>,
 }
 
 /// The CPU backend's conv variants: rows per work item at 1×, 2× and 4× the default.
@@ -124,7 +125,7 @@ impl<T: Elem> PackedConv<T> {
                 depthwise: Some((dw, bias)),
                 chunk_scale: 1,
                 winograd: None,
-                amx: None,
+                pairs: None,
             };
         }
         let cin_g = conv.in_channels / conv.groups;
@@ -142,14 +143,14 @@ impl<T: Elem> PackedConv<T> {
                 }
             }
         };
-        if uses_amx::<T>(&conv) {
+        if uses_pairs::<T>(&conv) {
             return PackedConv {
                 conv,
                 groups: Vec::new(),
                 depthwise: None,
                 chunk_scale: 1,
                 winograd: None,
-                amx: Some(Box::new(PackedAmx::from_columns(
+                pairs: Some(Box::new(PackedPairs::from_columns(
                     conv.taps(),
                     cout_g,
                     fill(0),
@@ -174,7 +175,7 @@ impl<T: Elem> PackedConv<T> {
             depthwise: None,
             chunk_scale: 1,
             winograd: None,
-            amx: None,
+            pairs: None,
         }
     }
 
@@ -194,7 +195,7 @@ impl<T: Elem> PackedConv<T> {
             winograd: Some(super::winograd::Winograd::new(
                 tile, &conv, weight, bias, out,
             )),
-            amx: None,
+            pairs: None,
         })
     }
 
@@ -220,14 +221,17 @@ impl<T: Elem> PackedConv<T> {
         self.groups.iter().map(|g| g.bytes()).sum::<u64>()
             + dw
             + self.winograd.as_ref().map_or(0, |w| w.bytes())
-            + self.amx.as_ref().map_or(0, |a| a.bytes())
+            + self.pairs.as_ref().map_or(0, |a| a.bytes())
     }
 
     pub fn kernel_name(&self) -> String {
         let form = if let Some(w) = &self.winograd {
             w.tile().form()
-        } else if self.amx.is_some() {
-            "amx_gemm"
+        } else if self.pairs.is_some() {
+            match pairs::Engine::in_use() {
+                Some(pairs::Engine::Amx) => "amx_gemm",
+                _ => "dpbf16_gemm",
+            }
         } else if self.depthwise.is_some() {
             "depthwise_direct"
         } else if is_pointwise(&self.conv) {
@@ -239,12 +243,12 @@ impl<T: Elem> PackedConv<T> {
     }
 }
 
-/// Whether a convolution of this precision runs on AMX tiles: BF16, ungrouped, where the
-/// paths in use include AMX (see [`super::amx`]).
-pub fn uses_amx<T: Elem>(c: &Conv2d) -> bool {
+/// Whether a convolution of this precision multiplies bf16 pairs: BF16, ungrouped, where the
+/// paths in use include AMX or AVX512_BF16 (see [`super::pairs`]).
+pub fn uses_pairs<T: Elem>(c: &Conv2d) -> bool {
     T::PRECISION == crate::model::Precision::Bf16
         && c.groups == 1
-        && super::simd::simd() == super::simd::Simd::Amx
+        && pairs::Engine::in_use().is_some()
 }
 
 fn is_depthwise(c: &Conv2d) -> bool {
@@ -382,13 +386,13 @@ unsafe fn finish_rows<T: Elem>(
     }
 }
 
-/// [`conv2d`] on AMX tiles: A is the bf16 input itself for a 1×1 stride-1 layer whose
-/// channels fill whole tile steps, else bf16 columns gathered per chunk (K padded with zeros
+/// [`conv2d`] on bf16 pairs (AMX tiles or `vdpbf16ps`): A is the bf16 input itself for a 1×1
+/// stride-1 layer whose channels fill whole K steps, else bf16 columns gathered per chunk (K padded with zeros
 /// to the tile step); results come back in f32 for the bias-free epilogue and the narrowing.
 #[allow(clippy::too_many_arguments)]
-fn conv2d_amx<T: Elem>(
+fn conv2d_pairs<T: Elem>(
     p: &PackedConv<T>,
-    b: &PackedAmx,
+    b: &PackedPairs,
     x: &[T],
     xs: Nhwc,
     y: &mut [T],
@@ -397,16 +401,17 @@ fn conv2d_amx<T: Elem>(
     epilogue: &Epilogue<'_, T>,
 ) {
     let c = &p.conv;
-    let x16 = T::as_bf16(x).expect("AMX layers store bf16");
+    let x16 = T::as_bf16(x).expect("bf16-pair layers store bf16");
     let (k, kp) = (b.k, b.kp());
     let m = ys.n * ys.h * ys.w;
     let cout = c.out_channels;
     let rows = balanced_rows(m, (chunk_rows(m, k) * p.chunk_scale).min(m.max(1)), threads);
     let direct = is_pointwise(c) && c.in_channels == kp;
+    let engine = pairs::Engine::in_use().expect("pair packings exist only with an engine");
     assert!(y.len() >= m * cout, "conv2d output buffer too small");
     let out = TilePtr(y.as_mut_ptr());
     work_items(m, rows, b.panels(), threads).for_each(|((m0, mr), (p0, p1))| {
-        AMX_COLUMNS.with_borrow_mut(|cols| {
+        PAIR_COLUMNS.with_borrow_mut(|cols| {
             let a: &[bf16] = if direct {
                 &x16[m0 * kp..(m0 + mr) * kp]
             } else {
@@ -414,43 +419,44 @@ fn conv2d_amx<T: Elem>(
                 im2col(c, x, xs, ys, m0, mr, &mut cols[..mr * kp], kp);
                 &cols[..mr * kp]
             };
-            let col0 = p0 * amx::PANEL;
+            let col0 = p0 * pairs::PANEL;
             let mut scratch = Vec::new();
-            let mut narrowed = [T::default(); amx::BLOCK_ROWS * amx::BLOCK_COLS];
-            let mut store = |d: amx::Done<'_>| {
+            let mut narrowed = [T::default(); pairs::BLOCK_ROWS * pairs::BLOCK_COLS];
+            let mut store = |d: pairs::Done<'_>| {
                 let at = |r: usize| (m0 + d.row + r) * cout + col0 + d.col;
                 if !epilogue.is_empty() {
                     for r in 0..d.rows {
-                        let row = &mut d.values[r * amx::BLOCK_COLS..][..d.cols];
+                        let row = &mut d.values[r * pairs::BLOCK_COLS..][..d.cols];
                         epilogue.apply(row, at(r), &mut scratch);
                     }
                 }
                 // The block narrowed in one pass (a 32-value row per call would spend more on
                 // the calls than on the conversion where K is small), then its rows copied.
-                let n = d.rows * amx::BLOCK_COLS;
+                let n = d.rows * pairs::BLOCK_COLS;
                 T::narrow(&d.values[..n], &mut narrowed[..n]);
                 for r in 0..d.rows {
                     // SAFETY: rows m0..m0 + mr, columns of panels p0..p1 of y are this work
                     // item's alone; row r's `cols` values from `at(r)` are inside them.
                     unsafe {
                         std::ptr::copy_nonoverlapping(
-                            narrowed[r * amx::BLOCK_COLS..].as_ptr(),
+                            narrowed[r * pairs::BLOCK_COLS..].as_ptr(),
                             out.add(at(r)),
                             d.cols,
                         )
                     };
                 }
             };
-            // SAFETY: AMX packings exist only where `simd()` chose AMX, which `amx::available()`
-            // allowed; A has mr rows of kp values (zeros past K: gathered so, or K = kp).
-            unsafe { amx::gemm(mr, a.as_ptr(), kp, b, (p0, p1), &mut store) };
+            // SAFETY: pair packings exist only where `simd()` chose an engine, which it does
+            // only where the CPU runs it (`simd::best`); A has mr rows of kp values (zeros
+            // past K: gathered so, or K = kp).
+            unsafe { pairs::gemm(engine, mr, a.as_ptr(), kp, b, (p0, p1), &mut store) };
         });
     });
 }
 
 thread_local! {
-    /// Per-worker bf16 columns of the AMX convolutions.
-    static AMX_COLUMNS: RefCell<Vec<bf16>> = const { RefCell::new(Vec::new()) };
+    /// Per-worker bf16 columns of the bf16-pair convolutions.
+    static PAIR_COLUMNS: RefCell<Vec<bf16>> = const { RefCell::new(Vec::new()) };
 }
 
 /// What a fused convolution does to its results before storing them: add a residual tensor
@@ -512,8 +518,8 @@ pub fn conv2d<T: Elem>(
         super::winograd::conv2d(w, &p.conv, x, xs, y, ys, &epilogue);
         return;
     }
-    if let Some(b) = &p.amx {
-        return conv2d_amx(p, b, x, xs, y, ys, threads, &epilogue);
+    if let Some(b) = &p.pairs {
+        return conv2d_pairs(p, b, x, xs, y, ys, threads, &epilogue);
     }
     let c = &p.conv;
     let k_g = c.kernel.0 * c.kernel.1 * (c.in_channels / c.groups);
@@ -552,7 +558,7 @@ pub fn conv2d<T: Elem>(
 }
 
 /// What [`im2col`] gathers into: f32 columns (widened) for the SGEMM, or the bf16 storage
-/// itself for AMX tiles.
+/// itself for the bf16-pair GEMMs.
 trait Gathered<T: Elem>: Copy {
     const ZERO: Self;
     fn put(src: &[T], dst: &mut [Self]);

@@ -221,7 +221,7 @@ fn kernels_for(simd: Simd) -> Kernels {
     };
     match simd {
         #[cfg(target_arch = "x86_64")]
-        Simd::Avx512 | Simd::Amx => Kernels {
+        Simd::Avx512 | Simd::Avx512Bf16 | Simd::Amx => Kernels {
             rows: 12,
             tall: avx512::tile::<12, 1>,
             short: avx512::tile::<MR, 1>,
@@ -239,23 +239,15 @@ pub fn tile_rows() -> usize {
 }
 
 /// The name of the kernel in use, for records and `doctor`: the SIMD path and the tall tile's
-/// shape, and AMX's block where BF16 convolutions use it.
+/// shape, and the bf16-pair engine's block where BF16 convolutions use one.
 pub fn kernel_name() -> String {
     let path = match simd() {
-        Simd::Avx512 | Simd::Amx => "avx512",
+        Simd::Avx512 | Simd::Avx512Bf16 | Simd::Amx => "avx512",
         Simd::Avx2Fma => "avx2-fma",
         Simd::Portable => "portable",
     };
-    let amx = if simd() == Simd::Amx {
-        format!(
-            ", amx-bf16 {}x{}",
-            super::amx::BLOCK_ROWS,
-            super::amx::BLOCK_COLS
-        )
-    } else {
-        String::new()
-    };
-    format!("{path} {}x{NR}{amx}", kernels().rows)
+    let pairs = super::pairs::Engine::in_use().map_or(String::new(), |e| format!(", {}", e.name()));
+    format!("{path} {}x{NR}{pairs}", kernels().rows)
 }
 
 /// C[0..m, cols of panels p0..p1] = A[0..m, 0..K] · B + bias, single-threaded.

@@ -12,6 +12,9 @@ pub enum Simd {
     Avx2Fma,
     /// AVX-512 Foundation (with AVX2 and FMA): Skylake-SP and later Xeons, Ice Lake, Zen 4.
     Avx512,
+    /// AVX-512 and AVX512_BF16 (Zen 4 and 5, Cooper Lake): BF16 sessions' convolutions
+    /// multiply bf16 pairs with `vdpbf16ps` ([`super::pairs`]), the rest as on AVX-512.
+    Avx512Bf16,
     /// AVX-512 and AMX's BF16 tiles (Sapphire Rapids and later Xeons): BF16 sessions'
     /// convolutions run on the tiles ([`super::amx`]), the rest as on AVX-512.
     Amx,
@@ -29,6 +32,7 @@ impl Simd {
             Simd::Portable => "portable",
             Simd::Avx2Fma => "avx2",
             Simd::Avx512 => "avx512",
+            Simd::Avx512Bf16 => "avx512bf16",
             Simd::Amx => "amx",
         }
     }
@@ -47,11 +51,12 @@ pub fn simd() -> Simd {
             Ok("portable") => Simd::Portable,
             Ok("avx2") => Simd::Avx2Fma,
             Ok("avx512") => Simd::Avx512,
+            Ok("avx512bf16") => Simd::Avx512Bf16,
             Ok("amx") => Simd::Amx,
             Ok(other) => {
                 eprintln!(
                     "warning: {ENV}={other} is not a choice (`portable`, `avx2`, `avx512`, \
-                     `amx`, or unset for the best this CPU runs): using the best"
+                     `avx512bf16`, `amx`, or unset for the best this CPU runs): using the best"
                 );
                 return best;
             }
@@ -76,6 +81,8 @@ pub fn best() -> Simd {
             Simd::Avx2Fma
         } else if super::amx::available() {
             Simd::Amx
+        } else if std::arch::is_x86_feature_detected!("avx512bf16") {
+            Simd::Avx512Bf16
         } else {
             Simd::Avx512
         };
@@ -127,7 +134,7 @@ pub fn with_simd<W: Vectorised>(work: W) -> W::Output {
         }
         match simd() {
             // SAFETY: `simd()` chooses a path only where the CPU has its features.
-            Simd::Avx512 | Simd::Amx => return unsafe { avx512(work) },
+            Simd::Avx512 | Simd::Avx512Bf16 | Simd::Amx => return unsafe { avx512(work) },
             Simd::Avx2Fma => return unsafe { avx2(work) },
             Simd::Portable => {}
         }
