@@ -235,7 +235,7 @@ mod dot {
     const KCHUNK: usize = 8 * KSTEP;
 
     /// One 32-row block of C for panel p (and p + 1 when `pair`), as AMX's `block` computes
-    /// it: C starts from the bias, then each K chunk adds its share, 8 rows × 2 panels (or 16
+    /// it: the bias, then each K chunk adds its share, 8 rows × 2 panels (or 16
     /// rows × 1) of accumulators in registers at a time.
     ///
     /// # Safety
@@ -256,28 +256,24 @@ mod dot {
             b.panel(p).as_ptr(),
             b.panel((p + 1).min(b.panels() - 1)).as_ptr(),
         ];
+        let bias = [
+            b.bias(p).as_ptr(),
+            b.bias((p + 1).min(b.panels() - 1)).as_ptr(),
+        ];
         // SAFETY: the caller's contract: every row and column touched is inside A, B and C.
         unsafe {
-            let bias = [
-                _mm512_loadu_ps(b.bias(p).as_ptr()),
-                _mm512_loadu_ps(b.bias((p + 1).min(b.panels() - 1)).as_ptr()),
-            ];
-            for r in 0..BLOCK_ROWS {
-                _mm512_storeu_ps(c.add(r * ldc), bias[0]);
-                if pair {
-                    _mm512_storeu_ps(c.add(r * ldc + PANEL), bias[1]);
-                }
-            }
             for k0 in (0..kp).step_by(KCHUNK) {
                 let pairs = (KCHUNK.min(kp - k0)) / 2;
-                // Row k0 / 2 of each panel: k-pair rows are 2 × PANEL values long.
+                // Row k0 / 2 of each panel: k-pair rows are 2 × PANEL values long. The first
+                // chunk starts from the bias, the others from C.
                 let bk = panels.map(|q| q.add(k0 * PANEL));
+                let start = (k0 == 0).then_some(bias);
                 for r0 in (0..BLOCK_ROWS).step_by(if pair { 8 } else { 16 }) {
                     let (ar, cr) = (a.add(r0 * lda + k0), c.add(r0 * ldc));
                     if pair {
-                        group::<8, 2>(ar, lda, bk, pairs, cr, ldc);
+                        group::<8, 2>(ar, lda, bk, pairs, cr, ldc, start);
                     } else {
-                        group::<16, 1>(ar, lda, bk, pairs, cr, ldc);
+                        group::<16, 1>(ar, lda, bk, pairs, cr, ldc, start);
                     }
                 }
             }
@@ -286,11 +282,12 @@ mod dot {
 
     /// C[ROWS × PANELS·16] += A[ROWS × 2·pairs] · B[2·pairs × PANELS·16], accumulators in
     /// registers: per k-pair, `PANELS` loads of B, `ROWS` broadcasts of an A pair (32 bits),
-    /// ROWS × PANELS `vdpbf16ps`.
+    /// ROWS × PANELS `vdpbf16ps`. The accumulators start from `bias` (16 values a panel, on
+    /// every row) where given, else from C.
     ///
     /// # Safety
     /// As for `block`: `a` has ROWS rows of 2·pairs values (lda apart), each `b[q]` `pairs`
-    /// k-pair rows, `c` ROWS rows of PANELS·16 floats (ldc apart).
+    /// k-pair rows, `c` ROWS rows of PANELS·16 floats (ldc apart), each `bias[q]` 16 floats.
     #[inline(always)]
     unsafe fn group<const ROWS: usize, const PANELS: usize>(
         a: *const bf16,
@@ -299,11 +296,15 @@ mod dot {
         pairs: usize,
         c: *mut f32,
         ldc: usize,
+        bias: Option<[*const f32; 2]>,
     ) {
         // SAFETY: the caller's contract (unaligned loads and stores throughout).
         unsafe {
             let mut acc: [[__m512; PANELS]; ROWS] = std::array::from_fn(|r| {
-                std::array::from_fn(|q| _mm512_loadu_ps(c.add(r * ldc + q * PANEL)))
+                std::array::from_fn(|q| match bias {
+                    Some(bias) => _mm512_loadu_ps(bias[q]),
+                    None => _mm512_loadu_ps(c.add(r * ldc + q * PANEL)),
+                })
             });
             for k2 in 0..pairs {
                 let bv: [__m512bh; PANELS] = std::array::from_fn(|q| {
