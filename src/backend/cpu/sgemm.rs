@@ -7,10 +7,12 @@
 //! layers), the other way round: a row group's A stays in L1 while it meets every panel, and
 //! C is written whole rows at a time. C's lines are prefetched two tiles ahead of their tile.
 //! The 6×16 register tile (12 AVX accumulators) is the classic choice for AVX2 + FMA, which
-//! can issue two 8-wide FMAs per cycle; AVX-512 keeps the same panels and runs 12×16 tiles
-//! (12 zmm accumulators: enough independent FMAs to cover their latency, one B load and
-//! twelve broadcast FMAs per k). Machines without AVX2 + FMA run the 6×16 tiling with a
-//! portable kernel.
+//! can issue two 8-wide FMAs per cycle. AVX-512 keeps the same panels and runs 12×32 tiles
+//! over two panels side by side (24 zmm accumulators; per k two B loads and twelve
+//! broadcasts for 24 FMAs), one-panel 12×16 tiles for an odd last panel. Its 12×16 tiles alone
+//! (one B load and twelve broadcasts for 12 FMAs) were bound by the loads on a Zen 5, which
+//! runs two 512-bit FMAs a cycle: 205 GFLOP/s on one core against 250 for 12×32, whose FMA
+//! ceiling is 265. Machines without AVX2 + FMA run the 6×16 tiling with a portable kernel.
 //!
 //! Why not a crate: the `gemm` crate reached ~55% of this machine's peak in our measurement
 //! (it repacks B on every call); packing the constant weights once and fusing the bias into
@@ -192,19 +194,34 @@ enum Init {
 /// Rows of the tallest register tile (AVX-512's).
 const MAX_ROWS: usize = 12;
 
-/// A register-tile kernel: C[rows × NR] (+)= A[rows × kc] · B-panel block [kc × NR]. Its
-/// arguments: kc, the rows' A pointers (the first `rows` used), the panel block, C and its row
-/// stride, how the accumulators start, the panel's bias.
-type TileFn =
-    unsafe fn(usize, &[*const f32; MAX_ROWS], *const f32, *mut f32, usize, Init, *const f32);
+/// Panels the widest register tile spans (AVX-512's: two, 32 columns).
+const MAX_PANELS: usize = 2;
+
+/// A register-tile kernel: C[rows × panels·NR] (+)= A[rows × kc] · the panels' blocks
+/// [kc × NR each]. Its arguments: kc, the rows' A pointers (the first `rows` used), the first
+/// panel's block with the distance (floats) from one panel's block to the next's, C and its
+/// row stride, how the accumulators start, the first panel's bias (the next panels' follow it).
+type TileFn = unsafe fn(
+    usize,
+    &[*const f32; MAX_ROWS],
+    (*const f32, usize),
+    *mut f32,
+    usize,
+    Init,
+    *const f32,
+);
 
 /// The tiles of one SIMD path: a tall one for the bulk of the rows and an `MR`-row one for
-/// what is left (row counts are multiples of `MR` wherever the callers can choose them).
+/// what is left (row counts are multiples of `MR` wherever the callers can choose them), each
+/// `panels` panels wide, and the same two one panel wide for a last odd panel.
 #[derive(Clone, Copy)]
 struct Kernels {
     rows: usize,
+    panels: usize,
     tall: TileFn,
     short: TileFn,
+    tall1: TileFn,
+    short1: TileFn,
 }
 
 /// The kernels for the SIMD paths in use (`simd::simd()`), chosen once.
@@ -216,15 +233,21 @@ fn kernels() -> Kernels {
 fn kernels_for(simd: Simd) -> Kernels {
     let six = |tile| Kernels {
         rows: MR,
+        panels: 1,
         tall: tile,
         short: tile,
+        tall1: tile,
+        short1: tile,
     };
     match simd {
         #[cfg(target_arch = "x86_64")]
         Simd::Avx512 | Simd::Avx512Bf16 | Simd::Amx => Kernels {
             rows: 12,
-            tall: avx512::tile::<12, 1>,
-            short: avx512::tile::<MR, 1>,
+            panels: 2,
+            tall: avx512::tile::<12, 2>,
+            short: avx512::tile::<MR, 2>,
+            tall1: avx512::tile::<12, 1>,
+            short1: avx512::tile::<MR, 1>,
         },
         #[cfg(target_arch = "x86_64")]
         Simd::Avx2Fma => six(avx2::tile::<MR, 2>),
@@ -247,7 +270,8 @@ pub fn kernel_name() -> String {
         Simd::Portable => "portable",
     };
     let pairs = super::pairs::Engine::in_use().map_or(String::new(), |e| format!(", {}", e.name()));
-    format!("{path} {}x{NR}{pairs}", kernels().rows)
+    let kern = kernels();
+    format!("{path} {}x{}{pairs}", kern.rows, kern.panels * NR)
 }
 
 /// C[0..m, cols of panels p0..p1] = A[0..m, 0..K] · B + bias, single-threaded.
@@ -333,21 +357,25 @@ pub unsafe fn gemm_packed<T: Elem>(
     }
     let kern = kernels();
     B_BLOCK.with_borrow_mut(|wide| {
-        wide.resize(KC * NR, 0.0);
-        // SAFETY: forwarded from this function's contract; each panel's view is its K block
-        // alone (k0 = 0 within it), and C's columns for panel p start (p − p0)·NR in.
+        wide.resize(KC * NR * kern.panels, 0.0);
+        // SAFETY: forwarded from this function's contract; each view is its panels' K block
+        // alone (k0 = 0 within it, the panels' blocks kc · NR apart), and C's columns for
+        // panel p start (p − p0)·NR in.
         unsafe {
             for_k_blocks(m, a, lda, b.k, |a, lda, block| {
-                for p in p0..p1 {
+                for p in (p0..p1).step_by(kern.panels) {
+                    let w = kern.panels.min(p1 - p);
                     let len = block.kc * NR;
-                    T::widen(
-                        &b.data[(p * b.k + block.k0) * NR..][..len],
-                        &mut wide[..len],
-                    );
+                    for q in 0..w {
+                        T::widen(
+                            &b.data[((p + q) * b.k + block.k0) * NR..][..len],
+                            &mut wide[q * len..][..len],
+                        );
+                    }
                     let view = Panels {
                         k: block.kc,
-                        n: NR.min(b.n - p * NR),
-                        data: &wide[..len],
+                        n: (w * NR).min(b.n - p * NR),
+                        data: &wide[..w * len],
                         bias: &b.bias[p * NR..],
                     };
                     let at_zero = Block { k0: 0, ..block };
@@ -358,7 +386,7 @@ pub unsafe fn gemm_packed<T: Elem>(
                         a,
                         lda,
                         &view,
-                        (0, 1),
+                        (0, w),
                         at_zero,
                         c.add((p - p0) * NR),
                         ldc,
@@ -435,52 +463,67 @@ unsafe fn gemm_block(
     c: *mut f32,
     ldc: usize,
 ) {
-    // One tile: rows i.. of panel p; returns the rows it covered.
-    let tile_at = |p: usize, i: usize| -> usize {
-        let cols = NR.min(b.n - p * NR);
+    // One tile: rows i.. of panels p..p + w (w ≤ kern.panels); returns the rows it covered.
+    let tile_at = |p: usize, w: usize, i: usize| -> usize {
+        let width = w * NR;
+        let cols = width.min(b.n - p * NR);
         let panel = b.data[(p * b.k + k0) * NR..].as_ptr();
         let bias = b.bias[p * NR..].as_ptr();
-        // The tall tile while enough rows are left, then the short one.
-        let (tile, height) = if m - i >= kern.rows {
-            (kern.tall, kern.rows)
-        } else {
-            (kern.short, MR)
+        // The tall tile while enough rows are left, then the short one; as wide as asked.
+        let (tile, height) = match (m - i >= kern.rows, w == kern.panels) {
+            (true, true) => (kern.tall, kern.rows),
+            (true, false) => (kern.tall1, kern.rows),
+            (false, true) => (kern.short, MR),
+            (false, false) => (kern.short1, MR),
         };
         let rows = height.min(m - i);
-        prefetch_c_rows(
-            c,
-            ldc,
-            (p - p0) * NR,
-            i + PREFETCH_TILES * height,
-            height,
-            m,
-        );
-        // SAFETY: rows i..i+rows of A and C exist by the contract; rows past `rows` in
-        // an edge tile repeat the last valid row and their results are dropped.
+        for q in 0..w {
+            prefetch_c_rows(
+                c,
+                ldc,
+                (p + q - p0) * NR,
+                i + PREFETCH_TILES * height,
+                height,
+                m,
+            );
+        }
+        // SAFETY: rows i..i+rows of A and C exist by the contract, and so do panels
+        // p..p + w (the callers keep p + w ≤ p1); rows past `rows` in an edge tile repeat
+        // the last valid row and their results are dropped.
         unsafe {
             let mut a_rows = [a; MAX_ROWS];
             for (r, row) in a_rows.iter_mut().enumerate() {
                 *row = a.add((i + r.min(rows - 1)) * lda);
             }
             let c_tile = c.add(i * ldc + (p - p0) * NR);
-            if rows == height && cols == NR {
-                tile(kc, &a_rows, panel, c_tile, ldc, init, bias);
+            let bstride = b.k * NR;
+            if rows == height && cols == width {
+                tile(kc, &a_rows, (panel, bstride), c_tile, ldc, init, bias);
             } else {
                 // Edge tile: run the full kernel on a local tile, copy the valid part.
-                let mut local = [0f32; MAX_ROWS * NR];
+                const LD: usize = MAX_PANELS * NR;
+                let mut local = [0f32; MAX_ROWS * LD];
                 if init == Init::Load {
                     for r in 0..rows {
                         std::ptr::copy_nonoverlapping(
                             c_tile.add(r * ldc),
-                            local[r * NR..].as_mut_ptr(),
+                            local[r * LD..].as_mut_ptr(),
                             cols,
                         );
                     }
                 }
-                tile(kc, &a_rows, panel, local.as_mut_ptr(), NR, init, bias);
+                tile(
+                    kc,
+                    &a_rows,
+                    (panel, bstride),
+                    local.as_mut_ptr(),
+                    LD,
+                    init,
+                    bias,
+                );
                 for r in 0..rows {
                     std::ptr::copy_nonoverlapping(
-                        local[r * NR..].as_ptr(),
+                        local[r * LD..].as_ptr(),
                         c_tile.add(r * ldc),
                         cols,
                     );
@@ -489,6 +532,11 @@ unsafe fn gemm_block(
         }
         rows
     };
+    // The call's panels in tiles `kern.panels` wide, the last one narrower when they do not
+    // divide evenly: (first panel, width).
+    let groups = (p0..p1)
+        .step_by(kern.panels)
+        .map(|p| (p, kern.panels.min(p1 - p)));
     // Rows outer where the K block of every panel fits in half the L2 cache: a row group's A
     // then stays in L1 across the panels and C is written a whole row at a time, which the
     // prefetchers follow. Panels outer otherwise: each panel's block stays in L1 while the
@@ -502,16 +550,16 @@ unsafe fn gemm_block(
         let mut i = 0;
         while i < m {
             let mut rows = 0;
-            for p in p0..p1 {
-                rows = tile_at(p, i);
+            for (p, w) in groups.clone() {
+                rows = tile_at(p, w, i);
             }
             i += rows;
         }
     } else {
-        for p in p0..p1 {
+        for (p, w) in groups {
             let mut i = 0;
             while i < m {
-                i += tile_at(p, i);
+                i += tile_at(p, w, i);
             }
         }
     }
@@ -610,7 +658,7 @@ fn aliases(lda: usize) -> bool {
 unsafe fn tile_portable<const ROWS: usize>(
     kc: usize,
     a: &[*const f32; MAX_ROWS],
-    b: *const f32,
+    (b, _): (*const f32, usize),
     c: *mut f32,
     ldc: usize,
     init: Init,
@@ -644,14 +692,15 @@ unsafe fn tile_portable<const ROWS: usize>(
 }
 
 /// A register-tile kernel for one SIMD width: `ROWS` rows of `VECS` vectors (`VECS` × lanes =
-/// `NR`), all accumulators in registers. Per k: `VECS` loads of B, `ROWS` broadcasts of A,
-/// `ROWS · VECS` FMAs. One source for every x86 width, so the AVX2 instances that every x86
-/// machine here tests are the same code as the AVX-512 ones.
+/// `NR` for one panel, a multiple of it for several side by side), all accumulators in
+/// registers. Per k: `VECS` loads of B, `ROWS` broadcasts of A, `ROWS · VECS` FMAs. One source
+/// for every x86 width, so the AVX2 instances that every x86 machine here tests are the same
+/// code as the AVX-512 ones.
 #[cfg(target_arch = "x86_64")]
 macro_rules! simd_tile {
     ($features:literal, $lanes:literal, $zero:ident, $load:ident, $store:ident,
      $splat:ident, $fma:ident) => {
-        use super::{Init, MAX_ROWS, NR};
+        use super::{Init, MAX_PANELS, MAX_ROWS, NR};
         use std::arch::x86_64::*;
 
         /// # Safety
@@ -661,13 +710,20 @@ macro_rules! simd_tile {
         pub(super) unsafe fn tile<const ROWS: usize, const VECS: usize>(
             kc: usize,
             a: &[*const f32; MAX_ROWS],
-            b: *const f32,
+            (b, bstride): (*const f32, usize),
             c: *mut f32,
             ldc: usize,
             init: Init,
             bias: *const f32,
         ) {
-            const { assert!(VECS * $lanes == NR && ROWS <= MAX_ROWS) };
+            const {
+                assert!((VECS * $lanes).is_multiple_of(NR) && VECS * $lanes <= MAX_PANELS * NR);
+                assert!(ROWS <= MAX_ROWS);
+            };
+            // Vector v reads panel v·lanes / NR's block, (v·lanes) mod NR into its row.
+            let bv: [*const f32; VECS] = std::array::from_fn(|v| {
+                b.wrapping_add(v * $lanes / NR * bstride + v * $lanes % NR)
+            });
             // SAFETY: the features are enabled for this function; every load and store stays
             // inside the ranges the caller guarantees (unaligned accesses throughout).
             unsafe {
@@ -684,7 +740,7 @@ macro_rules! simd_tile {
                 }
                 let a: [*const f32; ROWS] = std::array::from_fn(|r| a[r]);
                 for kk in 0..kc {
-                    let bk: [_; VECS] = std::array::from_fn(|v| $load(b.add(kk * NR + v * $lanes)));
+                    let bk: [_; VECS] = std::array::from_fn(|v| $load(bv[v].add(kk * NR)));
                     for (row, a) in acc.iter_mut().zip(a) {
                         let av = $splat(*a.add(kk));
                         for (x, bv) in row.iter_mut().zip(bk) {
@@ -736,30 +792,38 @@ mod tests {
     /// edge tiles in both directions and several K blocks.
     #[test]
     fn kernels_match_naive_matmul() {
+        let one = |rows, tall, short| Kernels {
+            rows,
+            panels: 1,
+            tall,
+            short,
+            tall1: tall,
+            short1: short,
+        };
         let mut kernels: Vec<(&str, Kernels)> = vec![
             ("portable", kernels_for(Simd::Portable)),
             // The tall-and-short logic, which only AVX-512 uses, on any machine.
             (
                 "portable 12",
-                Kernels {
-                    rows: 12,
-                    tall: tile_portable::<12>,
-                    short: tile_portable::<MR>,
-                },
+                one(12, tile_portable::<12>, tile_portable::<MR>),
             ),
         ];
         let best = crate::backend::cpu::simd::best();
         #[cfg(target_arch = "x86_64")]
         if best.has_avx2() {
             kernels.push(("avx2", kernels_for(Simd::Avx2Fma)));
-            // AVX-512's shape through the same source with AVX2 vectors (it spills registers:
-            // correct, not fast).
+            // AVX-512's shapes through the same source with AVX2 vectors (they spill
+            // registers: correct, not fast), two panels wide with one-panel tiles for an odd
+            // last panel, as AVX-512 runs them.
             kernels.push((
-                "avx2 12 rows",
+                "avx2 12 rows, 2 panels",
                 Kernels {
                     rows: 12,
-                    tall: avx2::tile::<12, 2>,
-                    short: avx2::tile::<MR, 2>,
+                    panels: 2,
+                    tall: avx2::tile::<12, 4>,
+                    short: avx2::tile::<MR, 4>,
+                    tall1: avx2::tile::<12, 2>,
+                    short1: avx2::tile::<MR, 2>,
                 },
             ));
         }
@@ -787,14 +851,17 @@ mod tests {
             let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.1).collect();
             let packed = PackedB::<f32>::new(k, n, |kk, j| bm[kk * n + j], Some(&bias));
             let packed = packed.view();
-            for ((name, kern), order) in kernels
+            // All the panels, and from the second on (a call that starts on an odd panel).
+            let starts = (0..packed.panels().min(2))
+                .flat_map(|p0| [Order::RowsOuter, Order::PanelsOuter].map(|order| (p0, order)));
+            for ((name, kern), (p0, order)) in kernels
                 .iter()
-                .flat_map(|k| [(k, Order::RowsOuter), (k, Order::PanelsOuter)])
+                .flat_map(|k| starts.clone().map(move |s| (k, s)))
             {
                 // C has a wider row stride than N, to check that ldc is honoured.
                 let ldc = n + 3;
                 let mut c = vec![f32::NAN; m * ldc];
-                // SAFETY: a is m × k, c is m × ldc with ldc ≥ n.
+                // SAFETY: a is m × k, c is m × ldc with ldc ≥ n − p0·NR.
                 unsafe {
                     gemm_with(
                         *kern,
@@ -803,24 +870,31 @@ mod tests {
                         a.as_ptr(),
                         k,
                         &packed,
-                        0,
+                        p0,
                         packed.panels(),
                         c.as_mut_ptr(),
                         ldc,
                     )
                 };
                 for i in 0..m {
-                    for j in 0..n {
+                    for j in p0 * NR..n {
                         let want: f64 = bias[j] as f64
                             + (0..k)
                                 .map(|kk| a[i * k + kk] as f64 * bm[kk * n + j] as f64)
                                 .sum::<f64>();
-                        let got = c[i * ldc + j] as f64;
+                        let got = c[i * ldc + j - p0 * NR] as f64;
                         assert!(
                             (got - want).abs() < 1e-4 * (1.0 + want.abs()),
-                            "{name} {order:?} m{m} k{k} n{n} ({i},{j}): {got} vs {want}"
+                            "{name} {order:?} from panel {p0} m{m} k{k} n{n} ({i},{j}): {got} \
+                             vs {want}"
                         );
                     }
+                    // Nothing past the call's columns is written.
+                    assert!(
+                        c[i * ldc + n - p0 * NR..(i + 1) * ldc]
+                            .iter()
+                            .all(|v| v.is_nan())
+                    );
                 }
             }
         }
