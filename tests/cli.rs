@@ -3,7 +3,7 @@
 
 use serde_json::Value;
 use workshop::model::weights::{read_tensor, write_tensors};
-use workshop::model::{Rng, Weights, reference, zoo};
+use workshop::model::{Precision, Rng, Weights, reference, zoo};
 
 use crate::common::{stderr, stdout, workshop};
 
@@ -196,28 +196,37 @@ fn infer_matches_the_reference_through_files() {
     let w = Weights::load(&wpath, &graph).unwrap();
     let expected = reference::forward(&graph.plan(2, 48, 40).unwrap(), &w, &x);
     let scale = expected.data.iter().fold(1f32, |a, v| a.max(v.abs()));
-    // The CPU's best SIMD paths, then AVX2's (what an AVX-512 CPU would otherwise never run
-    // here) and the portable ones that CPUs without AVX2 + FMA run.
-    for simd in ["", "avx2", "portable"] {
-        let o = crate::common::command()
-            .env("WORKSHOP_CPU_SIMD", simd)
-            .args([
-                "infer",
-                "--network",
-                "resnet18",
-                "--weights",
-                wpath.to_str().unwrap(),
-                "--input",
-                xpath.to_str().unwrap(),
-                "--output",
-                ypath.to_str().unwrap(),
-            ])
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", stderr(&o));
-        let got = read_tensor(&ypath, "logits").unwrap();
-        let diff = got.max_abs_diff(&expected);
-        assert!(diff <= 1e-4 * scale, "simd `{simd}`: diff {diff}");
+    // The CPU's best SIMD paths, then AVX-512's without bf16 pairs and AVX2's (what a CPU
+    // with more would otherwise never run here: BF16 convolutions widened for the FP32 GEMM
+    // and Winograd instead of AMX or `vdpbf16ps`) and the portable ones that CPUs without
+    // AVX2 + FMA run; in FP32 and in BF16. A path the CPU lacks warns and runs the best.
+    for (precision, tolerance) in [(Precision::Fp32, 1e-4), (Precision::Bf16, 6e-2)] {
+        for simd in ["", "avx512", "avx2", "portable"] {
+            let o = crate::common::command()
+                .env("WORKSHOP_CPU_SIMD", simd)
+                .args([
+                    "infer",
+                    "--network",
+                    "resnet18",
+                    "--precision",
+                    precision.name(),
+                    "--weights",
+                    wpath.to_str().unwrap(),
+                    "--input",
+                    xpath.to_str().unwrap(),
+                    "--output",
+                    ypath.to_str().unwrap(),
+                ])
+                .output()
+                .unwrap();
+            assert!(o.status.success(), "{}", stderr(&o));
+            let got = read_tensor(&ypath, "logits").unwrap();
+            let diff = got.max_abs_diff(&expected);
+            assert!(
+                diff <= tolerance * scale,
+                "{precision:?}, simd `{simd}`: diff {diff}"
+            );
+        }
     }
     let o = crate::common::command()
         .env("WORKSHOP_CPU_SIMD", "portable")
