@@ -434,15 +434,19 @@ fn conv2d_pairs<T: Elem>(
                 // the calls than on the conversion where K is small), then its rows copied.
                 let n = d.rows * pairs::BLOCK_COLS;
                 T::narrow(&d.values[..n], &mut narrowed[..n]);
-                for r in 0..d.rows {
+                // Whole rows as fixed-size copies: a copy of a length known only at run time
+                // is a call to memmove, 32 of them a block (5% of a BF16 ResNet-50 pass).
+                const COLS: usize = pairs::BLOCK_COLS;
+                for (r, row) in narrowed.chunks_exact(COLS).take(d.rows).enumerate() {
                     // SAFETY: rows m0..m0 + mr, columns of panels p0..p1 of y are this work
                     // item's alone; row r's `cols` values from `at(r)` are inside them.
                     unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            narrowed[r * pairs::BLOCK_COLS..].as_ptr(),
-                            out.add(at(r)),
-                            d.cols,
-                        )
+                        if d.cols == COLS {
+                            let row: &[T; COLS] = row.try_into().expect("a whole row");
+                            out.add(at(r)).cast::<[T; COLS]>().write_unaligned(*row);
+                        } else {
+                            std::ptr::copy_nonoverlapping(row.as_ptr(), out.add(at(r)), d.cols);
+                        }
                     };
                 }
             };
