@@ -14,6 +14,8 @@
 //! written with `asm!` (Rust's AMX intrinsics are unstable); the compiler never touches the
 //! tile registers, so their contents live from one `asm!` block to the next.
 //!
+//! x86-64 only (the module is compiled there alone).
+//!
 //! Linux hands AMX's 8 KiB of tile state to a process only when asked
 //! (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`): [`available`] asks once.
 
@@ -72,7 +74,6 @@ const CONFIG: Config = {
 ///
 /// # Safety
 /// [`available`] is true.
-#[cfg(target_arch = "x86_64")]
 pub(super) unsafe fn configure() {
     // SAFETY: `available()` (the contract) means the CPU runs these instructions and the
     // kernel holds tile state for this process; the configuration is 64 aligned bytes.
@@ -83,7 +84,6 @@ pub(super) unsafe fn configure() {
 ///
 /// # Safety
 /// [`available`] is true.
-#[cfg(target_arch = "x86_64")]
 pub(super) unsafe fn release() {
     // SAFETY: as for `configure`.
     unsafe { std::arch::asm!("tilerelease", options(nostack)) };
@@ -95,7 +95,6 @@ pub(super) unsafe fn release() {
 /// # Safety
 /// The tile configuration is loaded; `a` has 32 rows of `b.kp` values spaced `lda` apart;
 /// `c` has 32 rows of 32 (`pair`) or 16 writable floats spaced `ldc` apart.
-#[cfg(target_arch = "x86_64")]
 pub(super) unsafe fn block(
     a: *const bf16,
     lda: usize,
@@ -177,30 +176,4 @@ pub(super) unsafe fn block(
             );
         }
     }
-}
-
-/// Never called: [`available`] is false off x86-64.
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) unsafe fn configure() {
-    unreachable!("AMX is x86-64 only")
-}
-
-/// Never called: [`available`] is false off x86-64.
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) unsafe fn release() {
-    unreachable!("AMX is x86-64 only")
-}
-
-/// Never called: [`available`] is false off x86-64.
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) unsafe fn block(
-    _a: *const bf16,
-    _lda: usize,
-    _b: &PackedPairs,
-    _p: usize,
-    _pair: bool,
-    _c: *mut f32,
-    _ldc: usize,
-) {
-    unreachable!("AMX is x86-64 only")
 }

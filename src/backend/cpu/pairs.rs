@@ -119,16 +119,19 @@ impl PackedPairs {
     }
 
     /// Panel q's k-pair rows (Kp/2 rows of 2 × [`PANEL`] values).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(super) fn panel(&self, q: usize) -> &[bf16] {
         &self.data[q * self.kp * PANEL..(q + 1) * self.kp * PANEL]
     }
 
     /// Panel q's bias ([`PANEL`] values).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(super) fn bias(&self, q: usize) -> &[f32] {
         &self.bias[q * PANEL..(q + 1) * PANEL]
     }
 }
 
+#[cfg(target_arch = "x86_64")]
 thread_local! {
     /// The last rows of A copied and zero-padded to a whole block when fewer than 32 are left.
     static EDGE: std::cell::RefCell<Vec<bf16>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -155,6 +158,7 @@ pub struct Done<'a> {
 /// The CPU runs `engine` (AMX: [`super::amx::available`]; Dot: AVX-512F and AVX512_BF16);
 /// `a` points to `m` rows of at least `b.kp()` readable bf16 spaced `lda` apart, zero past
 /// `b.k` (finite at least: they meet B's zero padding).
+#[cfg(target_arch = "x86_64")]
 pub unsafe fn gemm(
     engine: Engine,
     m: usize,
@@ -220,6 +224,23 @@ pub unsafe fn gemm(
         // SAFETY: as above; hands the tile state back.
         unsafe { super::amx::release() };
     }
+}
+
+/// Never called: [`Engine::in_use`] is `None` off x86-64.
+///
+/// # Safety
+/// None needed; it panics.
+#[cfg(not(target_arch = "x86_64"))]
+pub unsafe fn gemm(
+    _engine: Engine,
+    _m: usize,
+    _a: *const bf16,
+    _lda: usize,
+    _b: &PackedPairs,
+    _panels: (usize, usize),
+    _done: &mut impl FnMut(Done<'_>),
+) {
+    unreachable!("bf16 pairs are multiplied on x86-64 only")
 }
 
 /// The `vdpbf16ps` block kernel.
@@ -329,31 +350,13 @@ mod dot {
     }
 }
 
-/// Never called: [`Engine::in_use`] is `None` off x86-64.
-#[cfg(not(target_arch = "x86_64"))]
-mod dot {
-    use super::PackedPairs;
-    use half::bf16;
-
-    /// # Safety
-    /// None needed; it panics.
-    pub(super) unsafe fn block(
-        _a: *const bf16,
-        _lda: usize,
-        _b: &PackedPairs,
-        _p: usize,
-        _pair: bool,
-        _c: *mut f32,
-        _ldc: usize,
-    ) {
-        unreachable!("vdpbf16ps is x86-64 only")
-    }
-}
-
 /// Whether this CPU runs `engine`.
 pub fn runs(engine: Engine) -> bool {
     match engine {
+        #[cfg(target_arch = "x86_64")]
         Engine::Amx => super::amx::available(),
+        #[cfg(not(target_arch = "x86_64"))]
+        Engine::Amx => false,
         Engine::Dot => super::simd::best() >= Simd::Avx512Bf16,
     }
 }
