@@ -68,7 +68,8 @@ pub fn ceiling(features: &[String], cores: usize) -> Option<Theoretical> {
 /// FP32 FLOPs per cycle and core from the vector ISA, assuming two FMA units per core (most
 /// x86 server and desktop cores since Haswell), except on AMD cores whose units are narrower
 /// than the ISA (`amd`: family and model): Zen and Zen+ (family 17h, models below 30h) split
-/// each 256-bit operation into two 128-bit halves, and Zen 4 (family 19h) splits 512-bit ones.
+/// each 256-bit operation into two 128-bit halves, and Zen 4 (family 19h) splits 512-bit ones;
+/// Zen 5 EPYCs (family 1Ah) run them whole.
 fn cpu_flops_per_cycle(features: &[String], amd: Option<(u32, u32)>) -> (u32, &'static str) {
     let has = |f: &str| features.iter().any(|x| x == f);
     let zen1 = matches!(amd, Some((0x17, model)) if model < 0x30);
@@ -154,6 +155,13 @@ mod tests {
             cpu_flops_per_cycle(&avx512, Some((0x19, 0x11))).0,
             32,
             "Zen 4"
+        );
+        // A Zen 5 EPYC (Turin) runs 512-bit FMAs whole: its measured ceiling implied 4.1 GHz
+        // at 64 FLOP/cycle, its boost clock.
+        assert_eq!(
+            cpu_flops_per_cycle(&avx512, Some((0x1a, 0x02))).0,
+            64,
+            "Zen 5"
         );
         assert_eq!(cpu_flops_per_cycle(&avx512, None).0, 64);
         assert_eq!(cpu_flops_per_cycle(&f(&["AVX"]), None).0, 16);
