@@ -133,7 +133,8 @@ impl PackedPairs {
 
 #[cfg(target_arch = "x86_64")]
 thread_local! {
-    /// The last rows of A copied and zero-padded to a whole block when fewer than 32 are left.
+    /// AMX's last rows of A copied and zero-padded to a whole block when fewer than 32 are
+    /// left.
     static EDGE: std::cell::RefCell<Vec<bf16>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
@@ -169,7 +170,12 @@ pub unsafe fn gemm(
     done: &mut impl FnMut(Done<'_>),
 ) {
     let kp = b.kp;
-    let whole = m / BLOCK_ROWS * BLOCK_ROWS;
+    // AMX's tiles take 32 rows, so a last block of fewer is copied and zero-padded; the
+    // `vdpbf16ps` kernel computes the rows it is given, read in place.
+    let whole = match engine {
+        Engine::Amx => m / BLOCK_ROWS * BLOCK_ROWS,
+        Engine::Dot => m,
+    };
     if engine == Engine::Amx {
         // SAFETY: the CPU runs AMX (the contract).
         unsafe { super::amx::configure() };
@@ -191,23 +197,24 @@ pub unsafe fn gemm(
             let cols = (if pair { 2 } else { 1 } * PANEL).min(b.n - p * PANEL);
             let mut i = 0;
             while i < m {
+                let rows = BLOCK_ROWS.min(m - i);
                 let (ab, ldab) = if i < whole {
                     // SAFETY: row i exists (the contract).
                     (unsafe { a.add(i * lda) }, lda)
                 } else {
                     (edge.as_ptr(), kp)
                 };
-                // SAFETY: the block's A rows have kp values (above), panels p (and p + 1) of
-                // B exist, `values` holds 32 rows of BLOCK_COLS floats; the CPU runs `engine`
-                // (the contract), and AMX's tiles are configured above.
+                // SAFETY: the block's A rows have kp values (above: 32 rows for AMX, `rows`
+                // for Dot), panels p (and p + 1) of B exist, `values` holds 32 rows of
+                // BLOCK_COLS floats; the CPU runs `engine` (the contract), and AMX's tiles are
+                // configured above.
                 unsafe {
                     let c = values.as_mut_ptr();
                     match engine {
                         Engine::Amx => super::amx::block(ab, ldab, b, p, pair, c, BLOCK_COLS),
-                        Engine::Dot => dot::block(ab, ldab, b, p, pair, c, BLOCK_COLS),
+                        Engine::Dot => dot::block(ab, ldab, rows, b, p, pair, c, BLOCK_COLS),
                     }
                 };
-                let rows = BLOCK_ROWS.min(m - i);
                 done(Done {
                     row: i,
                     rows,
@@ -246,7 +253,7 @@ pub unsafe fn gemm(
 /// The `vdpbf16ps` block kernel.
 #[cfg(target_arch = "x86_64")]
 mod dot {
-    use super::{BLOCK_ROWS, KSTEP, PANEL, PackedPairs};
+    use super::{KSTEP, PANEL, PackedPairs};
     use half::bf16;
     use std::arch::x86_64::*;
 
@@ -255,17 +262,20 @@ mod dot {
     /// accumulators go through C (in L1) between passes.
     const KCHUNK: usize = 8 * KSTEP;
 
-    /// One 32-row block of C for panel p (and p + 1 when `pair`), as AMX's `block` computes
-    /// it: the bias, then each K chunk adds its share, 8 rows × 2 panels (or 16
-    /// rows × 1) of accumulators in registers at a time.
+    /// One block of C for panel p (and p + 1 when `pair`), as AMX's `block` computes it, of
+    /// `rows` rows (up to 32): the bias, then each K chunk adds its share, 8 rows × 2 panels
+    /// (or 16 rows × 1) of accumulators in registers at a time. A last group of fewer rows
+    /// repeats its last row; C's rows past `rows` then hold copies, which nobody reads.
     ///
     /// # Safety
-    /// The CPU has AVX-512F and AVX512_BF16; `a` has 32 rows of `b.kp()` values spaced `lda`
-    /// apart; `c` has 32 rows of 32 (`pair`) or 16 writable floats spaced `ldc` apart.
+    /// The CPU has AVX-512F and AVX512_BF16; `a` has `rows` rows of `b.kp()` values spaced
+    /// `lda` apart; `c` has 32 rows of 32 (`pair`) or 16 writable floats spaced `ldc` apart.
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512bf16")]
     pub(super) unsafe fn block(
         a: *const bf16,
         lda: usize,
+        rows: usize,
         b: &PackedPairs,
         p: usize,
         pair: bool,
@@ -289,12 +299,14 @@ mod dot {
                 // chunk starts from the bias, the others from C.
                 let bk = panels.map(|q| q.add(k0 * PANEL));
                 let start = (k0 == 0).then_some(bias);
-                for r0 in (0..BLOCK_ROWS).step_by(if pair { 8 } else { 16 }) {
-                    let (ar, cr) = (a.add(r0 * lda + k0), c.add(r0 * ldc));
+                // Row r of the group at r0, clamped to the block's last row.
+                let at = |r0: usize| move |r: usize| a.add(((r0 + r).min(rows - 1)) * lda + k0);
+                for r0 in (0..rows).step_by(if pair { 8 } else { 16 }) {
+                    let cr = c.add(r0 * ldc);
                     if pair {
-                        group::<8, 2>(ar, lda, bk, pairs, cr, ldc, start);
+                        group::<8, 2>(std::array::from_fn(at(r0)), bk, pairs, cr, ldc, start);
                     } else {
-                        group::<16, 1>(ar, lda, bk, pairs, cr, ldc, start);
+                        group::<16, 1>(std::array::from_fn(at(r0)), bk, pairs, cr, ldc, start);
                     }
                 }
             }
@@ -307,12 +319,11 @@ mod dot {
     /// every row) where given, else from C.
     ///
     /// # Safety
-    /// As for `block`: `a` has ROWS rows of 2·pairs values (lda apart), each `b[q]` `pairs`
-    /// k-pair rows, `c` ROWS rows of PANELS·16 floats (ldc apart), each `bias[q]` 16 floats.
+    /// As for `block`: each `a[r]` has 2·pairs values, each `b[q]` `pairs` k-pair rows, `c`
+    /// ROWS rows of PANELS·16 floats (ldc apart), each `bias[q]` 16 floats.
     #[inline(always)]
     unsafe fn group<const ROWS: usize, const PANELS: usize>(
-        a: *const bf16,
-        lda: usize,
+        a: [*const bf16; ROWS],
         b: [*const bf16; 2],
         pairs: usize,
         c: *mut f32,
@@ -333,8 +344,8 @@ mod dot {
                         b[q].add(k2 * 2 * PANEL).cast(),
                     ))
                 });
-                for (r, row) in acc.iter_mut().enumerate() {
-                    let pair = a.add(r * lda + 2 * k2).cast::<i32>().read_unaligned();
+                for (row, a) in acc.iter_mut().zip(a) {
+                    let pair = a.add(2 * k2).cast::<i32>().read_unaligned();
                     let av = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(pair));
                     for (x, bq) in row.iter_mut().zip(bv) {
                         *x = _mm512_dpbf16_ps(*x, av, bq);
