@@ -1125,15 +1125,19 @@ pub fn nchw_to_nhwc<T: Elem>(x: &[f32], xs: Nhwc, y: &mut [T]) {
         });
 }
 
-/// A fully connected layer's weights, packed for the GEMM (half types widened a panel block at
-/// a time as the GEMM runs: see [`sgemm::gemm_packed`]).
-pub struct PackedLinear<T>(PackedB<T>);
+/// A fully connected layer's weights, packed as those of the 1×1 convolution it is over an
+/// n × 1 × 1 × in image: the same GEMM paths (half panels widened a block at a time, bf16
+/// pairs where the CPU multiplies them), chunked the same way.
+pub struct PackedLinear<T>(PackedConv<T>);
 
 impl<T: Elem> PackedLinear<T> {
-    /// From PyTorch's (out × in) weight.
+    /// From PyTorch's (out × in) weight: a (out, in, 1, 1) convolution's.
     pub fn new(weight: &[f32], bias: Option<&[f32]>, fin: usize, fout: usize) -> Self {
-        let fill = |j: usize, col: &mut [f32]| col.copy_from_slice(&weight[j * fin..][..fin]);
-        PackedLinear(PackedB::from_columns(fin, fout, fill, bias))
+        let conv = Conv2d {
+            bias: bias.is_some(),
+            ..Conv2d::new(fin, fout, 1, 1, 0)
+        };
+        PackedLinear(PackedConv::new(conv, weight, bias))
     }
 
     pub fn bytes(&self) -> u64 {
@@ -1145,44 +1149,12 @@ impl<T: Elem> PackedLinear<T> {
 pub fn linear<T: Elem>(
     x: &[T],
     w: &PackedLinear<T>,
-    dims: (usize, usize, usize),
+    (n, fin, fout): (usize, usize, usize),
     y: &mut [T],
     threads: usize,
 ) {
-    let (n, fin, fout) = dims;
-    let b = &w.0;
-    let mut xf = Vec::new();
-    let a = match T::as_f32(x) {
-        Some(a) => a,
-        None => {
-            xf.resize(n * fin, 0.0);
-            T::widen(&x[..n * fin], &mut xf);
-            &xf
-        }
-    };
-    let rows = balanced_rows(n, chunk_rows(n, fin), threads);
-    assert!(y.len() >= n * fout, "linear output buffer too small");
-    let out = TilePtr(y.as_mut_ptr());
-    work_items(n, rows, b.panels(), threads).for_each(|((m0, mr), panels)| {
-        let none = Epilogue {
-            residual: None,
-            act: Act::None,
-        };
-        SCRATCH.with(|s| {
-            gemm_tile(
-                &a[m0 * fin..(m0 + mr) * fin],
-                fin,
-                std::slice::from_ref(b),
-                fin,
-                (m0, mr),
-                panels,
-                out,
-                fout,
-                &mut s.borrow_mut().1,
-                &none,
-            )
-        });
-    });
+    let image = |c| Nhwc { n, h: 1, w: 1, c };
+    conv2d(&w.0, x, image(fin), y, image(fout), threads, None);
 }
 
 /// Softmax over rows of length `len`, in f32 with the row maximum subtracted.
