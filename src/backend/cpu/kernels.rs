@@ -387,8 +387,9 @@ unsafe fn finish_rows<T: Elem>(
 }
 
 /// [`conv2d`] on bf16 pairs (AMX tiles or `vdpbf16ps`): A is the bf16 input itself for a 1×1
-/// stride-1 layer whose channels fill whole K steps, else bf16 columns gathered per chunk (K padded with zeros
-/// to the tile step); results come back in f32 for the bias-free epilogue and the narrowing.
+/// stride-1 layer whose channels fill whole K steps, else bf16 columns gathered per chunk (K
+/// padded with zeros to the step); results come back in f32 for the bias-free epilogue and
+/// the narrowing.
 #[allow(clippy::too_many_arguments)]
 fn conv2d_pairs<T: Elem>(
     p: &PackedConv<T>,

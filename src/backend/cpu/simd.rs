@@ -173,8 +173,8 @@ impl<D, S, F: Fn(&mut D, &S)> Vectorised for ZipWith<'_, D, S, F> {
 /// through a latency of up to 6 cycles.
 const CHAINS: usize = 12;
 
-/// `iters` rounds of x ← x·b + c (fused) on `CHAINS` chains of `LANES` floats, all in
-/// registers; chain i starts at i. Returns each chain's first lane, so the work can't be
+/// `iters` rounds of x ← x·b + c (fused) on `CHAINS` chains of 16 (zmm) or 8 (ymm) floats,
+/// all in registers; chain i starts at i. Returns each chain's first lane, so the work can't be
 /// optimised away and can be checked against the scalar recurrence.
 ///
 /// Each round is one `asm!` block of `CHAINS` FMA instructions on registers. Written as plain
