@@ -92,16 +92,12 @@ impl PackedPairs {
                     }
                 }
             });
-        let mut padded = vec![0f32; panels * PANEL];
-        if let Some(bias) = bias {
-            padded[..n].copy_from_slice(&bias[..n]);
-        }
         PackedPairs {
             k,
             n,
             kp,
             data,
-            bias: padded,
+            bias: super::sgemm::padded_bias(bias, n, panels * PANEL),
         }
     }
 

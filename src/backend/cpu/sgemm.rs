@@ -93,15 +93,11 @@ impl<T: Elem> PackedB<T> {
                     }
                 }
             });
-        let mut padded = vec![0f32; panels * NR];
-        if let Some(bias) = bias {
-            padded[..n].copy_from_slice(&bias[..n]);
-        }
         PackedB {
             k,
             n,
             data,
-            bias: padded,
+            bias: padded_bias(bias, n, panels * NR),
         }
     }
 
@@ -162,6 +158,16 @@ impl<T: Elem> PackedB<T> {
     pub fn bytes(&self) -> u64 {
         (self.data.len() * std::mem::size_of::<T>() + self.bias.len() * 4) as u64
     }
+}
+
+/// The first `n` values of `bias` (zeros where there is none), padded with zeros to `len`: a
+/// packing's bias, as long as its padded columns.
+pub(super) fn padded_bias(bias: Option<&[f32]>, n: usize, len: usize) -> Vec<f32> {
+    let mut padded = vec![0f32; len];
+    if let Some(bias) = bias {
+        padded[..n].copy_from_slice(&bias[..n]);
+    }
+    padded
 }
 
 impl PackedB<f32> {
