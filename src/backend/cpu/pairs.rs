@@ -253,6 +253,10 @@ mod dot {
     use half::bf16;
     use std::arch::x86_64::*;
 
+    /// How far ahead (k-pair rows of 64 bytes) `group` asks for B: the next 4 KiB page of the
+    /// panel, for weights that come from memory (see the SGEMM's `B_PREFETCH`).
+    const B_PREFETCH: usize = 64;
+
     /// K per pass over the block's row groups: the pass's B rows (two panels: 16 KiB) and A
     /// rows (32 rows: 16 KiB) stay in L1 while each group of rows reads them, and the
     /// accumulators go through C (in L1) between passes.
@@ -335,6 +339,11 @@ mod dot {
                 })
             });
             for k2 in 0..pairs {
+                // Each panel's k-pair row B_PREFETCH ahead (a hint), as the SGEMM tiles do.
+                for bq in &b[..PANELS] {
+                    let ahead = bq.wrapping_add((k2 + B_PREFETCH) * 2 * PANEL);
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+                }
                 let bv: [__m512bh; PANELS] = std::array::from_fn(|q| {
                     std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
                         b[q].add(k2 * 2 * PANEL).cast(),
