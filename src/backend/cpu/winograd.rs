@@ -627,20 +627,47 @@ fn transform_2d<'s, 'o, L: Transform<I, O>, const I: usize, const O: usize>(
     }
 }
 
+/// Apply `f`, a 1-D transform of one channel's `I` values into `O`, to all `c` channels: 16
+/// channels at a time through local arrays, which the compiler turns into vector
+/// instructions, then the rest one by one. Written over the slices directly, the loop stayed
+/// scalar (its twelve slices might overlap, for all the compiler knew), and the transforms
+/// were 40% of a 64-channel layer's time.
+#[inline(always)]
+fn lanes<const I: usize, const O: usize>(
+    d: [&[f32]; I],
+    mut o: [&mut [f32]; O],
+    c: usize,
+    f: impl Fn([f32; I]) -> [f32; O],
+) {
+    const W: usize = 16;
+    let whole = c - c % W;
+    for k in (0..whole).step_by(W) {
+        let x: [[f32; W]; I] = std::array::from_fn(|i| d[i][k..k + W].try_into().unwrap());
+        let mut y = [[0f32; W]; O];
+        for l in 0..W {
+            let out = f(std::array::from_fn(|i| x[i][l]));
+            for (y, v) in y.iter_mut().zip(out) {
+                y[l] = v;
+            }
+        }
+        for (o, y) in o.iter_mut().zip(&y) {
+            o[k..k + W].copy_from_slice(y);
+        }
+    }
+    for k in whole..c {
+        let out = f(std::array::from_fn(|i| d[i][k]));
+        for (o, v) in o.iter_mut().zip(out) {
+            o[k] = v;
+        }
+    }
+}
+
 /// Bᵀ of F(2×2): [[1,0,−1,0],[0,1,1,0],[0,−1,1,0],[0,1,0,−1]].
 struct Bt4;
 impl Transform<4, 4> for Bt4 {
     #[inline(always)]
     fn apply(d: [&[f32]; 4], o: [&mut [f32]; 4], c: usize) {
-        let [d0, d1, d2, d3] = d.map(|s| &s[..c]);
-        let [o0, o1, o2, o3] = o.map(|s| &mut s[..c]);
-        for k in 0..c {
-            let (a, b, e, f) = (d0[k], d1[k], d2[k], d3[k]);
-            o0[k] = a - e;
-            o1[k] = b + e;
-            o2[k] = e - b;
-            o3[k] = b - f;
-        }
+        lanes(d, o, c, |[a, b, e, f]| [a - e, b + e, e - b, b - f]);
     }
 }
 
@@ -650,17 +677,16 @@ struct Bt6;
 impl Transform<6, 6> for Bt6 {
     #[inline(always)]
     fn apply(d: [&[f32]; 6], o: [&mut [f32]; 6], c: usize) {
-        let [d0, d1, d2, d3, d4, d5] = d.map(|s| &s[..c]);
-        let [o0, o1, o2, o3, o4, o5] = o.map(|s| &mut s[..c]);
-        for k in 0..c {
-            let (x0, x1, x2, x3, x4, x5) = (d0[k], d1[k], d2[k], d3[k], d4[k], d5[k]);
-            o0[k] = 4.0 * x0 - 5.0 * x2 + x4;
-            o1[k] = (x3 + x4) - 4.0 * (x1 + x2);
-            o2[k] = (x4 - x3) + 4.0 * (x1 - x2);
-            o3[k] = (x4 - x2) - 2.0 * (x1 - x3);
-            o4[k] = (x4 - x2) + 2.0 * (x1 - x3);
-            o5[k] = 4.0 * x1 - 5.0 * x3 + x5;
-        }
+        lanes(d, o, c, |[x0, x1, x2, x3, x4, x5]| {
+            [
+                4.0 * x0 - 5.0 * x2 + x4,
+                (x3 + x4) - 4.0 * (x1 + x2),
+                (x4 - x3) + 4.0 * (x1 - x2),
+                (x4 - x2) - 2.0 * (x1 - x3),
+                (x4 - x2) + 2.0 * (x1 - x3),
+                4.0 * x1 - 5.0 * x3 + x5,
+            ]
+        });
     }
 }
 
@@ -669,12 +695,7 @@ struct At4;
 impl Transform<4, 2> for At4 {
     #[inline(always)]
     fn apply(m: [&[f32]; 4], o: [&mut [f32]; 2], c: usize) {
-        let [m0, m1, m2, m3] = m.map(|s| &s[..c]);
-        let [o0, o1] = o.map(|s| &mut s[..c]);
-        for k in 0..c {
-            o0[k] = m0[k] + m1[k] + m2[k];
-            o1[k] = m1[k] - m2[k] - m3[k];
-        }
+        lanes(m, o, c, |[m0, m1, m2, m3]| [m0 + m1 + m2, m1 - m2 - m3]);
     }
 }
 
@@ -683,16 +704,16 @@ struct At6;
 impl Transform<6, 4> for At6 {
     #[inline(always)]
     fn apply(m: [&[f32]; 6], o: [&mut [f32]; 4], c: usize) {
-        let [m0, m1, m2, m3, m4, m5] = m.map(|s| &s[..c]);
-        let [o0, o1, o2, o3] = o.map(|s| &mut s[..c]);
-        for k in 0..c {
-            let (p12, n12) = (m1[k] + m2[k], m1[k] - m2[k]);
-            let (p34, n34) = (m3[k] + m4[k], m3[k] - m4[k]);
-            o0[k] = m0[k] + p12 + p34;
-            o1[k] = n12 + 2.0 * n34;
-            o2[k] = p12 + 4.0 * p34;
-            o3[k] = n12 + 8.0 * n34 + m5[k];
-        }
+        lanes(m, o, c, |[m0, m1, m2, m3, m4, m5]| {
+            let (p12, n12) = (m1 + m2, m1 - m2);
+            let (p34, n34) = (m3 + m4, m3 - m4);
+            [
+                m0 + p12 + p34,
+                n12 + 2.0 * n34,
+                p12 + 4.0 * p34,
+                n12 + 8.0 * n34 + m5,
+            ]
+        });
     }
 }
 
