@@ -266,26 +266,65 @@ pub fn chunk_rows(m: usize, k: usize) -> usize {
     rows.div_ceil(tile).saturating_mul(tile).min(m.max(1))
 }
 
-/// `rows` per chunk evened out so that the chunks of `m` rows come in a multiple of `threads`
-/// and are about the same size: 3136 rows in 768-row chunks were 5 work items for 2 workers,
-/// one of which did 3 (68% of the pair's time used); 6 chunks of 528 rows split evenly.
-pub(crate) fn balanced_rows(m: usize, rows: usize, threads: usize) -> usize {
-    let chunks = m.div_ceil(rows.max(1)).next_multiple_of(threads.max(1));
-    m.div_ceil(chunks)
-        .next_multiple_of(sgemm::tile_rows())
-        .min(rows.max(1))
+/// Rows [0, m) cut into chunks of whole `unit`s (GEMM tiles) about `rows` long, in a multiple
+/// of the workers where there are units enough, the units dealt out as evenly as they go:
+/// chunk sizes differ by one unit at most. Chunks of one size and a short last one left
+/// ResNet-50's late layers at batch 8 uneven: 392 rows in 72-row chunks were 5 × 72 + 32,
+/// 216 rows for one worker and 176 for the other (91% of the pair's time used); even chunks
+/// split its 33 tiles 17 and 16.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Chunks {
+    m: usize,
+    unit: usize,
+    count: usize,
 }
 
-/// How a GEMM of `m` rows over `panels` column panels is cut into work items: row chunks,
-/// and, when they are too few for `threads` workers, column splits too.
-fn work_split(m: usize, rows: usize, panels: usize, threads: usize) -> (usize, usize) {
-    let chunks = m.div_ceil(rows.max(1));
-    let splits = if chunks >= 2 * threads {
+impl Chunks {
+    pub(crate) fn new(m: usize, rows: usize, unit: usize, threads: usize) -> Self {
+        let units = m.div_ceil(unit.max(1)).max(1);
+        let count = m
+            .div_ceil(rows.max(1))
+            .next_multiple_of(threads.max(1))
+            .min(units);
+        Chunks {
+            m,
+            unit: unit.max(1),
+            count,
+        }
+    }
+
+    pub(crate) fn count(&self) -> usize {
+        self.count
+    }
+
+    /// Chunk c's first row and rows.
+    pub(crate) fn get(&self, c: usize) -> (usize, usize) {
+        let units = self.m.div_ceil(self.unit);
+        let at = |c: usize| (units * c / self.count * self.unit).min(self.m);
+        (at(c), at(c + 1) - at(c))
+    }
+
+    /// `buf`, rows of `row` values, cut into the chunks' parts (the rows past `m` left out).
+    pub(crate) fn split_mut<'a, X>(&self, buf: &'a mut [X], row: usize) -> Vec<&'a mut [X]> {
+        let mut rest = buf;
+        (0..self.count)
+            .map(|c| {
+                let (part, tail) = std::mem::take(&mut rest).split_at_mut(self.get(c).1 * row);
+                rest = tail;
+                part
+            })
+            .collect()
+    }
+}
+
+/// How a GEMM's row chunks are cut into work items: each chunk whole, or, when there are too
+/// few of them for `threads` workers, split over the panels too. Returns the splits per chunk.
+fn work_split(chunks: usize, panels: usize, threads: usize) -> usize {
+    if chunks >= 2 * threads {
         1
     } else {
-        (2 * threads).div_ceil(chunks).min(panels).max(1)
-    };
-    (chunks, splits)
+        (2 * threads).div_ceil(chunks.max(1)).min(panels).max(1)
+    }
 }
 
 /// Panels [p0, p1) of split `s` out of `splits`.
@@ -293,22 +332,24 @@ fn panel_range(panels: usize, splits: usize, s: usize) -> (usize, usize) {
     (panels * s / splits, panels * (s + 1) / splits)
 }
 
-/// The work items of a GEMM of `m` rows in chunks of `rows` over `panels` column panels
-/// ([`work_split`]), in parallel: each item's rows (m0, mr) and panels [p0, p1).
+/// The work items of a GEMM of `m` rows in chunks of about `rows` ([`Chunks`]) over `panels`
+/// column panels ([`work_split`]), in parallel: each item's rows (m0, mr) and panels [p0, p1).
 fn work_items(
     m: usize,
     rows: usize,
     panels: usize,
     threads: usize,
 ) -> impl IndexedParallelIterator<Item = ((usize, usize), (usize, usize))> {
-    let (chunks, splits) = work_split(m, rows, panels, threads);
-    (0..chunks * splits).into_par_iter().map(move |item| {
-        let m0 = item / splits * rows;
-        (
-            (m0, rows.min(m - m0)),
-            panel_range(panels, splits, item % splits),
-        )
-    })
+    let chunks = Chunks::new(m, rows, sgemm::tile_rows(), threads);
+    let splits = work_split(chunks.count(), panels, threads);
+    (0..chunks.count() * splits)
+        .into_par_iter()
+        .map(move |item| {
+            (
+                chunks.get(item / splits),
+                panel_range(panels, splits, item % splits),
+            )
+        })
 }
 
 /// Multiply rows [m0, m0 + mr) of `a` (row stride `lda`, group g's columns at g·k_g) by each
@@ -406,7 +447,7 @@ fn conv2d_pairs<T: Elem>(
     let (k, kp) = (b.k, b.kp());
     let m = ys.n * ys.h * ys.w;
     let cout = c.out_channels;
-    let rows = balanced_rows(m, (chunk_rows(m, k) * p.chunk_scale).min(m.max(1)), threads);
+    let rows = (chunk_rows(m, k) * p.chunk_scale).min(m.max(1));
     let direct = is_pointwise(c) && c.in_channels == kp;
     let engine = pairs::Engine::in_use().expect("pair packings exist only with an engine");
     assert!(y.len() >= m * cout, "conv2d output buffer too small");
@@ -531,7 +572,7 @@ pub fn conv2d<T: Elem>(
     let k = k_g * c.groups;
     let m = ys.n * ys.h * ys.w;
     let cout = c.out_channels;
-    let rows = balanced_rows(m, (chunk_rows(m, k) * p.chunk_scale).min(m.max(1)), threads);
+    let rows = (chunk_rows(m, k) * p.chunk_scale).min(m.max(1));
     let direct = if is_pointwise(c) { T::as_f32(x) } else { None };
     assert!(y.len() >= m * cout, "conv2d output buffer too small");
     let out = TilePtr(y.as_mut_ptr());
@@ -1245,21 +1286,55 @@ mod tests {
         relu_on_bits_matches_the_f32_path::<f16>(f16::to_bits);
     }
 
-    /// Balanced chunks: a multiple of the workers, nearly equal, never above the asked size.
+    /// Even chunks: whole units, sizes within one unit of each other, in a multiple of the
+    /// workers where the units allow, none above the asked size by more than a unit's rounding,
+    /// together covering every row once.
     #[test]
-    fn balanced_rows_even_out_the_chunks() {
-        assert_eq!(balanced_rows(3136, 768, 2), 528);
-        assert_eq!(3136usize.div_ceil(528), 6);
-        assert_eq!(balanced_rows(784, 768, 2), 396);
-        assert_eq!(
-            balanced_rows(100, 768, 2),
-            50usize.next_multiple_of(sgemm::tile_rows())
-        );
-        assert_eq!(balanced_rows(4, 4, 2), 4);
-        assert_eq!(balanced_rows(1, 1, 8), 1);
-        for (m, rows, threads) in [(25088, 768, 2), (3136, 512, 3), (49, 96, 2), (7, 6, 4)] {
-            let b = balanced_rows(m, rows, threads);
-            assert!(b <= rows && b >= 1, "{m} {rows} {threads}: {b}");
+    fn chunks_are_even() {
+        let c = Chunks::new(392, 72, 12, 2);
+        let sizes: Vec<usize> = (0..c.count()).map(|i| c.get(i).1).collect();
+        assert_eq!(sizes, [60, 72, 60, 72, 60, 68]);
+        let first: usize = sizes[..3].iter().sum();
+        assert_eq!((first, 392 - first), (192, 200));
+        for (m, rows, unit, threads) in [
+            (3136, 768, 12, 2),
+            (25088, 768, 12, 2),
+            (3136, 512, 6, 3),
+            (49, 96, 12, 2),
+            (7, 6, 12, 4),
+            (1, 1, 12, 8),
+            (128, 24, 12, 2),
+        ] {
+            let c = Chunks::new(m, rows, unit, threads);
+            let parts: Vec<(usize, usize)> = (0..c.count()).map(|i| c.get(i)).collect();
+            let mut next = 0;
+            for &(m0, mr) in &parts {
+                assert_eq!(m0, next, "{m} {rows} {unit} {threads}: {parts:?}");
+                assert!(
+                    mr >= 1 && m0 % unit == 0,
+                    "{m} {rows} {unit} {threads}: {parts:?}"
+                );
+                assert!(mr <= rows.next_multiple_of(unit), "{m} {rows}: {parts:?}");
+                next = m0 + mr;
+            }
+            assert_eq!(next, m);
+            let units = m.div_ceil(unit);
+            if units >= threads {
+                assert!(c.count().is_multiple_of(threads) || c.count() == units);
+            }
+            let whole = |mr: usize| mr.div_ceil(unit);
+            let (lo, hi) = parts.iter().fold((usize::MAX, 0), |(lo, hi), &(_, mr)| {
+                (lo.min(whole(mr)), hi.max(whole(mr)))
+            });
+            assert!(hi - lo <= 1, "{m} {rows} {unit} {threads}: {parts:?}");
+        }
+        let mut buf: Vec<u32> = (0..3136 * 2).collect();
+        let c = Chunks::new(3136, 768, 12, 2);
+        let parts = c.split_mut(&mut buf, 2);
+        assert_eq!(parts.len(), c.count());
+        for (i, part) in parts.iter().enumerate() {
+            let (m0, mr) = c.get(i);
+            assert_eq!((part.len(), part[0]), (mr * 2, (m0 * 2) as u32));
         }
     }
 }

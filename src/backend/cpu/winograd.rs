@@ -17,7 +17,7 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 use super::elem::Elem;
-use super::kernels::{Epilogue, Nhwc, balanced_rows};
+use super::kernels::{Chunks, Epilogue, Nhwc};
 use super::sgemm::{self, NR, PackedB};
 use super::simd::{Vectorised, with_simd};
 use crate::model::op::Conv2d;
@@ -315,9 +315,10 @@ pub fn conv2d<T: Elem>(
     let tiles = ys.n * th * tw;
     let positions = w.positions();
     let threads = rayon::current_num_threads();
-    let per = balanced_rows(
+    let chunks = Chunks::new(
         tiles,
         chunk_tiles(positions, xs.c, ys.c, tiles, threads),
+        sgemm::tile_rows(),
         threads,
     );
     assert!(y.len() >= ys.elems(), "conv2d output buffer too small");
@@ -332,10 +333,12 @@ pub fn conv2d<T: Elem>(
         out: OutPtr(y.as_mut_ptr()),
         epilogue,
     };
-    let chunks = tiles.div_ceil(per).max(1);
-    let chunk = |c: usize| c * per..(c * per + per).min(tiles);
+    let chunk = |c: usize| {
+        let (t0, nt) = chunks.get(c);
+        t0..t0 + nt
+    };
     if !w.staged {
-        (0..chunks).into_par_iter().for_each(|c| {
+        (0..chunks.count()).into_par_iter().for_each(|c| {
             SCRATCH.with(|s| {
                 let s = &mut *s.borrow_mut();
                 let tiles = chunk(c);
@@ -375,7 +378,9 @@ pub fn conv2d<T: Elem>(
     });
     v.resize(tiles * positions * xs.c, 0.0);
     mm.resize(tiles * positions * ys.c, 0.0);
-    v.par_chunks_mut(per * positions * xs.c)
+    chunks
+        .split_mut(&mut v, positions * xs.c)
+        .into_par_iter()
         .enumerate()
         .for_each(|(c, v)| {
             SCRATCH.with(|s| {
@@ -394,7 +399,9 @@ pub fn conv2d<T: Elem>(
         // of every tile), disjoint from every other position's; V is complete and only read.
         unsafe { gemms(&job, tiles, v_all, (mp.0, m_len), xi..xi + 1) };
     });
-    mm.par_chunks(per * positions * ys.c)
+    chunks
+        .split_mut(&mut mm, positions * ys.c)
+        .into_par_iter()
         .enumerate()
         .for_each(|(c, mm)| {
             SCRATCH.with(|s| {
