@@ -499,7 +499,7 @@ impl<T: Elem> CpuSession<T> {
                 self.held_bytes += (len * std::mem::size_of::<T>()) as u64;
                 self.peak_bytes = self.peak_bytes.max(self.held_bytes);
                 Buf {
-                    data: vec![T::default(); len],
+                    data: big_buffer(len),
                     len,
                 }
             }
@@ -886,6 +886,31 @@ impl<T: Elem> Session for CpuSession<T> {
             T::PRECISION
         )
     }
+}
+
+/// `len` copies of `T::default()` in memory that Linux is asked to back with 2 MiB pages
+/// (transparent huge pages, which Debian's kernels give only to memory a program asks them
+/// for): the packed weights and the activations, tens of MB streamed every pass, then take
+/// one TLB entry per 2 MiB instead of 512. ResNet-50 FP32 at batch 8 on a Zen 5 VM: +1.0%
+/// (10 interleaved runs, 9 of them faster), start-up unchanged. The advice is given before
+/// the first write, which is when the pages are made.
+pub(crate) fn big_buffer<T: Default + Clone>(len: usize) -> Vec<T> {
+    let mut v = Vec::with_capacity(len);
+    #[cfg(target_os = "linux")]
+    {
+        const HUGE: usize = 2 << 20;
+        let start = v.as_mut_ptr() as usize;
+        let end = start + len * std::mem::size_of::<T>();
+        let (a0, a1) = (start.next_multiple_of(HUGE), end / HUGE * HUGE);
+        if a1 > a0 {
+            // SAFETY: advice on whole pages inside this allocation; it changes how they will
+            // be backed, never what they hold. A kernel without huge pages refuses it, which
+            // changes nothing.
+            unsafe { libc::madvise(a0 as *mut libc::c_void, a1 - a0, libc::MADV_HUGEPAGE) };
+        }
+    }
+    v.resize(len, T::default());
+    v
 }
 
 #[cfg(test)]

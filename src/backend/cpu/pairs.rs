@@ -80,7 +80,7 @@ impl PackedPairs {
     ) -> Self {
         let kp = k.div_ceil(KSTEP).max(1) * KSTEP;
         let panels = n.div_ceil(PANEL);
-        let mut data = vec![bf16::ZERO; panels * kp * PANEL];
+        let mut data = super::big_buffer(panels * kp * PANEL);
         data.par_chunks_mut(kp * PANEL)
             .enumerate()
             .for_each_init(Vec::new, |col, (p, panel)| {

@@ -81,7 +81,7 @@ impl<T: Elem> PackedB<T> {
         bias: Option<&[f32]>,
     ) -> Self {
         let panels = n.div_ceil(NR);
-        let mut data = vec![T::default(); panels * k * NR];
+        let mut data = super::big_buffer(panels * k * NR);
         // Panels in parallel: packing every layer is most of a large network's preparation.
         data.par_chunks_mut((k * NR).max(1))
             .enumerate()
@@ -122,7 +122,7 @@ impl<T: Elem> PackedB<T> {
         let panels = n.div_ceil(NR);
         let span = (k * NR).max(1);
         let mut data: Vec<Vec<T>> = (0..count)
-            .map(|_| vec![T::default(); panels * span])
+            .map(|_| super::big_buffer(panels * span))
             .collect();
         // Panel p of every matrix, handed to one work item together.
         let mut by_panel: Vec<Vec<&mut [T]>> = (0..panels).map(|_| Vec::new()).collect();
