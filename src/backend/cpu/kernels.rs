@@ -1204,16 +1204,27 @@ pub fn nhwc_to_nchw<T: Elem>(x: &[T], xs: Nhwc, y: &mut [T]) {
         });
 }
 
-/// NCHW f32 (the seam's layout) → NHWC storage.
+/// NCHW f32 (the seam's layout) → NHWC storage, an image row at a time (each channel's row
+/// read straight, the pixels' channels interleaved; 3-channel images, every network's input,
+/// with the count fixed for the compiler).
 pub fn nchw_to_nhwc<T: Elem>(x: &[f32], xs: Nhwc, y: &mut [T]) {
     let plane = xs.h * xs.w;
     y[..xs.elems()]
-        .par_chunks_mut(xs.c * plane)
+        .par_chunks_mut((xs.w * xs.c).max(1))
         .enumerate()
-        .for_each(|(n, out)| {
-            for p in 0..plane {
-                for c in 0..xs.c {
-                    out[p * xs.c + c] = T::from_f32(x[(n * xs.c + c) * plane + p]);
+        .for_each(|(r, out)| {
+            let (n, iy) = (r / xs.h, r % xs.h);
+            let channel = |c: usize| &x[(n * xs.c + c) * plane + iy * xs.w..][..xs.w];
+            if xs.c == 3 {
+                let (r, g, b) = (channel(0), channel(1), channel(2));
+                for (((px, r), g), b) in out.chunks_exact_mut(3).zip(r).zip(g).zip(b) {
+                    px.copy_from_slice(&[r, g, b].map(|&v| T::from_f32(v)));
+                }
+                return;
+            }
+            for c in 0..xs.c {
+                for (px, &v) in out.chunks_exact_mut(xs.c).zip(channel(c)) {
+                    px[c] = T::from_f32(v);
                 }
             }
         });
