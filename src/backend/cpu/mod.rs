@@ -395,12 +395,12 @@ impl<T: Elem> CpuSession<T> {
                     let variant = variants.get(&node.name).map(String::as_str);
                     let tile = match variant {
                         Some(v) => winograd::Tile::from_variant(v),
-                        // Where BF16 multiplies bf16 pairs a 3×3 layer's im2col GEMM outruns
-                        // Winograd's f32 transforms and GEMMs on AMX tiles, and matches them
-                        // with `vdpbf16ps` (ResNet-50 on a Zen 5: within ±5%, im2col ahead at
-                        // batches 1 and 8).
-                        None => winograd::by_default(&c, &plan.shapes[id])
-                            .filter(|_| !kernels::uses_pairs::<T>(&c)),
+                        // Where BF16 multiplies bf16 pairs, only layers with tiles enough
+                        // (see `winograd::beats_pairs`).
+                        None => winograd::by_default(&c, &plan.shapes[id]).filter(|&t| {
+                            !kernels::uses_pairs::<T>(&c)
+                                || winograd::beats_pairs(t, &plan.shapes[id])
+                        }),
                     };
                     let donated = variant
                         .is_none()

@@ -116,6 +116,20 @@ pub fn by_default(c: &Conv2d, out: &[usize]) -> Option<Tile> {
         .find(|&t| t.tiles(out) >= 16)
 }
 
+/// Whether Winograd with `tile` outruns the bf16-pair GEMMs (`vdpbf16ps` or AMX, twice the f32
+/// FMA rate) that a BF16 layer with output `out` would otherwise run through im2col: where the
+/// tiles are many enough for its f32 GEMMs on a quarter of the products to win. ResNet-50 on a
+/// Zen 5 (`vdpbf16ps`), per 3×3 stride-1 layer, F(4×4) against im2col on pairs: 1568, 392 and
+/// 196 tiles (56×56 and 28×28 at batch 8, 56×56 at batch 1) 10–27% faster, 512 (14×14 at batch
+/// 32) 13% faster; 128 (14×14 at batch 8, a third of each tile past the image) 4% slower, 49
+/// and fewer 15–80% slower. Before the transforms were vectorised (they had been scalar) every
+/// BF16 layer on pairs ran im2col; this rule made BF16 ResNet-50 batch 8 +6.8% and batch 32
+/// +10.7% (3 interleaved runs each), batch 1 unchanged. AMX, whose pairs are faster still, was
+/// not measured: the same rule holds there.
+pub fn beats_pairs(tile: Tile, out: &[usize]) -> bool {
+    tile.tiles(out) >= 192
+}
+
 /// Transformed weights: for each of the α² positions ξ of a transformed tile, the (cin × cout)
 /// matrix U_ξ, packed for the GEMM.
 pub struct Winograd<T> {
