@@ -22,6 +22,8 @@ pub trait Elem: Copy + Send + Sync + Default + 'static {
     /// The slice itself when the storage type is bf16 (what the bf16-pair GEMMs read).
     fn as_bf16(s: &[Self]) -> Option<&[bf16]>;
     fn as_bf16_mut(s: &mut [Self]) -> Option<&mut [bf16]>;
+    /// The slice itself when the storage type is f16 (what the SGEMM's f16 tiles read).
+    fn as_f16(s: &[Self]) -> Option<&[f16]>;
     /// A half type's values as their bits, with +∞'s bits: the values above it are NaNs,
     /// those in 1..=+∞ positive (what ReLU keeps). `None` for f32.
     fn half_bits_mut(s: &mut [Self]) -> Option<(&mut [u16], u16)>;
@@ -51,6 +53,9 @@ impl Elem for f32 {
     fn as_bf16_mut(_: &mut [Self]) -> Option<&mut [bf16]> {
         None
     }
+    fn as_f16(_: &[Self]) -> Option<&[f16]> {
+        None
+    }
     fn half_bits_mut(_: &mut [Self]) -> Option<(&mut [u16], u16)> {
         None
     }
@@ -65,7 +70,7 @@ impl Elem for f32 {
 /// The two half types differ only in their names, formats and conversion loops.
 macro_rules! half_elem {
     ($t:ty, $precision:expr, $suffix:literal, $widen:path, $narrow:path, $as_bf16:path,
-     $as_bf16_mut:path) => {
+     $as_bf16_mut:path, $as_f16:path) => {
         impl Elem for $t {
             const PRECISION: Precision = $precision;
             const SUFFIX: &'static str = $suffix;
@@ -87,6 +92,9 @@ macro_rules! half_elem {
             }
             fn as_bf16_mut(s: &mut [Self]) -> Option<&mut [bf16]> {
                 $as_bf16_mut(s)
+            }
+            fn as_f16(s: &[Self]) -> Option<&[f16]> {
+                $as_f16(s)
             }
             fn half_bits_mut(s: &mut [Self]) -> Option<(&mut [u16], u16)> {
                 Some((s.reinterpret_cast_mut(), <$t>::INFINITY.to_bits()))
@@ -110,7 +118,8 @@ half_elem!(
     widen_f16,
     narrow_f16,
     not_bf16,
-    not_bf16_mut
+    not_bf16_mut,
+    Some
 );
 half_elem!(
     bf16,
@@ -119,8 +128,13 @@ half_elem!(
     widen_bf16,
     narrow_bf16,
     Some,
-    Some
+    Some,
+    not_f16
 );
+
+fn not_f16(_: &[bf16]) -> Option<&[f16]> {
+    None
+}
 
 fn not_bf16(_: &[f16]) -> Option<&[bf16]> {
     None
