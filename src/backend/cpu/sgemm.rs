@@ -13,6 +13,9 @@
 //! (one B load and twelve broadcasts for 12 FMAs) were bound by the loads on a Zen 5, which
 //! runs two 512-bit FMAs a cycle: 205 GFLOP/s on one core against 250 for 12×32, whose FMA
 //! ceiling is 265. Machines without AVX2 + FMA run the 6×16 tiling with a portable kernel.
+//! FP16 weights stay f16 in their panels: the same tiles, built a second time, widen them in
+//! registers as they load them (F16C's `vcvtph2ps`); bf16 panels are widened a block at a time
+//! (see [`gemm_packed`]).
 //!
 //! Why not a crate: the `gemm` crate reached ~55% of this machine's peak in our measurement
 //! (it repacks B on every call); packing the constant weights once and fusing the bias into
@@ -673,7 +676,8 @@ fn l2_bytes() -> usize {
 /// memory once per 64 k; in cache the hints cost next to nothing. Single ResNet-50 layers at
 /// batch 8 with their weights cold, on a 2-core Zen 5: 3×3 at 7×7 (F(4×4), 38 MB of U) 2.53 →
 /// 2.23 ms, at 14×14 2.28 → 2.05 ms, the 1×1 512→2048 at 7×7 1.86 → 1.76 ms; ResNet-50 FP32
-/// batch 8 55.4 → 56.7 images/s (medians of 5 interleaved runs).
+/// batch 8 55.4 → 56.7 images/s (medians of 5 interleaved runs). (The f16 tiles' rows are 32
+/// bytes: the same 64 rows are half a page ahead there.)
 const B_PREFETCH: usize = 64;
 
 /// How many tiles ahead of the one running [`prefetch_c_rows`] asks for C's lines.
