@@ -3,7 +3,7 @@
 //!
 //! AMX adds eight tile registers of 16 rows × 64 bytes and `tdpbf16ps`, which multiplies a
 //! 16 × 32 bf16 tile of A by a 32 × 16 tile of B (stored as 16 rows of k-pairs: row r holds
-//! B[2r][j], B[2r + 1][j] for j < 16) into a 16 × 16 f32 tile of C — 16,384 FLOPs in one
+//! `B[2r][j]`, `B[2r + 1][j]` for j < 16) into a 16 × 16 f32 tile of C — 16,384 FLOPs in one
 //! instruction. A Sapphire Rapids core ran it at 2.5 TFLOP/s from registers and the 32 × 32
 //! blocking at 235–390 GFLOP/s from memory, against 120–135 for its best AVX-512 FP32 tile and
 //! 78 for `vdpbf16ps` (AVX512_BF16), which is why BF16 sessions use AMX and not AVX512_BF16
