@@ -5,7 +5,7 @@
 //! `tdpbf16ps` ([`super::amx`]: a 16 × 32 tile of A by a 32 × 16 tile of B, Sapphire Rapids and
 //! later Xeons) and AVX512_BF16's `vdpbf16ps` (16 f32 lanes, each += a0·b0 + a1·b1: Zen 4 and
 //! 5, Cooper Lake, and the AMX Xeons too). Both read B as rows of k-pairs — row r of a panel
-//! holds B[2r][j], B[2r + 1][j] for its 16 columns j, 64 bytes — and A as rows of bf16 along
+//! holds `B[2r][j]`, `B[2r + 1][j]` for its 16 columns j, 64 bytes — and A as rows of bf16 along
 //! K, so one packing ([`PackedPairs`]), one driver ([`gemm`]) and one block shape serve both;
 //! only the block kernel differs ([`Engine`]).
 //!

@@ -154,7 +154,7 @@ pub struct Launch {
 }
 
 /// A library GEMM in row-major terms, batched with strides (in elements):
-/// C[i] (m×n) = A[i] (m×k) · B[i] (k×n), where B is stored n×k when `trans_b`.
+/// `C[i]` (m×n) = `A[i]` (m×k) · `B[i]` (k×n), where B is stored n×k when `trans_b`.
 /// Storage is the session's precision; accumulation is f32; C is overwritten.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Gemm {
