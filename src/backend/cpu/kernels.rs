@@ -271,7 +271,7 @@ pub fn chunk_rows(m: usize, k: usize) -> usize {
 /// chunk sizes differ by one unit at most. Chunks of one size and a short last one left
 /// ResNet-50's late layers at batch 8 uneven: 392 rows in 72-row chunks were 5 × 72 + 32,
 /// 216 rows for one worker and 176 for the other (91% of the pair's time used); even chunks
-/// split its 33 tiles 17 and 16.
+/// split its 33 tiles (of 12 rows, then) 17 and 16.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Chunks {
     m: usize,
