@@ -776,10 +776,22 @@ unsafe fn tile_portable<const ROWS: usize>(
 /// `NR` for one panel, a multiple of it for several side by side), all accumulators in
 /// registers. Per k: `VECS` loads of B, `ROWS` broadcasts of A, `ROWS · VECS` FMAs. One source
 /// for every x86 width, so the AVX2 instances that every x86 machine here tests are the same
-/// code as the AVX-512 ones.
+/// code as the AVX-512 ones; each width gets `tile` (f32 panels) and `tile_h` (f16 panels,
+/// widened by `$load_h` as B is loaded) from one invocation.
 #[cfg(target_arch = "x86_64")]
 macro_rules! simd_tile {
-    ($name:ident, $e:ty, $features:literal, $lanes:literal, $zero:ident, $load:ident,
+    // Both tiles of one width: `tile` reads f32 panels, `tile_h` f16 ones through `$load_h`.
+    ($features:literal, $features_h:literal, $lanes:literal, $zero:ident, $load:ident,
+     $store:ident, $splat:ident, $fma:ident, $load_h:ident) => {
+        use super::{B_PREFETCH, Init, MAX_PANELS, MAX_ROWS, NR};
+        use half::f16;
+        use std::arch::x86_64::*;
+
+        simd_tile!(@tile tile, f32, $features, $lanes, $zero, $load, $store, $splat, $fma, $load);
+        simd_tile!(@tile tile_h, f16, $features_h, $lanes, $zero, $load, $store, $splat, $fma,
+            $load_h);
+    };
+    (@tile $name:ident, $e:ty, $features:literal, $lanes:literal, $zero:ident, $load:ident,
      $store:ident, $splat:ident, $fma:ident, $load_b:ident) => {
         /// # Safety
         /// The CPU has this function's features (checked by `kernels_for`'s and
@@ -843,25 +855,8 @@ macro_rules! simd_tile {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{B_PREFETCH, Init, MAX_PANELS, MAX_ROWS, NR};
-    use half::f16;
-    use std::arch::x86_64::*;
-
     simd_tile!(
-        tile,
-        f32,
         "avx2,fma",
-        8,
-        _mm256_setzero_ps,
-        _mm256_loadu_ps,
-        _mm256_storeu_ps,
-        _mm256_set1_ps,
-        _mm256_fmadd_ps,
-        _mm256_loadu_ps
-    );
-    simd_tile!(
-        tile_h,
-        f16,
         "avx2,fma,f16c",
         8,
         _mm256_setzero_ps,
@@ -883,25 +878,8 @@ mod avx2 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{B_PREFETCH, Init, MAX_PANELS, MAX_ROWS, NR};
-    use half::f16;
-    use std::arch::x86_64::*;
-
     simd_tile!(
-        tile,
-        f32,
         "avx512f",
-        16,
-        _mm512_setzero_ps,
-        _mm512_loadu_ps,
-        _mm512_storeu_ps,
-        _mm512_set1_ps,
-        _mm512_fmadd_ps,
-        _mm512_loadu_ps
-    );
-    simd_tile!(
-        tile_h,
-        f16,
         "avx512f",
         16,
         _mm512_setzero_ps,
