@@ -174,6 +174,66 @@ fn half_precisions_run_and_say_so() {
     assert!(stdout(&o).contains("mobilenet_v2").eq(&false) && stdout(&o).contains("BF16"));
 }
 
+/// Batch tiles asked for by name run end to end and still match the reference; a value the
+/// CPU backend cannot use is refused with what was wrong.
+#[test]
+fn batch_tiles_match_the_reference_and_bad_cuts_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (wpath, xpath, ypath) = (
+        dir.path().join("w.safetensors"),
+        dir.path().join("x.safetensors"),
+        dir.path().join("y.safetensors"),
+    );
+    let o = workshop(&[
+        "weights",
+        "--network",
+        "resnet18",
+        "--seed",
+        "2",
+        "--output",
+        wpath.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let x = Rng::new(4).normal_tensor(vec![3, 3, 40, 40]);
+    write_tensors(&xpath, &[("input", &x)]).unwrap();
+    let graph = zoo::build("resnet18").unwrap();
+    let w = Weights::load(&wpath, &graph).unwrap();
+    let expected = reference::forward(&graph.plan(3, 40, 40).unwrap(), &w, &x);
+    let scale = expected.data.iter().fold(1f32, |a, v| a.max(v.abs()));
+    let infer = |split: &str| {
+        crate::common::command()
+            .env("WORKSHOP_CPU_SPLIT", split)
+            .args(["infer", "--network", "resnet18", "--weights"])
+            .arg(&wpath)
+            .arg("--input")
+            .arg(&xpath)
+            .arg("--output")
+            .arg(&ypath)
+            .output()
+            .unwrap()
+    };
+    let o = infer("layer1.1.relu:2");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let diff = read_tensor(&ypath, "logits")
+        .unwrap()
+        .max_abs_diff(&expected);
+    assert!(diff <= 1e-4 * scale, "diff {diff}");
+    for (bad, says) in [
+        (
+            "layer1.1.conv1:2",
+            "cannot be joined after `layer1.1.conv1`",
+        ),
+        ("layer9.relu:2", "no node `layer9.relu`"),
+        ("layer1.1.relu:0", "not a positive number"),
+        ("all", "neither `off` nor NODE:IMAGES"),
+    ] {
+        let o = infer(bad);
+        assert!(!o.status.success(), "{bad} ran");
+        assert!(stderr(&o).contains(says), "{bad}: {}", stderr(&o));
+        assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
+    }
+}
+
 #[test]
 fn infer_matches_the_reference_through_files() {
     let dir = tempfile::tempdir().unwrap();

@@ -10,6 +10,7 @@ pub mod kernels;
 pub mod pairs;
 pub mod sgemm;
 pub mod simd;
+pub mod split;
 pub mod winograd;
 
 use std::sync::Arc;
@@ -262,6 +263,30 @@ impl Backend for CpuBackend {
     }
 }
 
+/// The batch tiles for `plan` at `elem` bytes a value: `WORKSHOP_CPU_SPLIT` = `off`, or
+/// `NODE:IMAGES` (cut after the last node named NODE, tiles of IMAGES), else
+/// [`split::plan`] for this CPU's last-level cache.
+fn batch_split(plan: &Plan, elem: usize) -> Result<Option<split::Split>, BackendError> {
+    let bad = |why: String| BackendError::Invalid(format!("WORKSHOP_CPU_SPLIT: {why}"));
+    match std::env::var("WORKSHOP_CPU_SPLIT").ok().as_deref() {
+        Some("off") => Ok(None),
+        Some(v) => {
+            let (node, tile) = v.split_once(':').ok_or_else(|| {
+                bad(format!(
+                    "`{v}` is neither `off` nor NODE:IMAGES (`layer2.3.relu:4`)"
+                ))
+            })?;
+            let tile = tile
+                .parse::<usize>()
+                .ok()
+                .filter(|&t| t > 0)
+                .ok_or_else(|| bad(format!("`{tile}` is not a positive number of images")))?;
+            split::at(plan, node, tile).map(Some).map_err(bad)
+        }
+        None => Ok(split::plan(plan, elem, split::last_level_cache())),
+    }
+}
+
 fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
@@ -369,6 +394,9 @@ struct CpuSession<T: Elem> {
     /// them (node id, mean, biased variance) instead of using the running ones.
     calibrate: bool,
     batch_stats: Vec<(usize, Vec<f32>, Vec<f32>)>,
+    /// The batch tiles of the first layers (see [`split`]); not used while calibrating, whose
+    /// statistics are the whole batch's.
+    split: Option<split::Split>,
     weight_bytes: u64,
     held_bytes: u64,
     peak_bytes: u64,
@@ -384,10 +412,22 @@ impl<T: Elem> CpuSession<T> {
         variants: &std::collections::BTreeMap<String, String>,
         donor: &mut Donor,
     ) -> Result<Self, BackendError> {
+        let split = batch_split(plan, std::mem::size_of::<T>())?;
+        // The shape each node runs at: a tile of the batch up to the split's cut.
+        let run_shape = |id: usize| {
+            let mut shape = plan.shapes[id].clone();
+            if let (Some(s), Some(n)) = (&split, shape.first_mut())
+                && id <= s.end
+            {
+                *n = s.tile();
+            }
+            shape
+        };
         let mut steps = Vec::with_capacity(plan.graph.nodes.len());
         let mut weight_bytes = 0u64;
         for (id, node) in plan.graph.nodes.iter().enumerate() {
             let get = |suffix: &str| tensor(weights, &node.name, suffix);
+            let shape = run_shape(id);
             let step = match node.op {
                 Op::Input { .. } => Step::Input,
                 Op::Conv2d(c) => {
@@ -397,21 +437,20 @@ impl<T: Elem> CpuSession<T> {
                         Some(v) => winograd::Tile::from_variant(v),
                         // Where BF16 multiplies bf16 pairs, only layers with tiles enough
                         // (see `winograd::beats_pairs`).
-                        None => winograd::by_default(&c, &plan.shapes[id]).filter(|&t| {
-                            !kernels::uses_pairs::<T>(&c)
-                                || winograd::beats_pairs(t, &plan.shapes[id])
+                        None => winograd::by_default(&c, &shape).filter(|&t| {
+                            !kernels::uses_pairs::<T>(&c) || winograd::beats_pairs(t, &shape)
                         }),
                     };
                     let donated = variant
                         .is_none()
-                        .then(|| donor.take::<T>(id, tile, &plan.shapes[id]))
+                        .then(|| donor.take::<T>(id, tile, &shape))
                         .flatten();
                     let mut packed = match donated {
                         Some(packed) => packed,
                         None => tile
                             .and_then(|t| {
                                 let w = get("weight").ok()?;
-                                PackedConv::<T>::winograd(t, c, w, bias, &plan.shapes[id])
+                                PackedConv::<T>::winograd(t, c, w, bias, &shape)
                             })
                             .map_or_else(
                                 || get("weight").map(|w| PackedConv::<T>::new(c, w, bias)),
@@ -478,6 +517,7 @@ impl<T: Elem> CpuSession<T> {
             times: Vec::new(),
             calibrate: false,
             batch_stats: Vec::new(),
+            split,
             weight_bytes,
             held_bytes: 0,
             peak_bytes: 0,
@@ -508,10 +548,12 @@ impl<T: Elem> CpuSession<T> {
         buf
     }
 
-    fn dims(&self, id: usize) -> Nhwc {
+    /// Node `id`'s output for `images` of the batch, as NHWC dimensions.
+    fn dims(&self, id: usize, images: std::ops::Range<usize>) -> Nhwc {
+        let n = images.len();
         match *self.plan.shapes[id].as_slice() {
-            [n, c, h, w] => Nhwc { n, h, w, c },
-            [n, f] => Nhwc {
+            [_, c, h, w] => Nhwc { n, h, w, c },
+            [_, f] => Nhwc {
                 n,
                 h: 1,
                 w: 1,
@@ -538,145 +580,182 @@ impl<T: Elem> CpuSession<T> {
             self.free.push(out);
         }
         self.times.clear();
-        let forward_start = Instant::now();
+        let start = Instant::now();
         let n_nodes = self.plan.graph.nodes.len();
+        let batch = self.plan.batch();
         let mut values: Vec<Option<Buf<T>>> = (0..n_nodes).map(|_| None).collect();
         let mut steps = std::mem::take(&mut self.steps);
-        for (id, step) in steps.iter_mut().enumerate() {
-            let start = self.profile.then(Instant::now);
-            let os = self.dims(id);
-            let inputs = self.plan.graph.nodes[id].inputs.clone();
-            // An op that maps its input element-wise reuses the input's buffer when nothing
-            // else reads it later (torchvision's `inplace=True`).
-            let last_reader = |v: usize| self.plan.last_use[v] == id;
-            let out = match step {
-                Step::Input => {
-                    let mut y = self.alloc(os.elems());
-                    kernels::nchw_to_nhwc(&input.data, os, &mut y);
-                    y
+        let mut first = 0;
+        if let Some(split) = self.split.clone().filter(|_| !self.calibrate) {
+            // The first layers a tile of images at a time; the cut's value of every tile is
+            // copied into its place in the whole batch's.
+            let end = split.end;
+            let per_image = self.dims(end, 0..batch).elems() / batch;
+            let mut joined = self.alloc(per_image * batch);
+            for images in split.parts {
+                let mut part: Vec<Option<Buf<T>>> = (0..=end).map(|_| None).collect();
+                for (id, step) in steps[..=end].iter_mut().enumerate() {
+                    self.step(id, step, &mut part, input, images.clone(), start);
                 }
-                Step::Conv(p) => {
-                    let xs = self.dims(inputs[0]);
-                    let mut y = self.alloc(os.elems());
-                    let x = values[inputs[0]].as_ref().expect("input computed");
-                    let residual = inputs
-                        .get(1)
-                        .map(|&r| values[r].as_deref().expect("residual computed"));
-                    kernels::conv2d(p, x, xs, &mut y, os, self.threads, residual);
-                    y
-                }
-                Step::Affine { scale, shift } => {
-                    let mut y = self.take_or_copy(&mut values, inputs[0], last_reader(inputs[0]));
-                    if self.calibrate {
-                        let (mean, var) = channel_stats(&y, os.c);
-                        let gamma_beta: Vec<(f32, f32)> = scale
-                            .iter()
-                            .zip(shift.iter())
-                            .map(|(&s, &b)| (s, b))
-                            .collect();
-                        // In calibration the prepared scale/shift hold gamma and beta (see
-                        // `calibrate_batch_norm`); turn them into the batch's normalisation.
-                        for (c, (g, b)) in gamma_beta.into_iter().enumerate() {
-                            scale[c] = g / (var[c] + BN_EPS).sqrt();
-                            shift[c] = b - mean[c] * scale[c];
-                        }
-                        self.batch_stats.push((id, mean, var));
-                    }
-                    kernels::affine_inplace(&mut y, os.c, scale, shift);
-                    y
-                }
-                Step::Clamp { lo, hi } => {
-                    let mut y = self.take_or_copy(&mut values, inputs[0], last_reader(inputs[0]));
-                    kernels::clamp_inplace(&mut y, *lo, *hi);
-                    y
-                }
-                Step::Identity => self.take_or_copy(&mut values, inputs[0], last_reader(inputs[0])),
-                Step::Add => {
-                    let (a, b) = if last_reader(inputs[0]) {
-                        (inputs[0], inputs[1])
-                    } else {
-                        (inputs[1], inputs[0])
-                    };
-                    let mut y = self.take_or_copy(&mut values, a, last_reader(a));
-                    kernels::add_inplace(&mut y, values[b].as_ref().expect("input computed"));
-                    y
-                }
-                Step::Pool { pool, max } => {
-                    let xs = self.dims(inputs[0]);
-                    let mut y = self.alloc(os.elems());
-                    kernels::pool(
-                        pool,
-                        *max,
-                        values[inputs[0]].as_ref().expect("input computed"),
-                        xs,
-                        &mut y,
-                        os,
-                    );
-                    y
-                }
-                Step::Adaptive => {
-                    let xs = self.dims(inputs[0]);
-                    let mut y = self.alloc(os.elems());
-                    kernels::adaptive_avg_pool(
-                        values[inputs[0]].as_ref().expect("input computed"),
-                        xs,
-                        &mut y,
-                        os,
-                    );
-                    y
-                }
-                Step::Flatten => {
-                    let xs = self.dims(inputs[0]);
-                    if xs.h * xs.w == 1 {
-                        self.take_or_copy(&mut values, inputs[0], last_reader(inputs[0]))
-                    } else {
-                        let mut y = self.alloc(os.elems());
-                        kernels::nhwc_to_nchw(
-                            values[inputs[0]].as_ref().expect("input computed"),
-                            xs,
-                            &mut y,
-                        );
-                        y
-                    }
-                }
-                Step::Linear { weight, fin, fout } => {
-                    let mut y = self.alloc(os.elems());
-                    let x = values[inputs[0]].as_ref().expect("input computed");
-                    kernels::linear(x, weight, (os.n, *fin, *fout), &mut y, self.threads);
-                    y
-                }
-                Step::Softmax => {
-                    let mut y = self.alloc(os.elems());
-                    kernels::softmax(
-                        values[inputs[0]].as_ref().expect("input computed"),
-                        os.c,
-                        &mut y,
-                    );
-                    y
-                }
-            };
-            values[id] = Some(out);
-            for &i in &inputs {
-                if self.plan.last_use[i] == id
-                    && let Some(buf) = values[i].take()
-                {
-                    self.free.push(buf);
-                }
+                let out = part[end].take().expect("the cut computed");
+                joined[images.start * per_image..images.end * per_image].copy_from_slice(&out);
+                self.free.push(out);
+                self.free.extend(part.into_iter().flatten());
             }
-            if let Some(start) = start {
-                self.times.push(KernelTime {
-                    node: self.names[id].clone(),
-                    op: self.plan.graph.nodes[id].op.kind_name().to_string(),
-                    kernel: kernel_name(step, &self.plan.graph.nodes[id].op),
-                    start_ns: start.duration_since(forward_start).as_nanos() as u64,
-                    ns: start.elapsed().as_nanos() as u64,
-                });
-            }
+            values[end] = Some(joined);
+            first = end + 1;
+        }
+        for (id, step) in steps.iter_mut().enumerate().skip(first) {
+            self.step(id, step, &mut values, input, 0..batch, start);
         }
         self.steps = steps;
         self.output = values[self.plan.graph.output].take();
         self.free.extend(values.into_iter().flatten());
         Ok(())
+    }
+
+    /// Node `id` on `images` of the batch: reads its inputs from `values`, leaves its output
+    /// there, frees the inputs it read last, and times itself when profiling.
+    fn step(
+        &mut self,
+        id: usize,
+        step: &mut Step<T>,
+        values: &mut [Option<Buf<T>>],
+        input: &Tensor,
+        images: std::ops::Range<usize>,
+        forward_start: Instant,
+    ) {
+        let start = self.profile.then(Instant::now);
+        let os = self.dims(id, images.clone());
+        let inputs = self.plan.graph.nodes[id].inputs.clone();
+        // An op that maps its input element-wise reuses the input's buffer when nothing
+        // else reads it later (torchvision's `inplace=True`).
+        let last_reader = |v: usize| self.plan.last_use[v] == id;
+        let out = match step {
+            Step::Input => {
+                let mut y = self.alloc(os.elems());
+                let image = input.data.len() / self.plan.batch();
+                let x = &input.data[images.start * image..images.end * image];
+                kernels::nchw_to_nhwc(x, os, &mut y);
+                y
+            }
+            Step::Conv(p) => {
+                let xs = self.dims(inputs[0], images.clone());
+                let mut y = self.alloc(os.elems());
+                let x = values[inputs[0]].as_ref().expect("input computed");
+                let residual = inputs
+                    .get(1)
+                    .map(|&r| values[r].as_deref().expect("residual computed"));
+                kernels::conv2d(p, x, xs, &mut y, os, self.threads, residual);
+                y
+            }
+            Step::Affine { scale, shift } => {
+                let mut y = self.take_or_copy(values, inputs[0], last_reader(inputs[0]));
+                if self.calibrate {
+                    let (mean, var) = channel_stats(&y, os.c);
+                    let gamma_beta: Vec<(f32, f32)> = scale
+                        .iter()
+                        .zip(shift.iter())
+                        .map(|(&s, &b)| (s, b))
+                        .collect();
+                    // In calibration the prepared scale/shift hold gamma and beta (see
+                    // `calibrate_batch_norm`); turn them into the batch's normalisation.
+                    for (c, (g, b)) in gamma_beta.into_iter().enumerate() {
+                        scale[c] = g / (var[c] + BN_EPS).sqrt();
+                        shift[c] = b - mean[c] * scale[c];
+                    }
+                    self.batch_stats.push((id, mean, var));
+                }
+                kernels::affine_inplace(&mut y, os.c, scale, shift);
+                y
+            }
+            Step::Clamp { lo, hi } => {
+                let mut y = self.take_or_copy(values, inputs[0], last_reader(inputs[0]));
+                kernels::clamp_inplace(&mut y, *lo, *hi);
+                y
+            }
+            Step::Identity => self.take_or_copy(values, inputs[0], last_reader(inputs[0])),
+            Step::Add => {
+                let (a, b) = if last_reader(inputs[0]) {
+                    (inputs[0], inputs[1])
+                } else {
+                    (inputs[1], inputs[0])
+                };
+                let mut y = self.take_or_copy(values, a, last_reader(a));
+                kernels::add_inplace(&mut y, values[b].as_ref().expect("input computed"));
+                y
+            }
+            Step::Pool { pool, max } => {
+                let xs = self.dims(inputs[0], images.clone());
+                let mut y = self.alloc(os.elems());
+                kernels::pool(
+                    pool,
+                    *max,
+                    values[inputs[0]].as_ref().expect("input computed"),
+                    xs,
+                    &mut y,
+                    os,
+                );
+                y
+            }
+            Step::Adaptive => {
+                let xs = self.dims(inputs[0], images.clone());
+                let mut y = self.alloc(os.elems());
+                kernels::adaptive_avg_pool(
+                    values[inputs[0]].as_ref().expect("input computed"),
+                    xs,
+                    &mut y,
+                    os,
+                );
+                y
+            }
+            Step::Flatten => {
+                let xs = self.dims(inputs[0], images.clone());
+                if xs.h * xs.w == 1 {
+                    self.take_or_copy(values, inputs[0], last_reader(inputs[0]))
+                } else {
+                    let mut y = self.alloc(os.elems());
+                    kernels::nhwc_to_nchw(
+                        values[inputs[0]].as_ref().expect("input computed"),
+                        xs,
+                        &mut y,
+                    );
+                    y
+                }
+            }
+            Step::Linear { weight, fin, fout } => {
+                let mut y = self.alloc(os.elems());
+                let x = values[inputs[0]].as_ref().expect("input computed");
+                kernels::linear(x, weight, (os.n, *fin, *fout), &mut y, self.threads);
+                y
+            }
+            Step::Softmax => {
+                let mut y = self.alloc(os.elems());
+                kernels::softmax(
+                    values[inputs[0]].as_ref().expect("input computed"),
+                    os.c,
+                    &mut y,
+                );
+                y
+            }
+        };
+        values[id] = Some(out);
+        for &i in &inputs {
+            if self.plan.last_use[i] == id
+                && let Some(buf) = values[i].take()
+            {
+                self.free.push(buf);
+            }
+        }
+        if let Some(start) = start {
+            self.times.push(KernelTime {
+                node: self.names[id].clone(),
+                op: self.plan.graph.nodes[id].op.kind_name().to_string(),
+                kernel: kernel_name(step, &self.plan.graph.nodes[id].op),
+                start_ns: start.duration_since(forward_start).as_nanos() as u64,
+                ns: start.elapsed().as_nanos() as u64,
+            });
+        }
     }
 
     /// The input buffer itself when this node is its last reader, else a copy of it.
@@ -879,8 +958,17 @@ impl<T: Elem> Session for CpuSession<T> {
     }
 
     fn kernel_version(&self) -> String {
+        let tiles = match &self.split {
+            Some(s) => format!(
+                ", batch tiles of {} image{} up to {}",
+                s.tile(),
+                if s.tile() == 1 { "" } else { "s" },
+                self.names[s.end]
+            ),
+            None => String::new(),
+        };
         format!(
-            "workshop-cpu {} (sgemm {}, {})",
+            "workshop-cpu {} (sgemm {}, {}{tiles})",
             env!("CARGO_PKG_VERSION"),
             sgemm::kernel_name(),
             T::PRECISION
@@ -918,6 +1006,56 @@ mod tests {
     use super::*;
     use crate::model::zoo;
     use winograd::Tile;
+
+    /// A pass whose first layers run a tile of images at a time gives the whole batch's
+    /// outputs bit for bit: each image's values are its own, whatever else is in the call.
+    /// Cuts after a downsampling block and after the stem's pooling, tiles of 1, 2 and 3
+    /// images (the last part of 5 is 1 or 2), FP32 and BF16.
+    #[test]
+    fn batch_tiles_change_nothing() {
+        fn check<T: Elem>(graph: &crate::model::Graph, weights: &Weights) {
+            let plan = graph.plan(5, 32, 32).unwrap();
+            let input = Tensor::new(
+                plan.input_shape().to_vec(),
+                (0..plan.input_shape().iter().product::<usize>())
+                    .map(|i| ((i * 7919) % 997) as f32 / 997.0 - 0.5)
+                    .collect(),
+            );
+            let pool = worker_pool(2, Vec::new()).unwrap();
+            let mut session = CpuSession::<T>::new(
+                &plan,
+                weights,
+                pool,
+                2,
+                false,
+                &Default::default(),
+                &mut Donor::default(),
+            )
+            .unwrap();
+            session.split = None;
+            session.run(&input).unwrap();
+            let whole = session.read_output().unwrap();
+            for (node, tile) in [("layer2.1.relu", 2), ("maxpool", 1), ("layer2.1.relu", 3)] {
+                session.split = Some(split::at(&plan, node, tile).unwrap());
+                for _ in 0..2 {
+                    session.run(&input).unwrap();
+                    let tiled = session.read_output().unwrap();
+                    assert_eq!(tiled.shape, whole.shape);
+                    let same = (tiled.data.iter().zip(&whole.data))
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{} cut after {node} in tiles of {tile}", T::PRECISION);
+                }
+            }
+            assert!(
+                split::at(&plan, "layer2.1.conv1", 2).is_err(),
+                "the block's input is live"
+            );
+        }
+        let graph = zoo::build("resnet18").unwrap();
+        let weights = Weights::init(&graph, 3);
+        check::<f32>(&graph, &weights);
+        check::<bf16>(&graph, &weights);
+    }
 
     /// A session's packed convolutions go to a new session where its layer runs as they were
     /// packed (another batch, the same Winograd tile or none), and only to FP32 sessions.
