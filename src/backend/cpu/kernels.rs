@@ -1206,25 +1206,37 @@ pub fn nhwc_to_nchw<T: Elem>(x: &[T], xs: Nhwc, y: &mut [T]) {
 
 /// NCHW f32 (the seam's layout) → NHWC storage, an image row at a time (each channel's row
 /// read straight, the pixels' channels interleaved; 3-channel images, every network's input,
-/// with the count fixed for the compiler).
+/// with the count fixed for the compiler). Half types interleave into an f32 row first and
+/// narrow it in one vectorised pass (bf16 one value at a time took 4× the f32 time).
 pub fn nchw_to_nhwc<T: Elem>(x: &[f32], xs: Nhwc, y: &mut [T]) {
     let plane = xs.h * xs.w;
+    let row = (xs.w * xs.c).max(1);
     y[..xs.elems()]
-        .par_chunks_mut((xs.w * xs.c).max(1))
+        .par_chunks_mut(row)
         .enumerate()
-        .for_each(|(r, out)| {
+        .for_each_init(Vec::new, |wide: &mut Vec<f32>, (r, out)| {
             let (n, iy) = (r / xs.h, r % xs.h);
             let channel = |c: usize| &x[(n * xs.c + c) * plane + iy * xs.w..][..xs.w];
-            if xs.c == 3 {
-                let (r, g, b) = (channel(0), channel(1), channel(2));
-                for (((px, r), g), b) in out.chunks_exact_mut(3).zip(r).zip(g).zip(b) {
-                    px.copy_from_slice(&[r, g, b].map(|&v| T::from_f32(v)));
+            let interleave = |out: &mut [f32]| {
+                if xs.c == 3 {
+                    let (r, g, b) = (channel(0), channel(1), channel(2));
+                    for (((px, r), g), b) in out.chunks_exact_mut(3).zip(r).zip(g).zip(b) {
+                        px.copy_from_slice(&[*r, *g, *b]);
+                    }
+                    return;
                 }
-                return;
-            }
-            for c in 0..xs.c {
-                for (px, &v) in out.chunks_exact_mut(xs.c).zip(channel(c)) {
-                    px[c] = T::from_f32(v);
+                for c in 0..xs.c {
+                    for (px, &v) in out.chunks_exact_mut(xs.c).zip(channel(c)) {
+                        px[c] = v;
+                    }
+                }
+            };
+            match T::as_f32_mut(out) {
+                Some(out) => interleave(out),
+                None => {
+                    wide.resize(out.len(), 0.0);
+                    interleave(wide);
+                    T::narrow(wide, out);
                 }
             }
         });
@@ -1365,12 +1377,21 @@ mod tests {
                 );
             }
         };
-        let scale = [1.0, -0.5, 3.0e38, 1.0e-3, 0.0, 7.25, -2.0, 1.5];
-        let shift = [0.0, 1.0, -1.0, 3.0e38, -0.0, 0.1, 1.0e-30, -7.0];
-        let mut fast = all.clone();
-        affine_inplace(&mut fast, 8, &scale, &shift);
-        let mut wide = widen(&all);
-        affine_inplace(&mut wide, 8, &scale, &shift);
+        // 24 channels: a vectorised body and a tail in every pixel; 65,520 values are
+        // 2,730 whole pixels.
+        let scale = [1.0, -0.5, 3.0e38, 1.0e-3, 0.0, 7.25, -2.0, 1.5].repeat(3);
+        let shift: Vec<f32> = [0.0, 1.0, -1.0, 3.0e38, -0.0, 0.1, 1.0e-30, -7.0]
+            .iter()
+            .cycle()
+            .skip(3)
+            .take(24)
+            .copied()
+            .collect();
+        let pixels = &all[..65_520];
+        let mut fast = pixels.to_vec();
+        affine_inplace(&mut fast, 24, &scale, &shift);
+        let mut wide = widen(pixels);
+        affine_inplace(&mut wide, 24, &scale, &shift);
         same("affine", &fast, &narrow(&wide));
         let mut fast = all.clone();
         add_inplace(&mut fast, &other);
