@@ -9,7 +9,7 @@ use crate::backend::Theoretical;
 /// instruction: each core runs independent FMA chains on registers
 /// ([`simd::fma_ceiling`]), which takes the clock the cores really run at (turbo, AVX
 /// offsets, a VM's share) where the OS reports a nominal one, and the units' real width;
-/// the clock that result implies at the ISA's FLOPs per cycle ([`cpu_flops_per_cycle`]) is
+/// the clock that result implies at the ISA's FLOPs per cycle (`cpu_flops_per_cycle`) is
 /// given next to the OS's. Elsewhere cores × the OS's clock × FLOPs per cycle, an estimate.
 /// `None` when neither is known or the device is not the host CPU.
 ///

@@ -1047,7 +1047,7 @@ fn add_chunk<T: Elem>(a: &mut [T], b: &[T]) {
     }
 }
 
-/// Max or average pooling over windows, one output row per work item ([`PoolRow`]): f32
+/// Max or average pooling over windows, one output row per work item (`PoolRow`): f32
 /// inputs read in place, half types through their widened input rows.
 pub fn pool<T: Elem>(p: &Pool, max: bool, x: &[T], xs: Nhwc, y: &mut [T], ys: Nhwc) {
     let ch = xs.c;

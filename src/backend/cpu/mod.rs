@@ -2,6 +2,24 @@
 //! every layer's weights for its kernel (in the session's storage precision), then runs the
 //! graph node by node on a rayon pool of `--threads` workers, freeing each activation after
 //! its last reader and recycling buffers so the timed loop does not allocate.
+//!
+//! Where each layer goes (activations NHWC, f32 arithmetic, storage f32, f16 or bf16):
+//! - 1×1 stride-1 convolutions and linear layers: a GEMM straight on the activations
+//!   ([`sgemm`]: packed weights, 14×32 AVX-512 / 6×16 AVX2 register tiles, portable fallback);
+//!   other convolutions gather im2col columns a chunk of rows at a time for the same GEMM
+//!   ([`kernels`]).
+//! - 3×3 stride-1 convolutions: Winograd F(4×4, 3×3) or F(2×2, 3×3) ([`winograd`]).
+//! - BF16 sessions: convolutions multiply bf16 pairs on AMX tiles ([`amx`]) or with
+//!   `vdpbf16ps` ([`pairs`]) where the CPU has them (Winograd instead on 3×3 layers with many
+//!   tiles); FP16 weights are widened in registers by the GEMM tiles.
+//! - Depthwise convolutions, pooling, batch norm (an affine map), ReLU, adds, softmax: direct
+//!   loops vectorised for the widest SIMD in use ([`simd`]); element-wise ops work in place
+//!   where their input is not read again.
+//! - Where the early activations of a batch outgrow the last-level cache, the layers up to a
+//!   block's output run a few images at a time ([`split`]), then the images are joined.
+//!
+//! `WORKSHOP_CPU_SIMD` forces a lesser SIMD path and `WORKSHOP_CPU_SPLIT` the batch tiles, to
+//! test or time them.
 
 pub mod amx;
 pub mod ceiling;
