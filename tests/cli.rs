@@ -212,12 +212,14 @@ fn batch_tiles_match_the_reference_and_bad_cuts_are_refused() {
             .output()
             .unwrap()
     };
-    let o = infer("layer1.1.relu:2");
-    assert!(o.status.success(), "{}", stderr(&o));
-    let diff = read_tensor(&ypath, "logits")
-        .unwrap()
-        .max_abs_diff(&expected);
-    assert!(diff <= 1e-4 * scale, "diff {diff}");
+    for asked in ["layer1.1.relu:2", "layer1.0.relu:1,layer2.1.relu:2"] {
+        let o = infer(asked);
+        assert!(o.status.success(), "{asked}: {}", stderr(&o));
+        let diff = read_tensor(&ypath, "logits")
+            .unwrap()
+            .max_abs_diff(&expected);
+        assert!(diff <= 1e-4 * scale, "{asked}: diff {diff}");
+    }
     for (bad, says) in [
         (
             "layer1.1.conv1:2",
@@ -226,6 +228,10 @@ fn batch_tiles_match_the_reference_and_bad_cuts_are_refused() {
         ("layer9.relu:2", "no node `layer9.relu`"),
         ("layer1.1.relu:0", "not a positive number"),
         ("all", "neither `off` nor NODE:IMAGES"),
+        (
+            "layer2.1.relu:2,layer1.1.relu:4",
+            "must come after its inner level's node",
+        ),
     ] {
         let o = infer(bad);
         assert!(!o.status.success(), "{bad} ran");

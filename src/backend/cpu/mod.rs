@@ -282,24 +282,31 @@ impl Backend for CpuBackend {
 }
 
 /// The batch tiles for `plan` at `elem` bytes a value: `WORKSHOP_CPU_SPLIT` = `off`, or
-/// `NODE:IMAGES` (cut after the last node named NODE, tiles of IMAGES), else
-/// [`split::plan`] for this CPU's last-level cache.
+/// `NODE:IMAGES[,NODE:IMAGES…]` (cut after the last node named NODE, tiles of IMAGES; levels
+/// in order along the network), else [`split::plan`] for this CPU's last-level cache.
 fn batch_split(plan: &Plan, elem: usize) -> Result<Option<split::Split>, BackendError> {
     let bad = |why: String| BackendError::Invalid(format!("WORKSHOP_CPU_SPLIT: {why}"));
     match std::env::var("WORKSHOP_CPU_SPLIT").ok().as_deref() {
         Some("off") => Ok(None),
         Some(v) => {
-            let (node, tile) = v.split_once(':').ok_or_else(|| {
-                bad(format!(
-                    "`{v}` is neither `off` nor NODE:IMAGES (`layer2.3.relu:4`)"
-                ))
-            })?;
-            let tile = tile
-                .parse::<usize>()
-                .ok()
-                .filter(|&t| t > 0)
-                .ok_or_else(|| bad(format!("`{tile}` is not a positive number of images")))?;
-            split::at(plan, node, tile).map(Some).map_err(bad)
+            let asked = (v.split(','))
+                .map(|level| {
+                    let (node, tile) = level.split_once(':').ok_or_else(|| {
+                        bad(format!(
+                            "`{level}` is neither `off` nor NODE:IMAGES (`layer2.3.relu:4`)"
+                        ))
+                    })?;
+                    let tile = tile
+                        .parse::<usize>()
+                        .ok()
+                        .filter(|&t| t > 0)
+                        .ok_or_else(|| {
+                            bad(format!("`{tile}` is not a positive number of images"))
+                        })?;
+                    Ok((node, tile))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            split::at(plan, &asked).map(Some).map_err(bad)
         }
         None => Ok(split::plan(plan, elem, split::last_level_cache())),
     }
@@ -431,13 +438,11 @@ impl<T: Elem> CpuSession<T> {
         donor: &mut Donor,
     ) -> Result<Self, BackendError> {
         let split = batch_split(plan, std::mem::size_of::<T>())?;
-        // The shape each node runs at: a tile of the batch up to the split's cut.
+        // The shape each node runs at: the most images one call of it sees.
         let run_shape = |id: usize| {
             let mut shape = plan.shapes[id].clone();
-            if let (Some(s), Some(n)) = (&split, shape.first_mut())
-                && id <= s.end
-            {
-                *n = s.tile();
+            if let (Some(s), Some(n)) = (&split, shape.first_mut()) {
+                *n = s.images(id, *n);
             }
             shape
         };
@@ -603,33 +608,64 @@ impl<T: Elem> CpuSession<T> {
         let batch = self.plan.batch();
         let mut values: Vec<Option<Buf<T>>> = (0..n_nodes).map(|_| None).collect();
         let mut steps = std::mem::take(&mut self.steps);
-        let mut first = 0;
-        if let Some(split) = self.split.clone().filter(|_| !self.calibrate) {
-            // The first layers a tile of images at a time; the cut's value of every tile is
-            // copied into its place in the whole batch's.
-            let end = split.end;
-            let per_image = self.dims(end, 0..batch).elems() / batch;
-            let mut joined = self.alloc(per_image * batch);
-            for images in split.parts {
-                let mut part: Vec<Option<Buf<T>>> = (0..=end).map(|_| None).collect();
-                for (id, step) in steps[..=end].iter_mut().enumerate() {
-                    self.step(id, step, &mut part, input, images.clone(), start);
-                }
-                let out = part[end].take().expect("the cut computed");
-                joined[images.start * per_image..images.end * per_image].copy_from_slice(&out);
-                self.free.push(out);
-                self.free.extend(part.into_iter().flatten());
-            }
-            values[end] = Some(joined);
-            first = end + 1;
-        }
-        for (id, step) in steps.iter_mut().enumerate().skip(first) {
-            self.step(id, step, &mut values, input, 0..batch, start);
-        }
+        let levels = match &self.split {
+            Some(split) if !self.calibrate => split.levels.clone(),
+            _ => Vec::new(),
+        };
+        let last = n_nodes - 1;
+        self.run_nodes(
+            &mut steps,
+            &levels,
+            last,
+            0..batch,
+            &mut values,
+            input,
+            start,
+        );
         self.steps = steps;
         self.output = values[self.plan.graph.output].take();
         self.free.extend(values.into_iter().flatten());
         Ok(())
+    }
+
+    /// Nodes `0..=upto` on `images` of the batch, the batch tiles of `levels` (innermost first)
+    /// that lie inside: up to the outermost level's cut, one of its tiles at a time (each
+    /// through the levels inside it), the cut's values copied into their place among
+    /// `images`, then the rest of the nodes on all of `images`.
+    #[allow(clippy::too_many_arguments)]
+    fn run_nodes(
+        &mut self,
+        steps: &mut [Step<T>],
+        levels: &[split::Level],
+        upto: usize,
+        images: std::ops::Range<usize>,
+        values: &mut [Option<Buf<T>>],
+        input: &Tensor,
+        start: Instant,
+    ) {
+        let mut first = 0;
+        if let Some((level, inner)) = levels.split_last() {
+            if level.end > upto || level.tile >= images.len() {
+                return self.run_nodes(steps, inner, upto, images, values, input, start);
+            }
+            let end = level.end;
+            let per_image = self.dims(end, 0..1).elems();
+            let mut joined = self.alloc(per_image * images.len());
+            for part in split::parts(images.clone(), level.tile) {
+                let mut tile: Vec<Option<Buf<T>>> = (0..=end).map(|_| None).collect();
+                self.run_nodes(steps, inner, end, part.clone(), &mut tile, input, start);
+                let out = tile[end].take().expect("the cut computed");
+                let at = (part.start - images.start) * per_image;
+                joined[at..at + out.len()].copy_from_slice(&out);
+                self.free.push(out);
+                self.free.extend(tile.into_iter().flatten());
+            }
+            values[end] = Some(joined);
+            first = end + 1;
+        }
+        for (id, step) in steps.iter_mut().enumerate().take(upto + 1).skip(first) {
+            self.step(id, step, values, input, images.clone(), start);
+        }
     }
 
     /// Node `id` on `images` of the batch: reads its inputs from `values`, leaves its output
@@ -978,10 +1014,8 @@ impl<T: Elem> Session for CpuSession<T> {
     fn kernel_version(&self) -> String {
         let tiles = match &self.split {
             Some(s) => format!(
-                ", batch tiles of {} image{} up to {}",
-                s.tile(),
-                if s.tile() == 1 { "" } else { "s" },
-                self.names[s.end]
+                ", batch tiles of {}",
+                s.describe(self.plan.batch(), |id| self.names[id].clone())
             ),
             None => String::new(),
         };
@@ -1028,7 +1062,7 @@ mod tests {
     /// A pass whose first layers run a tile of images at a time gives the whole batch's
     /// outputs bit for bit: each image's values are its own, whatever else is in the call.
     /// Cuts after a downsampling block and after the stem's pooling, tiles of 1, 2 and 3
-    /// images (the last part of 5 is 1 or 2), FP32 and BF16.
+    /// images (the last part of 5 is 1 or 2), three nested levels, FP32 and BF16.
     #[test]
     fn batch_tiles_change_nothing() {
         fn check<T: Elem>(graph: &crate::model::Graph, weights: &Weights) {
@@ -1053,20 +1087,39 @@ mod tests {
             session.split = None;
             session.run(&input).unwrap();
             let whole = session.read_output().unwrap();
-            for (node, tile) in [("layer2.1.relu", 2), ("maxpool", 1), ("layer2.1.relu", 3)] {
-                session.split = Some(split::at(&plan, node, tile).unwrap());
+            let cases: [&[(&str, usize)]; 4] = [
+                &[("layer2.1.relu", 2)],
+                &[("maxpool", 1)],
+                &[("layer2.1.relu", 3)],
+                &[
+                    ("layer1.0.relu", 1),
+                    ("layer1.1.relu", 2),
+                    ("layer2.1.relu", 4),
+                ],
+            ];
+            for asked in cases {
+                session.split = Some(split::at(&plan, asked).unwrap());
                 for _ in 0..2 {
                     session.run(&input).unwrap();
                     let tiled = session.read_output().unwrap();
                     assert_eq!(tiled.shape, whole.shape);
                     let same = (tiled.data.iter().zip(&whole.data))
                         .all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(same, "{} cut after {node} in tiles of {tile}", T::PRECISION);
+                    assert!(same, "{} in tiles {asked:?}", T::PRECISION);
                 }
             }
+            let refused = |asked: &[(&str, usize)]| split::at(&plan, asked).is_err();
             assert!(
-                split::at(&plan, "layer2.1.conv1", 2).is_err(),
+                refused(&[("layer2.1.conv1", 2)]),
                 "the block's input is live"
+            );
+            assert!(
+                refused(&[("layer2.1.relu", 2), ("layer1.1.relu", 4)]),
+                "out of order"
+            );
+            assert!(
+                refused(&[("layer1.1.relu", 2), ("layer2.1.relu", 2)]),
+                "tiles not growing"
             );
         }
         let graph = zoo::build("resnet18").unwrap();

@@ -1,30 +1,66 @@
 //! Batch tiles for a network's first layers: where a batch's early activations outgrow the
 //! last-level cache, a pass runs the nodes up to a cut a few images at a time, then joins the
-//! images and runs the rest on the whole batch.
+//! images and runs the rest on the whole batch. Tiles nest: the largest activations (the first
+//! layers') get the smallest tiles, the next layers larger ones.
 //!
 //! Every op still runs on its own, unfused, in graph order, with the same kernels and the same
 //! results bit for bit (each image's values depend on that image alone); what changes is how
-//! many images each call sees. ResNet-50's layer1 holds 3.2 MB per image for every tensor, so
+//! many images each call sees. ResNet-50's layer1 holds 3.2 MB per image in every tensor, so
 //! at batch 8 each of its batch norms, ReLUs and adds streams 26 MB tensors that barely miss
-//! a 32 MB L3 and go to memory; in tiles of 4 images they stay in cache. Past the cut the
+//! a 32 MB L3 and go to memory; in tiles of 2 images they stay in cache. Past the last cut the
 //! weights outweigh the activations and the whole batch shares each read of them.
 
 use std::ops::Range;
 
 use crate::model::Plan;
 
-/// Nodes `0..=end` run once per part of the batch (images `parts[i]`), the rest once.
+/// One level of tiles: nodes up to `end` (inclusive) run `tile` images at a time, or fewer
+/// (the parts of a batch or of an outer level's tile are cut as evenly as they go).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Level {
+    pub end: usize,
+    pub tile: usize,
+}
+
+/// The levels, innermost (earliest cut, smallest tile) first; each later one ends later and
+/// has larger tiles.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Split {
-    pub end: usize,
-    pub parts: Vec<Range<usize>>,
+    pub levels: Vec<Level>,
 }
 
 impl Split {
-    /// The largest part's image count.
-    pub fn tile(&self) -> usize {
-        self.parts.iter().map(|p| p.len()).max().unwrap_or(0)
+    /// The most images one call of node `id` sees in a batch of `n`.
+    pub fn images(&self, id: usize, n: usize) -> usize {
+        let mut size = n;
+        for level in self.levels.iter().rev().filter(|l| id <= l.end) {
+            size = parts(0..size, level.tile)
+                .map(|p| p.len())
+                .max()
+                .unwrap_or(size);
+        }
+        size
     }
+
+    /// "2 images up to layer2.0.relu, 4 up to layer2.3.relu", with the images per call a batch
+    /// of `n` gets and the node names from `name`.
+    pub fn describe(&self, n: usize, name: impl Fn(usize) -> String) -> String {
+        let said: Vec<String> = (self.levels.iter())
+            .map(|l| (self.images(l.end, n), l.end))
+            .map(|(images, end)| {
+                let s = if images == 1 { "" } else { "s" };
+                format!("{images} image{s} up to {}", name(end))
+            })
+            .collect();
+        said.join(", ")
+    }
+}
+
+/// `images` cut into parts of at most `tile`, as even as they go.
+pub fn parts(images: Range<usize>, tile: usize) -> impl Iterator<Item = Range<usize>> {
+    let (start, n) = (images.start, images.len());
+    let count = n.div_ceil(tile.max(1)).max(1);
+    (0..count).map(move |i| start + i * n / count..start + (i + 1) * n / count)
 }
 
 /// The split of `plan`'s batch for a last-level cache of `cache` bytes at `elem` bytes per
@@ -33,11 +69,13 @@ impl Split {
 /// A node *spills* where the values it reads and writes for the whole batch (an in-place
 /// operand counted as read and written) exceed the cache: tiling the batch saves about those
 /// bytes of memory traffic. It costs a read of the node's weights for every part after the
-/// first. A tile is as many images as keep the values live up to the cut (the most at any node,
-/// as [`Plan::memory_estimate`] counts them) within [`TILE_SHARE`] of the cache, at least one,
-/// and the parts are as even as they go. The cut is the point, among those that leave a single
-/// value live (a block's output: the only place to join the images without holding more), where
-/// the bytes saved minus the bytes spent are largest, if that is above zero.
+/// first. The last cut is the point, among those that leave a single value live (a block's
+/// output: the only place to join the images without holding more), where the bytes saved
+/// minus the bytes spent (counting every node up to it in the smallest tiles) are largest, if
+/// that is above zero. Up to it, each node asks for as many images as keep the values live
+/// while it runs (as [`Plan::memory_estimate`] counts them) within [`TILE_SHARE`] of the
+/// cache; each tile size asked for ends at the first cut after the last node asking for it or
+/// less (and after the ops that only map that cut's value), the largest at the last cut.
 pub fn plan(plan: &Plan, elem: usize, cache: usize) -> Option<Split> {
     let n = plan.batch();
     let nodes = plan.graph.nodes.len();
@@ -51,8 +89,11 @@ pub fn plan(plan: &Plan, elem: usize, cache: usize) -> Option<Split> {
             .sum();
         params * elem
     };
-    let (mut saved, mut spent, mut live, mut peak) = (0, 0, 0, 1);
-    let mut best: Option<(isize, Split)> = None;
+    let budget = (cache as f64 * TILE_SHARE) as usize;
+    // Images each node may see at a time.
+    let mut asks = Vec::new();
+    let (mut saved, mut spent, mut live) = (0, 0, 0);
+    let mut best: Option<(isize, usize)> = None;
     for (e, node) in plan.graph.nodes.iter().enumerate().take(nodes - 1) {
         // Only tensors whose first dimension is the batch can be cut into images.
         if !matches!(plan.shapes[e].len(), 2 | 4) {
@@ -64,31 +105,65 @@ pub fn plan(plan: &Plan, elem: usize, cache: usize) -> Option<Split> {
         }
         spent += weights(e);
         live += bytes(e);
-        peak = peak.max(live);
+        asks.push((budget * n / live.max(1)).clamp(1, n));
         for &i in &node.inputs {
             if plan.last_use[i] == e {
                 live -= bytes(i);
             }
         }
-        let tile = ((cache as f64 * TILE_SHARE) as usize * n / peak).clamp(1, n);
-        if tile >= n || !is_cut(plan, e) {
+        let smallest = asks.iter().copied().min().unwrap_or(n);
+        if smallest >= n || !is_cut(plan, e) {
             continue;
         }
-        let split = even(e, n, tile);
-        let score = saved as isize - ((split.parts.len() - 1) * spent) as isize;
+        let score = saved as isize - ((n.div_ceil(smallest) - 1) * spent) as isize;
         // The later cut of two that score the same: its last ops run on the tiles too.
-        if score > 0 && best.as_ref().is_none_or(|(s, _)| score >= *s) {
-            best = Some((score, split));
+        if score > 0 && best.is_none_or(|(s, _)| score >= s) {
+            best = Some((score, e));
         }
     }
-    best.map(|(_, s)| s)
+    let (_, last) = best?;
+    let mut tiles: Vec<usize> = asks[..=last].to_vec();
+    tiles.sort_unstable();
+    tiles.dedup();
+    let mut levels: Vec<Level> = Vec::new();
+    for tile in tiles.into_iter().filter(|&t| t < n) {
+        let asker = (0..=last).rev().find(|&id| asks[id] <= tile)?;
+        let mut end = (asker..=last).find(|&e| is_cut(plan, e))?;
+        // Through the ops that only map the cut's value (a block's last ReLU): the join then
+        // comes after them, at the block's output.
+        while end < last && is_cut(plan, end + 1) && plan.graph.nodes[end + 1].inputs == [end] {
+            end += 1;
+        }
+        match levels.last() {
+            // Not past the smaller tiles' cut: they cover it.
+            Some(l) if l.end >= end => {}
+            _ => levels.push(Level { end, tile }),
+        }
+    }
+    // The largest tiles reach the last cut: the nodes past the last one asking for them
+    // spill, or the cut would not be there.
+    if let Some(outer) = levels.last_mut() {
+        outer.end = last;
+    }
+    // A level whose parts come out no larger than the level inside it (4 images in tiles of
+    // 3 are 2 + 2) adds a join and nothing else.
+    let mut split = Split { levels };
+    while let Some(i) = (1..split.levels.len()).find(|&i| {
+        let l = &split.levels;
+        split.images(l[i].end, n) <= split.images(l[i - 1].end, n)
+    }) {
+        split.levels[i - 1].end = split.levels[i].end;
+        split.levels.remove(i);
+    }
+    Some(split).filter(|s| !s.levels.is_empty())
 }
 
 /// The share of the last-level cache a tile's live values may fill; the rest holds weights,
 /// the kernels' scratch (im2col columns, Winograd's transformed tiles) and whatever else runs.
-/// ResNet-50 FP32 on a Zen 5 VM (32 MB L3, 9.6 MB live an image in layer1), cut after layer2,
-/// interleaved: batch 8 in tiles of 1, 2, 3, 4 images ran 9%, 9%, 8%, 5% faster than whole;
-/// batch 32 in tiles of 1, 2, 4, 8: 1%, 6%, 7%, 4%. Two thirds makes tiles of 2.
+/// ResNet-50 FP32 on a Zen 5 VM (32 MB L3, 9.6 MB live an image in layer1), one cut after
+/// layer2, interleaved: batch 8 in tiles of 1, 2, 3, 4 images ran 9%, 9%, 8%, 5% faster than
+/// whole; batch 32 in tiles of 1, 2, 4, 8: 1%, 6%, 7%, 4%. Two thirds makes tiles of 2 for
+/// layer1, 4 for most of layer2.
 pub const TILE_SHARE: f64 = 2.0 / 3.0;
 
 /// Whether the images can be joined after node `e`: nothing before it is read after it, it is
@@ -97,26 +172,32 @@ fn is_cut(plan: &Plan, e: usize) -> bool {
     e != plan.graph.output && (0..e).all(|v| plan.last_use[v] <= e) && plan.last_use[e] > e
 }
 
-/// Cut after `e`, `n` images in parts of at most `tile`, as even as they go.
-fn even(end: usize, n: usize, tile: usize) -> Split {
-    let count = n.div_ceil(tile.max(1));
-    let parts = (0..count)
-        .map(|i| i * n / count..(i + 1) * n / count)
-        .collect();
-    Split { end, parts }
-}
-
-/// The split that cuts after the last node named `node`, in tiles of `tile` images.
-pub fn at(plan: &Plan, node: &str, tile: usize) -> Result<Split, String> {
-    let end = (plan.graph.nodes.iter())
-        .rposition(|n| n.name == node)
-        .ok_or_else(|| format!("the network has no node `{node}`"))?;
-    if !is_cut(plan, end) {
-        return Err(format!(
-            "the images cannot be joined after `{node}`: values before it are read after it"
-        ));
+/// The split asked for by name: (node, tile) pairs, each cut after the last node of its name,
+/// in order along the network with tiles growing.
+pub fn at(plan: &Plan, asked: &[(&str, usize)]) -> Result<Split, String> {
+    let mut levels: Vec<Level> = Vec::new();
+    for &(node, tile) in asked {
+        let end = (plan.graph.nodes.iter())
+            .rposition(|n| n.name == node)
+            .ok_or_else(|| format!("the network has no node `{node}`"))?;
+        if !is_cut(plan, end) {
+            return Err(format!(
+                "the images cannot be joined after `{node}`: values before it are read after it"
+            ));
+        }
+        if tile == 0 {
+            return Err(format!("`{node}`: a tile holds at least one image"));
+        }
+        if let Some(inner) = levels.last()
+            && (inner.end >= end || inner.tile >= tile)
+        {
+            return Err(format!(
+                "`{node}:{tile}` must come after its inner level's node and have more images"
+            ));
+        }
+        levels.push(Level { end, tile });
     }
-    Ok(even(end, plan.batch(), tile))
+    Ok(Split { levels })
 }
 
 /// The last-level cache in bytes: Linux's report for cpu0's deepest unified cache, else AMD's
@@ -199,13 +280,21 @@ mod tests {
 
     /// ResNet-50 at batch 8 with a 32 MB cache: its stem, layer1 and layer2's adds spill
     /// (layer2's touch 38.5 MB), layer3's do not, and its weights would be read once more.
+    /// layer1 and layer2's first block ask for 2 images (9.6 MB live an image), the rest of
+    /// layer2 for 4.
     #[test]
     fn resnet50_splits_its_early_layers() {
         let graph = zoo::build("resnet50").unwrap();
         let plan = graph.plan(8, 224, 224).unwrap();
+        let name = |id: usize| plan.graph.nodes[id].name.clone();
         let split = plan_for(&plan, 32 << 20).expect("a split at batch 8");
-        assert_eq!(plan.graph.nodes[split.end].name, "layer2.3.relu");
-        assert_eq!(split.parts, vec![0..2, 2..4, 4..6, 6..8]);
+        assert_eq!(
+            split.describe(8, name),
+            "2 images up to layer2.0.relu, 4 images up to layer2.3.relu"
+        );
+        let conv1 = plan.graph.nodes.iter().position(|n| n.name == "conv1");
+        assert_eq!(split.images(conv1.unwrap(), 8), 2);
+        assert_eq!(split.images(plan.graph.output, 8), 8);
         let small = graph.plan(1, 224, 224).unwrap();
         assert_eq!(
             plan_for(&small, 32 << 20),
@@ -216,7 +305,19 @@ mod tests {
         assert_eq!(plan_for(&tiny, 32 << 20), None, "everything fits");
         let wide = graph.plan(32, 224, 224).unwrap();
         let split = plan_for(&wide, 32 << 20).unwrap();
-        assert_eq!((split.parts.len(), split.tile()), (16, 2));
+        assert_eq!(split.images(conv1.unwrap(), 32), 2);
+        // bf16 values take half the bytes: twice the images a tile.
+        let half = super::plan(&plan, 2, 32 << 20).unwrap();
+        assert_eq!(half.describe(8, name), "4 images up to layer1.2.relu");
+    }
+
+    #[test]
+    fn parts_are_even() {
+        let cut = |n: usize, tile| parts(3..3 + n, tile).collect::<Vec<_>>();
+        assert_eq!(cut(8, 3), vec![3..5, 5..8, 8..11]);
+        assert_eq!(cut(4, 3), vec![3..5, 5..7]);
+        assert_eq!(cut(2, 4), vec![3..5]);
+        assert_eq!(cut(5, 1).len(), 5);
     }
 
     fn plan_for(plan: &Plan, cache: usize) -> Option<Split> {
