@@ -1231,14 +1231,7 @@ pub fn nchw_to_nhwc<T: Elem>(x: &[f32], xs: Nhwc, y: &mut [T]) {
                     }
                 }
             };
-            match T::as_f32_mut(out) {
-                Some(out) => interleave(out),
-                None => {
-                    wide.resize(out.len(), 0.0);
-                    interleave(wide);
-                    T::narrow(wide, out);
-                }
-            }
+            as_f32_row(out, wide, interleave);
         });
 }
 

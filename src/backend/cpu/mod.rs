@@ -1028,6 +1028,25 @@ impl<T: Elem> Session for CpuSession<T> {
     }
 }
 
+/// CPUID's extended leaf 0x8000_0006 (ECX: the L2 cache, EDX: the L3 on AMD), where the CPU
+/// has it.
+pub(crate) fn cache_leaf() -> Option<(u32, u32)> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::__cpuid;
+        // SAFETY: CPUID exists on every x86-64 CPU; leaf 0x8000_0006 is read only where the
+        // highest extended leaf (leaf 0x8000_0000's EAX) includes it.
+        #[allow(unused_unsafe)]
+        unsafe {
+            if __cpuid(0x8000_0000).eax >= 0x8000_0006 {
+                let leaf = __cpuid(0x8000_0006);
+                return Some((leaf.ecx, leaf.edx));
+            }
+        }
+    }
+    None
+}
+
 /// `len` copies of `T::default()` in memory that Linux is asked to back with 2 MiB pages
 /// (transparent huge pages, which Debian's kernels give only to memory a program asks them
 /// for): the packed weights and the activations, tens of MB streamed every pass, then take

@@ -652,25 +652,10 @@ fn row_outer_fits() -> usize {
 /// AMD both report it there), 256 KiB (the smallest of recent x86 cores) where it says
 /// nothing.
 fn l2_bytes() -> usize {
-    const FALLBACK: usize = 256 << 10;
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::__cpuid;
-        // SAFETY: CPUID exists on every x86-64 CPU; leaf 0x8000_0006 is read only where the
-        // highest extended leaf (leaf 0x8000_0000's EAX) includes it.
-        #[allow(unused_unsafe)]
-        let kib = unsafe {
-            if __cpuid(0x8000_0000).eax >= 0x8000_0006 {
-                (__cpuid(0x8000_0006).ecx >> 16) as usize
-            } else {
-                0
-            }
-        };
-        if kib > 0 {
-            return kib << 10;
-        }
+    match super::cache_leaf() {
+        Some((ecx, _)) if ecx >> 16 > 0 => ((ecx >> 16) as usize) << 10,
+        _ => 256 << 10,
     }
-    FALLBACK
 }
 
 /// How far ahead (in k, rows of a panel) the SIMD tiles ask for B: 64 rows of 64 bytes, the

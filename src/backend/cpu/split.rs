@@ -203,28 +203,13 @@ pub fn at(plan: &Plan, asked: &[(&str, usize)]) -> Result<Split, String> {
 /// The last-level cache in bytes: Linux's report for cpu0's deepest unified cache, else AMD's
 /// CPUID leaf 0x8000_0006 (EDX: L3 in 512 KiB units), else 8 MiB.
 pub fn last_level_cache() -> usize {
-    const FALLBACK: usize = 8 << 20;
     if let Some(bytes) = sysfs_llc() {
         return bytes;
     }
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::__cpuid;
-        // SAFETY: CPUID exists on every x86-64 CPU; leaf 0x8000_0006 is read only where the
-        // highest extended leaf includes it.
-        #[allow(unused_unsafe)]
-        let units = unsafe {
-            if __cpuid(0x8000_0000).eax >= 0x8000_0006 {
-                (__cpuid(0x8000_0006).edx >> 18) as usize
-            } else {
-                0
-            }
-        };
-        if units > 0 {
-            return units * (512 << 10);
-        }
+    match super::cache_leaf() {
+        Some((_, edx)) if edx >> 18 > 0 => (edx >> 18) as usize * (512 << 10),
+        _ => 8 << 20,
     }
-    FALLBACK
 }
 
 fn sysfs_llc() -> Option<usize> {
