@@ -24,6 +24,7 @@ pub trait Elem: Copy + Send + Sync + Default + 'static {
     fn as_bf16_mut(s: &mut [Self]) -> Option<&mut [bf16]>;
     /// The slice itself when the storage type is f16 (what the SGEMM's f16 tiles read).
     fn as_f16(s: &[Self]) -> Option<&[f16]>;
+    fn as_f16_mut(s: &mut [Self]) -> Option<&mut [f16]>;
     /// A half type's values as their bits, with +∞'s bits: the values above it are NaNs,
     /// those in 1..=+∞ positive (what ReLU keeps). `None` for f32.
     fn half_bits_mut(s: &mut [Self]) -> Option<(&mut [u16], u16)>;
@@ -56,6 +57,9 @@ impl Elem for f32 {
     fn as_f16(_: &[Self]) -> Option<&[f16]> {
         None
     }
+    fn as_f16_mut(_: &mut [Self]) -> Option<&mut [f16]> {
+        None
+    }
     fn half_bits_mut(_: &mut [Self]) -> Option<(&mut [u16], u16)> {
         None
     }
@@ -70,7 +74,7 @@ impl Elem for f32 {
 /// The two half types differ only in their names, formats and conversion loops.
 macro_rules! half_elem {
     ($t:ty, $precision:expr, $suffix:literal, $widen:path, $narrow:path, $as_bf16:path,
-     $as_bf16_mut:path, $as_f16:path) => {
+     $as_bf16_mut:path, $as_f16:path, $as_f16_mut:path) => {
         impl Elem for $t {
             const PRECISION: Precision = $precision;
             const SUFFIX: &'static str = $suffix;
@@ -96,6 +100,9 @@ macro_rules! half_elem {
             fn as_f16(s: &[Self]) -> Option<&[f16]> {
                 $as_f16(s)
             }
+            fn as_f16_mut(s: &mut [Self]) -> Option<&mut [f16]> {
+                $as_f16_mut(s)
+            }
             fn half_bits_mut(s: &mut [Self]) -> Option<(&mut [u16], u16)> {
                 Some((s.reinterpret_cast_mut(), <$t>::INFINITY.to_bits()))
             }
@@ -119,6 +126,7 @@ half_elem!(
     narrow_f16,
     not_bf16,
     not_bf16_mut,
+    Some,
     Some
 );
 half_elem!(
@@ -129,10 +137,15 @@ half_elem!(
     narrow_bf16,
     Some,
     Some,
-    not_f16
+    not_f16,
+    not_f16_mut
 );
 
 fn not_f16(_: &[bf16]) -> Option<&[f16]> {
+    None
+}
+
+fn not_f16_mut(_: &mut [bf16]) -> Option<&mut [f16]> {
     None
 }
 
@@ -166,6 +179,36 @@ fn narrow_f16(src: &[f32], dst: &mut [f16]) {
         return unsafe { x86::narrow_f16(src, dst) };
     }
     dst.convert_from_f32_slice(src);
+}
+
+/// Batch norm's y = x·scale[c] + shift[c] on f16 pixels of `c` channels in place (a part
+/// pixel at the end left as it is), converted in registers by F16C (`vcvtph2ps`, then
+/// `vcvtps2ph` to nearest): one pass over memory instead of widening a block into scratch,
+/// mapping it and narrowing it back, with the same results bit for bit. `false` (nothing
+/// done) where the CPU has no F16C.
+pub fn affine_f16(part: &mut [f16], c: usize, scale: &[f32], shift: &[f32]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if simd::f16c() {
+        assert!(c > 0 && scale.len() >= c && shift.len() >= c);
+        // SAFETY: the CPU has AVX2 and F16C (checked by `simd::f16c`); scale and shift cover
+        // the channels.
+        unsafe { x86::affine_f16(part, c, scale, shift) };
+        return true;
+    }
+    false
+}
+
+/// a += b on f16 (each sum rounded once), converted in registers as [`affine_f16`] does;
+/// `false` (nothing done) where the CPU has no F16C.
+pub fn add_f16(a: &mut [f16], b: &[f16]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if simd::f16c() {
+        assert_eq!(a.len(), b.len(), "add: lengths differ");
+        // SAFETY: as in `affine_f16`; the lengths are equal.
+        unsafe { x86::add_f16(a, b) };
+        return true;
+    }
+    false
 }
 
 fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
@@ -238,6 +281,69 @@ mod x86 {
         }
         for (d, s) in dst[n..].iter_mut().zip(&src[n..]) {
             *d = f16::from_f32(*s);
+        }
+    }
+
+    /// 8 f16 at `p` as f32.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and F16C; 8 values are readable at `p`.
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    unsafe fn load8(p: *const f16) -> __m256 {
+        // SAFETY: the caller's.
+        _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p as *const __m128i) })
+    }
+
+    /// 8 f32 rounded to f16 (to nearest, as `narrow_f16`) and stored at `p`.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and F16C; 8 values are writable at `p`.
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    unsafe fn store8(p: *mut f16, v: __m256) {
+        let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
+        // SAFETY: the caller's.
+        unsafe { _mm_storeu_si128(p as *mut __m128i, h) };
+    }
+
+    /// # Safety
+    /// The CPU has AVX2 and F16C; `scale` and `shift` hold at least `c` values.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn affine_f16(part: &mut [f16], c: usize, scale: &[f32], shift: &[f32]) {
+        let full = c / 8 * 8;
+        for px in part.chunks_exact_mut(c) {
+            // SAFETY: channel groups of 8 below `full` ≤ c, inside the pixel and both maps.
+            unsafe {
+                for k in (0..full).step_by(8) {
+                    // Multiply, then add: rounded twice, as the f32 path computes it.
+                    let y = _mm256_add_ps(
+                        _mm256_mul_ps(load8(px.as_ptr().add(k)), _mm256_loadu_ps(&scale[k])),
+                        _mm256_loadu_ps(&shift[k]),
+                    );
+                    store8(px.as_mut_ptr().add(k), y);
+                }
+            }
+            for k in full..c {
+                px[k] = f16::from_f32(px[k].to_f32() * scale[k] + shift[k]);
+            }
+        }
+    }
+
+    /// # Safety
+    /// The CPU has AVX2 and F16C; `a` and `b` have the same length.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn add_f16(a: &mut [f16], b: &[f16]) {
+        let n = a.len() / 8 * 8;
+        // SAFETY: every 8-value access lies below n ≤ both lengths.
+        unsafe {
+            for i in (0..n).step_by(8) {
+                let sum = _mm256_add_ps(load8(a.as_ptr().add(i)), load8(b.as_ptr().add(i)));
+                store8(a.as_mut_ptr().add(i), sum);
+            }
+        }
+        for (x, y) in a[n..].iter_mut().zip(&b[n..]) {
+            *x = f16::from_f32(x.to_f32() + y.to_f32());
         }
     }
 }
