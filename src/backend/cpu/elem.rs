@@ -181,7 +181,7 @@ fn narrow_f16(src: &[f32], dst: &mut [f16]) {
     dst.convert_from_f32_slice(src);
 }
 
-/// Batch norm's y = x·scale[c] + shift[c] on f16 pixels of `c` channels in place (a part
+/// Batch norm's `y = x·scale[c] + shift[c]` on f16 pixels of `c` channels in place (a part
 /// pixel at the end left as it is), converted in registers by F16C (`vcvtph2ps`, then
 /// `vcvtps2ph` to nearest): one pass over memory instead of widening a block into scratch,
 /// mapping it and narrowing it back, with the same results bit for bit. `false` (nothing
