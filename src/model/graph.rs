@@ -192,6 +192,25 @@ impl Plan {
             .bytes(&self.input_shapes(id), &self.shapes[id], precision.bytes())
     }
 
+    /// The activation bytes live while each node runs, at `elem` bytes a value: its output and
+    /// every earlier value a later node (or the output) still reads, its inputs included.
+    pub fn live_bytes(&self, elem: u64) -> Vec<u64> {
+        let bytes = |id: usize| self.shapes[id].iter().map(|&d| d as u64).product::<u64>() * elem;
+        let mut live = 0;
+        (self.graph.nodes.iter().enumerate())
+            .map(|(id, node)| {
+                live += bytes(id);
+                let during = live;
+                for &i in &node.inputs {
+                    if self.last_use[i] == id {
+                        live = live.saturating_sub(bytes(i));
+                    }
+                }
+                during
+            })
+            .collect()
+    }
+
     /// Memory for weights and live activations at `precision`: the planning figure used to
     /// refuse a batch that cannot fit before allocating it.
     pub fn memory_estimate(&self, precision: Precision) -> MemoryEstimate {
@@ -204,17 +223,7 @@ impl Plan {
             .map(|p| numel(&p.shape))
             .sum::<u64>()
             * eb;
-        let mut live = numel(&self.shapes[0]) * eb;
-        let mut peak = live;
-        for (id, node) in self.graph.nodes.iter().enumerate().skip(1) {
-            live += numel(&self.shapes[id]) * eb;
-            peak = peak.max(live);
-            for &i in &node.inputs {
-                if self.last_use[i] == id {
-                    live = live.saturating_sub(numel(&self.shapes[i]) * eb);
-                }
-            }
-        }
+        let peak = self.live_bytes(eb).into_iter().max().unwrap_or(0);
         let batch = self.batch().max(1) as u64;
         MemoryEstimate {
             weights,

@@ -571,9 +571,8 @@ impl<T: Elem> CpuSession<T> {
         buf
     }
 
-    /// Node `id`'s output for `images` of the batch, as NHWC dimensions.
-    fn dims(&self, id: usize, images: std::ops::Range<usize>) -> Nhwc {
-        let n = images.len();
+    /// Node `id`'s output for `n` images, as NHWC dimensions.
+    fn dims(&self, id: usize, n: usize) -> Nhwc {
         match *self.plan.shapes[id].as_slice() {
             [_, c, h, w] => Nhwc { n, h, w, c },
             [_, f] => Nhwc {
@@ -649,7 +648,7 @@ impl<T: Elem> CpuSession<T> {
                 return self.run_nodes(steps, inner, upto, images, values, input, start);
             }
             let end = level.end;
-            let per_image = self.dims(end, 0..1).elems();
+            let per_image = self.dims(end, 1).elems();
             let mut joined = self.alloc(per_image * images.len());
             for part in split::parts(images.clone(), level.tile) {
                 let mut tile: Vec<Option<Buf<T>>> = (0..=end).map(|_| None).collect();
@@ -680,7 +679,7 @@ impl<T: Elem> CpuSession<T> {
         forward_start: Instant,
     ) {
         let start = self.profile.then(Instant::now);
-        let os = self.dims(id, images.clone());
+        let os = self.dims(id, images.len());
         let inputs = self.plan.graph.nodes[id].inputs.clone();
         // An op that maps its input element-wise reuses the input's buffer when nothing
         // else reads it later (torchvision's `inplace=True`).
@@ -694,7 +693,7 @@ impl<T: Elem> CpuSession<T> {
                 y
             }
             Step::Conv(p) => {
-                let xs = self.dims(inputs[0], images.clone());
+                let xs = self.dims(inputs[0], images.len());
                 let mut y = self.alloc(os.elems());
                 let x = values[inputs[0]].as_ref().expect("input computed");
                 let residual = inputs
@@ -740,7 +739,7 @@ impl<T: Elem> CpuSession<T> {
                 y
             }
             Step::Pool { pool, max } => {
-                let xs = self.dims(inputs[0], images.clone());
+                let xs = self.dims(inputs[0], images.len());
                 let mut y = self.alloc(os.elems());
                 kernels::pool(
                     pool,
@@ -753,7 +752,7 @@ impl<T: Elem> CpuSession<T> {
                 y
             }
             Step::Adaptive => {
-                let xs = self.dims(inputs[0], images.clone());
+                let xs = self.dims(inputs[0], images.len());
                 let mut y = self.alloc(os.elems());
                 kernels::adaptive_avg_pool(
                     values[inputs[0]].as_ref().expect("input computed"),
@@ -764,7 +763,7 @@ impl<T: Elem> CpuSession<T> {
                 y
             }
             Step::Flatten => {
-                let xs = self.dims(inputs[0], images.clone());
+                let xs = self.dims(inputs[0], images.len());
                 if xs.h * xs.w == 1 {
                     self.take_or_copy(values, inputs[0], last_reader(inputs[0]))
                 } else {

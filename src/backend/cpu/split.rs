@@ -73,7 +73,7 @@ pub fn parts(images: Range<usize>, tile: usize) -> impl Iterator<Item = Range<us
 /// output: the only place to join the images without holding more), where the bytes saved
 /// minus the bytes spent (counting every node up to it in the smallest tiles) are largest, if
 /// that is above zero. Up to it, each node asks for as many images as keep the values live
-/// while it runs (as [`Plan::memory_estimate`] counts them) within [`TILE_SHARE`] of the
+/// while it runs ([`Plan::live_bytes`], as the memory estimate counts them) within [`TILE_SHARE`] of the
 /// cache; each tile size asked for ends at the first cut after the last node asking for it or
 /// less (and after the ops that only map that cut's value), the largest at the last cut.
 pub fn plan(plan: &Plan, elem: usize, cache: usize) -> Option<Split> {
@@ -90,9 +90,10 @@ pub fn plan(plan: &Plan, elem: usize, cache: usize) -> Option<Split> {
         params * elem
     };
     let budget = (cache as f64 * TILE_SHARE) as usize;
+    let live = plan.live_bytes(elem as u64);
     // Images each node may see at a time.
     let mut asks = Vec::new();
-    let (mut saved, mut spent, mut live) = (0, 0, 0);
+    let (mut saved, mut spent) = (0, 0);
     let mut best: Option<(isize, usize)> = None;
     for (e, node) in plan.graph.nodes.iter().enumerate().take(nodes - 1) {
         // Only tensors whose first dimension is the batch can be cut into images.
@@ -104,13 +105,7 @@ pub fn plan(plan: &Plan, elem: usize, cache: usize) -> Option<Split> {
             saved += read + bytes(e);
         }
         spent += weights(e);
-        live += bytes(e);
-        asks.push((budget * n / live.max(1)).clamp(1, n));
-        for &i in &node.inputs {
-            if plan.last_use[i] == e {
-                live -= bytes(i);
-            }
-        }
+        asks.push((budget * n / (live[e] as usize).max(1)).clamp(1, n));
         let smallest = asks.iter().copied().min().unwrap_or(n);
         if smallest >= n || !is_cut(plan, e) {
             continue;
