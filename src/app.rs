@@ -17,6 +17,10 @@ use crate::model::{Precision, Weights, weights, zoo};
 use crate::report;
 
 pub fn run(cli: Cli) -> Result<()> {
+    crate::settings::check()?;
+    for w in backend::warnings() {
+        eprintln!("warning: {w}");
+    }
     match cli.command {
         Command::Bench(args) => bench_cmd(*args),
         Command::Infer(args) => infer_cmd(args),

@@ -37,8 +37,9 @@ fn ensure_font() -> Result<()> {
     static LOADED: OnceLock<Result<(), String>> = OnceLock::new();
     LOADED
         .get_or_init(|| {
-            let chosen = std::env::var("WORKSHOP_FONT").ok();
-            let candidates = chosen.iter().map(String::as_str).chain(FONTS.iter().copied());
+            let chosen = crate::settings::get().ok().and_then(|s| s.font.clone());
+            let chosen = chosen.iter().filter_map(|p| p.to_str());
+            let candidates = chosen.chain(FONTS.iter().copied());
             for path in candidates {
                 if let Ok(bytes) = std::fs::read(path) {
                     // plotters keeps fonts for the life of the process: one font, loaded once.

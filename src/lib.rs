@@ -12,3 +12,4 @@ pub mod doctor;
 pub mod files;
 pub mod model;
 pub mod report;
+pub mod settings;

@@ -27,7 +27,7 @@ fn no_device(reason: impl Into<String>) -> BackendError {
 }
 
 fn driver_error(what: &str, e: result::DriverError) -> BackendError {
-    BackendError::Invalid(format!("CUDA: {what} failed: {e:?}"))
+    BackendError::Driver(format!("CUDA: {what} failed: {e:?}"))
 }
 
 /// Whether libcuda (the NVIDIA driver) can be loaded: cudarc panics on first use otherwise.
@@ -125,7 +125,7 @@ fn compile_cached(
         gpu::precision_define(precision),
         nvrtc_version().unwrap_or_default()
     );
-    let path = crate::bench::peak::cache_dir().map(|d| {
+    let path = crate::settings::cache_dir().map(|d| {
         d.join("ptx")
             .join(format!("{:016x}.ptx", gpu::source_hash(&key)))
     });
@@ -267,7 +267,7 @@ impl Backend for CudaBackend {
     ) -> Result<Box<dyn Session>, BackendError> {
         let ctx = self.context(dev)?;
         if !nvrtc_present() {
-            return Err(BackendError::Unsupported(
+            return Err(BackendError::MissingLibrary(
                 "NVRTC (libnvrtc.so) was not found: install the CUDA toolkit's runtime \
                  compiler (e.g. `pip install nvidia-cuda-nvrtc-cu12` and add its lib folder to \
                  LD_LIBRARY_PATH)"
@@ -445,7 +445,7 @@ impl Device for CudaDevice {
         if unsafe { cudarc::cublas::sys::is_culib_present() } {
             Ok(())
         } else {
-            Err(BackendError::Unsupported(
+            Err(BackendError::MissingLibrary(
                 "--kernels vendor needs cuBLAS (libcublas.so), which was not found: install \
                  the CUDA toolkit's libraries (e.g. `pip install nvidia-cublas-cu12`)"
                     .into(),
@@ -464,7 +464,7 @@ impl Device for CudaDevice {
             self.vendor_gemm()?;
             self.blas = Some(
                 cudarc::cublas::CudaBlas::new(self.stream.clone()).map_err(|e| {
-                    BackendError::Invalid(format!("creating the cuBLAS handle failed: {e:?}"))
+                    BackendError::Driver(format!("creating the cuBLAS handle failed: {e:?}"))
                 })?,
             );
         }
@@ -511,7 +511,7 @@ impl Device for CudaDevice {
                 cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
-        .map_err(|e| BackendError::Invalid(format!("cuBLAS GEMM failed: {e:?}")))
+        .map_err(|e| BackendError::Driver(format!("cuBLAS GEMM failed: {e:?}")))
     }
 
     fn marks(&mut self, count: usize) -> Result<(), BackendError> {
@@ -572,7 +572,7 @@ impl Device for CudaDevice {
             Some(g) => g
                 .launch()
                 .map_err(|e| driver_error("launching the graph", e)),
-            None => Err(BackendError::Invalid(
+            None => Err(BackendError::Driver(
                 "the stream capture recorded no graph".into(),
             )),
         }

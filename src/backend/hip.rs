@@ -120,7 +120,7 @@ fn check(what: &str, e: h::hipError_t) -> Result<(), BackendError> {
     }
     // SAFETY: returns a static string for any code.
     let s = unsafe { CStr::from_ptr(h::hipGetErrorString(e)) };
-    Err(BackendError::Invalid(format!(
+    Err(BackendError::Driver(format!(
         "HIP: {what} failed: {}",
         s.to_string_lossy()
     )))
@@ -475,7 +475,7 @@ impl Device for HipDevice {
     }
 
     fn vendor_gemm(&self) -> Result<(), BackendError> {
-        Err(BackendError::Unsupported(
+        Err(BackendError::MissingLibrary(
             "--kernels vendor on hip needs hipBLAS, which is not in this build".into(),
         ))
     }
@@ -565,7 +565,7 @@ impl Device for HipDevice {
 
     fn replay(&mut self) -> Result<(), BackendError> {
         let Some((_, exec)) = self.graph else {
-            return Err(BackendError::Invalid(
+            return Err(BackendError::Driver(
                 "the stream capture recorded no graph".into(),
             ));
         };

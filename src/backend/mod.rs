@@ -159,12 +159,25 @@ pub struct MemoryStats {
     pub peak: u64,
 }
 
+/// What went wrong in a backend, by kind: the course records the kinds that say "this build
+/// or machine cannot do it" ([`BackendError::is_unavailable`]) as unavailable instead of failed.
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
     #[error("the {0} backend is not available in this build (rebuild with `--features {0}`)")]
     NotCompiled(BackendKind),
     #[error("no {kind} device: {reason}")]
     NoDevice { kind: BackendKind, reason: String },
+    /// A runtime library or compiler the run needs is not installed (NVRTC, cuBLAS, hipBLAS);
+    /// the message says what to install.
+    #[error("{0}")]
+    MissingLibrary(String),
+    /// An op, a precision or a feature this backend or device does not have.
+    #[error("{0}")]
+    Unsupported(String),
+    /// More than the device or our kernels take at once: a buffer binding, a launch grid, a
+    /// 32-bit index.
+    #[error("{0}")]
+    DeviceLimit(String),
     #[error(
         "out of memory: this run needs about {} but {} is available{}",
         human_bytes(*needed),
@@ -176,13 +189,34 @@ pub enum BackendError {
         available: u64,
         suggestion: Option<usize>,
     },
+    /// A kernel source failed to compile: its path and the compiler's whole log.
     #[error("compiling `{path}` failed:\n{log}")]
     Compile { path: String, log: String },
-    /// The device cannot run this configuration (a precision it lacks, ...).
+    /// A driver or runtime call, a launch or a read-back failed.
     #[error("{0}")]
-    Unsupported(String),
+    Driver(String),
+    /// A probe's result failed its own check, so its measurement does not count.
+    #[error("{0}")]
+    WrongResult(String),
+    /// What the backend was asked is wrong: an input shape, a missing weight, an option, a
+    /// setting.
     #[error("{0}")]
     Invalid(String),
+}
+
+impl BackendError {
+    /// Whether the failure says this build or machine cannot run the request (not that the
+    /// request or the run went wrong): the course records such a step as unavailable.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(
+            self,
+            BackendError::NotCompiled(_)
+                | BackendError::NoDevice { .. }
+                | BackendError::MissingLibrary(_)
+                | BackendError::Unsupported(_)
+                | BackendError::DeviceLimit(_)
+        )
+    }
 }
 
 /// The compute ceiling a device's layers are judged against besides the measured GEMM: on
@@ -289,6 +323,12 @@ pub fn open(kind: BackendKind) -> Result<Box<dyn Backend>, BackendError> {
         #[allow(unreachable_patterns)]
         other => Err(BackendError::NotCompiled(other)),
     }
+}
+
+/// What the backends would warn about before a run: a setting they cannot honour here (a
+/// SIMD path this CPU lacks). The command layer prints them.
+pub fn warnings() -> Vec<String> {
+    cpu::simd::warning().into_iter().collect()
 }
 
 /// Refuse `--kernels vendor` on a backend without a vendor library.

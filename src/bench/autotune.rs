@@ -43,7 +43,7 @@ struct Entry {
 }
 
 fn cache_file() -> Option<std::path::PathBuf> {
-    Some(super::peak::cache_dir()?.join("autotune.json"))
+    Some(crate::settings::cache_dir()?.join("autotune.json"))
 }
 
 fn read_cache() -> Vec<Entry> {

@@ -292,19 +292,9 @@ impl CachedPeak {
     }
 }
 
-/// The cache folder: `$WORKSHOP_CACHE_DIR`, else `$XDG_CACHE_HOME/workshop` or
-/// `~/.cache/workshop`.
-pub fn cache_dir() -> Option<std::path::PathBuf> {
-    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
-    var("WORKSHOP_CACHE_DIR")
-        .map(std::path::PathBuf::from)
-        .or_else(|| var("XDG_CACHE_HOME").map(|d| std::path::Path::new(&d).join("workshop")))
-        .or_else(|| var("HOME").map(|h| std::path::Path::new(&h).join(".cache/workshop")))
-}
-
 /// The measured peaks, kept per device.
 pub fn cache_path() -> Option<std::path::PathBuf> {
-    Some(cache_dir()?.join("peak.json"))
+    Some(crate::settings::cache_dir()?.join("peak.json"))
 }
 
 fn read_cache() -> Vec<CachedPeak> {

@@ -51,12 +51,9 @@ fn bench_config(ws: &Workspace, spec: &BenchSpec) -> BenchConfig {
 
 /// Why a run cannot happen on this build or machine, if that is the reason it failed.
 fn unavailable_reason(e: &anyhow::Error) -> Option<String> {
-    e.downcast_ref::<BackendError>().and_then(|b| match b {
-        BackendError::NotCompiled(_)
-        | BackendError::NoDevice { .. }
-        | BackendError::Unsupported(_) => Some(b.to_string()),
-        _ => None,
-    })
+    e.downcast_ref::<BackendError>()
+        .filter(|b| b.is_unavailable())
+        .map(ToString::to_string)
 }
 
 /// One benchmark with a progress bar on stderr (hidden when stderr is not a terminal).

@@ -49,7 +49,28 @@ impl Precision {
             Precision::Bf16 => half::bf16::from_f32(x).to_f32(),
         }
     }
+
+    /// `v` converted to this precision's storage type, as the bytes a device reads
+    /// (little-endian: the only byte order the project builds for).
+    pub fn storage_bytes(self, v: &[f32]) -> Vec<u8> {
+        match self {
+            Precision::Fp32 => bytemuck::cast_slice(v).to_vec(),
+            Precision::Fp16 => {
+                let h: Vec<half::f16> = v.iter().map(|&x| half::f16::from_f32(x)).collect();
+                bytemuck::cast_slice(&h).to_vec()
+            }
+            Precision::Bf16 => {
+                let h: Vec<half::bf16> = v.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                bytemuck::cast_slice(&h).to_vec()
+            }
+        }
+    }
 }
+
+// Weights files (safetensors), device uploads and read-backs are little-endian and are cast
+// to and from bytes in place (bytemuck): a big-endian build would read them wrong.
+#[cfg(not(target_endian = "little"))]
+compile_error!("workshop reads and writes little-endian tensors: big-endian targets are not supported");
 
 impl std::fmt::Display for Precision {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

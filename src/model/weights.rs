@@ -194,7 +194,7 @@ impl Weights {
     pub fn save(&self, path: &Path, graph: &Graph) -> Result<(), WeightsError> {
         let mut blobs: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
         for (name, t) in &self.tensors {
-            let bytes = t.data.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let bytes = bytemuck::cast_slice(&t.data).to_vec();
             blobs.push((name.clone(), Dtype::F32, t.shape.clone(), bytes));
         }
         for node in &graph.nodes {
@@ -236,21 +236,19 @@ impl Weights {
 pub fn to_f32(view: &TensorView<'_>) -> Option<Vec<f32>> {
     let d = view.data();
     let v = match view.dtype() {
-        Dtype::F32 => d
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        // pod_collect_to_vec copies into an aligned vector: a view's bytes may sit anywhere.
+        Dtype::F32 => bytemuck::pod_collect_to_vec::<u8, f32>(d),
+        Dtype::F64 => bytemuck::pod_collect_to_vec::<u8, f64>(d)
+            .into_iter()
+            .map(|v| v as f32)
             .collect(),
-        Dtype::F64 => d
-            .chunks_exact(8)
-            .map(|c| f64::from_le_bytes(c.try_into().unwrap()) as f32)
+        Dtype::F16 => bytemuck::pod_collect_to_vec::<u8, half::f16>(d)
+            .into_iter()
+            .map(half::f16::to_f32)
             .collect(),
-        Dtype::F16 => d
-            .chunks_exact(2)
-            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        Dtype::BF16 => d
-            .chunks_exact(2)
-            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+        Dtype::BF16 => bytemuck::pod_collect_to_vec::<u8, half::bf16>(d)
+            .into_iter()
+            .map(half::bf16::to_f32)
             .collect(),
         _ => return None,
     };
@@ -307,7 +305,7 @@ pub fn write_tensors(path: &Path, tensors: &[(&str, &Tensor)]) -> Result<(), Wei
             (
                 n.to_string(),
                 t.shape.clone(),
-                t.data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                bytemuck::cast_slice(&t.data).to_vec(),
             )
         })
         .collect();

@@ -59,6 +59,7 @@ struct TilePtr<T>(*mut T);
 // SAFETY: work items write disjoint (row range × column range) tiles of the output, so sharing
 // the base pointer between workers never lets two of them touch the same element.
 unsafe impl<T> Send for TilePtr<T> {}
+// SAFETY: as for Send: no two workers touch the same element through the shared pointer.
 unsafe impl<T> Sync for TilePtr<T> {}
 
 impl<T> TilePtr<T> {

@@ -213,7 +213,7 @@ impl Backend for CpuBackend {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads.unwrap_or(0))
             .build()
-            .map_err(|e| BackendError::Invalid(format!("cannot start the worker threads: {e}")))?;
+            .map_err(|e| BackendError::Driver(format!("cannot start the worker threads: {e}")))?;
         pool.install(|| {
             let a: Vec<f32> = vec![1.0; n];
             let mut b: Vec<f32> = vec![2.0; n];
@@ -246,7 +246,7 @@ impl Backend for CpuBackend {
             });
             // The triad's result is checked, so the loop cannot be optimised away unseen.
             if b.iter().any(|&v| v != 2.5) {
-                return Err(BackendError::Invalid(
+                return Err(BackendError::WrongResult(
                     "the triad computed wrong values: the measurement is void".into(),
                 ));
             }
@@ -281,34 +281,20 @@ impl Backend for CpuBackend {
     }
 }
 
-/// The batch tiles for `plan` at `elem` bytes a value: `WORKSHOP_CPU_SPLIT` = `off`, or
-/// `NODE:IMAGES[,NODE:IMAGES…]` (cut after the last node named NODE, tiles of IMAGES; levels
-/// in order along the network), else [`split::plan`] for this CPU's last-level cache.
+/// The batch tiles for `plan` at `elem` bytes a value: as `WORKSHOP_CPU_SPLIT` sets them
+/// ([`crate::settings::SplitChoice`]), else [`split::plan`] for this CPU's last-level cache.
 fn batch_split(plan: &Plan, elem: usize) -> Result<Option<split::Split>, BackendError> {
-    let bad = |why: String| BackendError::Invalid(format!("WORKSHOP_CPU_SPLIT: {why}"));
-    match std::env::var("WORKSHOP_CPU_SPLIT").ok().as_deref() {
-        Some("off") => Ok(None),
-        Some(v) => {
-            let asked = (v.split(','))
-                .map(|level| {
-                    let (node, tile) = level.split_once(':').ok_or_else(|| {
-                        bad(format!(
-                            "`{level}` is neither `off` nor NODE:IMAGES (`layer2.3.relu:4`)"
-                        ))
-                    })?;
-                    let tile = tile
-                        .parse::<usize>()
-                        .ok()
-                        .filter(|&t| t > 0)
-                        .ok_or_else(|| {
-                            bad(format!("`{tile}` is not a positive number of images"))
-                        })?;
-                    Ok((node, tile))
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            split::at(plan, &asked).map(Some).map_err(bad)
+    use crate::settings::{self, SplitChoice};
+    let settings = settings::get().map_err(|e| BackendError::Invalid(e.to_string()))?;
+    match &settings.cpu_split {
+        SplitChoice::Off => Ok(None),
+        SplitChoice::Levels(levels) => {
+            let asked: Vec<(&str, usize)> = levels.iter().map(|(n, t)| (n.as_str(), *t)).collect();
+            split::at(plan, &asked)
+                .map(Some)
+                .map_err(|why| BackendError::Invalid(format!("{}: {why}", settings::CPU_SPLIT)))
         }
-        None => Ok(split::plan(plan, elem, split::last_level_cache())),
+        SplitChoice::Auto => Ok(split::plan(plan, elem, split::last_level_cache())),
     }
 }
 
@@ -330,7 +316,7 @@ fn worker_pool(threads: usize, cores: Vec<usize>) -> Result<Arc<rayon::ThreadPoo
         .build()
         .map(Arc::new)
         .map_err(|e| {
-            BackendError::Invalid(format!("cannot start {threads} CPU worker threads: {e}"))
+            BackendError::Driver(format!("cannot start {threads} CPU worker threads: {e}"))
         })
 }
 

@@ -40,38 +40,35 @@ impl Simd {
 }
 
 /// The environment variable that forces a path.
-pub const ENV: &str = "WORKSHOP_CPU_SIMD";
+pub const ENV: &str = crate::settings::CPU_SIMD;
 
-/// The paths in use.
+/// The paths `WORKSHOP_CPU_SIMD` asked for, if any.
+fn asked() -> Option<Simd> {
+    use crate::settings::SimdChoice;
+    let asked = crate::settings::get().ok()?.cpu_simd?;
+    Some(match asked {
+        SimdChoice::Portable => Simd::Portable,
+        SimdChoice::Avx2 => Simd::Avx2Fma,
+        SimdChoice::Avx512 => Simd::Avx512,
+        SimdChoice::Avx512Bf16 => Simd::Avx512Bf16,
+        SimdChoice::Amx => Simd::Amx,
+    })
+}
+
+/// The paths in use: the ones asked for where the CPU runs them, else the best it has.
 pub fn simd() -> Simd {
     static SIMD: OnceLock<Simd> = OnceLock::new();
-    *SIMD.get_or_init(|| {
-        let best = best();
-        let asked = match std::env::var(ENV).as_deref() {
-            Ok("") | Err(_) => return best,
-            Ok("portable") => Simd::Portable,
-            Ok("avx2") => Simd::Avx2Fma,
-            Ok("avx512") => Simd::Avx512,
-            Ok("avx512bf16") => Simd::Avx512Bf16,
-            Ok("amx") => Simd::Amx,
-            Ok(other) => {
-                eprintln!(
-                    "warning: {ENV}={other} is not a choice (`portable`, `avx2`, `avx512`, \
-                     `avx512bf16`, `amx`, or unset for the best this CPU runs): using the best"
-                );
-                return best;
-            }
-        };
-        if asked > best {
-            eprintln!(
-                "warning: {ENV}={}: this CPU cannot run those paths: using {}",
-                asked.name(),
-                best.name()
-            );
-            return best;
-        }
-        asked
-    })
+    *SIMD.get_or_init(|| asked().filter(|&a| a <= best()).unwrap_or_else(best))
+}
+
+/// Why the paths asked for are not the ones in use, for the command layer to warn about.
+pub fn warning() -> Option<String> {
+    let asked = asked().filter(|&a| a > best())?;
+    Some(format!(
+        "{ENV}={}: this CPU cannot run those paths: using {}",
+        asked.name(),
+        best().name()
+    ))
 }
 
 /// The best paths this CPU can run.
@@ -136,6 +133,7 @@ pub fn with_simd<W: Vectorised>(work: W) -> W::Output {
         match simd() {
             // SAFETY: `simd()` chooses a path only where the CPU has its features.
             Simd::Avx512 | Simd::Avx512Bf16 | Simd::Amx => return unsafe { avx512(work) },
+            // SAFETY: as above: this path is chosen only on a CPU with AVX2 and FMA.
             Simd::Avx2Fma => return unsafe { avx2(work) },
             Simd::Portable => {}
         }

@@ -291,6 +291,7 @@ fn chunk_tiles(positions: usize, cin: usize, cout: usize, tiles: usize, threads:
 struct OutPtr<T>(*mut T);
 // SAFETY: work items write the outputs of disjoint tiles.
 unsafe impl<T> Send for OutPtr<T> {}
+// SAFETY: as for Send: no two work items write the same output element.
 unsafe impl<T> Sync for OutPtr<T> {}
 
 /// What every chunk of one convolution shares.

@@ -21,11 +21,11 @@ use crate::backend::{BackendError, BackendKind, DeviceInfo};
 use crate::model::Precision;
 
 /// The environment variable that makes the cuda and hip backends run on this emulator.
-pub const ENV: &str = "WORKSHOP_GPU_EMULATOR";
+pub const ENV: &str = crate::settings::GPU_EMULATOR;
 
 /// Whether the emulator was asked for.
 pub fn requested() -> bool {
-    std::env::var(ENV).is_ok_and(|v| !v.is_empty() && v != "0")
+    crate::settings::get().is_ok_and(|s| s.gpu_emulator)
 }
 
 /// What `devices()` shows for an emulated backend.
@@ -146,6 +146,7 @@ type SizeFn = unsafe extern "C" fn() -> u64;
 struct Library(*mut libc::c_void);
 // SAFETY: the handle is only read (dlsym), which is thread-safe.
 unsafe impl Send for Library {}
+// SAFETY: as for Send: shared use only reads symbols, which dlsym allows from any thread.
 unsafe impl Sync for Library {}
 
 impl Library {
@@ -344,7 +345,7 @@ impl Device for EmuDevice {
         args: &[u8],
     ) -> Result<(), BackendError> {
         if args.len() != f.args_size {
-            return Err(BackendError::Invalid(format!(
+            return Err(BackendError::Driver(format!(
                 "kernel `{}` takes a {}-byte argument struct, the host packed {} bytes",
                 f.name,
                 f.args_size,
@@ -386,7 +387,7 @@ impl Device for EmuDevice {
     fn vendor_gemm(&self) -> Result<(), BackendError> {
         if self.kind == BackendKind::Hip {
             // As the real HIP backend: this build links no hipBLAS.
-            return Err(BackendError::Unsupported(
+            return Err(BackendError::MissingLibrary(
                 "--kernels vendor on hip needs hipBLAS, which is not in this build".into(),
             ));
         }
@@ -461,7 +462,7 @@ impl Device for EmuDevice {
         (0..count)
             .map(|i| match (t0, self.marks.get(i).copied().flatten()) {
                 (Some(a), Some(b)) => Ok(b.duration_since(a).as_nanos() as u64),
-                _ => Err(BackendError::Invalid(
+                _ => Err(BackendError::Driver(
                     "a timing mark was not recorded".into(),
                 )),
             })

@@ -88,12 +88,10 @@ fn normalize(p: &Path) -> String {
     parts.join("/")
 }
 
-/// A kernel source's hash: compiled modules are cached by it (and by device and precision).
+/// A kernel source's hash: compiled modules are cached by it (and by device and precision),
+/// in memory and on disk (PTX, the emulator's libraries), so it must be stable.
 pub fn source_hash(src: &str) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    src.hash(&mut h);
-    h.finish()
+    crate::files::stable_hash(src.as_bytes())
 }
 
 /// Compiled modules of one backend by (device, precision, source hash), kept for the life of
@@ -355,7 +353,7 @@ impl<D: Device> Session for GpuSession<D> {
                 input.shape, self.program.input_shape
             )));
         }
-        let bytes = program::storage_bytes(&input.data, Precision::Fp32);
+        let bytes = Precision::Fp32.storage_bytes(&input.data);
         self.device.upload(self.ptrs[self.program.input], &bytes)?;
         if self.replay.is_ok() {
             self.device.replay()?;
@@ -451,7 +449,7 @@ pub fn stream<D: Device>(
         device.alloc(bytes)?,
         device.alloc(bytes)?,
     );
-    let fill = |v: f32| program::storage_bytes(&vec![v; n], Precision::Fp32);
+    let fill = |v: f32| Precision::Fp32.storage_bytes(&vec![v; n]);
     device.upload(a, &fill(1.0))?;
     device.upload(c, &fill(3.0))?;
     let grid = program::grid_1d(n)?;
@@ -488,7 +486,7 @@ pub fn stream<D: Device>(
         .chunks_exact(4)
         .any(|v| f32::from_ne_bytes([v[0], v[1], v[2], v[3]]) != 2.5)
     {
-        return Err(BackendError::Invalid(
+        return Err(BackendError::WrongResult(
             "the triad computed wrong values: the measurement is void".into(),
         ));
     }

@@ -53,7 +53,7 @@ pub fn grid_1d(total: usize) -> Result<[u32; 3], BackendError> {
     let gx = blocks.min(MAX_GRID as usize);
     let gy = blocks.div_ceil(gx);
     if gy > MAX_GRID as usize {
-        return Err(BackendError::Invalid(format!(
+        return Err(BackendError::DeviceLimit(format!(
             "{total} threads are more than one launch takes: use a smaller batch"
         )));
     }
@@ -136,7 +136,7 @@ pub fn conv_kernel(
         (TILED[mma as usize][shape as usize][0], tiles(64, 64))
     };
     if gx > i32::MAX as usize || gy > MAX_GRID as usize {
-        return Err(BackendError::Invalid(format!(
+        return Err(BackendError::DeviceLimit(format!(
             "a convolution over {pixels} pixels and {out_channels} channels in {groups} groups \
              needs a larger grid than devices take: use a smaller batch"
         )));
@@ -291,28 +291,14 @@ impl Program {
     }
 }
 
-/// Values in the storage type, as bytes (native endianness, as the device reads them).
-pub fn storage_bytes(v: &[f32], precision: Precision) -> Vec<u8> {
-    match precision {
-        Precision::Fp32 => v.iter().flat_map(|x| x.to_ne_bytes()).collect(),
-        Precision::Fp16 => v
-            .iter()
-            .flat_map(|x| half::f16::from_f32(*x).to_ne_bytes())
-            .collect(),
-        Precision::Bf16 => v
-            .iter()
-            .flat_map(|x| half::bf16::from_f32(*x).to_ne_bytes())
-            .collect(),
-    }
-}
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    storage_bytes(v, Precision::Fp32)
+    Precision::Fp32.storage_bytes(v)
 }
 
 fn i32_of(v: usize, what: &str) -> Result<i32, BackendError> {
     i32::try_from(v).map_err(|_| {
-        BackendError::Invalid(format!(
+        BackendError::DeviceLimit(format!(
             "{what} is {v}, more than the kernels' 32-bit indices take: use a smaller batch"
         ))
     })
@@ -342,7 +328,7 @@ impl Builder {
     }
 
     fn weights(&mut self, values: &[f32]) -> BufId {
-        let bytes = storage_bytes(values, self.precision);
+        let bytes = self.precision.storage_bytes(values);
         self.buffer(bytes.len() as u64, Contents::Weights(bytes))
     }
 

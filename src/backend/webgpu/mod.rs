@@ -293,7 +293,7 @@ impl Backend for WgpuBackend {
             device
                 .poll(wgpu::PollType::wait_indefinitely())
                 .map(|_| ())
-                .map_err(|e| BackendError::Invalid(format!("waiting for the GPU failed: {e}")))
+                .map_err(|e| BackendError::Driver(format!("waiting for the GPU failed: {e}")))
         };
         let time = |entry: &str,
                     reads: &[(u32, &wgpu::Buffer)]|
@@ -354,10 +354,8 @@ impl Backend for WgpuBackend {
                 let seconds = match &set {
                     Some((_, _, read)) => {
                         let bytes = map_read(&device, read)?;
-                        let tick = |i: usize| {
-                            u64::from_le_bytes(bytes[8 * i..8 * i + 8].try_into().expect("8 bytes"))
-                        };
-                        tick(1).saturating_sub(tick(0)) as f64 * period / 1e9
+                        let ticks: Vec<u64> = bytemuck::pod_collect_to_vec(&bytes);
+                        ticks[1].saturating_sub(ticks[0]) as f64 * period / 1e9
                     }
                     None => wall,
                 };
@@ -380,11 +378,11 @@ impl Backend for WgpuBackend {
         encoder.copy_buffer_to_buffer(&b, 0, &check, 0, b.size());
         queue.submit([encoder.finish()]);
         let bytes = map_read(&device, &check)?;
-        if bytes
-            .chunks_exact(4)
-            .any(|w| f32::from_le_bytes(w.try_into().expect("4 bytes")) != 2.5)
+        if bytemuck::pod_collect_to_vec::<u8, f32>(&bytes)
+            .iter()
+            .any(|&v| v != 2.5)
         {
-            return Err(BackendError::Invalid(
+            return Err(BackendError::WrongResult(
                 "the triad computed wrong values: the measurement is void".into(),
             ));
         }
@@ -460,13 +458,7 @@ fn elem_bytes(n: usize, precision: Precision) -> u64 {
 
 /// Values in the storage type, as bytes.
 fn to_bytes(v: &[f32], precision: Precision) -> Vec<u8> {
-    let mut out: Vec<u8> = match precision {
-        Precision::Fp16 => v
-            .iter()
-            .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
-            .collect(),
-        _ => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-    };
+    let mut out = precision.storage_bytes(v);
     out.resize(out.len().div_ceil(4).max(1) * 4, 0);
     out
 }
@@ -587,10 +579,9 @@ const PARAM_WORDS: usize = 32;
 fn params(device: &wgpu::Device, values: &[u32]) -> wgpu::Buffer {
     let mut v = values.to_vec();
     v.resize(PARAM_WORDS.max(v.len()), 0);
-    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
     device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
         label: Some("params"),
-        contents: &bytes,
+        contents: bytemuck::cast_slice(&v),
         usage: wgpu::BufferUsages::UNIFORM,
     })
 }
@@ -604,7 +595,7 @@ fn storage(device: &wgpu::Device, label: &str, bytes: &[u8]) -> wgpu::Buffer {
 }
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    let mut b: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let mut b: Vec<u8> = bytemuck::cast_slice(v).to_vec();
     if b.is_empty() {
         b.resize(4, 0);
     }
@@ -707,7 +698,7 @@ impl WgpuSession {
         let max_binding = limits.max_storage_buffer_binding_size;
         let check_size = |what: &str, bytes: u64| -> Result<(), BackendError> {
             if bytes > max_binding {
-                return Err(BackendError::Unsupported(format!(
+                return Err(BackendError::DeviceLimit(format!(
                     "{what} needs {} in one buffer, but this adapter binds at most {} per storage buffer \
                      (max_storage_buffer_binding_size): use a smaller network or batch, or another device",
                     super::human_bytes(bytes),
@@ -762,7 +753,7 @@ impl WgpuSession {
                 entries: &entries,
             });
             if groups.0 > max_groups || groups.1 > max_groups || groups.2 > max_groups {
-                return Err(BackendError::Invalid(format!(
+                return Err(BackendError::DeviceLimit(format!(
                     "`{node}` needs a {groups:?} grid, above this adapter's limit of {max_groups} per dimension: use a smaller batch"
                 )));
             }
@@ -1108,7 +1099,7 @@ impl WgpuSession {
 
     fn check_errors(&self) -> Result<(), BackendError> {
         match self.errors.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            Some(e) => Err(BackendError::Invalid(format!(
+            Some(e) => Err(BackendError::Driver(format!(
                 "the GPU reported an error: {e}"
             ))),
             None => Ok(()),
@@ -1128,13 +1119,13 @@ fn map_read(device: &wgpu::Device, buffer: &wgpu::Buffer) -> Result<Vec<u8>, Bac
     });
     device
         .poll(wgpu::PollType::wait_indefinitely())
-        .map_err(|e| BackendError::Invalid(format!("waiting for the GPU failed: {e}")))?;
+        .map_err(|e| BackendError::Driver(format!("waiting for the GPU failed: {e}")))?;
     rx.recv()
-        .map_err(|_| BackendError::Invalid("the GPU never answered the read".into()))?
-        .map_err(|e| BackendError::Invalid(format!("reading GPU memory failed: {e}")))?;
+        .map_err(|_| BackendError::Driver("the GPU never answered the read".into()))?
+        .map_err(|e| BackendError::Driver(format!("reading GPU memory failed: {e}")))?;
     let bytes = buffer
         .get_mapped_range(..)
-        .map_err(|e| BackendError::Invalid(format!("reading GPU memory failed: {e}")))?
+        .map_err(|e| BackendError::Driver(format!("reading GPU memory failed: {e}")))?
         .to_vec();
     buffer.unmap();
     Ok(bytes)
@@ -1186,7 +1177,7 @@ impl Gemm<'_> {
             (max_binding / per_column) as usize / 64 * 64
         };
         if c.groups > 1 && slice < cout_g || slice == 0 {
-            return Err(BackendError::Unsupported(format!(
+            return Err(BackendError::DeviceLimit(format!(
                 "`{node}.weight` needs {} in one buffer, but this adapter binds at most {} per storage buffer \
                  (max_storage_buffer_binding_size): use a smaller network, or another device",
                 super::human_bytes(bytes),
@@ -1321,7 +1312,7 @@ impl Session for WgpuSession {
     fn sync(&mut self) -> Result<(), BackendError> {
         self.device
             .poll(wgpu::PollType::wait_indefinitely())
-            .map_err(|e| BackendError::Invalid(format!("waiting for the GPU failed: {e}")))?;
+            .map_err(|e| BackendError::Driver(format!("waiting for the GPU failed: {e}")))?;
         self.check_errors()
     }
 
@@ -1330,10 +1321,7 @@ impl Session for WgpuSession {
             return Err(BackendError::Invalid("no forward pass has run yet".into()));
         }
         let bytes = self.read(&self.readback)?;
-        let data = bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
+        let data = bytemuck::pod_collect_to_vec::<u8, f32>(&bytes);
         Ok(Tensor::new(self.output_shape.clone(), data))
     }
 
@@ -1343,10 +1331,7 @@ impl Session for WgpuSession {
             return Some(Vec::new());
         }
         let bytes = self.read(read).ok()?;
-        let ticks: Vec<u64> = bytes
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
-            .collect();
+        let ticks: Vec<u64> = bytemuck::pod_collect_to_vec(&bytes);
         let period = self.queue.get_timestamp_period() as f64;
         Some(
             self.dispatches
