@@ -78,7 +78,7 @@ fn resolve_precision(run: &RunArgs) -> Result<Precision> {
 fn weights_label(run: &RunArgs) -> String {
     match &run.weights {
         Some(p) => p.display().to_string(),
-        None => format!("random(seed={})", run.seed),
+        None => bench::record::random_weights_label(run.seed),
     }
 }
 
@@ -249,12 +249,9 @@ fn infer_cmd(args: InferArgs) -> Result<()> {
     let opt = ExecOptions {
         precision,
         threads: args.run.threads,
-        profile: false,
         kernels_dir: args.run.kernels_dir.clone(),
         kernels: args.run.kernels,
-        replay: false,
-        cores: None,
-        variants: Default::default(),
+        ..Default::default()
     };
     let mut session = backend.prepare(args.run.device, &plan, &weights, &opt)?;
     let start = Instant::now();

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 
 use crate::backend::{BackendKind, KernelFamily};
+use crate::bench::record::BenchConfig;
 use crate::model::Precision;
 
 #[derive(Debug, Parser)]
@@ -80,7 +81,7 @@ pub struct KernelsCheckArgs {
 #[derive(Debug, Args, Clone)]
 pub struct RunArgs {
     /// Network from the zoo (see `workshop models`)
-    #[arg(long, default_value = "resnet50")]
+    #[arg(long, default_value_t = BenchConfig::default().network)]
     pub network: String,
     /// Precision of weights and activations (accumulation is always f32)
     #[arg(long, value_enum)]
@@ -117,16 +118,16 @@ pub struct BenchArgs {
     #[command(flatten)]
     pub run: RunArgs,
     /// Images per forward pass
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = BenchConfig::default().batch_size)]
     pub batch_size: usize,
     /// Timed iterations
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = BenchConfig::default().iterations)]
     pub iterations: usize,
     /// Untimed warm-up iterations before the timed ones
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = BenchConfig::default().warmup)]
     pub warmup: usize,
     /// Input height and width in pixels
-    #[arg(long, default_value_t = 224)]
+    #[arg(long, default_value_t = BenchConfig::default().input_size)]
     pub input_size: usize,
     /// Also write the run as a versioned JSON record to FILE
     #[arg(long, value_name = "FILE")]

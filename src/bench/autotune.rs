@@ -181,14 +181,10 @@ fn time_variant(
     let plan = graph.plan(n, h, w)?;
     let weights = Weights::init(&graph, 0);
     let opt = ExecOptions {
-        precision: cfg.precision,
-        threads: cfg.threads,
-        cores: cfg.cores.clone(),
         variants: BTreeMap::from([("layer".to_string(), v.to_string())]),
         profile: true,
-        kernels_dir: cfg.kernels_dir.clone(),
-        kernels: cfg.kernels,
         replay: false,
+        ..cfg.exec_options()
     };
     let mut session = backend.prepare(cfg.device, &plan, &weights, &opt)?;
     let x = Rng::new(3).normal_tensor(plan.input_shape().to_vec());

@@ -16,7 +16,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 
-use crate::backend::{self, BackendKind, DeviceInfo, ExecOptions, Session};
+use crate::backend::{self, BackendKind, DeviceInfo, Session};
 use crate::model::{Graph, Op, Plan, Rng, Tensor, Weights, reference, zoo};
 use record::{
     BenchConfig, BenchRecord, CompileInfo, CompileMode, Environment, ModelInfo, SCHEMA_VERSION,
@@ -86,16 +86,7 @@ pub fn prepare(cfg: &BenchConfig, weights_file: Option<&std::path::Path>) -> Res
             )
         })?;
     let backend = backend::open(cfg.backend)?;
-    let opt = ExecOptions {
-        precision: cfg.precision,
-        threads: cfg.threads,
-        profile: cfg.profile || cfg.flops_prof_step.is_some(),
-        kernels_dir: cfg.kernels_dir.clone(),
-        kernels: cfg.kernels,
-        replay: cfg.compile == Some(CompileMode::ReduceOverhead),
-        cores: cfg.cores.clone(),
-        variants: Default::default(),
-    };
+    let opt = cfg.exec_options();
     backend.check_fits(cfg.device, &eager_plan, &opt)?;
     let (weights, calibration) = match weights_file {
         Some(path) => (Weights::load(path, &graph)?, None),
@@ -466,6 +457,7 @@ fn limits(cfg: &BenchConfig, device: &DeviceInfo) -> Result<flops::Limits> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::ExecOptions;
     use crate::model::Precision;
 
     /// A session that took over the packed convolutions of the one that calibrated batch norm

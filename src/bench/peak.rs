@@ -99,11 +99,7 @@ pub fn gemm_on(
         // On a GPU the GEMM is timed on the device (its kernels' timestamps): the input's
         // upload and the output's download would otherwise dwarf it.
         profile: kind != BackendKind::Cpu,
-        kernels_dir: None,
-        kernels: Default::default(),
-        replay: false,
-        cores: None,
-        variants: Default::default(),
+        ..Default::default()
     };
     let mut session = b.prepare(device, &plan, &weights, &opt)?;
     // The reference sees the values the backend stores.

@@ -93,6 +93,56 @@ pub struct BenchConfig {
     pub flops_prof_step: Option<usize>,
 }
 
+impl Default for BenchConfig {
+    /// `workshop bench`'s defaults (the CLI's flags show these), after
+    /// micro_benchmarking_pytorch.py's: ResNet-50, batch 32, 20 timed iterations after 5
+    /// warm-ups, FP32, 224×224, seeded random weights, on the CPU backend.
+    fn default() -> Self {
+        BenchConfig {
+            network: "resnet50".into(),
+            batch_size: 32,
+            iterations: 20,
+            warmup: 5,
+            precision: Precision::Fp32,
+            backend: BackendKind::Cpu,
+            device: 0,
+            threads: None,
+            input_size: 224,
+            seed: 0,
+            weights: random_weights_label(0),
+            profile: false,
+            kernels_dir: None,
+            kernels: Default::default(),
+            cores: None,
+            compile: None,
+            recompile: false,
+            flops_prof_step: None,
+        }
+    }
+}
+
+/// How a record names seeded random weights.
+pub fn random_weights_label(seed: u64) -> String {
+    format!("random(seed={seed})")
+}
+
+impl BenchConfig {
+    /// How a session runs this configuration: the one place a config becomes
+    /// [`ExecOptions`](crate::backend::ExecOptions).
+    pub fn exec_options(&self) -> crate::backend::ExecOptions {
+        crate::backend::ExecOptions {
+            precision: self.precision,
+            threads: self.threads,
+            profile: self.profile || self.flops_prof_step.is_some(),
+            kernels_dir: self.kernels_dir.clone(),
+            kernels: self.kernels,
+            replay: self.compile == Some(CompileMode::ReduceOverhead),
+            cores: self.cores.clone(),
+            variants: Default::default(),
+        }
+    }
+}
+
 /// Where it ran: what a comparison needs to say what differed.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Environment {

@@ -27,25 +27,20 @@ pub struct RunOptions {
 /// Bench defaults for course steps (the `workshop bench` defaults).
 fn bench_config(ws: &Workspace, spec: &BenchSpec) -> BenchConfig {
     let s = spec.resolved(ws.state.backend);
+    let d = BenchConfig::default();
     BenchConfig {
-        network: s.network.unwrap_or_else(|| "resnet50".into()),
-        batch_size: s.batch_size.unwrap_or(32),
-        iterations: s.iterations.unwrap_or(20),
-        warmup: s.warmup.unwrap_or(5),
-        precision: s.precision.unwrap_or(Precision::Fp32),
+        network: s.network.unwrap_or(d.network),
+        batch_size: s.batch_size.unwrap_or(d.batch_size),
+        iterations: s.iterations.unwrap_or(d.iterations),
+        warmup: s.warmup.unwrap_or(d.warmup),
+        precision: s.precision.unwrap_or(d.precision),
         backend: ws.state.backend,
         device: ws.state.device,
         threads: ws.state.threads,
-        input_size: s.input_size.unwrap_or(224),
-        seed: 0,
-        weights: "random(seed=0)".into(),
-        profile: false,
-        kernels_dir: None,
-        kernels: s.kernels.unwrap_or_default(),
-        flops_prof_step: None,
-        cores: None,
+        input_size: s.input_size.unwrap_or(d.input_size),
+        kernels: s.kernels.unwrap_or(d.kernels),
         compile: s.compile,
-        recompile: false,
+        ..d
     }
 }
 
@@ -765,13 +760,7 @@ pub fn accuracy(cfg: &BenchConfig) -> Result<(f64, f64, f64)> {
     for precision in [Precision::Fp32, cfg.precision] {
         let opt = ExecOptions {
             precision,
-            threads: cfg.threads,
-            profile: false,
-            kernels_dir: cfg.kernels_dir.clone(),
-            kernels: cfg.kernels,
-            replay: false,
-            cores: None,
-            variants: Default::default(),
+            ..cfg.exec_options()
         };
         let mut s = b.prepare(cfg.device, &plan, &weights, &opt)?;
         outs.push(bench::infer(s.as_mut(), &input)?);
