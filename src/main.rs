@@ -13,8 +13,8 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
-    let cli = workshop::cli::Cli::parse();
-    match workshop::app::run(cli) {
+    let cli = workshop::cmd::args::Cli::parse();
+    match workshop::cmd::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");

@@ -40,11 +40,7 @@ pub const VARIABLES: [(&str, &str, &str); 5] = [
         "a folder",
         "where measured peaks, autotune choices and compiled PTX are kept",
     ),
-    (
-        FONT,
-        "a TrueType file",
-        "the font charts are drawn with",
-    ),
+    (FONT, "a TrueType file", "the font charts are drawn with"),
 ];
 
 pub const CPU_SIMD: &str = "WORKSHOP_CPU_SIMD";
@@ -218,7 +214,10 @@ mod tests {
             ])
         );
         assert!(s.gpu_emulator);
-        assert_eq!(parse(&[(CPU_SPLIT, "off")]).unwrap().cpu_split, SplitChoice::Off);
+        assert_eq!(
+            parse(&[(CPU_SPLIT, "off")]).unwrap().cpu_split,
+            SplitChoice::Off
+        );
     }
 
     /// Every variable refuses a value it does not accept, and the error names the variable and

@@ -1125,7 +1125,7 @@ fn compare_gives_known_ratios_verdicts_and_warnings() {
     let bytes = std::fs::read(&png).unwrap();
     assert_eq!(&bytes[1..4], b"PNG");
     let be = |i: usize| u32::from_be_bytes(bytes[i..i + 4].try_into().unwrap());
-    assert_eq!((be(16), be(20)), workshop::chart::SIZE);
+    assert_eq!((be(16), be(20)), workshop::report::charts::SIZE);
     let c: Value =
         serde_json::from_slice(&workshop(&["compare", &base, &b4, "--json"]).stdout).unwrap();
     assert_eq!(c["shape"]["lines"]["param"], "batch size");

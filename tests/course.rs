@@ -517,7 +517,7 @@ fn every_command_in_the_book_parses_and_every_chapter_is_listed() {
             let cmd = line.split(" # ").next().unwrap().trim();
             if in_code && cmd.starts_with("workshop ") {
                 let words = shell_words(cmd);
-                if let Err(e) = workshop::cli::Cli::try_parse_from(&words) {
+                if let Err(e) = workshop::cmd::args::Cli::try_parse_from(&words) {
                     panic!("{name}: `{cmd}` does not parse:\n{e}");
                 }
                 commands += 1;

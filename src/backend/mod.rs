@@ -15,6 +15,7 @@ pub mod webgpu;
 use serde::{Deserialize, Serialize};
 
 use crate::model::{Op, Plan, Precision, Tensor, Weights};
+use crate::units::human_bytes;
 
 /// Every backend the project knows, whether or not this build has it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
@@ -338,21 +339,5 @@ pub fn native_only(kind: BackendKind, opt: &ExecOptions) -> Result<(), BackendEr
         KernelFamily::Vendor => Err(BackendError::Unsupported(format!(
             "the {kind} backend has only our own kernels: --kernels vendor is for cuda (cuBLAS)"
         ))),
-    }
-}
-
-/// Bytes in binary units with one decimal (`1.5 GiB`).
-pub fn human_bytes(b: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
     }
 }

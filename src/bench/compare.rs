@@ -27,7 +27,7 @@ pub struct Row {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Verdict {
+pub enum Direction {
     /// Every sample of this run beats every sample of the first.
     Faster,
     Slower,
@@ -37,19 +37,19 @@ pub enum Verdict {
     Ambiguous,
 }
 
-impl Verdict {
+impl Direction {
     pub fn word(self) -> &'static str {
         match self {
-            Verdict::Faster => "faster",
-            Verdict::Slower => "slower",
-            Verdict::Same => "same",
-            Verdict::Ambiguous => "ambiguous",
+            Direction::Faster => "faster",
+            Direction::Slower => "slower",
+            Direction::Same => "same",
+            Direction::Ambiguous => "ambiguous",
         }
     }
 
     /// A difference beyond the runs' own noise.
     pub fn is_clear(self) -> bool {
-        matches!(self, Verdict::Faster | Verdict::Slower)
+        matches!(self, Direction::Faster | Direction::Slower)
     }
 }
 
@@ -60,7 +60,7 @@ pub struct Pair {
     pub index: usize,
     /// Throughput of this record / throughput of the first.
     pub ratio: f64,
-    pub verdict: Verdict,
+    pub verdict: Direction,
     /// Why, in words.
     pub reason: String,
     /// "A is 1.26× faster than B on resnet50 fp32 b32".
@@ -109,14 +109,14 @@ fn range(v: &[f64]) -> (f64, f64) {
 }
 
 /// The verdict of `b` against `a` from their per-image samples.
-pub fn verdict(a: &BenchRecord, b: &BenchRecord) -> (Verdict, String) {
+pub fn verdict(a: &BenchRecord, b: &BenchRecord) -> (Direction, String) {
     let (sa, sb) = (per_image(a), per_image(b));
     let ratio = a.stats.throughput_median.max(f64::MIN_POSITIVE)
         / b.stats.throughput_median.max(f64::MIN_POSITIVE);
     let differ = (ratio - 1.0).abs();
     if sa.len() < MIN_SAMPLES || sb.len() < MIN_SAMPLES {
         return (
-            Verdict::Ambiguous,
+            Direction::Ambiguous,
             format!(
                 "too few timed iterations to see the noise ({} and {}; at least {MIN_SAMPLES} each)",
                 sa.len(),
@@ -127,23 +127,23 @@ pub fn verdict(a: &BenchRecord, b: &BenchRecord) -> (Verdict, String) {
     let ((alo, ahi), (blo, bhi)) = (range(&sa), range(&sb));
     if differ <= SAME {
         return (
-            Verdict::Same,
+            Direction::Same,
             format!("the medians are within {:.0}%", SAME * 100.0),
         );
     }
     if bhi < alo {
         (
-            Verdict::Faster,
+            Direction::Faster,
             "its slowest iteration beats the other's fastest".into(),
         )
     } else if blo > ahi {
         (
-            Verdict::Slower,
+            Direction::Slower,
             "its fastest iteration is slower than the other's slowest".into(),
         )
     } else {
         (
-            Verdict::Ambiguous,
+            Direction::Ambiguous,
             format!(
                 "the medians differ by {:.1}% but the runs' spreads overlap: measure again with more iterations",
                 differ * 100.0

@@ -191,10 +191,13 @@ pub fn bandwidth(
         }
     };
     Ok(vec![
-        summary("copy", (2 * t.n * 4) as u64, &t.copy_s),
-        summary("triad", (3 * t.n * 4) as u64, &t.triad_s),
+        summary(PROBES[0], (2 * t.n * 4) as u64, &t.copy_s),
+        summary(PROBES[1], (3 * t.n * 4) as u64, &t.triad_s),
     ])
 }
+
+/// The bandwidth probes' kernels, as records and course metrics (`copy_gbps`) name them.
+pub const PROBES: [&str; 2] = ["copy", "triad"];
 
 /// [`bandwidth`], or `None` when the backend has no probe (a GPU backend without one yet).
 pub fn bandwidth_if_any(

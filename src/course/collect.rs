@@ -1,6 +1,6 @@
-//! `workshop collect DIR` (instructors): every student's `results.json` under a folder in one
-//! class table with the course's key numbers, a CSV export and a chart of the baseline
-//! throughputs by device. Files that are not a workspace's results are listed and skipped.
+//! A class's results (`workshop collect DIR`, for instructors): every student's `results.json`
+//! under a folder as one line of the course's key numbers, and their CSV. Files that are not a
+//! workspace's results are listed and skipped. The command is `cmd::compare::collect`.
 
 use std::path::{Path, PathBuf};
 
@@ -8,7 +8,6 @@ use anyhow::{Result, bail};
 use serde::Serialize;
 
 use super::state::{Outcome, Results};
-use crate::cli::CollectArgs;
 
 /// One student's line.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -117,7 +116,8 @@ pub fn collect(dir: &Path) -> Result<(Vec<Student>, Vec<Skipped>)> {
     Ok((class, skipped))
 }
 
-fn cells(s: &Student) -> Vec<String> {
+/// A student's line as table cells, in [`HEADER`]'s order.
+pub fn cells(s: &Student) -> Vec<String> {
     let opt = |v: Option<f64>, f: &dyn Fn(f64) -> String| v.map_or("—".into(), f);
     vec![
         s.name.clone(),
@@ -132,7 +132,8 @@ fn cells(s: &Student) -> Vec<String> {
     ]
 }
 
-const HEADER: [&str; 9] = [
+/// The class table's columns.
+pub const HEADER: [&str; 9] = [
     "student",
     "device",
     "backend",
@@ -168,55 +169,4 @@ pub fn csv(class: &[Student]) -> String {
         ));
     }
     out
-}
-
-pub fn collect_cmd(a: CollectArgs) -> Result<()> {
-    let (class, skipped) = collect(&a.dir)?;
-    let rows: Vec<Vec<String>> = class.iter().map(cells).collect();
-    let table = super::state::Table {
-        header: HEADER.map(String::from).to_vec(),
-        rows,
-    };
-    println!(
-        "{} students under {}\n{}",
-        class.len(),
-        a.dir.display(),
-        crate::report::table(&table)
-    );
-    for (f, why) in &skipped {
-        println!("skipped {}: {why}", f.display());
-    }
-    if class.is_empty() {
-        bail!(
-            "no workshop results under `{}` (looked for results.json in every folder)",
-            a.dir.display()
-        );
-    }
-    if let Some(path) = &a.csv {
-        crate::files::write_atomic(path, csv(&class).as_bytes())?;
-        println!("Wrote {}", path.display());
-    }
-    if let Some(path) = &a.chart {
-        let bars: Vec<crate::chart::Bar> = class
-            .iter()
-            .filter_map(|s| {
-                Some(crate::chart::Bar {
-                    group: s.name.clone(),
-                    series: s.device.clone(),
-                    value: s.baseline_throughput?,
-                })
-            })
-            .collect();
-        if bars.is_empty() {
-            bail!("no student has a baseline throughput (01-baseline) to draw yet");
-        }
-        crate::chart::bars(
-            path,
-            "Baseline throughput by student and device",
-            "images/s",
-            &bars,
-        )?;
-        println!("Drew {}", path.display());
-    }
-    Ok(())
 }

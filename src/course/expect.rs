@@ -44,17 +44,6 @@ pub struct Context<'a> {
     pub backend: BackendKind,
 }
 
-/// Metrics whose value depends on timing (and so on how quiet the machine was).
-fn is_timing(metric: &str) -> bool {
-    let m = metric.rsplit('.').next().unwrap_or(metric);
-    m.starts_with("throughput")
-        || m.ends_with("_ms")
-        || matches!(
-            m,
-            "us_per_sample" | "gflops" | "best_throughput" | "scaling" | "speedup"
-        )
-}
-
 /// Look up `metric` (this step's) or `STEP.metric`.
 fn lookup(reference: &str, step: &str, metrics: &Metrics) -> Result<f64, String> {
     let (s, m) = own_or_earlier(reference, step, metrics);
@@ -144,7 +133,8 @@ pub fn evaluate(
     check.value = Some(value);
     if let Some(limit) = max_cv {
         let refs = std::iter::once(&x.metric).chain(x.per.as_ref());
-        for r in refs.filter(|r| is_timing(r)) {
+        let timing = |r: &&String| super::metrics::is_timing(own_or_earlier(r, step, metrics).1);
+        for r in refs.filter(timing) {
             if let Some(cv) = cv_of(r, step, metrics).filter(|&cv| cv > limit) {
                 check.reason = Some(format!(
                     "too noisy to judge: the run behind `{r}` varied by {:.1}% (CV), above this step's limit of {:.1}%; close other programs and re-run the step",

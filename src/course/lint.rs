@@ -38,62 +38,6 @@ pub fn line_col(text: &str, offset: usize) -> (usize, usize) {
     (line, col)
 }
 
-/// Metrics that each kind of step produces (a `compare` step adds its derived names).
-pub fn metrics_of(kind: StepKind) -> &'static [&'static str] {
-    match kind {
-        StepKind::Bench => &[
-            "throughput",
-            "throughput_mean",
-            "median_ms",
-            "mean_ms",
-            "std_ms",
-            "cv",
-            "min_ms",
-            "max_ms",
-            "us_per_sample",
-            "gflops",
-            "peak_memory_mib",
-            "loss",
-            "max_batch",
-            "enqueue_us",
-            // Compiled steps (`compile`).
-            "compile_s",
-            "rel_diff",
-            "memory_saved",
-            "autotune_timed",
-            "autotune_cached",
-            "replayed",
-            // Multi-device steps (`devices` or `cpu_groups`).
-            "scaling_efficiency",
-            "spread",
-            "devices",
-            "single_throughput",
-        ],
-        StepKind::Sweep => &["best_throughput", "best_value", "scaling"],
-        StepKind::Accuracy => &["max_abs_diff", "rel_diff", "top1_agreement"],
-        StepKind::Doctor => &["cores", "memory_gib"],
-        StepKind::Peak => &["gemm_gflops", "ceiling_gflops", "copy_gbps", "triad_gbps"],
-        // Besides the per-module and per-op metrics of its network (`flops::metric_names`).
-        StepKind::Profile => &[
-            "throughput",
-            "median_ms",
-            "cv",
-            "gflops",
-            "peak_memory_mib",
-            "loss",
-            "device_ms",
-            "cpu_overhead",
-            "efficiency",
-            "intensity",
-            "peak_gflops",
-            "balance",
-        ],
-        StepKind::Compare | StepKind::Question | StepKind::Note => &[],
-        // Besides `STEP.ratio`, `STEP.faster`, `STEP.slower`, `STEP.unclear` per compared step.
-        StepKind::Chart => &["warnings"],
-    }
-}
-
 struct Linter<'a> {
     path: &'a str,
     text: &'a str,
@@ -347,10 +291,12 @@ fn check_exercise(l: &mut Linter<'_>, ex: &LoadedExercise, source: &Source, ids:
                 format!("max_cv {max_cv} must be between 0 and 1 (0.10 is 10%)"),
             );
         }
-        let mut produced: Vec<String> = metrics_of(step.kind)
-            .iter()
-            .map(|s| s.to_string())
+        let mut produced: Vec<String> = super::metrics::names_of(step.kind)
+            .map(String::from)
             .collect();
+        if step.kind == StepKind::Peak {
+            produced.extend(crate::bench::peak::PROBES.map(|k| format!("{k}_gbps")));
+        }
         if let Some(c) = &step.chart {
             for sid in c.get_ref().steps.iter().skip(1) {
                 produced

@@ -3,12 +3,14 @@
 //! step by [`runner`], with progress and results kept by [`state`].
 
 pub mod collect;
-pub mod commands;
 pub mod expect;
 pub mod lint;
+pub mod metrics;
 pub mod runner;
 pub mod schema;
 pub mod state;
+pub mod steps;
+pub mod ui;
 
 use std::path::{Path, PathBuf};
 

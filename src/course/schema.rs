@@ -332,6 +332,31 @@ impl Correct {
     }
 }
 
+impl SweepSpec {
+    /// The values to sweep on `backend` (`cpu_values` on the CPU backend where given).
+    pub fn values_for(&self, backend: BackendKind) -> &[usize] {
+        match (backend, &self.cpu_values) {
+            (BackendKind::Cpu, Some(v)) => v,
+            _ => &self.values,
+        }
+    }
+}
+
+impl PeakSpec {
+    /// This probe with its CPU overrides applied when running on the CPU backend.
+    pub fn resolved(&self, backend: BackendKind) -> PeakSpec {
+        let mut out = self.clone();
+        out.cpu = None;
+        if let (BackendKind::Cpu, Some(cpu)) = (backend, &self.cpu) {
+            out.size = cpu.size.or(out.size);
+            out.iterations = cpu.iterations.or(out.iterations);
+            out.precision = cpu.precision.or(out.precision);
+            out.array_mib = cpu.array_mib.or(out.array_mib);
+        }
+        out
+    }
+}
+
 impl BenchSpec {
     /// This spec with its CPU overrides applied when running on the CPU backend.
     pub fn resolved(&self, backend: BackendKind) -> BenchSpec {

@@ -70,7 +70,7 @@ pub enum Outcome {
 
 /// A table a step produced (a sweep), for the results.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Table {
+pub struct ResultTable {
     pub header: Vec<String>,
     pub rows: Vec<Vec<String>>,
 }
@@ -83,7 +83,7 @@ pub struct Attempt {
     pub kind: super::schema::StepKind,
     pub outcome: Outcome,
     pub metrics: BTreeMap<String, f64>,
-    pub table: Option<Table>,
+    pub table: Option<ResultTable>,
     pub checks: Vec<Check>,
     pub answer: Option<String>,
     /// Why the step is unavailable or was skipped.

@@ -70,7 +70,9 @@ impl Precision {
 // Weights files (safetensors), device uploads and read-backs are little-endian and are cast
 // to and from bytes in place (bytemuck): a big-endian build would read them wrong.
 #[cfg(not(target_endian = "little"))]
-compile_error!("workshop reads and writes little-endian tensors: big-endian targets are not supported");
+compile_error!(
+    "workshop reads and writes little-endian tensors: big-endian targets are not supported"
+);
 
 impl std::fmt::Display for Precision {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

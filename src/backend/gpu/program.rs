@@ -291,7 +291,6 @@ impl Program {
     }
 }
 
-
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
     Precision::Fp32.storage_bytes(v)
 }

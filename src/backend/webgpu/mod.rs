@@ -295,76 +295,75 @@ impl Backend for WgpuBackend {
                 .map(|_| ())
                 .map_err(|e| BackendError::Driver(format!("waiting for the GPU failed: {e}")))
         };
-        let time = |entry: &str,
-                    reads: &[(u32, &wgpu::Buffer)]|
-         -> Result<Vec<f64>, BackendError> {
-            let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some(entry),
-                layout: None,
-                module: &module,
-                entry_point: Some(entry),
-                compilation_options: Default::default(),
-                cache: None,
-            });
-            let mut entries = vec![
-                wgpu::BindGroupEntry {
-                    binding: 0,
-                    resource: pbuf.as_entire_binding(),
-                },
-                wgpu::BindGroupEntry {
-                    binding: 3,
-                    resource: b.as_entire_binding(),
-                },
-            ];
-            entries.extend(reads.iter().map(|(i, buf)| wgpu::BindGroupEntry {
-                binding: *i,
-                resource: buf.as_entire_binding(),
-            }));
-            let bind_group = device.create_bind_group(&wgpu::BindGroupDescriptor {
-                label: Some(entry),
-                layout: &pipeline.get_bind_group_layout(0),
-                entries: &entries,
-            });
-            let mut out = Vec::with_capacity(iterations);
-            for it in 0..=iterations {
-                let mut encoder = device.create_command_encoder(&Default::default());
-                {
-                    let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                        label: Some(entry),
-                        timestamp_writes: set.as_ref().map(|(s, _, _)| {
-                            wgpu::ComputePassTimestampWrites {
-                                query_set: s,
-                                beginning_of_pass_write_index: Some(0),
-                                end_of_pass_write_index: Some(1),
-                            }
-                        }),
-                    });
-                    pass.set_pipeline(&pipeline);
-                    pass.set_bind_group(0, &bind_group, &[]);
-                    pass.dispatch_workgroups(gx, gy, 1);
-                }
-                if let Some((s, resolve, read)) = &set {
-                    encoder.resolve_query_set(s, 0..2, resolve, 0);
-                    encoder.copy_buffer_to_buffer(resolve, 0, read, 0, 16);
-                }
-                let start = Instant::now();
-                queue.submit([encoder.finish()]);
-                wait()?;
-                let wall = start.elapsed().as_secs_f64();
-                let seconds = match &set {
-                    Some((_, _, read)) => {
-                        let bytes = map_read(&device, read)?;
-                        let ticks: Vec<u64> = bytemuck::pod_collect_to_vec(&bytes);
-                        ticks[1].saturating_sub(ticks[0]) as f64 * period / 1e9
+        let time =
+            |entry: &str, reads: &[(u32, &wgpu::Buffer)]| -> Result<Vec<f64>, BackendError> {
+                let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                    label: Some(entry),
+                    layout: None,
+                    module: &module,
+                    entry_point: Some(entry),
+                    compilation_options: Default::default(),
+                    cache: None,
+                });
+                let mut entries = vec![
+                    wgpu::BindGroupEntry {
+                        binding: 0,
+                        resource: pbuf.as_entire_binding(),
+                    },
+                    wgpu::BindGroupEntry {
+                        binding: 3,
+                        resource: b.as_entire_binding(),
+                    },
+                ];
+                entries.extend(reads.iter().map(|(i, buf)| wgpu::BindGroupEntry {
+                    binding: *i,
+                    resource: buf.as_entire_binding(),
+                }));
+                let bind_group = device.create_bind_group(&wgpu::BindGroupDescriptor {
+                    label: Some(entry),
+                    layout: &pipeline.get_bind_group_layout(0),
+                    entries: &entries,
+                });
+                let mut out = Vec::with_capacity(iterations);
+                for it in 0..=iterations {
+                    let mut encoder = device.create_command_encoder(&Default::default());
+                    {
+                        let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                            label: Some(entry),
+                            timestamp_writes: set.as_ref().map(|(s, _, _)| {
+                                wgpu::ComputePassTimestampWrites {
+                                    query_set: s,
+                                    beginning_of_pass_write_index: Some(0),
+                                    end_of_pass_write_index: Some(1),
+                                }
+                            }),
+                        });
+                        pass.set_pipeline(&pipeline);
+                        pass.set_bind_group(0, &bind_group, &[]);
+                        pass.dispatch_workgroups(gx, gy, 1);
                     }
-                    None => wall,
-                };
-                if it > 0 {
-                    out.push(seconds);
+                    if let Some((s, resolve, read)) = &set {
+                        encoder.resolve_query_set(s, 0..2, resolve, 0);
+                        encoder.copy_buffer_to_buffer(resolve, 0, read, 0, 16);
+                    }
+                    let start = Instant::now();
+                    queue.submit([encoder.finish()]);
+                    wait()?;
+                    let wall = start.elapsed().as_secs_f64();
+                    let seconds = match &set {
+                        Some((_, _, read)) => {
+                            let bytes = map_read(&device, read)?;
+                            let ticks: Vec<u64> = bytemuck::pod_collect_to_vec(&bytes);
+                            ticks[1].saturating_sub(ticks[0]) as f64 * period / 1e9
+                        }
+                        None => wall,
+                    };
+                    if it > 0 {
+                        out.push(seconds);
+                    }
                 }
-            }
-            Ok(out)
-        };
+                Ok(out)
+            };
         let copy_s = time("copy", &[(1, &a)])?;
         let triad_s = time("triad", &[(1, &a), (2, &c)])?;
         // Check the triad's result: a fast wrong kernel never counts.
@@ -701,8 +700,8 @@ impl WgpuSession {
                 return Err(BackendError::DeviceLimit(format!(
                     "{what} needs {} in one buffer, but this adapter binds at most {} per storage buffer \
                      (max_storage_buffer_binding_size): use a smaller network or batch, or another device",
-                    super::human_bytes(bytes),
-                    super::human_bytes(max_binding)
+                    crate::units::human_bytes(bytes),
+                    crate::units::human_bytes(max_binding)
                 )));
             }
             Ok(())
@@ -1180,8 +1179,8 @@ impl Gemm<'_> {
             return Err(BackendError::DeviceLimit(format!(
                 "`{node}.weight` needs {} in one buffer, but this adapter binds at most {} per storage buffer \
                  (max_storage_buffer_binding_size): use a smaller network, or another device",
-                super::human_bytes(bytes),
-                super::human_bytes(max_binding)
+                crate::units::human_bytes(bytes),
+                crate::units::human_bytes(max_binding)
             )));
         }
         let mut launches = Vec::new();

@@ -1,28 +1,31 @@
-//! The student and instructor commands: init, next, status, list, goto, skip, hint, reset,
-//! run, results, book, dev lint and dev new. Each opens (and locks) the workspace, does its
-//! work, and saves state and results atomically before returning.
+//! The student's commands: init, next, status, list, goto, skip, hint, reset, run, results
+//! and book. Each opens (and locks) the workspace, does its work, and saves state and results
+//! atomically before returning. [`Terminal`] is the course's [`Ui`] on a terminal: it renders
+//! what steps show with `report`, draws progress bars and asks questions.
 
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
-use serde::Serialize;
+use indicatif::{ProgressBar, ProgressStyle};
 
-use super::runner::{Earlier, RunOptions, UNAVAILABLE, run_step};
-use super::state::{self, Attempt, Outcome, Progress, Status, Workspace, now, with_lock};
-use super::{Course, Source};
-use crate::cli::{
-    BookArgs, CourseArgs, DevCommand, ExportFormat, GotoArgs, InitArgs, NextArgs, ResetArgs,
-    ResultsArgs, RunStepArgs, SkipArgs,
+use super::args::{
+    BookArgs, CourseArgs, ExportFormat, GotoArgs, InitArgs, NextArgs, ResetArgs, ResultsArgs,
+    RunStepArgs, SkipArgs,
 };
+use crate::course::runner::{earlier, run_step};
+use crate::course::schema::StepKind;
+use crate::course::state::{self, Attempt, Outcome, Progress, Status, Workspace, now, with_lock};
+use crate::course::ui::{Show, Ticker, Ui};
+use crate::course::{Course, LoadedExercise, Source};
 use crate::report;
 
 fn workspace_dir(c: &CourseArgs) -> PathBuf {
     c.dir.clone().unwrap_or_else(|| PathBuf::from("."))
 }
 
-fn source_of(course: Option<&Path>) -> Source {
+pub(super) fn source_of(course: Option<&Path>) -> Source {
     course.map_or(Source::Embedded, |d| Source::Dir(d.to_path_buf()))
 }
 
@@ -39,7 +42,7 @@ fn open(c: &CourseArgs) -> Result<(Workspace, Course)> {
 }
 
 /// The exercise to work on: the one `goto` chose, else the first neither done nor skipped.
-fn current<'a>(ws: &Workspace, course: &'a Course) -> Option<&'a super::LoadedExercise> {
+fn current<'a>(ws: &Workspace, course: &'a Course) -> Option<&'a LoadedExercise> {
     let open_ex = |id: &str| !matches!(ws.progress(id).status, Status::Done | Status::Skipped);
     if let Some(id) = &ws.state.current
         && let Some(ex) = course.get(id)
@@ -50,25 +53,6 @@ fn current<'a>(ws: &Workspace, course: &'a Course) -> Option<&'a super::LoadedEx
     course.exercises.iter().find(|e| open_ex(e.id()))
 }
 
-/// Metrics of the latest attempt of each step of an exercise, and the steps that could not run.
-fn earlier_metrics(ws: &Workspace, exercise: &str) -> Earlier {
-    let mut earlier = Earlier::default();
-    for a in ws.results.latest(exercise) {
-        match a.outcome {
-            Outcome::Skipped => {}
-            Outcome::Unavailable => {
-                let why = a.note.as_deref().unwrap_or("unavailable");
-                let why = why.strip_prefix(UNAVAILABLE).unwrap_or(why);
-                earlier.unavailable.insert(a.step.clone(), why.to_string());
-            }
-            _ => {
-                earlier.metrics.insert(a.step.clone(), a.metrics.clone());
-            }
-        }
-    }
-    earlier
-}
-
 /// Record an attempt and write state, results.json and results.md.
 fn record(ws: &mut Workspace, course: &Course, attempt: Option<Attempt>) -> Result<()> {
     if let Some(a) = attempt {
@@ -76,7 +60,7 @@ fn record(ws: &mut Workspace, course: &Course, attempt: Option<Attempt>) -> Resu
     }
     ws.save_results_json()?;
     ws.save_state()?;
-    let md = render_results(ws, course)?;
+    let md = report::results::worksheet(ws, course)?;
     crate::files::write_atomic(&state::results_md(&ws.dir), md.as_bytes())
 }
 
@@ -152,7 +136,7 @@ pub fn next(args: NextArgs) -> Result<()> {
         let Some(ex) = current(&ws, &course) else {
             println!(
                 "{}",
-                report::course_done(&ws.state.student, &state::results_md(&dir))
+                report::course::course_done(&ws.state.student, &state::results_md(&dir))
             );
             return Ok(());
         };
@@ -160,7 +144,7 @@ pub fn next(args: NextArgs) -> Result<()> {
         let id = ex.id().to_string();
         let mut progress = ws.progress(&id);
         if progress.status == Status::NotStarted {
-            println!("{}", report::exercise_header(&ex.exercise));
+            println!("{}", report::course::exercise_header(&ex.exercise));
             let unmet: Vec<&str> = ex
                 .exercise
                 .requires
@@ -179,12 +163,12 @@ pub fn next(args: NextArgs) -> Result<()> {
         let step = &ex.exercise.steps[progress.next_step.min(total - 1)];
         println!(
             "{}",
-            report::step_header(&id, progress.next_step, total, step)
+            report::course::step_header(&id, progress.next_step, total, step)
         );
         if interactive()
             && !args.yes
             && args.answer.is_none()
-            && step.kind != super::schema::StepKind::Question
+            && step.kind != StepKind::Question
             && !inquire::Confirm::new("Run this step now?")
                 .with_default(true)
                 .prompt()
@@ -193,12 +177,13 @@ pub fn next(args: NextArgs) -> Result<()> {
             println!("Not run. `workshop next` continues from here.");
             return Ok(());
         }
-        let opts = RunOptions {
-            answer: args.answer.clone(),
+        let mut ui = Terminal {
             interactive: interactive() && !args.yes,
+            backend: ws.state.backend,
         };
-        let attempt = run_step(&ws, &id, step, &earlier_metrics(&ws, &id), &opts)?;
-        println!("{}", report::attempt_verdicts(&attempt));
+        let answer = args.answer.as_deref();
+        let attempt = run_step(&ws, &id, step, &earlier(&ws, &id), answer, &mut ui)?;
+        println!("{}", report::course::attempt_verdicts(&attempt));
         progress.next_step += 1;
         progress.status = if progress.next_step >= total {
             Status::Done
@@ -217,7 +202,7 @@ pub fn next(args: NextArgs) -> Result<()> {
         };
         println!(
             "{}",
-            report::what_next(&id, progress.status == Status::Done, upcoming.as_deref())
+            report::course::what_next(&id, progress.status == Status::Done, upcoming.as_deref())
         );
         Ok(())
     })
@@ -225,12 +210,12 @@ pub fn next(args: NextArgs) -> Result<()> {
 
 pub fn status(c: CourseArgs) -> Result<()> {
     let (ws, course) = open(&c)?;
-    let rows: Vec<report::StatusRow> = course
+    let rows: Vec<report::course::StatusRow> = course
         .exercises
         .iter()
         .map(|e| {
             let p = ws.progress(e.id());
-            report::StatusRow {
+            report::course::StatusRow {
                 id: e.id().to_string(),
                 title: e.exercise.title.clone(),
                 status: p.status,
@@ -240,7 +225,10 @@ pub fn status(c: CourseArgs) -> Result<()> {
         })
         .collect();
     let cur = current(&ws, &course).map(|e| e.id().to_string());
-    println!("{}", report::status(&ws.state, &rows, cur.as_deref()));
+    println!(
+        "{}",
+        report::course::status(&ws.state, &rows, cur.as_deref())
+    );
     Ok(())
 }
 
@@ -262,12 +250,12 @@ pub fn list(c: CourseArgs) -> Result<()> {
             (
                 e.id().to_string(),
                 e.exercise.title.clone(),
-                report::status_word(status).to_string(),
+                report::course::status_word(status).to_string(),
                 e.exercise.summary.clone(),
             )
         })
         .collect();
-    println!("{}", report::exercise_list(&rows));
+    println!("{}", report::course::exercise_list(&rows));
     Ok(())
 }
 
@@ -471,13 +459,14 @@ pub fn run(args: RunStepArgs) -> Result<()> {
                 .iter()
                 .position(|s| s.id.get_ref() == step.id.get_ref())
                 .unwrap_or(0);
-            println!("{}", report::step_header(&id, index, total, step));
-            let opts = RunOptions {
-                answer: args.answer.clone(),
+            println!("{}", report::course::step_header(&id, index, total, step));
+            let mut ui = Terminal {
                 interactive: interactive(),
+                backend: ws.state.backend,
             };
-            let attempt = run_step(&ws, &id, step, &earlier_metrics(&ws, &id), &opts)?;
-            println!("{}", report::attempt_verdicts(&attempt));
+            let answer = args.answer.as_deref();
+            let attempt = run_step(&ws, &id, step, &earlier(&ws, &id), answer, &mut ui)?;
+            println!("{}", report::course::attempt_verdicts(&attempt));
             // Saved after every step: a later failure keeps what was measured.
             record(&mut ws, &course, Some(attempt))?;
         }
@@ -488,9 +477,9 @@ pub fn run(args: RunStepArgs) -> Result<()> {
 pub fn results(args: ResultsArgs) -> Result<()> {
     let (ws, course) = open(&args.course)?;
     match args.export {
-        None => print!("{}", render_results(&ws, &course)?),
+        None => print!("{}", report::results::worksheet(&ws, &course)?),
         Some(ExportFormat::Json) => println!("{}", serde_json::to_string_pretty(&ws.results)?),
-        Some(ExportFormat::Csv) => print!("{}", report::results_csv(&ws.results)),
+        Some(ExportFormat::Csv) => print!("{}", report::course::results_csv(&ws.results)),
     }
     Ok(())
 }
@@ -532,150 +521,87 @@ pub fn book(args: BookArgs) -> Result<()> {
     Ok(())
 }
 
-pub fn dev(cmd: DevCommand) -> Result<()> {
-    match cmd {
-        DevCommand::KernelsCheck(a) => crate::app::kernels_check_cmd(a),
-        DevCommand::Lint { dir } => {
-            let source = source_of(dir.as_deref());
-            let files = super::read_files(&source)?;
-            let (exercises, diags) = super::lint::check(&source, &files);
-            if diags.is_empty() {
-                let steps: usize = exercises.iter().map(|e| e.exercise.steps.len()).sum();
-                println!("course OK: {} exercises, {steps} steps", exercises.len());
-                Ok(())
-            } else {
-                for d in &diags {
-                    eprintln!("{d}");
-                }
-                bail!("{} problem(s) in the course", diags.len())
-            }
-        }
-        DevCommand::New { id, dir } => {
-            let ex_path = dir.join("exercises").join(format!("{id}.toml"));
-            let ch_path = super::book_dir(&dir).join(format!("{id}.md"));
-            for p in [&ex_path, &ch_path] {
-                if p.exists() {
-                    bail!("`{}` already exists; nothing was written", p.display());
-                }
-            }
-            let toml = report::scaffold_exercise(&id);
-            let chapter = format!(
-                "# {id}\n\nWhat this exercise teaches, and why it matters.\n\n```sh\nworkshop next\n```\n"
-            );
-            crate::files::write_atomic(&ex_path, toml.as_bytes())?;
-            crate::files::write_atomic(&ch_path, chapter.as_bytes())?;
-            println!(
-                "Created {} and {}. Add the chapter to book/src/SUMMARY.md, then check with `workshop dev lint {}`.",
-                ex_path.display(),
-                ch_path.display(),
-                dir.display()
-            );
-            Ok(())
-        }
+/// The course's [`Ui`] on a terminal (or a pipe: progress bars hide themselves, questions
+/// need `--answer`).
+struct Terminal {
+    /// A student can answer prompts.
+    interactive: bool,
+    backend: crate::backend::BackendKind,
+}
+
+/// A progress bar on stderr, cleared when dropped.
+struct Bar(ProgressBar);
+
+impl Ticker for Bar {
+    fn tick(&mut self) {
+        self.0.inc(1);
     }
 }
 
-#[derive(Serialize)]
-struct CheckView {
-    what: String,
-    value_text: String,
-    range_text: String,
-    verdict: String,
-    reason: Option<String>,
-    hint: Option<String>,
+impl Drop for Bar {
+    fn drop(&mut self) {
+        self.0.finish_and_clear();
+    }
 }
 
-#[derive(Serialize)]
-struct StepView {
-    step: String,
-    outcome: String,
-    measured: String,
-    table: Option<state::Table>,
-    checks: Vec<CheckView>,
-}
-
-#[derive(Serialize)]
-struct ExerciseView {
-    id: String,
-    title: String,
-    status: String,
-    steps: Vec<StepView>,
-    has_checks: bool,
-}
-
-/// The worksheet (`results.md`), rendered from `templates/results.md`.
-pub fn render_results(ws: &Workspace, course: &Course) -> Result<String> {
-    let last_env = ws
-        .results
-        .attempts
-        .iter()
-        .rev()
-        .find(|a| a.environment.contains_key("device"))
-        .map(|a| &a.environment);
-    let env = |k: &str| {
-        last_env
-            .and_then(|e| e.get(k))
-            .cloned()
-            .unwrap_or_else(|| "not measured yet".into())
-    };
-    let exercises: Vec<ExerciseView> = course
-        .exercises
-        .iter()
-        .map(|e| {
-            let steps: Vec<StepView> = ws
-                .results
-                .latest(e.id())
-                .into_iter()
-                .map(|a| StepView {
-                    step: a.step.clone(),
-                    outcome: format!("{:?}", a.outcome).to_lowercase(),
-                    measured: report::measured(a),
-                    table: a.table.clone(),
-                    checks: a
-                        .checks
-                        .iter()
-                        .map(|c| CheckView {
-                            what: c.what.clone(),
-                            value_text: c.value.map_or("—".into(), report::number),
-                            range_text: report::range_text(c.min, c.max),
-                            verdict: format!("{:?}", c.verdict).to_lowercase(),
-                            reason: c.reason.clone(),
-                            hint: c.hint.clone(),
-                        })
-                        .collect(),
-                })
-                .collect();
-            ExerciseView {
-                id: e.id().to_string(),
-                title: e.exercise.title.clone(),
-                status: report::status_word(ws.progress(e.id()).status).to_string(),
-                has_checks: steps.iter().any(|s| !s.checks.is_empty()),
-                steps,
+impl Ui for Terminal {
+    fn show(&mut self, what: Show<'_>) {
+        let text = match what {
+            Show::Doctor(d) => report::machine::doctor(d),
+            Show::Config(c) => report::bench::step_config(c),
+            Show::Summary(r) => report::bench::summary(r),
+            Show::Multi(m) => report::bench::multi(m),
+            Show::Profile {
+                record,
+                flops,
+                top,
+                depth,
+            } => {
+                let ops = (record.profile.as_ref())
+                    .map(|p| format!("{}\n", report::profile::profile(p, top, self.backend)));
+                let flops = report::profile::flops_profile(flops, Some(depth), top);
+                format!("{}{flops}", ops.unwrap_or_default())
             }
+            Show::Comparison { comparison, chart } => {
+                // The comparison stands without its picture (a machine without fonts).
+                let drawn = match report::charts::comparison(comparison, chart) {
+                    Ok(()) => format!("Drew {} (open it in a browser)", chart.display()),
+                    Err(e) => format!("No chart: {e:#}"),
+                };
+                format!("{}\n{drawn}", report::compare::comparison(comparison))
+            }
+            Show::Table(t) => report::course::table(t),
+            Show::Peak {
+                gemm,
+                bandwidth,
+                ceiling,
+            } => format!(
+                "{}\n{}",
+                report::machine::peak(gemm, bandwidth),
+                report::machine::ceiling(gemm.gflops, ceiling)
+            ),
+            Show::Line(line) => line,
+        };
+        println!("{text}");
+    }
+
+    fn progress(&mut self, label: &str, total: u64) -> Box<dyn Ticker> {
+        let bar = ProgressBar::new(total);
+        bar.set_style(
+            ProgressStyle::with_template("  {spinner} {msg} [{bar:30}] {pos}/{len} ({elapsed})")
+                .expect("a valid template")
+                .progress_chars("=> "),
+        );
+        bar.set_message(label.to_string());
+        bar.enable_steady_tick(std::time::Duration::from_millis(200));
+        Box::new(Bar(bar))
+    }
+
+    fn choose(&mut self, prompt: &str, choices: &[String]) -> Option<Result<String>> {
+        self.interactive.then(|| {
+            inquire::Select::new(prompt, choices.to_vec())
+                .prompt()
+                .map_err(|e| anyhow::anyhow!("no answer given ({e}); nothing was recorded"))
         })
-        .collect();
-    let count = |s: Status| {
-        course
-            .exercises
-            .iter()
-            .filter(|e| ws.progress(e.id()).status == s)
-            .count()
-    };
-    let mut env_j = minijinja::Environment::new();
-    env_j.add_template("results.md", include_str!("../../templates/results.md"))?;
-    let out = env_j
-        .get_template("results.md")?
-        .render(minijinja::context! {
-            student => ws.state.student.clone(),
-            date => now(),
-            device => env("device"),
-            backend => ws.state.backend.to_string(),
-            kernels => env("kernel_version"),
-            runner_version => env!("CARGO_PKG_VERSION"),
-            done => count(Status::Done),
-            skipped => count(Status::Skipped),
-            total => course.exercises.len(),
-            exercises => minijinja::value::Value::from(minijinja::value::Serde(&exercises)),
-        })?;
-    Ok(out)
+    }
 }

@@ -1,58 +1,16 @@
-//! Commands: turn the parsed command line into runs, and runs into printed output and files.
-//! Every failure comes back as an `anyhow` error with the context a user needs to fix it.
+//! `workshop bench`, `infer`, `models` and `weights`: run the zoo's networks and show what was
+//! measured.
 
 use std::io::Write;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 
+use super::args::{BenchArgs, InferArgs, ModelsArgs, RunArgs, WeightsArgs};
 use crate::backend::{self, ExecOptions};
 use crate::bench::{self, record::BenchConfig};
-use crate::cli::{
-    BenchArgs, Cli, Command, CompareArgs, GatherArgs, InferArgs, ModelsArgs, PeakArgs, RunArgs,
-    WeightsArgs,
-};
-use crate::course::commands;
 use crate::model::{Precision, Weights, weights, zoo};
 use crate::report;
-
-pub fn run(cli: Cli) -> Result<()> {
-    crate::settings::check()?;
-    for w in backend::warnings() {
-        eprintln!("warning: {w}");
-    }
-    match cli.command {
-        Command::Bench(args) => bench_cmd(*args),
-        Command::Infer(args) => infer_cmd(args),
-        Command::Models(args) => models_cmd(args),
-        Command::Weights(args) => weights_cmd(args),
-        Command::Peak(a) => peak_cmd(a),
-        Command::Gather(a) => gather_cmd(a),
-        Command::Compare(a) => compare_cmd(a),
-        Command::Collect(a) => crate::course::collect::collect_cmd(a),
-        Command::Init(a) => commands::init(a),
-        Command::Next(a) => commands::next(a),
-        Command::Status(a) => commands::status(a),
-        Command::List(a) => commands::list(a),
-        Command::Goto(a) => commands::goto(a),
-        Command::Skip(a) => commands::skip(a),
-        Command::Hint(a) => commands::hint(a),
-        Command::Reset(a) => commands::reset(a),
-        Command::Run(a) => commands::run(a),
-        Command::Results(a) => commands::results(a),
-        Command::Book(a) => commands::book(a),
-        Command::Dev(c) => commands::dev(c),
-        Command::Doctor(a) => {
-            let d = crate::doctor::collect();
-            if a.json {
-                println!("{}", serde_json::to_string_pretty(&d)?);
-            } else {
-                println!("{}", report::doctor(&d));
-            }
-            Ok(())
-        }
-    }
-}
 
 /// `--precision` and the classic `--fp16 0|1` must agree.
 fn resolve_precision(run: &RunArgs) -> Result<Precision> {
@@ -82,7 +40,7 @@ fn weights_label(run: &RunArgs) -> String {
     }
 }
 
-fn bench_cmd(args: BenchArgs) -> Result<()> {
+pub fn bench(args: BenchArgs) -> Result<()> {
     let cfg = BenchConfig {
         network: args.run.network.clone(),
         batch_size: args.batch_size,
@@ -120,7 +78,7 @@ fn bench_cmd(args: BenchArgs) -> Result<()> {
             cfg.batch_size
         );
         let r = bench::multi::run_rank(&cfg, &rank, dir)?;
-        println!("\n{}", report::summary(&r.record));
+        println!("\n{}", report::bench::summary(&r.record));
         println!(
             "Wrote {}; when every rank is done: workshop gather {}",
             bench::multi::rank_file(dir, rank.rank).display(),
@@ -142,7 +100,7 @@ fn bench_cmd(args: BenchArgs) -> Result<()> {
         (None, None) => None,
     };
     if let Some(devices) = devices {
-        println!("{}\n", report::config_echo(&cfg));
+        println!("{}\n", report::bench::config_echo(&cfg));
         let single = match &args.single {
             Some(path) => {
                 let text = std::fs::read_to_string(path)
@@ -161,7 +119,7 @@ fn bench_cmd(args: BenchArgs) -> Result<()> {
             None => None,
         };
         let record = bench::multi::run(&cfg, &devices, single, &mut |s| println!("{s}"))?;
-        println!("\n{}", report::multi(&record));
+        println!("\n{}", report::bench::multi(&record));
         if let Some(path) = &args.json {
             crate::files::write_atomic(path, serde_json::to_string_pretty(&record)?.as_bytes())?;
             println!("Wrote {}", path.display());
@@ -174,27 +132,37 @@ fn bench_cmd(args: BenchArgs) -> Result<()> {
             rank.rank, rank.world_size, rank.launcher
         );
     }
-    println!("{}\n", report::config_echo(&cfg));
+    println!("{}\n", report::bench::config_echo(&cfg));
     println!("Building {} and preparing its weights...", cfg.network);
     let mut out = std::io::stdout();
     let record = bench::run(&cfg, args.run.weights.as_deref(), &mut |ev| {
-        let _ = writeln!(out, "{}", report::event_line(&ev));
+        let _ = writeln!(out, "{}", report::bench::event_line(&ev));
         let _ = out.flush();
     })?;
-    println!("\n{}", report::summary(&record));
+    println!("\n{}", report::bench::summary(&record));
     if let Some(path) = &args.baseline {
         let saved = bench::compare::load(path)?;
         let c = bench::compare::compare(&[
             (path.display().to_string(), saved),
             ("this run".to_string(), record.clone()),
         ]);
-        println!("\nAgainst {}:\n{}", path.display(), report::comparison(&c));
+        println!(
+            "\nAgainst {}:\n{}",
+            path.display(),
+            report::compare::comparison(&c)
+        );
     }
     if let Some(p) = &record.profile {
-        println!("\n{}", report::profile(p, args.top, record.config.backend));
+        println!(
+            "\n{}",
+            report::profile::profile(p, args.top, record.config.backend)
+        );
     }
     if let Some(f) = &record.flops_profile {
-        println!("\n{}", report::flops_profile(f, args.flops_depth, args.top));
+        println!(
+            "\n{}",
+            report::profile::flops_profile(f, args.flops_depth, args.top)
+        );
     }
     if let (Some(path), Some(p)) = (&args.profile_csv, &record.profile) {
         crate::files::write_atomic(path, bench::profile::csv(p).as_bytes())?;
@@ -216,7 +184,7 @@ fn bench_cmd(args: BenchArgs) -> Result<()> {
     Ok(())
 }
 
-fn infer_cmd(args: InferArgs) -> Result<()> {
+pub fn infer(args: InferArgs) -> Result<()> {
     let precision = resolve_precision(&args.run)?;
     let graph = zoo::build(&args.run.network)?;
     let input = weights::read_tensor(&args.input, "input")?;
@@ -275,7 +243,7 @@ fn infer_cmd(args: InferArgs) -> Result<()> {
     Ok(())
 }
 
-fn models_cmd(args: ModelsArgs) -> Result<()> {
+pub fn models(args: ModelsArgs) -> Result<()> {
     if args.input_size == 0 {
         bail!("--input-size must be at least 1 (got 0)");
     }
@@ -290,7 +258,7 @@ fn models_cmd(args: ModelsArgs) -> Result<()> {
             .iter()
             .map(|p| p.shape.iter().product::<usize>() as u64)
             .sum();
-        rows.push(report::ModelRow {
+        rows.push(report::bench::ModelRow {
             network: name.to_string(),
             params: graph.param_count(),
             macs: plan.macs(),
@@ -301,12 +269,12 @@ fn models_cmd(args: ModelsArgs) -> Result<()> {
     if args.json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
-        println!("{}", report::models_table(&rows, args.input_size));
+        println!("{}", report::bench::models_table(&rows, args.input_size));
     }
     Ok(())
 }
 
-fn weights_cmd(args: WeightsArgs) -> Result<()> {
+pub fn weights(args: WeightsArgs) -> Result<()> {
     let graph = zoo::build(&args.network)?;
     let w = bench::seeded_weights(&graph, args.seed, 224)?;
     w.save(&args.output, &graph)?;
@@ -316,120 +284,5 @@ fn weights_cmd(args: WeightsArgs) -> Result<()> {
         args.seed,
         args.output.display()
     );
-    Ok(())
-}
-
-fn peak_cmd(a: PeakArgs) -> Result<()> {
-    let (gemm, device) = bench::peak::gemm_on(
-        a.backend,
-        a.device,
-        a.precision,
-        a.threads,
-        a.size,
-        a.iterations,
-    )?;
-    let bandwidth =
-        bench::peak::bandwidth_if_any(a.backend, a.device, a.array_mib, a.iterations, a.threads)?;
-    // From the facts of the device that was measured (a GPU's SMs and clock, not the
-    // host's), or measured on the CPU's cores.
-    let ceiling = device.and_then(|d| bench::peak::theoretical(a.backend, &d, a.threads));
-    if a.json {
-        println!(
-            "{}",
-            serde_json::json!({ "gemm": gemm, "bandwidth": bandwidth, "theoretical": ceiling })
-        );
-    } else {
-        println!("{}", report::peak(&gemm, bandwidth.as_deref()));
-        println!("{}", report::ceiling(gemm.gflops, ceiling.as_ref()));
-    }
-    if gemm.validated == gemm.iterations {
-        let kept = bench::peak::keep(
-            a.backend,
-            a.device,
-            a.threads,
-            &gemm,
-            bandwidth.as_deref().unwrap_or_default(),
-        );
-        // The measurement stands without the cache; say why it was not kept.
-        match kept {
-            Ok(path) if !a.json => println!(
-                "Kept for FLOPs profiles and exercises in {}",
-                path.display()
-            ),
-            Ok(_) => {}
-            Err(e) => eprintln!("warning: the result was not kept for later: {e:#}"),
-        }
-    }
-    if gemm.validated < gemm.iterations {
-        bail!(
-            "{} of {} GEMM results did not match the reference: the throughput above does not count",
-            gemm.iterations - gemm.validated,
-            gemm.iterations
-        );
-    }
-    Ok(())
-}
-
-fn gather_cmd(a: GatherArgs) -> Result<()> {
-    let g = bench::multi::gather(&a.dir)?;
-    println!("{}", report::gathered(&g));
-    if let Some(path) = &a.json {
-        crate::files::write_atomic(path, serde_json::to_string_pretty(&g)?.as_bytes())?;
-        println!("Wrote {}", path.display());
-    }
-    Ok(())
-}
-
-fn compare_cmd(a: CompareArgs) -> Result<()> {
-    let records = a
-        .records
-        .iter()
-        .map(|p| Ok((p.display().to_string(), bench::compare::load(p)?)))
-        .collect::<Result<Vec<_>>>()?;
-    let c = bench::compare::compare(&records);
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&c)?);
-    } else {
-        println!("{}", report::comparison(&c));
-    }
-    if let Some(path) = &a.markdown {
-        crate::files::write_atomic(path, report::comparison_markdown(&c).as_bytes())?;
-        eprintln!("Wrote {}", path.display());
-    }
-    if let Some(path) = &a.chart {
-        crate::chart::comparison(&c, path)?;
-        eprintln!("Drew {}", path.display());
-    }
-    Ok(())
-}
-
-/// `workshop dev kernels-check`.
-pub(crate) fn kernels_check_cmd(args: crate::cli::KernelsCheckArgs) -> Result<()> {
-    use crate::backend::gpu::check;
-    for r in &args.require {
-        if !check::COMPILERS.contains(&r.as_str()) {
-            anyhow::bail!("--require takes {}, not `{r}`", check::COMPILERS.join(", "));
-        }
-    }
-    let checks = check::run(args.kernels_dir.as_deref());
-    println!("{}", report::kernels_check(&checks));
-    let failed = checks
-        .iter()
-        .filter(|c| matches!(c.outcome, check::Outcome::Failed(_)))
-        .count();
-    let missing: Vec<&str> = checks
-        .iter()
-        .filter(|c| {
-            matches!(c.outcome, check::Outcome::Skipped(_))
-                && args.require.iter().any(|r| r == c.compiler)
-        })
-        .map(|c| c.compiler)
-        .collect();
-    if failed > 0 {
-        anyhow::bail!("{failed} kernel compilation(s) failed (logs above)");
-    }
-    if !missing.is_empty() {
-        anyhow::bail!("required compiler(s) missing: {}", missing.join(", "));
-    }
     Ok(())
 }

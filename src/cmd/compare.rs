@@ -1,0 +1,93 @@
+//! `workshop compare`, `gather` and `collect`: runs side by side, the ranks of a launched run
+//! gathered into one, and a class's results collected into one table.
+
+use anyhow::{Result, bail};
+
+use super::args::{CollectArgs, CompareArgs, GatherArgs};
+use crate::bench;
+use crate::course::{self, state::ResultTable};
+use crate::report;
+
+pub fn gather(a: GatherArgs) -> Result<()> {
+    let g = bench::multi::gather(&a.dir)?;
+    println!("{}", report::bench::gathered(&g));
+    if let Some(path) = &a.json {
+        crate::files::write_atomic(path, serde_json::to_string_pretty(&g)?.as_bytes())?;
+        println!("Wrote {}", path.display());
+    }
+    Ok(())
+}
+
+pub fn compare(a: CompareArgs) -> Result<()> {
+    let records = a
+        .records
+        .iter()
+        .map(|p| Ok((p.display().to_string(), bench::compare::load(p)?)))
+        .collect::<Result<Vec<_>>>()?;
+    let c = bench::compare::compare(&records);
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&c)?);
+    } else {
+        println!("{}", report::compare::comparison(&c));
+    }
+    if let Some(path) = &a.markdown {
+        crate::files::write_atomic(path, report::compare::comparison_markdown(&c).as_bytes())?;
+        eprintln!("Wrote {}", path.display());
+    }
+    if let Some(path) = &a.chart {
+        report::charts::comparison(&c, path)?;
+        eprintln!("Drew {}", path.display());
+    }
+    Ok(())
+}
+
+pub fn collect(a: CollectArgs) -> Result<()> {
+    let (class, skipped) = course::collect::collect(&a.dir)?;
+    let rows: Vec<Vec<String>> = class.iter().map(course::collect::cells).collect();
+    let table = ResultTable {
+        header: course::collect::HEADER.map(String::from).to_vec(),
+        rows,
+    };
+    println!(
+        "{} students under {}\n{}",
+        class.len(),
+        a.dir.display(),
+        crate::report::course::table(&table)
+    );
+    for (f, why) in &skipped {
+        println!("skipped {}: {why}", f.display());
+    }
+    if class.is_empty() {
+        bail!(
+            "no workshop results under `{}` (looked for results.json in every folder)",
+            a.dir.display()
+        );
+    }
+    if let Some(path) = &a.csv {
+        crate::files::write_atomic(path, course::collect::csv(&class).as_bytes())?;
+        println!("Wrote {}", path.display());
+    }
+    if let Some(path) = &a.chart {
+        let bars: Vec<report::charts::Bar> = class
+            .iter()
+            .filter_map(|s| {
+                Some(report::charts::Bar {
+                    group: s.name.clone(),
+                    series: s.device.clone(),
+                    value: s.baseline_throughput?,
+                })
+            })
+            .collect();
+        if bars.is_empty() {
+            bail!("no student has a baseline throughput (01-baseline) to draw yet");
+        }
+        report::charts::bars(
+            path,
+            "Baseline throughput by student and device",
+            "images/s",
+            &bars,
+        )?;
+        println!("Drew {}", path.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,45 @@
+//! `chart` steps: the records of earlier bench or profile steps compared side by side, as
+//! `workshop compare` does, and drawn into `charts/`.
+
+use anyhow::{Result, bail};
+
+use super::{StepContext, StepOutput};
+use crate::bench::compare::{self, Direction};
+use crate::course::ui::{Show, Ui};
+
+pub fn run(ctx: &StepContext<'_>, out: &mut StepOutput, ui: &mut dyn Ui) -> Result<()> {
+    let spec = (ctx.step.chart.as_ref())
+        .ok_or_else(|| anyhow::anyhow!("a chart step needs a chart section"))?
+        .get_ref();
+    let records = (spec.steps.iter())
+        .map(|s| {
+            let path = ctx.record_path(s);
+            if !path.exists() {
+                bail!(
+                    "step `{s}` has no record yet: run it first (`workshop run {}.{s}`)",
+                    ctx.exercise
+                );
+            }
+            Ok((s.clone(), compare::load(&path)?))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let c = compare::compare(&records);
+    let chart = (ctx.ws.dir.join("charts")).join(format!("{}.{}.svg", ctx.exercise, ctx.id()));
+    ui.show(Show::Comparison {
+        comparison: &c,
+        chart: &chart,
+    });
+    out.metrics.set("warnings", c.warnings.len() as f64);
+    let is = |b: bool| if b { 1.0 } else { 0.0 };
+    for p in &c.pairs {
+        let s = &spec.steps[p.index];
+        let v = p.verdict;
+        out.metrics.set(format!("{s}.ratio"), p.ratio);
+        out.metrics
+            .set(format!("{s}.faster"), is(v == Direction::Faster));
+        out.metrics
+            .set(format!("{s}.slower"), is(v == Direction::Slower));
+        out.metrics.set(format!("{s}.unclear"), is(!v.is_clear()));
+    }
+    Ok(())
+}

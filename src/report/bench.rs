@@ -1,0 +1,340 @@
+//! Benchmark runs as text: the configuration echo, per-iteration lines, the performance
+//! summary (with compile and autotune lines), the models table, and multi-device runs.
+
+use comfy_table::{Cell, CellAlignment};
+
+use crate::bench::Event;
+use crate::bench::record::{BenchConfig, BenchRecord};
+use crate::units::human_bytes;
+
+use super::new_table;
+use crate::units::group_digits;
+
+/// The configuration echo printed before a run.
+pub fn config_echo(cfg: &BenchConfig) -> String {
+    let threads = cfg
+        .threads
+        .map_or_else(|| "all cores".to_string(), |t| t.to_string());
+    format!(
+        "Network:     {}\nBatch size:  {}\nInput:       3×{}×{}\nIterations:  {} (after {} warm-up)\nPrecision:   {}\nBackend:     {} (device {}, threads: {})\nWeights:     {}",
+        cfg.network,
+        cfg.batch_size,
+        cfg.input_size,
+        cfg.input_size,
+        cfg.iterations,
+        cfg.warmup,
+        cfg.precision.name().to_uppercase(),
+        cfg.backend,
+        cfg.device,
+        threads,
+        cfg.weights
+    )
+}
+
+/// One progress line per event.
+pub fn event_line(ev: &Event) -> String {
+    match ev {
+        Event::Preparing {
+            params,
+            weights,
+            seconds,
+        } => format!(
+            "Prepared {} parameters ({weights}) in {seconds:.2} s.",
+            group_digits(*params)
+        ),
+        Event::Warmup {
+            index,
+            loss,
+            seconds,
+        } => {
+            format!(
+                "Warm-up {index:>3}: loss = {loss:.4}, time = {:.1} ms",
+                seconds * 1e3
+            )
+        }
+        Event::Iteration {
+            index,
+            loss,
+            seconds,
+        } => {
+            format!(
+                "Iteration {index:>3}: loss = {loss:.4}, time = {:.1} ms",
+                seconds * 1e3
+            )
+        }
+    }
+}
+
+/// The performance summary after a run.
+pub fn summary(r: &BenchRecord) -> String {
+    let s = &r.stats;
+    let c = &r.config;
+    let line = "=".repeat(56);
+    format!(
+        "{line}\nPerformance summary: {} {} batch {} on {} ({})\n{line}\n\
+         Step time     median {:.2} ms, mean {:.2} ms, std {:.2} ms (CV {:.1}%)\n\
+         Range         min {:.2} ms, max {:.2} ms over {} iterations\n\
+         Throughput    {:.1} images/s (mean), {:.1} images/s (median)\n\
+         Per batch     {:.2} ms    per sample {:.1} µs\n\
+         Compute       {:.1} GFLOP/s (conv + linear, {:.2} GMACs per image)\n\
+         Memory        {} peak ({} weights + {} activations)\n\
+         Loss          {:.4} (random labels: ln(classes) ≈ {:.4} for an untrained network)\n{}{}{line}",
+        c.network,
+        c.precision.name().to_uppercase(),
+        c.batch_size,
+        r.environment.device.name,
+        c.backend,
+        s.median_s * 1e3,
+        s.mean_s * 1e3,
+        s.std_s * 1e3,
+        s.cv * 100.0,
+        s.min_s * 1e3,
+        s.max_s * 1e3,
+        r.samples_s.len(),
+        s.throughput,
+        s.throughput_median,
+        s.ms_per_batch,
+        s.us_per_sample,
+        s.gflops,
+        r.model.macs_per_image as f64 / 1e9,
+        human_bytes(r.memory.peak),
+        human_bytes(r.memory.weights),
+        human_bytes(r.memory.peak_activations),
+        r.loss,
+        1000f64.ln(),
+        enqueue_line(r),
+        r.compile.as_ref().map_or(String::new(), compile_lines),
+    )
+}
+
+/// The host's time to enqueue one pass, on backends that run asynchronously: what launch
+/// overhead and `--compile reduce-overhead` are about.
+fn enqueue_line(r: &BenchRecord) -> String {
+    if r.config.backend == crate::backend::BackendKind::Cpu || r.enqueue_s.is_empty() {
+        return String::new();
+    }
+    let mut v = r.enqueue_s.clone();
+    v.sort_by(f64::total_cmp);
+    format!(
+        "Host enqueue  median {:.1} µs per pass (time in run() before waiting for the device)\n",
+        v[v.len() / 2] * 1e6
+    )
+}
+
+/// What compilation did, for the summary.
+fn compile_lines(c: &crate::bench::record::CompileInfo) -> String {
+    let p = &c.passes;
+    format!(
+        "Compile       {} in {:.3} s (before the run): {} batch norms folded, {} activations and {} residual adds fused, {} dropouts dropped ({} → {} nodes)\n\
+         Memory plan   {} eager → {} compiled\n\
+         Check         max |Δ| {:.2e} against eager FP32 on the same input ({:.4}% of the largest output)\n",
+        c.mode.name(),
+        c.compile_s,
+        p.folded_batch_norms,
+        p.fused_activations,
+        p.fused_adds,
+        p.dropped,
+        p.nodes_before,
+        p.nodes_after,
+        human_bytes(c.eager_memory),
+        human_bytes(c.compiled_memory),
+        c.max_abs_diff,
+        c.rel_diff * 100.0
+    ) + &c.autotune.as_ref().map_or(String::new(), autotune_lines)
+        + &match &c.replay {
+            Some(Ok(how)) => format!("Replay        {how}\n"),
+            Some(Err(why)) => format!("Replay        none: {why}\n"),
+            None => String::new(),
+        }
+}
+
+/// What max-autotune tried and chose.
+fn autotune_lines(a: &crate::bench::autotune::AutotuneReport) -> String {
+    let cached = a.choices.iter().filter(|c| c.cached).count();
+    let mut s = format!(
+        "Autotune      {} layers, {} shapes: {} timed now, {} from the cache (keyed by device, driver, kernel version and shape; --recompile times them again)\n",
+        a.layers,
+        a.choices.len(),
+        a.choices.len() - cached,
+        cached
+    );
+    for c in a.choices.iter().filter(|c| !c.cached) {
+        let tried: Vec<String> = c
+            .tried
+            .iter()
+            .map(|(v, ms)| format!("{v} {ms:.2} ms"))
+            .collect();
+        s.push_str(&format!(
+            "  {:<24} {} → {}\n",
+            c.layer,
+            tried.join(", "),
+            c.variant
+        ));
+    }
+    s
+}
+
+/// One row of `workshop models`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ModelRow {
+    pub network: String,
+    pub params: u64,
+    pub macs: u64,
+    pub flops: u64,
+    pub weights_bytes_fp32: u64,
+}
+
+pub fn models_table(rows: &[ModelRow], input_size: usize) -> String {
+    let mut t = new_table();
+    t.set_header(vec![
+        "network".to_string(),
+        "parameters".into(),
+        format!("GMACs/image ({input_size}²)"),
+        "GFLOPs/image".into(),
+        "weights (fp32)".into(),
+    ]);
+    for r in rows {
+        t.add_row(vec![
+            Cell::new(&r.network),
+            Cell::new(group_digits(r.params)).set_alignment(CellAlignment::Right),
+            Cell::new(format!("{:.3}", r.macs as f64 / 1e9)).set_alignment(CellAlignment::Right),
+            Cell::new(format!("{:.3}", r.flops as f64 / 1e9)).set_alignment(CellAlignment::Right),
+            Cell::new(human_bytes(r.weights_bytes_fp32)).set_alignment(CellAlignment::Right),
+        ]);
+    }
+    format!(
+        "{t}\nMACs count conv and linear multiply-accumulates (torchvision's convention); \
+         GFLOPs add 2 per MAC plus batch norm, activations, pooling and residual adds."
+    )
+}
+
+/// One line naming a course step's run.
+pub fn step_config(c: &BenchConfig) -> String {
+    format!(
+        "Running {} {} batch {} ({}×{}), {} iterations after {} warm-up, on {} device {}",
+        c.network,
+        c.precision.name().to_uppercase(),
+        c.batch_size,
+        c.input_size,
+        c.input_size,
+        c.iterations,
+        c.warmup,
+        c.backend,
+        c.device
+    )
+}
+
+/// One device's line of a multi-device or gathered run.
+fn device_line(label: &str, r: &BenchRecord) -> String {
+    let s = &r.stats;
+    format!(
+        "[{label}] {} · batch {} · {:.1} images/s · median {:.2} ms · CV {:.1}% · peak memory {}",
+        r.environment.device.name,
+        r.config.batch_size,
+        s.throughput_median,
+        s.median_s * 1e3,
+        s.cv * 100.0,
+        human_bytes(r.memory.peak)
+    )
+}
+
+/// What the spread between devices means.
+fn spread_text(spread: f64) -> String {
+    let judgement = if spread < 1.05 {
+        "the devices kept pace with each other"
+    } else if spread < 1.2 {
+        "uneven: the slowest device holds the others back at every barrier"
+    } else {
+        "very uneven: check that the devices are alike and nothing else runs on the slow one"
+    };
+    format!("slowest / fastest device median {spread:.2} ({judgement})")
+}
+
+/// A multi-device run: each device, then the global summary with the scaling efficiency.
+pub fn multi(m: &crate::bench::multi::MultiRecord) -> String {
+    let mut s = String::new();
+    for (d, r) in m.devices.iter().zip(&m.runs) {
+        s.push_str(&device_line(&d.label, r));
+        s.push('\n');
+    }
+    let g = &m.global;
+    let first = &m.runs[0].config;
+    s.push_str(&format!(
+        "\n========================================================\n\
+         Performance summary (global): {} {} on {} devices\n\
+         ========================================================\n\
+         Global batch  {} ({} per device)\n\
+         Step time     median {:.2} ms, CV {:.1}% (start to end of every device: the slowest sets the pace)\n\
+         Throughput    {:.1} images/s (median), {:.1} images/s (mean)\n\
+         Devices       {}\n",
+        first.network,
+        first.precision.name().to_uppercase(),
+        m.devices.len(),
+        m.global_batch,
+        m.per_device_batch,
+        g.median_s * 1e3,
+        g.cv * 100.0,
+        g.throughput_median,
+        g.throughput,
+        spread_text(m.spread)
+    ));
+    match (&m.single, m.scaling_efficiency) {
+        (Some(one), Some(eff)) => {
+            let meaning = if eff > 1.05 {
+                "above 100%: the run alone was slower than its share here (noise, clocks or caches): measure again before reading anything into it"
+            } else if eff >= 0.9 {
+                "near-linear scaling"
+            } else if eff >= 0.7 {
+                "good scaling; the rest goes to synchronisation and shared resources"
+            } else {
+                "poor scaling: the devices share something (memory bandwidth, caches, a bus) or wait on each other"
+            };
+            s.push_str(&format!(
+                "One device    {:.1} images/s with {} images ({})\n\
+                 Scaling       {:.2}× with {} devices: efficiency {:.1}% ({meaning})\n",
+                one.stats.throughput_median,
+                one.config.batch_size,
+                one.environment.device.name,
+                g.throughput_median / one.stats.throughput_median,
+                m.devices.len(),
+                eff * 100.0
+            ));
+        }
+        _ => s.push_str("One device    not measured\n"),
+    }
+    s.push_str("========================================================");
+    s
+}
+
+/// Ranks gathered from a results folder.
+pub fn gathered(g: &crate::bench::multi::Gathered) -> String {
+    let mut s = String::new();
+    for r in &g.ranks {
+        s.push_str(&device_line(
+            &format!("rank {} · {}", r.rank.rank, r.device.label),
+            &r.record,
+        ));
+        s.push('\n');
+    }
+    let c = &g.ranks[0].record.config;
+    s.push_str(&format!(
+        "\n========================================================\n\
+         Performance summary (global): {} {}, {} ranks ({})\n\
+         ========================================================\n\
+         Global batch  {} ({} per rank)\n\
+         Throughput    {:.1} images/s, the sum of the ranks' throughputs\n\
+         Synchronous   {:.1} images/s if every iteration waited for the slowest rank\n\
+         Ranks         {}\n\
+         ========================================================",
+        c.network,
+        c.precision.name().to_uppercase(),
+        g.world_size,
+        g.ranks[0].rank.launcher,
+        g.global_batch,
+        g.global_batch / g.world_size.max(1),
+        g.throughput_sum,
+        g.throughput_synchronous,
+        spread_text(g.spread)
+    ));
+    s
+}

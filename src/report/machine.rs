@@ -1,0 +1,181 @@
+//! The machine as text: `doctor`, the peak probes and their ceiling, the kernels check.
+
+use crate::doctor;
+use crate::units::human_bytes;
+
+use super::new_table;
+
+/// The `workshop doctor` report, ready to paste into an issue or a chat.
+pub fn doctor(d: &doctor::Report) -> String {
+    let mut s = String::new();
+    let mem = |b: Option<u64>| b.map_or("unknown".to_string(), human_bytes);
+    s.push_str(&format!(
+        "workshop {} on {} ({}), kernel {}\n",
+        d.runner_version, d.os, d.arch, d.kernel
+    ));
+    s.push_str(&format!(
+        "CPU: {} — {} cores, features: {}\n",
+        d.cpu_model,
+        d.cores.map_or("?".into(), |c| c.to_string()),
+        if d.cpu_features.is_empty() {
+            "none detected".to_string()
+        } else {
+            d.cpu_features.join(" ")
+        }
+    ));
+    s.push_str(&format!(
+        "Memory: {} total, {} available\n",
+        mem(d.memory_bytes),
+        human_bytes(d.available_memory_bytes)
+    ));
+    s.push_str("Backends:\n");
+    for b in &d.backends {
+        s.push_str(&format!("  {:<5} {}", b.backend.name(), b.status));
+        if let Some(r) = &b.reason {
+            s.push_str(&format!(" — {r}"));
+        }
+        s.push('\n');
+        for (i, dev) in b.devices.iter().enumerate() {
+            s.push_str(&format!(
+                "        [{i}] {}{}{}\n",
+                dev.name,
+                dev.memory_bytes
+                    .map(|m| format!(", {}", human_bytes(m)))
+                    .unwrap_or_default(),
+                dev.driver
+                    .as_ref()
+                    .map(|v| format!(", {v}"))
+                    .unwrap_or_default()
+            ));
+            // CPU features are on the CPU line already; GPU adapters list theirs here.
+            if b.backend != crate::backend::BackendKind::Cpu && !dev.features.is_empty() {
+                s.push_str(&format!("            {}\n", dev.features.join(" ")));
+            }
+        }
+    }
+    s.trim_end().to_string()
+}
+
+/// `workshop peak`, in the shape of the classic validated-GEMM test.
+pub fn peak(
+    g: &crate::bench::peak::GemmPeak,
+    bw: Option<&[crate::bench::peak::Bandwidth]>,
+) -> String {
+    let mut s = format!(
+        "GEMM {0}×{0}×{0} {1} on {2}: {3}/{4} iterations validated (success rate {5:.0}%, max relative error {6:.1e})\n\
+         Average {7:.1} GFLOP/s (median {8:.3} ms{10}), best {9:.1} GFLOP/s",
+        g.size,
+        g.precision.name().to_uppercase(),
+        g.backend,
+        g.validated,
+        g.iterations,
+        100.0 * g.validated as f64 / g.iterations.max(1) as f64,
+        g.max_rel_error,
+        g.gflops,
+        g.median_s * 1e3,
+        g.best_gflops,
+        if g.backend == crate::backend::BackendKind::Cpu {
+            ""
+        } else {
+            ", kernel time on the device"
+        }
+    );
+    match bw {
+        Some(bw) => {
+            for b in bw {
+                s.push_str(&format!(
+                    "\nMemory {:<5} {:.1} GB/s (median), {:.1} GB/s best, {} per pass",
+                    b.kernel,
+                    b.median_gbps,
+                    b.best_gbps,
+                    human_bytes(b.bytes)
+                ));
+            }
+        }
+        None => s.push_str("\nMemory bandwidth: this backend has no bandwidth probe yet."),
+    }
+    s
+}
+
+/// The line after a GEMM peak that places it under the device's compute ceiling: the FMA
+/// ceiling measured on a CPU's registers, or a GPU's specification peak (`None`: the device
+/// does not give the facts for one).
+pub fn ceiling(gemm_gflops: f64, t: Option<&crate::bench::peak::Theoretical>) -> String {
+    match t {
+        Some(t) if t.measured => format!(
+            "FP32 FMA ceiling {:.1} GFLOP/s ({}): the GEMM reaches {:.0}% of it",
+            t.gflops,
+            t.how,
+            100.0 * gemm_gflops / t.gflops
+        ),
+        Some(t) => {
+            let share = 100.0 * gemm_gflops / t.gflops;
+            format!(
+                "Theoretical FP32 peak {:.1} GFLOP/s = {}: the measured GEMM reaches {share:.0}% of it{}",
+                t.gflops,
+                t.how,
+                if share > 100.0 {
+                    " (so the cores ran faster than the reported clock)"
+                } else {
+                    ""
+                }
+            )
+        }
+        None => "Theoretical peak: this device does not report the facts to compute it".into(),
+    }
+}
+
+/// `workshop dev kernels-check`: one row per file, compiler and target, a column per
+/// precision, then the full log of every failure and why anything was skipped.
+pub fn kernels_check(checks: &[crate::backend::gpu::check::Check]) -> String {
+    use crate::backend::gpu::check::Outcome;
+    let mut t = new_table();
+    t.set_header(["file", "compiler", "target", "fp32", "fp16", "bf16"]);
+    let mut rows: Vec<(&str, &str, &str)> = Vec::new();
+    for c in checks {
+        let key = (c.file, c.compiler, c.target.as_str());
+        if !rows.contains(&key) {
+            rows.push(key);
+        }
+    }
+    let mut notes = Vec::new();
+    for (file, compiler, target) in rows {
+        let mut cells = vec![format!("kernels/{file}"), compiler.into(), target.into()];
+        for p in [
+            crate::model::Precision::Fp32,
+            crate::model::Precision::Fp16,
+            crate::model::Precision::Bf16,
+        ] {
+            let c = checks.iter().find(|c| {
+                c.file == file && c.compiler == compiler && c.target == target && c.precision == p
+            });
+            cells.push(match c.map(|c| (&c.outcome, c.seconds)) {
+                Some((Outcome::Compiled, s)) => format!("ok {s:.2} s"),
+                Some((Outcome::Failed(log), _)) => {
+                    notes.push(format!(
+                        "FAILED kernels/{file} ({compiler}, {target}, {p}):\n{log}"
+                    ));
+                    "FAILED".into()
+                }
+                Some((Outcome::Skipped(why), _)) => {
+                    notes.push(format!("skipped {compiler}: {why}"));
+                    "skipped".into()
+                }
+                Some((Outcome::NotSupported(why), _)) => {
+                    if p == crate::model::Precision::Fp32 {
+                        notes.push(format!("not built {compiler} {target}: {why}"));
+                    }
+                    "not supported".into()
+                }
+                None => "-".into(),
+            });
+        }
+        t.add_row(cells);
+    }
+    let mut out = format!("Kernel compile check (no GPU needed)\n{t}");
+    for n in notes {
+        out.push('\n');
+        out.push_str(&n);
+    }
+    out
+}

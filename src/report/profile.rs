@@ -1,0 +1,278 @@
+//! Profiles as text: the operator and kernel tables and the FLOPs profile in DeepSpeed's
+//! layout.
+
+use comfy_table::{Cell, CellAlignment};
+
+use super::new_table;
+use crate::units::{duration_ns, si};
+
+/// The operator and kernel tables of a profiled run, and what the CPU-overhead ratio means.
+pub fn profile(
+    p: &crate::bench::profile::Profile,
+    top: usize,
+    backend: crate::backend::BackendKind,
+) -> String {
+    let table = |title: &str, rows: &[crate::bench::profile::KernelStat]| {
+        let mut t = new_table();
+        t.set_header(vec![title, "calls", "total ms", "avg µs", "%"]);
+        for k in rows.iter().take(top) {
+            t.add_row(vec![
+                Cell::new(&k.name),
+                Cell::new(k.calls).set_alignment(CellAlignment::Right),
+                Cell::new(format!("{:.2}", k.total_ns as f64 / 1e6))
+                    .set_alignment(CellAlignment::Right),
+                Cell::new(format!("{:.1}", k.average_ns / 1e3)).set_alignment(CellAlignment::Right),
+                Cell::new(format!("{:.1}", k.percentage)).set_alignment(CellAlignment::Right),
+            ]);
+        }
+        t.to_string()
+    };
+    let clock = if backend == crate::backend::BackendKind::Cpu {
+        "CPU timers"
+    } else {
+        "GPU timestamps"
+    };
+    let meaning = if p.cpu_overhead < 1.1 {
+        "the device was busy nearly all the time: the kernels are what to speed up"
+    } else if p.cpu_overhead < 1.5 {
+        "some time goes to launches, synchronisation, copies and host work between kernels"
+    } else {
+        "much of each iteration is spent outside the kernels: launch overhead and host work dominate (try a larger batch)"
+    };
+    format!(
+        "Operators over {} iterations ({clock}):\n{}\nKernels:\n{}\nDevice time {:.2} ms per iteration, host time {:.2} ms: CPU-overhead ratio {:.2} ({meaning}).",
+        p.iterations,
+        table("operator", &p.ops),
+        table("kernel", &p.kernels),
+        p.device_ms_per_iter,
+        p.host_ms_per_iter,
+        p.cpu_overhead
+    )
+}
+
+/// The FLOPs profile in DeepSpeed's layout: the summary, the top modules per depth, the
+/// slowest layers with their intensity and bound, and the module tree down to `depth`.
+pub fn flops_profile(
+    p: &crate::bench::flops::FlopsProfile,
+    depth: Option<usize>,
+    top: usize,
+) -> String {
+    use crate::bench::flops::Module;
+    use std::fmt::Write as _;
+    let root = p.root();
+    let pct = |part: f64, whole: f64| 100.0 * part / whole.max(f64::MIN_POSITIVE);
+    let rule = |title: &str| format!("{:-^80}\n", format!(" {title} "));
+    let mut s = rule("workshop FLOPs profiler");
+    let _ = writeln!(
+        s,
+        "Profile summary at step {} (timed iteration {} of the run)",
+        p.step, p.step
+    );
+    s.push_str(
+        "Notations: params (parameters), MACs (multiply-accumulates of conv and linear layers),\n\
+         flops (2 per MAC plus element-wise work), fwd latency (device time of the forward pass),\n\
+         FLOPS (flops per second), AI (arithmetic intensity: flops per byte read or written)\n\n",
+    );
+    let line = |s: &mut String, k: &str, v: String| {
+        let _ = writeln!(s, "{k:<52}{v}");
+    };
+    line(&mut s, "world size:", "1".into());
+    line(&mut s, "batch size per device:", p.batch_size.to_string());
+    line(&mut s, "precision:", p.precision.name().to_uppercase());
+    line(&mut s, "params per device:", si(root.params as f64, ""));
+    line(&mut s, "fwd MACs per device:", si(root.macs as f64, "MACs"));
+    line(&mut s, "fwd flops per device:", si(root.flops as f64, ""));
+    line(
+        &mut s,
+        "fwd latency (device):",
+        duration_ns(root.latency_ns as f64),
+    );
+    line(
+        &mut s,
+        "fwd latency (host, with sync and read-back):",
+        duration_ns(p.host_s * 1e9),
+    );
+    line(
+        &mut s,
+        "fwd FLOPS per device = fwd flops / fwd latency:",
+        si(root.gflops() * 1e9, "FLOPS"),
+    );
+    match p.limits.peak_gflops {
+        Some(peak) => {
+            line(
+                &mut s,
+                "measured GEMM peak:",
+                format!("{}, from {}", si(peak * 1e9, "FLOPS"), p.limits.peak_source),
+            );
+            line(
+                &mut s,
+                "efficiency = fwd FLOPS / measured peak:",
+                format!("{:.1}%", pct(root.gflops(), peak)),
+            );
+        }
+        None => line(
+            &mut s,
+            "measured GEMM peak:",
+            "not available (the probe failed its check)".into(),
+        ),
+    }
+    if let Some(t) = &p.limits.theoretical {
+        line(
+            &mut s,
+            if t.measured {
+                "FMA ceiling (measured):"
+            } else {
+                "theoretical peak:"
+            },
+            format!("{} = {}", si(t.gflops * 1e9, "FLOPS"), t.how),
+        );
+        line(
+            &mut s,
+            "efficiency against it:",
+            format!("{:.1}%", pct(root.gflops(), t.gflops)),
+        );
+    }
+    match (p.limits.bandwidth_gbps, p.limits.balance()) {
+        (Some(bw), Some(b)) => {
+            line(&mut s, "memory bandwidth (triad):", format!("{bw:.1} GB/s"));
+            line(
+                &mut s,
+                "machine balance = peak / bandwidth:",
+                format!("{b:.1} FLOP/byte"),
+            );
+        }
+        _ => line(
+            &mut s,
+            "memory bandwidth:",
+            "not measured on this backend yet: no memory-/compute-bound labels".into(),
+        ),
+    }
+    line(
+        &mut s,
+        "arithmetic intensity of the whole pass:",
+        format!("{:.1} FLOP/byte", root.intensity()),
+    );
+
+    s.push('\n');
+    s.push_str(&rule("Aggregated profile"));
+    let shown = 3;
+    let _ = writeln!(
+        s,
+        "Top {shown} modules in terms of params, MACs or fwd latency at different model depths:"
+    );
+    let maxd = p.max_depth().min(depth.unwrap_or(usize::MAX));
+    for d in 0..=maxd {
+        let mods: Vec<&Module> = p.at_depth(d).collect();
+        let top_by = |key: &dyn Fn(&Module) -> u64, unit: &str| {
+            let mut v = mods.clone();
+            v.sort_by_key(|m| std::cmp::Reverse(key(m)));
+            let items: Vec<String> = v
+                .iter()
+                .take(shown)
+                .map(|m| {
+                    let val = key(m) as f64;
+                    let shown = if unit == "s" {
+                        duration_ns(val)
+                    } else {
+                        si(val, unit)
+                    };
+                    format!("'{}': '{}'", m.name, shown)
+                })
+                .collect();
+            format!("{{{}}}", items.join(", "))
+        };
+        let _ = writeln!(s, "depth {d}:");
+        let _ = writeln!(s, "    params      - {}", top_by(&|m| m.params, ""));
+        let _ = writeln!(s, "    MACs        - {}", top_by(&|m| m.macs, "MACs"));
+        let _ = writeln!(s, "    fwd latency - {}", top_by(&|m| m.latency_ns, "s"));
+    }
+
+    let mut leaves: Vec<&Module> = p.modules.iter().filter(|m| !m.kind.is_empty()).collect();
+    leaves.sort_by_key(|m| std::cmp::Reverse(m.latency_ns));
+    let _ = writeln!(s, "\nTop {} layers by fwd latency:", top.min(leaves.len()));
+    let mut t = new_table();
+    t.set_header(vec![
+        "layer",
+        "op",
+        "calls",
+        "latency",
+        "% latency",
+        "MACs",
+        "FLOPS",
+        "AI FLOP/B",
+        "bound",
+    ]);
+    let right = |v: String| Cell::new(v).set_alignment(CellAlignment::Right);
+    for m in leaves.iter().take(top) {
+        t.add_row(vec![
+            Cell::new(&m.name),
+            Cell::new(&m.kind),
+            right(m.calls.to_string()),
+            right(duration_ns(m.latency_ns as f64)),
+            right(format!(
+                "{:.2}%",
+                pct(m.latency_ns as f64, root.latency_ns as f64)
+            )),
+            right(si(m.macs as f64, "")),
+            right(si(m.gflops() * 1e9, "")),
+            right(format!("{:.1}", m.intensity())),
+            Cell::new(p.limits.bound(m.intensity()).unwrap_or("")),
+        ]);
+    }
+    let _ = writeln!(s, "{t}");
+
+    s.push('\n');
+    s.push_str(&rule("Detailed profile"));
+    s.push_str(
+        "Each module is listed with: params, % of params, MACs, % of MACs, fwd latency, % of latency,\n\
+         FLOPS, arithmetic intensity\n\n",
+    );
+    let stats = |m: &Module| {
+        format!(
+            "{}, {:.2}% Params, {}, {:.2}% MACs, {}, {:.2}% latency, {}, AI {:.1}",
+            si(m.params as f64, ""),
+            pct(m.params as f64, root.params as f64),
+            si(m.macs as f64, "MACs"),
+            pct(m.macs as f64, root.macs as f64),
+            duration_ns(m.latency_ns as f64),
+            pct(m.latency_ns as f64, root.latency_ns as f64),
+            si(m.gflops() * 1e9, "FLOPS"),
+            m.intensity()
+        )
+    };
+    let limit = depth.unwrap_or(usize::MAX);
+    let mut open: Vec<usize> = Vec::new();
+    for m in &p.modules {
+        if m.depth > limit {
+            continue;
+        }
+        while open.last().is_some_and(|&d| d >= m.depth) {
+            let d = open.pop().unwrap_or(0);
+            let _ = writeln!(s, "{})", "  ".repeat(d));
+        }
+        let indent = "  ".repeat(m.depth);
+        let short = m.name.rsplit('.').next().unwrap_or(&m.name);
+        if m.kind.is_empty() {
+            let head = if m.depth == 0 {
+                m.name.clone()
+            } else {
+                format!("({short}): ")
+            };
+            let _ = writeln!(s, "{indent}{head}(");
+            let _ = writeln!(s, "{indent}  {}", stats(m));
+            open.push(m.depth);
+        } else {
+            let calls = if m.calls > 1 {
+                format!(" ×{}", m.calls)
+            } else {
+                String::new()
+            };
+            let _ = writeln!(s, "{indent}({short}): {}{calls}, {}", m.layer, stats(m));
+        }
+    }
+    while let Some(d) = open.pop() {
+        let _ = writeln!(s, "{})", "  ".repeat(d));
+    }
+    s.push_str(&"-".repeat(80));
+    s
+}

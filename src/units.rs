@@ -1,0 +1,69 @@
+//! Numbers as people read them: bytes in binary units, counts with metric prefixes, durations,
+//! grouped digits, and the worksheet's number format. Plain functions with no dependencies, so
+//! every layer (errors in the backends, the course's check texts, the reports) writes numbers
+//! the same way.
+
+/// Bytes in binary units with one decimal (`1.5 GiB`).
+pub fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+/// 25557032 → "25,557,032".
+pub fn group_digits(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, ch) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(ch);
+    }
+    out
+}
+
+/// A number with sensible precision for the worksheet.
+pub fn number(v: f64) -> String {
+    let a = v.abs();
+    if a != 0.0 && !(1e-3..1e5).contains(&a) {
+        format!("{v:.3e}")
+    } else if a >= 100.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.3}")
+    }
+}
+
+/// A count with a metric prefix and a unit: `si(4.09e9, "MACs")` is `4.09 GMACs`,
+/// `si(25.56e6, "")` is `25.56 M`, small counts stay whole (`128`).
+pub fn si(v: f64, unit: &str) -> String {
+    match [(1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")]
+        .into_iter()
+        .find(|(d, _)| v.abs() >= *d)
+    {
+        Some((div, prefix)) => format!("{:.2} {prefix}{unit}", v / div),
+        None if unit.is_empty() => format!("{v:.0}"),
+        None => format!("{v:.0} {unit}"),
+    }
+}
+
+/// A duration in ns as `12.34 ms`, `1.23 s` or `45.6 µs`.
+pub fn duration_ns(ns: f64) -> String {
+    if ns >= 1e9 {
+        format!("{:.2} s", ns / 1e9)
+    } else if ns >= 1e6 {
+        format!("{:.2} ms", ns / 1e6)
+    } else {
+        format!("{:.1} µs", ns / 1e3)
+    }
+}
