@@ -12,6 +12,7 @@ use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaModule, CudaStream, result, sys,
 };
 
+use super::check::{self, KernelCheck};
 use super::gpu::program::{BufId, ColumnMajor};
 use super::gpu::{self, Device, GpuSession};
 use super::{
@@ -590,6 +591,49 @@ impl Device for CudaDevice {
             nvrtc_version().unwrap_or_default()
         )
     }
+}
+
+/// `workshop dev kernels-check` for CUDA: the kernels compiled with NVRTC for every target
+/// this NVRTC builds, in every precision.
+pub fn kernel_checks(dir: Option<&Path>) -> Vec<KernelCheck> {
+    if !nvrtc_present() {
+        return check::skipped(
+            "cuda/ops.cu",
+            "nvrtc",
+            "NVRTC (libnvrtc.so) not found: `pip install nvidia-cuda-nvrtc-cu12` and add its \
+             nvidia/cuda_nvrtc/lib folder to LD_LIBRARY_PATH",
+        );
+    }
+    let archs = nvrtc_archs();
+    let (known, unknown): (Vec<&str>, Vec<&str>) = check::CUDA_TARGETS.iter().partition(|t| {
+        let n = t.trim_start_matches("compute_").parse().unwrap_or(0);
+        archs.is_empty() || archs.contains(&n)
+    });
+    let version = nvrtc_version().unwrap_or_default();
+    let why = |t: &str| {
+        let list: Vec<String> = archs.iter().map(|a| format!("compute_{a}")).collect();
+        format!(
+            "NVRTC {version} does not build for {t} (it builds for {})",
+            list.join(", ")
+        )
+    };
+    let mut out: Vec<KernelCheck> = unknown
+        .into_iter()
+        .flat_map(|t| {
+            check::PRECISIONS.map(|precision| KernelCheck {
+                file: "cuda/ops.cu",
+                compiler: "nvrtc",
+                target: t.to_string(),
+                precision,
+                outcome: check::Outcome::NotSupported(why(t)),
+                seconds: 0.0,
+            })
+        })
+        .collect();
+    out.extend(check::each("cuda/ops.cu", "nvrtc", &known, |target, p| {
+        compile(target, p, dir)
+    }));
+    out
 }
 
 #[cfg(test)]

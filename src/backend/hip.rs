@@ -10,6 +10,7 @@ use std::path::Path;
 
 use hip_sys::hiprt as h;
 
+use super::check::{self, KernelCheck};
 use super::gpu::program::{BufId, ColumnMajor};
 use super::gpu::{self, Device, GpuSession};
 use super::{Backend, BackendError, BackendKind, DeviceInfo, ExecOptions, Session, StreamTimes};
@@ -582,4 +583,12 @@ impl Device for HipDevice {
     fn describe(&self) -> String {
         format!("{} ({}, {})", self.name, self.arch, versions())
     }
+}
+
+/// `workshop dev kernels-check` for HIP: the kernels compiled with hiprtc for the usual
+/// targets, in every precision.
+pub fn kernel_checks(dir: Option<&Path>) -> Vec<KernelCheck> {
+    check::each("hip/ops.hip", "hiprtc", &CHECK_TARGETS, |target, p| {
+        compile(target, p, dir)
+    })
 }

@@ -3,6 +3,7 @@
 //! build has. A backend prepares a whole planned graph once (weights uploaded, kernels chosen),
 //! then a `Session` runs it many times; timing and profiling hang off the session.
 
+pub mod check;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -324,6 +325,32 @@ pub fn open(kind: BackendKind) -> Result<Box<dyn Backend>, BackendError> {
         #[allow(unreachable_patterns)]
         other => Err(BackendError::NotCompiled(other)),
     }
+}
+
+/// Every GPU kernel file compiled with every compiler this build and machine have (`workshop
+/// dev kernels-check`): NVRTC, hiprtc, and the emulator's host build; `kernels_dir` replaces
+/// the embedded sources. A compiler this build lacks is listed as skipped, with why.
+pub fn kernels_check(kernels_dir: Option<&std::path::Path>) -> Vec<check::KernelCheck> {
+    let mut out = Vec::new();
+    #[cfg(feature = "cuda")]
+    out.extend(cuda::kernel_checks(kernels_dir));
+    #[cfg(not(feature = "cuda"))]
+    out.extend(check::skipped(
+        "cuda/ops.cu",
+        "nvrtc",
+        "the cuda backend is not in this build (`--features cuda`)",
+    ));
+    #[cfg(feature = "hip")]
+    out.extend(hip::kernel_checks(kernels_dir));
+    #[cfg(not(feature = "hip"))]
+    out.extend(check::skipped(
+        "hip/ops.hip",
+        "hiprtc",
+        "the hip backend is not in this build (rebuild with `--features hip`; needs \
+         libamdhip64-dev)",
+    ));
+    out.extend(check::host(kernels_dir));
+    out
 }
 
 /// What the backends would warn about before a run: a setting they cannot honour here (a

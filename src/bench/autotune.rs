@@ -9,31 +9,11 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
-use super::record::BenchConfig;
+use super::record::{AutotuneReport, BenchConfig, Choice};
 use crate::backend::{Backend, DeviceInfo, ExecOptions};
 use crate::model::graph::GraphBuilder;
 use crate::model::op::{Act, Op};
 use crate::model::{Plan, Rng, Weights};
-
-/// One layer shape and what was chosen for it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Choice {
-    /// The first layer of this shape (`layer1.0.conv2`).
-    pub layer: String,
-    /// The op and its input shape.
-    pub shape: String,
-    pub variant: String,
-    /// Best time of each variant tried, ms (empty when taken from the cache).
-    pub tried: Vec<(String, f64)>,
-    pub cached: bool,
-}
-
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct AutotuneReport {
-    pub choices: Vec<Choice>,
-    /// Layers that got a variant (several layers share a shape).
-    pub layers: usize,
-}
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct Entry {

@@ -204,7 +204,7 @@ pub struct CompileInfo {
     pub rel_diff: f64,
     /// What max-autotune tried and chose.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub autotune: Option<super::autotune::AutotuneReport>,
+    pub autotune: Option<AutotuneReport>,
     /// reduce-overhead: how the pass is replayed (Ok), or why this backend runs it as usual.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replay: Option<Result<String, String>>,
@@ -212,4 +212,24 @@ pub struct CompileInfo {
 
 fn is_native(k: &crate::backend::KernelFamily) -> bool {
     *k == crate::backend::KernelFamily::Native
+}
+
+/// One layer shape and what was chosen for it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Choice {
+    /// The first layer of this shape (`layer1.0.conv2`).
+    pub layer: String,
+    /// The op and its input shape.
+    pub shape: String,
+    pub variant: String,
+    /// Best time of each variant tried, ms (empty when taken from the cache).
+    pub tried: Vec<(String, f64)>,
+    pub cached: bool,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct AutotuneReport {
+    pub choices: Vec<Choice>,
+    /// Layers that got a variant (several layers share a shape).
+    pub layers: usize,
 }

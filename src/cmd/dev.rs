@@ -52,13 +52,13 @@ pub fn run(cmd: DevCommand) -> Result<()> {
 
 /// `workshop dev kernels-check`.
 fn kernels_check(args: KernelsCheckArgs) -> Result<()> {
-    use crate::backend::gpu::check;
+    use crate::backend::check;
     for r in &args.require {
         if !check::COMPILERS.contains(&r.as_str()) {
             anyhow::bail!("--require takes {}, not `{r}`", check::COMPILERS.join(", "));
         }
     }
-    let checks = check::run(args.kernels_dir.as_deref());
+    let checks = crate::backend::kernels_check(args.kernels_dir.as_deref());
     println!("{}", report::machine::kernels_check(&checks));
     let failed = checks
         .iter()

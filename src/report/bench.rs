@@ -149,7 +149,7 @@ fn compile_lines(c: &crate::bench::record::CompileInfo) -> String {
 }
 
 /// What max-autotune tried and chose.
-fn autotune_lines(a: &crate::bench::autotune::AutotuneReport) -> String {
+fn autotune_lines(a: &crate::bench::record::AutotuneReport) -> String {
     let cached = a.choices.iter().filter(|c| c.cached).count();
     let mut s = format!(
         "Autotune      {} layers, {} shapes: {} timed now, {} from the cache (keyed by device, driver, kernel version and shape; --recompile times them again)\n",

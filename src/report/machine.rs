@@ -127,8 +127,8 @@ pub fn ceiling(gemm_gflops: f64, t: Option<&crate::bench::peak::Theoretical>) ->
 
 /// `workshop dev kernels-check`: one row per file, compiler and target, a column per
 /// precision, then the full log of every failure and why anything was skipped.
-pub fn kernels_check(checks: &[crate::backend::gpu::check::Check]) -> String {
-    use crate::backend::gpu::check::Outcome;
+pub fn kernels_check(checks: &[crate::backend::check::KernelCheck]) -> String {
+    use crate::backend::check::Outcome;
     let mut t = new_table();
     t.set_header(["file", "compiler", "target", "fp32", "fp16", "bf16"]);
     let mut rows: Vec<(&str, &str, &str)> = Vec::new();

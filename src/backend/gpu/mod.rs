@@ -5,7 +5,6 @@
 //! CPU so that the shared path is tested on machines without a GPU.
 
 pub mod arch;
-pub mod check;
 #[cfg(unix)]
 pub mod emu;
 pub mod program;
