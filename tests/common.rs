@@ -92,8 +92,9 @@ pub fn session_with(
             skip(kind, &reason);
             None
         }
-        Err(backend::BackendError::Unsupported(reason)) => {
-            eprintln!("skipped {precision} on {kind}: {reason}");
+        // A precision, op or library this backend lacks here (hipBLAS in a build without it).
+        Err(e) if e.is_unavailable() => {
+            eprintln!("skipped {precision} on {kind}: {e}");
             None
         }
         Err(e) => panic!("{kind} failed to prepare: {e}"),

@@ -1,6 +1,7 @@
 //! The network side of the engine, free of any backend: the op set, the graph IR, the model
 //! zoo, weights, and a plain f64 reference implementation that the tests hold kernels against.
 
+pub mod buffers;
 pub mod graph;
 pub mod op;
 pub mod passes;

@@ -41,6 +41,7 @@ use super::{
     Backend, BackendError, BackendKind, DeviceInfo, ExecOptions, KernelTime, MemoryStats, Session,
     StreamTimes, Theoretical,
 };
+use crate::model::buffers::take_best_fit;
 use crate::model::op::{Op, Pool, batch_norm_affine};
 use crate::model::{Plan, Precision, Tensor, Weights};
 use elem::Elem;
@@ -533,17 +534,13 @@ impl<T: Elem> CpuSession<T> {
         })
     }
 
-    /// A buffer of exactly `len` elements: the smallest free one that is large enough, or a new one.
+    /// A buffer of exactly `len` elements: the smallest free one that is large enough, or a new
+    /// one. Buffers are reused at run time (not laid out ahead as the GPU programs are) because
+    /// batch tiles run parts of the batch through the same nodes.
     fn alloc(&mut self, len: usize) -> Buf<T> {
-        let best = self
-            .free
-            .iter()
-            .enumerate()
-            .filter(|(_, b)| b.data.len() >= len)
-            .min_by_key(|(_, b)| b.data.len())
-            .map(|(i, _)| i);
-        let mut buf = match best {
-            Some(i) => self.free.swap_remove(i),
+        let fit = take_best_fit(&mut self.free, len as u64, |b| b.data.len() as u64);
+        let mut buf = match fit {
+            Some(buf) => buf,
             None => {
                 self.held_bytes += (len * std::mem::size_of::<T>()) as u64;
                 self.peak_bytes = self.peak_bytes.max(self.held_bytes);

@@ -3,8 +3,6 @@
 //! shapes, argument structs, buffer reuse — so it is tested without a device; a `Device` then
 //! only allocates, uploads and launches what the program says.
 
-use std::collections::HashMap;
-
 use crate::backend::{BackendError, KernelFamily};
 use crate::model::op::{Act, Conv2d, Op, batch_norm_affine};
 use crate::model::{Plan, Precision, Weights};
@@ -303,17 +301,13 @@ fn i32_of(v: usize, what: &str) -> Result<i32, BackendError> {
     })
 }
 
-/// Builds a [`Program`]: buffers are added as they are needed and activation buffers are
-/// reused once every reader of their value has run.
+/// Builds a [`Program`]: weight buffers are added as they are needed; activation buffers are
+/// laid out first, by [`Plan::assign_buffers`].
 struct Builder {
     buffers: Vec<Buffer>,
     steps: Vec<Step>,
-    /// Free activation buffers.
-    free: Vec<BufId>,
     /// Value (node id) → buffer.
-    of: HashMap<usize, BufId>,
-    /// Live values per buffer (aliases share one).
-    refs: HashMap<BufId, usize>,
+    of: Vec<BufId>,
     precision: Precision,
 }
 
@@ -334,44 +328,6 @@ impl Builder {
     fn f32s(&mut self, values: &[f32]) -> BufId {
         let bytes = f32_bytes(values);
         self.buffer(bytes.len() as u64, Contents::Weights(bytes))
-    }
-
-    /// An activation buffer of at least `bytes` for `value`: the smallest free one that fits.
-    fn take(&mut self, value: usize, bytes: u64) -> BufId {
-        let bytes = bytes.next_multiple_of(8).max(8);
-        let best = self
-            .free
-            .iter()
-            .enumerate()
-            .filter(|(_, b)| self.buffers[**b].bytes >= bytes)
-            .min_by_key(|(_, b)| self.buffers[**b].bytes)
-            .map(|(slot, &b)| (slot, b));
-        let id = match best {
-            Some((slot, b)) => {
-                self.free.swap_remove(slot);
-                b
-            }
-            None => self.buffer(bytes, Contents::Empty),
-        };
-        *self.refs.entry(id).or_default() += 1;
-        self.of.insert(value, id);
-        id
-    }
-
-    fn alias(&mut self, value: usize, of: usize) {
-        let b = self.of[&of];
-        *self.refs.entry(b).or_default() += 1;
-        self.of.insert(value, b);
-    }
-
-    fn release(&mut self, value: usize) {
-        if let Some(&b) = self.of.get(&value) {
-            let r = self.refs.entry(b).or_default();
-            *r -= 1;
-            if *r == 0 {
-                self.free.push(b);
-            }
-        }
     }
 
     fn launch(
@@ -412,9 +368,7 @@ pub fn build(
     let mut b = Builder {
         buffers: Vec::new(),
         steps: Vec::new(),
-        free: Vec::new(),
-        of: HashMap::new(),
-        refs: HashMap::new(),
+        of: Vec::new(),
         precision,
     };
     let numel = |s: &[usize]| s.iter().product::<usize>();
@@ -422,6 +376,15 @@ pub fn build(
     let input_shape = plan.input_shape().to_vec();
     let output_shape = plan.output_shape().to_vec();
     let input = b.buffer(numel(&input_shape) as u64 * 4, Contents::Empty);
+    // NCHW order is already the flattened order: dropout and flatten share their input's buffer.
+    let renames = |id: usize| matches!(plan.graph.nodes[id].op, Op::Dropout { .. } | Op::Flatten);
+    let bytes = |id: usize| (numel(&plan.shapes[id]) as u64 * esize).next_multiple_of(8);
+    let assignment = plan.assign_buffers(|id| bytes(id).max(8), renames);
+    let first = b.buffers.len();
+    for &bytes in &assignment.bytes {
+        b.buffer(bytes, Contents::Empty);
+    }
+    b.of = assignment.of.iter().map(|&a| first + a).collect();
     // One im2col buffer serves every vendor convolution (they run one after another).
     let mut scratch: Option<BufId> = None;
     let dims4 = |id: usize| -> (usize, usize, usize, usize) {
@@ -447,13 +410,10 @@ pub fn build(
         let x = node
             .inputs
             .first()
-            .and_then(|i| b.of.get(i))
+            .and_then(|&i| b.of.get(i))
             .map_or(Arg::Null, |&buf| Arg::Buf(buf));
-        if matches!(node.op, Op::Dropout { .. } | Op::Flatten) {
-            // NCHW order is already the flattened order: the value shares its input's buffer.
-            b.alias(id, node.inputs[0]);
-        } else {
-            let y = b.take(id, total as u64 * esize);
+        if !renames(id) {
+            let y = b.of[id];
             let grid = grid_1d(total)?;
             let conv_like = match &node.op {
                 Op::Conv2d(conv) => Some((*conv, get("weight")?, conv.bias)),
@@ -479,7 +439,7 @@ pub fn build(
                         None
                     };
                     let res = if conv.residual {
-                        Arg::Buf(b.of[&node.inputs[1]])
+                        Arg::Buf(b.of[node.inputs[1]])
                     } else {
                         Arg::Null
                     };
@@ -663,7 +623,7 @@ pub fn build(
                     b.launch(&node.name, op, "clamp", grid, args);
                 }
                 (Op::Add, _) => {
-                    let z = Arg::Buf(b.of[&node.inputs[1]]);
+                    let z = Arg::Buf(b.of[node.inputs[1]]);
                     b.launch(
                         &node.name,
                         op,
@@ -705,15 +665,10 @@ pub fn build(
                 }
             }
         }
-        for &i in &node.inputs {
-            if plan.last_use[i] == id {
-                b.release(i);
-            }
-        }
     }
     let out_total = numel(&output_shape);
     let output = b.buffer(out_total as u64 * 4, Contents::Empty);
-    let last = Arg::Buf(b.of[&plan.graph.output]);
+    let last = Arg::Buf(b.of[plan.graph.output]);
     b.launch(
         "output",
         "output",

@@ -503,67 +503,6 @@ struct WgpuSession {
 }
 
 /// Activation buffers, reused once their values are dead.
-struct BufferPlan {
-    buffers: Vec<(wgpu::Buffer, u64)>,
-    free: Vec<usize>,
-    /// Value id → buffer index.
-    of: HashMap<usize, usize>,
-    /// Live values per buffer (aliases share a buffer).
-    refs: Vec<usize>,
-    bytes: u64,
-}
-
-impl BufferPlan {
-    fn take(&mut self, device: &wgpu::Device, value: usize, size: u64) -> usize {
-        let best = self
-            .free
-            .iter()
-            .enumerate()
-            .filter(|(_, b)| self.buffers[**b].1 >= size)
-            .min_by_key(|(_, b)| self.buffers[**b].1);
-        let index = match best {
-            Some((slot, &b)) => {
-                self.free.swap_remove(slot);
-                b
-            }
-            None => {
-                let buf = device.create_buffer(&wgpu::BufferDescriptor {
-                    label: Some("activation"),
-                    size,
-                    usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
-                    mapped_at_creation: false,
-                });
-                self.bytes += size;
-                self.buffers.push((buf, size));
-                self.refs.push(0);
-                self.buffers.len() - 1
-            }
-        };
-        self.refs[index] += 1;
-        self.of.insert(value, index);
-        index
-    }
-
-    fn alias(&mut self, value: usize, of: usize) {
-        let b = self.of[&of];
-        self.refs[b] += 1;
-        self.of.insert(value, b);
-    }
-
-    fn release(&mut self, value: usize) {
-        if let Some(b) = self.of.get(&value).copied() {
-            self.refs[b] -= 1;
-            if self.refs[b] == 0 {
-                self.free.push(b);
-            }
-        }
-    }
-
-    fn get(&self, value: usize) -> &wgpu::Buffer {
-        &self.buffers[self.of[&value]].0
-    }
-}
-
 /// 1-D launches of 256 threads, folded into a 2-D grid within the dispatch limits.
 fn grid(total: usize, max: u32) -> (u32, u32, u32) {
     let groups = total.div_ceil(256).max(1) as u64;
@@ -715,16 +654,49 @@ impl WgpuSession {
             usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
-        let mut bufs = BufferPlan {
-            buffers: Vec::new(),
-            free: Vec::new(),
-            of: HashMap::new(),
-            refs: Vec::new(),
-            bytes: 0,
+        // Activation buffers, reused once their values are dead; dropout and a flatten of
+        // 1×1 maps change nothing and share their input's buffer.
+        let nodes = &plan.graph.nodes;
+        let renames = |id: usize| match nodes[id].op {
+            Op::Dropout { .. } => true,
+            Op::Flatten => {
+                plan.shapes[nodes[id].inputs[0]][2..]
+                    .iter()
+                    .product::<usize>()
+                    == 1
+            }
+            _ => false,
         };
+        let mut assignment =
+            plan.assign_buffers(|id| elem_bytes(numel(&plan.shapes[id]), precision), renames);
+        let output_shape = plan.output_shape().to_vec();
+        let out_total = numel(&output_shape);
+        // An image output is converted from NHWC in a scratch buffer after the last node.
+        let out_scratch = match *output_shape.as_slice() {
+            [_, _, oh, ow] if oh * ow > 1 => {
+                Some(assignment.scratch(elem_bytes(out_total, precision)))
+            }
+            _ => None,
+        };
+        for (node, shape) in nodes.iter().zip(&plan.shapes) {
+            check_size(
+                &format!("`{}` output", node.name),
+                elem_bytes(numel(shape), precision),
+            )?;
+        }
+        let buffers: Vec<wgpu::Buffer> = (assignment.bytes.iter())
+            .map(|&size| {
+                device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("activation"),
+                    size,
+                    usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+                    mapped_at_creation: false,
+                })
+            })
+            .collect();
+        let buffer_of = |value: usize| &buffers[assignment.of[value]];
         let mut dispatches = Vec::new();
         let mut weight_bytes = 0u64;
-        let nodes = &plan.graph.nodes;
         let dims = |id: usize| -> (usize, usize, usize, usize) {
             match *plan.shapes[id].as_slice() {
                 [n, c, h, w] => (n, h, w, c),
@@ -769,8 +741,6 @@ impl WgpuSession {
             let first_dispatch = dispatches.len();
             let (n, h, w, c) = dims(id);
             let total = n * h * w * c;
-            let out_bytes = elem_bytes(total, precision);
-            check_size(&format!("`{}` output", node.name), out_bytes)?;
             let get = |suffix: &str| -> Result<&[f32], BackendError> {
                 let name = format!("{}.{}", node.name, suffix);
                 weights
@@ -781,7 +751,7 @@ impl WgpuSession {
                     })
             };
             // The node's input values (activation buffers) and a bias buffer, or the zero one.
-            let input_buf = |k: usize| bufs.get(node.inputs[k]).clone();
+            let input_buf = |k: usize| buffer_of(node.inputs[k]).clone();
             let bias_buf = |b: &[f32]| {
                 if b.is_empty() {
                     zero.clone()
@@ -996,45 +966,30 @@ impl WgpuSession {
                     grid(total / c.max(1), max_groups),
                 )],
             };
-            if launches.is_empty() {
-                bufs.alias(id, node.inputs[0]);
-            } else {
-                bufs.take(&device, id, out_bytes);
-            }
+            debug_assert_eq!(launches.is_empty(), renames(id), "`{}`", node.name);
             for (kernel, p, reads, out, groups) in launches {
                 let pbuf = params(&device, &p.iter().map(|&v| v as u32).collect::<Vec<_>>());
                 let mut entries: Vec<(u32, &wgpu::Buffer)> = vec![(0, &pbuf)];
                 entries.extend(reads.iter().map(|(b, buf)| (*b, buf)));
-                entries.push((out, bufs.get(id)));
+                entries.push((out, buffer_of(id)));
                 dispatches.push(bind(kernel, &node.name, &entries, groups)?);
             }
             for d in &mut dispatches[first_dispatch..] {
                 d.op = node.op.kind_name();
             }
-            for &i in &node.inputs {
-                if plan.last_use[i] == id {
-                    bufs.release(i);
-                }
-            }
         }
         // The output, converted to f32 (and from NHWC to NCHW when it is an image).
         let out_id = plan.graph.output;
-        let output_shape = plan.output_shape().to_vec();
-        let out_total = numel(&output_shape);
         let output = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("output f32"),
             size: (out_total * 4) as u64,
             usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
             mapped_at_creation: false,
         });
-        let mut src = bufs.get(out_id).clone();
-        if let [on, oc, oh, ow] = *output_shape.as_slice()
-            && oh * ow > 1
-        {
-            let tmp = bufs.take(&device, usize::MAX, elem_bytes(out_total, precision));
-            let pb = params(&device, &[out_total as u32, oc as u32, (oh * ow) as u32]);
-            let _ = on;
-            let tmp_buf = bufs.buffers[tmp].0.clone();
+        let mut src = buffer_of(out_id).clone();
+        if let (Some(tmp), [_, oc, oh, ow]) = (out_scratch, output_shape.as_slice()) {
+            let pb = params(&device, &[out_total as u32, *oc as u32, (oh * ow) as u32]);
+            let tmp_buf = buffers[tmp].clone();
             dispatches.push(bind(
                 Kernel::NhwcToNchw,
                 "output",
@@ -1089,7 +1044,7 @@ impl WgpuSession {
             timestamps,
             ran: false,
             weight_bytes,
-            activation_bytes: bufs.bytes,
+            activation_bytes: assignment.total_bytes(),
             precision,
             adapter_name,
             errors: Arc::default(),
