@@ -6,7 +6,7 @@
 pub mod autotune;
 pub mod compare;
 pub mod flops;
-pub mod multi;
+pub mod data_parallel;
 pub mod peak;
 pub mod profile;
 pub mod record;

@@ -63,7 +63,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     };
     bench::validate(&cfg)?;
     if let Some(dir) = &args.results_dir {
-        let rank = bench::multi::Rank::detect().context(
+        let rank = bench::data_parallel::Rank::detect().context(
             "--results-dir is for ranks started by a launcher, but none of their variables is set \
              (RANK/WORLD_SIZE from torchrun, SLURM_PROCID/SLURM_NTASKS from srun, \
              OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE from mpirun, PMI_RANK/PMI_SIZE)",
@@ -77,17 +77,17 @@ pub fn bench(args: BenchArgs) -> Result<()> {
             cfg.batch_size / rank.world_size.max(1),
             cfg.batch_size
         );
-        let r = bench::multi::run_rank(&cfg, &rank, dir)?;
+        let r = bench::data_parallel::run_rank(&cfg, &rank, dir)?;
         println!("\n{}", report::bench::summary(&r.record));
         println!(
             "Wrote {}; when every rank is done: workshop gather {}",
-            bench::multi::rank_file(dir, rank.rank).display(),
+            bench::data_parallel::rank_file(dir, rank.rank).display(),
             dir.display()
         );
         return Ok(());
     }
     let devices = match (&args.devices, args.cpu_groups) {
-        (Some(list), _) => Some(bench::multi::parse_devices(list, cfg.backend)?),
+        (Some(list), _) => Some(bench::data_parallel::parse_devices(list, cfg.backend)?),
         (None, Some(n)) => {
             if cfg.backend != backend::BackendKind::Cpu {
                 bail!(
@@ -95,7 +95,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
                     cfg.backend
                 );
             }
-            Some(bench::multi::cpu_groups(n)?)
+            Some(bench::data_parallel::cpu_groups(n)?)
         }
         (None, None) => None,
     };
@@ -118,7 +118,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
             }
             None => None,
         };
-        let record = bench::multi::run(&cfg, &devices, single, &mut |s| println!("{s}"))?;
+        let record = bench::data_parallel::run(&cfg, &devices, single, &mut |s| println!("{s}"))?;
         println!("\n{}", report::bench::multi(&record));
         if let Some(path) = &args.json {
             crate::files::write_atomic(path, serde_json::to_string_pretty(&record)?.as_bytes())?;
@@ -126,7 +126,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         }
         return Ok(());
     }
-    if let Some(rank) = bench::multi::Rank::detect() {
+    if let Some(rank) = bench::data_parallel::Rank::detect() {
         println!(
             "note: started as rank {} of {} by {}; add --results-dir DIR to benchmark this rank's share and gather the ranks",
             rank.rank, rank.world_size, rank.launcher

@@ -9,7 +9,7 @@ use crate::course::{self, state::ResultTable};
 use crate::report;
 
 pub fn gather(a: GatherArgs) -> Result<()> {
-    let g = bench::multi::gather(&a.dir)?;
+    let g = bench::data_parallel::gather(&a.dir)?;
     println!("{}", report::bench::gathered(&g));
     if let Some(path) = &a.json {
         crate::files::write_atomic(path, serde_json::to_string_pretty(&g)?.as_bytes())?;

@@ -251,7 +251,7 @@ fn spread_text(spread: f64) -> String {
 }
 
 /// A multi-device run: each device, then the global summary with the scaling efficiency.
-pub fn multi(m: &crate::bench::multi::MultiRecord) -> String {
+pub fn multi(m: &crate::bench::data_parallel::MultiRecord) -> String {
     let mut s = String::new();
     for (d, r) in m.devices.iter().zip(&m.runs) {
         s.push_str(&device_line(&d.label, r));
@@ -307,7 +307,7 @@ pub fn multi(m: &crate::bench::multi::MultiRecord) -> String {
 }
 
 /// Ranks gathered from a results folder.
-pub fn gathered(g: &crate::bench::multi::Gathered) -> String {
+pub fn gathered(g: &crate::bench::data_parallel::Gathered) -> String {
     let mut s = String::new();
     for r in &g.ranks {
         s.push_str(&device_line(

@@ -1,5 +1,5 @@
 //! Intel AMX (Advanced Matrix Extensions, Sapphire Rapids and later Xeons): the tile
-//! engine of [`super::pairs`]' BF16 GEMMs.
+//! engine of [`super::bf16_gemm`]' BF16 GEMMs.
 //!
 //! AMX adds eight tile registers of 16 rows × 64 bytes and `tdpbf16ps`, which multiplies a
 //! 16 × 32 bf16 tile of A by a 32 × 16 tile of B (stored as 16 rows of k-pairs: row r holds
@@ -21,7 +21,7 @@
 
 use half::bf16;
 
-use super::pairs::{KSTEP, PANEL, PackedPairs};
+use super::bf16_gemm::{KSTEP, PANEL, PackedPairs};
 
 /// Whether this process can run the AMX BF16 tiles: the CPU has AMX-TILE and AMX-BF16 and the
 /// kernel granted the tile state. Asked once.

@@ -14,7 +14,7 @@ pub enum Simd {
     /// Ice Lake.
     Avx512,
     /// AVX-512 and AVX512_BF16 (Zen 4 and 5, Cooper Lake): BF16 sessions' convolutions
-    /// multiply bf16 pairs with `vdpbf16ps` ([`super::pairs`]), the rest as on AVX-512.
+    /// multiply bf16 pairs with `vdpbf16ps` ([`super::bf16_gemm`]), the rest as on AVX-512.
     Avx512Bf16,
     /// AVX-512 and AMX's BF16 tiles (Sapphire Rapids and later Xeons): BF16 sessions'
     /// convolutions run on the tiles ([`super::amx`]), the rest as on AVX-512.

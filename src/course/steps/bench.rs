@@ -4,7 +4,7 @@
 use anyhow::Result;
 
 use super::{StepContext, StepOutput, bench_with_progress, keep_record, run_metrics};
-use crate::bench::{self, multi::MultiRecord};
+use crate::bench::{self, data_parallel::MultiRecord};
 use crate::course::metrics::Recorded;
 use crate::course::ui::{Show, Ui};
 
@@ -14,12 +14,12 @@ pub fn run(ctx: &StepContext<'_>, out: &mut StepOutput, ui: &mut dyn Ui) -> Resu
     ui.show(Show::Config(&cfg));
     let resolved = spec.resolved(cfg.backend);
     let devices = match (resolved.cpu_groups, &resolved.devices) {
-        (Some(n), _) => Some(bench::multi::cpu_groups(n)?),
-        (None, Some(list)) => Some(bench::multi::parse_devices(list, cfg.backend)?),
+        (Some(n), _) => Some(bench::data_parallel::cpu_groups(n)?),
+        (None, Some(list)) => Some(bench::data_parallel::parse_devices(list, cfg.backend)?),
         (None, None) => None,
     };
     if let Some(devices) = devices {
-        let m = bench::multi::run(&cfg, &devices, None, &mut |s| {
+        let m = bench::data_parallel::run(&cfg, &devices, None, &mut |s| {
             ui.show(Show::Line(s.to_string()))
         })?;
         ui.show(Show::Multi(&m));

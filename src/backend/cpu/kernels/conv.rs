@@ -1,0 +1,629 @@
+//! Convolutions as im2col + GEMM, fused per work item: chunking of the output rows (and
+//! of the channels when rows are few), the packed weights, the GEMM tile with its epilogue
+//! (bias, activation, residual), and BF16 convolutions on bf16 pairs.
+
+use std::cell::RefCell;
+
+use half::bf16;
+use rayon::prelude::*;
+
+use super::*;
+use crate::backend::cpu::elem::Elem;
+use crate::backend::cpu::bf16_gemm::{self, PackedPairs};
+use crate::backend::cpu::sgemm::{self, NR, PackedB};
+use crate::model::op::{Act, Conv2d};
+
+/// Target size of one chunk of im2col columns, in f32 elements (512 KiB, a core's L2).
+pub const COLUMN_CHUNK_ELEMS: usize = 1 << 17;
+/// Bounds on the output rows of one chunk: enough rows to reuse each weight panel many
+/// times, few enough to leave work for every worker.
+pub(super) const MIN_CHUNK_ROWS: usize = 96;
+pub(super) const MAX_CHUNK_ROWS: usize = 768;
+
+/// A pointer to the output that work items write in disjoint tiles.
+#[derive(Clone, Copy)]
+pub(super) struct TilePtr<T>(*mut T);
+// SAFETY: work items write disjoint (row range × column range) tiles of the output, so sharing
+// the base pointer between workers never lets two of them touch the same element.
+unsafe impl<T> Send for TilePtr<T> {}
+// SAFETY: as for Send: no two workers touch the same element through the shared pointer.
+unsafe impl<T> Sync for TilePtr<T> {}
+
+impl<T> TilePtr<T> {
+    /// The element `i` past the base (a method, so that closures capture the whole `TilePtr`).
+    ///
+    /// # Safety
+    /// As for `pointer::add`.
+    unsafe fn add(self, i: usize) -> *mut T {
+        // SAFETY: the caller's.
+        unsafe { self.0.add(i) }
+    }
+}
+
+/// A convolution's weights, prepared for its kernel.
+pub struct PackedConv<T> {
+    pub conv: Conv2d,
+    /// Per group, the (K_g × cout_g) weight matrix with K ordered (ky, kx, ci) like the NHWC
+    /// columns, packed for the GEMM, bias included.
+    pub groups: Vec<PackedB<T>>,
+    /// Depthwise: weights as (ky, kx, c) in f32 instead, for the direct kernel, and the bias.
+    pub depthwise: Option<(Vec<f32>, Option<Vec<f32>>)>,
+    /// Output rows per work item, as a multiple of [`chunk_rows`]'s choice (a tile-size
+    /// variant max-autotune may pick: 1, 2 or 4).
+    pub chunk_scale: usize,
+    /// Winograd F(m×m, 3×3) weights, when this layer runs that way (3×3, stride 1): `groups`
+    /// is then empty.
+    pub winograd: Option<crate::backend::cpu::winograd::Winograd<T>>,
+    /// The weights packed as bf16 k-pairs, when this BF16 layer multiplies pairs (ungrouped
+    /// layers where the CPU has AMX or AVX512_BF16, see [`uses_pairs`]): `groups` is then
+    /// empty.
+    pub pairs: Option<Box<PackedPairs>>,
+}
+
+/// The CPU backend's conv variants: rows per work item at 1×, 2× and 4× the default.
+pub const CONV_VARIANTS: [&str; 3] = ["rows-x1", "rows-x2", "rows-x4"];
+
+/// The chunk scale of a variant name (1 for unknown names).
+pub fn chunk_scale(variant: Option<&str>) -> usize {
+    match variant {
+        Some("rows-x2") => 2,
+        Some("rows-x4") => 4,
+        _ => 1,
+    }
+}
+
+impl<T: Elem> PackedConv<T> {
+    /// Pack PyTorch's (cout, cin/groups, kh, kw) weight.
+    pub fn new(conv: Conv2d, weight: &[f32], bias: Option<&[f32]>) -> Self {
+        let (kh, kw) = conv.kernel;
+        let cout_g = conv.out_channels / conv.groups;
+        if is_depthwise(&conv) {
+            let c = conv.out_channels;
+            let mut dw = vec![0f32; kh * kw * c];
+            for ch in 0..c {
+                for k in 0..kh * kw {
+                    // Round through the storage type so every precision sees its own weights.
+                    dw[k * c + ch] = T::from_f32(weight[ch * kh * kw + k]).to_f32();
+                }
+            }
+            let bias = bias.map(|b| b.to_vec());
+            return PackedConv {
+                conv,
+                groups: Vec::new(),
+                depthwise: Some((dw, bias)),
+                chunk_scale: 1,
+                winograd: None,
+                pairs: None,
+            };
+        }
+        let cin_g = conv.in_channels / conv.groups;
+        let taps = kh * kw;
+        // Column co of group g: PyTorch's (cin_g, kh, kw) block of that output channel,
+        // reordered to (ky, kx, ci) like the NHWC columns (`Conv2d::weight_index`, without the
+        // divisions per element).
+        let fill = |g: usize| {
+            move |co: usize, col: &mut [f32]| {
+                let src = &weight[(g * cout_g + co) * cin_g * taps..][..cin_g * taps];
+                for ci in 0..cin_g {
+                    for t in 0..taps {
+                        col[t * cin_g + ci] = src[ci * taps + t];
+                    }
+                }
+            }
+        };
+        if uses_pairs::<T>(&conv) {
+            return PackedConv {
+                conv,
+                groups: Vec::new(),
+                depthwise: None,
+                chunk_scale: 1,
+                winograd: None,
+                pairs: Some(Box::new(PackedPairs::from_columns(
+                    conv.taps(),
+                    cout_g,
+                    fill(0),
+                    bias,
+                ))),
+            };
+        }
+        let groups = (0..conv.groups)
+            .map(|g| {
+                let fill = fill(g);
+                PackedB::from_columns(
+                    conv.taps(),
+                    cout_g,
+                    fill,
+                    bias.map(|b| &b[g * cout_g..(g + 1) * cout_g]),
+                )
+            })
+            .collect();
+        PackedConv {
+            conv,
+            groups,
+            depthwise: None,
+            chunk_scale: 1,
+            winograd: None,
+            pairs: None,
+        }
+    }
+
+    /// Pack for Winograd F(m×m, 3×3) instead, when the layer allows it.
+    pub fn winograd(
+        tile: crate::backend::cpu::winograd::Tile,
+        conv: Conv2d,
+        weight: &[f32],
+        bias: Option<&[f32]>,
+        out: &[usize],
+    ) -> Option<Self> {
+        crate::backend::cpu::winograd::eligible(&conv).then(|| PackedConv {
+            conv,
+            groups: Vec::new(),
+            depthwise: None,
+            chunk_scale: 1,
+            winograd: Some(crate::backend::cpu::winograd::Winograd::new(
+                tile, &conv, weight, bias, out,
+            )),
+            pairs: None,
+        })
+    }
+
+    /// This packing for the same convolution with output `out` (another batch), where that
+    /// output runs with `tile` (Winograd's, or none) as this packing does.
+    pub fn for_output(
+        mut self,
+        tile: Option<crate::backend::cpu::winograd::Tile>,
+        out: &[usize],
+    ) -> Option<Self> {
+        self.winograd = match (self.winograd.take(), tile) {
+            (None, None) => None,
+            (Some(w), Some(t)) if w.tile() == t => Some(w.for_output(&self.conv, out)?),
+            _ => return None,
+        };
+        Some(self)
+    }
+
+    pub fn bytes(&self) -> u64 {
+        let dw = self.depthwise.as_ref().map_or(0, |(w, b)| {
+            (w.len() + b.as_ref().map_or(0, |b| b.len())) as u64 * 4
+        });
+        self.groups.iter().map(|g| g.bytes()).sum::<u64>()
+            + dw
+            + self.winograd.as_ref().map_or(0, |w| w.bytes())
+            + self.pairs.as_ref().map_or(0, |a| a.bytes())
+    }
+
+    pub fn kernel_name(&self) -> String {
+        let form = if let Some(w) = &self.winograd {
+            w.tile().form()
+        } else if self.pairs.is_some() {
+            match bf16_gemm::Engine::in_use() {
+                Some(bf16_gemm::Engine::Amx) => "amx_gemm",
+                _ => "dpbf16_gemm",
+            }
+        } else if self.depthwise.is_some() {
+            "depthwise_direct"
+        } else if is_pointwise(&self.conv) {
+            "pointwise_gemm"
+        } else {
+            "im2col_gemm"
+        };
+        format!("conv2d_{form}_{}", T::SUFFIX)
+    }
+}
+
+/// Whether a convolution of this precision multiplies bf16 pairs: BF16, ungrouped, where the
+/// paths in use include AMX or AVX512_BF16 (see [`crate::backend::cpu::bf16_gemm`]).
+pub fn uses_pairs<T: Elem>(c: &Conv2d) -> bool {
+    T::PRECISION == crate::model::Precision::Bf16
+        && c.groups == 1
+        && bf16_gemm::Engine::in_use().is_some()
+}
+
+pub(super) fn is_depthwise(c: &Conv2d) -> bool {
+    c.groups > 1 && c.groups == c.in_channels && c.groups == c.out_channels
+}
+
+pub(super) fn is_pointwise(c: &Conv2d) -> bool {
+    c.kernel == (1, 1) && c.stride == (1, 1) && c.padding == (0, 0) && c.groups == 1
+}
+
+/// Output rows per chunk for columns of length `k`: a multiple of the GEMM tile's rows.
+pub fn chunk_rows(m: usize, k: usize) -> usize {
+    let rows = (COLUMN_CHUNK_ELEMS / k.max(1)).clamp(MIN_CHUNK_ROWS, MAX_CHUNK_ROWS);
+    let tile = sgemm::tile_rows();
+    rows.div_ceil(tile).saturating_mul(tile).min(m.max(1))
+}
+
+/// Rows [0, m) cut into chunks of whole `unit`s (GEMM tiles) about `rows` long, in a multiple
+/// of the workers where there are units enough, the units dealt out as evenly as they go:
+/// chunk sizes differ by one unit at most. Chunks of one size and a short last one left
+/// ResNet-50's late layers at batch 8 uneven: 392 rows in 72-row chunks were 5 × 72 + 32,
+/// 216 rows for one worker and 176 for the other (91% of the pair's time used); even chunks
+/// split its 33 tiles (of 12 rows, then) 17 and 16.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Chunks {
+    m: usize,
+    unit: usize,
+    count: usize,
+}
+
+impl Chunks {
+    pub(crate) fn new(m: usize, rows: usize, unit: usize, threads: usize) -> Self {
+        let units = m.div_ceil(unit.max(1)).max(1);
+        let count = m
+            .div_ceil(rows.max(1))
+            .next_multiple_of(threads.max(1))
+            .min(units);
+        Chunks {
+            m,
+            unit: unit.max(1),
+            count,
+        }
+    }
+
+    pub(crate) fn count(&self) -> usize {
+        self.count
+    }
+
+    /// Chunk c's first row and rows.
+    pub(crate) fn get(&self, c: usize) -> (usize, usize) {
+        let units = self.m.div_ceil(self.unit);
+        let at = |c: usize| (units * c / self.count * self.unit).min(self.m);
+        (at(c), at(c + 1) - at(c))
+    }
+
+    /// `buf`, rows of `row` values, cut into the chunks' parts (the rows past `m` left out).
+    pub(crate) fn split_mut<'a, X>(&self, buf: &'a mut [X], row: usize) -> Vec<&'a mut [X]> {
+        let mut rest = buf;
+        (0..self.count)
+            .map(|c| {
+                let (part, tail) = std::mem::take(&mut rest).split_at_mut(self.get(c).1 * row);
+                rest = tail;
+                part
+            })
+            .collect()
+    }
+}
+
+/// How a GEMM's row chunks are cut into work items: each chunk whole, or, when there are too
+/// few of them for `threads` workers, split over the panels too. Returns the splits per chunk.
+pub(super) fn work_split(chunks: usize, panels: usize, threads: usize) -> usize {
+    if chunks >= 2 * threads {
+        1
+    } else {
+        (2 * threads).div_ceil(chunks.max(1)).min(panels).max(1)
+    }
+}
+
+/// Panels [p0, p1) of split `s` out of `splits`.
+pub(super) fn panel_range(panels: usize, splits: usize, s: usize) -> (usize, usize) {
+    (panels * s / splits, panels * (s + 1) / splits)
+}
+
+/// The work items of a GEMM of `m` rows in chunks of about `rows` ([`Chunks`]) over `panels`
+/// column panels ([`work_split`]), in parallel: each item's rows (m0, mr) and panels [p0, p1).
+pub(super) fn work_items(
+    m: usize,
+    rows: usize,
+    panels: usize,
+    threads: usize,
+) -> impl IndexedParallelIterator<Item = ((usize, usize), (usize, usize))> {
+    let chunks = Chunks::new(m, rows, sgemm::tile_rows(), threads);
+    let splits = work_split(chunks.count(), panels, threads);
+    (0..chunks.count() * splits)
+        .into_par_iter()
+        .map(move |item| {
+            (
+                chunks.get(item / splits),
+                panel_range(panels, splits, item % splits),
+            )
+        })
+}
+
+/// Multiply rows [m0, m0 + mr) of `a` (row stride `lda`, group g's columns at g·k_g) by each
+/// group's panels [p0, p1), writing into the NHWC output `y` (row stride `cout`).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gemm_tile<T: Elem>(
+    a: &[f32],
+    lda: usize,
+    groups: &[PackedB<T>],
+    k_g: usize,
+    (m0, mr): (usize, usize),
+    (p0, p1): (usize, usize),
+    y: TilePtr<T>,
+    cout: usize,
+    res: &mut Vec<f32>,
+    epilogue: &Epilogue<'_, T>,
+) {
+    for (g, b) in groups.iter().enumerate() {
+        let cout_g = cout / groups.len();
+        let col0 = g * cout_g + p0 * NR;
+        let width = (p1 * NR).min(cout_g) - p0 * NR;
+        // SAFETY: `a` holds mr rows of lda ≥ (g + 1)·k_g floats. The output tile is rows
+        // [m0, m0 + mr) × columns [col0, col0 + width) of y, inside y (the caller sized it to
+        // the plan) and disjoint from every other work item's tile; f32 storage is written in
+        // place, other types through `res` and a narrowing copy.
+        unsafe {
+            if T::IS_F32 {
+                let c = y.0.add(m0 * cout + col0) as *mut f32;
+                sgemm::gemm_packed(mr, a.as_ptr().add(g * k_g), lda, b, (p0, p1), c, cout);
+                if !epilogue.is_empty() {
+                    for r in 0..mr {
+                        let row = std::slice::from_raw_parts_mut(c.add(r * cout), width);
+                        epilogue.apply(row, (m0 + r) * cout + col0, res);
+                    }
+                }
+            } else {
+                let ldc = (p1 - p0) * NR;
+                res.resize(mr * ldc, 0.0);
+                sgemm::gemm_packed(
+                    mr,
+                    a.as_ptr().add(g * k_g),
+                    lda,
+                    b,
+                    (p0, p1),
+                    res.as_mut_ptr(),
+                    ldc,
+                );
+                finish_rows(res, ldc, (m0, mr), (col0, width), y, cout, epilogue);
+            }
+        }
+    }
+}
+
+/// Apply the epilogue to f32 results (`mr` rows spaced `ldc` apart in `res`) and store them
+/// into rows [m0, m0 + mr), columns [col0, col0 + width) of the NHWC output `y`.
+///
+/// # Safety
+/// That tile of `y` (row stride `cout`) is this work item's alone.
+unsafe fn finish_rows<T: Elem>(
+    res: &mut [f32],
+    ldc: usize,
+    (m0, mr): (usize, usize),
+    (col0, width): (usize, usize),
+    y: TilePtr<T>,
+    cout: usize,
+    epilogue: &Epilogue<'_, T>,
+) {
+    let mut scratch = Vec::new();
+    for r in 0..mr {
+        // SAFETY: inside the work item's tile (the contract).
+        let out = unsafe { std::slice::from_raw_parts_mut(y.0.add((m0 + r) * cout + col0), width) };
+        let row = &mut res[r * ldc..r * ldc + width];
+        epilogue.apply(row, (m0 + r) * cout + col0, &mut scratch);
+        T::narrow(row, out);
+    }
+}
+
+/// [`conv2d`] on bf16 pairs (AMX tiles or `vdpbf16ps`): A is the bf16 input itself for a 1×1
+/// stride-1 layer whose channels fill whole K steps, else bf16 columns gathered per chunk (K
+/// padded with zeros to the step); results come back in f32 for the bias-free epilogue and
+/// the narrowing.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn conv2d_pairs<T: Elem>(
+    p: &PackedConv<T>,
+    b: &PackedPairs,
+    x: &[T],
+    xs: Nhwc,
+    y: &mut [T],
+    ys: Nhwc,
+    threads: usize,
+    epilogue: &Epilogue<'_, T>,
+) {
+    let c = &p.conv;
+    let x16 = T::as_bf16(x).expect("bf16-pair layers store bf16");
+    let (k, kp) = (b.k, b.kp());
+    let m = ys.n * ys.h * ys.w;
+    let cout = c.out_channels;
+    let rows = (chunk_rows(m, k) * p.chunk_scale).min(m.max(1));
+    let direct = is_pointwise(c) && c.in_channels == kp;
+    let engine = bf16_gemm::Engine::in_use().expect("pair packings exist only with an engine");
+    assert!(y.len() >= m * cout, "conv2d output buffer too small");
+    let out = TilePtr(y.as_mut_ptr());
+    work_items(m, rows, b.panels(), threads).for_each(|((m0, mr), (p0, p1))| {
+        PAIR_COLUMNS.with_borrow_mut(|cols| {
+            let a: &[bf16] = if direct {
+                &x16[m0 * kp..(m0 + mr) * kp]
+            } else {
+                cols.resize(mr * kp, bf16::ZERO);
+                im2col(c, x, xs, ys, m0, mr, &mut cols[..mr * kp], kp);
+                &cols[..mr * kp]
+            };
+            let col0 = p0 * bf16_gemm::PANEL;
+            let mut scratch = Vec::new();
+            let mut narrowed = [T::default(); bf16_gemm::BLOCK_ROWS * bf16_gemm::BLOCK_COLS];
+            let mut store = |d: bf16_gemm::Done<'_>| {
+                let at = |r: usize| (m0 + d.row + r) * cout + col0 + d.col;
+                if !epilogue.is_empty() {
+                    for r in 0..d.rows {
+                        let row = &mut d.values[r * bf16_gemm::BLOCK_COLS..][..d.cols];
+                        epilogue.apply(row, at(r), &mut scratch);
+                    }
+                }
+                // The block narrowed in one pass (a 32-value row per call would spend more on
+                // the calls than on the conversion where K is small), then its rows copied.
+                let n = d.rows * bf16_gemm::BLOCK_COLS;
+                T::narrow(&d.values[..n], &mut narrowed[..n]);
+                // Whole rows as fixed-size copies: a copy of a length known only at run time
+                // is a call to memmove, 32 of them a block (5% of a BF16 ResNet-50 pass).
+                const COLS: usize = bf16_gemm::BLOCK_COLS;
+                for (r, row) in narrowed.chunks_exact(COLS).take(d.rows).enumerate() {
+                    // SAFETY: rows m0..m0 + mr, columns of panels p0..p1 of y are this work
+                    // item's alone; row r's `cols` values from `at(r)` are inside them.
+                    unsafe {
+                        if d.cols == COLS {
+                            let row: &[T; COLS] = row.try_into().expect("a whole row");
+                            out.add(at(r)).cast::<[T; COLS]>().write_unaligned(*row);
+                        } else {
+                            std::ptr::copy_nonoverlapping(row.as_ptr(), out.add(at(r)), d.cols);
+                        }
+                    };
+                }
+            };
+            // SAFETY: pair packings exist only where `simd()` chose an engine, which it does
+            // only where the CPU runs it (`simd::best`); A has mr rows of kp values (zeros
+            // past K: gathered so, or K = kp).
+            unsafe { bf16_gemm::gemm(engine, mr, a.as_ptr(), kp, b, (p0, p1), &mut store) };
+        });
+    });
+}
+
+thread_local! {
+    /// Per-worker bf16 columns of the bf16-pair convolutions.
+    static PAIR_COLUMNS: RefCell<Vec<bf16>> = const { RefCell::new(Vec::new()) };
+}
+
+/// What a fused convolution does to its results before storing them: add a residual tensor
+/// (NHWC, the output's shape) and apply an activation.
+pub struct Epilogue<'a, T> {
+    pub residual: Option<&'a [T]>,
+    pub act: Act,
+}
+
+impl<T: Elem> Epilogue<'_, T> {
+    pub(super) fn is_empty(&self) -> bool {
+        self.residual.is_none() && self.act == Act::None
+    }
+
+    /// Apply to `row`, the outputs starting at flat index `at`; `scratch` widens the residual.
+    /// Inlined so that it is vectorised where its caller is (the Winograd output transform).
+    #[inline(always)]
+    pub(crate) fn apply(&self, row: &mut [f32], at: usize, scratch: &mut Vec<f32>) {
+        if let Some(r) = self.residual {
+            let r = &r[at..at + row.len()];
+            match T::as_f32(r) {
+                Some(r) => row.iter_mut().zip(r).for_each(|(v, x)| *v += x),
+                None => {
+                    scratch.resize(row.len(), 0.0);
+                    T::widen(r, scratch);
+                    row.iter_mut()
+                        .zip(scratch.iter())
+                        .for_each(|(v, x)| *v += x);
+                }
+            }
+        }
+        match self.act {
+            Act::None => {}
+            Act::Relu => row.iter_mut().for_each(|v| *v = v.max(0.0)),
+            Act::Relu6 => row.iter_mut().for_each(|v| *v = v.clamp(0.0, 6.0)),
+        }
+    }
+}
+
+/// The convolution: `x` (xs) → `y` (ys), both NHWC.
+#[allow(clippy::too_many_arguments)]
+pub fn conv2d<T: Elem>(
+    p: &PackedConv<T>,
+    x: &[T],
+    xs: Nhwc,
+    y: &mut [T],
+    ys: Nhwc,
+    threads: usize,
+    residual: Option<&[T]>,
+) {
+    let epilogue = Epilogue {
+        residual,
+        act: p.conv.act,
+    };
+    if let Some((dw, bias)) = &p.depthwise {
+        return depthwise(&p.conv, dw, bias.as_deref(), x, xs, y, ys, &epilogue);
+    }
+    if let Some(w) = &p.winograd {
+        crate::backend::cpu::winograd::conv2d(w, &p.conv, x, xs, y, ys, &epilogue);
+        return;
+    }
+    if let Some(b) = &p.pairs {
+        return conv2d_pairs(p, b, x, xs, y, ys, threads, &epilogue);
+    }
+    let c = &p.conv;
+    let k_g = c.kernel.0 * c.kernel.1 * (c.in_channels / c.groups);
+    let k = k_g * c.groups;
+    let m = ys.n * ys.h * ys.w;
+    let cout = c.out_channels;
+    let rows = (chunk_rows(m, k) * p.chunk_scale).min(m.max(1));
+    let direct = if is_pointwise(c) { T::as_f32(x) } else { None };
+    assert!(y.len() >= m * cout, "conv2d output buffer too small");
+    let out = TilePtr(y.as_mut_ptr());
+    work_items(m, rows, p.groups[0].panels(), threads).for_each(|((m0, mr), panels)| {
+        SCRATCH.with(|s| {
+            let (cols, res) = &mut *s.borrow_mut();
+            let a: &[f32] = match direct {
+                Some(xf) => &xf[m0 * k..(m0 + mr) * k],
+                None => {
+                    cols.resize(mr * k, 0.0);
+                    im2col(c, x, xs, ys, m0, mr, &mut cols[..mr * k], k);
+                    &cols[..mr * k]
+                }
+            };
+            gemm_tile(
+                a,
+                k,
+                &p.groups,
+                k_g,
+                (m0, mr),
+                panels,
+                out,
+                cout,
+                res,
+                &epilogue,
+            );
+        });
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Even chunks: whole units, sizes within one unit of each other, in a multiple of the
+    /// workers where the units allow, none above the asked size by more than a unit's rounding,
+    /// together covering every row once.
+    #[test]
+    fn chunks_are_even() {
+        let c = Chunks::new(392, 72, 12, 2);
+        let sizes: Vec<usize> = (0..c.count()).map(|i| c.get(i).1).collect();
+        assert_eq!(sizes, [60, 72, 60, 72, 60, 68]);
+        let first: usize = sizes[..3].iter().sum();
+        assert_eq!((first, 392 - first), (192, 200));
+        for (m, rows, unit, threads) in [
+            (3136, 768, 12, 2),
+            (25088, 768, 12, 2),
+            (3136, 512, 6, 3),
+            (49, 96, 12, 2),
+            (7, 6, 12, 4),
+            (1, 1, 12, 8),
+            (128, 24, 12, 2),
+        ] {
+            let c = Chunks::new(m, rows, unit, threads);
+            let parts: Vec<(usize, usize)> = (0..c.count()).map(|i| c.get(i)).collect();
+            let mut next = 0;
+            for &(m0, mr) in &parts {
+                assert_eq!(m0, next, "{m} {rows} {unit} {threads}: {parts:?}");
+                assert!(
+                    mr >= 1 && m0 % unit == 0,
+                    "{m} {rows} {unit} {threads}: {parts:?}"
+                );
+                assert!(mr <= rows.next_multiple_of(unit), "{m} {rows}: {parts:?}");
+                next = m0 + mr;
+            }
+            assert_eq!(next, m);
+            let units = m.div_ceil(unit);
+            if units >= threads {
+                assert!(c.count().is_multiple_of(threads) || c.count() == units);
+            }
+            let whole = |mr: usize| mr.div_ceil(unit);
+            let (lo, hi) = parts.iter().fold((usize::MAX, 0), |(lo, hi), &(_, mr)| {
+                (lo.min(whole(mr)), hi.max(whole(mr)))
+            });
+            assert!(hi - lo <= 1, "{m} {rows} {unit} {threads}: {parts:?}");
+        }
+        let mut buf: Vec<u32> = (0..3136 * 2).collect();
+        let c = Chunks::new(3136, 768, 12, 2);
+        let parts = c.split_mut(&mut buf, 2);
+        assert_eq!(parts.len(), c.count());
+        for (i, part) in parts.iter().enumerate() {
+            let (m0, mr) = c.get(i);
+            assert_eq!((part.len(), part[0]), (mr * 2, (m0 * 2) as u32));
+        }
+    }
+}

@@ -1,0 +1,254 @@
+//! Element-wise ops in place: batch norm as an affine map, clamps (ReLU, ReLU6), adds;
+//! half types widened a block at a time or converted in registers.
+
+use half::bf16;
+use rayon::prelude::*;
+
+use super::*;
+use crate::backend::cpu::elem::{self, Elem, bf16_f32, f32_bf16};
+use crate::backend::cpu::simd::{Update, Vectorised, ZipWith, with_simd};
+
+/// Apply `f` to `buf` in f32, one block at a time: in place for f32 storage, through a small
+/// widened copy for half types (so conversions run over whole slices, with F16C where present,
+/// instead of one scalar conversion per element). `period` is the period `f` relies on (the
+/// channel count for per-channel maps, else 1): blocks are multiples of it.
+pub(super) fn map_f32<T: Elem>(buf: &mut [T], period: usize, f: impl Fn(&mut [f32]) + Sync) {
+    let period = period.max(1);
+    buf.par_chunks_mut((ELEMENTWISE_CHUNK / period).max(1) * period)
+        .for_each(|part| match T::as_f32_mut(part) {
+            Some(p) => f(p),
+            // Half storage: widened a few KiB at a time into the worker's scratch, so the copy
+            // stays in L1 between the conversions and `f`.
+            None => SCRATCH.with(|s| {
+                let tmp = &mut s.borrow_mut().1;
+                let block = (HALF_BLOCK / period).max(1) * period;
+                tmp.resize(block, 0.0);
+                for sub in part.chunks_mut(block) {
+                    let wide = &mut tmp[..sub.len()];
+                    T::widen(sub, wide);
+                    f(wide);
+                    T::narrow(wide, sub);
+                }
+            }),
+        });
+}
+
+/// Elements per widened block of a half-precision element-wise op (8 KiB of f32).
+pub(super) const HALF_BLOCK: usize = 2048;
+
+/// y = x·scale + shift per channel (batch norm folded to an affine map at prepare time).
+pub fn affine_inplace<T: Elem>(buf: &mut [T], c: usize, scale: &[f32], shift: &[f32]) {
+    let c = c.max(1);
+    if let Some(b) = T::as_bf16_mut(buf) {
+        // bf16: converted in registers, one pass over memory (no widened copy).
+        b.par_chunks_mut((ELEMENTWISE_CHUNK / c).max(1) * c)
+            .for_each(|part| {
+                with_simd(Affine {
+                    part,
+                    c,
+                    scale,
+                    shift,
+                    load: bf16_f32,
+                    store: f32_bf16,
+                })
+            });
+        return;
+    }
+    if let Some(h) = T::as_f16_mut(buf)
+        && crate::backend::cpu::simd::f16c()
+    {
+        // f16 with F16C: converted in registers, one pass over memory.
+        h.par_chunks_mut((ELEMENTWISE_CHUNK / c).max(1) * c)
+            .for_each(|part| assert!(elem::affine_f16(part, c, scale, shift)));
+        return;
+    }
+    map_f32(buf, c, |part| {
+        with_simd(Affine {
+            part,
+            c,
+            scale,
+            shift,
+            load: |v: f32| v,
+            store: |v: f32| v,
+        })
+    });
+}
+
+/// [`affine_inplace`] over whole pixels of `part`, as vectorised work: each value read as f32
+/// by `load` and written back by `store` (the identity for f32, in registers for bf16).
+pub(super) struct Affine<'a, V, L, S> {
+    part: &'a mut [V],
+    c: usize,
+    scale: &'a [f32],
+    shift: &'a [f32],
+    load: L,
+    store: S,
+}
+
+impl<V: Copy, L: Fn(V) -> f32, S: Fn(f32) -> V> Vectorised for Affine<'_, V, L, S> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        for px in self.part.chunks_exact_mut(self.c) {
+            for ((v, s), b) in px.iter_mut().zip(self.scale).zip(self.shift) {
+                *v = (self.store)((self.load)(*v) * s + b);
+            }
+        }
+    }
+}
+
+/// Clamp every element to [lo, hi] (ReLU: [0, ∞), ReLU6: [0, 6]).
+pub fn clamp_inplace<T: Elem>(buf: &mut [T], lo: f32, hi: f32) {
+    if lo == 0.0
+        && hi == f32::INFINITY
+        && let Some((bits, inf)) = T::half_bits_mut(buf)
+    {
+        // ReLU on a half type needs no conversion: a value stays when its bits, as an
+        // integer, lie in 1..=+∞'s (positive, up to +∞), and becomes +0 otherwise (zeros,
+        // negatives, NaNs), as the f32 path's max(v, 0) does. A compare and a select the
+        // compiler vectorises.
+        bits.par_chunks_mut(ELEMENTWISE_CHUNK).for_each(|part| {
+            with_simd(Update(part, |v: &mut u16| {
+                *v = if v.wrapping_sub(1) < inf { *v } else { 0 };
+            }))
+        });
+        return;
+    }
+    map_f32(buf, 1, |part| {
+        with_simd(Update(part, |v: &mut f32| *v = v.max(lo).min(hi)))
+    });
+}
+
+/// a += b, element-wise.
+pub fn add_inplace<T: Elem>(a: &mut [T], b: &[T]) {
+    a.par_chunks_mut(ELEMENTWISE_CHUNK)
+        .zip(b.par_chunks(ELEMENTWISE_CHUNK))
+        .for_each(|(a, b)| {
+            if let (Some(a), Some(b)) = (T::as_bf16_mut(a), T::as_bf16(b)) {
+                // bf16: converted in registers, one pass over memory.
+                return with_simd(ZipWith(a, b, |x: &mut bf16, y: &bf16| {
+                    *x = f32_bf16(bf16_f32(*x) + bf16_f32(*y))
+                }));
+            }
+            if let (Some(a), Some(b)) = (T::as_f16_mut(a), T::as_f16(b))
+                && elem::add_f16(a, b)
+            {
+                return;
+            }
+            add_chunk(a, b)
+        });
+}
+
+/// [`add_inplace`] of one chunk, f32 in place or through widened copies.
+pub(super) fn add_chunk<T: Elem>(a: &mut [T], b: &[T]) {
+    let add = |x: &mut f32, y: &f32| *x += y;
+    match (T::as_f32_mut(a), T::as_f32(b)) {
+        (Some(a), Some(b)) => with_simd(ZipWith(a, b, add)),
+        _ => {
+            let (mut ta, mut tb) = ([0f32; HALF_BLOCK], [0f32; HALF_BLOCK]);
+            for (a, b) in a.chunks_mut(HALF_BLOCK).zip(b.chunks(HALF_BLOCK)) {
+                let (ta, tb) = (&mut ta[..a.len()], &mut tb[..a.len()]);
+                T::widen(a, ta);
+                T::widen(b, tb);
+                with_simd(ZipWith(ta, tb, add));
+                T::narrow(ta, a);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::f16;
+    /// Batch norm's affine map and the residual add on a half type, converted in registers
+    /// (bf16 always, f16 where the CPU has F16C), give bit for bit what widening to f32, the
+    /// f32 kernels and narrowing with `half` give, for every value of the type (up to which
+    /// NaN comes out of two).
+    fn halves_match_the_f32_path<T: Elem + std::fmt::Display>(
+        from_bits: fn(u16) -> T,
+        to_bits: fn(T) -> u16,
+    ) {
+        let all: Vec<T> = (0..=u16::MAX).map(from_bits).collect();
+        let other: Vec<T> = (0..=u16::MAX)
+            .map(|i| from_bits(i.wrapping_mul(40_503)))
+            .collect();
+        let widen = |v: &[T]| v.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
+        let narrow = |v: &[f32]| v.iter().map(|&x| T::from_f32(x)).collect::<Vec<T>>();
+        // Which NaN an operation on two NaNs gives is not defined (the compiler may swap an
+        // add's operands): any NaN matches a NaN; every other value, bit for bit.
+        let same = |what: &str, got: &[T], want: &[T]| {
+            for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+                if g.to_f32().is_nan() && w.to_f32().is_nan() {
+                    continue;
+                }
+                assert_eq!(to_bits(g), to_bits(w), "{what} of element {i}: {g} vs {w}");
+            }
+        };
+        // 24 channels: a vectorised body and a tail in every pixel; 65,520 values are
+        // 2,730 whole pixels.
+        let scale = [1.0, -0.5, 3.0e38, 1.0e-3, 0.0, 7.25, -2.0, 1.5].repeat(3);
+        let shift: Vec<f32> = [0.0, 1.0, -1.0, 3.0e38, -0.0, 0.1, 1.0e-30, -7.0]
+            .iter()
+            .cycle()
+            .skip(3)
+            .take(24)
+            .copied()
+            .collect();
+        let pixels = &all[..65_520];
+        let mut fast = pixels.to_vec();
+        affine_inplace(&mut fast, 24, &scale, &shift);
+        let mut wide = widen(pixels);
+        affine_inplace(&mut wide, 24, &scale, &shift);
+        same("affine", &fast, &narrow(&wide));
+        let mut fast = all.clone();
+        add_inplace(&mut fast, &other);
+        let mut wide = widen(&all);
+        add_inplace(&mut wide, &widen(&other));
+        same("add", &fast, &narrow(&wide));
+    }
+
+    #[test]
+    fn bf16_affine_and_add_match_the_f32_path() {
+        halves_match_the_f32_path(bf16::from_bits, bf16::to_bits);
+    }
+
+    #[test]
+    fn f16_affine_and_add_match_the_f32_path() {
+        halves_match_the_f32_path(f16::from_bits, f16::to_bits);
+    }
+
+    /// ReLU straight on the bits of a half type gives what the f32 path gives (widen,
+    /// max(v, 0), narrow), up to the sign of zero, for every value: NaNs, infinities, zeros,
+    /// subnormals.
+    fn relu_on_bits_matches_the_f32_path<T: Elem + std::fmt::Display>(bits: fn(T) -> u16) {
+        let all: Vec<T> = (0..=u16::MAX)
+            .map(|b| {
+                let mut v = [T::default()];
+                T::half_bits_mut(&mut v).expect("a half type").0[0] = b;
+                v[0]
+            })
+            .collect();
+        let mut fast = all.clone();
+        clamp_inplace(&mut fast, 0.0, f32::INFINITY);
+        let mut wide: Vec<f32> = all.iter().map(|v| v.to_f32()).collect();
+        clamp_inplace(&mut wide, 0.0, f32::INFINITY);
+        for ((x, got), want) in all.iter().zip(&fast).zip(&wide) {
+            let want = T::from_f32(*want);
+            assert!(
+                bits(*got) == bits(want) || (got.to_f32() == 0.0 && want.to_f32() == 0.0),
+                "relu({x}) = {got}, the f32 path gives {want}"
+            );
+        }
+    }
+
+    #[test]
+    fn bf16_relu_matches_the_f32_path() {
+        relu_on_bits_matches_the_f32_path::<bf16>(bf16::to_bits);
+    }
+
+    #[test]
+    fn f16_relu_matches_the_f32_path() {
+        relu_on_bits_matches_the_f32_path::<f16>(f16::to_bits);
+    }
+}

@@ -1,0 +1,57 @@
+//! The CPU kernels. Images are NHWC (channels innermost, so a pixel's channels are one
+//! contiguous run and a convolution is a GEMM over them); features are (N, F). Storage is any
+//! [`Elem`](super::elem::Elem); arithmetic is f32. Work is split over the session's rayon pool.
+//!
+//! Convolution is im2col + GEMM ([`super::sgemm`]), fused per work item: a worker gathers the
+//! columns of a chunk of output rows into a thread-local scratch (in f32) and multiplies them
+//! by the weights, packed once at prepare time, with the bias folded into the GEMM tile. A 1×1
+//! stride-1 convolution in f32 skips the gather: its input already is the column matrix. When
+//! there are too few row chunks to keep every worker busy (small batches, late layers), work
+//! items also split the output channels. Depthwise convolutions are direct loops (a GEMM with
+//! one input channel per group wastes the machine).
+//!
+//! One file per op family: `conv.rs` (im2col + GEMM convolutions and their work split),
+//! `im2col.rs`, `depthwise.rs`, `elementwise.rs` (batch norm's affine map, clamps, adds),
+//! `pool.rs`, `layout.rs` (NCHW ↔ NHWC), `linear.rs` (linear layers and softmax).
+
+mod conv;
+mod depthwise;
+mod elementwise;
+mod im2col;
+mod layout;
+mod linear;
+mod pool;
+
+use std::cell::RefCell;
+
+pub use conv::*;
+use depthwise::*;
+pub use elementwise::*;
+use im2col::*;
+pub use layout::*;
+pub use linear::*;
+pub use pool::*;
+
+/// An NHWC image batch's dimensions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Nhwc {
+    pub n: usize,
+    pub h: usize,
+    pub w: usize,
+    pub c: usize,
+}
+
+impl Nhwc {
+    pub fn elems(&self) -> usize {
+        self.n * self.h * self.w * self.c
+    }
+}
+
+/// Elements per parallel work item of the element-wise kernels.
+const ELEMENTWISE_CHUNK: usize = 1 << 16;
+
+thread_local! {
+    /// Per-worker scratch for columns and f32 results; reused across calls and iterations so
+    /// the hot loop does not allocate.
+    pub(super) static SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}

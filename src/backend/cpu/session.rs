@@ -1,0 +1,645 @@
+//! A prepared CPU session: the plan's nodes as steps (weights packed for their kernels), run
+//! node by node on the worker pool, in batch tiles where the plan has them, with each
+//! activation freed after its last reader and buffers recycled so the timed loop does not
+//! allocate.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::calibration::{BN_EPS, channel_stats};
+use super::*;
+use super::{BackendError, KernelTime, MemoryStats, Session};
+use crate::model::buffers::take_best_fit;
+
+/// What a node does at run time, with its weights packed for the kernel.
+pub(super) enum Step<T> {
+    Input,
+    Conv(PackedConv<T>),
+    Affine {
+        scale: Vec<f32>,
+        shift: Vec<f32>,
+    },
+    Clamp {
+        lo: f32,
+        hi: f32,
+    },
+    Pool {
+        pool: Pool,
+        max: bool,
+    },
+    Adaptive,
+    Add,
+    Linear {
+        weight: PackedLinear<T>,
+        fin: usize,
+        fout: usize,
+    },
+    Flatten,
+    Identity,
+    Softmax,
+}
+
+/// An activation buffer: the first `len` elements of `data` in use. Every element of `data` is
+/// initialised (zeros when it was made), so a buffer serves any length up to `data.len()`
+/// without being filled again: a `Vec` truncated and grown back would refill the difference on
+/// every pass (a memset of up to a whole tensor per op).
+pub(super) struct Buf<T> {
+    data: Vec<T>,
+    len: usize,
+}
+
+impl<T> std::ops::Deref for Buf<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        &self.data[..self.len]
+    }
+}
+
+impl<T> std::ops::DerefMut for Buf<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut self.data[..self.len]
+    }
+}
+
+pub(super) struct CpuSession<T: Elem> {
+    pub(super) plan: Plan,
+    pub(super) steps: Vec<Step<T>>,
+    pub(super) names: Vec<String>,
+    pub(super) pool: Arc<rayon::ThreadPool>,
+    pub(super) threads: usize,
+    pub(super) profile: bool,
+    /// Buffers that are free for reuse, and the one holding the last output.
+    pub(super) free: Vec<Buf<T>>,
+    pub(super) output: Option<Buf<T>>,
+    pub(super) times: Vec<KernelTime>,
+    /// Batch-norm calibration mode: normalise with each batch's own statistics and keep
+    /// them (node id, mean, biased variance) instead of using the running ones.
+    pub(super) calibrate: bool,
+    pub(super) batch_stats: Vec<(usize, Vec<f32>, Vec<f32>)>,
+    /// The batch tiles of the first layers (see [`batch_tiles`]); not used while calibrating, whose
+    /// statistics are the whole batch's.
+    pub(super) split: Option<batch_tiles::Split>,
+    pub(super) weight_bytes: u64,
+    pub(super) held_bytes: u64,
+    pub(super) peak_bytes: u64,
+}
+
+impl<T: Elem> CpuSession<T> {
+    pub(super) fn new(
+        plan: &Plan,
+        weights: &Weights,
+        pool: Arc<rayon::ThreadPool>,
+        threads: usize,
+        profile: bool,
+        variants: &std::collections::BTreeMap<String, String>,
+        donor: &mut Donor,
+    ) -> Result<Self, BackendError> {
+        let split = batch_split(plan, std::mem::size_of::<T>())?;
+        // The shape each node runs at: the most images one call of it sees.
+        let run_shape = |id: usize| {
+            let mut shape = plan.shapes[id].clone();
+            if let (Some(s), Some(n)) = (&split, shape.first_mut()) {
+                *n = s.images(id, *n);
+            }
+            shape
+        };
+        let mut steps = Vec::with_capacity(plan.graph.nodes.len());
+        let mut weight_bytes = 0u64;
+        for (id, node) in plan.graph.nodes.iter().enumerate() {
+            let get = |suffix: &str| tensor(weights, &node.name, suffix);
+            let shape = run_shape(id);
+            let step = match node.op {
+                Op::Input { .. } => Step::Input,
+                Op::Conv2d(c) => {
+                    let bias = if c.bias { Some(get("bias")?) } else { None };
+                    let variant = variants.get(&node.name).map(String::as_str);
+                    let tile = match variant {
+                        Some(v) => winograd::Tile::from_variant(v),
+                        // Where BF16 multiplies bf16 pairs, only layers with tiles enough
+                        // (see `winograd::beats_pairs`).
+                        None => winograd::by_default(&c, &shape).filter(|&t| {
+                            !kernels::uses_pairs::<T>(&c) || winograd::beats_pairs(t, &shape)
+                        }),
+                    };
+                    let donated = variant
+                        .is_none()
+                        .then(|| donor.take::<T>(id, tile, &shape))
+                        .flatten();
+                    let mut packed = match donated {
+                        Some(packed) => packed,
+                        None => tile
+                            .and_then(|t| {
+                                let w = get("weight").ok()?;
+                                PackedConv::<T>::winograd(t, c, w, bias, &shape)
+                            })
+                            .map_or_else(
+                                || get("weight").map(|w| PackedConv::<T>::new(c, w, bias)),
+                                Ok,
+                            )?,
+                    };
+                    packed.chunk_scale = kernels::chunk_scale(variant);
+                    weight_bytes += packed.bytes();
+                    Step::Conv(packed)
+                }
+                Op::BatchNorm { eps, .. } => {
+                    let (g, b, m, v) = (
+                        get("weight")?,
+                        get("bias")?,
+                        get("running_mean")?,
+                        get("running_var")?,
+                    );
+                    let (scale, shift) = batch_norm_affine(g, b, m, v, eps);
+                    weight_bytes += 2 * scale.len() as u64 * 4;
+                    Step::Affine { scale, shift }
+                }
+                Op::Relu => Step::Clamp {
+                    lo: 0.0,
+                    hi: f32::INFINITY,
+                },
+                Op::Relu6 => Step::Clamp { lo: 0.0, hi: 6.0 },
+                Op::MaxPool(p) => Step::Pool { pool: p, max: true },
+                Op::AvgPool(p) => Step::Pool {
+                    pool: p,
+                    max: false,
+                },
+                Op::AdaptiveAvgPool { .. } => Step::Adaptive,
+                Op::Add => Step::Add,
+                Op::Linear {
+                    in_features,
+                    out_features,
+                    bias,
+                } => {
+                    let bias = if bias { Some(get("bias")?) } else { None };
+                    let weight = PackedLinear::new(get("weight")?, bias, in_features, out_features);
+                    weight_bytes += weight.bytes();
+                    Step::Linear {
+                        weight,
+                        fin: in_features,
+                        fout: out_features,
+                    }
+                }
+                Op::Flatten => Step::Flatten,
+                Op::Dropout { .. } => Step::Identity,
+                Op::Softmax => Step::Softmax,
+            };
+            steps.push(step);
+        }
+        let names = plan.graph.nodes.iter().map(|n| n.name.clone()).collect();
+        Ok(CpuSession {
+            plan: plan.clone(),
+            steps,
+            names,
+            pool,
+            threads,
+            profile,
+            free: Vec::new(),
+            output: None,
+            times: Vec::new(),
+            calibrate: false,
+            batch_stats: Vec::new(),
+            split,
+            weight_bytes,
+            held_bytes: 0,
+            peak_bytes: 0,
+        })
+    }
+
+    /// A buffer of exactly `len` elements: the smallest free one that is large enough, or a new
+    /// one. Buffers are reused at run time (not laid out ahead as the GPU programs are) because
+    /// batch tiles run parts of the batch through the same nodes.
+    pub(super) fn alloc(&mut self, len: usize) -> Buf<T> {
+        let fit = take_best_fit(&mut self.free, len as u64, |b| b.data.len() as u64);
+        let mut buf = match fit {
+            Some(buf) => buf,
+            None => {
+                self.held_bytes += (len * std::mem::size_of::<T>()) as u64;
+                self.peak_bytes = self.peak_bytes.max(self.held_bytes);
+                Buf {
+                    data: big_buffer(len),
+                    len,
+                }
+            }
+        };
+        buf.len = len;
+        buf
+    }
+
+    /// Node `id`'s output for `n` images, as NHWC dimensions.
+    pub(super) fn dims(&self, id: usize, n: usize) -> Nhwc {
+        match *self.plan.shapes[id].as_slice() {
+            [_, c, h, w] => Nhwc { n, h, w, c },
+            [_, f] => Nhwc {
+                n,
+                h: 1,
+                w: 1,
+                c: f,
+            },
+            _ => Nhwc {
+                n: 1,
+                h: 1,
+                w: 1,
+                c: self.plan.shapes[id].iter().product(),
+            },
+        }
+    }
+
+    pub(super) fn forward(&mut self, input: &Tensor) -> Result<(), BackendError> {
+        if input.shape != self.plan.input_shape() {
+            return Err(BackendError::Invalid(format!(
+                "input has shape {:?}, the prepared plan expects {:?}",
+                input.shape,
+                self.plan.input_shape()
+            )));
+        }
+        if let Some(out) = self.output.take() {
+            self.free.push(out);
+        }
+        self.times.clear();
+        let start = Instant::now();
+        let n_nodes = self.plan.graph.nodes.len();
+        let batch = self.plan.batch();
+        let mut values: Vec<Option<Buf<T>>> = (0..n_nodes).map(|_| None).collect();
+        let mut steps = std::mem::take(&mut self.steps);
+        let levels = match &self.split {
+            Some(split) if !self.calibrate => split.levels.clone(),
+            _ => Vec::new(),
+        };
+        let last = n_nodes - 1;
+        self.run_nodes(
+            &mut steps,
+            &levels,
+            last,
+            0..batch,
+            &mut values,
+            input,
+            start,
+        );
+        self.steps = steps;
+        self.output = values[self.plan.graph.output].take();
+        self.free.extend(values.into_iter().flatten());
+        Ok(())
+    }
+
+    /// Nodes `0..=upto` on `images` of the batch, the batch tiles of `levels` (innermost first)
+    /// that lie inside: up to the outermost level's cut, one of its tiles at a time (each
+    /// through the levels inside it), the cut's values copied into their place among
+    /// `images`, then the rest of the nodes on all of `images`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn run_nodes(
+        &mut self,
+        steps: &mut [Step<T>],
+        levels: &[batch_tiles::Level],
+        upto: usize,
+        images: std::ops::Range<usize>,
+        values: &mut [Option<Buf<T>>],
+        input: &Tensor,
+        start: Instant,
+    ) {
+        let mut first = 0;
+        if let Some((level, inner)) = levels.split_last() {
+            if level.end > upto || level.tile >= images.len() {
+                return self.run_nodes(steps, inner, upto, images, values, input, start);
+            }
+            let end = level.end;
+            let per_image = self.dims(end, 1).elems();
+            let mut joined = self.alloc(per_image * images.len());
+            for part in batch_tiles::parts(images.clone(), level.tile) {
+                let mut tile: Vec<Option<Buf<T>>> = (0..=end).map(|_| None).collect();
+                self.run_nodes(steps, inner, end, part.clone(), &mut tile, input, start);
+                let out = tile[end].take().expect("the cut computed");
+                let at = (part.start - images.start) * per_image;
+                joined[at..at + out.len()].copy_from_slice(&out);
+                self.free.push(out);
+                self.free.extend(tile.into_iter().flatten());
+            }
+            values[end] = Some(joined);
+            first = end + 1;
+        }
+        for (id, step) in steps.iter_mut().enumerate().take(upto + 1).skip(first) {
+            self.step(id, step, values, input, images.clone(), start);
+        }
+    }
+
+    /// Node `id` on `images` of the batch: reads its inputs from `values`, leaves its output
+    /// there, frees the inputs it read last, and times itself when profiling.
+    pub(super) fn step(
+        &mut self,
+        id: usize,
+        step: &mut Step<T>,
+        values: &mut [Option<Buf<T>>],
+        input: &Tensor,
+        images: std::ops::Range<usize>,
+        forward_start: Instant,
+    ) {
+        let start = self.profile.then(Instant::now);
+        let os = self.dims(id, images.len());
+        let inputs = self.plan.graph.nodes[id].inputs.clone();
+        // An op that maps its input element-wise reuses the input's buffer when nothing
+        // else reads it later (torchvision's `inplace=True`).
+        let last_reader = |v: usize| self.plan.last_use[v] == id;
+        let out = match step {
+            Step::Input => {
+                let mut y = self.alloc(os.elems());
+                let image = input.data.len() / self.plan.batch();
+                let x = &input.data[images.start * image..images.end * image];
+                kernels::nchw_to_nhwc(x, os, &mut y);
+                y
+            }
+            Step::Conv(p) => {
+                let xs = self.dims(inputs[0], images.len());
+                let mut y = self.alloc(os.elems());
+                let x = values[inputs[0]].as_ref().expect("input computed");
+                let residual = inputs
+                    .get(1)
+                    .map(|&r| values[r].as_deref().expect("residual computed"));
+                kernels::conv2d(p, x, xs, &mut y, os, self.threads, residual);
+                y
+            }
+            Step::Affine { scale, shift } => {
+                let mut y = self.take_or_copy(values, inputs[0], last_reader(inputs[0]));
+                if self.calibrate {
+                    let (mean, var) = channel_stats(&y, os.c);
+                    let gamma_beta: Vec<(f32, f32)> = scale
+                        .iter()
+                        .zip(shift.iter())
+                        .map(|(&s, &b)| (s, b))
+                        .collect();
+                    // In calibration the prepared scale/shift hold gamma and beta (see
+                    // `calibrate_batch_norm`); turn them into the batch's normalisation.
+                    for (c, (g, b)) in gamma_beta.into_iter().enumerate() {
+                        scale[c] = g / (var[c] + BN_EPS).sqrt();
+                        shift[c] = b - mean[c] * scale[c];
+                    }
+                    self.batch_stats.push((id, mean, var));
+                }
+                kernels::affine_inplace(&mut y, os.c, scale, shift);
+                y
+            }
+            Step::Clamp { lo, hi } => {
+                let mut y = self.take_or_copy(values, inputs[0], last_reader(inputs[0]));
+                kernels::clamp_inplace(&mut y, *lo, *hi);
+                y
+            }
+            Step::Identity => self.take_or_copy(values, inputs[0], last_reader(inputs[0])),
+            Step::Add => {
+                let (a, b) = if last_reader(inputs[0]) {
+                    (inputs[0], inputs[1])
+                } else {
+                    (inputs[1], inputs[0])
+                };
+                let mut y = self.take_or_copy(values, a, last_reader(a));
+                kernels::add_inplace(&mut y, values[b].as_ref().expect("input computed"));
+                y
+            }
+            Step::Pool { pool, max } => {
+                let xs = self.dims(inputs[0], images.len());
+                let mut y = self.alloc(os.elems());
+                kernels::pool(
+                    pool,
+                    *max,
+                    values[inputs[0]].as_ref().expect("input computed"),
+                    xs,
+                    &mut y,
+                    os,
+                );
+                y
+            }
+            Step::Adaptive => {
+                let xs = self.dims(inputs[0], images.len());
+                let mut y = self.alloc(os.elems());
+                kernels::adaptive_avg_pool(
+                    values[inputs[0]].as_ref().expect("input computed"),
+                    xs,
+                    &mut y,
+                    os,
+                );
+                y
+            }
+            Step::Flatten => {
+                let xs = self.dims(inputs[0], images.len());
+                if xs.h * xs.w == 1 {
+                    self.take_or_copy(values, inputs[0], last_reader(inputs[0]))
+                } else {
+                    let mut y = self.alloc(os.elems());
+                    kernels::nhwc_to_nchw(
+                        values[inputs[0]].as_ref().expect("input computed"),
+                        xs,
+                        &mut y,
+                    );
+                    y
+                }
+            }
+            Step::Linear { weight, fin, fout } => {
+                let mut y = self.alloc(os.elems());
+                let x = values[inputs[0]].as_ref().expect("input computed");
+                kernels::linear(x, weight, (os.n, *fin, *fout), &mut y, self.threads);
+                y
+            }
+            Step::Softmax => {
+                let mut y = self.alloc(os.elems());
+                kernels::softmax(
+                    values[inputs[0]].as_ref().expect("input computed"),
+                    os.c,
+                    &mut y,
+                );
+                y
+            }
+        };
+        values[id] = Some(out);
+        for &i in &inputs {
+            if self.plan.last_use[i] == id
+                && let Some(buf) = values[i].take()
+            {
+                self.free.push(buf);
+            }
+        }
+        if let Some(start) = start {
+            self.times.push(KernelTime {
+                node: self.names[id].clone(),
+                op: self.plan.graph.nodes[id].op.kind_name().to_string(),
+                kernel: kernel_name(step, &self.plan.graph.nodes[id].op),
+                start_ns: start.duration_since(forward_start).as_nanos() as u64,
+                ns: start.elapsed().as_nanos() as u64,
+            });
+        }
+    }
+
+    /// The input buffer itself when this node is its last reader, else a copy of it.
+    pub(super) fn take_or_copy(
+        &mut self,
+        values: &mut [Option<Buf<T>>],
+        v: usize,
+        last: bool,
+    ) -> Buf<T> {
+        if last {
+            return values[v].take().expect("input computed");
+        }
+        let len = values[v].as_ref().expect("input computed").len();
+        let mut y = self.alloc(len);
+        y.copy_from_slice(values[v].as_ref().expect("input computed"));
+        y
+    }
+}
+
+/// The tensor `{node}.{suffix}` of `weights`.
+pub(super) fn tensor<'w>(
+    weights: &'w Weights,
+    node: &str,
+    suffix: &str,
+) -> Result<&'w [f32], BackendError> {
+    let name = format!("{node}.{suffix}");
+    weights
+        .get(&name)
+        .map(|t| t.data.as_slice())
+        .ok_or_else(|| BackendError::Invalid(format!("weights have no tensor `{name}`")))
+}
+
+pub(super) fn kernel_name<T: Elem>(step: &Step<T>, op: &Op) -> String {
+    match step {
+        Step::Conv(p) => p.kernel_name(),
+        Step::Affine { .. } => format!("batch_norm_affine_{}", T::SUFFIX),
+        Step::Input => format!("nchw_to_nhwc_{}", T::SUFFIX),
+        _ => format!("{}_{}", op.kind_name(), T::SUFFIX),
+    }
+}
+
+impl<T: Elem> Session for CpuSession<T> {
+    fn run(&mut self, input: &Tensor) -> Result<(), BackendError> {
+        let pool = Arc::clone(&self.pool);
+        pool.install(|| self.forward(input))
+    }
+
+    fn sync(&mut self) -> Result<(), BackendError> {
+        // The CPU runs synchronously: `run` returns when the work is done.
+        Ok(())
+    }
+
+    fn read_output(&mut self) -> Result<Tensor, BackendError> {
+        let out = self
+            .output
+            .as_ref()
+            .ok_or_else(|| BackendError::Invalid("no forward pass has run yet".into()))?;
+        let shape = self.plan.output_shape().to_vec();
+        let mut data = vec![0f32; out.len()];
+        if let [n, c, h, w] = *shape.as_slice() {
+            let xs = Nhwc { n, h, w, c };
+            let mut nchw = vec![T::default(); out.len()];
+            kernels::nhwc_to_nchw(out, xs, &mut nchw);
+            T::widen(&nchw, &mut data);
+        } else {
+            T::widen(out, &mut data);
+        }
+        Ok(Tensor::new(shape, data))
+    }
+
+    fn kernel_times(&mut self) -> Option<Vec<KernelTime>> {
+        self.profile.then(|| self.times.clone())
+    }
+
+    fn memory(&self) -> MemoryStats {
+        MemoryStats {
+            weights: self.weight_bytes,
+            peak_activations: self.peak_bytes,
+            peak: self.weight_bytes + self.peak_bytes,
+        }
+    }
+
+    fn replay(&self) -> Result<String, String> {
+        Err(
+            "the CPU backend runs every pass itself, synchronously, on a persistent thread pool \
+             with buffers recycled from the first pass: there are no launches to record"
+                .into(),
+        )
+    }
+
+    fn kernel_version(&self) -> String {
+        let tiles = match &self.split {
+            Some(s) => format!(
+                ", batch tiles of {}",
+                s.describe(self.plan.batch(), |id| self.names[id].clone())
+            ),
+            None => String::new(),
+        };
+        format!(
+            "workshop-cpu {} (sgemm {}, {}{tiles})",
+            env!("CARGO_PKG_VERSION"),
+            sgemm::kernel_name(),
+            T::PRECISION
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::zoo;
+
+    /// A pass whose first layers run a tile of images at a time gives the whole batch's
+    /// outputs bit for bit: each image's values are its own, whatever else is in the call.
+    /// Cuts after a downsampling block and after the stem's pooling, tiles of 1, 2 and 3
+    /// images (the last part of 5 is 1 or 2), three nested levels, FP32 and BF16.
+    #[test]
+    fn batch_tiles_change_nothing() {
+        fn check<T: Elem>(graph: &crate::model::Graph, weights: &Weights) {
+            let plan = graph.plan(5, 32, 32).unwrap();
+            let input = Tensor::new(
+                plan.input_shape().to_vec(),
+                (0..plan.input_shape().iter().product::<usize>())
+                    .map(|i| ((i * 7919) % 997) as f32 / 997.0 - 0.5)
+                    .collect(),
+            );
+            let pool = worker_pool(2, Vec::new()).unwrap();
+            let mut session = CpuSession::<T>::new(
+                &plan,
+                weights,
+                pool,
+                2,
+                false,
+                &Default::default(),
+                &mut Donor::default(),
+            )
+            .unwrap();
+            session.split = None;
+            session.run(&input).unwrap();
+            let whole = session.read_output().unwrap();
+            let cases: [&[(&str, usize)]; 4] = [
+                &[("layer2.1.relu", 2)],
+                &[("maxpool", 1)],
+                &[("layer2.1.relu", 3)],
+                &[
+                    ("layer1.0.relu", 1),
+                    ("layer1.1.relu", 2),
+                    ("layer2.1.relu", 4),
+                ],
+            ];
+            for asked in cases {
+                session.split = Some(batch_tiles::at(&plan, asked).unwrap());
+                for _ in 0..2 {
+                    session.run(&input).unwrap();
+                    let tiled = session.read_output().unwrap();
+                    assert_eq!(tiled.shape, whole.shape);
+                    let same = (tiled.data.iter().zip(&whole.data))
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{} in tiles {asked:?}", T::PRECISION);
+                }
+            }
+            let refused = |asked: &[(&str, usize)]| batch_tiles::at(&plan, asked).is_err();
+            assert!(
+                refused(&[("layer2.1.conv1", 2)]),
+                "the block's input is live"
+            );
+            assert!(
+                refused(&[("layer2.1.relu", 2), ("layer1.1.relu", 4)]),
+                "out of order"
+            );
+            assert!(
+                refused(&[("layer1.1.relu", 2), ("layer2.1.relu", 2)]),
+                "tiles not growing"
+            );
+        }
+        let graph = zoo::build("resnet18").unwrap();
+        let weights = Weights::init(&graph, 3);
+        check::<f32>(&graph, &weights);
+        check::<bf16>(&graph, &weights);
+    }
+}
