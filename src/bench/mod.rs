@@ -5,8 +5,8 @@
 
 pub mod autotune;
 pub mod compare;
-pub mod flops;
 pub mod data_parallel;
+pub mod flops;
 pub mod peak;
 pub mod profile;
 pub mod record;

@@ -6,8 +6,8 @@ use std::path::Path;
 
 use crate::backend::Theoretical;
 use crate::bench::compare::Comparison;
-use crate::bench::flops::FlopsProfile;
 use crate::bench::data_parallel::MultiRecord;
+use crate::bench::flops::FlopsProfile;
 use crate::bench::peak::{Bandwidth, GemmPeak};
 use crate::bench::record::{BenchConfig, BenchRecord};
 use crate::course::state::ResultTable;

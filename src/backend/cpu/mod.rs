@@ -22,16 +22,16 @@
 //! test or time them.
 
 pub mod amx;
+pub mod batch_tiles;
+pub mod bf16_gemm;
 mod calibration;
 pub mod ceiling;
 mod device;
 pub mod elem;
 pub mod kernels;
-pub mod bf16_gemm;
 mod session;
 pub mod sgemm;
 pub mod simd;
-pub mod batch_tiles;
 pub mod winograd;
 
 use std::sync::Arc;
@@ -240,7 +240,11 @@ fn batch_split(plan: &Plan, elem: usize) -> Result<Option<batch_tiles::Split>, B
                 .map(Some)
                 .map_err(|why| BackendError::Invalid(format!("{}: {why}", settings::CPU_SPLIT)))
         }
-        SplitChoice::Auto => Ok(batch_tiles::plan(plan, elem, batch_tiles::last_level_cache())),
+        SplitChoice::Auto => Ok(batch_tiles::plan(
+            plan,
+            elem,
+            batch_tiles::last_level_cache(),
+        )),
     }
 }
 

@@ -324,7 +324,8 @@ pub fn kernel_name() -> String {
         Simd::Avx2Fma => "avx2-fma",
         Simd::Portable => "portable",
     };
-    let pairs = super::bf16_gemm::Engine::in_use().map_or(String::new(), |e| format!(", {}", e.name()));
+    let pairs =
+        super::bf16_gemm::Engine::in_use().map_or(String::new(), |e| format!(", {}", e.name()));
     let kern = kernels();
     format!("{path} {}x{}{pairs}", kern.rows, kern.panels * NR)
 }

@@ -8,8 +8,8 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::*;
-use crate::backend::cpu::elem::Elem;
 use crate::backend::cpu::bf16_gemm::{self, PackedPairs};
+use crate::backend::cpu::elem::Elem;
 use crate::backend::cpu::sgemm::{self, NR, PackedB};
 use crate::model::op::{Act, Conv2d};
 
