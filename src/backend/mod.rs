@@ -43,6 +43,36 @@ impl BackendKind {
     }
 }
 
+/// What the layers above ask of a kind of backend, instead of asking which one it is.
+impl BackendKind {
+    /// The device is this machine's own CPU: one device whose cores multi-device runs split
+    /// into groups, timed with the host's clock, its features listed on the CPU's line.
+    pub fn is_host(self) -> bool {
+        matches!(self, BackendKind::Cpu)
+    }
+
+    /// A pass is enqueued and then waited for (a GPU queue), so the host's time to enqueue it
+    /// is a figure of its own; on the host a pass runs to its end before `run` returns.
+    pub fn is_asynchronous(self) -> bool {
+        !self.is_host()
+    }
+
+    /// Kernel times come from the device's timestamps rather than the host's clock.
+    pub fn times_on_device(self) -> bool {
+        !self.is_host()
+    }
+
+    /// The name and version of the GEMM kernels `workshop peak` times, where they can differ
+    /// between runs of the same device (the CPU's SIMD paths); empty where the device names
+    /// them itself.
+    pub fn gemm_kernels(self) -> String {
+        match self {
+            BackendKind::Cpu => cpu::sgemm::kernel_name(),
+            _ => String::new(),
+        }
+    }
+}
+
 impl std::fmt::Display for BackendKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())

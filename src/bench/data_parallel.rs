@@ -36,7 +36,7 @@ pub struct DeviceSpec {
 pub fn parse_devices(list: &str, kind: BackendKind) -> Result<Vec<DeviceSpec>> {
     let list = list.trim();
     if list == "all" {
-        if kind == BackendKind::Cpu {
+        if kind.is_host() {
             bail!(
                 "the CPU backend is one device: split its cores with `--cpu-groups N` or `--devices cpu:0-0,cpu:1-1`"
             );
@@ -53,7 +53,7 @@ pub fn parse_devices(list: &str, kind: BackendKind) -> Result<Vec<DeviceSpec>> {
     let mut out: Vec<DeviceSpec> = Vec::new();
     for item in list.split(',').map(str::trim) {
         if let Some(range) = item.strip_prefix("cpu:") {
-            if kind != BackendKind::Cpu {
+            if !kind.is_host() {
                 bail!("`{item}` names CPU cores, but the backend is {kind}");
             }
             let (a, b) = range.split_once('-').unwrap_or((range, range));
@@ -86,7 +86,7 @@ pub fn parse_devices(list: &str, kind: BackendKind) -> Result<Vec<DeviceSpec>> {
             let device = item.parse::<usize>().with_context(|| {
                 format!("`{item}` is not a device index (expected `all`, `0,1` or `cpu:0-3`)")
             })?;
-            if kind == BackendKind::Cpu {
+            if kind.is_host() {
                 bail!(
                     "the CPU backend is one device: name groups of cores instead (`--devices cpu:0-0,cpu:1-1` or `--cpu-groups 2`)"
                 );
@@ -411,8 +411,8 @@ impl Rank {
     /// This rank's device: the GPU of its local rank, or on the CPU backend its share of the
     /// cores when several ranks share the machine.
     pub fn device(&self, kind: BackendKind) -> Result<DeviceSpec> {
-        match (kind, self.local_world_size) {
-            (BackendKind::Cpu, Some(n)) if n > 1 => cpu_groups(n)?
+        match (kind.is_host(), self.local_world_size) {
+            (true, Some(n)) if n > 1 => cpu_groups(n)?
                 .into_iter()
                 .nth(self.local_rank)
                 .with_context(|| {
@@ -421,7 +421,7 @@ impl Rank {
                         self.local_rank
                     )
                 }),
-            (BackendKind::Cpu, _) => Ok(DeviceSpec {
+            (true, _) => Ok(DeviceSpec {
                 label: "cpu".into(),
                 device: 0,
                 cores: None,

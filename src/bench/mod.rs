@@ -16,7 +16,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 
-use crate::backend::{self, BackendKind, DeviceInfo, Session};
+use crate::backend::{self, DeviceInfo, Session};
 use crate::model::{Graph, Op, Plan, Rng, Tensor, Weights, reference, zoo};
 use record::{
     BenchConfig, BenchRecord, CompileInfo, CompileMode, Environment, ModelInfo, SCHEMA_VERSION,
@@ -94,8 +94,7 @@ pub fn prepare(cfg: &BenchConfig, weights_file: Option<&std::path::Path>) -> Res
     };
     // Only the CPU's eager sessions take over the calibration's packed weights; free it now
     // for any other run.
-    let calibration =
-        calibration.filter(|_| cfg.backend == BackendKind::Cpu && cfg.compile.is_none());
+    let calibration = calibration.filter(|_| cfg.backend.is_host() && cfg.compile.is_none());
     // Asked once here: enumerating devices can be slow (wgpu lists every adapter). A missing
     // device is reported by the backend's own `prepare`, which says what there is.
     let device = backend.devices().into_iter().nth(cfg.device);
@@ -470,7 +469,7 @@ mod tests {
         let graph = zoo::build("resnet18").unwrap();
         // Below 128 px calibration takes CALIBRATION_BATCH (4) images.
         let size = 32;
-        let cpu = backend::open(BackendKind::Cpu).unwrap();
+        let cpu = backend::open(backend::BackendKind::Cpu).unwrap();
         let fp16 = ExecOptions {
             precision: Precision::Fp16,
             ..Default::default()

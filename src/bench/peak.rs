@@ -98,7 +98,7 @@ pub fn gemm_on(
         threads,
         // On a GPU the GEMM is timed on the device (its kernels' timestamps): the input's
         // upload and the output's download would otherwise dwarf it.
-        profile: kind != BackendKind::Cpu,
+        profile: kind.times_on_device(),
         ..Default::default()
     };
     let mut session = b.prepare(device, &plan, &weights, &opt)?;
@@ -321,10 +321,7 @@ pub fn cached(
 
 /// [`CachedPeak::kernels`] for a measurement made now.
 fn kernels_of(backend: BackendKind) -> String {
-    match backend {
-        BackendKind::Cpu => crate::backend::cpu::sgemm::kernel_name(),
-        _ => String::new(),
-    }
+    backend.gemm_kernels()
 }
 
 /// Keep a validated measurement (replacing the device's earlier one of the same size); a

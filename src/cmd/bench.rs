@@ -89,7 +89,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     let devices = match (&args.devices, args.cpu_groups) {
         (Some(list), _) => Some(bench::data_parallel::parse_devices(list, cfg.backend)?),
         (None, Some(n)) => {
-            if cfg.backend != backend::BackendKind::Cpu {
+            if !cfg.backend.is_host() {
                 bail!(
                     "--cpu-groups splits the CPU backend's cores; on {} use --devices",
                     cfg.backend

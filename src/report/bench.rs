@@ -110,7 +110,7 @@ pub fn summary(r: &BenchRecord) -> String {
 /// The host's time to enqueue one pass, on backends that run asynchronously: what launch
 /// overhead and `--compile reduce-overhead` are about.
 fn enqueue_line(r: &BenchRecord) -> String {
-    if r.config.backend == crate::backend::BackendKind::Cpu || r.enqueue_s.is_empty() {
+    if !r.config.backend.is_asynchronous() || r.enqueue_s.is_empty() {
         return String::new();
     }
     let mut v = r.enqueue_s.clone();

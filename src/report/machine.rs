@@ -48,7 +48,7 @@ pub fn doctor(d: &doctor::Report) -> String {
                     .unwrap_or_default()
             ));
             // CPU features are on the CPU line already; GPU adapters list theirs here.
-            if b.backend != crate::backend::BackendKind::Cpu && !dev.features.is_empty() {
+            if !b.backend.is_host() && !dev.features.is_empty() {
                 s.push_str(&format!("            {}\n", dev.features.join(" ")));
             }
         }
@@ -74,10 +74,10 @@ pub fn peak(
         g.gflops,
         g.median_s * 1e3,
         g.best_gflops,
-        if g.backend == crate::backend::BackendKind::Cpu {
-            ""
-        } else {
+        if g.backend.times_on_device() {
             ", kernel time on the device"
+        } else {
+            ""
         }
     );
     match bw {

@@ -27,10 +27,10 @@ pub fn profile(
         }
         t.to_string()
     };
-    let clock = if backend == crate::backend::BackendKind::Cpu {
-        "CPU timers"
-    } else {
+    let clock = if backend.times_on_device() {
         "GPU timestamps"
+    } else {
+        "CPU timers"
     };
     let meaning = if p.cpu_overhead < 1.1 {
         "the device was busy nearly all the time: the kernels are what to speed up"

@@ -395,275 +395,34 @@ pub fn build(
         }
     };
     for (id, node) in plan.graph.nodes.iter().enumerate() {
-        let op = node.op.kind_name();
+        if renames(id) {
+            continue;
+        }
         let total = numel(&plan.shapes[id]);
-        let total_i = i32_of(total, &format!("`{}`'s size", node.name))?;
-        let get = |suffix: &str| -> Result<&[f32], BackendError> {
-            let name = format!("{}.{}", node.name, suffix);
-            weights
-                .get(&name)
-                .map(|t| t.data.as_slice())
-                .ok_or_else(|| BackendError::Invalid(format!("weights have no tensor `{name}`")))
-        };
         let (n, c, h, w) = dims4(id);
         let (_, xc, xh, xw) = node.inputs.first().map_or((0, 0, 0, 0), |&i| dims4(i));
-        let x = node
-            .inputs
-            .first()
-            .and_then(|&i| b.of.get(i))
-            .map_or(Arg::Null, |&buf| Arg::Buf(buf));
-        if !renames(id) {
-            let y = b.of[id];
-            let grid = grid_1d(total)?;
-            let conv_like = match &node.op {
-                Op::Conv2d(conv) => Some((*conv, get("weight")?, conv.bias)),
-                Op::Linear {
-                    in_features,
-                    out_features,
-                    bias,
-                } => Some((
-                    Conv2d {
-                        bias: *bias,
-                        ..Conv2d::new(*in_features, *out_features, 1, 1, 0)
-                    },
-                    get("weight")?,
-                    *bias,
-                )),
-                _ => None,
-            };
-            match (&node.op, conv_like) {
-                (_, Some((conv, wt, has_bias))) => {
-                    let bias = if has_bias {
-                        Some(b.f32s(get("bias")?))
-                    } else {
-                        None
-                    };
-                    let res = if conv.residual {
-                        Arg::Buf(b.of[node.inputs[1]])
-                    } else {
-                        Arg::Null
-                    };
-                    let bias_arg = bias.map_or(Arg::Null, Arg::Buf);
-                    let dense = conv.groups == 1;
-                    let vendor = family == KernelFamily::Vendor && dense;
-                    if vendor {
-                        let wbuf = b.weights(wt);
-                        let pixels = h * w;
-                        let kk = xc * conv.kernel.0 * conv.kernel.1;
-                        let direct = conv.kernel == (1, 1)
-                            && conv.stride == (1, 1)
-                            && conv.padding == (0, 0);
-                        let cols = if direct {
-                            match x {
-                                Arg::Buf(buf) => buf,
-                                _ => unreachable!("a convolution always has an input"),
-                            }
-                        } else {
-                            let bytes = ((n * kk * pixels) as u64 * esize).next_multiple_of(8);
-                            let s =
-                                *scratch.get_or_insert_with(|| b.buffer(bytes, Contents::Empty));
-                            // Sized for the largest user.
-                            b.buffers[s].bytes = b.buffers[s].bytes.max(bytes);
-                            let args = vec![
-                                x,
-                                Arg::Buf(s),
-                                Arg::I32(n as i32),
-                                Arg::I32(xc as i32),
-                                Arg::I32(xh as i32),
-                                Arg::I32(xw as i32),
-                                Arg::I32(h as i32),
-                                Arg::I32(w as i32),
-                            ];
-                            let args = [args, window(&conv)].concat();
-                            i32_of(n * kk * pixels, &format!("`{}`'s im2col", node.name))?;
-                            b.launch(&node.name, op, "im2col", grid_1d(n * kk * pixels)?, args);
-                            s
-                        };
-                        let gemm = if matches!(node.op, Op::Linear { .. }) {
-                            // Y (n × out) = X (n × in) · Wᵀ, W stored out × in.
-                            Gemm {
-                                m: n,
-                                n: c,
-                                k: xc,
-                                a: cols,
-                                b: wbuf,
-                                c: y,
-                                trans_b: true,
-                                batch: 1,
-                                stride_a: 0,
-                                stride_b: 0,
-                                stride_c: 0,
-                            }
-                        } else {
-                            // Per image: Y (cout × pixels) = W (cout × cin·kh·kw) · columns.
-                            Gemm {
-                                m: c,
-                                n: pixels,
-                                k: kk,
-                                a: wbuf,
-                                b: cols,
-                                c: y,
-                                trans_b: false,
-                                batch: n,
-                                stride_a: 0,
-                                stride_b: kk * pixels,
-                                stride_c: c * pixels,
-                            }
-                        };
-                        b.steps.push(Step {
-                            node: node.name.clone(),
-                            op,
-                            work: Work::Gemm(gemm),
-                        });
-                        if has_bias || conv.residual || conv.act != Act::None {
-                            let args = vec![
-                                bias_arg,
-                                res,
-                                Arg::Buf(y),
-                                Arg::I32(total_i),
-                                Arg::I32(c as i32),
-                                Arg::I32((h * w) as i32),
-                                Arg::I32(act_code(conv.act)),
-                                Arg::I32(has_bias as i32),
-                                Arg::I32(conv.residual as i32),
-                            ];
-                            b.launch(&node.name, op, "epilogue", grid, args);
-                        }
-                    } else {
-                        let reduction = xc / conv.groups * conv.kernel.0 * conv.kernel.1;
-                        let shape = if conv.kernel != (1, 1)
-                            || conv.stride != (1, 1)
-                            || conv.padding != (0, 0)
-                        {
-                            ConvShape::General
-                        } else if h * w == 1 {
-                            ConvShape::Linear
-                        } else {
-                            ConvShape::Pointwise
-                        };
-                        let (kernel, g) =
-                            conv_kernel(n * h * w, c, conv.groups, reduction, shape, mma)?;
-                        // The tiled kernels gather a window position's 32 channels at a time
-                        // when the reduction runs (ky, kx, ci): weights reordered to match.
-                        let cin_g = xc / conv.groups;
-                        let kc = shape == ConvShape::General
-                            && kernel != "conv2d"
-                            && cin_g.is_multiple_of(32);
-                        let wbuf = if kc {
-                            b.weights(&window_major(wt, cin_g, conv.kernel.0 * conv.kernel.1))
-                        } else {
-                            b.weights(wt)
-                        };
-                        let args = vec![
-                            x,
-                            Arg::Buf(wbuf),
-                            bias_arg,
-                            res,
-                            Arg::Buf(y),
-                            Arg::I32(n as i32),
-                            Arg::I32(xc as i32),
-                            Arg::I32(xh as i32),
-                            Arg::I32(xw as i32),
-                            Arg::I32(c as i32),
-                            Arg::I32(h as i32),
-                            Arg::I32(w as i32),
-                        ];
-                        let args = [
-                            args,
-                            window(&conv),
-                            vec![
-                                Arg::I32(conv.groups as i32),
-                                Arg::I32(act_code(conv.act)),
-                                Arg::I32(has_bias as i32),
-                                Arg::I32(conv.residual as i32),
-                                Arg::I32(kc as i32),
-                            ],
-                        ]
-                        .concat();
-                        b.launch(&node.name, op, kernel, g, args);
-                    }
-                }
-                (Op::Input { .. }, _) => {
-                    let args = vec![Arg::Buf(input), Arg::Buf(y), Arg::I32(total_i)];
-                    b.launch(&node.name, op, "to_elem", grid, args);
-                }
-                (Op::BatchNorm { eps, .. }, _) => {
-                    let (g, beta, m, v) = (
-                        get("weight")?,
-                        get("bias")?,
-                        get("running_mean")?,
-                        get("running_var")?,
-                    );
-                    let (scale, shift) = batch_norm_affine(g, beta, m, v, *eps);
-                    let (scale, shift) = (b.f32s(&scale), b.f32s(&shift));
-                    let args = vec![
-                        x,
-                        Arg::Buf(scale),
-                        Arg::Buf(shift),
-                        Arg::Buf(y),
-                        Arg::I32(total_i),
-                        Arg::I32(c as i32),
-                        Arg::I32((h * w) as i32),
-                    ];
-                    b.launch(&node.name, op, "affine", grid, args);
-                }
-                (Op::Relu | Op::Relu6, _) => {
-                    let hi = if matches!(node.op, Op::Relu6) {
-                        6.0
-                    } else {
-                        f32::MAX
-                    };
-                    let args = vec![
-                        x,
-                        Arg::Buf(y),
-                        Arg::I32(total_i),
-                        Arg::F32(0.0),
-                        Arg::F32(hi),
-                    ];
-                    b.launch(&node.name, op, "clamp", grid, args);
-                }
-                (Op::Add, _) => {
-                    let z = Arg::Buf(b.of[node.inputs[1]]);
-                    b.launch(
-                        &node.name,
-                        op,
-                        "add",
-                        grid,
-                        vec![x, z, Arg::Buf(y), Arg::I32(total_i)],
-                    );
-                }
-                (Op::MaxPool(p) | Op::AvgPool(p), _) => {
-                    let kernel = if matches!(node.op, Op::MaxPool(_)) {
-                        "max_pool"
-                    } else {
-                        "avg_pool"
-                    };
-                    let args = pool_args(
-                        x,
-                        y,
-                        (n * c, xh, xw, h, w),
-                        p.kernel,
-                        p.stride,
-                        p.padding,
-                        p.count_include_pad,
-                    );
-                    b.launch(&node.name, op, kernel, grid, args);
-                }
-                (Op::AdaptiveAvgPool { .. }, _) => {
-                    let args =
-                        pool_args(x, y, (n * c, xh, xw, h, w), (1, 1), (1, 1), (0, 0), false);
-                    b.launch(&node.name, op, "adaptive_avg_pool", grid, args);
-                }
-                (Op::Softmax, _) => {
-                    let cols = *plan.shapes[id].last().unwrap_or(&1);
-                    let rows = total / cols.max(1);
-                    let args = vec![x, Arg::Buf(y), Arg::I32(rows as i32), Arg::I32(cols as i32)];
-                    b.launch(&node.name, op, "softmax", grid_1d(rows)?, args);
-                }
-                (Op::Conv2d(_) | Op::Linear { .. } | Op::Dropout { .. } | Op::Flatten, None) => {
-                    unreachable!("handled above")
-                }
+        let at = NodeCtx {
+            node,
+            op: node.op.kind_name(),
+            shape: &plan.shapes[id],
+            out: (n, c, h, w),
+            total,
+            total_i: i32_of(total, &format!("`{}`'s size", node.name))?,
+            input: (xc, xh, xw),
+            x: node
+                .inputs
+                .first()
+                .map_or(Arg::Null, |&i| Arg::Buf(b.of[i])),
+            y: b.of[id],
+            grid: grid_1d(total)?,
+            weights,
+        };
+        match conv_like(&at)? {
+            Some((conv, wt)) if family == KernelFamily::Vendor && conv.groups == 1 => {
+                vendor_conv(&mut b, &at, &conv, wt, &mut scratch)?
             }
+            Some((conv, wt)) => native_conv(&mut b, &at, &conv, wt, mma)?,
+            None => other_op(&mut b, &at, input)?,
         }
     }
     let out_total = numel(&output_shape);
@@ -685,6 +444,337 @@ pub fn build(
         output_shape,
         precision,
     })
+}
+
+/// What lowering one node knows: the node, its output (NCHW dims, elements, buffer, a 1-D
+/// grid over it), its first input (channels, height, width, buffer) and the weights.
+struct NodeCtx<'a> {
+    node: &'a crate::model::graph::Node,
+    op: &'static str,
+    /// The output's logical shape, and as NCHW (features are (n, f, 1, 1)).
+    shape: &'a [usize],
+    out: (usize, usize, usize, usize),
+    total: usize,
+    total_i: i32,
+    input: (usize, usize, usize),
+    x: Arg,
+    y: BufId,
+    grid: [u32; 3],
+    weights: &'a Weights,
+}
+
+impl<'a> NodeCtx<'a> {
+    /// The node's parameter `suffix` (`weight`, `bias`, ...).
+    fn get(&self, suffix: &str) -> Result<&'a [f32], BackendError> {
+        let name = format!("{}.{}", self.node.name, suffix);
+        (self.weights.get(&name))
+            .map(|t| t.data.as_slice())
+            .ok_or_else(|| BackendError::Invalid(format!("weights have no tensor `{name}`")))
+    }
+
+    /// The bias (or null) and residual (or null) arguments of a convolution's epilogue.
+    fn bias_and_residual(
+        &self,
+        b: &mut Builder,
+        conv: &Conv2d,
+    ) -> Result<(Arg, Arg), BackendError> {
+        let bias = if conv.bias {
+            Arg::Buf(b.f32s(self.get("bias")?))
+        } else {
+            Arg::Null
+        };
+        let res = if conv.residual {
+            Arg::Buf(b.of[self.node.inputs[1]])
+        } else {
+            Arg::Null
+        };
+        Ok((bias, res))
+    }
+}
+
+/// A convolution, or a linear layer as the 1×1 convolution it is, with its weight.
+fn conv_like<'a>(at: &NodeCtx<'a>) -> Result<Option<(Conv2d, &'a [f32])>, BackendError> {
+    Ok(match &at.node.op {
+        Op::Conv2d(conv) => Some((*conv, at.get("weight")?)),
+        Op::Linear {
+            in_features,
+            out_features,
+            bias,
+        } => Some((
+            Conv2d {
+                bias: *bias,
+                ..Conv2d::new(*in_features, *out_features, 1, 1, 0)
+            },
+            at.get("weight")?,
+        )),
+        _ => None,
+    })
+}
+
+/// A dense convolution or linear layer as a library GEMM (after an im2col for k×k
+/// convolutions, into the shared `scratch`), then an epilogue kernel for bias, activation and
+/// residual.
+fn vendor_conv(
+    b: &mut Builder,
+    at: &NodeCtx<'_>,
+    conv: &Conv2d,
+    wt: &[f32],
+    scratch: &mut Option<BufId>,
+) -> Result<(), BackendError> {
+    let NodeCtx {
+        node,
+        op,
+        x,
+        y,
+        grid,
+        total_i,
+        ..
+    } = *at;
+    let ((n, c, h, w), (xc, xh, xw)) = (at.out, at.input);
+    let conv = *conv;
+    let has_bias = conv.bias;
+    let esize = b.precision.bytes() as u64;
+    let (bias_arg, res) = at.bias_and_residual(b, &conv)?;
+    let wbuf = b.weights(wt);
+    let pixels = h * w;
+    let kk = xc * conv.kernel.0 * conv.kernel.1;
+    let direct = conv.kernel == (1, 1) && conv.stride == (1, 1) && conv.padding == (0, 0);
+    let cols = if direct {
+        match x {
+            Arg::Buf(buf) => buf,
+            _ => unreachable!("a convolution always has an input"),
+        }
+    } else {
+        let bytes = ((n * kk * pixels) as u64 * esize).next_multiple_of(8);
+        let s = *scratch.get_or_insert_with(|| b.buffer(bytes, Contents::Empty));
+        // Sized for the largest user.
+        b.buffers[s].bytes = b.buffers[s].bytes.max(bytes);
+        let args = vec![
+            x,
+            Arg::Buf(s),
+            Arg::I32(n as i32),
+            Arg::I32(xc as i32),
+            Arg::I32(xh as i32),
+            Arg::I32(xw as i32),
+            Arg::I32(h as i32),
+            Arg::I32(w as i32),
+        ];
+        let args = [args, window(&conv)].concat();
+        i32_of(n * kk * pixels, &format!("`{}`'s im2col", node.name))?;
+        b.launch(&node.name, op, "im2col", grid_1d(n * kk * pixels)?, args);
+        s
+    };
+    let gemm = if matches!(node.op, Op::Linear { .. }) {
+        // Y (n × out) = X (n × in) · Wᵀ, W stored out × in.
+        Gemm {
+            m: n,
+            n: c,
+            k: xc,
+            a: cols,
+            b: wbuf,
+            c: y,
+            trans_b: true,
+            batch: 1,
+            stride_a: 0,
+            stride_b: 0,
+            stride_c: 0,
+        }
+    } else {
+        // Per image: Y (cout × pixels) = W (cout × cin·kh·kw) · columns.
+        Gemm {
+            m: c,
+            n: pixels,
+            k: kk,
+            a: wbuf,
+            b: cols,
+            c: y,
+            trans_b: false,
+            batch: n,
+            stride_a: 0,
+            stride_b: kk * pixels,
+            stride_c: c * pixels,
+        }
+    };
+    b.steps.push(Step {
+        node: node.name.clone(),
+        op,
+        work: Work::Gemm(gemm),
+    });
+    if has_bias || conv.residual || conv.act != Act::None {
+        let args = vec![
+            bias_arg,
+            res,
+            Arg::Buf(y),
+            Arg::I32(total_i),
+            Arg::I32(c as i32),
+            Arg::I32((h * w) as i32),
+            Arg::I32(act_code(conv.act)),
+            Arg::I32(has_bias as i32),
+            Arg::I32(conv.residual as i32),
+        ];
+        b.launch(&node.name, op, "epilogue", grid, args);
+    }
+    Ok(())
+}
+
+/// A convolution or linear layer on our kernels: the tiled implicit GEMM (tensor cores where
+/// `mma`), or the direct kernel for grouped and small layers.
+fn native_conv(
+    b: &mut Builder,
+    at: &NodeCtx<'_>,
+    conv: &Conv2d,
+    wt: &[f32],
+    mma: bool,
+) -> Result<(), BackendError> {
+    let NodeCtx { node, op, x, y, .. } = *at;
+    let ((n, c, h, w), (xc, xh, xw)) = (at.out, at.input);
+    let conv = *conv;
+    let has_bias = conv.bias;
+    let (bias_arg, res) = at.bias_and_residual(b, &conv)?;
+    let reduction = xc / conv.groups * conv.kernel.0 * conv.kernel.1;
+    let shape = if conv.kernel != (1, 1) || conv.stride != (1, 1) || conv.padding != (0, 0) {
+        ConvShape::General
+    } else if h * w == 1 {
+        ConvShape::Linear
+    } else {
+        ConvShape::Pointwise
+    };
+    let (kernel, g) = conv_kernel(n * h * w, c, conv.groups, reduction, shape, mma)?;
+    // The tiled kernels gather a window position's 32 channels at a time
+    // when the reduction runs (ky, kx, ci): weights reordered to match.
+    let cin_g = xc / conv.groups;
+    let kc = shape == ConvShape::General && kernel != "conv2d" && cin_g.is_multiple_of(32);
+    let wbuf = if kc {
+        b.weights(&window_major(wt, cin_g, conv.kernel.0 * conv.kernel.1))
+    } else {
+        b.weights(wt)
+    };
+    let args = vec![
+        x,
+        Arg::Buf(wbuf),
+        bias_arg,
+        res,
+        Arg::Buf(y),
+        Arg::I32(n as i32),
+        Arg::I32(xc as i32),
+        Arg::I32(xh as i32),
+        Arg::I32(xw as i32),
+        Arg::I32(c as i32),
+        Arg::I32(h as i32),
+        Arg::I32(w as i32),
+    ];
+    let args = [
+        args,
+        window(&conv),
+        vec![
+            Arg::I32(conv.groups as i32),
+            Arg::I32(act_code(conv.act)),
+            Arg::I32(has_bias as i32),
+            Arg::I32(conv.residual as i32),
+            Arg::I32(kc as i32),
+        ],
+    ]
+    .concat();
+    b.launch(&node.name, op, kernel, g, args);
+    Ok(())
+}
+
+/// Every other op: one launch of its kernel.
+fn other_op(b: &mut Builder, at: &NodeCtx<'_>, input: BufId) -> Result<(), BackendError> {
+    let NodeCtx {
+        node,
+        op,
+        x,
+        y,
+        grid,
+        total,
+        total_i,
+        ..
+    } = *at;
+    let ((n, c, h, w), (_, xh, xw)) = (at.out, at.input);
+    let get = |suffix: &str| at.get(suffix);
+    match &node.op {
+        Op::Input { .. } => {
+            let args = vec![Arg::Buf(input), Arg::Buf(y), Arg::I32(total_i)];
+            b.launch(&node.name, op, "to_elem", grid, args);
+        }
+        Op::BatchNorm { eps, .. } => {
+            let (g, beta, m, v) = (
+                get("weight")?,
+                get("bias")?,
+                get("running_mean")?,
+                get("running_var")?,
+            );
+            let (scale, shift) = batch_norm_affine(g, beta, m, v, *eps);
+            let (scale, shift) = (b.f32s(&scale), b.f32s(&shift));
+            let args = vec![
+                x,
+                Arg::Buf(scale),
+                Arg::Buf(shift),
+                Arg::Buf(y),
+                Arg::I32(total_i),
+                Arg::I32(c as i32),
+                Arg::I32((h * w) as i32),
+            ];
+            b.launch(&node.name, op, "affine", grid, args);
+        }
+        Op::Relu | Op::Relu6 => {
+            let hi = if matches!(node.op, Op::Relu6) {
+                6.0
+            } else {
+                f32::MAX
+            };
+            let args = vec![
+                x,
+                Arg::Buf(y),
+                Arg::I32(total_i),
+                Arg::F32(0.0),
+                Arg::F32(hi),
+            ];
+            b.launch(&node.name, op, "clamp", grid, args);
+        }
+        Op::Add => {
+            let z = Arg::Buf(b.of[node.inputs[1]]);
+            b.launch(
+                &node.name,
+                op,
+                "add",
+                grid,
+                vec![x, z, Arg::Buf(y), Arg::I32(total_i)],
+            );
+        }
+        Op::MaxPool(p) | Op::AvgPool(p) => {
+            let kernel = if matches!(node.op, Op::MaxPool(_)) {
+                "max_pool"
+            } else {
+                "avg_pool"
+            };
+            let args = pool_args(
+                x,
+                y,
+                (n * c, xh, xw, h, w),
+                p.kernel,
+                p.stride,
+                p.padding,
+                p.count_include_pad,
+            );
+            b.launch(&node.name, op, kernel, grid, args);
+        }
+        Op::AdaptiveAvgPool { .. } => {
+            let args = pool_args(x, y, (n * c, xh, xw, h, w), (1, 1), (1, 1), (0, 0), false);
+            b.launch(&node.name, op, "adaptive_avg_pool", grid, args);
+        }
+        Op::Softmax => {
+            let cols = *at.shape.last().unwrap_or(&1);
+            let rows = total / cols.max(1);
+            let args = vec![x, Arg::Buf(y), Arg::I32(rows as i32), Arg::I32(cols as i32)];
+            b.launch(&node.name, op, "softmax", grid_1d(rows)?, args);
+        }
+        Op::Conv2d(_) | Op::Linear { .. } | Op::Dropout { .. } | Op::Flatten => {
+            unreachable!("lowered by conv_like or renamed")
+        }
+    }
+    Ok(())
 }
 
 /// A convolution's window fields, in the order the kernels' structs declare them:
