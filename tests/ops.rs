@@ -352,6 +352,20 @@ fn flatten_linear_softmax(kind: BackendKind) {
 }
 backend_test!(flatten_linear_softmax, cpu, wgpu, cuda, hip);
 
+/// Sigmoid on images and on features, in place after a convolution and on a value another
+/// node reads again (the CPU must copy it then), with inputs large enough to saturate it.
+fn sigmoid(kind: BackendKind) {
+    let mut g = GraphBuilder::new("gate", 3, ConvInit::TorchDefault, LinearInit::TorchDefault);
+    let x = g.input();
+    let a = g.conv("conv", x, Conv2d::new(3, 6, 3, 1, 1));
+    let s = g.sigmoid("gate", a);
+    let y = g.add("add", s, a);
+    let y = g.flatten("flatten", y);
+    let y = g.sigmoid("out", y);
+    check(kind, &g.finish(y), [2, 3, 7, 5], 4.0);
+}
+backend_test!(sigmoid, cpu, wgpu, cuda, hip);
+
 /// A linear layer whose FP32 weights (9216 × 4160, 146 MiB) exceed the 128 MiB a storage
 /// binding may hold on many adapters, like AlexNet's and VGG's first classifier layers: the GPU
 /// backends cut it into slices of output channels.

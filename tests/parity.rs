@@ -137,6 +137,7 @@ fn layers_match_pytorch(kind: BackendKind) {
         ("avg_pool_3_s2_p1", Op::AvgPool(Pool::new(3, 2, 1))),
         ("avg_pool_ceil", Op::AvgPool(ceil)),
         ("adaptive_avg_pool_3x2", Op::AdaptiveAvgPool { out: (3, 2) }),
+        ("sigmoid", Op::Sigmoid),
     ];
     for (name, op) in cases {
         let x = read_tensor(&file, &format!("{name}.input")).unwrap();

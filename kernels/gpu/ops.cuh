@@ -540,6 +540,19 @@ KERNEL(clamp, ClampArgs) {
     a.y[i] = st(v < a.lo ? a.lo : (v > a.hi ? a.hi : v));
 }
 
+struct SigmoidArgs {
+    const elem* x;  // (total)
+    elem* y;        // (total)
+    int total;
+};
+
+// 1 / (1 + e^-x), in f32.
+KERNEL(sigmoid, SigmoidArgs) {
+    long long i = linear_index();
+    if (i >= a.total) return;
+    a.y[i] = st(1.0f / (1.0f + expf(-ld(a.x[i]))));
+}
+
 struct AddArgs {
     const elem* x;
     const elem* z;

@@ -47,6 +47,15 @@ fn clamp_op(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     }
 }
 
+// 1 / (1 + e^-x), in f32.
+@compute @workgroup_size(256)
+fn sigmoid(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let i = index(wid, nwg, lid);
+    if (i < p.total) {
+        y[i] = elem(1.0 / (1.0 + exp(-f32(x[i]))));
+    }
+}
+
 @compute @workgroup_size(256)
 fn add(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let i = index(wid, nwg, lid);

@@ -299,6 +299,10 @@ impl GraphBuilder {
         self.add_node(name, Op::Relu6, &[x])
     }
 
+    pub fn sigmoid(&mut self, name: impl Into<String>, x: ValueId) -> ValueId {
+        self.add_node(name, Op::Sigmoid, &[x])
+    }
+
     pub fn max_pool(&mut self, name: impl Into<String>, x: ValueId, pool: Pool) -> ValueId {
         self.add_node(name, Op::MaxPool(pool), &[x])
     }

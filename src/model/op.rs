@@ -207,6 +207,8 @@ pub enum Op {
     Relu,
     /// min(max(x, 0), 6), MobileNet's activation.
     Relu6,
+    /// 1 / (1 + e^-x), element-wise (`nn.Sigmoid`).
+    Sigmoid,
     MaxPool(Pool),
     AvgPool(Pool),
     /// `AdaptiveAvgPool2d((h, w))`: PyTorch's floor/ceil bin edges.
@@ -288,6 +290,7 @@ impl Op {
             Op::BatchNorm { .. } => "batch_norm",
             Op::Relu => "relu",
             Op::Relu6 => "relu6",
+            Op::Sigmoid => "sigmoid",
             Op::MaxPool(_) => "max_pool2d",
             Op::AvgPool(_) => "avg_pool2d",
             Op::AdaptiveAvgPool { .. } => "adaptive_avg_pool2d",
@@ -419,7 +422,7 @@ impl Op {
                 }
                 Ok(inputs[0].to_vec())
             }
-            Op::Relu | Op::Relu6 | Op::Dropout { .. } => Ok(inputs[0].to_vec()),
+            Op::Relu | Op::Relu6 | Op::Sigmoid | Op::Dropout { .. } => Ok(inputs[0].to_vec()),
             Op::MaxPool(p) | Op::AvgPool(p) => {
                 let (n, ch, h, w) = image(inputs[0])?;
                 if p.padding.0 * 2 > p.kernel.0 || p.padding.1 * 2 > p.kernel.1 {
@@ -523,6 +526,8 @@ impl Op {
             Op::BatchNorm { .. } => 2 * n,
             Op::Relu | Op::Add => n,
             Op::Relu6 => 2 * n,
+            // Negate, exponentiate, add one, divide: one each per element.
+            Op::Sigmoid => 4 * n,
             Op::MaxPool(p) | Op::AvgPool(p) => n * (p.kernel.0 * p.kernel.1) as u64,
             Op::AdaptiveAvgPool { .. } => elems(inputs[0]),
             Op::Softmax => 4 * n,

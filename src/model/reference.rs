@@ -64,6 +64,7 @@ pub fn eval<'a>(
         ),
         Op::Relu => map(ins[0], |x| x.max(0.0)),
         Op::Relu6 => map(ins[0], |x| x.clamp(0.0, 6.0)),
+        Op::Sigmoid => map(ins[0], |x| 1.0 / (1.0 + (-x).exp())),
         Op::Dropout { .. } => ins[0].clone(),
         Op::MaxPool(p) => pool(ins[0], p, out_shape, true),
         Op::AvgPool(p) => pool(ins[0], p, out_shape, false),

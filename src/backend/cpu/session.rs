@@ -23,6 +23,7 @@ pub(super) enum Step<T> {
         lo: f32,
         hi: f32,
     },
+    Sigmoid,
     Pool {
         pool: Pool,
         max: bool,
@@ -157,6 +158,7 @@ impl<T: Elem> CpuSession<T> {
                     hi: f32::INFINITY,
                 },
                 Op::Relu6 => Step::Clamp { lo: 0.0, hi: 6.0 },
+                Op::Sigmoid => Step::Sigmoid,
                 Op::MaxPool(p) => Step::Pool { pool: p, max: true },
                 Op::AvgPool(p) => Step::Pool {
                     pool: p,
@@ -378,6 +380,11 @@ impl<T: Elem> CpuSession<T> {
             Step::Clamp { lo, hi } => {
                 let mut y = self.take_or_copy(values, inputs[0], last_reader(inputs[0]));
                 kernels::clamp_inplace(&mut y, *lo, *hi);
+                y
+            }
+            Step::Sigmoid => {
+                let mut y = self.take_or_copy(values, inputs[0], last_reader(inputs[0]));
+                kernels::sigmoid_inplace(&mut y);
                 y
             }
             Step::Identity => self.take_or_copy(values, inputs[0], last_reader(inputs[0])),

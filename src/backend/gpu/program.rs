@@ -733,6 +733,10 @@ fn other_op(b: &mut Builder, at: &NodeCtx<'_>, input: BufId) -> Result<(), Backe
             ];
             b.launch(&node.name, op, "clamp", grid, args);
         }
+        Op::Sigmoid => {
+            let args = vec![x, Arg::Buf(y), Arg::I32(total_i)];
+            b.launch(&node.name, op, "sigmoid", grid, args);
+        }
         Op::Add => {
             let z = Arg::Buf(b.of[node.inputs[1]]);
             b.launch(

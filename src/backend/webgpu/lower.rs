@@ -439,6 +439,13 @@ fn node_launches(
                 grid(total, max_groups),
             )]
         }
+        Op::Sigmoid => vec![(
+            Kernel::Sigmoid,
+            shape.to_vec(),
+            vec![(1, input_buf(0))],
+            5,
+            grid(total, max_groups),
+        )],
         Op::Add => vec![(
             Kernel::Add,
             shape.to_vec(),

@@ -119,6 +119,13 @@ pub fn clamp_inplace<T: Elem>(buf: &mut [T], lo: f32, hi: f32) {
     });
 }
 
+/// 1 / (1 + e^-x), element-wise, in f32 (half types widened a block at a time).
+pub fn sigmoid_inplace<T: Elem>(buf: &mut [T]) {
+    map_f32(buf, 1, |part| {
+        with_simd(Update(part, |v: &mut f32| *v = 1.0 / (1.0 + (-*v).exp())))
+    });
+}
+
 /// a += b, element-wise.
 pub fn add_inplace<T: Elem>(a: &mut [T], b: &[T]) {
     a.par_chunks_mut(ELEMENTWISE_CHUNK)
