@@ -34,6 +34,32 @@ fn results(dir: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(dir.join("results.json")).unwrap()).unwrap()
 }
 
+/// Every metric an attempt recorded is in the metrics table, for the attempt's kind of step
+/// (issue 26: names were strings in four places and had drifted); a compare step's names are
+/// the course's own.
+fn recorded_metrics_are_in_the_table(r: &Value) {
+    use workshop::course::metrics::{Scope, lookup};
+    use workshop::course::schema::StepKind;
+    for a in r["attempts"].as_array().unwrap() {
+        let kind: StepKind = serde_json::from_value(a["kind"].clone()).unwrap();
+        if kind == StepKind::Compare {
+            continue;
+        }
+        for name in a["metrics"].as_object().unwrap().keys() {
+            let m = lookup(name).unwrap_or_else(|| {
+                panic!(
+                    "{}.{}: `{name}` is not in the table",
+                    a["exercise"], a["step"]
+                )
+            });
+            assert!(
+                m.scope != Scope::Step || m.kinds.contains(&kind),
+                "`{name}` is recorded by a {kind:?} step, but the table does not list that kind"
+            );
+        }
+    }
+}
+
 #[test]
 fn the_embedded_course_runs_start_to_finish_on_the_cpu() {
     let d = tempfile::tempdir().unwrap();
@@ -63,6 +89,7 @@ fn the_embedded_course_runs_start_to_finish_on_the_cpu() {
     }
     assert!(finished, "the course did not finish");
     let r = results(dir);
+    recorded_metrics_are_in_the_table(&r);
     let attempts = r["attempts"].as_array().unwrap();
     let find = |ex: &str, step: &str| {
         attempts
@@ -650,6 +677,7 @@ fn profile_step_records_module_metrics_and_checks_answers() {
     assert!(dir.join("profiles/00-first.prof.trace.json").exists());
     assert!(dir.join("profiles/00-first.prof.kernels.csv").exists());
     let r = results(&dir);
+    recorded_metrics_are_in_the_table(&r);
     let attempt = &r["attempts"][0];
     let m = &attempt["metrics"];
     for k in [

@@ -15,12 +15,12 @@ pub struct KernelCheck {
     pub compiler: &'static str,
     pub target: String,
     pub precision: Precision,
-    pub outcome: Outcome,
+    pub outcome: CompileOutcome,
     pub seconds: f64,
 }
 
 #[derive(Debug, Clone, PartialEq)]
-pub enum Outcome {
+pub enum CompileOutcome {
     Compiled,
     /// The compiler is not in this build or on this machine: why, and what to install.
     Skipped(String),
@@ -49,8 +49,8 @@ pub(crate) fn each<T>(
         for precision in PRECISIONS {
             let t = Instant::now();
             let outcome = match compile(target, precision) {
-                Ok(_) => Outcome::Compiled,
-                Err(e) => Outcome::Failed(e.to_string()),
+                Ok(_) => CompileOutcome::Compiled,
+                Err(e) => CompileOutcome::Failed(e.to_string()),
             };
             out.push(KernelCheck {
                 file,
@@ -71,7 +71,7 @@ pub(crate) fn skipped(file: &'static str, compiler: &'static str, why: &str) -> 
         compiler,
         target: "-".into(),
         precision: Precision::Fp32,
-        outcome: Outcome::Skipped(why.to_string()),
+        outcome: CompileOutcome::Skipped(why.to_string()),
         seconds: 0.0,
     }]
 }

@@ -625,7 +625,7 @@ pub fn kernel_checks(dir: Option<&Path>) -> Vec<KernelCheck> {
                 compiler: "nvrtc",
                 target: t.to_string(),
                 precision,
-                outcome: check::Outcome::NotSupported(why(t)),
+                outcome: check::CompileOutcome::NotSupported(why(t)),
                 seconds: 0.0,
             })
         })

@@ -62,12 +62,12 @@ fn kernels_check(args: KernelsCheckArgs) -> Result<()> {
     println!("{}", report::machine::kernels_check(&checks));
     let failed = checks
         .iter()
-        .filter(|c| matches!(c.outcome, check::Outcome::Failed(_)))
+        .filter(|c| matches!(c.outcome, check::CompileOutcome::Failed(_)))
         .count();
     let missing: Vec<&str> = checks
         .iter()
         .filter(|c| {
-            matches!(c.outcome, check::Outcome::Skipped(_))
+            matches!(c.outcome, check::CompileOutcome::Skipped(_))
                 && args.require.iter().any(|r| r == c.compiler)
         })
         .map(|c| c.compiler)

@@ -163,7 +163,7 @@ pub struct Recorded(pub BTreeMap<String, f64>);
 impl Recorded {
     /// Record `name` = `value`. The name must be in [`METRICS`] for this kind: a step that
     /// records a name the table lacks is a bug that the course tests catch
-    /// (`every_recorded_metric_is_in_the_table`).
+    /// (`recorded_metrics_are_in_the_table` in tests/course.rs).
     pub fn set(&mut self, name: impl Into<String>, value: f64) {
         self.0.insert(name.into(), value);
     }

@@ -56,7 +56,8 @@ pub struct Exercise {
     pub steps: Vec<Step>,
 }
 
-/// What a step does.
+/// What a step does. The metrics each kind records, with their units, meaning and whether they
+/// are timings, are the table in [`crate::course::metrics::METRICS`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum StepKind {

@@ -128,7 +128,7 @@ pub fn ceiling(gemm_gflops: f64, t: Option<&crate::bench::peak::Theoretical>) ->
 /// `workshop dev kernels-check`: one row per file, compiler and target, a column per
 /// precision, then the full log of every failure and why anything was skipped.
 pub fn kernels_check(checks: &[crate::backend::check::KernelCheck]) -> String {
-    use crate::backend::check::Outcome;
+    use crate::backend::check::CompileOutcome;
     let mut t = new_table();
     t.set_header(["file", "compiler", "target", "fp32", "fp16", "bf16"]);
     let mut rows: Vec<(&str, &str, &str)> = Vec::new();
@@ -150,18 +150,18 @@ pub fn kernels_check(checks: &[crate::backend::check::KernelCheck]) -> String {
                 c.file == file && c.compiler == compiler && c.target == target && c.precision == p
             });
             cells.push(match c.map(|c| (&c.outcome, c.seconds)) {
-                Some((Outcome::Compiled, s)) => format!("ok {s:.2} s"),
-                Some((Outcome::Failed(log), _)) => {
+                Some((CompileOutcome::Compiled, s)) => format!("ok {s:.2} s"),
+                Some((CompileOutcome::Failed(log), _)) => {
                     notes.push(format!(
                         "FAILED kernels/{file} ({compiler}, {target}, {p}):\n{log}"
                     ));
                     "FAILED".into()
                 }
-                Some((Outcome::Skipped(why), _)) => {
+                Some((CompileOutcome::Skipped(why), _)) => {
                     notes.push(format!("skipped {compiler}: {why}"));
                     "skipped".into()
                 }
-                Some((Outcome::NotSupported(why), _)) => {
+                Some((CompileOutcome::NotSupported(why), _)) => {
                     if p == crate::model::Precision::Fp32 {
                         notes.push(format!("not built {compiler} {target}: {why}"));
                     }

@@ -2,7 +2,7 @@
 //! batch (as a trained network's would be), and the calibration session's packed convolutions
 //! handed on to the session that runs next where they fit (the [`Donor`]).
 
-use super::session::{Step, tensor};
+use super::session::{NodeKernel, tensor};
 use super::*;
 use super::{BackendError, ExecOptions, Session};
 
@@ -53,7 +53,7 @@ pub fn calibrate_batch_norm(
     )?;
     // Calibration normalises with batch statistics, so the steps carry gamma and beta.
     for (step, node) in session.steps.iter_mut().zip(&plan.graph.nodes) {
-        if let Step::Affine { scale, shift } = step {
+        if let NodeKernel::Affine { scale, shift } = step {
             scale.copy_from_slice(tensor(weights, &node.name, "weight")?);
             shift.copy_from_slice(tensor(weights, &node.name, "bias")?);
         }
@@ -95,7 +95,7 @@ impl Calibration {
             donor.0 = std::mem::take(&mut session.steps)
                 .into_iter()
                 .map(|step| match step {
-                    Step::Conv(p) => Some(p),
+                    NodeKernel::Conv(p) => Some(p),
                     _ => None,
                 })
                 .collect();
@@ -154,7 +154,7 @@ mod tests {
             )
             .unwrap();
             let convs = session.steps.into_iter().map(|s| match s {
-                Step::Conv(p) => Some(p),
+                NodeKernel::Conv(p) => Some(p),
                 _ => None,
             });
             Donor(convs.collect())

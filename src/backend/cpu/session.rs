@@ -12,7 +12,7 @@ use super::{BackendError, KernelTime, MemoryStats, Session};
 use crate::model::buffers::take_best_fit;
 
 /// What a node does at run time, with its weights packed for the kernel.
-pub(super) enum Step<T> {
+pub(super) enum NodeKernel<T> {
     Input,
     Conv(PackedConv<T>),
     Affine {
@@ -64,7 +64,7 @@ impl<T> std::ops::DerefMut for Buf<T> {
 
 pub(super) struct CpuSession<T: Elem> {
     pub(super) plan: Plan,
-    pub(super) steps: Vec<Step<T>>,
+    pub(super) steps: Vec<NodeKernel<T>>,
     pub(super) names: Vec<String>,
     pub(super) pool: Arc<rayon::ThreadPool>,
     pub(super) threads: usize,
@@ -110,7 +110,7 @@ impl<T: Elem> CpuSession<T> {
             let get = |suffix: &str| tensor(weights, &node.name, suffix);
             let shape = run_shape(id);
             let step = match node.op {
-                Op::Input { .. } => Step::Input,
+                Op::Input { .. } => NodeKernel::Input,
                 Op::Conv2d(c) => {
                     let bias = if c.bias { Some(get("bias")?) } else { None };
                     let variant = variants.get(&node.name).map(String::as_str);
@@ -140,7 +140,7 @@ impl<T: Elem> CpuSession<T> {
                     };
                     packed.chunk_scale = kernels::chunk_scale(variant);
                     weight_bytes += packed.bytes();
-                    Step::Conv(packed)
+                    NodeKernel::Conv(packed)
                 }
                 Op::BatchNorm { eps, .. } => {
                     let (g, b, m, v) = (
@@ -151,21 +151,21 @@ impl<T: Elem> CpuSession<T> {
                     );
                     let (scale, shift) = batch_norm_affine(g, b, m, v, eps);
                     weight_bytes += 2 * scale.len() as u64 * 4;
-                    Step::Affine { scale, shift }
+                    NodeKernel::Affine { scale, shift }
                 }
-                Op::Relu => Step::Clamp {
+                Op::Relu => NodeKernel::Clamp {
                     lo: 0.0,
                     hi: f32::INFINITY,
                 },
-                Op::Relu6 => Step::Clamp { lo: 0.0, hi: 6.0 },
-                Op::Sigmoid => Step::Sigmoid,
-                Op::MaxPool(p) => Step::Pool { pool: p, max: true },
-                Op::AvgPool(p) => Step::Pool {
+                Op::Relu6 => NodeKernel::Clamp { lo: 0.0, hi: 6.0 },
+                Op::Sigmoid => NodeKernel::Sigmoid,
+                Op::MaxPool(p) => NodeKernel::Pool { pool: p, max: true },
+                Op::AvgPool(p) => NodeKernel::Pool {
                     pool: p,
                     max: false,
                 },
-                Op::AdaptiveAvgPool { .. } => Step::Adaptive,
-                Op::Add => Step::Add,
+                Op::AdaptiveAvgPool { .. } => NodeKernel::Adaptive,
+                Op::Add => NodeKernel::Add,
                 Op::Linear {
                     in_features,
                     out_features,
@@ -174,15 +174,15 @@ impl<T: Elem> CpuSession<T> {
                     let bias = if bias { Some(get("bias")?) } else { None };
                     let weight = PackedLinear::new(get("weight")?, bias, in_features, out_features);
                     weight_bytes += weight.bytes();
-                    Step::Linear {
+                    NodeKernel::Linear {
                         weight,
                         fin: in_features,
                         fout: out_features,
                     }
                 }
-                Op::Flatten => Step::Flatten,
-                Op::Dropout { .. } => Step::Identity,
-                Op::Softmax => Step::Softmax,
+                Op::Flatten => NodeKernel::Flatten,
+                Op::Dropout { .. } => NodeKernel::Identity,
+                Op::Softmax => NodeKernel::Softmax,
             };
             steps.push(step);
         }
@@ -289,7 +289,7 @@ impl<T: Elem> CpuSession<T> {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn run_nodes(
         &mut self,
-        steps: &mut [Step<T>],
+        steps: &mut [NodeKernel<T>],
         levels: &[batch_tiles::Level],
         upto: usize,
         images: std::ops::Range<usize>,
@@ -327,7 +327,7 @@ impl<T: Elem> CpuSession<T> {
     pub(super) fn step(
         &mut self,
         id: usize,
-        step: &mut Step<T>,
+        step: &mut NodeKernel<T>,
         values: &mut [Option<Buf<T>>],
         input: &Tensor,
         images: std::ops::Range<usize>,
@@ -340,14 +340,14 @@ impl<T: Elem> CpuSession<T> {
         // else reads it later (torchvision's `inplace=True`).
         let last_reader = |v: usize| self.plan.last_use[v] == id;
         let out = match step {
-            Step::Input => {
+            NodeKernel::Input => {
                 let mut y = self.alloc(os.elems());
                 let image = input.data.len() / self.plan.batch();
                 let x = &input.data[images.start * image..images.end * image];
                 kernels::nchw_to_nhwc(x, os, &mut y);
                 y
             }
-            Step::Conv(p) => {
+            NodeKernel::Conv(p) => {
                 let xs = self.dims(inputs[0], images.len());
                 let mut y = self.alloc(os.elems());
                 let x = values[inputs[0]].as_ref().expect("input computed");
@@ -357,7 +357,7 @@ impl<T: Elem> CpuSession<T> {
                 kernels::conv2d(p, x, xs, &mut y, os, self.threads, residual);
                 y
             }
-            Step::Affine { scale, shift } => {
+            NodeKernel::Affine { scale, shift } => {
                 let mut y = self.take_or_copy(values, inputs[0], last_reader(inputs[0]));
                 if self.calibrate {
                     let (mean, var) = channel_stats(&y, os.c);
@@ -377,18 +377,18 @@ impl<T: Elem> CpuSession<T> {
                 kernels::affine_inplace(&mut y, os.c, scale, shift);
                 y
             }
-            Step::Clamp { lo, hi } => {
+            NodeKernel::Clamp { lo, hi } => {
                 let mut y = self.take_or_copy(values, inputs[0], last_reader(inputs[0]));
                 kernels::clamp_inplace(&mut y, *lo, *hi);
                 y
             }
-            Step::Sigmoid => {
+            NodeKernel::Sigmoid => {
                 let mut y = self.take_or_copy(values, inputs[0], last_reader(inputs[0]));
                 kernels::sigmoid_inplace(&mut y);
                 y
             }
-            Step::Identity => self.take_or_copy(values, inputs[0], last_reader(inputs[0])),
-            Step::Add => {
+            NodeKernel::Identity => self.take_or_copy(values, inputs[0], last_reader(inputs[0])),
+            NodeKernel::Add => {
                 let (a, b) = if last_reader(inputs[0]) {
                     (inputs[0], inputs[1])
                 } else {
@@ -398,7 +398,7 @@ impl<T: Elem> CpuSession<T> {
                 kernels::add_inplace(&mut y, values[b].as_ref().expect("input computed"));
                 y
             }
-            Step::Pool { pool, max } => {
+            NodeKernel::Pool { pool, max } => {
                 let xs = self.dims(inputs[0], images.len());
                 let mut y = self.alloc(os.elems());
                 kernels::pool(
@@ -411,7 +411,7 @@ impl<T: Elem> CpuSession<T> {
                 );
                 y
             }
-            Step::Adaptive => {
+            NodeKernel::Adaptive => {
                 let xs = self.dims(inputs[0], images.len());
                 let mut y = self.alloc(os.elems());
                 kernels::adaptive_avg_pool(
@@ -422,7 +422,7 @@ impl<T: Elem> CpuSession<T> {
                 );
                 y
             }
-            Step::Flatten => {
+            NodeKernel::Flatten => {
                 let xs = self.dims(inputs[0], images.len());
                 if xs.h * xs.w == 1 {
                     self.take_or_copy(values, inputs[0], last_reader(inputs[0]))
@@ -436,13 +436,13 @@ impl<T: Elem> CpuSession<T> {
                     y
                 }
             }
-            Step::Linear { weight, fin, fout } => {
+            NodeKernel::Linear { weight, fin, fout } => {
                 let mut y = self.alloc(os.elems());
                 let x = values[inputs[0]].as_ref().expect("input computed");
                 kernels::linear(x, weight, (os.n, *fin, *fout), &mut y, self.threads);
                 y
             }
-            Step::Softmax => {
+            NodeKernel::Softmax => {
                 let mut y = self.alloc(os.elems());
                 kernels::softmax(
                     values[inputs[0]].as_ref().expect("input computed"),
@@ -501,11 +501,11 @@ pub(super) fn tensor<'w>(
         .ok_or_else(|| BackendError::Invalid(format!("weights have no tensor `{name}`")))
 }
 
-pub(super) fn kernel_name<T: Elem>(step: &Step<T>, op: &Op) -> String {
+pub(super) fn kernel_name<T: Elem>(step: &NodeKernel<T>, op: &Op) -> String {
     match step {
-        Step::Conv(p) => p.kernel_name(),
-        Step::Affine { .. } => format!("batch_norm_affine_{}", T::SUFFIX),
-        Step::Input => format!("nchw_to_nhwc_{}", T::SUFFIX),
+        NodeKernel::Conv(p) => p.kernel_name(),
+        NodeKernel::Affine { .. } => format!("batch_norm_affine_{}", T::SUFFIX),
+        NodeKernel::Input => format!("nchw_to_nhwc_{}", T::SUFFIX),
         _ => format!("{}_{}", op.kind_name(), T::SUFFIX),
     }
 }

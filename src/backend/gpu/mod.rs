@@ -7,6 +7,7 @@
 pub mod arch;
 #[cfg(unix)]
 pub mod emu;
+pub mod lower;
 pub mod program;
 
 use std::collections::HashMap;
@@ -243,19 +244,19 @@ impl<D: Device> GpuSession<D> {
         free: Option<u64>,
     ) -> Result<Self, BackendError> {
         let mma = opt.precision != Precision::Fp32 && device.matrix_units();
-        let program = program::build(plan, weights, opt.precision, opt.kernels, mma)?;
+        let program = lower::build(plan, weights, opt.precision, opt.kernels, mma)?;
         if let Some(free) = free {
             fits(&program, plan.batch(), free)?;
         }
         if program
-            .steps
+            .tasks
             .iter()
             .any(|s| matches!(s.work, Work::Gemm(_)))
         {
             device.vendor_gemm()?;
         }
         let mut names: Vec<&'static str> = program
-            .steps
+            .tasks
             .iter()
             .filter_map(|s| match &s.work {
                 Work::Kernel(l) => Some(l.kernel),
@@ -274,8 +275,8 @@ impl<D: Device> GpuSession<D> {
             ptrs.push(p);
         }
         let ptr = |b: program::BufId| ptrs[b];
-        let mut ready = Vec::with_capacity(program.steps.len());
-        for s in &program.steps {
+        let mut ready = Vec::with_capacity(program.tasks.len());
+        for s in &program.tasks {
             ready.push(match &s.work {
                 Work::Kernel(l) => {
                     let i = names
@@ -291,7 +292,7 @@ impl<D: Device> GpuSession<D> {
             });
         }
         if opt.profile {
-            device.marks(program.steps.len() + 1)?;
+            device.marks(program.tasks.len() + 1)?;
         }
         let mut session = GpuSession {
             device,
@@ -394,7 +395,7 @@ impl<D: Device> Session for GpuSession<D> {
         let p = self.program.precision;
         Some(
             self.program
-                .steps
+                .tasks
                 .iter()
                 .enumerate()
                 .map(|(i, s)| KernelTime {

@@ -1,11 +1,11 @@
-//! A planned graph as a list of kernel launches over numbered buffers, for the CUDA and HIP
-//! backends (and the CPU emulator of their kernels). Building it is plain arithmetic — launch
-//! shapes, argument structs, buffer reuse — so it is tested without a device; a `Device` then
+//! A planned graph as a list of kernel launches and library GEMMs over numbered buffers, for
+//! the CUDA and HIP backends (and the CPU emulator of their kernels): the program's types, the
+//! argument packing, the launch shapes and the choice of convolution kernel. Building one
+//! (`lower.rs`) is plain arithmetic too, so both are tested without a device; a `Device` then
 //! only allocates, uploads and launches what the program says.
 
-use crate::backend::{BackendError, KernelFamily};
-use crate::model::op::{Act, Conv2d, Op, batch_norm_affine};
-use crate::model::{Plan, Precision, Weights};
+use crate::backend::BackendError;
+use crate::model::Precision;
 
 /// A buffer of the program, by index into [`Program::buffers`].
 pub type BufId = usize;
@@ -42,6 +42,7 @@ pub fn pack(args: &[Arg], ptr: impl Fn(BufId) -> u64) -> Vec<u8> {
 
 /// Threads per block of every launch.
 pub const BLOCK: u32 = 256;
+
 /// The largest grid dimension every CUDA and HIP device takes in y and z (and our x, folded).
 pub const MAX_GRID: u32 = 65_535;
 
@@ -144,7 +145,7 @@ pub fn conv_kernel(
 
 /// A kernel launch of the program.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Launch {
+pub struct KernelLaunch {
     /// The `extern "C"` name in kernels/gpu/ops.cuh.
     pub kernel: &'static str,
     pub grid: [u32; 3],
@@ -218,20 +219,20 @@ impl Gemm {
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Work {
-    Kernel(Launch),
+    Kernel(KernelLaunch),
     Gemm(Gemm),
 }
 
 /// One piece of work and the graph node it belongs to.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Step {
+pub struct Task {
     /// The node's module name, or `output` for the final conversion.
     pub node: String,
     pub op: &'static str,
     pub work: Work,
 }
 
-impl Step {
+impl Task {
     /// The kernel's name as profiles show it.
     pub fn kernel_name(&self, precision: Precision) -> String {
         match &self.work {
@@ -260,7 +261,7 @@ pub struct Buffer {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Program {
     pub buffers: Vec<Buffer>,
-    pub steps: Vec<Step>,
+    pub tasks: Vec<Task>,
     /// The f32 NCHW input the host writes.
     pub input: BufId,
     /// The f32 output the host reads, in the plan's logical shape.
@@ -289,534 +290,16 @@ impl Program {
     }
 }
 
-fn f32_bytes(v: &[f32]) -> Vec<u8> {
+pub(super) fn f32_bytes(v: &[f32]) -> Vec<u8> {
     Precision::Fp32.storage_bytes(v)
 }
 
-fn i32_of(v: usize, what: &str) -> Result<i32, BackendError> {
+pub(super) fn i32_of(v: usize, what: &str) -> Result<i32, BackendError> {
     i32::try_from(v).map_err(|_| {
         BackendError::DeviceLimit(format!(
             "{what} is {v}, more than the kernels' 32-bit indices take: use a smaller batch"
         ))
     })
-}
-
-/// Builds a [`Program`]: weight buffers are added as they are needed; activation buffers are
-/// laid out first, by [`Plan::assign_buffers`].
-struct Builder {
-    buffers: Vec<Buffer>,
-    steps: Vec<Step>,
-    /// Value (node id) → buffer.
-    of: Vec<BufId>,
-    precision: Precision,
-}
-
-impl Builder {
-    fn buffer(&mut self, bytes: u64, contents: Contents) -> BufId {
-        self.buffers.push(Buffer {
-            bytes: bytes.next_multiple_of(8).max(8),
-            contents,
-        });
-        self.buffers.len() - 1
-    }
-
-    fn weights(&mut self, values: &[f32]) -> BufId {
-        let bytes = self.precision.storage_bytes(values);
-        self.buffer(bytes.len() as u64, Contents::Weights(bytes))
-    }
-
-    fn f32s(&mut self, values: &[f32]) -> BufId {
-        let bytes = f32_bytes(values);
-        self.buffer(bytes.len() as u64, Contents::Weights(bytes))
-    }
-
-    fn launch(
-        &mut self,
-        node: &str,
-        op: &'static str,
-        kernel: &'static str,
-        grid: [u32; 3],
-        args: Vec<Arg>,
-    ) {
-        self.steps.push(Step {
-            node: node.to_string(),
-            op,
-            work: Work::Kernel(Launch { kernel, grid, args }),
-        });
-    }
-}
-
-/// The epilogue fields of the conv kernel (and of the vendor path's epilogue kernel).
-fn act_code(act: Act) -> i32 {
-    match act {
-        Act::None => 0,
-        Act::Relu => 1,
-        Act::Relu6 => 2,
-    }
-}
-
-/// Lay `plan` out as kernel launches in `precision`. With [`KernelFamily::Vendor`], dense
-/// convolutions and linear layers become library GEMMs (after an im2col for k×k convolutions)
-/// followed by an epilogue kernel; grouped convolutions keep our kernel.
-pub fn build(
-    plan: &Plan,
-    weights: &Weights,
-    precision: Precision,
-    family: KernelFamily,
-    mma: bool,
-) -> Result<Program, BackendError> {
-    let mut b = Builder {
-        buffers: Vec::new(),
-        steps: Vec::new(),
-        of: Vec::new(),
-        precision,
-    };
-    let numel = |s: &[usize]| s.iter().product::<usize>();
-    let esize = precision.bytes() as u64;
-    let input_shape = plan.input_shape().to_vec();
-    let output_shape = plan.output_shape().to_vec();
-    let input = b.buffer(numel(&input_shape) as u64 * 4, Contents::Empty);
-    // NCHW order is already the flattened order: dropout and flatten share their input's buffer.
-    let renames = |id: usize| matches!(plan.graph.nodes[id].op, Op::Dropout { .. } | Op::Flatten);
-    let bytes = |id: usize| (numel(&plan.shapes[id]) as u64 * esize).next_multiple_of(8);
-    let assignment = plan.assign_buffers(|id| bytes(id).max(8), renames);
-    let first = b.buffers.len();
-    for &bytes in &assignment.bytes {
-        b.buffer(bytes, Contents::Empty);
-    }
-    b.of = assignment.of.iter().map(|&a| first + a).collect();
-    // One im2col buffer serves every vendor convolution (they run one after another).
-    let mut scratch: Option<BufId> = None;
-    let dims4 = |id: usize| -> (usize, usize, usize, usize) {
-        match *plan.shapes[id].as_slice() {
-            [n, c, h, w] => (n, c, h, w),
-            [n, f] => (n, f, 1, 1),
-            _ => (1, numel(&plan.shapes[id]), 1, 1),
-        }
-    };
-    for (id, node) in plan.graph.nodes.iter().enumerate() {
-        if renames(id) {
-            continue;
-        }
-        let total = numel(&plan.shapes[id]);
-        let (n, c, h, w) = dims4(id);
-        let (_, xc, xh, xw) = node.inputs.first().map_or((0, 0, 0, 0), |&i| dims4(i));
-        let at = NodeCtx {
-            node,
-            op: node.op.kind_name(),
-            shape: &plan.shapes[id],
-            out: (n, c, h, w),
-            total,
-            total_i: i32_of(total, &format!("`{}`'s size", node.name))?,
-            input: (xc, xh, xw),
-            x: node
-                .inputs
-                .first()
-                .map_or(Arg::Null, |&i| Arg::Buf(b.of[i])),
-            y: b.of[id],
-            grid: grid_1d(total)?,
-            weights,
-        };
-        match conv_like(&at)? {
-            Some((conv, wt)) if family == KernelFamily::Vendor && conv.groups == 1 => {
-                vendor_conv(&mut b, &at, &conv, wt, &mut scratch)?
-            }
-            Some((conv, wt)) => native_conv(&mut b, &at, &conv, wt, mma)?,
-            None => other_op(&mut b, &at, input)?,
-        }
-    }
-    let out_total = numel(&output_shape);
-    let output = b.buffer(out_total as u64 * 4, Contents::Empty);
-    let last = Arg::Buf(b.of[plan.graph.output]);
-    b.launch(
-        "output",
-        "output",
-        "to_f32",
-        grid_1d(out_total)?,
-        vec![last, Arg::Buf(output), Arg::I32(out_total as i32)],
-    );
-    Ok(Program {
-        buffers: b.buffers,
-        steps: b.steps,
-        input,
-        output,
-        input_shape,
-        output_shape,
-        precision,
-    })
-}
-
-/// What lowering one node knows: the node, its output (NCHW dims, elements, buffer, a 1-D
-/// grid over it), its first input (channels, height, width, buffer) and the weights.
-struct NodeCtx<'a> {
-    node: &'a crate::model::graph::Node,
-    op: &'static str,
-    /// The output's logical shape, and as NCHW (features are (n, f, 1, 1)).
-    shape: &'a [usize],
-    out: (usize, usize, usize, usize),
-    total: usize,
-    total_i: i32,
-    input: (usize, usize, usize),
-    x: Arg,
-    y: BufId,
-    grid: [u32; 3],
-    weights: &'a Weights,
-}
-
-impl<'a> NodeCtx<'a> {
-    /// The node's parameter `suffix` (`weight`, `bias`, ...).
-    fn get(&self, suffix: &str) -> Result<&'a [f32], BackendError> {
-        let name = format!("{}.{}", self.node.name, suffix);
-        (self.weights.get(&name))
-            .map(|t| t.data.as_slice())
-            .ok_or_else(|| BackendError::Invalid(format!("weights have no tensor `{name}`")))
-    }
-
-    /// The bias (or null) and residual (or null) arguments of a convolution's epilogue.
-    fn bias_and_residual(
-        &self,
-        b: &mut Builder,
-        conv: &Conv2d,
-    ) -> Result<(Arg, Arg), BackendError> {
-        let bias = if conv.bias {
-            Arg::Buf(b.f32s(self.get("bias")?))
-        } else {
-            Arg::Null
-        };
-        let res = if conv.residual {
-            Arg::Buf(b.of[self.node.inputs[1]])
-        } else {
-            Arg::Null
-        };
-        Ok((bias, res))
-    }
-}
-
-/// A convolution, or a linear layer as the 1×1 convolution it is, with its weight.
-fn conv_like<'a>(at: &NodeCtx<'a>) -> Result<Option<(Conv2d, &'a [f32])>, BackendError> {
-    Ok(match &at.node.op {
-        Op::Conv2d(conv) => Some((*conv, at.get("weight")?)),
-        Op::Linear {
-            in_features,
-            out_features,
-            bias,
-        } => Some((
-            Conv2d {
-                bias: *bias,
-                ..Conv2d::new(*in_features, *out_features, 1, 1, 0)
-            },
-            at.get("weight")?,
-        )),
-        _ => None,
-    })
-}
-
-/// A dense convolution or linear layer as a library GEMM (after an im2col for k×k
-/// convolutions, into the shared `scratch`), then an epilogue kernel for bias, activation and
-/// residual.
-fn vendor_conv(
-    b: &mut Builder,
-    at: &NodeCtx<'_>,
-    conv: &Conv2d,
-    wt: &[f32],
-    scratch: &mut Option<BufId>,
-) -> Result<(), BackendError> {
-    let NodeCtx {
-        node,
-        op,
-        x,
-        y,
-        grid,
-        total_i,
-        ..
-    } = *at;
-    let ((n, c, h, w), (xc, xh, xw)) = (at.out, at.input);
-    let conv = *conv;
-    let has_bias = conv.bias;
-    let esize = b.precision.bytes() as u64;
-    let (bias_arg, res) = at.bias_and_residual(b, &conv)?;
-    let wbuf = b.weights(wt);
-    let pixels = h * w;
-    let kk = xc * conv.kernel.0 * conv.kernel.1;
-    let direct = conv.kernel == (1, 1) && conv.stride == (1, 1) && conv.padding == (0, 0);
-    let cols = if direct {
-        match x {
-            Arg::Buf(buf) => buf,
-            _ => unreachable!("a convolution always has an input"),
-        }
-    } else {
-        let bytes = ((n * kk * pixels) as u64 * esize).next_multiple_of(8);
-        let s = *scratch.get_or_insert_with(|| b.buffer(bytes, Contents::Empty));
-        // Sized for the largest user.
-        b.buffers[s].bytes = b.buffers[s].bytes.max(bytes);
-        let args = vec![
-            x,
-            Arg::Buf(s),
-            Arg::I32(n as i32),
-            Arg::I32(xc as i32),
-            Arg::I32(xh as i32),
-            Arg::I32(xw as i32),
-            Arg::I32(h as i32),
-            Arg::I32(w as i32),
-        ];
-        let args = [args, window(&conv)].concat();
-        i32_of(n * kk * pixels, &format!("`{}`'s im2col", node.name))?;
-        b.launch(&node.name, op, "im2col", grid_1d(n * kk * pixels)?, args);
-        s
-    };
-    let gemm = if matches!(node.op, Op::Linear { .. }) {
-        // Y (n × out) = X (n × in) · Wᵀ, W stored out × in.
-        Gemm {
-            m: n,
-            n: c,
-            k: xc,
-            a: cols,
-            b: wbuf,
-            c: y,
-            trans_b: true,
-            batch: 1,
-            stride_a: 0,
-            stride_b: 0,
-            stride_c: 0,
-        }
-    } else {
-        // Per image: Y (cout × pixels) = W (cout × cin·kh·kw) · columns.
-        Gemm {
-            m: c,
-            n: pixels,
-            k: kk,
-            a: wbuf,
-            b: cols,
-            c: y,
-            trans_b: false,
-            batch: n,
-            stride_a: 0,
-            stride_b: kk * pixels,
-            stride_c: c * pixels,
-        }
-    };
-    b.steps.push(Step {
-        node: node.name.clone(),
-        op,
-        work: Work::Gemm(gemm),
-    });
-    if has_bias || conv.residual || conv.act != Act::None {
-        let args = vec![
-            bias_arg,
-            res,
-            Arg::Buf(y),
-            Arg::I32(total_i),
-            Arg::I32(c as i32),
-            Arg::I32((h * w) as i32),
-            Arg::I32(act_code(conv.act)),
-            Arg::I32(has_bias as i32),
-            Arg::I32(conv.residual as i32),
-        ];
-        b.launch(&node.name, op, "epilogue", grid, args);
-    }
-    Ok(())
-}
-
-/// A convolution or linear layer on our kernels: the tiled implicit GEMM (tensor cores where
-/// `mma`), or the direct kernel for grouped and small layers.
-fn native_conv(
-    b: &mut Builder,
-    at: &NodeCtx<'_>,
-    conv: &Conv2d,
-    wt: &[f32],
-    mma: bool,
-) -> Result<(), BackendError> {
-    let NodeCtx { node, op, x, y, .. } = *at;
-    let ((n, c, h, w), (xc, xh, xw)) = (at.out, at.input);
-    let conv = *conv;
-    let has_bias = conv.bias;
-    let (bias_arg, res) = at.bias_and_residual(b, &conv)?;
-    let reduction = xc / conv.groups * conv.kernel.0 * conv.kernel.1;
-    let shape = if conv.kernel != (1, 1) || conv.stride != (1, 1) || conv.padding != (0, 0) {
-        ConvShape::General
-    } else if h * w == 1 {
-        ConvShape::Linear
-    } else {
-        ConvShape::Pointwise
-    };
-    let (kernel, g) = conv_kernel(n * h * w, c, conv.groups, reduction, shape, mma)?;
-    // The tiled kernels gather a window position's 32 channels at a time
-    // when the reduction runs (ky, kx, ci): weights reordered to match.
-    let cin_g = xc / conv.groups;
-    let kc = shape == ConvShape::General && kernel != "conv2d" && cin_g.is_multiple_of(32);
-    let wbuf = if kc {
-        b.weights(&window_major(wt, cin_g, conv.kernel.0 * conv.kernel.1))
-    } else {
-        b.weights(wt)
-    };
-    let args = vec![
-        x,
-        Arg::Buf(wbuf),
-        bias_arg,
-        res,
-        Arg::Buf(y),
-        Arg::I32(n as i32),
-        Arg::I32(xc as i32),
-        Arg::I32(xh as i32),
-        Arg::I32(xw as i32),
-        Arg::I32(c as i32),
-        Arg::I32(h as i32),
-        Arg::I32(w as i32),
-    ];
-    let args = [
-        args,
-        window(&conv),
-        vec![
-            Arg::I32(conv.groups as i32),
-            Arg::I32(act_code(conv.act)),
-            Arg::I32(has_bias as i32),
-            Arg::I32(conv.residual as i32),
-            Arg::I32(kc as i32),
-        ],
-    ]
-    .concat();
-    b.launch(&node.name, op, kernel, g, args);
-    Ok(())
-}
-
-/// Every other op: one launch of its kernel.
-fn other_op(b: &mut Builder, at: &NodeCtx<'_>, input: BufId) -> Result<(), BackendError> {
-    let NodeCtx {
-        node,
-        op,
-        x,
-        y,
-        grid,
-        total,
-        total_i,
-        ..
-    } = *at;
-    let ((n, c, h, w), (_, xh, xw)) = (at.out, at.input);
-    let get = |suffix: &str| at.get(suffix);
-    match &node.op {
-        Op::Input { .. } => {
-            let args = vec![Arg::Buf(input), Arg::Buf(y), Arg::I32(total_i)];
-            b.launch(&node.name, op, "to_elem", grid, args);
-        }
-        Op::BatchNorm { eps, .. } => {
-            let (g, beta, m, v) = (
-                get("weight")?,
-                get("bias")?,
-                get("running_mean")?,
-                get("running_var")?,
-            );
-            let (scale, shift) = batch_norm_affine(g, beta, m, v, *eps);
-            let (scale, shift) = (b.f32s(&scale), b.f32s(&shift));
-            let args = vec![
-                x,
-                Arg::Buf(scale),
-                Arg::Buf(shift),
-                Arg::Buf(y),
-                Arg::I32(total_i),
-                Arg::I32(c as i32),
-                Arg::I32((h * w) as i32),
-            ];
-            b.launch(&node.name, op, "affine", grid, args);
-        }
-        Op::Relu | Op::Relu6 => {
-            let hi = if matches!(node.op, Op::Relu6) {
-                6.0
-            } else {
-                f32::MAX
-            };
-            let args = vec![
-                x,
-                Arg::Buf(y),
-                Arg::I32(total_i),
-                Arg::F32(0.0),
-                Arg::F32(hi),
-            ];
-            b.launch(&node.name, op, "clamp", grid, args);
-        }
-        Op::Sigmoid => {
-            let args = vec![x, Arg::Buf(y), Arg::I32(total_i)];
-            b.launch(&node.name, op, "sigmoid", grid, args);
-        }
-        Op::Add => {
-            let z = Arg::Buf(b.of[node.inputs[1]]);
-            b.launch(
-                &node.name,
-                op,
-                "add",
-                grid,
-                vec![x, z, Arg::Buf(y), Arg::I32(total_i)],
-            );
-        }
-        Op::MaxPool(p) | Op::AvgPool(p) => {
-            let kernel = if matches!(node.op, Op::MaxPool(_)) {
-                "max_pool"
-            } else {
-                "avg_pool"
-            };
-            let args = pool_args(
-                x,
-                y,
-                (n * c, xh, xw, h, w),
-                p.kernel,
-                p.stride,
-                p.padding,
-                p.count_include_pad,
-            );
-            b.launch(&node.name, op, kernel, grid, args);
-        }
-        Op::AdaptiveAvgPool { .. } => {
-            let args = pool_args(x, y, (n * c, xh, xw, h, w), (1, 1), (1, 1), (0, 0), false);
-            b.launch(&node.name, op, "adaptive_avg_pool", grid, args);
-        }
-        Op::Softmax => {
-            let cols = *at.shape.last().unwrap_or(&1);
-            let rows = total / cols.max(1);
-            let args = vec![x, Arg::Buf(y), Arg::I32(rows as i32), Arg::I32(cols as i32)];
-            b.launch(&node.name, op, "softmax", grid_1d(rows)?, args);
-        }
-        Op::Conv2d(_) | Op::Linear { .. } | Op::Dropout { .. } | Op::Flatten => {
-            unreachable!("lowered by conv_like or renamed")
-        }
-    }
-    Ok(())
-}
-
-/// A convolution's window fields, in the order the kernels' structs declare them:
-/// kh, kw, sh, sw, ph, pw, dh, dw.
-fn window(conv: &Conv2d) -> Vec<Arg> {
-    [conv.kernel, conv.stride, conv.padding, conv.dilation]
-        .into_iter()
-        .flat_map(|(a, b)| [Arg::I32(a as i32), Arg::I32(b as i32)])
-        .collect()
-}
-
-/// The pooling kernels' arguments: (planes, h, w, oh, ow), window, stride, padding.
-fn pool_args(
-    x: Arg,
-    y: BufId,
-    (planes, h, w, oh, ow): (usize, usize, usize, usize, usize),
-    kernel: (usize, usize),
-    stride: (usize, usize),
-    padding: (usize, usize),
-    count_include_pad: bool,
-) -> Vec<Arg> {
-    let i = |v: usize| Arg::I32(v as i32);
-    vec![
-        x,
-        Arg::Buf(y),
-        i(planes),
-        i(h),
-        i(w),
-        i(oh),
-        i(ow),
-        i(kernel.0),
-        i(kernel.1),
-        i(stride.0),
-        i(stride.1),
-        i(padding.0),
-        i(padding.1),
-        i(count_include_pad as usize),
-    ]
 }
 
 #[cfg(test)]
@@ -981,43 +464,5 @@ mod tests {
             .flops(),
             2 * 3 * 4 * 5 * 2
         );
-    }
-
-    #[test]
-    fn activation_buffers_are_reused_once_dead() {
-        use crate::model::zoo;
-        let g = zoo::build("resnet18").unwrap();
-        let plan = g.plan(1, 64, 64).unwrap();
-        let w = Weights::init(&g, 0);
-        let p = build(&plan, &w, Precision::Fp32, KernelFamily::Native, false).unwrap();
-        let activations = p
-            .buffers
-            .iter()
-            .filter(|b| b.contents == Contents::Empty)
-            .count();
-        assert!(
-            activations < plan.graph.nodes.len() / 4,
-            "{activations} activation buffers for {} nodes",
-            plan.graph.nodes.len()
-        );
-        // Every launch names only buffers of the program, and the last one writes the output.
-        for s in &p.steps {
-            if let Work::Kernel(l) = &s.work {
-                for a in &l.args {
-                    if let Arg::Buf(b) = a {
-                        assert!(*b < p.buffers.len());
-                    }
-                }
-            }
-        }
-        let Work::Kernel(last) = &p.steps.last().unwrap().work else {
-            panic!("the last step converts the output");
-        };
-        assert_eq!(last.kernel, "to_f32");
-        assert_eq!(last.args[1], Arg::Buf(p.output));
-        // The vendor family adds an im2col scratch buffer and GEMMs, never more weights.
-        let v = build(&plan, &w, Precision::Fp32, KernelFamily::Vendor, false).unwrap();
-        assert_eq!(v.weight_bytes(), p.weight_bytes());
-        assert!(v.steps.iter().any(|s| matches!(s.work, Work::Gemm(_))));
     }
 }
