@@ -7,7 +7,7 @@ use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::ops::Range;
 
-use super::schema::{Exercise, FORMAT_VERSION, StepKind};
+use super::schema::{Exercise, FORMAT_VERSION, Step, StepKind};
 use super::{LoadedExercise, Source, chapter_text};
 use crate::model::zoo;
 
@@ -114,6 +114,30 @@ pub fn check(
 }
 
 fn check_exercise(l: &mut Linter<'_>, ex: &LoadedExercise, source: &Source, ids: &HashSet<String>) {
+    check_header(l, ex, source, ids);
+    let e = &ex.exercise;
+    // Metrics each earlier step makes available, by step id.
+    let mut known: HashMap<String, Vec<String>> = HashMap::new();
+    for step in &e.steps {
+        let sid = step.id.get_ref().clone();
+        if known.contains_key(&sid) {
+            l.at(
+                step.id.span(),
+                format!("step id `{sid}` is used twice in this exercise"),
+            );
+        }
+        check_sections(l, e, step);
+        let mut produced = produced_metrics(step);
+        check_derive(l, step, &known);
+        produced.extend(step.derive.iter().map(|d| d.get_ref().name.clone()));
+        check_question(l, step, &known);
+        check_expects(l, step, &known, &produced);
+        known.insert(sid, produced);
+    }
+}
+
+/// The exercise's own fields: format version, id, file name, chapter, requirements, steps.
+fn check_header(l: &mut Linter<'_>, ex: &LoadedExercise, source: &Source, ids: &HashSet<String>) {
     let e = &ex.exercise;
     if *e.format_version.get_ref() != FORMAT_VERSION {
         l.at(
@@ -175,215 +199,227 @@ fn check_exercise(l: &mut Linter<'_>, ex: &LoadedExercise, source: &Source, ids:
     if e.steps.is_empty() {
         l.at(e.id.span(), "the exercise has no [[step]]");
     }
-    // Metrics each earlier step makes available, by step id.
-    let mut known: HashMap<String, Vec<String>> = HashMap::new();
-    for step in &e.steps {
-        let sid = step.id.get_ref().clone();
-        if known.contains_key(&sid) {
-            l.at(
-                step.id.span(),
-                format!("step id `{sid}` is used twice in this exercise"),
-            );
+}
+
+/// The sections a step has for its kind: those it needs, none it does not take, and their
+/// values.
+fn check_sections(l: &mut Linter<'_>, e: &Exercise, step: &Step) {
+    let needs =
+        |what: &str| format!("a `{:?}` step needs a `{what}` section", step.kind).to_lowercase();
+    let has_bench = step.bench.is_some();
+    match step.kind {
+        StepKind::Bench | StepKind::Accuracy | StepKind::Sweep | StepKind::Profile
+            if !has_bench =>
+        {
+            l.at(step.id.span(), needs("bench"))
         }
-        let needs = |what: &str| {
-            format!("a `{:?}` step needs a `{what}` section", step.kind).to_lowercase()
-        };
-        let has_bench = step.bench.is_some();
-        match step.kind {
-            StepKind::Bench | StepKind::Accuracy | StepKind::Sweep | StepKind::Profile
-                if !has_bench =>
-            {
-                l.at(step.id.span(), needs("bench"))
-            }
-            StepKind::Sweep if step.sweep.is_none() => l.at(step.id.span(), needs("sweep")),
-            StepKind::Compare if step.derive.is_empty() => l.at(step.id.span(), needs("derive")),
-            StepKind::Question if step.question.is_none() => {
-                l.at(step.id.span(), needs("question"))
-            }
-            _ => {}
-        }
-        let allowed_bench = matches!(
-            step.kind,
-            StepKind::Bench | StepKind::Accuracy | StepKind::Sweep | StepKind::Profile
+        StepKind::Sweep if step.sweep.is_none() => l.at(step.id.span(), needs("sweep")),
+        StepKind::Compare if step.derive.is_empty() => l.at(step.id.span(), needs("derive")),
+        StepKind::Question if step.question.is_none() => l.at(step.id.span(), needs("question")),
+        _ => {}
+    }
+    let allowed_bench = matches!(
+        step.kind,
+        StepKind::Bench | StepKind::Accuracy | StepKind::Sweep | StepKind::Profile
+    );
+    if step.chart.is_some() != (step.kind == StepKind::Chart) {
+        l.at(
+            step.id.span(),
+            "a `chart` step, and only a `chart` step, has a `chart` section",
         );
-        if step.chart.is_some() != (step.kind == StepKind::Chart) {
-            l.at(
-                step.id.span(),
-                "a `chart` step, and only a `chart` step, has a `chart` section",
-            );
+    }
+    if let Some(c) = &step.chart {
+        let steps = &c.get_ref().steps;
+        if steps.len() < 2 {
+            l.at(c.span(), "a chart compares at least two steps");
         }
-        if let Some(c) = &step.chart {
-            let steps = &c.get_ref().steps;
-            if steps.len() < 2 {
-                l.at(c.span(), "a chart compares at least two steps");
-            }
-            for sid in steps {
-                let earlier = e
-                    .steps
-                    .iter()
-                    .take_while(|x| x.id.get_ref() != step.id.get_ref());
-                match earlier.clone().find(|x| x.id.get_ref() == sid) {
-                    Some(x) if matches!(x.kind, StepKind::Bench | StepKind::Profile) => {}
-                    Some(_) => l.at(
-                        c.span(),
-                        format!(
-                            "`{sid}` is not a bench or profile step: it keeps no record to compare"
-                        ),
+        for sid in steps {
+            let earlier = e
+                .steps
+                .iter()
+                .take_while(|x| x.id.get_ref() != step.id.get_ref());
+            match earlier.clone().find(|x| x.id.get_ref() == sid) {
+                Some(x) if matches!(x.kind, StepKind::Bench | StepKind::Profile) => {}
+                Some(_) => l.at(
+                    c.span(),
+                    format!(
+                        "`{sid}` is not a bench or profile step: it keeps no record to compare"
                     ),
-                    None => l.at(
-                        c.span(),
-                        format!("`{sid}` is not an earlier step of this exercise"),
-                    ),
-                }
+                ),
+                None => l.at(
+                    c.span(),
+                    format!("`{sid}` is not an earlier step of this exercise"),
+                ),
             }
         }
-        if step.profile.is_some() && step.kind != StepKind::Profile {
-            l.at(
-                step.id.span(),
-                "only a `profile` step takes a `profile` section",
-            );
+    }
+    if step.profile.is_some() && step.kind != StepKind::Profile {
+        l.at(
+            step.id.span(),
+            "only a `profile` step takes a `profile` section",
+        );
+    }
+    if has_bench && !allowed_bench {
+        l.at(
+            step.id.span(),
+            format!("a `{:?}` step does not take a `bench` section", step.kind).to_lowercase(),
+        );
+    }
+    if let Some(b) = &step.bench {
+        check_bench(l, b.span(), b.get_ref());
+        if let Some(cpu) = &b.get_ref().cpu {
+            check_bench(l, b.span(), cpu);
         }
-        if has_bench && !allowed_bench {
-            l.at(
-                step.id.span(),
-                format!("a `{:?}` step does not take a `bench` section", step.kind).to_lowercase(),
-            );
+    }
+    if step.peak.is_some() && step.kind != StepKind::Peak {
+        l.at(step.id.span(), "only a `peak` step takes a `peak` section");
+    }
+    if let Some(pk) = &step.peak {
+        let spec = pk.get_ref();
+        let all = std::iter::once(spec).chain(spec.cpu.as_deref());
+        if all
+            .flat_map(|s| [s.size, s.iterations, s.array_mib])
+            .any(|v| v == Some(0))
+        {
+            l.at(pk.span(), "peak sizes and iterations must be at least 1");
         }
-        if let Some(b) = &step.bench {
-            check_bench(l, b.span(), b.get_ref());
-            if let Some(cpu) = &b.get_ref().cpu {
-                check_bench(l, b.span(), cpu);
-            }
-        }
-        if step.peak.is_some() && step.kind != StepKind::Peak {
-            l.at(step.id.span(), "only a `peak` step takes a `peak` section");
-        }
-        if let Some(pk) = &step.peak {
-            let spec = pk.get_ref();
-            let all = std::iter::once(spec).chain(spec.cpu.as_deref());
-            if all
-                .flat_map(|s| [s.size, s.iterations, s.array_mib])
-                .any(|v| v == Some(0))
-            {
-                l.at(pk.span(), "peak sizes and iterations must be at least 1");
-            }
-        }
-        if let Some(s) = &step.sweep {
-            let sw = s.get_ref();
-            if sw.values.is_empty()
-                || sw.values.contains(&0)
-                || sw
-                    .cpu_values
-                    .as_ref()
-                    .is_some_and(|v| v.is_empty() || v.contains(&0))
-            {
-                l.at(
-                    s.span(),
-                    "sweep values must be a non-empty list of positive numbers",
-                );
-            }
-        }
-        if let Some(max_cv) = step.max_cv
-            && !(max_cv > 0.0 && max_cv < 1.0)
+    }
+    if let Some(s) = &step.sweep {
+        let sw = s.get_ref();
+        if sw.values.is_empty()
+            || sw.values.contains(&0)
+            || sw
+                .cpu_values
+                .as_ref()
+                .is_some_and(|v| v.is_empty() || v.contains(&0))
         {
             l.at(
-                step.id.span(),
-                format!("max_cv {max_cv} must be between 0 and 1 (0.10 is 10%)"),
+                s.span(),
+                "sweep values must be a non-empty list of positive numbers",
             );
         }
-        let mut produced: Vec<String> = super::metrics::names_of(step.kind)
-            .map(String::from)
-            .collect();
-        if step.kind == StepKind::Peak {
-            produced.extend(crate::bench::peak::PROBES.map(|k| format!("{k}_gbps")));
+    }
+    if let Some(max_cv) = step.max_cv
+        && !(max_cv > 0.0 && max_cv < 1.0)
+    {
+        l.at(
+            step.id.span(),
+            format!("max_cv {max_cv} must be between 0 and 1 (0.10 is 10%)"),
+        );
+    }
+}
+
+/// The metrics a step records, as expectations and later steps may name them (a compare
+/// step's derived names come on top).
+fn produced_metrics(step: &Step) -> Vec<String> {
+    let mut produced: Vec<String> = super::metrics::names_of(step.kind)
+        .map(String::from)
+        .collect();
+    if step.kind == StepKind::Peak {
+        produced.extend(crate::bench::peak::PROBES.map(|k| format!("{k}_gbps")));
+    }
+    if let Some(c) = &step.chart {
+        for sid in c.get_ref().steps.iter().skip(1) {
+            produced.extend(["ratio", "faster", "slower", "unclear"].map(|m| format!("{sid}.{m}")));
         }
-        if let Some(c) = &step.chart {
-            for sid in c.get_ref().steps.iter().skip(1) {
-                produced
-                    .extend(["ratio", "faster", "slower", "unclear"].map(|m| format!("{sid}.{m}")));
-            }
-        }
-        if step.kind == StepKind::Profile
-            && let Some(b) = &step.bench
-            && let Ok(graph) = zoo::build(b.get_ref().network.as_deref().unwrap_or("resnet50"))
-        {
-            produced.extend(crate::bench::flops::metric_names(&graph));
-        }
-        for d in &step.derive {
-            for reference in [&d.get_ref().numerator, &d.get_ref().denominator] {
-                if let Err(m) = resolve(reference, &known, None) {
-                    l.at(d.span(), m);
-                }
-            }
-            produced.push(d.get_ref().name.clone());
-        }
-        if let Some(q) = &step.question {
-            let q_ref = q.get_ref();
-            if q_ref.choices.len() < 2 {
-                l.at(q.span(), "a question needs at least two choices");
-            }
-            if let Some(c) = &q_ref.correct {
-                let by_steps = !c.metric.is_empty() || !c.steps.is_empty();
-                if by_steps != c.values.is_empty() {
-                    l.at(
-                        q.span(),
-                        "`correct` needs either `metric` with `steps`, or `values` (a STEP.metric per choice)",
-                    );
-                }
-                let refs = c.references();
-                if refs.len() != q_ref.choices.len() {
-                    l.at(
-                        q.span(),
-                        format!(
-                            "correct has {} entries for {} choices",
-                            refs.len(),
-                            q_ref.choices.len()
-                        ),
-                    );
-                }
-                for r in &refs {
-                    if let Err(m) = resolve(r, &known, None) {
-                        l.at(q.span(), m);
-                    }
-                }
+    }
+    if step.kind == StepKind::Profile
+        && let Some(b) = &step.bench
+        && let Ok(graph) = zoo::build(b.get_ref().network.as_deref().unwrap_or("resnet50"))
+    {
+        produced.extend(crate::bench::flops::metric_names(&graph));
+    }
+    produced
+}
+
+/// A compare step's numerators and denominators name earlier steps' metrics.
+fn check_derive(l: &mut Linter<'_>, step: &Step, known: &HashMap<String, Vec<String>>) {
+    for d in &step.derive {
+        for reference in [&d.get_ref().numerator, &d.get_ref().denominator] {
+            if let Err(m) = resolve(reference, known, None) {
+                l.at(d.span(), m);
             }
         }
-        for ex in &step.expects {
-            let x = ex.get_ref();
-            if let Err(m) = resolve(&x.metric, &known, Some(&produced)) {
-                l.at(ex.span(), m);
-            }
-            if let Some(per) = &x.per
-                && let Err(m) = resolve(per, &known, Some(&produced))
-            {
-                l.at(ex.span(), m);
-            }
-            let ranges = std::iter::once((x.min, x.max))
-                .chain(x.device.iter().map(|d| (d.min, d.max)))
-                .chain(x.backend.iter().map(|b| (b.min, b.max)));
-            for (min, max) in ranges {
-                if let (Some(a), Some(b)) = (min, max)
-                    && a > b
-                {
-                    l.at(ex.span(), format!("range min {a} is above max {b}"));
-                }
-            }
-            if x.min.is_none() && x.max.is_none() {
-                l.at(ex.span(), "an expectation needs a fallback `min` or `max` (device and backend ranges may refine it)");
-            }
-            for d in &x.device {
-                if glob::Pattern::new(&d.glob).is_err() {
-                    l.at(ex.span(), format!("`{}` is not a valid glob", d.glob));
-                }
-            }
-            if x.hint.trim().is_empty() {
+    }
+}
+
+/// A question has choices, and its `correct` names one earlier metric per choice.
+fn check_question(l: &mut Linter<'_>, step: &Step, known: &HashMap<String, Vec<String>>) {
+    if let Some(q) = &step.question {
+        let q_ref = q.get_ref();
+        if q_ref.choices.len() < 2 {
+            l.at(q.span(), "a question needs at least two choices");
+        }
+        if let Some(c) = &q_ref.correct {
+            let by_steps = !c.metric.is_empty() || !c.steps.is_empty();
+            if by_steps != c.values.is_empty() {
                 l.at(
-                    ex.span(),
-                    "an expectation needs a hint: what should a student try when it fails?",
+                    q.span(),
+                    "`correct` needs either `metric` with `steps`, or `values` (a STEP.metric per choice)",
                 );
             }
+            let refs = c.references();
+            if refs.len() != q_ref.choices.len() {
+                l.at(
+                    q.span(),
+                    format!(
+                        "correct has {} entries for {} choices",
+                        refs.len(),
+                        q_ref.choices.len()
+                    ),
+                );
+            }
+            for r in &refs {
+                if let Err(m) = resolve(r, known, None) {
+                    l.at(q.span(), m);
+                }
+            }
         }
-        known.insert(sid, produced);
+    }
+}
+
+/// Each expectation names a metric this or an earlier step records, has sound ranges, valid
+/// device globs and a hint.
+fn check_expects(
+    l: &mut Linter<'_>,
+    step: &Step,
+    known: &HashMap<String, Vec<String>>,
+    produced: &[String],
+) {
+    for ex in &step.expects {
+        let x = ex.get_ref();
+        if let Err(m) = resolve(&x.metric, known, Some(produced)) {
+            l.at(ex.span(), m);
+        }
+        if let Some(per) = &x.per
+            && let Err(m) = resolve(per, known, Some(produced))
+        {
+            l.at(ex.span(), m);
+        }
+        let ranges = std::iter::once((x.min, x.max))
+            .chain(x.device.iter().map(|d| (d.min, d.max)))
+            .chain(x.backend.iter().map(|b| (b.min, b.max)));
+        for (min, max) in ranges {
+            if let (Some(a), Some(b)) = (min, max)
+                && a > b
+            {
+                l.at(ex.span(), format!("range min {a} is above max {b}"));
+            }
+        }
+        if x.min.is_none() && x.max.is_none() {
+            l.at(ex.span(), "an expectation needs a fallback `min` or `max` (device and backend ranges may refine it)");
+        }
+        for d in &x.device {
+            if glob::Pattern::new(&d.glob).is_err() {
+                l.at(ex.span(), format!("`{}` is not a valid glob", d.glob));
+            }
+        }
+        if x.hint.trim().is_empty() {
+            l.at(
+                ex.span(),
+                "an expectation needs a hint: what should a student try when it fails?",
+            );
+        }
     }
 }
 

@@ -301,40 +301,17 @@ fn node_launches(
             grid(total, max_groups),
         )],
         // Depthwise without an epilogue; a fused one takes the general kernel.
-        Op::Conv2d(conv)
-            if conv.groups > 1
-                && conv.groups == conv.in_channels
-                && conv.groups == conv.out_channels
-                && conv.act == crate::model::op::Act::None
-                && !conv.residual =>
-        {
+        Op::Conv2d(conv) if is_plain_depthwise(conv) => {
             let (wt, bias) = (get("weight")?, if conv.bias { get("bias")? } else { &[] });
-            let (kh, kw) = conv.kernel;
-            // Depthwise weights as (ky, kx, c) in f32, rounded to the run's precision.
-            let mut dw = vec![0f32; kh * kw * c];
-            for ch in 0..c {
-                for k in 0..kh * kw {
-                    dw[k * c + ch] = precision.round(wt[ch * kh * kw + k]);
-                }
-            }
+            let dw = depthwise_weights(wt, c, conv.kernel, precision);
             *weight_bytes += ((dw.len() + bias.len()) * 4) as u64;
-            let p = vec![
-                total,
-                xh,
-                xw,
-                c,
-                h,
-                w,
-                kh,
-                kw,
-                conv.stride.0,
-                conv.stride.1,
-                conv.padding.0,
-                conv.padding.1,
-                conv.dilation.0,
-                conv.dilation.1,
-                conv.bias as usize,
-            ];
+            let (kh, kw) = conv.kernel;
+            let p = [
+                [total, xh, xw, c, h, w, kh, kw].as_slice(),
+                &[conv.stride.0, conv.stride.1, conv.padding.0, conv.padding.1],
+                &[conv.dilation.0, conv.dilation.1, conv.bias as usize],
+            ]
+            .concat();
             let reads = vec![
                 (1, input_buf(0)),
                 (2, consts.add("depthwise weights", f32_bytes(&dw))),
@@ -342,12 +319,14 @@ fn node_launches(
             ];
             vec![(Kernel::Depthwise, p, reads, 4, grid(total, max_groups))]
         }
-        Op::Conv2d(conv) => {
+        // Convolutions and linear layers (1×1 convolutions of 1×1 images): implicit GEMMs.
+        Op::Conv2d(_) | Op::Linear { .. } => {
+            let (conv, packed, input) = as_gemm(&node.op, get("weight")?, (xh, xw, xc));
             let bias = if conv.bias { get("bias")? } else { &[] };
             let gemm = Gemm {
-                conv,
-                weights: &pack_conv(conv, get("weight")?),
-                input: (xh, xw, xc),
+                conv: &conv,
+                weights: &packed,
+                input,
                 output: (n, h, w),
                 variant: variants.get(&node.name).map(String::as_str),
             };
@@ -363,37 +342,6 @@ fn node_launches(
                 (3, bias_buf(consts, bias)),
                 (5, residual),
             ];
-            with_reads(launches, &reads)
-        }
-        Op::Linear {
-            in_features: fin,
-            out_features: fout,
-            bias,
-        } => {
-            let (fin, fout) = (*fin, *fout);
-            let wt = get("weight")?;
-            let b = if *bias { get("bias")? } else { &[] };
-            // W (out × in) as the (in × out) B matrix of a 1×1 convolution on 1×1 images.
-            let mut packed = vec![0f32; fin * fout];
-            for o in 0..fout {
-                for k in 0..fin {
-                    packed[k * fout + o] = wt[o * fin + k];
-                }
-            }
-            let conv = Conv2d {
-                bias: *bias,
-                ..Conv2d::new(fin, fout, 1, 1, 0)
-            };
-            let gemm = Gemm {
-                conv: &conv,
-                weights: &packed,
-                input: (1, 1, fin),
-                output: (n, 1, 1),
-                variant: variants.get(&node.name).map(String::as_str),
-            };
-            let (launches, bytes) = gemm.launches(consts, &node.name, precision, max_binding)?;
-            *weight_bytes += bytes + b.len() as u64 * 4;
-            let reads = [(1, input_buf(0)), (3, bias_buf(consts, b)), (5, Buf::Zero)];
             with_reads(launches, &reads)
         }
         Op::BatchNorm { eps, .. } => {
@@ -613,6 +561,63 @@ impl Gemm<'_> {
             ));
         }
         Ok((launches, uploaded))
+    }
+}
+
+/// A depthwise convolution without an epilogue: the direct kernel (a fused one takes the
+/// GEMM's).
+fn is_plain_depthwise(conv: &Conv2d) -> bool {
+    conv.groups > 1
+        && conv.groups == conv.in_channels
+        && conv.groups == conv.out_channels
+        && conv.act == crate::model::op::Act::None
+        && !conv.residual
+}
+
+/// Depthwise weights (c, kh, kw) as (ky, kx, c) in f32, rounded to the run's precision.
+fn depthwise_weights(
+    wt: &[f32],
+    c: usize,
+    (kh, kw): (usize, usize),
+    precision: Precision,
+) -> Vec<f32> {
+    let mut dw = vec![0f32; kh * kw * c];
+    for ch in 0..c {
+        for k in 0..kh * kw {
+            dw[k * c + ch] = precision.round(wt[ch * kh * kw + k]);
+        }
+    }
+    dw
+}
+
+/// A convolution or linear layer as the implicit GEMM of conv2d.wgsl: the convolution, its
+/// packed weights and its input as NHWC (h, w, c). A linear layer's W (out × in) is the
+/// (in × out) B matrix of a 1×1 convolution on 1×1 images.
+fn as_gemm(
+    op: &Op,
+    weight: &[f32],
+    input: (usize, usize, usize),
+) -> (Conv2d, Vec<f32>, (usize, usize, usize)) {
+    match *op {
+        Op::Conv2d(conv) => (conv, pack_conv(&conv, weight), input),
+        Op::Linear {
+            in_features: fin,
+            out_features: fout,
+            bias,
+        } => {
+            let mut packed = vec![0f32; fin * fout];
+            for o in 0..fout {
+                for k in 0..fin {
+                    packed[k * fout + o] = weight[o * fin + k];
+                }
+            }
+            let conv = Conv2d {
+                bias,
+                ..Conv2d::new(fin, fout, 1, 1, 0)
+            };
+            (conv, packed, (1, 1, fin))
+        }
+        _ => unreachable!("only convolutions and linear layers are GEMMs"),
     }
 }
 
