@@ -376,3 +376,77 @@ pub fn now_unix() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
 }
+
+/// What one run of the probes measures on one device: `workshop peak` and the course's peak
+/// steps ask for the same.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProbeSpec {
+    pub backend: BackendKind,
+    pub device: usize,
+    pub precision: Precision,
+    pub threads: Option<usize>,
+    /// GEMM size (M = N = K).
+    pub size: usize,
+    pub iterations: usize,
+    /// Size of each bandwidth array, in MiB.
+    pub array_mib: usize,
+}
+
+/// The GEMM peak, the bandwidth probes where the backend has them, and the ceiling above the
+/// GEMM (from the facts of the device that was measured, or measured on the CPU's cores).
+#[derive(Debug, Clone)]
+pub struct Probe {
+    pub gemm: GemmPeak,
+    pub bandwidth: Option<Vec<Bandwidth>>,
+    pub ceiling: Option<Theoretical>,
+}
+
+/// Run the probes of `spec`.
+pub fn probe(spec: &ProbeSpec) -> Result<Probe> {
+    let (backend, device, threads) = (spec.backend, spec.device, spec.threads);
+    let (gemm, info) = gemm_on(
+        backend,
+        device,
+        spec.precision,
+        threads,
+        spec.size,
+        spec.iterations,
+    )?;
+    let bandwidth = bandwidth_if_any(backend, device, spec.array_mib, spec.iterations, threads)?;
+    let ceiling = info.and_then(|d| theoretical(backend, &d, threads));
+    Ok(Probe {
+        gemm,
+        bandwidth,
+        ceiling,
+    })
+}
+
+impl Probe {
+    /// Every GEMM result matched the reference: only then does the peak count.
+    pub fn validated(&self) -> bool {
+        self.gemm.validated == self.gemm.iterations
+    }
+
+    /// Why the peak does not count, when a GEMM result did not match the reference.
+    pub fn refusal(&self) -> Option<String> {
+        (!self.validated()).then(|| {
+            format!(
+                "{} of {} GEMM results did not match the reference: the peak does not count",
+                self.gemm.iterations - self.gemm.validated,
+                self.gemm.iterations
+            )
+        })
+    }
+
+    /// Keep the measurement for later FLOPs profiles and exercises of this device ([`keep`]).
+    pub fn keep(&self, spec: &ProbeSpec) -> Result<std::path::PathBuf> {
+        let bandwidth = self.bandwidth.as_deref().unwrap_or_default();
+        keep(
+            spec.backend,
+            spec.device,
+            spec.threads,
+            &self.gemm,
+            bandwidth,
+        )
+    }
+}

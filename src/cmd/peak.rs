@@ -3,59 +3,43 @@
 use anyhow::{Result, bail};
 
 use super::args::PeakArgs;
-use crate::bench;
+use crate::bench::peak::{self, ProbeSpec};
 use crate::report;
 
 pub fn run(a: PeakArgs) -> Result<()> {
-    let (gemm, device) = bench::peak::gemm_on(
-        a.backend,
-        a.device,
-        a.precision,
-        a.threads,
-        a.size,
-        a.iterations,
-    )?;
-    let bandwidth =
-        bench::peak::bandwidth_if_any(a.backend, a.device, a.array_mib, a.iterations, a.threads)?;
-    // From the facts of the device that was measured (a GPU's SMs and clock, not the
-    // host's), or measured on the CPU's cores.
-    let ceiling = device.and_then(|d| bench::peak::theoretical(a.backend, &d, a.threads));
+    let spec = ProbeSpec {
+        backend: a.backend,
+        device: a.device,
+        precision: a.precision,
+        threads: a.threads,
+        size: a.size,
+        iterations: a.iterations,
+        array_mib: a.array_mib,
+    };
+    let p = peak::probe(&spec)?;
     if a.json {
-        println!(
-            "{}",
-            serde_json::json!({ "gemm": gemm, "bandwidth": bandwidth, "theoretical": ceiling })
-        );
+        let json = serde_json::json!({
+            "gemm": p.gemm, "bandwidth": p.bandwidth, "theoretical": p.ceiling
+        });
+        println!("{json}");
     } else {
-        println!("{}", report::machine::peak(&gemm, bandwidth.as_deref()));
+        println!("{}", report::machine::peak(&p.gemm, p.bandwidth.as_deref()));
         println!(
             "{}",
-            report::machine::ceiling(gemm.gflops, ceiling.as_ref())
+            report::machine::ceiling(p.gemm.gflops, p.ceiling.as_ref())
         );
     }
-    if gemm.validated == gemm.iterations {
-        let kept = bench::peak::keep(
-            a.backend,
-            a.device,
-            a.threads,
-            &gemm,
-            bandwidth.as_deref().unwrap_or_default(),
-        );
-        // The measurement stands without the cache; say why it was not kept.
-        match kept {
-            Ok(path) if !a.json => println!(
-                "Kept for FLOPs profiles and exercises in {}",
-                path.display()
-            ),
-            Ok(_) => {}
-            Err(e) => eprintln!("warning: the result was not kept for later: {e:#}"),
-        }
+    if let Some(why) = p.refusal() {
+        bail!("{why}");
     }
-    if gemm.validated < gemm.iterations {
-        bail!(
-            "{} of {} GEMM results did not match the reference: the throughput above does not count",
-            gemm.iterations - gemm.validated,
-            gemm.iterations
-        );
+    // The measurement stands without the cache; say why it was not kept.
+    match p.keep(&spec) {
+        Ok(path) if !a.json => println!(
+            "Kept for FLOPs profiles and exercises in {}",
+            path.display()
+        ),
+        Ok(_) => {}
+        Err(e) => eprintln!("warning: the result was not kept for later: {e:#}"),
     }
     Ok(())
 }

@@ -4,7 +4,7 @@
 use anyhow::{Result, bail};
 
 use super::{StepContext, StepOutput};
-use crate::bench;
+use crate::bench::peak::{self, ProbeSpec};
 use crate::course::ui::{Show, Ui};
 
 pub fn run(ctx: &StepContext<'_>, out: &mut StepOutput, ui: &mut dyn Ui) -> Result<()> {
@@ -12,57 +12,39 @@ pub fn run(ctx: &StepContext<'_>, out: &mut StepOutput, ui: &mut dyn Ui) -> Resu
     let spec = (ctx.step.peak.as_ref())
         .map(|p| p.get_ref().resolved(state.backend))
         .unwrap_or_default();
-    let size = spec.size.unwrap_or(1024);
-    let iterations = spec.iterations.unwrap_or(10);
-    let precision = spec.precision.unwrap_or(crate::model::Precision::Fp32);
-    let (g, info) = bench::peak::gemm_on(
-        state.backend,
-        state.device,
-        precision,
-        state.threads,
-        size,
-        iterations,
-    )?;
-    let bw = bench::peak::bandwidth_if_any(
-        state.backend,
-        state.device,
-        spec.array_mib.unwrap_or(256),
-        iterations,
-        state.threads,
-    )?;
+    let probe = ProbeSpec {
+        backend: state.backend,
+        device: state.device,
+        precision: spec.precision.unwrap_or(crate::model::Precision::Fp32),
+        threads: state.threads,
+        size: spec.size.unwrap_or(1024),
+        iterations: spec.iterations.unwrap_or(10),
+        array_mib: spec.array_mib.unwrap_or(256),
+    };
+    let p = peak::probe(&probe)?;
+    ui.show(Show::Peak {
+        gemm: &p.gemm,
+        bandwidth: p.bandwidth.as_deref(),
+        ceiling: p.ceiling.as_ref(),
+    });
     // The ceiling above the GEMM (a CPU's FMA throughput, measured now; a GPU's
     // specification), recorded so expectations can place the GEMM under it.
-    let ceiling = info.and_then(|d| bench::peak::theoretical(state.backend, &d, state.threads));
-    ui.show(Show::Peak {
-        gemm: &g,
-        bandwidth: bw.as_deref(),
-        ceiling: ceiling.as_ref(),
-    });
-    if let Some(t) = &ceiling {
+    if let Some(t) = &p.ceiling {
         out.metrics.set("ceiling_gflops", t.gflops);
     }
     // The device, for expectations per device (`device = [{ glob = "*H100*", ... }]`).
-    if !g.device.is_empty() {
-        out.device = g.device.clone();
-        out.environment.insert("device".into(), g.device.clone());
+    if !p.gemm.device.is_empty() {
+        out.device = p.gemm.device.clone();
+        out.environment
+            .insert("device".into(), p.gemm.device.clone());
     }
-    if g.validated < g.iterations {
-        bail!(
-            "{} of {} GEMM results did not match the reference: the peak does not count",
-            g.iterations - g.validated,
-            g.iterations
-        );
+    if let Some(why) = p.refusal() {
+        bail!("{why}");
     }
-    out.metrics.set("gemm_gflops", g.gflops);
+    out.metrics.set("gemm_gflops", p.gemm.gflops);
     // Kept for later FLOPs profiles of this device (a failure to keep it is harmless).
-    let _ = bench::peak::keep(
-        state.backend,
-        state.device,
-        state.threads,
-        &g,
-        bw.as_deref().unwrap_or_default(),
-    );
-    for b in bw.unwrap_or_default() {
+    let _ = p.keep(&probe);
+    for b in p.bandwidth.iter().flatten() {
         out.metrics.set(format!("{}_gbps", b.kernel), b.median_gbps);
     }
     Ok(())

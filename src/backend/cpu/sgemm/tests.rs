@@ -1,0 +1,248 @@
+//! The GEMM against a plain triple loop: every SIMD path, tile shape, K block and alias case.
+
+use super::*;
+
+/// Every kernel this machine can run, against a plain triple loop, on sizes that cover
+/// edge tiles in both directions and several K blocks.
+#[test]
+fn kernels_match_naive_matmul() {
+    let one = |rows, tall, short| Kernels {
+        rows,
+        panels: 1,
+        tall,
+        short,
+        tall1: tall,
+        short1: short,
+    };
+    let mut kernels: Vec<(&str, Kernels)> = vec![
+        ("portable", kernels_for(Simd::Portable)),
+        // The tall-and-short logic, which only AVX-512 uses, on any machine.
+        (
+            "portable 12",
+            one(12, tile_portable::<12>, tile_portable::<MR>),
+        ),
+    ];
+    let best = crate::backend::cpu::simd::best();
+    #[cfg(target_arch = "x86_64")]
+    if best.has_avx2() {
+        kernels.push(("avx2", kernels_for(Simd::Avx2Fma)));
+        // AVX-512's shapes through the same source with AVX2 vectors (they spill
+        // registers: correct, not fast), two panels wide with one-panel tiles for an odd
+        // last panel, as AVX-512 runs them.
+        kernels.push((
+            "avx2 12 rows, 2 panels",
+            Kernels {
+                rows: 12,
+                panels: 2,
+                tall: avx2::tile::<12, 4>,
+                short: avx2::tile::<MR, 4>,
+                tall1: avx2::tile::<12, 2>,
+                short1: avx2::tile::<MR, 2>,
+            },
+        ));
+    }
+    if best >= Simd::Avx512 {
+        kernels.push(("avx512", kernels_for(Simd::Avx512)));
+    }
+    for &(m, k, n) in &[
+        (1, 1, 1),
+        (6, 16, 16),
+        (7, 300, 17),
+        (13, 513, 40),
+        (5, 3, 33),
+        (30, 20, 32),
+        (19, 260, 17),
+        // Three K blocks, the last a short one.
+        (7, 2100, 17),
+        // Rows 4 and 8 KiB apart: the K blocks are copied first (`aliases`).
+        (14, 1024, 20),
+        (3, 2048, 16),
+    ] {
+        let a: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0)
+            .collect();
+        let bm: Vec<f32> = (0..k * n)
+            .map(|i| ((i * 5 % 11) as f32 - 5.0) / 5.0)
+            .collect();
+        let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.1).collect();
+        let packed = PackedB::<f32>::new(k, n, |kk, j| bm[kk * n + j], Some(&bias));
+        let packed = packed.view();
+        // All the panels, and from the second on (a call that starts on an odd panel).
+        let starts = (0..packed.panels().min(2))
+            .flat_map(|p0| [Order::RowsOuter, Order::PanelsOuter].map(|order| (p0, order)));
+        for ((name, kern), (p0, order)) in kernels
+            .iter()
+            .flat_map(|k| starts.clone().map(move |s| (k, s)))
+        {
+            // C has a wider row stride than N, to check that ldc is honoured.
+            let ldc = n + 3;
+            let mut c = vec![f32::NAN; m * ldc];
+            // SAFETY: a is m × k, c is m × ldc with ldc ≥ n − p0·NR.
+            unsafe {
+                gemm_with(
+                    *kern,
+                    order,
+                    m,
+                    a.as_ptr(),
+                    k,
+                    &packed,
+                    p0,
+                    packed.panels(),
+                    c.as_mut_ptr(),
+                    ldc,
+                )
+            };
+            for i in 0..m {
+                for j in p0 * NR..n {
+                    let want: f64 = bias[j] as f64
+                        + (0..k)
+                            .map(|kk| a[i * k + kk] as f64 * bm[kk * n + j] as f64)
+                            .sum::<f64>();
+                    let got = c[i * ldc + j - p0 * NR] as f64;
+                    assert!(
+                        (got - want).abs() < 1e-4 * (1.0 + want.abs()),
+                        "{name} {order:?} from panel {p0} m{m} k{k} n{n} ({i},{j}): {got} \
+                         vs {want}"
+                    );
+                }
+                // Nothing past the call's columns is written.
+                assert!(
+                    c[i * ldc + n - p0 * NR..(i + 1) * ldc]
+                        .iter()
+                        .all(|v| v.is_nan())
+                );
+            }
+        }
+    }
+}
+
+/// Half-precision panels give exactly what the same values packed in f32 give, widened in
+/// registers by the f16 tiles (each SIMD path's, and `gemm_packed`'s choice) or a K block at
+/// a time (bf16): several K blocks, strides that alias (A's blocks copied), an edge panel,
+/// and a panel range that starts past panel 0.
+#[test]
+fn packed_halves_match_f32() {
+    fn run<T: Elem>(b: &PackedB<T>, a: &[f32], m: usize, p: (usize, usize)) -> Vec<f32> {
+        let ldc = (p.1 - p.0) * NR;
+        let mut c = vec![f32::NAN; m * ldc];
+        // SAFETY: a is m × b.k, c is m × ldc, wide enough for the panels' columns.
+        unsafe { gemm_packed(m, a.as_ptr(), b.k, b, p, c.as_mut_ptr(), ldc) };
+        c
+    }
+    for &(m, k, n) in &[(7, 300, 17), (14, 1024, 40), (3, 2048, 33), (5, 2100, 20)] {
+        let a: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0)
+            .collect();
+        // Multiples of 1/8 below 2 in magnitude: exact in f16 and bf16.
+        let b = |kk: usize, j: usize| ((kk * 5 + j * 3) % 17) as f32 / 8.0 - 1.0;
+        let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.25).collect();
+        let f = PackedB::<f32>::new(k, n, b, Some(&bias));
+        let h = PackedB::<half::f16>::new(k, n, b, Some(&bias));
+        let bf = PackedB::<half::bf16>::new(k, n, b, Some(&bias));
+        let panels = n.div_ceil(NR);
+        for p in [(0, panels), (1, panels)] {
+            let want = run(&f, &a, m, p);
+            let cols = (p.1 * NR).min(n) - p.0 * NR;
+            let ldc = want.len() / m;
+            assert!(
+                want.chunks(ldc)
+                    .all(|row| row[..cols].iter().all(|v| v.is_finite())),
+                "m{m} k{k} n{n}: C not all written"
+            );
+            // The f16 tiles of every SIMD path this machine runs, called directly.
+            let best = crate::backend::cpu::simd::best();
+            let mut direct = Vec::new();
+            for (name, path) in [
+                ("f16 avx2 tiles", Simd::Avx2Fma),
+                ("f16 avx512 tiles", Simd::Avx512),
+            ] {
+                if let Some(kern) = kernels_f16_for(path).filter(|_| best >= path) {
+                    let view = Panels {
+                        k,
+                        n,
+                        data: &h.data,
+                        bias: &h.bias,
+                    };
+                    let mut c = vec![f32::NAN; want.len()];
+                    // SAFETY: as for `run`.
+                    unsafe {
+                        gemm_with(
+                            kern,
+                            Order::ByCache,
+                            m,
+                            a.as_ptr(),
+                            k,
+                            &view,
+                            p.0,
+                            p.1,
+                            c.as_mut_ptr(),
+                            ldc,
+                        )
+                    };
+                    direct.push((name, c));
+                }
+            }
+            let halves = [("f16", run(&h, &a, m, p)), ("bf16", run(&bf, &a, m, p))];
+            for (name, got) in halves.into_iter().chain(direct) {
+                for (r, (g, w)) in got
+                    .chunks(want.len() / m)
+                    .zip(want.chunks(want.len() / m))
+                    .enumerate()
+                {
+                    assert_eq!(
+                        g[..cols],
+                        w[..cols],
+                        "{name} m{m} k{k} n{n} panels {p:?} row {r}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Both packers lay the panels out as the kernels read them (panel p, row kk, column jj
+/// at `(p·K + kk)·NR + jj`), including the zero padding of the last panel.
+#[test]
+fn packers_lay_out_panels() {
+    let b = |i: usize, kk: usize, j: usize| (i * 1000 + kk * 37 + j) as f32 * 0.5;
+    for &(count, k, n) in &[(3usize, 5usize, 37usize), (1, 1, 16), (2, 300, 5)] {
+        let expected = |i: usize| {
+            let mut data = vec![0f32; n.div_ceil(NR) * k * NR];
+            for j in 0..n {
+                for kk in 0..k {
+                    data[((j / NR) * k + kk) * NR + j % NR] = b(i, kk, j);
+                }
+            }
+            data
+        };
+        let rows = PackedB::<f32>::many_from_rows(count, k, n, |kk, j0, values| {
+            for (i, v) in values.chunks_mut(NR).enumerate() {
+                for (jj, v) in v.iter_mut().enumerate() {
+                    *v = b(i, kk, j0 + jj);
+                }
+            }
+        });
+        assert_eq!(rows.len(), count);
+        for (i, packed) in rows.iter().enumerate() {
+            assert_eq!(
+                packed.data,
+                expected(i),
+                "rows: matrix {i} of {count}, {k}×{n}"
+            );
+            assert!(packed.bias.iter().all(|&v| v == 0.0));
+            let bias: Vec<f32> = (0..n).map(|j| j as f32).collect();
+            let by_col = PackedB::<f32>::from_columns(
+                k,
+                n,
+                |j, col| {
+                    col.iter_mut()
+                        .enumerate()
+                        .for_each(|(kk, v)| *v = b(i, kk, j))
+                },
+                Some(&bias),
+            );
+            assert_eq!(by_col.data, expected(i), "columns: matrix {i}, {k}×{n}");
+            assert_eq!(by_col.bias[..n], bias[..]);
+        }
+    }
+}

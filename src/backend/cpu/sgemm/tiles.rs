@@ -1,0 +1,173 @@
+//! The GEMM's register tiles: the portable one, and one macro (`simd_tile!`) that makes the
+//! AVX2 and AVX-512 ones, each for f32 and f16 panels.
+
+use super::*;
+
+/// The tile kernel in plain Rust, for CPUs without AVX2 + FMA (the compiler vectorises it for
+/// the target's baseline SIMD).
+///
+/// # Safety
+/// Each of the first `ROWS` `a[r]` has `kc` readable floats, `b` has `kc · NR`, `bias` has
+/// `NR`, and `c` has `ROWS` rows of `NR` floats spaced `ldc` apart.
+pub(super) unsafe fn tile_portable<const ROWS: usize>(
+    kc: usize,
+    a: &[*const f32; MAX_ROWS],
+    (b, _): (*const f32, usize),
+    c: *mut f32,
+    ldc: usize,
+    init: Init,
+    bias: *const f32,
+) {
+    let mut acc = [[0f32; NR]; ROWS];
+    // SAFETY: the pointer ranges are guaranteed by the caller (see above).
+    unsafe {
+        for (r, row) in acc.iter_mut().enumerate() {
+            for (j, v) in row.iter_mut().enumerate() {
+                *v = if init == Init::Load {
+                    *c.add(r * ldc + j)
+                } else {
+                    *bias.add(j)
+                };
+            }
+        }
+        for kk in 0..kc {
+            let bk = std::slice::from_raw_parts(b.add(kk * NR), NR);
+            for (r, row) in acc.iter_mut().enumerate() {
+                let av = *a[r].add(kk);
+                for (v, bv) in row.iter_mut().zip(bk) {
+                    *v += av * bv;
+                }
+            }
+        }
+        for (r, row) in acc.iter().enumerate() {
+            std::ptr::copy_nonoverlapping(row.as_ptr(), c.add(r * ldc), NR);
+        }
+    }
+}
+
+/// A register-tile kernel for one SIMD width: `ROWS` rows of `VECS` vectors (`VECS` × lanes =
+/// `NR` for one panel, a multiple of it for several side by side), all accumulators in
+/// registers. Per k: `VECS` loads of B, `ROWS` broadcasts of A, `ROWS · VECS` FMAs. One source
+/// for every x86 width, so the AVX2 instances that every x86 machine here tests are the same
+/// code as the AVX-512 ones; each width gets `tile` (f32 panels) and `tile_h` (f16 panels,
+/// widened by `$load_h` as B is loaded) from one invocation.
+#[cfg(target_arch = "x86_64")]
+macro_rules! simd_tile {
+    // Both tiles of one width: `tile` reads f32 panels, `tile_h` f16 ones through `$load_h`.
+    ($features:literal, $features_h:literal, $lanes:literal, $zero:ident, $load:ident,
+     $store:ident, $splat:ident, $fma:ident, $load_h:ident) => {
+        use super::{B_PREFETCH, Init, MAX_PANELS, MAX_ROWS, NR};
+        use half::f16;
+        use std::arch::x86_64::*;
+
+        simd_tile!(@tile tile, f32, $features, $lanes, $zero, $load, $store, $splat, $fma, $load);
+        simd_tile!(@tile tile_h, f16, $features_h, $lanes, $zero, $load, $store, $splat, $fma,
+            $load_h);
+    };
+    (@tile $name:ident, $e:ty, $features:literal, $lanes:literal, $zero:ident, $load:ident,
+     $store:ident, $splat:ident, $fma:ident, $load_b:ident) => {
+        /// # Safety
+        /// The CPU has this function's features (checked by `kernels_for`'s and
+        /// `kernels_f16_for`'s callers), and the pointer ranges are as for `tile_portable`.
+        #[target_feature(enable = $features)]
+        pub(in crate::backend::cpu::sgemm) unsafe fn $name<const ROWS: usize, const VECS: usize>(
+            kc: usize,
+            a: &[*const f32; MAX_ROWS],
+            (b, bstride): (*const $e, usize),
+            c: *mut f32,
+            ldc: usize,
+            init: Init,
+            bias: *const f32,
+        ) {
+            const {
+                assert!((VECS * $lanes).is_multiple_of(NR) && VECS * $lanes <= MAX_PANELS * NR);
+                assert!(ROWS <= MAX_ROWS);
+            };
+            // Vector v reads panel v·lanes / NR's block, (v·lanes) mod NR into its row.
+            let bv: [*const $e; VECS] = std::array::from_fn(|v| {
+                b.wrapping_add(v * $lanes / NR * bstride + v * $lanes % NR)
+            });
+            // SAFETY: the features are enabled for this function; every load and store stays
+            // inside the ranges the caller guarantees (unaligned accesses throughout).
+            unsafe {
+                let mut acc = [[$zero(); VECS]; ROWS];
+                for (r, row) in acc.iter_mut().enumerate() {
+                    let src = if init == Init::Load {
+                        c.add(r * ldc)
+                    } else {
+                        bias
+                    };
+                    for (v, x) in row.iter_mut().enumerate() {
+                        *x = $load(src.add(v * $lanes));
+                    }
+                }
+                let a: [*const f32; ROWS] = std::array::from_fn(|r| a[r]);
+                for kk in 0..kc {
+                    // Each panel's row B_PREFETCH k ahead (a hint: past the end reads nothing).
+                    for q in 0..VECS * $lanes / NR {
+                        let ahead = bv[q * NR / $lanes].wrapping_add((kk + B_PREFETCH) * NR);
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+                    }
+                    let bk: [_; VECS] = std::array::from_fn(|v| $load_b(bv[v].add(kk * NR)));
+                    for (row, a) in acc.iter_mut().zip(a) {
+                        let av = $splat(*a.add(kk));
+                        for (x, bv) in row.iter_mut().zip(bk) {
+                            *x = $fma(av, bv, *x);
+                        }
+                    }
+                }
+                for (r, row) in acc.iter().enumerate() {
+                    for (v, x) in row.iter().enumerate() {
+                        $store(c.add(r * ldc + v * $lanes), *x);
+                    }
+                }
+            }
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) mod avx2 {
+    simd_tile!(
+        "avx2,fma",
+        "avx2,fma,f16c",
+        8,
+        _mm256_setzero_ps,
+        _mm256_loadu_ps,
+        _mm256_storeu_ps,
+        _mm256_set1_ps,
+        _mm256_fmadd_ps,
+        load_h
+    );
+
+    /// 8 f16 values widened to f32.
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    unsafe fn load_h(p: *const f16) -> __m256 {
+        // SAFETY: the caller's: 8 readable values at p.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) mod avx512 {
+    simd_tile!(
+        "avx512f",
+        "avx512f",
+        16,
+        _mm512_setzero_ps,
+        _mm512_loadu_ps,
+        _mm512_storeu_ps,
+        _mm512_set1_ps,
+        _mm512_fmadd_ps,
+        load_h
+    );
+
+    /// 16 f16 values widened to f32.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn load_h(p: *const f16) -> __m512 {
+        // SAFETY: the caller's: 16 readable values at p.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
+    }
+}
