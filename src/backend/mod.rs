@@ -236,6 +236,12 @@ pub enum BackendError {
     Invalid(String),
 }
 
+impl From<crate::model::weights::MissingTensor> for BackendError {
+    fn from(e: crate::model::weights::MissingTensor) -> Self {
+        BackendError::Invalid(e.to_string())
+    }
+}
+
 impl BackendError {
     /// Whether the failure says this build or machine cannot run the request (not that the
     /// request or the run went wrong): the course records such a step as unavailable.

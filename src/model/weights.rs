@@ -230,7 +230,34 @@ impl Weights {
     pub fn get(&self, name: &str) -> Option<&Tensor> {
         self.tensors.get(name)
     }
+
+    /// Parameter `suffix` (`weight`, `bias`, ...) of node `node` (`layer1.0.conv1`): what a
+    /// backend packs when it prepares the node.
+    pub fn param(&self, node: &str, suffix: &str) -> Result<&[f32], MissingTensor> {
+        let name = format!("{node}.{suffix}");
+        (self.tensors.get(&name))
+            .map(|t| t.data.as_slice())
+            .ok_or(MissingTensor(name))
+    }
+
+    /// Batch norm `node` as the per-channel affine map (scale, shift) it computes in
+    /// inference: what every backend runs it as.
+    pub fn batch_norm_affine(
+        &self,
+        node: &str,
+        eps: f32,
+    ) -> Result<(Vec<f32>, Vec<f32>), MissingTensor> {
+        let p = |suffix| self.param(node, suffix);
+        let (gamma, beta) = (p("weight")?, p("bias")?);
+        let (mean, var) = (p("running_mean")?, p("running_var")?);
+        Ok(super::op::batch_norm_affine(gamma, beta, mean, var, eps))
+    }
 }
+
+/// A tensor a prepared node needs and the weights lack.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("weights have no tensor `{0}`")]
+pub struct MissingTensor(pub String);
 
 /// Read one safetensors tensor as f32, whatever floating-point type it was stored in.
 pub fn to_f32(view: &TensorView<'_>) -> Option<Vec<f32>> {

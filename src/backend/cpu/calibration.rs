@@ -2,7 +2,7 @@
 //! batch (as a trained network's would be), and the calibration session's packed convolutions
 //! handed on to the session that runs next where they fit (the [`Donor`]).
 
-use super::session::{NodeKernel, tensor};
+use super::session::NodeKernel;
 use super::*;
 use super::{BackendError, ExecOptions, Session};
 
@@ -54,8 +54,8 @@ pub fn calibrate_batch_norm(
     // Calibration normalises with batch statistics, so the steps carry gamma and beta.
     for (step, node) in session.steps.iter_mut().zip(&plan.graph.nodes) {
         if let NodeKernel::Affine { scale, shift } = step {
-            scale.copy_from_slice(tensor(weights, &node.name, "weight")?);
-            shift.copy_from_slice(tensor(weights, &node.name, "bias")?);
+            scale.copy_from_slice(weights.param(&node.name, "weight")?);
+            shift.copy_from_slice(weights.param(&node.name, "bias")?);
         }
     }
     session.calibrate = true;

@@ -44,7 +44,7 @@ use super::{
     Backend, BackendError, BackendKind, DeviceInfo, ExecOptions, KernelTime, MemoryStats, Session,
     StreamTimes, Theoretical,
 };
-use crate::model::op::{Op, Pool, batch_norm_affine};
+use crate::model::op::{Op, Pool};
 use crate::model::{Plan, Precision, Tensor, Weights};
 use elem::Elem;
 use kernels::{Nhwc, PackedConv, PackedLinear};

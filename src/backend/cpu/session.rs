@@ -107,7 +107,7 @@ impl<T: Elem> CpuSession<T> {
         let mut steps = Vec::with_capacity(plan.graph.nodes.len());
         let mut weight_bytes = 0u64;
         for (id, node) in plan.graph.nodes.iter().enumerate() {
-            let get = |suffix: &str| tensor(weights, &node.name, suffix);
+            let get = |suffix: &str| weights.param(&node.name, suffix);
             let shape = run_shape(id);
             let step = match node.op {
                 Op::Input { .. } => NodeKernel::Input,
@@ -143,13 +143,7 @@ impl<T: Elem> CpuSession<T> {
                     NodeKernel::Conv(packed)
                 }
                 Op::BatchNorm { eps, .. } => {
-                    let (g, b, m, v) = (
-                        get("weight")?,
-                        get("bias")?,
-                        get("running_mean")?,
-                        get("running_var")?,
-                    );
-                    let (scale, shift) = batch_norm_affine(g, b, m, v, eps);
+                    let (scale, shift) = weights.batch_norm_affine(&node.name, eps)?;
                     weight_bytes += 2 * scale.len() as u64 * 4;
                     NodeKernel::Affine { scale, shift }
                 }
@@ -486,19 +480,6 @@ impl<T: Elem> CpuSession<T> {
         y.copy_from_slice(values[v].as_ref().expect("input computed"));
         y
     }
-}
-
-/// The tensor `{node}.{suffix}` of `weights`.
-pub(super) fn tensor<'w>(
-    weights: &'w Weights,
-    node: &str,
-    suffix: &str,
-) -> Result<&'w [f32], BackendError> {
-    let name = format!("{node}.{suffix}");
-    weights
-        .get(&name)
-        .map(|t| t.data.as_slice())
-        .ok_or_else(|| BackendError::Invalid(format!("weights have no tensor `{name}`")))
 }
 
 pub(super) fn kernel_name<T: Elem>(step: &NodeKernel<T>, op: &Op) -> String {

@@ -6,7 +6,7 @@
 
 use super::program::*;
 use crate::backend::{BackendError, KernelFamily};
-use crate::model::op::{Act, Conv2d, Op, batch_norm_affine};
+use crate::model::op::{Act, Conv2d, Op};
 use crate::model::{Plan, Precision, Weights};
 
 /// Builds a [`Program`]: weight buffers are added as they are needed; activation buffers are
@@ -174,10 +174,7 @@ struct NodeCtx<'a> {
 impl<'a> NodeCtx<'a> {
     /// The node's parameter `suffix` (`weight`, `bias`, ...).
     fn get(&self, suffix: &str) -> Result<&'a [f32], BackendError> {
-        let name = format!("{}.{}", self.node.name, suffix);
-        (self.weights.get(&name))
-            .map(|t| t.data.as_slice())
-            .ok_or_else(|| BackendError::Invalid(format!("weights have no tensor `{name}`")))
+        Ok(self.weights.param(&self.node.name, suffix)?)
     }
 
     /// The bias (or null) and residual (or null) arguments of a convolution's epilogue.
@@ -400,20 +397,14 @@ fn other_op(b: &mut Builder, at: &NodeCtx<'_>, input: BufId) -> Result<(), Backe
         ..
     } = *at;
     let ((n, c, h, w), (_, xh, xw)) = (at.out, at.input);
-    let get = |suffix: &str| at.get(suffix);
+    let _get = |suffix: &str| at.get(suffix);
     match &node.op {
         Op::Input { .. } => {
             let args = vec![Arg::Buf(input), Arg::Buf(y), Arg::I32(total_i)];
             b.launch(&node.name, op, "to_elem", grid, args);
         }
         Op::BatchNorm { eps, .. } => {
-            let (g, beta, m, v) = (
-                get("weight")?,
-                get("bias")?,
-                get("running_mean")?,
-                get("running_var")?,
-            );
-            let (scale, shift) = batch_norm_affine(g, beta, m, v, *eps);
+            let (scale, shift) = at.weights.batch_norm_affine(&node.name, *eps)?;
             let (scale, shift) = (b.f32s(&scale), b.f32s(&shift));
             let args = vec![
                 x,

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use super::Kernel;
 use crate::backend::BackendError;
 use crate::model::buffers::BufferAssignment;
-use crate::model::op::{Conv2d, Op, batch_norm_affine};
+use crate::model::op::{Conv2d, Op};
 use crate::model::{Plan, Precision, Weights};
 
 /// A buffer a launch binds.
@@ -269,13 +269,7 @@ fn node_launches(
     let node = &plan.graph.nodes[id];
     let (n, h, w, c) = nhwc(plan, id);
     let total = n * h * w * c;
-    let get = |suffix: &str| -> Result<&[f32], BackendError> {
-        let name = format!("{}.{}", node.name, suffix);
-        weights
-            .get(&name)
-            .map(|t| t.data.as_slice())
-            .ok_or_else(|| BackendError::Invalid(format!("weights have no tensor `{name}`")))
-    };
+    let get = |suffix: &str| weights.param(&node.name, suffix);
     let of = &out.assignment.of;
     // The node's input values (activation buffers) and a bias buffer, or the zero one.
     let input_buf = |k: usize| Buf::Activation(of[node.inputs[k]]);
@@ -345,13 +339,7 @@ fn node_launches(
             with_reads(launches, &reads)
         }
         Op::BatchNorm { eps, .. } => {
-            let (g, b, m, v) = (
-                get("weight")?,
-                get("bias")?,
-                get("running_mean")?,
-                get("running_var")?,
-            );
-            let (scale, shift) = batch_norm_affine(g, b, m, v, *eps);
+            let (scale, shift) = weights.batch_norm_affine(&node.name, *eps)?;
             *weight_bytes += (scale.len() * 8) as u64;
             let reads = vec![
                 (1, input_buf(0)),
