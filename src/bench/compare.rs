@@ -168,9 +168,33 @@ pub fn compare(records: &[(String, BenchRecord)]) -> Comparison {
     let varies: Vec<bool> = (0..6)
         .map(|i| all.iter().any(|f| f[i] != all[0][i]))
         .collect();
+    let rows = rows(records, &all, &varies);
+    if records.is_empty() {
+        return Comparison {
+            rows,
+            pairs: Vec::new(),
+            warnings: Vec::new(),
+            differences: Vec::new(),
+            shape: Shape::Bars,
+        };
+    }
+    let pairs = pairs(records, &rows, &all, &varies);
+    let (warnings, differences) = config_differences(records, &rows);
+    Comparison {
+        shape: shape(&all, &varies),
+        rows,
+        pairs,
+        warnings,
+        differences,
+    }
+}
+
+/// A row per record, labelled by the fields that vary (by its file where runs repeat one
+/// configuration).
+fn rows(records: &[(String, BenchRecord)], all: &[[String; 6]], varies: &[bool]) -> Vec<Row> {
     let rows: Vec<Row> = records
         .iter()
-        .zip(&all)
+        .zip(all)
         .map(|((source, r), f)| {
             let parts: Vec<&str> = (0..6)
                 .filter(|&i| varies[i])
@@ -212,15 +236,18 @@ pub fn compare(records: &[(String, BenchRecord)]) -> Comparison {
             }
         }
     }
-    let Some((_, first)) = records.first() else {
-        return Comparison {
-            rows,
-            pairs: Vec::new(),
-            warnings: Vec::new(),
-            differences: Vec::new(),
-            shape: Shape::Bars,
-        };
-    };
+    rows
+}
+
+/// Each record after the first against the first: the throughput ratio, the verdict and a
+/// sentence that says the common configuration once.
+fn pairs(
+    records: &[(String, BenchRecord)],
+    rows: &[Row],
+    all: &[[String; 6]],
+    varies: &[bool],
+) -> Vec<Pair> {
+    let first = &records[0].1;
     // The common configuration, said once in every sentence.
     let common: Vec<&str> = (3..6)
         .filter(|&i| !varies[i])
@@ -232,7 +259,7 @@ pub fn compare(records: &[(String, BenchRecord)]) -> Comparison {
     } else {
         format!(" on {}", common.join(" "))
     };
-    let pairs = records
+    records
         .iter()
         .enumerate()
         .skip(1)
@@ -254,7 +281,16 @@ pub fn compare(records: &[(String, BenchRecord)]) -> Comparison {
                 sentence,
             }
         })
-        .collect();
+        .collect()
+}
+
+/// What differs between the first record's configuration and environment and each other's:
+/// warnings where the comparison is not like for like, differences worth knowing otherwise.
+fn config_differences(
+    records: &[(String, BenchRecord)],
+    rows: &[Row],
+) -> (Vec<String>, Vec<String>) {
+    let first = &records[0].1;
     let mut warnings = Vec::new();
     let mut differences = Vec::new();
     for (i, (_, r)) in records.iter().enumerate().skip(1) {
@@ -343,6 +379,11 @@ pub fn compare(records: &[(String, BenchRecord)]) -> Comparison {
     }
     warnings.dedup();
     differences.dedup();
+    (warnings, differences)
+}
+
+/// Lines where the records sweep batch (or input) size within a series, else bars.
+fn shape(all: &[[String; 6]], varies: &[bool]) -> Shape {
     // A sweep: records that differ only in batch (or input) size within a series.
     let key = |f: &[String; 6], skip: usize| -> Vec<String> {
         (0..6)
@@ -357,7 +398,7 @@ pub fn compare(records: &[(String, BenchRecord)]) -> Comparison {
                 .enumerate()
                 .any(|(i, f)| all.iter().skip(i + 1).any(|g| key(f, skip) == key(g, skip)))
     };
-    let shape = if swept(4) {
+    if swept(4) {
         Shape::Lines {
             param: "batch size".into(),
         }
@@ -367,13 +408,6 @@ pub fn compare(records: &[(String, BenchRecord)]) -> Comparison {
         }
     } else {
         Shape::Bars
-    };
-    Comparison {
-        rows,
-        pairs,
-        warnings,
-        differences,
-        shape,
     }
 }
 

@@ -3,7 +3,10 @@
 
 use comfy_table::{Cell, CellAlignment};
 
+use std::fmt::Write as _;
+
 use super::new_table;
+use crate::bench::flops::{FlopsProfile, Module};
 use crate::units::{duration_ns, si};
 
 /// The operator and kernel tables of a profiled run, and what the CPU-overhead ratio means.
@@ -52,16 +55,29 @@ pub fn profile(
 
 /// The FLOPs profile in DeepSpeed's layout: the summary, the top modules per depth, the
 /// slowest layers with their intensity and bound, and the module tree down to `depth`.
-pub fn flops_profile(
-    p: &crate::bench::flops::FlopsProfile,
-    depth: Option<usize>,
-    top: usize,
-) -> String {
-    use crate::bench::flops::Module;
-    use std::fmt::Write as _;
+pub fn flops_profile(p: &FlopsProfile, depth: Option<usize>, top: usize) -> String {
+    let mut s = flops_summary(p);
+    flops_aggregated(&mut s, p, depth);
+    flops_slowest(&mut s, p, top);
+    flops_detailed(&mut s, p, depth);
+    s.push_str(&"-".repeat(80));
+    s
+}
+
+/// A percentage of a whole that may be zero.
+fn pct(part: f64, whole: f64) -> f64 {
+    100.0 * part / whole.max(f64::MIN_POSITIVE)
+}
+
+/// A section's title rule, 80 wide.
+fn rule(title: &str) -> String {
+    format!("{:-^80}\n", format!(" {title} "))
+}
+
+/// The profile's header: the step, the totals, the achieved rate against the peak and the
+/// ceiling, and the bound.
+fn flops_summary(p: &FlopsProfile) -> String {
     let root = p.root();
-    let pct = |part: f64, whole: f64| 100.0 * part / whole.max(f64::MIN_POSITIVE);
-    let rule = |title: &str| format!("{:-^80}\n", format!(" {title} "));
     let mut s = rule("workshop FLOPs profiler");
     let _ = writeln!(
         s,
@@ -154,6 +170,11 @@ pub fn flops_profile(
     );
 
     s.push('\n');
+    s
+}
+
+/// The top modules by params, MACs and latency at each depth.
+fn flops_aggregated(s: &mut String, p: &FlopsProfile, depth: Option<usize>) {
     s.push_str(&rule("Aggregated profile"));
     let shown = 3;
     let _ = writeln!(
@@ -186,7 +207,11 @@ pub fn flops_profile(
         let _ = writeln!(s, "    MACs        - {}", top_by(&|m| m.macs, "MACs"));
         let _ = writeln!(s, "    fwd latency - {}", top_by(&|m| m.latency_ns, "s"));
     }
+}
 
+/// The slowest layers with their intensity and bound.
+fn flops_slowest(s: &mut String, p: &FlopsProfile, top: usize) {
+    let root = p.root();
     let mut leaves: Vec<&Module> = p.modules.iter().filter(|m| !m.kind.is_empty()).collect();
     leaves.sort_by_key(|m| std::cmp::Reverse(m.latency_ns));
     let _ = writeln!(s, "\nTop {} layers by fwd latency:", top.min(leaves.len()));
@@ -222,6 +247,11 @@ pub fn flops_profile(
     let _ = writeln!(s, "{t}");
 
     s.push('\n');
+}
+
+/// The module tree down to `depth`, each with its share of params, MACs and latency.
+fn flops_detailed(s: &mut String, p: &FlopsProfile, depth: Option<usize>) {
+    let root = p.root();
     s.push_str(&rule("Detailed profile"));
     s.push_str(
         "Each module is listed with: params, % of params, MACs, % of MACs, fwd latency, % of latency,\n\
@@ -273,6 +303,4 @@ pub fn flops_profile(
     while let Some(d) = open.pop() {
         let _ = writeln!(s, "{})", "  ".repeat(d));
     }
-    s.push_str(&"-".repeat(80));
-    s
 }
