@@ -273,6 +273,8 @@ fn node_launches(
     let of = &out.assignment.of;
     // The node's input values (activation buffers) and a bias buffer, or the zero one.
     let input_buf = |k: usize| Buf::Activation(of[node.inputs[k]]);
+    // The reads of most ops: their input at binding 1.
+    let x = || vec![(1, input_buf(0))];
     let bias_buf = |consts: &mut Consts, b: &[f32]| {
         if b.is_empty() {
             Buf::Zero
@@ -284,16 +286,19 @@ fn node_launches(
     let weight_bytes = &mut out.weight_bytes;
     let (_, xh, xw, xc) = node.inputs.first().map_or((0, 0, 0, 0), |&i| nhwc(plan, i));
     let shape = [total, c, h * w];
-    // Most ops are one launch: a kernel, its parameters, the buffers it reads (by binding)
-    // and the binding of its output.
+    // Most ops are one launch: a kernel, its parameters, the buffers it reads (by binding),
+    // the binding of its output, and a grid of one thread per element of `threads`.
+    let one = |kernel, params: Vec<usize>, reads, out, threads: usize| -> Vec<Part> {
+        vec![(kernel, params, reads, out, grid(threads, max_groups))]
+    };
     let parts: Vec<Part> = match &node.op {
-        Op::Input { .. } => vec![(
+        Op::Input { .. } => one(
             Kernel::NchwToNhwc,
             shape.to_vec(),
             vec![(6, Buf::Input)],
             5,
-            grid(total, max_groups),
-        )],
+            total,
+        ),
         // Depthwise without an epilogue; a fused one takes the general kernel.
         Op::Conv2d(conv) if is_plain_depthwise(conv) => {
             let (wt, bias) = (get("weight")?, if conv.bias { get("bias")? } else { &[] });
@@ -311,7 +316,7 @@ fn node_launches(
                 (2, consts.add("depthwise weights", f32_bytes(&dw))),
                 (3, bias_buf(consts, bias)),
             ];
-            vec![(Kernel::Depthwise, p, reads, 4, grid(total, max_groups))]
+            one(Kernel::Depthwise, p, reads, 4, total)
         }
         // Convolutions and linear layers (1×1 convolutions of 1×1 images): implicit GEMMs.
         Op::Conv2d(_) | Op::Linear { .. } => {
@@ -346,13 +351,7 @@ fn node_launches(
                 (3, consts.add("scale", f32_bytes(&scale))),
                 (4, consts.add("shift", f32_bytes(&shift))),
             ];
-            vec![(
-                Kernel::Affine,
-                shape.to_vec(),
-                reads,
-                5,
-                grid(total, max_groups),
-            )]
+            one(Kernel::Affine, shape.to_vec(), reads, 5, total)
         }
         Op::Relu | Op::Relu6 => {
             let hi = if matches!(node.op, Op::Relu6) {
@@ -367,78 +366,41 @@ fn node_launches(
                 0f32.to_bits() as usize,
                 hi.to_bits() as usize,
             ];
-            vec![(
-                Kernel::Clamp,
-                p,
-                vec![(1, input_buf(0))],
-                5,
-                grid(total, max_groups),
-            )]
+            one(Kernel::Clamp, p, x(), 5, total)
         }
-        Op::Sigmoid => vec![(
-            Kernel::Sigmoid,
-            shape.to_vec(),
-            vec![(1, input_buf(0))],
-            5,
-            grid(total, max_groups),
-        )],
-        Op::Add => vec![(
+        Op::Sigmoid => one(Kernel::Sigmoid, shape.to_vec(), x(), 5, total),
+        Op::Add => one(
             Kernel::Add,
             shape.to_vec(),
             vec![(1, input_buf(0)), (2, input_buf(1))],
             5,
-            grid(total, max_groups),
-        )],
+            total,
+        ),
         Op::MaxPool(pool) | Op::AvgPool(pool) => {
-            let p = vec![
-                total,
-                xh,
-                xw,
-                c,
-                h,
-                w,
-                pool.kernel.0,
-                pool.kernel.1,
-                pool.stride.0,
-                pool.stride.1,
-                pool.padding.0,
-                pool.padding.1,
-                pool.count_include_pad as usize,
-            ];
+            let (k, st, pad) = (pool.kernel, pool.stride, pool.padding);
+            let window = [k.0, k.1, st.0, st.1, pad.0, pad.1];
+            let p = [
+                &[total, xh, xw, c, h, w],
+                &window[..],
+                &[pool.count_include_pad as usize],
+            ]
+            .concat();
             let k = if matches!(node.op, Op::MaxPool(_)) {
                 Kernel::MaxPool
             } else {
                 Kernel::AvgPool
             };
-            vec![(k, p, vec![(1, input_buf(0))], 2, grid(total, max_groups))]
+            one(k, p, x(), 2, total)
         }
         Op::AdaptiveAvgPool { .. } => {
             let p = vec![total, xh, xw, c, h, w];
-            vec![(
-                Kernel::AdaptiveAvgPool,
-                p,
-                vec![(1, input_buf(0))],
-                2,
-                grid(total, max_groups),
-            )]
+            one(Kernel::AdaptiveAvgPool, p, x(), 2, total)
         }
         // Dropout and a flatten of a 1×1 map change nothing: the value shares its input's buffer.
         Op::Dropout { .. } => Vec::new(),
         Op::Flatten if xh * xw == 1 => Vec::new(),
-        Op::Flatten => vec![(
-            Kernel::NhwcToNchw,
-            vec![total, xc, xh * xw],
-            vec![(1, input_buf(0))],
-            5,
-            grid(total, max_groups),
-        )],
-        Op::Softmax => vec![(
-            Kernel::Softmax,
-            shape.to_vec(),
-            vec![(1, input_buf(0))],
-            5,
-            grid(total / c.max(1), max_groups),
-        )],
+        Op::Flatten => one(Kernel::NhwcToNchw, vec![total, xc, xh * xw], x(), 5, total),
+        Op::Softmax => one(Kernel::Softmax, shape.to_vec(), x(), 5, total / c.max(1)),
     };
     Ok(parts)
 }

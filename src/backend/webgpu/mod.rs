@@ -24,7 +24,7 @@ mod lower;
 mod session;
 
 use lower::{FEW_ROWS, f32_bytes, grid};
-use session::{WgpuSession, map_read, params, shader};
+use session::{WgpuSession, map_read, params, shader, timestamp_queries};
 
 use super::{Backend, BackendError, BackendKind, DeviceInfo, ExecOptions, Session, StreamTimes};
 use crate::model::op::Op;
@@ -274,26 +274,7 @@ impl Backend for WgpuBackend {
         let module = shader(&device, "stream.wgsl", None, Precision::Fp32)?;
         let (gx, gy, _) = grid(n4, limits.max_compute_workgroups_per_dimension);
         let pbuf = params(&device, &[n4 as u32, gx * 256]);
-        let set = timestamps.then(|| {
-            let set = device.create_query_set(&wgpu::QuerySetDescriptor {
-                label: Some("stream times"),
-                ty: wgpu::QueryType::Timestamp,
-                count: 2,
-            });
-            let resolve = device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("stream timestamps"),
-                size: 16,
-                usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
-                mapped_at_creation: false,
-            });
-            let read = device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("stream timestamps readback"),
-                size: 16,
-                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-                mapped_at_creation: false,
-            });
-            (set, resolve, read)
-        });
+        let set = timestamps.then(|| timestamp_queries(&device, 2));
         let period = queue.get_timestamp_period() as f64;
         let wait = || {
             device

@@ -66,6 +66,30 @@ pub(super) fn storage(device: &wgpu::Device, label: &str, bytes: &[u8]) -> wgpu:
     })
 }
 
+/// `count` timestamp queries, the buffer they resolve into and a mappable copy of it.
+pub(super) fn timestamp_queries(
+    device: &wgpu::Device,
+    count: usize,
+) -> (wgpu::QuerySet, wgpu::Buffer, wgpu::Buffer) {
+    let set = device.create_query_set(&wgpu::QuerySetDescriptor {
+        label: Some("kernel times"),
+        ty: wgpu::QueryType::Timestamp,
+        count: count as u32,
+    });
+    let buffer = |label: &str, usage: wgpu::BufferUsages| {
+        device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size: count as u64 * 8,
+            usage,
+            mapped_at_creation: false,
+        })
+    };
+    use wgpu::BufferUsages as U;
+    let resolve = buffer("timestamps", U::QUERY_RESOLVE | U::COPY_SRC);
+    let read = buffer("timestamps readback", U::MAP_READ | U::COPY_DST);
+    (set, resolve, read)
+}
+
 /// The compute pipelines of a session, built on first use: one shader module per kernel file,
 /// one pipeline per entry point.
 struct Pipelines<'a> {
@@ -254,18 +278,7 @@ impl WgpuSession {
                 groups: l.groups,
             });
         }
-        let timestamps = timestamps.then(|| {
-            let count = (dispatches.len() * 2) as u32;
-            let set = device.create_query_set(&wgpu::QuerySetDescriptor {
-                label: Some("kernel times"),
-                ty: wgpu::QueryType::Timestamp,
-                count,
-            });
-            let bytes = count as u64 * 8;
-            let resolve = buffer("timestamps", bytes, U::QUERY_RESOLVE | U::COPY_SRC);
-            let read = buffer("timestamps readback", bytes, U::MAP_READ | U::COPY_DST);
-            (set, resolve, read)
-        });
+        let timestamps = timestamps.then(|| timestamp_queries(&device, dispatches.len() * 2));
         Ok(WgpuSession {
             device,
             queue,
