@@ -389,6 +389,19 @@ pub fn kernels_check(kernels_dir: Option<&std::path::Path>) -> Vec<check::Kernel
     out
 }
 
+/// Threads per block (workgroup) of the GPU kernels' 1-D launches.
+pub const THREADS_PER_BLOCK: u32 = 256;
+
+/// A 1-D launch of `total` threads in blocks (workgroups) of 256, folded into a 2-D grid whose
+/// x is at most `max_x`: `[x, y, 1]`. Both GPU kernel sets take their launches this way and
+/// unfold the index (`linear_index` in ops.cuh, `index` in the WGSL); y may exceed a device's
+/// limit, which each backend checks against its own.
+pub fn fold_grid(total: usize, max_x: u32) -> [u32; 3] {
+    let blocks = total.div_ceil(THREADS_PER_BLOCK as usize).max(1) as u64;
+    let x = blocks.min(max_x.max(1) as u64);
+    [x as u32, blocks.div_ceil(x).min(u32::MAX as u64) as u32, 1]
+}
+
 /// What the backends would warn about before a run: a setting they cannot honour here (a
 /// SIMD path this CPU lacks). The command layer prints them.
 pub fn warnings() -> Vec<String> {

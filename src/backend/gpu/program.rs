@@ -41,22 +41,20 @@ pub fn pack(args: &[Arg], ptr: impl Fn(BufId) -> u64) -> Vec<u8> {
 }
 
 /// Threads per block of every launch.
-pub const BLOCK: u32 = 256;
+pub const BLOCK: u32 = crate::backend::THREADS_PER_BLOCK;
 
 /// The largest grid dimension every CUDA and HIP device takes in y and z (and our x, folded).
 pub const MAX_GRID: u32 = 65_535;
 
 /// A 1-D launch of `total` threads folded into a 2-D grid (the kernels' `linear_index`).
 pub fn grid_1d(total: usize) -> Result<[u32; 3], BackendError> {
-    let blocks = total.div_ceil(BLOCK as usize).max(1);
-    let gx = blocks.min(MAX_GRID as usize);
-    let gy = blocks.div_ceil(gx);
-    if gy > MAX_GRID as usize {
+    let grid = crate::backend::fold_grid(total, MAX_GRID);
+    if grid[1] > MAX_GRID {
         return Err(BackendError::DeviceLimit(format!(
             "{total} threads are more than one launch takes: use a smaller batch"
         )));
     }
-    Ok([gx as u32, gy as u32, 1])
+    Ok(grid)
 }
 
 /// Must match CONV_CO_TILE in kernels/gpu/ops.cuh.

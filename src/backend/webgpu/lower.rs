@@ -99,9 +99,8 @@ pub(super) fn f32_bytes(v: &[f32]) -> Vec<u8> {
 
 /// 1-D launches of 256 threads, folded into a 2-D grid within the dispatch limits.
 pub(super) fn grid(total: usize, max: u32) -> (u32, u32, u32) {
-    let groups = total.div_ceil(256).max(1) as u64;
-    let gx = groups.min(max as u64);
-    (gx as u32, groups.div_ceil(gx) as u32, 1)
+    let [x, y, z] = crate::backend::fold_grid(total, max);
+    (x, y, z)
 }
 
 fn numel(s: &[usize]) -> usize {
