@@ -25,6 +25,36 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     Ok(())
 }
 
+/// Whether `id` is a plain id from course data (an exercise's or a step's): lowercase ASCII
+/// letters, digits, `-` and `_`, starting with a letter or digit, at most 64 characters. Ids
+/// name files in the workspace (`records/EX.STEP.json`), so nothing else may pass: no `/`, no
+/// `..`, no dot files, no control characters.
+pub fn is_plain_id(id: &str) -> bool {
+    let b = id.as_bytes();
+    !b.is_empty()
+        && b.len() <= 64
+        && (b[0].is_ascii_lowercase() || b[0].is_ascii_digit())
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-' || *c == b'_')
+}
+
+/// `root/name` for a file name built from course data, refused unless `name` is one plain
+/// component (no separator, not `.` or `..`, no NUL, not hidden): whatever a course says, what
+/// the program writes stays inside `root`.
+pub fn child(root: &Path, name: &str) -> Result<std::path::PathBuf> {
+    let plain = !name.is_empty()
+        && !name.starts_with('.')
+        && !name.contains(['/', '\\', '\0'])
+        && Path::new(name).components().count() == 1;
+    if !plain {
+        anyhow::bail!(
+            "`{name}` is not a plain file name: refusing to write it under `{}`",
+            root.display()
+        );
+    }
+    Ok(root.join(name))
+}
+
 /// A 64-bit FNV-1a hash of `bytes`: the same on every build, platform and Rust version, so it
 /// can name files in an on-disk cache (std's `DefaultHasher` promises none of that).
 pub fn stable_hash(bytes: &[u8]) -> u64 {
@@ -37,6 +67,43 @@ pub fn stable_hash(bytes: &[u8]) -> u64 {
 
 #[cfg(test)]
 mod tests {
+    /// Ids and file names from course data cannot climb out of the workspace (issue 27).
+    #[test]
+    fn course_names_stay_inside() {
+        use std::path::Path;
+        for ok in ["fp32", "batch-1", "a_b", "09-peak"] {
+            assert!(super::is_plain_id(ok), "{ok}");
+        }
+        for bad in [
+            "",
+            "..",
+            "../x",
+            "a/b",
+            "A",
+            "-x",
+            ".x",
+            "x.y",
+            "x\0",
+            "é",
+            &"a".repeat(65),
+        ] {
+            assert!(!super::is_plain_id(bad), "{bad:?}");
+        }
+        let root = Path::new("/ws/records");
+        assert!(super::child(root, "01-a.fp32.json").is_ok());
+        for bad in [
+            "..",
+            "../results.json",
+            "a/b.json",
+            "/etc/passwd",
+            ".hidden",
+            "",
+            "x\0y",
+        ] {
+            assert!(super::child(root, bad).is_err(), "{bad:?}");
+        }
+    }
+
     /// The published FNV-1a test vectors: a changed hash would orphan every cached file.
     #[test]
     fn stable_hash_is_fnv1a() {

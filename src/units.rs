@@ -32,8 +32,12 @@ pub fn group_digits(n: u64) -> String {
     out
 }
 
-/// A number with sensible precision for the worksheet.
+/// A number with sensible precision for the worksheet; NaN and ±∞ (a ratio over a zero) are
+/// "not defined".
 pub fn number(v: f64) -> String {
+    if !v.is_finite() {
+        return "not defined (division by zero)".into();
+    }
     let a = v.abs();
     if a != 0.0 && !(1e-3..1e5).contains(&a) {
         format!("{v:.3e}")

@@ -731,3 +731,215 @@ fn profile_and_question_mistakes_are_named() {
         "{e}"
     );
 }
+
+/// Issue 27, class 1: ids and chapters from a course pack are names, never paths. A step id
+/// that climbs out, a chapter outside the book (relative, absolute, or a link), and
+/// `dev new ../x` are refused with the place to fix, and nothing is written outside.
+#[test]
+fn course_data_never_names_a_path_outside() {
+    let ex = |step: &str, chapter: &str| {
+        format!(
+            "format_version = 1\nid = \"00-first\"\ntitle = \"First\"\nchapter = \"{chapter}\"\n\n[[step]]\nid = \"{step}\"\nkind = \"note\"\nsay = \"Hi.\"\n"
+        )
+    };
+    let e = lint_one(&ex("../../../victim/results", "00-first.md"));
+    assert!(
+        e.contains("00-first.toml:7:6") && e.contains("step id `../../../victim/results` must be"),
+        "{e}"
+    );
+    for chapter in [
+        "../../../../etc/passwd",
+        "/etc/passwd",
+        "../exercises/00-first.toml",
+    ] {
+        let e = lint_one(&ex("hello", chapter));
+        assert!(
+            e.contains("00-first.toml:4:11") && e.contains("is not a page name"),
+            "{chapter}: {e}"
+        );
+    }
+    // A page that is a link out of the book.
+    #[cfg(unix)]
+    {
+        let d = tempfile::tempdir().unwrap();
+        let secret = d.path().join("secret.md");
+        std::fs::write(&secret, "TOP SECRET").unwrap();
+        let course = d.path().join("course");
+        tiny_course(&course);
+        std::os::unix::fs::symlink(&secret, course.join("book/src/leak.md")).unwrap();
+        let f = course.join("exercises/00-first.toml");
+        let text = std::fs::read_to_string(&f).unwrap();
+        std::fs::write(
+            &f,
+            text.replace("chapter = \"00-first.md\"", "chapter = \"leak.md\""),
+        )
+        .unwrap();
+        let o = crate::common::command()
+            .args(["dev", "lint"])
+            .arg(&course)
+            .output()
+            .unwrap();
+        assert!(
+            !o.status.success() && stderr(&o).contains("chapter `leak.md` leads outside the book"),
+            "{}",
+            stderr(&o)
+        );
+        let o = crate::common::command()
+            .args(["book", "00-first", "--course"])
+            .arg(&course)
+            .arg("--dir")
+            .arg(d.path())
+            .output()
+            .unwrap();
+        assert!(!o.status.success() && !stdout(&o).contains("TOP SECRET"));
+    }
+    // `dev new` with a path for an id writes nothing anywhere.
+    let d = tempfile::tempdir().unwrap();
+    let course = d.path().join("a/b");
+    std::fs::create_dir_all(&course).unwrap();
+    let o = crate::common::command()
+        .args(["dev", "new", "../../x", "--dir"])
+        .arg(&course)
+        .output()
+        .unwrap();
+    assert!(!o.status.success() && stderr(&o).contains("is not an exercise id"));
+    let written: Vec<_> = walk(d.path());
+    assert!(written.iter().all(|p| p.is_dir()), "{written:?}");
+}
+
+/// Every path under `root`.
+fn walk(root: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(root).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        }
+        out.push(p);
+    }
+    out
+}
+
+/// Issue 27, classes 2 and 4: `init` never replaces a results file that holds attempts (the
+/// state folder deleted), `next` says how to get out, and two `reset --all`s in the same second
+/// keep both backups.
+#[test]
+fn init_keeps_results_and_resets_keep_every_backup() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = &tiny_workspace(
+        d.path(),
+        ("id = \"hello\"", "id = \"hello\""),
+        &["--name", "Eve"],
+    );
+    ok(dir, &["next", "--yes"]);
+    let results = std::fs::read_to_string(dir.join("results.json")).unwrap();
+    assert!(results.contains("\"step\": \"hello\""), "{results}");
+    std::fs::remove_dir_all(dir.join(".workshop")).unwrap();
+    let o = ws(dir, &["next", "--yes"]);
+    assert!(
+        !o.status.success()
+            && stderr(&o).contains("holds 1 recorded attempt(s)")
+            && stderr(&o).contains("reset --all"),
+        "{}",
+        stderr(&o)
+    );
+    let o = ws(dir, &["init", "--name", "Eve"]);
+    assert!(
+        !o.status.success() && stderr(&o).contains("`init` would replace them"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("results.json")).unwrap(),
+        results
+    );
+    // Two resets in quick succession: every file moved aside is kept.
+    ok(dir, &["reset", "--all"]);
+    ok(
+        dir,
+        &[
+            "init",
+            "--name",
+            "Eve",
+            "--course",
+            d.path().join("course").to_str().unwrap(),
+        ],
+    );
+    ok(dir, &["reset", "--all"]);
+    let backups = std::fs::read_dir(dir)
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with("results.json.bak-")
+        })
+        .count();
+    assert_eq!(backups, 2);
+}
+
+/// Issue 27, class 3: a derived value over a zero (FP32 against itself differs by exactly 0)
+/// is recorded so that results.json reads back, shown as not defined, and judged inconclusive,
+/// never fatal; later commands keep working.
+#[test]
+fn a_ratio_over_zero_is_not_defined_and_never_fatal() {
+    let zero = r#"[[step]]
+id = "acc"
+kind = "accuracy"
+say = "FP32 against FP32: a difference of exactly zero."
+bench = { network = "resnet18", batch_size = 1, precision = "fp32", input_size = 32 }
+
+[[step]]
+id = "ratio"
+kind = "compare"
+say = "Over a zero."
+derive = [
+  { name = "inf", numerator = "acc.top1_agreement", denominator = "acc.max_abs_diff" },
+  { name = "nan", numerator = "acc.max_abs_diff", denominator = "acc.rel_diff" },
+]
+
+[[step.expect]]
+metric = "inf"
+min = 1.0
+hint = "Not defined: judged inconclusive."
+
+[[step]]
+id = "hello""#;
+    let d = tempfile::tempdir().unwrap();
+    let dir = &tiny_workspace(
+        d.path(),
+        ("[[step]]\nid = \"hello\"", zero),
+        &["--name", "Fay"],
+    );
+    ok(dir, &["next", "--yes"]);
+    let out = ok(dir, &["next", "--yes"]);
+    assert!(out.contains("not defined (division by zero)"), "{out}");
+    let r = results(dir);
+    let m = &r["attempts"][1]["metrics"];
+    assert_eq!(
+        (m["inf"].as_str(), m["nan"].as_str()),
+        (Some("inf"), Some("NaN")),
+        "{m}"
+    );
+    let check = &r["attempts"][1]["checks"][0];
+    assert_eq!(check["verdict"], "inconclusive", "{check}");
+    assert!(
+        check["reason"].as_str().unwrap().contains("not defined"),
+        "{check}"
+    );
+    // Every later command still reads the results.
+    for args in [
+        &["status"][..],
+        &["results"],
+        &["results", "--export", "csv"],
+        &["next", "--yes"],
+    ] {
+        ok(dir, args);
+    }
+    assert!(
+        std::fs::read_to_string(dir.join("results.md"))
+            .unwrap()
+            .contains("not defined")
+    );
+}

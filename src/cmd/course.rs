@@ -109,6 +109,12 @@ pub fn init(args: InitArgs) -> Result<()> {
 
 pub fn next(args: NextArgs) -> Result<()> {
     let dir = workspace_dir(&args.course);
+    if let Some(why) = state::orphan_results(&dir) {
+        bail!(
+            "{why}: `workshop reset --all --dir {}` moves the files aside (kept as backups), then `workshop init` starts again",
+            dir.display()
+        );
+    }
     if !state::exists(&dir) {
         if interactive()
             && !args.yes

@@ -26,6 +26,12 @@ pub fn run(cmd: DevCommand) -> Result<()> {
             }
         }
         DevCommand::New { id, dir } => {
+            // The id names the exercise's files: nothing but a plain id may pass (issue 27).
+            if !crate::files::is_plain_id(&id) {
+                bail!(
+                    "`{id}` is not an exercise id: use lowercase letters, digits and dashes, like `11-my-exercise`; nothing was written"
+                );
+            }
             let ex_path = dir.join("exercises").join(format!("{id}.toml"));
             let ch_path = course::book_dir(&dir).join(format!("{id}.md"));
             for p in [&ex_path, &ch_path] {

@@ -124,6 +124,14 @@ pub fn evaluate(
         None => Ok(v),
     });
     let value = match value {
+        // A value that is not a number (a ratio over a zero) judges nothing (issue 27).
+        Ok(v) if !v.is_finite() => Err(format!(
+            "`{}` is not defined ({v}: a division by zero in the steps it comes from)",
+            check.what
+        )),
+        other => other,
+    };
+    let value = match value {
         Ok(v) => v,
         Err(reason) => {
             check.reason = Some(reason);

@@ -120,6 +120,14 @@ fn check_exercise(l: &mut Linter<'_>, ex: &LoadedExercise, source: &Source, ids:
     let mut known: HashMap<String, Vec<String>> = HashMap::new();
     for step in &e.steps {
         let sid = step.id.get_ref().clone();
+        if !crate::files::is_plain_id(&sid) {
+            l.at(
+                step.id.span(),
+                format!(
+                    "step id `{sid}` must be lowercase letters, digits, `-` and `_` (at most 64): it names files in the workspace"
+                ),
+            );
+        }
         if known.contains_key(&sid) {
             l.at(
                 step.id.span(),
@@ -153,6 +161,7 @@ fn check_header(l: &mut Linter<'_>, ex: &LoadedExercise, source: &Source, ids: &
         && id.as_bytes()[..2].iter().all(u8::is_ascii_digit)
         && id.as_bytes()[2] == b'-';
     if !well_formed
+        || !crate::files::is_plain_id(id)
         || !id
             .chars()
             .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
@@ -174,13 +183,19 @@ fn check_header(l: &mut Linter<'_>, ex: &LoadedExercise, source: &Source, ids: &
             );
         }
     }
-    if chapter_text(source, e.chapter.get_ref()).is_none() {
+    let page = e.chapter.get_ref();
+    let outside = match source {
+        Source::Dir(dir) => super::chapter_path(dir, page).err(),
+        Source::Embedded => {
+            (!super::is_page_name(page)).then(|| format!("`{page}` is not a page name"))
+        }
+    };
+    if let Some(why) = outside {
+        l.at(e.chapter.span(), why);
+    } else if chapter_text(source, page).is_none() {
         l.at(
             e.chapter.span(),
-            format!(
-                "chapter `{}` does not exist in the book (book/src/)",
-                e.chapter.get_ref()
-            ),
+            format!("chapter `{page}` does not exist in the book (book/src/)"),
         );
     }
     for r in &e.requires {

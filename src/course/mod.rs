@@ -194,15 +194,51 @@ pub fn read_files(source: &Source) -> anyhow::Result<Vec<(String, String)>> {
     }
 }
 
-/// The text of a book page from the course's source.
+/// The text of a book page from the course's source: only a page inside the course's book
+/// (see [`chapter_path`]).
 pub fn chapter_text(source: &Source, page: &str) -> Option<String> {
     match source {
         Source::Embedded => EMBEDDED_CHAPTERS
             .iter()
             .find(|(p, _)| *p == page)
             .map(|(_, t)| t.to_string()),
-        Source::Dir(dir) => std::fs::read_to_string(book_dir(dir).join(page)).ok(),
+        Source::Dir(dir) => std::fs::read_to_string(chapter_path(dir, page).ok()?).ok(),
     }
+}
+
+/// Whether `page` is written as a book page may be: a relative path of plain components
+/// (letters, digits, `-`, `_`, `.`; none hidden, none `..`) ending in `.md`.
+pub fn is_page_name(page: &str) -> bool {
+    page.ends_with(".md")
+        && page.split('/').all(|part| {
+            !part.is_empty()
+                && !part.starts_with('.')
+                && (part.bytes()).all(|c| c.is_ascii_alphanumeric() || b"-_.".contains(&c))
+        })
+}
+
+/// Where book page `page` of the course in `course_dir` is, refused unless it is a page name
+/// ([`is_page_name`]) and the file it resolves to (links followed) lies inside the book.
+pub fn chapter_path(course_dir: &Path, page: &str) -> Result<PathBuf, String> {
+    if !is_page_name(page) {
+        return Err(format!(
+            "chapter `{page}` is not a page name: a path inside book/src/ such as `01-baseline.md`"
+        ));
+    }
+    let book = book_dir(course_dir);
+    let path = book.join(page);
+    let (Ok(book), Ok(real)) = (book.canonicalize(), path.canonicalize()) else {
+        return Err(format!(
+            "chapter `{page}` does not exist in the book (book/src/)"
+        ));
+    };
+    if !real.starts_with(&book) {
+        return Err(format!(
+            "chapter `{page}` leads outside the book (to `{}`)",
+            real.display()
+        ));
+    }
+    Ok(real)
 }
 
 pub fn book_dir(course_dir: &Path) -> PathBuf {

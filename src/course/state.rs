@@ -82,6 +82,9 @@ pub struct Attempt {
     pub step: String,
     pub kind: super::schema::StepKind,
     pub outcome: Outcome,
+    /// Non-finite values (a ratio over a zero) are written as `"NaN"`, `"inf"`, `"-inf"`, which
+    /// JSON has no numbers for (see [`finite_or_named`]).
+    #[serde(with = "finite_or_named")]
     pub metrics: BTreeMap<String, f64>,
     pub table: Option<ResultTable>,
     pub checks: Vec<Check>,
@@ -138,6 +141,30 @@ pub fn results_md(dir: &Path) -> PathBuf {
     dir.join("results.md")
 }
 
+/// Why `dir`'s results.json must not be replaced, when it is there without a workspace state:
+/// it holds attempts, or cannot be read to tell.
+pub fn orphan_results(dir: &Path) -> Option<String> {
+    let path = results_json(dir);
+    if exists(dir) || !path.exists() {
+        return None;
+    }
+    let held = std::fs::read_to_string(&path)
+        .ok()
+        .and_then(|t| serde_json::from_str::<Results>(&t).ok())
+        .map(|r| r.attempts.len());
+    match held {
+        Some(0) => None,
+        Some(n) => Some(format!(
+            "`{}` holds {n} recorded attempt(s) but there is no workspace state (.workshop/state.json)",
+            path.display()
+        )),
+        None => Some(format!(
+            "`{}` is there but cannot be read as results, and there is no workspace state",
+            path.display()
+        )),
+    }
+}
+
 pub fn exists(dir: &Path) -> bool {
     state_path(dir).exists()
 }
@@ -178,6 +205,13 @@ impl Workspace {
             bail!(
                 "`{}` already holds a workshop workspace (student: see `workshop status`)",
                 dir.display()
+            );
+        }
+        // A results file without its state (the state folder deleted, a copied worksheet):
+        // never replace recorded attempts (issue 27).
+        if let Some(why) = orphan_results(dir) {
+            bail!(
+                "{why}; `init` would replace them: `workshop reset --all` moves them aside (kept as a backup), then run `init` again"
             );
         }
         let state = State {
@@ -278,17 +312,74 @@ fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
 
 /// Move the state and results aside (as `*.bak-<time>`), keeping them as a backup.
 pub fn reset_all(dir: &Path) -> Result<Vec<PathBuf>> {
-    let stamp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
+    // Readable (UTC date and time) and never reused: a second reset within the same second
+    // gets a counter instead of overwriting the first one's backups (issue 27).
+    let stamp = humantime::format_rfc3339_seconds(std::time::SystemTime::now())
+        .to_string()
+        .replace(':', "-");
     let mut kept = Vec::new();
     for p in [state_path(dir), results_json(dir), results_md(dir)] {
         if p.exists() {
-            let bak = PathBuf::from(format!("{}.bak-{stamp}", p.display()));
+            let name = |n: usize| match n {
+                1 => PathBuf::from(format!("{}.bak-{stamp}", p.display())),
+                n => PathBuf::from(format!("{}.bak-{stamp}-{n}", p.display())),
+            };
+            let bak = (1..).map(name).find(|b| !b.exists()).expect("a free name");
             std::fs::rename(&p, &bak)
                 .with_context(|| format!("cannot move `{}` aside", p.display()))?;
             kept.push(bak);
         }
     }
     Ok(kept)
+}
+
+/// f64 metrics in JSON, where NaN and ±∞ have no number: written as the strings `"NaN"`,
+/// `"inf"` and `"-inf"`, read back from those (and from the `null` that older versions wrote for
+/// them), so a result file always reads back (issue 27).
+pub mod finite_or_named {
+    use std::collections::BTreeMap;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    #[derive(Serialize, Deserialize)]
+    #[serde(untagged)]
+    enum Value {
+        Number(f64),
+        Named(String),
+        Null(()),
+    }
+
+    pub fn serialize<S: Serializer>(m: &BTreeMap<String, f64>, s: S) -> Result<S::Ok, S::Error> {
+        let named = |v: f64| match v {
+            v if v.is_finite() => Value::Number(v),
+            v if v.is_nan() => Value::Named("NaN".into()),
+            v if v > 0.0 => Value::Named("inf".into()),
+            _ => Value::Named("-inf".into()),
+        };
+        let m: BTreeMap<&String, Value> = m.iter().map(|(k, &v)| (k, named(v))).collect();
+        m.serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<String, f64>, D::Error> {
+        let m = BTreeMap::<String, Value>::deserialize(d)?;
+        m.into_iter()
+            .map(|(k, v)| {
+                let v = match v {
+                    Value::Number(v) => v,
+                    Value::Null(()) => f64::NAN,
+                    Value::Named(s) => match s.as_str() {
+                        "NaN" => f64::NAN,
+                        "inf" => f64::INFINITY,
+                        "-inf" => f64::NEG_INFINITY,
+                        other => {
+                            return Err(serde::de::Error::custom(format!(
+                                "metric `{k}`: `{other}` is not a number"
+                            )));
+                        }
+                    },
+                };
+                Ok((k, v))
+            })
+            .collect()
+    }
 }

@@ -13,7 +13,7 @@ pub fn run(ctx: &StepContext<'_>, out: &mut StepOutput, ui: &mut dyn Ui) -> Resu
         .get_ref();
     let records = (spec.steps.iter())
         .map(|s| {
-            let path = ctx.record_path(s);
+            let path = ctx.record_path(s)?;
             if !path.exists() {
                 bail!(
                     "step `{s}` has no record yet: run it first (`workshop run {}.{s}`)",
@@ -24,7 +24,7 @@ pub fn run(ctx: &StepContext<'_>, out: &mut StepOutput, ui: &mut dyn Ui) -> Resu
         })
         .collect::<Result<Vec<_>>>()?;
     let c = compare::compare(&records);
-    let chart = (ctx.ws.dir.join("charts")).join(format!("{}.{}.svg", ctx.exercise, ctx.id()));
+    let chart = ctx.own_file("charts", "svg")?;
     ui.show(Show::Comparison {
         comparison: &c,
         chart: &chart,

@@ -19,6 +19,7 @@ pub fn run(ctx: &StepContext<'_>, out: &mut StepOutput, ui: &mut dyn Ui) -> Resu
         };
         let v = get(&d.numerator)? / get(&d.denominator)?;
         let shown = match d.format {
+            _ if !v.is_finite() => "not defined (division by zero)".to_string(),
             DeriveFormat::Ratio => format!("{v:.2}×"),
             DeriveFormat::Percent => format!("{:.1}%", v * 100.0),
         };

@@ -78,17 +78,23 @@ impl StepContext<'_> {
         }
     }
 
-    /// Where the course keeps the record of this step's run (for chart steps and `compare`).
-    fn record_path(&self, step: &str) -> PathBuf {
+    /// Where the course keeps the record of step `step`'s run (for chart steps and `compare`).
+    fn record_path(&self, step: &str) -> Result<PathBuf> {
         record_path(self.ws, self.exercise, step)
+    }
+
+    /// A file this step writes under the workspace's `folder`: `EX.STEP.suffix`, checked to
+    /// stay there whatever the course's ids say.
+    fn own_file(&self, folder: &str, suffix: &str) -> Result<PathBuf> {
+        let name = format!("{}.{}.{suffix}", self.exercise, self.id());
+        crate::files::child(&self.ws.dir.join(folder), &name)
     }
 }
 
-/// Where the course keeps the record of a bench or profile step.
-pub fn record_path(ws: &Workspace, exercise: &str, step: &str) -> PathBuf {
-    ws.dir
-        .join("records")
-        .join(format!("{exercise}.{step}.json"))
+/// Where the course keeps the record of a bench or profile step (checked to stay in
+/// `records/`).
+pub fn record_path(ws: &Workspace, exercise: &str, step: &str) -> Result<PathBuf> {
+    crate::files::child(&ws.dir.join("records"), &format!("{exercise}.{step}.json"))
 }
 
 /// What a step leaves for its attempt.
@@ -230,7 +236,7 @@ fn run_metrics(r: &BenchRecord, max_batch: Option<usize>) -> Recorded {
 /// Keep a step's record for chart steps and for `workshop compare`.
 fn keep_record(ctx: &StepContext<'_>, r: &BenchRecord) -> Result<()> {
     crate::files::write_atomic(
-        &ctx.record_path(ctx.id()),
+        &ctx.record_path(ctx.id())?,
         serde_json::to_string_pretty(r)?.as_bytes(),
     )
 }

@@ -30,10 +30,8 @@ pub fn run(ctx: &StepContext<'_>, out: &mut StepOutput, ui: &mut dyn Ui) -> Resu
     if shown.files
         && let Some(p) = &r.profile
     {
-        let dir = ctx.ws.dir.join("profiles");
-        let stem = format!("{}.{}", ctx.exercise, ctx.id());
-        let trace = dir.join(format!("{stem}.trace.json"));
-        let csv = dir.join(format!("{stem}.kernels.csv"));
+        let trace = ctx.own_file("profiles", "trace.json")?;
+        let csv = ctx.own_file("profiles", "kernels.csv")?;
         let t = bench::profile::trace(&r.timeline, &r.environment.device.name);
         crate::files::write_atomic(&trace, serde_json::to_string(&t)?.as_bytes())?;
         crate::files::write_atomic(&csv, bench::profile::csv(p).as_bytes())?;
