@@ -17,11 +17,15 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
     let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
     let mut f = std::fs::File::create(&tmp)
-        .with_context(|| format!("failed to write `{}`", tmp.display()))?;
-    f.write_all(bytes)
-        .and_then(|_| f.sync_all())
-        .with_context(|| format!("failed to write `{}`", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("failed to write `{}`", path.display()))?;
+        .with_context(|| format!("failed to write `{}`", path.display()))?;
+    let written =
+        (f.write_all(bytes).and_then(|_| f.sync_all())).and_then(|_| std::fs::rename(&tmp, path));
+    if let Err(e) = written {
+        // A failed write leaves nothing behind (on a full disk the temporary file would hold
+        // the last free space; issue 27).
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e).with_context(|| format!("failed to write `{}`", path.display()));
+    }
     Ok(())
 }
 
@@ -67,6 +71,23 @@ pub fn stable_hash(bytes: &[u8]) -> u64 {
 
 #[cfg(test)]
 mod tests {
+    /// A write that fails leaves no temporary file behind, and the error names the user's
+    /// path, not the hidden temporary one (issue 27).
+    #[test]
+    fn failed_writes_leave_nothing_behind() {
+        let d = tempfile::tempdir().unwrap();
+        let target = d.path().join("taken");
+        std::fs::create_dir(&target).unwrap();
+        std::fs::write(target.join("inside"), "x").unwrap();
+        let e = super::write_atomic(&target, b"new").unwrap_err();
+        assert!(format!("{e:#}").contains("taken`"), "{e:#}");
+        let left: Vec<_> = std::fs::read_dir(d.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(left, vec![std::ffi::OsString::from("taken")]);
+    }
+
     /// Ids and file names from course data cannot climb out of the workspace (issue 27).
     #[test]
     fn course_names_stay_inside() {

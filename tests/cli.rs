@@ -1411,3 +1411,91 @@ fn kernels_check_compiles_every_kernel_file_and_reports_errors_with_their_line()
     );
     assert!(stderr(&o).contains("kernel compilation(s) failed"));
 }
+
+/// Issue 27, classes 8 and 9: sizes near 2^64 and impossible inputs are one line, at once —
+/// not a capacity overflow, a spin or a thread bomb; and a bad WORKSHOP_* value is refused
+/// naming the variable (issue 26).
+#[test]
+fn huge_sizes_fail_fast_in_one_line() {
+    let max = u64::MAX.to_string();
+    for (flag, value, needle) in [
+        (
+            "--iterations",
+            max.as_str(),
+            "--iterations: 18446744073709551615 is above the limit",
+        ),
+        (
+            "--warmup",
+            "1000000000",
+            "--warmup: 1000000000 is above the limit",
+        ),
+        (
+            "--batch-size",
+            max.as_str(),
+            "--batch-size: 18446744073709551615 is above the limit",
+        ),
+        (
+            "--input-size",
+            "4294967296",
+            "--input-size: 4294967296 is above the limit",
+        ),
+        (
+            "--threads",
+            "1000000",
+            "--threads: 1000000 is above the limit",
+        ),
+    ] {
+        fails_with(&["bench", "--network", "resnet18", flag, value], needle);
+    }
+    // An input batch of no images.
+    let d = tempfile::tempdir().unwrap();
+    let x = d.path().join("empty.safetensors");
+    write_tensors(
+        &x,
+        &[(
+            "input",
+            &workshop::model::Tensor::new(vec![0, 3, 8, 8], vec![]),
+        )],
+    )
+    .unwrap();
+    let y = d.path().join("y.safetensors");
+    fails_with(
+        &[
+            "infer",
+            "--network",
+            "resnet18",
+            "--input",
+            x.to_str().unwrap(),
+            "--output",
+            y.to_str().unwrap(),
+        ],
+        "the input holds no pixels",
+    );
+    // The same bounds hold for a course's steps.
+    let course = d.path().join("course");
+    std::fs::create_dir_all(course.join("exercises")).unwrap();
+    std::fs::create_dir_all(course.join("book/src")).unwrap();
+    std::fs::write(course.join("book/src/00-big.md"), "# big\n").unwrap();
+    std::fs::write(
+        course.join("exercises/00-big.toml"),
+        "format_version = 1\nid = \"00-big\"\ntitle = \"Big\"\nchapter = \"00-big.md\"\n\n[[step]]\nid = \"run\"\nkind = \"bench\"\nsay = \"x\"\nbench = { batch_size = 1000000000000 }\n",
+    )
+    .unwrap();
+    fails_with(
+        &["dev", "lint", course.to_str().unwrap()],
+        "batch_size: 1000000000000 is above the limit",
+    );
+    let o = crate::common::command()
+        .env("WORKSHOP_CPU_SIMD", "avx9000")
+        .args(["models"])
+        .output()
+        .unwrap();
+    assert!(
+        !o.status.success()
+            && stderr(&o).contains(
+                "WORKSHOP_CPU_SIMD=\"avx9000\": not a SIMD path (accepted: portable, avx2"
+            ),
+        "{}",
+        stderr(&o)
+    );
+}

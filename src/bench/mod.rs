@@ -59,6 +59,18 @@ pub fn validate(cfg: &BenchConfig) -> Result<()> {
     if cfg.threads == Some(0) {
         bail!("--threads must be at least 1 (got 0)");
     }
+    let sizes = [
+        ("batch_size", cfg.batch_size),
+        ("iterations", cfg.iterations),
+        ("warmup", cfg.warmup),
+        ("input_size", cfg.input_size),
+        ("threads", cfg.threads.unwrap_or(1)),
+    ];
+    for (name, v) in sizes {
+        if let Err(why) = within_limit(name, v) {
+            bail!("--{}: {why}", name.replace('_', "-"));
+        }
+    }
     if let Some(k) = cfg.flops_prof_step
         && !(1..=cfg.iterations).contains(&k)
     {
@@ -68,6 +80,52 @@ pub fn validate(cfg: &BenchConfig) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The largest value each size of a run may take, and why: numbers from users are checked
+/// before anything is allocated, by `workshop bench` and by lint for a course's steps (issue
+/// 27: sizes near 2^64 overflowed or spun instead of failing).
+pub const LIMITS: [(&str, usize, &str); 6] = [
+    (
+        "batch_size",
+        1 << 16,
+        "more images than any device holds in one batch",
+    ),
+    (
+        "iterations",
+        1_000_000,
+        "more timed iterations than any run needs",
+    ),
+    (
+        "warmup",
+        1_000_000,
+        "more warm-up iterations than any run needs",
+    ),
+    (
+        "input_size",
+        1 << 14,
+        "a larger image than any network here takes",
+    ),
+    (
+        "threads",
+        4096,
+        "more worker threads than any machine has cores",
+    ),
+    (
+        "cpu_groups",
+        4096,
+        "more groups of cores than any machine has cores",
+    ),
+];
+
+/// `value` of size `name`, refused above its limit in [`LIMITS`] with the reason.
+pub fn within_limit(name: &str, value: usize) -> Result<(), String> {
+    match LIMITS.iter().find(|(n, _, _)| *n == name) {
+        Some(&(_, max, why)) if value > max => {
+            Err(format!("{value} is above the limit of {max}: {why}"))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// What [`prepare`] hands to [`measure`]: the plan, the session, the device it runs on, and

@@ -195,6 +195,25 @@ pub fn infer(args: InferArgs) -> Result<()> {
             input.shape
         );
     };
+    if n == 0 || h == 0 || w == 0 {
+        bail!(
+            "`{}`: the input holds no pixels (shape {:?}): it needs at least one image of at least 1×1",
+            args.input.display(),
+            input.shape
+        );
+    }
+    for (name, v) in [("batch_size", n), ("input_size", h.max(w))] {
+        if let Err(why) = bench::within_limit(name, v) {
+            bail!(
+                "`{}`: the input's {}: {why}",
+                args.input.display(),
+                name.replace('_', " ")
+            );
+        }
+    }
+    if let Some(Err(why)) = args.run.threads.map(|t| bench::within_limit("threads", t)) {
+        bail!("--threads: {why}");
+    }
     if c != graph.input_channels() {
         bail!(
             "`{}`: {} takes {} input channels, the input has {c}",

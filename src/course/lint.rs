@@ -460,6 +460,17 @@ fn check_bench(l: &mut Linter<'_>, span: Range<usize>, b: &super::schema::BenchS
             l.at(span.clone(), format!("{name} must be at least 1"));
         }
     }
+    for (name, v) in [
+        ("batch_size", b.batch_size),
+        ("iterations", b.iterations),
+        ("warmup", b.warmup),
+        ("input_size", b.input_size),
+        ("cpu_groups", b.cpu_groups),
+    ] {
+        if let Some(Err(why)) = v.map(|v| crate::bench::within_limit(name, v)) {
+            l.at(span.clone(), format!("{name}: {why}"));
+        }
+    }
 }
 
 /// Check a metric reference: `metric` (this step's, when `own` is given) or `STEP.metric`
