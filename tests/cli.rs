@@ -987,6 +987,33 @@ fn launched_ranks_write_records_and_gather_merges_them() {
         "{}",
         stderr(&o)
     );
+    // Records that cannot be one run (issue 27): a rank twice, a rank beyond the world, an
+    // impossible world.
+    let zero: Value = read_json(&results.join("rank-00000.json"));
+    for (rank, world, needle) in [
+        (0u64, 2u64, "rank 0 has two records"),
+        (7, 2, "a record is rank 7 of 2"),
+        (1, 1_000_000_000_000, "is above the limit"),
+    ] {
+        let mut r = zero.clone();
+        r["rank"]["rank"] = rank.into();
+        for rec in ["rank-00000.json", "rank-00001.json"] {
+            let mut x = if rec == "rank-00000.json" {
+                zero.clone()
+            } else {
+                r.clone()
+            };
+            x["rank"]["world_size"] = world.into();
+            std::fs::write(results.join(rec), x.to_string()).unwrap();
+        }
+        let o = workshop(&["gather", results.to_str().unwrap()]);
+        assert!(
+            !o.status.success() && stderr(&o).contains(needle),
+            "{needle}: {}",
+            stderr(&o)
+        );
+    }
+    std::fs::write(results.join("rank-00000.json"), zero.to_string()).unwrap();
     std::fs::write(results.join("rank-00001.json"), "{\"not\": \"a rank\"}").unwrap();
     let o = workshop(&["gather", results.to_str().unwrap()]);
     assert!(
@@ -1484,6 +1511,24 @@ fn huge_sizes_fail_fast_in_one_line() {
     fails_with(
         &["dev", "lint", course.to_str().unwrap()],
         "batch_size: 1000000000000 is above the limit",
+    );
+    fails_with(
+        &["peak", "--size", "100000"],
+        "--size: 100000 is above the limit",
+    );
+    fails_with(
+        &["peak", "--array-mib", "100000"],
+        "--array-mib: 100000 is above the limit",
+    );
+    fails_with(
+        &[
+            "bench",
+            "--network",
+            "resnet18",
+            "--devices",
+            "cpu:0-18446744073709551615",
+        ],
+        "core 18446744073709551615 is above the limit",
     );
     let o = crate::common::command()
         .env("WORKSHOP_CPU_SIMD", "avx9000")

@@ -66,6 +66,9 @@ pub fn parse_devices(list: &str, kind: BackendKind) -> Result<Vec<DeviceSpec>> {
             if a > b {
                 bail!("`{item}`: the range runs backwards");
             }
+            if let Err(why) = super::within_limit("core", b) {
+                bail!("`{item}`: core {why}");
+            }
             let cores: Vec<usize> = (a..=b).collect();
             if let Some(o) = out.iter().find(|d| {
                 d.cores
@@ -517,6 +520,26 @@ pub fn gather(dir: &Path) -> Result<Gathered> {
         );
     };
     let world = first.rank.world_size;
+    if world == 0 {
+        bail!("the rank records say a world of 0 ranks: they are damaged");
+    }
+    if let Err(why) = super::within_limit("world_size", world) {
+        bail!("the rank records' world size: {why}");
+    }
+    if let Some(r) = ranks.iter().find(|r| r.rank.rank >= world) {
+        bail!(
+            "a record is rank {} of {world}: ranks run from 0 to {}",
+            r.rank.rank,
+            world - 1
+        );
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    if let Some(r) = ranks.iter().find(|r| !seen.insert(r.rank.rank)) {
+        bail!(
+            "rank {} has two records: these are not one run",
+            r.rank.rank
+        );
+    }
     let global_batch = first.global_batch;
     let key = |r: &RankRecord| {
         (

@@ -85,7 +85,19 @@ pub fn validate(cfg: &BenchConfig) -> Result<()> {
 /// The largest value each size of a run may take, and why: numbers from users are checked
 /// before anything is allocated, by `workshop bench` and by lint for a course's steps (issue
 /// 27: sizes near 2^64 overflowed or spun instead of failing).
-pub const LIMITS: [(&str, usize, &str); 6] = [
+pub const LIMITS: [(&str, usize, &str); 10] = [
+    (
+        "size",
+        1 << 14,
+        "three matrices of that size would not fit in memory",
+    ),
+    (
+        "array_mib",
+        1 << 14,
+        "three arrays of that size would not fit in memory",
+    ),
+    ("core", 1 << 16, "no machine has that many cores"),
+    ("world_size", 1 << 16, "more ranks than any launcher starts"),
     (
         "batch_size",
         1 << 16,

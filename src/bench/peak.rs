@@ -79,6 +79,11 @@ pub fn gemm_on(
     if size == 0 || iterations == 0 {
         bail!("--size and --iterations must be at least 1");
     }
+    for (name, v) in [("size", size), ("iterations", iterations)] {
+        if let Err(why) = super::within_limit(name, v) {
+            bail!("--{name}: {why}");
+        }
+    }
     let mut g = GraphBuilder::new(
         "gemm",
         size,
@@ -175,6 +180,9 @@ pub fn bandwidth(
     iterations: usize,
     threads: Option<usize>,
 ) -> Result<Vec<Bandwidth>> {
+    if let Err(why) = super::within_limit("array_mib", mib) {
+        bail!("--array-mib: {why}");
+    }
     let n = (mib << 20) / 4;
     if n == 0 || iterations == 0 {
         bail!("the arrays and the iterations must not be empty");
