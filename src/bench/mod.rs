@@ -100,8 +100,8 @@ pub const LIMITS: [(&str, usize, &str); 10] = [
     ("world_size", 1 << 16, "more ranks than any launcher starts"),
     (
         "batch_size",
-        1 << 16,
-        "more images than any device holds in one batch",
+        1 << 24,
+        "more images than any machine's memory holds in one batch",
     ),
     (
         "iterations",
