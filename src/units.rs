@@ -71,3 +71,35 @@ pub fn duration_ns(ns: f64) -> String {
         format!("{:.1} µs", ns / 1e3)
     }
 }
+
+/// A text cell of a CSV file: quoted, and kept text where a spreadsheet would run it as a
+/// formula (a leading `=`, `+`, `-`, `@`, tab or carriage return gets a `'` first; issue 27).
+pub fn csv_text(s: &str) -> String {
+    let s = if s.starts_with(['=', '+', '-', '@', '\t', '\r']) {
+        format!("'{s}")
+    } else {
+        s.to_string()
+    };
+    format!("\"{}\"", s.replace('"', "\"\""))
+}
+
+/// A CSV field: as it is where it needs no quoting (ids, metric names), else [`csv_text`].
+pub fn csv_field(s: &str) -> String {
+    let plain = !s.contains([',', '"', '\n', '\r']) && !s.starts_with(['=', '+', '-', '@', '\t']);
+    if plain { s.to_string() } else { csv_text(s) }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn csv_text_never_starts_a_formula() {
+        assert_eq!(super::csv_field("00-first"), "00-first");
+        assert_eq!(super::csv_field("a,b"), "\"a,b\"");
+        assert_eq!(super::csv_field("=cmd"), "\"'=cmd\"");
+        assert_eq!(super::csv_text("Ada"), "\"Ada\"");
+        assert_eq!(super::csv_text("say \"hi\""), "\"say \"\"hi\"\"\"");
+        for f in ["=1+1", "+1", "-1", "@SUM(A1)", "\t=1"] {
+            assert!(super::csv_text(f).starts_with("\"'"), "{f}");
+        }
+    }
+}

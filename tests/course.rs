@@ -943,3 +943,51 @@ id = "hello""#;
             .contains("not defined")
     );
 }
+
+/// Issue 27, class 12 (part): commands outside a workspace create nothing, a student's name is
+/// printable text, and names that look like formulas stay text in the class CSV.
+#[test]
+fn outside_a_workspace_nothing_is_created_and_names_stay_text() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    for args in [
+        &["goto", "01-baseline"][..],
+        &["skip"],
+        &["reset", "--all"],
+        &["reset", "00-setup"],
+        &["run", "00-setup"],
+    ] {
+        let o = ws(dir, args);
+        assert!(
+            !o.status.success() && stderr(&o).contains("no workshop workspace in"),
+            "{args:?}: {}",
+            stderr(&o)
+        );
+    }
+    assert_eq!(
+        std::fs::read_dir(dir).unwrap().count(),
+        0,
+        "something was created"
+    );
+    let o = ws(dir, &["init", "--name", "\u{1b}[31mEve"]);
+    assert!(
+        !o.status.success() && stderr(&o).contains("must be printable text"),
+        "{}",
+        stderr(&o)
+    );
+    // A name that a spreadsheet would run.
+    let student = dir.join("class/s1");
+    std::fs::create_dir_all(&student).unwrap();
+    ok(&student, &["init", "--name", "=HYPERLINK(\"x\")"]);
+    let csv = dir.join("class.csv");
+    let o = crate::common::command()
+        .args(["collect"])
+        .arg(dir.join("class"))
+        .arg("--csv")
+        .arg(&csv)
+        .output()
+        .unwrap();
+    let _ = o;
+    let text = std::fs::read_to_string(&csv).unwrap_or_default();
+    assert!(text.contains("\"'=HYPERLINK(\"\"x\"\")\""), "{text}");
+}

@@ -81,6 +81,12 @@ pub fn init(args: InitArgs) -> Result<()> {
     if name.trim().is_empty() {
         bail!("the name must not be empty");
     }
+    // The name is printed to terminals and written into worksheets and class tables.
+    if name.chars().any(char::is_control) || name.chars().count() > 100 {
+        bail!(
+            "the name must be printable text of at most 100 characters (no control characters or escape sequences)"
+        );
+    }
     with_lock(&dir, || {
         let course_dir = args
             .course
@@ -267,7 +273,7 @@ pub fn list(c: CourseArgs) -> Result<()> {
 
 pub fn goto(args: GotoArgs) -> Result<()> {
     let dir = workspace_dir(&args.course);
-    with_lock(&dir, || {
+    state::with_workspace_lock(&dir, || {
         let (mut ws, course) = open(&args.course)?;
         let ex = course.get(&args.id).with_context(|| {
             format!(
@@ -296,7 +302,7 @@ pub fn goto(args: GotoArgs) -> Result<()> {
 
 pub fn skip(args: SkipArgs) -> Result<()> {
     let dir = workspace_dir(&args.course);
-    with_lock(&dir, || {
+    state::with_workspace_lock(&dir, || {
         let (mut ws, course) = open(&args.course)?;
         let ex = match &args.id {
             Some(id) => course.get(id).with_context(|| {
@@ -393,6 +399,16 @@ pub fn hint(c: CourseArgs) -> Result<()> {
 pub fn reset(args: ResetArgs) -> Result<()> {
     let dir = workspace_dir(&args.course);
     if args.all {
+        if ![state::results_json(&dir), state::results_md(&dir)]
+            .iter()
+            .any(|p| p.exists())
+            && !state::exists(&dir)
+        {
+            bail!(
+                "no workshop workspace in `{}`: nothing to reset",
+                dir.display()
+            );
+        }
         // Works on a damaged workspace too: nothing is parsed, files are moved aside.
         return with_lock(&dir, || {
             let kept = state::reset_all(&dir)?;
@@ -404,7 +420,7 @@ pub fn reset(args: ResetArgs) -> Result<()> {
         });
     }
     let id = args.id.clone().context("give an exercise id, or --all")?;
-    with_lock(&dir, || {
+    state::with_workspace_lock(&dir, || {
         let (mut ws, course) = open(&args.course)?;
         course.get(&id).with_context(|| {
             format!(
@@ -424,7 +440,7 @@ pub fn reset(args: ResetArgs) -> Result<()> {
 
 pub fn run(args: RunStepArgs) -> Result<()> {
     let dir = workspace_dir(&args.course);
-    with_lock(&dir, || {
+    state::with_workspace_lock(&dir, || {
         let (mut ws, course) = open(&args.course)?;
         let (id, step_id) = match args.target.split_once('.') {
             Some((e, s)) => (e.to_string(), Some(s.to_string())),

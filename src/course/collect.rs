@@ -147,7 +147,7 @@ pub const HEADER: [&str; 9] = [
 
 /// The class as CSV (numbers unformatted).
 pub fn csv(class: &[Student]) -> String {
-    let quote = |s: &str| format!("\"{}\"", s.replace('"', "\"\""));
+    let quote = crate::units::csv_text;
     let num = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v}"));
     let mut out = String::from(
         "student,device,backend,exercises,steps_passed,steps_attempted,baseline_throughput,fp16_speedup,efficiency,scaling_efficiency,path\n",

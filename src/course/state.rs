@@ -193,6 +193,18 @@ pub fn with_lock<T>(dir: &Path, f: impl FnOnce() -> Result<T>) -> Result<T> {
     f()
 }
 
+/// [`with_lock`] on a workspace that must already be there: outside one, say so and create
+/// nothing (issue 27: `goto` outside a workspace used to leave a `.workshop/lock` behind).
+pub fn with_workspace_lock<T>(dir: &Path, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    if !exists(dir) {
+        bail!(
+            "no workshop workspace in `{}`: run `workshop init` there first",
+            dir.display()
+        );
+    }
+    with_lock(dir, f)
+}
+
 impl Workspace {
     /// Create a new workspace (state and empty results) in `dir`.
     pub fn create(

@@ -6,6 +6,7 @@ use comfy_table::{Cell, CellAlignment};
 use crate::course::state::ResultTable;
 
 use super::new_table;
+use crate::units::csv_field;
 use crate::units::number;
 
 /// A step's table.
@@ -263,16 +264,15 @@ pub fn results_csv(r: &crate::course::state::Results) -> String {
     let mut s = String::from("exercise,step,outcome,metric,value,finished\n");
     for a in &r.attempts {
         let outcome = format!("{:?}", a.outcome).to_lowercase();
+        let (ex, step) = (csv_field(&a.exercise), csv_field(&a.step));
         if a.metrics.is_empty() {
-            s.push_str(&format!(
-                "{},{},{outcome},,,{}\n",
-                a.exercise, a.step, a.finished
-            ));
+            s.push_str(&format!("{ex},{step},{outcome},,,{}\n", a.finished));
         }
         for (k, v) in &a.metrics {
             s.push_str(&format!(
-                "{},{},{outcome},{k},{v},{}\n",
-                a.exercise, a.step, a.finished
+                "{ex},{step},{outcome},{},{v},{}\n",
+                csv_field(k),
+                a.finished
             ));
         }
     }
