@@ -1544,3 +1544,21 @@ fn huge_sizes_fail_fast_in_one_line() {
         stderr(&o)
     );
 }
+
+/// Issue 27, class 12 (part): a cause is said once, not twice in the error chain.
+#[test]
+fn causes_are_said_once() {
+    let o = workshop(&[
+        "bench",
+        "--network",
+        "resnet18",
+        "--weights",
+        "/nonexistent/w.safetensors",
+    ]);
+    let e = stderr(&o);
+    assert!(
+        !o.status.success() && e.contains("/nonexistent/w.safetensors"),
+        "{e}"
+    );
+    assert_eq!(e.matches("os error 2").count(), 1, "{e}");
+}

@@ -19,11 +19,10 @@ pub struct Weights {
 
 #[derive(Debug, thiserror::Error)]
 pub enum WeightsError {
-    #[error("failed to read weights file `{path}`: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
+    // The I/O error is part of the message, not a `source`: `main` prints the cause chain, and
+    // a source would print it twice (issue 27).
+    #[error("failed to read weights file `{path}`: {error}")]
+    Io { path: String, error: std::io::Error },
     #[error("`{path}` is not a safetensors file: {reason}")]
     Format { path: String, reason: String },
     #[error("`{path}`: tensor `{name}` is missing (the {network} graph needs shape {shape:?})")]
@@ -285,9 +284,9 @@ pub fn to_f32(view: &TensorView<'_>) -> Option<Vec<f32>> {
 /// A file's displayed path and its bytes.
 fn read_file(path: &Path) -> Result<(String, Vec<u8>), WeightsError> {
     let p = path.display().to_string();
-    let bytes = std::fs::read(path).map_err(|source| WeightsError::Io {
+    let bytes = std::fs::read(path).map_err(|error| WeightsError::Io {
         path: p.clone(),
-        source,
+        error,
     })?;
     Ok((p, bytes))
 }
