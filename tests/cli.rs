@@ -1562,3 +1562,37 @@ fn causes_are_said_once() {
     );
     assert_eq!(e.matches("os error 2").count(), 1, "{e}");
 }
+
+/// Issue 27, class 11 (part): a one-device baseline of another batch is refused, not used.
+#[test]
+fn a_single_device_baseline_must_match_the_run() {
+    let d = tempfile::tempdir().unwrap();
+    let single = d.path().join("single.json");
+    let small = [
+        "--network",
+        "resnet18",
+        "--input-size",
+        "32",
+        "--iterations",
+        "1",
+        "--warmup",
+        "0",
+    ];
+    let mut args = vec!["bench", "--batch-size", "2"];
+    args.extend(small);
+    run_json(&args, &single);
+    let mut args = vec![
+        "bench",
+        "--batch-size",
+        "8",
+        "--cpu-groups",
+        "2",
+        "--single",
+    ];
+    args.push(single.to_str().unwrap());
+    args.extend(small);
+    fails_with(
+        &args,
+        "--single ran resnet18 fp32 on cpu at batch 2 (32px); this run needs resnet18 fp32 on cpu at batch 4",
+    );
+}

@@ -236,6 +236,32 @@ pub fn run(
         .into());
     }
     let per = per_device_batch(cfg.batch_size, devices.len())?;
+    // A one-device baseline must be this run's network, precision, backend and per-device
+    // batch, or the scaling efficiency means nothing (issue 27).
+    if let Some(s) = &single {
+        let (a, b) = (&s.config, cfg);
+        if (
+            &a.network,
+            a.precision,
+            a.backend,
+            a.batch_size,
+            a.input_size,
+        ) != (&b.network, b.precision, b.backend, per, b.input_size)
+        {
+            anyhow::bail!(
+                "--single ran {} {} on {} at batch {} ({}px); this run needs {} {} on {} at batch {per} ({}px) per device",
+                a.network,
+                a.precision,
+                a.backend,
+                a.batch_size,
+                a.input_size,
+                b.network,
+                b.precision,
+                b.backend,
+                b.input_size
+            );
+        }
+    }
     let configs: Vec<BenchConfig> = devices.iter().map(|d| device_config(cfg, d, per)).collect();
     say(&format!(
         "Preparing {} devices ({}), {per} images each...",
