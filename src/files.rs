@@ -7,7 +7,57 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 
+/// Whether `path` can take what a command will write there, asked before the work starts (a
+/// long run must not end in "cannot write"): a regular file or a new one, a device such as
+/// `/dev/null`, or a link to one of those; not a folder, a FIFO or a socket.
+pub fn check_destination(path: &Path) -> Result<()> {
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_dir() => {
+            anyhow::bail!("`{}` is a folder, not a file to write", path.display())
+        }
+        Ok(m) if !m.is_file() && !is_device(&m) => anyhow::bail!(
+            "`{}` is not a regular file or a device (a FIFO or a socket): refusing to write there",
+            path.display()
+        ),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(unix)]
+fn is_device(m: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    m.file_type().is_char_device() || m.file_type().is_block_device()
+}
+
+#[cfg(not(unix))]
+fn is_device(_: &std::fs::Metadata) -> bool {
+    false
+}
+
+/// Write `bytes` to `path`: a regular file atomically (see the module doc), through a link to
+/// its target (the link stays a link), and to a device (`/dev/null`) directly; a folder, FIFO
+/// or socket is refused (issue 27: a rename over `/dev/null` would replace the device).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    check_destination(path)?;
+    if let Ok(m) = std::fs::metadata(path)
+        && is_device(&m)
+    {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .with_context(|| format!("failed to write `{}`", path.display()))?;
+        return f
+            .write_all(bytes)
+            .with_context(|| format!("failed to write `{}`", path.display()));
+    }
+    let resolved;
+    let path = match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_symlink() => {
+            resolved = resolve_link(path)?;
+            resolved.as_path()
+        }
+        _ => path,
+    };
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -27,6 +77,26 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         return Err(e).with_context(|| format!("failed to write `{}`", path.display()));
     }
     Ok(())
+}
+
+/// Where the link at `path` leads (relative targets against the link's folder), following
+/// chains of links; a dangling link leads to where its target would be.
+fn resolve_link(path: &Path) -> Result<std::path::PathBuf> {
+    let mut p = path.to_path_buf();
+    for _ in 0..40 {
+        match std::fs::symlink_metadata(&p) {
+            Ok(m) if m.file_type().is_symlink() => {
+                let target = std::fs::read_link(&p)
+                    .with_context(|| format!("cannot follow the link `{}`", p.display()))?;
+                p = match p.parent() {
+                    Some(dir) if target.is_relative() => dir.join(target),
+                    _ => target,
+                };
+            }
+            _ => return Ok(p),
+        }
+    }
+    anyhow::bail!("`{}` is a loop of links", path.display())
 }
 
 /// Whether `id` is a plain id from course data (an exercise's or a step's): lowercase ASCII

@@ -1596,3 +1596,83 @@ fn a_single_device_baseline_must_match_the_run() {
         "--single ran resnet18 fp32 on cpu at batch 2 (32px); this run needs resnet18 fp32 on cpu at batch 4",
     );
 }
+
+/// Issue 27, class 7: output paths. `--json /dev/null` writes to the device (a rename would
+/// have replaced it with a regular file), a link is written through and stays a link, and a
+/// folder or a FIFO is refused before the run starts.
+#[cfg(unix)]
+#[test]
+fn output_paths_are_written_as_what_they_are() {
+    use std::os::unix::fs::FileTypeExt;
+    let quick = [
+        "bench",
+        "--network",
+        "resnet18",
+        "--input-size",
+        "32",
+        "--batch-size",
+        "1",
+        "--iterations",
+        "1",
+        "--warmup",
+        "0",
+        "--json",
+    ];
+    let run = |target: &std::path::Path| {
+        let mut args = quick.to_vec();
+        args.push(target.to_str().unwrap());
+        workshop(&args)
+    };
+    let null = std::path::Path::new("/dev/null");
+    if std::fs::metadata(null).is_ok_and(|m| m.file_type().is_char_device()) {
+        let o = run(null);
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert!(
+            std::fs::metadata(null)
+                .unwrap()
+                .file_type()
+                .is_char_device()
+        );
+    }
+    let d = tempfile::tempdir().unwrap();
+    let real = d.path().join("real.json");
+    let link = d.path().join("link.json");
+    std::os::unix::fs::symlink("real.json", &link).unwrap();
+    let o = run(&link);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        std::fs::symlink_metadata(&link)
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
+    assert!(
+        read_json(&real)["stats"]["throughput_median"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+    let o = run(d.path());
+    assert!(
+        !o.status.success() && stderr(&o).contains("is a folder"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(
+        !stdout(&o).contains("Performance summary"),
+        "the run started"
+    );
+    let fifo = d.path().join("fifo");
+    if std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .is_ok_and(|s| s.success())
+    {
+        let o = run(&fifo);
+        assert!(
+            !o.status.success() && stderr(&o).contains("not a regular file"),
+            "{}",
+            stderr(&o)
+        );
+    }
+}

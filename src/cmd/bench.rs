@@ -62,6 +62,13 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         recompile: args.recompile,
     };
     bench::validate(&cfg)?;
+    // Where the results go must take them before the run starts.
+    for path in [&args.json, &args.trace, &args.profile_csv]
+        .into_iter()
+        .flatten()
+    {
+        crate::files::check_destination(path)?;
+    }
     if let Some(dir) = &args.results_dir {
         let rank = bench::data_parallel::Rank::detect().context(
             "--results-dir is for ranks started by a launcher, but none of their variables is set \
@@ -185,6 +192,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
 }
 
 pub fn infer(args: InferArgs) -> Result<()> {
+    crate::files::check_destination(&args.output)?;
     let precision = resolve_precision(&args.run)?;
     let graph = zoo::build(&args.run.network)?;
     let input = weights::read_tensor(&args.input, "input")?;
@@ -294,6 +302,7 @@ pub fn models(args: ModelsArgs) -> Result<()> {
 }
 
 pub fn weights(args: WeightsArgs) -> Result<()> {
+    crate::files::check_destination(&args.output)?;
     let graph = zoo::build(&args.network)?;
     let w = bench::seeded_weights(&graph, args.seed, 224)?;
     w.save(&args.output, &graph)?;

@@ -9,6 +9,9 @@ use crate::course::{self, state::ResultTable};
 use crate::report;
 
 pub fn gather(a: GatherArgs) -> Result<()> {
+    for path in a.json.iter() {
+        crate::files::check_destination(path)?;
+    }
     let g = bench::data_parallel::gather(&a.dir)?;
     println!("{}", report::bench::gathered(&g));
     if let Some(path) = &a.json {
@@ -19,6 +22,9 @@ pub fn gather(a: GatherArgs) -> Result<()> {
 }
 
 pub fn compare(a: CompareArgs) -> Result<()> {
+    for path in [&a.markdown, &a.chart].into_iter().flatten() {
+        crate::files::check_destination(path)?;
+    }
     let records = a
         .records
         .iter()
@@ -42,6 +48,9 @@ pub fn compare(a: CompareArgs) -> Result<()> {
 }
 
 pub fn collect(a: CollectArgs) -> Result<()> {
+    for path in [&a.csv, &a.chart].into_iter().flatten() {
+        crate::files::check_destination(path)?;
+    }
     let (class, skipped) = course::collect::collect(&a.dir)?;
     let rows: Vec<Vec<String>> = class.iter().map(course::collect::cells).collect();
     let table = ResultTable {
