@@ -72,10 +72,13 @@ pub fn duration_ns(ns: f64) -> String {
     }
 }
 
+/// What a spreadsheet reads as the start of a formula (or hides one behind).
+const FORMULA_STARTS: [char; 6] = ['=', '+', '-', '@', '\t', '\r'];
+
 /// A text cell of a CSV file: quoted, and kept text where a spreadsheet would run it as a
 /// formula (a leading `=`, `+`, `-`, `@`, tab or carriage return gets a `'` first; issue 27).
 pub fn csv_text(s: &str) -> String {
-    let s = if s.starts_with(['=', '+', '-', '@', '\t', '\r']) {
+    let s = if s.starts_with(FORMULA_STARTS) {
         format!("'{s}")
     } else {
         s.to_string()
@@ -85,7 +88,7 @@ pub fn csv_text(s: &str) -> String {
 
 /// A CSV field: as it is where it needs no quoting (ids, metric names), else [`csv_text`].
 pub fn csv_field(s: &str) -> String {
-    let plain = !s.contains([',', '"', '\n', '\r']) && !s.starts_with(['=', '+', '-', '@', '\t']);
+    let plain = !s.contains([',', '"', '\n', '\r']) && !s.starts_with(FORMULA_STARTS);
     if plain { s.to_string() } else { csv_text(s) }
 }
 

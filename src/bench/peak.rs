@@ -256,7 +256,7 @@ impl CachedPeak {
         CachedPeak {
             device,
             threads,
-            kernels: kernels_of(gemm.backend),
+            kernels: gemm.backend.gemm_kernels(),
             gemm,
             bandwidth,
             measured_unix: now_unix(),
@@ -320,16 +320,11 @@ pub fn cached(
     precision: Precision,
     threads: Option<usize>,
 ) -> Option<CachedPeak> {
-    let kernels = kernels_of(backend);
+    let kernels = backend.gemm_kernels();
     read_cache()
         .into_iter()
         .filter(|c| c.is_for(backend, device, precision, threads, &kernels))
         .max_by_key(|c| (c.gemm.size, c.measured_unix))
-}
-
-/// [`CachedPeak::kernels`] for a measurement made now.
-fn kernels_of(backend: BackendKind) -> String {
-    backend.gemm_kernels()
 }
 
 /// Keep a validated measurement (replacing the device's earlier one of the same size); a

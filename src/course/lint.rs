@@ -450,25 +450,22 @@ fn check_bench(l: &mut Linter<'_>, span: Range<usize>, b: &super::schema::BenchS
             ),
         );
     }
-    for (name, v) in [
-        ("batch_size", b.batch_size),
-        ("iterations", b.iterations),
-        ("input_size", b.input_size),
-        ("cpu_groups", b.cpu_groups),
+    // (name, value, whether 0 is allowed): the bounds `workshop bench` checks too.
+    for (name, v, zero_ok) in [
+        ("batch_size", b.batch_size, false),
+        ("iterations", b.iterations, false),
+        ("warmup", b.warmup, true),
+        ("input_size", b.input_size, false),
+        ("cpu_groups", b.cpu_groups, false),
     ] {
-        if v == Some(0) {
-            l.at(span.clone(), format!("{name} must be at least 1"));
-        }
-    }
-    for (name, v) in [
-        ("batch_size", b.batch_size),
-        ("iterations", b.iterations),
-        ("warmup", b.warmup),
-        ("input_size", b.input_size),
-        ("cpu_groups", b.cpu_groups),
-    ] {
-        if let Some(Err(why)) = v.map(|v| crate::bench::within_limit(name, v)) {
-            l.at(span.clone(), format!("{name}: {why}"));
+        match v {
+            Some(0) if !zero_ok => l.at(span.clone(), format!("{name} must be at least 1")),
+            Some(v) => {
+                if let Err(why) = crate::bench::within_limit(name, v) {
+                    l.at(span.clone(), format!("{name}: {why}"));
+                }
+            }
+            None => {}
         }
     }
 }

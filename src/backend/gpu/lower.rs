@@ -397,7 +397,6 @@ fn other_op(b: &mut Builder, at: &NodeCtx<'_>, input: BufId) -> Result<(), Backe
         ..
     } = *at;
     let ((n, c, h, w), (_, xh, xw)) = (at.out, at.input);
-    let _get = |suffix: &str| at.get(suffix);
     match &node.op {
         Op::Input { .. } => {
             let args = vec![Arg::Buf(input), Arg::Buf(y), Arg::I32(total_i)];

@@ -78,9 +78,11 @@ impl StepContext<'_> {
         }
     }
 
-    /// Where the course keeps the record of step `step`'s run (for chart steps and `compare`).
+    /// Where the course keeps the record of step `step`'s run (for chart steps and `compare`),
+    /// checked to stay in `records/`.
     fn record_path(&self, step: &str) -> Result<PathBuf> {
-        record_path(self.ws, self.exercise, step)
+        let name = format!("{}.{step}.json", self.exercise);
+        crate::files::child(&self.ws.dir.join("records"), &name)
     }
 
     /// A file this step writes under the workspace's `folder`: `EX.STEP.suffix`, checked to
@@ -89,12 +91,6 @@ impl StepContext<'_> {
         let name = format!("{}.{}.{suffix}", self.exercise, self.id());
         crate::files::child(&self.ws.dir.join(folder), &name)
     }
-}
-
-/// Where the course keeps the record of a bench or profile step (checked to stay in
-/// `records/`).
-pub fn record_path(ws: &Workspace, exercise: &str, step: &str) -> Result<PathBuf> {
-    crate::files::child(&ws.dir.join("records"), &format!("{exercise}.{step}.json"))
 }
 
 /// What a step leaves for its attempt.
