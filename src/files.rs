@@ -79,6 +79,17 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     Ok(())
 }
 
+/// Check that `bytes` can be written in the folder `dir`, by writing (and syncing, then
+/// removing) a file of that size there: a read-only folder or a full disk is found before a
+/// long run rather than after it (issue 27).
+pub fn check_room(dir: &Path, bytes: usize) -> Result<()> {
+    let probe = dir.join(format!(".write-check.{}.tmp", std::process::id()));
+    let written = std::fs::File::create(&probe)
+        .and_then(|mut f| f.write_all(&vec![0u8; bytes]).and_then(|_| f.sync_all()));
+    let _ = std::fs::remove_file(&probe);
+    written.with_context(|| format!("cannot write in `{}`", dir.display()))
+}
+
 /// Where the link at `path` leads (relative targets against the link's folder), following
 /// chains of links; a dangling link leads to where its target would be.
 fn resolve_link(path: &Path) -> Result<std::path::PathBuf> {

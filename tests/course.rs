@@ -489,6 +489,95 @@ fn a_killed_run_loses_nothing_recorded() {
     ok(dir, &["skip", "00-first"]);
 }
 
+/// A kill between the two renames that record a step (results.json first, then the state)
+/// leaves results ahead of the state: the next command must move on as the record said, not
+/// run the step again and record it twice (issue 27, class 5). Simulated by putting back the
+/// state from before the record.
+#[test]
+fn a_kill_between_the_two_writes_records_no_attempt_twice() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = &tiny_workspace(d.path(), ("", ""), &["--name", "Kay"]);
+    let state = dir.join(".workshop/state.json");
+    let stale = std::fs::read_to_string(&state).unwrap();
+    ok(dir, &["next", "--yes"]);
+    std::fs::write(&state, &stale).unwrap();
+    let out = ok(dir, &["next", "--yes"]);
+    assert!(
+        out.contains("A tiny run."),
+        "ran the first step again:\n{out}"
+    );
+    let steps: Vec<String> = (results(dir)["attempts"].as_array().unwrap().iter())
+        .map(|a| a["step"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(steps, ["hello", "run"]);
+    // The same for skip, which moves on by recording skipped attempts.
+    let stale = std::fs::read_to_string(&state).unwrap();
+    ok(dir, &["skip"]);
+    std::fs::write(&state, &stale).unwrap();
+    assert!(ok(dir, &["status"]).contains("2/2"));
+    assert!(ok(dir, &["next", "--yes"]).contains("every exercise is done or skipped"));
+    assert_eq!(results(dir)["attempts"].as_array().unwrap().len(), 3);
+}
+
+/// A workspace that cannot be written fails before the step runs, not after (issue 27, class
+/// 6). Root ignores permissions, so as root the command runs as `nobody` (util-linux's
+/// `setpriv`) on a workspace that user owns but whose folder is read-only.
+#[test]
+fn a_read_only_workspace_fails_before_the_step_runs() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = tempfile::tempdir().unwrap();
+    let long = (
+        "iterations = 2, warmup = 0, input_size = 32",
+        "iterations = 100000, warmup = 0, input_size = 64",
+    );
+    let dir = &tiny_workspace(d.path(), long, &["--name", "Ro"]);
+    ok(dir, &["next", "--yes"]);
+    // A folder this process made is owned by its effective user.
+    let root = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(d.path()).unwrap()) == 0;
+    let mut cmd = if root {
+        for p in [d.path(), &d.path().join("course"), dir] {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        let chown = std::process::Command::new("chown")
+            .args(["-R", "65534:65534"])
+            .arg(dir)
+            .status();
+        let as_nobody = || {
+            let mut c = std::process::Command::new("setpriv");
+            c.args(["--reuid=65534", "--regid=65534", "--clear-groups"]);
+            c.arg(env!("CARGO_BIN_EXE_workshop"));
+            c.env("WORKSHOP_CACHE_DIR", d.path().join("cache"));
+            c
+        };
+        let runs = as_nobody().arg("--version").output();
+        if !chown.is_ok_and(|s| s.success()) || !runs.is_ok_and(|o| o.status.success()) {
+            eprintln!("skipped: cannot run the binary as another user here");
+            return;
+        }
+        as_nobody()
+    } else {
+        crate::common::command()
+    };
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o555)).unwrap();
+    let started = std::time::Instant::now();
+    let o = cmd
+        .args(["next", "--yes", "--dir"])
+        .arg(dir)
+        .output()
+        .unwrap();
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let err = stderr(&o);
+    assert!(!o.status.success(), "{}", stdout(&o));
+    assert!(
+        err.contains("nothing was run")
+            && err.contains(&format!("cannot write in `{}`", dir.display())),
+        "{err}"
+    );
+    assert!(!stdout(&o).contains("A tiny run."), "{}", stdout(&o));
+    assert!(started.elapsed() < std::time::Duration::from_secs(30));
+    assert_eq!(results(dir)["attempts"].as_array().unwrap().len(), 1);
+}
+
 /// Split a shell line into words, honouring double quotes (enough for the book's examples).
 fn shell_words(line: &str) -> Vec<String> {
     let mut words = Vec::new();

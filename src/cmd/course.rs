@@ -145,6 +145,7 @@ pub fn next(args: NextArgs) -> Result<()> {
     }
     with_lock(&dir, || {
         let (mut ws, course) = open(&args.course)?;
+        ws.check_writable()?;
         let Some(ex) = current(&ws, &course) else {
             println!(
                 "{}",
@@ -202,10 +203,11 @@ pub fn next(args: NextArgs) -> Result<()> {
         } else {
             Status::InProgress
         };
-        ws.set_progress(&id, progress.clone());
-        if progress.status == Status::Done && ws.state.current.as_deref() == Some(id.as_str()) {
-            ws.state.current = None;
-        }
+        ws.move_to(&id, progress.clone());
+        let attempt = Attempt {
+            progress: Some(progress.clone()),
+            ..attempt
+        };
         record(&mut ws, &course, Some(attempt))?;
         let upcoming = if progress.status == Status::Done {
             current(&ws, &course).map(|e| format!("{} — {}", e.id(), e.exercise.title))
@@ -318,6 +320,10 @@ pub fn skip(args: SkipArgs) -> Result<()> {
         .clone();
         let id = ex.id().to_string();
         let p = ws.progress(&id);
+        let skipped = Progress {
+            status: Status::Skipped,
+            next_step: ex.exercise.steps.len(),
+        };
         for step in ex.exercise.steps.iter().skip(p.next_step) {
             ws.results.attempts.push(Attempt {
                 exercise: id.clone(),
@@ -332,18 +338,10 @@ pub fn skip(args: SkipArgs) -> Result<()> {
                 environment: BTreeMap::new(),
                 started: now(),
                 finished: now(),
+                progress: Some(skipped.clone()),
             });
         }
-        ws.set_progress(
-            &id,
-            Progress {
-                status: Status::Skipped,
-                next_step: ex.exercise.steps.len(),
-            },
-        );
-        if ws.state.current.as_deref() == Some(id.as_str()) {
-            ws.state.current = None;
-        }
+        ws.move_to(&id, skipped);
         record(&mut ws, &course, None)?;
         let upcoming = current(&ws, &course).map(|e| format!("{} — {}", e.id(), e.exercise.title));
         println!(
@@ -442,6 +440,7 @@ pub fn run(args: RunStepArgs) -> Result<()> {
     let dir = workspace_dir(&args.course);
     state::with_workspace_lock(&dir, || {
         let (mut ws, course) = open(&args.course)?;
+        ws.check_writable()?;
         let (id, step_id) = match args.target.split_once('.') {
             Some((e, s)) => (e.to_string(), Some(s.to_string())),
             None => (args.target.clone(), None),

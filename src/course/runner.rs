@@ -103,6 +103,7 @@ pub fn run_step(
         environment: out.environment,
         started,
         finished: now(),
+        progress: None,
     })
 }
 

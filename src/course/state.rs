@@ -50,6 +50,12 @@ pub struct State {
     pub current: Option<String>,
     #[serde(default)]
     pub exercises: BTreeMap<String, Progress>,
+    /// How many attempts of results.json this state accounts for. results.json is written
+    /// first, then this file: attempts past this count were recorded by a command killed
+    /// between the two writes, and [`Workspace::open`] replays their progress (issue 27: the
+    /// step used to run again and be recorded twice). `None` in states older than the field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recorded: Option<usize>,
 }
 
 /// The outcome of one step run.
@@ -95,6 +101,10 @@ pub struct Attempt {
     pub environment: BTreeMap<String, String>,
     pub started: String,
     pub finished: String,
+    /// Where recording this attempt moved its exercise (`next` and `skip` move on; `run`
+    /// measures again without moving): what is replayed when the state was not written after it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<Progress>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -236,19 +246,20 @@ impl Workspace {
             course_dir,
             current: None,
             exercises: BTreeMap::new(),
+            recorded: Some(0),
         };
         let results = Results {
             schema_version: RESULTS_SCHEMA,
             student: student.to_string(),
             attempts: Vec::new(),
         };
-        let ws = Workspace {
+        let mut ws = Workspace {
             dir: dir.to_path_buf(),
             state,
             results,
         };
-        ws.save_state()?;
         ws.save_results_json()?;
+        ws.save_state()?;
         Ok(ws)
     }
 
@@ -278,14 +289,56 @@ impl Workspace {
                 attempts: Vec::new(),
             }
         };
-        Ok(Workspace {
+        let mut ws = Workspace {
             dir: dir.to_path_buf(),
             state,
             results,
-        })
+        };
+        ws.replay_unaccounted();
+        Ok(ws)
     }
 
-    pub fn save_state(&self) -> Result<()> {
+    /// Bring the state up to date with attempts recorded after it was last written (a command
+    /// killed between writing results.json and state.json). Only in memory: the next command
+    /// that records writes it.
+    fn replay_unaccounted(&mut self) {
+        let Some(recorded) = self.state.recorded else {
+            return;
+        };
+        let unaccounted: Vec<(String, Progress)> = (self.results.attempts.iter().skip(recorded))
+            .filter_map(|a| a.progress.clone().map(|p| (a.exercise.clone(), p)))
+            .collect();
+        for (exercise, progress) in unaccounted {
+            self.move_to(&exercise, progress);
+        }
+    }
+
+    /// Set an exercise's progress; one that is finished (done or skipped) stops being the
+    /// exercise `goto` chose.
+    pub fn move_to(&mut self, exercise: &str, progress: Progress) {
+        let finished = matches!(progress.status, Status::Done | Status::Skipped);
+        if finished && self.state.current.as_deref() == Some(exercise) {
+            self.state.current = None;
+        }
+        self.set_progress(exercise, progress);
+    }
+
+    /// Check, before a step runs, that what it records can be written: the workspace and its
+    /// state folder take new files and have room for the results again plus a megabyte (records
+    /// and charts). Run first by the commands that measure, so a read-only or full workspace
+    /// fails in a second, not after minutes of measuring (issue 27).
+    pub fn check_writable(&self) -> Result<()> {
+        let size = |p: PathBuf| std::fs::metadata(p).map_or(0, |m| m.len() as usize);
+        let results = size(results_json(&self.dir)) + size(results_md(&self.dir));
+        crate::files::check_room(&self.dir, results.saturating_add(1 << 20))
+            .and_then(|_| crate::files::check_room(&state_dir(&self.dir), size(state_path(&self.dir))))
+            .context("nothing was run: the step's results could not be recorded (make the workspace writable, or free some space)")
+    }
+
+    /// Write the state, saying it accounts for every attempt in memory (write results.json
+    /// first: see [`State::recorded`]).
+    pub fn save_state(&mut self) -> Result<()> {
+        self.state.recorded = Some(self.results.attempts.len());
         write_atomic(
             &state_path(&self.dir),
             serde_json::to_string_pretty(&self.state)?.as_bytes(),
