@@ -23,6 +23,65 @@ pub fn check_destination(path: &Path) -> Result<()> {
     }
 }
 
+/// What a path that is not a regular file is, for messages ("`x` is a FIFO, not ...").
+pub fn kind_of(m: &std::fs::Metadata) -> &'static str {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        let t = m.file_type();
+        if t.is_fifo() {
+            return "a FIFO";
+        }
+        if t.is_socket() {
+            return "a socket";
+        }
+        if t.is_char_device() || t.is_block_device() {
+            return "a device";
+        }
+    }
+    if m.is_dir() {
+        "a folder"
+    } else if m.is_file() {
+        "a regular file"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// The largest text file read ([`read_text`]): records, caches, course files and results are
+/// kilobytes to a few megabytes.
+pub const MAX_TEXT: u64 = 256 << 20;
+
+/// Read a text file a user or an earlier run left (a record, a cache, a course file): refused
+/// at once when it is not a regular file (a FIFO would block forever, `/dev/zero` never end)
+/// or larger than [`MAX_TEXT`]; errors name the path.
+pub fn read_text(path: &Path) -> Result<String> {
+    let m = std::fs::metadata(path).with_context(|| format!("cannot read `{}`", path.display()))?;
+    if !m.is_file() {
+        anyhow::bail!(
+            "`{}` is {}, not a file to read",
+            path.display(),
+            kind_of(&m)
+        );
+    }
+    if m.len() > MAX_TEXT {
+        anyhow::bail!(
+            "`{}` is {} MiB, larger than any file this program writes ({} MiB)",
+            path.display(),
+            m.len() >> 20,
+            MAX_TEXT >> 20
+        );
+    }
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read `{}`", path.display()))?;
+    String::from_utf8(bytes).map_err(|e| {
+        anyhow::anyhow!(
+            "`{}` is not UTF-8 text (invalid byte at offset {})",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        )
+    })
+}
+
 #[cfg(unix)]
 fn is_device(m: &std::fs::Metadata) -> bool {
     use std::os::unix::fs::FileTypeExt;

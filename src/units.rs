@@ -92,6 +92,46 @@ pub fn csv_field(s: &str) -> String {
     if plain { s.to_string() } else { csv_text(s) }
 }
 
+/// `s` safe to print on a terminal: control characters other than newline and tab (escape
+/// sequences, NUL, carriage returns) are written as escapes (`\u{1b}`), so a name from a file
+/// cannot recolour, move or clear the screen (issue 27).
+pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
+    if !s.chars().any(|c| c.is_control() && c != '\n' && c != '\t') {
+        return std::borrow::Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        match c {
+            '\n' | '\t' => out.push(c),
+            c if c.is_control() => out.extend(c.escape_debug()),
+            c => out.push(c),
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// [`printable`] applied to every string (and object key) of a JSON value read from someone
+/// else's file (a record, a rank, a classmate's results) before any of it is shown.
+pub fn printable_json(v: &mut serde_json::Value) {
+    use serde_json::Value;
+    match v {
+        Value::String(s) => {
+            if let std::borrow::Cow::Owned(p) = printable(s) {
+                *s = p;
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(printable_json),
+        Value::Object(map) => {
+            let entries = std::mem::take(map);
+            for (k, mut item) in entries {
+                printable_json(&mut item);
+                map.insert(printable(&k).into_owned(), item);
+            }
+        }
+        _ => {}
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -104,5 +144,14 @@ mod tests {
         for f in ["=1+1", "+1", "-1", "@SUM(A1)", "\t=1"] {
             assert!(super::csv_text(f).starts_with("\"'"), "{f}");
         }
+    }
+
+    #[test]
+    fn printable_escapes_control_characters_only() {
+        assert_eq!(super::printable("plain\ttext\n"), "plain\ttext\n");
+        assert_eq!(super::printable("a\x1b[31mb\0"), "a\\u{1b}[31mb\\0");
+        let mut v = serde_json::json!({"k\x07": ["\r", 1]});
+        super::printable_json(&mut v);
+        assert_eq!(v, serde_json::json!({"k\\u{7}": ["\\r", 1]}));
     }
 }

@@ -1205,6 +1205,62 @@ fn compare_gives_known_ratios_verdicts_and_warnings() {
     );
 }
 
+/// Records no run can have are refused by name (issue 27, class 11), and a FIFO as a record
+/// is refused at once instead of blocking (class 9); `models` checks its size (class 11).
+#[test]
+fn impossible_records_and_sizes_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = template_record(dir.path());
+    let good = dir.path().join("good.json");
+    std::fs::write(&good, serde_json::to_string(&t).unwrap()).unwrap();
+    let bad = dir.path().join("bad.json");
+    let mut cases: Vec<(Value, &str)> =
+        vec![(record_with(&t, &[0.1, 0.1], 0), "its batch_size is 0")];
+    let mut negative = t.clone();
+    negative["stats"]["throughput"] = serde_json::json!(-5.0);
+    cases.push((
+        negative,
+        "its stats.throughput is -5, not a positive number",
+    ));
+    cases.push((record_with(&t, &[0.1, -0.1, 0.1], 2), "sample 1 is -0.1 s"));
+    for (record, says) in cases {
+        std::fs::write(&bad, serde_json::to_string(&record).unwrap()).unwrap();
+        for args in [
+            vec!["compare", good.to_str().unwrap(), bad.to_str().unwrap()],
+            vec!["compare", bad.to_str().unwrap(), good.to_str().unwrap()],
+        ] {
+            fails_with(&args, says);
+        }
+    }
+    let fifo = dir.path().join("fifo.json");
+    if std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .is_ok_and(|s| s.success())
+    {
+        fails_with(
+            &["compare", good.to_str().unwrap(), fifo.to_str().unwrap()],
+            "is a FIFO, not a file to read",
+        );
+    }
+    // Text from someone else's record reaches the terminal as text, never as escape codes.
+    let mut painted = t.clone();
+    painted["environment"]["device"]["name"] = serde_json::json!("GPU\u{1b}[2J\u{1b}[31m");
+    painted["environment"]["cpu_model"] = serde_json::json!("CPU\u{1b}[2J");
+    std::fs::write(&bad, serde_json::to_string(&painted).unwrap()).unwrap();
+    let o = workshop(&["compare", good.to_str().unwrap(), bad.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        !stdout(&o).contains('\u{1b}') && !stderr(&o).contains('\u{1b}'),
+        "{}",
+        stdout(&o)
+    );
+    fails_with(
+        &["models", "--input-size", "4294967296"],
+        "--input-size: 4294967296 is above the limit",
+    );
+}
+
 #[test]
 fn collect_gathers_a_class_and_skips_junk() {
     let dir = tempfile::tempdir().unwrap();

@@ -578,6 +578,63 @@ fn a_read_only_workspace_fails_before_the_step_runs() {
     assert_eq!(results(dir)["attempts"].as_array().unwrap().len(), 1);
 }
 
+/// `init` checks where the course will run and, on an existing workspace, switches it while
+/// keeping every result; a hand-edited state's threads are blamed on the state, not on a flag
+/// (issue 27, class 12).
+#[test]
+fn init_checks_placement_and_switches_keeping_results() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let o = ws(dir, &["init", "--name", "Al", "--device", "99"]);
+    assert!(
+        !o.status.success()
+            && stderr(&o).contains("--device 99: the cpu backend has 1 device(s) here"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(!dir.join(".workshop").exists());
+    let o = ws(dir, &["init", "--name", "Al", "--threads", "0"]);
+    assert!(!o.status.success() && stderr(&o).contains("--threads must be at least 1"));
+    // HIP without the emulator: not in this build, or no driver. Said, and accepted.
+    let o = crate::common::command()
+        .env_remove("WORKSHOP_GPU_EMULATOR")
+        .args(["init", "--name", "Al", "--backend", "hip", "--dir"])
+        .arg(dir)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("note: the hip backend")
+            && stderr(&o).contains("`workshop init --backend cpu`"),
+        "{}",
+        stderr(&o)
+    );
+    ok(dir, &["next", "--yes"]);
+    let o = ws(dir, &["init", "--name", "Al"]);
+    assert!(!o.status.success() && stderr(&o).contains("not the name"));
+    let out = ok(dir, &["init", "--backend", "cpu", "--threads", "1"]);
+    assert!(
+        out.contains("now runs on cpu device 0 with 1 threads; the 1 recorded attempt(s) stay"),
+        "{out}"
+    );
+    assert_eq!(results(dir)["attempts"].as_array().unwrap().len(), 1);
+    assert!(ok(dir, &["status"]).contains("00-setup"));
+    let state = dir.join(".workshop/state.json");
+    let text = std::fs::read_to_string(&state).unwrap();
+    std::fs::write(&state, text.replace("\"threads\": 1", "\"threads\": 0")).unwrap();
+    let o = ws(dir, &["next", "--yes"]);
+    let e = stderr(&o);
+    assert!(
+        !o.status.success()
+            && e.contains("state.json` says threads = 0")
+            && e.contains("`workshop init --threads N`")
+            && !e.contains("--threads must"),
+        "{e}"
+    );
+    ok(dir, &["init", "--threads", "2"]);
+    ok(dir, &["status"]);
+}
+
 /// Split a shell line into words, honouring double quotes (enough for the book's examples).
 fn shell_words(line: &str) -> Vec<String> {
     let mut words = Vec::new();

@@ -93,3 +93,85 @@ fn load_errors_name_the_tensor() {
         t
     );
 }
+
+/// A file whose header is written by hand: `header` as JSON, then `data` bytes.
+fn hand_made(path: &std::path::Path, header: &str, data: usize) {
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    bytes.resize(bytes.len() + data, 0);
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// Hostile files are judged by their header before any data is read (issue 27, classes 9 and
+/// 12): a FIFO or a device is refused at once (it used to block, or read /dev/zero until memory
+/// ran out), a 10 GB sparse file costs a header read, offsets and sizes are checked per tensor
+/// and the error names it, names with control characters and files without tensors are said.
+#[test]
+fn hostile_tensor_files_are_refused_by_their_header() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = zoo::build("resnet18").unwrap();
+    let load = |p: &std::path::Path| Weights::load(p, &g).unwrap_err().to_string();
+    let fifo = dir.path().join("fifo");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+    if made.is_ok_and(|s| s.success()) {
+        assert!(load(&fifo).contains("it is a FIFO, not a regular file"));
+    }
+    assert!(load(std::path::Path::new("/dev/zero")).contains("it is a device"));
+    let sparse = dir.path().join("sparse");
+    std::fs::File::create(&sparse)
+        .unwrap()
+        .set_len(10 << 30)
+        .unwrap();
+    let started = std::time::Instant::now();
+    let e = load(&sparse);
+    assert!(e.contains("is not a safetensors file"), "{e}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+
+    let p = dir.path().join("hand.safetensors");
+    hand_made(
+        &p,
+        r#"{"fc.weight":{"dtype":"F32","shape":[1000,512],"data_offsets":[0,100]}}"#,
+        100,
+    );
+    let e = load(&p);
+    assert!(
+        e.contains("tensor `fc.weight` of shape [1000, 512] and dtype F32 needs 2048000 bytes")
+            && e.contains("[0, 100] hold 100"),
+        "{e}"
+    );
+    hand_made(
+        &p,
+        r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}}"#,
+        12,
+    );
+    assert!(load(&p).contains("tensor `b`'s data_offsets [8, 12] do not follow on"));
+    hand_made(
+        &p,
+        r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
+        400,
+    );
+    assert!(load(&p).contains("describes 4 bytes of tensor data, but the file holds 400"));
+    hand_made(
+        &p,
+        "{\"x\\u001b[31m\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}",
+        4,
+    );
+    let e = load(&p);
+    assert!(
+        e.contains("control characters") && !e.contains('\x1b'),
+        "{e}"
+    );
+    hand_made(
+        &p,
+        r#"{"input":{"dtype":"F32","shape":[4294967296,4294967296,4294967296],"data_offsets":[0,4]}}"#,
+        4,
+    );
+    assert!(load(&p).contains("are too large: the byte count overflows"));
+    hand_made(&p, "{}", 0);
+    let e = workshop::model::weights::read_tensor(&p, "input")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("it holds no tensors"), "{e}");
+    std::fs::write(&p, 1u64.to_le_bytes()).unwrap();
+    assert!(load(&p).contains("its header claims 1 bytes, but the file has only 0"));
+}

@@ -130,7 +130,7 @@ fn compile_cached(
         d.join("ptx")
             .join(format!("{:016x}.ptx", gpu::source_hash(&key)))
     });
-    if let Some(text) = path.as_ref().and_then(|p| std::fs::read_to_string(p).ok()) {
+    if let Some(text) = path.as_ref().and_then(|p| crate::files::read_text(p).ok()) {
         return Ok(cudarc::nvrtc::Ptx::from_src(text));
     }
     let ptx = compile(arch, precision, kernels_dir)?;

@@ -28,7 +28,7 @@ fn cache_file() -> Option<std::path::PathBuf> {
 
 fn read_cache() -> Vec<Entry> {
     cache_file()
-        .and_then(|p| std::fs::read_to_string(p).ok())
+        .and_then(|p| crate::files::read_text(&p).ok())
         .and_then(|t| serde_json::from_str(&t).ok())
         .unwrap_or_default()
 }

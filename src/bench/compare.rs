@@ -414,10 +414,10 @@ fn shape(all: &[[String; 6]], varies: &[bool]) -> Shape {
 /// Read a `workshop bench --json` record, saying plainly what else a file is.
 pub fn load(path: &std::path::Path) -> anyhow::Result<BenchRecord> {
     use anyhow::Context as _;
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("cannot read `{}`", path.display()))?;
-    let value: serde_json::Value =
+    let text = crate::files::read_text(path)?;
+    let mut value: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("`{}` is not JSON", path.display()))?;
+    crate::units::printable_json(&mut value);
     let kind = value.get("kind").and_then(|k| k.as_str()).unwrap_or("");
     if kind != "bench" {
         anyhow::bail!(
@@ -441,6 +441,41 @@ pub fn load(path: &std::path::Path) -> anyhow::Result<BenchRecord> {
             super::record::SCHEMA_VERSION
         );
     }
-    serde_json::from_value(value)
-        .with_context(|| format!("`{}` is a damaged bench record", path.display()))
+    let record: BenchRecord = serde_json::from_value(value)
+        .with_context(|| format!("`{}` is a damaged bench record", path.display()))?;
+    if let Err(why) = plausible(&record) {
+        anyhow::bail!("`{}` cannot be a measurement: {why}", path.display());
+    }
+    Ok(record)
+}
+
+/// What makes a record impossible as a measurement (issue 27: batch 0 and negative throughput
+/// were compared as if measured): no images, no samples, a step that took no or negative time,
+/// a statistic that is not a positive number.
+fn plausible(r: &BenchRecord) -> Result<(), String> {
+    if r.config.batch_size == 0 {
+        return Err("its batch_size is 0".into());
+    }
+    if r.samples_s.is_empty() {
+        return Err("it holds no timed samples".into());
+    }
+    if let Some((i, s)) =
+        (r.samples_s.iter().enumerate()).find(|(_, s)| !(s.is_finite() && **s > 0.0))
+    {
+        return Err(format!(
+            "sample {i} is {s} s; every step takes a positive time"
+        ));
+    }
+    let s = &r.stats;
+    for (name, v) in [
+        ("median_s", s.median_s),
+        ("mean_s", s.mean_s),
+        ("throughput", s.throughput),
+        ("throughput_median", s.throughput_median),
+    ] {
+        if !(v.is_finite() && v > 0.0) {
+            return Err(format!("its stats.{name} is {v}, not a positive number"));
+        }
+    }
+    Ok(())
 }

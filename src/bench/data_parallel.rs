@@ -69,6 +69,17 @@ pub fn parse_devices(list: &str, kind: BackendKind) -> Result<Vec<DeviceSpec>> {
             if let Err(why) = super::within_limit("core", b) {
                 bail!("`{item}`: core {why}");
             }
+            // Cores the process may not run on would run unpinned, measuring something else
+            // than asked (issue 27).
+            if let Some(usable) =
+                core_affinity::get_core_ids().map(|c| c.iter().map(|c| c.id).collect::<Vec<_>>())
+                && let Some(missing) = (a..=b).find(|c| !usable.contains(c))
+            {
+                bail!(
+                    "`{item}`: core {missing} is not one this process can run on (it can use {})",
+                    core_list(&usable)
+                );
+            }
             let cores: Vec<usize> = (a..=b).collect();
             if let Some(o) = out.iter().find(|d| {
                 d.cores
@@ -105,6 +116,26 @@ pub fn parse_devices(list: &str, kind: BackendKind) -> Result<Vec<DeviceSpec>> {
         }
     }
     Ok(out)
+}
+
+/// Cores as ranges: `0-3, 6, 8-9`.
+fn core_list(cores: &[usize]) -> String {
+    let mut sorted = cores.to_vec();
+    sorted.sort_unstable();
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < sorted.len() {
+        let mut j = i;
+        while j + 1 < sorted.len() && sorted[j + 1] == sorted[j] + 1 {
+            j += 1;
+        }
+        out.push(match j > i {
+            true => format!("{}-{}", sorted[i], sorted[j]),
+            false => sorted[i].to_string(),
+        });
+        i = j + 1;
+    }
+    out.join(", ")
 }
 
 /// The machine's cores split into `groups` disjoint, nearly equal groups.
@@ -385,13 +416,19 @@ pub struct Rank {
 
 impl Rank {
     /// The launcher's variables from `get` (the environment in real use).
-    pub fn detect_with(get: &dyn Fn(&str) -> Option<String>) -> Option<Rank> {
-        let num = |k: &str| {
-            get(k).and_then(|v| {
-                // Slurm writes counts per node like `2(x3)`.
-                let digits: String = v.chars().take_while(char::is_ascii_digit).collect();
-                digits.parse::<usize>().ok()
-            })
+    /// A launcher is detected when its rank and world-size variables are both set; values that
+    /// cannot be one run's (not numbers, a rank at or past the world size, a world of 0 or
+    /// beyond any cluster) are an error naming the variables (issue 27: `RANK=5 WORLD_SIZE=2`
+    /// was accepted).
+    pub fn detect_with(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<Rank>> {
+        let num = |k: &str| -> Result<Option<usize>> {
+            let Some(v) = get(k) else { return Ok(None) };
+            // Slurm writes counts per node like `2(x3)`.
+            let digits: String = v.chars().take_while(char::is_ascii_digit).collect();
+            digits
+                .parse::<usize>()
+                .map(Some)
+                .map_err(|_| anyhow::anyhow!("{k}={v} is not a number"))
         };
         let launchers: [(&str, [&str; 4]); 4] = [
             (
@@ -421,19 +458,50 @@ impl Rank {
                 ["PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"],
             ),
         ];
-        launchers.iter().find_map(|(name, [r, w, lr, lw])| {
-            let (rank, world_size) = (num(r)?, num(w)?);
-            Some(Rank {
-                launcher: name.to_string(),
-                rank,
-                world_size,
-                local_rank: num(lr).unwrap_or(0),
-                local_world_size: num(lw),
-            })
-        })
+        let Some((name, [r, w, lr, lw])) =
+            (launchers.iter()).find(|(_, [r, w, ..])| get(r).is_some() && get(w).is_some())
+        else {
+            return Ok(None);
+        };
+        let (rank, world_size) = (num(r)?.unwrap_or(0), num(w)?.unwrap_or(0));
+        let (local_rank, local_world_size) = (num(lr)?.unwrap_or(0), num(lw)?);
+        let said = |k: &str| format!("{k}={}", get(k).unwrap_or_default());
+        if world_size == 0 {
+            bail!(
+                "{}: a run has at least one rank ({name}'s variables)",
+                said(w)
+            );
+        }
+        if let Err(why) = super::within_limit("world_size", world_size) {
+            bail!("{}: {why}", said(w));
+        }
+        if rank >= world_size {
+            bail!(
+                "{} with {}: ranks are numbered from 0 to the world size − 1 ({name}'s variables)",
+                said(r),
+                said(w)
+            );
+        }
+        if let Some(n) = local_world_size
+            && (n == 0 || local_rank >= n || n > world_size)
+        {
+            bail!(
+                "{} with {}: a local rank must be below the ranks on this machine, which cannot be 0 or more than the world size ({})",
+                said(lr),
+                said(lw),
+                said(w)
+            );
+        }
+        Ok(Some(Rank {
+            launcher: name.to_string(),
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+        }))
     }
 
-    pub fn detect() -> Option<Rank> {
+    pub fn detect() -> Result<Option<Rank>> {
         Self::detect_with(&|k| std::env::var(k).ok())
     }
 
@@ -534,8 +602,11 @@ pub fn gather(dir: &Path) -> Result<Gathered> {
         .collect();
     files.sort();
     for f in &files {
-        let text = std::fs::read_to_string(f)?;
-        let r: RankRecord = serde_json::from_str(&text)
+        let text = crate::files::read_text(f)?;
+        let mut value: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("`{}` is not a rank record", f.display()))?;
+        crate::units::printable_json(&mut value);
+        let r: RankRecord = serde_json::from_value(value)
             .with_context(|| format!("`{}` is not a rank record", f.display()))?;
         ranks.push(r);
     }
@@ -637,6 +708,7 @@ mod tests {
             ("LOCAL_RANK", "1"),
             ("LOCAL_WORLD_SIZE", "2"),
         ]))
+        .unwrap()
         .unwrap();
         assert_eq!(
             (
@@ -654,23 +726,69 @@ mod tests {
             ("SLURM_LOCALID", "2"),
             ("SLURM_NTASKS_PER_NODE", "3(x2)"),
         ]))
+        .unwrap()
         .unwrap();
         assert_eq!(
             (r.launcher.as_str(), r.rank, r.local_world_size),
             ("slurm", 5, Some(3))
         );
-        let r = Rank::detect_with(&env(&[("PMI_RANK", "1"), ("PMI_SIZE", "2")])).unwrap();
+        let r = Rank::detect_with(&env(&[("PMI_RANK", "1"), ("PMI_SIZE", "2")]))
+            .unwrap()
+            .unwrap();
         assert_eq!((r.launcher.as_str(), r.local_rank), ("pmi", 0));
-        assert_eq!(Rank::detect_with(&env(&[("RANK", "1")])), None);
+        assert_eq!(Rank::detect_with(&env(&[("RANK", "1")])).unwrap(), None);
+        // Values no run can have are refused, naming the variables (issue 27).
+        for (pairs, says) in [
+            (
+                &[("RANK", "5"), ("WORLD_SIZE", "2")][..],
+                "RANK=5 with WORLD_SIZE=2: ranks are numbered from 0",
+            ),
+            (
+                &[("RANK", "0"), ("WORLD_SIZE", "0")][..],
+                "WORLD_SIZE=0: a run has",
+            ),
+            (
+                &[("RANK", "x"), ("WORLD_SIZE", "2")][..],
+                "RANK=x is not a number",
+            ),
+            (
+                &[("RANK", "0"), ("WORLD_SIZE", "99999999999")][..],
+                "WORLD_SIZE=99999999999: 99999999999 is above the limit",
+            ),
+            (
+                &[
+                    ("RANK", "1"),
+                    ("WORLD_SIZE", "2"),
+                    ("LOCAL_RANK", "3"),
+                    ("LOCAL_WORLD_SIZE", "2"),
+                ][..],
+                "LOCAL_RANK=3 with LOCAL_WORLD_SIZE=2",
+            ),
+        ] {
+            let pairs: Vec<(String, String)> = (pairs.iter())
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .collect();
+            let get = |k: &str| pairs.iter().find(|(a, _)| a == k).map(|(_, v)| v.clone());
+            let e = Rank::detect_with(&get).unwrap_err().to_string();
+            assert!(e.contains(says), "{e}");
+        }
     }
 
     #[test]
     fn device_lists_and_groups() {
-        let d = parse_devices("cpu:0-1,cpu:2-2", BackendKind::Cpu).unwrap();
-        assert_eq!(d[0].cores, Some(vec![0, 1]));
-        assert_eq!(d[1].cores, Some(vec![2]));
-        let e = parse_devices("cpu:0-1,cpu:1-2", BackendKind::Cpu).unwrap_err();
+        // Two cores: what CI and these machines have at least.
+        let d = parse_devices("cpu:0-0,cpu:1-1", BackendKind::Cpu).unwrap();
+        assert_eq!(d[0].cores, Some(vec![0]));
+        assert_eq!(d[1].cores, Some(vec![1]));
+        let e = parse_devices("cpu:0-1,cpu:1-1", BackendKind::Cpu).unwrap_err();
         assert!(e.to_string().contains("overlaps `cpu:0-1`"), "{e}");
+        // A core the process cannot run on would run unpinned (issue 27).
+        let e = parse_devices("cpu:0-0,cpu:60000-60001", BackendKind::Cpu).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("core 60000 is not one this process can run on"),
+            "{e}"
+        );
         assert!(parse_devices("0,1", BackendKind::Cpu).is_err());
         assert!(parse_devices("0,x", BackendKind::Wgpu).is_err());
         assert_eq!(

@@ -306,7 +306,7 @@ pub fn cache_path() -> Option<std::path::PathBuf> {
 
 fn read_cache() -> Vec<CachedPeak> {
     cache_path()
-        .and_then(|p| std::fs::read_to_string(p).ok())
+        .and_then(|p| crate::files::read_text(&p).ok())
         .and_then(|t| serde_json::from_str(&t).ok())
         .unwrap_or_default()
 }

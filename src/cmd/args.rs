@@ -271,12 +271,13 @@ pub struct InitArgs {
     /// Your name, for the results file (asked for when on a terminal)
     #[arg(long)]
     pub name: Option<String>,
-    /// Backend the course runs on
-    #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
-    pub backend: BackendKind,
-    /// Device index within the backend
-    #[arg(long, default_value_t = 0)]
-    pub device: usize,
+    /// Backend the course runs on (default: cpu). On an existing workspace, switches the
+    /// backend and keeps the results
+    #[arg(long, value_enum)]
+    pub backend: Option<BackendKind>,
+    /// Device index within the backend (default: 0)
+    #[arg(long)]
+    pub device: Option<usize>,
     /// CPU worker threads (default: every core)
     #[arg(long)]
     pub threads: Option<usize>,

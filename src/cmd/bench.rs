@@ -9,6 +9,7 @@ use anyhow::{Context, Result, bail};
 use super::args::{BenchArgs, InferArgs, ModelsArgs, RunArgs, WeightsArgs};
 use crate::backend::{self, ExecOptions};
 use crate::bench::{self, record::BenchConfig};
+use crate::model::tensor_file::TensorFile;
 use crate::model::{Precision, Weights, weights, zoo};
 use crate::report;
 
@@ -70,7 +71,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         crate::files::check_destination(path)?;
     }
     if let Some(dir) = &args.results_dir {
-        let rank = bench::data_parallel::Rank::detect().context(
+        let rank = bench::data_parallel::Rank::detect()?.context(
             "--results-dir is for ranks started by a launcher, but none of their variables is set \
              (RANK/WORLD_SIZE from torchrun, SLURM_PROCID/SLURM_NTASKS from srun, \
              OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE from mpirun, PMI_RANK/PMI_SIZE)",
@@ -109,20 +110,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     if let Some(devices) = devices {
         println!("{}\n", report::bench::config_echo(&cfg));
         let single = match &args.single {
-            Some(path) => {
-                let text = std::fs::read_to_string(path)
-                    .with_context(|| format!("cannot read `{}`", path.display()))?;
-                Some(
-                    serde_json::from_str::<bench::record::BenchRecord>(&text).with_context(
-                        || {
-                            format!(
-                                "`{}` is not a `workshop bench --json` record",
-                                path.display()
-                            )
-                        },
-                    )?,
-                )
-            }
+            Some(path) => Some(bench::compare::load(path)?),
             None => None,
         };
         let record = bench::data_parallel::run(&cfg, &devices, single, &mut |s| println!("{s}"))?;
@@ -133,7 +121,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         }
         return Ok(());
     }
-    if let Some(rank) = bench::data_parallel::Rank::detect() {
+    if let Some(rank) = bench::data_parallel::Rank::detect()? {
         println!(
             "note: started as rank {} of {} by {}; add --results-dir DIR to benchmark this rank's share and gather the ranks",
             rank.rank, rank.world_size, rank.launcher
@@ -195,19 +183,20 @@ pub fn infer(args: InferArgs) -> Result<()> {
     crate::files::check_destination(&args.output)?;
     let precision = resolve_precision(&args.run)?;
     let graph = zoo::build(&args.run.network)?;
-    let input = weights::read_tensor(&args.input, "input")?;
-    let [n, c, h, w] = *input.shape.as_slice() else {
+    // The shape is checked from the file's header, before its data is read.
+    let mut file = TensorFile::open(&args.input)?;
+    let name = file.pick("input")?;
+    let shape = file.shape(&name).unwrap_or_default().to_vec();
+    let [n, c, h, w] = *shape.as_slice() else {
         bail!(
-            "`{}`: the input must be an image batch (N, C, H, W), got shape {:?}",
+            "`{}`: the input must be an image batch (N, C, H, W), got shape {shape:?}",
             args.input.display(),
-            input.shape
         );
     };
     if n == 0 || h == 0 || w == 0 {
         bail!(
-            "`{}`: the input holds no pixels (shape {:?}): it needs at least one image of at least 1×1",
+            "`{}`: the input holds no pixels (shape {shape:?}): it needs at least one image of at least 1×1",
             args.input.display(),
-            input.shape
         );
     }
     for (name, v) in [("batch_size", n), ("input_size", h.max(w))] {
@@ -233,6 +222,7 @@ pub fn infer(args: InferArgs) -> Result<()> {
     if h != w {
         eprintln!("note: non-square input {h}×{w}");
     }
+    let input = file.read(&name)?;
     let plan = graph
         .plan(n, h, w)
         .with_context(|| format!("{} cannot take {h}×{w} inputs", graph.name))?;
@@ -273,6 +263,9 @@ pub fn infer(args: InferArgs) -> Result<()> {
 pub fn models(args: ModelsArgs) -> Result<()> {
     if args.input_size == 0 {
         bail!("--input-size must be at least 1 (got 0)");
+    }
+    if let Err(why) = bench::within_limit("input_size", args.input_size) {
+        bail!("--input-size: {why}");
     }
     let mut rows = Vec::new();
     for name in zoo::NETWORKS {

@@ -14,6 +14,7 @@ use super::args::{
     BookArgs, CourseArgs, ExportFormat, GotoArgs, InitArgs, NextArgs, ResetArgs, ResultsArgs,
     RunStepArgs, SkipArgs,
 };
+use crate::backend::BackendKind;
 use crate::course::runner::{earlier, run_step};
 use crate::course::schema::StepKind;
 use crate::course::state::{self, Attempt, Outcome, Progress, Status, Workspace, now, with_lock};
@@ -64,8 +65,94 @@ fn record(ws: &mut Workspace, course: &Course, attempt: Option<Attempt>) -> Resu
     crate::files::write_atomic(&state::results_md(&ws.dir), md.as_bytes())
 }
 
+/// Where the course will run, checked: `--threads` within bounds, `--device` one the backend
+/// has; a backend that cannot run here is said (its steps are recorded as unavailable until
+/// the student switches), not refused (issue 27).
+fn check_placement(
+    (backend, device, threads): (BackendKind, usize, Option<usize>),
+) -> Result<Option<String>> {
+    match threads.map(|t| (t, crate::bench::within_limit("threads", t))) {
+        Some((0, _)) => bail!("--threads must be at least 1 (got 0)"),
+        Some((_, Err(why))) => bail!("--threads: {why}"),
+        _ => {}
+    }
+    let switch = "every step will be recorded as unavailable until you switch with `workshop init --backend cpu` (your results stay)";
+    let devices = match crate::backend::open(backend) {
+        Ok(b) => b.devices(),
+        Err(e) => {
+            return Ok(Some(format!(
+                "the {backend} backend cannot run here ({e}): {switch}"
+            )));
+        }
+    };
+    if devices.is_empty() {
+        return Ok(Some(format!(
+            "the {backend} backend finds no device here: {switch}"
+        )));
+    }
+    if device >= devices.len() {
+        bail!(
+            "--device {device}: the {backend} backend has {} device(s) here, numbered from 0 (`workshop doctor` lists them)",
+            devices.len()
+        );
+    }
+    Ok(None)
+}
+
+/// `init` on an existing workspace: switch backend, device or threads, keeping every result.
+fn switch_placement(args: &InitArgs, dir: &Path) -> Result<()> {
+    if args.name.is_some() {
+        bail!(
+            "`{}` already holds a workshop workspace: `init` there changes only --backend, --device and --threads, not the name",
+            dir.display()
+        );
+    }
+    if args.backend.is_none() && args.device.is_none() && args.threads.is_none() {
+        bail!(
+            "`{}` already holds a workshop workspace (see `workshop status`); `workshop init --backend KIND` (or --device, --threads) switches where it runs and keeps the results",
+            dir.display()
+        );
+    }
+    state::with_workspace_lock(dir, || {
+        let (mut ws, course) = open(&args.course)?;
+        let s = &ws.state;
+        let placement = (
+            args.backend.unwrap_or(s.backend),
+            args.device.unwrap_or(s.device),
+            args.threads.or(s.threads),
+        );
+        let note = check_placement(placement)?;
+        (ws.state.backend, ws.state.device, ws.state.threads) = placement;
+        record(&mut ws, &course, None)?;
+        if let Some(note) = note {
+            eprintln!("note: {note}");
+        }
+        println!(
+            "The course now runs on {} device {}{}; the {} recorded attempt(s) stay in {}.",
+            placement.0,
+            placement.1,
+            placement
+                .2
+                .map(|t| format!(" with {t} threads"))
+                .unwrap_or_default(),
+            ws.results.attempts.len(),
+            state::results_json(dir).display()
+        );
+        Ok(())
+    })
+}
+
 pub fn init(args: InitArgs) -> Result<()> {
     let dir = workspace_dir(&args.course);
+    if state::exists(&dir) {
+        return switch_placement(&args, &dir);
+    }
+    let placement = (
+        args.backend.unwrap_or(BackendKind::Cpu),
+        args.device.unwrap_or(0),
+        args.threads,
+    );
+    let note = check_placement(placement)?;
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create `{}`", dir.display()))?;
     // The course must be sound before a student starts on it.
     Course::load(&source_of(args.course.course.as_deref()))?;
@@ -93,15 +180,13 @@ pub fn init(args: InitArgs) -> Result<()> {
             .course
             .as_ref()
             .map(|c| std::fs::canonicalize(c).unwrap_or(c.clone()));
-        let ws = Workspace::create(
-            &dir,
-            name.trim(),
-            (args.backend, args.device, args.threads),
-            course_dir,
-        )?;
+        let ws = Workspace::create(&dir, name.trim(), placement, course_dir)?;
         let course = Course::load(&source_of(ws.state.course_dir.as_deref()))?;
         let mut ws = ws;
         record(&mut ws, &course, None)?;
+        if let Some(note) = &note {
+            eprintln!("note: {note}");
+        }
         println!(
             "Workspace ready in {} for {} (backend {}). Results go to {}.\nStart with `workshop next`.",
             dir.display(),
@@ -132,8 +217,8 @@ pub fn next(args: NextArgs) -> Result<()> {
             init(InitArgs {
                 course: args.course.clone(),
                 name: None,
-                backend: crate::backend::BackendKind::Cpu,
-                device: 0,
+                backend: None,
+                device: None,
                 threads: None,
             })?;
         } else {
@@ -145,7 +230,7 @@ pub fn next(args: NextArgs) -> Result<()> {
     }
     with_lock(&dir, || {
         let (mut ws, course) = open(&args.course)?;
-        ws.check_writable()?;
+        ws.ready_to_run()?;
         let Some(ex) = current(&ws, &course) else {
             println!(
                 "{}",
@@ -440,7 +525,7 @@ pub fn run(args: RunStepArgs) -> Result<()> {
     let dir = workspace_dir(&args.course);
     state::with_workspace_lock(&dir, || {
         let (mut ws, course) = open(&args.course)?;
-        ws.check_writable()?;
+        ws.ready_to_run()?;
         let (id, step_id) = match args.target.split_once('.') {
             Some((e, s)) => (e.to_string(), Some(s.to_string())),
             None => (args.target.clone(), None),

@@ -105,9 +105,13 @@ pub fn collect(dir: &Path) -> Result<(Vec<Student>, Vec<Skipped>)> {
     let mut class = Vec::new();
     let mut skipped = Vec::new();
     for f in files {
-        let parsed = std::fs::read_to_string(&f)
-            .map_err(|e| e.to_string())
-            .and_then(|t| serde_json::from_str::<Results>(&t).map_err(|e| e.to_string()));
+        let parsed = crate::files::read_text(&f)
+            .map_err(|e| format!("{e:#}"))
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).map_err(|e| e.to_string()))
+            .and_then(|mut v| {
+                crate::units::printable_json(&mut v);
+                serde_json::from_value::<Results>(v).map_err(|e| e.to_string())
+            });
         match parsed {
             Ok(r) => class.push(student(&f, &r)),
             Err(e) => skipped.push((f, format!("not a workshop results file ({e})"))),

@@ -185,8 +185,7 @@ pub fn read_files(source: &Source) -> anyhow::Result<Vec<(String, String)>> {
             paths
                 .into_iter()
                 .map(|p| {
-                    let text = std::fs::read_to_string(&p)
-                        .map_err(|e| anyhow::anyhow!("cannot read `{}`: {e}", p.display()))?;
+                    let text = crate::files::read_text(&p)?;
                     Ok((p.display().to_string(), text))
                 })
                 .collect()
@@ -202,7 +201,7 @@ pub fn chapter_text(source: &Source, page: &str) -> Option<String> {
             .iter()
             .find(|(p, _)| *p == page)
             .map(|(_, t)| t.to_string()),
-        Source::Dir(dir) => std::fs::read_to_string(chapter_path(dir, page).ok()?).ok(),
+        Source::Dir(dir) => crate::files::read_text(&chapter_path(dir, page).ok()?).ok(),
     }
 }
 

@@ -158,7 +158,7 @@ pub fn orphan_results(dir: &Path) -> Option<String> {
     if exists(dir) || !path.exists() {
         return None;
     }
-    let held = std::fs::read_to_string(&path)
+    let held = crate::files::read_text(&path)
         .ok()
         .and_then(|t| serde_json::from_str::<Results>(&t).ok())
         .map(|r| r.attempts.len());
@@ -323,11 +323,21 @@ impl Workspace {
         self.set_progress(exercise, progress);
     }
 
-    /// Check, before a step runs, that what it records can be written: the workspace and its
-    /// state folder take new files and have room for the results again plus a megabyte (records
-    /// and charts). Run first by the commands that measure, so a read-only or full workspace
-    /// fails in a second, not after minutes of measuring (issue 27).
-    pub fn check_writable(&self) -> Result<()> {
+    /// Check, before a step runs, that it can run and what it records can be written: the
+    /// state's settings are usable (a hand-edited `threads = 0` is blamed on the state, not on
+    /// a flag nobody passed), and the workspace and its state folder take new files and have
+    /// room for the results again plus a megabyte (records and charts). Run first by the
+    /// commands that measure, so a read-only or full workspace fails in a second, not after
+    /// minutes of measuring (issue 27).
+    pub fn ready_to_run(&self) -> Result<()> {
+        if let Some(t) = self.state.threads
+            && (t == 0 || crate::bench::within_limit("threads", t).is_err())
+        {
+            bail!(
+                "`{}` says threads = {t}, which is no usable number of worker threads (1 to 4096): `workshop init --threads N` sets it",
+                state_path(&self.dir).display()
+            );
+        }
         let size = |p: PathBuf| std::fs::metadata(p).map_or(0, |m| m.len() as usize);
         let results = size(results_json(&self.dir)) + size(results_md(&self.dir));
         crate::files::check_room(&self.dir, results.saturating_add(1 << 20))
@@ -365,8 +375,7 @@ impl Workspace {
 }
 
 fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("cannot read `{}`", path.display()))?;
+    let text = crate::files::read_text(path)?;
     serde_json::from_str(&text).map_err(|e| {
         anyhow::anyhow!(
             "`{}` is damaged ({e}); fix it by hand or run `workshop reset --all` to start over (a backup is kept)",

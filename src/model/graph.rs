@@ -195,11 +195,13 @@ impl Plan {
     /// The activation bytes live while each node runs, at `elem` bytes a value: its output and
     /// every earlier value a later node (or the output) still reads, its inputs included.
     pub fn live_bytes(&self, elem: u64) -> Vec<u64> {
-        let bytes = |id: usize| self.shapes[id].iter().map(|&d| d as u64).product::<u64>() * elem;
-        let mut live = 0;
+        // Saturating: a plan far beyond any machine must read as "too big", never wrap to small.
+        let bytes =
+            |id: usize| (self.shapes[id].iter()).fold(elem, |n, &d| n.saturating_mul(d as u64));
+        let mut live: u64 = 0;
         (self.graph.nodes.iter().enumerate())
             .map(|(id, node)| {
-                live += bytes(id);
+                live = live.saturating_add(bytes(id));
                 let during = live;
                 for &i in &node.inputs {
                     if self.last_use[i] == id {

@@ -6,6 +6,7 @@ pub mod graph;
 pub mod op;
 pub mod passes;
 pub mod reference;
+pub mod tensor_file;
 pub mod weights;
 pub mod zoo;
 

@@ -5,10 +5,11 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+use safetensors::{Dtype, tensor::TensorView};
 
 use super::graph::{ConvInit, Graph, LinearInit};
 use super::op::Op;
+use super::tensor_file::TensorFile;
 use super::{Rng, Tensor};
 
 /// A state_dict on the host, in f32: backends cast to their precision when they prepare.
@@ -142,48 +143,51 @@ impl Weights {
     /// Load a safetensors state_dict and check it against the graph: every tensor present with
     /// its exact shape, nothing foreign. BatchNorm's integer `num_batches_tracked` is ignored.
     pub fn load(path: &Path, graph: &Graph) -> Result<Weights, WeightsError> {
-        let (p, bytes) = read_file(path)?;
-        let st = parse(&p, &bytes)?;
+        // The header is checked against the graph before any tensor is read: a file for
+        // another network, or a huge one, costs a header read (issue 27).
+        let mut file = TensorFile::open(path)?;
+        let p = file.path.clone();
         let expected = graph.params();
         let known: HashMap<&str, &[usize]> = expected
             .iter()
             .map(|e| (e.name.as_str(), e.shape.as_slice()))
             .collect();
         // Sorted, so the tensor an error names is the same on every run.
-        let mut names = st.names();
-        names.sort_unstable();
-        for name in names {
-            if !known.contains_key(name) && !name.ends_with(".num_batches_tracked") {
-                return Err(WeightsError::Unexpected {
-                    path: p,
-                    network: graph.name.clone(),
-                    name: name.to_string(),
-                });
+        if let Some(name) = file
+            .names()
+            .find(|n| !known.contains_key(n) && !n.ends_with(".num_batches_tracked"))
+        {
+            return Err(WeightsError::Unexpected {
+                path: p,
+                network: graph.name.clone(),
+                name: name.to_string(),
+            });
+        }
+        for e in &expected {
+            match file.shape(&e.name) {
+                None => {
+                    return Err(WeightsError::Missing {
+                        path: p,
+                        network: graph.name.clone(),
+                        name: e.name.clone(),
+                        shape: e.shape.clone(),
+                    });
+                }
+                Some(found) if found != e.shape.as_slice() => {
+                    return Err(WeightsError::Shape {
+                        path: p,
+                        network: graph.name.clone(),
+                        name: e.name.clone(),
+                        found: found.to_vec(),
+                        expected: e.shape.clone(),
+                    });
+                }
+                Some(_) => {}
             }
         }
         let mut tensors = BTreeMap::new();
         for e in &expected {
-            let view = st.tensor(&e.name).map_err(|_| WeightsError::Missing {
-                path: p.clone(),
-                network: graph.name.clone(),
-                name: e.name.clone(),
-                shape: e.shape.clone(),
-            })?;
-            if view.shape() != e.shape.as_slice() {
-                return Err(WeightsError::Shape {
-                    path: p,
-                    network: graph.name.clone(),
-                    name: e.name.clone(),
-                    found: view.shape().to_vec(),
-                    expected: e.shape.clone(),
-                });
-            }
-            let data = to_f32(&view).ok_or_else(|| WeightsError::Dtype {
-                path: p.clone(),
-                name: e.name.clone(),
-                dtype: format!("{:?}", view.dtype()),
-            })?;
-            tensors.insert(e.name.clone(), Tensor::new(e.shape.clone(), data));
+            tensors.insert(e.name.clone(), file.read(&e.name)?);
         }
         Ok(Weights { tensors })
     }
@@ -258,69 +262,11 @@ impl Weights {
 #[error("weights have no tensor `{0}`")]
 pub struct MissingTensor(pub String);
 
-/// Read one safetensors tensor as f32, whatever floating-point type it was stored in.
-pub fn to_f32(view: &TensorView<'_>) -> Option<Vec<f32>> {
-    let d = view.data();
-    let v = match view.dtype() {
-        // pod_collect_to_vec copies into an aligned vector: a view's bytes may sit anywhere.
-        Dtype::F32 => bytemuck::pod_collect_to_vec::<u8, f32>(d),
-        Dtype::F64 => bytemuck::pod_collect_to_vec::<u8, f64>(d)
-            .into_iter()
-            .map(|v| v as f32)
-            .collect(),
-        Dtype::F16 => bytemuck::pod_collect_to_vec::<u8, half::f16>(d)
-            .into_iter()
-            .map(half::f16::to_f32)
-            .collect(),
-        Dtype::BF16 => bytemuck::pod_collect_to_vec::<u8, half::bf16>(d)
-            .into_iter()
-            .map(half::bf16::to_f32)
-            .collect(),
-        _ => return None,
-    };
-    Some(v)
-}
-
-/// A file's displayed path and its bytes.
-fn read_file(path: &Path) -> Result<(String, Vec<u8>), WeightsError> {
-    let p = path.display().to_string();
-    let bytes = std::fs::read(path).map_err(|error| WeightsError::Io {
-        path: p.clone(),
-        error,
-    })?;
-    Ok((p, bytes))
-}
-
-fn parse<'a>(path: &str, bytes: &'a [u8]) -> Result<SafeTensors<'a>, WeightsError> {
-    SafeTensors::deserialize(bytes).map_err(|e| WeightsError::Format {
-        path: path.to_string(),
-        reason: e.to_string(),
-    })
-}
-
 /// Read the one tensor of a safetensors file (or the one called `name` when there are several).
 pub fn read_tensor(path: &Path, name: &str) -> Result<Tensor, WeightsError> {
-    let (p, bytes) = read_file(path)?;
-    let st = parse(&p, &bytes)?;
-    let names = st.names();
-    let chosen = if names.len() == 1 {
-        names[0].to_string()
-    } else {
-        name.to_string()
-    };
-    let view = st.tensor(&chosen).map_err(|_| WeightsError::Format {
-        path: p.clone(),
-        reason: format!(
-            "expected one tensor or one named `{name}`, found {}",
-            names.join(", ")
-        ),
-    })?;
-    let data = to_f32(&view).ok_or_else(|| WeightsError::Dtype {
-        path: p,
-        name: chosen,
-        dtype: format!("{:?}", view.dtype()),
-    })?;
-    Ok(Tensor::new(view.shape().to_vec(), data))
+    let mut file = TensorFile::open(path)?;
+    let chosen = file.pick(name)?;
+    file.read(&chosen)
 }
 
 /// Write tensors as f32 safetensors.

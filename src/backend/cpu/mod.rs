@@ -276,7 +276,10 @@ fn check_memory(plan: &Plan, precision: Precision, threads: usize) -> Result<(),
     let est = plan.memory_estimate(precision);
     // Workers' column scratch (bounded per chunk), plus a 10% margin for the allocator.
     let scratch = (threads as u64) * (kernels::COLUMN_CHUNK_ELEMS as u64 * 4 * 8);
-    let needed = (est.weights + est.activations + scratch) * 11 / 10;
+    let needed = (est.weights.saturating_add(est.activations))
+        .saturating_add(scratch)
+        .saturating_mul(11)
+        / 10;
     let available = available_memory();
     if needed <= available {
         return Ok(());
@@ -286,6 +289,7 @@ fn check_memory(plan: &Plan, precision: Precision, threads: usize) -> Result<(),
     Err(BackendError::OutOfMemory {
         needed,
         available,
-        suggestion: (fits >= 1).then_some(fits.min(plan.batch())),
+        // Only a smaller batch is advice (issue 27: the batch that did not fit was suggested).
+        suggestion: (fits >= 1 && fits < plan.batch()).then_some(fits),
     })
 }

@@ -33,9 +33,9 @@ pub fn source(path: &str, kernels_dir: Option<&Path>) -> Result<String, BackendE
         match kernels_dir {
             Some(dir) => {
                 let full = dir.join(p);
-                let text = std::fs::read_to_string(&full).map_err(|e| BackendError::Compile {
+                let text = crate::files::read_text(&full).map_err(|e| BackendError::Compile {
                     path: full.display().to_string(),
-                    log: format!("cannot read the kernel: {e}"),
+                    log: format!("cannot read the kernel: {e:#}"),
                 })?;
                 Ok((full.display().to_string(), text))
             }

@@ -157,9 +157,9 @@ pub(super) fn shader(
     let (path, text) = match kernels_dir {
         Some(dir) => {
             let p = dir.join("wgsl").join(file);
-            let text = std::fs::read_to_string(&p).map_err(|e| BackendError::Compile {
+            let text = crate::files::read_text(&p).map_err(|e| BackendError::Compile {
                 path: p.display().to_string(),
-                log: format!("cannot read the kernel: {e}"),
+                log: format!("cannot read the kernel: {e:#}"),
             })?;
             (p.display().to_string(), text)
         }
