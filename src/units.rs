@@ -132,6 +132,73 @@ pub fn printable_json(v: &mut serde_json::Value) {
     }
 }
 
+/// Serde for an `f64` that may be NaN or ±∞, which JSON has no numbers for: written as the
+/// strings `"NaN"`, `"inf"`, `"-inf"` (serde_json would write `null`, which then fails to read
+/// back as a number), read back from those, from numbers, and from `null` (NaN). Use with
+/// `#[serde(with = "crate::units::named_float")]`.
+pub mod named_float {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    /// One value as JSON holds it.
+    #[derive(Serialize, Deserialize)]
+    #[serde(untagged)]
+    pub enum Repr {
+        Number(f64),
+        Named(String),
+        Null(()),
+    }
+
+    impl From<f64> for Repr {
+        fn from(v: f64) -> Repr {
+            match v {
+                v if v.is_finite() => Repr::Number(v),
+                v if v.is_nan() => Repr::Named("NaN".into()),
+                v if v > 0.0 => Repr::Named("inf".into()),
+                _ => Repr::Named("-inf".into()),
+            }
+        }
+    }
+
+    impl Repr {
+        pub fn value(self) -> Result<f64, String> {
+            match self {
+                Repr::Number(v) => Ok(v),
+                Repr::Null(()) => Ok(f64::NAN),
+                Repr::Named(s) => match s.as_str() {
+                    "NaN" => Ok(f64::NAN),
+                    "inf" => Ok(f64::INFINITY),
+                    "-inf" => Ok(f64::NEG_INFINITY),
+                    other => Err(format!("`{other}` is not a number")),
+                },
+            }
+        }
+    }
+
+    pub fn serialize<S: Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
+        Repr::from(*v).serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        Repr::deserialize(d)?
+            .value()
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// What is wrong with a network's output, if anything: how many logits are NaN or infinite
+/// (a NaN or infinity in the input or the weights, or an FP16 overflow), said rather than
+/// passed on as a result (issue 27).
+pub fn non_finite(values: &[f32]) -> Option<String> {
+    let nan = values.iter().filter(|v| v.is_nan()).count();
+    let inf = values.iter().filter(|v| v.is_infinite()).count();
+    (nan + inf > 0).then(|| {
+        format!(
+            "{nan} NaN and {inf} infinite value(s) among the {} logits: the input or the weights hold non-finite values, or the precision overflowed",
+            values.len()
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

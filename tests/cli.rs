@@ -319,6 +319,70 @@ fn infer_matches_the_reference_through_files() {
     }
 }
 
+/// A NaN in the input reaches the logits as in IEEE arithmetic and PyTorch (ReLU and max
+/// pooling used to turn it into a number), on every backend, and `infer` says the logits are
+/// not finite; the other image of the batch is untouched (issue 27, class 10).
+#[test]
+fn a_nan_in_the_input_reaches_the_logits_and_is_said() {
+    use workshop::backend::BackendKind;
+    let dir = tempfile::tempdir().unwrap();
+    let xpath = dir.path().join("x.safetensors");
+    let ypath = dir.path().join("y.safetensors");
+    let mut x = Rng::new(3).normal_tensor(vec![2, 3, 32, 32]);
+    x.data[5 * 32 + 5] = f32::NAN;
+    write_tensors(&xpath, &[("input", &x)]).unwrap();
+    let graph = zoo::build("resnet18").unwrap();
+    let w = Weights::init(&graph, 0);
+    let expected = reference::forward(&graph.plan(2, 32, 32).unwrap(), &w, &x);
+    assert!(expected.data[..1000].iter().all(|v| v.is_nan()));
+    assert!(expected.data[1000..].iter().all(|v| v.is_finite()));
+    for kind in [
+        BackendKind::Cpu,
+        BackendKind::Wgpu,
+        BackendKind::Cuda,
+        BackendKind::Hip,
+    ] {
+        if let Err(e) = workshop::backend::open(kind) {
+            crate::common::skip(kind, &e.to_string());
+            continue;
+        }
+        let precisions: &[&str] = match kind {
+            BackendKind::Cpu => &["fp32", "bf16", "fp16"],
+            _ => &["fp32"],
+        };
+        for precision in precisions {
+            let o = workshop(&[
+                "infer",
+                "--network",
+                "resnet18",
+                "--backend",
+                kind.name(),
+                "--precision",
+                precision,
+                "--input",
+                xpath.to_str().unwrap(),
+                "--output",
+                ypath.to_str().unwrap(),
+            ]);
+            assert!(o.status.success(), "{kind} {precision}: {}", stderr(&o));
+            let got = read_tensor(&ypath, "logits").unwrap();
+            let (first, second) = got.data.split_at(1000);
+            assert!(
+                first.iter().all(|v| v.is_nan()) && second.iter().all(|v| v.is_finite()),
+                "{kind} {precision}: {} finite logits in the image with a NaN, {} in the other",
+                first.iter().filter(|v| v.is_finite()).count(),
+                second.iter().filter(|v| v.is_finite()).count()
+            );
+            assert!(
+                stderr(&o)
+                    .contains("warning: 1000 NaN and 0 infinite value(s) among the 2000 logits"),
+                "{kind} {precision}: {}",
+                stderr(&o)
+            );
+        }
+    }
+}
+
 #[test]
 fn bad_input_gets_one_clear_line() {
     fails_with(

@@ -38,7 +38,7 @@ __device__ inline elem st(float v) { return v; }
 
 // Activations fused into an epilogue: 0 none, 1 ReLU, 2 ReLU6.
 __device__ inline float activate(float v, int act) {
-    if (act == 1) return v > 0.0f ? v : 0.0f;
+    if (act == 1) return v < 0.0f ? 0.0f : v;  // a NaN stays NaN, as in PyTorch
     if (act == 2) return v < 0.0f ? 0.0f : (v > 6.0f ? 6.0f : v);
     return v;
 }
@@ -589,7 +589,7 @@ KERNEL(max_pool, PoolArgs) {
             int ix = ox * a.sw - a.pw + kx;
             if (ix < 0 || ix >= a.w_) continue;
             float v = ld(a.x[(plane * a.h + iy) * a.w_ + ix]);
-            best = v > best ? v : best;
+            best = (v > best || v != v) ? v : best;  // NaN wins, as in PyTorch
         }
     }
     a.y[i] = st(best);

@@ -181,10 +181,11 @@ fn store1(row: u32, oc: u32, v: f32) {
     if (p.has_res != 0u) {
         o += f32(res[row * p.cout + c]);
     }
+    // Compares and selects rather than max/clamp, whose NaN result WGSL leaves open.
     if (p.act == 1u) {
-        o = max(o, 0.0);
+        o = select(o, 0.0, o < 0.0);
     } else if (p.act == 2u) {
-        o = clamp(o, 0.0, 6.0);
+        o = select(select(o, 6.0, o > 6.0), 0.0, o < 0.0);
     }
     y[row * p.cout + c] = elem(o);
 }

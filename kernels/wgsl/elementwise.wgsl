@@ -43,7 +43,8 @@ fn affine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
 fn clamp_op(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let i = index(wid, nwg, lid);
     if (i < p.total) {
-        y[i] = elem(min(max(f32(x[i]), p.lo), p.hi));
+        let v = f32(x[i]);
+        y[i] = elem(select(select(v, p.hi, v > p.hi), p.lo, v < p.lo));
     }
 }
 

@@ -35,7 +35,9 @@ pub struct BenchRecord {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub enqueue_s: Vec<f64>,
     pub stats: Stats,
-    /// Cross-entropy of the last iteration's logits against the seeded random labels.
+    /// Cross-entropy of the last iteration's logits against the seeded random labels (NaN
+    /// when the logits are not finite, written as `"NaN"`).
+    #[serde(with = "crate::units::named_float")]
     pub loss: f64,
     pub memory: MemoryStats,
     /// Kernel and operator statistics, when the run was profiled.

@@ -171,6 +171,9 @@ pub fn bench(args: BenchArgs) -> Result<()> {
             path.display()
         );
     }
+    if let Some(why) = crate::units::non_finite(&record.output) {
+        eprintln!("warning: {why}");
+    }
     if let Some(path) = &args.json {
         let json = serde_json::to_string_pretty(&record)?;
         crate::files::write_atomic(path, json.as_bytes())?;
@@ -257,6 +260,9 @@ pub fn infer(args: InferArgs) -> Result<()> {
         secs * 1e3,
         args.output.display()
     );
+    if let Some(why) = crate::units::non_finite(&out.data) {
+        eprintln!("warning: {why}");
+    }
     Ok(())
 }
 

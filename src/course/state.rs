@@ -415,43 +415,20 @@ pub mod finite_or_named {
 
     use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-    #[derive(Serialize, Deserialize)]
-    #[serde(untagged)]
-    enum Value {
-        Number(f64),
-        Named(String),
-        Null(()),
-    }
+    use crate::units::named_float::Repr;
 
     pub fn serialize<S: Serializer>(m: &BTreeMap<String, f64>, s: S) -> Result<S::Ok, S::Error> {
-        let named = |v: f64| match v {
-            v if v.is_finite() => Value::Number(v),
-            v if v.is_nan() => Value::Named("NaN".into()),
-            v if v > 0.0 => Value::Named("inf".into()),
-            _ => Value::Named("-inf".into()),
-        };
-        let m: BTreeMap<&String, Value> = m.iter().map(|(k, &v)| (k, named(v))).collect();
+        let m: BTreeMap<&String, Repr> = m.iter().map(|(k, &v)| (k, Repr::from(v))).collect();
         m.serialize(s)
     }
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<String, f64>, D::Error> {
-        let m = BTreeMap::<String, Value>::deserialize(d)?;
+        let m = BTreeMap::<String, Repr>::deserialize(d)?;
         m.into_iter()
             .map(|(k, v)| {
-                let v = match v {
-                    Value::Number(v) => v,
-                    Value::Null(()) => f64::NAN,
-                    Value::Named(s) => match s.as_str() {
-                        "NaN" => f64::NAN,
-                        "inf" => f64::INFINITY,
-                        "-inf" => f64::NEG_INFINITY,
-                        other => {
-                            return Err(serde::de::Error::custom(format!(
-                                "metric `{k}`: `{other}` is not a number"
-                            )));
-                        }
-                    },
-                };
+                let v = v
+                    .value()
+                    .map_err(|e| serde::de::Error::custom(format!("metric `{k}`: {e}")))?;
                 Ok((k, v))
             })
             .collect()

@@ -62,7 +62,8 @@ pub fn eval<'a>(
             need("running_var"),
             *eps,
         ),
-        Op::Relu => map(ins[0], |x| x.max(0.0)),
+        // NaN stays NaN, as in PyTorch (`f64::max` would drop it).
+        Op::Relu => map(ins[0], |x| if x < 0.0 { 0.0 } else { x }),
         Op::Relu6 => map(ins[0], |x| x.clamp(0.0, 6.0)),
         Op::Sigmoid => map(ins[0], |x| 1.0 / (1.0 + (-x).exp())),
         Op::Dropout { .. } => ins[0].clone(),
@@ -188,7 +189,7 @@ fn pool(x: &Tensor, p: &Pool, out_shape: &[usize], max: bool) -> Tensor {
                             continue;
                         }
                         let v = x.data[(plane * h + iy as usize) * w + ix as usize] as f64;
-                        best = best.max(v);
+                        best = if v > best || v.is_nan() { v } else { best };
                         sum += v;
                     }
                 }

@@ -504,8 +504,13 @@ impl<T: Elem> Epilogue<'_, T> {
         }
         match self.act {
             Act::None => {}
-            Act::Relu => row.iter_mut().for_each(|v| *v = v.max(0.0)),
-            Act::Relu6 => row.iter_mut().for_each(|v| *v = v.clamp(0.0, 6.0)),
+            // NaN stays NaN (issue 27).
+            Act::Relu => {
+                (row.iter_mut()).for_each(|v| *v = super::clamp_nan(*v, 0.0, f32::INFINITY))
+            }
+            Act::Relu6 => row
+                .iter_mut()
+                .for_each(|v| *v = super::clamp_nan(*v, 0.0, 6.0)),
         }
     }
 }

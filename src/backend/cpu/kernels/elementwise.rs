@@ -97,25 +97,48 @@ impl<V: Copy, L: Fn(V) -> f32, S: Fn(f32) -> V> Vectorised for Affine<'_, V, L, 
     }
 }
 
-/// Clamp every element to [lo, hi] (ReLU: [0, ∞), ReLU6: [0, 6]).
+/// `v` clamped to [lo, hi], with a NaN staying NaN as in IEEE arithmetic and PyTorch
+/// (`f32::max` would turn it into `lo`, hiding a broken input or weight; issue 27).
+#[inline(always)]
+pub fn clamp_nan(v: f32, lo: f32, hi: f32) -> f32 {
+    if v < lo {
+        lo
+    } else if v > hi {
+        hi
+    } else {
+        v
+    }
+}
+
+/// The larger of `a` and `b`, NaN when either is (max pooling's rule in PyTorch).
+#[inline(always)]
+pub fn max_nan(a: f32, b: f32) -> f32 {
+    if b > a || b.is_nan() { b } else { a }
+}
+
+/// Clamp every element to [lo, hi] (ReLU: [0, ∞), ReLU6: [0, 6]); NaNs stay NaN.
 pub fn clamp_inplace<T: Elem>(buf: &mut [T], lo: f32, hi: f32) {
     if lo == 0.0
         && hi == f32::INFINITY
         && let Some((bits, inf)) = T::half_bits_mut(buf)
     {
-        // ReLU on a half type needs no conversion: a value stays when its bits, as an
-        // integer, lie in 1..=+∞'s (positive, up to +∞), and becomes +0 otherwise (zeros,
-        // negatives, NaNs), as the f32 path's max(v, 0) does. A compare and a select the
+        // ReLU on a half type needs no conversion: a value stays when its sign bit is clear
+        // (zero, positive, +∞, positive NaNs) or it is a NaN (magnitude bits above +∞'s), and
+        // becomes +0 otherwise (negatives), as the f32 path does. Compares and a select the
         // compiler vectorises.
         bits.par_chunks_mut(ELEMENTWISE_CHUNK).for_each(|part| {
             with_simd(Update(part, |v: &mut u16| {
-                *v = if v.wrapping_sub(1) < inf { *v } else { 0 };
+                *v = if *v < 0x8000 || (*v & 0x7fff) > inf {
+                    *v
+                } else {
+                    0
+                };
             }))
         });
         return;
     }
     map_f32(buf, 1, |part| {
-        with_simd(Update(part, |v: &mut f32| *v = v.max(lo).min(hi)))
+        with_simd(Update(part, |v: &mut f32| *v = clamp_nan(*v, lo, hi)))
     });
 }
 
@@ -225,9 +248,9 @@ mod tests {
         halves_match_the_f32_path(f16::from_bits, f16::to_bits);
     }
 
-    /// ReLU straight on the bits of a half type gives what the f32 path gives (widen,
-    /// max(v, 0), narrow), up to the sign of zero, for every value: NaNs, infinities, zeros,
-    /// subnormals.
+    /// ReLU straight on the bits of a half type gives what the f32 path gives (widen, clamp,
+    /// narrow), up to the sign of zero and a NaN's payload, for every value: NaNs (which stay
+    /// NaN), infinities, zeros, subnormals.
     fn relu_on_bits_matches_the_f32_path<T: Elem + std::fmt::Display>(bits: fn(T) -> u16) {
         let all: Vec<T> = (0..=u16::MAX)
             .map(|b| {
@@ -243,7 +266,9 @@ mod tests {
         for ((x, got), want) in all.iter().zip(&fast).zip(&wide) {
             let want = T::from_f32(*want);
             assert!(
-                bits(*got) == bits(want) || (got.to_f32() == 0.0 && want.to_f32() == 0.0),
+                bits(*got) == bits(want)
+                    || (got.to_f32() == 0.0 && want.to_f32() == 0.0)
+                    || (got.to_f32().is_nan() && want.to_f32().is_nan()),
                 "relu({x}) = {got}, the f32 path gives {want}"
             );
         }

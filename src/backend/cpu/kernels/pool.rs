@@ -107,7 +107,9 @@ impl Vectorised for PoolRow<'_> {
                     inside += 1;
                     let px = &row[ix as usize * self.ch..][..self.ch];
                     if self.max {
-                        out.iter_mut().zip(px).for_each(|(a, v)| *a = a.max(*v));
+                        out.iter_mut()
+                            .zip(px)
+                            .for_each(|(a, v)| *a = super::max_nan(*a, *v));
                     } else {
                         out.iter_mut().zip(px).for_each(|(a, v)| *a += v);
                     }
