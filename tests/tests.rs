@@ -6,6 +6,8 @@ mod common;
 mod cli;
 /// The course runner: a full run, navigation, lint, workspace safety, the book.
 mod course;
+/// Property tests: the safetensors reader and the course lint on damaged inputs.
+mod fuzz;
 /// Every kernel of every backend against the f64 reference, on small and odd shapes.
 mod ops;
 /// Our outputs against PyTorch's, on committed fixtures.

@@ -64,7 +64,10 @@ pub fn collect(a: CollectArgs) -> Result<()> {
         crate::report::course::table(&table)
     );
     for (f, why) in &skipped {
-        println!("skipped {}: {why}", f.display());
+        println!(
+            "skipped {}: {why}",
+            crate::units::printable(&f.display().to_string())
+        );
     }
     if class.is_empty() {
         bail!(
