@@ -35,7 +35,7 @@ pub fn source(path: &str, kernels_dir: Option<&Path>) -> Result<String, BackendE
                 let full = dir.join(p);
                 let text = crate::files::read_text(&full).map_err(|e| BackendError::Compile {
                     path: full.display().to_string(),
-                    log: format!("cannot read the kernel: {e:#}"),
+                    log: format!("{e:#}"),
                 })?;
                 Ok((full.display().to_string(), text))
             }

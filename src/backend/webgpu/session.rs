@@ -159,7 +159,7 @@ pub(super) fn shader(
             let p = dir.join("wgsl").join(file);
             let text = crate::files::read_text(&p).map_err(|e| BackendError::Compile {
                 path: p.display().to_string(),
-                log: format!("cannot read the kernel: {e:#}"),
+                log: format!("{e:#}"),
             })?;
             (p.display().to_string(), text)
         }
