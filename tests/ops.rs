@@ -16,6 +16,8 @@ fn random_weights(graph: &Graph, seed: u64) -> Weights {
     let mut w = Weights::init(graph, seed);
     let mut rng = Rng::new(seed + 100);
     for (name, t) in w.tensors.iter_mut() {
+        // Tensors initialised to zeros (ViT's class token and head) become random too.
+        let zeros = t.data.iter().all(|v| *v == 0.0);
         for v in t.data.iter_mut() {
             *v = if name.ends_with("running_var") {
                 0.5 + rng.uniform() as f32
@@ -23,6 +25,8 @@ fn random_weights(graph: &Graph, seed: u64) -> Weights {
                 (rng.normal() * 0.2) as f32
             } else if name.ends_with(".weight") && t.shape.len() == 1 {
                 0.5 + rng.uniform() as f32
+            } else if zeros {
+                (rng.normal() * 0.2) as f32
             } else {
                 *v
             };
@@ -421,6 +425,8 @@ fn tiny_bottleneck(layers: [usize; 4], widths: [usize; 4]) -> Graph {
         stem: 8,
         widths,
         classes: 10,
+        groups: 1,
+        width_per_group: 64,
     };
     resnet_custom("tiny", &cfg)
 }
@@ -706,3 +712,53 @@ fn winograd_matches_the_reference() {
         }
     }
 }
+
+/// A small vision transformer (patch convolution, class token, position embedding, pre-norm
+/// blocks with multi-head attention and a GELU MLP, final norm, class-token head) against the
+/// reference in every precision, with a token count that is not a multiple of the attention's
+/// query block. Backends without transformer kernels yet refuse it by name, as unavailable.
+fn vision_transformer(kind: BackendKind) {
+    let cfg = workshop::model::zoo::VitConfig {
+        image_size: 40,
+        patch: 8,
+        layers: 2,
+        heads: 2,
+        hidden: 16,
+        mlp: 24,
+        classes: 10,
+    };
+    let g = workshop::model::zoo::vit_custom("tiny_vit", &cfg);
+    if kind != BackendKind::Cpu {
+        let plan = g.plan(2, 40, 40).unwrap();
+        let Ok(b) = workshop::backend::open(kind) else {
+            return;
+        };
+        let e = b
+            .prepare(0, &plan, &random_weights(&g, 1), &ExecOptions::default())
+            .err()
+            .expect("no transformer kernels on this backend yet");
+        assert!(e.is_unavailable(), "{e}");
+        assert!(
+            e.to_string()
+                .contains(&format!("`tokens` (tokens) has no {kind} kernel yet")),
+            "{e}"
+        );
+        return;
+    }
+    check(kind, &g, [2, 3, 40, 40], 1.0);
+    // 26 tokens per image in one block, then 2 images × 65 tokens (three blocks, one short).
+    let big = workshop::model::zoo::VitConfig {
+        image_size: 64,
+        ..cfg
+    };
+    check(
+        kind,
+        &workshop::model::zoo::vit_custom("vit64", &big),
+        [2, 3, 64, 64],
+        1.0,
+    );
+    // Another input size does not fit the position embedding: said, with the size that does.
+    let e = g.plan(1, 48, 48).unwrap_err().to_string();
+    assert!(e.contains("--input-size 40"), "{e}");
+}
+backend_test!(vision_transformer, cpu, wgpu, cuda, hip);

@@ -52,6 +52,8 @@ fn tiny_resnet(block: Block, widths: [usize; 4]) -> Graph {
         stem: 8,
         widths,
         classes: 10,
+        groups: 1,
+        width_per_group: 64,
     };
     zoo::resnet_custom("tiny_resnet", &cfg)
 }

@@ -24,6 +24,9 @@ pub enum ConvInit {
     KaimingNormalFanOut,
     /// PyTorch's default `reset_parameters`: kaiming_uniform(a=√5) and a uniform bias (AlexNet).
     TorchDefault,
+    /// `trunc_normal_(std=√(1/fan_in))`, bias 0 (ViT's patch convolution; the truncation at ±2
+    /// is far beyond such a small deviation).
+    TruncNormalFanIn,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,6 +35,19 @@ pub enum LinearInit {
     Normal001,
     /// PyTorch's default: uniform(±1/√fan_in) for weight and bias (ResNet, AlexNet).
     TorchDefault,
+    /// torchvision's VisionTransformer: xavier_uniform weights and N(0, 1e-6) biases in the
+    /// MLPs, zeros for `heads.head`.
+    Vit,
+}
+
+/// The state_dict name of a node's parameter: `node.suffix`, or the node's name alone for an
+/// op whose parameter is a module's own tensor (ViT's `class_token`: suffix "").
+pub fn param_name(node: &str, suffix: &str) -> String {
+    if suffix.is_empty() {
+        node.to_string()
+    } else {
+        format!("{node}.{suffix}")
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -41,6 +57,9 @@ pub struct Graph {
     pub output: ValueId,
     pub conv_init: ConvInit,
     pub linear_init: LinearInit,
+    /// The image side the network is made for (torchvision's default: 224 for most; a ViT's
+    /// position embedding fits only its own).
+    pub input_size: usize,
 }
 
 /// One state_dict entry of a graph.
@@ -53,6 +72,10 @@ pub struct NamedParam {
 }
 
 impl Graph {
+    pub fn default_input_size(&self) -> usize {
+        self.input_size
+    }
+
     pub fn input_channels(&self) -> usize {
         match self.nodes.first().map(|n| &n.op) {
             Some(Op::Input { channels }) => *channels,
@@ -71,7 +94,7 @@ impl Graph {
             } in node.op.params()
             {
                 out.push(NamedParam {
-                    name: format!("{}.{}", node.name, suffix),
+                    name: param_name(&node.name, suffix),
                     shape,
                     kind,
                     node: id,
@@ -261,8 +284,14 @@ impl GraphBuilder {
                 output: 0,
                 conv_init,
                 linear_init,
+                input_size: 224,
             },
         }
+    }
+
+    /// Set the image side the network is made for (224 unless said).
+    pub fn input_size(&mut self, side: usize) {
+        self.graph.input_size = side;
     }
 
     pub fn input(&self) -> ValueId {

@@ -231,6 +231,40 @@ pub enum Op {
     },
     /// Softmax over the last dimension.
     Softmax,
+    /// (N, C, H, W) → (N, H·W, C): a patch grid as a token sequence (ViT's
+    /// `x.reshape(n, c, h * w).permute(0, 2, 1)`).
+    Tokens,
+    /// (N, T, D) → (N, 1 + T, D): the learned class token (1, 1, D) put in front (ViT). The
+    /// node's name is the parameter's whole name (`class_token`).
+    ClassToken {
+        dim: usize,
+    },
+    /// (N, T, D) + the learned position embedding (1, T, D) (ViT's `encoder.pos_embedding`; the
+    /// node's name is the parameter's whole name). Fits only the token count it was made for.
+    PosEmbed {
+        tokens: usize,
+        dim: usize,
+        /// The image side that gives `tokens`, for the message when another does not.
+        image_size: usize,
+    },
+    /// `nn.LayerNorm(dim, eps)` over the last dimension, with its affine weight and bias.
+    LayerNorm {
+        dim: usize,
+        eps: f32,
+    },
+    /// `nn.GELU()`: x · Φ(x), with the exact error function.
+    Gelu,
+    /// `nn.MultiheadAttention(dim, heads, batch_first=True)` as self-attention on (N, T, D): the
+    /// input projection to q, k, v (`in_proj_weight`/`in_proj_bias`), softmax(q·kᵀ/√(D/heads))·v
+    /// per head, and the output projection (`out_proj.weight`/`out_proj.bias`).
+    Attention {
+        dim: usize,
+        heads: usize,
+    },
+    /// (N, T, D) → (N, D): token `index` (ViT's class token, `x[:, 0]`).
+    SelectToken {
+        index: usize,
+    },
 }
 
 /// Inference batch norm as a per-channel affine map: y = x · scale + shift, with
@@ -299,6 +333,13 @@ impl Op {
             Op::Flatten => "flatten",
             Op::Dropout { .. } => "dropout",
             Op::Softmax => "softmax",
+            Op::Tokens => "tokens",
+            Op::ClassToken { .. } => "class_token",
+            Op::PosEmbed { .. } => "pos_embedding",
+            Op::LayerNorm { .. } => "layer_norm",
+            Op::Gelu => "gelu",
+            Op::Attention { .. } => "attention",
+            Op::SelectToken { .. } => "select_token",
         }
     }
 
@@ -357,6 +398,20 @@ impl Op {
                 }
                 v
             }
+            Op::ClassToken { dim } => vec![p("", vec![1, 1, dim], ParamKind::Trainable)],
+            Op::PosEmbed { tokens, dim, .. } => {
+                vec![p("", vec![1, tokens, dim], ParamKind::Trainable)]
+            }
+            Op::LayerNorm { dim, .. } => vec![
+                p("weight", vec![dim], ParamKind::Trainable),
+                p("bias", vec![dim], ParamKind::Trainable),
+            ],
+            Op::Attention { dim, .. } => vec![
+                p("in_proj_weight", vec![3 * dim, dim], ParamKind::Trainable),
+                p("in_proj_bias", vec![3 * dim], ParamKind::Trainable),
+                p("out_proj.weight", vec![dim, dim], ParamKind::Trainable),
+                p("out_proj.bias", vec![dim], ParamKind::Trainable),
+            ],
             _ => Vec::new(),
         }
     }
@@ -422,7 +477,9 @@ impl Op {
                 }
                 Ok(inputs[0].to_vec())
             }
-            Op::Relu | Op::Relu6 | Op::Sigmoid | Op::Dropout { .. } => Ok(inputs[0].to_vec()),
+            Op::Relu | Op::Relu6 | Op::Sigmoid | Op::Dropout { .. } | Op::Gelu => {
+                Ok(inputs[0].to_vec())
+            }
             Op::MaxPool(p) | Op::AvgPool(p) => {
                 let (n, ch, h, w) = image(inputs[0])?;
                 if p.padding.0 * 2 > p.kernel.0 || p.padding.1 * 2 > p.kernel.1 {
@@ -468,10 +525,12 @@ impl Op {
                 in_features,
                 out_features,
                 ..
-            } => match *inputs[0] {
-                [n, f] if f == *in_features => Ok(vec![n, *out_features]),
+            } => match inputs[0] {
+                [lead @ .., f] if !lead.is_empty() && f == in_features => {
+                    Ok([lead, &[*out_features]].concat())
+                }
                 _ => Err(ShapeError(format!(
-                    "linear expects (N, {in_features}), got {}",
+                    "linear expects (…, {in_features}), got {}",
                     fmt_shape(inputs[0])
                 ))),
             },
@@ -488,7 +547,59 @@ impl Op {
                 }
                 Ok(inputs[0].to_vec())
             }
+            Op::Tokens => {
+                let (n, c, h, w) = image(inputs[0])?;
+                Ok(vec![n, h * w, c])
+            }
+            Op::ClassToken { dim } => match *inputs[0] {
+                [n, t, d] if d == *dim => Ok(vec![n, t + 1, d]),
+                _ => Err(self.tokens_expected(*dim, inputs[0])),
+            },
+            Op::PosEmbed {
+                tokens,
+                dim,
+                image_size,
+            } => match *inputs[0] {
+                [_, t, d] if d == *dim && t == *tokens => Ok(inputs[0].to_vec()),
+                [_, t, d] if d == *dim => Err(ShapeError(format!(
+                    "the position embedding holds {tokens} positions (a {image_size}×{image_size} image), this input makes {t} tokens: a ViT takes only the input size its position embedding was made for (--input-size {image_size})"
+                ))),
+                _ => Err(self.tokens_expected(*dim, inputs[0])),
+            },
+            Op::LayerNorm { dim, .. } => match inputs[0].last() {
+                Some(d) if d == dim => Ok(inputs[0].to_vec()),
+                _ => Err(ShapeError(format!(
+                    "layer_norm over {dim} features, got {}",
+                    fmt_shape(inputs[0])
+                ))),
+            },
+            Op::Attention { dim, heads } => {
+                if *heads == 0 || dim % heads != 0 {
+                    return Err(ShapeError(format!(
+                        "attention: {heads} heads must divide the dimension {dim}"
+                    )));
+                }
+                match *inputs[0] {
+                    [_, _, d] if d == *dim => Ok(inputs[0].to_vec()),
+                    _ => Err(self.tokens_expected(*dim, inputs[0])),
+                }
+            }
+            Op::SelectToken { index } => match *inputs[0] {
+                [n, t, d] if *index < t => Ok(vec![n, d]),
+                _ => Err(ShapeError(format!(
+                    "select_token {index} needs (N, T > {index}, D), got {}",
+                    fmt_shape(inputs[0])
+                ))),
+            },
         }
+    }
+
+    fn tokens_expected(&self, dim: usize, got: &[usize]) -> ShapeError {
+        ShapeError(format!(
+            "{} expects tokens (N, T, {dim}), got {}",
+            self.kind_name(),
+            fmt_shape(got)
+        ))
     }
 
     /// Multiply-accumulates of conv and linear layers (what torchvision's and DeepSpeed's
@@ -500,6 +611,15 @@ impl Op {
                 n * (c.in_channels / c.groups) as u64 * (c.kernel.0 * c.kernel.1) as u64
             }
             Op::Linear { in_features, .. } => n * *in_features as u64,
+            // Per image: the q/k/v projection (3·T·D²), q·kᵀ and its product with v (2·T²·D),
+            // the output projection (T·D²).
+            Op::Attention { dim, .. } => match *out {
+                [batch, t, _] => {
+                    let (b, t, d) = (batch as u64, t as u64, *dim as u64);
+                    b * (4 * t * d * d + 2 * t * t * d)
+                }
+                _ => 0,
+            },
             _ => 0,
         }
     }
@@ -510,7 +630,12 @@ impl Op {
         let elems = |s: &[usize]| s.iter().map(|&d| d as u64).product::<u64>();
         let n = elems(out);
         match self {
-            Op::Input { .. } | Op::Flatten | Op::Dropout { .. } => 0,
+            Op::Input { .. }
+            | Op::Flatten
+            | Op::Dropout { .. }
+            | Op::Tokens
+            | Op::SelectToken { .. }
+            | Op::ClassToken { .. } => 0,
             Op::Conv2d(c) => {
                 let epilogue = match c.act {
                     Act::None => 0,
@@ -531,6 +656,20 @@ impl Op {
             Op::MaxPool(p) | Op::AvgPool(p) => n * (p.kernel.0 * p.kernel.1) as u64,
             Op::AdaptiveAvgPool { .. } => elems(inputs[0]),
             Op::Softmax => 4 * n,
+            Op::PosEmbed { .. } => n,
+            // Mean, deviation, square, normalise, scale and shift: about six per element.
+            Op::LayerNorm { .. } => 6 * n,
+            // Scale, erf, add one, two multiplies.
+            Op::Gelu => 5 * n,
+            // The products, the projections' biases, and per score a scale and the softmax's
+            // four (exponentiate, subtract the maximum, sum, divide).
+            Op::Attention { dim, heads } => match *out {
+                [batch, t, _] => {
+                    let (b, t, d, h) = (batch as u64, t as u64, *dim as u64, *heads as u64);
+                    2 * self.macs(out) + b * 4 * t * d + 5 * b * h * t * t
+                }
+                _ => 0,
+            },
         }
     }
 
@@ -538,7 +677,10 @@ impl Op {
     /// each once (the ideal traffic a perfect cache would give).
     pub fn bytes(&self, inputs: &[&[usize]], out: &[usize], elem_bytes: usize) -> u64 {
         let elems = |s: &[usize]| s.iter().map(|&d| d as u64).product::<u64>();
-        if matches!(self, Op::Input { .. } | Op::Flatten | Op::Dropout { .. }) {
+        if matches!(
+            self,
+            Op::Input { .. } | Op::Flatten | Op::Dropout { .. } | Op::Tokens
+        ) {
             return 0;
         }
         let params: u64 = self.params().iter().map(|p| elems(&p.shape)).sum();
@@ -578,6 +720,7 @@ impl fmt::Display for Op {
                 out_features,
                 ..
             } => write!(f, "linear {in_features}→{out_features}"),
+            Op::Attention { dim, heads } => write!(f, "attention {dim} ×{heads} heads"),
             other => f.write_str(other.kind_name()),
         }
     }

@@ -214,6 +214,7 @@ pub fn optimize(graph: &Graph, weights: &Weights) -> Result<(Graph, Weights, Pas
         output: new_id[work.resolve(graph.output)],
         conv_init: graph.conv_init,
         linear_init: graph.linear_init,
+        input_size: graph.input_size,
     };
     Ok((out, w, report))
 }

@@ -21,7 +21,7 @@ pub fn forward(plan: &Plan, weights: &Weights, input: &Tensor) -> Tensor {
             .iter()
             .map(|&i| values[i].as_ref().expect("value computed"))
             .collect();
-        let param = |suffix: &str| weights.get(&format!("{}.{}", node.name, suffix));
+        let param = |suffix: &str| weights.get(&super::graph::param_name(&node.name, suffix));
         let out = eval(&node.op, &ins, &plan.shapes[id], &param);
         values[id] = Some(out);
     }
@@ -86,6 +86,55 @@ pub fn eval<'a>(
         ),
         Op::Flatten => Tensor::new(out_shape.to_vec(), ins[0].data.clone()),
         Op::Softmax => softmax(ins[0]),
+        Op::Tokens => {
+            let (n, c, hw) = (
+                ins[0].shape[0],
+                ins[0].shape[1],
+                ins[0].shape[2] * ins[0].shape[3],
+            );
+            let mut data = Vec::with_capacity(ins[0].numel());
+            for i in 0..n {
+                for p in 0..hw {
+                    data.extend((0..c).map(|ch| ins[0].data[(i * c + ch) * hw + p]));
+                }
+            }
+            Tensor::new(out_shape.to_vec(), data)
+        }
+        Op::ClassToken { .. } => {
+            let (t, d) = (ins[0].shape[1], ins[0].shape[2]);
+            let token = &need("").data;
+            let mut data = Vec::with_capacity(out_shape.iter().product());
+            for image in ins[0].data.chunks(t * d) {
+                data.extend_from_slice(token);
+                data.extend_from_slice(image);
+            }
+            Tensor::new(out_shape.to_vec(), data)
+        }
+        Op::PosEmbed { .. } => {
+            let pos = &need("").data;
+            let data = (ins[0].data.chunks(pos.len()))
+                .flat_map(|image| {
+                    image
+                        .iter()
+                        .zip(pos)
+                        .map(|(a, b)| (*a as f64 + *b as f64) as f32)
+                })
+                .collect();
+            Tensor::new(out_shape.to_vec(), data)
+        }
+        Op::LayerNorm { dim, eps } => layer_norm(ins[0], need("weight"), need("bias"), *dim, *eps),
+        Op::Gelu => map(ins[0], |x| {
+            let x = x as f64;
+            (0.5 * x * (1.0 + libm::erf(x / std::f64::consts::SQRT_2))) as f32
+        }),
+        Op::Attention { dim, heads } => attention(ins[0], &need, *dim, *heads),
+        Op::SelectToken { index } => {
+            let (t, d) = (ins[0].shape[1], ins[0].shape[2]);
+            let data = (ins[0].data.chunks(t * d))
+                .flat_map(|image| image[index * d..(index + 1) * d].to_vec())
+                .collect();
+            Tensor::new(out_shape.to_vec(), data)
+        }
     }
 }
 
@@ -239,8 +288,70 @@ fn adaptive_avg_pool(x: &Tensor, out: (usize, usize)) -> Tensor {
     Tensor::new(vec![n, c, out.0, out.1], data)
 }
 
+/// `nn.LayerNorm` over the last `dim` values: biased variance, as PyTorch.
+fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, dim: usize, eps: f32) -> Tensor {
+    let mut data = Vec::with_capacity(x.numel());
+    for row in x.data.chunks(dim) {
+        let mean = row.iter().map(|&v| v as f64).sum::<f64>() / dim as f64;
+        let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / dim as f64;
+        let inv = 1.0 / (var + eps as f64).sqrt();
+        data.extend(
+            row.iter().enumerate().map(|(i, &v)| {
+                ((v as f64 - mean) * inv * w.data[i] as f64 + b.data[i] as f64) as f32
+            }),
+        );
+    }
+    Tensor::new(x.shape.clone(), data)
+}
+
+/// Self-attention as `nn.MultiheadAttention(batch_first=True)` computes it, in f64.
+fn attention<'a>(
+    x: &Tensor,
+    need: &dyn Fn(&str) -> &'a Tensor,
+    dim: usize,
+    heads: usize,
+) -> Tensor {
+    let (n, t) = (x.shape[0], x.shape[1]);
+    let qkv = linear(x, need("in_proj_weight"), Some(need("in_proj_bias")));
+    let dh = dim / heads;
+    let scale = 1.0 / (dh as f64).sqrt();
+    let at = |i: usize, tok: usize, part: usize, h: usize, j: usize| {
+        qkv.data[(i * t + tok) * 3 * dim + part * dim + h * dh + j] as f64
+    };
+    let mut heads_out = vec![0f32; n * t * dim];
+    for i in 0..n {
+        for h in 0..heads {
+            for q in 0..t {
+                let scores: Vec<f64> = (0..t)
+                    .map(|k| {
+                        (0..dh)
+                            .map(|j| at(i, q, 0, h, j) * at(i, k, 1, h, j))
+                            .sum::<f64>()
+                            * scale
+                    })
+                    .collect();
+                let m = scores.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
+                let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                let sum: f64 = e.iter().sum();
+                for j in 0..dh {
+                    let v: f64 = (0..t).map(|k| e[k] * at(i, k, 2, h, j)).sum::<f64>() / sum;
+                    heads_out[(i * t + q) * dim + h * dh + j] = v as f32;
+                }
+            }
+        }
+    }
+    let heads_out = Tensor::new(x.shape.clone(), heads_out);
+    linear(
+        &heads_out,
+        need("out_proj.weight"),
+        Some(need("out_proj.bias")),
+    )
+}
+
+/// `nn.Linear` over the last dimension of any tensor.
 fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
-    let (n, fin) = (x.shape[0], x.shape[1]);
+    let fin = *x.shape.last().expect("linear input has dimensions");
+    let n = x.numel() / fin.max(1);
     let fout = w.shape[0];
     let mut out = Vec::with_capacity(n * fout);
     for i in 0..n {
@@ -252,7 +363,9 @@ fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
             out.push(acc as f32);
         }
     }
-    Tensor::new(vec![n, fout], out)
+    let mut shape = x.shape.clone();
+    *shape.last_mut().expect("linear input has dimensions") = fout;
+    Tensor::new(shape, out)
 }
 
 /// Softmax over the last dimension, computed stably (max subtracted) in f64.

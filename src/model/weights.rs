@@ -72,7 +72,7 @@ impl Weights {
         let mut tensors = BTreeMap::new();
         for node in &graph.nodes {
             let mut put = |suffix: &str, t: Tensor| {
-                tensors.insert(format!("{}.{}", node.name, suffix), t);
+                tensors.insert(super::graph::param_name(&node.name, suffix), t);
             };
             match node.op {
                 Op::Conv2d(c) => {
@@ -88,6 +88,10 @@ impl Weights {
                                 Tensor::zeros(vec![c.out_channels]),
                             )
                         }
+                        ConvInit::TruncNormalFanIn => (
+                            normal(&mut rng, shape, (1.0 / fan_in).sqrt()),
+                            Tensor::zeros(vec![c.out_channels]),
+                        ),
                         ConvInit::TorchDefault => {
                             let bound = 1.0 / fan_in.sqrt();
                             (
@@ -128,11 +132,42 @@ impl Weights {
                                 uniform(&mut rng, vec![out_features], bound),
                             )
                         }
+                        LinearInit::Vit if node.name == "heads.head" => {
+                            (Tensor::zeros(shape), Tensor::zeros(vec![out_features]))
+                        }
+                        LinearInit::Vit => {
+                            let bound = (6.0 / (in_features + out_features) as f64).sqrt();
+                            (
+                                uniform(&mut rng, shape, bound),
+                                normal(&mut rng, vec![out_features], 1e-6),
+                            )
+                        }
                     };
                     put("weight", w);
                     if bias {
                         put("bias", b);
                     }
+                }
+                Op::LayerNorm { dim, .. } => {
+                    put("weight", Tensor::new(vec![dim], vec![1.0; dim]));
+                    put("bias", Tensor::zeros(vec![dim]));
+                }
+                Op::ClassToken { dim } => put("", Tensor::zeros(vec![1, 1, dim])),
+                Op::PosEmbed { tokens, dim, .. } => {
+                    put("", normal(&mut rng, vec![1, tokens, dim], 0.02))
+                }
+                // nn.MultiheadAttention's own reset: xavier_uniform over the packed q/k/v
+                // projection, zero biases; the output projection keeps Linear's default.
+                Op::Attention { dim, .. } => {
+                    let bound = (6.0 / (4 * dim) as f64).sqrt();
+                    put(
+                        "in_proj_weight",
+                        uniform(&mut rng, vec![3 * dim, dim], bound),
+                    );
+                    put("in_proj_bias", Tensor::zeros(vec![3 * dim]));
+                    let bound = 1.0 / (dim as f64).sqrt();
+                    put("out_proj.weight", uniform(&mut rng, vec![dim, dim], bound));
+                    put("out_proj.bias", Tensor::zeros(vec![dim]));
                 }
                 _ => {}
             }
@@ -237,7 +272,7 @@ impl Weights {
     /// Parameter `suffix` (`weight`, `bias`, ...) of node `node` (`layer1.0.conv1`): what a
     /// backend packs when it prepares the node.
     pub fn param(&self, node: &str, suffix: &str) -> Result<&[f32], MissingTensor> {
-        let name = format!("{node}.{suffix}");
+        let name = super::graph::param_name(node, suffix);
         (self.tensors.get(&name))
             .map(|t| t.data.as_slice())
             .ok_or(MissingTensor(name))

@@ -203,7 +203,7 @@ pub fn models_table(rows: &[ModelRow], input_size: usize) -> String {
         ]);
     }
     format!(
-        "{t}\nMACs count conv and linear multiply-accumulates (torchvision's convention); \
+        "{t}\nMACs count conv and linear multiply-accumulates (torchvision's convention) and attention's q·kᵀ and weights·v; \
          GFLOPs add 2 per MAC plus batch norm, activations, pooling and residual adds."
     )
 }

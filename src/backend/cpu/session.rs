@@ -38,6 +38,21 @@ pub(super) enum NodeKernel<T> {
     Flatten,
     Identity,
     Softmax,
+    ClassToken(Vec<f32>),
+    Positions(Vec<f32>),
+    LayerNorm {
+        weight: Vec<f32>,
+        bias: Vec<f32>,
+        eps: f32,
+    },
+    Gelu,
+    Attention {
+        /// The q/k/v and output projections.
+        proj: Box<(PackedLinear<T>, PackedLinear<T>)>,
+        dim: usize,
+        heads: usize,
+    },
+    SelectToken(usize),
 }
 
 /// An activation buffer: the first `len` elements of `data` in use. Every element of `data` is
@@ -177,6 +192,37 @@ impl<T: Elem> CpuSession<T> {
                 Op::Flatten => NodeKernel::Flatten,
                 Op::Dropout { .. } => NodeKernel::Identity,
                 Op::Softmax => NodeKernel::Softmax,
+                // NHWC images already are (N, H·W, C) tokens.
+                Op::Tokens => NodeKernel::Identity,
+                Op::ClassToken { .. } => NodeKernel::ClassToken(get("")?.to_vec()),
+                Op::PosEmbed { .. } => NodeKernel::Positions(get("")?.to_vec()),
+                Op::LayerNorm { eps, .. } => NodeKernel::LayerNorm {
+                    weight: get("weight")?.to_vec(),
+                    bias: get("bias")?.to_vec(),
+                    eps,
+                },
+                Op::Gelu => NodeKernel::Gelu,
+                Op::Attention { dim, heads } => {
+                    let in_proj = PackedLinear::new(
+                        get("in_proj_weight")?,
+                        Some(get("in_proj_bias")?),
+                        dim,
+                        3 * dim,
+                    );
+                    let out_proj = PackedLinear::new(
+                        get("out_proj.weight")?,
+                        Some(get("out_proj.bias")?),
+                        dim,
+                        dim,
+                    );
+                    weight_bytes += in_proj.bytes() + out_proj.bytes();
+                    NodeKernel::Attention {
+                        proj: Box::new((in_proj, out_proj)),
+                        dim,
+                        heads,
+                    }
+                }
+                Op::SelectToken { index } => NodeKernel::SelectToken(index),
             };
             steps.push(step);
         }
@@ -224,6 +270,13 @@ impl<T: Elem> CpuSession<T> {
     pub(super) fn dims(&self, id: usize, n: usize) -> Nhwc {
         match *self.plan.shapes[id].as_slice() {
             [_, c, h, w] => Nhwc { n, h, w, c },
+            // Tokens (N, T, D): T rows of D per image.
+            [_, t, d] => Nhwc {
+                n,
+                h: t,
+                w: 1,
+                c: d,
+            },
             [_, f] => Nhwc {
                 n,
                 h: 1,
@@ -433,7 +486,53 @@ impl<T: Elem> CpuSession<T> {
             NodeKernel::Linear { weight, fin, fout } => {
                 let mut y = self.alloc(os.elems());
                 let x = values[inputs[0]].as_ref().expect("input computed");
-                kernels::linear(x, weight, (os.n, *fin, *fout), &mut y, self.threads);
+                // Over the last dimension: every token of every image is a row.
+                let rows = os.elems() / *fout;
+                kernels::linear(x, weight, (rows, *fin, *fout), &mut y, self.threads);
+                y
+            }
+            NodeKernel::ClassToken(token) => {
+                let xs = self.dims(inputs[0], images.len());
+                let mut y = self.alloc(os.elems());
+                let x = values[inputs[0]].as_ref().expect("input computed");
+                kernels::class_token(x, xs.h, token, &mut y);
+                y
+            }
+            NodeKernel::Positions(pos) => {
+                let mut y = self.take_or_copy(values, inputs[0], last_reader(inputs[0]));
+                kernels::add_positions(&mut y, pos);
+                y
+            }
+            NodeKernel::LayerNorm { weight, bias, eps } => {
+                let mut y = self.alloc(os.elems());
+                let x = values[inputs[0]].as_ref().expect("input computed");
+                kernels::layer_norm(x, weight, bias, *eps, &mut y);
+                y
+            }
+            NodeKernel::Gelu => {
+                let mut y = self.take_or_copy(values, inputs[0], last_reader(inputs[0]));
+                kernels::gelu_inplace(&mut y);
+                y
+            }
+            NodeKernel::Attention { proj, dim, heads } => {
+                let (in_proj, out_proj) = &**proj;
+                let (rows, d) = (os.n * os.h, *dim);
+                let x = values[inputs[0]].as_ref().expect("input computed");
+                let mut qkv = self.alloc(rows * 3 * d);
+                kernels::linear(x, in_proj, (rows, d, 3 * d), &mut qkv, self.threads);
+                let mut heads_out = self.alloc(rows * d);
+                kernels::attention(&qkv, (os.n, os.h, d, *heads), &mut heads_out);
+                self.free.push(qkv);
+                let mut y = self.alloc(os.elems());
+                kernels::linear(&heads_out, out_proj, (rows, d, d), &mut y, self.threads);
+                self.free.push(heads_out);
+                y
+            }
+            NodeKernel::SelectToken(index) => {
+                let xs = self.dims(inputs[0], images.len());
+                let mut y = self.alloc(os.elems());
+                let x = values[inputs[0]].as_ref().expect("input computed");
+                kernels::select_token(x, (xs.h, xs.c), *index, &mut y);
                 y
             }
             NodeKernel::Softmax => {

@@ -472,6 +472,13 @@ fn other_op(b: &mut Builder, at: &NodeCtx<'_>, input: BufId) -> Result<(), Backe
             let args = vec![x, Arg::Buf(y), Arg::I32(rows as i32), Arg::I32(cols as i32)];
             b.launch(&node.name, op, "softmax", grid_1d(rows)?, args);
         }
+        Op::Tokens
+        | Op::ClassToken { .. }
+        | Op::PosEmbed { .. }
+        | Op::LayerNorm { .. }
+        | Op::Gelu
+        | Op::Attention { .. }
+        | Op::SelectToken { .. } => unreachable!("refused by backend::check_ops"),
         Op::Conv2d(_) | Op::Linear { .. } | Op::Dropout { .. } | Op::Flatten => {
             unreachable!("lowered by conv_like or renamed")
         }

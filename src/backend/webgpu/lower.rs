@@ -136,6 +136,7 @@ pub(super) fn lower(
     variants: &BTreeMap<String, String>,
     limits: Limits,
 ) -> Result<Lowered, BackendError> {
+    crate::backend::check_ops(crate::backend::BackendKind::Wgpu, plan)?;
     let nodes = &plan.graph.nodes;
     // Every value within one binding.
     for (node, shape) in nodes.iter().zip(&plan.shapes) {
@@ -400,6 +401,13 @@ fn node_launches(
         Op::Flatten if xh * xw == 1 => Vec::new(),
         Op::Flatten => one(Kernel::NhwcToNchw, vec![total, xc, xh * xw], x(), 5, total),
         Op::Softmax => one(Kernel::Softmax, shape.to_vec(), x(), 5, total / c.max(1)),
+        Op::Tokens
+        | Op::ClassToken { .. }
+        | Op::PosEmbed { .. }
+        | Op::LayerNorm { .. }
+        | Op::Gelu
+        | Op::Attention { .. }
+        | Op::SelectToken { .. } => unreachable!("refused by backend::check_ops"),
     };
     Ok(parts)
 }

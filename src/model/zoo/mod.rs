@@ -5,9 +5,11 @@ mod alexnet;
 mod mobilenet;
 mod resnet;
 mod vgg;
+mod vit;
 
 pub use mobilenet::mobilenet_v2_custom;
 pub use resnet::{Block, ResNetConfig, resnet_custom};
+pub use vit::{VitConfig, vit_custom};
 
 use super::Graph;
 
@@ -18,6 +20,11 @@ pub const NETWORKS: &[&str] = &[
     "resnet50",
     "resnet101",
     "resnet152",
+    "resnext50_32x4d",
+    "resnext101_32x8d",
+    "resnext101_64x4d",
+    "wide_resnet50_2",
+    "wide_resnet101_2",
     "vgg11",
     "vgg11_bn",
     "vgg13",
@@ -28,6 +35,11 @@ pub const NETWORKS: &[&str] = &[
     "vgg19_bn",
     "alexnet",
     "mobilenet_v2",
+    "vit_b_16",
+    "vit_b_32",
+    "vit_l_16",
+    "vit_l_32",
+    "vit_h_14",
 ];
 
 /// A network name that the zoo does not have.
@@ -45,8 +57,18 @@ pub fn build(name: &str) -> Result<Graph, UnknownNetwork> {
         "resnet50" => resnet::resnet(name, Block::Bottleneck, [3, 4, 6, 3]),
         "resnet101" => resnet::resnet(name, Block::Bottleneck, [3, 4, 23, 3]),
         "resnet152" => resnet::resnet(name, Block::Bottleneck, [3, 8, 36, 3]),
+        "resnext50_32x4d" => resnet::resnext(name, [3, 4, 6, 3], 32, 4, Block::Bottleneck),
+        "resnext101_32x8d" => resnet::resnext(name, [3, 4, 23, 3], 32, 8, Block::Bottleneck),
+        "resnext101_64x4d" => resnet::resnext(name, [3, 4, 23, 3], 64, 4, Block::Bottleneck),
+        "wide_resnet50_2" => resnet::resnext(name, [3, 4, 6, 3], 1, 128, Block::Bottleneck),
+        "wide_resnet101_2" => resnet::resnext(name, [3, 4, 23, 3], 1, 128, Block::Bottleneck),
         "alexnet" => alexnet::alexnet(1000),
         "mobilenet_v2" => mobilenet::mobilenet_v2_custom(name, 1.0, 1000),
+        "vit_b_16" => vit::vit(name, 16, 12, 12, 768, 3072),
+        "vit_b_32" => vit::vit(name, 32, 12, 12, 768, 3072),
+        "vit_l_16" => vit::vit(name, 16, 24, 16, 1024, 4096),
+        "vit_l_32" => vit::vit(name, 32, 24, 16, 1024, 4096),
+        "vit_h_14" => vit::vit(name, 14, 32, 16, 1280, 5120),
         _ => {
             let (base, bn) = match name.strip_suffix("_bn") {
                 Some(base) => (base, true),

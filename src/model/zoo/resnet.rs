@@ -1,5 +1,7 @@
 //! ResNet (He et al. 2015) as torchvision builds it: a 7×7 stem, four stages of basic or
-//! bottleneck blocks with `downsample.0/1` shortcuts, global average pooling and `fc`.
+//! bottleneck blocks with `downsample.0/1` shortcuts, global average pooling and `fc`; with
+//! grouped 3×3 convolutions it is ResNeXt (Xie et al. 2017), with wider ones Wide ResNet
+//! (Zagoruyko & Komodakis 2016) — torchvision's `groups` and `width_per_group`.
 
 use crate::model::Graph;
 use crate::model::graph::{ConvInit, GraphBuilder, LinearInit, ValueId};
@@ -32,9 +34,25 @@ pub struct ResNetConfig {
     pub stem: usize,
     pub widths: [usize; 4],
     pub classes: usize,
+    /// Groups of the bottleneck's 3×3 convolution (ResNeXt's cardinality; 1 otherwise).
+    pub groups: usize,
+    /// Channels per group of the bottleneck's inner width (torchvision's `width_per_group`:
+    /// 64 for ResNet, 4 or 8 for ResNeXt, 128 for Wide ResNet).
+    pub width_per_group: usize,
 }
 
 pub(super) fn resnet(name: &str, block: Block, layers: [usize; 4]) -> Graph {
+    resnext(name, layers, 1, 64, block)
+}
+
+/// torchvision's ResNet class with its `groups` and `width_per_group`.
+pub(super) fn resnext(
+    name: &str,
+    layers: [usize; 4],
+    groups: usize,
+    width_per_group: usize,
+    block: Block,
+) -> Graph {
     resnet_custom(
         name,
         &ResNetConfig {
@@ -43,6 +61,8 @@ pub(super) fn resnet(name: &str, block: Block, layers: [usize; 4]) -> Graph {
             stem: 64,
             widths: [64, 128, 256, 512],
             classes: 1000,
+            groups,
+            width_per_group,
         },
     )
 }
@@ -65,7 +85,7 @@ pub fn resnet_custom(name: &str, cfg: &ResNetConfig) -> Graph {
         for b in 0..blocks {
             let prefix = format!("layer{}.{}", stage + 1, b);
             let s = if b == 0 { stride } else { 1 };
-            x = block_forward(&mut g, &prefix, x, cfg.block, inplanes, planes, s);
+            x = block_forward(&mut g, &prefix, x, cfg, inplanes, planes, s);
             inplanes = planes * cfg.block.expansion();
         }
     }
@@ -79,13 +99,15 @@ fn block_forward(
     g: &mut GraphBuilder,
     p: &str,
     x: ValueId,
-    block: Block,
+    cfg: &ResNetConfig,
     inplanes: usize,
     planes: usize,
     stride: usize,
 ) -> ValueId {
-    let out_ch = planes * block.expansion();
-    let y = match block {
+    let out_ch = planes * cfg.block.expansion();
+    // torchvision: width = int(planes * (base_width / 64.)) * groups.
+    let width = planes * cfg.width_per_group / 64 * cfg.groups;
+    let y = match cfg.block {
         Block::Basic => {
             let y = g.conv(
                 format!("{p}.conv1"),
@@ -105,22 +127,18 @@ fn block_forward(
             let y = g.conv(
                 format!("{p}.conv1"),
                 x,
-                Conv2d::new(inplanes, planes, 1, 1, 0),
+                Conv2d::new(inplanes, width, 1, 1, 0),
             );
-            let y = g.bn(format!("{p}.bn1"), y, planes);
+            let y = g.bn(format!("{p}.bn1"), y, width);
             let y = g.relu(format!("{p}.relu"), y);
             let y = g.conv(
                 format!("{p}.conv2"),
                 y,
-                Conv2d::new(planes, planes, 3, stride, 1),
+                Conv2d::new(width, width, 3, stride, 1).with_groups(cfg.groups),
             );
-            let y = g.bn(format!("{p}.bn2"), y, planes);
+            let y = g.bn(format!("{p}.bn2"), y, width);
             let y = g.relu(format!("{p}.relu"), y);
-            let y = g.conv(
-                format!("{p}.conv3"),
-                y,
-                Conv2d::new(planes, out_ch, 1, 1, 0),
-            );
+            let y = g.conv(format!("{p}.conv3"), y, Conv2d::new(width, out_ch, 1, 1, 0));
             g.bn(format!("{p}.bn3"), y, out_ch)
         }
     };

@@ -12,7 +12,8 @@
 //!
 //! One file per op family: `conv.rs` (im2col + GEMM convolutions and their work split),
 //! `im2col.rs`, `depthwise.rs`, `elementwise.rs` (batch norm's affine map, clamps, adds),
-//! `pool.rs`, `layout.rs` (NCHW ↔ NHWC), `linear.rs` (linear layers and softmax).
+//! `pool.rs`, `layout.rs` (NCHW ↔ NHWC), `linear.rs` (linear layers and softmax),
+//! `transformer.rs` (layer norm, GELU, class token, positions, fused attention on tokens).
 
 mod conv;
 mod depthwise;
@@ -21,6 +22,7 @@ mod im2col;
 mod layout;
 mod linear;
 mod pool;
+mod transformer;
 
 use std::cell::RefCell;
 
@@ -31,6 +33,7 @@ use im2col::*;
 pub use layout::*;
 pub use linear::*;
 pub use pool::*;
+pub use transformer::*;
 
 /// An NHWC image batch's dimensions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""Count torchvision's classifiers the way `workshop models` does, for tests/fixtures/zoo-reference.json.
+
+For each network: learned parameters, floating-point state_dict entries, and the
+multiply-accumulates of one 224x224 image (ViT: its own size) in Conv2d and Linear modules
+(forward hooks) plus, for each nn.MultiheadAttention, what it computes without calling its
+submodules: the input projection (3 x T x D x D), the two attention products (2 x T x T x D)
+and the output projection (T x D x D). Random weights; nothing is downloaded.
+
+    python3 bench/zoo_reference.py NAME ... > /tmp/new.json   # merge by hand, or
+    python3 bench/zoo_reference.py --write NAME ...            # update the committed file
+
+Needs torch and torchvision (any recent version; the file says which one counted).
+"""
+
+import json
+import pathlib
+import sys
+
+import torch
+import torchvision
+
+FIXTURE = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "zoo-reference.json"
+
+
+def count(name):
+    model = torchvision.models.get_model(name, weights=None).eval()
+    size = getattr(model, "image_size", 224)
+    macs = 0
+
+    def conv(m, _inp, out):
+        nonlocal macs
+        macs += out.numel() * (m.in_channels // m.groups) * m.kernel_size[0] * m.kernel_size[1]
+
+    def linear(m, _inp, out):
+        nonlocal macs
+        macs += out.numel() * m.in_features
+
+    def attention(m, inp, _out):
+        nonlocal macs
+        q = inp[0]  # (N, T, D) with batch_first
+        t, d = q.shape[-2], q.shape[-1]
+        macs += 3 * t * d * d + 2 * t * t * d + t * d * d
+
+    for m in model.modules():
+        if isinstance(m, torch.nn.Conv2d):
+            m.register_forward_hook(conv)
+        elif isinstance(m, torch.nn.MultiheadAttention):
+            m.register_forward_hook(attention)
+        elif isinstance(m, torch.nn.Linear) and not isinstance(
+            m, torch.nn.modules.linear.NonDynamicallyQuantizableLinear
+        ):
+            m.register_forward_hook(linear)
+    with torch.no_grad():
+        model(torch.zeros(1, 3, size, size))
+    return {
+        "params": sum(p.numel() for p in model.parameters()),
+        "state_dict_floats": sum(t.numel() for t in model.state_dict().values() if t.is_floating_point()),
+        "macs_per_image": macs,
+        "input_size": size,
+    }
+
+
+def main():
+    args = sys.argv[1:]
+    write = "--write" in args
+    names = [a for a in args if a != "--write"]
+    data = json.loads(FIXTURE.read_text()) if FIXTURE.exists() else {"models": {}}
+    data["source"] = (
+        f"torchvision {torchvision.__version__.split('+')[0]} model definitions, counted by bench/zoo_reference.py "
+        "(Conv2d + Linear MACs by forward hooks, attention analytically; batch 1 at the model's input size)"
+    )
+    for name in names:
+        data["models"][name] = count(name)
+        print(f"{name}: {data['models'][name]}", file=sys.stderr)
+    text = json.dumps(data, indent=1) + "\n"
+    if write:
+        FIXTURE.write_text(text)
+    else:
+        sys.stdout.write(text)
+
+
+if __name__ == "__main__":
+    main()
