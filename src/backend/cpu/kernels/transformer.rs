@@ -9,6 +9,7 @@
 use rayon::prelude::*;
 
 use crate::backend::cpu::elem::Elem;
+use crate::backend::cpu::simd::{Update, Vectorised, with_simd};
 
 /// `nn.LayerNorm` over rows of `weight.len()` values: biased variance, in f32.
 pub fn layer_norm<T: Elem>(x: &[T], weight: &[f32], bias: &[f32], eps: f32, y: &mut [T]) {
@@ -28,14 +29,33 @@ pub fn layer_norm<T: Elem>(x: &[T], weight: &[f32], bias: &[f32], eps: f32, y: &
         });
 }
 
-/// x · Φ(x) with the exact error function, in place.
+/// x · Φ(x) = x · (1 + erf(x/√2)) / 2, in place (the exact form, `nn.GELU()`).
 pub fn gelu_inplace<T: Elem>(buf: &mut [T]) {
-    buf.par_chunks_mut(4096).for_each(|part| {
-        for v in part {
-            let x = v.to_f32();
-            *v = T::from_f32(0.5 * x * (1.0 + libm::erff(x * std::f32::consts::FRAC_1_SQRT_2)));
-        }
+    super::map_f32(buf, 1, |part| {
+        with_simd(Update(part, |v: &mut f32| {
+            *v = 0.5 * *v * (1.0 + erf(*v * std::f32::consts::FRAC_1_SQRT_2));
+        }))
     });
+}
+
+/// erf(x) in code the compiler vectorises: Abramowitz & Stegun 7.1.26 (absolute error below
+/// 1.5e-7 in exact arithmetic, 6e-7 in f32: a few ulps near 1) with [`exp_nonpositive`] for e^(−x²); NaN stays NaN.
+/// libm's `erff`, one call per element, cost 4× more.
+#[inline(always)]
+fn erf(x: f32) -> f32 {
+    let a = x.abs();
+    let t = 1.0 / (1.0 + 0.327_591_1 * a);
+    let poly = t
+        * (0.254_829_6
+            + t * (-0.284_496_74 + t * (1.421_413_7 + t * (-1.453_152 + t * 1.061_405_4))));
+    let y = 1.0 - poly * exp_nonpositive(-a * a);
+    if x < 0.0 {
+        -y
+    } else if x.is_nan() {
+        x
+    } else {
+        y
+    }
 }
 
 /// (N, T, D) → (N, 1 + T, D) with `token` in front of each image's tokens.
@@ -63,8 +83,13 @@ pub fn select_token<T: Elem>(x: &[T], (t, d): (usize, usize), index: usize, y: &
     }
 }
 
-/// Queries per block: the scores formed at once are this many rows of T.
-const QUERY_BLOCK: usize = 32;
+/// Queries computed together: they share every load of the keys and values.
+const QUERIES: usize = 4;
+/// Keys scored, or value columns accumulated, together: 4 queries × 64 accumulators are 16
+/// AVX-512 registers (the rest of the 32 hold the loads). Keys and values are zero-padded to
+/// a multiple of it. Against one query and 16 lanes at a time, ViT-B/16's attention (197
+/// tokens, 12 heads of 64) went from 6.3 to 2.1 ms a layer on 2 Sapphire Rapids cores.
+const BLOCK: usize = 64;
 
 /// softmax(q·kᵀ/√dh)·v for every image and head: `qkv` is (N, T, 3·D) as the input projection
 /// leaves it (q, k, v side by side, heads side by side within each), `y` is (N, T, D).
@@ -73,56 +98,140 @@ pub fn attention<T: Elem>(
     (n, t, dim, heads): (usize, usize, usize, usize),
     y: &mut [T],
 ) {
-    let dh = dim / heads;
-    let scale = 1.0 / (dh as f32).sqrt();
-    // Work items: (image, head, query block); each writes its own rows of its head's columns.
-    let blocks = t.div_ceil(QUERY_BLOCK);
     let out = SyncSlice(y.as_mut_ptr(), y.len());
-    (0..n * heads * blocks).into_par_iter().for_each(|item| {
-        let (image, head, block) = (
-            item / (heads * blocks),
-            item / blocks % heads,
-            item % blocks,
-        );
-        let rows = image * t..(image + 1) * t;
-        let column = |part: usize, tok: usize, buf: &mut [f32]| {
-            let at = (rows.start + tok) * 3 * dim + part * dim + head * dh;
-            T::widen(&qkv[at..at + dh], buf);
-        };
-        // This head's keys and values, in f32, token-major.
-        let mut k = vec![0f32; t * dh];
-        let mut v = vec![0f32; t * dh];
-        for tok in 0..t {
-            column(1, tok, &mut k[tok * dh..(tok + 1) * dh]);
-            column(2, tok, &mut v[tok * dh..(tok + 1) * dh]);
-        }
-        let (q0, q1) = (block * QUERY_BLOCK, ((block + 1) * QUERY_BLOCK).min(t));
-        let mut q = vec![0f32; dh];
-        let mut scores = vec![0f32; t];
-        let mut acc = vec![0f32; dh];
-        for query in q0..q1 {
-            column(0, query, &mut q);
-            let mut max = f32::NEG_INFINITY;
-            for (s, key) in scores.iter_mut().zip(k.chunks_exact(dh)) {
-                *s = q.iter().zip(key).map(|(a, b)| a * b).sum::<f32>() * scale;
-                max = if *s > max || s.is_nan() { *s } else { max };
-            }
-            acc.fill(0.0);
-            let mut sum = 0f32;
-            for (s, value) in scores.iter().zip(v.chunks_exact(dh)) {
-                let e = (s - max).exp();
-                sum += e;
-                acc.iter_mut().zip(value).for_each(|(a, b)| *a += e * b);
-            }
-            let at = (rows.start + query) * dim + head * dh;
-            // SAFETY: each (image, query, head) owns the dh outputs at `at`; no two work items
-            // share a query row and head, and `at + dh <= y.len()`.
-            let dst = unsafe { out.slice(at, dh) };
-            for (o, a) in dst.iter_mut().zip(&acc) {
-                *o = T::from_f32(a / sum);
-            }
-        }
+    // Work items: (image, head); each writes its head's columns of its image's rows.
+    (0..n * heads).into_par_iter().for_each(|item| {
+        with_simd(Head {
+            qkv,
+            dims: (t, dim, heads),
+            item,
+            out: &out,
+        })
     });
+}
+
+/// One work item of [`attention`], compiled for the machine's widest vectors.
+struct Head<'a, T> {
+    qkv: &'a [T],
+    /// (tokens, model dimension, heads).
+    dims: (usize, usize, usize),
+    item: usize,
+    out: &'a SyncSlice<T>,
+}
+
+impl<T: Elem> Vectorised for Head<'_, T> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        let (t, dim, heads) = self.dims;
+        let dh = dim / heads;
+        let scale = 1.0 / (dh as f32).sqrt();
+        let (image, head) = (self.item / heads, self.item % heads);
+        let first = image * t;
+        // Keys transposed (dh × tp) and values (t × dp), zero-padded to whole vectors.
+        let (tp, dp) = (t.next_multiple_of(BLOCK), dh.next_multiple_of(BLOCK));
+        let mut row = vec![0f32; dh];
+        let widen = |part: usize, tok: usize, row: &mut [f32]| {
+            let at = (first + tok) * 3 * dim + part * dim + head * dh;
+            T::widen(&self.qkv[at..at + dh], row);
+        };
+        let mut kt = vec![0f32; dh * tp];
+        let mut v = vec![0f32; t * dp];
+        for tok in 0..t {
+            widen(1, tok, &mut row);
+            for (j, r) in row.iter().enumerate() {
+                kt[j * tp + tok] = *r;
+            }
+            widen(2, tok, &mut v[tok * dp..tok * dp + dh]);
+        }
+        let mut q = vec![[0f32; QUERIES]; dh];
+        // Each query's scores contiguous, so its softmax runs over whole vectors.
+        let mut scores = vec![vec![0f32; tp]; QUERIES];
+        let mut sums = [0f32; QUERIES];
+        for q0 in (0..t).step_by(QUERIES) {
+            let group = QUERIES.min(t - q0);
+            for g in 0..group {
+                widen(0, q0 + g, &mut row);
+                for (j, r) in row.iter().enumerate() {
+                    q[j][g] = r * scale;
+                }
+            }
+            // Scores of the group against 64 keys at a time: 4 × 64 accumulators (16 vectors)
+            // over dh.
+            for kb in (0..tp).step_by(BLOCK) {
+                let mut acc = [[0f32; BLOCK]; QUERIES];
+                for (j, qj) in q.iter().enumerate() {
+                    // A fixed-size view: the loops below then need no bounds checks.
+                    let keys: &[f32; BLOCK] = kt[j * tp + kb..][..BLOCK].try_into().unwrap();
+                    for g in 0..QUERIES {
+                        for i in 0..BLOCK {
+                            acc[g][i] += qj[g] * keys[i];
+                        }
+                    }
+                }
+                for (s, acc) in scores.iter_mut().zip(&acc) {
+                    s[kb..kb + BLOCK].copy_from_slice(acc);
+                }
+            }
+            // Softmax numerators; the maximum keeps a NaN (issue 27), so it spreads as in PyTorch.
+            for (s, sum) in scores.iter_mut().zip(sums.iter_mut()) {
+                let s = &mut s[..t];
+                let max =
+                    (s.iter()).fold(
+                        f32::NEG_INFINITY,
+                        |m, &v| if v > m || v.is_nan() { v } else { m },
+                    );
+                s.iter_mut().for_each(|v| *v = exp_nonpositive(*v - max));
+                *sum = s.iter().sum();
+            }
+            // Weighted values, 64 columns at a time: 4 queries × 64 accumulators (16 vectors)
+            // over the keys, each value row read once, in order.
+            for c in (0..dp).step_by(BLOCK) {
+                let mut acc = [[0f32; BLOCK]; QUERIES];
+                for k in 0..t {
+                    let values: &[f32; BLOCK] = v[k * dp + c..][..BLOCK].try_into().unwrap();
+                    for g in 0..QUERIES {
+                        let e = scores[g][k];
+                        for i in 0..BLOCK {
+                            acc[g][i] += e * values[i];
+                        }
+                    }
+                }
+                let width = BLOCK.min(dh - c);
+                for (g, acc) in acc.iter().enumerate().take(group) {
+                    let at = (first + q0 + g) * dim + head * dh + c;
+                    // SAFETY: each (image, head) work item owns its head's dh columns of its
+                    // image's rows; `at + width` stays within this row's head.
+                    let dst = unsafe { self.out.slice(at, width) };
+                    let inv = 1.0 / sums[g];
+                    for (o, a) in dst.iter_mut().zip(acc) {
+                        *o = T::from_f32(a * inv);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// e^x for x ≤ 0 (what a softmax exponentiates once its maximum is subtracted), in code the
+/// compiler vectorises: x = k·ln 2 + r with |r| ≤ ln 2 / 2, e^r by its Taylor polynomial to
+/// r⁶ (relative error below 2e-7), 2^k from the exponent bits. Below −87 the result is 0 (f32's
+/// smallest normal is e^−87.3); a NaN stays NaN. libm's `expf`, one call per score, took most
+/// of the attention's time.
+#[inline(always)]
+fn exp_nonpositive(x: f32) -> f32 {
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    let small = x < -87.0;
+    let x = if small { -87.0 } else { x };
+    let k = (x * std::f32::consts::LOG2_E).round();
+    let r = x - k * LN2_HI - k * LN2_LO;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    let scale = f32::from_bits((((k as i32) + 127).max(0) as u32) << 23);
+    if small { 0.0 } else { p * scale }
 }
 
 /// A slice whose disjoint parts threads write (the attention's heads interleave in each row).
@@ -140,5 +249,36 @@ impl<T> SyncSlice<T> {
         assert!(at + len <= self.1);
         // SAFETY: in bounds (checked above); exclusive by the caller's promise.
         unsafe { std::slice::from_raw_parts_mut(self.0.add(at), len) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The vectorisable exponential against libm's over the range a softmax uses.
+    #[test]
+    fn erf_matches_libm() {
+        for i in -80_000..=80_000 {
+            let x = i as f32 * 1e-4;
+            let (got, want) = (super::erf(x), libm::erff(x));
+            assert!((got - want).abs() <= 6e-7, "erf({x}): {got} vs {want}");
+        }
+        assert!(super::erf(f32::NAN).is_nan());
+        assert_eq!(super::erf(f32::INFINITY), 1.0);
+        assert_eq!(super::erf(f32::NEG_INFINITY), -1.0);
+    }
+
+    #[test]
+    fn exp_nonpositive_matches_libm() {
+        for i in 0..=200_000 {
+            let x = -(i as f32) * 0.0005;
+            let (got, want) = (super::exp_nonpositive(x), x.exp());
+            assert!(
+                (got - want).abs() <= 4e-7 * want + 2e-38,
+                "e^{x}: {got} vs {want}"
+            );
+        }
+        assert_eq!(super::exp_nonpositive(-200.0), 0.0);
+        assert_eq!(super::exp_nonpositive(0.0), 1.0);
+        assert!(super::exp_nonpositive(f32::NAN).is_nan());
     }
 }
