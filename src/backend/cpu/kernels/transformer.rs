@@ -152,8 +152,8 @@ impl<T: Elem> Vectorised for Head<'_, T> {
             let group = QUERIES.min(t - q0);
             for g in 0..group {
                 widen(0, q0 + g, &mut row);
-                for (j, r) in row.iter().enumerate() {
-                    q[j][g] = r * scale;
+                for (qj, r) in q.iter_mut().zip(&row) {
+                    qj[g] = r * scale;
                 }
             }
             // Scores of the group against 64 keys at a time: 4 × 64 accumulators (16 vectors)
