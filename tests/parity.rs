@@ -45,8 +45,8 @@ fn tiny_vgg() -> Graph {
     g.finish(x)
 }
 
-fn tiny_resnet(block: Block, widths: [usize; 4]) -> Graph {
-    let cfg = ResNetConfig {
+fn tiny_resnet_config(block: Block, widths: [usize; 4]) -> ResNetConfig {
+    ResNetConfig {
         block,
         layers: [1, 1, 1, 1],
         stem: 8,
@@ -54,8 +54,11 @@ fn tiny_resnet(block: Block, widths: [usize; 4]) -> Graph {
         classes: 10,
         groups: 1,
         width_per_group: 64,
-    };
-    zoo::resnet_custom("tiny_resnet", &cfg)
+    }
+}
+
+fn tiny_resnet(block: Block, widths: [usize; 4]) -> Graph {
+    zoo::resnet_custom("tiny_resnet", &tiny_resnet_config(block, widths))
 }
 
 /// Load a model fixture, run it on `kind` at every precision, and compare with PyTorch.
@@ -114,6 +117,28 @@ fn models_match_pytorch(kind: BackendKind) {
         &zoo::mobilenet_v2_custom("tiny_mobilenet_v2", 0.1, 10),
     );
     check_model(kind, "tiny_vgg", &tiny_vgg());
+    let resnext = ResNetConfig {
+        groups: 4,
+        width_per_group: 16,
+        ..tiny_resnet_config(Block::Bottleneck, [8, 8, 16, 16])
+    };
+    check_model(
+        kind,
+        "tiny_resnext",
+        &zoo::resnet_custom("tiny_resnext", &resnext),
+    );
+    // Transformers run on the CPU only so far: the other backends refuse them (ops.rs checks
+    // how), and `session` skips them here.
+    let vit = zoo::VitConfig {
+        image_size: 40,
+        patch: 8,
+        layers: 2,
+        heads: 2,
+        hidden: 16,
+        mlp: 24,
+        classes: 10,
+    };
+    check_model(kind, "tiny_vit", &zoo::vit_custom("tiny_vit", &vit));
 }
 backend_test!(models_match_pytorch, cpu, wgpu, cuda, hip);
 
