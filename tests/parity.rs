@@ -127,8 +127,8 @@ fn models_match_pytorch(kind: BackendKind) {
         "tiny_resnext",
         &zoo::resnet_custom("tiny_resnext", &resnext),
     );
-    // Transformers run on the CPU only so far: the other backends refuse them (ops.rs checks
-    // how), and `session` skips them here.
+    // Transformers run on the CPU, CUDA and HIP so far: wgpu refuses them (ops.rs checks how),
+    // and `session` skips it here.
     let vit = zoo::VitConfig {
         image_size: 40,
         patch: 8,

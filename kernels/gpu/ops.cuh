@@ -650,6 +650,143 @@ KERNEL(softmax, SoftmaxArgs) {
     for (int j = 0; j < a.cols; ++j) a.y[r * a.cols + j] = st(expf(ld(x[j]) - m) / s);
 }
 
+// ---- transformer ops on tokens (N, T, D), row-major -------------------------------------------
+
+struct TokensArgs {
+    const elem* x;  // (N, C, H·W)
+    elem* y;        // (N, H·W, C)
+    int n, c, hw;
+};
+
+// A patch grid as tokens: (N, C, H, W) → (N, H·W, C).
+KERNEL(tokens, TokensArgs) {
+    long long i = linear_index();
+    if (i >= (long long)a.n * a.c * a.hw) return;
+    long long ch = i % a.c, p = (i / a.c) % a.hw, img = i / ((long long)a.c * a.hw);
+    a.y[i] = a.x[(img * a.c + ch) * a.hw + p];
+}
+
+struct ClassTokenArgs {
+    const elem* x;       // (N, T, D)
+    const float* token;  // (D)
+    elem* y;             // (N, 1 + T, D)
+    int n, t, d;
+};
+
+KERNEL(class_token, ClassTokenArgs) {
+    long long i = linear_index();
+    long long per = (long long)(a.t + 1) * a.d;
+    if (i >= a.n * per) return;
+    long long img = i / per, r = i % per;
+    a.y[i] = r < a.d ? st(a.token[r]) : a.x[img * a.t * a.d + (r - a.d)];
+}
+
+struct PositionsArgs {
+    const elem* x;
+    const float* pos;  // (T·D), added to every image
+    elem* y;
+    int total, per_image;
+};
+
+KERNEL(positions, PositionsArgs) {
+    long long i = linear_index();
+    if (i >= a.total) return;
+    a.y[i] = st(ld(a.x[i]) + a.pos[i % a.per_image]);
+}
+
+struct LayerNormArgs {
+    const elem* x;
+    const float* w;
+    const float* b;
+    elem* y;
+    int rows, d;
+    float eps;
+};
+
+// One thread per row, in f32: the mean, then the biased variance, as PyTorch.
+KERNEL(layer_norm, LayerNormArgs) {
+    long long r = linear_index();
+    if (r >= a.rows) return;
+    const elem* x = a.x + r * a.d;
+    float mean = 0.0f;
+    for (int j = 0; j < a.d; ++j) mean += ld(x[j]);
+    mean /= (float)a.d;
+    float var = 0.0f;
+    for (int j = 0; j < a.d; ++j) {
+        float v = ld(x[j]) - mean;
+        var += v * v;
+    }
+    float inv = 1.0f / sqrtf(var / (float)a.d + a.eps);
+    for (int j = 0; j < a.d; ++j) a.y[r * a.d + j] = st((ld(x[j]) - mean) * inv * a.w[j] + a.b[j]);
+}
+
+struct GeluArgs {
+    const elem* x;
+    elem* y;
+    int total;
+};
+
+// x · Φ(x) with the exact error function (nn.GELU()).
+KERNEL(gelu, GeluArgs) {
+    long long i = linear_index();
+    if (i >= a.total) return;
+    float v = ld(a.x[i]);
+    a.y[i] = st(0.5f * v * (1.0f + erff(v * 0.70710678118654752f)));
+}
+
+struct SelectTokenArgs {
+    const elem* x;  // (N, T, D)
+    elem* y;        // (N, D)
+    int n, t, d, index;
+};
+
+KERNEL(select_token, SelectTokenArgs) {
+    long long i = linear_index();
+    if (i >= (long long)a.n * a.d) return;
+    long long img = i / a.d, j = i % a.d;
+    a.y[i] = a.x[(img * a.t + a.index) * a.d + j];
+}
+
+// The largest head the attention kernel holds in registers (ViT-H: 80).
+#define ATTENTION_MAX_DH 128
+
+struct AttentionArgs {
+    const elem* qkv;  // (N, T, 3·D): q, k, v side by side, heads side by side in each
+    elem* y;          // (N, T, D): the heads side by side
+    int n, t, d, heads;
+};
+
+// softmax(q·kᵀ/√dh)·v, one thread per (image, head, query), streaming over the keys with a
+// running maximum and sum (FlashAttention's online softmax): no score is stored anywhere.
+// A NaN score wins the maximum and spreads, as in PyTorch.
+KERNEL(attention, AttentionArgs) {
+    long long i = linear_index();
+    if (i >= (long long)a.n * a.heads * a.t) return;
+    int q = (int)(i % a.t), h = (int)((i / a.t) % a.heads);
+    long long img = i / ((long long)a.t * a.heads);
+    int dh = a.d / a.heads;
+    const elem* base = a.qkv + img * a.t * 3 * a.d;
+    const elem* qrow = base + (long long)q * 3 * a.d + h * dh;
+    float scale = 1.0f / sqrtf((float)dh);
+    float acc[ATTENTION_MAX_DH];
+    for (int j = 0; j < dh; ++j) acc[j] = 0.0f;
+    float m = -3.402823466e38f, s = 0.0f;
+    for (int k = 0; k < a.t; ++k) {
+        const elem* krow = base + (long long)k * 3 * a.d + a.d + h * dh;
+        float score = 0.0f;
+        for (int j = 0; j < dh; ++j) score += ld(qrow[j]) * ld(krow[j]);
+        score *= scale;
+        float m2 = (score > m || score != score) ? score : m;
+        float corr = expf(m - m2), p = expf(score - m2);
+        s = s * corr + p;
+        const elem* vrow = krow + a.d;
+        for (int j = 0; j < dh; ++j) acc[j] = acc[j] * corr + p * ld(vrow[j]);
+        m = m2;
+    }
+    elem* out = a.y + (img * a.t + q) * a.d + h * dh;
+    for (int j = 0; j < dh; ++j) out[j] = st(acc[j] / s);
+}
+
 // ---- the memory-bandwidth probe --------------------------------------------------------------
 
 struct StreamArgs {

@@ -266,7 +266,6 @@ impl Backend for CudaBackend {
         weights: &Weights,
         opt: &ExecOptions,
     ) -> Result<Box<dyn Session>, BackendError> {
-        crate::backend::check_ops(BackendKind::Cuda, plan)?;
         let ctx = self.context(dev)?;
         if !nvrtc_present() {
             return Err(BackendError::MissingLibrary(

@@ -269,7 +269,6 @@ impl Backend for HipBackend {
         weights: &Weights,
         opt: &ExecOptions,
     ) -> Result<Box<dyn Session>, BackendError> {
-        crate::backend::check_ops(BackendKind::Hip, plan)?;
         self.select(dev)?;
         let device = HipDevice::new(dev)?;
         Ok(Box::new(GpuSession::new(

@@ -343,8 +343,9 @@ pub trait Session {
 }
 
 /// Refuse, before anything is allocated, a plan with ops that `kind` has no kernels for yet
-/// (the transformer ops of issue 28 run on the CPU first; linear layers on token tensors
-/// included): said plainly, as unavailable, never run wrongly.
+/// (the transformer ops of issue 28 run on the CPU, CUDA and HIP; wgpu calls this until its
+/// kernels exist; linear layers on token tensors included): said plainly, as unavailable,
+/// never run wrongly.
 pub fn check_ops(kind: BackendKind, plan: &Plan) -> Result<(), BackendError> {
     for (node, shape) in plan.graph.nodes.iter().zip(&plan.shapes) {
         let tokens_linear = matches!(node.op, Op::Linear { .. }) && shape.len() > 2;

@@ -574,7 +574,6 @@ impl crate::backend::Backend for EmuBackend {
                 reason: format!("the emulator has one device (0), not {dev}"),
             });
         }
-        crate::backend::check_ops(self.kind, plan)?;
         let device = EmuDevice::new(self.kind);
         Ok(Box::new(super::GpuSession::new(
             device, plan, weights, opt, None,

@@ -95,10 +95,26 @@ pub fn build(
     b.of = assignment.of.iter().map(|&a| first + a).collect();
     // One im2col buffer serves every vendor convolution (they run one after another).
     let mut scratch: Option<BufId> = None;
+    // The attention layers' q/k/v and heads buffers, sized for the largest layer.
+    let attention_rows = (plan.graph.nodes.iter().zip(&plan.shapes))
+        .filter_map(|(node, shape)| match node.op {
+            Op::Attention { dim, .. } => Some((numel(shape) / dim.max(1), dim)),
+            _ => None,
+        })
+        .map(|(rows, dim)| rows as u64 * dim as u64 * esize)
+        .max();
+    let attention = attention_rows.map(|bytes| {
+        (
+            b.buffer(3 * bytes, Contents::Empty),
+            b.buffer(bytes, Contents::Empty),
+        )
+    });
     let dims4 = |id: usize| -> (usize, usize, usize, usize) {
         match *plan.shapes[id].as_slice() {
             [n, c, h, w] => (n, c, h, w),
             [n, f] => (n, f, 1, 1),
+            // Tokens (N, T, D): N·T rows of D, as features (so linear layers take every token).
+            [n, t, d] => (n * t, d, 1, 1),
             _ => (1, numel(&plan.shapes[id]), 1, 1),
         }
     };
@@ -124,7 +140,14 @@ pub fn build(
             y: b.of[id],
             grid: grid_1d(total)?,
             weights,
+            input_shape: node.inputs.first().map_or(&[][..], |&i| &plan.shapes[i]),
+            bias: "bias",
+            attention,
         };
+        if let Op::Attention { dim, heads } = node.op {
+            attention_op(&mut b, &at, (dim, heads), mma)?;
+            continue;
+        }
         match conv_like(&at)? {
             Some((conv, wt)) if family == KernelFamily::Vendor && conv.groups == 1 => {
                 vendor_conv(&mut b, &at, &conv, wt, &mut scratch)?
@@ -156,6 +179,7 @@ pub fn build(
 
 /// What lowering one node knows: the node, its output (NCHW dims, elements, buffer, a 1-D
 /// grid over it), its first input (channels, height, width, buffer) and the weights.
+#[derive(Clone, Copy)]
 struct NodeCtx<'a> {
     node: &'a crate::model::graph::Node,
     op: &'static str,
@@ -169,6 +193,14 @@ struct NodeCtx<'a> {
     y: BufId,
     grid: [u32; 3],
     weights: &'a Weights,
+    /// The first input's logical shape.
+    input_shape: &'a [usize],
+    /// The suffix of the bias a GEMM's epilogue adds (`bias`; the attention's projections
+    /// have their own).
+    bias: &'static str,
+    /// Two buffers the attention's projections write (q/k/v, then the heads), shared by every
+    /// attention layer (they run one after another); `None` when the plan has no attention.
+    attention: Option<(BufId, BufId)>,
 }
 
 impl<'a> NodeCtx<'a> {
@@ -184,7 +216,7 @@ impl<'a> NodeCtx<'a> {
         conv: &Conv2d,
     ) -> Result<(Arg, Arg), BackendError> {
         let bias = if conv.bias {
-            Arg::Buf(b.f32s(self.get("bias")?))
+            Arg::Buf(b.f32s(self.get(self.bias)?))
         } else {
             Arg::Null
         };
@@ -384,6 +416,47 @@ fn native_conv(
     Ok(())
 }
 
+/// Multi-head self-attention: the q/k/v projection and the output projection are GEMMs on our
+/// kernels (with their biases in the epilogue), between them the fused attention kernel.
+fn attention_op(
+    b: &mut Builder,
+    at: &NodeCtx<'_>,
+    (dim, heads): (usize, usize),
+    mma: bool,
+) -> Result<(), BackendError> {
+    let (qkv, mid) = at.attention.expect("buffers for the plan's attention layers");
+    let (imgs, t) = (at.shape[0], at.shape[1]);
+    let rows = imgs * t;
+    if dim / heads > 128 {
+        return Err(BackendError::Unsupported(format!(
+            "`{}`: heads of {} values are more than the attention kernel holds (128)",
+            at.node.name,
+            dim / heads
+        )));
+    }
+    let projection = |out: usize| Conv2d {
+        bias: true,
+        ..Conv2d::new(dim, out, 1, 1, 0)
+    };
+    let into_qkv = NodeCtx {
+        out: (rows, 3 * dim, 1, 1),
+        y: qkv,
+        bias: "in_proj_bias",
+        ..*at
+    };
+    native_conv(b, &into_qkv, &projection(3 * dim), at.get("in_proj_weight")?, mma)?;
+    let args = vec![Arg::Buf(qkv), Arg::Buf(mid)];
+    let dims = [imgs, t, dim, heads].map(|v| Arg::I32(i32_of(v, "attention's size").unwrap_or(i32::MAX)));
+    let grid = grid_1d(imgs * heads * t)?;
+    b.launch(&at.node.name, at.op, "attention", grid, [args, dims.to_vec()].concat());
+    let out = NodeCtx {
+        x: Arg::Buf(mid),
+        bias: "out_proj.bias",
+        ..*at
+    };
+    native_conv(b, &out, &projection(dim), at.get("out_proj.weight")?, mma)
+}
+
 /// Every other op: one launch of its kernel.
 fn other_op(b: &mut Builder, at: &NodeCtx<'_>, input: BufId) -> Result<(), BackendError> {
     let NodeCtx {
@@ -472,13 +545,59 @@ fn other_op(b: &mut Builder, at: &NodeCtx<'_>, input: BufId) -> Result<(), Backe
             let args = vec![x, Arg::Buf(y), Arg::I32(rows as i32), Arg::I32(cols as i32)];
             b.launch(&node.name, op, "softmax", grid_1d(rows)?, args);
         }
-        Op::Tokens
-        | Op::ClassToken { .. }
-        | Op::PosEmbed { .. }
-        | Op::LayerNorm { .. }
-        | Op::Gelu
-        | Op::Attention { .. }
-        | Op::SelectToken { .. } => unreachable!("refused by backend::check_ops"),
+        Op::Tokens => {
+            let args = vec![
+                x,
+                Arg::Buf(y),
+                Arg::I32(at.shape[0] as i32),
+                Arg::I32(at.shape[2] as i32),
+                Arg::I32(at.shape[1] as i32),
+            ];
+            b.launch(&node.name, op, "tokens", grid, args);
+        }
+        Op::ClassToken { .. } => {
+            let token = b.f32s(at.get("")?);
+            let (imgs, t, d) = (at.shape[0], at.shape[1] - 1, at.shape[2]);
+            let args = vec![x, Arg::Buf(token), Arg::Buf(y)];
+            let dims = [imgs, t, d].map(|v| Arg::I32(v as i32));
+            b.launch(&node.name, op, "class_token", grid, [args, dims.to_vec()].concat());
+        }
+        Op::PosEmbed { .. } => {
+            let pos = b.f32s(at.get("")?);
+            let per_image = at.shape[1] * at.shape[2];
+            let args = vec![
+                x,
+                Arg::Buf(pos),
+                Arg::Buf(y),
+                Arg::I32(total_i),
+                Arg::I32(per_image as i32),
+            ];
+            b.launch(&node.name, op, "positions", grid, args);
+        }
+        Op::LayerNorm { dim, eps } => {
+            let (w, bias) = (b.f32s(at.get("weight")?), b.f32s(at.get("bias")?));
+            let rows = total / dim.max(&1);
+            let args = vec![
+                x,
+                Arg::Buf(w),
+                Arg::Buf(bias),
+                Arg::Buf(y),
+                Arg::I32(rows as i32),
+                Arg::I32(*dim as i32),
+                Arg::F32(*eps),
+            ];
+            b.launch(&node.name, op, "layer_norm", grid_1d(rows)?, args);
+        }
+        Op::Gelu => {
+            let args = vec![x, Arg::Buf(y), Arg::I32(total_i)];
+            b.launch(&node.name, op, "gelu", grid, args);
+        }
+        Op::SelectToken { index } => {
+            let (imgs, d, t) = (at.shape[0], at.shape[1], at.input_shape[1]);
+            let dims = [imgs, t, d, *index].map(|v| Arg::I32(v as i32));
+            b.launch(&node.name, op, "select_token", grid, [vec![x, Arg::Buf(y)], dims.to_vec()].concat());
+        }
+        Op::Attention { .. } => unreachable!("lowered by `attention`"),
         Op::Conv2d(_) | Op::Linear { .. } | Op::Dropout { .. } | Op::Flatten => {
             unreachable!("lowered by conv_like or renamed")
         }
