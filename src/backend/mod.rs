@@ -369,7 +369,7 @@ pub fn check_ops(kind: BackendKind, plan: &Plan) -> Result<(), BackendError> {
 /// The error for node `node`, whose op `kind` has no kernel for yet.
 pub fn no_kernel_yet(kind: BackendKind, node: &crate::model::graph::Node) -> BackendError {
     BackendError::Unsupported(format!(
-        "`{}` ({}{}) has no {kind} kernel yet; this network runs on --backend cpu",
+        "`{}` ({}{}) has no {kind} kernel yet; this network runs on the cpu, cuda and hip backends",
         node.name,
         node.op.kind_name(),
         if matches!(node.op, Op::Linear { .. }) {

@@ -424,7 +424,9 @@ fn attention_op(
     (dim, heads): (usize, usize),
     mma: bool,
 ) -> Result<(), BackendError> {
-    let (qkv, mid) = at.attention.expect("buffers for the plan's attention layers");
+    let (qkv, mid) = at
+        .attention
+        .expect("buffers for the plan's attention layers");
     let (imgs, t) = (at.shape[0], at.shape[1]);
     let rows = imgs * t;
     if dim / heads > 128 {
@@ -444,11 +446,24 @@ fn attention_op(
         bias: "in_proj_bias",
         ..*at
     };
-    native_conv(b, &into_qkv, &projection(3 * dim), at.get("in_proj_weight")?, mma)?;
+    native_conv(
+        b,
+        &into_qkv,
+        &projection(3 * dim),
+        at.get("in_proj_weight")?,
+        mma,
+    )?;
     let args = vec![Arg::Buf(qkv), Arg::Buf(mid)];
-    let dims = [imgs, t, dim, heads].map(|v| Arg::I32(i32_of(v, "attention's size").unwrap_or(i32::MAX)));
+    let dims =
+        [imgs, t, dim, heads].map(|v| Arg::I32(i32_of(v, "attention's size").unwrap_or(i32::MAX)));
     let grid = grid_1d(imgs * heads * t)?;
-    b.launch(&at.node.name, at.op, "attention", grid, [args, dims.to_vec()].concat());
+    b.launch(
+        &at.node.name,
+        at.op,
+        "attention",
+        grid,
+        [args, dims.to_vec()].concat(),
+    );
     let out = NodeCtx {
         x: Arg::Buf(mid),
         bias: "out_proj.bias",
@@ -560,7 +575,13 @@ fn other_op(b: &mut Builder, at: &NodeCtx<'_>, input: BufId) -> Result<(), Backe
             let (imgs, t, d) = (at.shape[0], at.shape[1] - 1, at.shape[2]);
             let args = vec![x, Arg::Buf(token), Arg::Buf(y)];
             let dims = [imgs, t, d].map(|v| Arg::I32(v as i32));
-            b.launch(&node.name, op, "class_token", grid, [args, dims.to_vec()].concat());
+            b.launch(
+                &node.name,
+                op,
+                "class_token",
+                grid,
+                [args, dims.to_vec()].concat(),
+            );
         }
         Op::PosEmbed { .. } => {
             let pos = b.f32s(at.get("")?);
@@ -595,7 +616,13 @@ fn other_op(b: &mut Builder, at: &NodeCtx<'_>, input: BufId) -> Result<(), Backe
         Op::SelectToken { index } => {
             let (imgs, d, t) = (at.shape[0], at.shape[1], at.input_shape[1]);
             let dims = [imgs, t, d, *index].map(|v| Arg::I32(v as i32));
-            b.launch(&node.name, op, "select_token", grid, [vec![x, Arg::Buf(y)], dims.to_vec()].concat());
+            b.launch(
+                &node.name,
+                op,
+                "select_token",
+                grid,
+                [vec![x, Arg::Buf(y)], dims.to_vec()].concat(),
+            );
         }
         Op::Attention { .. } => unreachable!("lowered by `attention`"),
         Op::Conv2d(_) | Op::Linear { .. } | Op::Dropout { .. } | Op::Flatten => {
