@@ -716,7 +716,7 @@ fn winograd_matches_the_reference() {
 /// A small vision transformer (patch convolution, class token, position embedding, pre-norm
 /// blocks with multi-head attention and a GELU MLP, final norm, class-token head) against the
 /// reference in every precision, with a token count that is not a multiple of the attention's
-/// query block. wgpu, without transformer kernels yet, refuses it by name, as unavailable.
+/// query block, on every backend.
 fn vision_transformer(kind: BackendKind) {
     let cfg = workshop::model::zoo::VitConfig {
         image_size: 40,
@@ -728,23 +728,6 @@ fn vision_transformer(kind: BackendKind) {
         classes: 10,
     };
     let g = workshop::model::zoo::vit_custom("tiny_vit", &cfg);
-    if kind == BackendKind::Wgpu {
-        let plan = g.plan(2, 40, 40).unwrap();
-        let Ok(b) = workshop::backend::open(kind) else {
-            return;
-        };
-        let e = b
-            .prepare(0, &plan, &random_weights(&g, 1), &ExecOptions::default())
-            .err()
-            .expect("no transformer kernels on this backend yet");
-        assert!(e.is_unavailable(), "{e}");
-        assert!(
-            e.to_string()
-                .contains(&format!("`tokens` (tokens) has no {kind} kernel yet")),
-            "{e}"
-        );
-        return;
-    }
     check(kind, &g, [2, 3, 40, 40], 1.0);
     // 26 tokens per image in one block, then 2 images × 65 tokens (three blocks, one short).
     let big = workshop::model::zoo::VitConfig {

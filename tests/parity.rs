@@ -127,8 +127,6 @@ fn models_match_pytorch(kind: BackendKind) {
         "tiny_resnext",
         &zoo::resnet_custom("tiny_resnext", &resnext),
     );
-    // Transformers run on the CPU, CUDA and HIP so far: wgpu refuses them (ops.rs checks how),
-    // and `session` skips it here.
     let vit = zoo::VitConfig {
         image_size: 40,
         patch: 8,

@@ -342,44 +342,6 @@ pub trait Session {
     }
 }
 
-/// Refuse, before anything is allocated, a plan with ops that `kind` has no kernels for yet
-/// (the transformer ops of issue 28 run on the CPU, CUDA and HIP; wgpu calls this until its
-/// kernels exist; linear layers on token tensors included): said plainly, as unavailable,
-/// never run wrongly.
-pub fn check_ops(kind: BackendKind, plan: &Plan) -> Result<(), BackendError> {
-    for (node, shape) in plan.graph.nodes.iter().zip(&plan.shapes) {
-        let tokens_linear = matches!(node.op, Op::Linear { .. }) && shape.len() > 2;
-        let transformer = matches!(
-            node.op,
-            Op::Tokens
-                | Op::ClassToken { .. }
-                | Op::PosEmbed { .. }
-                | Op::LayerNorm { .. }
-                | Op::Gelu
-                | Op::Attention { .. }
-                | Op::SelectToken { .. }
-        );
-        if tokens_linear || transformer {
-            return Err(no_kernel_yet(kind, node));
-        }
-    }
-    Ok(())
-}
-
-/// The error for node `node`, whose op `kind` has no kernel for yet.
-pub fn no_kernel_yet(kind: BackendKind, node: &crate::model::graph::Node) -> BackendError {
-    BackendError::Unsupported(format!(
-        "`{}` ({}{}) has no {kind} kernel yet; this network runs on the cpu, cuda and hip backends",
-        node.name,
-        node.op.kind_name(),
-        if matches!(node.op, Op::Linear { .. }) {
-            " on token tensors"
-        } else {
-            ""
-        }
-    ))
-}
-
 /// Open a backend by kind. This is the only function that knows which backends were built.
 /// With `WORKSHOP_GPU_EMULATOR=1`, cuda and hip run their kernels on the host CPU instead
 /// ([`gpu::emu`], for testing; labelled as such everywhere).

@@ -61,6 +61,9 @@ pub(super) struct Lowered {
     pub consts: Consts,
     /// Bytes of weights as stored on the device.
     pub weight_bytes: u64,
+    /// The activation buffers the attention layers' q/k/v and heads go to, shared by every
+    /// attention layer (they run one after another); `None` without attention.
+    pub attention: Option<(usize, usize)>,
 }
 
 /// The adapter's limits the launches must respect.
@@ -112,7 +115,8 @@ fn numel(s: &[usize]) -> usize {
 fn renames(plan: &Plan, id: usize) -> bool {
     let node = &plan.graph.nodes[id];
     match node.op {
-        Op::Dropout { .. } => true,
+        // NHWC images already are (N, H·W, C) tokens.
+        Op::Dropout { .. } | Op::Tokens => true,
         Op::Flatten => numel(&plan.shapes[node.inputs[0]][2..]) == 1,
         _ => false,
     }
@@ -123,6 +127,8 @@ fn nhwc(plan: &Plan, id: usize) -> (usize, usize, usize, usize) {
     match *plan.shapes[id].as_slice() {
         [n, c, h, w] => (n, h, w, c),
         [n, f] => (n, 1, 1, f),
+        // Tokens (N, T, D): N·T rows of D, as features (linear layers take every token).
+        [n, t, d] => (n * t, 1, 1, d),
         _ => (1, 1, 1, numel(&plan.shapes[id])),
     }
 }
@@ -136,7 +142,6 @@ pub(super) fn lower(
     variants: &BTreeMap<String, String>,
     limits: Limits,
 ) -> Result<Lowered, BackendError> {
-    crate::backend::check_ops(crate::backend::BackendKind::Wgpu, plan)?;
     let nodes = &plan.graph.nodes;
     // Every value within one binding.
     for (node, shape) in nodes.iter().zip(&plan.shapes) {
@@ -157,18 +162,36 @@ pub(super) fn lower(
         [_, _, oh, ow] if oh * ow > 1 => Some(assignment.scratch(elem_bytes(out_total, precision))),
         _ => None,
     };
+    // Fresh buffers (never another value's) for the attention layers' intermediates.
+    let attention_bytes = (nodes.iter().zip(&plan.shapes))
+        .filter(|(node, _)| matches!(node.op, Op::Attention { .. }))
+        .map(|(_, shape)| elem_bytes(numel(shape), precision))
+        .max();
+    let attention = match attention_bytes {
+        Some(bytes) => {
+            check_size("the attention's q, k and v", 3 * bytes, limits.max_binding)?;
+            assignment.bytes.extend([3 * bytes, bytes]);
+            let n = assignment.bytes.len();
+            Some((n - 2, n - 1))
+        }
+        None => None,
+    };
     let mut out = Lowered {
         launches: Vec::new(),
         assignment,
         consts: Consts::default(),
         weight_bytes: 0,
+        attention,
     };
     for (id, node) in nodes.iter().enumerate() {
         let parts = node_launches(plan, id, &mut out, weights, precision, variants, limits)?;
         debug_assert_eq!(parts.is_empty(), renames(plan, id), "`{}`", node.name);
         let y = Buf::Activation(out.assignment.of[id]);
         for (kernel, params, mut bindings, at, groups) in parts {
-            bindings.push((at, y));
+            // A part that binds its output itself writes an intermediate (the attention's).
+            if !bindings.iter().any(|&(b, _)| b == at) {
+                bindings.push((at, y));
+            }
             out.launches.push(launch(
                 kernel,
                 &node.name,
@@ -401,14 +424,118 @@ fn node_launches(
         Op::Flatten if xh * xw == 1 => Vec::new(),
         Op::Flatten => one(Kernel::NhwcToNchw, vec![total, xc, xh * xw], x(), 5, total),
         Op::Softmax => one(Kernel::Softmax, shape.to_vec(), x(), 5, total / c.max(1)),
-        Op::Tokens
-        | Op::ClassToken { .. }
-        | Op::PosEmbed { .. }
-        | Op::LayerNorm { .. }
-        | Op::Gelu
-        | Op::Attention { .. }
-        | Op::SelectToken { .. } => unreachable!("refused by backend::check_ops"),
+        Op::Tokens => Vec::new(),
+        Op::ClassToken { dim } => {
+            let t = plan.shapes[node.inputs[0]][1];
+            let token = consts.add("class token", f32_bytes(get("")?));
+            *weight_bytes += *dim as u64 * 4;
+            let reads = vec![(1, input_buf(0)), (2, token)];
+            one(Kernel::ClassToken, vec![total, t, *dim], reads, 4, total)
+        }
+        Op::PosEmbed { tokens, dim, .. } => {
+            let pos = consts.add("positions", f32_bytes(get("")?));
+            *weight_bytes += (tokens * dim) as u64 * 4;
+            let reads = vec![(1, input_buf(0)), (2, pos)];
+            one(
+                Kernel::Positions,
+                vec![total, *tokens, *dim],
+                reads,
+                4,
+                total,
+            )
+        }
+        Op::LayerNorm { dim, eps } => {
+            let (wt, bias) = (get("weight")?, get("bias")?);
+            *weight_bytes += 2 * *dim as u64 * 4;
+            let reads = vec![
+                (1, input_buf(0)),
+                (2, consts.add("layer norm weight", f32_bytes(wt))),
+                (3, consts.add("layer norm bias", f32_bytes(bias))),
+            ];
+            let rows = total / dim.max(&1);
+            let p = vec![rows, 0, *dim, 0, 0, eps.to_bits() as usize];
+            one(Kernel::LayerNorm, p, reads, 4, rows)
+        }
+        Op::Gelu => one(Kernel::Gelu, vec![total], vec![(1, input_buf(0))], 4, total),
+        Op::SelectToken { index } => {
+            let t = plan.shapes[node.inputs[0]][1];
+            let p = vec![total, t, c, 0, *index];
+            one(Kernel::SelectToken, p, vec![(1, input_buf(0))], 4, total)
+        }
+        Op::Attention { dim, heads } => {
+            let (qkv, mid) = out
+                .attention
+                .expect("buffers for the plan's attention layers");
+            let (qkv, mid) = (Buf::Activation(qkv), Buf::Activation(mid));
+            let (imgs, t) = (plan.shapes[id][0], plan.shapes[id][1]);
+            if dim / heads > 128 {
+                return Err(BackendError::Unsupported(format!(
+                    "`{}`: heads of {} values are more than the attention kernel holds (128)",
+                    node.name,
+                    dim / heads
+                )));
+            }
+            let mut parts = projection(
+                (consts, weight_bytes),
+                (&node.name, precision, max_binding),
+                (n, *dim, 3 * *dim),
+                (get("in_proj_weight")?, get("in_proj_bias")?),
+                (input_buf(0), Some(qkv)),
+            )?;
+            let threads = imgs * heads * t;
+            let p = vec![threads, t, *dim, *heads];
+            let mut core = one(Kernel::Attention, p, vec![(1, qkv)], 4, threads);
+            core[0].2.push((4, mid));
+            parts.extend(core);
+            parts.extend(projection(
+                (consts, weight_bytes),
+                (&node.name, precision, max_binding),
+                (n, *dim, *dim),
+                (get("out_proj.weight")?, get("out_proj.bias")?),
+                (mid, None),
+            )?);
+            parts
+        }
     };
+    Ok(parts)
+}
+
+/// A linear layer of (fin → fout) over `rows` rows as GEMM launches, with its bias, reading
+/// `input` and writing `output` (the node's own buffer when `None`): the attention's
+/// projections, whose weights are not the node's `weight`.
+fn projection(
+    (consts, weight_bytes): (&mut Consts, &mut u64),
+    (node, precision, max_binding): (&str, Precision, u64),
+    (rows, fin, fout): (usize, usize, usize),
+    (weight, bias): (&[f32], &[f32]),
+    (input, output): (Buf, Option<Buf>),
+) -> Result<Vec<Part>, BackendError> {
+    let op = Op::Linear {
+        in_features: fin,
+        out_features: fout,
+        bias: true,
+    };
+    let (conv, packed, gemm_input) = as_gemm(&op, weight, (1, 1, fin));
+    let gemm = Gemm {
+        conv: &conv,
+        weights: &packed,
+        input: gemm_input,
+        output: (rows, 1, 1),
+        variant: None,
+    };
+    let (launches, bytes) = gemm.launches(consts, node, precision, max_binding)?;
+    *weight_bytes += bytes + bias.len() as u64 * 4;
+    let reads = [
+        (1, input),
+        (3, consts.add("bias", f32_bytes(bias))),
+        (5, Buf::Zero),
+    ];
+    let mut parts = with_reads(launches, &reads);
+    if let Some(output) = output {
+        for part in &mut parts {
+            part.2.push((part.3, output));
+        }
+    }
     Ok(parts)
 }
 

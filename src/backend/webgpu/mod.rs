@@ -46,6 +46,10 @@ const KERNELS: &[(&str, &str)] = &[
         include_str!("../../../kernels/wgsl/elementwise.wgsl"),
     ),
     (
+        "transformer.wgsl",
+        include_str!("../../../kernels/wgsl/transformer.wgsl"),
+    ),
+    (
         "stream.wgsl",
         include_str!("../../../kernels/wgsl/stream.wgsl"),
     ),
@@ -68,6 +72,12 @@ enum Kernel {
     NhwcToNchw,
     ToF32,
     Softmax,
+    ClassToken,
+    Positions,
+    LayerNorm,
+    Gelu,
+    SelectToken,
+    Attention,
 }
 
 impl Kernel {
@@ -87,6 +97,12 @@ impl Kernel {
             Kernel::NhwcToNchw => ("elementwise.wgsl", "nhwc_to_nchw"),
             Kernel::ToF32 => ("elementwise.wgsl", "to_f32"),
             Kernel::Softmax => ("elementwise.wgsl", "softmax"),
+            Kernel::ClassToken => ("transformer.wgsl", "class_token"),
+            Kernel::Positions => ("transformer.wgsl", "positions"),
+            Kernel::LayerNorm => ("transformer.wgsl", "layer_norm"),
+            Kernel::Gelu => ("transformer.wgsl", "gelu"),
+            Kernel::SelectToken => ("transformer.wgsl", "select_token"),
+            Kernel::Attention => ("transformer.wgsl", "attention"),
         }
     }
 }
