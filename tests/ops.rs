@@ -745,3 +745,20 @@ fn vision_transformer(kind: BackendKind) {
     assert!(e.contains("--input-size 40"), "{e}");
 }
 backend_test!(vision_transformer, cpu, wgpu, cuda, hip);
+
+/// The newer networks' activations and squeeze-and-excitation's channel scaling, against the
+/// reference in every precision, with inputs wide enough to reach every piece of hardswish
+/// and hardsigmoid (below −3, between, above +3).
+fn activations_and_channel_scaling(kind: BackendKind) {
+    use workshop::model::op::Unary;
+    let mut g = GraphBuilder::new("se", 3, ConvInit::TorchDefault, LinearInit::TorchDefault);
+    let x = g.input();
+    let a = g.conv("conv", x, Conv2d::new(3, 8, 3, 1, 1));
+    let a = g.unary("hardswish", a, Unary::Hardswish);
+    let s = g.adaptive_avg_pool("pool", a, (1, 1));
+    let s = g.unary("hardsigmoid", s, Unary::Hardsigmoid);
+    let y = g.add_node("scale", Op::ScaleChannels, &[a, s]);
+    let y = g.unary("silu", y, Unary::Silu);
+    check(kind, &g.finish(y), [2, 3, 7, 5], 4.0);
+}
+backend_test!(activations_and_channel_scaling, cpu, wgpu, cuda, hip);

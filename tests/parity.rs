@@ -137,6 +137,8 @@ fn models_match_pytorch(kind: BackendKind) {
         classes: 10,
     };
     check_model(kind, "tiny_vit", &zoo::vit_custom("tiny_vit", &vit));
+    let v3 = zoo::mobilenet_v3_custom("tiny_mobilenet_v3", false, 0.25, 10);
+    check_model(kind, "tiny_mobilenet_v3", &v3);
 }
 backend_test!(models_match_pytorch, cpu, wgpu, cuda, hip);
 

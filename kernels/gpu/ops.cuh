@@ -553,6 +553,37 @@ KERNEL(sigmoid, SigmoidArgs) {
     a.y[i] = st(1.0f / (1.0f + expf(-ld(a.x[i]))));
 }
 
+struct UnaryArgs {
+    const elem* x;
+    elem* y;
+    int total, code;  // 0 hardswish, 1 hardsigmoid, 2 SiLU
+};
+
+// The newer networks' activations, in f32; comparisons keep a NaN NaN.
+KERNEL(unary, UnaryArgs) {
+    long long i = linear_index();
+    if (i >= a.total) return;
+    float v = ld(a.x[i]);
+    float r = v + 3.0f;
+    r = r < 0.0f ? 0.0f : (r > 6.0f ? 6.0f : r);
+    float out = a.code == 0 ? v * r / 6.0f : (a.code == 1 ? r / 6.0f : v / (1.0f + expf(-v)));
+    a.y[i] = st(out);
+}
+
+struct ScaleChannelsArgs {
+    const elem* x;  // (N, C, H, W)
+    const elem* s;  // (N, C)
+    elem* y;
+    int total, hw;
+};
+
+// Squeeze-and-excitation's scale · input, channel by channel.
+KERNEL(scale_channels, ScaleChannelsArgs) {
+    long long i = linear_index();
+    if (i >= a.total) return;
+    a.y[i] = st(ld(a.x[i]) * ld(a.s[i / a.hw]));
+}
+
 struct AddArgs {
     const elem* x;
     const elem* z;

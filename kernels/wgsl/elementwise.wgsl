@@ -7,7 +7,7 @@ struct Params {
     hw: u32,      // h · w, for layout changes
     lo: f32,      // clamp bounds
     hi: f32,
-    _pad0: u32,
+    code: u32,    // `unary`: 0 hardswish, 1 hardsigmoid, 2 SiLU
     _pad1: u32,
     _pad2: u32,
 }
@@ -118,5 +118,33 @@ fn softmax(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     }
     for (var j = 0u; j < p.c; j++) {
         y[base + j] = elem(exp(f32(x[base + j]) - m) / s);
+    }
+}
+
+// The newer networks' activations, in f32; selects keep a NaN NaN.
+@compute @workgroup_size(256)
+fn unary(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let i = index(wid, nwg, lid);
+    if (i < p.total) {
+        let v = f32(x[i]);
+        let r0 = v + 3.0;
+        let r = select(select(r0, 6.0, r0 > 6.0), 0.0, r0 < 0.0);
+        var out = v / (1.0 + exp(-v));
+        if (p.code == 0u) {
+            out = v * r / 6.0;
+        } else if (p.code == 1u) {
+            out = r / 6.0;
+        }
+        y[i] = elem(out);
+    }
+}
+
+// Squeeze-and-excitation's scale · input on NHWC: x2 holds one scale per image and channel.
+@compute @workgroup_size(256)
+fn scale_channels(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let i = index(wid, nwg, lid);
+    if (i < p.total) {
+        let image = i / (p.hw * p.c);
+        y[i] = elem(f32(x[i]) * f32(x2[image * p.c + i % p.c]));
     }
 }

@@ -334,6 +334,10 @@ impl GraphBuilder {
         self.add_node(name, Op::Sigmoid, &[x])
     }
 
+    pub fn unary(&mut self, name: impl Into<String>, x: ValueId, u: super::op::Unary) -> ValueId {
+        self.add_node(name, Op::Unary(u), &[x])
+    }
+
     pub fn max_pool(&mut self, name: impl Into<String>, x: ValueId, pool: Pool) -> ValueId {
         self.add_node(name, Op::MaxPool(pool), &[x])
     }

@@ -31,6 +31,36 @@ impl Act {
     }
 }
 
+/// An element-wise activation of the newer networks (MobileNetV3, EfficientNet), one op with
+/// a kernel code so every backend has one kernel for them all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unary {
+    /// x · relu6(x + 3) / 6 (`nn.Hardswish`).
+    Hardswish,
+    /// relu6(x + 3) / 6 (`nn.Hardsigmoid`).
+    Hardsigmoid,
+    /// x · sigmoid(x) (`nn.SiLU`).
+    Silu,
+}
+
+impl Unary {
+    /// The kernels' code: 0 hardswish, 1 hardsigmoid, 2 SiLU.
+    pub fn code(self) -> u32 {
+        self as u32
+    }
+
+    /// In f64, with NaN kept (the reference's form; the kernels compute the same in f32).
+    pub fn apply(self, x: f64) -> f64 {
+        // f64::clamp keeps a NaN NaN.
+        let relu6 = |v: f64| v.clamp(0.0, 6.0);
+        match self {
+            Unary::Hardswish => x * relu6(x + 3.0) / 6.0,
+            Unary::Hardsigmoid => relu6(x + 3.0) / 6.0,
+            Unary::Silu => x / (1.0 + (-x).exp()),
+        }
+    }
+}
+
 /// A 2-D convolution, as `torch.nn.Conv2d`; compile passes may add a residual input and an
 /// activation to its epilogue: y = act(conv(x) + bias + residual).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -209,6 +239,11 @@ pub enum Op {
     Relu6,
     /// 1 / (1 + e^-x), element-wise (`nn.Sigmoid`).
     Sigmoid,
+    /// Hardswish, hardsigmoid or SiLU, element-wise.
+    Unary(Unary),
+    /// x (N, C, H, W) times s (N, C, 1, 1), channel by channel: squeeze-and-excitation's
+    /// `scale * input`.
+    ScaleChannels,
     MaxPool(Pool),
     AvgPool(Pool),
     /// `AdaptiveAvgPool2d((h, w))`: PyTorch's floor/ceil bin edges.
@@ -325,6 +360,10 @@ impl Op {
             Op::Relu => "relu",
             Op::Relu6 => "relu6",
             Op::Sigmoid => "sigmoid",
+            Op::Unary(Unary::Hardswish) => "hardswish",
+            Op::Unary(Unary::Hardsigmoid) => "hardsigmoid",
+            Op::Unary(Unary::Silu) => "silu",
+            Op::ScaleChannels => "scale_channels",
             Op::MaxPool(_) => "max_pool2d",
             Op::AvgPool(_) => "avg_pool2d",
             Op::AdaptiveAvgPool { .. } => "adaptive_avg_pool2d",
@@ -347,7 +386,7 @@ impl Op {
     pub fn arity(&self) -> usize {
         match self {
             Op::Input { .. } => 0,
-            Op::Add => 2,
+            Op::Add | Op::ScaleChannels => 2,
             Op::Conv2d(c) if c.residual => 2,
             _ => 1,
         }
@@ -477,7 +516,17 @@ impl Op {
                 }
                 Ok(inputs[0].to_vec())
             }
-            Op::Relu | Op::Relu6 | Op::Sigmoid | Op::Dropout { .. } | Op::Gelu => {
+            Op::Relu | Op::Relu6 | Op::Sigmoid | Op::Dropout { .. } | Op::Gelu | Op::Unary(_) => {
+                Ok(inputs[0].to_vec())
+            }
+            Op::ScaleChannels => {
+                let (n, c, _, _) = image(inputs[0])?;
+                if inputs[1] != [n, c, 1, 1] {
+                    return Err(ShapeError(format!(
+                        "scale_channels needs one scale per image and channel ({n}, {c}, 1, 1), got {}",
+                        fmt_shape(inputs[1])
+                    )));
+                }
                 Ok(inputs[0].to_vec())
             }
             Op::MaxPool(p) | Op::AvgPool(p) => {
@@ -653,6 +702,10 @@ impl Op {
             Op::Relu6 => 2 * n,
             // Negate, exponentiate, add one, divide: one each per element.
             Op::Sigmoid => 4 * n,
+            // Add, two compares, multiply, divide; SiLU: sigmoid's four and a multiply.
+            Op::Unary(Unary::Hardswish | Unary::Silu) => 5 * n,
+            Op::Unary(Unary::Hardsigmoid) => 4 * n,
+            Op::ScaleChannels => n,
             Op::MaxPool(p) | Op::AvgPool(p) => n * (p.kernel.0 * p.kernel.1) as u64,
             Op::AdaptiveAvgPool { .. } => elems(inputs[0]),
             Op::Softmax => 4 * n,

@@ -66,6 +66,14 @@ pub fn eval<'a>(
         Op::Relu => map(ins[0], |x| if x < 0.0 { 0.0 } else { x }),
         Op::Relu6 => map(ins[0], |x| x.clamp(0.0, 6.0)),
         Op::Sigmoid => map(ins[0], |x| 1.0 / (1.0 + (-x).exp())),
+        Op::Unary(u) => map(ins[0], |x| u.apply(x as f64) as f32),
+        Op::ScaleChannels => {
+            let hw = ins[0].shape[2] * ins[0].shape[3];
+            let data = (ins[0].data.iter().enumerate())
+                .map(|(i, &v)| (v as f64 * ins[1].data[i / hw] as f64) as f32)
+                .collect();
+            Tensor::new(ins[0].shape.clone(), data)
+        }
         Op::Dropout { .. } => ins[0].clone(),
         Op::MaxPool(p) => pool(ins[0], p, out_shape, true),
         Op::AvgPool(p) => pool(ins[0], p, out_shape, false),

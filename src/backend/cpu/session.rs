@@ -24,6 +24,8 @@ pub(super) enum NodeKernel<T> {
         hi: f32,
     },
     Sigmoid,
+    Unary(crate::model::op::Unary),
+    ScaleChannels,
     Pool {
         pool: Pool,
         max: bool,
@@ -168,6 +170,8 @@ impl<T: Elem> CpuSession<T> {
                 },
                 Op::Relu6 => NodeKernel::Clamp { lo: 0.0, hi: 6.0 },
                 Op::Sigmoid => NodeKernel::Sigmoid,
+                Op::Unary(u) => NodeKernel::Unary(u),
+                Op::ScaleChannels => NodeKernel::ScaleChannels,
                 Op::MaxPool(p) => NodeKernel::Pool { pool: p, max: true },
                 Op::AvgPool(p) => NodeKernel::Pool {
                     pool: p,
@@ -432,6 +436,17 @@ impl<T: Elem> CpuSession<T> {
             NodeKernel::Sigmoid => {
                 let mut y = self.take_or_copy(values, inputs[0], last_reader(inputs[0]));
                 kernels::sigmoid_inplace(&mut y);
+                y
+            }
+            NodeKernel::Unary(u) => {
+                let mut y = self.take_or_copy(values, inputs[0], last_reader(inputs[0]));
+                kernels::unary_inplace(&mut y, *u);
+                y
+            }
+            NodeKernel::ScaleChannels => {
+                let mut y = self.take_or_copy(values, inputs[0], last_reader(inputs[0]));
+                let s = values[inputs[1]].as_ref().expect("input computed");
+                kernels::scale_channels_inplace(&mut y, s, os.h * os.w * os.c);
                 y
             }
             NodeKernel::Identity => self.take_or_copy(values, inputs[0], last_reader(inputs[0])),

@@ -519,6 +519,21 @@ fn other_op(b: &mut Builder, at: &NodeCtx<'_>, input: BufId) -> Result<(), Backe
             ];
             b.launch(&node.name, op, "clamp", grid, args);
         }
+        Op::Unary(u) => {
+            let args = vec![x, Arg::Buf(y), Arg::I32(total_i), Arg::I32(u.code() as i32)];
+            b.launch(&node.name, op, "unary", grid, args);
+        }
+        Op::ScaleChannels => {
+            let s = Arg::Buf(b.of[node.inputs[1]]);
+            let args = vec![
+                x,
+                s,
+                Arg::Buf(y),
+                Arg::I32(total_i),
+                Arg::I32((h * w) as i32),
+            ];
+            b.launch(&node.name, op, "scale_channels", grid, args);
+        }
         Op::Sigmoid => {
             let args = vec![x, Arg::Buf(y), Arg::I32(total_i)];
             b.launch(&node.name, op, "sigmoid", grid, args);

@@ -392,6 +392,17 @@ fn node_launches(
             one(Kernel::Clamp, p, x(), 5, total)
         }
         Op::Sigmoid => one(Kernel::Sigmoid, shape.to_vec(), x(), 5, total),
+        Op::Unary(u) => {
+            let p = vec![total, c, h * w, 0, 0, u.code() as usize];
+            one(Kernel::Unary, p, x(), 5, total)
+        }
+        Op::ScaleChannels => one(
+            Kernel::ScaleChannels,
+            shape.to_vec(),
+            vec![(1, input_buf(0)), (2, input_buf(1))],
+            5,
+            total,
+        ),
         Op::Add => one(
             Kernel::Add,
             shape.to_vec(),

@@ -6,7 +6,7 @@ use crate::model::graph::{ConvInit, GraphBuilder, LinearInit, ValueId};
 use crate::model::op::Conv2d;
 
 /// torchvision's `_make_divisible`: round to a multiple of 8 without losing more than 10%.
-fn make_divisible(v: f64, divisor: usize) -> usize {
+pub(super) fn make_divisible(v: f64, divisor: usize) -> usize {
     let d = divisor as f64;
     let mut new_v = (divisor).max(((v + d / 2.0) as usize) / divisor * divisor);
     if (new_v as f64) < 0.9 * v {

@@ -3,11 +3,13 @@
 
 mod alexnet;
 mod mobilenet;
+mod mobilenet_v3;
 mod resnet;
 mod vgg;
 mod vit;
 
 pub use mobilenet::mobilenet_v2_custom;
+pub use mobilenet_v3::mobilenet_v3_custom;
 pub use resnet::{Block, ResNetConfig, resnet_custom};
 pub use vit::{VitConfig, vit_custom};
 
@@ -35,6 +37,8 @@ pub const NETWORKS: &[&str] = &[
     "vgg19_bn",
     "alexnet",
     "mobilenet_v2",
+    "mobilenet_v3_large",
+    "mobilenet_v3_small",
     "vit_b_16",
     "vit_b_32",
     "vit_l_16",
@@ -64,6 +68,8 @@ pub fn build(name: &str) -> Result<Graph, UnknownNetwork> {
         "wide_resnet101_2" => resnet::resnext(name, [3, 4, 23, 3], 1, 128, Block::Bottleneck),
         "alexnet" => alexnet::alexnet(1000),
         "mobilenet_v2" => mobilenet::mobilenet_v2_custom(name, 1.0, 1000),
+        "mobilenet_v3_large" => mobilenet_v3::mobilenet_v3_custom(name, true, 1.0, 1000),
+        "mobilenet_v3_small" => mobilenet_v3::mobilenet_v3_custom(name, false, 1.0, 1000),
         "vit_b_16" => vit::vit(name, 16, 12, 12, 768, 3072),
         "vit_b_32" => vit::vit(name, 32, 12, 12, 768, 3072),
         "vit_l_16" => vit::vit(name, 16, 24, 16, 1024, 4096),

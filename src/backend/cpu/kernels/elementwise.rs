@@ -149,6 +149,39 @@ pub fn sigmoid_inplace<T: Elem>(buf: &mut [T]) {
     });
 }
 
+/// Hardswish, hardsigmoid or SiLU, element-wise in f32 (NaN stays NaN).
+pub fn unary_inplace<T: Elem>(buf: &mut [T], u: crate::model::op::Unary) {
+    use crate::model::op::Unary;
+    let relu6 = |v: f32| clamp_nan(v, 0.0, 6.0);
+    match u {
+        Unary::Hardswish => map_f32(buf, 1, |part| {
+            with_simd(Update(part, |v: &mut f32| *v = *v * relu6(*v + 3.0) / 6.0))
+        }),
+        Unary::Hardsigmoid => map_f32(buf, 1, |part| {
+            with_simd(Update(part, |v: &mut f32| *v = relu6(*v + 3.0) / 6.0))
+        }),
+        Unary::Silu => map_f32(buf, 1, |part| {
+            with_simd(Update(part, |v: &mut f32| *v = *v / (1.0 + (-*v).exp())))
+        }),
+    }
+}
+
+/// x (NHWC) times s (N × C), channel by channel: each image's `per_image` values (H·W·C)
+/// scaled by its C scales.
+pub fn scale_channels_inplace<T: Elem>(x: &mut [T], s: &[T], per_image: usize) {
+    let c = s.len() / (x.len() / per_image.max(1)).max(1);
+    x.par_chunks_mut(per_image)
+        .zip(s.par_chunks(c.max(1)))
+        .for_each(|(image, scales)| {
+            let scales: Vec<f32> = scales.iter().map(|v| v.to_f32()).collect();
+            for px in image.chunks_mut(c) {
+                for (v, k) in px.iter_mut().zip(&scales) {
+                    *v = T::from_f32(v.to_f32() * k);
+                }
+            }
+        });
+}
+
 /// a += b, element-wise.
 pub fn add_inplace<T: Elem>(a: &mut [T], b: &[T]) {
     a.par_chunks_mut(ELEMENTWISE_CHUNK)

@@ -1,0 +1,159 @@
+//! MobileNetV3 (Howard et al. 2019) as torchvision builds it: inverted residual blocks with
+//! hardswish or ReLU, squeeze-and-excitation (`block.N.fc1`/`fc2`, a hardsigmoid scale) in
+//! some, batch norm with ε = 0.001, and a hardswish classifier.
+
+use super::mobilenet::make_divisible;
+use crate::model::Graph;
+use crate::model::graph::{ConvInit, GraphBuilder, LinearInit, ValueId};
+use crate::model::op::{Conv2d, Op, Unary};
+
+/// One bottleneck of torchvision's `InvertedResidualConfig`: input, kernel, expanded, output
+/// channels (before the width multiplier), squeeze-and-excitation, hardswish, stride.
+type Bneck = (usize, usize, usize, usize, bool, bool, usize);
+
+const LARGE: [Bneck; 15] = [
+    (16, 3, 16, 16, false, false, 1),
+    (16, 3, 64, 24, false, false, 2),
+    (24, 3, 72, 24, false, false, 1),
+    (24, 5, 72, 40, true, false, 2),
+    (40, 5, 120, 40, true, false, 1),
+    (40, 5, 120, 40, true, false, 1),
+    (40, 3, 240, 80, false, true, 2),
+    (80, 3, 200, 80, false, true, 1),
+    (80, 3, 184, 80, false, true, 1),
+    (80, 3, 184, 80, false, true, 1),
+    (80, 3, 480, 112, true, true, 1),
+    (112, 3, 672, 112, true, true, 1),
+    (112, 5, 672, 160, true, true, 2),
+    (160, 5, 960, 160, true, true, 1),
+    (160, 5, 960, 160, true, true, 1),
+];
+
+const SMALL: [Bneck; 11] = [
+    (16, 3, 16, 16, true, false, 2),
+    (16, 3, 72, 24, false, false, 2),
+    (24, 3, 88, 24, false, false, 1),
+    (24, 5, 96, 40, true, true, 2),
+    (40, 5, 240, 40, true, true, 1),
+    (40, 5, 240, 40, true, true, 1),
+    (40, 5, 120, 48, true, true, 1),
+    (48, 5, 144, 48, true, true, 1),
+    (48, 5, 288, 96, true, true, 2),
+    (96, 5, 576, 96, true, true, 1),
+    (96, 5, 576, 96, true, true, 1),
+];
+
+/// `mobilenet_v3_large` or `mobilenet_v3_small` with a width multiplier (1.0 in the zoo).
+pub fn mobilenet_v3_custom(name: &str, large: bool, width_mult: f64, classes: usize) -> Graph {
+    let mut g = GraphBuilder::new(
+        name,
+        3,
+        ConvInit::KaimingNormalFanOut,
+        LinearInit::Normal001,
+    );
+    let adjust = |c: usize| make_divisible(c as f64 * width_mult, 8);
+    let (setting, last): (&[Bneck], usize) = if large {
+        (&LARGE, 1280)
+    } else {
+        (&SMALL, 1024)
+    };
+    let x = g.input();
+    let first = adjust(setting[0].0);
+    let mut x = conv_bn_act(
+        &mut g,
+        "features.0",
+        x,
+        Conv2d::new(3, first, 3, 2, 1),
+        Some(true),
+    );
+    for (i, &(cin, k, exp, cout, se, hs, stride)) in setting.iter().enumerate() {
+        let (cin, exp, cout) = (adjust(cin), adjust(exp), adjust(cout));
+        let p = format!("features.{}.block", i + 1);
+        let mut y = x;
+        let mut j = 0;
+        if exp != cin {
+            y = conv_bn_act(
+                &mut g,
+                &format!("{p}.0"),
+                y,
+                Conv2d::new(cin, exp, 1, 1, 0),
+                Some(hs),
+            );
+            j += 1;
+        }
+        let dw = Conv2d::new(exp, exp, k, stride, (k - 1) / 2).with_groups(exp);
+        y = conv_bn_act(&mut g, &format!("{p}.{j}"), y, dw, Some(hs));
+        j += 1;
+        if se {
+            let s = format!("{p}.{j}");
+            let squeeze = make_divisible((exp / 4) as f64, 8);
+            let scale = g.adaptive_avg_pool(format!("{s}.avgpool"), y, (1, 1));
+            let fc = |a, b| Conv2d {
+                bias: true,
+                ..Conv2d::new(a, b, 1, 1, 0)
+            };
+            let scale = g.conv(format!("{s}.fc1"), scale, fc(exp, squeeze));
+            let scale = g.relu(format!("{s}.relu"), scale);
+            let scale = g.conv(format!("{s}.fc2"), scale, fc(squeeze, exp));
+            let scale = g.unary(format!("{s}.scale_activation"), scale, Unary::Hardsigmoid);
+            y = g.add_node(s, Op::ScaleChannels, &[y, scale]);
+            j += 1;
+        }
+        y = conv_bn_act(
+            &mut g,
+            &format!("{p}.{j}"),
+            y,
+            Conv2d::new(exp, cout, 1, 1, 0),
+            None,
+        );
+        x = if stride == 1 && cin == cout {
+            g.add(format!("features.{}", i + 1), y, x)
+        } else {
+            y
+        };
+    }
+    let cin = adjust(setting[setting.len() - 1].3);
+    let lastconv = 6 * cin;
+    let p = format!("features.{}", setting.len() + 1);
+    let x = conv_bn_act(
+        &mut g,
+        &p,
+        x,
+        Conv2d::new(cin, lastconv, 1, 1, 0),
+        Some(true),
+    );
+    let x = g.adaptive_avg_pool("avgpool", x, (1, 1));
+    let x = g.flatten("flatten", x);
+    let hidden = adjust(last);
+    let x = g.linear("classifier.0", x, lastconv, hidden);
+    let x = g.unary("classifier.1", x, Unary::Hardswish);
+    let x = g.dropout("classifier.2", x, 0.2);
+    let x = g.linear("classifier.3", x, hidden, classes);
+    g.finish(x)
+}
+
+/// Conv2dNormActivation: conv (no bias) → batch norm (ε = 0.001) → hardswish (`Some(true)`),
+/// ReLU (`Some(false)`) or nothing, as `{p}.0`, `{p}.1`, `{p}.2`.
+fn conv_bn_act(
+    g: &mut GraphBuilder,
+    p: &str,
+    x: ValueId,
+    conv: Conv2d,
+    act: Option<bool>,
+) -> ValueId {
+    let out = conv.out_channels;
+    let x = g.conv(format!("{p}.0"), x, conv);
+    let x = g.add_node(
+        format!("{p}.1"),
+        Op::BatchNorm {
+            channels: out,
+            eps: 1e-3,
+        },
+        &[x],
+    );
+    match act {
+        Some(true) => g.unary(format!("{p}.2"), x, Unary::Hardswish),
+        Some(false) => g.relu(format!("{p}.2"), x),
+        None => x,
+    }
+}
