@@ -164,3 +164,17 @@ macro_rules! backend_test {
         }
     };
 }
+
+/// The small ViT of the ops tests and of make_fixtures.py's `tiny_vit`: 40×40 images in 8×8
+/// patches (26 tokens), two blocks of two heads of 8.
+pub fn tiny_vit() -> workshop::model::zoo::VitConfig {
+    workshop::model::zoo::VitConfig {
+        image_size: 40,
+        patch: 8,
+        layers: 2,
+        heads: 2,
+        hidden: 16,
+        mlp: 24,
+        classes: 10,
+    }
+}

@@ -718,15 +718,7 @@ fn winograd_matches_the_reference() {
 /// reference in every precision, with a token count that is not a multiple of the attention's
 /// query block, on every backend.
 fn vision_transformer(kind: BackendKind) {
-    let cfg = workshop::model::zoo::VitConfig {
-        image_size: 40,
-        patch: 8,
-        layers: 2,
-        heads: 2,
-        hidden: 16,
-        mlp: 24,
-        classes: 10,
-    };
+    let cfg = crate::common::tiny_vit();
     let g = workshop::model::zoo::vit_custom("tiny_vit", &cfg);
     check(kind, &g, [2, 3, 40, 40], 1.0);
     // 26 tokens per image in one block, then 2 images × 65 tokens (three blocks, one short).

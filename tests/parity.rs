@@ -127,16 +127,8 @@ fn models_match_pytorch(kind: BackendKind) {
         "tiny_resnext",
         &zoo::resnet_custom("tiny_resnext", &resnext),
     );
-    let vit = zoo::VitConfig {
-        image_size: 40,
-        patch: 8,
-        layers: 2,
-        heads: 2,
-        hidden: 16,
-        mlp: 24,
-        classes: 10,
-    };
-    check_model(kind, "tiny_vit", &zoo::vit_custom("tiny_vit", &vit));
+    let vit = zoo::vit_custom("tiny_vit", &crate::common::tiny_vit());
+    check_model(kind, "tiny_vit", &vit);
     let v3 = zoo::mobilenet_v3_custom("tiny_mobilenet_v3", false, 0.25, 10);
     check_model(kind, "tiny_mobilenet_v3", &v3);
 }
