@@ -20,12 +20,17 @@ import sys
 import torch
 import torchvision
 
+# The input size of torchvision's weights for networks that take any size (their transforms'
+# crop); a ViT carries its own (`image_size`).
+SIZES = {"efficientnet_b1": 240, "efficientnet_b2": 288, "efficientnet_b3": 300, "efficientnet_b4": 380,
+         "efficientnet_b5": 456, "efficientnet_b6": 528, "efficientnet_b7": 600}
+
 FIXTURE = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "zoo-reference.json"
 
 
 def count(name):
     model = torchvision.models.get_model(name, weights=None).eval()
-    size = getattr(model, "image_size", 224)
+    size = getattr(model, "image_size", SIZES.get(name, 224))
     macs = 0
 
     def conv(m, _inp, out):

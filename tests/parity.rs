@@ -131,6 +131,8 @@ fn models_match_pytorch(kind: BackendKind) {
     check_model(kind, "tiny_vit", &vit);
     let v3 = zoo::mobilenet_v3_custom("tiny_mobilenet_v3", false, 0.25, 10);
     check_model(kind, "tiny_mobilenet_v3", &v3);
+    let eff = zoo::efficientnet_custom("tiny_efficientnet", (0.25, 0.25), (0.2, 32, 1e-5), 10);
+    check_model(kind, "tiny_efficientnet", &eff);
 }
 backend_test!(models_match_pytorch, cpu, wgpu, cuda, hip);
 

@@ -126,9 +126,9 @@ pub struct BenchArgs {
     /// Untimed warm-up iterations before the timed ones
     #[arg(long, default_value_t = BenchConfig::default().warmup)]
     pub warmup: usize,
-    /// Input height and width in pixels
-    #[arg(long, default_value_t = BenchConfig::default().input_size)]
-    pub input_size: usize,
+    /// Input height and width in pixels (default: the network's own, 224 for most)
+    #[arg(long)]
+    pub input_size: Option<usize>,
     /// Also write the run as a versioned JSON record to FILE
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -231,9 +231,10 @@ pub struct InferArgs {
 
 #[derive(Debug, Args)]
 pub struct ModelsArgs {
-    /// Input height and width the work is counted for
-    #[arg(long, default_value_t = 224)]
-    pub input_size: usize,
+    /// Input height and width the work is counted for (default: each network's own; networks
+    /// that cannot take the size asked, a ViT's fixed one, are left out)
+    #[arg(long)]
+    pub input_size: Option<usize>,
     /// Print the list as JSON instead of a table
     #[arg(long)]
     pub json: bool,

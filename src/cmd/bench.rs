@@ -51,7 +51,10 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         backend: args.run.backend,
         device: args.run.device,
         threads: args.run.threads,
-        input_size: args.input_size,
+        // The network's own size unless asked (EfficientNet-B7 600, most 224).
+        input_size: args.input_size.unwrap_or_else(|| {
+            zoo::build(&args.run.network).map_or(224, |g| g.default_input_size())
+        }),
         seed: args.run.seed,
         weights: weights_label(&args.run),
         profile: args.profile || args.profile_csv.is_some() || args.trace.is_some(),
@@ -267,18 +270,26 @@ pub fn infer(args: InferArgs) -> Result<()> {
 }
 
 pub fn models(args: ModelsArgs) -> Result<()> {
-    if args.input_size == 0 {
-        bail!("--input-size must be at least 1 (got 0)");
-    }
-    if let Err(why) = bench::within_limit("input_size", args.input_size) {
-        bail!("--input-size: {why}");
+    if let Some(size) = args.input_size {
+        if size == 0 {
+            bail!("--input-size must be at least 1 (got 0)");
+        }
+        if let Err(why) = bench::within_limit("input_size", size) {
+            bail!("--input-size: {why}");
+        }
     }
     let mut rows = Vec::new();
     for name in zoo::NETWORKS {
         let graph = zoo::build(name)?;
-        let plan = graph
-            .plan(1, args.input_size, args.input_size)
-            .with_context(|| format!("{name} cannot take {0}×{0} inputs", args.input_size))?;
+        let size = args.input_size.unwrap_or(graph.default_input_size());
+        let plan = match graph.plan(1, size, size) {
+            Ok(plan) => plan,
+            // A ViT fits only its own size: listed at that one when another is asked for all.
+            Err(_) if args.input_size.is_some() => continue,
+            Err(e) => {
+                return Err(e).with_context(|| format!("{name} cannot take {size}×{size} inputs"));
+            }
+        };
         let floats: u64 = graph
             .params()
             .iter()
@@ -290,12 +301,13 @@ pub fn models(args: ModelsArgs) -> Result<()> {
             macs: plan.macs(),
             flops: plan.flops(),
             weights_bytes_fp32: floats * 4,
+            input_size: size,
         });
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
-        println!("{}", report::bench::models_table(&rows, args.input_size));
+        println!("{}", report::bench::models_table(&rows));
     }
     Ok(())
 }

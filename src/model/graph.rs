@@ -38,6 +38,8 @@ pub enum LinearInit {
     /// torchvision's VisionTransformer: xavier_uniform weights and N(0, 1e-6) biases in the
     /// MLPs, zeros for `heads.head`.
     Vit,
+    /// uniform(±1/√fan_out) weights, zero biases (EfficientNet).
+    UniformFanOut,
 }
 
 /// The state_dict name of a node's parameter: `node.suffix`, or the node's name alone for an

@@ -132,6 +132,13 @@ impl Weights {
                                 uniform(&mut rng, vec![out_features], bound),
                             )
                         }
+                        LinearInit::UniformFanOut => {
+                            let bound = 1.0 / (out_features as f64).sqrt();
+                            (
+                                uniform(&mut rng, shape, bound),
+                                Tensor::zeros(vec![out_features]),
+                            )
+                        }
                         LinearInit::Vit if node.name == "heads.head" => {
                             (Tensor::zeros(shape), Tensor::zeros(vec![out_features]))
                         }

@@ -182,14 +182,17 @@ pub struct ModelRow {
     pub macs: u64,
     pub flops: u64,
     pub weights_bytes_fp32: u64,
+    /// The image side the work is counted at.
+    pub input_size: usize,
 }
 
-pub fn models_table(rows: &[ModelRow], input_size: usize) -> String {
+pub fn models_table(rows: &[ModelRow]) -> String {
     let mut t = new_table();
     t.set_header(vec![
         "network".to_string(),
         "parameters".into(),
-        format!("GMACs/image ({input_size}²)"),
+        "input".into(),
+        "GMACs/image".into(),
         "GFLOPs/image".into(),
         "weights (fp32)".into(),
     ]);
@@ -197,6 +200,7 @@ pub fn models_table(rows: &[ModelRow], input_size: usize) -> String {
         t.add_row(vec![
             Cell::new(&r.network),
             Cell::new(group_digits(r.params)).set_alignment(CellAlignment::Right),
+            Cell::new(format!("{0}²", r.input_size)).set_alignment(CellAlignment::Right),
             Cell::new(format!("{:.3}", r.macs as f64 / 1e9)).set_alignment(CellAlignment::Right),
             Cell::new(format!("{:.3}", r.flops as f64 / 1e9)).set_alignment(CellAlignment::Right),
             Cell::new(human_bytes(r.weights_bytes_fp32)).set_alignment(CellAlignment::Right),

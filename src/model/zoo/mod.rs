@@ -2,12 +2,14 @@
 //! module and parameter names, so a torchvision `state_dict` saved as safetensors loads as is.
 
 mod alexnet;
+mod efficientnet;
 mod mobilenet;
 mod mobilenet_v3;
 mod resnet;
 mod vgg;
 mod vit;
 
+pub use efficientnet::efficientnet_custom;
 pub use mobilenet::mobilenet_v2_custom;
 pub use mobilenet_v3::mobilenet_v3_custom;
 pub use resnet::{Block, ResNetConfig, resnet_custom};
@@ -39,6 +41,14 @@ pub const NETWORKS: &[&str] = &[
     "mobilenet_v2",
     "mobilenet_v3_large",
     "mobilenet_v3_small",
+    "efficientnet_b0",
+    "efficientnet_b1",
+    "efficientnet_b2",
+    "efficientnet_b3",
+    "efficientnet_b4",
+    "efficientnet_b5",
+    "efficientnet_b6",
+    "efficientnet_b7",
     "vit_b_16",
     "vit_b_32",
     "vit_l_16",
@@ -75,6 +85,19 @@ pub fn build(name: &str) -> Result<Graph, UnknownNetwork> {
         "vit_l_16" => vit::vit(name, 16, 24, 16, 1024, 4096),
         "vit_l_32" => vit::vit(name, 32, 24, 16, 1024, 4096),
         "vit_h_14" => vit::vit(name, 14, 32, 16, 1280, 5120),
+        _ if name.starts_with("efficientnet_b") => {
+            let b = name["efficientnet_b".len()..].parse::<usize>().ok();
+            match b.and_then(efficientnet::variant) {
+                Some((w, d, dropout, size, eps)) => {
+                    efficientnet::efficientnet_custom(name, (w, d), (dropout, size, eps), 1000)
+                }
+                None => {
+                    return Err(UnknownNetwork {
+                        name: name.to_string(),
+                    });
+                }
+            }
+        }
         _ => {
             let (base, bn) = match name.strip_suffix("_bn") {
                 Some(base) => (base, true),
