@@ -3,7 +3,7 @@
 //! everywhere, widths and depths scaled per variant, stochastic depth (an identity at
 //! inference, so not in the graph), dropout before the classifier.
 
-use super::mobilenet::make_divisible;
+use super::mobilenet::{conv_norm_act, make_divisible};
 use crate::model::Graph;
 use crate::model::graph::{ConvInit, GraphBuilder, LinearInit, ValueId};
 use crate::model::op::{Conv2d, Op, Unary};
@@ -19,6 +19,9 @@ const STAGES: [(usize, usize, usize, usize, usize, usize); 7] = [
     (6, 5, 2, 112, 192, 4),
     (6, 3, 1, 192, 320, 1),
 ];
+
+/// The activation after batch norm in every Conv2dNormActivation but the projections.
+const SILU: Option<Op> = Some(Op::Unary(Unary::Silu));
 
 /// torchvision's variants: width and depth multipliers, dropout, the input size its weights
 /// were trained at, and batch norm's ε (B5–B7 use 0.001).
@@ -53,13 +56,12 @@ pub fn efficientnet_custom(
     let adjust = |c: usize| make_divisible(c as f64 * width, 8);
     let x = g.input();
     let stem = adjust(STAGES[0].3);
-    let mut x = conv_bn_silu(
+    let mut x = conv_norm_act(
         &mut g,
         "features.0",
         x,
         Conv2d::new(3, stem, 3, 2, 1),
-        eps,
-        true,
+        (eps, SILU),
     );
     for (s, &(expand, k, stride, cin, cout, blocks)) in STAGES.iter().enumerate() {
         let (cin, cout) = (adjust(cin), adjust(cout));
@@ -72,13 +74,12 @@ pub fn efficientnet_custom(
     }
     let cin = adjust(STAGES[6].4);
     let last = 4 * cin;
-    let x = conv_bn_silu(
+    let x = conv_norm_act(
         &mut g,
         "features.8",
         x,
         Conv2d::new(cin, last, 1, 1, 0),
-        eps,
-        true,
+        (eps, SILU),
     );
     let x = g.adaptive_avg_pool("avgpool", x, (1, 1));
     let x = g.flatten("flatten", x);
@@ -99,18 +100,17 @@ fn mbconv(
     let mut y = x;
     let mut j = 0;
     if exp != cin {
-        y = conv_bn_silu(
+        y = conv_norm_act(
             g,
             &format!("{p}.block.{j}"),
             y,
             Conv2d::new(cin, exp, 1, 1, 0),
-            eps,
-            true,
+            (eps, SILU),
         );
         j += 1;
     }
     let dw = Conv2d::new(exp, exp, k, stride, (k - 1) / 2).with_groups(exp);
-    y = conv_bn_silu(g, &format!("{p}.block.{j}"), y, dw, eps, true);
+    y = conv_norm_act(g, &format!("{p}.block.{j}"), y, dw, (eps, SILU));
     j += 1;
     let s = format!("{p}.block.{j}");
     let squeeze = (cin / 4).max(1);
@@ -126,29 +126,10 @@ fn mbconv(
     y = g.add_node(s, Op::ScaleChannels, &[y, scale]);
     j += 1;
     let project = Conv2d::new(exp, cout, 1, 1, 0);
-    y = conv_bn_silu(g, &format!("{p}.block.{j}"), y, project, eps, false);
+    y = conv_norm_act(g, &format!("{p}.block.{j}"), y, project, (eps, None));
     if stride == 1 && cin == cout {
         g.add(p.to_string(), y, x)
     } else {
         y
-    }
-}
-
-/// Conv2dNormActivation: conv (no bias) → batch norm → SiLU (when `act`), as `{p}.0/1/2`.
-fn conv_bn_silu(
-    g: &mut GraphBuilder,
-    p: &str,
-    x: ValueId,
-    conv: Conv2d,
-    eps: f32,
-    act: bool,
-) -> ValueId {
-    let channels = conv.out_channels;
-    let x = g.conv(format!("{p}.0"), x, conv);
-    let x = g.add_node(format!("{p}.1"), Op::BatchNorm { channels, eps }, &[x]);
-    if act {
-        g.unary(format!("{p}.2"), x, Unary::Silu)
-    } else {
-        x
     }
 }

@@ -3,7 +3,7 @@
 
 use crate::model::Graph;
 use crate::model::graph::{ConvInit, GraphBuilder, LinearInit, ValueId};
-use crate::model::op::Conv2d;
+use crate::model::op::{Conv2d, Op};
 
 /// torchvision's `_make_divisible`: round to a multiple of 8 without losing more than 10%.
 pub(super) fn make_divisible(v: f64, divisor: usize) -> usize {
@@ -15,13 +15,26 @@ pub(super) fn make_divisible(v: f64, divisor: usize) -> usize {
     new_v
 }
 
-/// Conv2dNormActivation: conv (no bias) → batch norm → ReLU6, as `{p}.0`, `{p}.1`, `{p}.2`.
-fn conv_bn_relu6(g: &mut GraphBuilder, p: &str, x: ValueId, conv: Conv2d) -> ValueId {
-    let out = conv.out_channels;
+/// torchvision's Conv2dNormActivation: conv (no bias) → batch norm (`eps`) → `act` when there
+/// is one, as `{p}.0`, `{p}.1`, `{p}.2` (MobileNetV2 and V3, EfficientNet).
+pub(super) fn conv_norm_act(
+    g: &mut GraphBuilder,
+    p: &str,
+    x: ValueId,
+    conv: Conv2d,
+    (eps, act): (f32, Option<Op>),
+) -> ValueId {
+    let channels = conv.out_channels;
     let x = g.conv(format!("{p}.0"), x, conv);
-    let x = g.bn(format!("{p}.1"), x, out);
-    g.relu6(format!("{p}.2"), x)
+    let x = g.add_node(format!("{p}.1"), Op::BatchNorm { channels, eps }, &[x]);
+    match act {
+        Some(op) => g.add_node(format!("{p}.2"), op, &[x]),
+        None => x,
+    }
 }
+
+/// MobileNetV2's batch norm and activation.
+const RELU6: (f32, Option<Op>) = (1e-5, Some(Op::Relu6));
 
 /// MobileNetV2 with a width multiplier (1.0 is the zoo's `mobilenet_v2`).
 pub fn mobilenet_v2_custom(name: &str, width_mult: f64, classes: usize) -> Graph {
@@ -43,11 +56,12 @@ pub fn mobilenet_v2_custom(name: &str, width_mult: f64, classes: usize) -> Graph
     let mut input_channel = make_divisible(32.0 * width_mult, 8);
     let last_channel = make_divisible(1280.0 * width_mult.max(1.0), 8);
     let x = g.input();
-    let mut x = conv_bn_relu6(
+    let mut x = conv_norm_act(
         &mut g,
         "features.0",
         x,
         Conv2d::new(3, input_channel, 3, 2, 1),
+        RELU6,
     );
     let mut idx = 1;
     for (t, c, n, s) in SETTINGS {
@@ -59,16 +73,17 @@ pub fn mobilenet_v2_custom(name: &str, width_mult: f64, classes: usize) -> Graph
             let mut y = x;
             let mut j = 0;
             if t != 1 {
-                y = conv_bn_relu6(
+                y = conv_norm_act(
                     &mut g,
                     &format!("{p}.{j}"),
                     y,
                     Conv2d::new(input_channel, hidden, 1, 1, 0),
+                    RELU6,
                 );
                 j += 1;
             }
             let dw = Conv2d::new(hidden, hidden, 3, stride, 1).with_groups(hidden);
-            y = conv_bn_relu6(&mut g, &format!("{p}.{j}"), y, dw);
+            y = conv_norm_act(&mut g, &format!("{p}.{j}"), y, dw, RELU6);
             y = g.conv(
                 format!("{p}.{}", j + 1),
                 y,
@@ -83,11 +98,12 @@ pub fn mobilenet_v2_custom(name: &str, width_mult: f64, classes: usize) -> Graph
             idx += 1;
         }
     }
-    let x = conv_bn_relu6(
+    let x = conv_norm_act(
         &mut g,
         &format!("features.{idx}"),
         x,
         Conv2d::new(input_channel, last_channel, 1, 1, 0),
+        RELU6,
     );
     let x = g.adaptive_avg_pool("avgpool", x, (1, 1));
     let x = g.flatten("flatten", x);

@@ -2,9 +2,9 @@
 //! hardswish or ReLU, squeeze-and-excitation (`block.N.fc1`/`fc2`, a hardsigmoid scale) in
 //! some, batch norm with ε = 0.001, and a hardswish classifier.
 
-use super::mobilenet::make_divisible;
+use super::mobilenet::{conv_norm_act, make_divisible};
 use crate::model::Graph;
-use crate::model::graph::{ConvInit, GraphBuilder, LinearInit, ValueId};
+use crate::model::graph::{ConvInit, GraphBuilder, LinearInit};
 use crate::model::op::{Conv2d, Op, Unary};
 
 /// One bottleneck of torchvision's `InvertedResidualConfig`: input, kernel, expanded, output
@@ -43,6 +43,11 @@ const SMALL: [Bneck; 11] = [
     (96, 5, 576, 96, true, true, 1),
 ];
 
+/// Batch norm's ε and the activation after it: hardswish, ReLU, or none (the projections).
+const HS: (f32, Option<Op>) = (1e-3, Some(Op::Unary(Unary::Hardswish)));
+const RE: (f32, Option<Op>) = (1e-3, Some(Op::Relu));
+const LINEAR: (f32, Option<Op>) = (1e-3, None);
+
 /// `mobilenet_v3_large` or `mobilenet_v3_small` with a width multiplier (1.0 in the zoo).
 pub fn mobilenet_v3_custom(name: &str, large: bool, width_mult: f64, classes: usize) -> Graph {
     let mut g = GraphBuilder::new(
@@ -59,30 +64,24 @@ pub fn mobilenet_v3_custom(name: &str, large: bool, width_mult: f64, classes: us
     };
     let x = g.input();
     let first = adjust(setting[0].0);
-    let mut x = conv_bn_act(
-        &mut g,
-        "features.0",
-        x,
-        Conv2d::new(3, first, 3, 2, 1),
-        Some(true),
-    );
+    let mut x = conv_norm_act(&mut g, "features.0", x, Conv2d::new(3, first, 3, 2, 1), HS);
     for (i, &(cin, k, exp, cout, se, hs, stride)) in setting.iter().enumerate() {
         let (cin, exp, cout) = (adjust(cin), adjust(exp), adjust(cout));
         let p = format!("features.{}.block", i + 1);
         let mut y = x;
         let mut j = 0;
         if exp != cin {
-            y = conv_bn_act(
+            y = conv_norm_act(
                 &mut g,
                 &format!("{p}.0"),
                 y,
                 Conv2d::new(cin, exp, 1, 1, 0),
-                Some(hs),
+                if hs { HS } else { RE },
             );
             j += 1;
         }
         let dw = Conv2d::new(exp, exp, k, stride, (k - 1) / 2).with_groups(exp);
-        y = conv_bn_act(&mut g, &format!("{p}.{j}"), y, dw, Some(hs));
+        y = conv_norm_act(&mut g, &format!("{p}.{j}"), y, dw, if hs { HS } else { RE });
         j += 1;
         if se {
             let s = format!("{p}.{j}");
@@ -99,12 +98,12 @@ pub fn mobilenet_v3_custom(name: &str, large: bool, width_mult: f64, classes: us
             y = g.add_node(s, Op::ScaleChannels, &[y, scale]);
             j += 1;
         }
-        y = conv_bn_act(
+        y = conv_norm_act(
             &mut g,
             &format!("{p}.{j}"),
             y,
             Conv2d::new(exp, cout, 1, 1, 0),
-            None,
+            LINEAR,
         );
         x = if stride == 1 && cin == cout {
             g.add(format!("features.{}", i + 1), y, x)
@@ -115,13 +114,7 @@ pub fn mobilenet_v3_custom(name: &str, large: bool, width_mult: f64, classes: us
     let cin = adjust(setting[setting.len() - 1].3);
     let lastconv = 6 * cin;
     let p = format!("features.{}", setting.len() + 1);
-    let x = conv_bn_act(
-        &mut g,
-        &p,
-        x,
-        Conv2d::new(cin, lastconv, 1, 1, 0),
-        Some(true),
-    );
+    let x = conv_norm_act(&mut g, &p, x, Conv2d::new(cin, lastconv, 1, 1, 0), HS);
     let x = g.adaptive_avg_pool("avgpool", x, (1, 1));
     let x = g.flatten("flatten", x);
     let hidden = adjust(last);
@@ -130,30 +123,4 @@ pub fn mobilenet_v3_custom(name: &str, large: bool, width_mult: f64, classes: us
     let x = g.dropout("classifier.2", x, 0.2);
     let x = g.linear("classifier.3", x, hidden, classes);
     g.finish(x)
-}
-
-/// Conv2dNormActivation: conv (no bias) → batch norm (ε = 0.001) → hardswish (`Some(true)`),
-/// ReLU (`Some(false)`) or nothing, as `{p}.0`, `{p}.1`, `{p}.2`.
-fn conv_bn_act(
-    g: &mut GraphBuilder,
-    p: &str,
-    x: ValueId,
-    conv: Conv2d,
-    act: Option<bool>,
-) -> ValueId {
-    let out = conv.out_channels;
-    let x = g.conv(format!("{p}.0"), x, conv);
-    let x = g.add_node(
-        format!("{p}.1"),
-        Op::BatchNorm {
-            channels: out,
-            eps: 1e-3,
-        },
-        &[x],
-    );
-    match act {
-        Some(true) => g.unary(format!("{p}.2"), x, Unary::Hardswish),
-        Some(false) => g.relu(format!("{p}.2"), x),
-        None => x,
-    }
 }
