@@ -343,28 +343,23 @@ fn node_launches(
         }
         // Convolutions and linear layers (1×1 convolutions of 1×1 images): implicit GEMMs.
         Op::Conv2d(_) | Op::Linear { .. } => {
-            let (conv, packed, input) = as_gemm(&node.op, get("weight")?, (xh, xw, xc));
-            let bias = if conv.bias { get("bias")? } else { &[] };
-            let gemm = Gemm {
-                conv: &conv,
-                weights: &packed,
-                input,
-                output: (n, h, w),
-                variant: variants.get(&node.name).map(String::as_str),
+            let has_bias = node.op.params().iter().any(|p| p.suffix == "bias");
+            let bias = if has_bias { get("bias")? } else { &[] };
+            let residual = match node.op {
+                Op::Conv2d(c) if c.residual => input_buf(1),
+                _ => Buf::Zero,
             };
-            let (launches, bytes) = gemm.launches(consts, &node.name, precision, max_binding)?;
-            *weight_bytes += bytes + bias.len() as u64 * 4;
-            let residual = if conv.residual {
-                input_buf(1)
-            } else {
-                Buf::Zero
-            };
-            let reads = [
-                (1, input_buf(0)),
-                (3, bias_buf(consts, bias)),
-                (5, residual),
-            ];
-            with_reads(launches, &reads)
+            gemm_parts(
+                (consts, weight_bytes),
+                (&node.name, precision, max_binding),
+                (&node.op, get("weight")?, bias),
+                (
+                    (xh, xw, xc),
+                    (n, h, w),
+                    variants.get(&node.name).map(String::as_str),
+                ),
+                (input_buf(0), residual, None),
+            )?
         }
         Op::BatchNorm { eps, .. } => {
             let (scale, shift) = weights.batch_norm_affine(&node.name, *eps)?;
@@ -486,24 +481,39 @@ fn node_launches(
                     dim / heads
                 )));
             }
-            let mut parts = projection(
+            // The projections: linear layers over all n = images · tokens rows.
+            let linear = |fout| Op::Linear {
+                in_features: *dim,
+                out_features: fout,
+                bias: true,
+            };
+            let dims = ((1, 1, *dim), (n, 1, 1), None);
+            let mut parts = gemm_parts(
                 (consts, weight_bytes),
                 (&node.name, precision, max_binding),
-                (n, *dim, 3 * *dim),
-                (get("in_proj_weight")?, get("in_proj_bias")?),
-                (input_buf(0), Some(qkv)),
+                (
+                    &linear(3 * *dim),
+                    get("in_proj_weight")?,
+                    get("in_proj_bias")?,
+                ),
+                dims,
+                (input_buf(0), Buf::Zero, Some(qkv)),
             )?;
             let threads = imgs * heads * t;
             let p = vec![threads, t, *dim, *heads];
             let mut core = one(Kernel::Attention, p, vec![(1, qkv)], 4, threads);
             core[0].2.push((4, mid));
             parts.extend(core);
-            parts.extend(projection(
+            parts.extend(gemm_parts(
                 (consts, weight_bytes),
                 (&node.name, precision, max_binding),
-                (n, *dim, *dim),
-                (get("out_proj.weight")?, get("out_proj.bias")?),
-                (mid, None),
+                (
+                    &linear(*dim),
+                    get("out_proj.weight")?,
+                    get("out_proj.bias")?,
+                ),
+                dims,
+                (mid, Buf::Zero, None),
             )?);
             parts
         }
@@ -511,37 +521,37 @@ fn node_launches(
     Ok(parts)
 }
 
-/// A linear layer of (fin → fout) over `rows` rows as GEMM launches, with its bias, reading
-/// `input` and writing `output` (the node's own buffer when `None`): the attention's
-/// projections, whose weights are not the node's `weight`.
-fn projection(
+/// Three dimensions of an image or its GEMM view: (h, w, c) in, (n, h, w) out.
+type Hwc = (usize, usize, usize);
+
+/// A convolution or linear layer `op` as the GEMM launches of conv2d.wgsl, with its bias
+/// (none when empty) and residual: input dims (h, w, c) → output dims (n, h, w), a forced
+/// variant (max-autotune) or none; it reads `input` and writes `output` (the node's own buffer
+/// when `None`). Convolution and linear nodes, and the attention's two projections (a linear
+/// layer over every token, whose weights are not the node's `weight`).
+fn gemm_parts(
     (consts, weight_bytes): (&mut Consts, &mut u64),
     (node, precision, max_binding): (&str, Precision, u64),
-    (rows, fin, fout): (usize, usize, usize),
-    (weight, bias): (&[f32], &[f32]),
-    (input, output): (Buf, Option<Buf>),
+    (op, weight, bias): (&Op, &[f32], &[f32]),
+    (input_dims, output_dims, variant): (Hwc, Hwc, Option<&str>),
+    (input, residual, output): (Buf, Buf, Option<Buf>),
 ) -> Result<Vec<Part>, BackendError> {
-    let op = Op::Linear {
-        in_features: fin,
-        out_features: fout,
-        bias: true,
-    };
-    let (conv, packed, gemm_input) = as_gemm(&op, weight, (1, 1, fin));
+    let (conv, packed, gemm_input) = as_gemm(op, weight, input_dims);
     let gemm = Gemm {
         conv: &conv,
         weights: &packed,
         input: gemm_input,
-        output: (rows, 1, 1),
-        variant: None,
+        output: output_dims,
+        variant,
     };
     let (launches, bytes) = gemm.launches(consts, node, precision, max_binding)?;
     *weight_bytes += bytes + bias.len() as u64 * 4;
-    let reads = [
-        (1, input),
-        (3, consts.add("bias", f32_bytes(bias))),
-        (5, Buf::Zero),
-    ];
-    let mut parts = with_reads(launches, &reads);
+    let bias = if bias.is_empty() {
+        Buf::Zero
+    } else {
+        consts.add("bias", f32_bytes(bias))
+    };
+    let mut parts = with_reads(launches, &[(1, input), (3, bias), (5, residual)]);
     if let Some(output) = output {
         for part in &mut parts {
             part.2.push((part.3, output));
