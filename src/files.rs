@@ -16,8 +16,9 @@ pub fn check_destination(path: &Path) -> Result<()> {
             anyhow::bail!("`{}` is a folder, not a file to write", path.display())
         }
         Ok(m) if !m.is_file() && !is_device(&m) => anyhow::bail!(
-            "`{}` is not a regular file or a device (a FIFO or a socket): refusing to write there",
-            path.display()
+            "`{}` is {}, not a regular file or a device: refusing to write there",
+            path.display(),
+            kind_of(&m)
         ),
         _ => Ok(()),
     }

@@ -446,7 +446,7 @@ impl<T: Elem> CpuSession<T> {
             NodeKernel::ScaleChannels => {
                 let mut y = self.take_or_copy(values, inputs[0], last_reader(inputs[0]));
                 let s = values[inputs[1]].as_ref().expect("input computed");
-                kernels::scale_channels_inplace(&mut y, s, os.h * os.w * os.c);
+                kernels::scale_channels_inplace(&mut y, s, (os.h * os.w * os.c, os.c));
                 y
             }
             NodeKernel::Identity => self.take_or_copy(values, inputs[0], last_reader(inputs[0])),

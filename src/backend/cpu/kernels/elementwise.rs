@@ -167,10 +167,9 @@ pub fn unary_inplace<T: Elem>(buf: &mut [T], u: crate::model::op::Unary) {
 }
 
 /// x (NHWC) times s (N × C), channel by channel: each image's `per_image` values (H·W·C)
-/// scaled by its C scales.
-pub fn scale_channels_inplace<T: Elem>(x: &mut [T], s: &[T], per_image: usize) {
-    let c = s.len() / (x.len() / per_image.max(1)).max(1);
-    x.par_chunks_mut(per_image)
+/// scaled by its `c` scales.
+pub fn scale_channels_inplace<T: Elem>(x: &mut [T], s: &[T], (per_image, c): (usize, usize)) {
+    x.par_chunks_mut(per_image.max(1))
         .zip(s.par_chunks(c.max(1)))
         .for_each(|(image, scales)| {
             let scales: Vec<f32> = scales.iter().map(|v| v.to_f32()).collect();
