@@ -754,3 +754,23 @@ fn activations_and_channel_scaling(kind: BackendKind) {
     check(kind, &g.finish(y), [2, 3, 7, 5], 4.0);
 }
 backend_test!(activations_and_channel_scaling, cpu, wgpu, cuda, hip);
+
+/// ConvNeXt's ops: layer norm over an image's channels, tokens and back onto the image's grid
+/// (non-square), linear layers on tokens, and the per-channel layer scale, against the
+/// reference in every precision.
+fn channels_last_block(kind: BackendKind) {
+    let mut g = GraphBuilder::new("cn", 3, ConvInit::TorchDefault, LinearInit::TorchDefault);
+    let x = g.input();
+    let x = g.conv("conv", x, Conv2d::new(3, 6, 3, 1, 1).with_bias());
+    let x = g.add_node("norm2d", Op::LayerNorm { dim: 6, eps: 1e-6 }, &[x]);
+    let y = g.add_node("tokens", Op::Tokens, &[x]);
+    let y = g.add_node("norm", Op::LayerNorm { dim: 6, eps: 1e-6 }, &[y]);
+    let y = g.linear("fc1", y, 6, 12);
+    let y = g.add_node("gelu", Op::Gelu, &[y]);
+    let y = g.linear("fc2", y, 12, 6);
+    let y = g.add_node("image", Op::Image, &[y, x]);
+    let y = g.add_node("layer_scale", Op::LayerScale { channels: 6 }, &[y]);
+    let y = g.add("add", y, x);
+    check(kind, &g.finish(y), [2, 3, 5, 7], 1.0);
+}
+backend_test!(channels_last_block, cpu, wgpu, cuda, hip);

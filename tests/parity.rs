@@ -133,6 +133,27 @@ fn models_match_pytorch(kind: BackendKind) {
     check_model(kind, "tiny_mobilenet_v3", &v3);
     let eff = zoo::efficientnet_custom("tiny_efficientnet", (0.25, 0.25), (0.2, 32, 1e-5), 10);
     check_model(kind, "tiny_efficientnet", &eff);
+    let convnext = zoo::convnext_custom("tiny_convnext", [8, 16, 24, 32], [1, 1, 2, 1], 10);
+    check_model(kind, "tiny_convnext", &convnext);
+    check_model(
+        kind,
+        "tiny_regnet",
+        &zoo::regnet_custom("tiny_regnet", &tiny_regnet(), 10),
+    );
+}
+
+/// `BlockParams.from_init_params(depth=4, w_0=8, w_a=8.0, w_m=2.0, group_width=8,
+/// se_ratio=0.25)`: stages of 8, 16 and 32 channels (1, 1 and 2 blocks) with
+/// squeeze-and-excitation.
+fn tiny_regnet() -> zoo::RegNetConfig {
+    zoo::RegNetConfig {
+        depth: 4,
+        w_0: 8,
+        w_a: 8.0,
+        w_m: 2.0,
+        group_width: 8,
+        se: true,
+    }
 }
 backend_test!(models_match_pytorch, cpu, wgpu, cuda, hip);
 

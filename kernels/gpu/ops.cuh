@@ -731,6 +731,9 @@ struct LayerNormArgs {
     const float* b;
     elem* y;
     int rows, d;
+    // How far apart a row's elements lie: 1 for tokens, H·W for the channels of an NCHW image
+    // (ConvNeXt's LayerNorm2d).
+    int inner;
     float eps;
 };
 
@@ -738,17 +741,21 @@ struct LayerNormArgs {
 KERNEL(layer_norm, LayerNormArgs) {
     long long r = linear_index();
     if (r >= a.rows) return;
-    const elem* x = a.x + r * a.d;
+    long long base = (r / a.inner) * a.d * a.inner + r % a.inner;
+    const elem* x = a.x + base;
     float mean = 0.0f;
-    for (int j = 0; j < a.d; ++j) mean += ld(x[j]);
+    for (int j = 0; j < a.d; ++j) mean += ld(x[(long long)j * a.inner]);
     mean /= (float)a.d;
     float var = 0.0f;
     for (int j = 0; j < a.d; ++j) {
-        float v = ld(x[j]) - mean;
+        float v = ld(x[(long long)j * a.inner]) - mean;
         var += v * v;
     }
     float inv = 1.0f / sqrtf(var / (float)a.d + a.eps);
-    for (int j = 0; j < a.d; ++j) a.y[r * a.d + j] = st((ld(x[j]) - mean) * inv * a.w[j] + a.b[j]);
+    for (int j = 0; j < a.d; ++j) {
+        long long k = (long long)j * a.inner;
+        a.y[base + k] = st((ld(x[k]) - mean) * inv * a.w[j] + a.b[j]);
+    }
 }
 
 struct GeluArgs {

@@ -27,6 +27,8 @@ pub enum ConvInit {
     /// `trunc_normal_(std=√(1/fan_in))`, bias 0 (ViT's patch convolution; the truncation at ±2
     /// is far beyond such a small deviation).
     TruncNormalFanIn,
+    /// `trunc_normal_(std=0.02)`, bias 0 (ConvNeXt, convolutions and linear layers alike).
+    TruncNormal002,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,6 +42,8 @@ pub enum LinearInit {
     Vit,
     /// uniform(±1/√fan_out) weights, zero biases (EfficientNet).
     UniformFanOut,
+    /// `trunc_normal_(std=0.02)`, bias 0 (ConvNeXt).
+    TruncNormal002,
 }
 
 /// The state_dict name of a node's parameter: `node.suffix`, or the node's name alone for an

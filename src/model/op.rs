@@ -282,7 +282,9 @@ pub enum Op {
         /// The image side that gives `tokens`, for the message when another does not.
         image_size: usize,
     },
-    /// `nn.LayerNorm(dim, eps)` over the last dimension, with its affine weight and bias.
+    /// `nn.LayerNorm(dim, eps)` with its affine weight and bias: over the last dimension of
+    /// tokens or features, over the channels of an image batch (N, C, H, W) — ConvNeXt's
+    /// `LayerNorm2d`, the permute to channels-last and back included.
     LayerNorm {
         dim: usize,
         eps: f32,
@@ -299,6 +301,15 @@ pub enum Op {
     /// (N, T, D) → (N, D): token `index` (ViT's class token, `x[:, 0]`).
     SelectToken {
         index: usize,
+    },
+    /// (N, H·W, C) → (N, C, H, W): tokens back on the grid of the second input (only its
+    /// height and width are read, as `view_as` would), the inverse of `Tokens` (ConvNeXt's
+    /// `Permute([0, 3, 1, 2])` after its channels-last MLP).
+    Image,
+    /// (N, C, H, W) times a learned per-channel scale (C, 1, 1): ConvNeXt's `layer_scale`
+    /// (the node's name is the parameter's whole name).
+    LayerScale {
+        channels: usize,
     },
 }
 
@@ -379,6 +390,8 @@ impl Op {
             Op::Gelu => "gelu",
             Op::Attention { .. } => "attention",
             Op::SelectToken { .. } => "select_token",
+            Op::Image => "image",
+            Op::LayerScale { .. } => "layer_scale",
         }
     }
 
@@ -386,7 +399,7 @@ impl Op {
     pub fn arity(&self) -> usize {
         match self {
             Op::Input { .. } => 0,
-            Op::Add | Op::ScaleChannels => 2,
+            Op::Add | Op::ScaleChannels | Op::Image => 2,
             Op::Conv2d(c) if c.residual => 2,
             _ => 1,
         }
@@ -445,6 +458,9 @@ impl Op {
                 p("weight", vec![dim], ParamKind::Trainable),
                 p("bias", vec![dim], ParamKind::Trainable),
             ],
+            Op::LayerScale { channels } => {
+                vec![p("", vec![channels, 1, 1], ParamKind::Trainable)]
+            }
             Op::Attention { dim, .. } => vec![
                 p("in_proj_weight", vec![3 * dim, dim], ParamKind::Trainable),
                 p("in_proj_bias", vec![3 * dim], ParamKind::Trainable),
@@ -615,13 +631,40 @@ impl Op {
                 ))),
                 _ => Err(self.tokens_expected(*dim, inputs[0])),
             },
-            Op::LayerNorm { dim, .. } => match inputs[0].last() {
-                Some(d) if d == dim => Ok(inputs[0].to_vec()),
+            // An image batch is normalised over its channels, anything else over its last
+            // dimension.
+            Op::LayerNorm { dim, .. } => match *inputs[0] {
+                [_, c, _, _] if c == *dim => Ok(inputs[0].to_vec()),
+                [_, _, _, _] => Err(ShapeError(format!(
+                    "layer_norm over {dim} channels, got an image batch {}",
+                    fmt_shape(inputs[0])
+                ))),
+                [.., d] if d == *dim => Ok(inputs[0].to_vec()),
                 _ => Err(ShapeError(format!(
                     "layer_norm over {dim} features, got {}",
                     fmt_shape(inputs[0])
                 ))),
             },
+            Op::Image => {
+                let (n, _, h, w) = image(inputs[1])?;
+                match *inputs[0] {
+                    [m, t, c] if m == n && t == h * w => Ok(vec![n, c, h, w]),
+                    _ => Err(ShapeError(format!(
+                        "image: tokens {} do not fit the {h}×{w} grid of {}",
+                        fmt_shape(inputs[0]),
+                        fmt_shape(inputs[1])
+                    ))),
+                }
+            }
+            Op::LayerScale { channels } => {
+                let (_, c, _, _) = image(inputs[0])?;
+                if c != *channels {
+                    return Err(ShapeError(format!(
+                        "layer_scale expects {channels} channels, got {c}"
+                    )));
+                }
+                Ok(inputs[0].to_vec())
+            }
             Op::Attention { dim, heads } => {
                 if *heads == 0 || dim % heads != 0 {
                     return Err(ShapeError(format!(
@@ -683,6 +726,7 @@ impl Op {
             | Op::Flatten
             | Op::Dropout { .. }
             | Op::Tokens
+            | Op::Image
             | Op::SelectToken { .. }
             | Op::ClassToken { .. } => 0,
             Op::Conv2d(c) => {
@@ -705,7 +749,7 @@ impl Op {
             // Add, two compares, multiply, divide; SiLU: sigmoid's four and a multiply.
             Op::Unary(Unary::Hardswish | Unary::Silu) => 5 * n,
             Op::Unary(Unary::Hardsigmoid) => 4 * n,
-            Op::ScaleChannels => n,
+            Op::ScaleChannels | Op::LayerScale { .. } => n,
             Op::MaxPool(p) | Op::AvgPool(p) => n * (p.kernel.0 * p.kernel.1) as u64,
             Op::AdaptiveAvgPool { .. } => elems(inputs[0]),
             Op::Softmax => 4 * n,
@@ -732,7 +776,7 @@ impl Op {
         let elems = |s: &[usize]| s.iter().map(|&d| d as u64).product::<u64>();
         if matches!(
             self,
-            Op::Input { .. } | Op::Flatten | Op::Dropout { .. } | Op::Tokens
+            Op::Input { .. } | Op::Flatten | Op::Dropout { .. } | Op::Tokens | Op::Image
         ) {
             return 0;
         }

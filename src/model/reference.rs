@@ -95,18 +95,24 @@ pub fn eval<'a>(
         Op::Flatten => Tensor::new(out_shape.to_vec(), ins[0].data.clone()),
         Op::Softmax => softmax(ins[0]),
         Op::Tokens => {
-            let (n, c, hw) = (
-                ins[0].shape[0],
-                ins[0].shape[1],
-                ins[0].shape[2] * ins[0].shape[3],
-            );
-            let mut data = Vec::with_capacity(ins[0].numel());
-            for i in 0..n {
-                for p in 0..hw {
-                    data.extend((0..c).map(|ch| ins[0].data[(i * c + ch) * hw + p]));
-                }
-            }
+            let s = &ins[0].shape;
+            Tensor::new(
+                out_shape.to_vec(),
+                swap_inner(&ins[0].data, s[0], s[1], s[2] * s[3]),
+            )
+        }
+        Op::Image => {
+            let s = &ins[0].shape;
+            let data = swap_inner(&ins[0].data, s[0], s[1], s[2]);
             Tensor::new(out_shape.to_vec(), data)
+        }
+        Op::LayerScale { .. } => {
+            let (c, hw) = (ins[0].shape[1], ins[0].shape[2] * ins[0].shape[3]);
+            let gamma = &need("").data;
+            let data = (ins[0].data.iter().enumerate())
+                .map(|(i, &v)| (v as f64 * gamma[(i / hw) % c] as f64) as f32)
+                .collect();
+            Tensor::new(ins[0].shape.clone(), data)
         }
         Op::ClassToken { .. } => {
             let (t, d) = (ins[0].shape[1], ins[0].shape[2]);
@@ -130,7 +136,19 @@ pub fn eval<'a>(
                 .collect();
             Tensor::new(out_shape.to_vec(), data)
         }
-        Op::LayerNorm { dim, eps } => layer_norm(ins[0], need("weight"), need("bias"), *dim, *eps),
+        Op::LayerNorm { dim, eps } => {
+            let (w, b) = (need("weight"), need("bias"));
+            match *ins[0].shape {
+                // Over the channels of an image: normalise its tokens, then back.
+                [n, c, h, wd] => {
+                    let tokens = swap_inner(&ins[0].data, n, c, h * wd);
+                    let tokens = Tensor::new(vec![n, h * wd, c], tokens);
+                    let y = layer_norm(&tokens, w, b, *dim, *eps);
+                    Tensor::new(ins[0].shape.clone(), swap_inner(&y.data, n, h * wd, c))
+                }
+                _ => layer_norm(ins[0], w, b, *dim, *eps),
+            }
+        }
         Op::Gelu => map(ins[0], |x| {
             let x = x as f64;
             (0.5 * x * (1.0 + libm::erf(x / std::f64::consts::SQRT_2))) as f32
@@ -297,6 +315,17 @@ fn adaptive_avg_pool(x: &Tensor, out: (usize, usize)) -> Tensor {
 }
 
 /// `nn.LayerNorm` over the last `dim` values: biased variance, as PyTorch.
+/// (N, A, B) → (N, B, A): an image's channels to tokens and back.
+fn swap_inner(x: &[f32], n: usize, a: usize, b: usize) -> Vec<f32> {
+    let mut data = Vec::with_capacity(x.len());
+    for i in 0..n {
+        for q in 0..b {
+            data.extend((0..a).map(|p| x[(i * a + p) * b + q]));
+        }
+    }
+    data
+}
+
 fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, dim: usize, eps: f32) -> Tensor {
     let mut data = Vec::with_capacity(x.numel());
     for row in x.data.chunks(dim) {

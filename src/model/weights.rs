@@ -92,6 +92,11 @@ impl Weights {
                             normal(&mut rng, shape, (1.0 / fan_in).sqrt()),
                             Tensor::zeros(vec![c.out_channels]),
                         ),
+                        // ±2 (the truncation) is a hundred deviations out: a plain normal.
+                        ConvInit::TruncNormal002 => (
+                            normal(&mut rng, shape, 0.02),
+                            Tensor::zeros(vec![c.out_channels]),
+                        ),
                         ConvInit::TorchDefault => {
                             let bound = 1.0 / fan_in.sqrt();
                             (
@@ -132,6 +137,10 @@ impl Weights {
                                 uniform(&mut rng, vec![out_features], bound),
                             )
                         }
+                        LinearInit::TruncNormal002 => (
+                            normal(&mut rng, shape, 0.02),
+                            Tensor::zeros(vec![out_features]),
+                        ),
                         LinearInit::UniformFanOut => {
                             let bound = 1.0 / (out_features as f64).sqrt();
                             (
@@ -160,6 +169,10 @@ impl Weights {
                     put("bias", Tensor::zeros(vec![dim]));
                 }
                 Op::ClassToken { dim } => put("", Tensor::zeros(vec![1, 1, dim])),
+                // ConvNeXt's default: every block starts as (almost) the identity.
+                Op::LayerScale { channels } => {
+                    put("", Tensor::new(vec![channels, 1, 1], vec![1e-6; channels]))
+                }
                 Op::PosEmbed { tokens, dim, .. } => {
                     put("", normal(&mut rng, vec![1, tokens, dim], 0.02))
                 }

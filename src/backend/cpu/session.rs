@@ -19,6 +19,12 @@ pub(super) enum NodeKernel<T> {
         scale: Vec<f32>,
         shift: Vec<f32>,
     },
+    /// A per-channel scale (ConvNeXt's layer scale): the affine kernel with a zero shift, kept
+    /// apart from batch norm's, which calibration rewrites.
+    Scale {
+        scale: Vec<f32>,
+        zero: Vec<f32>,
+    },
     Clamp {
         lo: f32,
         hi: f32,
@@ -227,6 +233,15 @@ impl<T: Elem> CpuSession<T> {
                     }
                 }
                 Op::SelectToken { index } => NodeKernel::SelectToken(index),
+                // NHWC images already are (N, H·W, C) tokens, and tokens an NHWC image.
+                Op::Image => NodeKernel::Identity,
+                Op::LayerScale { channels } => {
+                    weight_bytes += channels as u64 * 4;
+                    NodeKernel::Scale {
+                        scale: get("")?.to_vec(),
+                        zero: vec![0.0; channels],
+                    }
+                }
             };
             steps.push(step);
         }
@@ -426,6 +441,11 @@ impl<T: Elem> CpuSession<T> {
                     self.batch_stats.push((id, mean, var));
                 }
                 kernels::affine_inplace(&mut y, os.c, scale, shift);
+                y
+            }
+            NodeKernel::Scale { scale, zero } => {
+                let mut y = self.take_or_copy(values, inputs[0], last_reader(inputs[0]));
+                kernels::affine_inplace(&mut y, os.c, scale, zero);
                 y
             }
             NodeKernel::Clamp { lo, hi } => {

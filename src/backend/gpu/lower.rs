@@ -585,6 +585,32 @@ fn other_op(b: &mut Builder, at: &NodeCtx<'_>, input: BufId) -> Result<(), Backe
             ];
             b.launch(&node.name, op, "tokens", grid, args);
         }
+        // The tokens kernel with the two inner dimensions' roles swapped: (N, H·W, C) → (N, C, H·W).
+        Op::Image => {
+            let args = vec![
+                x,
+                Arg::Buf(y),
+                Arg::I32(n as i32),
+                Arg::I32((h * w) as i32),
+                Arg::I32(c as i32),
+            ];
+            b.launch(&node.name, op, "tokens", grid, args);
+        }
+        // Batch norm's kernel with a zero shift.
+        Op::LayerScale { channels } => {
+            let scale = b.f32s(at.get("")?);
+            let zero = b.f32s(&vec![0.0; *channels]);
+            let args = vec![
+                x,
+                Arg::Buf(scale),
+                Arg::Buf(zero),
+                Arg::Buf(y),
+                Arg::I32(total_i),
+                Arg::I32(c as i32),
+                Arg::I32((h * w) as i32),
+            ];
+            b.launch(&node.name, op, "affine", grid, args);
+        }
         Op::ClassToken { .. } => {
             let token = b.f32s(at.get("")?);
             let (imgs, t, d) = (at.shape[0], at.shape[1] - 1, at.shape[2]);
@@ -611,6 +637,8 @@ fn other_op(b: &mut Builder, at: &NodeCtx<'_>, input: BufId) -> Result<(), Backe
             b.launch(&node.name, op, "positions", grid, args);
         }
         Op::LayerNorm { dim, eps } => {
+            // An NCHW image is normalised over its channels, H·W apart.
+            let inner = if at.shape.len() == 4 { h * w } else { 1 };
             let (w, bias) = (b.f32s(at.get("weight")?), b.f32s(at.get("bias")?));
             let rows = total / dim.max(&1);
             let args = vec![
@@ -620,6 +648,7 @@ fn other_op(b: &mut Builder, at: &NodeCtx<'_>, input: BufId) -> Result<(), Backe
                 Arg::Buf(y),
                 Arg::I32(rows as i32),
                 Arg::I32(*dim as i32),
+                Arg::I32(inner as i32),
                 Arg::F32(*eps),
             ];
             b.launch(&node.name, op, "layer_norm", grid_1d(rows)?, args);

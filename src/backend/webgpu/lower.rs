@@ -115,8 +115,8 @@ fn numel(s: &[usize]) -> usize {
 fn renames(plan: &Plan, id: usize) -> bool {
     let node = &plan.graph.nodes[id];
     match node.op {
-        // NHWC images already are (N, H·W, C) tokens.
-        Op::Dropout { .. } | Op::Tokens => true,
+        // NHWC images already are (N, H·W, C) tokens, and tokens an NHWC image.
+        Op::Dropout { .. } | Op::Tokens | Op::Image => true,
         Op::Flatten => numel(&plan.shapes[node.inputs[0]][2..]) == 1,
         _ => false,
     }
@@ -430,7 +430,20 @@ fn node_launches(
         Op::Flatten if xh * xw == 1 => Vec::new(),
         Op::Flatten => one(Kernel::NhwcToNchw, vec![total, xc, xh * xw], x(), 5, total),
         Op::Softmax => one(Kernel::Softmax, shape.to_vec(), x(), 5, total / c.max(1)),
-        Op::Tokens => Vec::new(),
+        Op::Tokens | Op::Image => Vec::new(),
+        // The batch norm's kernel with a zero shift.
+        Op::LayerScale { channels } => {
+            *weight_bytes += *channels as u64 * 4;
+            let reads = vec![
+                (1, input_buf(0)),
+                (3, consts.add("layer scale", f32_bytes(get("")?))),
+                (
+                    4,
+                    consts.add("zero shift", f32_bytes(&vec![0.0; *channels])),
+                ),
+            ];
+            one(Kernel::Affine, shape.to_vec(), reads, 5, total)
+        }
         Op::ClassToken { dim } => {
             let t = plan.shapes[node.inputs[0]][1];
             let token = consts.add("class token", f32_bytes(get("")?));

@@ -3,7 +3,7 @@
 //! everywhere, widths and depths scaled per variant, stochastic depth (an identity at
 //! inference, so not in the graph), dropout before the classifier.
 
-use super::mobilenet::{conv_norm_act, make_divisible};
+use super::mobilenet::{conv_norm_act, make_divisible, squeeze_excitation};
 use crate::model::Graph;
 use crate::model::graph::{ConvInit, GraphBuilder, LinearInit, ValueId};
 use crate::model::op::{Conv2d, Op, Unary};
@@ -114,16 +114,8 @@ fn mbconv(
     j += 1;
     let s = format!("{p}.block.{j}");
     let squeeze = (cin / 4).max(1);
-    let fc = |a, b| Conv2d {
-        bias: true,
-        ..Conv2d::new(a, b, 1, 1, 0)
-    };
-    let scale = g.adaptive_avg_pool(format!("{s}.avgpool"), y, (1, 1));
-    let scale = g.conv(format!("{s}.fc1"), scale, fc(exp, squeeze));
-    let scale = g.unary(format!("{s}.activation"), scale, Unary::Silu);
-    let scale = g.conv(format!("{s}.fc2"), scale, fc(squeeze, exp));
-    let scale = g.sigmoid(format!("{s}.scale_activation"), scale);
-    y = g.add_node(s, Op::ScaleChannels, &[y, scale]);
+    let ops = (Op::Unary(Unary::Silu), Op::Sigmoid);
+    y = squeeze_excitation(g, &s, y, (exp, squeeze), ops);
     j += 1;
     let project = Conv2d::new(exp, cout, 1, 1, 0);
     y = conv_norm_act(g, &format!("{p}.block.{j}"), y, project, (eps, None));

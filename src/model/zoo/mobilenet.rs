@@ -33,6 +33,25 @@ pub(super) fn conv_norm_act(
     }
 }
 
+/// torchvision's `SqueezeExcitation` at `s` over `x`: average pool, `fc1` (a 1×1 convolution
+/// with bias) to `squeeze` channels, `act`, `fc2` back, `gate`, and the channel scaling
+/// (MobileNetV3, EfficientNet, RegNetY).
+pub(super) fn squeeze_excitation(
+    g: &mut GraphBuilder,
+    s: &str,
+    x: ValueId,
+    (channels, squeeze): (usize, usize),
+    (act, gate): (Op, Op),
+) -> ValueId {
+    let fc = |a, b| Conv2d::new(a, b, 1, 1, 0).with_bias();
+    let scale = g.adaptive_avg_pool(format!("{s}.avgpool"), x, (1, 1));
+    let scale = g.conv(format!("{s}.fc1"), scale, fc(channels, squeeze));
+    let scale = g.add_node(format!("{s}.activation"), act, &[scale]);
+    let scale = g.conv(format!("{s}.fc2"), scale, fc(squeeze, channels));
+    let scale = g.add_node(format!("{s}.scale_activation"), gate, &[scale]);
+    g.add_node(s, Op::ScaleChannels, &[x, scale])
+}
+
 /// MobileNetV2's batch norm and activation.
 const RELU6: (f32, Option<Op>) = (1e-5, Some(Op::Relu6));
 

@@ -2,7 +2,7 @@
 //! hardswish or ReLU, squeeze-and-excitation (`block.N.fc1`/`fc2`, a hardsigmoid scale) in
 //! some, batch norm with ε = 0.001, and a hardswish classifier.
 
-use super::mobilenet::{conv_norm_act, make_divisible};
+use super::mobilenet::{conv_norm_act, make_divisible, squeeze_excitation};
 use crate::model::Graph;
 use crate::model::graph::{ConvInit, GraphBuilder, LinearInit};
 use crate::model::op::{Conv2d, Op, Unary};
@@ -86,16 +86,8 @@ pub fn mobilenet_v3_custom(name: &str, large: bool, width_mult: f64, classes: us
         if se {
             let s = format!("{p}.{j}");
             let squeeze = make_divisible((exp / 4) as f64, 8);
-            let scale = g.adaptive_avg_pool(format!("{s}.avgpool"), y, (1, 1));
-            let fc = |a, b| Conv2d {
-                bias: true,
-                ..Conv2d::new(a, b, 1, 1, 0)
-            };
-            let scale = g.conv(format!("{s}.fc1"), scale, fc(exp, squeeze));
-            let scale = g.relu(format!("{s}.relu"), scale);
-            let scale = g.conv(format!("{s}.fc2"), scale, fc(squeeze, exp));
-            let scale = g.unary(format!("{s}.scale_activation"), scale, Unary::Hardsigmoid);
-            y = g.add_node(s, Op::ScaleChannels, &[y, scale]);
+            let ops = (Op::Relu, Op::Unary(Unary::Hardsigmoid));
+            y = squeeze_excitation(&mut g, &s, y, (exp, squeeze), ops);
             j += 1;
         }
         y = conv_norm_act(

@@ -2,16 +2,20 @@
 //! module and parameter names, so a torchvision `state_dict` saved as safetensors loads as is.
 
 mod alexnet;
+mod convnext;
 mod efficientnet;
 mod mobilenet;
 mod mobilenet_v3;
+mod regnet;
 mod resnet;
 mod vgg;
 mod vit;
 
+pub use convnext::convnext_custom;
 pub use efficientnet::efficientnet_custom;
 pub use mobilenet::mobilenet_v2_custom;
 pub use mobilenet_v3::mobilenet_v3_custom;
+pub use regnet::{RegNetConfig, regnet_custom};
 pub use resnet::{Block, ResNetConfig, resnet_custom};
 pub use vit::{VitConfig, vit_custom};
 
@@ -54,6 +58,25 @@ pub const NETWORKS: &[&str] = &[
     "vit_l_16",
     "vit_l_32",
     "vit_h_14",
+    "convnext_tiny",
+    "convnext_small",
+    "convnext_base",
+    "convnext_large",
+    "regnet_y_400mf",
+    "regnet_y_800mf",
+    "regnet_y_1_6gf",
+    "regnet_y_3_2gf",
+    "regnet_y_8gf",
+    "regnet_y_16gf",
+    "regnet_y_32gf",
+    "regnet_y_128gf",
+    "regnet_x_400mf",
+    "regnet_x_800mf",
+    "regnet_x_1_6gf",
+    "regnet_x_3_2gf",
+    "regnet_x_8gf",
+    "regnet_x_16gf",
+    "regnet_x_32gf",
 ];
 
 /// A network name that the zoo does not have.
@@ -85,6 +108,14 @@ pub fn build(name: &str) -> Result<Graph, UnknownNetwork> {
         "vit_l_16" => vit::vit(name, 16, 24, 16, 1024, 4096),
         "vit_l_32" => vit::vit(name, 32, 24, 16, 1024, 4096),
         "vit_h_14" => vit::vit(name, 14, 32, 16, 1280, 5120),
+        _ if convnext::variant(name).is_some() => {
+            let (widths, depths) = convnext::variant(name).expect("checked");
+            convnext::convnext_custom(name, widths, depths, 1000)
+        }
+        _ if regnet::variant(name).is_some() => {
+            let cfg = regnet::variant(name).expect("checked");
+            regnet::regnet_custom(name, &cfg, 1000)
+        }
         _ if name.starts_with("efficientnet_b") => {
             let b = name["efficientnet_b".len()..].parse::<usize>().ok();
             match b.and_then(efficientnet::variant) {
