@@ -23,7 +23,8 @@ import torchvision
 # The input size of torchvision's weights for networks that take any size (their transforms'
 # crop); a ViT carries its own (`image_size`).
 SIZES = {"efficientnet_b1": 240, "efficientnet_b2": 288, "efficientnet_b3": 300, "efficientnet_b4": 380,
-         "efficientnet_b5": 456, "efficientnet_b6": 528, "efficientnet_b7": 600}
+         "efficientnet_b5": 456, "efficientnet_b6": 528, "efficientnet_b7": 600,
+         "efficientnet_v2_s": 384, "efficientnet_v2_m": 480, "efficientnet_v2_l": 480}
 
 FIXTURE = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "zoo-reference.json"
 

@@ -16,19 +16,32 @@ pub(super) fn make_divisible(v: f64, divisor: usize) -> usize {
 }
 
 /// torchvision's Conv2dNormActivation: conv (no bias) → batch norm (`eps`) → `act` when there
-/// is one, as `{p}.0`, `{p}.1`, `{p}.2` (MobileNetV2 and V3, EfficientNet).
+/// is one, as `{p}.0`, `{p}.1`, `{p}.2` (MobileNetV2 and V3, EfficientNet, RegNet).
 pub(super) fn conv_norm_act(
     g: &mut GraphBuilder,
     p: &str,
     x: ValueId,
     conv: Conv2d,
+    norm_act: (f32, Option<Op>),
+) -> ValueId {
+    conv_norm_act_at(g, (p, 0), x, conv, norm_act)
+}
+
+/// [`conv_norm_act`] numbered from `first` within `p`: `{p}.{first}`, `{p}.{first + 1}`, … (a
+/// flat Sequential such as MNASNet's `layers`).
+pub(super) fn conv_norm_act_at(
+    g: &mut GraphBuilder,
+    (p, first): (&str, usize),
+    x: ValueId,
+    conv: Conv2d,
     (eps, act): (f32, Option<Op>),
 ) -> ValueId {
     let channels = conv.out_channels;
-    let x = g.conv(format!("{p}.0"), x, conv);
-    let x = g.add_node(format!("{p}.1"), Op::BatchNorm { channels, eps }, &[x]);
+    let x = g.conv(format!("{p}.{first}"), x, conv);
+    let bn = Op::BatchNorm { channels, eps };
+    let x = g.add_node(format!("{p}.{}", first + 1), bn, &[x]);
     match act {
-        Some(op) => g.add_node(format!("{p}.2"), op, &[x]),
+        Some(op) => g.add_node(format!("{p}.{}", first + 2), op, &[x]),
         None => x,
     }
 }

@@ -4,6 +4,7 @@
 mod alexnet;
 mod convnext;
 mod efficientnet;
+mod mnasnet;
 mod mobilenet;
 mod mobilenet_v3;
 mod regnet;
@@ -13,6 +14,7 @@ mod vit;
 
 pub use convnext::convnext_custom;
 pub use efficientnet::efficientnet_custom;
+pub use mnasnet::mnasnet_custom;
 pub use mobilenet::mobilenet_v2_custom;
 pub use mobilenet_v3::mobilenet_v3_custom;
 pub use regnet::{RegNetConfig, regnet_custom};
@@ -53,6 +55,9 @@ pub const NETWORKS: &[&str] = &[
     "efficientnet_b5",
     "efficientnet_b6",
     "efficientnet_b7",
+    "efficientnet_v2_s",
+    "efficientnet_v2_m",
+    "efficientnet_v2_l",
     "vit_b_16",
     "vit_b_32",
     "vit_l_16",
@@ -77,6 +82,10 @@ pub const NETWORKS: &[&str] = &[
     "regnet_x_8gf",
     "regnet_x_16gf",
     "regnet_x_32gf",
+    "mnasnet0_5",
+    "mnasnet0_75",
+    "mnasnet1_0",
+    "mnasnet1_3",
 ];
 
 /// A network name that the zoo does not have.
@@ -88,6 +97,12 @@ pub struct UnknownNetwork {
 
 /// Build a zoo network with 1000 ImageNet classes.
 pub fn build(name: &str) -> Result<Graph, UnknownNetwork> {
+    let unknown = || UnknownNetwork {
+        name: name.to_string(),
+    };
+    if !NETWORKS.contains(&name) {
+        return Err(unknown());
+    }
     let graph = match name {
         "resnet18" => resnet::resnet(name, Block::Basic, [2, 2, 2, 2]),
         "resnet34" => resnet::resnet(name, Block::Basic, [3, 4, 6, 3]),
@@ -108,41 +123,38 @@ pub fn build(name: &str) -> Result<Graph, UnknownNetwork> {
         "vit_l_16" => vit::vit(name, 16, 24, 16, 1024, 4096),
         "vit_l_32" => vit::vit(name, 32, 24, 16, 1024, 4096),
         "vit_h_14" => vit::vit(name, 14, 32, 16, 1280, 5120),
-        _ if convnext::variant(name).is_some() => {
-            let (widths, depths) = convnext::variant(name).expect("checked");
-            convnext::convnext_custom(name, widths, depths, 1000)
-        }
-        _ if regnet::variant(name).is_some() => {
-            let cfg = regnet::variant(name).expect("checked");
-            regnet::regnet_custom(name, &cfg, 1000)
-        }
-        _ if name.starts_with("efficientnet_b") => {
-            let b = name["efficientnet_b".len()..].parse::<usize>().ok();
-            match b.and_then(efficientnet::variant) {
-                Some((w, d, dropout, size, eps)) => {
-                    efficientnet::efficientnet_custom(name, (w, d), (dropout, size, eps), 1000)
-                }
-                None => {
-                    return Err(UnknownNetwork {
-                        name: name.to_string(),
-                    });
-                }
-            }
-        }
-        _ => {
-            let (base, bn) = match name.strip_suffix("_bn") {
-                Some(base) => (base, true),
-                None => (name, false),
-            };
-            match base {
-                "vgg11" | "vgg13" | "vgg16" | "vgg19" => vgg::vgg(name, base, bn, 1000),
-                _ => {
-                    return Err(UnknownNetwork {
-                        name: name.to_string(),
-                    });
-                }
-            }
-        }
+        _ => family(name).ok_or_else(unknown)?,
     };
     Ok(graph)
+}
+
+/// The networks whose variants are computed from their names: EfficientNet, ConvNeXt,
+/// RegNet, MNASNet and VGG.
+fn family(name: &str) -> Option<Graph> {
+    if let Some(b) = name.strip_prefix("efficientnet_b") {
+        let (w, d, dropout, size, eps) = efficientnet::variant(b.parse().ok()?)?;
+        return Some(efficientnet::efficientnet_custom(
+            name,
+            (w, d),
+            (dropout, size, eps),
+            1000,
+        ));
+    }
+    if let Some(g) = efficientnet::v2(name) {
+        return Some(g);
+    }
+    if let Some((widths, depths)) = convnext::variant(name) {
+        return Some(convnext::convnext_custom(name, widths, depths, 1000));
+    }
+    if let Some(cfg) = regnet::variant(name) {
+        return Some(regnet::regnet_custom(name, &cfg, 1000));
+    }
+    if let Some(alpha) = mnasnet::variant(name) {
+        return Some(mnasnet::mnasnet_custom(name, alpha, 1000));
+    }
+    let (base, bn) = match name.strip_suffix("_bn") {
+        Some(base) => (base, true),
+        None => (name, false),
+    };
+    matches!(base, "vgg11" | "vgg13" | "vgg16" | "vgg19").then(|| vgg::vgg(name, base, bn, 1000))
 }
