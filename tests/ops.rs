@@ -774,3 +774,30 @@ fn channels_last_block(kind: BackendKind) {
     check(kind, &g.finish(y), [2, 3, 5, 7], 1.0);
 }
 backend_test!(channels_last_block, cpu, wgpu, cuda, hip);
+
+/// Concatenation along the channels: three inputs of different widths (one of them the
+/// graph's input itself), then a convolution that reads across their seams, in every
+/// precision.
+fn concat_channels(kind: BackendKind) {
+    let mut g = GraphBuilder::new("cat", 3, ConvInit::TorchDefault, LinearInit::TorchDefault);
+    let x = g.input();
+    let a = g.conv("a", x, Conv2d::new(3, 5, 3, 1, 1));
+    let b = g.conv("b", x, Conv2d::new(3, 2, 1, 1, 0));
+    let y = g.add_node("cat", Op::Concat { parts: 3 }, &[a, x, b]);
+    let y = g.conv("mix", y, Conv2d::new(10, 4, 3, 1, 1));
+    let y = g.add_node("cat2", Op::Concat { parts: 2 }, &[y, a]);
+    check(kind, &g.finish(y), [2, 3, 5, 7], 1.0);
+}
+backend_test!(concat_channels, cpu, wgpu, cuda, hip);
+
+/// A padded 3×3 convolution on a 1×1 image reads only its centre tap: the wgpu GEMM once took
+/// every 1×1 image for a linear layer's and read the wrong weights (DenseNet's last block at
+/// a 32×32 input). Also a padded 1×1 kernel, whose output is larger than its input.
+fn kernels_on_one_pixel(kind: BackendKind) {
+    let mut g = GraphBuilder::new("px", 3, ConvInit::TorchDefault, LinearInit::TorchDefault);
+    let x = g.input();
+    let y = g.conv("k3", x, Conv2d::new(3, 5, 3, 1, 1).with_bias());
+    let y = g.conv("k1", y, Conv2d::new(5, 4, 1, 1, 1));
+    check(kind, &g.finish(y), [2, 3, 1, 1], 1.0);
+}
+backend_test!(kernels_on_one_pixel, cpu, wgpu, cuda, hip);

@@ -140,6 +140,8 @@ fn models_match_pytorch(kind: BackendKind) {
         "tiny_regnet",
         &zoo::regnet_custom("tiny_regnet", &tiny_regnet(), 10),
     );
+    let densenet = zoo::densenet_custom("tiny_densenet", 4, [2, 2, 2, 2], 8, 10);
+    check_model(kind, "tiny_densenet", &densenet);
 }
 
 /// `BlockParams.from_init_params(depth=4, w_0=8, w_a=8.0, w_m=2.0, group_width=8,

@@ -697,6 +697,23 @@ KERNEL(tokens, TokensArgs) {
     a.y[i] = a.x[(img * a.c + ch) * a.hw + p];
 }
 
+struct ChannelCopyArgs {
+    const elem* x;  // (N, cx, H·W)
+    elem* y;        // (N, cy, H·W)
+    int n, hw, cx, from, cy, to, count;
+};
+
+// Channels [from, from + count) of x into channels [to, to + count) of y: one input of a
+// concatenation along the channels.
+KERNEL(channel_copy, ChannelCopyArgs) {
+    long long i = linear_index();
+    long long per = (long long)a.count * a.hw;
+    if (i >= a.n * per) return;
+    long long img = i / per, r = i % per;
+    long long k = r / a.hw, q = r % a.hw;
+    a.y[(img * a.cy + a.to + k) * a.hw + q] = a.x[(img * a.cx + a.from + k) * a.hw + q];
+}
+
 struct ClassTokenArgs {
     const elem* x;       // (N, T, D)
     const float* token;  // (D)

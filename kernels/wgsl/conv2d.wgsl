@@ -202,6 +202,12 @@ const ROWS: u32 = 8u;
 var<workgroup> partial: array<vec4<f32>, 512>; // ROWS × 64 threads
 
 // A[row, k] of a linear layer, or 0 past the last row.
+// A linear layer: 1×1 images in and out, a 1×1 kernel (a padded k×k kernel on a 1×1 image
+// reads its centre tap only, and takes the general path).
+fn is_linear() -> bool {
+    return p.h * p.w == 1u && p.oh * p.ow == 1u && p.k_g == p.cin_g;
+}
+
 fn a_row(row: u32, k: u32) -> f32 {
     if (row >= p.m) {
         return 0.0;
@@ -214,8 +220,8 @@ fn a_at(row: u32, ky: u32, kx: u32, ci: u32) -> f32 {
     if (row >= p.m) {
         return 0.0;
     }
-    if (p.h * p.w == 1u) {
-        return f32(x[row * p.cin + ci]); // a linear layer: 1×1 images, 1×1 kernel
+    if (is_linear()) {
+        return f32(x[row * p.cin + ci]);
     }
     let ox = row % p.ow;
     let rest = row / p.ow;
@@ -253,8 +259,8 @@ fn conv2d_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
     var s5 = vec4<f32>(0.0);
     var s6 = vec4<f32>(0.0);
     var s7 = vec4<f32>(0.0);
-    if (col < p.cout_g && p.h * p.w == 1u) {
-        // A linear layer (1×1 images and kernel): A[row, k] is x[row, k].
+    if (col < p.cout_g && is_linear()) {
+        // A linear layer: A[row, k] is x[row, k].
         for (var k = lid.y; k < p.k_g; k += 4u) {
             let b = b4(k, col, wbase);
             let ci = g * cin_g + k;

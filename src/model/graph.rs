@@ -29,6 +29,11 @@ pub enum ConvInit {
     TruncNormalFanIn,
     /// `trunc_normal_(std=0.02)`, bias 0 (ConvNeXt, convolutions and linear layers alike).
     TruncNormal002,
+    /// `kaiming_normal_()` (fan in, ReLU's gain), bias 0 (DenseNet).
+    KaimingNormalFanIn,
+    /// `kaiming_uniform_()` (fan in, ReLU's gain), bias 0; the final `classifier.1` N(0, 0.01)
+    /// (SqueezeNet).
+    KaimingUniform,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -306,6 +306,11 @@ pub enum Op {
     /// height and width are read, as `view_as` would), the inverse of `Tokens` (ConvNeXt's
     /// `Permute([0, 3, 1, 2])` after its channels-last MLP).
     Image,
+    /// `torch.cat` of `parts` image batches along the channels: every input (N, Cᵢ, H, W), the
+    /// output (N, ΣCᵢ, H, W) (DenseNet, Inception, GoogLeNet, SqueezeNet).
+    Concat {
+        parts: usize,
+    },
     /// (N, C, H, W) times a learned per-channel scale (C, 1, 1): ConvNeXt's `layer_scale`
     /// (the node's name is the parameter's whole name).
     LayerScale {
@@ -392,6 +397,7 @@ impl Op {
             Op::SelectToken { .. } => "select_token",
             Op::Image => "image",
             Op::LayerScale { .. } => "layer_scale",
+            Op::Concat { .. } => "concat",
         }
     }
 
@@ -400,6 +406,7 @@ impl Op {
         match self {
             Op::Input { .. } => 0,
             Op::Add | Op::ScaleChannels | Op::Image => 2,
+            Op::Concat { parts } => *parts,
             Op::Conv2d(c) if c.residual => 2,
             _ => 1,
         }
@@ -656,6 +663,28 @@ impl Op {
                     ))),
                 }
             }
+            Op::Concat { .. } => {
+                let Some(first) = inputs.first() else {
+                    return Err(ShapeError("concat needs at least one input".into()));
+                };
+                let (n, _, h, w) = image(first)?;
+                let mut channels = 0usize;
+                for s in inputs {
+                    match **s {
+                        [m, c, y, x] if (m, y, x) == (n, h, w) => {
+                            channels = channels.saturating_add(c)
+                        }
+                        _ => {
+                            return Err(ShapeError(format!(
+                                "concat needs image batches of one (N, H, W), got {} and {}",
+                                fmt_shape(inputs[0]),
+                                fmt_shape(s)
+                            )));
+                        }
+                    }
+                }
+                Ok(vec![n, channels, h, w])
+            }
             Op::LayerScale { channels } => {
                 let (_, c, _, _) = image(inputs[0])?;
                 if c != *channels {
@@ -727,6 +756,7 @@ impl Op {
             | Op::Dropout { .. }
             | Op::Tokens
             | Op::Image
+            | Op::Concat { .. }
             | Op::SelectToken { .. }
             | Op::ClassToken { .. } => 0,
             Op::Conv2d(c) => {

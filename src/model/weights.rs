@@ -92,6 +92,18 @@ impl Weights {
                             normal(&mut rng, shape, (1.0 / fan_in).sqrt()),
                             Tensor::zeros(vec![c.out_channels]),
                         ),
+                        ConvInit::KaimingNormalFanIn => (
+                            normal(&mut rng, shape, (2.0 / fan_in).sqrt()),
+                            Tensor::zeros(vec![c.out_channels]),
+                        ),
+                        ConvInit::KaimingUniform if node.name == "classifier.1" => (
+                            normal(&mut rng, shape, 0.01),
+                            Tensor::zeros(vec![c.out_channels]),
+                        ),
+                        ConvInit::KaimingUniform => (
+                            uniform(&mut rng, shape, (6.0 / fan_in).sqrt()),
+                            Tensor::zeros(vec![c.out_channels]),
+                        ),
                         // ±2 (the truncation) is a hundred deviations out: a plain normal.
                         ConvInit::TruncNormal002 => (
                             normal(&mut rng, shape, 0.02),

@@ -61,6 +61,7 @@ pub(super) enum NodeKernel<T> {
         heads: usize,
     },
     SelectToken(usize),
+    Concat,
 }
 
 /// An activation buffer: the first `len` elements of `data` in use. Every element of `data` is
@@ -235,6 +236,7 @@ impl<T: Elem> CpuSession<T> {
                 Op::SelectToken { index } => NodeKernel::SelectToken(index),
                 // NHWC images already are (N, H·W, C) tokens, and tokens an NHWC image.
                 Op::Image => NodeKernel::Identity,
+                Op::Concat { .. } => NodeKernel::Concat,
                 Op::LayerScale { channels } => {
                     weight_bytes += channels as u64 * 4;
                     NodeKernel::Scale {
@@ -441,6 +443,17 @@ impl<T: Elem> CpuSession<T> {
                     self.batch_stats.push((id, mean, var));
                 }
                 kernels::affine_inplace(&mut y, os.c, scale, shift);
+                y
+            }
+            NodeKernel::Concat => {
+                let mut y = self.alloc(os.elems());
+                let mut offset = 0;
+                for &i in &inputs {
+                    let c = self.dims(i, images.len()).c;
+                    let x = values[i].as_ref().expect("input computed");
+                    kernels::copy_channels((x, c, 0), (&mut y, os.c, offset), c);
+                    offset += c;
+                }
                 y
             }
             NodeKernel::Scale { scale, zero } => {

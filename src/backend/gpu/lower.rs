@@ -141,6 +141,7 @@ pub fn build(
             grid: grid_1d(total)?,
             weights,
             input_shape: node.inputs.first().map_or(&[][..], |&i| &plan.shapes[i]),
+            plan_shapes: &plan.shapes,
             bias: "bias",
             attention,
         };
@@ -195,6 +196,8 @@ struct NodeCtx<'a> {
     weights: &'a Weights,
     /// The first input's logical shape.
     input_shape: &'a [usize],
+    /// Every value's logical shape (a concatenation reads its inputs').
+    plan_shapes: &'a [Vec<usize>],
     /// The suffix of the bias a GEMM's epilogue adds (`bias`; the attention's projections
     /// have their own).
     bias: &'static str,
@@ -595,6 +598,23 @@ fn other_op(b: &mut Builder, at: &NodeCtx<'_>, input: BufId) -> Result<(), Backe
                 Arg::I32(c as i32),
             ];
             b.launch(&node.name, op, "tokens", grid, args);
+        }
+        // One copy per input into its channels of the output.
+        Op::Concat { .. } => {
+            let mut to = 0;
+            for &i in &node.inputs {
+                let count = at.plan_shapes[i][1];
+                let dims = [n, h * w, count, 0, c, to, count].map(|v| Arg::I32(v as i32));
+                let args = [vec![Arg::Buf(b.of[i]), Arg::Buf(y)], dims.to_vec()].concat();
+                b.launch(
+                    &node.name,
+                    op,
+                    "channel_copy",
+                    grid_1d(n * count * h * w)?,
+                    args,
+                );
+                to += count;
+            }
         }
         // Batch norm's kernel with a zero shift.
         Op::LayerScale { channels } => {

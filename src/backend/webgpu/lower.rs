@@ -431,6 +431,25 @@ fn node_launches(
         Op::Flatten => one(Kernel::NhwcToNchw, vec![total, xc, xh * xw], x(), 5, total),
         Op::Softmax => one(Kernel::Softmax, shape.to_vec(), x(), 5, total / c.max(1)),
         Op::Tokens | Op::Image => Vec::new(),
+        // One copy per input into its channels of the output.
+        Op::Concat { .. } => {
+            let pixels = n * h * w;
+            let mut to = 0;
+            let mut parts = Vec::new();
+            for (k, &i) in node.inputs.iter().enumerate() {
+                let count = plan.shapes[i][1];
+                let p = vec![pixels * count, count, count, 0, c, to, 0, 0];
+                parts.extend(one(
+                    Kernel::ChannelCopy,
+                    p,
+                    vec![(1, input_buf(k))],
+                    2,
+                    pixels * count,
+                ));
+                to += count;
+            }
+            parts
+        }
         // The batch norm's kernel with a zero shift.
         Op::LayerScale { channels } => {
             *weight_bytes += *channels as u64 * 4;

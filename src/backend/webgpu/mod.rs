@@ -53,6 +53,10 @@ const KERNELS: &[(&str, &str)] = &[
         "stream.wgsl",
         include_str!("../../../kernels/wgsl/stream.wgsl"),
     ),
+    (
+        "channels.wgsl",
+        include_str!("../../../kernels/wgsl/channels.wgsl"),
+    ),
 ];
 
 /// The kernels, as (file, entry point).
@@ -80,6 +84,7 @@ enum Kernel {
     Gelu,
     SelectToken,
     Attention,
+    ChannelCopy,
 }
 
 impl Kernel {
@@ -107,6 +112,7 @@ impl Kernel {
             Kernel::Gelu => ("transformer.wgsl", "gelu"),
             Kernel::SelectToken => ("transformer.wgsl", "select_token"),
             Kernel::Attention => ("transformer.wgsl", "attention"),
+            Kernel::ChannelCopy => ("channels.wgsl", "channel_copy"),
         }
     }
 }

@@ -3,22 +3,26 @@
 
 mod alexnet;
 mod convnext;
+mod densenet;
 mod efficientnet;
 mod mnasnet;
 mod mobilenet;
 mod mobilenet_v3;
 mod regnet;
 mod resnet;
+mod squeezenet;
 mod vgg;
 mod vit;
 
 pub use convnext::convnext_custom;
+pub use densenet::densenet_custom;
 pub use efficientnet::efficientnet_custom;
 pub use mnasnet::mnasnet_custom;
 pub use mobilenet::mobilenet_v2_custom;
 pub use mobilenet_v3::mobilenet_v3_custom;
 pub use regnet::{RegNetConfig, regnet_custom};
 pub use resnet::{Block, ResNetConfig, resnet_custom};
+pub use squeezenet::squeezenet_custom;
 pub use vit::{VitConfig, vit_custom};
 
 use super::Graph;
@@ -86,6 +90,12 @@ pub const NETWORKS: &[&str] = &[
     "mnasnet0_75",
     "mnasnet1_0",
     "mnasnet1_3",
+    "densenet121",
+    "densenet161",
+    "densenet169",
+    "densenet201",
+    "squeezenet1_0",
+    "squeezenet1_1",
 ];
 
 /// A network name that the zoo does not have.
@@ -123,6 +133,8 @@ pub fn build(name: &str) -> Result<Graph, UnknownNetwork> {
         "vit_l_16" => vit::vit(name, 16, 24, 16, 1024, 4096),
         "vit_l_32" => vit::vit(name, 32, 24, 16, 1024, 4096),
         "vit_h_14" => vit::vit(name, 14, 32, 16, 1280, 5120),
+        "squeezenet1_0" => squeezenet::squeezenet_custom(name, false, 1000),
+        "squeezenet1_1" => squeezenet::squeezenet_custom(name, true, 1000),
         _ => family(name).ok_or_else(unknown)?,
     };
     Ok(graph)
@@ -148,6 +160,9 @@ fn family(name: &str) -> Option<Graph> {
     }
     if let Some(cfg) = regnet::variant(name) {
         return Some(regnet::regnet_custom(name, &cfg, 1000));
+    }
+    if let Some((growth, blocks, stem)) = densenet::variant(name) {
+        return Some(densenet::densenet_custom(name, growth, blocks, stem, 1000));
     }
     if let Some(alpha) = mnasnet::variant(name) {
         return Some(mnasnet::mnasnet_custom(name, alpha, 1000));

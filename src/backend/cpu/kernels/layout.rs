@@ -50,3 +50,24 @@ pub fn nchw_to_nhwc<T: Elem>(x: &[f32], xs: Nhwc, y: &mut [T]) {
             as_f32_row(out, wide, interleave);
         });
 }
+
+/// Pixels per work item of [`copy_channels`].
+const COPY_PIXELS: usize = 256;
+
+/// Channels `[from, from + count)` of every pixel of `x` (NHWC, `cx` channels) into channels
+/// `[to, to + count)` of `y` (`cy` channels): one input of a concatenation, or one part of a
+/// split.
+pub fn copy_channels<T: Elem>(
+    (x, cx, from): (&[T], usize, usize),
+    (y, cy, to): (&mut [T], usize, usize),
+    count: usize,
+) {
+    let (cx, cy) = (cx.max(1), cy.max(1));
+    y.par_chunks_mut(cy * COPY_PIXELS)
+        .zip(x.par_chunks(cx * COPY_PIXELS))
+        .for_each(|(out, input)| {
+            for (o, i) in out.chunks_mut(cy).zip(input.chunks(cx)) {
+                o[to..to + count].copy_from_slice(&i[from..from + count]);
+            }
+        });
+}
