@@ -398,6 +398,37 @@ fn shape_errors_say_what_does_not_fit() {
     let g = single("g", 6, conv(6, 4, (3, 3), 1, (1, 1), 1, 4, false));
     let e = g.plan(1, 8, 8).unwrap_err().to_string();
     assert!(e.contains("groups=4 must divide"), "{e}");
+    // The channel ops of DenseNet, ShuffleNet and ConvNeXt, each with what does not fit.
+    let cases = [
+        (
+            Op::ChannelSlice { start: 4, count: 4 },
+            "4 channels from 4 does not fit 6",
+        ),
+        (
+            Op::ChannelSlice {
+                start: usize::MAX,
+                count: 2,
+            },
+            "does not fit 6 channels",
+        ),
+        (Op::ChannelShuffle { groups: 4 }, "4 groups must divide 6"),
+        (Op::ChannelShuffle { groups: 0 }, "0 groups must divide 6"),
+        (Op::LayerNorm { dim: 5, eps: 1e-6 }, "over 5 channels"),
+        (Op::LayerScale { channels: 5 }, "expects 5 channels, got 6"),
+    ];
+    for (op, says) in cases {
+        let e = single("x", 6, op).plan(1, 4, 4).unwrap_err().to_string();
+        assert!(e.contains(says), "{e}");
+    }
+    let mut g = GraphBuilder::new("cat", 3, ConvInit::TorchDefault, LinearInit::TorchDefault);
+    let x = g.input();
+    let half = g.max_pool("pool", x, Pool::new(2, 2, 0));
+    let y = g.add_node("cat", Op::Concat { parts: 2 }, &[x, half]);
+    let e = g.finish(y).plan(1, 4, 4).unwrap_err().to_string();
+    assert!(
+        e.contains("concat needs image batches of one (N, H, W)"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -789,6 +820,22 @@ fn concat_channels(kind: BackendKind) {
     check(kind, &g.finish(y), [2, 3, 5, 7], 1.0);
 }
 backend_test!(concat_channels, cpu, wgpu, cuda, hip);
+
+/// ShuffleNetV2's unit: a slice of the channels, a concatenation, a shuffle in 3 groups (so a
+/// wrong group order shows), and a slice from the middle, in every precision.
+fn channel_slice_and_shuffle(kind: BackendKind) {
+    let mut g = GraphBuilder::new("shuf", 3, ConvInit::TorchDefault, LinearInit::TorchDefault);
+    let x = g.input();
+    let x = g.conv("conv", x, Conv2d::new(3, 6, 3, 1, 1));
+    let a = g.add_node("lo", Op::ChannelSlice { start: 0, count: 3 }, &[x]);
+    let b = g.add_node("hi", Op::ChannelSlice { start: 3, count: 3 }, &[x]);
+    let b = g.conv("branch", b, Conv2d::new(3, 6, 1, 1, 0));
+    let y = g.add_node("cat", Op::Concat { parts: 2 }, &[a, b]);
+    let y = g.add_node("shuffle", Op::ChannelShuffle { groups: 3 }, &[y]);
+    let y = g.add_node("mid", Op::ChannelSlice { start: 2, count: 5 }, &[y]);
+    check(kind, &g.finish(y), [2, 3, 5, 7], 1.0);
+}
+backend_test!(channel_slice_and_shuffle, cpu, wgpu, cuda, hip);
 
 /// A padded 3×3 convolution on a 1×1 image reads only its centre tap: the wgpu GEMM once took
 /// every 1×1 image for a linear layer's and read the wrong weights (DenseNet's last block at

@@ -142,6 +142,9 @@ fn models_match_pytorch(kind: BackendKind) {
     );
     let densenet = zoo::densenet_custom("tiny_densenet", 4, [2, 2, 2, 2], 8, 10);
     check_model(kind, "tiny_densenet", &densenet);
+    let shufflenet =
+        zoo::shufflenet_v2_custom("tiny_shufflenet", [1, 2, 1], [8, 16, 32, 48, 64], 10);
+    check_model(kind, "tiny_shufflenet", &shufflenet);
 }
 
 /// `BlockParams.from_init_params(depth=4, w_0=8, w_a=8.0, w_m=2.0, group_width=8,

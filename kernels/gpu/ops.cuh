@@ -700,18 +700,18 @@ KERNEL(tokens, TokensArgs) {
 struct ChannelCopyArgs {
     const elem* x;  // (N, cx, H·W)
     elem* y;        // (N, cy, H·W)
-    int n, hw, cx, from, cy, to, count;
+    int n, hw, cx, from, cy, to, count, step;
 };
 
-// Channels [from, from + count) of x into channels [to, to + count) of y: one input of a
-// concatenation along the channels.
+// Channels [from, from + count) of x into channels to, to + step, … of y: one part of a
+// concatenation, a channel slice or a shuffle.
 KERNEL(channel_copy, ChannelCopyArgs) {
     long long i = linear_index();
     long long per = (long long)a.count * a.hw;
     if (i >= a.n * per) return;
     long long img = i / per, r = i % per;
     long long k = r / a.hw, q = r % a.hw;
-    a.y[(img * a.cy + a.to + k) * a.hw + q] = a.x[(img * a.cx + a.from + k) * a.hw + q];
+    a.y[(img * a.cy + a.to + k * a.step) * a.hw + q] = a.x[(img * a.cx + a.from + k) * a.hw + q];
 }
 
 struct ClassTokenArgs {

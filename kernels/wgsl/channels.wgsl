@@ -1,5 +1,6 @@
-// Copies between the channels of NHWC tensors: one input of a concatenation along the channels
-// (DenseNet, Inception, SqueezeNet). One thread per element copied.
+// Copies between the channels of NHWC tensors: one part of a concatenation along the channels
+// (DenseNet, Inception, SqueezeNet), a channel slice or a shuffle (ShuffleNetV2). One thread
+// per element copied.
 
 struct Params {
     total: u32,   // pixels · count
@@ -8,8 +9,8 @@ struct Params {
     x_from: u32,  // the first channel read
     cy: u32,      // the output's channels
     y_from: u32,  // the first channel written
-    _pad0: u32,
-    _pad1: u32,
+    step: u32,    // between the channels written
+    _pad: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -26,6 +27,6 @@ fn channel_copy(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     if (i < p.total) {
         let px = i / p.count;
         let k = i % p.count;
-        y[px * p.cy + p.y_from + k] = x[px * p.cx + p.x_from + k];
+        y[px * p.cy + p.y_from + k * p.step] = x[px * p.cx + p.x_from + k];
     }
 }

@@ -311,11 +311,32 @@ pub enum Op {
     Concat {
         parts: usize,
     },
+    /// Channels `[start, start + count)` of an image batch (ShuffleNetV2's `x.chunk(2, dim=1)`).
+    ChannelSlice {
+        start: usize,
+        count: usize,
+    },
+    /// ShuffleNet's `channel_shuffle`: the channels viewed as (groups, C / groups), transposed;
+    /// output channel j·groups + i is input channel i·(C / groups) + j.
+    ChannelShuffle {
+        groups: usize,
+    },
     /// (N, C, H, W) times a learned per-channel scale (C, 1, 1): ConvNeXt's `layer_scale`
     /// (the node's name is the parameter's whole name).
     LayerScale {
         channels: usize,
     },
+}
+
+/// One copy of an op that only moves channels (concatenation, slice, shuffle): `count`
+/// channels of input `input` from channel `from`, to output channels `to`, `to + step`, …
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChannelCopy {
+    pub input: usize,
+    pub from: usize,
+    pub to: usize,
+    pub count: usize,
+    pub step: usize,
 }
 
 /// Inference batch norm as a per-channel affine map: y = x · scale + shift, with
@@ -398,6 +419,8 @@ impl Op {
             Op::Image => "image",
             Op::LayerScale { .. } => "layer_scale",
             Op::Concat { .. } => "concat",
+            Op::ChannelSlice { .. } => "channel_slice",
+            Op::ChannelShuffle { .. } => "channel_shuffle",
         }
     }
 
@@ -685,6 +708,24 @@ impl Op {
                 }
                 Ok(vec![n, channels, h, w])
             }
+            Op::ChannelSlice { start, count } => {
+                let (n, c, h, w) = image(inputs[0])?;
+                match start.checked_add(*count) {
+                    Some(end) if end <= c && *count > 0 => Ok(vec![n, *count, h, w]),
+                    _ => Err(ShapeError(format!(
+                        "channel_slice of {count} channels from {start} does not fit {c} channels"
+                    ))),
+                }
+            }
+            Op::ChannelShuffle { groups } => {
+                let (_, c, _, _) = image(inputs[0])?;
+                if *groups == 0 || c % groups != 0 {
+                    return Err(ShapeError(format!(
+                        "channel_shuffle: {groups} groups must divide {c} channels"
+                    )));
+                }
+                Ok(inputs[0].to_vec())
+            }
             Op::LayerScale { channels } => {
                 let (_, c, _, _) = image(inputs[0])?;
                 if c != *channels {
@@ -713,6 +754,37 @@ impl Op {
                 ))),
             },
         }
+    }
+
+    /// Concatenation, channel slice and shuffle as the channel copies every backend runs,
+    /// given the inputs' channel counts; `None` for any other op.
+    pub fn channel_copies(&self, in_channels: &[usize]) -> Option<Vec<ChannelCopy>> {
+        let copy = |input, from, to, count, step| ChannelCopy {
+            input,
+            from,
+            to,
+            count,
+            step,
+        };
+        Some(match *self {
+            Op::Concat { .. } => {
+                let offsets = in_channels.iter().scan(0, |to, &c| {
+                    *to += c;
+                    Some(*to - c)
+                });
+                (in_channels.iter().zip(offsets).enumerate())
+                    .map(|(k, (&c, to))| copy(k, 0, to, c, 1))
+                    .collect()
+            }
+            Op::ChannelSlice { start, count } => vec![copy(0, start, 0, count, 1)],
+            Op::ChannelShuffle { groups } => {
+                let per = in_channels[0] / groups.max(1);
+                (0..groups)
+                    .map(|i| copy(0, i * per, i, per, groups))
+                    .collect()
+            }
+            _ => return None,
+        })
     }
 
     fn tokens_expected(&self, dim: usize, got: &[usize]) -> ShapeError {
@@ -757,6 +829,8 @@ impl Op {
             | Op::Tokens
             | Op::Image
             | Op::Concat { .. }
+            | Op::ChannelSlice { .. }
+            | Op::ChannelShuffle { .. }
             | Op::SelectToken { .. }
             | Op::ClassToken { .. } => 0,
             Op::Conv2d(c) => {

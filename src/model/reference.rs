@@ -117,6 +117,28 @@ pub fn eval<'a>(
             }
             Tensor::new(out_shape.to_vec(), data)
         }
+        Op::ChannelSlice { start, count } => {
+            let (c, hw) = (ins[0].shape[1], ins[0].shape[2] * ins[0].shape[3]);
+            let data = (ins[0].data.chunks(c * hw))
+                .flat_map(|image| &image[start * hw..(start + count) * hw])
+                .copied()
+                .collect();
+            Tensor::new(out_shape.to_vec(), data)
+        }
+        Op::ChannelShuffle { groups } => {
+            let (c, hw) = (ins[0].shape[1], ins[0].shape[2] * ins[0].shape[3]);
+            let per = c / groups;
+            let data = (ins[0].data.chunks(c * hw))
+                .flat_map(|image| {
+                    (0..c).flat_map(move |o| {
+                        let src = (o % groups) * per + o / groups;
+                        &image[src * hw..(src + 1) * hw]
+                    })
+                })
+                .copied()
+                .collect();
+            Tensor::new(out_shape.to_vec(), data)
+        }
         Op::LayerScale { .. } => {
             let (c, hw) = (ins[0].shape[1], ins[0].shape[2] * ins[0].shape[3]);
             let gamma = &need("").data;

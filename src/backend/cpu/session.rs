@@ -61,7 +61,8 @@ pub(super) enum NodeKernel<T> {
         heads: usize,
     },
     SelectToken(usize),
-    Concat,
+    /// Concatenation, channel slice or shuffle.
+    Copies(Vec<crate::model::op::ChannelCopy>),
 }
 
 /// An activation buffer: the first `len` elements of `data` in use. Every element of `data` is
@@ -236,7 +237,11 @@ impl<T: Elem> CpuSession<T> {
                 Op::SelectToken { index } => NodeKernel::SelectToken(index),
                 // NHWC images already are (N, H·W, C) tokens, and tokens an NHWC image.
                 Op::Image => NodeKernel::Identity,
-                Op::Concat { .. } => NodeKernel::Concat,
+                Op::Concat { .. } | Op::ChannelSlice { .. } | Op::ChannelShuffle { .. } => {
+                    let channels: Vec<usize> =
+                        node.inputs.iter().map(|&i| plan.shapes[i][1]).collect();
+                    NodeKernel::Copies(node.op.channel_copies(&channels).unwrap_or_default())
+                }
                 Op::LayerScale { channels } => {
                     weight_bytes += channels as u64 * 4;
                     NodeKernel::Scale {
@@ -445,14 +450,13 @@ impl<T: Elem> CpuSession<T> {
                 kernels::affine_inplace(&mut y, os.c, scale, shift);
                 y
             }
-            NodeKernel::Concat => {
+            NodeKernel::Copies(copies) => {
                 let mut y = self.alloc(os.elems());
-                let mut offset = 0;
-                for &i in &inputs {
+                for copy in copies.iter() {
+                    let i = inputs[copy.input];
                     let c = self.dims(i, images.len()).c;
                     let x = values[i].as_ref().expect("input computed");
-                    kernels::copy_channels((x, c, 0), (&mut y, os.c, offset), c);
-                    offset += c;
+                    kernels::copy_channels((x, c), (&mut y, os.c), copy);
                 }
                 y
             }

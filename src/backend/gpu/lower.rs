@@ -599,21 +599,18 @@ fn other_op(b: &mut Builder, at: &NodeCtx<'_>, input: BufId) -> Result<(), Backe
             ];
             b.launch(&node.name, op, "tokens", grid, args);
         }
-        // One copy per input into its channels of the output.
-        Op::Concat { .. } => {
-            let mut to = 0;
-            for &i in &node.inputs {
-                let count = at.plan_shapes[i][1];
-                let dims = [n, h * w, count, 0, c, to, count].map(|v| Arg::I32(v as i32));
-                let args = [vec![Arg::Buf(b.of[i]), Arg::Buf(y)], dims.to_vec()].concat();
-                b.launch(
-                    &node.name,
-                    op,
-                    "channel_copy",
-                    grid_1d(n * count * h * w)?,
-                    args,
-                );
-                to += count;
+        Op::Concat { .. } | Op::ChannelSlice { .. } | Op::ChannelShuffle { .. } => {
+            let channels: Vec<usize> = node.inputs.iter().map(|&i| at.plan_shapes[i][1]).collect();
+            for copy in node.op.channel_copies(&channels).unwrap_or_default() {
+                let x = Arg::Buf(b.of[node.inputs[copy.input]]);
+                let cx = channels[copy.input];
+                let dims = [n, h * w, cx, copy.from, c, copy.to, copy.count, copy.step];
+                let args = [
+                    vec![x, Arg::Buf(y)],
+                    dims.map(|v| Arg::I32(v as i32)).to_vec(),
+                ];
+                let grid = grid_1d(n * copy.count * h * w)?;
+                b.launch(&node.name, op, "channel_copy", grid, args.concat());
             }
         }
         // Batch norm's kernel with a zero shift.

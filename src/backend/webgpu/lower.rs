@@ -431,24 +431,23 @@ fn node_launches(
         Op::Flatten => one(Kernel::NhwcToNchw, vec![total, xc, xh * xw], x(), 5, total),
         Op::Softmax => one(Kernel::Softmax, shape.to_vec(), x(), 5, total / c.max(1)),
         Op::Tokens | Op::Image => Vec::new(),
-        // One copy per input into its channels of the output.
-        Op::Concat { .. } => {
+        Op::Concat { .. } | Op::ChannelSlice { .. } | Op::ChannelShuffle { .. } => {
             let pixels = n * h * w;
-            let mut to = 0;
-            let mut parts = Vec::new();
-            for (k, &i) in node.inputs.iter().enumerate() {
-                let count = plan.shapes[i][1];
-                let p = vec![pixels * count, count, count, 0, c, to, 0, 0];
-                parts.extend(one(
-                    Kernel::ChannelCopy,
-                    p,
-                    vec![(1, input_buf(k))],
-                    2,
-                    pixels * count,
-                ));
-                to += count;
-            }
-            parts
+            let channels: Vec<usize> = node.inputs.iter().map(|&i| plan.shapes[i][1]).collect();
+            let copies = node.op.channel_copies(&channels).unwrap_or_default();
+            (copies.iter())
+                .flat_map(|k| {
+                    let (cx, total) = (channels[k.input], pixels * k.count);
+                    let p = vec![total, k.count, cx, k.from, c, k.to, k.step, 0];
+                    one(
+                        Kernel::ChannelCopy,
+                        p,
+                        vec![(1, input_buf(k.input))],
+                        2,
+                        total,
+                    )
+                })
+                .collect()
         }
         // The batch norm's kernel with a zero shift.
         Op::LayerScale { channels } => {

@@ -10,6 +10,7 @@ mod mobilenet;
 mod mobilenet_v3;
 mod regnet;
 mod resnet;
+mod shufflenet;
 mod squeezenet;
 mod vgg;
 mod vit;
@@ -22,6 +23,7 @@ pub use mobilenet::mobilenet_v2_custom;
 pub use mobilenet_v3::mobilenet_v3_custom;
 pub use regnet::{RegNetConfig, regnet_custom};
 pub use resnet::{Block, ResNetConfig, resnet_custom};
+pub use shufflenet::shufflenet_v2_custom;
 pub use squeezenet::squeezenet_custom;
 pub use vit::{VitConfig, vit_custom};
 
@@ -96,6 +98,10 @@ pub const NETWORKS: &[&str] = &[
     "densenet201",
     "squeezenet1_0",
     "squeezenet1_1",
+    "shufflenet_v2_x0_5",
+    "shufflenet_v2_x1_0",
+    "shufflenet_v2_x1_5",
+    "shufflenet_v2_x2_0",
 ];
 
 /// A network name that the zoo does not have.
@@ -141,7 +147,7 @@ pub fn build(name: &str) -> Result<Graph, UnknownNetwork> {
 }
 
 /// The networks whose variants are computed from their names: EfficientNet, ConvNeXt,
-/// RegNet, MNASNet and VGG.
+/// RegNet, DenseNet, ShuffleNetV2, MNASNet and VGG.
 fn family(name: &str) -> Option<Graph> {
     if let Some(b) = name.strip_prefix("efficientnet_b") {
         let (w, d, dropout, size, eps) = efficientnet::variant(b.parse().ok()?)?;
@@ -163,6 +169,14 @@ fn family(name: &str) -> Option<Graph> {
     }
     if let Some((growth, blocks, stem)) = densenet::variant(name) {
         return Some(densenet::densenet_custom(name, growth, blocks, stem, 1000));
+    }
+    if let Some(channels) = shufflenet::variant(name) {
+        return Some(shufflenet::shufflenet_v2_custom(
+            name,
+            [4, 8, 4],
+            channels,
+            1000,
+        ));
     }
     if let Some(alpha) = mnasnet::variant(name) {
         return Some(mnasnet::mnasnet_custom(name, alpha, 1000));

@@ -54,20 +54,28 @@ pub fn nchw_to_nhwc<T: Elem>(x: &[f32], xs: Nhwc, y: &mut [T]) {
 /// Pixels per work item of [`copy_channels`].
 const COPY_PIXELS: usize = 256;
 
-/// Channels `[from, from + count)` of every pixel of `x` (NHWC, `cx` channels) into channels
-/// `[to, to + count)` of `y` (`cy` channels): one input of a concatenation, or one part of a
-/// split.
+/// One [`ChannelCopy`](crate::model::op::ChannelCopy) on NHWC tensors: channels
+/// `[from, from + count)` of every pixel of `x` (`cx` channels) into channels `to`,
+/// `to + step`, … of `y` (`cy` channels).
 pub fn copy_channels<T: Elem>(
-    (x, cx, from): (&[T], usize, usize),
-    (y, cy, to): (&mut [T], usize, usize),
-    count: usize,
+    (x, cx): (&[T], usize),
+    (y, cy): (&mut [T], usize),
+    copy: &crate::model::op::ChannelCopy,
 ) {
     let (cx, cy) = (cx.max(1), cy.max(1));
+    let (from, to, count, step) = (copy.from, copy.to, copy.count, copy.step);
     y.par_chunks_mut(cy * COPY_PIXELS)
         .zip(x.par_chunks(cx * COPY_PIXELS))
         .for_each(|(out, input)| {
             for (o, i) in out.chunks_mut(cy).zip(input.chunks(cx)) {
-                o[to..to + count].copy_from_slice(&i[from..from + count]);
+                let src = &i[from..from + count];
+                if step == 1 {
+                    o[to..to + count].copy_from_slice(src);
+                } else {
+                    for (k, v) in src.iter().enumerate() {
+                        o[to + k * step] = *v;
+                    }
+                }
             }
         });
 }
