@@ -24,7 +24,8 @@ import torchvision
 # crop); a ViT carries its own (`image_size`).
 SIZES = {"efficientnet_b1": 240, "efficientnet_b2": 288, "efficientnet_b3": 300, "efficientnet_b4": 380,
          "efficientnet_b5": 456, "efficientnet_b6": 528, "efficientnet_b7": 600,
-         "efficientnet_v2_s": 384, "efficientnet_v2_m": 480, "efficientnet_v2_l": 480}
+         "efficientnet_v2_s": 384, "efficientnet_v2_m": 480, "efficientnet_v2_l": 480,
+         "inception_v3": 299}
 
 FIXTURE = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "zoo-reference.json"
 

@@ -43,6 +43,40 @@ fn safetensors_round_trip() {
     assert_eq!(Weights::load(&path, &g).unwrap(), w);
 }
 
+/// GoogLeNet's auxiliary classifiers are in its state_dict and its parameter count (as
+/// torchvision's constructor makes them) but never run: a file with them loads, and so does one
+/// without them (torchvision drops them from its pretrained models); the graph has no node
+/// that reads them.
+#[test]
+fn training_only_modules_are_counted_but_optional() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = zoo::build("googlenet").unwrap();
+    let mut w = Weights::init(&g, 1);
+    assert!(w.get("aux1.fc2.weight").is_some());
+    assert!(g.nodes.iter().all(|n| !n.name.starts_with("aux")));
+    let all = dir.path().join("all.safetensors");
+    w.save(&all, &g).unwrap();
+    assert_eq!(Weights::load(&all, &g).unwrap(), w);
+    w.tensors.retain(|name, _| !name.starts_with("aux"));
+    let main = dir.path().join("main.safetensors");
+    w.save(&main, &g).unwrap();
+    assert_eq!(Weights::load(&main, &g).unwrap(), w);
+    // A used tensor is still required.
+    w.tensors.remove("fc.weight");
+    let broken = dir.path().join("broken.safetensors");
+    w.save(&broken, &g).unwrap();
+    let e = Weights::load(&broken, &g).unwrap_err().to_string();
+    assert!(e.contains("fc.weight"), "{e}");
+    // The plan's weight memory leaves the auxiliary classifiers out.
+    let plan = g.plan(1, 224, 224).unwrap();
+    let used: u64 = (g.params().iter().filter(|p| p.used))
+        .map(|p| p.shape.iter().product::<usize>() as u64)
+        .sum();
+    let estimate = plan.memory_estimate(workshop::model::Precision::Fp32);
+    assert_eq!(estimate.weights, used * 4);
+    assert!(used < g.param_count());
+}
+
 #[test]
 fn load_errors_name_the_tensor() {
     let dir = tempfile::tempdir().unwrap();

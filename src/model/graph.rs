@@ -29,6 +29,10 @@ pub enum ConvInit {
     TruncNormalFanIn,
     /// `trunc_normal_(std=0.02)`, bias 0 (ConvNeXt, convolutions and linear layers alike).
     TruncNormal002,
+    /// `trunc_normal_(std=0.01)` (GoogLeNet).
+    TruncNormal001,
+    /// `trunc_normal_(std=0.1)`, the auxiliary classifier's `conv1` 0.01 (Inception v3).
+    TruncNormal01,
     /// `kaiming_normal_()` (fan in, ReLU's gain), bias 0 (DenseNet).
     KaimingNormalFanIn,
     /// `kaiming_uniform_()` (fan in, ReLU's gain), bias 0; the final `classifier.1` N(0, 0.01)
@@ -49,6 +53,11 @@ pub enum LinearInit {
     UniformFanOut,
     /// `trunc_normal_(std=0.02)`, bias 0 (ConvNeXt).
     TruncNormal002,
+    /// `trunc_normal_(std=0.01)`, PyTorch's default bias (GoogLeNet).
+    TruncNormal001,
+    /// `trunc_normal_(std=0.1)`, the auxiliary classifier's 0.001, PyTorch's default bias
+    /// (Inception v3).
+    TruncNormal01,
 }
 
 /// The state_dict name of a node's parameter: `node.suffix`, or the node's name alone for an
@@ -71,6 +80,10 @@ pub struct Graph {
     /// The image side the network is made for (torchvision's default: 224 for most; a ViT's
     /// position embedding fits only its own).
     pub input_size: usize,
+    /// Modules in the state_dict that inference never runs (GoogLeNet's and Inception v3's
+    /// auxiliary classifiers): nodes without inputs, kept for their parameters, which count
+    /// as torchvision counts them but are never uploaded and may be absent from a file.
+    pub training_only: Vec<Node>,
 }
 
 /// One state_dict entry of a graph.
@@ -79,7 +92,8 @@ pub struct NamedParam {
     pub name: String,
     pub shape: Vec<usize>,
     pub kind: ParamKind,
-    pub node: ValueId,
+    /// False for a training-only module's (see [`Graph::training_only`]).
+    pub used: bool,
 }
 
 impl Graph {
@@ -97,7 +111,8 @@ impl Graph {
     /// Every state_dict tensor (parameters and running buffers), in graph order.
     pub fn params(&self) -> Vec<NamedParam> {
         let mut out = Vec::new();
-        for (id, node) in self.nodes.iter().enumerate() {
+        let used = self.nodes.iter().map(|n| (n, true));
+        for (node, used) in used.chain(self.training_only.iter().map(|n| (n, false))) {
             for ParamSpec {
                 suffix,
                 shape,
@@ -108,7 +123,7 @@ impl Graph {
                     name: param_name(&node.name, suffix),
                     shape,
                     kind,
-                    node: id,
+                    used,
                 });
             }
         }
@@ -256,6 +271,7 @@ impl Plan {
             .graph
             .params()
             .iter()
+            .filter(|p| p.used)
             .map(|p| numel(&p.shape))
             .sum::<u64>()
             * eb;
@@ -296,6 +312,7 @@ impl GraphBuilder {
                 conv_init,
                 linear_init,
                 input_size: 224,
+                training_only: Vec::new(),
             },
         }
     }
@@ -390,6 +407,15 @@ impl GraphBuilder {
             },
             &[x],
         )
+    }
+
+    /// A module that only training runs, kept for its parameters (`Graph::training_only`).
+    pub fn training_only(&mut self, name: impl Into<String>, op: Op) {
+        self.graph.training_only.push(Node {
+            name: name.into(),
+            op,
+            inputs: Vec::new(),
+        });
     }
 
     pub fn finish(mut self, output: ValueId) -> Graph {

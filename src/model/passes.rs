@@ -215,6 +215,7 @@ pub fn optimize(graph: &Graph, weights: &Weights) -> Result<(Graph, Weights, Pas
         conv_init: graph.conv_init,
         linear_init: graph.linear_init,
         input_size: graph.input_size,
+        training_only: graph.training_only.clone(),
     };
     Ok((out, w, report))
 }

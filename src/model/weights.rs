@@ -70,7 +70,7 @@ impl Weights {
     pub fn init(graph: &Graph, seed: u64) -> Weights {
         let mut rng = Rng::new(seed);
         let mut tensors = BTreeMap::new();
-        for node in &graph.nodes {
+        for node in graph.nodes.iter().chain(&graph.training_only) {
             let mut put = |suffix: &str, t: Tensor| {
                 tensors.insert(super::graph::param_name(&node.name, suffix), t);
             };
@@ -92,6 +92,21 @@ impl Weights {
                             normal(&mut rng, shape, (1.0 / fan_in).sqrt()),
                             Tensor::zeros(vec![c.out_channels]),
                         ),
+                        ConvInit::TruncNormal001 => (
+                            normal(&mut rng, shape, 0.01),
+                            Tensor::zeros(vec![c.out_channels]),
+                        ),
+                        ConvInit::TruncNormal01 => {
+                            let std = if node.name == "AuxLogits.conv1.conv" {
+                                0.01
+                            } else {
+                                0.1
+                            };
+                            (
+                                normal(&mut rng, shape, std),
+                                Tensor::zeros(vec![c.out_channels]),
+                            )
+                        }
                         ConvInit::KaimingNormalFanIn => (
                             normal(&mut rng, shape, (2.0 / fan_in).sqrt()),
                             Tensor::zeros(vec![c.out_channels]),
@@ -153,6 +168,18 @@ impl Weights {
                             normal(&mut rng, shape, 0.02),
                             Tensor::zeros(vec![out_features]),
                         ),
+                        LinearInit::TruncNormal001 | LinearInit::TruncNormal01 => {
+                            let std = match graph.linear_init {
+                                LinearInit::TruncNormal001 => 0.01,
+                                _ if node.name == "AuxLogits.fc" => 0.001,
+                                _ => 0.1,
+                            };
+                            let bound = 1.0 / (in_features as f64).sqrt();
+                            (
+                                normal(&mut rng, shape, std),
+                                uniform(&mut rng, vec![out_features], bound),
+                            )
+                        }
                         LinearInit::UniformFanOut => {
                             let bound = 1.0 / (out_features as f64).sqrt();
                             (
@@ -232,6 +259,9 @@ impl Weights {
         }
         for e in &expected {
             match file.shape(&e.name) {
+                // A training-only module's tensors (torchvision drops the auxiliary
+                // classifiers from pretrained models) are never read.
+                None if !e.used => {}
                 None => {
                     return Err(WeightsError::Missing {
                         path: p,
@@ -254,7 +284,9 @@ impl Weights {
         }
         let mut tensors = BTreeMap::new();
         for e in &expected {
-            tensors.insert(e.name.clone(), file.read(&e.name)?);
+            if e.used || file.shape(&e.name).is_some() {
+                tensors.insert(e.name.clone(), file.read(&e.name)?);
+            }
         }
         Ok(Weights { tensors })
     }

@@ -5,6 +5,7 @@ mod alexnet;
 mod convnext;
 mod densenet;
 mod efficientnet;
+mod inception;
 mod mnasnet;
 mod mobilenet;
 mod mobilenet_v3;
@@ -102,6 +103,8 @@ pub const NETWORKS: &[&str] = &[
     "shufflenet_v2_x1_0",
     "shufflenet_v2_x1_5",
     "shufflenet_v2_x2_0",
+    "googlenet",
+    "inception_v3",
 ];
 
 /// A network name that the zoo does not have.
@@ -139,6 +142,8 @@ pub fn build(name: &str) -> Result<Graph, UnknownNetwork> {
         "vit_l_16" => vit::vit(name, 16, 24, 16, 1024, 4096),
         "vit_l_32" => vit::vit(name, 32, 24, 16, 1024, 4096),
         "vit_h_14" => vit::vit(name, 14, 32, 16, 1280, 5120),
+        "googlenet" => inception::googlenet(1000),
+        "inception_v3" => inception::inception_v3(1000),
         "squeezenet1_0" => squeezenet::squeezenet_custom(name, false, 1000),
         "squeezenet1_1" => squeezenet::squeezenet_custom(name, true, 1000),
         _ => family(name).ok_or_else(unknown)?,
