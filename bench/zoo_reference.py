@@ -5,7 +5,8 @@ For each network: learned parameters, floating-point state_dict entries, and the
 multiply-accumulates of one 224x224 image (ViT: its own size) in Conv2d and Linear modules
 (forward hooks) plus, for each nn.MultiheadAttention, what it computes without calling its
 submodules: the input projection (3 x T x D x D), the two attention products (2 x T x T x D)
-and the output projection (T x D x D). Random weights; nothing is downloaded.
+and the output projection (T x D x D); likewise Swin's shifted window attention, per token of
+its padded grid against the w x w keys of its window. Random weights; nothing is downloaded.
 
     python3 bench/zoo_reference.py NAME ... > /tmp/new.json   # merge by hand, or
     python3 bench/zoo_reference.py --write NAME ...            # update the committed file
@@ -49,7 +50,20 @@ def count(name):
         t, d = q.shape[-2], q.shape[-1]
         macs += 3 * t * d * d + 2 * t * t * d + t * d * d
 
+    def windows(m, inp, _out):
+        # Swin calls F.linear with its projections' weights (no module hooks fire): per token
+        # of the grid padded to whole windows, q/k/v (3·C²) and output (C²) projections, and
+        # q·kᵀ and weights·v against its window's keys (2·w²·C).
+        nonlocal macs
+        b, h, w, c = inp[0].shape
+        wh, ww = m.window_size
+        tokens = b * (-(-h // wh) * wh) * (-(-w // ww) * ww)
+        macs += tokens * 4 * c * c + 2 * tokens * wh * ww * c
+
+    swa = getattr(torchvision.models.swin_transformer, "ShiftedWindowAttention", ())
     for m in model.modules():
+        if isinstance(m, swa):
+            m.register_forward_hook(windows)
         if isinstance(m, torch.nn.Conv2d):
             m.register_forward_hook(conv)
         elif isinstance(m, torch.nn.MultiheadAttention):

@@ -802,6 +802,86 @@ KERNEL(select_token, SelectTokenArgs) {
     a.y[i] = a.x[(img * a.t + a.index) * a.d + j];
 }
 
+struct WindowArgs {
+    const elem* qkv;        // (N, H, W, 3·d), tokens row-major
+    const float* table;     // the relative position bias ((2·window − 1)², heads)
+    const float* qkv_bias;  // what a padded token holds (3·d)
+    elem* y;                // (N, H, W, d)
+    int n, h, w, hp, wp, window, shift_h, shift_w, d, heads;
+};
+
+// The mask's region along one side of the shifted grid: torchvision's slices (0, −w), (−w, −s),
+// (−s, ∞).
+__device__ inline int window_side(int v, int size, int s, int window) {
+    if (s == 0 || v < size - window) return 0;
+    return v < size - s ? 1 : 2;
+}
+
+// Column `col` of the q/k/v row under (yy, xx) of the shifted, padded grid, or the bias.
+__device__ inline float window_qkv(const WindowArgs& a, long long img, int yy, int xx, int col) {
+    int y0 = (yy + a.shift_h) % a.hp, x0 = (xx + a.shift_w) % a.wp;
+    if (y0 < a.h && x0 < a.w) return ld(a.qkv[((img * a.h + y0) * a.w + x0) * 3 * a.d + col]);
+    return a.qkv_bias[col];
+}
+
+// Swin's shifted window attention core: softmax(q·kᵀ/√dh + bias + mask)·v over the query's
+// window, one thread per (image, head, query of the padded grid), online softmax.
+KERNEL(window_attention, WindowArgs) {
+    long long i = linear_index();
+    if (i >= (long long)a.n * a.heads * a.hp * a.wp) return;
+    int xx = (int)(i % a.wp), yy = (int)((i / a.wp) % a.hp);
+    int h = (int)((i / ((long long)a.wp * a.hp)) % a.heads);
+    long long img = i / ((long long)a.wp * a.hp * a.heads);
+    int y0 = (yy + a.shift_h) % a.hp, x0 = (xx + a.shift_w) % a.wp;
+    if (y0 >= a.h || x0 >= a.w) return;  // a padded query
+    int ws = a.window, dh = a.d / a.heads;
+    float scale = 1.0f / sqrtf((float)dh);
+    int wy = yy / ws * ws, wx = xx / ws * ws, qi = (yy - wy) * ws + (xx - wx);
+    int region = window_side(yy, a.hp, a.shift_h, ws) * 3 + window_side(xx, a.wp, a.shift_w, ws);
+    float q[128], acc[128];
+    for (int j = 0; j < dh; ++j) {
+        q[j] = window_qkv(a, img, yy, xx, h * dh + j);
+        acc[j] = 0.0f;
+    }
+    float m = -3.4028235e38f, s = 0.0f;
+    for (int kj = 0; kj < ws * ws; ++kj) {
+        int ky = wy + kj / ws, kx = wx + kj % ws;
+        float dot = 0.0f;
+        for (int j = 0; j < dh; ++j) dot += q[j] * window_qkv(a, img, ky, kx, a.d + h * dh + j);
+        int row = (qi / ws + ws - 1 - kj / ws) * (2 * ws - 1) + (qi % ws + ws - 1 - kj % ws);
+        float score = dot * scale + a.table[row * a.heads + h];
+        if (window_side(ky, a.hp, a.shift_h, ws) * 3 + window_side(kx, a.wp, a.shift_w, ws) != region)
+            score -= 100.0f;
+        float m2 = (score > m || score != score) ? score : m;
+        float corr = expf(m - m2), e = expf(score - m2);
+        s = s * corr + e;
+        for (int j = 0; j < dh; ++j)
+            acc[j] = acc[j] * corr + e * window_qkv(a, img, ky, kx, 2 * a.d + h * dh + j);
+        m = m2;
+    }
+    long long out = ((img * a.h + y0) * a.w + x0) * a.d + h * dh;
+    for (int j = 0; j < dh; ++j) a.y[out + j] = st(acc[j] / s);
+}
+
+struct PatchMergeArgs {
+    const elem* x;  // (N, C, H, W)
+    elem* y;        // (N, 4·C, ⌈H/2⌉, ⌈W/2⌉)
+    int n, c, h, w, oh, ow;
+};
+
+// Each output pixel the channels of its 2×2 block (top-left, bottom-left, top-right,
+// bottom-right), zeros past an odd edge.
+KERNEL(patch_merge, PatchMergeArgs) {
+    long long i = linear_index();
+    if (i >= (long long)a.n * 4 * a.c * a.oh * a.ow) return;
+    int ox = (int)(i % a.ow), oy = (int)((i / a.ow) % a.oh);
+    int ch4 = (int)((i / ((long long)a.ow * a.oh)) % (4 * a.c));
+    long long img = i / ((long long)a.ow * a.oh * 4 * a.c);
+    int q = ch4 / a.c, ch = ch4 % a.c;
+    int yy = 2 * oy + q % 2, xx = 2 * ox + q / 2;
+    a.y[i] = (yy < a.h && xx < a.w) ? a.x[((img * a.c + ch) * a.h + yy) * a.w + xx] : st(0.0f);
+}
+
 // The largest head the attention kernel holds in registers (ViT-H: 80).
 #define ATTENTION_MAX_DH 128
 

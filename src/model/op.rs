@@ -311,6 +311,24 @@ pub enum Op {
     Concat {
         parts: usize,
     },
+    /// Swin's `ShiftedWindowAttention` on an image batch (N, C, H, W) (torchvision keeps it
+    /// channels-last, (N, H, W, C)): the q/k/v projection (`qkv`), self-attention within each
+    /// `window`×`window` window of the grid padded to whole windows (padded tokens hold the
+    /// projection's bias, as after torchvision's zero padding) and cyclically shifted by
+    /// `shift` (0 along a side the window covers; pairs from different regions of the shifted
+    /// grid get −100, torchvision's mask), scores scaled by 1/√(C/heads) plus the learned
+    /// relative position bias (`relative_position_bias_table`), then the output projection
+    /// (`proj`).
+    WindowAttention {
+        dim: usize,
+        heads: usize,
+        window: usize,
+        shift: usize,
+    },
+    /// Swin's `PatchMerging` gather: (N, C, H, W) → (N, 4C, ⌈H/2⌉, ⌈W/2⌉), each output pixel
+    /// the channels of its 2×2 block in torchvision's order (top-left, bottom-left, top-right,
+    /// bottom-right), zeros past an odd edge.
+    PatchMerge,
     /// Channels `[start, start + count)` of an image batch (ShuffleNetV2's `x.chunk(2, dim=1)`).
     ChannelSlice {
         start: usize,
@@ -326,6 +344,60 @@ pub enum Op {
     LayerScale {
         channels: usize,
     },
+}
+
+/// The grid of a shifted-window attention over an H×W image: padded to whole windows
+/// (`hp`×`wp`), and the shift along each side (0 where one window covers the side, as
+/// torchvision does). Every backend's kernel takes these numbers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowGrid {
+    pub h: usize,
+    pub w: usize,
+    pub hp: usize,
+    pub wp: usize,
+    pub window: usize,
+    pub shift_h: usize,
+    pub shift_w: usize,
+}
+
+impl WindowGrid {
+    pub fn new(h: usize, w: usize, window: usize, shift: usize) -> WindowGrid {
+        let window = window.max(1);
+        let (hp, wp) = (h.div_ceil(window) * window, w.div_ceil(window) * window);
+        WindowGrid {
+            h,
+            w,
+            hp,
+            wp,
+            window,
+            shift_h: if window >= hp { 0 } else { shift },
+            shift_w: if window >= wp { 0 } else { shift },
+        }
+    }
+
+    /// The input pixel under token (y', x') of the shifted, padded grid (past the input when
+    /// it is padding).
+    pub fn source(&self, yy: usize, xx: usize) -> (usize, usize) {
+        ((yy + self.shift_h) % self.hp, (xx + self.shift_w) % self.wp)
+    }
+
+    /// The mask's region (0–8) of token (y', x'): torchvision's slices (0, −w), (−w, −s),
+    /// (−s, ∞) along each shifted side. Scores between regions get −100.
+    pub fn region(&self, yy: usize, xx: usize) -> usize {
+        let side = |v: usize, size: usize, s: usize| match s {
+            0 => 0,
+            _ if v < size - self.window => 0,
+            _ if v < size - s => 1,
+            _ => 2,
+        };
+        3 * side(yy, self.hp, self.shift_h) + side(xx, self.wp, self.shift_w)
+    }
+
+    /// Row of the relative position bias table for query i and key j of one window.
+    pub fn bias_row(&self, i: usize, j: usize) -> usize {
+        let ws = self.window;
+        (i / ws + ws - 1 - j / ws) * (2 * ws - 1) + (i % ws + ws - 1 - j % ws)
+    }
 }
 
 /// One copy of an op that only moves channels (concatenation, slice, shuffle): `count`
@@ -421,6 +493,8 @@ impl Op {
             Op::Concat { .. } => "concat",
             Op::ChannelSlice { .. } => "channel_slice",
             Op::ChannelShuffle { .. } => "channel_shuffle",
+            Op::WindowAttention { .. } => "window_attention",
+            Op::PatchMerge => "patch_merge",
         }
     }
 
@@ -490,6 +564,22 @@ impl Op {
             ],
             Op::LayerScale { channels } => {
                 vec![p("", vec![channels, 1, 1], ParamKind::Trainable)]
+            }
+            Op::WindowAttention {
+                dim, heads, window, ..
+            } => {
+                let table = (2 * window - 1) * (2 * window - 1);
+                vec![
+                    p("qkv.weight", vec![3 * dim, dim], ParamKind::Trainable),
+                    p("qkv.bias", vec![3 * dim], ParamKind::Trainable),
+                    p("proj.weight", vec![dim, dim], ParamKind::Trainable),
+                    p("proj.bias", vec![dim], ParamKind::Trainable),
+                    p(
+                        "relative_position_bias_table",
+                        vec![table, heads],
+                        ParamKind::Trainable,
+                    ),
+                ]
             }
             Op::Attention { dim, .. } => vec![
                 p("in_proj_weight", vec![3 * dim, dim], ParamKind::Trainable),
@@ -708,6 +798,30 @@ impl Op {
                 }
                 Ok(vec![n, channels, h, w])
             }
+            Op::WindowAttention {
+                dim,
+                heads,
+                window,
+                shift,
+            } => {
+                let (_, c, _, _) = image(inputs[0])?;
+                if *heads == 0 || dim % heads != 0 || c != *dim {
+                    return Err(ShapeError(format!(
+                        "window_attention over {dim} channels in {heads} heads, got {}",
+                        fmt_shape(inputs[0])
+                    )));
+                }
+                if *window == 0 || shift >= window {
+                    return Err(ShapeError(format!(
+                        "window_attention: the shift {shift} must be less than the window {window}"
+                    )));
+                }
+                Ok(inputs[0].to_vec())
+            }
+            Op::PatchMerge => {
+                let (n, c, h, w) = image(inputs[0])?;
+                Ok(vec![n, 4 * c, h.div_ceil(2), w.div_ceil(2)])
+            }
             Op::ChannelSlice { start, count } => {
                 let (n, c, h, w) = image(inputs[0])?;
                 match start.checked_add(*count) {
@@ -804,6 +918,17 @@ impl Op {
                 n * (c.in_channels / c.groups) as u64 * (c.kernel.0 * c.kernel.1) as u64
             }
             Op::Linear { in_features, .. } => n * *in_features as u64,
+            // Per padded token: the projections (4·C²) and, against its window's w² keys,
+            // q·kᵀ and the product with v (2·w²·C), as torchvision computes them.
+            Op::WindowAttention { dim, window, .. } => match *out {
+                [n, _, h, w] => {
+                    let (hp, wp) = (h.div_ceil(*window), w.div_ceil(*window));
+                    let tokens = (n * hp * wp * window * window) as u64;
+                    let (c, keys) = (*dim as u64, (window * window) as u64);
+                    tokens * (4 * c * c + 2 * keys * c)
+                }
+                _ => 0,
+            },
             // Per image: the q/k/v projection (3·T·D²), q·kᵀ and its product with v (2·T²·D),
             // the output projection (T·D²).
             Op::Attention { dim, .. } => match *out {
@@ -831,6 +956,7 @@ impl Op {
             | Op::Concat { .. }
             | Op::ChannelSlice { .. }
             | Op::ChannelShuffle { .. }
+            | Op::PatchMerge
             | Op::SelectToken { .. }
             | Op::ClassToken { .. } => 0,
             Op::Conv2d(c) => {
@@ -868,6 +994,19 @@ impl Op {
                 [batch, t, _] => {
                     let (b, t, d, h) = (batch as u64, t as u64, *dim as u64, *heads as u64);
                     2 * self.macs(out) + b * 4 * t * d + 5 * b * h * t * t
+                }
+                _ => 0,
+            },
+            // As attention's, with the window's w² keys per query, plus the bias and mask.
+            Op::WindowAttention {
+                dim, heads, window, ..
+            } => match *out {
+                [n, _, h, w] => {
+                    let (hp, wp) = (h.div_ceil(*window), w.div_ceil(*window));
+                    let tokens = (n * hp * wp * window * window) as u64;
+                    let keys = (window * window) as u64;
+                    let scores = tokens * *heads as u64 * keys;
+                    2 * self.macs(out) + tokens * 4 * *dim as u64 + 7 * scores
                 }
                 _ => 0,
             },

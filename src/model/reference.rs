@@ -117,6 +117,40 @@ pub fn eval<'a>(
             }
             Tensor::new(out_shape.to_vec(), data)
         }
+        Op::WindowAttention {
+            dim,
+            heads,
+            window,
+            shift,
+        } => window_attention(ins[0], &need, (*dim, *heads), (*window, *shift)),
+        Op::PatchMerge => {
+            let (n, c, h, w) = (
+                ins[0].shape[0],
+                ins[0].shape[1],
+                ins[0].shape[2],
+                ins[0].shape[3],
+            );
+            let (oh, ow) = (out_shape[2], out_shape[3]);
+            let mut data = Vec::with_capacity(out_shape.iter().product());
+            for img in 0..n {
+                // torchvision's order: x[0::2, 0::2], x[1::2, 0::2], x[0::2, 1::2], x[1::2, 1::2].
+                for (dy, dx) in [(0, 0), (1, 0), (0, 1), (1, 1)] {
+                    for ch in 0..c {
+                        for oy in 0..oh {
+                            for ox in 0..ow {
+                                let (y, x) = (2 * oy + dy, 2 * ox + dx);
+                                data.push(if y < h && x < w {
+                                    ins[0].data[((img * c + ch) * h + y) * w + x]
+                                } else {
+                                    0.0
+                                });
+                            }
+                        }
+                    }
+                }
+            }
+            Tensor::new(out_shape.to_vec(), data)
+        }
         Op::ChannelSlice { start, count } => {
             let (c, hw) = (ins[0].shape[1], ins[0].shape[2] * ins[0].shape[3]);
             let data = (ins[0].data.chunks(c * hw))
@@ -372,6 +406,108 @@ fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, dim: usize, eps: f32) -> Tenso
         );
     }
     Tensor::new(x.shape.clone(), data)
+}
+
+/// Swin's shifted window attention as torchvision's `shifted_window_attention` computes it,
+/// step by step in f64: pad to whole windows, roll, partition, project, attend with the
+/// relative position bias and the shift mask, project, and put every token back.
+fn window_attention<'a>(
+    x: &Tensor,
+    need: &dyn Fn(&str) -> &'a Tensor,
+    (dim, heads): (usize, usize),
+    (ws, shift): (usize, usize),
+) -> Tensor {
+    let (n, c, h, w) = (x.shape[0], x.shape[1], x.shape[2], x.shape[3]);
+    let (hp, wp) = (h.div_ceil(ws) * ws, w.div_ceil(ws) * ws);
+    // No shift along a side one window covers.
+    let sh = if ws >= hp { 0 } else { shift };
+    let sw = if ws >= wp { 0 } else { shift };
+    let (qkv_w, qkv_b) = (&need("qkv.weight").data, &need("qkv.bias").data);
+    let (proj_w, proj_b) = (&need("proj.weight").data, &need("proj.bias").data);
+    let table = &need("relative_position_bias_table").data;
+    let dh = dim / heads;
+    let scale = 1.0 / (dh as f64).sqrt();
+    // The mask's regions of the shifted grid: torchvision's slices (0, -ws), (-ws, -s), (-s, ∞).
+    let region = |v: usize, size: usize, s: usize| match s {
+        0 => 0,
+        _ if v < size - ws => 0,
+        _ if v < size - s => 1,
+        _ => 2,
+    };
+    let mut out = vec![0f32; x.numel()];
+    for img in 0..n {
+        // Token (y', x') of the shifted grid is input pixel (y' + sh, x' + sw) mod the padded
+        // size; zeros past the input.
+        let source = |yy: usize, xx: usize| ((yy + sh) % hp, (xx + sw) % wp);
+        let token = |yy: usize, xx: usize| -> Vec<f64> {
+            let (y, xo) = source(yy, xx);
+            (0..c)
+                .map(|ch| match y < h && xo < w {
+                    true => x.data[((img * c + ch) * h + y) * w + xo] as f64,
+                    false => 0.0,
+                })
+                .collect()
+        };
+        for wy in (0..hp).step_by(ws) {
+            for wx in (0..wp).step_by(ws) {
+                let pos: Vec<(usize, usize)> =
+                    (0..ws * ws).map(|i| (wy + i / ws, wx + i % ws)).collect();
+                let qkv: Vec<Vec<f64>> = (pos.iter())
+                    .map(|&(yy, xx)| {
+                        let t = token(yy, xx);
+                        (0..3 * dim)
+                            .map(|o| {
+                                let dot: f64 = (0..c).map(|k| qkv_w[o * c + k] as f64 * t[k]).sum();
+                                qkv_b[o] as f64 + dot
+                            })
+                            .collect()
+                    })
+                    .collect();
+                let mut heads_out = vec![vec![0f64; dim]; ws * ws];
+                for hd in 0..heads {
+                    for i in 0..ws * ws {
+                        let scores: Vec<f64> = (0..ws * ws)
+                            .map(|j| {
+                                let dot: f64 = (0..dh)
+                                    .map(|d| {
+                                        qkv[i][hd * dh + d] * scale * qkv[j][dim + hd * dh + d]
+                                    })
+                                    .sum();
+                                let (yi, xi, yj, xj) = (i / ws, i % ws, j / ws, j % ws);
+                                let idx = (yi + ws - 1 - yj) * (2 * ws - 1) + (xi + ws - 1 - xj);
+                                let (pi, pj) = (pos[i], pos[j]);
+                                let same = region(pi.0, hp, sh) == region(pj.0, hp, sh)
+                                    && region(pi.1, wp, sw) == region(pj.1, wp, sw);
+                                let mask = if same { 0.0 } else { -100.0 };
+                                dot + table[idx * heads + hd] as f64 + mask
+                            })
+                            .collect();
+                        let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                        let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                        let sum: f64 = e.iter().sum();
+                        for d in 0..dh {
+                            heads_out[i][hd * dh + d] = (0..ws * ws)
+                                .map(|j| e[j] / sum * qkv[j][2 * dim + hd * dh + d])
+                                .sum();
+                        }
+                    }
+                }
+                for (i, &(yy, xx)) in pos.iter().enumerate() {
+                    let (y, xo) = source(yy, xx);
+                    if y >= h || xo >= w {
+                        continue;
+                    }
+                    for o in 0..dim {
+                        let dot: f64 = (0..dim)
+                            .map(|k| proj_w[o * dim + k] as f64 * heads_out[i][k])
+                            .sum();
+                        out[((img * c + o) * h + y) * w + xo] = (proj_b[o] as f64 + dot) as f32;
+                    }
+                }
+            }
+        }
+    }
+    Tensor::new(x.shape.clone(), out)
 }
 
 /// Self-attention as `nn.MultiheadAttention(batch_first=True)` computes it, in f64.

@@ -215,6 +215,19 @@ impl Weights {
                 Op::PosEmbed { tokens, dim, .. } => {
                     put("", normal(&mut rng, vec![1, tokens, dim], 0.02))
                 }
+                // Swin: trunc_normal_(std=0.02) for the projections and the bias table, zero
+                // biases.
+                Op::WindowAttention {
+                    dim, heads, window, ..
+                } => {
+                    put("qkv.weight", normal(&mut rng, vec![3 * dim, dim], 0.02));
+                    put("qkv.bias", Tensor::zeros(vec![3 * dim]));
+                    put("proj.weight", normal(&mut rng, vec![dim, dim], 0.02));
+                    put("proj.bias", Tensor::zeros(vec![dim]));
+                    let rows = (2 * window - 1) * (2 * window - 1);
+                    let table = normal(&mut rng, vec![rows, heads], 0.02);
+                    put("relative_position_bias_table", table);
+                }
                 // nn.MultiheadAttention's own reset: xavier_uniform over the packed q/k/v
                 // projection, zero biases; the output projection keeps Linear's default.
                 Op::Attention { dim, .. } => {
@@ -235,7 +248,8 @@ impl Weights {
     }
 
     /// Load a safetensors state_dict and check it against the graph: every tensor present with
-    /// its exact shape, nothing foreign. BatchNorm's integer `num_batches_tracked` is ignored.
+    /// its exact shape, nothing foreign. Integer buffers are ignored: BatchNorm's
+    /// `num_batches_tracked` and Swin's `relative_position_index` (which the kernels compute).
     pub fn load(path: &Path, graph: &Graph) -> Result<Weights, WeightsError> {
         // The header is checked against the graph before any tensor is read: a file for
         // another network, or a huge one, costs a header read (issue 27).
@@ -247,10 +261,11 @@ impl Weights {
             .map(|e| (e.name.as_str(), e.shape.as_slice()))
             .collect();
         // Sorted, so the tensor an error names is the same on every run.
-        if let Some(name) = file
-            .names()
-            .find(|n| !known.contains_key(n) && !n.ends_with(".num_batches_tracked"))
-        {
+        if let Some(name) = file.names().find(|n| {
+            !known.contains_key(n)
+                && !n.ends_with(".num_batches_tracked")
+                && !n.ends_with(".relative_position_index")
+        }) {
             return Err(WeightsError::Unexpected {
                 path: p,
                 network: graph.name.clone(),
@@ -292,20 +307,38 @@ impl Weights {
     }
 
     /// Save as a safetensors state_dict (f32) that `torchvision.models.<name>()` loads with
-    /// `load_state_dict(..., strict=True)`: BatchNorm layers get a zero `num_batches_tracked`.
+    /// `load_state_dict(..., strict=True)`: BatchNorm layers get a zero `num_batches_tracked`,
+    /// Swin's window attention its `relative_position_index`.
     pub fn save(&self, path: &Path, graph: &Graph) -> Result<(), WeightsError> {
         let mut blobs: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
         for (name, t) in &self.tensors {
             let bytes = bytemuck::cast_slice(&t.data).to_vec();
             blobs.push((name.clone(), Dtype::F32, t.shape.clone(), bytes));
         }
-        for node in &graph.nodes {
-            if matches!(node.op, Op::BatchNorm { .. }) {
+        for node in graph.nodes.iter().chain(&graph.training_only) {
+            // Every batch norm saved (a training-only one may have been left out).
+            let saved = self
+                .tensors
+                .contains_key(&format!("{}.running_mean", node.name));
+            if matches!(node.op, Op::BatchNorm { .. }) && saved {
                 blobs.push((
                     format!("{}.num_batches_tracked", node.name),
                     Dtype::I64,
                     vec![],
                     0i64.to_le_bytes().to_vec(),
+                ));
+            }
+            if let Op::WindowAttention { window, .. } = node.op {
+                let keys = window * window;
+                let grid = super::op::WindowGrid::new(window, window, window, 0);
+                let index: Vec<u8> = (0..keys * keys)
+                    .flat_map(|k| (grid.bias_row(k / keys, k % keys) as i64).to_le_bytes())
+                    .collect();
+                blobs.push((
+                    format!("{}.relative_position_index", node.name),
+                    Dtype::I64,
+                    vec![keys * keys],
+                    index,
                 ));
             }
         }

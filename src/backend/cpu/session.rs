@@ -10,6 +10,7 @@ use super::calibration::{BN_EPS, channel_stats};
 use super::*;
 use super::{BackendError, KernelTime, MemoryStats, Session};
 use crate::model::buffers::take_best_fit;
+use crate::model::op::WindowGrid;
 
 /// What a node does at run time, with its weights packed for the kernel.
 pub(super) enum NodeKernel<T> {
@@ -63,6 +64,19 @@ pub(super) enum NodeKernel<T> {
     SelectToken(usize),
     /// Concatenation, channel slice or shuffle.
     Copies(Vec<crate::model::op::ChannelCopy>),
+    WindowAttention {
+        /// The q/k/v and output projections.
+        proj: Box<(PackedLinear<T>, PackedLinear<T>)>,
+        /// The q/k/v projection's bias (what a padded token holds) and the relative position
+        /// bias table.
+        qkv_bias: Vec<f32>,
+        table: Vec<f32>,
+        dim: usize,
+        heads: usize,
+        window: usize,
+        shift: usize,
+    },
+    PatchMerge,
 }
 
 /// An activation buffer: the first `len` elements of `data` in use. Every element of `data` is
@@ -237,6 +251,29 @@ impl<T: Elem> CpuSession<T> {
                 Op::SelectToken { index } => NodeKernel::SelectToken(index),
                 // NHWC images already are (N, H·W, C) tokens, and tokens an NHWC image.
                 Op::Image => NodeKernel::Identity,
+                Op::WindowAttention {
+                    dim,
+                    heads,
+                    window,
+                    shift,
+                } => {
+                    let qkv_bias = get("qkv.bias")?;
+                    let qkv = PackedLinear::new(get("qkv.weight")?, Some(qkv_bias), dim, 3 * dim);
+                    let out =
+                        PackedLinear::new(get("proj.weight")?, Some(get("proj.bias")?), dim, dim);
+                    let table = get("relative_position_bias_table")?.to_vec();
+                    weight_bytes += qkv.bytes() + out.bytes() + table.len() as u64 * 4;
+                    NodeKernel::WindowAttention {
+                        proj: Box::new((qkv, out)),
+                        qkv_bias: qkv_bias.to_vec(),
+                        table,
+                        dim,
+                        heads,
+                        window,
+                        shift,
+                    }
+                }
+                Op::PatchMerge => NodeKernel::PatchMerge,
                 Op::Concat { .. } | Op::ChannelSlice { .. } | Op::ChannelShuffle { .. } => {
                     let channels: Vec<usize> =
                         node.inputs.iter().map(|&i| plan.shapes[i][1]).collect();
@@ -578,6 +615,38 @@ impl<T: Elem> CpuSession<T> {
                 let mut y = self.alloc(os.elems());
                 kernels::linear(&heads_out, out_proj, (rows, d, d), &mut y, self.threads);
                 self.free.push(heads_out);
+                y
+            }
+            NodeKernel::WindowAttention {
+                proj,
+                qkv_bias,
+                table,
+                dim,
+                heads,
+                window,
+                shift,
+            } => {
+                let (qkv_proj, out_proj) = &**proj;
+                let (rows, d) = (os.n * os.h * os.w, *dim);
+                let x = values[inputs[0]].as_ref().expect("input computed");
+                let mut qkv = self.alloc(rows * 3 * d);
+                kernels::linear(x, qkv_proj, (rows, d, 3 * d), &mut qkv, self.threads);
+                let mut heads_out = self.alloc(rows * d);
+                let grid = WindowGrid::new(os.h, os.w, *window, *shift);
+                let params = (qkv_bias.as_slice(), table.as_slice());
+                let dims = (os.n, d, *heads);
+                kernels::window_attention(&qkv, params, grid, dims, &mut heads_out);
+                self.free.push(qkv);
+                let mut y = self.alloc(os.elems());
+                kernels::linear(&heads_out, out_proj, (rows, d, d), &mut y, self.threads);
+                self.free.push(heads_out);
+                y
+            }
+            NodeKernel::PatchMerge => {
+                let xs = self.dims(inputs[0], images.len());
+                let mut y = self.alloc(os.elems());
+                let x = values[inputs[0]].as_ref().expect("input computed");
+                kernels::patch_merge(x, xs, &mut y);
                 y
             }
             NodeKernel::SelectToken(index) => {

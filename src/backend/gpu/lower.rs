@@ -6,7 +6,7 @@
 
 use super::program::*;
 use crate::backend::{BackendError, KernelFamily};
-use crate::model::op::{Act, Conv2d, Op};
+use crate::model::op::{Act, Conv2d, Op, WindowGrid};
 use crate::model::{Plan, Precision, Weights};
 
 /// Builds a [`Program`]: weight buffers are added as they are needed; activation buffers are
@@ -98,7 +98,9 @@ pub fn build(
     // The attention layers' q/k/v and heads buffers, sized for the largest layer.
     let attention_rows = (plan.graph.nodes.iter().zip(&plan.shapes))
         .filter_map(|(node, shape)| match node.op {
-            Op::Attention { dim, .. } => Some((numel(shape) / dim.max(1), dim)),
+            Op::Attention { dim, .. } | Op::WindowAttention { dim, .. } => {
+                Some((numel(shape) / dim.max(1), dim))
+            }
             _ => None,
         })
         .map(|(rows, dim)| rows as u64 * dim as u64 * esize)
@@ -147,6 +149,10 @@ pub fn build(
         };
         if let Op::Attention { dim, heads } = node.op {
             attention_op(&mut b, &at, (dim, heads), mma)?;
+            continue;
+        }
+        if let Op::WindowAttention { .. } = node.op {
+            window_attention_op(&mut b, &at, mma)?;
             continue;
         }
         match conv_like(&at)? {
@@ -475,6 +481,86 @@ fn attention_op(
     native_conv(b, &out, &projection(dim), at.get("out_proj.weight")?, mma)
 }
 
+/// Swin's window attention on an NCHW image: to tokens (into the second attention buffer),
+/// the q/k/v projection, the core (tokens in, tokens out), the output projection (into the
+/// first buffer, free again), and back to NCHW.
+fn window_attention_op(b: &mut Builder, at: &NodeCtx<'_>, mma: bool) -> Result<(), BackendError> {
+    let Op::WindowAttention {
+        dim,
+        heads,
+        window,
+        shift,
+    } = at.node.op
+    else {
+        unreachable!("called for window attention")
+    };
+    let (qkv, mid) = at
+        .attention
+        .expect("buffers for the plan's attention layers");
+    let (n, _, h, w) = at.out;
+    let rows = n * h * w;
+    if dim / heads > 128 {
+        return Err(BackendError::Unsupported(format!(
+            "`{}`: heads of {} values are more than the attention kernel holds (128)",
+            at.node.name,
+            dim / heads
+        )));
+    }
+    let i = |v: usize| Arg::I32(v as i32);
+    // Every size is below the node's element count or its q/k/v's, which fit an i32 (the
+    // plan checks the largest buffer).
+    let transpose = |b: &mut Builder, from: Arg, to: BufId, (c, hw): (usize, usize)| {
+        let args = vec![from, Arg::Buf(to), i(n), i(c), i(hw)];
+        b.launch(&at.node.name, at.op, "tokens", at.grid, args);
+    };
+    transpose(b, at.x, mid, (dim, h * w));
+    let projection = |out: usize| Conv2d {
+        bias: true,
+        ..Conv2d::new(dim, out, 1, 1, 0)
+    };
+    let gemm = |y: BufId, x: BufId, cout: usize, bias: &'static str| NodeCtx {
+        out: (rows, cout, 1, 1),
+        input: (dim, 1, 1),
+        x: Arg::Buf(x),
+        y,
+        bias,
+        ..*at
+    };
+    let into_qkv = gemm(qkv, mid, 3 * dim, "qkv.bias");
+    native_conv(
+        b,
+        &into_qkv,
+        &projection(3 * dim),
+        at.get("qkv.weight")?,
+        mma,
+    )?;
+    let g = WindowGrid::new(h, w, window, shift);
+    let table = b.f32s(at.get("relative_position_bias_table")?);
+    let qkv_bias = b.f32s(at.get("qkv.bias")?);
+    let args = [
+        Arg::Buf(qkv),
+        Arg::Buf(table),
+        Arg::Buf(qkv_bias),
+        Arg::Buf(mid),
+    ];
+    let dims = [
+        n, h, w, g.hp, g.wp, g.window, g.shift_h, g.shift_w, dim, heads,
+    ]
+    .map(i);
+    let grid = grid_1d(n * heads * g.hp * g.wp)?;
+    b.launch(
+        &at.node.name,
+        at.op,
+        "window_attention",
+        grid,
+        [args.to_vec(), dims.to_vec()].concat(),
+    );
+    let out = gemm(qkv, mid, dim, "proj.bias");
+    native_conv(b, &out, &projection(dim), at.get("proj.weight")?, mma)?;
+    transpose(b, Arg::Buf(qkv), at.y, (h * w, dim));
+    Ok(())
+}
+
 /// Every other op: one launch of its kernel.
 fn other_op(b: &mut Builder, at: &NodeCtx<'_>, input: BufId) -> Result<(), BackendError> {
     let NodeCtx {
@@ -685,7 +771,14 @@ fn other_op(b: &mut Builder, at: &NodeCtx<'_>, input: BufId) -> Result<(), Backe
                 [vec![x, Arg::Buf(y)], dims.to_vec()].concat(),
             );
         }
-        Op::Attention { .. } => unreachable!("lowered by `attention`"),
+        Op::PatchMerge => {
+            let dims = [n, c / 4, xh, xw, h, w].map(|v| Arg::I32(v as i32));
+            let args = [vec![x, Arg::Buf(y)], dims.to_vec()].concat();
+            b.launch(&node.name, op, "patch_merge", grid, args);
+        }
+        Op::Attention { .. } | Op::WindowAttention { .. } => {
+            unreachable!("lowered by `attention_op` and `window_attention_op`")
+        }
         Op::Conv2d(_) | Op::Linear { .. } | Op::Dropout { .. } | Op::Flatten => {
             unreachable!("lowered by conv_like or renamed")
         }

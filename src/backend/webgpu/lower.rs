@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use super::Kernel;
 use crate::backend::BackendError;
 use crate::model::buffers::BufferAssignment;
-use crate::model::op::{Conv2d, Op};
+use crate::model::op::{Conv2d, Op, WindowGrid};
 use crate::model::{Plan, Precision, Weights};
 
 /// A buffer a launch binds.
@@ -164,7 +164,7 @@ pub(super) fn lower(
     };
     // Fresh buffers (never another value's) for the attention layers' intermediates.
     let attention_bytes = (nodes.iter().zip(&plan.shapes))
-        .filter(|(node, _)| matches!(node.op, Op::Attention { .. }))
+        .filter(|(node, _)| matches!(node.op, Op::Attention { .. } | Op::WindowAttention { .. }))
         .map(|(_, shape)| elem_bytes(numel(shape), precision))
         .max();
     let attention = match attention_bytes {
@@ -498,6 +498,67 @@ fn node_launches(
             let t = plan.shapes[node.inputs[0]][1];
             let p = vec![total, t, c, 0, *index];
             one(Kernel::SelectToken, p, vec![(1, input_buf(0))], 4, total)
+        }
+        Op::PatchMerge => {
+            let p = vec![total, xh, xw, h, w, 0, 0, 0, xc, 0, 0, 0];
+            one(Kernel::PatchMerge, p, x(), 4, total)
+        }
+        Op::WindowAttention {
+            dim,
+            heads,
+            window,
+            shift,
+        } => {
+            let (qkv, mid) = out
+                .attention
+                .expect("buffers for the plan's attention layers");
+            let (qkv, mid) = (Buf::Activation(qkv), Buf::Activation(mid));
+            if dim / heads > 128 {
+                return Err(BackendError::Unsupported(format!(
+                    "`{}`: heads of {} values are more than the attention kernel holds (128)",
+                    node.name,
+                    dim / heads
+                )));
+            }
+            let linear = |fout| Op::Linear {
+                in_features: *dim,
+                out_features: fout,
+                bias: true,
+            };
+            // The projections: linear layers over all n · h · w tokens.
+            let dims = ((1, 1, *dim), (n * h * w, 1, 1), None);
+            let qkv_bias = get("qkv.bias")?;
+            let mut parts = gemm_parts(
+                (consts, weight_bytes),
+                (&node.name, precision, max_binding),
+                (&linear(3 * *dim), get("qkv.weight")?, qkv_bias),
+                dims,
+                (input_buf(0), Buf::Zero, Some(qkv)),
+            )?;
+            let g = WindowGrid::new(h, w, *window, *shift);
+            let threads = n * heads * g.hp * g.wp;
+            let p = [threads, h, w, g.hp, g.wp, g.window, g.shift_h, g.shift_w]
+                .into_iter()
+                .chain([*dim, *heads, 0, 0])
+                .collect();
+            let table = get("relative_position_bias_table")?;
+            *weight_bytes += (table.len() * 4) as u64;
+            let reads = vec![
+                (1, qkv),
+                (2, consts.add("relative position bias", f32_bytes(table))),
+                (3, consts.add("q/k/v bias", f32_bytes(qkv_bias))),
+            ];
+            let mut core = one(Kernel::WindowAttention, p, reads, 4, threads);
+            core[0].2.push((4, mid));
+            parts.extend(core);
+            parts.extend(gemm_parts(
+                (consts, weight_bytes),
+                (&node.name, precision, max_binding),
+                (&linear(*dim), get("proj.weight")?, get("proj.bias")?),
+                dims,
+                (mid, Buf::Zero, None),
+            )?);
+            parts
         }
         Op::Attention { dim, heads } => {
             let (qkv, mid) = out

@@ -57,6 +57,10 @@ const KERNELS: &[(&str, &str)] = &[
         "channels.wgsl",
         include_str!("../../../kernels/wgsl/channels.wgsl"),
     ),
+    (
+        "window.wgsl",
+        include_str!("../../../kernels/wgsl/window.wgsl"),
+    ),
 ];
 
 /// The kernels, as (file, entry point).
@@ -85,6 +89,8 @@ enum Kernel {
     SelectToken,
     Attention,
     ChannelCopy,
+    WindowAttention,
+    PatchMerge,
 }
 
 impl Kernel {
@@ -113,6 +119,8 @@ impl Kernel {
             Kernel::SelectToken => ("transformer.wgsl", "select_token"),
             Kernel::Attention => ("transformer.wgsl", "attention"),
             Kernel::ChannelCopy => ("channels.wgsl", "channel_copy"),
+            Kernel::WindowAttention => ("window.wgsl", "window_attention"),
+            Kernel::PatchMerge => ("window.wgsl", "patch_merge"),
         }
     }
 }

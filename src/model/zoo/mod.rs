@@ -13,6 +13,7 @@ mod regnet;
 mod resnet;
 mod shufflenet;
 mod squeezenet;
+mod swin;
 mod vgg;
 mod vit;
 
@@ -26,6 +27,7 @@ pub use regnet::{RegNetConfig, regnet_custom};
 pub use resnet::{Block, ResNetConfig, resnet_custom};
 pub use shufflenet::shufflenet_v2_custom;
 pub use squeezenet::squeezenet_custom;
+pub use swin::swin_custom;
 pub use vit::{VitConfig, vit_custom};
 
 use super::Graph;
@@ -105,6 +107,9 @@ pub const NETWORKS: &[&str] = &[
     "shufflenet_v2_x2_0",
     "googlenet",
     "inception_v3",
+    "swin_t",
+    "swin_s",
+    "swin_b",
 ];
 
 /// A network name that the zoo does not have.
@@ -152,7 +157,7 @@ pub fn build(name: &str) -> Result<Graph, UnknownNetwork> {
 }
 
 /// The networks whose variants are computed from their names: EfficientNet, ConvNeXt,
-/// RegNet, DenseNet, ShuffleNetV2, MNASNet and VGG.
+/// RegNet, Swin, DenseNet, ShuffleNetV2, MNASNet and VGG.
 fn family(name: &str) -> Option<Graph> {
     if let Some(b) = name.strip_prefix("efficientnet_b") {
         let (w, d, dropout, size, eps) = efficientnet::variant(b.parse().ok()?)?;
@@ -171,6 +176,9 @@ fn family(name: &str) -> Option<Graph> {
     }
     if let Some(cfg) = regnet::variant(name) {
         return Some(regnet::regnet_custom(name, &cfg, 1000));
+    }
+    if let Some(shape) = swin::variant(name) {
+        return Some(swin::swin_custom(name, shape, 7, 1000));
     }
     if let Some((growth, blocks, stem)) = densenet::variant(name) {
         return Some(densenet::densenet_custom(name, growth, blocks, stem, 1000));

@@ -79,3 +79,21 @@ pub fn copy_channels<T: Elem>(
             }
         });
 }
+
+/// Swin's patch merging on NHWC tensors: each output pixel the channels of its 2×2 block of
+/// `x` (top-left, bottom-left, top-right, bottom-right), zeros past an odd edge.
+pub fn patch_merge<T: Elem>(x: &[T], xs: Nhwc, y: &mut [T]) {
+    let (oh, ow, c) = (xs.h.div_ceil(2), xs.w.div_ceil(2), xs.c);
+    y.par_chunks_mut(4 * c).enumerate().for_each(|(p, out)| {
+        let (img, oy, ox) = (p / (oh * ow), p / ow % oh, p % ow);
+        for (q, (dy, dx)) in [(0, 0), (1, 0), (0, 1), (1, 1)].into_iter().enumerate() {
+            let (yy, xx) = (2 * oy + dy, 2 * ox + dx);
+            let part = &mut out[q * c..(q + 1) * c];
+            if yy < xs.h && xx < xs.w {
+                part.copy_from_slice(&x[((img * xs.h + yy) * xs.w + xx) * c..][..c]);
+            } else {
+                part.fill(T::default());
+            }
+        }
+    });
+}

@@ -10,6 +10,7 @@ use rayon::prelude::*;
 
 use crate::backend::cpu::elem::Elem;
 use crate::backend::cpu::simd::{Update, Vectorised, with_simd};
+use crate::model::op::WindowGrid;
 
 /// `nn.LayerNorm` over rows of `weight.len()` values: biased variance, in f32.
 pub fn layer_norm<T: Elem>(x: &[T], weight: &[f32], bias: &[f32], eps: f32, y: &mut [T]) {
@@ -239,6 +240,73 @@ fn exp_nonpositive(x: f32) -> f32 {
 }
 
 /// A slice whose disjoint parts threads write (the attention's heads interleave in each row).
+/// Swin's shifted window attention core: `qkv` is (N, H, W, 3·C) as the q/k/v projection
+/// leaves it, `y` (N, H, W, C). One work item per (image, window): it gathers the window's
+/// tokens (a padded one holds the projection's bias), and for each real query and head adds
+/// the relative position bias and the shift mask to the scaled scores before the softmax.
+pub fn window_attention<T: Elem>(
+    qkv: &[T],
+    (qkv_bias, table): (&[f32], &[f32]),
+    grid: WindowGrid,
+    (n, dim, heads): (usize, usize, usize),
+    y: &mut [T],
+) {
+    let out = SyncSlice(y.as_mut_ptr(), y.len());
+    let ws = grid.window;
+    let (across, down, keys) = (grid.wp / ws, grid.hp / ws, ws * ws);
+    let dh = dim / heads.max(1);
+    let scale = 1.0 / (dh as f32).sqrt();
+    (0..n * down * across).into_par_iter().for_each(|item| {
+        let img = item / (down * across);
+        let (wy, wx) = ((item / across) % down * ws, item % across * ws);
+        let mut t = vec![0f32; keys * 3 * dim];
+        let mut pixel = vec![None; keys];
+        let mut region = vec![0; keys];
+        for (i, row) in t.chunks_mut(3 * dim).enumerate() {
+            let (yy, xx) = (wy + i / ws, wx + i % ws);
+            region[i] = grid.region(yy, xx);
+            let (y, x) = grid.source(yy, xx);
+            if y < grid.h && x < grid.w {
+                let p = (img * grid.h + y) * grid.w + x;
+                T::widen(&qkv[p * 3 * dim..(p + 1) * 3 * dim], row);
+                pixel[i] = Some(p);
+            } else {
+                row.copy_from_slice(qkv_bias);
+            }
+        }
+        let (mut scores, mut acc) = (vec![0f32; keys], vec![0f32; dim]);
+        for (i, p) in pixel.iter().enumerate() {
+            let Some(p) = *p else { continue };
+            for h in 0..heads {
+                let q = &t[i * 3 * dim + h * dh..][..dh];
+                for (j, s) in scores.iter_mut().enumerate() {
+                    let k = &t[j * 3 * dim + dim + h * dh..][..dh];
+                    let dot: f32 = q.iter().zip(k).map(|(a, b)| a * b).sum();
+                    let mask = if region[i] == region[j] { 0.0 } else { -100.0 };
+                    *s = dot * scale + table[grid.bias_row(i, j) * heads + h] + mask;
+                }
+                // A NaN score wins the maximum and spreads, as in PyTorch.
+                let max = (scores.iter()).fold(f32::NEG_INFINITY, |m, &s| {
+                    if s > m || s.is_nan() { s } else { m }
+                });
+                let mut sum = 0.0;
+                scores.iter_mut().for_each(|s| {
+                    *s = (*s - max).exp();
+                    sum += *s;
+                });
+                let head = &mut acc[h * dh..(h + 1) * dh];
+                head.fill(0.0);
+                for (j, e) in scores.iter().enumerate() {
+                    let v = &t[j * 3 * dim + 2 * dim + h * dh..][..dh];
+                    head.iter_mut().zip(v).for_each(|(a, v)| *a += e / sum * v);
+                }
+            }
+            // SAFETY: token p belongs to this window alone, so its row is written once.
+            T::narrow(&acc, unsafe { out.slice(p * dim, dim) });
+        }
+    });
+}
+
 struct SyncSlice<T>(*mut T, usize);
 // SAFETY: only used for disjoint writes (see `attention`).
 unsafe impl<T: Send> Sync for SyncSlice<T> {}

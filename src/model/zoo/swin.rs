@@ -1,0 +1,101 @@
+//! Swin Transformer (Liu et al. 2021) as torchvision builds it: a 4×4 patch embedding with a
+//! layer norm, four stages of blocks alternating plain and shifted 7×7 window attention (each
+//! block pre-norm: attention, then a GELU MLP, each with its residual), patch merging between
+//! stages (2×2 neighbours concatenated, layer norm, a linear reduction to twice the channels),
+//! a final layer norm, pooling and the head. Torchvision keeps its tensors channels-last
+//! (N, H, W, C); here they are image batches whose channel ops are the same on NHWC storage.
+//! Stochastic depth is the identity at inference.
+
+use crate::model::Graph;
+use crate::model::graph::{ConvInit, GraphBuilder, LinearInit, ValueId};
+use crate::model::op::{Conv2d, Op};
+
+/// torchvision's variants: embedding channels, blocks and heads per stage.
+pub(super) fn variant(name: &str) -> Option<(usize, [usize; 4], [usize; 4])> {
+    Some(match name {
+        "swin_t" => (96, [2, 2, 6, 2], [3, 6, 12, 24]),
+        "swin_s" => (96, [2, 2, 18, 2], [3, 6, 12, 24]),
+        "swin_b" => (128, [2, 2, 18, 2], [4, 8, 16, 32]),
+        _ => return None,
+    })
+}
+
+/// `nn.LayerNorm(dim)` (ε = 1e-5) over an image's channels.
+fn norm(g: &mut GraphBuilder, name: String, x: ValueId, dim: usize) -> ValueId {
+    g.add_node(name, Op::LayerNorm { dim, eps: 1e-5 }, &[x])
+}
+
+/// A linear layer over an image's channels: to tokens, the layer, back on the grid of `like`.
+fn channel_linear(g: &mut GraphBuilder, p: &str, (x, like): (ValueId, ValueId), op: Op) -> ValueId {
+    let t = g.add_node(format!("{p}.tokens"), Op::Tokens, &[x]);
+    let t = g.add_node(p.to_string(), op, &[t]);
+    g.add_node(format!("{p}.image"), Op::Image, &[t, like])
+}
+
+/// Swin with this embedding width, blocks and heads per stage, and window.
+pub fn swin_custom(
+    name: &str,
+    (embed, depths, heads): (usize, [usize; 4], [usize; 4]),
+    window: usize,
+    classes: usize,
+) -> Graph {
+    let mut g = GraphBuilder::new(name, 3, ConvInit::TorchDefault, LinearInit::TruncNormal002);
+    let x = g.input();
+    let x = g.conv(
+        "features.0.0",
+        x,
+        Conv2d::new(3, embed, 4, 4, 0).with_bias(),
+    );
+    let mut x = norm(&mut g, "features.0.2".into(), x, embed);
+    let mut dim = embed;
+    for (s, (&blocks, &heads)) in depths.iter().zip(&heads).enumerate() {
+        for b in 0..blocks {
+            let p = format!("features.{}.{b}", 2 * s + 1);
+            let shift = if b % 2 == 0 { 0 } else { window / 2 };
+            x = block(&mut g, &p, x, (dim, heads), (window, shift));
+        }
+        if s + 1 < depths.len() {
+            let p = format!("features.{}", 2 * s + 2);
+            let merged = g.add_node(format!("{p}.merge"), Op::PatchMerge, &[x]);
+            let y = norm(&mut g, format!("{p}.norm"), merged, 4 * dim);
+            let reduction = Op::Linear {
+                in_features: 4 * dim,
+                out_features: 2 * dim,
+                bias: false,
+            };
+            x = channel_linear(&mut g, &format!("{p}.reduction"), (y, merged), reduction);
+            dim *= 2;
+        }
+    }
+    let x = norm(&mut g, "norm".into(), x, dim);
+    let x = g.adaptive_avg_pool("avgpool", x, (1, 1));
+    let x = g.flatten("flatten", x);
+    let x = g.linear("head", x, dim, classes);
+    g.finish(x)
+}
+
+/// One `SwinTransformerBlock` at `p`: `norm1`, `attn`, `norm2`, `mlp.0`/`mlp.3`.
+fn block(
+    g: &mut GraphBuilder,
+    p: &str,
+    x: ValueId,
+    (dim, heads): (usize, usize),
+    (window, shift): (usize, usize),
+) -> ValueId {
+    let y = norm(g, format!("{p}.norm1"), x, dim);
+    let attention = Op::WindowAttention {
+        dim,
+        heads,
+        window,
+        shift,
+    };
+    let y = g.add_node(format!("{p}.attn"), attention, &[y]);
+    let x = g.add(format!("{p}.add1"), x, y);
+    let y = norm(g, format!("{p}.norm2"), x, dim);
+    let t = g.add_node(format!("{p}.mlp.tokens"), Op::Tokens, &[y]);
+    let t = g.linear(format!("{p}.mlp.0"), t, dim, 4 * dim);
+    let t = g.add_node(format!("{p}.mlp.1"), Op::Gelu, &[t]);
+    let t = g.linear(format!("{p}.mlp.3"), t, 4 * dim, dim);
+    let y = g.add_node(format!("{p}.mlp.image"), Op::Image, &[t, x]);
+    g.add(format!("{p}.add2"), x, y)
+}
