@@ -6,7 +6,8 @@ multiply-accumulates of one 224x224 image (ViT: its own size) in Conv2d and Line
 (forward hooks) plus, for each nn.MultiheadAttention, what it computes without calling its
 submodules: the input projection (3 x T x D x D), the two attention products (2 x T x T x D)
 and the output projection (T x D x D); likewise Swin's shifted window attention, per token of
-its padded grid against the w x w keys of its window. Random weights; nothing is downloaded.
+its padded grid against the w x w keys of its window (Swin V2's position-bias MLP, which
+depends on the weights only, is left out: it is not work per image). Random weights; nothing is downloaded.
 
     python3 bench/zoo_reference.py NAME ... > /tmp/new.json   # merge by hand, or
     python3 bench/zoo_reference.py --write NAME ...            # update the committed file
@@ -26,7 +27,7 @@ import torchvision
 SIZES = {"efficientnet_b1": 240, "efficientnet_b2": 288, "efficientnet_b3": 300, "efficientnet_b4": 380,
          "efficientnet_b5": 456, "efficientnet_b6": 528, "efficientnet_b7": 600,
          "efficientnet_v2_s": 384, "efficientnet_v2_m": 480, "efficientnet_v2_l": 480,
-         "inception_v3": 299}
+         "inception_v3": 299, "swin_v2_t": 256, "swin_v2_s": 256, "swin_v2_b": 256}
 
 FIXTURE = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "zoo-reference.json"
 
@@ -60,8 +61,13 @@ def count(name):
         tokens = b * (-(-h // wh) * wh) * (-(-w // ww) * ww)
         macs += tokens * 4 * c * c + 2 * tokens * wh * ww * c
 
-    swa = getattr(torchvision.models.swin_transformer, "ShiftedWindowAttention", ())
+    swa = torchvision.models.swin_transformer.ShiftedWindowAttention  # V2 derives from it
+    # Swin V2's position-bias MLP (cpb_mlp) reads only weights: it runs once per forward pass
+    # whatever the batch, and the engine folds it when it loads them, so it is not per image.
+    folded = {id(l) for m in model.modules() if hasattr(m, "cpb_mlp") for l in m.cpb_mlp.modules()}
     for m in model.modules():
+        if id(m) in folded:
+            continue
         if isinstance(m, swa):
             m.register_forward_hook(windows)
         if isinstance(m, torch.nn.Conv2d):

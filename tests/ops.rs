@@ -23,8 +23,8 @@ fn random_weights(graph: &Graph, seed: u64) -> Weights {
                 0.5 + rng.uniform() as f32
             } else if name.ends_with(".bias") || name.ends_with("running_mean") {
                 (rng.normal() * 0.2) as f32
-            } else if name.ends_with("relative_position_bias_table") {
-                // Swin's bias table at a scale where a wrong row shows in the output.
+            } else if name.ends_with("relative_position_bias_table") || name.contains("cpb_mlp") {
+                // Swin's bias (V2: its MLP) at a scale where a wrong row shows in the output.
                 rng.normal() as f32
             } else if name.ends_with(".weight") && t.shape.len() == 1 {
                 0.5 + rng.uniform() as f32
@@ -854,21 +854,26 @@ backend_test!(kernels_on_one_pixel, cpu, wgpu, cuda, hip);
 
 /// Swin's shifted window attention and patch merging against the reference (torchvision's
 /// steps in f64), in every precision: a grid that pads to whole windows and shifts, then a
-/// grid one window covers (no shift), an odd grid to merge, and heads of 4 values.
+/// grid one window covers (no shift), Swin V2's cosine form, an odd grid to merge, and heads
+/// of 4 values.
 fn shifted_windows(kind: BackendKind) {
     let mut g = GraphBuilder::new("swin", 3, ConvInit::TorchDefault, LinearInit::TorchDefault);
     let x = g.input();
     let x = g.conv("conv", x, Conv2d::new(3, 8, 3, 1, 1));
-    let attention = |shift| Op::WindowAttention {
+    let attention = |shift, v2| Op::WindowAttention {
         dim: 8,
         heads: 2,
         window: 3,
         shift,
+        v2,
     };
-    let y = g.add_node("shifted", attention(1), &[x]);
+    let y = g.add_node("shifted", attention(1, false), &[x]);
     let x = g.add("add", x, y);
-    let y = g.add_node("plain", attention(0), &[x]);
+    let y = g.add_node("plain", attention(0, false), &[x]);
     let x = g.add("add2", x, y);
+    // Swin V2: cosine attention, its bias from an MLP, no bias on k.
+    let y = g.add_node("v2", attention(1, true), &[x]);
+    let x = g.add("add3", x, y);
     let x = g.add_node("merge", Op::PatchMerge, &[x]);
     let y = g.add_node(
         "small",
@@ -877,6 +882,7 @@ fn shifted_windows(kind: BackendKind) {
             heads: 8,
             window: 3,
             shift: 1,
+            v2: false,
         },
         &[x],
     );

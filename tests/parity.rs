@@ -145,8 +145,15 @@ fn models_match_pytorch(kind: BackendKind) {
     let shufflenet =
         zoo::shufflenet_v2_custom("tiny_shufflenet", [1, 2, 1], [8, 16, 32, 48, 64], 10);
     check_model(kind, "tiny_shufflenet", &shufflenet);
-    let swin = zoo::swin_custom("tiny_swin", (8, [2, 2, 2, 1], [2, 2, 4, 4]), 3, 10);
+    let swin = zoo::swin_custom("tiny_swin", (8, [2, 2, 2, 1], [2, 2, 4, 4]), (3, false), 10);
     check_model(kind, "tiny_swin", &swin);
+    let swin2 = zoo::swin_custom(
+        "tiny_swin_v2",
+        (8, [2, 2, 2, 1], [2, 2, 4, 4]),
+        (3, true),
+        10,
+    );
+    check_model(kind, "tiny_swin_v2", &swin2);
 }
 
 /// `BlockParams.from_init_params(depth=4, w_0=8, w_a=8.0, w_m=2.0, group_width=8,

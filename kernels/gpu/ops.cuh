@@ -806,8 +806,10 @@ struct WindowArgs {
     const elem* qkv;        // (N, H, W, 3·d), tokens row-major
     const float* table;     // the relative position bias ((2·window − 1)², heads)
     const float* qkv_bias;  // what a padded token holds (3·d)
+    const float* scales;    // the scores' scale per head (1/√dh; V2: exp(min(logit_scale, ln 100)))
     elem* y;                // (N, H, W, d)
     int n, h, w, hp, wp, window, shift_h, shift_w, d, heads;
+    int cosine;             // 1: Swin V2's cosine attention (q and k normalised)
 };
 
 // The mask's region along one side of the shifted grid: torchvision's slices (0, −w), (−w, −s),
@@ -835,21 +837,29 @@ KERNEL(window_attention, WindowArgs) {
     int y0 = (yy + a.shift_h) % a.hp, x0 = (xx + a.shift_w) % a.wp;
     if (y0 >= a.h || x0 >= a.w) return;  // a padded query
     int ws = a.window, dh = a.d / a.heads;
-    float scale = 1.0f / sqrtf((float)dh);
     int wy = yy / ws * ws, wx = xx / ws * ws, qi = (yy - wy) * ws + (xx - wx);
     int region = window_side(yy, a.hp, a.shift_h, ws) * 3 + window_side(xx, a.wp, a.shift_w, ws);
-    float q[128], acc[128];
+    float q[128], acc[128], qq = 0.0f;
     for (int j = 0; j < dh; ++j) {
         q[j] = window_qkv(a, img, yy, xx, h * dh + j);
+        qq += q[j] * q[j];
         acc[j] = 0.0f;
     }
+    // V2 divides q by its norm (and each k by its own, below); the head's scale goes with q.
+    float qscale = a.scales[h];
+    if (a.cosine) qscale /= fmaxf(sqrtf(qq), 1e-12f);
     float m = -3.4028235e38f, s = 0.0f;
     for (int kj = 0; kj < ws * ws; ++kj) {
         int ky = wy + kj / ws, kx = wx + kj % ws;
-        float dot = 0.0f;
-        for (int j = 0; j < dh; ++j) dot += q[j] * window_qkv(a, img, ky, kx, a.d + h * dh + j);
+        float dot = 0.0f, kk = 0.0f;
+        for (int j = 0; j < dh; ++j) {
+            float k = window_qkv(a, img, ky, kx, a.d + h * dh + j);
+            dot += q[j] * k;
+            kk += k * k;
+        }
+        if (a.cosine) dot /= fmaxf(sqrtf(kk), 1e-12f);
         int row = (qi / ws + ws - 1 - kj / ws) * (2 * ws - 1) + (qi % ws + ws - 1 - kj % ws);
-        float score = dot * scale + a.table[row * a.heads + h];
+        float score = dot * qscale + a.table[row * a.heads + h];
         if (window_side(ky, a.hp, a.shift_h, ws) * 3 + window_side(kx, a.wp, a.shift_w, ws) != region)
             score -= 100.0f;
         float m2 = (score > m || score != score) ? score : m;

@@ -12,8 +12,8 @@ struct Params {
     shift_w: u32,
     d: u32,        // channels
     heads: u32,
-    _pad0: u32,
-    _pad1: u32,
+    cosine: u32,   // 1: Swin V2's cosine attention (q and k normalised)
+    _pad: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -24,6 +24,8 @@ struct Params {
 // the q/k/v projection's bias: what a padded token holds (3·d)
 @group(0) @binding(3) var<storage, read> qkv_bias: array<f32>;
 @group(0) @binding(4) var<storage, read_write> y: array<elem>;
+// the scores' scale per head (1/√dh; V2: exp(min(logit_scale, ln 100)))
+@group(0) @binding(5) var<storage, read> scales: array<f32>;
 
 fn index(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
     return (wid.y * nwg.x + wid.x) * 256u + lid;
@@ -71,16 +73,22 @@ fn window_attention(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
     }
     let ws = p.window;
     let dh = p.d / p.heads;
-    let scale = 1.0 / sqrt(f32(dh));
     let wy = yy / ws * ws;
     let wx = xx / ws * ws;
     let qi = (yy - wy) * ws + (xx - wx);
     let region = side(yy, p.hp, p.shift_h) * 3u + side(xx, p.wp, p.shift_w);
     var q: array<f32, 128>;
     var acc: array<f32, 128>;
+    var qq = 0.0;
     for (var j = 0u; j < dh; j++) {
         q[j] = qkv_at(img, yy, xx, h * dh + j);
+        qq += q[j] * q[j];
         acc[j] = 0.0;
+    }
+    // V2 divides q by its norm (and each k by its own, below); the head's scale goes with q.
+    var qscale = scales[h];
+    if (p.cosine == 1u) {
+        qscale /= max(sqrt(qq), 1e-12);
     }
     var m = -3.4028235e38;
     var s = 0.0;
@@ -88,11 +96,17 @@ fn window_attention(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
         let ky = wy + kj / ws;
         let kx = wx + kj % ws;
         var dot = 0.0;
+        var kk = 0.0;
         for (var j = 0u; j < dh; j++) {
-            dot += q[j] * qkv_at(img, ky, kx, p.d + h * dh + j);
+            let k = qkv_at(img, ky, kx, p.d + h * dh + j);
+            dot += q[j] * k;
+            kk += k * k;
+        }
+        if (p.cosine == 1u) {
+            dot /= max(sqrt(kk), 1e-12);
         }
         let row = (qi / ws + ws - 1u - kj / ws) * (2u * ws - 1u) + (qi % ws + ws - 1u - kj % ws);
-        var score = dot * scale + table[row * p.heads + h];
+        var score = dot * qscale + table[row * p.heads + h];
         if (side(ky, p.hp, p.shift_h) * 3u + side(kx, p.wp, p.shift_w) != region) {
             score -= 100.0;
         }

@@ -318,12 +318,15 @@ pub enum Op {
     /// `shift` (0 along a side the window covers; pairs from different regions of the shifted
     /// grid get −100, torchvision's mask), scores scaled by 1/√(C/heads) plus the learned
     /// relative position bias (`relative_position_bias_table`), then the output projection
-    /// (`proj`).
+    /// (`proj`). Swin V2 (`v2`): cosine attention (q and k normalised, scaled per head by
+    /// exp(min(`logit_scale`, ln 100))), the bias 16·sigmoid of a small MLP (`cpb_mlp`) over
+    /// log-spaced relative coordinates (`relative_coords_table`), no bias on k.
     WindowAttention {
         dim: usize,
         heads: usize,
         window: usize,
         shift: usize,
+        v2: bool,
     },
     /// Swin's `PatchMerging` gather: (N, C, H, W) → (N, 4C, ⌈H/2⌉, ⌈W/2⌉), each output pixel
     /// the channels of its 2×2 block in torchvision's order (top-left, bottom-left, top-right,
@@ -391,6 +394,23 @@ impl WindowGrid {
             _ => 2,
         };
         3 * side(yy, self.hp, self.shift_h) + side(xx, self.wp, self.shift_w)
+    }
+
+    /// Swin V2's `relative_coords_table`: for each (dy, dx) of the bias table's rows, the
+    /// offsets scaled to ±8 and log-spaced: sign(t)·log2(|t| + 1)/3.
+    pub fn coords_table(window: usize) -> Vec<f32> {
+        let w = window.max(2) as f32;
+        let side = 2 * window - 1;
+        let log = |d: f32| {
+            let t = d / (w - 1.0) * 8.0;
+            t.signum() * (t.abs() + 1.0).log2() / 3.0
+        };
+        (0..side * side)
+            .flat_map(|r| {
+                let (dy, dx) = ((r / side) as f32, (r % side) as f32);
+                [log(dy - (w - 1.0)), log(dx - (w - 1.0))]
+            })
+            .collect()
     }
 
     /// Row of the relative position bias table for query i and key j of one window.
@@ -566,20 +586,40 @@ impl Op {
                 vec![p("", vec![channels, 1, 1], ParamKind::Trainable)]
             }
             Op::WindowAttention {
-                dim, heads, window, ..
+                dim,
+                heads,
+                window,
+                v2,
+                ..
             } => {
-                let table = (2 * window - 1) * (2 * window - 1);
-                vec![
+                let side = 2 * window - 1;
+                let mut v = vec![
                     p("qkv.weight", vec![3 * dim, dim], ParamKind::Trainable),
                     p("qkv.bias", vec![3 * dim], ParamKind::Trainable),
                     p("proj.weight", vec![dim, dim], ParamKind::Trainable),
                     p("proj.bias", vec![dim], ParamKind::Trainable),
-                    p(
+                ];
+                if v2 {
+                    v.extend([
+                        p("logit_scale", vec![heads, 1, 1], ParamKind::Trainable),
+                        p("cpb_mlp.0.weight", vec![512, 2], ParamKind::Trainable),
+                        p("cpb_mlp.0.bias", vec![512], ParamKind::Trainable),
+                        p("cpb_mlp.2.weight", vec![heads, 512], ParamKind::Trainable),
+                        p(
+                            "relative_coords_table",
+                            vec![1, side, side, 2],
+                            ParamKind::Buffer,
+                        ),
+                    ]);
+                } else {
+                    let table = vec![side * side, heads];
+                    v.push(p(
                         "relative_position_bias_table",
-                        vec![table, heads],
+                        table,
                         ParamKind::Trainable,
-                    ),
-                ]
+                    ));
+                }
+                v
             }
             Op::Attention { dim, .. } => vec![
                 p("in_proj_weight", vec![3 * dim, dim], ParamKind::Trainable),
@@ -803,6 +843,7 @@ impl Op {
                 heads,
                 window,
                 shift,
+                ..
             } => {
                 let (_, c, _, _) = image(inputs[0])?;
                 if *heads == 0 || dim % heads != 0 || c != *dim {

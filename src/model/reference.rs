@@ -122,7 +122,8 @@ pub fn eval<'a>(
             heads,
             window,
             shift,
-        } => window_attention(ins[0], &need, (*dim, *heads), (*window, *shift)),
+            v2,
+        } => window_attention(ins[0], &need, (*dim, *heads, *v2), (*window, *shift)),
         Op::PatchMerge => {
             let (n, c, h, w) = (
                 ins[0].shape[0],
@@ -414,7 +415,7 @@ fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, dim: usize, eps: f32) -> Tenso
 fn window_attention<'a>(
     x: &Tensor,
     need: &dyn Fn(&str) -> &'a Tensor,
-    (dim, heads): (usize, usize),
+    (dim, heads, v2): (usize, usize, bool),
     (ws, shift): (usize, usize),
 ) -> Tensor {
     let (n, c, h, w) = (x.shape[0], x.shape[1], x.shape[2], x.shape[3]);
@@ -422,11 +423,55 @@ fn window_attention<'a>(
     // No shift along a side one window covers.
     let sh = if ws >= hp { 0 } else { shift };
     let sw = if ws >= wp { 0 } else { shift };
-    let (qkv_w, qkv_b) = (&need("qkv.weight").data, &need("qkv.bias").data);
+    let qkv_w = &need("qkv.weight").data;
+    let mut qkv_b: Vec<f64> = need("qkv.bias").data.iter().map(|&v| v as f64).collect();
     let (proj_w, proj_b) = (&need("proj.weight").data, &need("proj.bias").data);
-    let table = &need("relative_position_bias_table").data;
     let dh = dim / heads;
-    let scale = 1.0 / (dh as f64).sqrt();
+    // V1: a learned table and 1/√dh. V2: 16·sigmoid(cpb_mlp(relative_coords_table)), cosine
+    // scores scaled by exp(min(logit_scale, ln 100)), and no bias on k.
+    let (table, scales): (Vec<f64>, Vec<f64>) = if v2 {
+        qkv_b[dim..2 * dim].fill(0.0);
+        let (w1, b1) = (&need("cpb_mlp.0.weight").data, &need("cpb_mlp.0.bias").data);
+        let w2 = &need("cpb_mlp.2.weight").data;
+        let coords = &need("relative_coords_table").data;
+        let table = (coords.chunks(2))
+            .flat_map(|xy| {
+                let mid: Vec<f64> = (0..b1.len())
+                    .map(|j| {
+                        let v = w1[2 * j] as f64 * xy[0] as f64
+                            + w1[2 * j + 1] as f64 * xy[1] as f64
+                            + b1[j] as f64;
+                        v.max(0.0)
+                    })
+                    .collect();
+                (0..heads)
+                    .map(|h| {
+                        let v: f64 = (0..b1.len())
+                            .map(|j| w2[h * b1.len() + j] as f64 * mid[j])
+                            .sum();
+                        16.0 / (1.0 + (-v).exp())
+                    })
+                    .collect::<Vec<f64>>()
+            })
+            .collect();
+        let logit = &need("logit_scale").data;
+        let scales = logit
+            .iter()
+            .map(|&s| (s as f64).min(100f64.ln()).exp())
+            .collect();
+        (table, scales)
+    } else {
+        let table = need("relative_position_bias_table")
+            .data
+            .iter()
+            .map(|&v| v as f64);
+        (table.collect(), vec![1.0 / (dh as f64).sqrt(); heads])
+    };
+    // F.normalize: v / max(‖v‖, 1e-12).
+    let unit = |v: &[f64]| -> Vec<f64> {
+        let norm = v.iter().map(|a| a * a).sum::<f64>().sqrt().max(1e-12);
+        v.iter().map(|a| a / norm).collect()
+    };
     // The mask's regions of the shifted grid: torchvision's slices (0, -ws), (-ws, -s), (-s, ∞).
     let region = |v: usize, size: usize, s: usize| match s {
         0 => 0,
@@ -458,7 +503,7 @@ fn window_attention<'a>(
                         (0..3 * dim)
                             .map(|o| {
                                 let dot: f64 = (0..c).map(|k| qkv_w[o * c + k] as f64 * t[k]).sum();
-                                qkv_b[o] as f64 + dot
+                                qkv_b[o] + dot
                             })
                             .collect()
                     })
@@ -466,20 +511,23 @@ fn window_attention<'a>(
                 let mut heads_out = vec![vec![0f64; dim]; ws * ws];
                 for hd in 0..heads {
                     for i in 0..ws * ws {
+                        let head = |j: usize, part: usize| -> Vec<f64> {
+                            let v = &qkv[j][part * dim + hd * dh..][..dh];
+                            if v2 { unit(v) } else { v.to_vec() }
+                        };
+                        let q = head(i, 0);
                         let scores: Vec<f64> = (0..ws * ws)
                             .map(|j| {
-                                let dot: f64 = (0..dh)
-                                    .map(|d| {
-                                        qkv[i][hd * dh + d] * scale * qkv[j][dim + hd * dh + d]
-                                    })
-                                    .sum();
+                                let k = head(j, 1);
+                                let dot: f64 =
+                                    q.iter().zip(&k).map(|(a, b)| a * b).sum::<f64>() * scales[hd];
                                 let (yi, xi, yj, xj) = (i / ws, i % ws, j / ws, j % ws);
                                 let idx = (yi + ws - 1 - yj) * (2 * ws - 1) + (xi + ws - 1 - xj);
                                 let (pi, pj) = (pos[i], pos[j]);
                                 let same = region(pi.0, hp, sh) == region(pj.0, hp, sh)
                                     && region(pi.1, wp, sw) == region(pj.1, wp, sw);
                                 let mask = if same { 0.0 } else { -100.0 };
-                                dot + table[idx * heads + hd] as f64 + mask
+                                dot + table[idx * heads + hd] + mask
                             })
                             .collect();
                         let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);

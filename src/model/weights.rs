@@ -218,15 +218,32 @@ impl Weights {
                 // Swin: trunc_normal_(std=0.02) for the projections and the bias table, zero
                 // biases.
                 Op::WindowAttention {
-                    dim, heads, window, ..
+                    dim,
+                    heads,
+                    window,
+                    v2,
+                    ..
                 } => {
                     put("qkv.weight", normal(&mut rng, vec![3 * dim, dim], 0.02));
                     put("qkv.bias", Tensor::zeros(vec![3 * dim]));
                     put("proj.weight", normal(&mut rng, vec![dim, dim], 0.02));
                     put("proj.bias", Tensor::zeros(vec![dim]));
-                    let rows = (2 * window - 1) * (2 * window - 1);
-                    let table = normal(&mut rng, vec![rows, heads], 0.02);
-                    put("relative_position_bias_table", table);
+                    let side = 2 * window - 1;
+                    if v2 {
+                        let scale = vec![10f32.ln(); heads];
+                        put("logit_scale", Tensor::new(vec![heads, 1, 1], scale));
+                        put("cpb_mlp.0.weight", normal(&mut rng, vec![512, 2], 0.02));
+                        put("cpb_mlp.0.bias", Tensor::zeros(vec![512]));
+                        put("cpb_mlp.2.weight", normal(&mut rng, vec![heads, 512], 0.02));
+                        let coords = super::op::WindowGrid::coords_table(window);
+                        put(
+                            "relative_coords_table",
+                            Tensor::new(vec![1, side, side, 2], coords),
+                        );
+                    } else {
+                        let table = normal(&mut rng, vec![side * side, heads], 0.02);
+                        put("relative_position_bias_table", table);
+                    }
                 }
                 // nn.MultiheadAttention's own reset: xavier_uniform over the packed q/k/v
                 // projection, zero biases; the output projection keeps Linear's default.
@@ -387,6 +404,68 @@ impl Weights {
         let (mean, var) = (p("running_mean")?, p("running_var")?);
         Ok(super::op::batch_norm_affine(gamma, beta, mean, var, eps))
     }
+
+    /// Window attention `node` as every backend's kernels take it (Swin V1 or V2).
+    pub fn window_attention(
+        &self,
+        node: &str,
+        (dim, heads, v2): (usize, usize, bool),
+    ) -> Result<WindowParams, MissingTensor> {
+        let p = |suffix| self.param(node, suffix);
+        let mut qkv_bias = p("qkv.bias")?.to_vec();
+        if !v2 {
+            let dh = (dim / heads.max(1)) as f32;
+            return Ok(WindowParams {
+                qkv_bias,
+                table: p("relative_position_bias_table")?.to_vec(),
+                scales: vec![1.0 / dh.sqrt(); heads],
+                cosine: false,
+            });
+        }
+        // torchvision zeroes k's bias (a clone of it) in every forward pass.
+        qkv_bias[dim..2 * dim].fill(0.0);
+        let scales = (p("logit_scale")?.iter())
+            .map(|s| s.min(100f32.ln()).exp())
+            .collect();
+        // 16·sigmoid(cpb_mlp(coords)): Linear(2, 512), ReLU, Linear(512, heads, no bias).
+        let (w1, b1, w2) = (
+            p("cpb_mlp.0.weight")?,
+            p("cpb_mlp.0.bias")?,
+            p("cpb_mlp.2.weight")?,
+        );
+        let coords = p("relative_coords_table")?;
+        let hidden = b1.len();
+        let mut table = Vec::with_capacity(coords.len() / 2 * heads);
+        for xy in coords.chunks(2) {
+            let mid: Vec<f32> = (0..hidden)
+                .map(|j| (w1[2 * j] * xy[0] + w1[2 * j + 1] * xy[1] + b1[j]).max(0.0))
+                .collect();
+            table.extend((0..heads).map(|h| {
+                let v: f32 = (0..hidden).map(|j| w2[h * hidden + j] * mid[j]).sum();
+                16.0 / (1.0 + (-v).exp())
+            }));
+        }
+        Ok(WindowParams {
+            qkv_bias,
+            table,
+            scales,
+            cosine: true,
+        })
+    }
+}
+
+/// A window attention's numbers as the kernels take them (see [`Weights::window_attention`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct WindowParams {
+    /// The q/k/v projection's bias (V2: k's part zero): what a padded token holds.
+    pub qkv_bias: Vec<f32>,
+    /// The relative position bias, (table row, head): V1's learned table, V2's
+    /// 16·sigmoid(cpb_mlp(coordinates)).
+    pub table: Vec<f32>,
+    /// The scores' scale per head: 1/√dh, or V2's exp(min(logit_scale, ln 100)).
+    pub scales: Vec<f32>,
+    /// V2's cosine attention: q and k normalised before their product.
+    pub cosine: bool,
 }
 
 /// A tensor a prepared node needs and the weights lack.

@@ -67,10 +67,7 @@ pub(super) enum NodeKernel<T> {
     WindowAttention {
         /// The q/k/v and output projections.
         proj: Box<(PackedLinear<T>, PackedLinear<T>)>,
-        /// The q/k/v projection's bias (what a padded token holds) and the relative position
-        /// bias table.
-        qkv_bias: Vec<f32>,
-        table: Vec<f32>,
+        params: crate::model::weights::WindowParams,
         dim: usize,
         heads: usize,
         window: usize,
@@ -256,17 +253,17 @@ impl<T: Elem> CpuSession<T> {
                     heads,
                     window,
                     shift,
+                    v2,
                 } => {
-                    let qkv_bias = get("qkv.bias")?;
-                    let qkv = PackedLinear::new(get("qkv.weight")?, Some(qkv_bias), dim, 3 * dim);
-                    let out =
-                        PackedLinear::new(get("proj.weight")?, Some(get("proj.bias")?), dim, dim);
-                    let table = get("relative_position_bias_table")?.to_vec();
-                    weight_bytes += qkv.bytes() + out.bytes() + table.len() as u64 * 4;
+                    let params = weights.window_attention(&node.name, (dim, heads, v2))?;
+                    let bias = Some(params.qkv_bias.as_slice());
+                    let qkv = PackedLinear::new(get("qkv.weight")?, bias, dim, 3 * dim);
+                    let proj = get("proj.weight")?;
+                    let out = PackedLinear::new(proj, Some(get("proj.bias")?), dim, dim);
+                    weight_bytes += qkv.bytes() + out.bytes() + params.table.len() as u64 * 4;
                     NodeKernel::WindowAttention {
                         proj: Box::new((qkv, out)),
-                        qkv_bias: qkv_bias.to_vec(),
-                        table,
+                        params,
                         dim,
                         heads,
                         window,
@@ -619,8 +616,7 @@ impl<T: Elem> CpuSession<T> {
             }
             NodeKernel::WindowAttention {
                 proj,
-                qkv_bias,
-                table,
+                params,
                 dim,
                 heads,
                 window,
@@ -633,7 +629,6 @@ impl<T: Elem> CpuSession<T> {
                 kernels::linear(x, qkv_proj, (rows, d, 3 * d), &mut qkv, self.threads);
                 let mut heads_out = self.alloc(rows * d);
                 let grid = WindowGrid::new(os.h, os.w, *window, *shift);
-                let params = (qkv_bias.as_slice(), table.as_slice());
                 let dims = (os.n, d, *heads);
                 kernels::window_attention(&qkv, params, grid, dims, &mut heads_out);
                 self.free.push(qkv);

@@ -145,6 +145,7 @@ pub fn build(
             input_shape: node.inputs.first().map_or(&[][..], |&i| &plan.shapes[i]),
             plan_shapes: &plan.shapes,
             bias: "bias",
+            bias_values: None,
             attention,
         };
         if let Op::Attention { dim, heads } = node.op {
@@ -207,6 +208,9 @@ struct NodeCtx<'a> {
     /// The suffix of the bias a GEMM's epilogue adds (`bias`; the attention's projections
     /// have their own).
     bias: &'static str,
+    /// A bias that is not one of the node's tensors as they are (Swin V2's q/k/v bias with
+    /// k's part zero), used instead of `bias`.
+    bias_values: Option<&'a [f32]>,
     /// Two buffers the attention's projections write (q/k/v, then the heads), shared by every
     /// attention layer (they run one after another); `None` when the plan has no attention.
     attention: Option<(BufId, BufId)>,
@@ -225,7 +229,11 @@ impl<'a> NodeCtx<'a> {
         conv: &Conv2d,
     ) -> Result<(Arg, Arg), BackendError> {
         let bias = if conv.bias {
-            Arg::Buf(b.f32s(self.get(self.bias)?))
+            let values = match self.bias_values {
+                Some(values) => values,
+                None => self.get(self.bias)?,
+            };
+            Arg::Buf(b.f32s(values))
         } else {
             Arg::Null
         };
@@ -490,6 +498,7 @@ fn window_attention_op(b: &mut Builder, at: &NodeCtx<'_>, mma: bool) -> Result<(
         heads,
         window,
         shift,
+        v2,
     } = at.node.op
     else {
         unreachable!("called for window attention")
@@ -526,27 +535,25 @@ fn window_attention_op(b: &mut Builder, at: &NodeCtx<'_>, mma: bool) -> Result<(
         bias,
         ..*at
     };
-    let into_qkv = gemm(qkv, mid, 3 * dim, "qkv.bias");
-    native_conv(
-        b,
-        &into_qkv,
-        &projection(3 * dim),
-        at.get("qkv.weight")?,
-        mma,
-    )?;
+    let params = at
+        .weights
+        .window_attention(&at.node.name, (dim, heads, v2))?;
+    let into_qkv = NodeCtx {
+        bias_values: Some(&params.qkv_bias),
+        ..gemm(qkv, mid, 3 * dim, "qkv.bias")
+    };
+    let qkv_weight = at.get("qkv.weight")?;
+    native_conv(b, &into_qkv, &projection(3 * dim), qkv_weight, mma)?;
     let g = WindowGrid::new(h, w, window, shift);
-    let table = b.f32s(at.get("relative_position_bias_table")?);
-    let qkv_bias = b.f32s(at.get("qkv.bias")?);
-    let args = [
-        Arg::Buf(qkv),
-        Arg::Buf(table),
-        Arg::Buf(qkv_bias),
-        Arg::Buf(mid),
-    ];
+    let consts = [&params.table, &params.qkv_bias, &params.scales].map(|v| b.f32s(v));
+    let args = [qkv, consts[0], consts[1], consts[2], mid].map(Arg::Buf);
     let dims = [
         n, h, w, g.hp, g.wp, g.window, g.shift_h, g.shift_w, dim, heads,
     ]
-    .map(i);
+    .into_iter()
+    .chain([params.cosine as usize])
+    .map(i)
+    .collect::<Vec<_>>();
     let grid = grid_1d(n * heads * g.hp * g.wp)?;
     b.launch(
         &at.node.name,

@@ -508,6 +508,7 @@ fn node_launches(
             heads,
             window,
             shift,
+            v2,
         } => {
             let (qkv, mid) = out
                 .attention
@@ -527,11 +528,11 @@ fn node_launches(
             };
             // The projections: linear layers over all n · h · w tokens.
             let dims = ((1, 1, *dim), (n * h * w, 1, 1), None);
-            let qkv_bias = get("qkv.bias")?;
+            let params = weights.window_attention(&node.name, (*dim, *heads, *v2))?;
             let mut parts = gemm_parts(
                 (consts, weight_bytes),
                 (&node.name, precision, max_binding),
-                (&linear(3 * *dim), get("qkv.weight")?, qkv_bias),
+                (&linear(3 * *dim), get("qkv.weight")?, &params.qkv_bias),
                 dims,
                 (input_buf(0), Buf::Zero, Some(qkv)),
             )?;
@@ -539,14 +540,17 @@ fn node_launches(
             let threads = n * heads * g.hp * g.wp;
             let p = [threads, h, w, g.hp, g.wp, g.window, g.shift_h, g.shift_w]
                 .into_iter()
-                .chain([*dim, *heads, 0, 0])
+                .chain([*dim, *heads, params.cosine as usize, 0])
                 .collect();
-            let table = get("relative_position_bias_table")?;
-            *weight_bytes += (table.len() * 4) as u64;
+            *weight_bytes += (params.table.len() * 4) as u64;
             let reads = vec![
                 (1, qkv),
-                (2, consts.add("relative position bias", f32_bytes(table))),
-                (3, consts.add("q/k/v bias", f32_bytes(qkv_bias))),
+                (
+                    2,
+                    consts.add("relative position bias", f32_bytes(&params.table)),
+                ),
+                (3, consts.add("q/k/v bias", f32_bytes(&params.qkv_bias))),
+                (5, consts.add("head scales", f32_bytes(&params.scales))),
             ];
             let mut core = one(Kernel::WindowAttention, p, reads, 4, threads);
             core[0].2.push((4, mid));

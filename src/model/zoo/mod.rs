@@ -110,6 +110,9 @@ pub const NETWORKS: &[&str] = &[
     "swin_t",
     "swin_s",
     "swin_b",
+    "swin_v2_t",
+    "swin_v2_s",
+    "swin_v2_b",
 ];
 
 /// A network name that the zoo does not have.
@@ -177,8 +180,8 @@ fn family(name: &str) -> Option<Graph> {
     if let Some(cfg) = regnet::variant(name) {
         return Some(regnet::regnet_custom(name, &cfg, 1000));
     }
-    if let Some(shape) = swin::variant(name) {
-        return Some(swin::swin_custom(name, shape, 7, 1000));
+    if let Some(g) = swin::build(name) {
+        return Some(g);
     }
     if let Some((growth, blocks, stem)) = densenet::variant(name) {
         return Some(densenet::densenet_custom(name, growth, blocks, stem, 1000));

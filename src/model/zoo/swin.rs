@@ -2,7 +2,10 @@
 //! layer norm, four stages of blocks alternating plain and shifted 7×7 window attention (each
 //! block pre-norm: attention, then a GELU MLP, each with its residual), patch merging between
 //! stages (2×2 neighbours concatenated, layer norm, a linear reduction to twice the channels),
-//! a final layer norm, pooling and the head. Torchvision keeps its tensors channels-last
+//! a final layer norm, pooling and the head. Swin V2 (2022) normalises after attention and
+//! after the MLP instead of before, reduces before its merge's norm, attends by cosine with a
+//! learned scale per head, and draws its position bias from a small MLP over log-spaced
+//! offsets; torchvision's V2 has 8×8 windows at 256×256. Torchvision keeps its tensors channels-last
 //! (N, H, W, C); here they are image batches whose channel ops are the same on NHWC storage.
 //! Stochastic depth is the identity at inference.
 
@@ -12,11 +15,23 @@ use crate::model::op::{Conv2d, Op};
 
 /// torchvision's variants: embedding channels, blocks and heads per stage.
 pub(super) fn variant(name: &str) -> Option<(usize, [usize; 4], [usize; 4])> {
-    Some(match name {
+    Some(match name.replace("_v2", "").as_str() {
         "swin_t" => (96, [2, 2, 6, 2], [3, 6, 12, 24]),
         "swin_s" => (96, [2, 2, 18, 2], [3, 6, 12, 24]),
         "swin_b" => (128, [2, 2, 18, 2], [4, 8, 16, 32]),
         _ => return None,
+    })
+}
+
+/// torchvision's Swin V1 or V2 by name: the window and input size go with the version.
+pub(super) fn build(name: &str) -> Option<Graph> {
+    let shape = variant(name)?;
+    Some(if name.starts_with("swin_v2") {
+        let mut g = swin_custom(name, shape, (8, true), 1000);
+        g.input_size = 256;
+        g
+    } else {
+        swin_custom(name, shape, (7, false), 1000)
     })
 }
 
@@ -32,11 +47,12 @@ fn channel_linear(g: &mut GraphBuilder, p: &str, (x, like): (ValueId, ValueId), 
     g.add_node(format!("{p}.image"), Op::Image, &[t, like])
 }
 
-/// Swin with this embedding width, blocks and heads per stage, and window.
+/// Swin with this embedding width, blocks and heads per stage, window, and version (V2 when
+/// `v2`).
 pub fn swin_custom(
     name: &str,
     (embed, depths, heads): (usize, [usize; 4], [usize; 4]),
-    window: usize,
+    (window, v2): (usize, bool),
     classes: usize,
 ) -> Graph {
     let mut g = GraphBuilder::new(name, 3, ConvInit::TorchDefault, LinearInit::TruncNormal002);
@@ -52,18 +68,24 @@ pub fn swin_custom(
         for b in 0..blocks {
             let p = format!("features.{}.{b}", 2 * s + 1);
             let shift = if b % 2 == 0 { 0 } else { window / 2 };
-            x = block(&mut g, &p, x, (dim, heads), (window, shift));
+            x = block(&mut g, &p, x, (dim, heads), (window, shift, v2));
         }
         if s + 1 < depths.len() {
             let p = format!("features.{}", 2 * s + 2);
             let merged = g.add_node(format!("{p}.merge"), Op::PatchMerge, &[x]);
-            let y = norm(&mut g, format!("{p}.norm"), merged, 4 * dim);
             let reduction = Op::Linear {
                 in_features: 4 * dim,
                 out_features: 2 * dim,
                 bias: false,
             };
-            x = channel_linear(&mut g, &format!("{p}.reduction"), (y, merged), reduction);
+            let reduce = format!("{p}.reduction");
+            x = if v2 {
+                let y = channel_linear(&mut g, &reduce, (merged, merged), reduction);
+                norm(&mut g, format!("{p}.norm"), y, 2 * dim)
+            } else {
+                let y = norm(&mut g, format!("{p}.norm"), merged, 4 * dim);
+                channel_linear(&mut g, &reduce, (y, merged), reduction)
+            };
             dim *= 2;
         }
     }
@@ -74,28 +96,48 @@ pub fn swin_custom(
     g.finish(x)
 }
 
-/// One `SwinTransformerBlock` at `p`: `norm1`, `attn`, `norm2`, `mlp.0`/`mlp.3`.
+/// One `SwinTransformerBlock` (V2: `SwinTransformerBlockV2`) at `p`: `norm1`, `attn`,
+/// `norm2`, `mlp.0`/`mlp.3`; V1 normalises each branch's input, V2 its output.
 fn block(
     g: &mut GraphBuilder,
     p: &str,
     x: ValueId,
     (dim, heads): (usize, usize),
-    (window, shift): (usize, usize),
+    (window, shift, v2): (usize, usize, bool),
 ) -> ValueId {
-    let y = norm(g, format!("{p}.norm1"), x, dim);
     let attention = Op::WindowAttention {
         dim,
         heads,
         window,
         shift,
+        v2,
+    };
+    let y = if v2 {
+        x
+    } else {
+        norm(g, format!("{p}.norm1"), x, dim)
     };
     let y = g.add_node(format!("{p}.attn"), attention, &[y]);
+    let y = if v2 {
+        norm(g, format!("{p}.norm1"), y, dim)
+    } else {
+        y
+    };
     let x = g.add(format!("{p}.add1"), x, y);
-    let y = norm(g, format!("{p}.norm2"), x, dim);
+    let y = if v2 {
+        x
+    } else {
+        norm(g, format!("{p}.norm2"), x, dim)
+    };
     let t = g.add_node(format!("{p}.mlp.tokens"), Op::Tokens, &[y]);
     let t = g.linear(format!("{p}.mlp.0"), t, dim, 4 * dim);
     let t = g.add_node(format!("{p}.mlp.1"), Op::Gelu, &[t]);
     let t = g.linear(format!("{p}.mlp.3"), t, 4 * dim, dim);
     let y = g.add_node(format!("{p}.mlp.image"), Op::Image, &[t, x]);
+    let y = if v2 {
+        norm(g, format!("{p}.norm2"), y, dim)
+    } else {
+        y
+    };
     g.add(format!("{p}.add2"), x, y)
 }

@@ -11,6 +11,7 @@ use rayon::prelude::*;
 use crate::backend::cpu::elem::Elem;
 use crate::backend::cpu::simd::{Update, Vectorised, with_simd};
 use crate::model::op::WindowGrid;
+use crate::model::weights::WindowParams;
 
 /// `nn.LayerNorm` over rows of `weight.len()` values: biased variance, in f32.
 pub fn layer_norm<T: Elem>(x: &[T], weight: &[f32], bias: &[f32], eps: f32, y: &mut [T]) {
@@ -246,7 +247,7 @@ fn exp_nonpositive(x: f32) -> f32 {
 /// the relative position bias and the shift mask to the scaled scores before the softmax.
 pub fn window_attention<T: Elem>(
     qkv: &[T],
-    (qkv_bias, table): (&[f32], &[f32]),
+    params: &WindowParams,
     grid: WindowGrid,
     (n, dim, heads): (usize, usize, usize),
     y: &mut [T],
@@ -255,7 +256,7 @@ pub fn window_attention<T: Elem>(
     let ws = grid.window;
     let (across, down, keys) = (grid.wp / ws, grid.hp / ws, ws * ws);
     let dh = dim / heads.max(1);
-    let scale = 1.0 / (dh as f32).sqrt();
+    let (qkv_bias, table) = (&params.qkv_bias, &params.table);
     (0..n * down * across).into_par_iter().for_each(|item| {
         let img = item / (down * across);
         let (wy, wx) = ((item / across) % down * ws, item % across * ws);
@@ -273,6 +274,13 @@ pub fn window_attention<T: Elem>(
             } else {
                 row.copy_from_slice(qkv_bias);
             }
+            if params.cosine {
+                // Swin V2: q and k of every head normalised (F.normalize, ε = 1e-12).
+                for head in row[..2 * dim].chunks_mut(dh) {
+                    let norm = head.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-12);
+                    head.iter_mut().for_each(|v| *v /= norm);
+                }
+            }
         }
         let (mut scores, mut acc) = (vec![0f32; keys], vec![0f32; dim]);
         for (i, p) in pixel.iter().enumerate() {
@@ -283,7 +291,7 @@ pub fn window_attention<T: Elem>(
                     let k = &t[j * 3 * dim + dim + h * dh..][..dh];
                     let dot: f32 = q.iter().zip(k).map(|(a, b)| a * b).sum();
                     let mask = if region[i] == region[j] { 0.0 } else { -100.0 };
-                    *s = dot * scale + table[grid.bias_row(i, j) * heads + h] + mask;
+                    *s = dot * params.scales[h] + table[grid.bias_row(i, j) * heads + h] + mask;
                 }
                 // A NaN score wins the maximum and spreads, as in PyTorch.
                 let max = (scores.iter()).fold(f32::NEG_INFINITY, |m, &s| {
