@@ -27,6 +27,7 @@ p.add_argument("--channels-last", action="store_true")
 p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
 p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (ROCm builds name their GPUs cuda too)")
 p.add_argument("--tf32", action="store_true", help="allow TF32 in FP32 convolutions and matmuls")
+p.add_argument("--input-size", type=int, default=224, help="input height and width (inception_v3: 299, ...)")
 a = p.parse_args()
 
 torch.set_num_threads(a.threads)
@@ -41,7 +42,7 @@ if a.channels_last:
     model = model.to(memory_format=torch.channels_last)
 sync()
 prepare_s = time.perf_counter() - start  # building the model and initialising its weights
-x = torch.randn(a.batch_size, 3, 224, 224, dtype=dtype, device=a.device)
+x = torch.randn(a.batch_size, 3, a.input_size, a.input_size, dtype=dtype, device=a.device)
 if a.channels_last:
     x = x.to(memory_format=torch.channels_last)
 samples = []

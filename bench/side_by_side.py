@@ -42,20 +42,28 @@ def run_measured(cmd):
         return out.read().decode(), usage.ru_maxrss * 1024  # Linux reports KiB
 
 
+def input_size(net):
+    """The network's own input size (`workshop models`): both sides run at it."""
+    out = subprocess.run([str(WORKSHOP), "models", "--json"], check=True, capture_output=True, text=True).stdout
+    return next(m["input_size"] for m in json.loads(out) if m["network"] == net)
+
+
 def ours(net, batch, threads, iters, precision):
     """(images/s, effective GFLOP per image, start-up s, peak RSS bytes) of one `workshop bench` run."""
     with tempfile.TemporaryDirectory() as d:
         out = pathlib.Path(d) / "r.json"
         _, rss = run_measured(
             [str(WORKSHOP), "bench", "--network", net, "--batch-size", str(batch), "--threads", str(threads),
-             "--iterations", str(iters), "--warmup", "2", "--precision", precision, "--json", str(out)])
+             "--iterations", str(iters), "--warmup", "2", "--precision", precision, "--json", str(out),
+             "--input-size", str(input_size(net))])
         r = json.loads(out.read_text())
     return r["stats"]["throughput_median"], 2 * r["model"]["macs_per_image"] / 1e9, r["prepare_s"], rss
 
 
 def pytorch(net, batch, threads, iters, channels_last, dtype):
     cmd = [sys.executable, str(ROOT / "bench" / "pytorch_resnet.py"), "--network", net, "--batch-size", str(batch),
-           "--threads", str(threads), "--iterations", str(iters), "--warmup", "2", "--dtype", dtype]
+           "--threads", str(threads), "--iterations", str(iters), "--warmup", "2", "--dtype", dtype,
+           "--input-size", str(input_size(net))]
     if channels_last:
         cmd.append("--channels-last")
     stdout, rss = run_measured(cmd)
