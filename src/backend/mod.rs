@@ -417,3 +417,21 @@ pub fn native_only(kind: BackendKind, opt: &ExecOptions) -> Result<(), BackendEr
         ))),
     }
 }
+
+/// The largest attention head the GPU attention kernels hold in registers (ViT-H's is 80).
+pub(crate) const MAX_ATTENTION_HEAD: usize = 128;
+
+/// Refuses an attention layer whose heads are larger than the GPU kernels hold.
+pub(crate) fn check_attention_head(
+    node: &str,
+    dim: usize,
+    heads: usize,
+) -> Result<(), BackendError> {
+    let head = dim / heads.max(1);
+    if head > MAX_ATTENTION_HEAD {
+        return Err(BackendError::Unsupported(format!(
+            "`{node}`: heads of {head} values are more than the attention kernel holds ({MAX_ATTENTION_HEAD})"
+        )));
+    }
+    Ok(())
+}

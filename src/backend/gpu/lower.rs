@@ -446,13 +446,7 @@ fn attention_op(
         .expect("buffers for the plan's attention layers");
     let (imgs, t) = (at.shape[0], at.shape[1]);
     let rows = imgs * t;
-    if dim / heads > 128 {
-        return Err(BackendError::Unsupported(format!(
-            "`{}`: heads of {} values are more than the attention kernel holds (128)",
-            at.node.name,
-            dim / heads
-        )));
-    }
+    crate::backend::check_attention_head(&at.node.name, dim, heads)?;
     let projection = |out: usize| Conv2d {
         bias: true,
         ..Conv2d::new(dim, out, 1, 1, 0)
@@ -508,13 +502,7 @@ fn window_attention_op(b: &mut Builder, at: &NodeCtx<'_>, mma: bool) -> Result<(
         .expect("buffers for the plan's attention layers");
     let (n, _, h, w) = at.out;
     let rows = n * h * w;
-    if dim / heads > 128 {
-        return Err(BackendError::Unsupported(format!(
-            "`{}`: heads of {} values are more than the attention kernel holds (128)",
-            at.node.name,
-            dim / heads
-        )));
-    }
+    crate::backend::check_attention_head(&at.node.name, dim, heads)?;
     let i = |v: usize| Arg::I32(v as i32);
     // Every size is below the node's element count or its q/k/v's, which fit an i32 (the
     // plan checks the largest buffer).
@@ -586,8 +574,12 @@ fn other_op(b: &mut Builder, at: &NodeCtx<'_>, input: BufId) -> Result<(), Backe
             let args = vec![Arg::Buf(input), Arg::Buf(y), Arg::I32(total_i)];
             b.launch(&node.name, op, "to_elem", grid, args);
         }
-        Op::BatchNorm { eps, .. } => {
-            let (scale, shift) = at.weights.batch_norm_affine(&node.name, *eps)?;
+        // Batch norm, and the layer scale as an affine map with a zero shift.
+        Op::BatchNorm { .. } | Op::LayerScale { .. } => {
+            let (scale, shift) = match node.op {
+                Op::BatchNorm { eps, .. } => at.weights.batch_norm_affine(&node.name, eps)?,
+                _ => (at.get("")?.to_vec(), vec![0.0; c]),
+            };
             let (scale, shift) = (b.f32s(&scale), b.f32s(&shift));
             let args = vec![
                 x,
@@ -705,21 +697,6 @@ fn other_op(b: &mut Builder, at: &NodeCtx<'_>, input: BufId) -> Result<(), Backe
                 let grid = grid_1d(n * copy.count * h * w)?;
                 b.launch(&node.name, op, "channel_copy", grid, args.concat());
             }
-        }
-        // Batch norm's kernel with a zero shift.
-        Op::LayerScale { channels } => {
-            let scale = b.f32s(at.get("")?);
-            let zero = b.f32s(&vec![0.0; *channels]);
-            let args = vec![
-                x,
-                Arg::Buf(scale),
-                Arg::Buf(zero),
-                Arg::Buf(y),
-                Arg::I32(total_i),
-                Arg::I32(c as i32),
-                Arg::I32((h * w) as i32),
-            ];
-            b.launch(&node.name, op, "affine", grid, args);
         }
         Op::ClassToken { .. } => {
             let token = b.f32s(at.get("")?);

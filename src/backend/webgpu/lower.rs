@@ -361,8 +361,12 @@ fn node_launches(
                 (input_buf(0), residual, None),
             )?
         }
-        Op::BatchNorm { eps, .. } => {
-            let (scale, shift) = weights.batch_norm_affine(&node.name, *eps)?;
+        // Batch norm, and the layer scale as an affine map with a zero shift.
+        Op::BatchNorm { .. } | Op::LayerScale { .. } => {
+            let (scale, shift) = match node.op {
+                Op::BatchNorm { eps, .. } => weights.batch_norm_affine(&node.name, eps)?,
+                _ => (get("")?.to_vec(), vec![0.0; c]),
+            };
             *weight_bytes += (scale.len() * 8) as u64;
             let reads = vec![
                 (1, input_buf(0)),
@@ -449,19 +453,6 @@ fn node_launches(
                 })
                 .collect()
         }
-        // The batch norm's kernel with a zero shift.
-        Op::LayerScale { channels } => {
-            *weight_bytes += *channels as u64 * 4;
-            let reads = vec![
-                (1, input_buf(0)),
-                (3, consts.add("layer scale", f32_bytes(get("")?))),
-                (
-                    4,
-                    consts.add("zero shift", f32_bytes(&vec![0.0; *channels])),
-                ),
-            ];
-            one(Kernel::Affine, shape.to_vec(), reads, 5, total)
-        }
         Op::ClassToken { dim } => {
             let t = plan.shapes[node.inputs[0]][1];
             let token = consts.add("class token", f32_bytes(get("")?));
@@ -514,13 +505,7 @@ fn node_launches(
                 .attention
                 .expect("buffers for the plan's attention layers");
             let (qkv, mid) = (Buf::Activation(qkv), Buf::Activation(mid));
-            if dim / heads > 128 {
-                return Err(BackendError::Unsupported(format!(
-                    "`{}`: heads of {} values are more than the attention kernel holds (128)",
-                    node.name,
-                    dim / heads
-                )));
-            }
+            crate::backend::check_attention_head(&node.name, *dim, *heads)?;
             let linear = |fout| Op::Linear {
                 in_features: *dim,
                 out_features: fout,
@@ -570,13 +555,7 @@ fn node_launches(
                 .expect("buffers for the plan's attention layers");
             let (qkv, mid) = (Buf::Activation(qkv), Buf::Activation(mid));
             let (imgs, t) = (plan.shapes[id][0], plan.shapes[id][1]);
-            if dim / heads > 128 {
-                return Err(BackendError::Unsupported(format!(
-                    "`{}`: heads of {} values are more than the attention kernel holds (128)",
-                    node.name,
-                    dim / heads
-                )));
-            }
+            crate::backend::check_attention_head(&node.name, *dim, *heads)?;
             // The projections: linear layers over all n = images · tokens rows.
             let linear = |fout| Op::Linear {
                 in_features: *dim,
