@@ -254,12 +254,45 @@ pub fn window_attention<T: Elem>(
 ) {
     let out = SyncSlice(y.as_mut_ptr(), y.len());
     let ws = grid.window;
-    let (across, down, keys) = (grid.wp / ws, grid.hp / ws, ws * ws);
-    let dh = dim / heads.max(1);
-    let (qkv_bias, table) = (&params.qkv_bias, &params.table);
-    (0..n * down * across).into_par_iter().for_each(|item| {
-        let img = item / (down * across);
-        let (wy, wx) = ((item / across) % down * ws, item % across * ws);
+    let windows = (grid.hp / ws) * (grid.wp / ws);
+    (0..n * windows).into_par_iter().for_each(|item| {
+        with_simd(Window {
+            qkv,
+            params,
+            grid,
+            dims: (dim, heads),
+            item,
+            out: &out,
+        })
+    });
+}
+
+/// One (image, window) of [`window_attention`], compiled for the widest vectors: per head the
+/// keys transposed (dh × keys, zero-padded to whole blocks) so each query's scores are 64-lane
+/// products, then the softmax and the weighted values row by row.
+struct Window<'a, T> {
+    qkv: &'a [T],
+    params: &'a WindowParams,
+    grid: WindowGrid,
+    /// (channels, heads).
+    dims: (usize, usize),
+    item: usize,
+    out: &'a SyncSlice<T>,
+}
+
+impl<T: Elem> Vectorised for Window<'_, T> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        let (grid, params) = (self.grid, self.params);
+        let (dim, heads) = self.dims;
+        let ws = grid.window;
+        let (across, down, keys) = (grid.wp / ws, grid.hp / ws, ws * ws);
+        let img = self.item / (down * across);
+        let (wy, wx) = ((self.item / across) % down * ws, self.item % across * ws);
+        let dh = dim / heads.max(1);
+        let kp = keys.next_multiple_of(BLOCK);
+        // The window's tokens: q, k, v rows (V2: q and k of each head normalised).
         let mut t = vec![0f32; keys * 3 * dim];
         let mut pixel = vec![None; keys];
         let mut region = vec![0; keys];
@@ -269,50 +302,74 @@ pub fn window_attention<T: Elem>(
             let (y, x) = grid.source(yy, xx);
             if y < grid.h && x < grid.w {
                 let p = (img * grid.h + y) * grid.w + x;
-                T::widen(&qkv[p * 3 * dim..(p + 1) * 3 * dim], row);
+                T::widen(&self.qkv[p * 3 * dim..(p + 1) * 3 * dim], row);
                 pixel[i] = Some(p);
             } else {
-                row.copy_from_slice(qkv_bias);
+                row.copy_from_slice(&params.qkv_bias);
             }
             if params.cosine {
-                // Swin V2: q and k of every head normalised (F.normalize, ε = 1e-12).
+                // F.normalize, ε = 1e-12.
                 for head in row[..2 * dim].chunks_mut(dh) {
                     let norm = head.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-12);
                     head.iter_mut().for_each(|v| *v /= norm);
                 }
             }
         }
-        let (mut scores, mut acc) = (vec![0f32; keys], vec![0f32; dim]);
-        for (i, p) in pixel.iter().enumerate() {
-            let Some(p) = *p else { continue };
-            for h in 0..heads {
-                let q = &t[i * 3 * dim + h * dh..][..dh];
-                for (j, s) in scores.iter_mut().enumerate() {
-                    let k = &t[j * 3 * dim + dim + h * dh..][..dh];
-                    let dot: f32 = q.iter().zip(k).map(|(a, b)| a * b).sum();
-                    let mask = if region[i] == region[j] { 0.0 } else { -100.0 };
-                    *s = dot * params.scales[h] + table[grid.bias_row(i, j) * heads + h] + mask;
-                }
-                // A NaN score wins the maximum and spreads, as in PyTorch.
-                let max = (scores.iter()).fold(f32::NEG_INFINITY, |m, &s| {
-                    if s > m || s.is_nan() { s } else { m }
-                });
-                let mut sum = 0.0;
-                scores.iter_mut().for_each(|s| {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                });
-                let head = &mut acc[h * dh..(h + 1) * dh];
-                head.fill(0.0);
-                for (j, e) in scores.iter().enumerate() {
-                    let v = &t[j * 3 * dim + 2 * dim + h * dh..][..dh];
-                    head.iter_mut().zip(v).for_each(|(a, v)| *a += e / sum * v);
+        let mut kt = vec![0f32; dh * kp];
+        let mut scores = vec![0f32; kp];
+        let mut outs = vec![0f32; keys * dim];
+        for h in 0..heads {
+            for (j, row) in t.chunks(3 * dim).enumerate() {
+                for (d, k) in row[dim + h * dh..][..dh].iter().enumerate() {
+                    kt[d * kp + j] = *k;
                 }
             }
-            // SAFETY: token p belongs to this window alone, so its row is written once.
-            T::narrow(&acc, unsafe { out.slice(p * dim, dim) });
+            for i in (0..keys).filter(|&i| pixel[i].is_some()) {
+                let q = &t[i * 3 * dim + h * dh..][..dh];
+                let scale = params.scales[h];
+                for kb in (0..kp).step_by(BLOCK) {
+                    let mut acc = [0f32; BLOCK];
+                    for (d, qd) in q.iter().enumerate() {
+                        let qd = qd * scale;
+                        let k: &[f32; BLOCK] = kt[d * kp + kb..][..BLOCK].try_into().unwrap();
+                        for l in 0..BLOCK {
+                            acc[l] += qd * k[l];
+                        }
+                    }
+                    scores[kb..kb + BLOCK].copy_from_slice(&acc);
+                }
+                let s = &mut scores[..keys];
+                for (j, v) in s.iter_mut().enumerate() {
+                    let mask = if region[i] == region[j] { 0.0 } else { -100.0 };
+                    *v += params.table[grid.bias_row(i, j) * heads + h] + mask;
+                }
+                // The maximum keeps a NaN, so it spreads as in PyTorch.
+                let max =
+                    (s.iter()).fold(
+                        f32::NEG_INFINITY,
+                        |m, &v| {
+                            if v > m || v.is_nan() { v } else { m }
+                        },
+                    );
+                s.iter_mut().for_each(|v| *v = exp_nonpositive(*v - max));
+                let sum: f32 = s.iter().sum();
+                let o = &mut outs[i * dim + h * dh..][..dh];
+                for (j, e) in s.iter().enumerate() {
+                    let w = e / sum;
+                    let v = &t[j * 3 * dim + 2 * dim + h * dh..][..dh];
+                    o.iter_mut().zip(v).for_each(|(o, v)| *o += w * v);
+                }
+            }
         }
-    });
+        for (i, p) in pixel.iter().enumerate() {
+            if let Some(p) = *p {
+                // SAFETY: token p belongs to this window alone, so its row is written once.
+                T::narrow(&outs[i * dim..(i + 1) * dim], unsafe {
+                    self.out.slice(p * dim, dim)
+                });
+            }
+        }
+    }
 }
 
 struct SyncSlice<T>(*mut T, usize);
