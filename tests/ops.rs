@@ -887,5 +887,18 @@ fn shifted_windows(kind: BackendKind) {
         &[x],
     );
     check(kind, &g.finish(y), [2, 3, 5, 7], 1.0);
+    // 81 keys a window: more than one 64-key block of the CPU's score loop.
+    let mut g = GraphBuilder::new("swin9", 3, ConvInit::TorchDefault, LinearInit::TorchDefault);
+    let x = g.input();
+    let x = g.conv("conv", x, Conv2d::new(3, 8, 3, 1, 1));
+    let op = Op::WindowAttention {
+        dim: 8,
+        heads: 2,
+        window: 9,
+        shift: 4,
+        v2: true,
+    };
+    let y = g.add_node("wide", op, &[x]);
+    check(kind, &g.finish(y), [1, 3, 10, 9], 1.0);
 }
 backend_test!(shifted_windows, cpu, wgpu, cuda, hip);
