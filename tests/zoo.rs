@@ -115,3 +115,26 @@ fn small_inputs_are_refused_with_the_layer_named() {
         .to_string();
     assert!(e.contains("alexnet (`features."), "{e}");
 }
+
+/// The memory plan counts an attention layer's intermediates (q/k/v and the heads) while it
+/// runs, as the CPU allocates them and the GPU programs lay them out: at least its input and
+/// four times its output.
+#[test]
+fn attention_intermediates_are_in_the_memory_plan() {
+    let g = zoo::vit_custom("tiny_vit", &crate::common::tiny_vit());
+    let plan = g.plan(2, 40, 40).unwrap();
+    let live = plan.live_bytes(4);
+    let numel = |id: usize| plan.shapes[id].iter().product::<usize>() as u64 * 4;
+    let (id, node) = (g.nodes.iter().enumerate())
+        .find(|(_, n)| matches!(n.op, workshop::model::op::Op::Attention { .. }))
+        .unwrap();
+    assert!(
+        live[id] >= numel(node.inputs[0]) + 4 * numel(id),
+        "{}",
+        live[id]
+    );
+    let peak = plan
+        .memory_estimate(workshop::model::Precision::Fp32)
+        .activations;
+    assert!(peak >= live[id]);
+}

@@ -242,7 +242,9 @@ impl Plan {
     }
 
     /// The activation bytes live while each node runs, at `elem` bytes a value: its output and
-    /// every earlier value a later node (or the output) still reads, its inputs included.
+    /// every earlier value a later node (or the output) still reads, its inputs included, and
+    /// an attention layer's intermediates (q/k/v and the heads: four times its output, which
+    /// then reuses the q/k/v buffer).
     pub fn live_bytes(&self, elem: u64) -> Vec<u64> {
         // Saturating: a plan far beyond any machine must read as "too big", never wrap to small.
         let bytes =
@@ -251,7 +253,11 @@ impl Plan {
         (self.graph.nodes.iter().enumerate())
             .map(|(id, node)| {
                 live = live.saturating_add(bytes(id));
-                let during = live;
+                let scratch = match node.op {
+                    Op::Attention { .. } | Op::WindowAttention { .. } => 3,
+                    _ => 0,
+                };
+                let during = live.saturating_add(bytes(id).saturating_mul(scratch));
                 for &i in &node.inputs {
                     if self.last_use[i] == id {
                         live = live.saturating_sub(bytes(i));
