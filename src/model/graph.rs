@@ -241,6 +241,12 @@ impl Plan {
             .bytes(&self.input_shapes(id), &self.shapes[id], precision.bytes())
     }
 
+    /// Node `node`'s channel copies when it only moves channels (see [`Op::channel_copies`]).
+    pub fn channel_copies(&self, node: &Node) -> Option<Vec<super::op::ChannelCopy>> {
+        let channels: Vec<usize> = node.inputs.iter().map(|&i| self.shapes[i][1]).collect();
+        node.op.channel_copies(&channels)
+    }
+
     /// The activation bytes live while each node runs, at `elem` bytes a value: its output and
     /// every earlier value a later node (or the output) still reads, its inputs included, and
     /// an attention layer's intermediates (q/k/v and the heads: four times its output, which

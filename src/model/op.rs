@@ -421,10 +421,12 @@ impl WindowGrid {
 }
 
 /// One copy of an op that only moves channels (concatenation, slice, shuffle): `count`
-/// channels of input `input` from channel `from`, to output channels `to`, `to + step`, …
+/// channels of input `input` (which has `channels`) from channel `from`, to output channels
+/// `to`, `to + step`, …
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ChannelCopy {
     pub input: usize,
+    pub channels: usize,
     pub from: usize,
     pub to: usize,
     pub count: usize,
@@ -914,8 +916,9 @@ impl Op {
     /// Concatenation, channel slice and shuffle as the channel copies every backend runs,
     /// given the inputs' channel counts; `None` for any other op.
     pub fn channel_copies(&self, in_channels: &[usize]) -> Option<Vec<ChannelCopy>> {
-        let copy = |input, from, to, count, step| ChannelCopy {
+        let copy = |input: usize, from, to, count, step| ChannelCopy {
             input,
+            channels: in_channels[input],
             from,
             to,
             count,
@@ -963,8 +966,8 @@ impl Op {
             // q·kᵀ and the product with v (2·w²·C), as torchvision computes them.
             Op::WindowAttention { dim, window, .. } => match *out {
                 [n, _, h, w] => {
-                    let (hp, wp) = (h.div_ceil(*window), w.div_ceil(*window));
-                    let tokens = (n * hp * wp * window * window) as u64;
+                    let grid = WindowGrid::new(h, w, *window, 0);
+                    let tokens = (n * grid.hp * grid.wp) as u64;
                     let (c, keys) = (*dim as u64, (window * window) as u64);
                     tokens * (4 * c * c + 2 * keys * c)
                 }
@@ -1043,8 +1046,8 @@ impl Op {
                 dim, heads, window, ..
             } => match *out {
                 [n, _, h, w] => {
-                    let (hp, wp) = (h.div_ceil(*window), w.div_ceil(*window));
-                    let tokens = (n * hp * wp * window * window) as u64;
+                    let grid = WindowGrid::new(h, w, *window, 0);
+                    let tokens = (n * grid.hp * grid.wp) as u64;
                     let keys = (window * window) as u64;
                     let scores = tokens * *heads as u64 * keys;
                     2 * self.macs(out) + tokens * 4 * *dim as u64 + 7 * scores

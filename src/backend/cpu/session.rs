@@ -272,9 +272,7 @@ impl<T: Elem> CpuSession<T> {
                 }
                 Op::PatchMerge => NodeKernel::PatchMerge,
                 Op::Concat { .. } | Op::ChannelSlice { .. } | Op::ChannelShuffle { .. } => {
-                    let channels: Vec<usize> =
-                        node.inputs.iter().map(|&i| plan.shapes[i][1]).collect();
-                    NodeKernel::Copies(node.op.channel_copies(&channels).unwrap_or_default())
+                    NodeKernel::Copies(plan.channel_copies(node).unwrap_or_default())
                 }
                 Op::LayerScale { channels } => {
                     weight_bytes += channels as u64 * 4;
@@ -487,10 +485,8 @@ impl<T: Elem> CpuSession<T> {
             NodeKernel::Copies(copies) => {
                 let mut y = self.alloc(os.elems());
                 for copy in copies.iter() {
-                    let i = inputs[copy.input];
-                    let c = self.dims(i, images.len()).c;
-                    let x = values[i].as_ref().expect("input computed");
-                    kernels::copy_channels((x, c), (&mut y, os.c), copy);
+                    let x = values[inputs[copy.input]].as_ref().expect("input computed");
+                    kernels::copy_channels(x, (&mut y, os.c), copy);
                 }
                 y
             }

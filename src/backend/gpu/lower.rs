@@ -143,7 +143,7 @@ pub fn build(
             grid: grid_1d(total)?,
             weights,
             input_shape: node.inputs.first().map_or(&[][..], |&i| &plan.shapes[i]),
-            plan_shapes: &plan.shapes,
+            plan,
             bias: "bias",
             bias_values: None,
             attention,
@@ -203,8 +203,8 @@ struct NodeCtx<'a> {
     weights: &'a Weights,
     /// The first input's logical shape.
     input_shape: &'a [usize],
-    /// Every value's logical shape (a concatenation reads its inputs').
-    plan_shapes: &'a [Vec<usize>],
+    /// The plan (a concatenation reads its inputs' shapes).
+    plan: &'a Plan,
     /// The suffix of the bias a GEMM's epilogue adds (`bias`; the attention's projections
     /// have their own).
     bias: &'static str,
@@ -548,7 +548,7 @@ fn window_attention_op(b: &mut Builder, at: &NodeCtx<'_>, mma: bool) -> Result<(
         at.op,
         "window_attention",
         grid,
-        [args.to_vec(), dims.to_vec()].concat(),
+        [args.to_vec(), dims].concat(),
     );
     let out = gemm(qkv, mid, dim, "proj.bias");
     native_conv(b, &out, &projection(dim), at.get("proj.weight")?, mma)?;
@@ -685,16 +685,14 @@ fn other_op(b: &mut Builder, at: &NodeCtx<'_>, input: BufId) -> Result<(), Backe
             b.launch(&node.name, op, "tokens", grid, args);
         }
         Op::Concat { .. } | Op::ChannelSlice { .. } | Op::ChannelShuffle { .. } => {
-            let channels: Vec<usize> = node.inputs.iter().map(|&i| at.plan_shapes[i][1]).collect();
-            for copy in node.op.channel_copies(&channels).unwrap_or_default() {
-                let x = Arg::Buf(b.of[node.inputs[copy.input]]);
-                let cx = channels[copy.input];
-                let dims = [n, h * w, cx, copy.from, c, copy.to, copy.count, copy.step];
+            for k in at.plan.channel_copies(node).unwrap_or_default() {
+                let x = Arg::Buf(b.of[node.inputs[k.input]]);
+                let dims = [n, h * w, k.channels, k.from, c, k.to, k.count, k.step];
                 let args = [
                     vec![x, Arg::Buf(y)],
                     dims.map(|v| Arg::I32(v as i32)).to_vec(),
                 ];
-                let grid = grid_1d(n * copy.count * h * w)?;
+                let grid = grid_1d(n * k.count * h * w)?;
                 b.launch(&node.name, op, "channel_copy", grid, args.concat());
             }
         }

@@ -436,13 +436,11 @@ fn node_launches(
         Op::Softmax => one(Kernel::Softmax, shape.to_vec(), x(), 5, total / c.max(1)),
         Op::Tokens | Op::Image => Vec::new(),
         Op::Concat { .. } | Op::ChannelSlice { .. } | Op::ChannelShuffle { .. } => {
-            let pixels = n * h * w;
-            let channels: Vec<usize> = node.inputs.iter().map(|&i| plan.shapes[i][1]).collect();
-            let copies = node.op.channel_copies(&channels).unwrap_or_default();
+            let copies = plan.channel_copies(node).unwrap_or_default();
             (copies.iter())
                 .flat_map(|k| {
-                    let (cx, total) = (channels[k.input], pixels * k.count);
-                    let p = vec![total, k.count, cx, k.from, c, k.to, k.step, 0];
+                    let total = n * h * w * k.count;
+                    let p = vec![total, k.count, k.channels, k.from, c, k.to, k.step, 0];
                     one(
                         Kernel::ChannelCopy,
                         p,

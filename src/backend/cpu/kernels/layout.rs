@@ -55,14 +55,14 @@ pub fn nchw_to_nhwc<T: Elem>(x: &[f32], xs: Nhwc, y: &mut [T]) {
 const COPY_PIXELS: usize = 256;
 
 /// One [`ChannelCopy`](crate::model::op::ChannelCopy) on NHWC tensors: channels
-/// `[from, from + count)` of every pixel of `x` (`cx` channels) into channels `to`,
-/// `to + step`, … of `y` (`cy` channels).
+/// `[from, from + count)` of every pixel of `x` into channels `to`, `to + step`, … of `y`
+/// (`cy` channels).
 pub fn copy_channels<T: Elem>(
-    (x, cx): (&[T], usize),
+    x: &[T],
     (y, cy): (&mut [T], usize),
     copy: &crate::model::op::ChannelCopy,
 ) {
-    let (cx, cy) = (cx.max(1), cy.max(1));
+    let (cx, cy) = (copy.channels.max(1), cy.max(1));
     let (from, to, count, step) = (copy.from, copy.to, copy.count, copy.step);
     y.par_chunks_mut(cy * COPY_PIXELS)
         .zip(x.par_chunks(cx * COPY_PIXELS))
