@@ -7,7 +7,9 @@ multiply-accumulates of one 224x224 image (ViT: its own size) in Conv2d and Line
 submodules: the input projection (3 x T x D x D), the two attention products (2 x T x T x D)
 and the output projection (T x D x D); likewise Swin's shifted window attention, per token of
 its padded grid against the w x w keys of its window (Swin V2's position-bias MLP, which
-depends on the weights only, is left out: it is not work per image). Random weights; nothing is downloaded.
+depends on the weights only, is left out: it is not work per image), and MaxViT's partition
+attention's two products (2 x P x P x C per partition of P tokens; its projections are Linear
+modules). Random weights; nothing is downloaded.
 
     python3 bench/zoo_reference.py NAME ... > /tmp/new.json   # merge by hand, or
     python3 bench/zoo_reference.py --write NAME ...            # update the committed file
@@ -61,7 +63,14 @@ def count(name):
         tokens = b * (-(-h // wh) * wh) * (-(-w // ww) * ww)
         macs += tokens * 4 * c * c + 2 * tokens * wh * ww * c
 
+    def partitions(m, inp, _out):
+        # MaxViT: q·kᵀ and weights·v within each partition (its projections are hooked Linears).
+        nonlocal macs
+        b, g, p, c = inp[0].shape
+        macs += 2 * b * g * p * p * c
+
     swa = torchvision.models.swin_transformer.ShiftedWindowAttention  # V2 derives from it
+    rpa = torchvision.models.maxvit.RelativePositionalMultiHeadAttention
     # Swin V2's position-bias MLP (cpb_mlp) reads only weights: it runs once per forward pass
     # whatever the batch, and the engine folds it when it loads them, so it is not per image.
     folded = {id(l) for m in model.modules() if hasattr(m, "cpb_mlp") for l in m.cpb_mlp.modules()}
@@ -70,6 +79,8 @@ def count(name):
             continue
         if isinstance(m, swa):
             m.register_forward_hook(windows)
+        if isinstance(m, rpa):
+            m.register_forward_hook(partitions)
         if isinstance(m, torch.nn.Conv2d):
             m.register_forward_hook(conv)
         elif isinstance(m, torch.nn.MultiheadAttention):

@@ -5,7 +5,7 @@
 use crate::backend_test;
 use workshop::backend::{BackendKind, ExecOptions, KernelFamily};
 use workshop::model::graph::{ConvInit, GraphBuilder, LinearInit, ValueId};
-use workshop::model::op::{Conv2d, Op, Pool};
+use workshop::model::op::{Conv2d, Op, Pool, WindowForm};
 use workshop::model::{Graph, Precision, Rng, Tensor, Weights, reference};
 
 use crate::common::{conv, profiled_session, session, session_with, tolerance};
@@ -772,9 +772,9 @@ fn vision_transformer(kind: BackendKind) {
 }
 backend_test!(vision_transformer, cpu, wgpu, cuda, hip);
 
-/// The newer networks' activations and squeeze-and-excitation's channel scaling, against the
-/// reference in every precision, with inputs wide enough to reach every piece of hardswish
-/// and hardsigmoid (below −3, between, above +3).
+/// The newer networks' activations (tanh too) and squeeze-and-excitation's channel scaling,
+/// against the reference in every precision, with inputs wide enough to reach every piece of
+/// hardswish and hardsigmoid (below −3, between, above +3).
 fn activations_and_channel_scaling(kind: BackendKind) {
     use workshop::model::op::Unary;
     let mut g = GraphBuilder::new("se", 3, ConvInit::TorchDefault, LinearInit::TorchDefault);
@@ -785,6 +785,9 @@ fn activations_and_channel_scaling(kind: BackendKind) {
     let s = g.unary("hardsigmoid", s, Unary::Hardsigmoid);
     let y = g.add_node("scale", Op::ScaleChannels, &[a, s]);
     let y = g.unary("silu", y, Unary::Silu);
+    // tanh's tails (±1 past about ±9) and its steep middle.
+    let t = g.unary("tanh", a, Unary::Tanh);
+    let y = g.add("sum", y, t);
     check(kind, &g.finish(y), [2, 3, 7, 5], 4.0);
 }
 backend_test!(activations_and_channel_scaling, cpu, wgpu, cuda, hip);
@@ -860,19 +863,19 @@ fn shifted_windows(kind: BackendKind) {
     let mut g = GraphBuilder::new("swin", 3, ConvInit::TorchDefault, LinearInit::TorchDefault);
     let x = g.input();
     let x = g.conv("conv", x, Conv2d::new(3, 8, 3, 1, 1));
-    let attention = |shift, v2| Op::WindowAttention {
+    let attention = |shift, form| Op::WindowAttention {
         dim: 8,
         heads: 2,
         window: 3,
         shift,
-        v2,
+        form,
     };
-    let y = g.add_node("shifted", attention(1, false), &[x]);
+    let y = g.add_node("shifted", attention(1, WindowForm::Swin), &[x]);
     let x = g.add("add", x, y);
-    let y = g.add_node("plain", attention(0, false), &[x]);
+    let y = g.add_node("plain", attention(0, WindowForm::Swin), &[x]);
     let x = g.add("add2", x, y);
     // Swin V2: cosine attention, its bias from an MLP, no bias on k.
-    let y = g.add_node("v2", attention(1, true), &[x]);
+    let y = g.add_node("v2", attention(1, WindowForm::SwinV2), &[x]);
     let x = g.add("add3", x, y);
     let x = g.add_node("merge", Op::PatchMerge, &[x]);
     let y = g.add_node(
@@ -882,7 +885,7 @@ fn shifted_windows(kind: BackendKind) {
             heads: 8,
             window: 3,
             shift: 1,
-            v2: false,
+            form: WindowForm::Swin,
         },
         &[x],
     );
@@ -896,9 +899,36 @@ fn shifted_windows(kind: BackendKind) {
         heads: 2,
         window: 9,
         shift: 4,
-        v2: true,
+        form: WindowForm::SwinV2,
     };
     let y = g.add_node("wide", op, &[x]);
     check(kind, &g.finish(y), [1, 3, 10, 9], 1.0);
 }
 backend_test!(shifted_windows, cpu, wgpu, cuda, hip);
+
+/// MaxViT's partition attention against the reference (its window and grid partitions as
+/// torchvision's reshapes, permutes and swap of axes compute them, in f64), on a 6×9 grid of
+/// 3×3 windows: blocks of 2×3 pixels for the grid form, so each side's stride is its own.
+fn partition_attention(kind: BackendKind) {
+    let mut g = GraphBuilder::new(
+        "maxvit",
+        3,
+        ConvInit::TorchDefault,
+        LinearInit::TorchDefault,
+    );
+    let x = g.input();
+    let x = g.conv("conv", x, Conv2d::new(3, 8, 3, 1, 1));
+    let attention = |form| Op::WindowAttention {
+        dim: 8,
+        heads: 2,
+        window: 3,
+        shift: 0,
+        form,
+    };
+    let y = g.add_node("window", attention(WindowForm::MaxVitWindow), &[x]);
+    let x = g.add("add", x, y);
+    let y = g.add_node("grid", attention(WindowForm::MaxVitGrid), &[x]);
+    let x = g.add("add2", x, y);
+    check(kind, &g.finish(x), [2, 3, 6, 9], 1.0);
+}
+backend_test!(partition_attention, cpu, wgpu, cuda, hip);

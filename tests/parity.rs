@@ -154,6 +154,18 @@ fn models_match_pytorch(kind: BackendKind) {
         10,
     );
     check_model(kind, "tiny_swin_v2", &swin2);
+    let maxvit = zoo::MaxVitConfig {
+        stem: 8,
+        channels: [8, 16, 16, 32],
+        layers: [1, 2, 1, 1],
+        head_dim: 4,
+        partition: 3,
+    };
+    check_model(
+        kind,
+        "tiny_maxvit",
+        &zoo::maxvit_custom("tiny_maxvit", &maxvit, 10),
+    );
 }
 
 /// `BlockParams.from_init_params(depth=4, w_0=8, w_a=8.0, w_m=2.0, group_width=8,

@@ -556,7 +556,7 @@ KERNEL(sigmoid, SigmoidArgs) {
 struct UnaryArgs {
     const elem* x;
     elem* y;
-    int total, code;  // 0 hardswish, 1 hardsigmoid, 2 SiLU
+    int total, code;  // 0 hardswish, 1 hardsigmoid, 2 SiLU, 3 tanh
 };
 
 // The newer networks' activations, in f32; comparisons keep a NaN NaN.
@@ -567,6 +567,7 @@ KERNEL(unary, UnaryArgs) {
     float r = v + 3.0f;
     r = r < 0.0f ? 0.0f : (r > 6.0f ? 6.0f : r);
     float out = a.code == 0 ? v * r / 6.0f : (a.code == 1 ? r / 6.0f : v / (1.0f + expf(-v)));
+    if (a.code == 3) out = tanhf(v);
     a.y[i] = st(out);
 }
 
@@ -810,6 +811,7 @@ struct WindowArgs {
     elem* y;                // (N, H, W, d)
     int n, h, w, hp, wp, window, shift_h, shift_w, d, heads;
     int cosine;             // 1: Swin V2's cosine attention (q and k normalised)
+    int dilated;            // 1: MaxViT's grid partition (window (a, b): pixel (a, b) of each block)
 };
 
 // The mask's region along one side of the shifted grid: torchvision's slices (0, −w), (−w, −s),
@@ -819,14 +821,28 @@ __device__ inline int window_side(int v, int size, int s, int window) {
     return v < size - s ? 1 : 2;
 }
 
+// The input pixel (y0, x0) under token (yy, xx) of the shifted, padded grid (past the input:
+// padding); dilated, window (a, b)'s token (i, j) is pixel (i·H/window + a, j·W/window + b).
+__device__ inline void window_source(const WindowArgs& a, int yy, int xx, int& y0, int& x0) {
+    int ws = a.window;
+    if (a.dilated) {
+        y0 = yy % ws * (a.h / ws) + yy / ws;
+        x0 = xx % ws * (a.w / ws) + xx / ws;
+    } else {
+        y0 = (yy + a.shift_h) % a.hp;
+        x0 = (xx + a.shift_w) % a.wp;
+    }
+}
+
 // Column `col` of the q/k/v row under (yy, xx) of the shifted, padded grid, or the bias.
 __device__ inline float window_qkv(const WindowArgs& a, long long img, int yy, int xx, int col) {
-    int y0 = (yy + a.shift_h) % a.hp, x0 = (xx + a.shift_w) % a.wp;
+    int y0, x0;
+    window_source(a, yy, xx, y0, x0);
     if (y0 < a.h && x0 < a.w) return ld(a.qkv[((img * a.h + y0) * a.w + x0) * 3 * a.d + col]);
     return a.qkv_bias[col];
 }
 
-// Swin's shifted window attention core: softmax(q·kᵀ/√dh + bias + mask)·v over the query's
+// Swin's shifted (or MaxViT's dilated) window attention core: softmax(q·kᵀ/√dh + bias + mask)·v over the query's
 // window, one thread per (image, head, query of the padded grid), online softmax.
 KERNEL(window_attention, WindowArgs) {
     long long i = linear_index();
@@ -834,7 +850,8 @@ KERNEL(window_attention, WindowArgs) {
     int xx = (int)(i % a.wp), yy = (int)((i / a.wp) % a.hp);
     int h = (int)((i / ((long long)a.wp * a.hp)) % a.heads);
     long long img = i / ((long long)a.wp * a.hp * a.heads);
-    int y0 = (yy + a.shift_h) % a.hp, x0 = (xx + a.shift_w) % a.wp;
+    int y0, x0;
+    window_source(a, yy, xx, y0, x0);
     if (y0 >= a.h || x0 >= a.w) return;  // a padded query
     int ws = a.window, dh = a.d / a.heads;
     int wy = yy / ws * ws, wx = xx / ws * ws, qi = (yy - wy) * ws + (xx - wx);

@@ -7,7 +7,7 @@ struct Params {
     hw: u32,      // h · w, for layout changes
     lo: f32,      // clamp bounds
     hi: f32,
-    code: u32,    // `unary`: 0 hardswish, 1 hardsigmoid, 2 SiLU
+    code: u32,    // `unary`: 0 hardswish, 1 hardsigmoid, 2 SiLU, 3 tanh
     _pad1: u32,
     _pad2: u32,
 }
@@ -134,6 +134,9 @@ fn unary(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: ve
             out = v * r / 6.0;
         } else if (p.code == 1u) {
             out = r / 6.0;
+        } else if (p.code == 3u) {
+            // tanh(±10) is ±1 in f32; clamping keeps sinh/cosh forms from overflowing.
+            out = select(tanh(clamp(v, -10.0, 10.0)), v, v != v);
         }
         y[i] = elem(out);
     }

@@ -1,5 +1,5 @@
-// Swin's kernels on NHWC tensors: the shifted window attention core and the patch merging
-// gather. One thread per (image, head, query) or per output element; f32 arithmetic.
+// Swin's and MaxViT's kernels on NHWC tensors: the (shifted or dilated) window attention core
+// and the patch merging gather. One thread per (image, head, query) or per output element; f32 arithmetic.
 
 struct Params {
     total: u32,    // threads that do work
@@ -13,7 +13,7 @@ struct Params {
     d: u32,        // channels
     heads: u32,
     cosine: u32,   // 1: Swin V2's cosine attention (q and k normalised)
-    _pad: u32,
+    dilated: u32,  // 1: MaxViT's grid partition (window (a, b) holds pixel (a, b) of each block)
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -43,13 +43,22 @@ fn side(v: u32, size: u32, s: u32) -> u32 {
     return 2u;
 }
 
+// The input pixel under token (yy, xx) of the shifted, padded grid (past the input: padding);
+// dilated, window (a, b)'s token (i, j) is pixel (i·H/window + a, j·W/window + b).
+fn source(yy: u32, xx: u32) -> vec2<u32> {
+    let ws = p.window;
+    if (p.dilated == 1u) {
+        return vec2<u32>(yy % ws * (p.h / ws) + yy / ws, xx % ws * (p.w / ws) + xx / ws);
+    }
+    return vec2<u32>((yy + p.shift_h) % p.hp, (xx + p.shift_w) % p.wp);
+}
+
 // Column `col` of the q/k/v row of the token at (yy, xx) of the shifted, padded grid: the
 // projection of its input pixel, or the bias for padding.
 fn qkv_at(img: u32, yy: u32, xx: u32, col: u32) -> f32 {
-    let y0 = (yy + p.shift_h) % p.hp;
-    let x0 = (xx + p.shift_w) % p.wp;
-    if (y0 < p.h && x0 < p.w) {
-        return f32(x[((img * p.h + y0) * p.w + x0) * 3u * p.d + col]);
+    let s = source(yy, xx);
+    if (s.x < p.h && s.y < p.w) {
+        return f32(x[((img * p.h + s.x) * p.w + s.y) * 3u * p.d + col]);
     }
     return qkv_bias[col];
 }
@@ -66,8 +75,9 @@ fn window_attention(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
     let yy = (i / p.wp) % p.hp;
     let h = (i / (p.wp * p.hp)) % p.heads;
     let img = i / (p.wp * p.hp * p.heads);
-    let y0 = (yy + p.shift_h) % p.hp;
-    let x0 = (xx + p.shift_w) % p.wp;
+    let src = source(yy, xx);
+    let y0 = src.x;
+    let x0 = src.y;
     if (y0 >= p.h || x0 >= p.w) {
         return; // a padded query: nothing to write
     }

@@ -31,7 +31,7 @@ impl Act {
     }
 }
 
-/// An element-wise activation of the newer networks (MobileNetV3, EfficientNet), one op with
+/// An element-wise activation of the newer networks (MobileNetV3, EfficientNet, MaxViT), one op with
 /// a kernel code so every backend has one kernel for them all.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Unary {
@@ -41,10 +41,12 @@ pub enum Unary {
     Hardsigmoid,
     /// x · sigmoid(x) (`nn.SiLU`).
     Silu,
+    /// tanh(x) (`nn.Tanh`, MaxViT's head).
+    Tanh,
 }
 
 impl Unary {
-    /// The kernels' code: 0 hardswish, 1 hardsigmoid, 2 SiLU.
+    /// The kernels' code: 0 hardswish, 1 hardsigmoid, 2 SiLU, 3 tanh.
     pub fn code(self) -> u32 {
         self as u32
     }
@@ -57,6 +59,7 @@ impl Unary {
             Unary::Hardswish => x * relu6(x + 3.0) / 6.0,
             Unary::Hardsigmoid => relu6(x + 3.0) / 6.0,
             Unary::Silu => x / (1.0 + (-x).exp()),
+            Unary::Tanh => x.tanh(),
         }
     }
 }
@@ -239,7 +242,7 @@ pub enum Op {
     Relu6,
     /// 1 / (1 + e^-x), element-wise (`nn.Sigmoid`).
     Sigmoid,
-    /// Hardswish, hardsigmoid or SiLU, element-wise.
+    /// Hardswish, hardsigmoid, SiLU or tanh, element-wise.
     Unary(Unary),
     /// x (N, C, H, W) times s (N, C, 1, 1), channel by channel: squeeze-and-excitation's
     /// `scale * input`.
@@ -311,22 +314,20 @@ pub enum Op {
     Concat {
         parts: usize,
     },
-    /// Swin's `ShiftedWindowAttention` on an image batch (N, C, H, W) (torchvision keeps it
-    /// channels-last, (N, H, W, C)): the q/k/v projection (`qkv`), self-attention within each
-    /// `window`×`window` window of the grid padded to whole windows (padded tokens hold the
-    /// projection's bias, as after torchvision's zero padding) and cyclically shifted by
-    /// `shift` (0 along a side the window covers; pairs from different regions of the shifted
-    /// grid get −100, torchvision's mask), scores scaled by 1/√(C/heads) plus the learned
-    /// relative position bias (`relative_position_bias_table`), then the output projection
-    /// (`proj`). Swin V2 (`v2`): cosine attention (q and k normalised, scaled per head by
-    /// exp(min(`logit_scale`, ln 100))), the bias 16·sigmoid of a small MLP (`cpb_mlp`) over
-    /// log-spaced relative coordinates (`relative_coords_table`), no bias on k.
+    /// Attention within windows of an image batch (N, C, H, W) (torchvision keeps Swin's
+    /// channels-last, (N, H, W, C)): the q/k/v projection, self-attention within each
+    /// `window`×`window` window of the grid, scores scaled per head plus a learned relative
+    /// position bias, then the output projection; `form` says whose (Swin V1/V2's shifted
+    /// windows, MaxViT's windows or grid). Swin pads the grid to whole windows (padded tokens
+    /// hold the projection's bias, as after torchvision's zero padding) and shifts it
+    /// cyclically by `shift` (0 along a side the window covers; pairs from different regions of
+    /// the shifted grid get −100, torchvision's mask).
     WindowAttention {
         dim: usize,
         heads: usize,
         window: usize,
         shift: usize,
-        v2: bool,
+        form: WindowForm,
     },
     /// Swin's `PatchMerging` gather: (N, C, H, W) → (N, 4C, ⌈H/2⌉, ⌈W/2⌉), each output pixel
     /// the channels of its 2×2 block in torchvision's order (top-left, bottom-left, top-right,
@@ -349,9 +350,55 @@ pub enum Op {
     },
 }
 
+/// Whose window attention a `WindowAttention` is: its parameters' names, its scores' scale and
+/// how its windows lie on the grid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WindowForm {
+    /// Swin V1 (`qkv`, `proj`, `relative_position_bias_table`; scores scaled by 1/√(C/heads)).
+    Swin,
+    /// Swin V2: cosine attention (q and k normalised, scaled per head by
+    /// exp(min(`logit_scale`, ln 100))), the bias 16·sigmoid of a small MLP (`cpb_mlp`) over
+    /// log-spaced relative coordinates (`relative_coords_table`), no bias on k.
+    SwinV2,
+    /// MaxViT's `RelativePositionalMultiHeadAttention` (`to_qkv`, `merge`,
+    /// `relative_position_bias_table`; scores scaled by 1/√C, torchvision's choice, not
+    /// 1/√(C/heads)) on the window partition: windows of adjacent pixels.
+    MaxVitWindow,
+    /// The same on MaxViT's grid partition: the image cut into `window`×`window` equal blocks
+    /// and each window one pixel from every block, at the same place in each (dilated, a
+    /// global mixing); the image's sides must be multiples of the window.
+    MaxVitGrid,
+}
+
+impl WindowForm {
+    /// Swin V2's cosine attention.
+    pub fn cosine(self) -> bool {
+        self == WindowForm::SwinV2
+    }
+
+    /// MaxViT's grid partition.
+    pub fn dilated(self) -> bool {
+        self == WindowForm::MaxVitGrid
+    }
+
+    /// The parameters of the projections: the q/k/v one's weight and bias, then the output
+    /// one's.
+    pub fn projections(self) -> [&'static str; 4] {
+        match self {
+            WindowForm::Swin | WindowForm::SwinV2 => {
+                ["qkv.weight", "qkv.bias", "proj.weight", "proj.bias"]
+            }
+            WindowForm::MaxVitWindow | WindowForm::MaxVitGrid => {
+                ["to_qkv.weight", "to_qkv.bias", "merge.weight", "merge.bias"]
+            }
+        }
+    }
+}
+
 /// The grid of a shifted-window attention over an H×W image: padded to whole windows
 /// (`hp`×`wp`), and the shift along each side (0 where one window covers the side, as
-/// torchvision does). Every backend's kernel takes these numbers.
+/// torchvision does); or, `dilated`, MaxViT's grid partition (sides multiples of the window,
+/// no padding, no shift). Every backend's kernel takes these numbers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WindowGrid {
     pub h: usize,
@@ -361,6 +408,7 @@ pub struct WindowGrid {
     pub window: usize,
     pub shift_h: usize,
     pub shift_w: usize,
+    pub dilated: bool,
 }
 
 impl WindowGrid {
@@ -375,12 +423,28 @@ impl WindowGrid {
             window,
             shift_h: if window >= hp { 0 } else { shift },
             shift_w: if window >= wp { 0 } else { shift },
+            dilated: false,
+        }
+    }
+
+    /// The grid of a window attention of this form over an H×W image.
+    pub fn of(h: usize, w: usize, window: usize, shift: usize, form: WindowForm) -> WindowGrid {
+        WindowGrid {
+            dilated: form.dilated(),
+            ..WindowGrid::new(h, w, window, shift)
         }
     }
 
     /// The input pixel under token (y', x') of the shifted, padded grid (past the input when
-    /// it is padding).
+    /// it is padding). Dilated, window (a, b)'s token (i, j) is pixel (i·H/w + a, j·W/w + b).
     pub fn source(&self, yy: usize, xx: usize) -> (usize, usize) {
+        if self.dilated {
+            let ws = self.window;
+            return (
+                yy % ws * (self.h / ws) + yy / ws,
+                xx % ws * (self.w / ws) + xx / ws,
+            );
+        }
         ((yy + self.shift_h) % self.hp, (xx + self.shift_w) % self.wp)
     }
 
@@ -494,6 +558,7 @@ impl Op {
             Op::Unary(Unary::Hardswish) => "hardswish",
             Op::Unary(Unary::Hardsigmoid) => "hardsigmoid",
             Op::Unary(Unary::Silu) => "silu",
+            Op::Unary(Unary::Tanh) => "tanh",
             Op::ScaleChannels => "scale_channels",
             Op::MaxPool(_) => "max_pool2d",
             Op::AvgPool(_) => "avg_pool2d",
@@ -591,17 +656,18 @@ impl Op {
                 dim,
                 heads,
                 window,
-                v2,
+                form,
                 ..
             } => {
                 let side = 2 * window - 1;
+                let [qkv_w, qkv_b, proj_w, proj_b] = form.projections();
                 let mut v = vec![
-                    p("qkv.weight", vec![3 * dim, dim], ParamKind::Trainable),
-                    p("qkv.bias", vec![3 * dim], ParamKind::Trainable),
-                    p("proj.weight", vec![dim, dim], ParamKind::Trainable),
-                    p("proj.bias", vec![dim], ParamKind::Trainable),
+                    p(qkv_w, vec![3 * dim, dim], ParamKind::Trainable),
+                    p(qkv_b, vec![3 * dim], ParamKind::Trainable),
+                    p(proj_w, vec![dim, dim], ParamKind::Trainable),
+                    p(proj_b, vec![dim], ParamKind::Trainable),
                 ];
-                if v2 {
+                if form.cosine() {
                     v.extend([
                         p("logit_scale", vec![heads, 1, 1], ParamKind::Trainable),
                         p("cpb_mlp.0.weight", vec![512, 2], ParamKind::Trainable),
@@ -845,9 +911,9 @@ impl Op {
                 heads,
                 window,
                 shift,
-                ..
+                form,
             } => {
-                let (_, c, _, _) = image(inputs[0])?;
+                let (_, c, h, w) = image(inputs[0])?;
                 if *heads == 0 || dim % heads != 0 || c != *dim {
                     return Err(ShapeError(format!(
                         "window_attention over {dim} channels in {heads} heads, got {}",
@@ -857,6 +923,15 @@ impl Op {
                 if *window == 0 || shift >= window {
                     return Err(ShapeError(format!(
                         "window_attention: the shift {shift} must be less than the window {window}"
+                    )));
+                }
+                // MaxViT partitions without padding (torchvision asserts it) or shifting.
+                let maxvit = matches!(form, WindowForm::MaxVitWindow | WindowForm::MaxVitGrid);
+                if maxvit && (h % window != 0 || w % window != 0 || *shift != 0) {
+                    return Err(ShapeError(format!(
+                        "partition attention needs a grid of whole {window}×{window} windows \
+                         (no shift), got {h}×{w}: choose an input size whose feature maps \
+                         divide by {window}"
                     )));
                 }
                 Ok(inputs[0].to_vec())
@@ -1021,7 +1096,7 @@ impl Op {
             // Negate, exponentiate, add one, divide: one each per element.
             Op::Sigmoid => 4 * n,
             // Add, two compares, multiply, divide; SiLU: sigmoid's four and a multiply.
-            Op::Unary(Unary::Hardswish | Unary::Silu) => 5 * n,
+            Op::Unary(Unary::Hardswish | Unary::Silu | Unary::Tanh) => 5 * n,
             Op::Unary(Unary::Hardsigmoid) => 4 * n,
             Op::ScaleChannels | Op::LayerScale { .. } => n,
             Op::MaxPool(p) | Op::AvgPool(p) => n * (p.kernel.0 * p.kernel.1) as u64,

@@ -3,7 +3,7 @@
 //! it is itself tested against PyTorch fixtures. The loss lives here too, since every backend
 //! shares it: it is computed on the host from the logits.
 
-use super::op::{Conv2d, Op, Pool};
+use super::op::{Conv2d, Op, Pool, WindowForm};
 use super::{Plan, Tensor, Weights};
 
 /// Run a planned graph on `input` (NCHW) and return the graph's output.
@@ -122,8 +122,8 @@ pub fn eval<'a>(
             heads,
             window,
             shift,
-            v2,
-        } => window_attention(ins[0], &need, (*dim, *heads, *v2), (*window, *shift)),
+            form,
+        } => window_attention(ins[0], &need, (*dim, *heads, *form), (*window, *shift)),
         Op::PatchMerge => {
             let (n, c, h, w) = (
                 ins[0].shape[0],
@@ -411,22 +411,29 @@ fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, dim: usize, eps: f32) -> Tenso
 
 /// Swin's shifted window attention as torchvision's `shifted_window_attention` computes it,
 /// step by step in f64: pad to whole windows, roll, partition, project, attend with the
-/// relative position bias and the shift mask, project, and put every token back.
+/// relative position bias and the shift mask, project, and put every token back. MaxViT's
+/// `PartitionAttentionLayer` attention likewise: its window or grid partition (with the swap
+/// of axes), then the same steps without padding, shift or mask.
 fn window_attention<'a>(
     x: &Tensor,
     need: &dyn Fn(&str) -> &'a Tensor,
-    (dim, heads, v2): (usize, usize, bool),
+    (dim, heads, form): (usize, usize, WindowForm),
     (ws, shift): (usize, usize),
 ) -> Tensor {
+    let v2 = form == WindowForm::SwinV2;
     let (n, c, h, w) = (x.shape[0], x.shape[1], x.shape[2], x.shape[3]);
     let (hp, wp) = (h.div_ceil(ws) * ws, w.div_ceil(ws) * ws);
     // No shift along a side one window covers.
     let sh = if ws >= hp { 0 } else { shift };
     let sw = if ws >= wp { 0 } else { shift };
-    let qkv_w = &need("qkv.weight").data;
-    let mut qkv_b: Vec<f64> = need("qkv.bias").data.iter().map(|&v| v as f64).collect();
-    let (proj_w, proj_b) = (&need("proj.weight").data, &need("proj.bias").data);
+    let [qkv_w, qkv_b, proj_w, proj_b] = form.projections().map(|name| &need(name).data);
+    let mut qkv_b: Vec<f64> = qkv_b.iter().map(|&v| v as f64).collect();
     let dh = dim / heads;
+    // Swin scales by 1/√dh, MaxViT (k, in torchvision) by 1/√C.
+    let scale = match form {
+        WindowForm::Swin | WindowForm::SwinV2 => 1.0 / (dh as f64).sqrt(),
+        WindowForm::MaxVitWindow | WindowForm::MaxVitGrid => 1.0 / (dim as f64).sqrt(),
+    };
     // V1: a learned table and 1/√dh. V2: 16·sigmoid(cpb_mlp(relative_coords_table)), cosine
     // scores scaled by exp(min(logit_scale, ln 100)), and no bias on k.
     let (table, scales): (Vec<f64>, Vec<f64>) = if v2 {
@@ -465,7 +472,7 @@ fn window_attention<'a>(
             .data
             .iter()
             .map(|&v| v as f64);
-        (table.collect(), vec![1.0 / (dh as f64).sqrt(); heads])
+        (table.collect(), vec![scale; heads])
     };
     // F.normalize: v / max(‖v‖, 1e-12).
     let unit = |v: &[f64]| -> Vec<f64> {
@@ -482,8 +489,17 @@ fn window_attention<'a>(
     let mut out = vec![0f32; x.numel()];
     for img in 0..n {
         // Token (y', x') of the shifted grid is input pixel (y' + sh, x' + sw) mod the padded
-        // size; zeros past the input.
-        let source = |yy: usize, xx: usize| ((yy + sh) % hp, (xx + sw) % wp);
+        // size; zeros past the input. MaxViT's grid partition cuts the image into blocks of
+        // (H/ws)×(W/ws) pixels (`WindowPartition` with p = H/ws), and after the swap of axes
+        // window (a, b) holds pixel (a, b) of every block: token (i, j) is block (i, j)'s.
+        let source = |yy: usize, xx: usize| match form {
+            WindowForm::MaxVitGrid => {
+                let (bh, bw) = (h / ws, w / ws);
+                let (a, b, i, j) = (yy / ws, xx / ws, yy % ws, xx % ws);
+                (i * bh + a, j * bw + b)
+            }
+            _ => ((yy + sh) % hp, (xx + sw) % wp),
+        };
         let token = |yy: usize, xx: usize| -> Vec<f64> {
             let (y, xo) = source(yy, xx);
             (0..c)

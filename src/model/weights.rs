@@ -8,7 +8,7 @@ use std::path::Path;
 use safetensors::{Dtype, tensor::TensorView};
 
 use super::graph::{ConvInit, Graph, LinearInit};
-use super::op::Op;
+use super::op::{Op, WindowForm};
 use super::tensor_file::TensorFile;
 use super::{Rng, Tensor};
 
@@ -217,19 +217,21 @@ impl Weights {
                 }
                 // Swin: trunc_normal_(std=0.02) for the projections and the bias table, zero
                 // biases.
+                // MaxViT: N(0, 0.02) for the projections (the same at this deviation).
                 Op::WindowAttention {
                     dim,
                     heads,
                     window,
-                    v2,
+                    form,
                     ..
                 } => {
-                    put("qkv.weight", normal(&mut rng, vec![3 * dim, dim], 0.02));
-                    put("qkv.bias", Tensor::zeros(vec![3 * dim]));
-                    put("proj.weight", normal(&mut rng, vec![dim, dim], 0.02));
-                    put("proj.bias", Tensor::zeros(vec![dim]));
+                    let [qkv_w, qkv_b, proj_w, proj_b] = form.projections();
+                    put(qkv_w, normal(&mut rng, vec![3 * dim, dim], 0.02));
+                    put(qkv_b, Tensor::zeros(vec![3 * dim]));
+                    put(proj_w, normal(&mut rng, vec![dim, dim], 0.02));
+                    put(proj_b, Tensor::zeros(vec![dim]));
                     let side = 2 * window - 1;
-                    if v2 {
+                    if form.cosine() {
                         let scale = vec![10f32.ln(); heads];
                         put("logit_scale", Tensor::new(vec![heads, 1, 1], scale));
                         put("cpb_mlp.0.weight", normal(&mut rng, vec![512, 2], 0.02));
@@ -325,7 +327,7 @@ impl Weights {
 
     /// Save as a safetensors state_dict (f32) that `torchvision.models.<name>()` loads with
     /// `load_state_dict(..., strict=True)`: BatchNorm layers get a zero `num_batches_tracked`,
-    /// Swin's window attention its `relative_position_index`.
+    /// Swin's and MaxViT's window attention its `relative_position_index`.
     pub fn save(&self, path: &Path, graph: &Graph) -> Result<(), WeightsError> {
         let mut blobs: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
         for (name, t) in &self.tensors {
@@ -345,8 +347,13 @@ impl Weights {
                     0i64.to_le_bytes().to_vec(),
                 ));
             }
-            if let Op::WindowAttention { window, .. } = node.op {
+            if let Op::WindowAttention { window, form, .. } = node.op {
                 let keys = window * window;
+                // Swin's is flat, MaxViT's (query, key).
+                let shape = match form {
+                    WindowForm::Swin | WindowForm::SwinV2 => vec![keys * keys],
+                    WindowForm::MaxVitWindow | WindowForm::MaxVitGrid => vec![keys, keys],
+                };
                 let grid = super::op::WindowGrid::new(window, window, window, 0);
                 let index: Vec<u8> = (0..keys * keys)
                     .flat_map(|k| (grid.bias_row(k / keys, k % keys) as i64).to_le_bytes())
@@ -354,7 +361,7 @@ impl Weights {
                 blobs.push((
                     format!("{}.relative_position_index", node.name),
                     Dtype::I64,
-                    vec![keys * keys],
+                    shape,
                     index,
                 ));
             }
@@ -405,20 +412,26 @@ impl Weights {
         Ok(super::op::batch_norm_affine(gamma, beta, mean, var, eps))
     }
 
-    /// Window attention `node` as every backend's kernels take it (Swin V1 or V2).
+    /// Window attention `node` as every backend's kernels take it (Swin V1 or V2, MaxViT).
     pub fn window_attention(
         &self,
         node: &str,
-        (dim, heads, v2): (usize, usize, bool),
+        (dim, heads, form): (usize, usize, WindowForm),
     ) -> Result<WindowParams, MissingTensor> {
         let p = |suffix| self.param(node, suffix);
-        let mut qkv_bias = p("qkv.bias")?.to_vec();
-        if !v2 {
-            let dh = (dim / heads.max(1)) as f32;
+        let mut qkv_bias = p(form.projections()[1])?.to_vec();
+        // A learned table; Swin scales by 1/√dh, MaxViT by 1/√C (torchvision's
+        // `feat_dim ** -0.5`).
+        let scaled_by = match form {
+            WindowForm::Swin => Some(dim / heads.max(1)),
+            WindowForm::MaxVitWindow | WindowForm::MaxVitGrid => Some(dim),
+            WindowForm::SwinV2 => None,
+        };
+        if let Some(over) = scaled_by {
             return Ok(WindowParams {
                 qkv_bias,
                 table: p("relative_position_bias_table")?.to_vec(),
-                scales: vec![1.0 / dh.sqrt(); heads],
+                scales: vec![1.0 / (over as f32).sqrt(); heads],
                 cosine: false,
             });
         }
@@ -462,7 +475,7 @@ pub struct WindowParams {
     /// The relative position bias, (table row, head): V1's learned table, V2's
     /// 16·sigmoid(cpb_mlp(coordinates)).
     pub table: Vec<f32>,
-    /// The scores' scale per head: 1/√dh, or V2's exp(min(logit_scale, ln 100)).
+    /// The scores' scale per head: 1/√dh (MaxViT 1/√C), or V2's exp(min(logit_scale, ln 100)).
     pub scales: Vec<f32>,
     /// V2's cosine attention: q and k normalised before their product.
     pub cosine: bool,

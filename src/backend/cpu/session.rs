@@ -72,6 +72,7 @@ pub(super) enum NodeKernel<T> {
         heads: usize,
         window: usize,
         shift: usize,
+        form: crate::model::op::WindowForm,
     },
     PatchMerge,
 }
@@ -253,13 +254,13 @@ impl<T: Elem> CpuSession<T> {
                     heads,
                     window,
                     shift,
-                    v2,
+                    form,
                 } => {
-                    let params = weights.window_attention(&node.name, (dim, heads, v2))?;
+                    let params = weights.window_attention(&node.name, (dim, heads, form))?;
                     let bias = Some(params.qkv_bias.as_slice());
-                    let qkv = PackedLinear::new(get("qkv.weight")?, bias, dim, 3 * dim);
-                    let proj = get("proj.weight")?;
-                    let out = PackedLinear::new(proj, Some(get("proj.bias")?), dim, dim);
+                    let [qkv_w, _, proj_w, proj_b] = form.projections();
+                    let qkv = PackedLinear::new(get(qkv_w)?, bias, dim, 3 * dim);
+                    let out = PackedLinear::new(get(proj_w)?, Some(get(proj_b)?), dim, dim);
                     weight_bytes += qkv.bytes() + out.bytes() + params.table.len() as u64 * 4;
                     NodeKernel::WindowAttention {
                         proj: Box::new((qkv, out)),
@@ -268,6 +269,7 @@ impl<T: Elem> CpuSession<T> {
                         heads,
                         window,
                         shift,
+                        form,
                     }
                 }
                 Op::PatchMerge => NodeKernel::PatchMerge,
@@ -617,6 +619,7 @@ impl<T: Elem> CpuSession<T> {
                 heads,
                 window,
                 shift,
+                form,
             } => {
                 let (qkv_proj, out_proj) = &**proj;
                 let (rows, d) = (os.n * os.h * os.w, *dim);
@@ -624,7 +627,7 @@ impl<T: Elem> CpuSession<T> {
                 let mut qkv = self.alloc(rows * 3 * d);
                 kernels::linear(x, qkv_proj, (rows, d, 3 * d), &mut qkv, self.threads);
                 let mut heads_out = self.alloc(rows * d);
-                let grid = WindowGrid::new(os.h, os.w, *window, *shift);
+                let grid = WindowGrid::of(os.h, os.w, *window, *shift, *form);
                 let dims = (os.n, d, *heads);
                 kernels::window_attention(&qkv, params, grid, dims, &mut heads_out);
                 self.free.push(qkv);

@@ -492,7 +492,7 @@ fn window_attention_op(b: &mut Builder, at: &NodeCtx<'_>, mma: bool) -> Result<(
         heads,
         window,
         shift,
-        v2,
+        form,
     } = at.node.op
     else {
         unreachable!("called for window attention")
@@ -525,21 +525,21 @@ fn window_attention_op(b: &mut Builder, at: &NodeCtx<'_>, mma: bool) -> Result<(
     };
     let params = at
         .weights
-        .window_attention(&at.node.name, (dim, heads, v2))?;
+        .window_attention(&at.node.name, (dim, heads, form))?;
+    let [qkv_w, qkv_b, proj_w, proj_b] = form.projections();
     let into_qkv = NodeCtx {
         bias_values: Some(&params.qkv_bias),
-        ..gemm(qkv, mid, 3 * dim, "qkv.bias")
+        ..gemm(qkv, mid, 3 * dim, qkv_b)
     };
-    let qkv_weight = at.get("qkv.weight")?;
-    native_conv(b, &into_qkv, &projection(3 * dim), qkv_weight, mma)?;
-    let g = WindowGrid::new(h, w, window, shift);
+    native_conv(b, &into_qkv, &projection(3 * dim), at.get(qkv_w)?, mma)?;
+    let g = WindowGrid::of(h, w, window, shift, form);
     let consts = [&params.table, &params.qkv_bias, &params.scales].map(|v| b.f32s(v));
     let args = [qkv, consts[0], consts[1], consts[2], mid].map(Arg::Buf);
     let dims = [
         n, h, w, g.hp, g.wp, g.window, g.shift_h, g.shift_w, dim, heads,
     ]
     .into_iter()
-    .chain([params.cosine as usize])
+    .chain([params.cosine as usize, g.dilated as usize])
     .map(i)
     .collect::<Vec<_>>();
     let grid = grid_1d(n * heads * g.hp * g.wp)?;
@@ -550,8 +550,8 @@ fn window_attention_op(b: &mut Builder, at: &NodeCtx<'_>, mma: bool) -> Result<(
         grid,
         [args.to_vec(), dims].concat(),
     );
-    let out = gemm(qkv, mid, dim, "proj.bias");
-    native_conv(b, &out, &projection(dim), at.get("proj.weight")?, mma)?;
+    let out = gemm(qkv, mid, dim, proj_b);
+    native_conv(b, &out, &projection(dim), at.get(proj_w)?, mma)?;
     transpose(b, Arg::Buf(qkv), at.y, (h * w, dim));
     Ok(())
 }

@@ -497,7 +497,7 @@ fn node_launches(
             heads,
             window,
             shift,
-            v2,
+            form,
         } => {
             let (qkv, mid) = out
                 .attention
@@ -511,19 +511,20 @@ fn node_launches(
             };
             // The projections: linear layers over all n · h · w tokens.
             let dims = ((1, 1, *dim), (n * h * w, 1, 1), None);
-            let params = weights.window_attention(&node.name, (*dim, *heads, *v2))?;
+            let params = weights.window_attention(&node.name, (*dim, *heads, *form))?;
+            let [qkv_w, _, proj_w, proj_b] = form.projections();
             let mut parts = gemm_parts(
                 (consts, weight_bytes),
                 (&node.name, precision, max_binding),
-                (&linear(3 * *dim), get("qkv.weight")?, &params.qkv_bias),
+                (&linear(3 * *dim), get(qkv_w)?, &params.qkv_bias),
                 dims,
                 (input_buf(0), Buf::Zero, Some(qkv)),
             )?;
-            let g = WindowGrid::new(h, w, *window, *shift);
+            let g = WindowGrid::of(h, w, *window, *shift, *form);
             let threads = n * heads * g.hp * g.wp;
             let p = [threads, h, w, g.hp, g.wp, g.window, g.shift_h, g.shift_w]
                 .into_iter()
-                .chain([*dim, *heads, params.cosine as usize, 0])
+                .chain([*dim, *heads, params.cosine as usize, g.dilated as usize])
                 .collect();
             *weight_bytes += (params.table.len() * 4) as u64;
             let reads = vec![
@@ -541,7 +542,7 @@ fn node_launches(
             parts.extend(gemm_parts(
                 (consts, weight_bytes),
                 (&node.name, precision, max_binding),
-                (&linear(*dim), get("proj.weight")?, get("proj.bias")?),
+                (&linear(*dim), get(proj_w)?, get(proj_b)?),
                 dims,
                 (mid, Buf::Zero, None),
             )?);

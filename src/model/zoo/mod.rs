@@ -6,6 +6,7 @@ mod convnext;
 mod densenet;
 mod efficientnet;
 mod inception;
+mod maxvit;
 mod mnasnet;
 mod mobilenet;
 mod mobilenet_v3;
@@ -20,6 +21,7 @@ mod vit;
 pub use convnext::convnext_custom;
 pub use densenet::densenet_custom;
 pub use efficientnet::efficientnet_custom;
+pub use maxvit::{MaxVitConfig, maxvit_custom};
 pub use mnasnet::mnasnet_custom;
 pub use mobilenet::mobilenet_v2_custom;
 pub use mobilenet_v3::mobilenet_v3_custom;
@@ -113,6 +115,7 @@ pub const NETWORKS: &[&str] = &[
     "swin_v2_t",
     "swin_v2_s",
     "swin_v2_b",
+    "maxvit_t",
 ];
 
 /// A network name that the zoo does not have.
@@ -160,7 +163,7 @@ pub fn build(name: &str) -> Result<Graph, UnknownNetwork> {
 }
 
 /// The networks whose variants are computed from their names: EfficientNet, ConvNeXt,
-/// RegNet, Swin, DenseNet, ShuffleNetV2, MNASNet and VGG.
+/// RegNet, Swin, MaxViT, DenseNet, ShuffleNetV2, MNASNet and VGG.
 fn family(name: &str) -> Option<Graph> {
     if let Some(b) = name.strip_prefix("efficientnet_b") {
         let (w, d, dropout, size, eps) = efficientnet::variant(b.parse().ok()?)?;
@@ -182,6 +185,9 @@ fn family(name: &str) -> Option<Graph> {
     }
     if let Some(g) = swin::build(name) {
         return Some(g);
+    }
+    if let Some(cfg) = maxvit::variant(name) {
+        return Some(maxvit::maxvit_custom(name, &cfg, 1000));
     }
     if let Some((growth, blocks, stem)) = densenet::variant(name) {
         return Some(densenet::densenet_custom(name, growth, blocks, stem, 1000));

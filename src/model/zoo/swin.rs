@@ -11,7 +11,7 @@
 
 use crate::model::Graph;
 use crate::model::graph::{ConvInit, GraphBuilder, LinearInit, ValueId};
-use crate::model::op::{Conv2d, Op};
+use crate::model::op::{Conv2d, Op, WindowForm};
 
 /// torchvision's variants: embedding channels, blocks and heads per stage.
 pub(super) fn variant(name: &str) -> Option<(usize, [usize; 4], [usize; 4])> {
@@ -36,7 +36,7 @@ pub(super) fn build(name: &str) -> Option<Graph> {
 }
 
 /// `nn.LayerNorm(dim)` (ε = 1e-5) over an image's channels.
-fn norm(g: &mut GraphBuilder, name: String, x: ValueId, dim: usize) -> ValueId {
+pub(super) fn norm(g: &mut GraphBuilder, name: String, x: ValueId, dim: usize) -> ValueId {
     g.add_node(name, Op::LayerNorm { dim, eps: 1e-5 }, &[x])
 }
 
@@ -110,7 +110,11 @@ fn block(
         heads,
         window,
         shift,
-        v2,
+        form: if v2 {
+            WindowForm::SwinV2
+        } else {
+            WindowForm::Swin
+        },
     };
     let y = if v2 {
         x

@@ -149,7 +149,7 @@ pub fn sigmoid_inplace<T: Elem>(buf: &mut [T]) {
     });
 }
 
-/// Hardswish, hardsigmoid or SiLU, element-wise in f32 (NaN stays NaN).
+/// Hardswish, hardsigmoid, SiLU or tanh, element-wise in f32 (NaN stays NaN).
 pub fn unary_inplace<T: Elem>(buf: &mut [T], u: crate::model::op::Unary) {
     use crate::model::op::Unary;
     let relu6 = |v: f32| clamp_nan(v, 0.0, 6.0);
@@ -163,6 +163,7 @@ pub fn unary_inplace<T: Elem>(buf: &mut [T], u: crate::model::op::Unary) {
         Unary::Silu => map_f32(buf, 1, |part| {
             with_simd(Update(part, |v: &mut f32| *v = *v / (1.0 + (-*v).exp())))
         }),
+        Unary::Tanh => map_f32(buf, 1, |part| part.iter_mut().for_each(|v| *v = v.tanh())),
     }
 }
 
