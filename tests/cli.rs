@@ -294,6 +294,30 @@ fn infer_matches_the_reference_through_files() {
             );
         }
     }
+    // Compiled (batch norms folded, activations and adds fused) on the same non-square input:
+    // the compiled graph's logits are what the reference computes from the eager one.
+    let o = workshop(&[
+        "infer",
+        "--network",
+        "resnet18",
+        "--compile",
+        "--weights",
+        wpath.to_str().unwrap(),
+        "--input",
+        xpath.to_str().unwrap(),
+        "--output",
+        ypath.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("Compiled default") && stdout(&o).contains("20 batch norms folded"),
+        "{}",
+        stdout(&o)
+    );
+    let diff = read_tensor(&ypath, "logits")
+        .unwrap()
+        .max_abs_diff(&expected);
+    assert!(diff <= 1e-4 * scale, "compiled: diff {diff}");
     let o = crate::common::command()
         .env("WORKSHOP_CPU_SIMD", "portable")
         .args(["doctor"])

@@ -146,21 +146,25 @@ pub type Prepared = (Plan, Box<dyn Session>, DeviceInfo, Option<CompileInfo>);
 
 /// Build the plan and the session for a run configuration, with the device it runs on.
 pub fn prepare(cfg: &BenchConfig, weights_file: Option<&std::path::Path>) -> Result<Prepared> {
+    prepare_hw(cfg, weights_file, (cfg.input_size, cfg.input_size))
+}
+
+/// [`prepare`] for an input of `height`×`width` (`workshop infer` takes any shape).
+pub fn prepare_hw(
+    cfg: &BenchConfig,
+    weights_file: Option<&std::path::Path>,
+    (height, width): (usize, usize),
+) -> Result<Prepared> {
     let graph = zoo::build(&cfg.network)?;
     let eager_plan = graph
-        .plan(cfg.batch_size, cfg.input_size, cfg.input_size)
-        .with_context(|| {
-            format!(
-                "{} cannot take {}×{} inputs",
-                cfg.network, cfg.input_size, cfg.input_size
-            )
-        })?;
+        .plan(cfg.batch_size, height, width)
+        .with_context(|| format!("{} cannot take {height}×{width} inputs", cfg.network))?;
     let backend = backend::open(cfg.backend)?;
     let opt = cfg.exec_options();
     backend.check_fits(cfg.device, &eager_plan, &opt)?;
     let (weights, calibration) = match weights_file {
         Some(path) => (Weights::load(path, &graph)?, None),
-        None => seeded_weights_calibrated(&graph, cfg.seed, cfg.input_size)?,
+        None => seeded_weights_calibrated(&graph, cfg.seed, height.max(width))?,
     };
     // Only the CPU's eager sessions take over the calibration's packed weights; free it now
     // for any other run.
@@ -175,7 +179,7 @@ pub fn prepare(cfg: &BenchConfig, weights_file: Option<&std::path::Path>) -> Res
             let start = Instant::now();
             let (g, w, passes) = crate::model::passes::optimize(&graph, &weights)
                 .map_err(|e| anyhow::anyhow!("the compile passes failed: {e}"))?;
-            let plan = g.plan(cfg.batch_size, cfg.input_size, cfg.input_size)?;
+            let plan = g.plan(cfg.batch_size, height, width)?;
             let autotune = if mode == CompileMode::MaxAutotune {
                 let Some(device) = &device else {
                     backend.prepare(cfg.device, &plan, &w, &opt)?;

@@ -227,6 +227,14 @@ pub struct InferArgs {
     /// Where to write the output tensor (named `logits`) as safetensors
     #[arg(long, value_name = "FILE")]
     pub output: PathBuf,
+    /// Compile the network first, as `bench --compile` does, so the compiled graph's output
+    /// can be checked against PyTorch directly
+    #[arg(long, value_enum, value_name = "MODE", num_args = 0..=1, default_missing_value = "default")]
+    pub compile: Option<crate::bench::record::CompileMode>,
+    /// With --compile max-autotune: time the kernel variants again instead of using the
+    /// choices kept from an earlier run
+    #[arg(long)]
+    pub recompile: bool,
 }
 
 #[derive(Debug, Args)]

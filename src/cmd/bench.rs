@@ -7,10 +7,9 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 
 use super::args::{BenchArgs, InferArgs, ModelsArgs, RunArgs, WeightsArgs};
-use crate::backend::{self, ExecOptions};
 use crate::bench::{self, record::BenchConfig};
 use crate::model::tensor_file::TensorFile;
-use crate::model::{Precision, Weights, weights, zoo};
+use crate::model::{Precision, weights, zoo};
 use crate::report;
 
 /// `--precision` and the classic `--fp16 0|1` must agree.
@@ -229,22 +228,27 @@ pub fn infer(args: InferArgs) -> Result<()> {
         eprintln!("note: non-square input {h}×{w}");
     }
     let input = file.read(&name)?;
-    let plan = graph
-        .plan(n, h, w)
-        .with_context(|| format!("{} cannot take {h}×{w} inputs", graph.name))?;
-    let weights = match &args.run.weights {
-        Some(p) => Weights::load(p, &graph)?,
-        None => bench::seeded_weights(&graph, args.run.seed, h.max(w))?,
-    };
-    let backend = backend::open(args.run.backend)?;
-    let opt = ExecOptions {
+    let cfg = BenchConfig {
+        network: graph.name.clone(),
+        batch_size: n,
         precision,
+        backend: args.run.backend,
+        device: args.run.device,
         threads: args.run.threads,
+        input_size: h.max(w),
+        seed: args.run.seed,
+        weights: weights_label(&args.run),
         kernels_dir: args.run.kernels_dir.clone(),
         kernels: args.run.kernels,
+        compile: args.compile,
+        recompile: args.recompile,
         ..Default::default()
     };
-    let mut session = backend.prepare(args.run.device, &plan, &weights, &opt)?;
+    let (_, mut session, _, compiled) =
+        bench::prepare_hw(&cfg, args.run.weights.as_deref(), (h, w))?;
+    if let Some(c) = &compiled {
+        println!("Compiled {}", report::bench::compile_passes(c));
+    }
     let start = Instant::now();
     let out = bench::infer(session.as_mut(), &input)?;
     let secs = start.elapsed().as_secs_f64();
@@ -253,8 +257,9 @@ pub fn infer(args: InferArgs) -> Result<()> {
             .with_context(|| format!("failed to create `{}`", parent.display()))?;
     }
     weights::write_tensors(&args.output, &[("logits", &out)])?;
+    let compiled = compiled.map_or(String::new(), |c| format!(", compiled {}", c.mode.name()));
     println!(
-        "{} {} on {}: input {:?} → output {:?} in {:.1} ms, written to {}",
+        "{} {}{compiled} on {}: input {:?} → output {:?} in {:.1} ms, written to {}",
         graph.name,
         precision.name().to_uppercase(),
         args.run.backend,

@@ -121,13 +121,11 @@ fn enqueue_line(r: &BenchRecord) -> String {
     )
 }
 
-/// What compilation did, for the summary.
-fn compile_lines(c: &crate::bench::record::CompileInfo) -> String {
+/// What the compile passes did, in one line: `default in 0.012 s (before the run): …`.
+pub fn compile_passes(c: &crate::bench::record::CompileInfo) -> String {
     let p = &c.passes;
     format!(
-        "Compile       {} in {:.3} s (before the run): {} batch norms folded, {} activations and {} residual adds fused, {} dropouts dropped ({} → {} nodes)\n\
-         Memory plan   {} eager → {} compiled\n\
-         Check         max |Δ| {:.2e} against eager FP32 on the same input ({:.4}% of the largest output)\n",
+        "{} in {:.3} s (before the run): {} batch norms folded, {} activations and {} residual adds fused, {} dropouts dropped ({} → {} nodes)",
         c.mode.name(),
         c.compile_s,
         p.folded_batch_norms,
@@ -136,6 +134,16 @@ fn compile_lines(c: &crate::bench::record::CompileInfo) -> String {
         p.dropped,
         p.nodes_before,
         p.nodes_after,
+    )
+}
+
+/// What compilation did, for the summary.
+fn compile_lines(c: &crate::bench::record::CompileInfo) -> String {
+    format!(
+        "Compile       {}\n\
+         Memory plan   {} eager → {} compiled\n\
+         Check         max |Δ| {:.2e} against eager FP32 on the same input ({:.4}% of the largest output)\n",
+        compile_passes(c),
         human_bytes(c.eager_memory),
         human_bytes(c.compiled_memory),
         c.max_abs_diff,
