@@ -66,7 +66,7 @@ fn the_embedded_course_runs_start_to_finish_on_the_cpu() {
     let dir = d.path();
     ok(dir, &["init", "--name", "Ada Lovelace", "--threads", "2"]);
     let mut finished = false;
-    for _ in 0..60 {
+    for _ in 0..100 {
         let o = ws(dir, &["next", "--yes"]);
         let out = stdout(&o);
         if !o.status.success() {
@@ -157,8 +157,17 @@ fn the_embedded_course_runs_start_to_finish_on_the_cpu() {
     assert!(chart["metrics"]["fp16.ratio"].as_f64().unwrap() > 0.0);
     assert!(dir.join("records/10-compare.fp16.json").exists());
     assert!(dir.join("charts/10-compare.comparison.svg").exists());
+    // 14: the attention core apart from the linear layers (its projections among them), the
+    // two networks' ratios, and the Swin sweep at the CPU's two sizes.
+    let vit = &find("14-attention", "vit")["metrics"];
+    let share = |op: &str| vit[format!("op.{op}.time_pct")].as_f64().unwrap();
+    assert!(share("linear") > share("attention") && share("attention") > 0.0);
+    let side = &find("14-attention", "side-by-side")["metrics"];
+    assert!(side["intensity_ratio"].as_f64().unwrap() > 1.0, "{side}");
+    let swin = find("14-attention", "swin-sizes");
+    assert_eq!(swin["table"]["rows"].as_array().unwrap().len(), 2);
     let status = ok(dir, &["status"]);
-    assert!(status.contains("10/10 exercises"), "{status}");
+    assert!(status.contains("11/11 exercises"), "{status}");
 }
 
 /// A small course of two fast exercises, written into `root`.
@@ -372,7 +381,7 @@ fn the_embedded_course_passes_lint_and_new_exercises_scaffold_cleanly() {
         .output()
         .unwrap();
     assert!(
-        o.status.success() && stdout(&o).contains("course OK: 10 exercises"),
+        o.status.success() && stdout(&o).contains("course OK: 11 exercises"),
         "{}",
         stderr(&o)
     );

@@ -58,6 +58,10 @@ pub const EMBEDDED_EXERCISES: &[(&str, &str)] = &[
         "exercises/09-peak.toml",
         include_str!("../../exercises/09-peak.toml"),
     ),
+    (
+        "exercises/14-attention.toml",
+        include_str!("../../exercises/14-attention.toml"),
+    ),
 ];
 
 /// The book's pages shipped in the binary, for `workshop book`: (path under book/src, text).
@@ -96,6 +100,10 @@ pub const EMBEDDED_CHAPTERS: &[(&str, &str)] = &[
     (
         "10-compare.md",
         include_str!("../../book/src/10-compare.md"),
+    ),
+    (
+        "14-attention.md",
+        include_str!("../../book/src/14-attention.md"),
     ),
 ];
 

@@ -110,6 +110,9 @@ pub(super) struct CpuSession<T: Elem> {
     pub(super) free: Vec<Buf<T>>,
     pub(super) output: Option<Buf<T>>,
     pub(super) times: Vec<KernelTime>,
+    /// Profiling: the parts of the node being run that end before it does (an attention
+    /// layer's projections and core), each its op kind and when it ended.
+    laps: Vec<(&'static str, Instant)>,
     /// Batch-norm calibration mode: normalise with each batch's own statistics and keep
     /// them (node id, mean, biased variance) instead of using the running ones.
     pub(super) calibrate: bool,
@@ -297,6 +300,7 @@ impl<T: Elem> CpuSession<T> {
             free: Vec::new(),
             output: None,
             times: Vec::new(),
+            laps: Vec::new(),
             calibrate: false,
             batch_stats: Vec::new(),
             split,
@@ -604,11 +608,14 @@ impl<T: Elem> CpuSession<T> {
                 let x = values[inputs[0]].as_ref().expect("input computed");
                 let mut qkv = self.alloc(rows * 3 * d);
                 kernels::linear(x, in_proj, (rows, d, 3 * d), &mut qkv, self.threads);
+                self.lap("linear");
                 let mut heads_out = self.alloc(rows * d);
                 kernels::attention(&qkv, (os.n, os.h, d, *heads), &mut heads_out);
+                self.lap("attention");
                 self.free.push(qkv);
                 let mut y = self.alloc(os.elems());
                 kernels::linear(&heads_out, out_proj, (rows, d, d), &mut y, self.threads);
+                self.lap("linear");
                 self.free.push(heads_out);
                 y
             }
@@ -626,13 +633,16 @@ impl<T: Elem> CpuSession<T> {
                 let x = values[inputs[0]].as_ref().expect("input computed");
                 let mut qkv = self.alloc(rows * 3 * d);
                 kernels::linear(x, qkv_proj, (rows, d, 3 * d), &mut qkv, self.threads);
+                self.lap("linear");
                 let mut heads_out = self.alloc(rows * d);
                 let grid = WindowGrid::of(os.h, os.w, *window, *shift, *form);
                 let dims = (os.n, d, *heads);
                 kernels::window_attention(&qkv, params, grid, dims, &mut heads_out);
+                self.lap("window_attention");
                 self.free.push(qkv);
                 let mut y = self.alloc(os.elems());
                 kernels::linear(&heads_out, out_proj, (rows, d, d), &mut y, self.threads);
+                self.lap("linear");
                 self.free.push(heads_out);
                 y
             }
@@ -669,13 +679,37 @@ impl<T: Elem> CpuSession<T> {
             }
         }
         if let Some(start) = start {
-            self.times.push(KernelTime {
-                node: self.names[id].clone(),
-                op: self.plan.graph.nodes[id].op.kind_name().to_string(),
-                kernel: kernel_name(step, &self.plan.graph.nodes[id].op),
-                start_ns: start.duration_since(forward_start).as_nanos() as u64,
-                ns: start.elapsed().as_nanos() as u64,
-            });
+            let op = self.plan.graph.nodes[id].op.kind_name();
+            let end = Instant::now();
+            let whole = [(op, kernel_name(step, &self.plan.graph.nodes[id].op), end)];
+            // A node timed in parts: each part from the end of the one before, the last to
+            // the node's end.
+            let mut laps: Vec<(&str, String, Instant)> = std::mem::take(&mut self.laps)
+                .into_iter()
+                .map(|(op, at)| (op, format!("{op}_{}", T::SUFFIX), at))
+                .collect();
+            if let Some(last) = laps.last_mut() {
+                last.2 = end;
+            }
+            let mut from = start;
+            for (op, kernel, to) in if laps.is_empty() { whole.into() } else { laps } {
+                self.times.push(KernelTime {
+                    node: self.names[id].clone(),
+                    op: op.to_string(),
+                    kernel,
+                    start_ns: from.duration_since(forward_start).as_nanos() as u64,
+                    ns: to.duration_since(from).as_nanos() as u64,
+                });
+                from = to;
+            }
+        }
+    }
+
+    /// Profiling: the part of the running node since the last lap (or its start) is done and
+    /// counts as `op` (an attention layer's projections as `linear`).
+    fn lap(&mut self, op: &'static str) {
+        if self.profile {
+            self.laps.push((op, Instant::now()));
         }
     }
 

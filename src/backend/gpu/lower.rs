@@ -451,10 +451,12 @@ fn attention_op(
         bias: true,
         ..Conv2d::new(dim, out, 1, 1, 0)
     };
+    // The projections are profiled as linear layers, apart from the attention core.
     let into_qkv = NodeCtx {
         out: (rows, 3 * dim, 1, 1),
         y: qkv,
         bias: "in_proj_bias",
+        op: "linear",
         ..*at
     };
     native_conv(
@@ -478,6 +480,7 @@ fn attention_op(
     let out = NodeCtx {
         x: Arg::Buf(mid),
         bias: "out_proj.bias",
+        op: "linear",
         ..*at
     };
     native_conv(b, &out, &projection(dim), at.get("out_proj.weight")?, mma)
@@ -521,6 +524,7 @@ fn window_attention_op(b: &mut Builder, at: &NodeCtx<'_>, mma: bool) -> Result<(
         x: Arg::Buf(x),
         y,
         bias,
+        op: "linear",
         ..*at
     };
     let params = at

@@ -42,6 +42,20 @@ pub(super) struct Launch {
     pub groups: (u32, u32, u32),
 }
 
+/// The op kind a launch of `op` is profiled as: an attention layer's projections are linear
+/// layers (the operator table tells them from the attention core), every other launch is its
+/// node's.
+fn part_op(op: &Op, kernel: Kernel) -> &'static str {
+    match op {
+        Op::Attention { .. } | Op::WindowAttention { .. }
+            if !matches!(kernel, Kernel::Attention | Kernel::WindowAttention) =>
+        {
+            "linear"
+        }
+        _ => op.kind_name(),
+    }
+}
+
 /// Constant buffers: a label and the bytes.
 #[derive(Debug, Default)]
 pub(super) struct Consts(pub Vec<(&'static str, Vec<u8>)>);
@@ -195,7 +209,7 @@ pub(super) fn lower(
             out.launches.push(launch(
                 kernel,
                 &node.name,
-                node.op.kind_name(),
+                part_op(&node.op, kernel),
                 params,
                 bindings,
                 groups,
