@@ -539,6 +539,31 @@ fn fused_conv_epilogues(kind: BackendKind) {
             },
             [2, 32, 6, 5],
         ),
+        (
+            "silu_pointwise",
+            Conv2d {
+                act: Act::Silu,
+                ..Conv2d::new(8, 16, 1, 1, 0)
+            },
+            [2, 8, 5, 6],
+        ),
+        (
+            "hardswish_res",
+            Conv2d {
+                residual: true,
+                act: Act::Hardswish,
+                ..Conv2d::new(8, 8, 3, 1, 1).with_bias()
+            },
+            [1, 8, 6, 5],
+        ),
+        (
+            "silu_depthwise",
+            Conv2d {
+                act: Act::Silu,
+                ..Conv2d::new(8, 8, 3, 1, 1).with_groups(8)
+            },
+            [1, 8, 5, 5],
+        ),
     ];
     for (name, c, shape) in cases {
         let mut g = GraphBuilder::new(

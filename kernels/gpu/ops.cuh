@@ -36,10 +36,15 @@ __device__ inline float ld(elem v) { return v; }
 __device__ inline elem st(float v) { return v; }
 #endif
 
-// Activations fused into an epilogue: 0 none, 1 ReLU, 2 ReLU6.
+// Activations fused into an epilogue: 0 none, 1 ReLU, 2 ReLU6, 3 SiLU, 4 hardswish.
 __device__ inline float activate(float v, int act) {
     if (act == 1) return v < 0.0f ? 0.0f : v;  // a NaN stays NaN, as in PyTorch
     if (act == 2) return v < 0.0f ? 0.0f : (v > 6.0f ? 6.0f : v);
+    if (act == 3) return v / (1.0f + expf(-v));
+    if (act == 4) {
+        float r = v + 3.0f;
+        return v * (r < 0.0f ? 0.0f : (r > 6.0f ? 6.0f : r)) / 6.0f;
+    }
     return v;
 }
 

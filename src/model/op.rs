@@ -14,20 +14,48 @@ pub enum Act {
     None,
     Relu,
     Relu6,
+    /// x · sigmoid(x) (EfficientNet's expansions).
+    Silu,
+    /// x · relu6(x + 3) / 6 (MobileNetV3's).
+    Hardswish,
 }
 
 impl Act {
+    /// In f32, NaN kept NaN (as the kernels compute it).
     pub fn apply(self, v: f32) -> f32 {
         match self {
             Act::None => v,
             Act::Relu => v.max(0.0),
             Act::Relu6 => v.clamp(0.0, 6.0),
+            Act::Silu => v / (1.0 + (-v).exp()),
+            Act::Hardswish => v * (v + 3.0).clamp(0.0, 6.0) / 6.0,
         }
     }
 
-    /// The kernels' code: 0 none, 1 ReLU, 2 ReLU6.
+    /// The kernels' code: 0 none, 1 ReLU, 2 ReLU6, 3 SiLU, 4 hardswish.
     pub fn code(self) -> u32 {
         self as u32
+    }
+
+    /// The name a fused convolution shows (`+silu`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Act::None => "",
+            Act::Relu => "relu",
+            Act::Relu6 => "relu6",
+            Act::Silu => "silu",
+            Act::Hardswish => "hardswish",
+        }
+    }
+
+    /// FLOPs per element, as the unfused op counts them.
+    fn flops(self) -> u64 {
+        match self {
+            Act::None => 0,
+            Act::Relu => 1,
+            Act::Relu6 => 2,
+            Act::Silu | Act::Hardswish => 5,
+        }
     }
 }
 
@@ -1079,11 +1107,7 @@ impl Op {
             | Op::SelectToken { .. }
             | Op::ClassToken { .. } => 0,
             Op::Conv2d(c) => {
-                let epilogue = match c.act {
-                    Act::None => 0,
-                    Act::Relu => n,
-                    Act::Relu6 => 2 * n,
-                };
+                let epilogue = c.act.flops() * n;
                 2 * self.macs(out)
                     + if c.bias { n } else { 0 }
                     + if c.residual { n } else { 0 }
@@ -1166,12 +1190,10 @@ impl fmt::Display for Op {
                     String::new()
                 },
                 match (c.residual, c.act) {
-                    (false, Act::None) => "",
-                    (false, Act::Relu) => " +relu",
-                    (false, Act::Relu6) => " +relu6",
-                    (true, Act::None) => " +add",
-                    (true, Act::Relu) => " +add+relu",
-                    (true, Act::Relu6) => " +add+relu6",
+                    (false, Act::None) => String::new(),
+                    (false, act) => format!(" +{}", act.name()),
+                    (true, Act::None) => " +add".into(),
+                    (true, act) => format!(" +add+{}", act.name()),
                 }
             ),
             Op::Linear {

@@ -1,6 +1,6 @@
 //! Graph passes of `--compile default`: fold every batch norm that follows a convolution into
-//! the convolution's weights and bias, fuse a following ReLU/ReLU6 and a residual add into the
-//! convolution's epilogue, and drop eval-mode dropout. The result computes the same function
+//! the convolution's weights and bias, fuse a following ReLU, ReLU6, SiLU or hardswish and a
+//! residual add into the convolution's epilogue, and drop eval-mode dropout. The result computes the same function
 //! (up to rounding) with fewer kernels and fewer activation buffers.
 //!
 //! A rewrite only happens when nothing else reads the intermediate value; a residual add is
@@ -8,7 +8,7 @@
 //! block with a downsample branch, that is the downsample convolution).
 
 use super::graph::{Graph, Node, ValueId};
-use super::op::{Act, Conv2d, Op, batch_norm_affine};
+use super::op::{Act, Conv2d, Op, Unary, batch_norm_affine};
 use super::{Tensor, Weights};
 
 /// What the passes did.
@@ -150,7 +150,7 @@ pub fn optimize(graph: &Graph, weights: &Weights) -> Result<(Graph, Weights, Pas
                 work.remove(id, src);
                 report.folded_batch_norms += 1;
             }
-            Op::Relu | Op::Relu6 => {
+            Op::Relu | Op::Relu6 | Op::Unary(Unary::Silu | Unary::Hardswish) => {
                 let src = inputs[0];
                 let Some(mut c) = work.fusable_conv(src) else {
                     continue;
@@ -158,10 +158,11 @@ pub fn optimize(graph: &Graph, weights: &Weights) -> Result<(Graph, Weights, Pas
                 if c.act != Act::None || is_depthwise(&c) {
                     continue;
                 }
-                c.act = if matches!(node.op, Op::Relu) {
-                    Act::Relu
-                } else {
-                    Act::Relu6
+                c.act = match node.op {
+                    Op::Relu => Act::Relu,
+                    Op::Relu6 => Act::Relu6,
+                    Op::Unary(Unary::Silu) => Act::Silu,
+                    _ => Act::Hardswish,
                 };
                 work.set_conv(src, c);
                 work.remove(id, src);

@@ -60,6 +60,8 @@ fn act_code(act: Act) -> i32 {
         Act::None => 0,
         Act::Relu => 1,
         Act::Relu6 => 2,
+        Act::Silu => 3,
+        Act::Hardswish => 4,
     }
 }
 

@@ -511,6 +511,10 @@ impl<T: Elem> Epilogue<'_, T> {
             Act::Relu6 => row
                 .iter_mut()
                 .for_each(|v| *v = super::clamp_nan(*v, 0.0, 6.0)),
+            Act::Silu => row.iter_mut().for_each(|v| *v = *v / (1.0 + (-*v).exp())),
+            Act::Hardswish => row
+                .iter_mut()
+                .for_each(|v| *v = *v * super::clamp_nan(*v + 3.0, 0.0, 6.0) / 6.0),
         }
     }
 }
