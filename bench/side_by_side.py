@@ -1,9 +1,18 @@
 #!/usr/bin/env python3
-"""Our CPU backend next to PyTorch CPU eager, interleaved in one run, medians and ratios.
+"""Our CPU backend next to PyTorch CPU eager (and, with --peers, ONNX Runtime and OpenVINO),
+interleaved in one run, medians and ratios.
 
     cargo build --release
     pip install torch torchvision            # outside the project's dependencies (or bench/vs-pytorch.sh)
     python3 bench/side_by_side.py --network resnet50 --batch-sizes 8 32 --precisions fp32 bf16 --rounds 3
+    pip install onnx onnxscript onnxruntime openvino
+    python3 bench/side_by_side.py --network efficientnet_b0 --batch-sizes 1 8 --precisions fp32 bf16 \
+        --peers onnxruntime openvino --compile
+
+The peers run the torchvision model exported to ONNX (bench/onnx_peers.py): ONNX Runtime's CPU
+provider in FP32 only (its BF16 cells stay empty), OpenVINO with its precision hint set to the
+precision asked. `--compile` adds our `--compile default` run as a fourth implementation; the
+ratio column takes our faster run against the best of everyone else.
 
 Each round runs every configuration once, alternating implementations, so a slow patch of a
 noisy machine hits both sides alike. The report gives each side's median images/s over the
@@ -48,14 +57,14 @@ def input_size(net):
     return next(m["input_size"] for m in json.loads(out) if m["network"] == net)
 
 
-def ours(net, batch, threads, iters, precision):
+def ours(net, batch, threads, iters, precision, compile=False):
     """(images/s, effective GFLOP per image, start-up s, peak RSS bytes) of one `workshop bench` run."""
     with tempfile.TemporaryDirectory() as d:
         out = pathlib.Path(d) / "r.json"
         _, rss = run_measured(
             [str(WORKSHOP), "bench", "--network", net, "--batch-size", str(batch), "--threads", str(threads),
              "--iterations", str(iters), "--warmup", "2", "--precision", precision, "--json", str(out),
-             "--input-size", str(input_size(net))])
+             "--input-size", str(input_size(net))] + (["--compile"] if compile else []))
         r = json.loads(out.read_text())
     return r["stats"]["throughput_median"], 2 * r["model"]["macs_per_image"] / 1e9, r["prepare_s"], rss
 
@@ -67,6 +76,19 @@ def pytorch(net, batch, threads, iters, channels_last, dtype):
     if channels_last:
         cmd.append("--channels-last")
     stdout, rss = run_measured(cmd)
+    r = json.loads(stdout)
+    return r["images_per_s"], r["prepare_s"], rss
+
+
+def peer(engine, net, batch, threads, iters, dtype):
+    """(images/s, start-up s, peak RSS bytes) of ONNX Runtime or OpenVINO; None where the
+    engine does not run that precision."""
+    if engine == "onnxruntime" and dtype != "fp32":
+        return None
+    stdout, rss = run_measured([sys.executable, str(ROOT / "bench" / "onnx_peers.py"), "--engine", engine,
+                                "--network", net, "--batch-size", str(batch), "--threads", str(threads),
+                                "--iterations", str(iters), "--warmup", "2", "--dtype", dtype,
+                                "--input-size", str(input_size(net))])
     r = json.loads(stdout)
     return r["images_per_s"], r["prepare_s"], rss
 
@@ -90,6 +112,9 @@ def main():
     p.add_argument("--iterations", type=int, default=5)
     p.add_argument("--precisions", nargs="+", default=["fp32"], choices=["fp32", "fp16", "bf16"])
     p.add_argument("--no-peak", action="store_true", help="skip measuring the GEMM peak")
+    p.add_argument("--peers", nargs="*", default=[], choices=["onnxruntime", "openvino"],
+                   help="also run these engines on the model exported to ONNX")
+    p.add_argument("--compile", action="store_true", help="also run ours with --compile default")
     a = p.parse_args()
     if not WORKSHOP.exists():
         sys.exit(f"{WORKSHOP} not found: run `cargo build --release` first")
@@ -98,57 +123,66 @@ def main():
         print(f"measured FP32 GEMM peak: {peak:.1f} GFLOP/s on {a.threads} threads", flush=True)
     if ceiling:
         print(f"measured FP32 FMA ceiling (registers only): {ceiling:.1f} GFLOP/s", flush=True)
-    results = {}
-    startup = {}
-    peak_rss = {}
-    gflop_per_image = {}
+    results, startup, peak_rss, gflop_per_image = {}, {}, {}, {}
+
+    def run_ours(b, prec, compile=False):
+        ips, per_image, prepare_s, rss = ours(a.network, b, a.threads, a.iterations, prec, compile)
+        gflop_per_image[a.network] = per_image
+        return ips, prepare_s, rss
+
+    impls = [("workshop", lambda b, prec: run_ours(b, prec))]
+    if a.compile:
+        impls.append(("workshop compiled", lambda b, prec: run_ours(b, prec, True)))
+    ours_names = [n for n, _ in impls]
+    impls += [
+        ("torch NCHW", lambda b, prec: pytorch(a.network, b, a.threads, a.iterations, False, prec)),
+        ("torch CL", lambda b, prec: pytorch(a.network, b, a.threads, a.iterations, True, prec)),
+    ]
+    impls += [(e, lambda b, prec, e=e: peer(e, a.network, b, a.threads, a.iterations, prec)) for e in a.peers]
+    names = [n for n, _ in impls]
     for rnd in range(a.rounds):
         for prec in a.precisions:
             for b in a.batch_sizes:
-                def run_ours():
-                    ips, per_image, prepare_s, rss = ours(a.network, b, a.threads, a.iterations, prec)
-                    gflop_per_image[a.network] = per_image
-                    return ips, prepare_s, rss
-                for name, fn in [
-                    ("workshop", run_ours),
-                    ("pytorch NCHW", lambda: pytorch(a.network, b, a.threads, a.iterations, False, prec)),
-                    ("pytorch channels_last", lambda: pytorch(a.network, b, a.threads, a.iterations, True, prec)),
-                ]:
-                    v, prepare_s, rss = fn()
+                # Rotate the order each round, so no implementation always runs first.
+                order = impls[rnd % len(impls):] + impls[:rnd % len(impls)]
+                for name, fn in order:
+                    r = fn(b, prec)
+                    if r is None:
+                        continue
+                    v, prepare_s, rss = r
                     results.setdefault((prec, b, name), []).append(v)
                     startup.setdefault((prec, b, name), []).append(prepare_s)
                     peak_rss[(prec, b, name)] = max(peak_rss.get((prec, b, name), 0), rss)
-                    print(f"round {rnd} {prec} batch {b:>3} {name:<22} {v:7.2f} images/s  "
+                    print(f"round {rnd} {prec} batch {b:>3} {name:<18} {v:7.2f} images/s  "
                           f"peak RSS {rss / 2**30:.2f} GiB", flush=True)
     per_image = gflop_per_image[a.network]
-    print(f"\n{a.network}, {a.threads} threads, median of {a.rounds} interleaved rounds "
+    print(f"\n{a.network}, {a.threads} threads, images/s, median of {a.rounds} interleaved rounds "
           f"({per_image:.2f} GFLOP per image)")
-    head = f"{'precision':>9}  {'batch':>5}  {'workshop':>9}  {'torch NCHW':>10}  {'torch CL':>9}  {'ours / best torch':>17}"
+    head = f"{'precision':>9}  {'batch':>5}" + "".join(f"  {n:>17}" for n in names) + f"  {'ours / best other':>17}"
     if peak:
-        head += f"  {'ours % peak':>11}  {'torch % peak':>12}"
+        head += f"  {'ours % peak':>11}"
     if ceiling:
         head += f"  {'ours % FMA':>10}"
-    head += f"  {'start-up ours':>13}  {'torch NCHW':>10}"
-    head += f"  {'peak RSS ours':>13}  {'torch NCHW':>10}  {'torch CL':>9}"
     print(head)
+    median = lambda k: statistics.median(results[k]) if k in results else None  # noqa: E731
     for prec in a.precisions:
         for b in a.batch_sizes:
-            m = {n: statistics.median(results[(prec, b, n)])
-                 for n in ["workshop", "pytorch NCHW", "pytorch channels_last"]}
-            best = max(m["pytorch NCHW"], m["pytorch channels_last"])
-            line = (f"{prec:>9}  {b:>5}  {m['workshop']:>9.2f}  {m['pytorch NCHW']:>10.2f}  "
-                    f"{m['pytorch channels_last']:>9.2f}  {m['workshop'] / best:>16.2f}×")
+            m = {n: median((prec, b, n)) for n in names}
+            best_ours = max(m[n] for n in ours_names)
+            best_other = max(v for n, v in m.items() if n not in ours_names and v is not None)
+            line = f"{prec:>9}  {b:>5}" + "".join(f"  {v:>17.2f}" if v else f"  {'—':>17}" for v in m.values())
+            line += f"  {best_ours / best_other:>16.2f}×"
             if peak:
-                line += (f"  {100 * m['workshop'] * per_image / peak:>10.0f}%"
-                         f"  {100 * best * per_image / peak:>11.0f}%")
+                line += f"  {100 * best_ours * per_image / peak:>10.0f}%"
             if ceiling:
-                line += f"  {100 * m['workshop'] * per_image / ceiling:>9.0f}%"
-            up = {n: statistics.median(startup[(prec, b, n)]) for n in ["workshop", "pytorch NCHW"]}
-            line += f"  {up['workshop']:>12.2f}s  {up['pytorch NCHW']:>9.2f}s"
-            rss = {n: peak_rss[(prec, b, n)] / 2**30 for n in ["workshop", "pytorch NCHW", "pytorch channels_last"]}
-            line += (f"  {rss['workshop']:>9.2f} GiB  {rss['pytorch NCHW']:>6.2f} GiB"
-                     f"  {rss['pytorch channels_last']:>5.2f} GiB")
+                line += f"  {100 * best_ours * per_image / ceiling:>9.0f}%"
             print(line)
+    print(f"\nstart-up s (median) and peak RSS GiB (largest) per implementation")
+    for prec in a.precisions:
+        for b in a.batch_sizes:
+            cells = [f"{n} {statistics.median(startup[(prec, b, n)]):.2f} s {peak_rss[(prec, b, n)] / 2**30:.2f} GiB"
+                     for n in names if (prec, b, n) in startup]
+            print(f"{prec:>9}  {b:>5}  " + "; ".join(cells))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""ONNX Runtime and OpenVINO on the CPU, the engines a user would pick for fast CPU inference:
+the torchvision network exported to ONNX (random weights, exported once into a cache folder),
+the same batch, threads and input size as `workshop bench`, median of the timed iterations.
+Prints one JSON line per run, like bench/pytorch_resnet.py.
+
+    pip install torch torchvision onnx onnxscript onnxruntime openvino   # outside the project's dependencies
+    python3 bench/onnx_peers.py --engine onnxruntime --network resnet50 --batch-size 8 --threads 2
+    python3 bench/onnx_peers.py --engine openvino --network vit_b_16 --batch-size 1 --dtype bf16
+
+ONNX Runtime's CPU provider runs FP32 only here (`--dtype` other than fp32 is refused);
+OpenVINO takes `INFERENCE_PRECISION_HINT` f32 or bf16 (on CPUs without BF16 units it
+computes FP32 whatever the hint; the JSON says what it reports it ran).
+"""
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import numpy as np
+
+# The TorchScript exporter handles every torchvision classifier; its deprecation notice is noise.
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+p = argparse.ArgumentParser()
+p.add_argument("--engine", required=True, choices=["onnxruntime", "openvino"])
+p.add_argument("--network", default="resnet50")
+p.add_argument("--batch-size", type=int, default=8)
+p.add_argument("--iterations", type=int, default=10)
+p.add_argument("--warmup", type=int, default=3)
+p.add_argument("--threads", type=int, default=2)
+p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+p.add_argument("--input-size", type=int, default=224)
+p.add_argument("--cache", default=str(pathlib.Path(tempfile.gettempdir()) / "workshop-onnx"),
+               help="folder for the exported models (reused across runs)")
+a = p.parse_args()
+
+
+def export(net, size):
+    """The network's ONNX file with a dynamic batch, exported once (random weights)."""
+    path = pathlib.Path(a.cache) / f"{net}-{size}.onnx"
+    if path.exists():
+        return path
+    import torch
+    import torchvision
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    model = torchvision.models.get_model(net, weights=None).eval()
+    x = torch.randn(1, 3, size, size)
+    tmp = path.with_suffix(".part")
+    with torch.inference_mode():
+        torch.onnx.export(model, (x,), str(tmp), input_names=["input"], output_names=["logits"],
+                          dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, dynamo=False)
+    tmp.rename(path)
+    return path
+
+
+start = time.perf_counter()
+onnx_file = export(a.network, a.input_size)
+export_s = time.perf_counter() - start
+x = np.random.default_rng(0).standard_normal((a.batch_size, 3, a.input_size, a.input_size), dtype=np.float32)
+start = time.perf_counter()
+if a.engine == "onnxruntime":
+    import onnxruntime as ort
+
+    if a.dtype != "fp32":
+        sys.exit("ONNX Runtime's CPU provider runs this model in FP32 only")
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = a.threads
+    opts.inter_op_num_threads = 1
+    session = ort.InferenceSession(str(onnx_file), opts, providers=["CPUExecutionProvider"])
+    run = lambda: session.run(None, {"input": x})  # noqa: E731
+    impl, ran = f"onnxruntime {ort.__version__} CPU", "f32"
+else:
+    import openvino as ov
+
+    core = ov.Core()
+    config = {"INFERENCE_NUM_THREADS": a.threads, "INFERENCE_PRECISION_HINT": {"fp32": "f32", "bf16": "bf16"}[a.dtype],
+              "PERFORMANCE_HINT": "LATENCY"}
+    compiled = core.compile_model(str(onnx_file), "CPU", config)
+    request = compiled.create_infer_request()
+    run = lambda: request.infer({0: x})  # noqa: E731
+    hint = compiled.get_property("INFERENCE_PRECISION_HINT")
+    impl, ran = f"openvino {ov.__version__.split('-')[0]} CPU", getattr(hint, "to_string", lambda: str(hint))()
+prepare_s = time.perf_counter() - start  # loading and compiling the ONNX file
+samples = []
+for i in range(a.warmup + a.iterations):
+    t = time.perf_counter()
+    run()
+    if i >= a.warmup:
+        samples.append(time.perf_counter() - t)
+median = statistics.median(samples)
+print(json.dumps({
+    "impl": impl, "device": "cpu", "network": a.network, "batch_size": a.batch_size, "dtype": a.dtype,
+    "computed_in": ran, "threads": a.threads, "median_s": median, "images_per_s": a.batch_size / median,
+    "prepare_s": prepare_s, "export_s": export_s,
+}))
