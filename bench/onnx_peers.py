@@ -52,9 +52,10 @@ def export(net, size):
     model = torchvision.models.get_model(net, weights=None).eval()
     x = torch.randn(1, 3, size, size)
     tmp = path.with_suffix(".part")
-    with torch.inference_mode():
-        torch.onnx.export(model, (x,), str(tmp), input_names=["input"], output_names=["logits"],
-                          dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, dynamo=False)
+    # Traced with gradients on: without them nn.MultiheadAttention takes its fused fast path
+    # (`_native_multi_head_attention`), which the exporter cannot write.
+    torch.onnx.export(model, (x,), str(tmp), input_names=["input"], output_names=["logits"],
+                      dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, dynamo=False)
     tmp.rename(path)
     return path
 

@@ -39,13 +39,17 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKSHOP = ROOT / "target" / "release" / "workshop"
 
 
-def run_measured(cmd):
-    """(stdout, peak resident bytes) of a command that must succeed."""
+def run_measured(cmd, must=True):
+    """(stdout, peak resident bytes) of a command that must succeed (or None when `must` is
+    false and it failed)."""
     with tempfile.TemporaryFile() as out:
         proc = subprocess.Popen(cmd, stdout=out)
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
         if proc.returncode != 0:
+            if not must:
+                print(f"{' '.join(cmd)} failed with exit status {proc.returncode}: left out", flush=True)
+                return None
             sys.exit(f"{' '.join(cmd)} failed with exit status {proc.returncode}")
         out.seek(0)
         return out.read().decode(), usage.ru_maxrss * 1024  # Linux reports KiB
@@ -85,10 +89,13 @@ def peer(engine, net, batch, threads, iters, dtype):
     engine does not run that precision."""
     if engine == "onnxruntime" and dtype != "fp32":
         return None
-    stdout, rss = run_measured([sys.executable, str(ROOT / "bench" / "onnx_peers.py"), "--engine", engine,
-                                "--network", net, "--batch-size", str(batch), "--threads", str(threads),
-                                "--iterations", str(iters), "--warmup", "2", "--dtype", dtype,
-                                "--input-size", str(input_size(net))])
+    done = run_measured([sys.executable, str(ROOT / "bench" / "onnx_peers.py"), "--engine", engine,
+                         "--network", net, "--batch-size", str(batch), "--threads", str(threads),
+                         "--iterations", str(iters), "--warmup", "2", "--dtype", dtype,
+                         "--input-size", str(input_size(net))], must=False)
+    if done is None:
+        return None
+    stdout, rss = done
     r = json.loads(stdout)
     return r["images_per_s"], r["prepare_s"], rss
 

@@ -411,7 +411,7 @@ fn a_nan_in_the_input_reaches_the_logits_and_is_said() {
 fn bad_input_gets_one_clear_line() {
     fails_with(
         &["bench", "--network", "resnet51"],
-        "unknown network `resnet51`; the zoo has: resnet18",
+        "unknown network `resnet51` (did you mean `resnet50`?); `workshop models` lists all 80",
     );
     fails_with(
         &["bench", "--batch-size", "0"],

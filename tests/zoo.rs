@@ -97,10 +97,21 @@ fn names_follow_torchvision_state_dicts() {
 }
 
 #[test]
-fn unknown_network_lists_the_zoo() {
+fn unknown_network_suggests_the_closest_names() {
     let e = zoo::build("resnet51").unwrap_err().to_string();
     assert!(
-        e.contains("unknown network `resnet51`") && e.contains("mobilenet_v2"),
+        e.contains("unknown network `resnet51` (did you mean `resnet50`?);")
+            && e.contains("`workshop models` lists all 80 networks"),
+        "{e}"
+    );
+    // Nothing close: no guess.
+    let e = zoo::build("gpt2").unwrap_err().to_string();
+    assert!(!e.contains("did you mean"), "{e}");
+    let e = zoo::build("ViT_B_16").unwrap_err().to_string();
+    assert!(e.contains("(did you mean `vit_b_16`?)"), "{e}");
+    let e = zoo::build("resnet").unwrap_err().to_string();
+    assert!(
+        e.contains("(did you mean `resnet18`, `resnet34` or `resnet50`?)"),
         "{e}"
     );
 }

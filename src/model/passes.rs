@@ -155,7 +155,8 @@ pub fn optimize(graph: &Graph, weights: &Weights) -> Result<(Graph, Weights, Pas
                 let Some(mut c) = work.fusable_conv(src) else {
                     continue;
                 };
-                if c.act != Act::None || is_depthwise(&c) {
+                // Every backend's depthwise kernel applies the activation itself.
+                if c.act != Act::None {
                     continue;
                 }
                 c.act = match node.op {

@@ -336,7 +336,7 @@ fn node_launches(
             5,
             total,
         ),
-        // Depthwise without an epilogue; a fused one takes the general kernel.
+        // Depthwise with at most an activation; with a residual it takes the general kernel.
         Op::Conv2d(conv) if is_plain_depthwise(conv) => {
             let (wt, bias) = (get("weight")?, if conv.bias { get("bias")? } else { &[] });
             let dw = depthwise_weights(wt, c, conv.kernel, precision);
@@ -346,6 +346,7 @@ fn node_launches(
                 [total, xh, xw, c, h, w, kh, kw].as_slice(),
                 &[conv.stride.0, conv.stride.1, conv.padding.0, conv.padding.1],
                 &[conv.dilation.0, conv.dilation.1, conv.bias as usize],
+                &[conv.act.code() as usize],
             ]
             .concat();
             let reads = vec![
@@ -757,13 +758,12 @@ impl Gemm<'_> {
     }
 }
 
-/// A depthwise convolution without an epilogue: the direct kernel (a fused one takes the
-/// GEMM's).
+/// A depthwise convolution without a fused residual: the direct kernel, which applies the
+/// bias and activation itself (one with a residual takes the GEMM's).
 fn is_plain_depthwise(conv: &Conv2d) -> bool {
     conv.groups > 1
         && conv.groups == conv.in_channels
         && conv.groups == conv.out_channels
-        && conv.act == crate::model::op::Act::None
         && !conv.residual
 }
 

@@ -254,12 +254,7 @@ impl Backend for WgpuBackend {
 
     fn variants(&self, op: &Op, out: &[usize]) -> Vec<&'static str> {
         let rows: usize = match op {
-            Op::Conv2d(c)
-                if c.groups > 1
-                    && c.groups == c.in_channels
-                    && c.act == crate::model::op::Act::None
-                    && !c.residual =>
-            {
+            Op::Conv2d(c) if c.groups > 1 && c.groups == c.in_channels && !c.residual => {
                 return Vec::new();
             }
             Op::Conv2d(_) => out[0] * out[2] * out[3],

@@ -120,9 +120,33 @@ pub const NETWORKS: &[&str] = &[
 
 /// A network name that the zoo does not have.
 #[derive(Debug, thiserror::Error)]
-#[error("unknown network `{name}`; the zoo has: {}", NETWORKS.join(", "))]
+#[error("unknown network `{name}`{}; `workshop models` lists all {} networks", suggest(name), NETWORKS.len())]
 pub struct UnknownNetwork {
     pub name: String,
+}
+
+/// ": did you mean `resnet50`?": the zoo's names fewest edits away from `name` (at most two,
+/// or a quarter of its length; case ignored), up to three of them, or nothing.
+fn suggest(name: &str) -> String {
+    let name = name.to_lowercase();
+    let within = 2.max(name.chars().count() / 4);
+    let mut close: Vec<(usize, &str)> = NETWORKS
+        .iter()
+        .map(|n| (strsim::levenshtein(&name, n), *n))
+        .filter(|&(d, _)| d <= within)
+        .collect();
+    close.sort();
+    let best = close.first().map_or(0, |c| c.0);
+    let names: Vec<String> = (close.iter())
+        .filter(|c| c.0 == best)
+        .take(3)
+        .map(|(_, n)| format!("`{n}`"))
+        .collect();
+    match names.as_slice() {
+        [] => String::new(),
+        [one] => format!(" (did you mean {one}?)"),
+        [first @ .., last] => format!(" (did you mean {} or {last}?)", first.join(", ")),
+    }
 }
 
 /// Build a zoo network with 1000 ImageNet classes.
