@@ -11,6 +11,7 @@ use super::*;
 use crate::backend::cpu::bf16_gemm::{self, PackedPairs};
 use crate::backend::cpu::elem::Elem;
 use crate::backend::cpu::sgemm::{self, NR, PackedB};
+use crate::backend::cpu::simd::{Update, with_simd};
 use crate::model::op::{Act, Conv2d};
 
 /// Target size of one chunk of im2col columns, in f32 elements (512 KiB, a core's L2).
@@ -511,7 +512,7 @@ impl<T: Elem> Epilogue<'_, T> {
             Act::Relu6 => row
                 .iter_mut()
                 .for_each(|v| *v = super::clamp_nan(*v, 0.0, 6.0)),
-            Act::Silu => row.iter_mut().for_each(|v| *v = *v / (1.0 + (-*v).exp())),
+            Act::Silu => with_simd(Update(row, |v: &mut f32| *v = super::silu(*v))),
             Act::Hardswish => row
                 .iter_mut()
                 .for_each(|v| *v = *v * super::clamp_nan(*v + 3.0, 0.0, 6.0) / 6.0),

@@ -8,6 +8,7 @@
 
 use rayon::prelude::*;
 
+use super::exp_nonpositive;
 use crate::backend::cpu::elem::Elem;
 use crate::backend::cpu::simd::{Update, Vectorised, with_simd};
 use crate::model::op::WindowGrid;
@@ -219,27 +220,6 @@ impl<T: Elem> Vectorised for Head<'_, T> {
     }
 }
 
-/// e^x for x ≤ 0 (what a softmax exponentiates once its maximum is subtracted), in code the
-/// compiler vectorises: x = k·ln 2 + r with |r| ≤ ln 2 / 2, e^r by its Taylor polynomial to
-/// r⁶ (relative error below 2e-7), 2^k from the exponent bits. Below −87 the result is 0 (f32's
-/// smallest normal is e^−87.3); a NaN stays NaN. libm's `expf`, one call per score, took most
-/// of the attention's time.
-#[inline(always)]
-fn exp_nonpositive(x: f32) -> f32 {
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    let small = x < -87.0;
-    let x = if small { -87.0 } else { x };
-    let k = (x * std::f32::consts::LOG2_E).round();
-    let r = x - k * LN2_HI - k * LN2_LO;
-    let p = 1.0
-        + r * (1.0
-            + r * (0.5
-                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
-    let scale = f32::from_bits((((k as i32) + 127).max(0) as u32) << 23);
-    if small { 0.0 } else { p * scale }
-}
-
 /// A slice whose disjoint parts threads write (the attention's heads interleave in each row).
 /// Swin's shifted window attention core: `qkv` is (N, H, W, 3·C) as the q/k/v projection
 /// leaves it, `y` (N, H, W, C). One work item per (image, window): it gathers the window's
@@ -402,20 +382,5 @@ mod tests {
         assert!(super::erf(f32::NAN).is_nan());
         assert_eq!(super::erf(f32::INFINITY), 1.0);
         assert_eq!(super::erf(f32::NEG_INFINITY), -1.0);
-    }
-
-    #[test]
-    fn exp_nonpositive_matches_libm() {
-        for i in 0..=200_000 {
-            let x = -(i as f32) * 0.0005;
-            let (got, want) = (super::exp_nonpositive(x), x.exp());
-            assert!(
-                (got - want).abs() <= 4e-7 * want + 2e-38,
-                "e^{x}: {got} vs {want}"
-            );
-        }
-        assert_eq!(super::exp_nonpositive(-200.0), 0.0);
-        assert_eq!(super::exp_nonpositive(0.0), 1.0);
-        assert!(super::exp_nonpositive(f32::NAN).is_nan());
     }
 }
