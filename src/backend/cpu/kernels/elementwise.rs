@@ -98,23 +98,28 @@ impl<V: Copy, L: Fn(V) -> f32, S: Fn(f32) -> V> Vectorised for Affine<'_, V, L, 
 }
 
 /// e^x for x ≤ 0 (what a softmax exponentiates once its maximum is subtracted), in code the
-/// compiler vectorises: x = k·ln 2 + r with |r| ≤ ln 2 / 2, e^r by its Taylor polynomial to
-/// r⁶ (relative error below 2e-7), 2^k from the exponent bits. Below −87 the result is 0 (f32's
-/// smallest normal is e^−87.3); a NaN stays NaN. libm's `expf`, one call per score, took most
-/// of the attention's time (and half of EfficientNet's, in SiLU).
+/// compiler vectorises (every step: check the assembly after changing it): x = k·ln 2 + r with
+/// |r| ≤ ln 2 / 2, e^r by its Taylor polynomial to r⁶ (relative error below 2e-7), 2^k from
+/// the exponent bits. Below −87 the result is 0 (f32's smallest normal is e^−87.3); a NaN
+/// stays NaN. libm's `expf`, one call per score, took most of the attention's time (and half
+/// of EfficientNet's, in SiLU).
 #[inline(always)]
 pub(crate) fn exp_nonpositive(x: f32) -> f32 {
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
     let small = x < -87.0;
     let x = if small { -87.0 } else { x };
-    let k = (x * std::f32::consts::LOG2_E).round();
+    // Ties to even: one vector instruction (`round`, ties away from zero, is several).
+    let k = (x * std::f32::consts::LOG2_E).round_ties_even();
     let r = x - k * LN2_HI - k * LN2_LO;
     let p = 1.0
         + r * (1.0
             + r * (0.5
                 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
-    let scale = f32::from_bits((((k as i32) + 127).max(0) as u32) << 23);
+    // 2^k from its exponent bits, without a float-to-integer conversion (Rust's saturating `as`
+    // runs one lane at a time): k + 127 is a whole number in [1, 127], the low mantissa bits
+    // of k + 127 + 2^23, shifted into the exponent. A NaN gives a scale of 0 and p stays NaN.
+    let scale = f32::from_bits((k + 127.0 + 8_388_608.0).to_bits() << 23);
     if small { 0.0 } else { p * scale }
 }
 
