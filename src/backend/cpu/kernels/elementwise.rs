@@ -211,15 +211,34 @@ pub fn unary_inplace<T: Elem>(buf: &mut [T], u: crate::model::op::Unary) {
 /// x (NHWC) times s (N × C), channel by channel: each image's `per_image` values (H·W·C)
 /// scaled by its `c` scales.
 pub fn scale_channels_inplace<T: Elem>(x: &mut [T], s: &[T], (per_image, c): (usize, usize)) {
+    let c = c.max(1);
+    let scales: Vec<f32> = s.iter().map(|v| v.to_f32()).collect();
+    // Work items of whole pixels within one image, so one image's work spreads over the
+    // threads; f32 and bf16 vectorised in place (bf16 converted in registers), one scalar
+    // conversion per value only for f16.
+    let pixels = (ELEMENTWISE_CHUNK / c).max(1) * c;
     x.par_chunks_mut(per_image.max(1))
-        .zip(s.par_chunks(c.max(1)))
-        .for_each(|(image, scales)| {
-            let scales: Vec<f32> = scales.iter().map(|v| v.to_f32()).collect();
-            for px in image.chunks_mut(c) {
-                for (v, k) in px.iter_mut().zip(&scales) {
-                    *v = T::from_f32(v.to_f32() * k);
+        .zip(scales.par_chunks(c))
+        .for_each(|(image, k)| {
+            image.par_chunks_mut(pixels).for_each(|part| {
+                if let Some(part) = T::as_f32_mut(part) {
+                    for px in part.chunks_mut(c) {
+                        with_simd(ZipWith(px, k, |v: &mut f32, k: &f32| *v *= k));
+                    }
+                } else if let Some(part) = T::as_bf16_mut(part) {
+                    for px in part.chunks_mut(c) {
+                        with_simd(ZipWith(px, k, |v: &mut bf16, k: &f32| {
+                            *v = f32_bf16(bf16_f32(*v) * k)
+                        }));
+                    }
+                } else {
+                    for px in part.chunks_mut(c) {
+                        for (v, k) in px.iter_mut().zip(k) {
+                            *v = T::from_f32(v.to_f32() * k);
+                        }
+                    }
                 }
-            }
+            })
         });
 }
 
