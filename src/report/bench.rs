@@ -76,7 +76,7 @@ pub fn summary(r: &BenchRecord) -> String {
          Range         min {:.2} ms, max {:.2} ms over {} iterations\n\
          Throughput    {:.1} images/s (mean), {:.1} images/s (median)\n\
          Per batch     {:.2} ms    per sample {:.1} µs\n\
-         Compute       {:.1} GFLOP/s (conv + linear, {:.2} GMACs per image)\n\
+         Compute       {:.1} GFLOP/s ({:.2} GMACs per image in convolutions, linear layers and attention; 2 FLOPs each)\n\
          Memory        {} peak ({} weights + {} activations)\n\
          Loss          {:.4} (random labels: ln(classes) ≈ {:.4} for an untrained network)\n{}{}{line}",
         c.network,
