@@ -5,7 +5,7 @@
 use crate::backend_test;
 use workshop::backend::{BackendKind, ExecOptions, KernelFamily};
 use workshop::model::graph::{ConvInit, GraphBuilder, LinearInit, ValueId};
-use workshop::model::op::{Conv2d, Op, Pool, WindowForm};
+use workshop::model::op::{Conv2d, Op, Pool, WindowAttention, WindowForm};
 use workshop::model::{Graph, Precision, Rng, Tensor, Weights, reference};
 
 use crate::common::{conv, profiled_session, session, session_with, tolerance};
@@ -888,12 +888,14 @@ fn shifted_windows(kind: BackendKind) {
     let mut g = GraphBuilder::new("swin", 3, ConvInit::TorchDefault, LinearInit::TorchDefault);
     let x = g.input();
     let x = g.conv("conv", x, Conv2d::new(3, 8, 3, 1, 1));
-    let attention = |shift, form| Op::WindowAttention {
-        dim: 8,
-        heads: 2,
-        window: 3,
-        shift,
-        form,
+    let attention = |shift, form| {
+        Op::WindowAttention(WindowAttention {
+            dim: 8,
+            heads: 2,
+            window: 3,
+            shift,
+            form,
+        })
     };
     let y = g.add_node("shifted", attention(1, WindowForm::Swin), &[x]);
     let x = g.add("add", x, y);
@@ -905,13 +907,13 @@ fn shifted_windows(kind: BackendKind) {
     let x = g.add_node("merge", Op::PatchMerge, &[x]);
     let y = g.add_node(
         "small",
-        Op::WindowAttention {
+        Op::WindowAttention(WindowAttention {
             dim: 32,
             heads: 8,
             window: 3,
             shift: 1,
             form: WindowForm::Swin,
-        },
+        }),
         &[x],
     );
     check(kind, &g.finish(y), [2, 3, 5, 7], 1.0);
@@ -919,13 +921,13 @@ fn shifted_windows(kind: BackendKind) {
     let mut g = GraphBuilder::new("swin9", 3, ConvInit::TorchDefault, LinearInit::TorchDefault);
     let x = g.input();
     let x = g.conv("conv", x, Conv2d::new(3, 8, 3, 1, 1));
-    let op = Op::WindowAttention {
+    let op = Op::WindowAttention(WindowAttention {
         dim: 8,
         heads: 2,
         window: 9,
         shift: 4,
         form: WindowForm::SwinV2,
-    };
+    });
     let y = g.add_node("wide", op, &[x]);
     check(kind, &g.finish(y), [1, 3, 10, 9], 1.0);
 }
@@ -943,12 +945,14 @@ fn partition_attention(kind: BackendKind) {
     );
     let x = g.input();
     let x = g.conv("conv", x, Conv2d::new(3, 8, 3, 1, 1));
-    let attention = |form| Op::WindowAttention {
-        dim: 8,
-        heads: 2,
-        window: 3,
-        shift: 0,
-        form,
+    let attention = |form| {
+        Op::WindowAttention(WindowAttention {
+            dim: 8,
+            heads: 2,
+            window: 3,
+            shift: 0,
+            form,
+        })
     };
     let y = g.add_node("window", attention(WindowForm::MaxVitWindow), &[x]);
     let x = g.add("add", x, y);

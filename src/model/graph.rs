@@ -260,7 +260,7 @@ impl Plan {
             .map(|(id, node)| {
                 live = live.saturating_add(bytes(id));
                 let scratch = match node.op {
-                    Op::Attention { .. } | Op::WindowAttention { .. } => 3,
+                    Op::Attention { .. } | Op::WindowAttention(_) => 3,
                     _ => 0,
                 };
                 let during = live.saturating_add(bytes(id).saturating_mul(scratch));

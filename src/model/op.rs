@@ -350,13 +350,7 @@ pub enum Op {
     /// hold the projection's bias, as after torchvision's zero padding) and shifts it
     /// cyclically by `shift` (0 along a side the window covers; pairs from different regions of
     /// the shifted grid get −100, torchvision's mask).
-    WindowAttention {
-        dim: usize,
-        heads: usize,
-        window: usize,
-        shift: usize,
-        form: WindowForm,
-    },
+    WindowAttention(WindowAttention),
     /// Swin's `PatchMerging` gather: (N, C, H, W) → (N, 4C, ⌈H/2⌉, ⌈W/2⌉), each output pixel
     /// the channels of its 2×2 block in torchvision's order (top-left, bottom-left, top-right,
     /// bottom-right), zeros past an odd edge.
@@ -376,6 +370,27 @@ pub enum Op {
     LayerScale {
         channels: usize,
     },
+}
+
+/// A window attention's shape: `dim` channels in `heads` heads, `window`×`window` windows, the
+/// cyclic `shift` (Swin's shifted blocks; 0 otherwise) and whose attention it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowAttention {
+    pub dim: usize,
+    pub heads: usize,
+    pub window: usize,
+    pub shift: usize,
+    pub form: WindowForm,
+}
+
+impl WindowAttention {
+    /// Its grid over an H×W image: padding, shift, or MaxViT's dilation.
+    pub fn grid(&self, h: usize, w: usize) -> WindowGrid {
+        WindowGrid {
+            dilated: self.form.dilated(),
+            ..WindowGrid::new(h, w, self.window, self.shift)
+        }
+    }
 }
 
 /// Whose window attention a `WindowAttention` is: its parameters' names, its scores' scale and
@@ -452,14 +467,6 @@ impl WindowGrid {
             shift_h: if window >= hp { 0 } else { shift },
             shift_w: if window >= wp { 0 } else { shift },
             dilated: false,
-        }
-    }
-
-    /// The grid of a window attention of this form over an H×W image.
-    pub fn of(h: usize, w: usize, window: usize, shift: usize, form: WindowForm) -> WindowGrid {
-        WindowGrid {
-            dilated: form.dilated(),
-            ..WindowGrid::new(h, w, window, shift)
         }
     }
 
@@ -608,7 +615,7 @@ impl Op {
             Op::Concat { .. } => "concat",
             Op::ChannelSlice { .. } => "channel_slice",
             Op::ChannelShuffle { .. } => "channel_shuffle",
-            Op::WindowAttention { .. } => "window_attention",
+            Op::WindowAttention(_) => "window_attention",
             Op::PatchMerge => "patch_merge",
         }
     }
@@ -680,13 +687,13 @@ impl Op {
             Op::LayerScale { channels } => {
                 vec![p("", vec![channels, 1, 1], ParamKind::Trainable)]
             }
-            Op::WindowAttention {
+            Op::WindowAttention(WindowAttention {
                 dim,
                 heads,
                 window,
                 form,
                 ..
-            } => {
+            }) => {
                 let side = 2 * window - 1;
                 let [qkv_w, qkv_b, proj_w, proj_b] = form.projections();
                 let mut v = vec![
@@ -934,13 +941,13 @@ impl Op {
                 }
                 Ok(vec![n, channels, h, w])
             }
-            Op::WindowAttention {
+            Op::WindowAttention(WindowAttention {
                 dim,
                 heads,
                 window,
                 shift,
                 form,
-            } => {
+            }) => {
                 let (_, c, h, w) = image(inputs[0])?;
                 if *heads == 0 || dim % heads != 0 || c != *dim {
                     return Err(ShapeError(format!(
@@ -1067,7 +1074,7 @@ impl Op {
             Op::Linear { in_features, .. } => n * *in_features as u64,
             // Per padded token: the projections (4·C²) and, against its window's w² keys,
             // q·kᵀ and the product with v (2·w²·C), as torchvision computes them.
-            Op::WindowAttention { dim, window, .. } => match *out {
+            Op::WindowAttention(WindowAttention { dim, window, .. }) => match *out {
                 [n, _, h, w] => {
                     let grid = WindowGrid::new(h, w, *window, 0);
                     let tokens = (n * grid.hp * grid.wp) as u64;
@@ -1141,9 +1148,9 @@ impl Op {
                 _ => 0,
             },
             // As attention's, with the window's w² keys per query, plus the bias and mask.
-            Op::WindowAttention {
+            Op::WindowAttention(WindowAttention {
                 dim, heads, window, ..
-            } => match *out {
+            }) => match *out {
                 [n, _, h, w] => {
                     let grid = WindowGrid::new(h, w, *window, 0);
                     let tokens = (n * grid.hp * grid.wp) as u64;

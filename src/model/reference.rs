@@ -3,7 +3,7 @@
 //! it is itself tested against PyTorch fixtures. The loss lives here too, since every backend
 //! shares it: it is computed on the host from the logits.
 
-use super::op::{Conv2d, Op, Pool, WindowForm};
+use super::op::{Conv2d, Op, Pool, WindowAttention, WindowForm};
 use super::{Plan, Tensor, Weights};
 
 /// Run a planned graph on `input` (NCHW) and return the graph's output.
@@ -117,13 +117,7 @@ pub fn eval<'a>(
             }
             Tensor::new(out_shape.to_vec(), data)
         }
-        Op::WindowAttention {
-            dim,
-            heads,
-            window,
-            shift,
-            form,
-        } => window_attention(ins[0], &need, (*dim, *heads, *form), (*window, *shift)),
+        Op::WindowAttention(attention) => window_attention(ins[0], &need, attention),
         Op::PatchMerge => {
             let (n, c, h, w) = (
                 ins[0].shape[0],
@@ -417,8 +411,13 @@ fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, dim: usize, eps: f32) -> Tenso
 fn window_attention<'a>(
     x: &Tensor,
     need: &dyn Fn(&str) -> &'a Tensor,
-    (dim, heads, form): (usize, usize, WindowForm),
-    (ws, shift): (usize, usize),
+    &WindowAttention {
+        dim,
+        heads,
+        window: ws,
+        shift,
+        form,
+    }: &WindowAttention,
 ) -> Tensor {
     let v2 = form == WindowForm::SwinV2;
     let (n, c, h, w) = (x.shape[0], x.shape[1], x.shape[2], x.shape[3]);

@@ -8,7 +8,7 @@ use std::path::Path;
 use safetensors::{Dtype, tensor::TensorView};
 
 use super::graph::{ConvInit, Graph, LinearInit};
-use super::op::{Op, WindowForm};
+use super::op::{Op, WindowAttention, WindowForm};
 use super::tensor_file::TensorFile;
 use super::{Rng, Tensor};
 
@@ -218,13 +218,13 @@ impl Weights {
                 // Swin: trunc_normal_(std=0.02) for the projections and the bias table, zero
                 // biases.
                 // MaxViT: N(0, 0.02) for the projections (the same at this deviation).
-                Op::WindowAttention {
+                Op::WindowAttention(WindowAttention {
                     dim,
                     heads,
                     window,
                     form,
                     ..
-                } => {
+                }) => {
                     let [qkv_w, qkv_b, proj_w, proj_b] = form.projections();
                     put(qkv_w, normal(&mut rng, vec![3 * dim, dim], 0.02));
                     put(qkv_b, Tensor::zeros(vec![3 * dim]));
@@ -347,7 +347,7 @@ impl Weights {
                     0i64.to_le_bytes().to_vec(),
                 ));
             }
-            if let Op::WindowAttention { window, form, .. } = node.op {
+            if let Op::WindowAttention(WindowAttention { window, form, .. }) = node.op {
                 let keys = window * window;
                 // Swin's is flat, MaxViT's (query, key).
                 let shape = match form {
@@ -416,7 +416,9 @@ impl Weights {
     pub fn window_attention(
         &self,
         node: &str,
-        (dim, heads, form): (usize, usize, WindowForm),
+        &WindowAttention {
+            dim, heads, form, ..
+        }: &WindowAttention,
     ) -> Result<WindowParams, MissingTensor> {
         let p = |suffix| self.param(node, suffix);
         let mut qkv_bias = p(form.projections()[1])?.to_vec();

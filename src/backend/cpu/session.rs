@@ -10,7 +10,6 @@ use super::calibration::{BN_EPS, channel_stats};
 use super::*;
 use super::{BackendError, KernelTime, MemoryStats, Session};
 use crate::model::buffers::take_best_fit;
-use crate::model::op::WindowGrid;
 
 /// What a node does at run time, with its weights packed for the kernel.
 pub(super) enum NodeKernel<T> {
@@ -68,11 +67,7 @@ pub(super) enum NodeKernel<T> {
         /// The q/k/v and output projections.
         proj: Box<(PackedLinear<T>, PackedLinear<T>)>,
         params: crate::model::weights::WindowParams,
-        dim: usize,
-        heads: usize,
-        window: usize,
-        shift: usize,
-        form: crate::model::op::WindowForm,
+        attention: crate::model::op::WindowAttention,
     },
     PatchMerge,
 }
@@ -252,27 +247,18 @@ impl<T: Elem> CpuSession<T> {
                 Op::SelectToken { index } => NodeKernel::SelectToken(index),
                 // NHWC images already are (N, H·W, C) tokens, and tokens an NHWC image.
                 Op::Image => NodeKernel::Identity,
-                Op::WindowAttention {
-                    dim,
-                    heads,
-                    window,
-                    shift,
-                    form,
-                } => {
-                    let params = weights.window_attention(&node.name, (dim, heads, form))?;
+                Op::WindowAttention(attention) => {
+                    let params = weights.window_attention(&node.name, &attention)?;
                     let bias = Some(params.qkv_bias.as_slice());
-                    let [qkv_w, _, proj_w, proj_b] = form.projections();
+                    let dim = attention.dim;
+                    let [qkv_w, _, proj_w, proj_b] = attention.form.projections();
                     let qkv = PackedLinear::new(get(qkv_w)?, bias, dim, 3 * dim);
                     let out = PackedLinear::new(get(proj_w)?, Some(get(proj_b)?), dim, dim);
                     weight_bytes += qkv.bytes() + out.bytes() + params.table.len() as u64 * 4;
                     NodeKernel::WindowAttention {
                         proj: Box::new((qkv, out)),
                         params,
-                        dim,
-                        heads,
-                        window,
-                        shift,
-                        form,
+                        attention,
                     }
                 }
                 Op::PatchMerge => NodeKernel::PatchMerge,
@@ -622,21 +608,17 @@ impl<T: Elem> CpuSession<T> {
             NodeKernel::WindowAttention {
                 proj,
                 params,
-                dim,
-                heads,
-                window,
-                shift,
-                form,
+                attention,
             } => {
                 let (qkv_proj, out_proj) = &**proj;
-                let (rows, d) = (os.n * os.h * os.w, *dim);
+                let (rows, d) = (os.n * os.h * os.w, attention.dim);
                 let x = values[inputs[0]].as_ref().expect("input computed");
                 let mut qkv = self.alloc(rows * 3 * d);
                 kernels::linear(x, qkv_proj, (rows, d, 3 * d), &mut qkv, self.threads);
                 self.lap("linear");
                 let mut heads_out = self.alloc(rows * d);
-                let grid = WindowGrid::of(os.h, os.w, *window, *shift, *form);
-                let dims = (os.n, d, *heads);
+                let grid = attention.grid(os.h, os.w);
+                let dims = (os.n, d, attention.heads);
                 kernels::window_attention(&qkv, params, grid, dims, &mut heads_out);
                 self.lap("window_attention");
                 self.free.push(qkv);

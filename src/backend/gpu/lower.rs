@@ -6,7 +6,7 @@
 
 use super::program::*;
 use crate::backend::{BackendError, KernelFamily};
-use crate::model::op::{Act, Conv2d, Op, WindowGrid};
+use crate::model::op::{Act, Conv2d, Op, WindowAttention};
 use crate::model::{Plan, Precision, Weights};
 
 /// Builds a [`Program`]: weight buffers are added as they are needed; activation buffers are
@@ -100,7 +100,7 @@ pub fn build(
     // The attention layers' q/k/v and heads buffers, sized for the largest layer.
     let attention_rows = (plan.graph.nodes.iter().zip(&plan.shapes))
         .filter_map(|(node, shape)| match node.op {
-            Op::Attention { dim, .. } | Op::WindowAttention { dim, .. } => {
+            Op::Attention { dim, .. } | Op::WindowAttention(WindowAttention { dim, .. }) => {
                 Some((numel(shape) / dim.max(1), dim))
             }
             _ => None,
@@ -154,7 +154,7 @@ pub fn build(
             attention_op(&mut b, &at, (dim, heads), mma)?;
             continue;
         }
-        if let Op::WindowAttention { .. } = node.op {
+        if let Op::WindowAttention(_) = node.op {
             window_attention_op(&mut b, &at, mma)?;
             continue;
         }
@@ -492,16 +492,12 @@ fn attention_op(
 /// the q/k/v projection, the core (tokens in, tokens out), the output projection (into the
 /// first buffer, free again), and back to NCHW.
 fn window_attention_op(b: &mut Builder, at: &NodeCtx<'_>, mma: bool) -> Result<(), BackendError> {
-    let Op::WindowAttention {
-        dim,
-        heads,
-        window,
-        shift,
-        form,
-    } = at.node.op
-    else {
+    let Op::WindowAttention(attention) = at.node.op else {
         unreachable!("called for window attention")
     };
+    let WindowAttention {
+        dim, heads, form, ..
+    } = attention;
     let (qkv, mid) = at
         .attention
         .expect("buffers for the plan's attention layers");
@@ -529,16 +525,14 @@ fn window_attention_op(b: &mut Builder, at: &NodeCtx<'_>, mma: bool) -> Result<(
         op: "linear",
         ..*at
     };
-    let params = at
-        .weights
-        .window_attention(&at.node.name, (dim, heads, form))?;
+    let params = at.weights.window_attention(&at.node.name, &attention)?;
     let [qkv_w, qkv_b, proj_w, proj_b] = form.projections();
     let into_qkv = NodeCtx {
         bias_values: Some(&params.qkv_bias),
         ..gemm(qkv, mid, 3 * dim, qkv_b)
     };
     native_conv(b, &into_qkv, &projection(3 * dim), at.get(qkv_w)?, mma)?;
-    let g = WindowGrid::of(h, w, window, shift, form);
+    let g = attention.grid(h, w);
     let consts = [&params.table, &params.qkv_bias, &params.scales].map(|v| b.f32s(v));
     let args = [qkv, consts[0], consts[1], consts[2], mid].map(Arg::Buf);
     let dims = [
@@ -764,7 +758,7 @@ fn other_op(b: &mut Builder, at: &NodeCtx<'_>, input: BufId) -> Result<(), Backe
             let args = [vec![x, Arg::Buf(y)], dims.to_vec()].concat();
             b.launch(&node.name, op, "patch_merge", grid, args);
         }
-        Op::Attention { .. } | Op::WindowAttention { .. } => {
+        Op::Attention { .. } | Op::WindowAttention(_) => {
             unreachable!("lowered by `attention_op` and `window_attention_op`")
         }
         Op::Conv2d(_) | Op::Linear { .. } | Op::Dropout { .. } | Op::Flatten => {

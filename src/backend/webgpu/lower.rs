@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use super::Kernel;
 use crate::backend::BackendError;
 use crate::model::buffers::BufferAssignment;
-use crate::model::op::{Conv2d, Op, WindowGrid};
+use crate::model::op::{Conv2d, Op, WindowAttention};
 use crate::model::{Plan, Precision, Weights};
 
 /// A buffer a launch binds.
@@ -47,7 +47,7 @@ pub(super) struct Launch {
 /// node's.
 fn part_op(op: &Op, kernel: Kernel) -> &'static str {
     match op {
-        Op::Attention { .. } | Op::WindowAttention { .. }
+        Op::Attention { .. } | Op::WindowAttention(_)
             if !matches!(kernel, Kernel::Attention | Kernel::WindowAttention) =>
         {
             "linear"
@@ -178,7 +178,7 @@ pub(super) fn lower(
     };
     // Fresh buffers (never another value's) for the attention layers' intermediates.
     let attention_bytes = (nodes.iter().zip(&plan.shapes))
-        .filter(|(node, _)| matches!(node.op, Op::Attention { .. } | Op::WindowAttention { .. }))
+        .filter(|(node, _)| matches!(node.op, Op::Attention { .. } | Op::WindowAttention(_)))
         .map(|(_, shape)| elem_bytes(numel(shape), precision))
         .max();
     let attention = match attention_bytes {
@@ -507,13 +507,10 @@ fn node_launches(
             let p = vec![total, xh, xw, h, w, 0, 0, 0, xc, 0, 0, 0];
             one(Kernel::PatchMerge, p, x(), 4, total)
         }
-        Op::WindowAttention {
-            dim,
-            heads,
-            window,
-            shift,
-            form,
-        } => {
+        Op::WindowAttention(attention) => {
+            let WindowAttention {
+                dim, heads, form, ..
+            } = attention;
             let (qkv, mid) = out
                 .attention
                 .expect("buffers for the plan's attention layers");
@@ -526,7 +523,7 @@ fn node_launches(
             };
             // The projections: linear layers over all n · h · w tokens.
             let dims = ((1, 1, *dim), (n * h * w, 1, 1), None);
-            let params = weights.window_attention(&node.name, (*dim, *heads, *form))?;
+            let params = weights.window_attention(&node.name, attention)?;
             let [qkv_w, _, proj_w, proj_b] = form.projections();
             let mut parts = gemm_parts(
                 (consts, weight_bytes),
@@ -535,7 +532,7 @@ fn node_launches(
                 dims,
                 (input_buf(0), Buf::Zero, Some(qkv)),
             )?;
-            let g = WindowGrid::of(h, w, *window, *shift, *form);
+            let g = attention.grid(h, w);
             let threads = n * heads * g.hp * g.wp;
             let p = [threads, h, w, g.hp, g.wp, g.window, g.shift_h, g.shift_w]
                 .into_iter()

@@ -13,7 +13,7 @@ use super::mobilenet::{conv_norm_act, squeeze_excitation};
 use super::swin::norm;
 use crate::model::Graph;
 use crate::model::graph::{ConvInit, GraphBuilder, LinearInit, ValueId};
-use crate::model::op::{Conv2d, Op, Pool, Unary, WindowForm};
+use crate::model::op::{Conv2d, Op, Pool, Unary, WindowAttention, WindowForm};
 
 /// A MaxViT's shape: stem channels, channels and layers per block, channels per attention
 /// head, and the partition (window and grid) side.
@@ -156,13 +156,13 @@ fn partition_attention(
     (window, form): (usize, WindowForm),
 ) -> ValueId {
     let y = norm(g, format!("{p}.attn_layer.0"), x, dim);
-    let attention = Op::WindowAttention {
+    let attention = Op::WindowAttention(WindowAttention {
         dim,
         heads: dim / head_dim,
         window,
         shift: 0,
         form,
-    };
+    });
     let y = g.add_node(format!("{p}.attn_layer.1"), attention, &[y]);
     let x = g.add(format!("{p}.add1"), x, y);
     let y = norm(g, format!("{p}.mlp_layer.0"), x, dim);

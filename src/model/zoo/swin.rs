@@ -11,7 +11,7 @@
 
 use crate::model::Graph;
 use crate::model::graph::{ConvInit, GraphBuilder, LinearInit, ValueId};
-use crate::model::op::{Conv2d, Op, WindowForm};
+use crate::model::op::{Conv2d, Op, WindowAttention, WindowForm};
 
 /// torchvision's variants: embedding channels, blocks and heads per stage.
 pub(super) fn variant(name: &str) -> Option<(usize, [usize; 4], [usize; 4])> {
@@ -105,7 +105,7 @@ fn block(
     (dim, heads): (usize, usize),
     (window, shift, v2): (usize, usize, bool),
 ) -> ValueId {
-    let attention = Op::WindowAttention {
+    let attention = Op::WindowAttention(WindowAttention {
         dim,
         heads,
         window,
@@ -115,7 +115,7 @@ fn block(
         } else {
             WindowForm::Swin
         },
-    };
+    });
     let y = if v2 {
         x
     } else {
