@@ -564,6 +564,31 @@ fn fused_conv_epilogues(kind: BackendKind) {
             },
             [1, 8, 5, 5],
         ),
+        // Squeeze-and-excitation's gates on its second 1×1 convolution (one pixel per image).
+        (
+            "sigmoid_gate",
+            Conv2d {
+                act: Act::Sigmoid,
+                ..Conv2d::new(8, 12, 1, 1, 0).with_bias()
+            },
+            [3, 8, 1, 1],
+        ),
+        (
+            "hardsigmoid_gate",
+            Conv2d {
+                act: Act::Hardsigmoid,
+                ..Conv2d::new(8, 12, 1, 1, 0).with_bias()
+            },
+            [3, 8, 1, 1],
+        ),
+        (
+            "gelu_depthwise",
+            Conv2d {
+                act: Act::Gelu,
+                ..Conv2d::new(8, 8, 3, 1, 1).with_groups(8)
+            },
+            [1, 8, 5, 5],
+        ),
     ];
     for (name, c, shape) in cases {
         let mut g = GraphBuilder::new(
@@ -579,6 +604,30 @@ fn fused_conv_epilogues(kind: BackendKind) {
     }
 }
 backend_test!(fused_conv_epilogues, cpu, wgpu, cuda, hip);
+
+/// Linear layers with a fused activation (what `--compile default` makes of a transformer MLP's
+/// Linear → GELU): on tokens (70 rows, the tiled GEMM) and on three rows (the few-rows path).
+fn fused_linear_epilogues(kind: BackendKind) {
+    use workshop::model::op::Act;
+    for (name, act, shape) in [
+        ("gelu_tokens", Act::Gelu, [2, 6, 5, 7]),
+        ("gelu_rows", Act::Gelu, [3, 6, 1, 1]),
+        ("sigmoid_rows", Act::Sigmoid, [3, 6, 1, 1]),
+    ] {
+        let mut g = GraphBuilder::new(name, 6, ConvInit::TorchDefault, LinearInit::TorchDefault);
+        let x = g.input();
+        let x = g.add_node("tokens", Op::Tokens, &[x]);
+        let linear = Op::Linear {
+            in_features: 6,
+            out_features: 12,
+            bias: true,
+            act,
+        };
+        let y = g.add_node(name, linear, &[x]);
+        check(kind, &g.finish(y), shape, 3.0);
+    }
+}
+backend_test!(fused_linear_epilogues, cpu, wgpu, cuda, hip);
 
 /// A whole network after the compile passes equals the eager one on the same backend.
 fn compiled_network_matches_eager(kind: BackendKind) {

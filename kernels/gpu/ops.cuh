@@ -36,15 +36,19 @@ __device__ inline float ld(elem v) { return v; }
 __device__ inline elem st(float v) { return v; }
 #endif
 
-// Activations fused into an epilogue: 0 none, 1 ReLU, 2 ReLU6, 3 SiLU, 4 hardswish.
+// Activations fused into an epilogue: 0 none, 1 ReLU, 2 ReLU6, 3 SiLU, 4 hardswish, 5 GELU
+// (exact), 6 sigmoid, 7 hardsigmoid (`Act::code`).
 __device__ inline float activate(float v, int act) {
     if (act == 1) return v < 0.0f ? 0.0f : v;  // a NaN stays NaN, as in PyTorch
     if (act == 2) return v < 0.0f ? 0.0f : (v > 6.0f ? 6.0f : v);
     if (act == 3) return v / (1.0f + expf(-v));
-    if (act == 4) {
+    if (act == 4 || act == 7) {
         float r = v + 3.0f;
-        return v * (r < 0.0f ? 0.0f : (r > 6.0f ? 6.0f : r)) / 6.0f;
+        float gate = (r < 0.0f ? 0.0f : (r > 6.0f ? 6.0f : r)) / 6.0f;
+        return act == 4 ? v * gate : gate;
     }
+    if (act == 5) return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+    if (act == 6) return 1.0f / (1.0f + expf(-v));
     return v;
 }
 
@@ -791,8 +795,7 @@ struct GeluArgs {
 KERNEL(gelu, GeluArgs) {
     long long i = linear_index();
     if (i >= a.total) return;
-    float v = ld(a.x[i]);
-    a.y[i] = st(0.5f * v * (1.0f + erff(v * 0.70710678118654752f)));
+    a.y[i] = st(activate(ld(a.x[i]), 5));
 }
 
 struct SelectTokenArgs {

@@ -35,7 +35,7 @@ struct Params {
     cout_g: u32,   // output channels per group
     k_g: u32,      // taps per group: kh · kw · cin_g
     has_bias: u32,
-    act: u32,      // epilogue: 0 none, 1 ReLU, 2 ReLU6, 3 SiLU, 4 hardswish
+    act: u32,      // epilogue: activate.wgsl's code (0 none)
     col_base: u32, // first output channel of this launch (weights too large for one binding
                    // run as several launches over column slices; 0 otherwise)
     has_res: u32,  // epilogue: add `res` (a residual of the output's shape) before the activation
@@ -181,18 +181,7 @@ fn store1(row: u32, oc: u32, v: f32) {
     if (p.has_res != 0u) {
         o += f32(res[row * p.cout + c]);
     }
-    // Compares and selects rather than max/clamp, whose NaN result WGSL leaves open.
-    if (p.act == 1u) {
-        o = select(o, 0.0, o < 0.0);
-    } else if (p.act == 2u) {
-        o = select(select(o, 6.0, o > 6.0), 0.0, o < 0.0);
-    } else if (p.act == 3u) {
-        o = o / (1.0 + exp(-o));
-    } else if (p.act == 4u) {
-        let r = o + 3.0;
-        o = o * select(select(r, 6.0, r > 6.0), 0.0, r < 0.0) / 6.0;
-    }
-    y[row * p.cout + c] = elem(o);
+    y[row * p.cout + c] = elem(activate(o, p.act));
 }
 // ANCHOR_END: kernel
 

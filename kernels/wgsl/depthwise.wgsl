@@ -19,7 +19,7 @@ struct Params {
     dh: u32,
     dw: u32,
     has_bias: u32,
-    act: u32,     // epilogue: 0 none, 1 ReLU, 2 ReLU6, 3 SiLU, 4 hardswish (conv2d.wgsl's codes)
+    act: u32,     // epilogue: activate.wgsl's code (0 none)
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -61,16 +61,5 @@ fn depthwise(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
             acc += f32(x[((n * p.h + u32(iy)) * p.w + u32(ix)) * p.c + c]) * wt[(ky * p.kw + kx) * p.c + c];
         }
     }
-    // Compares and selects rather than max/clamp, whose NaN result WGSL leaves open.
-    if (p.act == 1u) {
-        acc = select(acc, 0.0, acc < 0.0);
-    } else if (p.act == 2u) {
-        acc = select(select(acc, 6.0, acc > 6.0), 0.0, acc < 0.0);
-    } else if (p.act == 3u) {
-        acc = acc / (1.0 + exp(-acc));
-    } else if (p.act == 4u) {
-        let r = acc + 3.0;
-        acc = acc * select(select(r, 6.0, r > 6.0), 0.0, r < 0.0) / 6.0;
-    }
-    y[i] = elem(acc);
+    y[i] = elem(activate(acc, p.act));
 }

@@ -410,15 +410,7 @@ impl GraphBuilder {
         in_features: usize,
         out_features: usize,
     ) -> ValueId {
-        self.add_node(
-            name,
-            Op::Linear {
-                in_features,
-                out_features,
-                bias: true,
-            },
-            &[x],
-        )
+        self.add_node(name, Op::linear(in_features, out_features, true), &[x])
     }
 
     /// A module that only training runs, kept for its parameters (`Graph::training_only`).

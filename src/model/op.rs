@@ -18,6 +18,12 @@ pub enum Act {
     Silu,
     /// x · relu6(x + 3) / 6 (MobileNetV3's).
     Hardswish,
+    /// x · Φ(x), the exact (erf) form (the transformers' MLPs).
+    Gelu,
+    /// 1 / (1 + e^(−x)) (EfficientNet's squeeze-and-excitation gate).
+    Sigmoid,
+    /// relu6(x + 3) / 6 (MobileNetV3's squeeze-and-excitation gate).
+    Hardsigmoid,
 }
 
 impl Act {
@@ -29,10 +35,45 @@ impl Act {
             Act::Relu6 => v.clamp(0.0, 6.0),
             Act::Silu => v / (1.0 + (-v).exp()),
             Act::Hardswish => v * (v + 3.0).clamp(0.0, 6.0) / 6.0,
+            Act::Gelu => 0.5 * v * (1.0 + libm::erff(v * std::f32::consts::FRAC_1_SQRT_2)),
+            Act::Sigmoid => 1.0 / (1.0 + (-v).exp()),
+            Act::Hardsigmoid => (v + 3.0).clamp(0.0, 6.0) / 6.0,
         }
     }
 
-    /// The kernels' code: 0 none, 1 ReLU, 2 ReLU6, 3 SiLU, 4 hardswish.
+    /// The activations an epilogue applies, in code order.
+    const ALL: [Act; 8] = [
+        Act::None,
+        Act::Relu,
+        Act::Relu6,
+        Act::Silu,
+        Act::Hardswish,
+        Act::Gelu,
+        Act::Sigmoid,
+        Act::Hardsigmoid,
+    ];
+
+    /// The standalone op that computes this activation.
+    fn op(self) -> Option<Op> {
+        Some(match self {
+            Act::None => return None,
+            Act::Relu => Op::Relu,
+            Act::Relu6 => Op::Relu6,
+            Act::Silu => Op::Unary(Unary::Silu),
+            Act::Hardswish => Op::Unary(Unary::Hardswish),
+            Act::Gelu => Op::Gelu,
+            Act::Sigmoid => Op::Sigmoid,
+            Act::Hardsigmoid => Op::Unary(Unary::Hardsigmoid),
+        })
+    }
+
+    /// The activation a standalone op computes, if an epilogue can take it over.
+    pub fn of(op: &Op) -> Option<Act> {
+        Act::ALL.into_iter().find(|a| a.op().as_ref() == Some(op))
+    }
+
+    /// The kernels' code: 0 none, 1 ReLU, 2 ReLU6, 3 SiLU, 4 hardswish, 5 GELU, 6 sigmoid,
+    /// 7 hardsigmoid.
     pub fn code(self) -> u32 {
         self as u32
     }
@@ -45,17 +86,15 @@ impl Act {
             Act::Relu6 => "relu6",
             Act::Silu => "silu",
             Act::Hardswish => "hardswish",
+            Act::Gelu => "gelu",
+            Act::Sigmoid => "sigmoid",
+            Act::Hardsigmoid => "hardsigmoid",
         }
     }
 
     /// FLOPs per element, as the unfused op counts them.
     fn flops(self) -> u64 {
-        match self {
-            Act::None => 0,
-            Act::Relu => 1,
-            Act::Relu6 => 2,
-            Act::Silu | Act::Hardswish => 5,
-        }
+        self.op().map_or(0, |op| op.flops(&[&[1]], &[1]))
     }
 }
 
@@ -288,6 +327,8 @@ pub enum Op {
         in_features: usize,
         out_features: usize,
         bias: bool,
+        /// Applied to the outputs (compile passes fuse a following activation).
+        act: Act,
     },
     /// (N, C, H, W) → (N, C·H·W), in NCHW order.
     Flatten,
@@ -581,6 +622,35 @@ fn fmt_shape(s: &[usize]) -> String {
 }
 
 impl Op {
+    /// A convolution, or a linear layer as the 1×1 convolution it is over an n × 1 × 1 × in
+    /// image (bias and fused activation kept): what the backends' GEMMs run.
+    pub fn as_conv(&self) -> Option<Conv2d> {
+        match *self {
+            Op::Conv2d(c) => Some(c),
+            Op::Linear {
+                in_features,
+                out_features,
+                bias,
+                act,
+            } => Some(Conv2d {
+                bias,
+                act,
+                ..Conv2d::new(in_features, out_features, 1, 1, 0)
+            }),
+            _ => None,
+        }
+    }
+
+    /// `nn.Linear(in_features, out_features, bias)`, nothing fused.
+    pub fn linear(in_features: usize, out_features: usize, bias: bool) -> Op {
+        Op::Linear {
+            in_features,
+            out_features,
+            bias,
+            act: Act::None,
+        }
+    }
+
     /// The short kind name used in tables and profiles (`conv2d`, `batch_norm`, ...).
     pub fn kind_name(&self) -> &'static str {
         match self {
@@ -665,6 +735,7 @@ impl Op {
                 in_features,
                 out_features,
                 bias,
+                ..
             } => {
                 let mut v = vec![p(
                     "weight",
@@ -1120,7 +1191,9 @@ impl Op {
                     + if c.residual { n } else { 0 }
                     + epilogue
             }
-            Op::Linear { bias, .. } => 2 * self.macs(out) + if *bias { n } else { 0 },
+            Op::Linear { bias, act, .. } => {
+                2 * self.macs(out) + if *bias { n } else { 0 } + act.flops() * n
+            }
             Op::BatchNorm { .. } => 2 * n,
             Op::Relu | Op::Add => n,
             Op::Relu6 => 2 * n,
@@ -1206,8 +1279,12 @@ impl fmt::Display for Op {
             Op::Linear {
                 in_features,
                 out_features,
+                act,
                 ..
-            } => write!(f, "linear {in_features}→{out_features}"),
+            } => match act {
+                Act::None => write!(f, "linear {in_features}→{out_features}"),
+                act => write!(f, "linear {in_features}→{out_features} +{}", act.name()),
+            },
             Op::Attention { dim, heads } => write!(f, "attention {dim} ×{heads} heads"),
             other => f.write_str(other.kind_name()),
         }

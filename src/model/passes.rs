@@ -1,6 +1,7 @@
 //! Graph passes of `--compile default`: fold every batch norm that follows a convolution into
-//! the convolution's weights and bias, fuse a following ReLU, ReLU6, SiLU or hardswish and a
-//! residual add into the convolution's epilogue, and drop eval-mode dropout. The result computes the same function
+//! the convolution's weights and bias, fuse a following activation ([`Act`]: ReLU, ReLU6,
+//! SiLU, hardswish, GELU, sigmoid, hardsigmoid) into a convolution's or linear layer's epilogue
+//! and a residual add into a convolution's, and drop eval-mode dropout. The result computes the same function
 //! (up to rounding) with fewer kernels and fewer activation buffers.
 //!
 //! A rewrite only happens when nothing else reads the intermediate value; a residual add is
@@ -8,7 +9,7 @@
 //! block with a downsample branch, that is the downsample convolution).
 
 use super::graph::{Graph, Node, ValueId};
-use super::op::{Act, Conv2d, Op, Unary, batch_norm_affine};
+use super::op::{Act, Conv2d, Op, batch_norm_affine};
 use super::{Tensor, Weights};
 
 /// What the passes did.
@@ -62,9 +63,28 @@ impl Work {
         }
     }
 
+    /// The convolution or linear layer at `id` (as a convolution) if a fusion may change it.
+    fn fusable_gemm(&self, id: ValueId) -> Option<Conv2d> {
+        match &self.nodes[id].as_ref()?.op {
+            op @ (Op::Conv2d(_) | Op::Linear { .. }) if self.readers(id) == 1 => op.as_conv(),
+            _ => None,
+        }
+    }
+
     fn remove(&mut self, id: ValueId, to: ValueId) {
         self.nodes[id] = None;
         self.alias[id] = to;
+    }
+
+    /// Fuse `act` into the convolution or linear layer at `id`.
+    fn set_act(&mut self, id: ValueId, to: Act) {
+        if let Some(n) = self.nodes[id].as_mut() {
+            match &mut n.op {
+                Op::Conv2d(c) => c.act = to,
+                Op::Linear { act, .. } => *act = to,
+                _ => unreachable!("only convolutions and linear layers take an activation"),
+            }
+        }
     }
 
     fn set_conv(&mut self, id: ValueId, c: Conv2d) {
@@ -150,22 +170,16 @@ pub fn optimize(graph: &Graph, weights: &Weights) -> Result<(Graph, Weights, Pas
                 work.remove(id, src);
                 report.folded_batch_norms += 1;
             }
-            Op::Relu | Op::Relu6 | Op::Unary(Unary::Silu | Unary::Hardswish) => {
+            ref op if Act::of(op).is_some() => {
                 let src = inputs[0];
-                let Some(mut c) = work.fusable_conv(src) else {
+                let Some(gemm) = work.fusable_gemm(src) else {
                     continue;
                 };
                 // Every backend's depthwise kernel applies the activation itself.
-                if c.act != Act::None {
+                if gemm.act != Act::None {
                     continue;
                 }
-                c.act = match node.op {
-                    Op::Relu => Act::Relu,
-                    Op::Relu6 => Act::Relu6,
-                    Op::Unary(Unary::Silu) => Act::Silu,
-                    _ => Act::Hardswish,
-                };
-                work.set_conv(src, c);
+                work.set_act(src, Act::of(op).expect("matched above"));
                 work.remove(id, src);
                 report.fused_activations += 1;
             }

@@ -87,11 +87,15 @@ pub fn eval<'a>(
                 .map(|(a, b)| a + b)
                 .collect(),
         ),
-        Op::Linear { bias, .. } => linear(
-            ins[0],
-            need("weight"),
-            if *bias { Some(need("bias")) } else { None },
-        ),
+        Op::Linear { bias, act, .. } => {
+            let mut y = linear(
+                ins[0],
+                need("weight"),
+                if *bias { Some(need("bias")) } else { None },
+            );
+            y.data.iter_mut().for_each(|v| *v = act.apply(*v));
+            y
+        }
         Op::Flatten => Tensor::new(out_shape.to_vec(), ins[0].data.clone()),
         Op::Softmax => softmax(ins[0]),
         Op::Tokens => {

@@ -150,6 +150,7 @@ impl Weights {
                     in_features,
                     out_features,
                     bias,
+                    ..
                 } => {
                     let shape = vec![out_features, in_features];
                     let (w, b) = match graph.linear_init {

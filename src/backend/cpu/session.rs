@@ -201,9 +201,11 @@ impl<T: Elem> CpuSession<T> {
                     in_features,
                     out_features,
                     bias,
+                    act,
                 } => {
                     let bias = if bias { Some(get("bias")?) } else { None };
-                    let weight = PackedLinear::new(get("weight")?, bias, in_features, out_features);
+                    let dims = (in_features, out_features);
+                    let weight = PackedLinear::with_act(get("weight")?, bias, dims, act);
                     weight_bytes += weight.bytes();
                     NodeKernel::Linear {
                         weight,

@@ -54,17 +54,6 @@ impl Builder {
     }
 }
 
-/// The epilogue fields of the conv kernel (and of the vendor path's epilogue kernel).
-fn act_code(act: Act) -> i32 {
-    match act {
-        Act::None => 0,
-        Act::Relu => 1,
-        Act::Relu6 => 2,
-        Act::Silu => 3,
-        Act::Hardswish => 4,
-    }
-}
-
 /// Lay `plan` out as kernel launches in `precision`. With [`KernelFamily::Vendor`], dense
 /// convolutions and linear layers become library GEMMs (after an im2col for k×k convolutions)
 /// followed by an epilogue kernel; grouped convolutions keep our kernel.
@@ -250,21 +239,10 @@ impl<'a> NodeCtx<'a> {
 
 /// A convolution, or a linear layer as the 1×1 convolution it is, with its weight.
 fn conv_like<'a>(at: &NodeCtx<'a>) -> Result<Option<(Conv2d, &'a [f32])>, BackendError> {
-    Ok(match &at.node.op {
-        Op::Conv2d(conv) => Some((*conv, at.get("weight")?)),
-        Op::Linear {
-            in_features,
-            out_features,
-            bias,
-        } => Some((
-            Conv2d {
-                bias: *bias,
-                ..Conv2d::new(*in_features, *out_features, 1, 1, 0)
-            },
-            at.get("weight")?,
-        )),
-        _ => None,
-    })
+    match at.node.op.as_conv() {
+        Some(conv) => Ok(Some((conv, at.get("weight")?))),
+        None => Ok(None),
+    }
 }
 
 /// A dense convolution or linear layer as a library GEMM (after an im2col for k×k
@@ -364,7 +342,7 @@ fn vendor_conv(
             Arg::I32(total_i),
             Arg::I32(c as i32),
             Arg::I32((h * w) as i32),
-            Arg::I32(act_code(conv.act)),
+            Arg::I32(conv.act.code() as i32),
             Arg::I32(has_bias as i32),
             Arg::I32(conv.residual as i32),
         ];
@@ -424,7 +402,7 @@ fn native_conv(
         window(&conv),
         vec![
             Arg::I32(conv.groups as i32),
-            Arg::I32(act_code(conv.act)),
+            Arg::I32(conv.act.code() as i32),
             Arg::I32(has_bias as i32),
             Arg::I32(conv.residual as i32),
             Arg::I32(kc as i32),

@@ -516,11 +516,7 @@ fn node_launches(
                 .expect("buffers for the plan's attention layers");
             let (qkv, mid) = (Buf::Activation(qkv), Buf::Activation(mid));
             crate::backend::check_attention_head(&node.name, *dim, *heads)?;
-            let linear = |fout| Op::Linear {
-                in_features: *dim,
-                out_features: fout,
-                bias: true,
-            };
+            let linear = |fout| Op::linear(*dim, fout, true);
             // The projections: linear layers over all n · h · w tokens.
             let dims = ((1, 1, *dim), (n * h * w, 1, 1), None);
             let params = weights.window_attention(&node.name, attention)?;
@@ -568,11 +564,7 @@ fn node_launches(
             let (imgs, t) = (plan.shapes[id][0], plan.shapes[id][1]);
             crate::backend::check_attention_head(&node.name, *dim, *heads)?;
             // The projections: linear layers over all n = images · tokens rows.
-            let linear = |fout| Op::Linear {
-                in_features: *dim,
-                out_features: fout,
-                bias: true,
-            };
+            let linear = |fout| Op::linear(*dim, fout, true);
             let dims = ((1, 1, *dim), (n, 1, 1), None);
             let mut parts = gemm_parts(
                 (consts, weight_bytes),
@@ -793,7 +785,7 @@ fn as_gemm(
         Op::Linear {
             in_features: fin,
             out_features: fout,
-            bias,
+            ..
         } => {
             let mut packed = vec![0f32; fin * fout];
             for o in 0..fout {
@@ -801,10 +793,7 @@ fn as_gemm(
                     packed[k * fout + o] = weight[o * fin + k];
                 }
             }
-            let conv = Conv2d {
-                bias,
-                ..Conv2d::new(fin, fout, 1, 1, 0)
-            };
+            let conv = op.as_conv().expect("a linear layer is a 1×1 convolution");
             (conv, packed, (1, 1, fin))
         }
         _ => unreachable!("only convolutions and linear layers are GEMMs"),

@@ -61,6 +61,10 @@ const KERNELS: &[(&str, &str)] = &[
         "window.wgsl",
         include_str!("../../../kernels/wgsl/window.wgsl"),
     ),
+    (
+        "activate.wgsl",
+        include_str!("../../../kernels/wgsl/activate.wgsl"),
+    ),
 ];
 
 /// The kernels, as (file, entry point).

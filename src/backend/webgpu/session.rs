@@ -147,21 +147,16 @@ impl<'a> Pipelines<'a> {
     }
 }
 
-/// Compile a kernel file with the storage type prepended, reporting naga's full message.
-pub(super) fn shader(
-    device: &wgpu::Device,
-    file: &str,
-    kernels_dir: Option<&PathBuf>,
-    precision: Precision,
-) -> Result<wgpu::ShaderModule, BackendError> {
-    let (path, text) = match kernels_dir {
+/// A kernel file's (path, text): from `kernels_dir` when given, else embedded.
+fn source(file: &str, kernels_dir: Option<&PathBuf>) -> Result<(String, String), BackendError> {
+    match kernels_dir {
         Some(dir) => {
             let p = dir.join("wgsl").join(file);
             let text = crate::files::read_text(&p).map_err(|e| BackendError::Compile {
                 path: p.display().to_string(),
                 log: format!("{e:#}"),
             })?;
-            (p.display().to_string(), text)
+            Ok((p.display().to_string(), text))
         }
         None => {
             let text = KERNELS
@@ -172,9 +167,22 @@ pub(super) fn shader(
                     path: format!("kernels/wgsl/{file}"),
                     log: "this kernel is not embedded in the binary (add it to KERNELS)".into(),
                 })?;
-            (format!("kernels/wgsl/{file} (embedded)"), text)
+            Ok((format!("kernels/wgsl/{file} (embedded)"), text))
         }
-    };
+    }
+}
+
+/// Compile a kernel file with the storage type prepended and activate.wgsl appended,
+/// reporting naga's full message.
+pub(super) fn shader(
+    device: &wgpu::Device,
+    file: &str,
+    kernels_dir: Option<&PathBuf>,
+    precision: Precision,
+) -> Result<wgpu::ShaderModule, BackendError> {
+    let (path, text) = source(file, kernels_dir)?;
+    let (_, library) = source("activate.wgsl", kernels_dir)?;
+    let text = format!("{text}\n{library}");
     let header = match precision {
         Precision::Fp16 => "enable f16;\nalias elem = f16;\n",
         _ => "alias elem = f32;\n",

@@ -47,11 +47,7 @@ fn rect(cin: usize, cout: usize, (kh, kw): (usize, usize), (ph, pw): (usize, usi
 }
 
 fn linear_training_only(g: &mut GraphBuilder, name: &str, in_features: usize, out: usize) {
-    let op = Op::Linear {
-        in_features,
-        out_features: out,
-        bias: true,
-    };
+    let op = Op::linear(in_features, out, true);
     g.training_only(name, op);
 }
 

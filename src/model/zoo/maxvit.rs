@@ -90,11 +90,7 @@ pub fn maxvit_custom(name: &str, cfg: &MaxVitConfig, classes: usize) -> Graph {
     );
     let x = g.linear("classifier.3", x, cin, cin);
     let x = g.unary("classifier.4", x, Unary::Tanh);
-    let head = Op::Linear {
-        in_features: cin,
-        out_features: classes,
-        bias: false,
-    };
+    let head = Op::linear(cin, classes, false);
     let x = g.add_node("classifier.5", head, &[x]);
     g.finish(x)
 }

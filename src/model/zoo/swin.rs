@@ -73,11 +73,7 @@ pub fn swin_custom(
         if s + 1 < depths.len() {
             let p = format!("features.{}", 2 * s + 2);
             let merged = g.add_node(format!("{p}.merge"), Op::PatchMerge, &[x]);
-            let reduction = Op::Linear {
-                in_features: 4 * dim,
-                out_features: 2 * dim,
-                bias: false,
-            };
+            let reduction = Op::linear(4 * dim, 2 * dim, false);
             let reduce = format!("{p}.reduction");
             x = if v2 {
                 let y = channel_linear(&mut g, &reduce, (merged, merged), reduction);

@@ -516,6 +516,11 @@ impl<T: Elem> Epilogue<'_, T> {
             Act::Hardswish => row
                 .iter_mut()
                 .for_each(|v| *v = *v * super::clamp_nan(*v + 3.0, 0.0, 6.0) / 6.0),
+            Act::Gelu => with_simd(Update(row, |v: &mut f32| *v = super::gelu(*v))),
+            Act::Sigmoid => with_simd(Update(row, |v: &mut f32| *v = super::sigmoid(*v))),
+            Act::Hardsigmoid => row
+                .iter_mut()
+                .for_each(|v| *v = super::clamp_nan(*v + 3.0, 0.0, 6.0) / 6.0),
         }
     }
 }

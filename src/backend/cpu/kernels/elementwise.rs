@@ -138,6 +138,32 @@ pub(crate) fn silu(x: f32) -> f32 {
     x * sigmoid(x)
 }
 
+/// erf(x) in code the compiler vectorises: Abramowitz & Stegun 7.1.26 (absolute error below
+/// 1.5e-7 in exact arithmetic, 6e-7 in f32: a few ulps near 1) with [`exp_nonpositive`] for e^(−x²); NaN stays NaN.
+/// libm's `erff`, one call per element, cost 4× more.
+#[inline(always)]
+pub(crate) fn erf(x: f32) -> f32 {
+    let a = x.abs();
+    let t = 1.0 / (1.0 + 0.327_591_1 * a);
+    let poly = t
+        * (0.254_829_6
+            + t * (-0.284_496_74 + t * (1.421_413_7 + t * (-1.453_152 + t * 1.061_405_4))));
+    let y = 1.0 - poly * exp_nonpositive(-a * a);
+    if x < 0.0 {
+        -y
+    } else if x.is_nan() {
+        x
+    } else {
+        y
+    }
+}
+
+/// x · Φ(x) = x · (1 + erf(x/√2)) / 2 (`nn.GELU()`, the exact form), vectorisable.
+#[inline(always)]
+pub(crate) fn gelu(x: f32) -> f32 {
+    0.5 * x * (1.0 + erf(x * std::f32::consts::FRAC_1_SQRT_2))
+}
+
 /// `v` clamped to [lo, hi], with a NaN staying NaN as in IEEE arithmetic and PyTorch
 /// (`f32::max` would turn it into `lo`, hiding a broken input or weight; issue 27).
 #[inline(always)]
@@ -282,6 +308,19 @@ pub(super) fn add_chunk<T: Elem>(a: &mut [T], b: &[T]) {
 
 #[cfg(test)]
 mod tests {
+    /// The vectorisable error function against libm's.
+    #[test]
+    fn erf_matches_libm() {
+        for i in -80_000..=80_000 {
+            let x = i as f32 * 1e-4;
+            let (got, want) = (super::erf(x), libm::erff(x));
+            assert!((got - want).abs() <= 6e-7, "erf({x}): {got} vs {want}");
+        }
+        assert!(super::erf(f32::NAN).is_nan());
+        assert_eq!(super::erf(f32::INFINITY), 1.0);
+        assert_eq!(super::erf(f32::NEG_INFINITY), -1.0);
+    }
+
     #[test]
     fn exp_nonpositive_matches_libm() {
         for i in 0..=200_000 {

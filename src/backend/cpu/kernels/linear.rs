@@ -4,7 +4,7 @@ use rayon::prelude::*;
 
 use super::*;
 use crate::backend::cpu::elem::Elem;
-use crate::model::op::Conv2d;
+use crate::model::op::{Act, Conv2d, Op};
 
 /// A fully connected layer's weights, packed as those of the 1×1 convolution it is over an
 /// n × 1 × 1 × in image: the same GEMM paths (half panels widened a block at a time, bf16
@@ -14,11 +14,14 @@ pub struct PackedLinear<T>(PackedConv<T>);
 impl<T: Elem> PackedLinear<T> {
     /// From PyTorch's (out × in) weight: a (out, in, 1, 1) convolution's.
     pub fn new(weight: &[f32], bias: Option<&[f32]>, fin: usize, fout: usize) -> Self {
-        let conv = Conv2d {
-            bias: bias.is_some(),
-            ..Conv2d::new(fin, fout, 1, 1, 0)
-        };
-        PackedLinear(PackedConv::new(conv, weight, bias))
+        Self::with_act(weight, bias, (fin, fout), Act::None)
+    }
+
+    /// With `act` applied in the GEMM's epilogue; `dims` is (in, out).
+    pub fn with_act(weight: &[f32], bias: Option<&[f32]>, dims: (usize, usize), act: Act) -> Self {
+        let conv = Op::linear(dims.0, dims.1, bias.is_some()).as_conv();
+        let conv = conv.expect("a linear layer is a 1×1 convolution");
+        PackedLinear(PackedConv::new(Conv2d { act, ..conv }, weight, bias))
     }
 
     pub fn bytes(&self) -> u64 {
