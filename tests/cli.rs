@@ -1422,7 +1422,7 @@ fn compile_default_fuses_checks_and_reports() {
     let (out, r) = run_json(&args("default"), &json);
     assert!(
         out.contains("Compile       default in")
-            && out.contains("20 batch norms folded, 17 activations and 8 residual adds fused")
+            && out.contains("20 batch norms folded into convolutions, 17 activations fused into epilogues, 8 residual adds fused")
             && out.contains("against eager FP32"),
         "{out}"
     );

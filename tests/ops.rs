@@ -416,7 +416,7 @@ fn shape_errors_say_what_does_not_fit() {
         ),
         (Op::ChannelShuffle { groups: 4 }, "4 groups must divide 6"),
         (Op::ChannelShuffle { groups: 0 }, "0 groups must divide 6"),
-        (Op::LayerNorm { dim: 5, eps: 1e-6 }, "over 5 channels"),
+        (Op::layer_norm(5, 1e-6), "over 5 channels"),
         (Op::LayerScale { channels: 5 }, "expects 5 channels, got 6"),
     ];
     for (op, says) in cases {
@@ -629,32 +629,52 @@ fn fused_linear_epilogues(kind: BackendKind) {
 }
 backend_test!(fused_linear_epilogues, cpu, wgpu, cuda, hip);
 
-/// A whole network after the compile passes equals the eager one on the same backend.
+/// A whole network after the compile passes equals the eager one on the same backend: a
+/// ResNet (batch norms folded, residual adds fused) and a ViT (GELU fused into the MLPs'
+/// first linear layers, layer norms folded into the projections after them).
 fn compiled_network_matches_eager(kind: BackendKind) {
-    let graph = tiny_bottleneck([1, 2, 1, 1], [4, 8, 8, 16]);
-    let w = random_weights(&graph, 3);
-    let (opt, w2, report) = workshop::model::passes::optimize(&graph, &w).unwrap();
-    assert!(
-        report.fused_adds == 5 && report.folded_batch_norms > 0,
-        "{report:?}"
-    );
-    let x = Rng::new(4).normal_tensor(vec![2, 3, 32, 32]);
-    let run = |g: &workshop::model::Graph, w: &Weights| {
-        let plan = g.plan(2, 32, 32).unwrap();
-        let mut s = session(kind, &plan, w, Precision::Fp32)?;
-        s.run(&x).unwrap();
-        s.sync().unwrap();
-        Some(s.read_output().unwrap().data)
+    let vit = workshop::model::zoo::VitConfig {
+        image_size: 32,
+        patch: 8,
+        layers: 2,
+        heads: 2,
+        hidden: 16,
+        mlp: 32,
+        classes: 10,
     };
-    let (Some(a), Some(b)) = (run(&graph, &w), run(&opt, &w2)) else {
-        return;
-    };
-    let scale = a.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let diff = a
-        .iter()
-        .zip(&b)
-        .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
-    assert!(diff <= 1e-4 * scale.max(1e-3), "{kind}: {diff} vs {scale}");
+    let cases = [
+        (tiny_bottleneck([1, 2, 1, 1], [4, 8, 8, 16]), "resnet"),
+        (workshop::model::zoo::vit_custom("vit", &vit), "vit"),
+    ];
+    for (graph, family) in cases {
+        let w = random_weights(&graph, 3);
+        let (opt, w2, report) = workshop::model::passes::optimize(&graph, &w).unwrap();
+        let fused = match family {
+            "resnet" => report.fused_adds == 5 && report.folded_batch_norms > 0,
+            _ => report.fused_activations == 2 && report.folded_layer_norms == 4,
+        };
+        assert!(fused, "{family}: {report:?}");
+        let x = Rng::new(4).normal_tensor(vec![2, 3, 32, 32]);
+        let run = |g: &workshop::model::Graph, w: &Weights| {
+            let plan = g.plan(2, 32, 32).unwrap();
+            let mut s = session(kind, &plan, w, Precision::Fp32)?;
+            s.run(&x).unwrap();
+            s.sync().unwrap();
+            Some(s.read_output().unwrap().data)
+        };
+        let (Some(a), Some(b)) = (run(&graph, &w), run(&opt, &w2)) else {
+            return;
+        };
+        let scale = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let diff = a
+            .iter()
+            .zip(&b)
+            .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+        assert!(
+            diff <= 1e-4 * scale.max(1e-3),
+            "{kind} {family}: {diff} vs {scale}"
+        );
+    }
 }
 backend_test!(compiled_network_matches_eager, cpu, wgpu, cuda, hip);
 
@@ -873,9 +893,9 @@ fn channels_last_block(kind: BackendKind) {
     let mut g = GraphBuilder::new("cn", 3, ConvInit::TorchDefault, LinearInit::TorchDefault);
     let x = g.input();
     let x = g.conv("conv", x, Conv2d::new(3, 6, 3, 1, 1).with_bias());
-    let x = g.add_node("norm2d", Op::LayerNorm { dim: 6, eps: 1e-6 }, &[x]);
+    let x = g.add_node("norm2d", Op::layer_norm(6, 1e-6), &[x]);
     let y = g.add_node("tokens", Op::Tokens, &[x]);
-    let y = g.add_node("norm", Op::LayerNorm { dim: 6, eps: 1e-6 }, &[y]);
+    let y = g.add_node("norm", Op::layer_norm(6, 1e-6), &[y]);
     let y = g.linear("fc1", y, 6, 12);
     let y = g.add_node("gelu", Op::Gelu, &[y]);
     let y = g.linear("fc2", y, 12, 6);

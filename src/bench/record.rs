@@ -171,8 +171,9 @@ pub struct ModelInfo {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum CompileMode {
-    /// Graph passes: batch norm folded into convolutions, activations and residual adds fused
-    /// into their epilogues, dropout dropped
+    /// Graph passes: batch norm folded into convolutions and layer norms' affines into the
+    /// projections after them, activations and residual adds fused into epilogues, dropout
+    /// dropped
     Default,
     /// The default passes, then the forward pass recorded once and replayed each iteration
     /// (CUDA and HIP graphs; other backends say why they run it as usual)

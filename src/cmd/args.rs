@@ -162,9 +162,10 @@ pub struct BenchArgs {
     /// `--json` record instead of measuring it after the run
     #[arg(long, value_name = "FILE.json")]
     pub single: Option<PathBuf>,
-    /// Compile the network first, like torch.compile: `default` folds batch norms and fuses
-    /// activations and residual adds into the convolutions; the output is checked against eager
-    /// FP32 and the compile time reported apart from the run
+    /// Compile the network first, like torch.compile: `default` folds batch norms (and layer
+    /// norms' affines) into the layers around them and fuses activations and residual adds into
+    /// epilogues; the output is checked against eager FP32 and the compile time reported apart
+    /// from the run
     #[arg(long, value_enum, value_name = "MODE", num_args = 0..=1, default_missing_value = "default")]
     pub compile: Option<crate::bench::record::CompileMode>,
     /// With --compile max-autotune: time the kernel variants again instead of using the

@@ -360,6 +360,9 @@ pub enum Op {
     LayerNorm {
         dim: usize,
         eps: f32,
+        /// With the learned weight and bias (`elementwise_affine`); `--compile default` folds
+        /// them into the linear layer that follows and clears this.
+        affine: bool,
     },
     /// `nn.GELU()`: x · Φ(x), with the exact error function.
     Gelu,
@@ -641,6 +644,15 @@ impl Op {
         }
     }
 
+    /// `nn.LayerNorm(dim, eps)` with its affine weight and bias.
+    pub fn layer_norm(dim: usize, eps: f32) -> Op {
+        Op::LayerNorm {
+            dim,
+            eps,
+            affine: true,
+        }
+    }
+
     /// `nn.Linear(in_features, out_features, bias)`, nothing fused.
     pub fn linear(in_features: usize, out_features: usize, bias: bool) -> Op {
         Op::Linear {
@@ -751,7 +763,9 @@ impl Op {
             Op::PosEmbed { tokens, dim, .. } => {
                 vec![p("", vec![1, tokens, dim], ParamKind::Trainable)]
             }
-            Op::LayerNorm { dim, .. } => vec![
+            Op::LayerNorm {
+                dim, affine: true, ..
+            } => vec![
                 p("weight", vec![dim], ParamKind::Trainable),
                 p("bias", vec![dim], ParamKind::Trainable),
             ],
@@ -1208,7 +1222,14 @@ impl Op {
             Op::Softmax => 4 * n,
             Op::PosEmbed { .. } => n,
             // Mean, deviation, square, normalise, scale and shift: about six per element.
-            Op::LayerNorm { .. } => 6 * n,
+            // Mean, subtract, square, variance, scale; the affine's multiply and add.
+            Op::LayerNorm { affine, .. } => {
+                if *affine {
+                    6 * n
+                } else {
+                    4 * n
+                }
+            }
             // Scale, erf, add one, two multiplies.
             Op::Gelu => 5 * n,
             // The products, the projections' biases, and per score a scale and the softmax's

@@ -1,7 +1,8 @@
 //! Graph passes of `--compile default`: fold every batch norm that follows a convolution into
 //! the convolution's weights and bias, fuse a following activation ([`Act`]: ReLU, ReLU6,
 //! SiLU, hardswish, GELU, sigmoid, hardsigmoid) into a convolution's or linear layer's epilogue
-//! and a residual add into a convolution's, and drop eval-mode dropout. The result computes the same function
+//! and a residual add into a convolution's, fold a layer norm's weight and bias into the
+//! projection that reads it, and drop eval-mode dropout. The result computes the same function
 //! (up to rounding) with fewer kernels and fewer activation buffers.
 //!
 //! A rewrite only happens when nothing else reads the intermediate value; a residual add is
@@ -9,7 +10,7 @@
 //! block with a downsample branch, that is the downsample convolution).
 
 use super::graph::{Graph, Node, ValueId};
-use super::op::{Act, Conv2d, Op, batch_norm_affine};
+use super::op::{Act, Conv2d, Op, WindowForm, batch_norm_affine};
 use super::{Tensor, Weights};
 
 /// What the passes did.
@@ -18,6 +19,9 @@ pub struct PassReport {
     pub nodes_before: usize,
     pub nodes_after: usize,
     pub folded_batch_norms: usize,
+    /// Layer norms whose weight and bias went into the projection after them.
+    #[serde(default)]
+    pub folded_layer_norms: usize,
     pub fused_activations: usize,
     pub fused_adds: usize,
     pub dropped: usize,
@@ -74,6 +78,51 @@ impl Work {
     fn remove(&mut self, id: ValueId, to: ValueId) {
         self.nodes[id] = None;
         self.alias[id] = to;
+    }
+
+    /// The one node that reads `id` (the graph's output is not a node).
+    fn sole_reader(&self, id: ValueId) -> Option<ValueId> {
+        if self.readers(id) != 1 {
+            return None;
+        }
+        let reads = |n: &Node| n.inputs.iter().any(|&i| self.resolve(i) == id);
+        (0..self.nodes.len()).find(|&k| self.nodes[k].as_ref().is_some_and(reads))
+    }
+
+    /// The projection that alone reads the layer norm at `id` (over `dim` features, through a
+    /// reshape to tokens): its node's name and the suffixes of its (out × dim) weight and its
+    /// bias. Folding is exact there: every input row of the projection is a normalised row.
+    /// Not Swin's window attention: it pads windows with zeros after the norm, and a folded
+    /// shift would reach the padding.
+    fn projection_after(&self, id: ValueId, dim: usize) -> Option<(String, [&'static str; 2])> {
+        let mut reader = self.sole_reader(id)?;
+        if matches!(self.nodes[reader].as_ref()?.op, Op::Tokens) {
+            reader = self.sole_reader(reader)?;
+        }
+        let node = self.nodes[reader].as_ref()?;
+        let suffixes = match &node.op {
+            Op::Linear { in_features, .. } if *in_features == dim => ["weight", "bias"],
+            Op::Attention { .. } => ["in_proj_weight", "in_proj_bias"],
+            Op::WindowAttention(a)
+                if matches!(a.form, WindowForm::MaxVitWindow | WindowForm::MaxVitGrid) =>
+            {
+                let [weight, bias, ..] = a.form.projections();
+                [weight, bias]
+            }
+            _ => return None,
+        };
+        Some((node.name.clone(), suffixes))
+    }
+
+    /// The linear layer `name` now has a bias (a folded layer norm's shift).
+    fn set_linear_bias(&mut self, name: &str) {
+        for n in self.nodes.iter_mut().flatten() {
+            if n.name == name
+                && let Op::Linear { bias, .. } = &mut n.op
+            {
+                *bias = true;
+            }
+        }
     }
 
     /// Fuse `act` into the convolution or linear layer at `id`.
@@ -207,6 +256,48 @@ pub fn optimize(graph: &Graph, weights: &Weights) -> Result<(Graph, Weights, Pas
                 work.remove(id, inputs[0]);
                 report.dropped += 1;
             }
+            Op::LayerNorm {
+                dim,
+                eps,
+                affine: true,
+            } => {
+                let Some((reader, [weight, bias])) = work.projection_after(id, dim) else {
+                    continue;
+                };
+                let get = |s: &str| tensor(&w, format!("{}.{s}", node.name));
+                let (gamma, beta) = (get("weight")?.data, get("bias")?.data);
+                let mut wt = tensor(&w, format!("{reader}.{weight}"))?;
+                let bias_name = format!("{reader}.{bias}");
+                let rows = wt.data.len() / dim;
+                let mut b = match w.get(&bias_name) {
+                    Some(t) => t.data.clone(),
+                    None => vec![0.0; rows],
+                };
+                // W·(γ⊙x̂ + β) + b = (W·diag γ)·x̂ + (W·β + b).
+                for (row, b) in wt.data.chunks_mut(dim).zip(&mut b) {
+                    let shift: f64 = row
+                        .iter()
+                        .zip(&beta)
+                        .map(|(&v, &t)| v as f64 * t as f64)
+                        .sum();
+                    *b = (*b as f64 + shift) as f32;
+                    row.iter_mut().zip(&gamma).for_each(|(v, g)| *v *= g);
+                }
+                w.tensors.insert(format!("{reader}.{weight}"), wt);
+                w.tensors.insert(bias_name, Tensor::new(vec![rows], b));
+                for suffix in ["weight", "bias"] {
+                    w.tensors.remove(&format!("{}.{suffix}", node.name));
+                }
+                work.set_linear_bias(&reader);
+                if let Some(n) = work.nodes[id].as_mut() {
+                    n.op = Op::LayerNorm {
+                        dim,
+                        eps,
+                        affine: false,
+                    };
+                }
+                report.folded_layer_norms += 1;
+            }
             _ => {}
         }
     }
@@ -291,6 +382,82 @@ mod tests {
                     .count();
                 assert_eq!(rep.fused_adds, adds, "{name}: every residual add fuses");
             }
+            let x = Rng::new(9).normal_tensor(vec![1, 3, size, size]);
+            let a = reference::forward(&graph.plan(1, size, size).unwrap(), &weights, &x);
+            let b = reference::forward(&opt.plan(1, size, size).unwrap(), &w2, &x);
+            let scale = a.data.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let diff = a
+                .data
+                .iter()
+                .zip(&b.data)
+                .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+            assert!(diff <= 1e-4 * scale, "{name}: {diff} vs {scale}");
+        }
+    }
+
+    /// The transformers and the squeeze-and-excitation networks: GELU after linear layers and
+    /// the gates after their 1×1 convolutions fuse, layer norms fold into the projection after
+    /// them (never into Swin's padded windows), and the function stays the same with
+    /// non-trivial layer-norm weights.
+    #[test]
+    fn transformers_keep_their_function() {
+        use zoo::{MaxVitConfig, VitConfig};
+        let vit = VitConfig {
+            image_size: 32,
+            patch: 8,
+            layers: 2,
+            heads: 2,
+            hidden: 16,
+            mlp: 32,
+            classes: 10,
+        };
+        let maxvit = MaxVitConfig {
+            stem: 8,
+            channels: [8, 16, 16, 32],
+            layers: [1, 2, 1, 1],
+            head_dim: 4,
+            partition: 3,
+        };
+        // (network, input side, layer norms folded, activations fused)
+        let cases = [
+            (zoo::vit_custom("vit", &vit), 32, 4, 2),
+            (
+                zoo::convnext_custom("cn", [8, 16, 16, 32], [1, 1, 1, 1], 10),
+                64,
+                4,
+                4,
+            ),
+            // Window 3 pads the 16×16 and 8×8 stages: only the MLPs' norms and the patch
+            // mergings' fold.
+            (
+                zoo::swin_custom("swin", (8, [1, 1, 1, 1], [1, 1, 1, 1]), (3, false), 10),
+                64,
+                7,
+                4,
+            ),
+            (zoo::maxvit_custom("maxvit", &maxvit, 10), 96, 21, 20),
+            (zoo::mobilenet_v3_custom("mnv3", false, 0.5, 10), 64, 0, 0),
+        ];
+        for (graph, size, norms, min_acts) in cases {
+            let name = graph.name.clone();
+            let mut weights = Weights::init(&graph, 1);
+            let mut rng = Rng::new(5);
+            for n in &graph.nodes {
+                if matches!(n.op, Op::LayerNorm { .. }) {
+                    for (suffix, mean) in [("weight", 1.0), ("bias", 0.0)] {
+                        let t = weights
+                            .tensors
+                            .get_mut(&format!("{}.{suffix}", n.name))
+                            .unwrap();
+                        t.data
+                            .iter_mut()
+                            .for_each(|v| *v = mean + 0.5 * rng.normal() as f32);
+                    }
+                }
+            }
+            let (opt, w2, rep) = optimize(&graph, &weights).unwrap();
+            assert_eq!(rep.folded_layer_norms, norms, "{name}: {rep:?}");
+            assert!(rep.fused_activations >= min_acts, "{name}: {rep:?}");
             let x = Rng::new(9).normal_tensor(vec![1, 3, size, size]);
             let a = reference::forward(&graph.plan(1, size, size).unwrap(), &weights, &x);
             let b = reference::forward(&opt.plan(1, size, size).unwrap(), &w2, &x);

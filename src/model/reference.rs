@@ -202,8 +202,15 @@ pub fn eval<'a>(
                 .collect();
             Tensor::new(out_shape.to_vec(), data)
         }
-        Op::LayerNorm { dim, eps } => {
-            let (w, b) = (need("weight"), need("bias"));
+        Op::LayerNorm { dim, eps, affine } => {
+            let identity = (
+                Tensor::new(vec![*dim], vec![1.0; *dim]),
+                Tensor::zeros(vec![*dim]),
+            );
+            let (w, b) = match affine {
+                true => (need("weight"), need("bias")),
+                false => (&identity.0, &identity.1),
+            };
             match *ins[0].shape {
                 // Over the channels of an image: normalise its tokens, then back.
                 [n, c, h, wd] => {

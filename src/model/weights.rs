@@ -204,7 +204,9 @@ impl Weights {
                         put("bias", b);
                     }
                 }
-                Op::LayerNorm { dim, .. } => {
+                Op::LayerNorm {
+                    dim, affine: true, ..
+                } => {
                     put("weight", Tensor::new(vec![dim], vec![1.0; dim]));
                     put("bias", Tensor::zeros(vec![dim]));
                 }
@@ -411,6 +413,22 @@ impl Weights {
         let (gamma, beta) = (p("weight")?, p("bias")?);
         let (mean, var) = (p("running_mean")?, p("running_var")?);
         Ok(super::op::batch_norm_affine(gamma, beta, mean, var, eps))
+    }
+
+    /// Layer norm `node`'s weight and bias: its own, or the identity's once `--compile` folded
+    /// them into what follows (`affine` false).
+    pub fn layer_norm(
+        &self,
+        node: &str,
+        (dim, affine): (usize, bool),
+    ) -> Result<(Vec<f32>, Vec<f32>), MissingTensor> {
+        if !affine {
+            return Ok((vec![1.0; dim], vec![0.0; dim]));
+        }
+        Ok((
+            self.param(node, "weight")?.to_vec(),
+            self.param(node, "bias")?.to_vec(),
+        ))
     }
 
     /// Window attention `node` as every backend's kernels take it (Swin V1 or V2, MaxViT).

@@ -121,17 +121,32 @@ fn enqueue_line(r: &BenchRecord) -> String {
     )
 }
 
-/// What the compile passes did, in one line: `default in 0.012 s (before the run): …`.
+/// What the compile passes did, in one line: `default in 0.012 s (before the run): …`, naming
+/// only the rewrites that happened.
 pub fn compile_passes(c: &crate::bench::record::CompileInfo) -> String {
     let p = &c.passes;
+    let done: Vec<String> = [
+        (p.folded_batch_norms, "batch norms folded into convolutions"),
+        (
+            p.folded_layer_norms,
+            "layer-norm affines folded into projections",
+        ),
+        (p.fused_activations, "activations fused into epilogues"),
+        (p.fused_adds, "residual adds fused"),
+        (p.dropped, "dropouts dropped"),
+    ]
+    .into_iter()
+    .filter(|&(n, _)| n > 0)
+    .map(|(n, what)| format!("{n} {what}"))
+    .collect();
+    let done = match done.is_empty() {
+        true => "nothing to fuse".to_string(),
+        false => done.join(", "),
+    };
     format!(
-        "{} in {:.3} s (before the run): {} batch norms folded, {} activations and {} residual adds fused, {} dropouts dropped ({} → {} nodes)",
+        "{} in {:.3} s (before the run): {done} ({} → {} nodes)",
         c.mode.name(),
         c.compile_s,
-        p.folded_batch_norms,
-        p.fused_activations,
-        p.fused_adds,
-        p.dropped,
         p.nodes_before,
         p.nodes_after,
     )

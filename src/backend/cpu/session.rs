@@ -220,11 +220,10 @@ impl<T: Elem> CpuSession<T> {
                 Op::Tokens => NodeKernel::Identity,
                 Op::ClassToken { .. } => NodeKernel::ClassToken(get("")?.to_vec()),
                 Op::PosEmbed { .. } => NodeKernel::Positions(get("")?.to_vec()),
-                Op::LayerNorm { eps, .. } => NodeKernel::LayerNorm {
-                    weight: get("weight")?.to_vec(),
-                    bias: get("bias")?.to_vec(),
-                    eps,
-                },
+                Op::LayerNorm { dim, eps, affine } => {
+                    let (weight, bias) = weights.layer_norm(&node.name, (dim, affine))?;
+                    NodeKernel::LayerNorm { weight, bias, eps }
+                }
                 Op::Gelu => NodeKernel::Gelu,
                 Op::Attention { dim, heads } => {
                     let in_proj = PackedLinear::new(

@@ -699,10 +699,11 @@ fn other_op(b: &mut Builder, at: &NodeCtx<'_>, input: BufId) -> Result<(), Backe
             ];
             b.launch(&node.name, op, "positions", grid, args);
         }
-        Op::LayerNorm { dim, eps } => {
+        Op::LayerNorm { dim, eps, affine } => {
             // An NCHW image is normalised over its channels, H·W apart.
             let inner = if at.shape.len() == 4 { h * w } else { 1 };
-            let (w, bias) = (b.f32s(at.get("weight")?), b.f32s(at.get("bias")?));
+            let (w, bias) = at.weights.layer_norm(&node.name, (*dim, *affine))?;
+            let (w, bias) = (b.f32s(&w), b.f32s(&bias));
             let rows = total / dim.max(&1);
             let args = vec![
                 x,

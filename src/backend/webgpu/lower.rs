@@ -485,13 +485,13 @@ fn node_launches(
                 total,
             )
         }
-        Op::LayerNorm { dim, eps } => {
-            let (wt, bias) = (get("weight")?, get("bias")?);
+        Op::LayerNorm { dim, eps, affine } => {
+            let (wt, bias) = weights.layer_norm(&node.name, (*dim, *affine))?;
             *weight_bytes += 2 * *dim as u64 * 4;
             let reads = vec![
                 (1, input_buf(0)),
-                (2, consts.add("layer norm weight", f32_bytes(wt))),
-                (3, consts.add("layer norm bias", f32_bytes(bias))),
+                (2, consts.add("layer norm weight", f32_bytes(&wt))),
+                (3, consts.add("layer norm bias", f32_bytes(&bias))),
             ];
             let rows = total / dim.max(&1);
             let p = vec![rows, 0, *dim, 0, 0, eps.to_bits() as usize];

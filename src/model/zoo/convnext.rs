@@ -21,7 +21,7 @@ pub(super) fn variant(name: &str) -> Option<([usize; 4], [usize; 4])> {
 
 /// `LayerNorm2d` and the blocks' `LayerNorm`: ε = 1e-6.
 fn layer_norm(g: &mut GraphBuilder, name: String, x: ValueId, dim: usize) -> ValueId {
-    g.add_node(name, Op::LayerNorm { dim, eps: 1e-6 }, &[x])
+    g.add_node(name, Op::layer_norm(dim, 1e-6), &[x])
 }
 
 /// ConvNeXt with these stage widths and depths.

@@ -80,14 +80,7 @@ pub fn maxvit_custom(name: &str, cfg: &MaxVitConfig, classes: usize) -> Graph {
     }
     let x = g.adaptive_avg_pool("classifier.0", x, (1, 1));
     let x = g.flatten("classifier.1", x);
-    let x = g.add_node(
-        "classifier.2",
-        Op::LayerNorm {
-            dim: cin,
-            eps: 1e-5,
-        },
-        &[x],
-    );
+    let x = g.add_node("classifier.2", Op::layer_norm(cin, 1e-5), &[x]);
     let x = g.linear("classifier.3", x, cin, cin);
     let x = g.unary("classifier.4", x, Unary::Tanh);
     let head = Op::linear(cin, classes, false);

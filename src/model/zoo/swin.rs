@@ -37,7 +37,7 @@ pub(super) fn build(name: &str) -> Option<Graph> {
 
 /// `nn.LayerNorm(dim)` (ε = 1e-5) over an image's channels.
 pub(super) fn norm(g: &mut GraphBuilder, name: String, x: ValueId, dim: usize) -> ValueId {
-    g.add_node(name, Op::LayerNorm { dim, eps: 1e-5 }, &[x])
+    g.add_node(name, Op::layer_norm(dim, 1e-5), &[x])
 }
 
 /// A linear layer over an image's channels: to tokens, the layer, back on the grid of `like`.

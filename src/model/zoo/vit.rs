@@ -62,9 +62,8 @@ pub fn vit_custom(name: &str, cfg: &VitConfig) -> Graph {
     };
     let x = g.add_node("encoder.pos_embedding", pos, &[x]);
     let mut x = g.dropout("encoder.dropout", x, 0.0);
-    let norm = |g: &mut GraphBuilder, name: String, x| {
-        g.add_node(name, Op::LayerNorm { dim: d, eps: 1e-6 }, &[x])
-    };
+    let norm =
+        |g: &mut GraphBuilder, name: String, x| g.add_node(name, Op::layer_norm(d, 1e-6), &[x]);
     for i in 0..cfg.layers {
         let p = format!("encoder.layers.encoder_layer_{i}");
         let y = norm(&mut g, format!("{p}.ln_1"), x);
