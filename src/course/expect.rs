@@ -1,6 +1,7 @@
 //! Judging a step's results against its expectations. A verdict is pass, fail, or
 //! inconclusive: a value we could not measure, or a run too noisy to judge (its coefficient of
-//! variation above the step's `max_cv`), is never called a failure.
+//! variation above the step's `max_cv`, [`DEFAULT_MAX_CV`] where it sets none), is never called
+//! a failure.
 
 use std::collections::BTreeMap;
 
@@ -8,6 +9,19 @@ use serde::{Deserialize, Serialize};
 
 use super::schema::Expect;
 use crate::backend::BackendKind;
+
+/// The noise limit of a step that sets no `max_cv`: timing checks are judged against some
+/// limit everywhere, never against none.
+pub const DEFAULT_MAX_CV: f64 = 0.15;
+
+/// Two timing-derived values `a` and `b` whose runs varied by `cv_a` and `cv_b` (CV) are
+/// within each other's noise when they differ by no more than twice the larger CV: about two
+/// standard deviations of either run's iterations, the spread a re-run could move a median by
+/// on a busy machine (book 10).
+pub fn within_noise(a: f64, b: f64, cv_a: f64, cv_b: f64) -> bool {
+    let scale = a.abs().max(b.abs());
+    scale > 0.0 && (a - b).abs() / scale <= 2.0 * cv_a.max(cv_b)
+}
 
 /// Metrics of the steps run so far in an exercise, by step id.
 pub type Metrics = BTreeMap<String, BTreeMap<String, f64>>;
@@ -139,18 +153,17 @@ pub fn evaluate(
         }
     };
     check.value = Some(value);
-    if let Some(limit) = max_cv {
-        let refs = std::iter::once(&x.metric).chain(x.per.as_ref());
-        let timing = |r: &&String| super::metrics::is_timing(own_or_earlier(r, step, metrics).1);
-        for r in refs.filter(timing) {
-            if let Some(cv) = cv_of(r, step, metrics).filter(|&cv| cv > limit) {
-                check.reason = Some(format!(
-                    "too noisy to judge: the run behind `{r}` varied by {:.1}% (CV), above this step's limit of {:.1}%; close other programs and re-run the step",
-                    cv * 100.0,
-                    limit * 100.0
-                ));
-                return Some(check);
-            }
+    let limit = max_cv.unwrap_or(DEFAULT_MAX_CV);
+    let refs = std::iter::once(&x.metric).chain(x.per.as_ref());
+    let timing = |r: &&String| super::metrics::is_timing(own_or_earlier(r, step, metrics).1);
+    for r in refs.filter(timing) {
+        if let Some(cv) = cv_of(r, step, metrics).filter(|&cv| cv > limit) {
+            check.reason = Some(format!(
+                "too noisy to judge: the run behind `{r}` varied by {:.1}% (CV), above this step's limit of {:.1}%; close other programs and re-run the step",
+                cv * 100.0,
+                limit * 100.0
+            ));
+            return Some(check);
         }
     }
     let ok = min.is_none_or(|m| value >= m) && max.is_none_or(|m| value <= m);
@@ -186,9 +199,18 @@ mod tests {
         );
         m.insert(
             "fp16".into(),
-            BTreeMap::from([("throughput".into(), 150.0), ("cv".into(), 0.30)]),
+            BTreeMap::from([("throughput".into(), 150.0), ("cv".into(), 0.12)]),
         );
         m
+    }
+
+    #[test]
+    fn noise_bands() {
+        // 4% apart with CVs of 3%: within 2 × 3%.
+        assert!(within_noise(100.0, 96.0, 0.01, 0.03));
+        // 10% apart: beyond it.
+        assert!(!within_noise(100.0, 90.0, 0.01, 0.03));
+        assert!(!within_noise(0.0, 0.0, 0.1, 0.1));
     }
 
     #[test]
@@ -219,7 +241,7 @@ mod tests {
         .unwrap();
         assert_eq!(c.verdict, Verdict::Fail);
         assert_eq!(c.hint.as_deref(), Some("try again"));
-        // The fp16 run's CV of 30% is above a 10% limit: inconclusive, not failed.
+        // The fp16 run's CV of 12% is above a 10% limit: inconclusive, not failed.
         let c = evaluate(
             &expect("throughput", Some("fp32.throughput"), Some(1.6), None),
             "fp16",
@@ -230,6 +252,25 @@ mod tests {
         .unwrap();
         assert_eq!(c.verdict, Verdict::Inconclusive);
         assert!(c.reason.unwrap().contains("too noisy"));
+        // A step that sets no limit gets the default one: a multi-device run with one device
+        // at CV 45% (its `cv`, the noisiest run's) judges no scaling efficiency.
+        let mut noisy = m.clone();
+        noisy.insert(
+            "two".into(),
+            BTreeMap::from([("scaling_efficiency".into(), 0.4), ("cv".into(), 0.45)]),
+        );
+        let x = expect("scaling_efficiency", None, Some(0.7), None);
+        let c = evaluate(&x, "two", &noisy, &ctx, None).unwrap();
+        assert_eq!(c.verdict, Verdict::Inconclusive, "{c:?}");
+        assert!(
+            c.reason
+                .unwrap()
+                .contains("above this step's limit of 15.0%")
+        );
+        // Not a timing: judged whatever the noise.
+        let x = expect("cv", None, None, Some(0.3));
+        let c = evaluate(&x, "two", &noisy, &ctx, None).unwrap();
+        assert_eq!(c.verdict, Verdict::Fail);
         // A missing step is inconclusive with the reason.
         let c = evaluate(
             &expect("bf16.throughput", None, Some(1.0), None),

@@ -66,7 +66,7 @@ metrics! {
     "std_ms" Step [RUNS] "ms" true "standard deviation of the timed iterations";
     "min_ms" Step [RUNS] "ms" true "fastest timed iteration";
     "max_ms" Step [RUNS] "ms" true "slowest timed iteration";
-    "cv" Step [RUNS] "ratio" false "coefficient of variation of the timed iterations (std / mean)";
+    "cv" Step [RUNS] "ratio" false "coefficient of variation of the timed iterations (std / mean); of a multi-device run, the noisiest of its runs";
     "us_per_sample" Step [RUNS] "µs" true "median microseconds per image";
     "gflops" Step [RUNS] "GFLOP/s" true "the network's FLOPs per second at the median time";
     "peak_memory_mib" Step [RUNS] "MiB" false "weights and the most activations alive at once";
@@ -81,14 +81,14 @@ metrics! {
     "autotune_timed" Step [RUNS] "shapes" false "layer shapes max-autotune timed in this run";
     "autotune_cached" Step [RUNS] "shapes" false "layer shapes whose choice came from the autotune cache";
     // Multi-device runs (`devices` or `cpu_groups`).
-    "scaling_efficiency" Step [Bench] "ratio" false "global throughput / (devices × one device's throughput)";
-    "spread" Step [Bench] "ratio" false "(slowest − fastest) / fastest device's median";
+    "scaling_efficiency" Step [Bench] "ratio" true "global throughput / (devices × one device's throughput)";
+    "spread" Step [Bench] "ratio" true "(slowest − fastest) / fastest device's median";
     "devices" Step [Bench] "devices" false "devices in the run";
-    "single_throughput" Step [Bench] "images/s" false "one device's throughput at the same per-device batch";
+    "single_throughput" Step [Bench] "images/s" true "one device's throughput at the same per-device batch";
     // Profile steps.
     "device_ms" Step [Profile] "ms" true "kernel time of one pass on the device's clock";
-    "cpu_overhead" Step [Profile] "ratio" false "host time / device time of a pass";
-    "efficiency" Step [Profile] "ratio" false "achieved GFLOP/s / the measured GEMM peak";
+    "cpu_overhead" Step [Profile] "ratio" true "host time / device time of a pass";
+    "efficiency" Step [Profile] "ratio" true "achieved GFLOP/s / the measured GEMM peak";
     "intensity" Step [Profile] "FLOP/byte" false "the network's arithmetic intensity";
     "peak_gflops" Step [Profile] "GFLOP/s" false "the measured GEMM peak the efficiency is against";
     "balance" Step [Profile] "FLOP/byte" false "machine balance: peak / bandwidth";

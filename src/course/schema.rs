@@ -124,6 +124,7 @@ pub struct Step {
     pub chart: Option<Spanned<ChartSpec>>,
     /// Timing expectations are inconclusive (not failed) when the run's coefficient of
     /// variation is above this (e.g. 0.10 for 10%): the machine was too noisy to judge.
+    /// Unset, 0.15 (`expect::DEFAULT_MAX_CV`).
     pub max_cv: Option<f64>,
     /// What to check in the step's results.
     #[serde(default, rename = "expect")]
