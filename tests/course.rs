@@ -232,6 +232,10 @@ fn navigation_never_dead_ends() {
         out.contains("FAIL") && out.contains("fails on purpose"),
         "{out}"
     );
+    assert!(
+        out.contains("re-run it with `workshop run 00-first.run`"),
+        "{out}"
+    );
     assert!(ok(dir, &["hint"]).contains("fails on purpose"));
     // Re-running a step records a new attempt without moving on.
     ok(dir, &["run", "00-first.run"]);
@@ -254,7 +258,21 @@ fn navigation_never_dead_ends() {
             .iter()
             .any(|a| a["step"] == "only" && a["outcome"] == "skipped")
     );
-    assert!(ok(dir, &["next", "--yes"]).contains("every exercise is done or skipped"));
+    // The last screen and status count what failed and say how to re-run it.
+    let end = ok(dir, &["next", "--yes"]);
+    assert!(
+        end.contains("every exercise is done or skipped")
+            && !end.contains("Well done")
+            && end.contains("Steps: 1 passed, 1 failed, 1 skipped")
+            && end.contains("Re-run what failed: `workshop run 00-first.run`"),
+        "{end}"
+    );
+    let status = ok(dir, &["status"]);
+    assert!(
+        status.contains("steps: 1 passed, 1 failed, 1 skipped")
+            && status.contains("`workshop run 00-first.run`"),
+        "{status}"
+    );
     ok(dir, &["goto", "01-second"]);
     assert!(ok(dir, &["next", "--yes"]).contains("The end."));
     ok(dir, &["reset", "00-first"]);
@@ -524,7 +542,21 @@ fn a_kill_between_the_two_writes_records_no_attempt_twice() {
     ok(dir, &["skip"]);
     std::fs::write(&state, &stale).unwrap();
     assert!(ok(dir, &["status"]).contains("2/2"));
-    assert!(ok(dir, &["next", "--yes"]).contains("every exercise is done or skipped"));
+    // The last screen and status count what failed and say how to re-run it.
+    let end = ok(dir, &["next", "--yes"]);
+    assert!(
+        end.contains("every exercise is done or skipped")
+            && !end.contains("Well done")
+            && end.contains("Steps: 1 passed, 1 failed, 1 skipped")
+            && end.contains("Re-run what failed: `workshop run 00-first.run`"),
+        "{end}"
+    );
+    let status = ok(dir, &["status"]);
+    assert!(
+        status.contains("steps: 1 passed, 1 failed, 1 skipped")
+            && status.contains("`workshop run 00-first.run`"),
+        "{status}"
+    );
     assert_eq!(results(dir)["attempts"].as_array().unwrap().len(), 3);
 }
 
@@ -675,7 +707,7 @@ fn shell_words(line: &str) -> Vec<String> {
 }
 
 #[test]
-fn every_command_in_the_book_parses_and_every_chapter_is_listed() {
+fn every_command_in_the_book_and_exercises_parses_and_every_chapter_is_listed() {
     let book = crate::common::fixture("../../book/src");
     let summary = std::fs::read_to_string(book.join("SUMMARY.md")).unwrap();
     let mut commands = 0;
@@ -707,6 +739,26 @@ fn every_command_in_the_book_parses_and_every_chapter_is_listed() {
         }
     }
     assert!(commands >= 10, "only {commands} commands found in the book");
+    // And every command an exercise quotes (`workshop …` in its texts and hints).
+    let exercises = crate::common::fixture("../../exercises");
+    let mut quoted = 0;
+    for entry in std::fs::read_dir(&exercises).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        for cmd in text.split('`').skip(1).step_by(2) {
+            if cmd.starts_with("workshop ") {
+                let words = shell_words(cmd);
+                if let Err(e) = workshop::cmd::args::Cli::try_parse_from(&words) {
+                    panic!("{}: `{cmd}` does not parse:\n{e}", path.display());
+                }
+                quoted += 1;
+            }
+        }
+    }
+    assert!(
+        quoted >= 40,
+        "only {quoted} commands found in the exercises"
+    );
     for (page, _) in workshop::course::EMBEDDED_CHAPTERS {
         assert!(
             book.join(page).exists(),

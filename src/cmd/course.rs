@@ -234,7 +234,11 @@ pub fn next(args: NextArgs) -> Result<()> {
         let Some(ex) = current(&ws, &course) else {
             println!(
                 "{}",
-                report::course::course_done(&ws.state.student, &state::results_md(&dir))
+                report::course::course_done(
+                    &ws.state.student,
+                    &course_tally(&ws, &course),
+                    &state::results_md(&dir)
+                )
             );
             return Ok(());
         };
@@ -307,6 +311,15 @@ pub fn next(args: NextArgs) -> Result<()> {
     })
 }
 
+/// How every step of the course came out (latest attempts).
+fn course_tally(ws: &state::Workspace, course: &Course) -> state::Tally {
+    let mut all = state::Tally::default();
+    for e in &course.exercises {
+        all.add(ws.results.tally(e.id()));
+    }
+    all
+}
+
 pub fn status(c: CourseArgs) -> Result<()> {
     let (ws, course) = open(&c)?;
     let rows: Vec<report::course::StatusRow> = course
@@ -320,6 +333,7 @@ pub fn status(c: CourseArgs) -> Result<()> {
                 status: p.status,
                 steps_done: p.next_step.min(e.exercise.steps.len()),
                 steps: e.exercise.steps.len(),
+                tally: ws.results.tally(e.id()),
             }
         })
         .collect();

@@ -114,7 +114,67 @@ pub struct Results {
     pub attempts: Vec<Attempt>,
 }
 
+/// How the latest attempts of some steps came out.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Tally {
+    pub passed: usize,
+    pub failed: usize,
+    pub inconclusive: usize,
+    pub unavailable: usize,
+    pub skipped: usize,
+    /// `EXERCISE.STEP` of each failed step, to re-run.
+    pub failed_steps: Vec<String>,
+}
+
+impl Tally {
+    /// `5 passed, 1 failed, 1 inconclusive` (the counts that are not zero), or `no steps run`.
+    pub fn summary(&self) -> String {
+        let parts: Vec<String> = [
+            (self.passed, "passed"),
+            (self.failed, "failed"),
+            (self.inconclusive, "inconclusive"),
+            (self.unavailable, "unavailable"),
+            (self.skipped, "skipped"),
+        ]
+        .into_iter()
+        .filter(|&(n, _)| n > 0)
+        .map(|(n, what)| format!("{n} {what}"))
+        .collect();
+        match parts.is_empty() {
+            true => "no steps run".into(),
+            false => parts.join(", "),
+        }
+    }
+
+    pub fn add(&mut self, other: Tally) {
+        self.passed += other.passed;
+        self.failed += other.failed;
+        self.inconclusive += other.inconclusive;
+        self.unavailable += other.unavailable;
+        self.skipped += other.skipped;
+        self.failed_steps.extend(other.failed_steps);
+    }
+}
+
 impl Results {
+    /// How the latest attempt of each step of `exercise` came out.
+    pub fn tally(&self, exercise: &str) -> Tally {
+        let mut t = Tally::default();
+        for a in self.latest(exercise) {
+            match a.outcome {
+                Outcome::Pass => t.passed += 1,
+                Outcome::Fail => {
+                    t.failed += 1;
+                    t.failed_steps.push(format!("{}.{}", a.exercise, a.step));
+                }
+                Outcome::Inconclusive => t.inconclusive += 1,
+                Outcome::Unavailable => t.unavailable += 1,
+                Outcome::Skipped => t.skipped += 1,
+            }
+        }
+        t
+    }
+
     /// The latest attempt of each step of an exercise, in step order of first appearance.
     pub fn latest(&self, exercise: &str) -> Vec<&Attempt> {
         let mut out: Vec<&Attempt> = Vec::new();

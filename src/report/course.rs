@@ -84,12 +84,15 @@ pub fn attempt_verdicts(a: &crate::course::state::Attempt) -> String {
             s.push_str(&format!("               hint: {h}\n"));
         }
     }
+    let again = format!("workshop run {}.{}", a.exercise, a.step);
     let outcome = match a.outcome {
-        Outcome::Pass => "passed",
-        Outcome::Fail => "failed (recorded; re-run it with `workshop run EX.STEP`, or go on)",
-        Outcome::Inconclusive => "inconclusive (recorded; re-run it on a quieter machine to judge)",
-        Outcome::Skipped => "skipped",
-        Outcome::Unavailable => "unavailable here (recorded as such)",
+        Outcome::Pass => "passed".to_string(),
+        Outcome::Fail => format!("failed (recorded; re-run it with `{again}`, or go on)"),
+        Outcome::Inconclusive => {
+            format!("inconclusive (recorded; re-run it on a quieter machine to judge: `{again}`)")
+        }
+        Outcome::Skipped => "skipped".to_string(),
+        Outcome::Unavailable => "unavailable here (recorded as such)".to_string(),
     };
     s.push_str(&format!("Step {}: {outcome}.", a.step));
     s
@@ -107,11 +110,40 @@ pub fn what_next(exercise: &str, finished: bool, upcoming: Option<&str>) -> Stri
     }
 }
 
-pub fn course_done(student: &str, results: &std::path::Path) -> String {
+/// The last screen: what the steps came to, and how to re-run what failed.
+pub fn course_done(
+    student: &str,
+    tally: &crate::course::state::Tally,
+    results: &std::path::Path,
+) -> String {
+    let opening = match tally.failed {
+        0 => format!("Well done, {student}: every exercise is done or skipped."),
+        _ => format!(
+            "{student}, you reached the end of the course: every exercise is done or skipped."
+        ),
+    };
     format!(
-        "Well done, {student}: every exercise is done or skipped. Your worksheet is {}.",
+        "{opening}\nSteps: {}.{}\nYour worksheet is {}.",
+        tally.summary(),
+        rerun_failed(tally),
         results.display()
     )
+}
+
+/// `\nRe-run what failed: `workshop run 02-precision.fp16` …` (the first five), or nothing.
+fn rerun_failed(tally: &crate::course::state::Tally) -> String {
+    if tally.failed_steps.is_empty() {
+        return String::new();
+    }
+    let shown: Vec<String> = (tally.failed_steps.iter().take(5))
+        .map(|s| format!("`workshop run {s}`"))
+        .collect();
+    let more = tally.failed_steps.len().saturating_sub(5);
+    let more = match more {
+        0 => String::new(),
+        n => format!(" and {n} more (`workshop results` lists them)"),
+    };
+    format!("\nRe-run what failed: {}{more}", shown.join(", "))
 }
 
 pub fn status_word(s: crate::course::state::Status) -> &'static str {
@@ -130,6 +162,8 @@ pub struct StatusRow {
     pub status: crate::course::state::Status,
     pub steps_done: usize,
     pub steps: usize,
+    /// How its steps came out (latest attempts).
+    pub tally: crate::course::state::Tally,
 }
 
 /// `workshop status`: a progress bar and one line per exercise.
@@ -150,7 +184,7 @@ pub fn status(
         finished * width / rows.len()
     };
     let mut t = new_table();
-    t.set_header(vec!["", "exercise", "title", "status", "steps"]);
+    t.set_header(vec!["", "exercise", "title", "status", "steps", "results"]);
     for r in rows {
         let here = if current == Some(r.id.as_str()) {
             "▶"
@@ -163,16 +197,24 @@ pub fn status(
             r.title.clone(),
             status_word(r.status).to_string(),
             format!("{}/{}", r.steps_done, r.steps),
+            match r.tally.summary().as_str() {
+                "no steps run" => String::new(),
+                s => s.to_string(),
+            },
         ]);
     }
+    let mut all = crate::course::state::Tally::default();
+    rows.iter().for_each(|r| all.add(r.tally.clone()));
     format!(
-        "{} · backend {} device {}\n[{}{}] {finished}/{} exercises\n{t}",
+        "{} · backend {} device {}\n[{}{}] {finished}/{} exercises · steps: {}\n{t}{}",
         state.student,
         state.backend,
         state.device,
         "#".repeat(filled),
         ".".repeat(width - filled),
-        rows.len()
+        rows.len(),
+        all.summary(),
+        rerun_failed(&all),
     )
 }
 
