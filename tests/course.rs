@@ -195,6 +195,8 @@ id = "run"
 kind = "bench"
 say = "A tiny run."
 bench = { network = "resnet18", batch_size = 1, iterations = 2, warmup = 0, input_size = 32 }
+# Judged however noisy two iterations are: this step fails on purpose.
+max_cv = 0.95
 
 [[step.expect]]
 metric = "throughput"
@@ -239,13 +241,23 @@ fn navigation_never_dead_ends() {
     assert!(ok(dir, &["hint"]).contains("fails on purpose"));
     // Re-running a step records a new attempt without moving on.
     ok(dir, &["run", "00-first.run"]);
+    // Short ids: the start of an exercise's id, when only it starts so.
+    ok(dir, &["run", "00.run"]);
     let runs = results(dir)["attempts"]
         .as_array()
         .unwrap()
         .iter()
         .filter(|a| a["step"] == "run")
         .count();
-    assert_eq!(runs, 2);
+    assert_eq!(runs, 3);
+    assert!(ok(dir, &["book", "01"]).contains("# 01-second"));
+    let o = ws(dir, &["book", "0"]);
+    assert!(
+        !o.status.success()
+            && stderr(&o).contains("`0` could be any of 00-first, 01-second: give more of the id"),
+        "{}",
+        stderr(&o)
+    );
     assert!(ok(dir, &["status"]).contains("01-second"));
     // Skip is recorded; goto brings an exercise back; reset starts it over.
     let out = ok(dir, &["skip"]);

@@ -376,27 +376,20 @@ pub fn goto(args: GotoArgs) -> Result<()> {
     let dir = workspace_dir(&args.course);
     state::with_workspace_lock(&dir, || {
         let (mut ws, course) = open(&args.course)?;
-        let ex = course.get(&args.id).with_context(|| {
-            format!(
-                "no exercise `{}`; the course has: {}",
-                args.id,
-                course.ids().join(", ")
-            )
-        })?;
-        let mut p = ws.progress(&args.id);
+        let ex = course.find(&args.id)?;
+        let id = ex.id().to_string();
+        let mut p = ws.progress(&id);
         if matches!(p.status, Status::Done | Status::Skipped) {
             p = Progress {
                 status: Status::InProgress,
                 next_step: 0,
             };
         }
-        ws.set_progress(&args.id, p);
-        ws.state.current = Some(args.id.clone());
+        let title = ex.exercise.title.clone();
+        ws.set_progress(&id, p);
+        ws.state.current = Some(id.clone());
         record(&mut ws, &course, None)?;
-        println!(
-            "Now on {} — {}. `workshop next` runs its next step.",
-            args.id, ex.exercise.title
-        );
+        println!("Now on {id} — {title}. `workshop next` runs its next step.");
         Ok(())
     })
 }
@@ -406,12 +399,7 @@ pub fn skip(args: SkipArgs) -> Result<()> {
     state::with_workspace_lock(&dir, || {
         let (mut ws, course) = open(&args.course)?;
         let ex = match &args.id {
-            Some(id) => course.get(id).with_context(|| {
-                format!(
-                    "no exercise `{id}`; the course has: {}",
-                    course.ids().join(", ")
-                )
-            })?,
+            Some(id) => course.find(id)?,
             None => {
                 current(&ws, &course).context("nothing left to skip: the course is complete")?
             }
@@ -519,12 +507,7 @@ pub fn reset(args: ResetArgs) -> Result<()> {
     let id = args.id.clone().context("give an exercise id, or --all")?;
     state::with_workspace_lock(&dir, || {
         let (mut ws, course) = open(&args.course)?;
-        course.get(&id).with_context(|| {
-            format!(
-                "no exercise `{id}`; the course has: {}",
-                course.ids().join(", ")
-            )
-        })?;
+        let id = course.find(&id)?.id().to_string();
         ws.state.exercises.remove(&id);
         if ws.state.current.as_deref() == Some(id.as_str()) {
             ws.state.current = None;
@@ -544,15 +527,8 @@ pub fn run(args: RunStepArgs) -> Result<()> {
             Some((e, s)) => (e.to_string(), Some(s.to_string())),
             None => (args.target.clone(), None),
         };
-        let ex = course
-            .get(&id)
-            .with_context(|| {
-                format!(
-                    "no exercise `{id}`; the course has: {}",
-                    course.ids().join(", ")
-                )
-            })?
-            .clone();
+        let ex = course.find(&id)?.clone();
+        let id = ex.id().to_string();
         let steps: Vec<_> = match &step_id {
             Some(s) => vec![
                 ex.exercise
@@ -618,13 +594,8 @@ pub fn book(args: BookArgs) -> Result<()> {
     let page = match args.id.as_deref() {
         Some("introduction") => "introduction.md".to_string(),
         Some(id) => course
-            .get(id)
-            .with_context(|| {
-                format!(
-                    "no exercise `{id}`; the course has: introduction, {}",
-                    course.ids().join(", ")
-                )
-            })?
+            .find(id)
+            .map_err(|e| anyhow::anyhow!("{e} (or `introduction`)"))?
             .exercise
             .chapter
             .get_ref()

@@ -160,6 +160,28 @@ impl Course {
         self.exercises.iter().find(|e| e.id() == id)
     }
 
+    /// The exercise `id` names: its whole id, or a prefix only it starts with (`03` for
+    /// `03-operator-profile`); else an error listing the course's ids.
+    pub fn find(&self, id: &str) -> anyhow::Result<&LoadedExercise> {
+        if let Some(e) = self.get(id) {
+            return Ok(e);
+        }
+        let matches: Vec<&LoadedExercise> = (self.exercises.iter())
+            .filter(|e| !id.is_empty() && e.id().starts_with(id))
+            .collect();
+        match matches[..] {
+            [one] => Ok(one),
+            [] => anyhow::bail!(
+                "no exercise `{id}`; the course has: {}",
+                self.ids().join(", ")
+            ),
+            _ => anyhow::bail!(
+                "`{id}` could be any of {}: give more of the id",
+                matches.iter().map(|e| e.id()).collect::<Vec<_>>().join(", ")
+            ),
+        }
+    }
+
     pub fn ids(&self) -> Vec<&str> {
         self.exercises.iter().map(|e| e.id()).collect()
     }
