@@ -287,6 +287,18 @@ fn navigation_never_dead_ends() {
     );
     ok(dir, &["goto", "01-second"]);
     assert!(ok(dir, &["next", "--yes"]).contains("The end."));
+    // goto then skip: the steps run before keep their results (the worksheet too).
+    ok(dir, &["goto", "00-first"]);
+    ok(dir, &["skip"]);
+    let skipped_hello = results(dir)["attempts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|a| a["step"] == "hello" && a["outcome"] == "skipped")
+        .count();
+    assert_eq!(skipped_hello, 0);
+    let sheet = std::fs::read_to_string(dir.join("results.md")).unwrap();
+    assert!(sheet.contains("| hello | pass |"), "{sheet}");
     ok(dir, &["reset", "00-first"]);
     let status = ok(dir, &["status"]);
     assert!(status.contains("not started"), "{status}");
@@ -525,6 +537,28 @@ fn a_killed_run_loses_nothing_recorded() {
     );
     // The lock died with the process: the workspace is usable at once.
     assert!(ok(dir, &["status"]).contains("1/2"));
+    // Ctrl-C (SIGINT) says so, records nothing, and exits as interrupted programs do.
+    let child = crate::common::command()
+        .args(["next", "--yes", "--dir"])
+        .arg(dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    // SAFETY: signalling our own child, which is still running (it waits for us to reap it).
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(130));
+    assert!(
+        stderr(&o).contains("interrupted: nothing recorded for this step"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("results.json")).unwrap(),
+        before
+    );
     ok(dir, &["skip", "00-first"]);
 }
 

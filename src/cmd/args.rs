@@ -331,6 +331,9 @@ pub struct ResetArgs {
     /// Start over completely; state and results are kept as *.bak-TIME backups
     #[arg(long, conflicts_with = "id")]
     pub all: bool,
+    /// With --all: do not ask for confirmation on a terminal
+    #[arg(long, short = 'y', requires = "all")]
+    pub yes: bool,
 }
 
 #[derive(Debug, Args)]

@@ -411,7 +411,14 @@ pub fn skip(args: SkipArgs) -> Result<()> {
             status: Status::Skipped,
             next_step: ex.exercise.steps.len(),
         };
-        for step in ex.exercise.steps.iter().skip(p.next_step) {
+        // Steps run before (a `goto` back, then `skip`) keep their results on the worksheet.
+        let ran: Vec<String> = (ws.results.latest(&id).iter())
+            .filter(|a| a.outcome != Outcome::Skipped)
+            .map(|a| a.step.clone())
+            .collect();
+        let untouched = (ex.exercise.steps.iter().skip(p.next_step))
+            .filter(|s| !ran.contains(s.id.get_ref()));
+        for step in untouched {
             ws.results.attempts.push(Attempt {
                 exercise: id.clone(),
                 step: step.id.get_ref().clone(),
@@ -493,6 +500,16 @@ pub fn reset(args: ResetArgs) -> Result<()> {
                 "no workshop workspace in `{}`: nothing to reset",
                 dir.display()
             );
+        }
+        if !args.yes
+            && interactive()
+            && !inquire::Confirm::new("Start over? Your state and results move aside as backups.")
+                .with_default(false)
+                .prompt()
+                .unwrap_or(false)
+        {
+            println!("Nothing reset.");
+            return Ok(());
         }
         // Works on a damaged workspace too: nothing is parsed, files are moved aside.
         return with_lock(&dir, || {

@@ -30,6 +30,26 @@ fn unavailable_reason(e: &anyhow::Error) -> Option<String> {
 /// Run `step` of `exercise` and return the attempt to record (nothing is written to the
 /// workspace's state or results here; a run's record and a chart go to `records/` and
 /// `charts/`). `answer` answers a question step.
+/// Set while a step runs, so that Ctrl-C can say nothing was recorded for it (the handler is
+/// in main). Results are written only after a step finishes, by atomic renames.
+pub static STEP_RUNNING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Clears [`STEP_RUNNING`] however the step ends.
+struct Running;
+
+impl Running {
+    fn start() -> Running {
+        STEP_RUNNING.store(true, std::sync::atomic::Ordering::SeqCst);
+        Running
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        STEP_RUNNING.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 pub fn run_step(
     ws: &Workspace,
     exercise: &str,
@@ -56,7 +76,9 @@ pub fn run_step(
         ]),
         ..StepOutput::default()
     };
+    let running = Running::start();
     let result = steps::function(step.kind)(&ctx, &mut out, ui);
+    drop(running);
     let mut note = None;
     let outcome = match result {
         Ok(()) => {

@@ -268,7 +268,7 @@ pub fn with_lock<T>(dir: &Path, f: impl FnOnce() -> Result<T>) -> Result<T> {
 pub fn with_workspace_lock<T>(dir: &Path, f: impl FnOnce() -> Result<T>) -> Result<T> {
     if !exists(dir) {
         bail!(
-            "no workshop workspace in `{}`: run `workshop init` there first",
+            "no workshop workspace in `{}`: run `workshop init --name NAME` there first",
             dir.display()
         );
     }
@@ -327,7 +327,7 @@ impl Workspace {
     pub fn open(dir: &Path) -> Result<Workspace> {
         if !exists(dir) {
             bail!(
-                "no workshop workspace in `{}`: run `workshop init` there first",
+                "no workshop workspace in `{}`: run `workshop init --name NAME` there first",
                 dir.display()
             );
         }
