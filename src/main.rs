@@ -17,8 +17,13 @@ fn main() -> ExitCode {
     // SAFETY: installing a handler that only calls async-signal-safe functions (an atomic
     // load, write(2), _exit(2)), before any thread starts.
     unsafe {
-        libc::signal(libc::SIGINT, on_interrupt as *const () as libc::sighandler_t);
+        libc::signal(
+            libc::SIGINT,
+            on_interrupt as *const () as libc::sighandler_t,
+        );
     }
+    #[cfg(unix)]
+    private_runtime_dir();
     let cli = workshop::cmd::args::Cli::parse();
     match workshop::cmd::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
@@ -43,5 +48,26 @@ extern "C" fn on_interrupt(_: libc::c_int) {
     unsafe {
         libc::write(2, msg.as_ptr().cast(), msg.len());
         libc::_exit(130);
+    }
+}
+
+/// Vulkan's loader and Mesa's drivers connect to a Wayland display while wgpu looks for
+/// devices, and libwayland prints `error: XDG_RUNTIME_DIR is invalid or not set` on runs that
+/// then succeed. Where the variable is unset or not a directory, point it at a private one
+/// (mode 0700, as the specification asks) in the temporary folder, before any thread starts.
+#[cfg(unix)]
+fn private_runtime_dir() {
+    use std::os::unix::fs::DirBuilderExt;
+    let current = std::env::var_os("XDG_RUNTIME_DIR").map(std::path::PathBuf::from);
+    if current.is_some_and(|d| d.is_absolute() && d.is_dir()) {
+        return;
+    }
+    // SAFETY: getuid cannot fail.
+    let uid = unsafe { libc::getuid() };
+    let dir = std::env::temp_dir().join(format!("workshop-runtime-{uid}"));
+    let made = std::fs::DirBuilder::new().mode(0o700).create(&dir);
+    if made.is_ok() || dir.is_dir() {
+        // SAFETY: no other thread exists yet (main's first steps).
+        unsafe { std::env::set_var("XDG_RUNTIME_DIR", &dir) };
     }
 }

@@ -573,6 +573,15 @@ fn wgpu_says_what_it_cannot_do() {
         "{err}"
     );
     assert!(!err.contains("panicked"), "{err}");
+    // Without a runtime folder, no library complains about it on a run that works.
+    let o = crate::common::command()
+        .env_remove("XDG_RUNTIME_DIR")
+        .args(["bench", "--backend", "wgpu", "--network", "resnet18"])
+        .args(["--input-size", "32", "--iterations", "1", "--warmup", "0"])
+        .args(["--batch-size", "1"])
+        .output()
+        .unwrap();
+    assert!(!stderr(&o).contains("XDG_RUNTIME_DIR"), "{}", stderr(&o));
 }
 
 #[test]

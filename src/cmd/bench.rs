@@ -41,6 +41,8 @@ fn weights_label(run: &RunArgs) -> String {
 }
 
 pub fn bench(args: BenchArgs) -> Result<()> {
+    // An unknown network fails here, before anything is printed.
+    let network = zoo::build(&args.run.network)?;
     let cfg = BenchConfig {
         network: args.run.network.clone(),
         batch_size: args.batch_size,
@@ -51,9 +53,9 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         device: args.run.device,
         threads: args.run.threads,
         // The network's own size unless asked (EfficientNet-B7 600, most 224).
-        input_size: args.input_size.unwrap_or_else(|| {
-            zoo::build(&args.run.network).map_or(224, |g| g.default_input_size())
-        }),
+        input_size: args
+            .input_size
+            .unwrap_or_else(|| network.default_input_size()),
         seed: args.run.seed,
         weights: weights_label(&args.run),
         profile: args.profile || args.profile_csv.is_some() || args.trace.is_some(),

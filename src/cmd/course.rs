@@ -416,8 +416,8 @@ pub fn skip(args: SkipArgs) -> Result<()> {
             .filter(|a| a.outcome != Outcome::Skipped)
             .map(|a| a.step.clone())
             .collect();
-        let untouched = (ex.exercise.steps.iter().skip(p.next_step))
-            .filter(|s| !ran.contains(s.id.get_ref()));
+        let untouched =
+            (ex.exercise.steps.iter().skip(p.next_step)).filter(|s| !ran.contains(s.id.get_ref()));
         for step in untouched {
             ws.results.attempts.push(Attempt {
                 exercise: id.clone(),

@@ -177,7 +177,11 @@ impl Course {
             ),
             _ => anyhow::bail!(
                 "`{id}` could be any of {}: give more of the id",
-                matches.iter().map(|e| e.id()).collect::<Vec<_>>().join(", ")
+                matches
+                    .iter()
+                    .map(|e| e.id())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
         }
     }

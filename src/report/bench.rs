@@ -3,6 +3,7 @@
 
 use comfy_table::{Cell, CellAlignment};
 
+use crate::backend::BackendKind;
 use crate::bench::Event;
 use crate::bench::record::{BenchConfig, BenchRecord};
 use crate::units::human_bytes;
@@ -15,6 +16,11 @@ pub fn config_echo(cfg: &BenchConfig) -> String {
     let threads = cfg
         .threads
         .map_or_else(|| "all cores".to_string(), |t| t.to_string());
+    let gpu = matches!(cfg.backend, BackendKind::Cuda | BackendKind::Hip);
+    let backend = match gpu && crate::backend::gpu::emu::requested() {
+        true => format!("{} emulated on the host CPU", cfg.backend),
+        false => cfg.backend.to_string(),
+    };
     format!(
         "Network:     {}\nBatch size:  {}\nInput:       3×{}×{}\nIterations:  {} (after {} warm-up)\nPrecision:   {}\nBackend:     {} (device {}, threads: {})\nWeights:     {}",
         cfg.network,
@@ -24,7 +30,7 @@ pub fn config_echo(cfg: &BenchConfig) -> String {
         cfg.iterations,
         cfg.warmup,
         cfg.precision.name().to_uppercase(),
-        cfg.backend,
+        backend,
         cfg.device,
         threads,
         cfg.weights
