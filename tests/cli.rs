@@ -105,6 +105,12 @@ fn bench_prints_iterations_and_writes_a_record() {
     assert!(median > 0.0 && (throughput - 2.0 / median).abs() < 1e-6 * throughput);
     assert_eq!(r["model"]["params"], 11_689_512);
     assert!(r["memory"]["peak"].as_u64().unwrap() > r["memory"]["weights"].as_u64().unwrap());
+    // "Weights" is the network's 11.7 M parameters in FP32, whatever the backend packs on top;
+    // the per-image time is the median step's.
+    let memory = out.lines().find(|l| l.starts_with("Memory")).unwrap();
+    assert!(memory.contains(" peak: 44.6 MiB weights"), "{memory}");
+    let per_image = format!("Per image     {:.1} µs", median * 1e6 / 2.0);
+    assert!(out.contains(&per_image), "{per_image} in {out}");
     assert!(
         r["environment"]["device"]["name"]
             .as_str()

@@ -18,7 +18,9 @@ pub struct Stats {
     pub throughput: f64,
     /// Images per second from the median step (robust to a few slow iterations).
     pub throughput_median: f64,
+    /// The mean step in milliseconds (micro_benchmarking_pytorch.py's "time per batch").
     pub ms_per_batch: f64,
+    /// Microseconds per image at the median step (what the throughput's median says).
     pub us_per_sample: f64,
     /// Conv + linear FLOPs (2 per MAC) per second at the median step.
     pub gflops: f64,
@@ -58,7 +60,7 @@ impl Stats {
             throughput: b / mean,
             throughput_median: b / median,
             ms_per_batch: mean * 1e3,
-            us_per_sample: mean * 1e6 / b,
+            us_per_sample: median * 1e6 / b,
             gflops: flops as f64 / median / 1e9,
         })
     }

@@ -81,9 +81,9 @@ pub fn summary(r: &BenchRecord) -> String {
          Step time     median {:.2} ms, mean {:.2} ms, std {:.2} ms (CV {:.1}%)\n\
          Range         min {:.2} ms, max {:.2} ms over {} iterations\n\
          Throughput    {:.1} images/s (mean), {:.1} images/s (median)\n\
-         Per batch     {:.2} ms    per sample {:.1} µs\n\
+         Per image     {:.1} µs (median step / batch)\n\
          Compute       {:.1} GFLOP/s ({:.2} GMACs per image in convolutions, linear layers and attention; 2 FLOPs each)\n\
-         Memory        {} peak ({} weights + {} activations)\n\
+         Memory        {} peak: {}, {} activations\n\
          Loss          {:.4} (random labels: ln(classes) ≈ {:.4} for an untrained network)\n{}{}{line}",
         c.network,
         c.precision.name().to_uppercase(),
@@ -99,18 +99,41 @@ pub fn summary(r: &BenchRecord) -> String {
         r.samples_s.len(),
         s.throughput,
         s.throughput_median,
-        s.ms_per_batch,
         s.us_per_sample,
         s.gflops,
         r.model.macs_per_image as f64 / 1e9,
         human_bytes(r.memory.peak),
-        human_bytes(r.memory.weights),
+        weights_text(r),
         human_bytes(r.memory.peak_activations),
         r.loss,
         1000f64.ln(),
         enqueue_line(r),
         r.compile.as_ref().map_or(String::new(), compile_lines),
     )
+}
+
+/// The weights' share of memory: the parameters at the run's precision, and apart from them
+/// what the backend keeps on top (packed panels, Winograd-transformed filters, batch-tile
+/// copies), so that "weights" is the network's figure on every backend.
+fn weights_text(r: &BenchRecord) -> String {
+    let own = r.model.params * r.config.precision.bytes() as u64;
+    let stored = r.memory.weights;
+    // Within 1% (biases padded, a layer norm's identity) counts as the same.
+    if stored.abs_diff(own) * 100 <= own {
+        return format!("{} weights", human_bytes(stored));
+    }
+    match stored > own {
+        true => format!(
+            "{} weights (+{} of packed copies for the kernels)",
+            human_bytes(own),
+            human_bytes(stored - own)
+        ),
+        false => format!(
+            "{} weights (stored in {})",
+            human_bytes(own),
+            human_bytes(stored)
+        ),
+    }
 }
 
 /// The host's time to enqueue one pass, on backends that run asynchronously: what launch
