@@ -63,7 +63,7 @@ pub fn peak(
 ) -> String {
     let mut s = format!(
         "GEMM {0}×{0}×{0} {1} on {2}: {3}/{4} iterations validated (success rate {5:.0}%, max relative error {6:.1e})\n\
-         Average {7:.1} GFLOP/s (median {8:.3} ms{10}), best {9:.1} GFLOP/s",
+         Median {7:.1} GFLOP/s ({8:.3} ms per GEMM{10}), best {9:.1} GFLOP/s",
         g.size,
         g.precision.name().to_uppercase(),
         g.backend,
@@ -89,6 +89,17 @@ pub fn peak(
                     b.median_gbps,
                     b.best_gbps,
                     human_bytes(b.bytes)
+                ));
+            }
+            // STREAM's rule: the arrays together at least 4× the last-level cache, or the
+            // probe times the cache. Host memory only (a GPU probe's arrays are the device's).
+            let llc = crate::backend::cpu::batch_tiles::last_level_cache() as u64;
+            let smallest = bw.iter().map(|b| b.bytes).min().unwrap_or(u64::MAX);
+            if g.backend.is_host() && smallest < 4 * llc {
+                let mib = (2 * llc).div_ceil(1 << 20).next_power_of_two();
+                s.push_str(&format!(
+                    "\nThese arrays fit in the CPU's {} last-level cache: this measured the cache, not memory (use --array-mib {mib} or more)",
+                    human_bytes(llc)
                 ));
             }
         }

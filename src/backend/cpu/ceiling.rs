@@ -37,7 +37,13 @@ pub fn ceiling(features: &[String], cores: usize) -> Option<Theoretical> {
     let (per_cycle, isa) = cpu_flops_per_cycle(&features, amd_family_model());
     if let Some(gflops) = simd::fma_ceiling(cores) {
         let ghz = gflops / (cores as f64 * per_cycle as f64);
-        let os = os_ghz.map_or(String::new(), |g| format!(", the OS reports {g:.2} GHz"));
+        // Far below the OS's clock, the chains shared the cores with another program.
+        let os = os_ghz.map_or(String::new(), |g| match ghz < 0.7 * g {
+            true => format!(
+                ", far below the {g:.2} GHz the OS reports: another program is using these cores, so every figure measured now is low"
+            ),
+            false => format!(", the OS reports {g:.2} GHz"),
+        });
         // Threads, not cores: two threads of one SMT core share its FMA units, and the
         // clock this implies per thread is then half the core's.
         let threads = if cores == 1 {
