@@ -417,7 +417,7 @@ pub struct PeakArgs {
     /// Timed GEMMs (each one's output is checked)
     #[arg(long, default_value_t = 10)]
     pub iterations: usize,
-    /// Size of each bandwidth array in MiB (host memory, CPU backend)
+    /// Size of each bandwidth array in MiB (host memory on the CPU backend, device memory on a GPU)
     #[arg(long, default_value_t = 256, value_name = "MIB")]
     pub array_mib: usize,
     /// Print the results as JSON
