@@ -98,6 +98,16 @@ fn the_embedded_course_runs_start_to_finish_on_the_cpu() {
             .unwrap()
             .clone()
     };
+    // 07's launch-overhead question means nothing where the host is the device.
+    let overhead = find("07-kernel-profile", "overhead");
+    assert_eq!(overhead["outcome"], "unavailable", "{overhead}");
+    assert!(
+        overhead["note"]
+            .as_str()
+            .unwrap()
+            .contains("not applicable on the cpu backend (this step is for cuda, hip, wgpu)"),
+        "{overhead}"
+    );
     // The peak steps record the cores' FMA ceiling beside the GEMM, and 09 judges the GEMM
     // as a share of it (on the CPU's own range).
     assert!(

@@ -16,7 +16,6 @@ use super::args::{
 };
 use crate::backend::BackendKind;
 use crate::course::runner::{earlier, run_step};
-use crate::course::schema::StepKind;
 use crate::course::state::{self, Attempt, Outcome, Progress, Status, Workspace, now, with_lock};
 use crate::course::ui::{Show, Ticker, Ui};
 use crate::course::{Course, LoadedExercise, Source};
@@ -270,7 +269,7 @@ pub fn next(args: NextArgs) -> Result<()> {
         if interactive()
             && !args.yes
             && args.answer.is_none()
-            && step.kind != StepKind::Question
+            && step.kind.measures()
             && !inquire::Confirm::new("Run this step now?")
                 .with_default(true)
                 .prompt()

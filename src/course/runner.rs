@@ -27,9 +27,6 @@ fn unavailable_reason(e: &anyhow::Error) -> Option<String> {
         .or_else(|| e.downcast_ref::<Unavailable>().map(ToString::to_string))
 }
 
-/// Run `step` of `exercise` and return the attempt to record (nothing is written to the
-/// workspace's state or results here; a run's record and a chart go to `records/` and
-/// `charts/`). `answer` answers a question step.
 /// Set while a step runs, so that Ctrl-C can say nothing was recorded for it (the handler is
 /// in main). Results are written only after a step finishes, by atomic renames.
 pub static STEP_RUNNING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -50,6 +47,9 @@ impl Drop for Running {
     }
 }
 
+/// Run `step` of `exercise` and return the attempt to record (nothing is written to the
+/// workspace's state or results here; a run's record and a chart go to `records/` and
+/// `charts/`). `answer` answers a question step.
 pub fn run_step(
     ws: &Workspace,
     exercise: &str,
@@ -76,8 +76,18 @@ pub fn run_step(
         ]),
         ..StepOutput::default()
     };
+    let applies = step.backends.is_empty() || step.backends.contains(&ws.state.backend);
     let running = Running::start();
-    let result = steps::function(step.kind)(&ctx, &mut out, ui);
+    let result = match applies {
+        true => steps::function(step.kind)(&ctx, &mut out, ui),
+        false => Err(anyhow::Error::new(Unavailable(format!(
+            "not applicable on the {} backend (this step is for {})",
+            ws.state.backend,
+            (step.backends.iter().map(|b| b.to_string()))
+                .collect::<Vec<_>>()
+                .join(", ")
+        )))),
+    };
     drop(running);
     let mut note = None;
     let outcome = match result {

@@ -77,8 +77,8 @@ pub enum StepKind {
     Question,
     /// The machine's measured limits (`workshop peak`): `gemm_gflops`; `ceiling_gflops`, the
     /// FP32 compute ceiling above it where the device gives one (a CPU's FMA throughput,
-    /// measured on registers; a CUDA GPU's specification peak); and on the CPU backend
-    /// `copy_gbps` and `triad_gbps`. Later expectations can be a fraction of them
+    /// measured on registers; a CUDA GPU's specification peak); and the memory bandwidth
+    /// probe's `copy_gbps` and `triad_gbps`. Later expectations can be a fraction of them
     /// (`metric = "gflops"`, `per = "peak.gemm_gflops"`). Optional `peak` section.
     Peak,
     /// A benchmark with every kernel timed and a FLOPs profile of its last timed iteration
@@ -96,6 +96,21 @@ pub enum StepKind {
     Chart,
     /// Text only.
     Note,
+}
+
+impl StepKind {
+    /// Whether the step measures something (takes time and loads the machine), rather than
+    /// printing, deriving or asking: only these ask "Run this step now?" on a terminal.
+    pub fn measures(self) -> bool {
+        matches!(
+            self,
+            StepKind::Bench
+                | StepKind::Sweep
+                | StepKind::Accuracy
+                | StepKind::Peak
+                | StepKind::Profile
+        )
+    }
 }
 
 /// One step of an exercise.
@@ -131,6 +146,11 @@ pub struct Step {
     pub expects: Vec<Spanned<Expect>>,
     /// Shown by `workshop hint` while this step is current.
     pub hint: Option<String>,
+    /// The backends the step means something on (empty: all). Elsewhere it is recorded as
+    /// unavailable, not applicable there, without running (a launch-overhead question on a
+    /// CPU, whose host is its device).
+    #[serde(default)]
+    pub backends: Vec<BackendKind>,
 }
 
 /// A benchmark run, with the same meaning as the `workshop bench` flags. Missing fields take
