@@ -799,6 +799,22 @@ fn peak_in_half_precision_and_bad_sizes() {
         "{out}"
     );
     assert!(out.contains("Median ") && !out.contains("Average"), "{out}");
+    // FP16 on a CPU multiplies in FP32: placed under the FP32 ceiling. BF16 is too where the
+    // CPU widens it, and has a ceiling of its own where it multiplies bf16 pairs.
+    use workshop::backend::cpu::simd::{Simd, simd};
+    if simd().has_avx2() {
+        assert!(out.contains("the GEMM reaches"), "{out}");
+        let bf16 = ["--precision", "bf16", "--size", "64", "--iterations", "2"];
+        let o = workshop(&[&["peak", "--array-mib", "4"][..], &bf16].concat());
+        let out = stdout(&o);
+        let pairs = simd() >= Simd::Avx512Bf16;
+        assert_eq!(
+            out.contains("BF16 has a higher ceiling of its own"),
+            pairs,
+            "{out}"
+        );
+        assert_eq!(out.contains("the GEMM reaches"), !pairs, "{out}");
+    }
     let o = workshop(&["peak", "--size", "0"]);
     assert!(
         !o.status.success() && stderr(&o).contains("--size and --iterations must be at least 1")

@@ -685,7 +685,7 @@ impl Ui for Terminal {
             } => format!(
                 "{}\n{}",
                 report::machine::peak(gemm, bandwidth),
-                report::machine::ceiling(gemm.gflops, ceiling)
+                report::machine::ceiling(gemm, ceiling)
             ),
             Show::Line(line) => line,
         };

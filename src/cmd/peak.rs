@@ -24,10 +24,7 @@ pub fn run(a: PeakArgs) -> Result<()> {
         println!("{json}");
     } else {
         println!("{}", report::machine::peak(&p.gemm, p.bandwidth.as_deref()));
-        println!(
-            "{}",
-            report::machine::ceiling(p.gemm.gflops, p.ceiling.as_ref())
-        );
+        println!("{}", report::machine::ceiling(&p.gemm, p.ceiling.as_ref()));
     }
     if let Some(why) = p.refusal() {
         bail!("{why}");

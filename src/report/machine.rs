@@ -110,22 +110,50 @@ pub fn peak(
 
 /// The line after a GEMM peak that places it under the device's compute ceiling: the FMA
 /// ceiling measured on a CPU's registers, or a GPU's specification peak (`None`: the device
-/// does not give the facts for one).
-pub fn ceiling(gemm_gflops: f64, t: Option<&crate::bench::peak::Theoretical>) -> String {
+/// does not give the facts for one). Both are FP32 ceilings: a GEMM in another precision is
+/// placed under it only where it multiplies on the same units (FP16 on a CPU, converted to
+/// FP32); elsewhere the line says the precision has a ceiling of its own.
+pub fn ceiling(
+    g: &crate::bench::peak::GemmPeak,
+    t: Option<&crate::bench::peak::Theoretical>,
+) -> String {
+    use crate::model::Precision;
+    let gemm_gflops = g.gflops;
+    let same_units = match g.precision {
+        Precision::Fp32 => true,
+        Precision::Fp16 => g.backend.is_host(),
+        // BF16 pairs (vdpbf16ps, AMX tiles) multiply at twice FP32's rate or more; without
+        // them a CPU widens BF16 to FP32. GPUs' tensor and matrix cores are faster still.
+        Precision::Bf16 => {
+            use crate::backend::cpu::simd::{Simd, simd};
+            g.backend.is_host() && simd() < Simd::Avx512Bf16
+        }
+    };
+    let of_it = |ceiling: f64| match same_units {
+        true => format!(
+            ": the GEMM reaches {:.0}% of it",
+            100.0 * gemm_gflops / ceiling
+        ),
+        false => format!(
+            " — for FP32: {} has a higher ceiling of its own on this device, not measured yet, so no share of this one is given",
+            g.precision.name().to_uppercase()
+        ),
+    };
     match t {
         Some(t) if t.measured => format!(
-            "FP32 FMA ceiling {:.1} GFLOP/s ({}): the GEMM reaches {:.0}% of it",
+            "FP32 FMA ceiling {:.1} GFLOP/s ({}){}",
             t.gflops,
             t.how,
-            100.0 * gemm_gflops / t.gflops
+            of_it(t.gflops)
         ),
         Some(t) => {
             let share = 100.0 * gemm_gflops / t.gflops;
             format!(
-                "Theoretical FP32 peak {:.1} GFLOP/s = {}: the measured GEMM reaches {share:.0}% of it{}",
+                "Theoretical FP32 peak {:.1} GFLOP/s = {}{}{}",
                 t.gflops,
                 t.how,
-                if share > 100.0 {
+                of_it(t.gflops),
+                if share > 100.0 && same_units {
                     " (so the cores ran faster than the reported clock)"
                 } else {
                     ""

@@ -64,6 +64,17 @@ pub fn flops_profile(p: &FlopsProfile, depth: Option<usize>, top: usize) -> Stri
     s
 }
 
+/// Why an efficiency can pass 100%: the FLOPs are those of the layers as defined (a direct
+/// convolution's multiply-adds), the work a fast algorithm saves included.
+fn beyond(gflops: f64, peak: f64) -> &'static str {
+    if gflops > peak {
+        " (above 100%: FLOPs are counted as a direct convolution does them, and Winograd's \
+         kernels execute fewer: these are effective FLOP/s, not executed ones)"
+    } else {
+        ""
+    }
+}
+
 /// A percentage of a whole that may be zero.
 fn pct(part: f64, whole: f64) -> f64 {
     100.0 * part / whole.max(f64::MIN_POSITIVE)
@@ -123,7 +134,11 @@ fn flops_summary(p: &FlopsProfile) -> String {
             line(
                 &mut s,
                 "efficiency = fwd FLOPS / measured peak:",
-                format!("{:.1}%", pct(root.gflops(), peak)),
+                format!(
+                    "{:.1}%{}",
+                    pct(root.gflops(), peak),
+                    beyond(root.gflops(), peak)
+                ),
             );
         }
         None => line(
@@ -145,7 +160,11 @@ fn flops_summary(p: &FlopsProfile) -> String {
         line(
             &mut s,
             "efficiency against it:",
-            format!("{:.1}%", pct(root.gflops(), t.gflops)),
+            format!(
+                "{:.1}%{}",
+                pct(root.gflops(), t.gflops),
+                beyond(root.gflops(), t.gflops)
+            ),
         );
     }
     match (p.limits.bandwidth_gbps, p.limits.balance()) {
