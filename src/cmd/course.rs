@@ -264,7 +264,12 @@ pub fn next(args: NextArgs) -> Result<()> {
         let step = &ex.exercise.steps[progress.next_step.min(total - 1)];
         println!(
             "{}",
-            report::course::step_header(&id, progress.next_step, total, step)
+            report::for_terminal(&report::course::step_header(
+                &id,
+                progress.next_step,
+                total,
+                step
+            ))
         );
         if interactive()
             && !args.yes
@@ -571,7 +576,8 @@ pub fn run(args: RunStepArgs) -> Result<()> {
                 .iter()
                 .position(|s| s.id.get_ref() == step.id.get_ref())
                 .unwrap_or(0);
-            println!("{}", report::course::step_header(&id, index, total, step));
+            let header = report::course::step_header(&id, index, total, step);
+            println!("{}", report::for_terminal(&header));
             let mut ui = Terminal {
                 interactive: interactive(),
                 backend: ws.state.backend,
@@ -682,11 +688,11 @@ impl Ui for Terminal {
                 gemm,
                 bandwidth,
                 ceiling,
-            } => format!(
+            } => report::lines_for_terminal(&format!(
                 "{}\n{}",
                 report::machine::peak(gemm, bandwidth),
                 report::machine::ceiling(gemm, ceiling)
-            ),
+            )),
             Show::Line(line) => line,
         };
         println!("{text}");

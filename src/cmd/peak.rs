@@ -23,8 +23,12 @@ pub fn run(a: PeakArgs) -> Result<()> {
         });
         println!("{json}");
     } else {
-        println!("{}", report::machine::peak(&p.gemm, p.bandwidth.as_deref()));
-        println!("{}", report::machine::ceiling(&p.gemm, p.ceiling.as_ref()));
+        let text = format!(
+            "{}\n{}",
+            report::machine::peak(&p.gemm, p.bandwidth.as_deref()),
+            report::machine::ceiling(&p.gemm, p.ceiling.as_ref())
+        );
+        println!("{}", report::lines_for_terminal(&text));
     }
     if let Some(why) = p.refusal() {
         bail!("{why}");

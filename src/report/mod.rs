@@ -10,11 +10,95 @@ pub mod machine;
 pub mod profile;
 pub mod results;
 
-use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
+use std::io::IsTerminal;
 
-/// A table in the style every report uses.
+use comfy_table::{ContentArrangement, Table, presets::UTF8_FULL_CONDENSED};
+
+/// A table in the style every report uses; on a terminal its columns wrap to fit its width.
 pub(crate) fn new_table() -> Table {
     let mut t = Table::new();
     t.load_style(UTF8_FULL_CONDENSED);
+    t.set_content_arrangement(ContentArrangement::Dynamic);
     t
+}
+
+/// `text` as a terminal shows it best: on a terminal, each paragraph's lines joined and filled
+/// to the terminal's width (at most 100 columns, for reading), list items and indented lines
+/// kept on lines of their own; elsewhere (a pipe, a file, a test) as written.
+pub fn for_terminal(text: &str) -> String {
+    if !std::io::stdout().is_terminal() {
+        return text.to_string();
+    }
+    fill(text, textwrap::termwidth().clamp(40, 100))
+}
+
+/// Output whose every line is an item of its own (a measurement's summary): on a terminal,
+/// each line longer than the terminal wrapped onto indented continuation lines.
+pub fn lines_for_terminal(text: &str) -> String {
+    if !std::io::stdout().is_terminal() {
+        return text.to_string();
+    }
+    let opts = textwrap::Options::new(textwrap::termwidth().max(40))
+        .subsequent_indent("    ")
+        .break_words(false);
+    (text.lines())
+        .map(|l| textwrap::fill(l, &opts))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Paragraphs of `text` refilled to `width` columns (see [`for_terminal`]).
+pub fn fill(text: &str, width: usize) -> String {
+    let starts_item = |l: &str| {
+        let t = l.trim_start();
+        l.starts_with(' ')
+            || t.starts_with("- ")
+            || t.starts_with("* ")
+            || t.split_once(". ")
+                .is_some_and(|(n, _)| n.parse::<u32>().is_ok())
+    };
+    let mut out: Vec<String> = Vec::new();
+    let mut para: Vec<&str> = Vec::new();
+    let flush = |para: &mut Vec<&str>, out: &mut Vec<String>| {
+        if !para.is_empty() {
+            let joined = para.join(" ");
+            let indent = " ".repeat(joined.len() - joined.trim_start().len());
+            let hang = if starts_item(&joined) { "  " } else { "" };
+            let next = format!("{indent}{hang}");
+            let opts = textwrap::Options::new(width)
+                .subsequent_indent(&next)
+                .break_words(false);
+            out.push(textwrap::fill(&joined, opts));
+            para.clear();
+        }
+    };
+    for line in text.lines() {
+        if line.trim().is_empty() {
+            flush(&mut para, &mut out);
+            out.push(String::new());
+        } else {
+            if starts_item(line) {
+                flush(&mut para, &mut out);
+            }
+            para.push(line.trim_end());
+        }
+    }
+    flush(&mut para, &mut out);
+    out.join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn paragraphs_refill_and_items_stay_apart() {
+        let text =
+            "One two three\nfour five six seven.\n\n- an item that is long\n- another\n  indented";
+        let got = super::fill(text, 16);
+        assert_eq!(
+            got,
+            "One two three\nfour five six\nseven.\n\n- an item that\n  is long\n- another\n  indented"
+        );
+        // Every line fits.
+        assert!(got.lines().all(|l| l.chars().count() <= 16));
+    }
 }
