@@ -30,6 +30,27 @@ pub struct GemmPeak {
     /// Iterations whose sampled outputs all matched the reference.
     pub validated: usize,
     pub max_rel_error: f64,
+    /// Whether it multiplies on the units an FP32 ceiling measures (FP32; FP16 on a CPU, and
+    /// BF16 on a CPU without bf16 pairs, both widened to FP32): where not, the FP32 ceiling
+    /// is not its own.
+    #[serde(default = "fp32_units_default")]
+    pub on_fp32_units: bool,
+}
+
+fn fp32_units_default() -> bool {
+    true
+}
+
+/// Whether a GEMM in `precision` on `kind` multiplies on the FP32 units: BF16 pairs
+/// (`vdpbf16ps`, AMX tiles) run at twice FP32's rate or more, GPUs' tensor and matrix cores
+/// faster still.
+fn on_fp32_units(kind: BackendKind, precision: Precision) -> bool {
+    use crate::backend::cpu::simd::{Simd, simd};
+    match precision {
+        Precision::Fp32 => true,
+        Precision::Fp16 => kind.is_host(),
+        Precision::Bf16 => kind.is_host() && simd() < Simd::Avx512Bf16,
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -40,6 +61,10 @@ pub struct Bandwidth {
     pub bytes: u64,
     pub median_gbps: f64,
     pub best_gbps: f64,
+    /// The host's last-level cache, for a probe of host memory: arrays that fit in it time
+    /// the cache, not memory.
+    #[serde(default)]
+    pub cache_bytes: Option<u64>,
 }
 
 /// Entries of the output checked per iteration.
@@ -167,6 +192,7 @@ pub fn gemm_on(
         best_gflops: flops / sorted[0] / 1e9,
         validated,
         max_rel_error,
+        on_fp32_units: on_fp32_units(kind, precision),
     };
     Ok((peak, info))
 }
@@ -196,6 +222,9 @@ pub fn bandwidth(
             bytes,
             median_gbps: bytes as f64 / sorted[sorted.len() / 2] / 1e9,
             best_gbps: bytes as f64 / sorted[0] / 1e9,
+            cache_bytes: kind
+                .is_host()
+                .then(|| crate::backend::cpu::batch_tiles::last_level_cache() as u64),
         }
     };
     Ok(vec![

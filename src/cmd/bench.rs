@@ -7,6 +7,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 
 use super::args::{BenchArgs, InferArgs, ModelsArgs, RunArgs, WeightsArgs};
+use crate::backend::BackendKind;
 use crate::bench::{self, record::BenchConfig};
 use crate::model::tensor_file::TensorFile;
 use crate::model::{Precision, weights, zoo};
@@ -38,6 +39,11 @@ fn weights_label(run: &RunArgs) -> String {
         Some(p) => p.display().to_string(),
         None => bench::record::random_weights_label(run.seed),
     }
+}
+
+/// Whether `kind`'s kernels run on the host's GPU emulator.
+fn emulated(kind: BackendKind) -> bool {
+    matches!(kind, BackendKind::Cuda | BackendKind::Hip) && crate::backend::gpu::emu::requested()
 }
 
 pub fn bench(args: BenchArgs) -> Result<()> {
@@ -112,7 +118,10 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         (None, None) => None,
     };
     if let Some(devices) = devices {
-        println!("{}\n", report::bench::config_echo(&cfg));
+        println!(
+            "{}\n",
+            report::bench::config_echo(&cfg, emulated(cfg.backend))
+        );
         let single = match &args.single {
             Some(path) => Some(bench::compare::load(path)?),
             None => None,
@@ -131,7 +140,10 @@ pub fn bench(args: BenchArgs) -> Result<()> {
             rank.rank, rank.world_size, rank.launcher
         );
     }
-    println!("{}\n", report::bench::config_echo(&cfg));
+    println!(
+        "{}\n",
+        report::bench::config_echo(&cfg, emulated(cfg.backend))
+    );
     println!("Building {} and preparing its weights...", cfg.network);
     let mut out = std::io::stdout();
     let record = bench::run(&cfg, args.run.weights.as_deref(), &mut |ev| {

@@ -3,7 +3,6 @@
 
 use comfy_table::{Cell, CellAlignment};
 
-use crate::backend::BackendKind;
 use crate::bench::Event;
 use crate::bench::record::{BenchConfig, BenchRecord};
 use crate::units::human_bytes;
@@ -11,13 +10,13 @@ use crate::units::human_bytes;
 use super::new_table;
 use crate::units::group_digits;
 
-/// The configuration echo printed before a run.
-pub fn config_echo(cfg: &BenchConfig) -> String {
+/// The configuration echo printed before a run; `emulated`: the GPU backend's kernels run on
+/// the host's emulator.
+pub fn config_echo(cfg: &BenchConfig, emulated: bool) -> String {
     let threads = cfg
         .threads
         .map_or_else(|| "all cores".to_string(), |t| t.to_string());
-    let gpu = matches!(cfg.backend, BackendKind::Cuda | BackendKind::Hip);
-    let backend = match gpu && crate::backend::gpu::emu::requested() {
+    let backend = match emulated {
         true => format!("{} emulated on the host CPU", cfg.backend),
         false => cfg.backend.to_string(),
     };

@@ -92,10 +92,11 @@ pub fn peak(
                 ));
             }
             // STREAM's rule: the arrays together at least 4× the last-level cache, or the
-            // probe times the cache. Host memory only (a GPU probe's arrays are the device's).
-            let llc = crate::backend::cpu::batch_tiles::last_level_cache() as u64;
-            let smallest = bw.iter().map(|b| b.bytes).min().unwrap_or(u64::MAX);
-            if g.backend.is_host() && smallest < 4 * llc {
+            // probe times the cache (host memory: a GPU probe's arrays are the device's).
+            let cached = bw
+                .iter()
+                .find(|b| b.cache_bytes.is_some_and(|c| b.bytes < 4 * c));
+            if let Some(llc) = cached.and_then(|b| b.cache_bytes) {
                 let mib = (2 * llc).div_ceil(1 << 20).next_power_of_two();
                 s.push_str(&format!(
                     "\nThese arrays fit in the CPU's {} last-level cache: this measured the cache, not memory (use --array-mib {mib} or more)",
@@ -117,18 +118,8 @@ pub fn ceiling(
     g: &crate::bench::peak::GemmPeak,
     t: Option<&crate::bench::peak::Theoretical>,
 ) -> String {
-    use crate::model::Precision;
     let gemm_gflops = g.gflops;
-    let same_units = match g.precision {
-        Precision::Fp32 => true,
-        Precision::Fp16 => g.backend.is_host(),
-        // BF16 pairs (vdpbf16ps, AMX tiles) multiply at twice FP32's rate or more; without
-        // them a CPU widens BF16 to FP32. GPUs' tensor and matrix cores are faster still.
-        Precision::Bf16 => {
-            use crate::backend::cpu::simd::{Simd, simd};
-            g.backend.is_host() && simd() < Simd::Avx512Bf16
-        }
-    };
+    let same_units = g.on_fp32_units;
     let of_it = |ceiling: f64| match same_units {
         true => format!(
             ": the GEMM reaches {:.0}% of it",
