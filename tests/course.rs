@@ -598,21 +598,7 @@ fn a_kill_between_the_two_writes_records_no_attempt_twice() {
     ok(dir, &["skip"]);
     std::fs::write(&state, &stale).unwrap();
     assert!(ok(dir, &["status"]).contains("2/2"));
-    // The last screen and status count what failed and say how to re-run it.
-    let end = ok(dir, &["next", "--yes"]);
-    assert!(
-        end.contains("every exercise is done or skipped")
-            && !end.contains("Well done")
-            && end.contains("Steps: 1 passed, 1 failed, 1 skipped")
-            && end.contains("Re-run what failed: `workshop run 00-first.run`"),
-        "{end}"
-    );
-    let status = ok(dir, &["status"]);
-    assert!(
-        status.contains("steps: 1 passed, 1 failed, 1 skipped")
-            && status.contains("`workshop run 00-first.run`"),
-        "{status}"
-    );
+    assert!(ok(dir, &["next", "--yes"]).contains("every exercise is done or skipped"));
     assert_eq!(results(dir)["attempts"].as_array().unwrap().len(), 3);
 }
 

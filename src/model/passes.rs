@@ -382,16 +382,7 @@ mod tests {
                     .count();
                 assert_eq!(rep.fused_adds, adds, "{name}: every residual add fuses");
             }
-            let x = Rng::new(9).normal_tensor(vec![1, 3, size, size]);
-            let a = reference::forward(&graph.plan(1, size, size).unwrap(), &weights, &x);
-            let b = reference::forward(&opt.plan(1, size, size).unwrap(), &w2, &x);
-            let scale = a.data.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let diff = a
-                .data
-                .iter()
-                .zip(&b.data)
-                .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
-            assert!(diff <= 1e-4 * scale, "{name}: {diff} vs {scale}");
+            assert_same_function(&name, (&graph, &weights), (&opt, &w2), size);
         }
     }
 
@@ -458,17 +449,20 @@ mod tests {
             let (opt, w2, rep) = optimize(&graph, &weights).unwrap();
             assert_eq!(rep.folded_layer_norms, norms, "{name}: {rep:?}");
             assert!(rep.fused_activations >= min_acts, "{name}: {rep:?}");
-            let x = Rng::new(9).normal_tensor(vec![1, 3, size, size]);
-            let a = reference::forward(&graph.plan(1, size, size).unwrap(), &weights, &x);
-            let b = reference::forward(&opt.plan(1, size, size).unwrap(), &w2, &x);
-            let scale = a.data.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let diff = a
-                .data
-                .iter()
-                .zip(&b.data)
-                .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
-            assert!(diff <= 1e-4 * scale, "{name}: {diff} vs {scale}");
+            assert_same_function(&name, (&graph, &weights), (&opt, &w2), size);
         }
+    }
+
+    /// The two networks give the same output (within 1e-4 of its largest value) on one
+    /// random `size`² image, in the f64 reference.
+    fn assert_same_function(name: &str, a: (&Graph, &Weights), b: (&Graph, &Weights), size: usize) {
+        let x = Rng::new(9).normal_tensor(vec![1, 3, size, size]);
+        let run =
+            |(g, w): (&Graph, &Weights)| reference::forward(&g.plan(1, size, size).unwrap(), w, &x);
+        let (a, b) = (run(a), run(b));
+        let scale = a.data.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let diff = (a.data.iter().zip(&b.data)).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+        assert!(diff <= 1e-4 * scale, "{name}: {diff} vs {scale}");
     }
 
     /// Biases the folding adds to convolutions that had none (every conv before a BN).
