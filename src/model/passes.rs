@@ -382,7 +382,7 @@ mod tests {
                     .count();
                 assert_eq!(rep.fused_adds, adds, "{name}: every residual add fuses");
             }
-            assert_same_function(&name, (&graph, &weights), (&opt, &w2), size);
+            assert_same_function(name, (&graph, &weights), (&opt, &w2), size);
         }
     }
 
