@@ -1483,6 +1483,18 @@ fn compile_default_fuses_checks_and_reports() {
         "{}",
         r["compile"]
     );
+    // ViT's head starts at zero (as torchvision's): its untrained output is all zeros, and
+    // the check says it compared nothing instead of reporting a perfect 0.
+    let vit = ["bench", "--network", "vit_b_32", "--batch-size", "1"];
+    let (out, r) = run_json(
+        &[&vit[..], &["--iterations", "1", "--warmup", "0", "--compile"]].concat(),
+        &json,
+    );
+    assert!(
+        out.contains("Check         nothing compared: eager FP32's output is all zeros"),
+        "{out}"
+    );
+    assert_eq!(r["compile"]["output_scale"], 0.0);
 }
 
 /// On the GPU backends reduce-overhead records a graph, and the summary shows the host's

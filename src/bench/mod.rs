@@ -207,6 +207,7 @@ pub fn prepare_hw(
                 compiled_memory: total(&plan),
                 max_abs_diff: f64::NAN,
                 rel_diff: f64::NAN,
+                output_scale: None,
                 autotune,
                 replay: None,
             };
@@ -303,6 +304,7 @@ pub fn run(
             .zip(&record.output)
             .fold(0f64, |m, (a, b)| m.max((*a as f64 - *b as f64).abs()));
         info.rel_diff = info.max_abs_diff / scale.max(f64::MIN_POSITIVE);
+        info.output_scale = Some(scale);
     }
     Ok(record)
 }

@@ -205,6 +205,10 @@ pub struct CompileInfo {
     pub max_abs_diff: f64,
     /// `max_abs_diff` over the largest eager output magnitude.
     pub rel_diff: f64,
+    /// The largest eager output magnitude: 0 when the output is all zeros (a zero-initialised
+    /// head, as ViT's without trained weights), and then the check compares nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_scale: Option<f64>,
     /// What max-autotune tried and chose.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub autotune: Option<AutotuneReport>,

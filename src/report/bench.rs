@@ -182,15 +182,23 @@ pub fn compile_passes(c: &crate::bench::record::CompileInfo) -> String {
 
 /// What compilation did, for the summary.
 fn compile_lines(c: &crate::bench::record::CompileInfo) -> String {
+    let check = match c.output_scale {
+        Some(0.0) => "nothing compared: eager FP32's output is all zeros (a zero-initialised \
+                      head, as this network has without trained weights); give --weights to check"
+            .to_string(),
+        _ => format!(
+            "max |Δ| {:.2e} against eager FP32 on the same input ({:.4}% of the largest output)",
+            c.max_abs_diff,
+            c.rel_diff * 100.0
+        ),
+    };
     format!(
         "Compile       {}\n\
          Memory plan   {} eager → {} compiled\n\
-         Check         max |Δ| {:.2e} against eager FP32 on the same input ({:.4}% of the largest output)\n",
+         Check         {check}\n",
         compile_passes(c),
         human_bytes(c.eager_memory),
         human_bytes(c.compiled_memory),
-        c.max_abs_diff,
-        c.rel_diff * 100.0
     ) + &c.autotune.as_ref().map_or(String::new(), autotune_lines)
         + &match &c.replay {
             Some(Ok(how)) => format!("Replay        {how}\n"),
