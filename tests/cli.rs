@@ -1487,7 +1487,11 @@ fn compile_default_fuses_checks_and_reports() {
     // the check says it compared nothing instead of reporting a perfect 0.
     let vit = ["bench", "--network", "vit_b_32", "--batch-size", "1"];
     let (out, r) = run_json(
-        &[&vit[..], &["--iterations", "1", "--warmup", "0", "--compile"]].concat(),
+        &[
+            &vit[..],
+            &["--iterations", "1", "--warmup", "0", "--compile"],
+        ]
+        .concat(),
         &json,
     );
     assert!(

@@ -264,12 +264,7 @@ pub fn next(args: NextArgs) -> Result<()> {
         let step = &ex.exercise.steps[progress.next_step.min(total - 1)];
         println!(
             "{}",
-            report::for_terminal(&report::course::step_header(
-                &id,
-                progress.next_step,
-                total,
-                step
-            ))
+            report::course::step_header(&id, progress.next_step, total, step)
         );
         if interactive()
             && !args.yes
@@ -576,8 +571,7 @@ pub fn run(args: RunStepArgs) -> Result<()> {
                 .iter()
                 .position(|s| s.id.get_ref() == step.id.get_ref())
                 .unwrap_or(0);
-            let header = report::course::step_header(&id, index, total, step);
-            println!("{}", report::for_terminal(&header));
+            println!("{}", report::course::step_header(&id, index, total, step));
             let mut ui = Terminal {
                 interactive: interactive(),
                 backend: ws.state.backend,

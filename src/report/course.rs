@@ -49,7 +49,7 @@ pub fn step_header(
         index + 1,
         format!("{:?}", step.kind).to_lowercase(),
         step.id.get_ref(),
-        step.say.trim()
+        super::for_terminal(step.say.trim())
     )
 }
 
