@@ -391,6 +391,19 @@ fn broken_exercise_files_get_precise_errors() {
             && e.contains("this step has no metric `lost`"),
         "{e}"
     );
+    // A question without `correct`, and a reference to a step that records nothing.
+    let question = "\n[[step]]\nid = \"q\"\nkind = \"question\"\nhint = \"h\"\nsay = \"?\"\n";
+    let e = lint_one(&format!(
+        "{good}{question}question = {{ prompt = \"Which?\", choices = [\"a\", \"b\"] }}\n"
+    ));
+    assert!(e.contains("a question needs `correct`"), "{e}");
+    let e = lint_one(&format!(
+        "{good}{question}question = {{ prompt = \"Which?\", choices = [\"a\", \"b\"], correct = {{ values = [\"ready.x\", \"ready.y\"] }} }}\n"
+    ));
+    assert!(
+        e.contains("step `ready` has no metric `x` (it has: none)"),
+        "{e}"
+    );
     // A missing hint.
     let e = lint_one(&good.replacen(
         "hint = \"The larger networks",

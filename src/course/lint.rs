@@ -358,12 +358,26 @@ fn check_derive(l: &mut Linter<'_>, step: &Step, known: &HashMap<String, Vec<Str
     }
 }
 
-/// A question has choices, and its `correct` names one earlier metric per choice.
+/// Names joined for a message, or `none`.
+fn listed(names: &[String]) -> String {
+    match names.is_empty() {
+        true => "none".into(),
+        false => names.join(", "),
+    }
+}
+
+/// A question has choices and a `correct` that names one earlier metric per choice.
 fn check_question(l: &mut Linter<'_>, step: &Step, known: &HashMap<String, Vec<String>>) {
     if let Some(q) = &step.question {
         let q_ref = q.get_ref();
         if q_ref.choices.len() < 2 {
             l.at(q.span(), "a question needs at least two choices");
+        }
+        if q_ref.correct.is_none() {
+            l.at(
+                q.span(),
+                "a question needs `correct`: which earlier metrics decide the answer (`values = [\"STEP.metric\", ...]`, one per choice), so the student's own data judges it",
+            );
         }
         if let Some(c) = &q_ref.correct {
             let by_steps = !c.metric.is_empty() || !c.steps.is_empty();
@@ -488,7 +502,7 @@ fn resolve(
             )),
             Some(ms) if !ms.iter().any(|m| m == metric) => Err(format!(
                 "step `{step}` has no metric `{metric}` (it has: {})",
-                ms.join(", ")
+                listed(ms)
             )),
             Some(_) => Ok(()),
         },
@@ -496,7 +510,7 @@ fn resolve(
             Some(ms) if ms.iter().any(|m| m == reference) => Ok(()),
             Some(ms) => Err(format!(
                 "this step has no metric `{reference}` (it has: {})",
-                ms.join(", ")
+                listed(ms)
             )),
             None => Err(format!(
                 "`{reference}` must name an earlier step's metric as STEP.metric"

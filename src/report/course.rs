@@ -334,6 +334,7 @@ summary = "What the student learns, in a sentence."
 id = "run"
 kind = "bench"
 say = "What this step measures and what to look for."
+hint = "What to do when this step will not run or its numbers look wrong."
 bench = {{ network = "resnet50", batch_size = 32, iterations = 20, cpu = {{ batch_size = 4, iterations = 5 }} }}
 max_cv = 0.15
 
