@@ -3,6 +3,19 @@
 //! every layer (errors in the backends, the course's check texts, the reports) writes numbers
 //! the same way.
 
+/// `3 passed, 1 failed`: each count that is not zero with what it counts, joined; `none`
+/// when every count is zero.
+pub fn nonzero_counts(counts: &[(usize, &str)], none: &str) -> String {
+    let parts: Vec<String> = (counts.iter())
+        .filter(|&&(n, _)| n > 0)
+        .map(|(n, what)| format!("{n} {what}"))
+        .collect();
+    match parts.is_empty() {
+        true => none.to_string(),
+        false => parts.join(", "),
+    }
+}
+
 /// Bytes in binary units with one decimal (`1.5 GiB`).
 pub fn human_bytes(b: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];

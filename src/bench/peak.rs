@@ -214,6 +214,9 @@ pub fn bandwidth(
         bail!("the arrays and the iterations must not be empty");
     }
     let t = backend::open(kind)?.stream(device, n, iterations, threads)?;
+    let cache_bytes = kind
+        .is_host()
+        .then(|| crate::backend::cpu::batch_tiles::last_level_cache() as u64);
     let summary = |name: &str, bytes: u64, times: &[f64]| {
         let mut sorted = times.to_vec();
         sorted.sort_by(f64::total_cmp);
@@ -222,9 +225,7 @@ pub fn bandwidth(
             bytes,
             median_gbps: bytes as f64 / sorted[sorted.len() / 2] / 1e9,
             best_gbps: bytes as f64 / sorted[0] / 1e9,
-            cache_bytes: kind
-                .is_host()
-                .then(|| crate::backend::cpu::batch_tiles::last_level_cache() as u64),
+            cache_bytes,
         }
     };
     Ok(vec![

@@ -235,7 +235,11 @@ pub fn next(args: NextArgs) -> Result<()> {
                 "{}",
                 report::course::course_done(
                     &ws.state.student,
-                    &course_tally(&ws, &course),
+                    &course
+                        .exercises
+                        .iter()
+                        .map(|e| ws.results.tally(e.id()))
+                        .sum(),
                     &state::results_md(&dir)
                 )
             );
@@ -308,15 +312,6 @@ pub fn next(args: NextArgs) -> Result<()> {
         );
         Ok(())
     })
-}
-
-/// How every step of the course came out (latest attempts).
-fn course_tally(ws: &state::Workspace, course: &Course) -> state::Tally {
-    let mut all = state::Tally::default();
-    for e in &course.exercises {
-        all.add(ws.results.tally(e.id()));
-    }
-    all
 }
 
 pub fn status(c: CourseArgs) -> Result<()> {

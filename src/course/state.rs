@@ -129,30 +129,31 @@ pub struct Tally {
 impl Tally {
     /// `5 passed, 1 failed, 1 inconclusive` (the counts that are not zero), or `no steps run`.
     pub fn summary(&self) -> String {
-        let parts: Vec<String> = [
+        let counts = [
             (self.passed, "passed"),
             (self.failed, "failed"),
             (self.inconclusive, "inconclusive"),
             (self.unavailable, "unavailable"),
             (self.skipped, "skipped"),
-        ]
-        .into_iter()
-        .filter(|&(n, _)| n > 0)
-        .map(|(n, what)| format!("{n} {what}"))
-        .collect();
-        match parts.is_empty() {
-            true => "no steps run".into(),
-            false => parts.join(", "),
-        }
+        ];
+        crate::units::nonzero_counts(&counts, "no steps run")
     }
 
-    pub fn add(&mut self, other: Tally) {
+    fn add(&mut self, other: Tally) {
         self.passed += other.passed;
         self.failed += other.failed;
         self.inconclusive += other.inconclusive;
         self.unavailable += other.unavailable;
         self.skipped += other.skipped;
         self.failed_steps.extend(other.failed_steps);
+    }
+}
+
+impl std::iter::Sum for Tally {
+    fn sum<I: Iterator<Item = Tally>>(tallies: I) -> Tally {
+        let mut all = Tally::default();
+        tallies.for_each(|t| all.add(t));
+        all
     }
 }
 

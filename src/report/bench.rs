@@ -153,7 +153,7 @@ fn enqueue_line(r: &BenchRecord) -> String {
 /// only the rewrites that happened.
 pub fn compile_passes(c: &crate::bench::record::CompileInfo) -> String {
     let p = &c.passes;
-    let done: Vec<String> = [
+    let counts = [
         (p.folded_batch_norms, "batch norms folded into convolutions"),
         (
             p.folded_layer_norms,
@@ -162,15 +162,8 @@ pub fn compile_passes(c: &crate::bench::record::CompileInfo) -> String {
         (p.fused_activations, "activations fused into epilogues"),
         (p.fused_adds, "residual adds fused"),
         (p.dropped, "dropouts dropped"),
-    ]
-    .into_iter()
-    .filter(|&(n, _)| n > 0)
-    .map(|(n, what)| format!("{n} {what}"))
-    .collect();
-    let done = match done.is_empty() {
-        true => "nothing to fuse".to_string(),
-        false => done.join(", "),
-    };
+    ];
+    let done = crate::units::nonzero_counts(&counts, "nothing to fuse");
     format!(
         "{} in {:.3} s (before the run): {done} ({} → {} nodes)",
         c.mode.name(),

@@ -203,8 +203,7 @@ pub fn status(
             },
         ]);
     }
-    let mut all = crate::course::state::Tally::default();
-    rows.iter().for_each(|r| all.add(r.tally.clone()));
+    let all: crate::course::state::Tally = rows.iter().map(|r| r.tally.clone()).sum();
     format!(
         "{} · backend {} device {}\n[{}{}] {finished}/{} exercises · steps: {}\n{t}{}",
         state.student,
