@@ -860,6 +860,22 @@ fn vision_transformer(kind: BackendKind) {
         [2, 3, 64, 64],
         1.0,
     );
+    // The head sizes the GPU backends have tiled attention kernels for (ViT-B's 64 among them),
+    // over 145 tokens: two query tiles of 128 (one short) and a short last tile of keys.
+    for (heads, dh) in [(2, 32), (1, 64), (1, 80)] {
+        let wide = workshop::model::zoo::VitConfig {
+            image_size: 48,
+            patch: 4,
+            layers: 1,
+            heads,
+            hidden: heads * dh,
+            mlp: 32,
+            ..cfg
+        };
+        let name = format!("vit_dh{dh}");
+        let g = workshop::model::zoo::vit_custom(&name, &wide);
+        check(kind, &g, [2, 3, 48, 48], 1.0);
+    }
     // Another input size does not fit the position embedding: said, with the size that does.
     let e = g.plan(1, 48, 48).unwrap_err().to_string();
     assert!(e.contains("--input-size 40"), "{e}");

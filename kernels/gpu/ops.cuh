@@ -785,6 +785,40 @@ KERNEL(layer_norm, LayerNormArgs) {
     }
 }
 
+// Rows of tokens (inner = 1): 32 threads a row, 8 rows a block, so a row's elements are read
+// side by side by neighbouring threads; its sums are reduced in shared memory, in f32 (mean,
+// then the biased variance, as PyTorch).
+BLOCK_KERNEL(layer_norm_rows, LayerNormArgs) {
+    __shared__ float red[256];
+    const int tid = threadIdx.x, lane = tid % 32, first = tid - lane;
+    const long long r = linear_index() / 32;
+    const bool live = r < a.rows;
+    const elem* x = a.x + (live ? r : 0) * a.d;
+    // The sum of `part` over the 32 threads of this row, in every one of them.
+    auto row_sum = [&](float part) {
+        red[tid] = part;
+        for (int step = 16; step > 0; step /= 2) {
+            __syncthreads();
+            if (lane < step) red[tid] += red[tid + step];
+        }
+        __syncthreads();
+        const float total = red[first];
+        __syncthreads();
+        return total;
+    };
+    float part = 0.0f;
+    for (int j = lane; live && j < a.d; j += 32) part += ld(x[j]);
+    const float mean = row_sum(part) / (float)a.d;
+    part = 0.0f;
+    for (int j = lane; live && j < a.d; j += 32) {
+        const float v = ld(x[j]) - mean;
+        part += v * v;
+    }
+    const float inv = 1.0f / sqrtf(row_sum(part) / (float)a.d + a.eps);
+    for (int j = lane; live && j < a.d; j += 32)
+        a.y[r * a.d + j] = st((ld(x[j]) - mean) * inv * a.w[j] + a.b[j]);
+}
+
 struct GeluArgs {
     const elem* x;
     elem* y;
@@ -956,6 +990,98 @@ KERNEL(attention, AttentionArgs) {
     elem* out = a.y + (img * a.t + q) * a.d + h * dh;
     for (int j = 0; j < dh; ++j) out[j] = st(acc[j] / s);
 }
+
+// The tiled attention core for a head size known when compiling (ViT-B and -L: 64, ViT-H: 80):
+// a block of 256 threads takes 128 queries of one (image, head), two threads per query, and
+// walks the keys in tiles of 32 that it loads once into shared memory (in f32) for all of them.
+// Each thread keeps its query and its running output in registers and takes every other key of
+// a tile (scores for 16 keys at once, one rescale per tile); at the end the two halves of a
+// query merge their running maxima, sums and outputs through shared memory. Same arithmetic
+// as `attention` above, in another order: softmax(q·kᵀ/√dh)·v, a NaN spreading as in PyTorch.
+#define ATTENTION_QT 128
+#define ATTENTION_KT 32
+
+template <int DH>
+__device__ inline void attention_tiled(const AttentionArgs& a) {
+    // Key and value tiles and each thread's scores while the keys stream by; the second
+    // halves' states at the end. (Scores in shared memory, not registers: the key loops stay
+    // rolled, which keeps NVRTC's compile time down.)
+    constexpr int HALF = ATTENTION_KT / 2;
+    constexpr int TILE = 2 * ATTENTION_KT * DH + HALF * 256, MERGE = ATTENTION_QT * (DH + 2);
+    alignas(16) __shared__ float sh[TILE > MERGE ? TILE : MERGE];
+    float* ks = sh;
+    float* vs = sh + ATTENTION_KT * DH;
+    float* score = vs + ATTENTION_KT * DH;  // [HALF][256]: conflict-free by thread
+    const int tid = threadIdx.x, half = tid / ATTENTION_QT;
+    const int h = blockIdx.y % a.heads;
+    const long long img = blockIdx.y / a.heads;
+    const int q = blockIdx.x * ATTENTION_QT + tid % ATTENTION_QT;
+    const bool live = q < a.t;
+    const elem* base = a.qkv + img * a.t * 3 * a.d + h * DH;
+    const float scale = 1.0f / sqrtf((float)DH);
+    float qv[DH], acc[DH];
+#pragma unroll
+    for (int j = 0; j < DH; ++j) {
+        qv[j] = live ? ld(base[(long long)q * 3 * a.d + j]) : 0.0f;
+        acc[j] = 0.0f;
+    }
+    float m = -3.402823466e38f, s = 0.0f;
+    for (int k0 = 0; k0 < a.t; k0 += ATTENTION_KT) {
+        for (int e = tid; e < ATTENTION_KT * DH; e += 256) {
+            const int k = k0 + e / DH, j = e % DH;
+            const elem* row = base + (long long)k * 3 * a.d + a.d;
+            ks[e] = k < a.t ? ld(row[j]) : 0.0f;
+            vs[e] = k < a.t ? ld(row[a.d + j]) : 0.0f;
+        }
+        __syncthreads();
+        const int valid = (a.t - k0 - half + 1) / 2;  // this thread's keys in the tile
+        const int n = valid < HALF ? valid : HALF;
+        float m2 = m;
+#pragma unroll 1
+        for (int i = 0; i < n; ++i) {
+            const float* kr = ks + (2 * i + half) * DH;
+            float dot = 0.0f;
+#pragma unroll
+            for (int j = 0; j < DH; ++j) dot += qv[j] * kr[j];
+            dot *= scale;
+            score[i * 256 + tid] = dot;
+            if (dot > m2 || dot != dot) m2 = dot;
+        }
+        const float corr = expf(m - m2);
+        s *= corr;
+#pragma unroll
+        for (int j = 0; j < DH; ++j) acc[j] *= corr;
+#pragma unroll 1
+        for (int i = 0; i < n; ++i) {
+            const float p = expf(score[i * 256 + tid] - m2);
+            const float* vr = vs + (2 * i + half) * DH;
+            s += p;
+#pragma unroll
+            for (int j = 0; j < DH; ++j) acc[j] += p * vr[j];
+        }
+        m = m2;
+        __syncthreads();
+    }
+    float* mine = sh + (tid % ATTENTION_QT) * (DH + 2);
+    if (half == 1) {
+        mine[0] = m;
+        mine[1] = s;
+#pragma unroll
+        for (int j = 0; j < DH; ++j) mine[2 + j] = acc[j];
+    }
+    __syncthreads();
+    if (half == 1 || !live) return;
+    const float mo = mine[0], mm = (mo > m || mo != mo) ? mo : m;
+    const float c0 = expf(m - mm), c1 = expf(mo - mm), sum = s * c0 + mine[1] * c1;
+    elem* out = a.y + (img * a.t + q) * a.d + h * DH;
+#pragma unroll
+    for (int j = 0; j < DH; ++j) out[j] = st((acc[j] * c0 + mine[2 + j] * c1) / sum);
+}
+
+// Grid: (query tiles of 128, images × heads).
+BLOCK_KERNEL(attention_t32, AttentionArgs) { attention_tiled<32>(a); }
+BLOCK_KERNEL(attention_t64, AttentionArgs) { attention_tiled<64>(a); }
+BLOCK_KERNEL(attention_t80, AttentionArgs) { attention_tiled<80>(a); }
 
 // ---- the memory-bandwidth probe --------------------------------------------------------------
 

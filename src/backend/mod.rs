@@ -282,11 +282,17 @@ pub trait Backend {
     ) -> Result<(), BackendError> {
         Ok(())
     }
-    /// The FP32 compute ceiling of `device` (one of [`Self::devices`]) running `workers`
-    /// workers (CPU threads; the device's own count when `None`): measured where the backend
-    /// can (a CPU's FMA units), from the specification elsewhere, `None` where it knows
-    /// neither.
-    fn ceiling(&self, _device: &DeviceInfo, _workers: Option<usize>) -> Option<Theoretical> {
+    /// The compute ceiling of `device` (one of [`Self::devices`]) for arithmetic in
+    /// `precision`, on the units that precision multiplies on, running `workers` workers (CPU
+    /// threads; the device's own count when `None`): measured where the backend can (a CPU's
+    /// FMA units), from the specification elsewhere (a GPU's FP32 lanes, its tensor cores for
+    /// FP16 and BF16), `None` where it knows neither.
+    fn ceiling(
+        &self,
+        _device: &DeviceInfo,
+        _workers: Option<usize>,
+        _precision: Precision,
+    ) -> Option<Theoretical> {
         None
     }
     /// Memory a run on device `dev` may use now, when the backend knows it.

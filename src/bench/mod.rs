@@ -523,7 +523,7 @@ fn limits(cfg: &BenchConfig, device: &DeviceInfo) -> Result<flops::Limits> {
         }
     };
     let (c, source) = cached;
-    let theoretical = peak::theoretical(cfg.backend, device, cfg.threads);
+    let theoretical = peak::theoretical(cfg.backend, device, cfg.threads, cfg.precision);
     Ok(flops::Limits {
         peak_gflops: (c.gemm.validated == c.gemm.iterations).then_some(c.gemm.gflops),
         peak_source: source,

@@ -30,27 +30,6 @@ pub struct GemmPeak {
     /// Iterations whose sampled outputs all matched the reference.
     pub validated: usize,
     pub max_rel_error: f64,
-    /// Whether it multiplies on the units an FP32 ceiling measures (FP32; FP16 on a CPU, and
-    /// BF16 on a CPU without bf16 pairs, both widened to FP32): where not, the FP32 ceiling
-    /// is not its own.
-    #[serde(default = "fp32_units_default")]
-    pub on_fp32_units: bool,
-}
-
-fn fp32_units_default() -> bool {
-    true
-}
-
-/// Whether a GEMM in `precision` on `kind` multiplies on the FP32 units: BF16 pairs
-/// (`vdpbf16ps`, AMX tiles) run at twice FP32's rate or more, GPUs' tensor and matrix cores
-/// faster still.
-fn on_fp32_units(kind: BackendKind, precision: Precision) -> bool {
-    use crate::backend::cpu::simd::{Simd, simd};
-    match precision {
-        Precision::Fp32 => true,
-        Precision::Fp16 => kind.is_host(),
-        Precision::Bf16 => kind.is_host() && simd() < Simd::Avx512Bf16,
-    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -192,7 +171,6 @@ pub fn gemm_on(
         best_gflops: flops / sorted[0] / 1e9,
         validated,
         max_rel_error,
-        on_fp32_units: on_fp32_units(kind, precision),
     };
     Ok((peak, info))
 }
@@ -393,14 +371,18 @@ pub fn keep(
     ))
 }
 
-/// The compute ceiling of `device` running `threads` workers, as its backend knows it
-/// ([`backend::Backend::ceiling`]): measured on a CPU's cores, from a GPU's specification.
+/// The compute ceiling of `device` for `precision` running `threads` workers, as its backend
+/// knows it ([`backend::Backend::ceiling`]): measured on a CPU's cores, from a GPU's
+/// specification.
 pub fn theoretical(
     kind: BackendKind,
     device: &backend::DeviceInfo,
     threads: Option<usize>,
+    precision: Precision,
 ) -> Option<Theoretical> {
-    backend::open(kind).ok()?.ceiling(device, threads)
+    backend::open(kind)
+        .ok()?
+        .ceiling(device, threads, precision)
 }
 
 /// Seconds since the Unix epoch.
@@ -446,7 +428,7 @@ pub fn probe(spec: &ProbeSpec) -> Result<Probe> {
         spec.iterations,
     )?;
     let bandwidth = bandwidth_if_any(backend, device, spec.array_mib, spec.iterations, threads)?;
-    let ceiling = info.and_then(|d| theoretical(backend, &d, threads));
+    let ceiling = info.and_then(|d| theoretical(backend, &d, threads, spec.precision));
     Ok(Probe {
         gemm,
         bandwidth,

@@ -109,48 +109,42 @@ pub fn peak(
     s
 }
 
-/// The line after a GEMM peak that places it under the device's compute ceiling: the FMA
-/// ceiling measured on a CPU's registers, or a GPU's specification peak (`None`: the device
-/// does not give the facts for one). Both are FP32 ceilings: a GEMM in another precision is
-/// placed under it only where it multiplies on the same units (FP16 on a CPU, converted to
-/// FP32); elsewhere the line says the precision has a ceiling of its own.
+/// The line after a GEMM peak that places it under the device's compute ceiling for the
+/// GEMM's precision: the FMA ceiling measured on a CPU's registers, or a GPU's specification
+/// peak (FP32 lanes, or tensor cores for FP16 and BF16); `None`: not known for this device and
+/// precision, and said so.
 pub fn ceiling(
     g: &crate::bench::peak::GemmPeak,
     t: Option<&crate::bench::peak::Theoretical>,
 ) -> String {
-    let gemm_gflops = g.gflops;
-    let same_units = g.on_fp32_units;
-    let of_it = |ceiling: f64| match same_units {
-        true => format!(
-            ": the GEMM reaches {:.0}% of it",
-            100.0 * gemm_gflops / ceiling
-        ),
-        false => format!(
-            " — for FP32: {} has a higher ceiling of its own on this device, not measured yet, so no share of this one is given",
-            g.precision.name().to_uppercase()
-        ),
+    let share = |ceiling: f64| {
+        let pct = 100.0 * g.gflops / ceiling;
+        format!(
+            ": the GEMM reaches {pct:.0}% of it{}",
+            if pct > 100.0 {
+                " (so the cores ran faster than the ceiling assumes)"
+            } else {
+                ""
+            }
+        )
     };
+    let p = g.precision.name().to_uppercase();
     match t {
         Some(t) if t.measured => format!(
             "FP32 FMA ceiling {:.1} GFLOP/s ({}){}",
             t.gflops,
             t.how,
-            of_it(t.gflops)
+            share(t.gflops)
         ),
-        Some(t) => {
-            let share = 100.0 * gemm_gflops / t.gflops;
-            format!(
-                "Theoretical FP32 peak {:.1} GFLOP/s = {}{}{}",
-                t.gflops,
-                t.how,
-                of_it(t.gflops),
-                if share > 100.0 && same_units {
-                    " (so the cores ran faster than the reported clock)"
-                } else {
-                    ""
-                }
-            )
-        }
+        Some(t) => format!(
+            "Theoretical {p} peak {:.1} GFLOP/s = {}{}",
+            t.gflops,
+            t.how,
+            share(t.gflops)
+        ),
+        None if g.precision != crate::model::Precision::Fp32 => format!(
+            "Theoretical {p} peak: not known here ({p} multiplies on units of its own, faster than FP32's, and their rate is not measured or known for this device)"
+        ),
         None => "Theoretical peak: this device does not report the facts to compute it".into(),
     }
 }

@@ -129,7 +129,18 @@ impl Backend for CpuBackend {
         BackendKind::Cpu
     }
 
-    fn ceiling(&self, device: &DeviceInfo, workers: Option<usize>) -> Option<Theoretical> {
+    /// The FMA ceiling, for FP32 and the precisions widened to it (FP16; BF16 without bf16
+    /// pairs). BF16 pairs (`vdpbf16ps`, AMX tiles) run at twice FP32's rate or more, a ceiling
+    /// not measured yet.
+    fn ceiling(
+        &self,
+        device: &DeviceInfo,
+        workers: Option<usize>,
+        precision: Precision,
+    ) -> Option<Theoretical> {
+        if precision == Precision::Bf16 && simd::simd() >= simd::Simd::Avx512Bf16 {
+            return None;
+        }
         ceiling::ceiling(
             &device.features,
             workers.or(device.compute_units).unwrap_or(1),

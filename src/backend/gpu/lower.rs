@@ -449,11 +449,11 @@ fn attention_op(
     let args = vec![Arg::Buf(qkv), Arg::Buf(mid)];
     // Every size is below the node's element count, which `total_i` already fits in an i32.
     let dims = [imgs, t, dim, heads].map(|v| Arg::I32(v as i32));
-    let grid = grid_1d(imgs * heads * t)?;
+    let (kernel, grid) = attention_kernel(imgs * heads, t, dim / heads)?;
     b.launch(
         &at.node.name,
         at.op,
-        "attention",
+        kernel,
         grid,
         [args, dims.to_vec()].concat(),
     );
@@ -465,6 +465,32 @@ fn attention_op(
     };
     native_conv(b, &out, &projection(dim), at.get("out_proj.weight")?, mma)
 }
+
+/// The attention core's kernel and grid for `rows` = images × heads of `t` tokens: the tiled
+/// kernel of the head size where there is one (query tiles of 128 by rows), else one thread per
+/// query.
+fn attention_kernel(
+    rows: usize,
+    t: usize,
+    dh: usize,
+) -> Result<(&'static str, [u32; 3]), BackendError> {
+    let tiled = match dh {
+        32 => Some("attention_t32"),
+        64 => Some("attention_t64"),
+        80 => Some("attention_t80"),
+        _ => None,
+    };
+    match tiled {
+        // Both fit: t · rows is below the node's element count, an i32.
+        Some(k) if rows <= MAX_GRID as usize => {
+            Ok((k, [t.div_ceil(ATTENTION_QUERY_TILE) as u32, rows as u32, 1]))
+        }
+        _ => Ok(("attention", grid_1d(rows * t)?)),
+    }
+}
+
+/// Queries per block of the tiled attention kernels (`ATTENTION_QT` in ops.cuh).
+const ATTENTION_QUERY_TILE: usize = 128;
 
 /// Swin's window attention on an NCHW image: to tokens (into the second attention buffer),
 /// the q/k/v projection, the core (tokens in, tokens out), the output projection (into the
@@ -715,7 +741,13 @@ fn other_op(b: &mut Builder, at: &NodeCtx<'_>, input: BufId) -> Result<(), Backe
                 Arg::I32(inner as i32),
                 Arg::F32(*eps),
             ];
-            b.launch(&node.name, op, "layer_norm", grid_1d(rows)?, args);
+            // Rows of tokens: a row to 32 threads (`rows` · 32 is below the node's element
+            // count times 32, checked by grid_1d); an image's channels: a thread a row.
+            let (kernel, grid) = match inner {
+                1 => ("layer_norm_rows", grid_1d(rows.saturating_mul(32))?),
+                _ => ("layer_norm", grid_1d(rows)?),
+            };
+            b.launch(&node.name, op, kernel, grid, args);
         }
         Op::Gelu => {
             let args = vec![x, Arg::Buf(y), Arg::I32(total_i)];
