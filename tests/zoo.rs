@@ -46,6 +46,33 @@ fn every_network_matches_torchvision_counts() {
     }
 }
 
+/// A layer is never also a module holding other layers (a residual add named after its
+/// block): the FLOPs profile would list the whole block as that one layer.
+#[test]
+fn no_layer_is_also_a_container() {
+    let mut both = Vec::new();
+    for name in zoo::NETWORKS {
+        let graph = zoo::build(name).unwrap();
+        let names: std::collections::HashSet<&str> =
+            graph.nodes.iter().map(|n| n.name.as_str()).collect();
+        for n in &graph.nodes {
+            let parts: Vec<&str> = n.name.split('.').collect();
+            for k in 1..parts.len() {
+                let prefix = parts[..k].join(".");
+                if names.contains(prefix.as_str()) {
+                    both.push(format!("{name}: `{prefix}` (holds `{}`)", n.name));
+                }
+            }
+        }
+    }
+    both.dedup_by(|a, b| a.split(" (").next() == b.split(" (").next());
+    assert!(
+        both.is_empty(),
+        "layers that are also modules:\n{}",
+        both.join("\n")
+    );
+}
+
 #[test]
 fn names_follow_torchvision_state_dicts() {
     let names: Vec<String> = zoo::build("resnet50")

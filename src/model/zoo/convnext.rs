@@ -79,5 +79,5 @@ fn block(g: &mut GraphBuilder, p: &str, x: ValueId, dim: usize) -> ValueId {
         Op::LayerScale { channels: dim },
         &[y],
     );
-    g.add(p.to_string(), y, x)
+    g.add(format!("{p}.add"), y, x)
 }

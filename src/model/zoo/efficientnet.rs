@@ -170,7 +170,7 @@ fn fused_mbconv(
         conv_norm_act(g, &format!("{p}.block.0"), x, conv(cin, cout), (eps, SILU))
     };
     if stride == 1 && cin == cout {
-        g.add(p.to_string(), y, x)
+        g.add(format!("{p}.add"), y, x)
     } else {
         y
     }
@@ -208,7 +208,7 @@ fn mbconv(
     let project = Conv2d::new(exp, cout, 1, 1, 0);
     y = conv_norm_act(g, &format!("{p}.block.{j}"), y, project, (eps, None));
     if stride == 1 && cin == cout {
-        g.add(p.to_string(), y, x)
+        g.add(format!("{p}.add"), y, x)
     } else {
         y
     }

@@ -113,7 +113,7 @@ fn inverted_residual(
         LINEAR,
     );
     if cin == cout && stride == 1 {
-        g.add(p.to_string(), y, x)
+        g.add(format!("{p}.add"), y, x)
     } else {
         y
     }

@@ -62,7 +62,7 @@ pub(super) fn squeeze_excitation(
     let scale = g.add_node(format!("{s}.activation"), act, &[scale]);
     let scale = g.conv(format!("{s}.fc2"), scale, fc(squeeze, channels));
     let scale = g.add_node(format!("{s}.scale_activation"), gate, &[scale]);
-    g.add_node(s, Op::ScaleChannels, &[x, scale])
+    g.add_node(format!("{s}.scale"), Op::ScaleChannels, &[x, scale])
 }
 
 /// MobileNetV2's batch norm and activation.

@@ -98,7 +98,7 @@ pub fn mobilenet_v3_custom(name: &str, large: bool, width_mult: f64, classes: us
             LINEAR,
         );
         x = if stride == 1 && cin == cout {
-            g.add(format!("features.{}", i + 1), y, x)
+            g.add(format!("features.{}.add", i + 1), y, x)
         } else {
             y
         };

@@ -40,11 +40,13 @@ pub(super) fn norm(g: &mut GraphBuilder, name: String, x: ValueId, dim: usize) -
     g.add_node(name, Op::layer_norm(dim, 1e-5), &[x])
 }
 
-/// A linear layer over an image's channels: to tokens, the layer, back on the grid of `like`.
+/// A linear layer `p` over an image's channels: to tokens, the layer, back on the grid of
+/// `like` (the conversions named beside the layer, not inside it).
 fn channel_linear(g: &mut GraphBuilder, p: &str, (x, like): (ValueId, ValueId), op: Op) -> ValueId {
-    let t = g.add_node(format!("{p}.tokens"), Op::Tokens, &[x]);
+    let parent = p.rsplit_once('.').map_or("", |(parent, _)| parent);
+    let t = g.add_node(format!("{parent}.tokens"), Op::Tokens, &[x]);
     let t = g.add_node(p.to_string(), op, &[t]);
-    g.add_node(format!("{p}.image"), Op::Image, &[t, like])
+    g.add_node(format!("{parent}.image"), Op::Image, &[t, like])
 }
 
 /// Swin with this embedding width, blocks and heads per stage, window, and version (V2 when

@@ -73,17 +73,17 @@ pub fn vit_custom(name: &str, cfg: &VitConfig) -> Graph {
         };
         let y = g.add_node(format!("{p}.self_attention"), attention, &[y]);
         let y = g.dropout(format!("{p}.dropout"), y, 0.0);
-        let x1 = g.add(p.clone(), y, x);
+        let x1 = g.add(format!("{p}.add1"), y, x);
         let y = norm(&mut g, format!("{p}.ln_2"), x1);
         let y = g.linear(format!("{p}.mlp.0"), y, d, cfg.mlp);
         let y = g.add_node(format!("{p}.mlp.1"), Op::Gelu, &[y]);
         let y = g.dropout(format!("{p}.mlp.2"), y, 0.0);
         let y = g.linear(format!("{p}.mlp.3"), y, cfg.mlp, d);
         let y = g.dropout(format!("{p}.mlp.4"), y, 0.0);
-        x = g.add(p, y, x1);
+        x = g.add(format!("{p}.add2"), y, x1);
     }
     let x = norm(&mut g, "encoder.ln".into(), x);
-    let x = g.add_node("heads", Op::SelectToken { index: 0 }, &[x]);
+    let x = g.add_node("select_token", Op::SelectToken { index: 0 }, &[x]);
     let x = g.linear("heads.head", x, d, cfg.classes);
     g.finish(x)
 }
