@@ -1254,3 +1254,36 @@ fn outside_a_workspace_nothing_is_created_and_names_stay_text() {
     let text = std::fs::read_to_string(&csv).unwrap_or_default();
     assert!(text.contains("\"'=HYPERLINK(\"\"x\"\")\""), "{text}");
 }
+
+/// A device that computes on the host's cores (lavapipe, the GPU emulator) runs a step with its
+/// CPU-sized settings and says so; the CPU backend runs them without a word.
+#[test]
+fn software_gpus_take_the_cpu_sized_settings() {
+    use workshop::backend::BackendKind;
+    let sized = (
+        "batch_size = 1, iterations = 2, warmup = 0, input_size = 32 }",
+        "batch_size = 3, iterations = 2, warmup = 0, input_size = 32, cpu = { batch_size = 1 } }",
+    );
+    for kind in [BackendKind::Cpu, BackendKind::Wgpu, BackendKind::Cuda] {
+        let devices = workshop::backend::open(kind).map(|b| b.devices());
+        let Some(device) = devices.iter().flatten().next() else {
+            crate::common::skip(kind, "no device");
+            continue;
+        };
+        if kind != BackendKind::Cpu && !device.is_software() {
+            eprintln!("{kind} has a real GPU here: its sizes are the GPU's");
+            continue;
+        }
+        let d = tempfile::tempdir().unwrap();
+        let init = ["--name", "Ann", "--backend", kind.name()];
+        let dir = &tiny_workspace(d.path(), sized, &init);
+        ok(dir, &["next", "--yes"]);
+        let out = ok(dir, &["next", "--yes"]);
+        assert!(out.contains("batch 1 (32×32)"), "{kind}: {out}");
+        assert_eq!(
+            out.contains("this step runs with its CPU-sized settings"),
+            kind != BackendKind::Cpu,
+            "{kind}: {out}"
+        );
+    }
+}

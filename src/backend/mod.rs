@@ -95,6 +95,14 @@ pub struct DeviceInfo {
     pub clock_mhz: Option<u32>,
 }
 
+impl DeviceInfo {
+    /// Whether this device is the host's own cores under another name: a software GPU
+    /// (lavapipe and llvmpipe are wgpu's `Cpu` adapters) or the GPU emulator.
+    pub fn is_software(&self) -> bool {
+        self.features.iter().any(|f| f == "Cpu" || f == "emulated")
+    }
+}
+
 /// Which kernels run the GEMM-shaped work (`--kernels`).
 #[derive(
     Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum,

@@ -141,17 +141,49 @@ fn switch_placement(args: &InitArgs, dir: &Path) -> Result<()> {
     })
 }
 
+/// The first GPU this machine really has (not a software one, not the emulator): its backend,
+/// index and name, for `init` to offer.
+fn gpu_here() -> Option<(BackendKind, usize, String)> {
+    [BackendKind::Cuda, BackendKind::Hip, BackendKind::Wgpu]
+        .into_iter()
+        .find_map(|kind| {
+            let devices = crate::backend::open(kind).ok()?.devices();
+            let (i, d) = (devices.into_iter().enumerate()).find(|(_, d)| !d.is_software())?;
+            Some((kind, i, d.name))
+        })
+}
+
 pub fn init(args: InitArgs) -> Result<()> {
     let dir = workspace_dir(&args.course);
     if state::exists(&dir) {
         return switch_placement(&args, &dir);
     }
-    let placement = (
-        args.backend.unwrap_or(BackendKind::Cpu),
-        args.device.unwrap_or(0),
-        args.threads,
-    );
-    let note = check_placement(placement)?;
+    // With no backend named, a GPU here is offered (on a terminal) or pointed out.
+    let mut gpu_note = None;
+    let chosen = match (args.backend, gpu_here()) {
+        (Some(b), _) => Some((b, args.device.unwrap_or(0))),
+        (None, Some((kind, i, name))) => {
+            let offer = format!("This machine has a GPU: {name} ({kind} device {i}).");
+            if interactive()
+                && inquire::Confirm::new(&format!("{offer} Run the course on it?"))
+                    .with_default(true)
+                    .with_help_message("the CPU backend always works; `workshop init --backend cpu` switches later, keeping your results")
+                    .prompt()
+                    .unwrap_or(false)
+            {
+                Some((kind, i))
+            } else {
+                gpu_note = Some(format!(
+                    "{offer} The course runs on the CPU backend; `workshop init --backend {kind} --device {i}` moves it to the GPU (your results stay)."
+                ));
+                None
+            }
+        }
+        (None, None) => None,
+    };
+    let (backend, device) = chosen.unwrap_or((BackendKind::Cpu, args.device.unwrap_or(0)));
+    let placement = (backend, device, args.threads);
+    let note = check_placement(placement)?.or(gpu_note);
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create `{}`", dir.display()))?;
     // The course must be sound before a student starts on it.
     Course::load(&source_of(args.course.course.as_deref()))?;
@@ -186,8 +218,19 @@ pub fn init(args: InitArgs) -> Result<()> {
         if let Some(note) = &note {
             eprintln!("note: {note}");
         }
+        // Every later command needs the same --dir when the workspace is not here.
+        let dir_flag = match &args.course.dir {
+            Some(d) => {
+                let d = d.display().to_string();
+                format!(
+                    " --dir {}",
+                    shlex::try_quote(&d).unwrap_or(d.as_str().into())
+                )
+            }
+            None => String::new(),
+        };
         println!(
-            "Workspace ready in {} for {} (backend {}). Results go to {}.\nStart with `workshop next`.",
+            "Workspace ready in {} for {} (backend {}). Results go to {}.\nStart with `workshop next{dir_flag}`.",
             dir.display(),
             ws.state.student,
             ws.state.backend,

@@ -11,8 +11,8 @@ use super::expect::{self, Context, Verdict};
 use super::schema::Step;
 use super::state::{Attempt, Outcome, Workspace, now};
 use super::steps::{self, Earlier, StepContext, StepOutput, Unavailable};
-use super::ui::Ui;
-use crate::backend::BackendError;
+use super::ui::{Show, Ui};
+use crate::backend::{BackendError, BackendKind};
 
 /// How the note of an unavailable attempt starts.
 pub const UNAVAILABLE: &str = "not available on this machine/build: ";
@@ -47,6 +47,17 @@ impl Drop for Running {
     }
 }
 
+/// Whether device `device` of `backend` computes on the host's cores: the CPU backend, a
+/// software GPU (lavapipe: 00's quick step took 6.9 minutes there at GPU sizes) or the GPU
+/// emulator. Steps take their `cpu` settings there, sized for a few cores.
+pub fn runs_on_host(backend: BackendKind, device: usize) -> bool {
+    backend == BackendKind::Cpu
+        || crate::backend::open(backend)
+            .ok()
+            .and_then(|b| b.devices().into_iter().nth(device))
+            .is_some_and(|d| d.is_software())
+}
+
 /// Run `step` of `exercise` and return the attempt to record (nothing is written to the
 /// workspace's state or results here; a run's record and a chart go to `records/` and
 /// `charts/`). `answer` answers a question step.
@@ -65,7 +76,16 @@ pub fn run_step(
         step,
         earlier,
         answer,
+        // Only steps that measure ask the backend for its devices.
+        host_sized: step.kind.measures() && runs_on_host(ws.state.backend, ws.state.device),
     };
+    if ctx.host_sized && ws.state.backend != BackendKind::Cpu {
+        ui.show(Show::Line(format!(
+            "The {} device here computes on this machine's CPU (a software GPU or the emulator): \
+             this step runs with its CPU-sized settings.",
+            ws.state.backend
+        )));
+    }
     let mut out = StepOutput {
         environment: BTreeMap::from([
             ("backend".to_string(), ws.state.backend.to_string()),

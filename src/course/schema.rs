@@ -178,8 +178,9 @@ pub struct BenchSpec {
     /// reduce-overhead `replayed` (1 when the pass is recorded and replayed, 0 when the backend
     /// runs it as usual). Asynchronous backends also record `enqueue_us` (host time per pass).
     pub compile: Option<crate::bench::record::CompileMode>,
-    /// Overrides that apply when the workspace runs on the CPU backend, so a step that takes a
-    /// few seconds on a GPU stays well under a minute on a laptop (e.g. a smaller batch).
+    /// Overrides that apply when the workspace computes on the host's cores (the CPU backend,
+    /// a software GPU such as lavapipe, the GPU emulator), so a step that takes a few seconds on
+    /// a GPU stays well under a minute on a laptop (e.g. a smaller batch).
     pub cpu: Option<Box<BenchSpec>>,
 }
 
@@ -190,7 +191,7 @@ pub struct SweepSpec {
     /// `batch_size` or `input_size`.
     pub param: SweepParam,
     pub values: Vec<usize>,
-    /// Values to use on the CPU backend instead.
+    /// Values to use instead where the workspace computes on the host's cores (as `cpu`).
     pub cpu_values: Option<Vec<usize>>,
 }
 
@@ -211,7 +212,7 @@ pub struct PeakSpec {
     pub precision: Option<Precision>,
     /// Size of each bandwidth array, in MiB.
     pub array_mib: Option<usize>,
-    /// Overrides on the CPU backend.
+    /// Overrides where the workspace computes on the host's cores (as a bench's `cpu`).
     pub cpu: Option<Box<PeakSpec>>,
 }
 
@@ -355,21 +356,23 @@ impl Correct {
 }
 
 impl SweepSpec {
-    /// The values to sweep on `backend` (`cpu_values` on the CPU backend where given).
-    pub fn values_for(&self, backend: BackendKind) -> &[usize] {
-        match (backend, &self.cpu_values) {
-            (BackendKind::Cpu, Some(v)) => v,
+    /// The values to sweep (`cpu_values` where given, on a device that computes on the host's
+    /// cores: `host_sized`).
+    pub fn values_for(&self, host_sized: bool) -> &[usize] {
+        match (host_sized, &self.cpu_values) {
+            (true, Some(v)) => v,
             _ => &self.values,
         }
     }
 }
 
 impl PeakSpec {
-    /// This probe with its CPU overrides applied when running on the CPU backend.
-    pub fn resolved(&self, backend: BackendKind) -> PeakSpec {
+    /// This probe with its CPU overrides applied on a device that computes on the host's
+    /// cores (`host_sized`: the CPU backend, a software GPU, the emulator).
+    pub fn resolved(&self, host_sized: bool) -> PeakSpec {
         let mut out = self.clone();
         out.cpu = None;
-        if let (BackendKind::Cpu, Some(cpu)) = (backend, &self.cpu) {
+        if let (true, Some(cpu)) = (host_sized, &self.cpu) {
             out.size = cpu.size.or(out.size);
             out.iterations = cpu.iterations.or(out.iterations);
             out.precision = cpu.precision.or(out.precision);
@@ -380,11 +383,13 @@ impl PeakSpec {
 }
 
 impl BenchSpec {
-    /// This spec with its CPU overrides applied when running on the CPU backend.
-    pub fn resolved(&self, backend: BackendKind) -> BenchSpec {
+    /// This spec with its CPU overrides applied on a device that computes on the host's cores
+    /// (`host_sized`: the CPU backend, a software GPU, the emulator); CPU core groups only on
+    /// the CPU backend.
+    pub fn resolved(&self, backend: BackendKind, host_sized: bool) -> BenchSpec {
         let mut out = self.clone();
         out.cpu = None;
-        if let (BackendKind::Cpu, Some(cpu)) = (backend, &self.cpu) {
+        if let (true, Some(cpu)) = (host_sized, &self.cpu) {
             out.network = cpu.network.clone().or(out.network);
             out.batch_size = cpu.batch_size.or(out.batch_size);
             out.iterations = cpu.iterations.or(out.iterations);

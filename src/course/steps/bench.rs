@@ -12,7 +12,7 @@ pub fn run(ctx: &StepContext<'_>, out: &mut StepOutput, ui: &mut dyn Ui) -> Resu
     let spec = ctx.bench_spec()?;
     let cfg = ctx.bench_config(spec);
     ui.show(Show::Config(&cfg));
-    let resolved = spec.resolved(cfg.backend);
+    let resolved = spec.resolved(cfg.backend, ctx.host_sized);
     let devices = match (resolved.cpu_groups, &resolved.devices) {
         (Some(n), _) => Some(bench::data_parallel::cpu_groups(n)?),
         (None, Some(list)) => Some(bench::data_parallel::parse_devices(list, cfg.backend)?),

@@ -39,6 +39,9 @@ pub struct StepContext<'a> {
     pub earlier: &'a Earlier,
     /// The answer to a question step, given on the command line.
     pub answer: Option<&'a str>,
+    /// Whether the device computes on the host's cores (`runner::runs_on_host`): steps then
+    /// take their `cpu` settings.
+    pub host_sized: bool,
 }
 
 impl StepContext<'_> {
@@ -60,7 +63,7 @@ impl StepContext<'_> {
     /// The step's bench settings for this workspace's backend, on `workshop bench`'s defaults.
     fn bench_config(&self, spec: &BenchSpec) -> BenchConfig {
         let state = &self.ws.state;
-        let s = spec.resolved(state.backend);
+        let s = spec.resolved(state.backend, self.host_sized);
         let d = BenchConfig::default();
         BenchConfig {
             network: s.network.unwrap_or(d.network),

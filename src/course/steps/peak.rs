@@ -10,7 +10,7 @@ use crate::course::ui::{Show, Ui};
 pub fn run(ctx: &StepContext<'_>, out: &mut StepOutput, ui: &mut dyn Ui) -> Result<()> {
     let state = &ctx.ws.state;
     let spec = (ctx.step.peak.as_ref())
-        .map(|p| p.get_ref().resolved(state.backend))
+        .map(|p| p.get_ref().resolved(ctx.host_sized))
         .unwrap_or_default();
     let probe = ProbeSpec {
         backend: state.backend,

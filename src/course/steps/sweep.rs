@@ -12,7 +12,7 @@ pub fn run(ctx: &StepContext<'_>, out: &mut StepOutput, ui: &mut dyn Ui) -> Resu
     let sweep = (ctx.step.sweep.as_ref())
         .context("a sweep step needs a sweep section")?
         .get_ref();
-    let values = sweep.values_for(ctx.ws.state.backend);
+    let values = sweep.values_for(ctx.host_sized);
     let mut rows = Vec::new();
     let mut points = Vec::new();
     for &v in values {
