@@ -449,24 +449,84 @@ fn the_embedded_course_passes_lint_and_new_exercises_scaffold_cleanly() {
         "{}",
         stderr(&o)
     );
-    let d = tempfile::tempdir().unwrap();
-    tiny_course(d.path());
-    let o = crate::common::command()
-        .args(["dev", "new", "02-third", "--dir"])
-        .arg(d.path())
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", stderr(&o));
-    let o = crate::common::command()
-        .args(["dev", "lint"])
-        .arg(d.path())
-        .output()
-        .unwrap();
+    // The repository's course as a folder: its book too (every chapter in SUMMARY.md), with
+    // no warning either.
+    let lint = |dir: &Path| {
+        crate::common::command()
+            .args(["dev", "lint"])
+            .arg(dir)
+            .output()
+            .unwrap()
+    };
+    let o = lint(&crate::common::fixture("../.."));
     assert!(
-        o.status.success(),
+        o.status.success() && stderr(&o).is_empty(),
+        "{}",
+        stderr(&o)
+    );
+    // A course started from nothing: the exercise, its chapter, the introduction and the
+    // summary that lists both, clean.
+    let d = tempfile::tempdir().unwrap();
+    let new = |id: &str| {
+        crate::common::command()
+            .args(["dev", "new", id, "--dir"])
+            .arg(d.path())
+            .output()
+            .unwrap()
+    };
+    let o = new("00-first");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = new("01-second");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let summary = std::fs::read_to_string(d.path().join("book/src/SUMMARY.md")).unwrap();
+    assert!(
+        summary.contains("[Introduction](introduction.md)")
+            && summary.contains("- [00-first](00-first.md)\n- [01-second](01-second.md)\n"),
+        "{summary}"
+    );
+    let o = lint(d.path());
+    assert!(
+        o.status.success() && stderr(&o).is_empty(),
         "the scaffold does not pass lint: {}",
         stderr(&o)
     );
+    // Warnings say what to mend and do not fail: a page gone from the book, a chapter left
+    // out of the summary, a step without a hint.
+    std::fs::remove_file(d.path().join("book/src/introduction.md")).unwrap();
+    std::fs::write(
+        d.path().join("book/src/SUMMARY.md"),
+        "# Summary\n\n- [00-first](00-first.md)\n",
+    )
+    .unwrap();
+    let f = d.path().join("exercises/01-second.toml");
+    let text = std::fs::read_to_string(&f).unwrap();
+    let hint = text
+        .lines()
+        .find(|l| l.starts_with("hint = "))
+        .unwrap()
+        .to_string();
+    std::fs::write(&f, text.replace(&(hint + "\n"), "")).unwrap();
+    let o = lint(d.path());
+    let err = stderr(&o);
+    assert!(
+        o.status.success()
+            && stdout(&o).contains("(3 warning(s) above)")
+            && err.contains("introduction.md:1:1: warning: missing: the book's first page")
+            && err.contains("01-second.toml:4:11: warning: chapter `01-second.md` is not listed in book/src/SUMMARY.md")
+            && err.contains("warning: step `")
+            && err.contains("has no hint"),
+        "{err}"
+    );
+    // The course still loads for a student.
+    let ws = d.path().join("ws");
+    std::fs::create_dir_all(&ws).unwrap();
+    let o = crate::common::command()
+        .args(["init", "--name", "Di", "--course"])
+        .arg(d.path())
+        .current_dir(&ws)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
     // Every exercise file in exercises/ is embedded in the binary.
     let on_disk = std::fs::read_dir(crate::common::fixture("../../exercises"))
         .unwrap()

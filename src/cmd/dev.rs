@@ -14,16 +14,23 @@ pub fn run(cmd: DevCommand) -> Result<()> {
             let source = super::course::source_of(dir.as_deref());
             let files = course::read_files(&source)?;
             let (exercises, diags) = course::lint::check(&source, &files);
-            if diags.is_empty() {
-                let steps: usize = exercises.iter().map(|e| e.exercise.steps.len()).sum();
-                println!("course OK: {} exercises, {steps} steps", exercises.len());
-                Ok(())
-            } else {
-                for d in &diags {
-                    eprintln!("{d}");
-                }
-                bail!("{} problem(s) in the course", diags.len())
+            for d in &diags {
+                eprintln!("{d}");
             }
+            let errors = diags.iter().filter(|d| d.is_error()).count();
+            let warnings = match diags.len() - errors {
+                0 => String::new(),
+                n => format!(" ({n} warning(s) above)"),
+            };
+            if errors > 0 {
+                bail!("{errors} problem(s) in the course{warnings}")
+            }
+            let steps: usize = exercises.iter().map(|e| e.exercise.steps.len()).sum();
+            println!(
+                "course OK: {} exercises, {steps} steps{warnings}",
+                exercises.len()
+            );
+            Ok(())
         }
         DevCommand::New { id, dir } => {
             // The id names the exercise's files: nothing but a plain id may pass (issue 27).
@@ -43,12 +50,34 @@ pub fn run(cmd: DevCommand) -> Result<()> {
             let chapter = format!(
                 "# {id}\n\nWhat this exercise teaches, and why it matters.\n\n```sh\nworkshop next\n```\n"
             );
+            let book = course::book_dir(&dir);
+            for folder in [&dir.join("exercises"), &book] {
+                std::fs::create_dir_all(folder)
+                    .map_err(|e| anyhow::anyhow!("cannot create `{}`: {e}", folder.display()))?;
+            }
             crate::files::write_atomic(&ex_path, toml.as_bytes())?;
             crate::files::write_atomic(&ch_path, chapter.as_bytes())?;
+            let mut made = vec![ex_path.display().to_string(), ch_path.display().to_string()];
+            // A new course gets the book's first page and summary; an existing summary gets
+            // the chapter's line.
+            let intro = book.join("introduction.md");
+            if !intro.exists() {
+                let text = "# Introduction\n\nWhat this course teaches, for whom, and what a student needs.\n";
+                crate::files::write_atomic(&intro, text.as_bytes())?;
+                made.push(intro.display().to_string());
+            }
+            let summary_path = book.join("SUMMARY.md");
+            let summary = match std::fs::read_to_string(&summary_path) {
+                Ok(s) => s,
+                Err(_) => "# Summary\n\n[Introduction](introduction.md)\n\n".to_string(),
+            };
+            let entry = format!("- [{id}]({id}.md)\n");
+            let sep = if summary.ends_with('\n') { "" } else { "\n" };
+            crate::files::write_atomic(&summary_path, format!("{summary}{sep}{entry}").as_bytes())?;
+            made.push(format!("{} (the chapter listed)", summary_path.display()));
             println!(
-                "Created {} and {}. Add the chapter to book/src/SUMMARY.md, then check with `workshop dev lint {}`.",
-                ex_path.display(),
-                ch_path.display(),
+                "Wrote {}. Check the course with `workshop dev lint {}`.",
+                made.join(", "),
                 dir.display()
             );
             Ok(())

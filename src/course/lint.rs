@@ -1,7 +1,10 @@
 //! Checking a course before anyone runs it: TOML syntax and unknown fields, then the meaning
 //! (unique ids, `requires` that resolve and do not form a cycle, chapters that exist, sections
 //! that match each step's kind, networks in the zoo, sane ranges, hints present, metrics that
-//! name something a step produces). Every problem is reported with file:line:col.
+//! name something a step produces), and for a course in a folder its book (SUMMARY.md lists
+//! the introduction and every chapter). Every problem is reported with file:line:col. Errors
+//! keep a course from loading; warnings (a step without a hint, a chapter the book's summary
+//! leaves out) are reported by `workshop dev lint` and do not.
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -11,20 +14,41 @@ use super::schema::{Exercise, FORMAT_VERSION, Step, StepKind};
 use super::{LoadedExercise, Source, chapter_text};
 use crate::model::zoo;
 
+/// How much a problem matters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Severity {
+    /// The course cannot be loaded with it.
+    #[default]
+    Error,
+    /// Worth mending; the course runs without.
+    Warning,
+}
+
 /// One problem, at a place in a file.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Diagnostic {
     pub path: String,
     pub line: usize,
     pub col: usize,
     pub message: String,
+    pub severity: Severity,
+}
+
+impl Diagnostic {
+    pub fn is_error(&self) -> bool {
+        self.severity == Severity::Error
+    }
 }
 
 impl fmt::Display for Diagnostic {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let level = match self.severity {
+            Severity::Error => "",
+            Severity::Warning => "warning: ",
+        };
         write!(
             f,
-            "{}:{}:{}: {}",
+            "{}:{}:{}: {level}{}",
             self.path, self.line, self.col, self.message
         )
     }
@@ -46,12 +70,21 @@ struct Linter<'a> {
 
 impl Linter<'_> {
     fn at(&mut self, span: Range<usize>, message: impl Into<String>) {
+        self.push(span, message.into(), Severity::Error);
+    }
+
+    fn warn(&mut self, span: Range<usize>, message: impl Into<String>) {
+        self.push(span, message.into(), Severity::Warning);
+    }
+
+    fn push(&mut self, span: Range<usize>, message: String, severity: Severity) {
         let (line, col) = line_col(self.text, span.start);
         self.out.push(Diagnostic {
             path: self.path.to_string(),
             line,
             col,
-            message: message.into(),
+            message,
+            severity,
         });
     }
 }
@@ -79,6 +112,7 @@ pub fn check(
                     line,
                     col,
                     message,
+                    ..Diagnostic::default()
                 });
             }
         }
@@ -89,6 +123,7 @@ pub fn check(
             line: 1,
             col: 1,
             message: "the course has no exercises".into(),
+            ..Diagnostic::default()
         });
     }
     loaded.sort_by(|a, b| a.id().cmp(b.id()));
@@ -110,7 +145,67 @@ pub fn check(
         diags.extend(l.out);
     }
     diags.extend(check_cycles(&loaded));
+    if let Source::Dir(dir) = source {
+        diags.extend(check_book(dir, &loaded));
+    }
     (loaded, diags)
+}
+
+/// A course folder's book: `book/src/SUMMARY.md` (what `mdbook build` turns into the book)
+/// lists pages that exist and every exercise's chapter, and the introduction is there. All
+/// warnings: `workshop book` reads the chapters without the summary.
+fn check_book(dir: &std::path::Path, loaded: &[LoadedExercise]) -> Vec<Diagnostic> {
+    let book = super::book_dir(dir);
+    let shown = |name: &str| book.join(name).display().to_string();
+    let warn = |path: String, (line, col), message: String| Diagnostic {
+        path,
+        line,
+        col,
+        message,
+        severity: Severity::Warning,
+    };
+    let mut out = Vec::new();
+    if !book.join("introduction.md").is_file() {
+        out.push(warn(
+            shown("introduction.md"),
+            (1, 1),
+            "missing: the book's first page (`workshop book introduction` shows it)".into(),
+        ));
+    }
+    let Ok(summary) = std::fs::read_to_string(book.join("SUMMARY.md")) else {
+        out.push(warn(
+            shown("SUMMARY.md"),
+            (1, 1),
+            "missing: `mdbook build book` makes the book from it; list the introduction and every chapter".into(),
+        ));
+        return out;
+    };
+    // Every `](page.md)` link, with where it starts.
+    let mut listed = HashSet::new();
+    for (i, _) in summary.match_indices("](") {
+        let rest = &summary[i + 2..];
+        let Some(end) = rest.find(')') else { continue };
+        let page = &rest[..end];
+        listed.insert(page.to_string());
+        if super::chapter_path(dir, page).is_err() {
+            out.push(warn(
+                shown("SUMMARY.md"),
+                line_col(&summary, i + 2),
+                format!("`{page}` is not a page of book/src/"),
+            ));
+        }
+    }
+    for ex in loaded {
+        let page = ex.exercise.chapter.get_ref();
+        if !listed.contains(page.as_str()) {
+            out.push(warn(
+                ex.path.clone(),
+                line_col(&ex.text, ex.exercise.chapter.span().start),
+                format!("chapter `{page}` is not listed in book/src/SUMMARY.md: the built book leaves it out"),
+            ));
+        }
+    }
+    out
 }
 
 fn check_exercise(l: &mut Linter<'_>, ex: &LoadedExercise, source: &Source, ids: &HashSet<String>) {
@@ -132,6 +227,12 @@ fn check_exercise(l: &mut Linter<'_>, ex: &LoadedExercise, source: &Source, ids:
             l.at(
                 step.id.span(),
                 format!("step id `{sid}` is used twice in this exercise"),
+            );
+        }
+        if step.hint.as_deref().is_none_or(|h| h.trim().is_empty()) {
+            l.warn(
+                step.id.span(),
+                format!("step `{sid}` has no hint: `workshop hint` has nothing to offer a student stuck on it"),
             );
         }
         check_sections(l, e, step);
@@ -554,6 +655,7 @@ fn check_cycles(exercises: &[LoadedExercise]) -> Vec<Diagnostic> {
                         line,
                         col,
                         message: format!("`requires` forms a cycle: {}", cycle.join(" → ")),
+                        ..Diagnostic::default()
                     });
                     stack.clear();
                     break;

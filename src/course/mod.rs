@@ -138,10 +138,12 @@ pub struct Course {
 }
 
 impl Course {
-    /// Load and lint the course; any problem is an error listing every diagnostic.
+    /// Load and lint the course; any error is refused with every error listed (warnings are
+    /// `workshop dev lint`'s to show).
     pub fn load(source: &Source) -> anyhow::Result<Course> {
         let files = read_files(source)?;
-        let (exercises, diags) = lint::check(source, &files);
+        let (exercises, mut diags) = lint::check(source, &files);
+        diags.retain(lint::Diagnostic::is_error);
         if !diags.is_empty() {
             let list: Vec<String> = diags.iter().map(|d| d.to_string()).collect();
             anyhow::bail!(
