@@ -1205,6 +1205,8 @@ fn record_with(template: &Value, samples: &[f64], batch: usize) -> Value {
     r["samples_s"] = serde_json::json!(samples);
     r["config"]["batch_size"] = serde_json::json!(batch);
     r["stats"]["median_s"] = serde_json::json!(median);
+    r["stats"]["min_s"] = serde_json::json!(sorted[0]);
+    r["stats"]["max_s"] = serde_json::json!(sorted[sorted.len() - 1]);
     r["stats"]["throughput_median"] = serde_json::json!(batch as f64 / median);
     r
 }
@@ -1287,12 +1289,40 @@ fn compare_gives_known_ratios_verdicts_and_warnings() {
         serde_json::from_slice(&workshop(&["compare", &base, &b4, "--json"]).stdout).unwrap();
     assert_eq!(c["shape"]["lines"]["param"], "batch size");
 
-    // Bars as SVG.
+    // Bars as SVG, with the compile mode in the labels where it differs (the table's record
+    // column and the chart's legend, outside the plot), and a whisker per bar.
+    let mut compiled = record_with(&t, &[0.050, 0.051, 0.050, 0.052], 2);
+    compiled["config"]["compile"] = serde_json::json!("max-autotune");
+    let compiled = write("compiled.json", &compiled);
     let svg = dir.path().join("chart.svg");
-    let o = workshop(&["compare", &base, &fast, "--chart", svg.to_str().unwrap()]);
+    let o = workshop(&[
+        "compare",
+        &base,
+        &compiled,
+        "--chart",
+        svg.to_str().unwrap(),
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("max-autotune is 2.01× faster than eager"),
+        "{out}"
+    );
     let text = std::fs::read_to_string(&svg).unwrap();
     assert!(text.contains("<svg") && text.contains("width=\"960\"") && text.contains("<rect"));
+    assert!(
+        text.contains("\nmax-autotune\n</text>") && text.contains("\neager\n</text>"),
+        "{text}"
+    );
+    // The whiskers span the slowest to the fastest iteration.
+    let c: Value =
+        serde_json::from_slice(&workshop(&["compare", &base, &compiled, "--json"]).stdout).unwrap();
+    let range = &c["rows"][0]["throughput_range"];
+    assert!(
+        (range[0].as_f64().unwrap() - 2.0 / 0.103).abs() < 1e-9
+            && (range[1].as_f64().unwrap() - 2.0 / 0.100).abs() < 1e-9,
+        "{range}"
+    );
 
     // Not a bench record: said plainly.
     let junk = write("junk.json", &serde_json::json!({"kind": "multi"}));

@@ -21,6 +21,8 @@ pub struct Row {
     pub input_size: usize,
     pub median_ms: f64,
     pub throughput: f64,
+    /// The slowest and the fastest iteration's throughput: the spread verdicts are judged on.
+    pub throughput_range: (f64, f64),
     pub peak_memory_mib: f64,
     pub cv: f64,
 }
@@ -152,9 +154,16 @@ pub fn verdict(a: &BenchRecord, b: &BenchRecord) -> (Direction, String) {
     }
 }
 
+/// What tells records apart, in label order: device, backend, precision, network, batch
+/// (`BATCH`), input size (`INPUT`), compile mode, kernels.
+const FIELDS: usize = 8;
+const BATCH: usize = 4;
+const INPUT: usize = 5;
+type Fields = [String; FIELDS];
+
 /// Compare `records` (with where each came from) against the first.
 pub fn compare(records: &[(String, BenchRecord)]) -> Comparison {
-    let fields = |r: &BenchRecord| -> [String; 6] {
+    let fields = |r: &BenchRecord| -> Fields {
         [
             r.environment.device.name.clone(),
             r.config.backend.to_string(),
@@ -162,10 +171,12 @@ pub fn compare(records: &[(String, BenchRecord)]) -> Comparison {
             r.config.network.clone(),
             format!("b{}", r.config.batch_size),
             format!("{}px", r.config.input_size),
+            r.config.compile.map_or("eager", |m| m.name()).to_string(),
+            format!("{} kernels", r.config.kernels.name()),
         ]
     };
-    let all: Vec<[String; 6]> = records.iter().map(|(_, r)| fields(r)).collect();
-    let varies: Vec<bool> = (0..6)
+    let all: Vec<Fields> = records.iter().map(|(_, r)| fields(r)).collect();
+    let varies: Vec<bool> = (0..FIELDS)
         .map(|i| all.iter().any(|f| f[i] != all[0][i]))
         .collect();
     let rows = rows(records, &all, &varies);
@@ -189,14 +200,19 @@ pub fn compare(records: &[(String, BenchRecord)]) -> Comparison {
     }
 }
 
+/// Images per second of a step of `batch` images that took `seconds`.
+fn per_second(batch: usize, seconds: f64) -> f64 {
+    batch as f64 / seconds.max(f64::MIN_POSITIVE)
+}
+
 /// A row per record, labelled by the fields that vary (by its file where runs repeat one
 /// configuration).
-fn rows(records: &[(String, BenchRecord)], all: &[[String; 6]], varies: &[bool]) -> Vec<Row> {
+fn rows(records: &[(String, BenchRecord)], all: &[Fields], varies: &[bool]) -> Vec<Row> {
     let rows: Vec<Row> = records
         .iter()
         .zip(all)
         .map(|((source, r), f)| {
-            let parts: Vec<&str> = (0..6)
+            let parts: Vec<&str> = (0..FIELDS)
                 .filter(|&i| varies[i])
                 .map(|i| f[i].as_str())
                 .collect();
@@ -218,6 +234,10 @@ fn rows(records: &[(String, BenchRecord)], all: &[[String; 6]], varies: &[bool])
                 input_size: r.config.input_size,
                 median_ms: r.stats.median_s * 1e3,
                 throughput: r.stats.throughput_median,
+                throughput_range: (
+                    per_second(r.config.batch_size, r.stats.max_s),
+                    per_second(r.config.batch_size, r.stats.min_s),
+                ),
                 peak_memory_mib: r.memory.peak as f64 / (1024.0 * 1024.0),
                 cv: r.stats.cv,
             }
@@ -244,7 +264,7 @@ fn rows(records: &[(String, BenchRecord)], all: &[[String; 6]], varies: &[bool])
 fn pairs(
     records: &[(String, BenchRecord)],
     rows: &[Row],
-    all: &[[String; 6]],
+    all: &[Fields],
     varies: &[bool],
 ) -> Vec<Pair> {
     let first = &records[0].1;
@@ -383,10 +403,10 @@ fn config_differences(
 }
 
 /// Lines where the records sweep batch (or input) size within a series, else bars.
-fn shape(all: &[[String; 6]], varies: &[bool]) -> Shape {
+fn shape(all: &[Fields], varies: &[bool]) -> Shape {
     // A sweep: records that differ only in batch (or input) size within a series.
-    let key = |f: &[String; 6], skip: usize| -> Vec<String> {
-        (0..6)
+    let key = |f: &Fields, skip: usize| -> Vec<String> {
+        (0..FIELDS)
             .filter(|&i| i != skip)
             .map(|i| f[i].clone())
             .collect()
@@ -398,11 +418,11 @@ fn shape(all: &[[String; 6]], varies: &[bool]) -> Shape {
                 .enumerate()
                 .any(|(i, f)| all.iter().skip(i + 1).any(|g| key(f, skip) == key(g, skip)))
     };
-    if swept(4) {
+    if swept(BATCH) {
         Shape::Lines {
             param: "batch size".into(),
         }
-    } else if swept(5) {
+    } else if swept(INPUT) {
         Shape::Lines {
             param: "input size".into(),
         }

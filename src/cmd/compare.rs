@@ -80,13 +80,27 @@ pub fn collect(a: CollectArgs) -> Result<()> {
         println!("Wrote {}", path.display());
     }
     if let Some(path) = &a.chart {
+        // Students who share a name keep bars of their own, told apart by their folders.
+        let group = |s: &course::collect::Student| {
+            let twins = class.iter().filter(|o| o.name == s.name).count();
+            match (
+                twins,
+                s.path.parent().and_then(|p| p.strip_prefix(&a.dir).ok()),
+            ) {
+                (2.., Some(folder)) if !folder.as_os_str().is_empty() => {
+                    format!("{} ({})", s.name, folder.display())
+                }
+                _ => s.name.clone(),
+            }
+        };
         let bars: Vec<report::charts::Bar> = class
             .iter()
             .filter_map(|s| {
                 Some(report::charts::Bar {
-                    group: s.name.clone(),
+                    group: group(s),
                     series: s.device.clone(),
                     value: s.baseline_throughput?,
+                    range: None,
                 })
             })
             .collect();

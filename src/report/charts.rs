@@ -10,7 +10,6 @@ use std::sync::OnceLock;
 
 use anyhow::{Context, Result, bail};
 use plotters::coord::Shift;
-use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 use plotters::style::FontStyle;
 
@@ -101,6 +100,8 @@ pub struct Bar {
     /// The series (colour, legend).
     pub series: String,
     pub value: f64,
+    /// The spread behind the value (slowest and fastest iteration), drawn as a whisker.
+    pub range: Option<(f64, f64)>,
 }
 
 /// Grouped bars: one group per distinct `group`, one colour per distinct `series`.
@@ -134,12 +135,19 @@ where
     let series = distinct(bars.iter().map(|b| b.series.clone()));
     let top = bars
         .iter()
-        .map(|b| b.value)
+        .map(|b| b.range.map_or(b.value, |r| r.1.max(b.value)))
         .fold(0.0, f64::max)
         .max(f64::MIN_POSITIVE)
         * 1.15;
     let n = groups.len() as f64;
-    let mut chart = ChartBuilder::on(area)
+    let colors: Vec<RGBAColor> = (0..series.len())
+        .map(|i| Palette99::pick(i).to_rgba())
+        .collect();
+    let area = match series.len() {
+        0 | 1 => area.clone(),
+        _ => beside_legend(area, &series, &colors, LegendMark::Box)?,
+    };
+    let mut chart = ChartBuilder::on(&area)
         .caption(title, ("sans-serif", 24))
         .margin(16)
         .x_label_area_size(48)
@@ -175,8 +183,7 @@ where
         let g = groups.iter().position(|x| *x == b.group).unwrap_or(0) as f64;
         (g - 0.4 + width * i, width)
     };
-    for (si, s) in series.iter().enumerate() {
-        let color = Palette99::pick(si).to_rgba();
+    for (s, color) in series.iter().zip(&colors) {
         let mine: Vec<&Bar> = bars.iter().filter(|b| &b.series == s).collect();
         let rects: Vec<Rectangle<(f64, f64)>> = mine
             .iter()
@@ -185,14 +192,23 @@ where
                 Rectangle::new([(x0, 0.0), (x0 + width * 0.95, b.value)], color.filled())
             })
             .collect();
-        let legend = chart.draw_series(rects).map_err(plot_error)?;
-        if series.len() > 1 {
-            legend.label(s.clone()).legend(move |(x, y)| {
-                Rectangle::new([(x, y - 6), (x + 12, y + 6)], color.filled())
-            });
-        }
+        chart.draw_series(rects).map_err(plot_error)?;
         for b in mine {
             let (x0, width) = slot(b);
+            // The spread: a whisker from the slowest to the fastest iteration.
+            if let Some((lo, hi)) = b.range {
+                let mid = x0 + width * 0.475;
+                let cap = width * 0.15;
+                let ink = BLACK.stroke_width(1);
+                let whisker = [
+                    vec![(mid, lo), (mid, hi)],
+                    vec![(mid - cap, lo), (mid + cap, lo)],
+                    vec![(mid - cap, hi), (mid + cap, hi)],
+                ];
+                chart
+                    .draw_series(whisker.into_iter().map(|p| PathElement::new(p, ink)))
+                    .map_err(plot_error)?;
+            }
             let style = TextStyle::from(("sans-serif", 13).into_font()).pos(
                 plotters::style::text_anchor::Pos::new(
                     plotters::style::text_anchor::HPos::Center,
@@ -202,32 +218,64 @@ where
             chart
                 .draw_series(std::iter::once(Text::new(
                     format!("{:.1}", b.value),
-                    (x0 + width * 0.475, b.value + top * 0.01),
+                    (
+                        x0 + width * 0.475,
+                        b.range.map_or(b.value, |r| r.1.max(b.value)) + top * 0.01,
+                    ),
                     style,
                 )))
                 .map_err(plot_error)?;
         }
     }
-    if series.len() > 1 {
-        legend(&mut chart)?;
-    }
     Ok(())
 }
 
-type Chart<'a, DB> = ChartContext<'a, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+/// How a legend entry shows its series.
+#[derive(Clone, Copy)]
+enum LegendMark {
+    Box,
+    Line,
+}
 
-/// The series' legend, in the chart's top-right corner.
-fn legend<'a, DB: DrawingBackend + 'a>(chart: &mut Chart<'a, DB>) -> Result<()>
+/// Draw the legend in a column at the right of `area`, outside the plot (so it never hides
+/// a bar or a point), and return the area left for the plot.
+fn beside_legend<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    labels: &[String],
+    colors: &[RGBAColor],
+    mark: LegendMark,
+) -> Result<DrawingArea<DB, Shift>>
 where
     DB::ErrorType: 'static,
 {
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 14))
-        .draw()
-        .map_err(plot_error)
+    let (w, _) = area.dim_in_pixel();
+    let longest = labels.iter().map(|l| l.chars().count()).max().unwrap_or(0) as u32;
+    // About 8 pixels a character at 14 points, the mark and margins; at most 40% of the width.
+    let column = (longest * 8 + 48).min(w * 2 / 5);
+    let (plot, side) = area.split_horizontally(w - column);
+    let font = ("sans-serif", 14).into_font();
+    let max_chars = ((column.saturating_sub(40)) / 8).max(4) as usize;
+    for (i, (label, color)) in labels.iter().zip(colors).enumerate() {
+        let y = 60 + 22 * i as i32;
+        match mark {
+            LegendMark::Box => side
+                .draw(&Rectangle::new([(8, y - 6), (20, y + 6)], color.filled()))
+                .map_err(plot_error)?,
+            LegendMark::Line => side
+                .draw(&PathElement::new(
+                    vec![(6, y), (22, y)],
+                    color.stroke_width(2),
+                ))
+                .map_err(plot_error)?,
+        }
+        let shown = match label.chars().count() > max_chars {
+            true => format!("{}…", label.chars().take(max_chars - 1).collect::<String>()),
+            false => label.clone(),
+        };
+        side.draw(&Text::new(shown, (28, y - 7), font.clone()))
+            .map_err(plot_error)?;
+    }
+    Ok(plot)
 }
 
 /// A line of a line chart: its points (x, y).
@@ -267,7 +315,12 @@ where
         .max(f64::MIN_POSITIVE)
         * 1.15;
     let pad = ((x1 - x0) * 0.05).max(0.5);
-    let mut chart = ChartBuilder::on(area)
+    let colors: Vec<RGBAColor> = (0..lines.len())
+        .map(|i| Palette99::pick(i).to_rgba())
+        .collect();
+    let labels: Vec<String> = lines.iter().map(|l| l.label.clone()).collect();
+    let area = beside_legend(area, &labels, &colors, LegendMark::Line)?;
+    let mut chart = ChartBuilder::on(&area)
         .caption(title, ("sans-serif", 24))
         .margin(16)
         .x_label_area_size(48)
@@ -282,22 +335,17 @@ where
         .label_style(("sans-serif", 14))
         .draw()
         .map_err(plot_error)?;
-    for (i, l) in lines.iter().enumerate() {
-        let color = Palette99::pick(i).to_rgba();
+    for (l, &color) in lines.iter().zip(&colors) {
         let mut pts = l.points.clone();
         pts.sort_by(|a, b| a.0.total_cmp(&b.0));
         chart
             .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
-            .map_err(plot_error)?
-            .label(l.label.clone())
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2))
-            });
+            .map_err(plot_error)?;
         chart
             .draw_series(pts.iter().map(|&p| Circle::new(p, 4, color.filled())))
             .map_err(plot_error)?;
     }
-    legend(&mut chart)
+    Ok(())
 }
 
 fn plot_error<E: std::error::Error + Send + Sync + 'static>(e: E) -> anyhow::Error {
@@ -317,6 +365,7 @@ pub fn comparison(c: &Comparison, path: &Path) -> Result<()> {
                     group: format!("{} {} b{}", r.network, r.precision, r.batch),
                     series: format!("{} ({})", r.device, r.backend),
                     value: r.throughput,
+                    range: Some(r.throughput_range),
                 })
                 .collect();
             let shared = bars.iter().enumerate().any(|(i, a)| {
