@@ -992,9 +992,12 @@ fn profile_step_records_module_metrics_and_checks_answers() {
     );
     let out = ok(&dir, &["next", "--yes"]);
     assert!(
-        out.contains("workshop FLOPs profiler") && out.contains("PASS         op.conv2d.time_pct"),
+        out.contains("FLOPs profile of timed iteration")
+            && out.contains("PASS         op.conv2d.time_pct"),
         "{out}"
     );
+    let whole = std::fs::read_to_string(dir.join("profiles/00-first.prof.txt")).unwrap();
+    assert!(whole.contains("workshop FLOPs profiler"), "{whole}");
     assert!(dir.join("profiles/00-first.prof.trace.json").exists());
     assert!(dir.join("profiles/00-first.prof.kernels.csv").exists());
     let r = results(&dir);
@@ -1346,4 +1349,47 @@ fn software_gpus_take_the_cpu_sized_settings() {
             "{kind}: {out}"
         );
     }
+}
+
+/// A profile step shows a summary that fits beside the question after it, and keeps the whole
+/// profile in profiles/; `--verbose` prints it whole.
+#[test]
+fn profile_steps_summarise_and_keep_the_whole_profile() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = &tiny_workspace(d.path(), ("", ""), &["--name", "Flo"]);
+    let f = d.path().join("course/exercises/00-first.toml");
+    let mut text = std::fs::read_to_string(&f).unwrap();
+    text.push_str(
+        r#"
+[[step]]
+id = "prof"
+kind = "profile"
+say = "A profile."
+hint = "Read the tables."
+bench = { network = "resnet18", batch_size = 1, iterations = 2, warmup = 0, input_size = 32 }
+profile = { depth = 2, top = 8 }
+"#,
+    );
+    std::fs::write(&f, text).unwrap();
+    let out = ok(dir, &["run", "00-first.prof"]);
+    let whole = dir.join("profiles/00-first.prof.txt");
+    assert!(
+        out.contains("Operators over 2 iterations")
+            && out.contains("│ stage")
+            && out.contains("Top 5 layers by fwd latency")
+            && !out.contains("Detailed profile")
+            && !out.contains("Kernels:")
+            && out.contains("The full profile (every kernel, the module tree, every layer)"),
+        "{out}"
+    );
+    let kept = std::fs::read_to_string(&whole).unwrap();
+    assert!(
+        kept.contains("Kernels:") && kept.contains("Detailed profile") && kept.contains("layer1.0"),
+        "{kept}"
+    );
+    let out = ok(dir, &["run", "00-first.prof", "--verbose"]);
+    assert!(
+        out.contains("Detailed profile") && out.contains("Saved to"),
+        "{out}"
+    );
 }

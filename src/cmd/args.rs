@@ -303,6 +303,10 @@ pub struct NextArgs {
     /// Answer to the step's question
     #[arg(long)]
     pub answer: Option<String>,
+    /// Show profiles whole (every kernel, the module tree) instead of their summary; the
+    /// whole profile is always saved under profiles/
+    #[arg(long, short)]
+    pub verbose: bool,
 }
 
 #[derive(Debug, Args)]
@@ -345,6 +349,10 @@ pub struct RunStepArgs {
     /// Answer to the step's question
     #[arg(long)]
     pub answer: Option<String>,
+    /// Show profiles whole (every kernel, the module tree) instead of their summary; the
+    /// whole profile is always saved under profiles/
+    #[arg(long, short)]
+    pub verbose: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

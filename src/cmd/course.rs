@@ -328,6 +328,7 @@ pub fn next(args: NextArgs) -> Result<()> {
         let mut ui = Terminal {
             interactive: interactive() && !args.yes,
             backend: ws.state.backend,
+            verbose: args.verbose,
         };
         let answer = args.answer.as_deref();
         let attempt = run_step(&ws, &id, step, &earlier(&ws, &id), answer, &mut ui)?;
@@ -613,6 +614,7 @@ pub fn run(args: RunStepArgs) -> Result<()> {
             let mut ui = Terminal {
                 interactive: interactive(),
                 backend: ws.state.backend,
+                verbose: args.verbose,
             };
             let answer = args.answer.as_deref();
             let attempt = run_step(&ws, &id, step, &earlier(&ws, &id), answer, &mut ui)?;
@@ -672,6 +674,8 @@ struct Terminal {
     /// A student can answer prompts.
     interactive: bool,
     backend: crate::backend::BackendKind,
+    /// Profiles whole rather than summarised.
+    verbose: bool,
 }
 
 /// A progress bar on stderr, cleared when dropped.
@@ -701,11 +705,25 @@ impl Ui for Terminal {
                 flops,
                 top,
                 depth,
+                kernels,
+                full,
             } => {
                 let ops = (record.profile.as_ref())
                     .map(|p| format!("{}\n", report::profile::profile(p, top, self.backend)));
-                let flops = report::profile::flops_profile(flops, Some(depth), top);
-                format!("{}{flops}", ops.unwrap_or_default())
+                let whole = format!(
+                    "{}{}",
+                    ops.unwrap_or_default(),
+                    report::profile::flops_profile(flops, Some(depth), top)
+                );
+                // The whole profile is kept; the screen gets it with --verbose, else a summary.
+                let kept = match crate::files::write_atomic(full, whole.as_bytes()) {
+                    Ok(()) => full.display().to_string(),
+                    Err(e) => format!("not saved ({e:#}): re-run with --verbose to see it"),
+                };
+                match self.verbose {
+                    true => format!("{whole}\nSaved to {kept}"),
+                    false => report::profile::course_summary(record, flops, (top, kernels), &kept),
+                }
             }
             Show::Comparison { comparison, chart } => {
                 // The comparison stands without its picture (a machine without fonts).

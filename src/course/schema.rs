@@ -228,12 +228,16 @@ pub struct ChartSpec {
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ProfileSpec {
-    /// Deepest level of the module tree shown (default 1: the network's top-level modules).
+    /// Deepest level of the module tree in the whole profile (default 1: the network's
+    /// top-level modules). The step shows a summary (operators, the top-level modules, the
+    /// slowest layers); the whole profile goes to `profiles/EX.STEP.txt` (`--verbose` prints it).
     pub depth: Option<usize>,
-    /// Rows of the operator, kernel and slowest-layer tables (default 10).
+    /// Rows of the operator, kernel and slowest-layer tables (default 10; the summary shows
+    /// at most 5 slowest layers).
     pub top: Option<usize>,
     /// Also write the profiled iterations as a Chrome trace and the kernel table as a
-    /// rocprof-style CSV into the workspace's `profiles/` folder.
+    /// rocprof-style CSV into the workspace's `profiles/` folder, and show the kernel table in
+    /// the step's summary (a step about kernels).
     #[serde(default)]
     pub files: bool,
 }

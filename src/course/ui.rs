@@ -24,12 +24,15 @@ pub enum Show<'a> {
     /// A multi-device run: each device, the global figures and the scaling.
     Multi(&'a MultiRecord),
     /// A profiled run's operator and kernel tables (`top` rows each) and its FLOPs profile
-    /// to module depth `depth`.
+    /// to module depth `depth`, kept whole at `full` (the screen may get a summary).
     Profile {
         record: &'a BenchRecord,
         flops: &'a FlopsProfile,
         top: usize,
         depth: usize,
+        /// Whether the summary shows the kernel table too.
+        kernels: bool,
+        full: &'a Path,
     },
     /// Runs compared side by side, and the chart to draw of them at `chart`.
     Comparison {

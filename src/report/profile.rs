@@ -15,6 +15,92 @@ pub fn profile(
     top: usize,
     backend: crate::backend::BackendKind,
 ) -> String {
+    tables(p, top, backend, true)
+}
+
+/// What a course step shows of a profile, short enough to stay on screen with the question
+/// that follows: the operator table (and the kernel table, with `kernels`), the CPU-overhead
+/// ratio, the FLOPs profile's key lines, the network's stages and its slowest layers. The
+/// rest (the module tree, every layer) is in the full profile, `full` names where.
+pub fn course_summary(
+    record: &crate::bench::record::BenchRecord,
+    f: &FlopsProfile,
+    (top, kernels): (usize, bool),
+    full: &str,
+) -> String {
+    let mut s = String::new();
+    if let Some(p) = &record.profile {
+        s.push_str(&tables(p, top, record.config.backend, kernels));
+        s.push('\n');
+    }
+    let root = f.root();
+    let _ = write!(
+        s,
+        "\nFLOPs profile of timed iteration {}: {} in {} of device time, {}",
+        f.step,
+        si(root.flops as f64, "FLOPs"),
+        duration_ns(root.latency_ns as f64),
+        si(root.gflops() * 1e9, "FLOPS"),
+    );
+    if let Some(peak) = f.limits.peak_gflops {
+        let _ = write!(
+            s,
+            " = {:.1}% of the measured GEMM peak{}",
+            pct(root.gflops(), peak),
+            beyond(root.gflops(), peak)
+        );
+    }
+    let _ = write!(
+        s,
+        ".\nArithmetic intensity {:.1} FLOP/byte",
+        root.intensity()
+    );
+    match f.limits.balance() {
+        Some(b) => {
+            let _ = writeln!(s, " against a machine balance of {b:.1} FLOP/byte.");
+        }
+        None => s.push_str(" (no bandwidth measured here: no machine balance).\n"),
+    }
+    let mut t = new_table();
+    t.set_header(vec![
+        "stage",
+        "latency",
+        "% latency",
+        "MACs",
+        "FLOPS",
+        "AI FLOP/B",
+        "bound",
+    ]);
+    let right = |v: String| Cell::new(v).set_alignment(CellAlignment::Right);
+    for m in f.at_depth(1) {
+        t.add_row(vec![
+            Cell::new(&m.name),
+            right(duration_ns(m.latency_ns as f64)),
+            right(format!(
+                "{:.1}%",
+                pct(m.latency_ns as f64, root.latency_ns as f64)
+            )),
+            right(si(m.macs as f64, "")),
+            right(si(m.gflops() * 1e9, "")),
+            right(format!("{:.1}", m.intensity())),
+            Cell::new(f.limits.bound(m.intensity()).unwrap_or("")),
+        ]);
+    }
+    let _ = writeln!(s, "{t}");
+    flops_slowest(&mut s, f, top.min(5));
+    let _ = write!(
+        s,
+        "The full profile (every kernel, the module tree, every layer): {full}"
+    );
+    s
+}
+
+fn tables(
+    p: &crate::bench::profile::Profile,
+    top: usize,
+    backend: crate::backend::BackendKind,
+    kernels: bool,
+) -> String {
     let table = |title: &str, rows: &[crate::bench::profile::KernelStat]| {
         let mut t = new_table();
         t.set_header(vec![title, "calls", "total ms", "avg µs", "%"]);
@@ -42,11 +128,14 @@ pub fn profile(
     } else {
         "much of each iteration is spent outside the kernels: launch overhead and host work dominate (try a larger batch)"
     };
+    let kernels = match kernels {
+        true => format!("\nKernels:\n{}", table("kernel", &p.kernels)),
+        false => String::new(),
+    };
     format!(
-        "Operators over {} iterations ({clock}):\n{}\nKernels:\n{}\nDevice time {:.2} ms per iteration, host time {:.2} ms: CPU-overhead ratio {:.2} ({meaning}).",
+        "Operators over {} iterations ({clock}):\n{}{kernels}\nDevice time {:.2} ms per iteration, host time {:.2} ms: CPU-overhead ratio {:.2} ({meaning}).",
         p.iterations,
         table("operator", &p.ops),
-        table("kernel", &p.kernels),
         p.device_ms_per_iter,
         p.host_ms_per_iter,
         p.cpu_overhead

@@ -26,6 +26,8 @@ pub fn run(ctx: &StepContext<'_>, out: &mut StepOutput, ui: &mut dyn Ui) -> Resu
         flops: f,
         top: shown.top.unwrap_or(10),
         depth: shown.depth.unwrap_or(1),
+        kernels: shown.files,
+        full: &ctx.own_file("profiles", "txt")?,
     });
     if shown.files
         && let Some(p) = &r.profile
