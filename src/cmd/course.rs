@@ -664,8 +664,42 @@ pub fn book(args: BookArgs) -> Result<()> {
     let text = course
         .chapter(&page)
         .with_context(|| format!("the book has no page `{page}`"))?;
-    println!("{text}");
+    // On a terminal: rendered and paged; to a pipe or a file: the Markdown as written.
+    if std::io::stdout().is_terminal() {
+        let width = textwrap::termwidth().clamp(40, 100);
+        page_through(&report::markdown(&text, width));
+    } else {
+        println!("{text}");
+    }
     Ok(())
+}
+
+/// Show `text` through the reader's pager (`$PAGER`, else `less -FRX`: it quits at once when
+/// the text fits the screen and keeps colours), or print it where there is none.
+fn page_through(text: &str) {
+    use std::io::Write as _;
+    let pager = std::env::var("PAGER")
+        .ok()
+        .filter(|p| !p.trim().is_empty())
+        .unwrap_or_else(|| "less -FRX".into());
+    let words = shlex::split(&pager).unwrap_or_default();
+    let child = words.split_first().and_then(|(program, args)| {
+        std::process::Command::new(program)
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .ok()
+    });
+    match child {
+        Some(mut c) => {
+            // A reader who quits early closes the pipe: not an error.
+            if let Some(mut input) = c.stdin.take() {
+                let _ = input.write_all(text.as_bytes());
+            }
+            let _ = c.wait();
+        }
+        None => println!("{text}"),
+    }
 }
 
 /// The course's [`Ui`] on a terminal (or a pipe: progress bars hide themselves, questions

@@ -47,6 +47,55 @@ pub fn lines_for_terminal(text: &str) -> String {
         .join("\n")
 }
 
+/// A book chapter (Markdown) rendered for a terminal `width` columns wide: headings, emphasis,
+/// code and tables styled and laid out, paragraphs filled.
+pub fn markdown(text: &str, width: usize) -> String {
+    termimad::MadSkin::default()
+        .text(&join_paragraphs(text), Some(width))
+        .to_string()
+}
+
+/// Markdown with each paragraph's (and list item's) lines joined into one, as Markdown reads
+/// them, so the renderer fills them to the terminal instead of keeping the source's breaks;
+/// code blocks, headings and table rows stay as written.
+fn join_paragraphs(text: &str) -> String {
+    let starts_block = |l: &str| {
+        let t = l.trim_start();
+        t.starts_with('#')
+            || t.starts_with('|')
+            || t.starts_with("```")
+            || t.starts_with('>')
+            || t.starts_with("- ")
+            || t.starts_with("* ")
+            || t.split_once(". ")
+                .is_some_and(|(n, _)| n.parse::<u32>().is_ok())
+    };
+    let mut out: Vec<String> = Vec::new();
+    let mut in_code = false;
+    for line in text.lines() {
+        let fence = line.trim_start().starts_with("```");
+        let joins = !in_code
+            && !fence
+            && !line.trim().is_empty()
+            && !starts_block(line)
+            && out.last().is_some_and(|prev| {
+                let p = prev.trim_start();
+                !p.is_empty() && !p.starts_with('#') && !p.starts_with('|') && !p.starts_with("```")
+            });
+        match (joins, out.last_mut()) {
+            (true, Some(prev)) => {
+                prev.push(' ');
+                prev.push_str(line.trim());
+            }
+            _ => out.push(line.to_string()),
+        }
+        if fence {
+            in_code = !in_code;
+        }
+    }
+    out.join("\n")
+}
+
 /// Paragraphs of `text` refilled to `width` columns (see [`for_terminal`]).
 pub fn fill(text: &str, width: usize) -> String {
     let starts_item = |l: &str| {
@@ -100,5 +149,33 @@ mod tests {
         );
         // Every line fits.
         assert!(got.lines().all(|l| l.chars().count() <= 16));
+    }
+
+    #[test]
+    fn markdown_reads_as_markdown_does() {
+        let md = "# Title\n\nOne\ntwo.\n\n- item\n  more\n- next\n\n```sh\na\nb\n```\n\n| x | y |\n|---|---|\n| 1 | 2 |";
+        assert_eq!(
+            super::join_paragraphs(md),
+            "# Title\n\nOne two.\n\n- item more\n- next\n\n```sh\na\nb\n```\n\n| x | y |\n|---|---|\n| 1 | 2 |"
+        );
+        let shown = super::markdown(md, 40);
+        let plain: String = {
+            // Without the styling's escape sequences.
+            let mut out = String::new();
+            let mut chars = shown.chars();
+            while let Some(c) = chars.next() {
+                if c == '\u{1b}' {
+                    chars.by_ref().find(|c| c.is_ascii_alphabetic());
+                } else {
+                    out.push(c);
+                }
+            }
+            out
+        };
+        assert!(
+            plain.contains("One two.") && !plain.contains("# Title") && plain.contains("Title"),
+            "{plain}"
+        );
+        assert!(plain.lines().all(|l| l.chars().count() <= 40), "{plain}");
     }
 }
