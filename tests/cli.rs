@@ -226,6 +226,28 @@ fn batch_tiles_match_the_reference_and_bad_cuts_are_refused() {
             .max_abs_diff(&expected);
         assert!(diff <= 1e-4 * scale, "{asked}: diff {diff}");
     }
+    // A profile of a tiled run says why its early layers are called more than once.
+    let o = crate::common::command()
+        .env("WORKSHOP_CPU_SPLIT", "layer1.1.relu:1")
+        .args([
+            "bench",
+            "--network",
+            "resnet18",
+            "--batch-size",
+            "2",
+            "--input-size",
+            "32",
+        ])
+        .args(["--iterations", "1", "--warmup", "0", "--profile"])
+        .output()
+        .unwrap();
+    let out = stdout(&o);
+    assert!(
+        o.status.success()
+            && out.contains("Calls count kernel runs, not layers: batch tiles of 1 image"),
+        "{out}{}",
+        stderr(&o)
+    );
     for (bad, says) in [
         (
             "layer1.1.conv1:2",

@@ -164,10 +164,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         );
     }
     if let Some(p) = &record.profile {
-        println!(
-            "\n{}",
-            report::profile::profile(p, args.top, record.config.backend)
-        );
+        println!("\n{}", report::profile::profile(&record, p, args.top));
     }
     if let Some(f) = &record.flops_profile {
         println!(

@@ -327,7 +327,6 @@ pub fn next(args: NextArgs) -> Result<()> {
         }
         let mut ui = Terminal {
             interactive: interactive() && !args.yes,
-            backend: ws.state.backend,
             verbose: args.verbose,
         };
         let answer = args.answer.as_deref();
@@ -613,7 +612,6 @@ pub fn run(args: RunStepArgs) -> Result<()> {
             println!("{}", report::course::step_header(&id, index, total, step));
             let mut ui = Terminal {
                 interactive: interactive(),
-                backend: ws.state.backend,
                 verbose: args.verbose,
             };
             let answer = args.answer.as_deref();
@@ -707,7 +705,6 @@ fn page_through(text: &str) {
 struct Terminal {
     /// A student can answer prompts.
     interactive: bool,
-    backend: crate::backend::BackendKind,
     /// Profiles whole rather than summarised.
     verbose: bool,
 }
@@ -743,7 +740,7 @@ impl Ui for Terminal {
                 full,
             } => {
                 let ops = (record.profile.as_ref())
-                    .map(|p| format!("{}\n", report::profile::profile(p, top, self.backend)));
+                    .map(|p| format!("{}\n", report::profile::profile(record, p, top)));
                 let whole = format!(
                     "{}{}",
                     ops.unwrap_or_default(),

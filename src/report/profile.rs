@@ -9,13 +9,24 @@ use super::new_table;
 use crate::bench::flops::{FlopsProfile, Module};
 use crate::units::{duration_ns, si};
 
-/// The operator and kernel tables of a profiled run, and what the CPU-overhead ratio means.
+/// The operator and kernel tables of `record`'s profile `p`, and what the CPU-overhead ratio
+/// means.
 pub fn profile(
+    record: &crate::bench::record::BenchRecord,
     p: &crate::bench::profile::Profile,
     top: usize,
-    backend: crate::backend::BackendKind,
 ) -> String {
-    tables(p, top, backend, true)
+    tables(record, p, top, true)
+}
+
+/// Why the calls outnumber the layers, where they do: batch tiles (named in the kernel
+/// version) run the early layers a few images at a time, each a call of its own.
+fn calls_note(kernel_version: &str) -> Option<String> {
+    let (_, after) = kernel_version.split_once("batch tiles of ")?;
+    let tiles = after.strip_suffix(')').unwrap_or(after);
+    Some(format!(
+        "Calls count kernel runs, not layers: batch tiles of {tiles} run the early layers a few images at a time (to stay in cache), so they are called several times per iteration (`WORKSHOP_CPU_SPLIT=off` runs whole batches)."
+    ))
 }
 
 /// What a course step shows of a profile, short enough to stay on screen with the question
@@ -30,7 +41,7 @@ pub fn course_summary(
 ) -> String {
     let mut s = String::new();
     if let Some(p) = &record.profile {
-        s.push_str(&tables(p, top, record.config.backend, kernels));
+        s.push_str(&tables(record, p, top, kernels));
         s.push('\n');
     }
     let root = f.root();
@@ -96,11 +107,12 @@ pub fn course_summary(
 }
 
 fn tables(
+    record: &crate::bench::record::BenchRecord,
     p: &crate::bench::profile::Profile,
     top: usize,
-    backend: crate::backend::BackendKind,
     kernels: bool,
 ) -> String {
+    let backend = record.config.backend;
     let table = |title: &str, rows: &[crate::bench::profile::KernelStat]| {
         let mut t = new_table();
         t.set_header(vec![title, "calls", "total ms", "avg µs", "%"]);
@@ -132,8 +144,10 @@ fn tables(
         true => format!("\nKernels:\n{}", table("kernel", &p.kernels)),
         false => String::new(),
     };
+    let calls =
+        calls_note(&record.environment.kernel_version).map_or(String::new(), |n| format!("\n{n}"));
     format!(
-        "Operators over {} iterations ({clock}):\n{}{kernels}\nDevice time {:.2} ms per iteration, host time {:.2} ms: CPU-overhead ratio {:.2} ({meaning}).",
+        "Operators over {} iterations ({clock}):\n{}{kernels}\nDevice time {:.2} ms per iteration, host time {:.2} ms: CPU-overhead ratio {:.2} ({meaning}).{calls}",
         p.iterations,
         table("operator", &p.ops),
         p.device_ms_per_iter,
