@@ -769,14 +769,16 @@ impl Ui for Terminal {
                 gemm,
                 bandwidth,
                 ceiling,
-            } => report::lines_for_terminal(&format!(
+            } => format!(
                 "{}\n{}",
                 report::machine::peak(gemm, bandwidth),
                 report::machine::ceiling(gemm, ceiling)
-            )),
+            ),
             Show::Line(line) => line,
         };
-        println!("{text}");
+        // Every line that is wider than the terminal wraps onto indented continuation lines
+        // (tables are laid out to the width already).
+        println!("{}", report::lines_for_terminal(&text));
     }
 
     fn progress(&mut self, label: &str, total: u64) -> Box<dyn Ticker> {
