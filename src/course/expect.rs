@@ -167,6 +167,17 @@ pub fn evaluate(
         }
     }
     let ok = min.is_none_or(|m| value >= m) && max.is_none_or(|m| value <= m);
+    // A compared run's ratio out of range while the two runs' spreads overlap: the comparison
+    // itself could not tell them apart.
+    let unclear = (x.metric.strip_suffix(".ratio"))
+        .and_then(|s| metrics.get(step)?.get(&format!("{s}.unclear")))
+        .is_some_and(|&u| u == 1.0);
+    if !ok && x.per.is_none() && unclear {
+        check.reason = Some(
+            "too noisy to judge: the two runs' spreads overlap (the comparison's verdict is ambiguous); close other programs and re-run both steps".into(),
+        );
+        return Some(check);
+    }
     check.verdict = if ok { Verdict::Pass } else { Verdict::Fail };
     if !ok {
         check.hint = Some(x.hint.clone());
@@ -189,6 +200,36 @@ mod tests {
             backend: vec![],
             hint: "try again".into(),
         }
+    }
+
+    /// A chart's ratio out of range: failed where the runs are told apart, inconclusive where
+    /// their spreads overlap or the noisiest run compared is above the limit.
+    #[test]
+    fn chart_ratios_respect_the_comparisons_noise() {
+        let ctx = Context {
+            device: "AMD EPYC",
+            backend: crate::backend::BackendKind::Cpu,
+        };
+        let chart = |unclear: f64, cv: f64| {
+            let mut m = Metrics::new();
+            m.insert(
+                "chart".into(),
+                BTreeMap::from([
+                    ("again.ratio".into(), 0.887),
+                    ("again.unclear".into(), unclear),
+                    ("cv".into(), cv),
+                ]),
+            );
+            m
+        };
+        let x = expect("again.ratio", None, Some(0.9), Some(1.1));
+        let c = evaluate(&x, "chart", &chart(0.0, 0.05), &ctx, None).unwrap();
+        assert_eq!(c.verdict, Verdict::Fail);
+        let c = evaluate(&x, "chart", &chart(1.0, 0.05), &ctx, None).unwrap();
+        assert_eq!(c.verdict, Verdict::Inconclusive);
+        assert!(c.reason.unwrap().contains("spreads overlap"));
+        let c = evaluate(&x, "chart", &chart(0.0, 0.4), &ctx, None).unwrap();
+        assert_eq!(c.verdict, Verdict::Inconclusive);
     }
 
     fn metrics() -> Metrics {

@@ -66,7 +66,7 @@ metrics! {
     "std_ms" Step [RUNS] "ms" true "standard deviation of the timed iterations";
     "min_ms" Step [RUNS] "ms" true "fastest timed iteration";
     "max_ms" Step [RUNS] "ms" true "slowest timed iteration";
-    "cv" Step [RUNS] "ratio" false "coefficient of variation of the timed iterations (std / mean); of a multi-device run, the noisiest of its runs";
+    "cv" Step [Bench, Profile, Chart] "ratio" false "coefficient of variation of the timed iterations (std / mean); of a multi-device run, the noisiest of its runs; of a chart, the noisiest run it compares";
     "us_per_sample" Step [RUNS] "µs" true "median microseconds per image";
     "gflops" Step [RUNS] "GFLOP/s" true "the network's FLOPs per second at the median time";
     "peak_memory_mib" Step [RUNS] "MiB" false "weights and the most activations alive at once";
@@ -113,7 +113,7 @@ metrics! {
     "gbps" PerProbe [Peak] "GB/s" false "memory bandwidth of the copy and triad probes (copy_gbps, triad_gbps)";
     // Charts.
     "warnings" Step [Chart] "count" false "what differed between the compared runs besides the setting";
-    "ratio" PerComparedStep [Chart] "ratio" false "the step's throughput / the first step's";
+    "ratio" PerComparedStep [Chart] "ratio" true "the step's throughput / the first step's";
     "faster" PerComparedStep [Chart] "0/1" false "1 when the step is faster beyond the noise";
     "slower" PerComparedStep [Chart] "0/1" false "1 when the step is slower beyond the noise";
     "unclear" PerComparedStep [Chart] "0/1" false "1 when the difference is within the noise";

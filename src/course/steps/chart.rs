@@ -30,6 +30,9 @@ pub fn run(ctx: &StepContext<'_>, out: &mut StepOutput, ui: &mut dyn Ui) -> Resu
         chart: &chart,
     });
     out.metrics.set("warnings", c.warnings.len() as f64);
+    // The noise behind every ratio: the noisiest run compared.
+    let cv = c.rows.iter().map(|r| r.cv).fold(0.0, f64::max);
+    out.metrics.set("cv", cv);
     let is = |b: bool| if b { 1.0 } else { 0.0 };
     for p in &c.pairs {
         let s = &spec.steps[p.index];
