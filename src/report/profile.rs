@@ -73,29 +73,11 @@ pub fn course_summary(
         None => s.push_str(" (no bandwidth measured here: no machine balance).\n"),
     }
     let mut t = new_table();
-    t.set_header(vec![
-        "stage",
-        "latency",
-        "% latency",
-        "MACs",
-        "FLOPS",
-        "AI FLOP/B",
-        "bound",
-    ]);
-    let right = |v: String| Cell::new(v).set_alignment(CellAlignment::Right);
+    t.set_header([&["stage"][..], &TIMING_COLUMNS].concat());
     for m in f.at_depth(1) {
-        t.add_row(vec![
-            Cell::new(&m.name),
-            right(duration_ns(m.latency_ns as f64)),
-            right(format!(
-                "{:.1}%",
-                pct(m.latency_ns as f64, root.latency_ns as f64)
-            )),
-            right(si(m.macs as f64, "")),
-            right(si(m.gflops() * 1e9, "")),
-            right(format!("{:.1}", m.intensity())),
-            Cell::new(f.limits.bound(m.intensity()).unwrap_or("")),
-        ]);
+        let mut row = vec![Cell::new(&m.name)];
+        row.extend(timing_cells(f, m));
+        t.add_row(row);
     }
     let _ = writeln!(s, "{t}");
     flops_slowest(&mut s, f, top.min(5));
@@ -331,40 +313,48 @@ fn flops_aggregated(s: &mut String, p: &FlopsProfile, depth: Option<usize>) {
     }
 }
 
+/// The columns of [`timing_cells`].
+const TIMING_COLUMNS: [&str; 6] = [
+    "latency",
+    "% latency",
+    "MACs",
+    "FLOPS",
+    "AI FLOP/B",
+    "bound",
+];
+
+/// A module's latency, share of the pass, MACs, FLOPS, intensity and bound: the columns the
+/// stage and slowest-layer tables share.
+fn timing_cells(p: &FlopsProfile, m: &Module) -> [Cell; 6] {
+    let right = |v: String| Cell::new(v).set_alignment(CellAlignment::Right);
+    [
+        right(duration_ns(m.latency_ns as f64)),
+        right(format!(
+            "{:.2}%",
+            pct(m.latency_ns as f64, p.root().latency_ns as f64)
+        )),
+        right(si(m.macs as f64, "")),
+        right(si(m.gflops() * 1e9, "")),
+        right(format!("{:.1}", m.intensity())),
+        Cell::new(p.limits.bound(m.intensity()).unwrap_or("")),
+    ]
+}
+
 /// The slowest layers with their intensity and bound.
 fn flops_slowest(s: &mut String, p: &FlopsProfile, top: usize) {
-    let root = p.root();
     let mut leaves: Vec<&Module> = p.modules.iter().filter(|m| !m.kind.is_empty()).collect();
     leaves.sort_by_key(|m| std::cmp::Reverse(m.latency_ns));
     let _ = writeln!(s, "\nTop {} layers by fwd latency:", top.min(leaves.len()));
     let mut t = new_table();
-    t.set_header(vec![
-        "layer",
-        "op",
-        "calls",
-        "latency",
-        "% latency",
-        "MACs",
-        "FLOPS",
-        "AI FLOP/B",
-        "bound",
-    ]);
-    let right = |v: String| Cell::new(v).set_alignment(CellAlignment::Right);
+    t.set_header([&["layer", "op", "calls"][..], &TIMING_COLUMNS].concat());
     for m in leaves.iter().take(top) {
-        t.add_row(vec![
+        let mut row = vec![
             Cell::new(&m.name),
             Cell::new(&m.kind),
-            right(m.calls.to_string()),
-            right(duration_ns(m.latency_ns as f64)),
-            right(format!(
-                "{:.2}%",
-                pct(m.latency_ns as f64, root.latency_ns as f64)
-            )),
-            right(si(m.macs as f64, "")),
-            right(si(m.gflops() * 1e9, "")),
-            right(format!("{:.1}", m.intensity())),
-            Cell::new(p.limits.bound(m.intensity()).unwrap_or("")),
-        ]);
+            Cell::new(m.calls).set_alignment(CellAlignment::Right),
+        ];
+        row.extend(timing_cells(p, m));
+        t.add_row(row);
     }
     let _ = writeln!(s, "{t}");
 
