@@ -104,6 +104,13 @@ pub struct Bar {
     pub range: Option<(f64, f64)>,
 }
 
+impl Bar {
+    /// Where its drawing ends: the bar, or its whisker above it.
+    fn top(&self) -> f64 {
+        self.range.map_or(self.value, |r| r.1.max(self.value))
+    }
+}
+
 /// Grouped bars: one group per distinct `group`, one colour per distinct `series`.
 pub fn bars(path: &Path, title: &str, y_label: &str, bars: &[Bar]) -> Result<()> {
     on_file(path, &|a| draw_bars(a, title, y_label, bars), &|a| {
@@ -135,7 +142,7 @@ where
     let series = distinct(bars.iter().map(|b| b.series.clone()));
     let top = bars
         .iter()
-        .map(|b| b.range.map_or(b.value, |r| r.1.max(b.value)))
+        .map(Bar::top)
         .fold(0.0, f64::max)
         .max(f64::MIN_POSITIVE)
         * 1.15;
@@ -218,10 +225,7 @@ where
             chart
                 .draw_series(std::iter::once(Text::new(
                     format!("{:.1}", b.value),
-                    (
-                        x0 + width * 0.475,
-                        b.range.map_or(b.value, |r| r.1.max(b.value)) + top * 0.01,
-                    ),
+                    (x0 + width * 0.475, b.top() + top * 0.01),
                     style,
                 )))
                 .map_err(plot_error)?;

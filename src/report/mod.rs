@@ -61,14 +61,7 @@ pub fn markdown(text: &str, width: usize) -> String {
 fn join_paragraphs(text: &str) -> String {
     let starts_block = |l: &str| {
         let t = l.trim_start();
-        t.starts_with('#')
-            || t.starts_with('|')
-            || t.starts_with("```")
-            || t.starts_with('>')
-            || t.starts_with("- ")
-            || t.starts_with("* ")
-            || t.split_once(". ")
-                .is_some_and(|(n, _)| n.parse::<u32>().is_ok())
+        ["#", "|", "```", ">"].iter().any(|p| t.starts_with(p)) || is_list_item(l)
     };
     let mut out: Vec<String> = Vec::new();
     let mut in_code = false;
@@ -96,16 +89,18 @@ fn join_paragraphs(text: &str) -> String {
     out.join("\n")
 }
 
+/// Whether line `l` starts a list item: `- `, `* ` or `N. `, indented or not.
+fn is_list_item(l: &str) -> bool {
+    let t = l.trim_start();
+    t.starts_with("- ")
+        || t.starts_with("* ")
+        || t.split_once(". ")
+            .is_some_and(|(n, _)| n.parse::<u32>().is_ok())
+}
+
 /// Paragraphs of `text` refilled to `width` columns (see [`for_terminal`]).
 pub fn fill(text: &str, width: usize) -> String {
-    let starts_item = |l: &str| {
-        let t = l.trim_start();
-        l.starts_with(' ')
-            || t.starts_with("- ")
-            || t.starts_with("* ")
-            || t.split_once(". ")
-                .is_some_and(|(n, _)| n.parse::<u32>().is_ok())
-    };
+    let starts_item = |l: &str| l.starts_with(' ') || is_list_item(l);
     let mut out: Vec<String> = Vec::new();
     let mut para: Vec<&str> = Vec::new();
     let flush = |para: &mut Vec<&str>, out: &mut Vec<String>| {
