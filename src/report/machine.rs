@@ -143,7 +143,7 @@ pub fn ceiling(
             share(t.gflops)
         ),
         None if g.precision != crate::model::Precision::Fp32 => format!(
-            "Theoretical {p} peak: not known here ({p} multiplies on units of its own, faster than FP32's, and their rate is not measured or known for this device)"
+            "Theoretical {p} peak: not known for this device and precision (neither measured nor in a specification this build knows), so no share of it is given"
         ),
         None => "Theoretical peak: this device does not report the facts to compute it".into(),
     }
