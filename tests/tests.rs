@@ -8,6 +8,8 @@ mod cli;
 mod course;
 /// Property tests: the safetensors reader and the course lint on damaged inputs.
 mod fuzz;
+/// Language models against Hugging Face transformers on committed tiny checkpoints.
+mod llm;
 /// Every kernel of every backend against the f64 reference, on small and odd shapes.
 mod ops;
 /// Our outputs against PyTorch's, on committed fixtures.

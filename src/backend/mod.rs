@@ -335,6 +335,67 @@ pub trait Backend {
         weights: &Weights,
         opt: &ExecOptions,
     ) -> Result<Box<dyn Session>, BackendError>;
+    /// Load a decoder's weights on device `dev` and preallocate its KV cache.
+    fn prepare_decoder(
+        &self,
+        _dev: usize,
+        _weights: &crate::model::llm::DecoderWeights,
+        _opt: &DecoderOptions,
+    ) -> Result<Box<dyn DecoderSession>, BackendError> {
+        Err(BackendError::Unsupported(format!(
+            "the {} backend does not run language models yet (the cpu backend does)",
+            self.kind()
+        )))
+    }
+}
+
+/// How a decoder session runs (`Backend::prepare_decoder`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecoderOptions {
+    pub precision: Precision,
+    /// CPU worker threads; `None` uses every core.
+    pub threads: Option<usize>,
+    /// Sequences decoded together.
+    pub batch: usize,
+    /// Positions the KV cache holds per sequence (prompt + generated tokens).
+    pub context: usize,
+    /// Time each kind of op (`DecoderSession::op_times`).
+    pub profile: bool,
+}
+
+/// Bytes a decoder session holds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DecoderMemory {
+    /// Weights as the backend stores them (the token table included).
+    pub weights: u64,
+    /// The KV cache, preallocated for the whole context of every sequence.
+    pub kv_cache: u64,
+    /// Activations and scratch at the largest step (the prefill).
+    pub scratch: u64,
+}
+
+/// A prepared decoder on a device: prompts in, one token per sequence per step after, the KV
+/// cache kept on the device in between.
+pub trait DecoderSession {
+    /// Run the prompts (`batch` rows of equal length, token ids) from position 0, filling the
+    /// KV cache; the logits are then those of each prompt's last token, or of every token with
+    /// `all_logits`.
+    fn prefill(&mut self, tokens: &[u32], all_logits: bool) -> Result<(), BackendError>;
+    /// One new token per sequence at the next position.
+    fn decode(&mut self, tokens: &[u32]) -> Result<(), BackendError>;
+    /// Wait until the device has finished everything enqueued.
+    fn sync(&mut self) -> Result<(), BackendError>;
+    /// The last step's logits, (rows × vocabulary) in f32.
+    fn logits(&mut self) -> Result<Vec<f32>, BackendError>;
+    /// Tokens each sequence holds in the cache.
+    fn position(&self) -> usize;
+    fn memory(&self) -> DecoderMemory;
+    /// Seconds per kind of op since the session started (`linear`, `attention`, ...), when
+    /// profiling was asked for.
+    fn op_times(&self) -> Vec<(String, f64)> {
+        Vec::new()
+    }
+    fn kernel_version(&self) -> String;
 }
 
 pub trait Session {

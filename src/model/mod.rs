@@ -3,6 +3,7 @@
 
 pub mod buffers;
 pub mod graph;
+pub mod llm;
 pub mod op;
 pub mod passes;
 pub mod reference;

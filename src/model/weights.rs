@@ -563,7 +563,9 @@ fn generate(
     Tensor::new(shape, data)
 }
 
-fn normal(rng: &mut Rng, shape: Vec<usize>, std: f64) -> Tensor {
+/// Normal values of standard deviation `std`, generated in parallel blocks (the same on
+/// every machine).
+pub(crate) fn normal(rng: &mut Rng, shape: Vec<usize>, std: f64) -> Tensor {
     generate(rng, shape, |r, out| {
         // Marsaglia's polar method: two independent normals per accepted point of the unit
         // disc, with one logarithm and no trigonometry. Points are drawn a batch at a time and

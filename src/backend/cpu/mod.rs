@@ -26,6 +26,7 @@ pub mod batch_tiles;
 pub mod bf16_gemm;
 mod calibration;
 pub mod ceiling;
+mod decoder;
 mod device;
 pub mod elem;
 pub mod kernels;
@@ -41,8 +42,8 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use super::{
-    Backend, BackendError, BackendKind, DeviceInfo, ExecOptions, KernelTime, MemoryStats, Session,
-    StreamTimes, Theoretical,
+    Backend, BackendError, BackendKind, DecoderOptions, DecoderSession, DeviceInfo, ExecOptions,
+    KernelTime, MemoryStats, Session, StreamTimes, Theoretical,
 };
 use crate::model::op::{Op, Pool};
 use crate::model::{Plan, Precision, Tensor, Weights};
@@ -235,6 +236,59 @@ impl Backend for CpuBackend {
         opt: &ExecOptions,
     ) -> Result<Box<dyn Session>, BackendError> {
         self.prepare_with(dev, plan, weights, opt, &mut Donor::default())
+    }
+
+    fn prepare_decoder(
+        &self,
+        dev: usize,
+        weights: &crate::model::llm::DecoderWeights,
+        opt: &DecoderOptions,
+    ) -> Result<Box<dyn DecoderSession>, BackendError> {
+        if dev != 0 {
+            return Err(BackendError::NoDevice {
+                kind: BackendKind::Cpu,
+                reason: format!("the CPU backend has one device (0), not {dev}"),
+            });
+        }
+        let threads = opt.threads.unwrap_or_else(default_threads).max(1);
+        let cfg = &weights.config;
+        // Packed weights, the token table kept apart for lookups, the KV cache, and the f32
+        // copy of the largest tensor while it is packed; 10% for the allocator.
+        let bytes = opt.precision.bytes() as u64;
+        let needed = (cfg.matmul_params() + (cfg.vocab_size * cfg.hidden_size) as u64)
+            .saturating_mul(bytes)
+            .saturating_add(
+                cfg.kv_bytes_per_token(opt.precision)
+                    .saturating_mul(opt.batch as u64)
+                    .saturating_mul(opt.context as u64),
+            )
+            .saturating_add((cfg.vocab_size * cfg.hidden_size * 4) as u64)
+            .saturating_mul(11)
+            / 10;
+        let available = available_memory();
+        if needed > available {
+            return Err(BackendError::OutOfMemory {
+                needed,
+                available,
+                suggestion: None,
+            });
+        }
+        let pool = worker_pool(threads, Vec::new())?;
+        fn boxed<T: Elem>(
+            w: &crate::model::llm::DecoderWeights,
+            opt: &DecoderOptions,
+            pool: Arc<rayon::ThreadPool>,
+            threads: usize,
+        ) -> Result<Box<dyn DecoderSession>, BackendError> {
+            Ok(Box::new(decoder::CpuDecoder::<T>::new(
+                w, opt, pool, threads,
+            )?))
+        }
+        match opt.precision {
+            Precision::Fp32 => boxed::<f32>(weights, opt, pool, threads),
+            Precision::Fp16 => boxed::<f16>(weights, opt, pool, threads),
+            Precision::Bf16 => boxed::<bf16>(weights, opt, pool, threads),
+        }
     }
 }
 

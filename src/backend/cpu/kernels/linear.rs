@@ -41,6 +41,19 @@ pub fn linear<T: Elem>(
     conv2d(&w.0, x, image(fin), y, image(fout), threads, None);
 }
 
+/// [`linear`] with `residual` (n × out) added in the GEMM's epilogue: y = x · Wᵀ + b + r.
+pub fn linear_add<T: Elem>(
+    x: &[T],
+    w: &PackedLinear<T>,
+    (n, fin, fout): (usize, usize, usize),
+    y: &mut [T],
+    threads: usize,
+    residual: &[T],
+) {
+    let image = |c| Nhwc { n, h: 1, w: 1, c };
+    conv2d(&w.0, x, image(fin), y, image(fout), threads, Some(residual));
+}
+
 /// Softmax over rows of length `len`, in f32 with the row maximum subtracted.
 pub fn softmax<T: Elem>(x: &[T], len: usize, y: &mut [T]) {
     y.par_chunks_mut(len)

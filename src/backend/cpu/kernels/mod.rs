@@ -13,9 +13,12 @@
 //! One file per op family: `conv.rs` (im2col + GEMM convolutions and their work split),
 //! `im2col.rs`, `depthwise.rs`, `elementwise.rs` (batch norm's affine map, clamps, adds),
 //! `pool.rs`, `layout.rs` (NCHW ↔ NHWC), `linear.rs` (linear layers and softmax),
-//! `transformer.rs` (layer norm, GELU, class token, positions, fused attention on tokens).
+//! `transformer.rs` (layer norm, GELU, class token, positions, fused attention on tokens),
+//! `decoder.rs` (a language model's RMSNorm, rotary positions, SwiGLU and attention over its KV
+//! cache).
 
 mod conv;
+mod decoder;
 mod depthwise;
 mod elementwise;
 mod im2col;
@@ -27,6 +30,7 @@ mod transformer;
 use std::cell::RefCell;
 
 pub use conv::*;
+pub use decoder::*;
 use depthwise::*;
 pub use elementwise::*;
 use im2col::*;

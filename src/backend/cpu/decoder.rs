@@ -1,0 +1,486 @@
+//! The CPU backend's language-model session: weights packed once for the GEMM kernels (q, k
+//! and v fused into one projection, gate and up into another), the KV cache preallocated for
+//! the whole context in the storage precision, and one forward pass per prefill or decode step
+//! over rows of tokens.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::elem::Elem;
+use super::kernels::{self, CacheView, PackedLinear};
+use crate::backend::{BackendError, DecoderMemory, DecoderOptions, DecoderSession};
+use crate::model::llm::{DecoderConfig, DecoderWeights, Family, config::inverse_frequencies};
+
+/// RMSNorm (no bias) or LayerNorm (with one).
+struct Norm {
+    weight: Vec<f32>,
+    bias: Option<Vec<f32>>,
+}
+
+struct Layer<T> {
+    norm1: Norm,
+    /// q, k and v in one GEMM: rows of q (heads·head), then k and v (KV heads·head each).
+    qkv: PackedLinear<T>,
+    o: PackedLinear<T>,
+    norm2: Norm,
+    /// Llama: gate and up in one GEMM (2·inner); GPT-2: c_fc (inner).
+    up: PackedLinear<T>,
+    down: PackedLinear<T>,
+    /// (batch, KV heads, context, head).
+    k: Vec<T>,
+    v: Vec<T>,
+}
+
+/// Activation rows, reused between steps (grown to the largest step).
+#[derive(Default)]
+struct Scratch<T> {
+    x: Vec<T>,
+    x2: Vec<T>,
+    xn: Vec<T>,
+    qkv: Vec<T>,
+    attn: Vec<T>,
+    up: Vec<T>,
+    head: Vec<T>,
+}
+
+pub struct CpuDecoder<T> {
+    cfg: DecoderConfig,
+    layers: Vec<Layer<T>>,
+    /// The token table (vocabulary × hidden), looked up by id.
+    embed: Vec<T>,
+    /// GPT-2's learned positions (positions × hidden); empty for rotary models.
+    positions: Vec<f32>,
+    final_norm: Norm,
+    lm_head: PackedLinear<T>,
+    /// Rotary cosines and sines, (context × head/2) each.
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    batch: usize,
+    context: usize,
+    pos: usize,
+    pool: Arc<rayon::ThreadPool>,
+    threads: usize,
+    s: Scratch<T>,
+    /// The last step's logits (rows × vocabulary).
+    logits: Vec<f32>,
+    weight_bytes: u64,
+    profile: bool,
+    times: BTreeMap<&'static str, f64>,
+}
+
+fn load_err(e: anyhow::Error) -> BackendError {
+    BackendError::Invalid(format!("{e:#}"))
+}
+
+impl<T: Elem> CpuDecoder<T> {
+    pub(super) fn new(
+        w: &DecoderWeights,
+        opt: &DecoderOptions,
+        pool: Arc<rayon::ThreadPool>,
+        threads: usize,
+    ) -> Result<Self, BackendError> {
+        let cfg = w.config.clone();
+        let (d, inner) = (cfg.hidden_size, cfg.intermediate_size);
+        let (qw, kvw) = cfg.qkv_widths();
+        let gpt2 = cfg.family == Family::Gpt2;
+        let t = |n: &str| w.tensor(n).map_err(load_err);
+        let lin = |n: &str| w.linear(n).map_err(load_err);
+        let norm = |p: &str| -> Result<Norm, BackendError> {
+            Ok(Norm {
+                weight: t(&format!("{p}.weight"))?,
+                bias: if gpt2 {
+                    Some(t(&format!("{p}.bias"))?)
+                } else {
+                    None
+                },
+            })
+        };
+        let cache = opt.batch * cfg.num_key_value_heads * opt.context * cfg.head_dim;
+        let layers = pool.install(|| {
+            (0..cfg.num_hidden_layers)
+                .map(|l| -> Result<Layer<T>, BackendError> {
+                    let layer = if gpt2 {
+                        let p = format!("h.{l}");
+                        let b = |n: &str| t(&format!("{p}.{n}.bias"));
+                        let w = |n: &str| lin(&format!("{p}.{n}.weight"));
+                        Layer {
+                            norm1: norm(&format!("{p}.ln_1"))?,
+                            qkv: PackedLinear::new(
+                                &w("attn.c_attn")?,
+                                Some(&b("attn.c_attn")?),
+                                d,
+                                qw + 2 * kvw,
+                            ),
+                            o: PackedLinear::new(
+                                &w("attn.c_proj")?,
+                                Some(&b("attn.c_proj")?),
+                                qw,
+                                d,
+                            ),
+                            norm2: norm(&format!("{p}.ln_2"))?,
+                            up: PackedLinear::new(&w("mlp.c_fc")?, Some(&b("mlp.c_fc")?), d, inner),
+                            down: PackedLinear::new(
+                                &w("mlp.c_proj")?,
+                                Some(&b("mlp.c_proj")?),
+                                inner,
+                                d,
+                            ),
+                            k: vec![T::from_f32(0.0); cache],
+                            v: vec![T::from_f32(0.0); cache],
+                        }
+                    } else {
+                        let p = format!("model.layers.{l}");
+                        let proj = |n: &str| lin(&format!("{p}.{n}.weight"));
+                        let qkv = [
+                            proj("self_attn.q_proj")?,
+                            proj("self_attn.k_proj")?,
+                            proj("self_attn.v_proj")?,
+                        ]
+                        .concat();
+                        let bias = if cfg.qkv_bias {
+                            let b = |n: &str| t(&format!("{p}.self_attn.{n}_proj.bias"));
+                            Some([b("q")?, b("k")?, b("v")?].concat())
+                        } else {
+                            None
+                        };
+                        let gate_up = [proj("mlp.gate_proj")?, proj("mlp.up_proj")?].concat();
+                        Layer {
+                            norm1: norm(&format!("{p}.input_layernorm"))?,
+                            qkv: PackedLinear::new(&qkv, bias.as_deref(), d, qw + 2 * kvw),
+                            o: PackedLinear::new(&proj("self_attn.o_proj")?, None, qw, d),
+                            norm2: norm(&format!("{p}.post_attention_layernorm"))?,
+                            up: PackedLinear::new(&gate_up, None, d, 2 * inner),
+                            down: PackedLinear::new(&proj("mlp.down_proj")?, None, inner, d),
+                            k: vec![T::from_f32(0.0); cache],
+                            v: vec![T::from_f32(0.0); cache],
+                        }
+                    };
+                    Ok(layer)
+                })
+                .collect::<Result<Vec<_>, _>>()
+        })?;
+        let (embed_name, final_name) = if gpt2 {
+            ("wte.weight", "ln_f")
+        } else {
+            ("model.embed_tokens.weight", "model.norm")
+        };
+        let table = t(embed_name)?;
+        let head = if cfg.tie_word_embeddings {
+            PackedLinear::new(&table, None, d, cfg.vocab_size)
+        } else {
+            PackedLinear::new(&t("lm_head.weight")?, None, d, cfg.vocab_size)
+        };
+        let mut embed = vec![T::from_f32(0.0); table.len()];
+        T::narrow(&table, &mut embed);
+        drop(table);
+        let positions = if gpt2 { t("wpe.weight")? } else { Vec::new() };
+        let (cos, sin) = if gpt2 {
+            (Vec::new(), Vec::new())
+        } else {
+            rotary_tables(&cfg, opt.context)
+        };
+        let weight_bytes = layers
+            .iter()
+            .map(|l| l.qkv.bytes() + l.o.bytes() + l.up.bytes() + l.down.bytes())
+            .sum::<u64>()
+            + head.bytes()
+            + (embed.len() * size_of::<T>() + positions.len() * 4) as u64;
+        Ok(CpuDecoder {
+            final_norm: norm(final_name)?,
+            cfg,
+            layers,
+            embed,
+            positions,
+            lm_head: head,
+            cos,
+            sin,
+            batch: opt.batch,
+            context: opt.context,
+            pos: 0,
+            pool,
+            threads,
+            s: Scratch::default(),
+            logits: Vec::new(),
+            weight_bytes,
+            profile: opt.profile,
+            times: BTreeMap::new(),
+        })
+    }
+
+    /// Adds the time since `*t` to `what` (profiling only) and restarts the clock.
+    fn lap(&mut self, what: &'static str, t: &mut Instant) {
+        if self.profile {
+            let now = Instant::now();
+            *self.times.entry(what).or_default() += (now - *t).as_secs_f64();
+            *t = now;
+        }
+    }
+
+    fn norm(&self, n: &Norm, x: &[T], y: &mut [T]) {
+        let eps = self.cfg.norm_eps as f32;
+        match &n.bias {
+            Some(b) => kernels::layer_norm(x, &n.weight, b, eps, y),
+            None => kernels::rms_norm(x, &n.weight, eps, y),
+        }
+    }
+
+    /// One forward pass over `tokens` (batch × new tokens each) from position `self.pos`.
+    fn forward(&mut self, tokens: &[u32], all_logits: bool) -> Result<(), BackendError> {
+        let new = tokens.len() / self.batch;
+        if new == 0 || tokens.len() != new * self.batch {
+            return Err(BackendError::Invalid(format!(
+                "{} token ids do not make {} sequences of equal length",
+                tokens.len(),
+                self.batch
+            )));
+        }
+        if self.pos + new > self.context {
+            return Err(BackendError::Invalid(format!(
+                "{} more tokens would take the sequences to {} positions; the KV cache holds {}",
+                new,
+                self.pos + new,
+                self.context
+            )));
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+            return Err(BackendError::Invalid(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                self.cfg.vocab_size
+            )));
+        }
+        let pool = self.pool.clone();
+        pool.install(|| self.layers_pass(tokens, new, all_logits));
+        self.pos += new;
+        Ok(())
+    }
+
+    fn layers_pass(&mut self, tokens: &[u32], new: usize, all_logits: bool) {
+        let cfg = self.cfg.clone();
+        let (d, inner) = (cfg.hidden_size, cfg.intermediate_size);
+        let (qw, kvw) = cfg.qkv_widths();
+        let width = qw + 2 * kvw;
+        let rows = tokens.len();
+        let start = self.pos;
+        let mut s = std::mem::take(&mut self.s);
+        let zero = T::from_f32(0.0);
+        for (buf, n) in [
+            (&mut s.x, rows * d),
+            (&mut s.x2, rows * d),
+            (&mut s.xn, rows * d),
+            (&mut s.qkv, rows * width),
+            (&mut s.attn, rows * qw),
+            (&mut s.up, rows * 2 * inner),
+        ] {
+            buf.resize(n, zero);
+        }
+        let mut t = Instant::now();
+        // Token (and, for GPT-2, position) embeddings.
+        let mut row = vec![0f32; d];
+        for (r, &tok) in tokens.iter().enumerate() {
+            let out = &mut s.x[r * d..(r + 1) * d];
+            let src = &self.embed[tok as usize * d..(tok as usize + 1) * d];
+            if self.positions.is_empty() {
+                out.copy_from_slice(src);
+            } else {
+                let p = start + r % new;
+                T::widen(src, &mut row);
+                for (a, b) in row.iter_mut().zip(&self.positions[p * d..(p + 1) * d]) {
+                    *a += b;
+                }
+                T::narrow(&row, out);
+            }
+        }
+        self.lap("embedding", &mut t);
+        let view = CacheView {
+            batch: self.batch,
+            tokens: new,
+            start,
+            context: self.context,
+            heads: cfg.num_attention_heads,
+            kv_heads: cfg.num_key_value_heads,
+            head: cfg.head_dim,
+            window: cfg.sliding_window,
+        };
+        let threads = self.threads;
+        let up_width = if cfg.family == Family::Gpt2 {
+            inner
+        } else {
+            2 * inner
+        };
+        for l in 0..self.layers.len() {
+            let layer = &self.layers[l];
+            self.norm(&layer.norm1, &s.x, &mut s.xn);
+            self.lap("norm", &mut t);
+            let layer = &self.layers[l];
+            kernels::linear(&s.xn, &layer.qkv, (rows, d, width), &mut s.qkv, threads);
+            self.lap("linear", &mut t);
+            if cfg.family == Family::Llama {
+                let position = |r: usize| start + r % new;
+                let tables = (self.cos.as_slice(), self.sin.as_slice());
+                // q and k are the first heads + KV heads runs of each row.
+                let heads = cfg.num_attention_heads + cfg.num_key_value_heads;
+                kernels::rope(&mut s.qkv, (width, heads, cfg.head_dim), position, tables);
+                self.lap("rope", &mut t);
+            }
+            let layer = &mut self.layers[l];
+            // The new keys and values into the cache.
+            let hd = cfg.head_dim;
+            for (r, row) in s.qkv.chunks(width).enumerate() {
+                let (b, p) = (r / new, start + r % new);
+                for g in 0..cfg.num_key_value_heads {
+                    let at = ((b * cfg.num_key_value_heads + g) * self.context + p) * hd;
+                    let k = &row[qw + g * hd..qw + (g + 1) * hd];
+                    let v = &row[qw + kvw + g * hd..qw + kvw + (g + 1) * hd];
+                    layer.k[at..at + hd].copy_from_slice(k);
+                    layer.v[at..at + hd].copy_from_slice(v);
+                }
+            }
+            kernels::cached_attention(&s.qkv, width, (&layer.k, &layer.v), view, &mut s.attn);
+            self.lap("attention", &mut t);
+            let layer = &self.layers[l];
+            kernels::linear_add(&s.attn, &layer.o, (rows, qw, d), &mut s.x2, threads, &s.x);
+            std::mem::swap(&mut s.x, &mut s.x2);
+            self.lap("linear", &mut t);
+            let layer = &self.layers[l];
+            self.norm(&layer.norm2, &s.x, &mut s.xn);
+            self.lap("norm", &mut t);
+            let layer = &self.layers[l];
+            let up = &mut s.up[..rows * up_width];
+            kernels::linear(&s.xn, &layer.up, (rows, d, up_width), up, threads);
+            self.lap("linear", &mut t);
+            match cfg.family {
+                Family::Llama => kernels::swiglu(up, inner),
+                Family::Gpt2 => kernels::gelu_tanh(up, inner),
+            }
+            self.lap("activation", &mut t);
+            // The down projection reads the first `inner` values of each row.
+            let act: Vec<T>;
+            let input: &[T] = if up_width == inner {
+                up
+            } else {
+                act = up
+                    .chunks(up_width)
+                    .flat_map(|r| &r[..inner])
+                    .copied()
+                    .collect();
+                &act
+            };
+            let layer = &self.layers[l];
+            kernels::linear_add(
+                input,
+                &layer.down,
+                (rows, inner, d),
+                &mut s.x2,
+                threads,
+                &s.x,
+            );
+            std::mem::swap(&mut s.x, &mut s.x2);
+            self.lap("linear", &mut t);
+        }
+        // The final norm and the LM head, on every row or each sequence's last.
+        let picked: Vec<usize> = if all_logits {
+            (0..rows).collect()
+        } else {
+            (0..self.batch).map(|b| b * new + new - 1).collect()
+        };
+        let mut last = Vec::with_capacity(picked.len() * d);
+        for &r in &picked {
+            last.extend_from_slice(&s.x[r * d..(r + 1) * d]);
+        }
+        let mut normed = vec![zero; last.len()];
+        self.norm(&self.final_norm, &last, &mut normed);
+        let vocab = cfg.vocab_size;
+        s.head.resize(picked.len() * vocab, zero);
+        kernels::linear(
+            &normed,
+            &self.lm_head,
+            (picked.len(), d, vocab),
+            &mut s.head,
+            threads,
+        );
+        self.logits.resize(s.head.len(), 0.0);
+        T::widen(&s.head, &mut self.logits);
+        self.lap("lm_head", &mut t);
+        self.s = s;
+    }
+}
+
+/// Rotary cosines and sines for positions 0..context, as Hugging Face computes them: the
+/// inverse frequencies (Llama 3's scaling applied) and each angle rounded to f32 first.
+fn rotary_tables(cfg: &DecoderConfig, context: usize) -> (Vec<f32>, Vec<f32>) {
+    let inv: Vec<f32> = inverse_frequencies(cfg).iter().map(|&f| f as f32).collect();
+    let mut cos = Vec::with_capacity(context * inv.len());
+    let mut sin = Vec::with_capacity(context * inv.len());
+    for p in 0..context {
+        for &f in &inv {
+            let angle = (p as f32 * f) as f64;
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    (cos, sin)
+}
+
+impl<T: Elem> DecoderSession for CpuDecoder<T> {
+    fn prefill(&mut self, tokens: &[u32], all_logits: bool) -> Result<(), BackendError> {
+        self.pos = 0;
+        self.forward(tokens, all_logits)
+    }
+
+    fn decode(&mut self, tokens: &[u32]) -> Result<(), BackendError> {
+        if tokens.len() != self.batch {
+            return Err(BackendError::Invalid(format!(
+                "a decode step takes one token per sequence ({}), not {}",
+                self.batch,
+                tokens.len()
+            )));
+        }
+        if self.pos == 0 {
+            return Err(BackendError::Invalid("decode before any prefill".into()));
+        }
+        self.forward(tokens, false)
+    }
+
+    fn sync(&mut self) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn logits(&mut self) -> Result<Vec<f32>, BackendError> {
+        Ok(self.logits.clone())
+    }
+
+    fn position(&self) -> usize {
+        self.pos
+    }
+
+    fn memory(&self) -> DecoderMemory {
+        let kv = self
+            .layers
+            .iter()
+            .map(|l| ((l.k.len() + l.v.len()) * size_of::<T>()) as u64)
+            .sum();
+        let s = &self.s;
+        let scratch = [&s.x, &s.x2, &s.xn, &s.qkv, &s.attn, &s.up, &s.head]
+            .iter()
+            .map(|b| (b.capacity() * size_of::<T>()) as u64)
+            .sum::<u64>()
+            + (self.logits.capacity() * 4) as u64;
+        DecoderMemory {
+            weights: self.weight_bytes,
+            kv_cache: kv,
+            scratch,
+        }
+    }
+
+    fn op_times(&self) -> Vec<(String, f64)> {
+        self.times
+            .iter()
+            .map(|(k, v)| (k.to_string(), *v))
+            .collect()
+    }
+
+    fn kernel_version(&self) -> String {
+        super::sgemm::kernel_name()
+    }
+}

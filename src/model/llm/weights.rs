@@ -1,0 +1,288 @@
+//! A decoder's weights under Hugging Face's tensor names: seeded random ones (generated tensor by
+//! tensor when a backend asks, so a 7B model never sits in memory twice), or a model folder's
+//! safetensors — one file or shards listed by `model.safetensors.index.json` — checked against
+//! the config before anything is read.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use anyhow::{Context, Result, bail};
+
+use super::config::{DecoderConfig, Family};
+use crate::model::Rng;
+use crate::model::tensor_file::TensorFile;
+
+/// Where the tensors come from.
+pub enum TensorSource {
+    /// Normal(0, 0.02) matrices and biases (Hugging Face's `initializer_range`), norms at one;
+    /// each tensor from its own stream, seeded by the seed and its name.
+    Seeded { seed: u64 },
+    /// Safetensors files of a model folder and which tensor lives in which.
+    Folder {
+        dir: PathBuf,
+        files: Vec<Mutex<TensorFile>>,
+        /// Our name → (file index, the name in the file).
+        index: BTreeMap<String, (usize, String)>,
+    },
+}
+
+/// A decoder's config and where its tensors come from.
+pub struct DecoderWeights {
+    pub config: DecoderConfig,
+    pub source: TensorSource,
+}
+
+/// The standard deviation of seeded weights (`initializer_range` of every config here).
+const INIT_STD: f64 = 0.02;
+
+impl DecoderWeights {
+    pub fn seeded(config: DecoderConfig, seed: u64) -> DecoderWeights {
+        DecoderWeights {
+            config,
+            source: TensorSource::Seeded { seed },
+        }
+    }
+
+    /// How a record names the weights: `random(seed=N)` or the folder.
+    pub fn label(&self) -> String {
+        match &self.source {
+            TensorSource::Seeded { seed } => crate::bench::record::random_weights_label(*seed),
+            TensorSource::Folder { dir, .. } => dir.display().to_string(),
+        }
+    }
+
+    /// A Hugging Face model folder: `config.json` and `model.safetensors` or the shards that
+    /// `model.safetensors.index.json` lists. Every tensor the config needs must be there with
+    /// its shape; the first that is not is named.
+    pub fn open_folder(dir: &Path) -> Result<DecoderWeights> {
+        let config_path = dir.join("config.json");
+        if !config_path.is_file() {
+            bail!(
+                "`{}` has no config.json: --model-dir takes a Hugging Face model folder",
+                dir.display()
+            );
+        }
+        let text = crate::files::read_text(&config_path)?;
+        let name = dir
+            .file_name()
+            .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
+        let config = DecoderConfig::from_hf_json(&name, &text)
+            .with_context(|| format!("`{}`", config_path.display()))?;
+        let index_path = dir.join("model.safetensors.index.json");
+        let shards: Vec<String> = if index_path.is_file() {
+            let text = crate::files::read_text(&index_path)?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .with_context(|| format!("`{}` is not JSON", index_path.display()))?;
+            let map = v
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .with_context(|| format!("`{}` has no weight_map", index_path.display()))?;
+            let mut files: Vec<String> = map
+                .values()
+                .map(|f| f.as_str().map(str::to_string))
+                .collect::<Option<_>>()
+                .with_context(|| {
+                    format!(
+                        "`{}`: a weight_map entry is not a file name",
+                        index_path.display()
+                    )
+                })?;
+            files.sort();
+            files.dedup();
+            files
+        } else {
+            vec!["model.safetensors".into()]
+        };
+        let mut files = Vec::new();
+        let mut index = BTreeMap::new();
+        for shard in &shards {
+            let path = crate::files::child(dir, shard)?;
+            if !path.is_file() {
+                bail!(
+                    "`{}`: no such weights file in the model folder",
+                    path.display()
+                );
+            }
+            let file = TensorFile::open(&path)?;
+            for n in file.names() {
+                index.insert(n.to_string(), (files.len(), n.to_string()));
+            }
+            files.push(Mutex::new(file));
+        }
+        // GPT-2's checkpoints name tensors with or without `transformer.`.
+        let prefixed: Vec<(String, (usize, String))> = index
+            .iter()
+            .filter_map(|(k, v)| {
+                k.strip_prefix("transformer.")
+                    .map(|s| (s.into(), v.clone()))
+            })
+            .collect();
+        index.extend(prefixed);
+        let weights = DecoderWeights {
+            config,
+            source: TensorSource::Folder {
+                dir: dir.to_path_buf(),
+                files,
+                index,
+            },
+        };
+        weights.check_shapes()?;
+        Ok(weights)
+    }
+
+    /// Every tensor the config needs is in the folder with the shape it needs.
+    fn check_shapes(&self) -> Result<()> {
+        let TensorSource::Folder { files, index, dir } = &self.source else {
+            return Ok(());
+        };
+        for (name, shape) in tensors(&self.config) {
+            let Some((f, stored)) = index.get(&name) else {
+                bail!(
+                    "`{}`: tensor `{name}` is missing (the {} config needs shape {shape:?})",
+                    dir.display(),
+                    self.config.model_type
+                );
+            };
+            let file = files[*f]
+                .lock()
+                .map_err(|_| anyhow::anyhow!("a reader failed"))?;
+            let found = file.shape(stored).unwrap_or(&[]);
+            if found != shape.as_slice() {
+                bail!(
+                    "`{}`: tensor `{name}` has shape {found:?}, but the config needs {shape:?}",
+                    file.path
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Tensor `name` (one of [`tensors`]) in f32, row-major in its stored shape.
+    pub fn tensor(&self, name: &str) -> Result<Vec<f32>> {
+        let shape = tensors(&self.config)
+            .into_iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, s)| s)
+            .with_context(|| format!("the {} model has no tensor `{name}`", self.config.name))?;
+        match &self.source {
+            TensorSource::Seeded { seed } => {
+                let mut rng = Rng::new(seed ^ crate::files::stable_hash(name.as_bytes()));
+                // Norms start as the identity: weights one, biases zero.
+                if name.contains("norm.") || name.contains("ln_") {
+                    let one = if name.ends_with(".weight") { 1.0 } else { 0.0 };
+                    return Ok(vec![one; shape.iter().product()]);
+                }
+                Ok(crate::model::weights::normal(&mut rng, shape, INIT_STD).data)
+            }
+            TensorSource::Folder { files, index, .. } => {
+                let (f, stored) = &index[name];
+                let mut file = files[*f]
+                    .lock()
+                    .map_err(|_| anyhow::anyhow!("a reader failed"))?;
+                Ok(file.read(stored)?.data)
+            }
+        }
+    }
+
+    /// A linear layer's weight as (out, in) rows whatever the checkpoint stores: GPT-2's
+    /// Conv1D keeps (in, out) and is transposed here.
+    pub fn linear(&self, name: &str) -> Result<Vec<f32>> {
+        let w = self.tensor(name)?;
+        if self.config.family != Family::Gpt2 || name.starts_with("wte") {
+            return Ok(w);
+        }
+        let shape = tensors(&self.config)
+            .into_iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, s)| s)
+            .unwrap_or_default();
+        let (rows, cols) = (shape[0], shape[1]);
+        let mut t = vec![0f32; w.len()];
+        for r in 0..rows {
+            for c in 0..cols {
+                t[c * rows + r] = w[r * cols + c];
+            }
+        }
+        Ok(t)
+    }
+}
+
+/// Every tensor a config needs, with its stored shape, under Hugging Face's names.
+pub fn tensors(c: &DecoderConfig) -> Vec<(String, Vec<usize>)> {
+    let (d, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
+    let (q, kv) = c.qkv_widths();
+    let mut out: Vec<(String, Vec<usize>)> = Vec::new();
+    let mut put = |n: String, s: &[usize]| out.push((n, s.to_vec()));
+    match c.family {
+        Family::Llama => {
+            put("model.embed_tokens.weight".into(), &[v, d]);
+            for l in 0..c.num_hidden_layers {
+                let p = format!("model.layers.{l}");
+                put(format!("{p}.input_layernorm.weight"), &[d]);
+                for (proj, width) in [("q", q), ("k", kv), ("v", kv)] {
+                    put(format!("{p}.self_attn.{proj}_proj.weight"), &[width, d]);
+                    if c.qkv_bias {
+                        put(format!("{p}.self_attn.{proj}_proj.bias"), &[width]);
+                    }
+                }
+                put(format!("{p}.self_attn.o_proj.weight"), &[d, q]);
+                put(format!("{p}.post_attention_layernorm.weight"), &[d]);
+                put(format!("{p}.mlp.gate_proj.weight"), &[i, d]);
+                put(format!("{p}.mlp.up_proj.weight"), &[i, d]);
+                put(format!("{p}.mlp.down_proj.weight"), &[d, i]);
+            }
+            put("model.norm.weight".into(), &[d]);
+            if !c.tie_word_embeddings {
+                put("lm_head.weight".into(), &[v, d]);
+            }
+        }
+        Family::Gpt2 => {
+            put("wte.weight".into(), &[v, d]);
+            put("wpe.weight".into(), &[c.max_position_embeddings, d]);
+            for l in 0..c.num_hidden_layers {
+                let p = format!("h.{l}");
+                for (name, shape) in [
+                    ("ln_1.weight", vec![d]),
+                    ("ln_1.bias", vec![d]),
+                    ("attn.c_attn.weight", vec![d, q + 2 * kv]),
+                    ("attn.c_attn.bias", vec![q + 2 * kv]),
+                    ("attn.c_proj.weight", vec![q, d]),
+                    ("attn.c_proj.bias", vec![d]),
+                    ("ln_2.weight", vec![d]),
+                    ("ln_2.bias", vec![d]),
+                    ("mlp.c_fc.weight", vec![d, i]),
+                    ("mlp.c_fc.bias", vec![i]),
+                    ("mlp.c_proj.weight", vec![i, d]),
+                    ("mlp.c_proj.bias", vec![d]),
+                ] {
+                    put(format!("{p}.{name}"), &shape);
+                }
+            }
+            put("ln_f.weight".into(), &[d]);
+            put("ln_f.bias".into(), &[d]);
+            if !c.tie_word_embeddings {
+                put("lm_head.weight".into(), &[v, d]);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tensors listed hold exactly the parameters the config counts.
+    #[test]
+    fn tensor_list_matches_the_parameter_count() {
+        for name in crate::model::llm::names() {
+            let c = crate::model::llm::built_in(name).unwrap();
+            let n: u64 = tensors(&c)
+                .iter()
+                .map(|(_, s)| s.iter().product::<usize>() as u64)
+                .sum();
+            assert_eq!(n, c.params(), "{name}");
+        }
+    }
+}

@@ -1,0 +1,179 @@
+//! Language models against Hugging Face transformers: tiny decoders of each family with random
+//! weights (tests/fixtures/llm, made by make_llm_fixtures.py) read through `--model-dir`'s
+//! loader; the logits of every prompt position, the greedy continuation, and KV-cached decode
+//! against a full recompute.
+
+use std::path::{Path, PathBuf};
+
+use workshop::backend::{self, BackendKind, DecoderOptions, DecoderSession};
+use workshop::model::Precision;
+use workshop::model::llm::DecoderWeights;
+
+const FAMILIES: [&str; 4] = ["llama", "qwen2", "mistral", "gpt2"];
+
+fn fixture(family: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/llm")
+        .join(family)
+}
+
+struct Expected {
+    prompt: Vec<Vec<u32>>,
+    /// (sequence, position, vocabulary).
+    logits: Vec<Vec<Vec<f32>>>,
+    generated: Vec<Vec<u32>>,
+}
+
+fn expected(family: &str) -> Expected {
+    let text = std::fs::read_to_string(fixture(family).join("expected.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let tokens = |k: &str| serde_json::from_value(v[k].clone()).unwrap();
+    Expected {
+        prompt: tokens("prompt"),
+        logits: serde_json::from_value(v["logits"].clone()).unwrap(),
+        generated: tokens("generated"),
+    }
+}
+
+fn session(w: &DecoderWeights, precision: Precision, batch: usize) -> Box<dyn DecoderSession> {
+    let cpu = backend::open(BackendKind::Cpu).unwrap();
+    let opt = DecoderOptions {
+        precision,
+        threads: Some(2),
+        batch,
+        context: 32,
+        profile: false,
+    };
+    cpu.prepare_decoder(0, w, &opt).unwrap()
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in row.iter().enumerate() {
+        if *v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Largest |a − b| over the largest |b|.
+fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    diff / scale
+}
+
+/// The greedy continuation: prefill, then one argmax token per step; every step's logits.
+fn greedy(s: &mut dyn DecoderSession, prompt: &[Vec<u32>], steps: usize) -> Vec<Vec<f32>> {
+    let flat: Vec<u32> = prompt.concat();
+    s.prefill(&flat, false).unwrap();
+    let vocab = s.logits().unwrap().len() / prompt.len();
+    let mut out = vec![s.logits().unwrap()];
+    for _ in 1..steps {
+        let next: Vec<u32> = out.last().unwrap().chunks(vocab).map(argmax).collect();
+        s.decode(&next).unwrap();
+        out.push(s.logits().unwrap());
+    }
+    out
+}
+
+#[test]
+fn prompt_logits_match_transformers_in_fp32() {
+    for family in FAMILIES {
+        let want = expected(family);
+        let w = DecoderWeights::open_folder(&fixture(family)).unwrap();
+        let mut s = session(&w, Precision::Fp32, 2);
+        s.prefill(&want.prompt.concat(), true).unwrap();
+        let got = s.logits().unwrap();
+        let flat: Vec<f32> = want.logits.concat().concat();
+        let rel = rel_diff(&got, &flat);
+        assert!(
+            rel <= 1e-4,
+            "{family}: logits differ from transformers by {rel:e}"
+        );
+    }
+}
+
+#[test]
+fn greedy_continuation_matches_transformers_generate() {
+    for family in FAMILIES {
+        let want = expected(family);
+        let w = DecoderWeights::open_folder(&fixture(family)).unwrap();
+        let mut s = session(&w, Precision::Fp32, 2);
+        let steps = greedy(s.as_mut(), &want.prompt, want.generated[0].len());
+        let vocab = w.config.vocab_size;
+        let tokens: Vec<Vec<u32>> = (0..2)
+            .map(|b| {
+                steps
+                    .iter()
+                    .map(|l| argmax(&l[b * vocab..(b + 1) * vocab]))
+                    .collect()
+            })
+            .collect();
+        assert_eq!(tokens, want.generated, "{family}");
+    }
+}
+
+/// Each decode step's logits equal those of the same position in one prefill of the whole
+/// sequence (the KV cache holds what a recompute would compute), in every precision.
+#[test]
+fn cached_decode_matches_a_full_recompute() {
+    for family in FAMILIES {
+        let want = expected(family);
+        let w = DecoderWeights::open_folder(&fixture(family)).unwrap();
+        for precision in [Precision::Fp32, Precision::Bf16, Precision::Fp16] {
+            let mut s = session(&w, precision, 2);
+            let steps = greedy(s.as_mut(), &want.prompt, 6);
+            let vocab = w.config.vocab_size;
+            // The sequences as decoded: prompt, then each step's argmax but the last's.
+            let mut seqs = want.prompt.clone();
+            for l in &steps[..steps.len() - 1] {
+                for (b, seq) in seqs.iter_mut().enumerate() {
+                    seq.push(argmax(&l[b * vocab..(b + 1) * vocab]));
+                }
+            }
+            let len = seqs[0].len();
+            s.prefill(&seqs.concat(), true).unwrap();
+            let full = s.logits().unwrap();
+            let tolerance = if precision == Precision::Fp32 {
+                1e-5
+            } else {
+                2e-2
+            };
+            for (i, step) in steps.iter().enumerate() {
+                let pos = want.prompt[0].len() - 1 + i;
+                let recompute: Vec<f32> = (0..2)
+                    .flat_map(|b| {
+                        full[(b * len + pos) * vocab..(b * len + pos + 1) * vocab].to_vec()
+                    })
+                    .collect();
+                let rel = rel_diff(step, &recompute);
+                assert!(
+                    rel <= tolerance,
+                    "{family} {precision:?} step {i}: cached decode differs from a recompute by {rel:e}"
+                );
+            }
+        }
+    }
+}
+
+/// Half precisions stay near FP32's logits (bf16 keeps 8 bits of mantissa).
+#[test]
+fn half_precisions_stay_near_fp32() {
+    for family in FAMILIES {
+        let want = expected(family);
+        let w = DecoderWeights::open_folder(&fixture(family)).unwrap();
+        let flat: Vec<f32> = want.logits.concat().concat();
+        for (precision, tolerance) in [(Precision::Bf16, 5e-2), (Precision::Fp16, 1e-2)] {
+            let mut s = session(&w, precision, 2);
+            s.prefill(&want.prompt.concat(), true).unwrap();
+            let rel = rel_diff(&s.logits().unwrap(), &flat);
+            assert!(
+                rel <= tolerance,
+                "{family} {precision:?}: {rel:e} from transformers"
+            );
+        }
+    }
+}
