@@ -23,7 +23,7 @@ fn read_json(path: &std::path::Path) -> Value {
 
 /// Run `args` as a user's build does (without the GPU emulator CI sets for backend tests) and
 /// expect a failure that says `needle`, with no panic.
-fn fails_with(args: &[&str], needle: &str) {
+pub(crate) fn fails_with(args: &[&str], needle: &str) {
     let o = crate::common::command()
         .env_remove(workshop::backend::gpu::emu::ENV)
         .args(args)

@@ -9,6 +9,9 @@ use workshop::backend::{self, BackendKind, DecoderOptions, DecoderSession};
 use workshop::model::Precision;
 use workshop::model::llm::DecoderWeights;
 
+use crate::cli::fails_with;
+use crate::common::{stderr, stdout, workshop};
+
 const FAMILIES: [&str; 4] = ["llama", "qwen2", "mistral", "gpt2"];
 
 fn fixture(family: &str) -> PathBuf {
@@ -176,4 +179,121 @@ fn half_precisions_stay_near_fp32() {
             );
         }
     }
+}
+
+/// `workshop bench` on a model folder: a sweep of two batch sizes, a record per run that
+/// `compare` reads, and the sweep's table.
+#[test]
+fn bench_sweeps_a_model_folder_and_writes_records() {
+    let dir = tempfile_dir("sweep");
+    let json = dir.join("run.json");
+    let folder = fixture("qwen2");
+    let o = workshop(&[
+        "bench",
+        "--model-dir",
+        folder.to_str().unwrap(),
+        "-b",
+        "1,2",
+        "-p",
+        "8",
+        "-n",
+        "4",
+        "--iterations",
+        "2",
+        "--warmup",
+        "0",
+        "--threads",
+        "1",
+        "--profile",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
+    for needle in ["TTFT", "TPOT", "Bandwidth", "Prefill time", "prefill tok/s"] {
+        assert!(out.contains(needle), "`{needle}` missing from:\n{out}");
+    }
+    let mut records = Vec::new();
+    for b in [1, 2] {
+        let path = dir.join(format!("run-b{b}-p8-n4.json"));
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(v["config"]["batch_size"], b);
+        assert_eq!(v["config"]["prompt_len"], 8);
+        // Two timed generations of three decode steps each.
+        assert_eq!(v["samples_s"].as_array().unwrap().len(), 6);
+        assert_eq!(v["llm"]["ttft_s"].as_array().unwrap().len(), 2);
+        assert!(v["llm"]["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
+        records.push(path.to_str().unwrap().to_string());
+    }
+    let o = workshop(&["compare", &records[0], &records[1]]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Bad input to a decoder run: one clear line naming what is wrong, no panic.
+#[test]
+fn bad_decoder_input_fails_clearly() {
+    let llama = fixture("llama");
+    let llama = llama.to_str().unwrap();
+    fails_with(
+        &["bench", "--model-dir", llama, "-p", "60", "-n", "8"],
+        "longer than llama's limit of 64 positions",
+    );
+    fails_with(
+        &["bench", "--model-dir", llama, "-n", "1"],
+        "--gen-len must be at least 2",
+    );
+    fails_with(
+        &["bench", "--network", "gpt2", "--compile"],
+        "--compile is not available",
+    );
+    let dir = tempfile_dir("bad");
+    fails_with(
+        &["bench", "--model-dir", dir.to_str().unwrap()],
+        "has no config.json",
+    );
+    let config = std::fs::read_to_string(fixture("llama").join("config.json")).unwrap();
+    let cases = [
+        (
+            config.replace("\"llama\"", "\"bert\""),
+            "`model_type`: `bert` is not supported",
+        ),
+        (
+            config.replace("\"silu\"", "\"gelu\""),
+            "`hidden_act`: `gelu` is not supported",
+        ),
+        (
+            config.replace("\"vocab_size\": 128", "\"vocab_size\": 100"),
+            "tensor `model.embed_tokens.weight` has shape [128, 32], but the config needs [100, 32]",
+        ),
+    ];
+    for (text, needle) in cases {
+        std::fs::write(dir.join("config.json"), text).unwrap();
+        std::fs::copy(
+            fixture("llama").join("model.safetensors"),
+            dir.join("model.safetensors"),
+        )
+        .unwrap();
+        fails_with(&["bench", "--model-dir", dir.to_str().unwrap()], needle);
+    }
+    // GPT-2's weights under a Llama config: the first tensor the config needs is named.
+    std::fs::write(dir.join("config.json"), &config).unwrap();
+    std::fs::copy(
+        fixture("gpt2").join("model.safetensors"),
+        dir.join("model.safetensors"),
+    )
+    .unwrap();
+    fails_with(
+        &["bench", "--model-dir", dir.to_str().unwrap()],
+        "tensor `model.embed_tokens.weight` is missing",
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn tempfile_dir(what: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("workshop-llm-{what}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
 }

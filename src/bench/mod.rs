@@ -7,6 +7,7 @@ pub mod autotune;
 pub mod compare;
 pub mod data_parallel;
 pub mod flops;
+pub mod llm;
 pub mod peak;
 pub mod profile;
 pub mod record;
@@ -42,6 +43,13 @@ pub enum Event {
         index: usize,
         loss: f64,
         seconds: f64,
+    },
+    /// A language model's generation: its time to first token and mean decode step.
+    Generation {
+        index: usize,
+        warmup: bool,
+        ttft_s: f64,
+        tpot_s: f64,
     },
 }
 
@@ -85,7 +93,7 @@ pub fn validate(cfg: &BenchConfig) -> Result<()> {
 /// The largest value each size of a run may take, and why: numbers from users are checked
 /// before anything is allocated, by `workshop bench` and by lint for a course's steps (issue
 /// 27: sizes near 2^64 overflowed or spun instead of failing).
-pub const LIMITS: [(&str, usize, &str); 10] = [
+pub const LIMITS: [(&str, usize, &str); 12] = [
     (
         "size",
         1 << 14,
@@ -122,6 +130,16 @@ pub const LIMITS: [(&str, usize, &str); 10] = [
         "threads",
         4096,
         "more worker threads than any machine has cores",
+    ),
+    (
+        "prompt_len",
+        1 << 20,
+        "a longer prompt than any model here has positions for",
+    ),
+    (
+        "gen_len",
+        1 << 20,
+        "more new tokens than any model here has positions for",
     ),
     (
         "cpu_groups",
@@ -406,7 +424,7 @@ pub fn measure(
     }
     // The session's facts, then its memory back before a peak probe may need it.
     let memory = session.memory();
-    let environment = environment(device.clone(), session.as_ref());
+    let environment = environment(device.clone(), session.kernel_version());
     drop(session);
     let flops_profile = match flops_step {
         Some((kernels, host_s)) => Some(flops::profile(
@@ -450,10 +468,11 @@ pub fn measure(
         compile,
         output: std::mem::take(&mut last),
         timeline,
+        llm: None,
     })
 }
 
-fn environment(device: DeviceInfo, session: &dyn Session) -> Environment {
+fn environment(device: DeviceInfo, kernel_version: String) -> Environment {
     let host = backend::cpu::host_device();
     Environment {
         runner_version: env!("CARGO_PKG_VERSION").into(),
@@ -463,7 +482,7 @@ fn environment(device: DeviceInfo, session: &dyn Session) -> Environment {
         cpu_model: host.name,
         cpu_cores: host.compute_units,
         device,
-        kernel_version: session.kernel_version(),
+        kernel_version,
     }
 }
 

@@ -28,7 +28,7 @@ pub struct BenchRecord {
     pub prepare_s: Option<f64>,
     /// Seconds per warm-up iteration (not in the statistics).
     pub warmup_s: Vec<f64>,
-    /// Seconds per timed iteration.
+    /// Seconds per timed iteration (a language model's: per decode step).
     pub samples_s: Vec<f64>,
     /// Seconds of each timed iteration spent enqueueing the pass (before waiting for the
     /// device): the host overhead that replay removes on asynchronous backends.
@@ -49,6 +49,10 @@ pub struct BenchRecord {
     /// What compilation did and how its output compares with eager FP32, when compiled.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compile: Option<CompileInfo>,
+    /// A language model's prefill and decode figures; the samples above are then its decode
+    /// steps, so the throughput is new tokens per second over the batch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub llm: Option<super::llm::LlmRun>,
     /// The last iteration's output (not kept in the JSON record).
     #[serde(skip)]
     pub output: Vec<f32>,
@@ -93,6 +97,13 @@ pub struct BenchConfig {
     /// Timed iteration (from 1) whose FLOPs profile is kept (`--flops-prof-step`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub flops_prof_step: Option<usize>,
+    /// Language models: prompt tokens per sequence (`--prompt-len`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_len: Option<usize>,
+    /// Language models: tokens generated per sequence, the first by the prefill
+    /// (`--gen-len`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gen_len: Option<usize>,
 }
 
 impl Default for BenchConfig {
@@ -119,6 +130,8 @@ impl Default for BenchConfig {
             compile: None,
             recompile: false,
             flops_prof_step: None,
+            prompt_len: None,
+            gen_len: None,
         }
     }
 }

@@ -66,6 +66,19 @@ impl Stats {
     }
 }
 
+/// The `q`-th percentile (0 to 100) of ascending `sorted` samples, interpolated linearly
+/// between the two nearest ranks (NumPy's default); 0 for no samples.
+pub fn percentile(sorted: &[f64], q: f64) -> f64 {
+    match sorted.len() {
+        0 => 0.0,
+        n => {
+            let rank = q.clamp(0.0, 100.0) / 100.0 * (n - 1) as f64;
+            let (lo, hi) = (rank.floor() as usize, rank.ceil() as usize);
+            sorted[lo] + (sorted[hi] - sorted[lo]) * (rank - lo as f64)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -81,5 +94,16 @@ mod tests {
         assert!((s.us_per_sample - 31_250.0).abs() < 1e-6);
         assert!((s.gflops - 16.0).abs() < 1e-9);
         assert_eq!(Stats::from_samples(&[], 1, 0), None);
+        // NumPy: np.percentile([1, 2, 3, 4], [50, 90, 99]) = 2.5, 3.7, 3.97.
+        let sorted = [1.0, 2.0, 3.0, 4.0];
+        for (q, want) in [
+            (50.0, 2.5),
+            (90.0, 3.7),
+            (99.0, 3.97),
+            (0.0, 1.0),
+            (100.0, 4.0),
+        ] {
+            assert!((percentile(&sorted, q) - want).abs() < 1e-12, "p{q}");
+        }
     }
 }

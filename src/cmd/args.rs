@@ -117,15 +117,28 @@ pub struct RunArgs {
 pub struct BenchArgs {
     #[command(flatten)]
     pub run: RunArgs,
-    /// Images per forward pass
-    #[arg(long, default_value_t = BenchConfig::default().batch_size)]
-    pub batch_size: usize,
-    /// Timed iterations
-    #[arg(long, default_value_t = BenchConfig::default().iterations)]
-    pub iterations: usize,
-    /// Untimed warm-up iterations before the timed ones
-    #[arg(long, default_value_t = BenchConfig::default().warmup)]
-    pub warmup: usize,
+    /// Images per forward pass (default 32), or a language model's sequences decoded together
+    /// (default 1; a list sweeps: `-b 1,8`)
+    #[arg(short = 'b', long, value_delimiter = ',', value_name = "N")]
+    pub batch_size: Vec<usize>,
+    /// Timed iterations (default 20; a language model's: 3 whole generations)
+    #[arg(long)]
+    pub iterations: Option<usize>,
+    /// Untimed warm-up iterations before the timed ones (default 5; a language model's: 1)
+    #[arg(long)]
+    pub warmup: Option<usize>,
+    /// Language models: prompt tokens per sequence, seeded random ids (default 128; a list
+    /// sweeps: `-p 128,512`)
+    #[arg(short = 'p', long, value_delimiter = ',', value_name = "N")]
+    pub prompt_len: Vec<usize>,
+    /// Language models: tokens generated per sequence, greedy, the first by the prefill
+    /// (default 64; a list sweeps)
+    #[arg(short = 'n', long, value_delimiter = ',', value_name = "N")]
+    pub gen_len: Vec<usize>,
+    /// A Hugging Face model folder (config.json and safetensors, one file or shards) to run
+    /// instead of a built-in language model's seeded weights
+    #[arg(long, value_name = "DIR")]
+    pub model_dir: Option<PathBuf>,
     /// Input height and width in pixels (default: the network's own, 224 for most)
     #[arg(long)]
     pub input_size: Option<usize>,

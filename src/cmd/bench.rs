@@ -14,7 +14,7 @@ use crate::model::{Precision, weights, zoo};
 use crate::report;
 
 /// `--precision` and the classic `--fp16 0|1` must agree.
-fn resolve_precision(run: &RunArgs) -> Result<Precision> {
+pub(super) fn resolve_precision(run: &RunArgs) -> Result<Precision> {
     match (run.precision, run.fp16) {
         (p, None) => Ok(p.unwrap_or(Precision::Fp32)),
         (_, Some(v)) if v > 1 => bail!("--fp16 takes 0 or 1 (got {v})"),
@@ -47,13 +47,37 @@ fn emulated(kind: BackendKind) -> bool {
 }
 
 pub fn bench(args: BenchArgs) -> Result<()> {
+    if args.model_dir.is_some() || crate::model::llm::is_decoder(&args.run.network) {
+        return super::llm::bench(args);
+    }
+    for (flag, given) in [
+        ("--prompt-len", !args.prompt_len.is_empty()),
+        ("--gen-len", !args.gen_len.is_empty()),
+    ] {
+        if given {
+            bail!(
+                "{flag} is for language models ({}); {} is an image network",
+                crate::model::llm::names().join(", "),
+                args.run.network
+            );
+        }
+    }
+    let batch_size = match args.batch_size.as_slice() {
+        [] => BenchConfig::default().batch_size,
+        [one] => *one,
+        _ => bail!(
+            "--batch-size takes one value for an image network (a list sweeps language models): \
+             run once per batch size, or use `workshop compare` on the records"
+        ),
+    };
     // An unknown network fails here, before anything is printed.
     let network = zoo::build(&args.run.network)?;
+    let defaults = BenchConfig::default();
     let cfg = BenchConfig {
         network: args.run.network.clone(),
-        batch_size: args.batch_size,
-        iterations: args.iterations,
-        warmup: args.warmup,
+        batch_size,
+        iterations: args.iterations.unwrap_or(defaults.iterations),
+        warmup: args.warmup.unwrap_or(defaults.warmup),
         precision: resolve_precision(&args.run)?,
         backend: args.run.backend,
         device: args.run.device,
@@ -71,6 +95,8 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         cores: None,
         compile: args.compile,
         recompile: args.recompile,
+        prompt_len: None,
+        gen_len: None,
     };
     bench::validate(&cfg)?;
     // Where the results go must take them before the run starts.
@@ -324,6 +350,16 @@ pub fn models(args: ModelsArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
         println!("{}", report::bench::models_table(&rows));
+        let decoders: Vec<_> = crate::model::llm::names()
+            .into_iter()
+            .filter_map(|n| {
+                Some((
+                    crate::model::llm::built_in(n)?,
+                    crate::model::llm::source(n)?,
+                ))
+            })
+            .collect();
+        println!("\n{}", report::llm::models_table(&decoders));
     }
     Ok(())
 }

@@ -8,6 +8,7 @@ mod bench;
 mod compare;
 mod course;
 mod dev;
+mod llm;
 mod peak;
 
 use anyhow::Result;

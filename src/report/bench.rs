@@ -67,6 +67,17 @@ pub fn event_line(ev: &Event) -> String {
                 seconds * 1e3
             )
         }
+        Event::Generation {
+            index,
+            warmup,
+            ttft_s,
+            tpot_s,
+        } => format!(
+            "{} {index:>3}: TTFT = {:.1} ms, TPOT = {:.2} ms",
+            if *warmup { "Warm-up" } else { "Iteration" },
+            ttft_s * 1e3,
+            tpot_s * 1e3
+        ),
     }
 }
 

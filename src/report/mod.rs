@@ -6,6 +6,7 @@ pub mod bench;
 pub mod charts;
 pub mod compare;
 pub mod course;
+pub mod llm;
 pub mod machine;
 pub mod profile;
 pub mod results;

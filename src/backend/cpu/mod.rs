@@ -267,10 +267,18 @@ impl Backend for CpuBackend {
             / 10;
         let available = available_memory();
         if needed > available {
+            // The KV cache grows with the batch; everything else is there at any batch.
+            let per_sequence = cfg
+                .kv_bytes_per_token(opt.precision)
+                .saturating_mul(opt.context as u64)
+                .max(1);
+            let fixed =
+                needed.saturating_sub(per_sequence.saturating_mul(opt.batch as u64) * 11 / 10);
+            let fits = (available.saturating_sub(fixed) * 10 / 11 / per_sequence) as usize;
             return Err(BackendError::OutOfMemory {
                 needed,
                 available,
-                suggestion: None,
+                suggestion: (fits >= 1 && fits < opt.batch).then_some(fits),
             });
         }
         let pool = worker_pool(threads, Vec::new())?;

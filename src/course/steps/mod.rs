@@ -184,7 +184,7 @@ fn bench_with_progress(cfg: &BenchConfig, ui: &mut dyn Ui) -> Result<BenchRecord
     let label = format!("{} {} batch {}", cfg.network, cfg.precision, cfg.batch_size);
     let mut ticker = ui.progress(&label, (cfg.warmup + cfg.iterations) as u64);
     crate::bench::run(cfg, None, &mut |ev| match ev {
-        Event::Warmup { .. } | Event::Iteration { .. } => ticker.tick(),
+        Event::Warmup { .. } | Event::Iteration { .. } | Event::Generation { .. } => ticker.tick(),
         Event::Preparing { .. } => {}
     })
 }

@@ -44,14 +44,6 @@ impl DecoderWeights {
         }
     }
 
-    /// How a record names the weights: `random(seed=N)` or the folder.
-    pub fn label(&self) -> String {
-        match &self.source {
-            TensorSource::Seeded { seed } => crate::bench::record::random_weights_label(*seed),
-            TensorSource::Folder { dir, .. } => dir.display().to_string(),
-        }
-    }
-
     /// A Hugging Face model folder: `config.json` and `model.safetensors` or the shards that
     /// `model.safetensors.index.json` lists. Every tensor the config needs must be there with
     /// its shape; the first that is not is named.

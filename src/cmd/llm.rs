@@ -1,0 +1,153 @@
+//! `workshop bench` for a language model: one run, or a sweep over batch sizes, prompt and
+//! generation lengths (every combination, in order), each printed as it finishes.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Result, bail};
+
+use super::args::BenchArgs;
+use crate::bench::{self, llm, record::BenchConfig};
+use crate::report;
+
+/// Flags of `workshop bench` that only the image networks take, and what a decoder run has
+/// instead.
+fn refuse_image_flags(args: &BenchArgs) -> Result<()> {
+    let image_only = [
+        ("--input-size", args.input_size.is_some()),
+        (
+            "--weights (a language model reads --model-dir)",
+            args.run.weights.is_some(),
+        ),
+        ("--profile-csv", args.profile_csv.is_some()),
+        ("--trace", args.trace.is_some()),
+        ("--flops-prof-step", args.flops_prof_step.is_some()),
+        ("--devices", args.devices.is_some()),
+        ("--cpu-groups", args.cpu_groups.is_some()),
+        ("--compile", args.compile.is_some()),
+        ("--results-dir", args.results_dir.is_some()),
+        ("--kernels-dir", args.run.kernels_dir.is_some()),
+        (
+            "--kernels vendor",
+            args.run.kernels != crate::backend::KernelFamily::Native,
+        ),
+    ];
+    if let Some((flag, _)) = image_only.iter().find(|(_, given)| *given) {
+        bail!(
+            "{flag} is not available for language models yet: they take --batch-size, \
+             --prompt-len, --gen-len, --precision, --backend, --threads, --model-dir, \
+             --iterations, --warmup, --profile, --json and --baseline"
+        );
+    }
+    Ok(())
+}
+
+/// `FILE` for a single run; `STEM-bB-pP-nN.EXT` beside it for each run of a sweep.
+fn record_path(path: &Path, cfg: &BenchConfig, sweep: bool) -> PathBuf {
+    if !sweep {
+        return path.to_path_buf();
+    }
+    let (p, n) = llm::lengths(cfg);
+    let stem = path
+        .file_stem()
+        .map_or_else(|| "run".into(), |s| s.to_string_lossy().into_owned());
+    let ext = path
+        .extension()
+        .map_or_else(|| "json".into(), |s| s.to_string_lossy().into_owned());
+    path.with_file_name(format!("{stem}-b{}-p{p}-n{n}.{ext}", cfg.batch_size))
+}
+
+pub fn bench(args: BenchArgs) -> Result<()> {
+    refuse_image_flags(&args)?;
+    let precision = super::bench::resolve_precision(&args.run)?;
+    let or = |v: &[usize], d: usize| if v.is_empty() { vec![d] } else { v.to_vec() };
+    let batches = or(&args.batch_size, 1);
+    let prompts = or(&args.prompt_len, llm::DEFAULT_PROMPT);
+    let gens = or(&args.gen_len, llm::DEFAULT_GENERATE);
+    let base = BenchConfig {
+        network: args.run.network.clone(),
+        iterations: args.iterations.unwrap_or(llm::DEFAULT_ITERATIONS),
+        warmup: args.warmup.unwrap_or(llm::DEFAULT_WARMUP),
+        precision,
+        backend: args.run.backend,
+        device: args.run.device,
+        threads: args.run.threads,
+        seed: args.run.seed,
+        weights: match &args.model_dir {
+            Some(dir) => dir.display().to_string(),
+            None => bench::record::random_weights_label(args.run.seed),
+        },
+        profile: args.profile,
+        ..Default::default()
+    };
+    // The model and every combination are checked before the first run starts.
+    let model = match &args.model_dir {
+        Some(dir) => llm::weights_for(&base, Some(dir))?.config,
+        None => crate::model::llm::built_in(&base.network)
+            .ok_or_else(|| anyhow::anyhow!("`{}` is not a language model", base.network))?,
+    };
+    let mut runs = Vec::new();
+    for &batch_size in &batches {
+        for &p in &prompts {
+            for &n in &gens {
+                let cfg = BenchConfig {
+                    network: model.name.clone(),
+                    batch_size,
+                    prompt_len: Some(p),
+                    gen_len: Some(n),
+                    ..base.clone()
+                };
+                bench::validate(&cfg)?;
+                llm::validate(&cfg, &model)?;
+                runs.push(cfg);
+            }
+        }
+    }
+    let sweep = runs.len() > 1;
+    if let Some(path) = &args.json {
+        for cfg in &runs {
+            crate::files::check_destination(&record_path(path, cfg, sweep))?;
+        }
+    }
+    let baseline = match &args.baseline {
+        Some(path) => Some(bench::compare::load(path)?),
+        None => None,
+    };
+    let mut records = Vec::new();
+    for cfg in &runs {
+        println!("{}\n", report::llm::config_echo(cfg, &model.name));
+        let mut out = std::io::stdout();
+        let record = llm::run(cfg, args.model_dir.as_deref(), &mut |ev| {
+            let _ = writeln!(out, "{}", report::bench::event_line(&ev));
+            let _ = out.flush();
+        })?;
+        if let Some(run) = &record.llm {
+            println!("\n{}", report::llm::summary(&record, run));
+        }
+        if let (Some(path), Some(saved)) = (&args.baseline, &baseline) {
+            let c = bench::compare::compare(&[
+                (path.display().to_string(), saved.clone()),
+                ("this run".to_string(), record.clone()),
+            ]);
+            println!(
+                "\nAgainst {}:\n{}",
+                path.display(),
+                report::compare::comparison(&c)
+            );
+        }
+        if let Some(why) = crate::units::non_finite(&record.output) {
+            eprintln!("warning: {why}");
+        }
+        if let Some(path) = &args.json {
+            let path = record_path(path, cfg, sweep);
+            crate::files::write_atomic(&path, serde_json::to_string_pretty(&record)?.as_bytes())?;
+            println!("Record written to {}", path.display());
+        }
+        println!();
+        records.push(record);
+    }
+    if sweep {
+        println!("{}", report::llm::sweep_table(&records));
+    }
+    Ok(())
+}

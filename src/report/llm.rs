@@ -1,0 +1,196 @@
+//! What a language-model benchmark shows: its configuration, the summary of prefill and decode
+//! (vLLM's latency names: TTFT, TPOT, ITL, end to end) with each phase on the roofline, a
+//! sweep's table (llama-bench's columns), and the decoders of `workshop models`.
+
+use comfy_table::{Cell, CellAlignment};
+
+use super::new_table;
+
+use crate::bench::llm::{LlmRun, Spread, lengths};
+use crate::bench::record::{BenchConfig, BenchRecord};
+use crate::model::llm::DecoderConfig;
+use crate::units::{group_digits, human_bytes};
+
+pub fn config_echo(cfg: &BenchConfig, model: &str) -> String {
+    let (prompt, generate) = lengths(cfg);
+    let threads = cfg
+        .threads
+        .map_or_else(|| "all cores".to_string(), |t| t.to_string());
+    format!(
+        "Model:       {model}\nBatch:       {}\nTokens:      {prompt} prompt + {generate} generated (greedy)\nIterations:  {} (after {} warm-up)\nPrecision:   {}\nBackend:     {} (device {}, threads: {threads})\nWeights:     {}",
+        match cfg.batch_size {
+            1 => "1 sequence".to_string(),
+            n => format!("{n} sequences"),
+        },
+        cfg.iterations,
+        cfg.warmup,
+        cfg.precision.name().to_uppercase(),
+        cfg.backend,
+        cfg.device,
+        cfg.weights
+    )
+}
+
+fn spread(s: &Spread) -> String {
+    format!(
+        "mean {:.2} ms, median {:.2} ms, p90 {:.2} ms, p99 {:.2} ms",
+        s.mean_ms, s.median_ms, s.p90_ms, s.p99_ms
+    )
+}
+
+fn share(part: Option<f64>) -> String {
+    part.map_or("no measured peak".into(), |p| format!("{:.0}%", p * 100.0))
+}
+
+/// The summary of one run.
+pub fn summary(r: &BenchRecord, run: &LlmRun) -> String {
+    let c = &r.config;
+    let (prompt, generate) = lengths(c);
+    let line = "=".repeat(56);
+    let bandwidth = run
+        .bandwidth_gbps
+        .map_or(String::new(), |b| format!(" of the {b:.1} GB/s measured"));
+    let peak = run.peak_gflops.map_or(String::new(), |p| {
+        format!(" of the {p:.1} GFLOP/s GEMM peak")
+    });
+    let fits = match (run.max_context, run.max_batch) {
+        (Some(ctx), Some(b)) => format!(
+            "\n                fits: a context of {} at batch {}, or a batch of {} at {} tokens",
+            group_digits(ctx as u64),
+            c.batch_size,
+            group_digits(b as u64),
+            prompt + generate
+        ),
+        _ => String::new(),
+    };
+    let m = &run.memory;
+    let ops = |name: &str, ops: &[(String, f64)]| {
+        let total: f64 = ops.iter().map(|(_, s)| s).sum();
+        if total <= 0.0 {
+            return String::new();
+        }
+        let mut parts: Vec<&(String, f64)> = ops.iter().collect();
+        parts.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let list: Vec<String> = parts
+            .iter()
+            .filter(|(_, s)| *s / total >= 0.005)
+            .map(|(n, s)| format!("{n} {:.0}%", s / total * 100.0))
+            .collect();
+        format!("\n{name:<16}{}", list.join(", "))
+    };
+    format!(
+        "{line}\nPerformance summary: {} {} batch {} on {} ({})\n{line}\n\
+         TTFT            {} (prefill of {prompt} tokens)\n\
+         Prefill         {:.1} tokens/s, {:.1} GFLOP/s = {}{peak}\n\
+         TPOT            {}\n\
+         ITL             {} over {} steps\n\
+         Decode          {:.1} tokens/s per sequence, {:.1} tokens/s in all\n\
+         Bandwidth       {:.1} GB/s in decode = {}{bandwidth} ({} read a step)\n\
+         End to end      {} for {generate} tokens\n\
+         KV cache        {} per token, {} for {} × {} positions{fits}\n\
+         Memory          {} weights, {} KV cache, {} activations{}{}\n{line}",
+        c.network,
+        c.precision.name().to_uppercase(),
+        c.batch_size,
+        r.environment.device.name,
+        c.backend,
+        spread(&run.ttft),
+        run.prefill_tokens_per_s,
+        run.prefill_gflops,
+        share(run.peak_share()),
+        spread(&run.tpot),
+        spread(&run.itl),
+        r.samples_s.len(),
+        run.decode_tokens_per_s_per_sequence,
+        run.decode_tokens_per_s,
+        run.decode_gbps,
+        share(run.bandwidth_share()),
+        human_bytes(run.decode_bytes_per_step as u64),
+        spread(&run.e2e),
+        human_bytes(run.kv_bytes_per_token),
+        human_bytes(m.kv_cache),
+        c.batch_size,
+        prompt + generate,
+        human_bytes(m.weights),
+        human_bytes(m.kv_cache),
+        human_bytes(m.scratch),
+        ops("Prefill time", &run.prefill_ops),
+        ops("Decode time", &run.decode_ops),
+    )
+}
+
+/// One row per run of a sweep, llama-bench's way: prompt processing and generation side by side.
+pub fn sweep_table(records: &[BenchRecord]) -> String {
+    let mut t = new_table();
+    t.set_header([
+        "model",
+        "prec",
+        "batch",
+        "prompt",
+        "gen",
+        "TTFT ms",
+        "prefill tok/s",
+        "TPOT ms",
+        "decode tok/s",
+        "GB/s",
+        "% bw",
+    ]);
+    for r in records {
+        let Some(run) = &r.llm else { continue };
+        let c = &r.config;
+        let (prompt, generate) = lengths(c);
+        let row = [
+            c.network.clone(),
+            c.precision.name().into(),
+            c.batch_size.to_string(),
+            prompt.to_string(),
+            generate.to_string(),
+            format!("{:.1}", run.ttft.median_ms),
+            format!("{:.1}", run.prefill_tokens_per_s),
+            format!("{:.2}", run.tpot.median_ms),
+            format!("{:.1}", run.decode_tokens_per_s),
+            format!("{:.1}", run.decode_gbps),
+            run.bandwidth_share()
+                .map_or("-".into(), |s| format!("{:.0}", s * 100.0)),
+        ];
+        t.add_row(row.into_iter().enumerate().map(|(i, v)| {
+            let cell = Cell::new(v);
+            if i >= 2 {
+                cell.set_alignment(CellAlignment::Right)
+            } else {
+                cell
+            }
+        }));
+    }
+    t.to_string()
+}
+
+/// The built-in decoders: parameters, weights, the work of a token, the KV cache a token holds.
+pub fn models_table(models: &[(DecoderConfig, &str)]) -> String {
+    let mut t = new_table();
+    t.set_header([
+        "language model",
+        "params",
+        "BF16 weights",
+        "GFLOPs/token",
+        "KV/token (BF16)",
+        "context",
+        "from",
+    ]);
+    for (m, source) in models {
+        let bf16 = crate::model::Precision::Bf16;
+        t.add_row([
+            Cell::new(&m.name),
+            Cell::new(format!("{:.2} B", m.params() as f64 / 1e9))
+                .set_alignment(CellAlignment::Right),
+            Cell::new(human_bytes(m.params() * 2)).set_alignment(CellAlignment::Right),
+            Cell::new(format!("{:.2}", m.decode_flops(0) as f64 / 1e9))
+                .set_alignment(CellAlignment::Right),
+            Cell::new(human_bytes(m.kv_bytes_per_token(bf16))).set_alignment(CellAlignment::Right),
+            Cell::new(group_digits(m.max_position_embeddings as u64))
+                .set_alignment(CellAlignment::Right),
+            Cell::new(*source),
+        ]);
+    }
+    t.to_string()
+}
