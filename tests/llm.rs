@@ -297,3 +297,79 @@ fn tempfile_dir(what: &str) -> PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
+
+/// `workshop generate` with text: the folder's tokenizer encodes the prompt, the greedy
+/// continuation streams as text, all as transformers and tokenizers give it.
+#[test]
+fn generate_streams_the_text_transformers_writes() {
+    let v: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture("llama").join("expected.json")).unwrap(),
+    )
+    .unwrap();
+    let folder = fixture("llama");
+    let o = workshop(&[
+        "generate",
+        "--model-dir",
+        folder.to_str().unwrap(),
+        "--prompt",
+        v["text_prompt"].as_str().unwrap(),
+        "--max-tokens",
+        "8",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stdout(&o).trim_end(), v["text"].as_str().unwrap());
+    assert!(stderr(&o).contains("8 generated"), "{}", stderr(&o));
+    // Token ids in, token ids out.
+    let want = expected("qwen2");
+    let ids: Vec<String> = want.prompt[0].iter().map(u32::to_string).collect();
+    let folder = fixture("qwen2");
+    let o = workshop(&[
+        "generate",
+        "--model-dir",
+        folder.to_str().unwrap(),
+        "--prompt-ids",
+        &ids.join(","),
+        "--max-tokens",
+        "8",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let got: Vec<u32> = stdout(&o)
+        .trim()
+        .split(',')
+        .map(|t| t.parse().unwrap())
+        .collect();
+    assert_eq!(got, want.generated[0]);
+    let qwen = folder.to_str().unwrap();
+    fails_with(
+        &["generate", "--model-dir", qwen, "--prompt", "hello"],
+        "--prompt needs the model folder's tokenizer.json",
+    );
+    fails_with(
+        &["generate", "--model-dir", qwen, "--prompt-ids", "1,500"],
+        "token id 500 is outside",
+    );
+    fails_with(
+        &[
+            "generate",
+            "--model-dir",
+            qwen,
+            "--prompt-ids",
+            "1",
+            "--top-p",
+            "0",
+        ],
+        "--top-p must be above 0",
+    );
+    fails_with(
+        &[
+            "generate",
+            "--model-dir",
+            qwen,
+            "--prompt-ids",
+            "1",
+            "--max-tokens",
+            "70",
+        ],
+        "longer than qwen2's limit of 64 positions",
+    );
+}

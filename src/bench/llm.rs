@@ -162,18 +162,7 @@ pub fn lengths(cfg: &BenchConfig) -> (usize, usize) {
 
 /// The most probable token of each row of `logits` (rows of `vocab`).
 pub fn greedy(logits: &[f32], vocab: usize) -> Vec<u32> {
-    logits
-        .chunks(vocab.max(1))
-        .map(|row| {
-            let mut best = 0;
-            for (i, v) in row.iter().enumerate() {
-                if *v > row[best] {
-                    best = i;
-                }
-            }
-            best as u32
-        })
-        .collect()
+    logits.chunks(vocab.max(1)).map(llm::text::argmax).collect()
 }
 
 /// Run a decoder benchmark as configured.
@@ -405,4 +394,45 @@ fn difference(now: &[(String, f64)], then: &[(String, f64)]) -> Vec<(String, f64
             (k.clone(), v - was)
         })
         .collect()
+}
+
+/// What a generation took: the time to the first token and each step after it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Timing {
+    pub ttft_s: f64,
+    pub steps_s: Vec<f64>,
+}
+
+/// Generate up to `max_tokens` after `prompt` (one sequence), handing each new token to
+/// `on_token` as it comes; stops early at one of the model's end-of-sequence tokens.
+pub fn generate(
+    s: &mut dyn DecoderSession,
+    model: &DecoderConfig,
+    prompt: &[u32],
+    max_tokens: usize,
+    sampling: llm::text::Sampling,
+    seed: u64,
+    on_token: &mut dyn FnMut(u32) -> Result<()>,
+) -> Result<Timing> {
+    let mut rng = Rng::new(seed.wrapping_add(2));
+    let start = Instant::now();
+    s.prefill(prompt, false)?;
+    s.sync()?;
+    let mut token = sampling.pick(&s.logits()?, &mut rng);
+    let mut timing = Timing {
+        ttft_s: start.elapsed().as_secs_f64(),
+        steps_s: Vec::new(),
+    };
+    for n in 1..=max_tokens {
+        on_token(token)?;
+        if n == max_tokens || model.eos_token_ids.contains(&token) {
+            break;
+        }
+        let t = Instant::now();
+        s.decode(&[token])?;
+        s.sync()?;
+        token = sampling.pick(&s.logits()?, &mut rng);
+        timing.steps_s.push(t.elapsed().as_secs_f64());
+    }
+    Ok(timing)
 }

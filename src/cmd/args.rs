@@ -49,8 +49,11 @@ pub enum Command {
     /// Tools for instructors and kernel developers
     #[command(subcommand)]
     Dev(DevCommand),
-    /// Benchmark inference of a zoo network (like micro_benchmarking_pytorch.py)
+    /// Benchmark inference of a zoo network (like micro_benchmarking_pytorch.py) or a language
+    /// model (prefill and decode, like vLLM's benchmark_latency and llama-bench)
     Bench(Box<BenchArgs>),
+    /// Generate text with a language model, streaming tokens as they come
+    Generate(GenerateArgs),
     /// Run one forward pass on an input tensor and write the logits (to check against PyTorch)
     Infer(InferArgs),
     /// List the model zoo with parameter counts and work per image
@@ -195,6 +198,47 @@ pub struct BenchArgs {
 }
 
 #[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("input").required(true).args(["prompt", "prompt_ids"])))]
+pub struct GenerateArgs {
+    /// A built-in language model with seeded random weights (see `workshop models`)
+    #[arg(long, conflicts_with = "model_dir")]
+    pub network: Option<String>,
+    /// A Hugging Face model folder: config.json, safetensors, and tokenizer.json for text
+    #[arg(long, value_name = "DIR")]
+    pub model_dir: Option<PathBuf>,
+    /// The prompt as text (needs the folder's tokenizer.json)
+    #[arg(long)]
+    pub prompt: Option<String>,
+    /// The prompt as token ids: `--prompt-ids 1,450,4996`
+    #[arg(long, value_delimiter = ',', value_name = "IDS")]
+    pub prompt_ids: Option<Vec<u32>>,
+    /// The most tokens to generate (fewer when the model ends the text)
+    #[arg(long, default_value_t = 32, value_name = "N")]
+    pub max_tokens: usize,
+    /// 0 picks the most probable token (greedy); above 0 samples, flatter as it grows
+    #[arg(long, default_value_t = 0.0, value_name = "T")]
+    pub temperature: f32,
+    /// Sample only from the most probable tokens that hold this much probability
+    #[arg(long, default_value_t = 1.0, value_name = "P")]
+    pub top_p: f32,
+    /// Precision of weights and activations (accumulation is always f32)
+    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
+    pub precision: Precision,
+    /// Backend that runs the kernels
+    #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
+    pub backend: BackendKind,
+    /// Device index within the backend
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    /// CPU worker threads (default: every core)
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Seed of the random weights and of sampling
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+#[derive(Debug, Args)]
 pub struct CompareArgs {
     /// Two or more records written by `workshop bench --json`; the first is the reference
     #[arg(required = true, num_args = 2.., value_name = "RECORD.json")]
@@ -270,8 +314,9 @@ pub struct WeightsArgs {
     /// Seed of the weights
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Output safetensors file
-    #[arg(long, value_name = "FILE")]
+    /// Output safetensors file; for a language model, a folder that gets config.json and
+    /// model.safetensors (a Hugging Face model folder)
+    #[arg(long, value_name = "FILE|DIR")]
     pub output: PathBuf,
 }
 

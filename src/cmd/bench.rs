@@ -365,6 +365,9 @@ pub fn models(args: ModelsArgs) -> Result<()> {
 }
 
 pub fn weights(args: WeightsArgs) -> Result<()> {
+    if let Some(config) = crate::model::llm::built_in(&args.network) {
+        return decoder_folder(config, &args);
+    }
     crate::files::check_destination(&args.output)?;
     let graph = zoo::build(&args.network)?;
     let w = bench::seeded_weights(&graph, args.seed, 224)?;
@@ -374,6 +377,40 @@ pub fn weights(args: WeightsArgs) -> Result<()> {
         graph.name,
         args.seed,
         args.output.display()
+    );
+    Ok(())
+}
+
+/// A language model's seeded weights as a Hugging Face model folder: `config.json` and one
+/// F32 `model.safetensors` under the checkpoint's names, which `transformers` loads with
+/// `from_pretrained` and `workshop bench --model-dir` reads back.
+fn decoder_folder(config: crate::model::llm::DecoderConfig, args: &WeightsArgs) -> Result<()> {
+    use crate::model::llm::{DecoderWeights, weights::tensors};
+    let dir = &args.output;
+    if dir.is_file() {
+        bail!(
+            "`{}` is a file: a language model's weights are a folder (config.json and model.safetensors)",
+            dir.display()
+        );
+    }
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("failed to create `{}`", dir.display()))?;
+    let w = DecoderWeights::seeded(config.clone(), args.seed);
+    let mut all = Vec::new();
+    for (name, shape) in tensors(&config) {
+        let data = w.tensor(&name)?;
+        all.push((name, crate::model::Tensor::new(shape, data)));
+    }
+    let views: Vec<(&str, &crate::model::Tensor)> =
+        all.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    weights::write_tensors(&dir.join("model.safetensors"), &views)?;
+    let json = serde_json::to_string_pretty(&config.to_hf_json())?;
+    crate::files::write_atomic(&dir.join("config.json"), json.as_bytes())?;
+    println!(
+        "{} weights (seed {}) written to {} (config.json, model.safetensors)",
+        config.name,
+        args.seed,
+        dir.display()
     );
     Ok(())
 }

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Result, bail};
 
-use super::args::BenchArgs;
+use super::args::{BenchArgs, GenerateArgs};
 use crate::bench::{self, llm, record::BenchConfig};
 use crate::report;
 
@@ -149,5 +149,124 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     if sweep {
         println!("{}", report::llm::sweep_table(&records));
     }
+    Ok(())
+}
+
+pub fn generate(args: GenerateArgs) -> Result<()> {
+    use crate::model::llm::text::{Sampling, Tokenizer};
+    if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
+        bail!("--temperature must be 0 or more (got {})", args.temperature);
+    }
+    if !(args.top_p > 0.0 && args.top_p <= 1.0) {
+        bail!("--top-p must be above 0 and at most 1 (got {})", args.top_p);
+    }
+    if args.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    if let Err(why) = bench::within_limit("gen_len", args.max_tokens) {
+        bail!("--max-tokens: {why}");
+    }
+    let cfg = BenchConfig {
+        network: args.network.clone().unwrap_or_default(),
+        seed: args.seed,
+        ..Default::default()
+    };
+    if args.network.is_none() && args.model_dir.is_none() {
+        bail!("give a model: --network NAME (seeded weights) or --model-dir DIR");
+    }
+    let weights = llm::weights_for(&cfg, args.model_dir.as_deref())?;
+    let model = weights.config.clone();
+    let tokenizer = match &args.model_dir {
+        Some(dir) => Tokenizer::open(dir)?,
+        None => None,
+    };
+    let prompt = match (&args.prompt, &args.prompt_ids) {
+        (Some(text), _) => match &tokenizer {
+            Some(t) => t.encode(text)?,
+            None => bail!(
+                "--prompt needs the model folder's tokenizer.json ({}); give token ids with --prompt-ids",
+                match &args.model_dir {
+                    Some(dir) => format!("`{}` has none", dir.display()),
+                    None => "a built-in model has none".into(),
+                }
+            ),
+        },
+        (None, Some(ids)) => ids.clone(),
+        (None, None) => bail!("give a prompt: --prompt TEXT or --prompt-ids IDS"),
+    };
+    if prompt.is_empty() {
+        bail!("the prompt has no tokens");
+    }
+    if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= model.vocab_size) {
+        bail!(
+            "token id {bad} is outside {}'s vocabulary of {}",
+            model.name,
+            model.vocab_size
+        );
+    }
+    let context = prompt.len() + args.max_tokens;
+    if context > model.max_position_embeddings {
+        bail!(
+            "{} prompt tokens and {} new ones make a context of {context}, longer than {}'s \
+             limit of {} positions",
+            prompt.len(),
+            args.max_tokens,
+            model.name,
+            model.max_position_embeddings
+        );
+    }
+    let backend = crate::backend::open(args.backend)?;
+    let opt = crate::backend::DecoderOptions {
+        precision: args.precision,
+        threads: args.threads,
+        batch: 1,
+        context,
+        profile: false,
+    };
+    let mut session = backend.prepare_decoder(args.device, &weights, &opt)?;
+    drop(weights);
+    let sampling = Sampling {
+        temperature: args.temperature,
+        top_p: args.top_p,
+    };
+    let mut out = std::io::stdout();
+    let mut generated = Vec::new();
+    // The text is the prompt's and the continuation's ids decoded together (a tokenizer's
+    // spaces and merged characters depend on the neighbours); what is new is printed.
+    let mut all = prompt.clone();
+    let mut shown = match &tokenizer {
+        Some(t) => t.decode(&prompt)?,
+        None => String::new(),
+    };
+    write!(out, "{shown}")?;
+    let timing = llm::generate(
+        session.as_mut(),
+        &model,
+        &prompt,
+        args.max_tokens,
+        sampling,
+        args.seed,
+        &mut |token| {
+            generated.push(token);
+            all.push(token);
+            match &tokenizer {
+                Some(t) => {
+                    let text = t.decode(&all)?;
+                    if let Some(new) = text.strip_prefix(shown.as_str()) {
+                        write!(out, "{new}")?;
+                    }
+                    shown = text;
+                }
+                None => write!(out, "{}{token}", if generated.len() > 1 { "," } else { "" })?,
+            }
+            out.flush()?;
+            Ok(())
+        },
+    )?;
+    println!();
+    eprintln!(
+        "{}",
+        report::llm::generation_line(&model.name, prompt.len(), generated.len(), &timing)
+    );
     Ok(())
 }

@@ -26,6 +26,7 @@ pub fn run(cli: Cli) -> Result<()> {
     }
     match cli.command {
         Command::Bench(args) => bench::bench(*args),
+        Command::Generate(args) => llm::generate(args),
         Command::Infer(args) => bench::infer(args),
         Command::Models(args) => bench::models(args),
         Command::Weights(args) => bench::weights(args),

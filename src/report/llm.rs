@@ -194,3 +194,21 @@ pub fn models_table(models: &[(DecoderConfig, &str)]) -> String {
     }
     t.to_string()
 }
+
+/// The line after a generation: how many tokens, how fast.
+pub fn generation_line(
+    model: &str,
+    prompt: usize,
+    generated: usize,
+    t: &crate::bench::llm::Timing,
+) -> String {
+    let decode: f64 = t.steps_s.iter().sum();
+    let rate = match t.steps_s.len() {
+        0 => String::new(),
+        n => format!(", then {:.1} tokens/s", n as f64 / decode),
+    };
+    format!(
+        "{model}: {prompt} prompt tokens, {generated} generated; first token after {:.1} ms{rate}",
+        t.ttft_s * 1e3
+    )
+}

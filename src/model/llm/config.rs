@@ -52,6 +52,9 @@ pub struct DecoderConfig {
     pub qkv_bias: bool,
     /// Each query sees at most this many keys, itself included (Mistral v0.1).
     pub sliding_window: Option<usize>,
+    /// Tokens that end a generation (`eos_token_id`); none for seeded weights.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub eos_token_ids: Vec<u32>,
 }
 
 /// A built-in decoder: its name, the Hugging Face repository whose `config.json` gave the
@@ -113,6 +116,7 @@ fn gpt2() -> DecoderConfig {
         tie_word_embeddings: true,
         qkv_bias: true,
         sliding_window: None,
+        eos_token_ids: Vec::new(),
     }
 }
 
@@ -143,6 +147,7 @@ fn qwen(
         tie_word_embeddings: tied,
         qkv_bias: true,
         sliding_window: None,
+        eos_token_ids: Vec::new(),
     }
 }
 
@@ -176,6 +181,7 @@ fn llama3(
         tie_word_embeddings: tied,
         qkv_bias: false,
         sliding_window: None,
+        eos_token_ids: Vec::new(),
     }
 }
 
@@ -323,6 +329,7 @@ impl DecoderConfig {
                         _ => None,
                     },
                     model_type,
+                    eos_token_ids: Vec::new(),
                 }
             }
             other => {
@@ -333,7 +340,75 @@ impl DecoderConfig {
             }
         };
         cfg.check().map_err(|reason| bad("(sizes)", reason))?;
-        Ok(cfg)
+        let eos = match get("eos_token_id") {
+            None => Vec::new(),
+            Some(Value::Array(ids)) => ids
+                .iter()
+                .filter_map(Value::as_u64)
+                .map(|i| i as u32)
+                .collect(),
+            Some(v) => v.as_u64().map(|i| vec![i as u32]).unwrap_or_default(),
+        };
+        Ok(DecoderConfig {
+            eos_token_ids: eos,
+            ..cfg
+        })
+    }
+
+    /// The `config.json` Hugging Face's transformers reads this model from (the published
+    /// checkpoints' format: `rope_theta` and `rope_scaling` apart).
+    pub fn to_hf_json(&self) -> Value {
+        let mut v = match self.family {
+            Family::Gpt2 => serde_json::json!({
+                "architectures": ["GPT2LMHeadModel"],
+                "model_type": "gpt2",
+                "vocab_size": self.vocab_size,
+                "n_embd": self.hidden_size,
+                "n_inner": self.intermediate_size,
+                "n_layer": self.num_hidden_layers,
+                "n_head": self.num_attention_heads,
+                "n_positions": self.max_position_embeddings,
+                "layer_norm_epsilon": self.norm_eps,
+                "activation_function": "gelu_new",
+            }),
+            Family::Llama => {
+                let architecture = match self.model_type.as_str() {
+                    "qwen2" => "Qwen2ForCausalLM",
+                    "mistral" => "MistralForCausalLM",
+                    _ => "LlamaForCausalLM",
+                };
+                serde_json::json!({
+                    "architectures": [architecture],
+                    "model_type": self.model_type,
+                    "vocab_size": self.vocab_size,
+                    "hidden_size": self.hidden_size,
+                    "intermediate_size": self.intermediate_size,
+                    "num_hidden_layers": self.num_hidden_layers,
+                    "num_attention_heads": self.num_attention_heads,
+                    "num_key_value_heads": self.num_key_value_heads,
+                    "head_dim": self.head_dim,
+                    "max_position_embeddings": self.max_position_embeddings,
+                    "rms_norm_eps": self.norm_eps,
+                    "rope_theta": self.rope_theta,
+                    "rope_scaling": self.rope_scaling.map(|s| serde_json::json!({
+                        "rope_type": "llama3",
+                        "factor": s.factor,
+                        "low_freq_factor": s.low_freq_factor,
+                        "high_freq_factor": s.high_freq_factor,
+                        "original_max_position_embeddings": s.original_max_position_embeddings,
+                    })),
+                    "hidden_act": "silu",
+                    "sliding_window": self.sliding_window,
+                    "use_sliding_window": false,
+                })
+            }
+        };
+        v["tie_word_embeddings"] = self.tie_word_embeddings.into();
+        if !self.eos_token_ids.is_empty() {
+            v["eos_token_id"] = self.eos_token_ids.clone().into();
+        }
+        v["torch_dtype"] = "float32".into();
+        v
     }
 
     /// The sizes fit together: heads divide evenly, rotary halves are whole, and the largest
@@ -581,6 +656,20 @@ mod tests {
         for (text, field) in cases {
             let err = DecoderConfig::from_hf_json("t", &text).unwrap_err();
             assert_eq!(err.field, field, "{err}");
+        }
+    }
+
+    /// Every built-in survives a round trip through the config.json it writes.
+    #[test]
+    fn written_config_json_reads_back() {
+        for name in crate::model::llm::names() {
+            let c = crate::model::llm::built_in(name).unwrap();
+            let text = c.to_hf_json().to_string();
+            assert_eq!(
+                DecoderConfig::from_hf_json(name, &text).unwrap(),
+                c,
+                "{name}"
+            );
         }
     }
 

@@ -10,6 +10,7 @@
 //! backend runs it through [`crate::backend::Backend::prepare_decoder`].
 
 pub mod config;
+pub mod text;
 pub mod weights;
 
 pub use config::{DecoderConfig, Family, RopeScaling};
