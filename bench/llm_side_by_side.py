@@ -1,0 +1,146 @@
+"""Language-model inference, ours against Hugging Face transformers on PyTorch, side by side
+on the same weights and the same work: the same seeded random weights (written once by
+`workshop weights` as a Hugging Face folder), seeded random prompts, greedy decoding of a fixed
+number of tokens, the same thread count. Rounds rotate the order; medians are reported with
+the ratio per row.
+
+    python bench/llm_side_by_side.py --model qwen2.5-0.5b --precision fp32,bf16 --batch 1,8
+
+transformers' TTFT is a `generate` of one token; its TPOT is (a generate of N tokens − TTFT)
+/ (N − 1), as vLLM's latency benchmark derives it. `--check` first compares the greedy
+continuation of a prompt between the two at FP32 (a parity check at full size).
+
+Needs torch and transformers (a throwaway venv; not the project's dependencies) and a release
+build of workshop (`cargo build --release`).
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def workshop(args, binary):
+    out = subprocess.run([binary, *args], capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"workshop {' '.join(args)} failed:\n{out.stderr}")
+    return out
+
+
+def ours(binary, folder, precision, batch, prompt, gen, threads, iterations):
+    with tempfile.TemporaryDirectory() as tmp:
+        record = pathlib.Path(tmp) / "run.json"
+        workshop(["bench", "--model-dir", str(folder), "--precision", precision, "-b", str(batch),
+                  "-p", str(prompt), "-n", str(gen), "--threads", str(threads),
+                  "--iterations", str(iterations), "--warmup", "1", "--json", str(record)], binary)
+        run = json.loads(record.read_text())["llm"]
+    return run["ttft"]["median_ms"], run["tpot"]["median_ms"]
+
+
+class Hf:
+    def __init__(self, folder, precision, threads):
+        import torch
+        import transformers
+        torch.set_num_threads(threads)
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        self.torch = torch
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype).eval()
+        self.vocab = self.model.config.vocab_size
+
+    def generate(self, ids, n):
+        torch = self.torch
+        with torch.inference_mode():
+            return self.model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                       attention_mask=torch.ones_like(ids), pad_token_id=0)
+
+    def measure(self, batch, prompt, gen, iterations):
+        torch = self.torch
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, self.vocab, (batch, prompt), generator=g)
+        self.generate(ids, 2)  # warm-up
+        ttft, e2e = [], []
+        for _ in range(iterations):
+            t = time.perf_counter()
+            self.generate(ids, 1)
+            ttft.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            self.generate(ids, gen)
+            e2e.append(time.perf_counter() - t)
+        ttft_ms = statistics.median(ttft) * 1e3
+        return ttft_ms, (statistics.median(e2e) * 1e3 - ttft_ms) / (gen - 1)
+
+
+def check(binary, folder, threads, tokens=24):
+    """Greedy continuation of a seeded prompt, ours against transformers, in FP32."""
+    import torch
+    hf = Hf(folder, "fp32", threads)
+    ids = torch.randint(0, hf.vocab, (1, 16), generator=torch.Generator().manual_seed(3))
+    want = hf.generate(ids, tokens)[0, 16:].tolist()
+    out = workshop(["generate", "--model-dir", str(folder), "--threads", str(threads),
+                    "--prompt-ids", ",".join(map(str, ids[0].tolist())),
+                    "--max-tokens", str(tokens)], binary)
+    got = [int(t) for t in out.stdout.strip().split(",")]
+    same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
+    print(f"parity: {same} of {tokens} greedy tokens equal to transformers' (FP32)")
+    if same < tokens:
+        print(f"  ours: {got}\n  hf:   {want}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen2.5-0.5b")
+    p.add_argument("--precision", default="fp32,bf16")
+    p.add_argument("--batch", default="1,8")
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--gen", type=int, default=64)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--iterations", type=int, default=2)
+    p.add_argument("--check", action="store_true")
+    p.add_argument("--workshop", default=str(ROOT / "target/release/workshop"))
+    p.add_argument("--folder", help="model folder (default: written to a cache folder)")
+    a = p.parse_args()
+    folder = pathlib.Path(a.folder or pathlib.Path.home() / ".cache/workshop/models" / a.model)
+    if not (folder / "config.json").exists():
+        workshop(["weights", "--network", a.model, "--output", str(folder)], a.workshop)
+    if a.check:
+        check(a.workshop, folder, a.threads)
+    rows = []
+    for precision in a.precision.split(","):
+        hf = Hf(folder, precision, a.threads)
+        for batch in map(int, a.batch.split(",")):
+            results = {"workshop": [], "transformers": []}
+            for r in range(a.rounds):
+                order = ["workshop", "transformers"] if r % 2 == 0 else ["transformers", "workshop"]
+                for who in order:
+                    if who == "workshop":
+                        results[who].append(ours(a.workshop, folder, precision, batch, a.prompt,
+                                                 a.gen, a.threads, a.iterations))
+                    else:
+                        results[who].append(hf.measure(batch, a.prompt, a.gen, a.iterations))
+            med = {k: (statistics.median(v[0] for v in runs), statistics.median(v[1] for v in runs))
+                   for k, runs in results.items()}
+            rows.append((precision, batch, med))
+            print(precision, batch, med, flush=True)
+        del hf
+    print(f"\n{a.model}, prompt {a.prompt}, {a.gen} new tokens, {a.threads} threads, "
+          f"{a.rounds} interleaved rounds (medians)")
+    print("| precision | batch | TTFT ours ms | TTFT HF ms | prefill ×HF | TPOT ours ms "
+          "| TPOT HF ms | decode ×HF |")
+    print("|---|---|---|---|---|---|---|---|")
+    for precision, batch, m in rows:
+        (ot, op), (ht, hp) = m["workshop"], m["transformers"]
+        print(f"| {precision} | {batch} | {ot:.1f} | {ht:.1f} | {ht / ot:.2f} | {op:.2f} | "
+              f"{hp:.2f} | {hp / op:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
