@@ -176,8 +176,30 @@ fn the_embedded_course_runs_start_to_finish_on_the_cpu() {
     assert!(side["intensity_ratio"].as_f64().unwrap() > 1.0, "{side}");
     let swin = find("14-attention", "swin-sizes");
     assert_eq!(swin["table"]["rows"].as_array().unwrap().len(), 2);
+    // 15: a language model's phases on the roofline, and its two sweeps at the CPU's sizes;
+    // the questions' own answers (prefill beats decode per token, decode is nearer the
+    // bandwidth roof) hold on any machine.
+    let llm = &find("15-llm", "run")["metrics"];
+    for m in [
+        "ttft_ms",
+        "tpot_ms",
+        "bandwidth_pct",
+        "decode_peak_pct",
+        "kv_cache_mib",
+    ] {
+        assert!(llm[m].as_f64().unwrap() > 0.0, "{m}: {llm}");
+    }
+    assert!(llm["prefill_tokens_per_s"].as_f64() > llm["decode_tokens_per_s"].as_f64());
+    assert!(
+        llm["bandwidth_pct"].as_f64() > llm["decode_peak_pct"].as_f64(),
+        "{llm}"
+    );
+    let batch = find("15-llm", "batch");
+    assert_eq!(batch["table"]["rows"].as_array().unwrap().len(), 2);
+    assert!(batch["metrics"]["scaling"].as_f64().unwrap() > 0.0);
+    assert!(dir.join("records/15-llm.run.json").exists());
     let status = ok(dir, &["status"]);
-    assert!(status.contains("11/11 exercises"), "{status}");
+    assert!(status.contains("12/12 exercises"), "{status}");
 }
 
 /// A small course of two fast exercises, written into `root`.
@@ -445,7 +467,7 @@ fn the_embedded_course_passes_lint_and_new_exercises_scaffold_cleanly() {
         .output()
         .unwrap();
     assert!(
-        o.status.success() && stdout(&o).contains("course OK: 11 exercises"),
+        o.status.success() && stdout(&o).contains("course OK: 12 exercises"),
         "{}",
         stderr(&o)
     );

@@ -25,6 +25,13 @@ pub struct Row {
     pub throughput_range: (f64, f64),
     pub peak_memory_mib: f64,
     pub cv: f64,
+    /// What the throughput counts: `images/s`, or a language model's decode `tokens/s`.
+    #[serde(default = "images_per_s")]
+    pub unit: String,
+}
+
+fn images_per_s() -> String {
+    "images/s".into()
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -240,6 +247,10 @@ fn rows(records: &[(String, BenchRecord)], all: &[Fields], varies: &[bool]) -> V
                 ),
                 peak_memory_mib: r.memory.peak as f64 / (1024.0 * 1024.0),
                 cv: r.stats.cv,
+                unit: match r.llm {
+                    Some(_) => "tokens/s".into(),
+                    None => images_per_s(),
+                },
             }
         })
         .collect();
@@ -326,6 +337,17 @@ fn config_differences(
             }
         };
         differ("network", a.network.clone(), b.network.clone(), true);
+        differ(
+            "throughput",
+            rows[0].unit.clone(),
+            rows[i].unit.clone(),
+            true,
+        );
+        let tokens = |c: &super::record::BenchConfig| match (c.prompt_len, c.gen_len) {
+            (Some(p), Some(n)) => format!("{p} + {n}"),
+            _ => "none".into(),
+        };
+        differ("prompt + new tokens", tokens(a), tokens(b), true);
         differ(
             "batch size",
             a.batch_size.to_string(),

@@ -292,6 +292,9 @@ pub fn run(
     weights_file: Option<&std::path::Path>,
     on_event: &mut dyn FnMut(Event),
 ) -> Result<BenchRecord> {
+    if crate::model::llm::is_decoder(&cfg.network) {
+        return llm::run(cfg, None, on_event);
+    }
     validate(cfg)?;
     let start = Instant::now();
     let prepared = prepare(cfg, weights_file)?;

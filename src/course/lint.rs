@@ -324,7 +324,11 @@ fn check_sections(l: &mut Linter<'_>, e: &Exercise, step: &Step) {
         |what: &str| format!("a `{:?}` step needs a `{what}` section", step.kind).to_lowercase();
     let has_bench = step.bench.is_some();
     match step.kind {
-        StepKind::Bench | StepKind::Accuracy | StepKind::Sweep | StepKind::Profile
+        StepKind::Bench
+        | StepKind::Accuracy
+        | StepKind::Sweep
+        | StepKind::Profile
+        | StepKind::Llm
             if !has_bench =>
         {
             l.at(step.id.span(), needs("bench"))
@@ -336,7 +340,7 @@ fn check_sections(l: &mut Linter<'_>, e: &Exercise, step: &Step) {
     }
     let allowed_bench = matches!(
         step.kind,
-        StepKind::Bench | StepKind::Accuracy | StepKind::Sweep | StepKind::Profile
+        StepKind::Bench | StepKind::Accuracy | StepKind::Sweep | StepKind::Profile | StepKind::Llm
     );
     if step.chart.is_some() != (step.kind == StepKind::Chart) {
         l.at(
@@ -382,9 +386,35 @@ fn check_sections(l: &mut Linter<'_>, e: &Exercise, step: &Step) {
         );
     }
     if let Some(b) = &step.bench {
-        check_bench(l, b.span(), b.get_ref());
+        let llm = step.kind == StepKind::Llm;
+        check_bench(l, b.span(), b.get_ref(), llm);
         if let Some(cpu) = &b.get_ref().cpu {
-            check_bench(l, b.span(), cpu);
+            check_bench(l, b.span(), cpu, llm);
+        }
+    }
+    if let Some(s) = &step.sweep {
+        use super::schema::SweepParam;
+        let ok = match step.kind {
+            StepKind::Llm => matches!(
+                s.get_ref().param,
+                SweepParam::BatchSize | SweepParam::PromptLen
+            ),
+            _ => matches!(
+                s.get_ref().param,
+                SweepParam::BatchSize | SweepParam::InputSize
+            ),
+        };
+        if !ok {
+            l.at(
+                s.span(),
+                "a `sweep` step sweeps batch_size or input_size; an `llm` step batch_size or prompt_len",
+            );
+        }
+        if !matches!(step.kind, StepKind::Sweep | StepKind::Llm) {
+            l.at(
+                s.span(),
+                "only `sweep` and `llm` steps take a `sweep` section",
+            );
         }
     }
     if step.peak.is_some() && step.kind != StepKind::Peak {
@@ -553,17 +583,37 @@ fn check_expects(
     }
 }
 
-fn check_bench(l: &mut Linter<'_>, span: Range<usize>, b: &super::schema::BenchSpec) {
-    if let Some(n) = &b.network
-        && zoo::build(n).is_err()
-    {
-        l.at(
+/// A `bench` section's sizes and network (`llm`: a step of kind `llm`, which runs language
+/// models and nothing else).
+fn check_bench(l: &mut Linter<'_>, span: Range<usize>, b: &super::schema::BenchSpec, llm: bool) {
+    use crate::model::llm as decoders;
+    match &b.network {
+        Some(n) if llm && !decoders::is_decoder(n) => l.at(
+            span.clone(),
+            format!(
+                "`{n}` is not a language model ({})",
+                decoders::names().join(", ")
+            ),
+        ),
+        Some(n) if !llm && decoders::is_decoder(n) => l.at(
+            span.clone(),
+            format!("`{n}` is a language model: run it in a step of kind `llm`"),
+        ),
+        Some(n) if !llm && zoo::build(n).is_err() => l.at(
             span.clone(),
             format!(
                 "network `{n}` is not in the zoo ({})",
                 zoo::NETWORKS.join(", ")
             ),
-        );
+        ),
+        None if llm => l.at(
+            span.clone(),
+            "an `llm` step names its language model (`network`)",
+        ),
+        _ => {}
+    }
+    if !llm && (b.prompt_len.is_some() || b.gen_len.is_some()) {
+        l.at(span.clone(), "prompt_len and gen_len are for `llm` steps");
     }
     // (name, value, whether 0 is allowed): the bounds `workshop bench` checks too.
     for (name, v, zero_ok) in [
@@ -572,6 +622,8 @@ fn check_bench(l: &mut Linter<'_>, span: Range<usize>, b: &super::schema::BenchS
         ("warmup", b.warmup, true),
         ("input_size", b.input_size, false),
         ("cpu_groups", b.cpu_groups, false),
+        ("prompt_len", b.prompt_len, false),
+        ("gen_len", b.gen_len, false),
     ] {
         match v {
             Some(0) if !zero_ok => l.at(span.clone(), format!("{name} must be at least 1")),

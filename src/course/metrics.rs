@@ -66,7 +66,7 @@ metrics! {
     "std_ms" Step [RUNS] "ms" true "standard deviation of the timed iterations";
     "min_ms" Step [RUNS] "ms" true "fastest timed iteration";
     "max_ms" Step [RUNS] "ms" true "slowest timed iteration";
-    "cv" Step [Bench, Profile, Chart] "ratio" false "coefficient of variation of the timed iterations (std / mean); of a multi-device run, the noisiest of its runs; of a chart, the noisiest run it compares";
+    "cv" Step [Bench, Profile, Chart, Llm] "ratio" false "coefficient of variation of the timed iterations (std / mean); of a multi-device run, the noisiest of its runs; of a chart, the noisiest run it compares; of a language model, of its decode steps (the noisiest run of a sweep)";
     "us_per_sample" Step [RUNS] "µs" true "median microseconds per image";
     "gflops" Step [RUNS] "GFLOP/s" true "the network's FLOPs per second at the median time";
     "peak_memory_mib" Step [RUNS] "MiB" false "weights and the most activations alive at once";
@@ -100,7 +100,21 @@ metrics! {
     // Sweeps.
     "best_throughput" Step [Sweep] "images/s" true "the highest throughput of the sweep";
     "best_value" Step [Sweep] "value" false "the parameter value that gave it";
-    "scaling" Step [Sweep] "ratio" true "last value's throughput / first value's";
+    "scaling" Step [Sweep, Llm] "ratio" true "last value's throughput / first value's (a language model's: decode tokens per second)";
+    // Language models (`llm` steps).
+    "ttft_ms" Step [Llm] "ms" true "time to first token: the prefill of the prompt and the first token's choice (median)";
+    "tpot_ms" Step [Llm] "ms" true "time per output token after the first (median over the timed generations)";
+    "prefill_tokens_per_s" Step [Llm] "tokens/s" true "prompt tokens of the whole batch per second of TTFT";
+    "decode_tokens_per_s" Step [Llm] "tokens/s" true "new tokens per second over the batch (median decode step)";
+    "decode_gbps" Step [Llm] "GB/s" true "bytes a decode step reads (weights once, the KV cache so far) per second";
+    "bandwidth_pct" Step [Llm] "%" true "decode_gbps as a share of the measured memory bandwidth (triad)";
+    "prefill_gflops" Step [Llm] "GFLOP/s" true "the prefill's FLOPs per second";
+    "decode_peak_pct" Step [Llm] "%" true "a decode step's FLOPs per second as a share of the measured GEMM peak";
+    "peak_pct" Step [Llm] "%" true "prefill_gflops as a share of the measured GEMM peak";
+    "kv_bytes_per_token" Step [Llm] "bytes" false "KV cache bytes one token of one sequence holds";
+    "kv_cache_mib" Step [Llm] "MiB" false "the KV cache preallocated for the whole context of every sequence";
+    "tpot_growth" Step [Llm] "ratio" true "a sweep's last TPOT / its first";
+    "ttft_growth" Step [Llm] "ratio" true "a sweep's last TTFT / its first";
     // Accuracy.
     "max_abs_diff" Step [Accuracy] "logit" false "largest |Δlogit| against FP32";
     "top1_agreement" Step [Accuracy] "ratio" false "fraction of images whose top-1 class matches FP32's";

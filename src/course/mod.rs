@@ -62,6 +62,10 @@ pub const EMBEDDED_EXERCISES: &[(&str, &str)] = &[
         "exercises/14-attention.toml",
         include_str!("../../exercises/14-attention.toml"),
     ),
+    (
+        "exercises/15-llm.toml",
+        include_str!("../../exercises/15-llm.toml"),
+    ),
 ];
 
 /// The book's pages shipped in the binary, for `workshop book`: (path under book/src, text).
@@ -105,6 +109,7 @@ pub const EMBEDDED_CHAPTERS: &[(&str, &str)] = &[
         "14-attention.md",
         include_str!("../../book/src/14-attention.md"),
     ),
+    ("15-llm.md", include_str!("../../book/src/15-llm.md")),
 ];
 
 /// Where a course comes from.

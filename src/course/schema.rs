@@ -94,6 +94,13 @@ pub enum StepKind {
     /// `STEP.ratio` (throughput against the first), and `STEP.faster`, `STEP.slower`,
     /// `STEP.unclear` (1 for the verdict that applies, else 0); and `warnings`.
     Chart,
+    /// A language model's generation (needs `bench` naming one of `workshop models`' language
+    /// models, with `prompt_len`, `gen_len`, `batch_size`; optional `sweep` over `batch_size`
+    /// or `prompt_len`): `ttft_ms`, `tpot_ms`, `prefill_tokens_per_s`, `decode_tokens_per_s`,
+    /// `decode_gbps` and `bandwidth_pct` (of the measured bandwidth), `prefill_gflops` and
+    /// `peak_pct` (of the GEMM peak), `kv_bytes_per_token`, `kv_cache_mib`, `cv`; a sweep
+    /// records its last value's and `scaling`, `tpot_growth`, `ttft_growth` (last / first).
+    Llm,
     /// Text only.
     Note,
 }
@@ -109,6 +116,7 @@ impl StepKind {
                 | StepKind::Accuracy
                 | StepKind::Peak
                 | StepKind::Profile
+                | StepKind::Llm
         )
     }
 }
@@ -178,6 +186,10 @@ pub struct BenchSpec {
     /// reduce-overhead `replayed` (1 when the pass is recorded and replayed, 0 when the backend
     /// runs it as usual). Asynchronous backends also record `enqueue_us` (host time per pass).
     pub compile: Option<crate::bench::record::CompileMode>,
+    /// Language models (`llm` steps): prompt tokens per sequence.
+    pub prompt_len: Option<usize>,
+    /// Language models: tokens generated per sequence, the first by the prefill.
+    pub gen_len: Option<usize>,
     /// Overrides that apply when the workspace computes on the host's cores (the CPU backend,
     /// a software GPU such as lavapipe, the GPU emulator), so a step that takes a few seconds on
     /// a GPU stays well under a minute on a laptop (e.g. a smaller batch).
@@ -188,7 +200,7 @@ pub struct BenchSpec {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SweepSpec {
-    /// `batch_size` or `input_size`.
+    /// `batch_size` or `input_size` (`sweep` steps); `batch_size` or `prompt_len` (`llm` steps).
     pub param: SweepParam,
     pub values: Vec<usize>,
     /// Values to use instead where the workspace computes on the host's cores (as `cpu`).
@@ -200,6 +212,19 @@ pub struct SweepSpec {
 pub enum SweepParam {
     BatchSize,
     InputSize,
+    /// A language model's prompt (`llm` steps).
+    PromptLen,
+}
+
+impl SweepParam {
+    /// How a table's header names it.
+    pub fn label(self) -> &'static str {
+        match self {
+            SweepParam::BatchSize => "batch size",
+            SweepParam::InputSize => "input size",
+            SweepParam::PromptLen => "prompt tokens",
+        }
+    }
 }
 
 /// The probe of a `peak` step.
@@ -404,6 +429,8 @@ impl BenchSpec {
             out.compile = cpu.compile.or(out.compile);
             out.kernels = cpu.kernels.or(out.kernels);
             out.devices = cpu.devices.clone().or(out.devices);
+            out.prompt_len = cpu.prompt_len.or(out.prompt_len);
+            out.gen_len = cpu.gen_len.or(out.gen_len);
         }
         if backend != BackendKind::Cpu {
             out.cpu_groups = None;

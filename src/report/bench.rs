@@ -83,6 +83,9 @@ pub fn event_line(ev: &Event) -> String {
 
 /// The performance summary after a run.
 pub fn summary(r: &BenchRecord) -> String {
+    if let Some(run) = &r.llm {
+        return super::llm::summary(r, run);
+    }
     let s = &r.stats;
     let c = &r.config;
     let line = "=".repeat(56);
@@ -277,6 +280,18 @@ pub fn models_table(rows: &[ModelRow]) -> String {
 
 /// One line naming a course step's run.
 pub fn step_config(c: &BenchConfig) -> String {
+    if let (Some(prompt), Some(generate)) = (c.prompt_len, c.gen_len) {
+        return format!(
+            "Running {} {} batch {}: {prompt} prompt + {generate} generated tokens, {} generations after {} warm-up, on {} device {}",
+            c.network,
+            c.precision.name().to_uppercase(),
+            c.batch_size,
+            c.iterations,
+            c.warmup,
+            c.backend,
+            c.device
+        );
+    }
     format!(
         "Running {} {} batch {} ({}×{}), {} iterations after {} warm-up, on {} device {}",
         c.network,

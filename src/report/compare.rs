@@ -6,6 +6,7 @@ use super::new_table;
 
 /// The cells of a comparison's table, header first.
 fn comparison_cells(c: &crate::bench::compare::Comparison) -> Vec<Vec<String>> {
+    let unit = c.rows.first().map_or("images/s", |r| r.unit.as_str());
     let mut rows = vec![
         [
             "#",
@@ -16,7 +17,7 @@ fn comparison_cells(c: &crate::bench::compare::Comparison) -> Vec<Vec<String>> {
             "network",
             "batch",
             "median ms",
-            "images/s",
+            unit,
             "peak MiB",
             "CV %",
             "vs first",

@@ -10,6 +10,7 @@ mod bench;
 mod chart;
 mod compare;
 mod doctor;
+mod llm;
 mod peak;
 mod profile;
 mod question;
@@ -77,6 +78,8 @@ impl StepContext<'_> {
             input_size: s.input_size.unwrap_or(d.input_size),
             kernels: s.kernels.unwrap_or(d.kernels),
             compile: s.compile,
+            prompt_len: s.prompt_len,
+            gen_len: s.gen_len,
             ..d
         }
     }
@@ -176,6 +179,7 @@ pub fn function(kind: StepKind) -> StepFn {
         StepKind::Peak => peak::run,
         StepKind::Compare => compare::run,
         StepKind::Question => question::run,
+        StepKind::Llm => llm::run,
     }
 }
 

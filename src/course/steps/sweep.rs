@@ -20,6 +20,9 @@ pub fn run(ctx: &StepContext<'_>, out: &mut StepOutput, ui: &mut dyn Ui) -> Resu
         match sweep.param {
             SweepParam::BatchSize => cfg.batch_size = v,
             SweepParam::InputSize => cfg.input_size = v,
+            SweepParam::PromptLen => anyhow::bail!(
+                "a `sweep` step sweeps batch_size or input_size; prompt_len is for `llm` steps"
+            ),
         }
         let r = bench_with_progress(&cfg, ui)?;
         out.note_run(&r);
@@ -34,13 +37,9 @@ pub fn run(ctx: &StepContext<'_>, out: &mut StepOutput, ui: &mut dyn Ui) -> Resu
         ]);
         points.push((v, s.throughput_median));
     }
-    let param = match sweep.param {
-        SweepParam::BatchSize => "batch size",
-        SweepParam::InputSize => "input size",
-    };
     let t = ResultTable {
         header: [
-            param,
+            sweep.param.label(),
             "median ms",
             "images/s",
             "µs/image",
