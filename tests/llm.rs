@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use workshop::backend::{self, BackendKind, DecoderOptions, DecoderSession};
 use workshop::model::Precision;
 use workshop::model::llm::DecoderWeights;
+use workshop::model::llm::text::argmax;
 
 use crate::cli::fails_with;
 use crate::common::{stderr, stdout, workshop};
@@ -50,16 +51,6 @@ fn session(w: &DecoderWeights, precision: Precision, batch: usize) -> Box<dyn De
     cpu.prepare_decoder(0, w, &opt).unwrap()
 }
 
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, v) in row.iter().enumerate() {
-        if *v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
 /// Largest |a − b| over the largest |b|.
 fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
@@ -82,16 +73,19 @@ fn greedy(s: &mut dyn DecoderSession, prompt: &[Vec<u32>], steps: usize) -> Vec<
     out
 }
 
+/// The logits of every prompt position at `precision`, relative to transformers' FP32 ones.
+fn prompt_logits_rel(family: &str, precision: Precision) -> f32 {
+    let want = expected(family);
+    let w = DecoderWeights::open_folder(&fixture(family)).unwrap();
+    let mut s = session(&w, precision, 2);
+    s.prefill(&want.prompt.concat(), true).unwrap();
+    rel_diff(&s.logits().unwrap(), &want.logits.concat().concat())
+}
+
 #[test]
 fn prompt_logits_match_transformers_in_fp32() {
     for family in FAMILIES {
-        let want = expected(family);
-        let w = DecoderWeights::open_folder(&fixture(family)).unwrap();
-        let mut s = session(&w, Precision::Fp32, 2);
-        s.prefill(&want.prompt.concat(), true).unwrap();
-        let got = s.logits().unwrap();
-        let flat: Vec<f32> = want.logits.concat().concat();
-        let rel = rel_diff(&got, &flat);
+        let rel = prompt_logits_rel(family, Precision::Fp32);
         assert!(
             rel <= 1e-4,
             "{family}: logits differ from transformers by {rel:e}"
@@ -166,13 +160,8 @@ fn cached_decode_matches_a_full_recompute() {
 #[test]
 fn half_precisions_stay_near_fp32() {
     for family in FAMILIES {
-        let want = expected(family);
-        let w = DecoderWeights::open_folder(&fixture(family)).unwrap();
-        let flat: Vec<f32> = want.logits.concat().concat();
         for (precision, tolerance) in [(Precision::Bf16, 5e-2), (Precision::Fp16, 1e-2)] {
-            let mut s = session(&w, precision, 2);
-            s.prefill(&want.prompt.concat(), true).unwrap();
-            let rel = rel_diff(&s.logits().unwrap(), &flat);
+            let rel = prompt_logits_rel(family, precision);
             assert!(
                 rel <= tolerance,
                 "{family} {precision:?}: {rel:e} from transformers"

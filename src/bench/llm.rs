@@ -5,7 +5,7 @@
 //! memory bandwidth, prefill's FLOP/s against the measured GEMM peak.
 
 use std::path::Path;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
@@ -293,9 +293,7 @@ pub fn run(
     Ok(BenchRecord {
         schema_version: SCHEMA_VERSION,
         kind: "bench".into(),
-        created_unix: SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs()),
+        created_unix: super::now_unix(),
         config: BenchConfig {
             network: model.name.clone(),
             prompt_len: Some(prompt),

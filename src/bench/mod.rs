@@ -452,9 +452,7 @@ pub fn measure(
     Ok(BenchRecord {
         schema_version: SCHEMA_VERSION,
         kind: "bench".into(),
-        created_unix: SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs()),
+        created_unix: now_unix(),
         config: cfg.clone(),
         environment,
         model,
@@ -473,6 +471,13 @@ pub fn measure(
         timeline,
         llm: None,
     })
+}
+
+/// Seconds since the Unix epoch, for a record's `created_unix`.
+fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 fn environment(device: DeviceInfo, kernel_version: String) -> Environment {

@@ -4,30 +4,19 @@
 
 use rayon::prelude::*;
 
-use super::{exp_nonpositive, sigmoid, silu};
+use super::{exp_nonpositive, map_rows, sigmoid, silu};
 use crate::backend::cpu::elem::Elem;
 use crate::backend::cpu::simd::{Vectorised, with_simd};
 
-/// Rows per work item of the row-wise ops: one f32 row buffer serves them all.
-const ROWS: usize = 8;
-
 /// `x / rms(x) · weight` over rows of `weight.len()` values (Llama's RMSNorm, in f32).
 pub fn rms_norm<T: Elem>(x: &[T], weight: &[f32], eps: f32, y: &mut [T]) {
-    let d = weight.len().max(1);
-    y.par_chunks_mut(d * ROWS)
-        .zip(x.par_chunks(d * ROWS))
-        .for_each(|(out, input)| {
-            let mut v = vec![0f32; d];
-            for (out, row) in out.chunks_mut(d).zip(input.chunks(d)) {
-                T::widen(row, &mut v);
-                let ms = v.iter().map(|a| a * a).sum::<f32>() / d as f32;
-                let inv = 1.0 / (ms + eps).sqrt();
-                for (a, w) in v.iter_mut().zip(weight) {
-                    *a = *a * inv * w;
-                }
-                T::narrow(&v, out);
-            }
-        });
+    map_rows(x, weight.len(), y, |v| {
+        let ms = v.iter().map(|a| a * a).sum::<f32>() / v.len() as f32;
+        let inv = 1.0 / (ms + eps).sqrt();
+        for (a, w) in v.iter_mut().zip(weight) {
+            *a = *a * inv * w;
+        }
+    });
 }
 
 /// Rotates each head of the rows' first `heads` head-sized runs in place, as Hugging Face's

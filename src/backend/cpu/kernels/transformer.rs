@@ -16,24 +16,15 @@ use crate::model::weights::WindowParams;
 
 /// `nn.LayerNorm` over rows of `weight.len()` values: biased variance, in f32.
 pub fn layer_norm<T: Elem>(x: &[T], weight: &[f32], bias: &[f32], eps: f32, y: &mut [T]) {
-    /// Rows per work item: one f32 row buffer serves them all (not one allocation a row).
-    const ROWS: usize = 16;
-    let d = weight.len().max(1);
-    y.par_chunks_mut(d * ROWS)
-        .zip(x.par_chunks(d * ROWS))
-        .for_each(|(out, input)| {
-            let mut v = vec![0f32; d];
-            for (out, row) in out.chunks_mut(d).zip(input.chunks(d)) {
-                T::widen(row, &mut v);
-                let mean = v.iter().sum::<f32>() / d as f32;
-                let var = v.iter().map(|a| (a - mean) * (a - mean)).sum::<f32>() / d as f32;
-                let inv = 1.0 / (var + eps).sqrt();
-                for (i, a) in v.iter_mut().enumerate() {
-                    *a = (*a - mean) * inv * weight[i] + bias[i];
-                }
-                T::narrow(&v, out);
-            }
-        });
+    super::map_rows(x, weight.len(), y, |v| {
+        let d = v.len() as f32;
+        let mean = v.iter().sum::<f32>() / d;
+        let var = v.iter().map(|a| (a - mean) * (a - mean)).sum::<f32>() / d;
+        let inv = 1.0 / (var + eps).sqrt();
+        for (i, a) in v.iter_mut().enumerate() {
+            *a = (*a - mean) * inv * weight[i] + bias[i];
+        }
+    });
 }
 
 /// x · Φ(x) = x · (1 + erf(x/√2)) / 2, in place (the exact form, `nn.GELU()`).
