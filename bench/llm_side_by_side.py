@@ -10,8 +10,11 @@ transformers' TTFT is a `generate` of one token; its TPOT is (a generate of N to
 / (N − 1), as vLLM's latency benchmark derives it. `--check` first compares the greedy
 continuation of a prompt between the two at FP32 (a parity check at full size).
 
-Needs torch and transformers (a throwaway venv; not the project's dependencies) and a release
-build of workshop (`cargo build --release`).
+llama.cpp (llama-cpp-python from PyPI; it compiles llama.cpp on install) runs a GGUF of the
+same weights that bench/llm_gguf.py writes, unquantised, one sequence at a time.
+
+Needs torch, transformers, llama-cpp-python and gguf (a throwaway venv; not the project's
+dependencies) and a release build of workshop (`cargo build --release`).
 """
 
 import argparse
@@ -78,6 +81,47 @@ class Hf:
         return ttft_ms, (statistics.median(e2e) * 1e3 - ttft_ms) / (gen - 1)
 
 
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python on a GGUF of the same weights (bench/llm_gguf.py),
+    unquantised; one sequence (its high-level API decodes one)."""
+
+    def __init__(self, folder, precision, threads, context):
+        import llama_cpp
+        import numpy as np
+        gguf = folder / f"model-{precision}.gguf"
+        if not gguf.exists():
+            subprocess.run([sys.executable, str(ROOT / "bench/llm_gguf.py"), str(folder), str(gguf),
+                            "--type", precision], check=True)
+        self.np, self.lib = np, llama_cpp
+        self.m = llama_cpp.Llama(str(gguf), n_threads=threads, n_threads_batch=threads,
+                                 n_ctx=context, n_batch=context, logits_all=False, verbose=False)
+        self.vocab = self.m.n_vocab()
+
+    def next_token(self):
+        ptr = self.lib.llama_get_logits_ith(self.m._ctx.ctx, -1)
+        return int(self.np.ctypeslib.as_array(ptr, shape=(self.vocab,)).argmax())
+
+    def measure(self, batch, prompt, gen, iterations):
+        import random
+        rng = random.Random(1)
+        ids = [rng.randrange(self.vocab) for _ in range(prompt)]
+        ttft, tpot = [], []
+        for i in range(iterations + 1):  # the first is the warm-up
+            self.m.reset()
+            t = time.perf_counter()
+            self.m.eval(ids)
+            tok = self.next_token()
+            first = time.perf_counter() - t
+            t = time.perf_counter()
+            for _ in range(gen - 1):
+                self.m.eval([tok])
+                tok = self.next_token()
+            if i > 0:
+                ttft.append(first)
+                tpot.append((time.perf_counter() - t) / (gen - 1))
+        return statistics.median(ttft) * 1e3, statistics.median(tpot) * 1e3
+
+
 def check(binary, folder, threads, tokens=24):
     """Greedy continuation of a seeded prompt, ours against transformers, in FP32."""
     import torch
@@ -105,6 +149,8 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--iterations", type=int, default=2)
     p.add_argument("--check", action="store_true")
+    p.add_argument("--peers", default="transformers,llama.cpp",
+                   help="transformers, llama.cpp (batch 1 only), comma-separated")
     p.add_argument("--workshop", default=str(ROOT / "target/release/workshop"))
     p.add_argument("--folder", help="model folder (default: written to a cache folder)")
     a = p.parse_args()
@@ -114,32 +160,44 @@ def main():
     if a.check:
         check(a.workshop, folder, a.threads)
     rows = []
+    wanted = a.peers.split(",") if a.peers else []
     for precision in a.precision.split(","):
-        hf = Hf(folder, precision, a.threads)
+        peers = {}
+        if "transformers" in wanted:
+            peers["transformers"] = Hf(folder, precision, a.threads)
+        if "llama.cpp" in wanted and precision in ("fp32", "bf16"):
+            peers["llama.cpp"] = LlamaCpp(folder, precision, a.threads, a.prompt + a.gen)
         for batch in map(int, a.batch.split(",")):
-            results = {"workshop": [], "transformers": []}
+            here = [n for n in peers if batch == 1 or n != "llama.cpp"]
+            results = {k: [] for k in ["workshop", *here]}
             for r in range(a.rounds):
-                order = ["workshop", "transformers"] if r % 2 == 0 else ["transformers", "workshop"]
+                # Rotate who goes first, so a drift in the machine's speed favours no one.
+                names = list(results)
+                order = names[r % len(names):] + names[:r % len(names)]
                 for who in order:
                     if who == "workshop":
                         results[who].append(ours(a.workshop, folder, precision, batch, a.prompt,
                                                  a.gen, a.threads, a.iterations))
                     else:
-                        results[who].append(hf.measure(batch, a.prompt, a.gen, a.iterations))
+                        results[who].append(peers[who].measure(batch, a.prompt, a.gen,
+                                                               a.iterations))
             med = {k: (statistics.median(v[0] for v in runs), statistics.median(v[1] for v in runs))
                    for k, runs in results.items()}
             rows.append((precision, batch, med))
             print(precision, batch, med, flush=True)
-        del hf
+        del peers
     print(f"\n{a.model}, prompt {a.prompt}, {a.gen} new tokens, {a.threads} threads, "
           f"{a.rounds} interleaved rounds (medians)")
-    print("| precision | batch | TTFT ours ms | TTFT HF ms | prefill ×HF | TPOT ours ms "
-          "| TPOT HF ms | decode ×HF |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| precision | batch | peer | TTFT ours ms | TTFT peer ms | prefill ours/peer speed "
+          "| TPOT ours ms | TPOT peer ms | decode ours/peer speed |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for precision, batch, m in rows:
-        (ot, op), (ht, hp) = m["workshop"], m["transformers"]
-        print(f"| {precision} | {batch} | {ot:.1f} | {ht:.1f} | {ht / ot:.2f} | {op:.2f} | "
-              f"{hp:.2f} | {hp / op:.2f} |")
+        ot, op = m["workshop"]
+        for peer, (pt, pp) in m.items():
+            if peer == "workshop":
+                continue
+            print(f"| {precision} | {batch} | {peer} | {ot:.1f} | {pt:.1f} | {pt / ot:.2f}× | "
+                  f"{op:.2f} | {pp:.2f} | {pp / op:.2f}× |")
 
 
 if __name__ == "__main__":
