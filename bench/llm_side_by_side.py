@@ -91,7 +91,7 @@ class LlamaCpp:
         gguf = folder / f"model-{precision}.gguf"
         if not gguf.exists():
             subprocess.run([sys.executable, str(ROOT / "bench/llm_gguf.py"), str(folder), str(gguf),
-                            "--type", precision], check=True)
+                            "--type", {"fp32": "f32"}.get(precision, precision)], check=True)
         self.np, self.lib = np, llama_cpp
         self.m = llama_cpp.Llama(str(gguf), n_threads=threads, n_threads_batch=threads,
                                  n_ctx=context, n_batch=context, logits_all=False, verbose=False)

@@ -120,12 +120,17 @@ fn cached_decode_matches_a_full_recompute() {
     for family in FAMILIES {
         let want = expected(family);
         let w = DecoderWeights::open_folder(&fixture(family)).unwrap();
-        for precision in [Precision::Fp32, Precision::Bf16, Precision::Fp16] {
-            let mut s = session(&w, precision, 2);
-            let steps = greedy(s.as_mut(), &want.prompt, 6);
+        // One sequence (a decode step is then one row: the GEMMs' single-row kernels) and two.
+        for (precision, batch) in [Precision::Fp32, Precision::Bf16, Precision::Fp16]
+            .into_iter()
+            .flat_map(|p| [(p, 1), (p, 2)])
+        {
+            let prompt = &want.prompt[..batch];
+            let mut s = session(&w, precision, batch);
+            let steps = greedy(s.as_mut(), prompt, 6);
             let vocab = w.config.vocab_size;
             // The sequences as decoded: prompt, then each step's argmax but the last's.
-            let mut seqs = want.prompt.clone();
+            let mut seqs = prompt.to_vec();
             for l in &steps[..steps.len() - 1] {
                 for (b, seq) in seqs.iter_mut().enumerate() {
                     seq.push(argmax(&l[b * vocab..(b + 1) * vocab]));
@@ -140,8 +145,8 @@ fn cached_decode_matches_a_full_recompute() {
                 2e-2
             };
             for (i, step) in steps.iter().enumerate() {
-                let pos = want.prompt[0].len() - 1 + i;
-                let recompute: Vec<f32> = (0..2)
+                let pos = prompt[0].len() - 1 + i;
+                let recompute: Vec<f32> = (0..batch)
                     .flat_map(|b| {
                         full[(b * len + pos) * vocab..(b * len + pos + 1) * vocab].to_vec()
                     })
@@ -149,7 +154,7 @@ fn cached_decode_matches_a_full_recompute() {
                 let rel = rel_diff(step, &recompute);
                 assert!(
                     rel <= tolerance,
-                    "{family} {precision:?} step {i}: cached decode differs from a recompute by {rel:e}"
+                    "{family} {precision:?} batch {batch} step {i}: cached decode differs from a recompute by {rel:e}"
                 );
             }
         }

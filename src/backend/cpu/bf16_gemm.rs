@@ -301,6 +301,15 @@ mod dot {
                 let start = (k0 == 0).then_some(bias);
                 // Row r of the group at r0, clamped to the block's last row.
                 let at = |r0: usize| move |r: usize| a.add(((r0 + r).min(rows - 1)) * lda + k0);
+                if rows == 1 {
+                    // One row (a decode step at batch 1): the group kernels would repeat it.
+                    let a0 = a.add(k0);
+                    match pair {
+                        true => single::<2>(a0, bk, pairs, c, start),
+                        false => single::<1>(a0, bk, pairs, c, start),
+                    }
+                    continue;
+                }
                 for r0 in (0..rows).step_by(if pair { 8 } else { 16 }) {
                     let cr = c.add(r0 * ldc);
                     if pair {
@@ -309,6 +318,63 @@ mod dot {
                         group::<16, 1>(std::array::from_fn(at(r0)), bk, pairs, cr, ldc, start);
                     }
                 }
+            }
+        }
+    }
+
+    /// Independent accumulators per panel in [`single`]: `vdpbf16ps` has a latency of several
+    /// cycles, and one row's single chain per panel waited on it (slower than 8 copies of the
+    /// row, which at least kept 16 chains going).
+    const CHAINS: usize = 4;
+
+    /// C[1 × PANELS·16] += a[2·pairs] · B[2·pairs × PANELS·16] for one row of A: [`CHAINS`]
+    /// k-pairs at a time into their own accumulators, summed at the end, so the step streams B
+    /// at memory speed (a GEMV: each weight is used once). `pairs` is a multiple of CHAINS (K
+    /// is padded to [`KSTEP`]).
+    ///
+    /// # Safety
+    /// As for `group` with one row.
+    #[inline(always)]
+    unsafe fn single<const PANELS: usize>(
+        a: *const bf16,
+        b: [*const bf16; 2],
+        pairs: usize,
+        c: *mut f32,
+        bias: Option<[*const f32; 2]>,
+    ) {
+        // SAFETY: the caller's contract (unaligned loads and stores throughout).
+        unsafe {
+            let mut acc: [[__m512; PANELS]; CHAINS] = [[_mm512_setzero_ps(); PANELS]; CHAINS];
+            for (q, x) in acc[0].iter_mut().enumerate() {
+                *x = match bias {
+                    Some(bias) => _mm512_loadu_ps(bias[q]),
+                    None => _mm512_loadu_ps(c.add(q * PANEL)),
+                };
+            }
+            for k2 in (0..pairs).step_by(CHAINS) {
+                for bq in &b[..PANELS] {
+                    for u in 0..CHAINS {
+                        let ahead = bq.wrapping_add((k2 + u + B_PREFETCH) * 2 * PANEL);
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+                    }
+                }
+                for (u, chain) in acc.iter_mut().enumerate() {
+                    let pair = a.add(2 * (k2 + u)).cast::<i32>().read_unaligned();
+                    let av = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(pair));
+                    for (q, x) in chain.iter_mut().enumerate() {
+                        let bv = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                            b[q].add((k2 + u) * 2 * PANEL).cast(),
+                        ));
+                        *x = _mm512_dpbf16_ps(*x, av, bv);
+                    }
+                }
+            }
+            for q in 0..PANELS {
+                let mut sum = acc[0][q];
+                for chain in &acc[1..] {
+                    sum = _mm512_add_ps(sum, chain[q]);
+                }
+                _mm512_storeu_ps(c.add(q * PANEL), sum);
             }
         }
     }
