@@ -140,6 +140,11 @@ pub fn validate(cfg: &BenchConfig, model: &DecoderConfig) -> Result<()> {
             bail!("--{}: {why}", name.replace('_', "-"));
         }
     }
+    check_context(model, prompt, generate)
+}
+
+/// A prompt and its new tokens fit in the model's positions.
+pub fn check_context(model: &DecoderConfig, prompt: usize, generate: usize) -> Result<()> {
     let context = prompt + generate;
     if context > model.max_position_embeddings {
         bail!(
@@ -207,23 +212,17 @@ pub fn run(
 
     let mut warmup_s = Vec::new();
     let mut timed = Vec::new();
-    let mut loss = f64::NAN;
-    let mut last = Vec::new();
     for index in 0..cfg.warmup + cfg.iterations {
         let g = generation(session.as_mut(), &prompts, generate, model.vocab_size)?;
         let warm = index < cfg.warmup;
-        let seconds = g.e2e_s;
-        let tpot = g.steps_s.iter().sum::<f64>() / g.steps_s.len().max(1) as f64;
         on_event(Event::Generation {
             index: if warm { index } else { index - cfg.warmup },
             warmup: warm,
             ttft_s: g.ttft_s,
-            tpot_s: tpot,
+            tpot_s: g.tpot_s(),
         });
-        loss = g.loss(&labels);
-        last = g.last_logits.clone();
         if warm {
-            warmup_s.push(seconds);
+            warmup_s.push(g.e2e_s);
         } else {
             timed.push(g);
         }
@@ -235,10 +234,7 @@ pub fn run(
     let itl: Vec<f64> = timed.iter().flat_map(|g| g.steps_s.clone()).collect();
     let ttft_s: Vec<f64> = timed.iter().map(|g| g.ttft_s).collect();
     let e2e_s: Vec<f64> = timed.iter().map(|g| g.e2e_s).collect();
-    let tpot_s: Vec<f64> = timed
-        .iter()
-        .map(|g| g.steps_s.iter().sum::<f64>() / g.steps_s.len().max(1) as f64)
-        .collect();
+    let tpot_s: Vec<f64> = timed.iter().map(Generation::tpot_s).collect();
     // The decode steps at positions prompt .. prompt + generate − 2.
     let steps = (prompt..prompt + generate - 1).len().max(1) as f64;
     let decode_flops = (prompt..prompt + generate - 1)
@@ -263,6 +259,7 @@ pub fn run(
         .memory_budget(cfg.device)
         .map(|free| (free + memory.kv_cache).saturating_sub(memory.weights + memory.scratch));
     let last_iteration = timed.last().context("no timed iterations")?;
+    let loss = last_iteration.loss(&labels);
     let run = LlmRun {
         model_type: model.model_type.clone(),
         ttft,
@@ -320,7 +317,7 @@ pub fn run(
         profile: None,
         flops_profile: None,
         compile: None,
-        output: last,
+        output: timed.pop().map(|g| g.last_logits).unwrap_or_default(),
         timeline: Vec::new(),
         llm: Some(run),
     })
@@ -339,6 +336,11 @@ struct Generation {
 }
 
 impl Generation {
+    /// The mean decode step (vLLM's TPOT of a request).
+    fn tpot_s(&self) -> f64 {
+        self.steps_s.iter().sum::<f64>() / self.steps_s.len().max(1) as f64
+    }
+
     /// Cross-entropy of the first token's logits against seeded random labels: near
     /// ln(vocabulary) for random weights, like the CNNs' loss.
     fn loss(&self, labels: &[usize]) -> f64 {

@@ -197,24 +197,8 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
     if prompt.is_empty() {
         bail!("the prompt has no tokens");
     }
-    if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= model.vocab_size) {
-        bail!(
-            "token id {bad} is outside {}'s vocabulary of {}",
-            model.name,
-            model.vocab_size
-        );
-    }
+    llm::check_context(&model, prompt.len(), args.max_tokens)?;
     let context = prompt.len() + args.max_tokens;
-    if context > model.max_position_embeddings {
-        bail!(
-            "{} prompt tokens and {} new ones make a context of {context}, longer than {}'s \
-             limit of {} positions",
-            prompt.len(),
-            args.max_tokens,
-            model.name,
-            model.max_position_embeddings
-        );
-    }
     let backend = crate::backend::open(args.backend)?;
     let opt = crate::backend::DecoderOptions {
         precision: args.precision,

@@ -416,21 +416,6 @@ fn check_sections(l: &mut Linter<'_>, e: &Exercise, step: &Step) {
                 "only `sweep` and `llm` steps take a `sweep` section",
             );
         }
-    }
-    if step.peak.is_some() && step.kind != StepKind::Peak {
-        l.at(step.id.span(), "only a `peak` step takes a `peak` section");
-    }
-    if let Some(pk) = &step.peak {
-        let spec = pk.get_ref();
-        let all = std::iter::once(spec).chain(spec.cpu.as_deref());
-        if all
-            .flat_map(|s| [s.size, s.iterations, s.array_mib])
-            .any(|v| v == Some(0))
-        {
-            l.at(pk.span(), "peak sizes and iterations must be at least 1");
-        }
-    }
-    if let Some(s) = &step.sweep {
         let sw = s.get_ref();
         if sw.values.is_empty()
             || sw.values.contains(&0)
@@ -443,6 +428,19 @@ fn check_sections(l: &mut Linter<'_>, e: &Exercise, step: &Step) {
                 s.span(),
                 "sweep values must be a non-empty list of positive numbers",
             );
+        }
+    }
+    if step.peak.is_some() && step.kind != StepKind::Peak {
+        l.at(step.id.span(), "only a `peak` step takes a `peak` section");
+    }
+    if let Some(pk) = &step.peak {
+        let spec = pk.get_ref();
+        let all = std::iter::once(spec).chain(spec.cpu.as_deref());
+        if all
+            .flat_map(|s| [s.size, s.iterations, s.array_mib])
+            .any(|v| v == Some(0))
+        {
+            l.at(pk.span(), "peak sizes and iterations must be at least 1");
         }
     }
     if let Some(max_cv) = step.max_cv

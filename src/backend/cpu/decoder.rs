@@ -41,6 +41,8 @@ struct Scratch<T> {
     qkv: Vec<T>,
     attn: Vec<T>,
     up: Vec<T>,
+    /// SwiGLU's output: the down projection's input (Llama; GPT-2's GELU works in `up`).
+    act: Vec<T>,
     head: Vec<T>,
 }
 
@@ -271,6 +273,7 @@ impl<T: Elem> CpuDecoder<T> {
             (&mut s.qkv, rows * width),
             (&mut s.attn, rows * qw),
             (&mut s.up, rows * 2 * inner),
+            (&mut s.act, rows * inner),
         ] {
             buf.resize(n, zero);
         }
@@ -349,23 +352,18 @@ impl<T: Elem> CpuDecoder<T> {
             let up = &mut s.up[..rows * up_width];
             kernels::linear(&s.xn, &layer.up, (rows, d, up_width), up, threads);
             self.lap("linear", &mut t);
-            match cfg.family {
-                Family::Llama => kernels::swiglu(up, inner),
-                Family::Gpt2 => kernels::gelu_tanh(up, inner),
-            }
-            self.lap("activation", &mut t);
-            // The down projection reads the first `inner` values of each row.
-            let act: Vec<T>;
-            let input: &[T] = if up_width == inner {
-                up
-            } else {
-                act = up
-                    .chunks(up_width)
-                    .flat_map(|r| &r[..inner])
-                    .copied()
-                    .collect();
-                &act
+            let input: &[T] = match cfg.family {
+                Family::Llama => {
+                    let act = &mut s.act[..rows * inner];
+                    kernels::swiglu(up, inner, act);
+                    act
+                }
+                Family::Gpt2 => {
+                    kernels::gelu_tanh(up, inner);
+                    up
+                }
             };
+            self.lap("activation", &mut t);
             let layer = &self.layers[l];
             kernels::linear_add(
                 input,
@@ -461,7 +459,7 @@ impl<T: Elem> DecoderSession for CpuDecoder<T> {
             .map(|l| ((l.k.len() + l.v.len()) * size_of::<T>()) as u64)
             .sum();
         let s = &self.s;
-        let scratch = [&s.x, &s.x2, &s.xn, &s.qkv, &s.attn, &s.up, &s.head]
+        let scratch = [&s.x, &s.x2, &s.xn, &s.qkv, &s.attn, &s.up, &s.act, &s.head]
             .iter()
             .map(|b| (b.capacity() * size_of::<T>()) as u64)
             .sum::<u64>()

@@ -31,6 +31,8 @@ pub enum TensorSource {
 pub struct DecoderWeights {
     pub config: DecoderConfig,
     pub source: TensorSource,
+    /// Every tensor the config needs and its stored shape ([`tensors`], listed once).
+    shapes: BTreeMap<String, Vec<usize>>,
 }
 
 /// The standard deviation of seeded weights (`initializer_range` of every config here).
@@ -39,6 +41,7 @@ const INIT_STD: f64 = 0.02;
 impl DecoderWeights {
     pub fn seeded(config: DecoderConfig, seed: u64) -> DecoderWeights {
         DecoderWeights {
+            shapes: tensors(&config).into_iter().collect(),
             config,
             source: TensorSource::Seeded { seed },
         }
@@ -112,6 +115,7 @@ impl DecoderWeights {
             .collect();
         index.extend(prefixed);
         let weights = DecoderWeights {
+            shapes: tensors(&config).into_iter().collect(),
             config,
             source: TensorSource::Folder {
                 dir: dir.to_path_buf(),
@@ -128,6 +132,7 @@ impl DecoderWeights {
         let TensorSource::Folder { files, index, dir } = &self.source else {
             return Ok(());
         };
+        // In the config's order, so the first missing tensor named is the first a reader meets.
         for (name, shape) in tensors(&self.config) {
             let Some((f, stored)) = index.get(&name) else {
                 bail!(
@@ -152,11 +157,7 @@ impl DecoderWeights {
 
     /// Tensor `name` (one of [`tensors`]) in f32, row-major in its stored shape.
     pub fn tensor(&self, name: &str) -> Result<Vec<f32>> {
-        let shape = tensors(&self.config)
-            .into_iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, s)| s)
-            .with_context(|| format!("the {} model has no tensor `{name}`", self.config.name))?;
+        let shape = self.shape(name)?.to_vec();
         match &self.source {
             TensorSource::Seeded { seed } => {
                 let mut rng = Rng::new(seed ^ crate::files::stable_hash(name.as_bytes()));
@@ -177,6 +178,14 @@ impl DecoderWeights {
         }
     }
 
+    /// The stored shape of tensor `name`, which the config must need.
+    fn shape(&self, name: &str) -> Result<&[usize]> {
+        self.shapes
+            .get(name)
+            .map(Vec::as_slice)
+            .with_context(|| format!("the {} model has no tensor `{name}`", self.config.name))
+    }
+
     /// A linear layer's weight as (out, in) rows whatever the checkpoint stores: GPT-2's
     /// Conv1D keeps (in, out) and is transposed here.
     pub fn linear(&self, name: &str) -> Result<Vec<f32>> {
@@ -184,12 +193,10 @@ impl DecoderWeights {
         if self.config.family != Family::Gpt2 || name.starts_with("wte") {
             return Ok(w);
         }
-        let shape = tensors(&self.config)
-            .into_iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, s)| s)
-            .unwrap_or_default();
-        let (rows, cols) = (shape[0], shape[1]);
+        let (rows, cols) = match self.shape(name)? {
+            [rows, cols] => (*rows, *cols),
+            other => bail!("`{name}` has shape {other:?}, not a matrix"),
+        };
         let mut t = vec![0f32; w.len()];
         for r in 0..rows {
             for c in 0..cols {

@@ -49,16 +49,18 @@ pub fn rope<T: Elem>(
     });
 }
 
-/// SwiGLU over rows of 2·`inner` values (gate, then up): the first `inner` of each row become
-/// silu(gate) · up. The row keeps its width; the down projection reads the first half.
-pub fn swiglu<T: Elem>(x: &mut [T], inner: usize) {
-    x.par_chunks_mut(2 * inner).for_each(|row| {
-        let mut v = vec![0f32; 2 * inner];
-        T::widen(row, &mut v);
-        let (g, u) = v.split_at_mut(inner);
-        with_simd(Glu(g, u, false));
-        T::narrow(g, &mut row[..inner]);
-    });
+/// SwiGLU over rows of 2·`inner` values (gate, then up) into rows of `inner`:
+/// silu(gate) · up.
+pub fn swiglu<T: Elem>(x: &[T], inner: usize, y: &mut [T]) {
+    y.par_chunks_mut(inner)
+        .zip(x.par_chunks(2 * inner))
+        .for_each(|(out, row)| {
+            let mut v = vec![0f32; 2 * inner];
+            T::widen(row, &mut v);
+            let (g, u) = v.split_at_mut(inner);
+            with_simd(Glu(g, u, false));
+            T::narrow(g, out);
+        });
 }
 
 /// GPT-2's GELU, tanh form ("gelu_new"), in place: 0.5·x·(1 + tanh(a)) = x·sigmoid(2a) with
