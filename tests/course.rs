@@ -432,6 +432,34 @@ fn broken_exercise_files_get_precise_errors() {
         1,
     ));
     assert!(e.contains("an expectation needs a hint"), "{e}");
+    // Language models run in `llm` steps only, and image networks never do.
+    let run = "\n[[step]]\nid = \"lm\"\nhint = \"h\"\nsay = \"A run.\"\n";
+    let cases = [
+        (
+            "kind = \"llm\"\nbench = { network = \"resnet18\" }",
+            "`resnet18` is not a language model",
+        ),
+        (
+            "kind = \"bench\"\nbench = { network = \"qwen2.5-0.5b\" }",
+            "`qwen2.5-0.5b` is a language model: run it in a step of kind `llm`",
+        ),
+        (
+            "kind = \"bench\"\nbench = { network = \"resnet18\", prompt_len = 8 }",
+            "prompt_len and gen_len are for `llm` steps",
+        ),
+        (
+            "kind = \"llm\"\nbench = { network = \"gpt2\" }\nsweep = { param = \"input_size\", values = [1, 2] }",
+            "an `llm` step batch_size or prompt_len",
+        ),
+        (
+            "kind = \"llm\"\nbench = { network = \"gpt2\", gen_len = 0 }",
+            "gen_len must be at least 1",
+        ),
+    ];
+    for (step, needle) in cases {
+        let e = lint_one(&format!("{good}{run}{step}\n"));
+        assert!(e.contains(needle), "{step}: {e}");
+    }
 }
 
 #[test]
