@@ -10,13 +10,8 @@ use std::time::Instant;
 use super::elem::Elem;
 use super::kernels::{self, CacheView, PackedLinear};
 use crate::backend::{BackendError, DecoderMemory, DecoderOptions, DecoderSession};
-use crate::model::llm::{DecoderConfig, DecoderWeights, Family, config::inverse_frequencies};
-
-/// RMSNorm (no bias) or LayerNorm (with one).
-struct Norm {
-    weight: Vec<f32>,
-    bias: Option<Vec<f32>>,
-}
+use crate::model::llm::weights::{Linear, Norm};
+use crate::model::llm::{DecoderConfig, DecoderWeights, Family, config::rotary_tables};
 
 struct Layer<T> {
     norm1: Norm,
@@ -83,104 +78,40 @@ impl<T: Elem> CpuDecoder<T> {
         threads: usize,
     ) -> Result<Self, BackendError> {
         let cfg = w.config.clone();
-        let (d, inner) = (cfg.hidden_size, cfg.intermediate_size);
-        let (qw, kvw) = cfg.qkv_widths();
-        let gpt2 = cfg.family == Family::Gpt2;
-        let t = |n: &str| w.tensor(n).map_err(load_err);
-        let lin = |n: &str| w.linear(n).map_err(load_err);
-        let norm = |p: &str| -> Result<Norm, BackendError> {
-            Ok(Norm {
-                weight: t(&format!("{p}.weight"))?,
-                bias: if gpt2 {
-                    Some(t(&format!("{p}.bias"))?)
-                } else {
-                    None
-                },
-            })
-        };
+        let d = cfg.hidden_size;
+        let pack =
+            |l: &Linear| PackedLinear::new(&l.weight, l.bias.as_deref(), l.inputs, l.outputs);
         let cache = opt.batch * cfg.num_key_value_heads * opt.context * cfg.head_dim;
         let layers = pool.install(|| {
             (0..cfg.num_hidden_layers)
                 .map(|l| -> Result<Layer<T>, BackendError> {
-                    let layer = if gpt2 {
-                        let p = format!("h.{l}");
-                        let b = |n: &str| t(&format!("{p}.{n}.bias"));
-                        let w = |n: &str| lin(&format!("{p}.{n}.weight"));
-                        Layer {
-                            norm1: norm(&format!("{p}.ln_1"))?,
-                            qkv: PackedLinear::new(
-                                &w("attn.c_attn")?,
-                                Some(&b("attn.c_attn")?),
-                                d,
-                                qw + 2 * kvw,
-                            ),
-                            o: PackedLinear::new(
-                                &w("attn.c_proj")?,
-                                Some(&b("attn.c_proj")?),
-                                qw,
-                                d,
-                            ),
-                            norm2: norm(&format!("{p}.ln_2"))?,
-                            up: PackedLinear::new(&w("mlp.c_fc")?, Some(&b("mlp.c_fc")?), d, inner),
-                            down: PackedLinear::new(
-                                &w("mlp.c_proj")?,
-                                Some(&b("mlp.c_proj")?),
-                                inner,
-                                d,
-                            ),
-                            k: vec![T::from_f32(0.0); cache],
-                            v: vec![T::from_f32(0.0); cache],
-                        }
-                    } else {
-                        let p = format!("model.layers.{l}");
-                        let proj = |n: &str| lin(&format!("{p}.{n}.weight"));
-                        let qkv = [
-                            proj("self_attn.q_proj")?,
-                            proj("self_attn.k_proj")?,
-                            proj("self_attn.v_proj")?,
-                        ]
-                        .concat();
-                        let bias = if cfg.qkv_bias {
-                            let b = |n: &str| t(&format!("{p}.self_attn.{n}_proj.bias"));
-                            Some([b("q")?, b("k")?, b("v")?].concat())
-                        } else {
-                            None
-                        };
-                        let gate_up = [proj("mlp.gate_proj")?, proj("mlp.up_proj")?].concat();
-                        Layer {
-                            norm1: norm(&format!("{p}.input_layernorm"))?,
-                            qkv: PackedLinear::new(&qkv, bias.as_deref(), d, qw + 2 * kvw),
-                            o: PackedLinear::new(&proj("self_attn.o_proj")?, None, qw, d),
-                            norm2: norm(&format!("{p}.post_attention_layernorm"))?,
-                            up: PackedLinear::new(&gate_up, None, d, 2 * inner),
-                            down: PackedLinear::new(&proj("mlp.down_proj")?, None, inner, d),
-                            k: vec![T::from_f32(0.0); cache],
-                            v: vec![T::from_f32(0.0); cache],
-                        }
-                    };
-                    Ok(layer)
+                    let t = w.layer(l).map_err(load_err)?;
+                    Ok(Layer {
+                        qkv: pack(&t.qkv),
+                        o: pack(&t.o),
+                        up: pack(&t.up),
+                        down: pack(&t.down),
+                        norm1: t.norm1,
+                        norm2: t.norm2,
+                        k: vec![T::from_f32(0.0); cache],
+                        v: vec![T::from_f32(0.0); cache],
+                    })
                 })
                 .collect::<Result<Vec<_>, _>>()
         })?;
-        let (embed_name, final_name) = if gpt2 {
-            ("wte.weight", "ln_f")
-        } else {
-            ("model.embed_tokens.weight", "model.norm")
-        };
-        let table = t(embed_name)?;
-        let head = if cfg.tie_word_embeddings {
-            PackedLinear::new(&table, None, d, cfg.vocab_size)
-        } else {
-            PackedLinear::new(&t("lm_head.weight")?, None, d, cfg.vocab_size)
+        let table = w.token_table().map_err(load_err)?;
+        let head = match w.lm_head().map_err(load_err)? {
+            Some(head) => PackedLinear::new(&head, None, d, cfg.vocab_size),
+            None => PackedLinear::new(&table, None, d, cfg.vocab_size),
         };
         let mut embed = vec![T::from_f32(0.0); table.len()];
         T::narrow(&table, &mut embed);
         drop(table);
-        let positions = if gpt2 { t("wpe.weight")? } else { Vec::new() };
-        let (cos, sin) = if gpt2 {
-            (Vec::new(), Vec::new())
-        } else {
+        let positions = w.position_table().map_err(load_err)?.unwrap_or_default();
+        let (cos, sin) = if positions.is_empty() {
             rotary_tables(&cfg, opt.context)
+        } else {
+            (Vec::new(), Vec::new())
         };
         let weight_bytes = layers
             .iter()
@@ -189,7 +120,7 @@ impl<T: Elem> CpuDecoder<T> {
             + head.bytes()
             + (embed.len() * size_of::<T>() + positions.len() * 4) as u64;
         Ok(CpuDecoder {
-            final_norm: norm(final_name)?,
+            final_norm: w.final_norm().map_err(load_err)?,
             cfg,
             layers,
             embed,
@@ -402,22 +333,6 @@ impl<T: Elem> CpuDecoder<T> {
         self.lap("lm_head", &mut t);
         self.s = s;
     }
-}
-
-/// Rotary cosines and sines for positions 0..context, as Hugging Face computes them: the
-/// inverse frequencies (Llama 3's scaling applied) and each angle rounded to f32 first.
-fn rotary_tables(cfg: &DecoderConfig, context: usize) -> (Vec<f32>, Vec<f32>) {
-    let inv: Vec<f32> = inverse_frequencies(cfg).iter().map(|&f| f as f32).collect();
-    let mut cos = Vec::with_capacity(context * inv.len());
-    let mut sin = Vec::with_capacity(context * inv.len());
-    for p in 0..context {
-        for &f in &inv {
-            let angle = (p as f32 * f) as f64;
-            cos.push(angle.cos() as f32);
-            sin.push(angle.sin() as f32);
-        }
-    }
-    (cos, sin)
 }
 
 impl<T: Elem> DecoderSession for CpuDecoder<T> {

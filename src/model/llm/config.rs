@@ -604,6 +604,22 @@ pub fn inverse_frequencies(cfg: &DecoderConfig) -> Vec<f64> {
         .collect()
 }
 
+/// Rotary cosines and sines for positions 0..context, as Hugging Face computes them: the
+/// inverse frequencies (Llama 3's scaling applied) and each angle rounded to f32 first.
+pub fn rotary_tables(cfg: &DecoderConfig, context: usize) -> (Vec<f32>, Vec<f32>) {
+    let inv: Vec<f32> = inverse_frequencies(cfg).iter().map(|&f| f as f32).collect();
+    let mut cos = Vec::with_capacity(context * inv.len());
+    let mut sin = Vec::with_capacity(context * inv.len());
+    for p in 0..context {
+        for &f in &inv {
+            let angle = (p as f32 * f) as f64;
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    (cos, sin)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -207,6 +207,124 @@ impl DecoderWeights {
     }
 }
 
+/// A linear layer as the sessions run it: weight (out, in) rows and an f32 bias.
+pub struct Linear {
+    pub weight: Vec<f32>,
+    pub bias: Option<Vec<f32>>,
+    pub inputs: usize,
+    pub outputs: usize,
+}
+
+/// RMSNorm (no bias) or LayerNorm (with one).
+pub struct Norm {
+    pub weight: Vec<f32>,
+    pub bias: Option<Vec<f32>>,
+}
+
+/// One block's tensors, fused the way every backend runs them: q, k and v in one GEMM (rows of
+/// q, then k, then v), Llama's gate and up in another (gate rows first; GPT-2's `up` is c_fc).
+pub struct LayerTensors {
+    pub norm1: Norm,
+    pub qkv: Linear,
+    pub o: Linear,
+    pub norm2: Norm,
+    pub up: Linear,
+    pub down: Linear,
+}
+
+impl DecoderWeights {
+    fn norm(&self, prefix: &str) -> Result<Norm> {
+        Ok(Norm {
+            weight: self.tensor(&format!("{prefix}.weight"))?,
+            bias: if self.config.family == Family::Gpt2 {
+                Some(self.tensor(&format!("{prefix}.bias"))?)
+            } else {
+                None
+            },
+        })
+    }
+
+    /// Block `l`'s tensors, fused as [`LayerTensors`] says.
+    pub fn layer(&self, l: usize) -> Result<LayerTensors> {
+        let c = &self.config;
+        let (d, inner) = (c.hidden_size, c.intermediate_size);
+        let (qw, kvw) = c.qkv_widths();
+        let linear = |weight, bias, inputs, outputs| Linear {
+            weight,
+            bias,
+            inputs,
+            outputs,
+        };
+        if c.family == Family::Gpt2 {
+            let p = format!("h.{l}");
+            let w = |n: &str| self.linear(&format!("{p}.{n}.weight"));
+            let b = |n: &str| self.tensor(&format!("{p}.{n}.bias")).map(Some);
+            return Ok(LayerTensors {
+                norm1: self.norm(&format!("{p}.ln_1"))?,
+                qkv: linear(w("attn.c_attn")?, b("attn.c_attn")?, d, qw + 2 * kvw),
+                o: linear(w("attn.c_proj")?, b("attn.c_proj")?, qw, d),
+                norm2: self.norm(&format!("{p}.ln_2"))?,
+                up: linear(w("mlp.c_fc")?, b("mlp.c_fc")?, d, inner),
+                down: linear(w("mlp.c_proj")?, b("mlp.c_proj")?, inner, d),
+            });
+        }
+        let p = format!("model.layers.{l}");
+        let w = |n: &str| self.linear(&format!("{p}.{n}.weight"));
+        let qkv = [
+            w("self_attn.q_proj")?,
+            w("self_attn.k_proj")?,
+            w("self_attn.v_proj")?,
+        ]
+        .concat();
+        let bias = if c.qkv_bias {
+            let b = |n: &str| self.tensor(&format!("{p}.self_attn.{n}_proj.bias"));
+            Some([b("q")?, b("k")?, b("v")?].concat())
+        } else {
+            None
+        };
+        let gate_up = [w("mlp.gate_proj")?, w("mlp.up_proj")?].concat();
+        Ok(LayerTensors {
+            norm1: self.norm(&format!("{p}.input_layernorm"))?,
+            qkv: linear(qkv, bias, d, qw + 2 * kvw),
+            o: linear(w("self_attn.o_proj")?, None, qw, d),
+            norm2: self.norm(&format!("{p}.post_attention_layernorm"))?,
+            up: linear(gate_up, None, d, 2 * inner),
+            down: linear(w("mlp.down_proj")?, None, inner, d),
+        })
+    }
+
+    /// The token table (vocabulary × hidden).
+    pub fn token_table(&self) -> Result<Vec<f32>> {
+        self.tensor(match self.config.family {
+            Family::Gpt2 => "wte.weight",
+            Family::Llama => "model.embed_tokens.weight",
+        })
+    }
+
+    /// GPT-2's learned positions (positions × hidden); `None` for rotary models.
+    pub fn position_table(&self) -> Result<Option<Vec<f32>>> {
+        match self.config.family {
+            Family::Gpt2 => self.tensor("wpe.weight").map(Some),
+            Family::Llama => Ok(None),
+        }
+    }
+
+    pub fn final_norm(&self) -> Result<Norm> {
+        self.norm(match self.config.family {
+            Family::Gpt2 => "ln_f",
+            Family::Llama => "model.norm",
+        })
+    }
+
+    /// The LM head's own weight (vocabulary × hidden), `None` when it is the token table.
+    pub fn lm_head(&self) -> Result<Option<Vec<f32>>> {
+        if self.config.tie_word_embeddings {
+            return Ok(None);
+        }
+        self.tensor("lm_head.weight").map(Some)
+    }
+}
+
 /// Every tensor a config needs, with its stored shape, under Hugging Face's names.
 pub fn tensors(c: &DecoderConfig) -> Vec<(String, Vec<usize>)> {
     let (d, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
