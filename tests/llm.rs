@@ -5,13 +5,13 @@
 
 use std::path::{Path, PathBuf};
 
-use workshop::backend::{self, BackendKind, DecoderOptions, DecoderSession};
+use workshop::backend::{self, BackendError, BackendKind, DecoderOptions, DecoderSession};
 use workshop::model::Precision;
 use workshop::model::llm::DecoderWeights;
 use workshop::model::llm::text::argmax;
 
 use crate::cli::fails_with;
-use crate::common::{stderr, stdout, workshop};
+use crate::common::{skip, stderr, stdout, workshop};
 
 const FAMILIES: [&str; 4] = ["llama", "qwen2", "mistral", "gpt2"];
 
@@ -39,16 +39,45 @@ fn expected(family: &str) -> Expected {
     }
 }
 
-fn session(w: &DecoderWeights, precision: Precision, batch: usize) -> Box<dyn DecoderSession> {
-    let cpu = backend::open(BackendKind::Cpu).unwrap();
+/// The backends that run decoders here: the CPU always, the GPU backends where this build and
+/// machine have them (CI runs CUDA's and HIP's kernels on the emulator).
+const BACKENDS: [BackendKind; 4] = [
+    BackendKind::Cpu,
+    BackendKind::Wgpu,
+    BackendKind::Cuda,
+    BackendKind::Hip,
+];
+
+/// A decoder session on `kind`, or `None` (and why, printed) where the backend is not here or
+/// does not run language models yet.
+fn session_on(
+    kind: BackendKind,
+    w: &DecoderWeights,
+    precision: Precision,
+    batch: usize,
+) -> Option<Box<dyn DecoderSession>> {
     let opt = DecoderOptions {
         precision,
         threads: Some(2),
         batch,
         context: 32,
         profile: false,
+        replay: false,
+        kernels_dir: None,
     };
-    cpu.prepare_decoder(0, w, &opt).unwrap()
+    let prepared = backend::open(kind).and_then(|b| b.prepare_decoder(0, w, &opt));
+    match prepared {
+        Ok(s) => Some(s),
+        Err(e @ BackendError::Unsupported(_)) => {
+            eprintln!("skipped on {kind}: {e}");
+            None
+        }
+        Err(e) if e.is_unavailable() => {
+            skip(kind, &e.to_string());
+            None
+        }
+        Err(e) => panic!("{kind}: {e}"),
+    }
 }
 
 /// Largest |a − b| over the largest |b|.
@@ -73,32 +102,40 @@ fn greedy(s: &mut dyn DecoderSession, prompt: &[Vec<u32>], steps: usize) -> Vec<
     out
 }
 
-/// The logits of every prompt position at `precision`, relative to transformers' FP32 ones.
-fn prompt_logits_rel(family: &str, precision: Precision) -> f32 {
+/// The logits of every prompt position at `precision` on `kind`, relative to transformers' FP32
+/// ones; `None` where `kind` does not run decoders here.
+fn prompt_logits_rel(kind: BackendKind, family: &str, precision: Precision) -> Option<f32> {
     let want = expected(family);
     let w = DecoderWeights::open_folder(&fixture(family)).unwrap();
-    let mut s = session(&w, precision, 2);
+    let mut s = session_on(kind, &w, precision, 2)?;
     s.prefill(&want.prompt.concat(), true).unwrap();
-    rel_diff(&s.logits().unwrap(), &want.logits.concat().concat())
+    Some(rel_diff(
+        &s.logits().unwrap(),
+        &want.logits.concat().concat(),
+    ))
 }
 
 #[test]
 fn prompt_logits_match_transformers_in_fp32() {
-    for family in FAMILIES {
-        let rel = prompt_logits_rel(family, Precision::Fp32);
+    for (kind, family) in BACKENDS.iter().flat_map(|&k| FAMILIES.map(|f| (k, f))) {
+        let Some(rel) = prompt_logits_rel(kind, family, Precision::Fp32) else {
+            continue;
+        };
         assert!(
             rel <= 1e-4,
-            "{family}: logits differ from transformers by {rel:e}"
+            "{kind} {family}: logits differ from transformers by {rel:e}"
         );
     }
 }
 
 #[test]
 fn greedy_continuation_matches_transformers_generate() {
-    for family in FAMILIES {
+    for (kind, family) in BACKENDS.iter().flat_map(|&k| FAMILIES.map(|f| (k, f))) {
         let want = expected(family);
         let w = DecoderWeights::open_folder(&fixture(family)).unwrap();
-        let mut s = session(&w, Precision::Fp32, 2);
+        let Some(mut s) = session_on(kind, &w, Precision::Fp32, 2) else {
+            continue;
+        };
         let steps = greedy(s.as_mut(), &want.prompt, want.generated[0].len());
         let vocab = w.config.vocab_size;
         let tokens: Vec<Vec<u32>> = (0..2)
@@ -109,7 +146,7 @@ fn greedy_continuation_matches_transformers_generate() {
                     .collect()
             })
             .collect();
-        assert_eq!(tokens, want.generated, "{family}");
+        assert_eq!(tokens, want.generated, "{kind} {family}");
     }
 }
 
@@ -117,7 +154,7 @@ fn greedy_continuation_matches_transformers_generate() {
 /// sequence (the KV cache holds what a recompute would compute), in every precision.
 #[test]
 fn cached_decode_matches_a_full_recompute() {
-    for family in FAMILIES {
+    for (kind, family) in BACKENDS.iter().flat_map(|&k| FAMILIES.map(|f| (k, f))) {
         let want = expected(family);
         let w = DecoderWeights::open_folder(&fixture(family)).unwrap();
         // One sequence (a decode step is then one row: the GEMMs' single-row kernels) and two.
@@ -126,7 +163,9 @@ fn cached_decode_matches_a_full_recompute() {
             .flat_map(|p| [(p, 1), (p, 2)])
         {
             let prompt = &want.prompt[..batch];
-            let mut s = session(&w, precision, batch);
+            let Some(mut s) = session_on(kind, &w, precision, batch) else {
+                continue;
+            };
             let steps = greedy(s.as_mut(), prompt, 6);
             let vocab = w.config.vocab_size;
             // The sequences as decoded: prompt, then each step's argmax but the last's.
@@ -154,7 +193,7 @@ fn cached_decode_matches_a_full_recompute() {
                 let rel = rel_diff(step, &recompute);
                 assert!(
                     rel <= tolerance,
-                    "{family} {precision:?} batch {batch} step {i}: cached decode differs from a recompute by {rel:e}"
+                    "{kind} {family} {precision:?} batch {batch} step {i}: cached decode differs from a recompute by {rel:e}"
                 );
             }
         }
@@ -164,12 +203,14 @@ fn cached_decode_matches_a_full_recompute() {
 /// Half precisions stay near FP32's logits (bf16 keeps 8 bits of mantissa).
 #[test]
 fn half_precisions_stay_near_fp32() {
-    for family in FAMILIES {
+    for (kind, family) in BACKENDS.iter().flat_map(|&k| FAMILIES.map(|f| (k, f))) {
         for (precision, tolerance) in [(Precision::Bf16, 5e-2), (Precision::Fp16, 1e-2)] {
-            let rel = prompt_logits_rel(family, precision);
+            let Some(rel) = prompt_logits_rel(kind, family, precision) else {
+                continue;
+            };
             assert!(
                 rel <= tolerance,
-                "{family} {precision:?}: {rel:e} from transformers"
+                "{kind} {family} {precision:?}: {rel:e} from transformers"
             );
         }
     }
@@ -225,6 +266,60 @@ fn bench_sweeps_a_model_folder_and_writes_records() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `workshop bench` on the GPU backends: a decode step recorded once and replayed with
+/// `--compile reduce-overhead`, and the time of each kind of op with `--profile`.
+#[test]
+fn gpu_backends_bench_a_model_folder() {
+    let dir = tempfile_dir("gpu");
+    let folder = fixture("llama");
+    for (kind, flag) in [
+        (BackendKind::Cuda, ["--compile", "reduce-overhead"]),
+        (BackendKind::Hip, ["--profile", "--warmup=0"]),
+    ] {
+        match backend::open(kind) {
+            Err(e) => {
+                skip(kind, &e.to_string());
+                continue;
+            }
+            Ok(b) if b.devices().is_empty() => {
+                skip(kind, "no device");
+                continue;
+            }
+            Ok(_) => {}
+        }
+        let json = dir.join(format!("{kind}.json"));
+        let o = workshop(&[
+            "bench",
+            "--model-dir",
+            folder.to_str().unwrap(),
+            "--backend",
+            kind.name(),
+            "-p",
+            "6",
+            "-n",
+            "3",
+            "--iterations",
+            "1",
+            flag[0],
+            flag[1],
+            "--json",
+            json.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{kind}: {}", stderr(&o));
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let version = v["environment"]["kernel_version"].as_str().unwrap();
+        assert!(version.contains("workshop-gpu"), "{version}");
+        if kind == BackendKind::Cuda {
+            assert!(version.contains("decode step replayed"), "{version}");
+        } else {
+            let out = stdout(&o);
+            assert!(out.contains("attention"), "no op times in:\n{out}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Bad input to a decoder run: one clear line naming what is wrong, no panic.
 #[test]
 fn bad_decoder_input_fails_clearly() {
@@ -240,7 +335,7 @@ fn bad_decoder_input_fails_clearly() {
     );
     fails_with(
         &["bench", "--network", "gpt2", "--compile"],
-        "--compile is not available",
+        "--compile other than reduce-overhead is not available",
     );
     let dir = tempfile_dir("bad");
     fails_with(

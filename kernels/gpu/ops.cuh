@@ -788,24 +788,28 @@ KERNEL(layer_norm, LayerNormArgs) {
 // Rows of tokens (inner = 1): 32 threads a row, 8 rows a block, so a row's elements are read
 // side by side by neighbouring threads; its sums are reduced in shared memory, in f32 (mean,
 // then the biased variance, as PyTorch).
+// The sum of `part` over the 32 threads of this thread's row (8 rows a block), in every one of
+// them; `red` is the block's 256 floats of shared memory.
+__device__ inline float row_sum32(float* red, float part) {
+    const int tid = threadIdx.x, lane = tid % 32;
+    red[tid] = part;
+    for (int step = 16; step > 0; step /= 2) {
+        __syncthreads();
+        if (lane < step) red[tid] += red[tid + step];
+    }
+    __syncthreads();
+    const float total = red[tid - lane];
+    __syncthreads();
+    return total;
+}
+
 BLOCK_KERNEL(layer_norm_rows, LayerNormArgs) {
     __shared__ float red[256];
-    const int tid = threadIdx.x, lane = tid % 32, first = tid - lane;
+    const int lane = threadIdx.x % 32;
     const long long r = linear_index() / 32;
     const bool live = r < a.rows;
     const elem* x = a.x + (live ? r : 0) * a.d;
-    // The sum of `part` over the 32 threads of this row, in every one of them.
-    auto row_sum = [&](float part) {
-        red[tid] = part;
-        for (int step = 16; step > 0; step /= 2) {
-            __syncthreads();
-            if (lane < step) red[tid] += red[tid + step];
-        }
-        __syncthreads();
-        const float total = red[first];
-        __syncthreads();
-        return total;
-    };
+    auto row_sum = [&](float part) { return row_sum32(red, part); };
     float part = 0.0f;
     for (int j = lane; live && j < a.d; j += 32) part += ld(x[j]);
     const float mean = row_sum(part) / (float)a.d;
@@ -1082,6 +1086,8 @@ __device__ inline void attention_tiled(const AttentionArgs& a) {
 BLOCK_KERNEL(attention_t32, AttentionArgs) { attention_tiled<32>(a); }
 BLOCK_KERNEL(attention_t64, AttentionArgs) { attention_tiled<64>(a); }
 BLOCK_KERNEL(attention_t80, AttentionArgs) { attention_tiled<80>(a); }
+
+#include "llm.cuh"
 
 // ---- the memory-bandwidth probe --------------------------------------------------------------
 

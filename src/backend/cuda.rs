@@ -320,17 +320,37 @@ impl Backend for CudaBackend {
     ) -> Result<Box<dyn Session>, BackendError> {
         let ctx = self.context(dev)?;
         if !nvrtc_present() {
-            return Err(BackendError::MissingLibrary(
-                "NVRTC (libnvrtc.so) was not found: install the CUDA toolkit's runtime \
-                 compiler (e.g. `pip install nvidia-cuda-nvrtc-cu12` and add its lib folder to \
-                 LD_LIBRARY_PATH)"
-                    .into(),
-            ));
+            return Err(nvrtc_missing());
         }
         let free = ctx.mem_get_info().ok().map(|(f, _)| f as u64);
         let device = CudaDevice::new(ctx, dev)?;
         Ok(Box::new(GpuSession::new(device, plan, weights, opt, free)?))
     }
+
+    fn prepare_decoder(
+        &self,
+        dev: usize,
+        weights: &crate::model::llm::DecoderWeights,
+        opt: &crate::backend::DecoderOptions,
+    ) -> Result<Box<dyn crate::backend::DecoderSession>, BackendError> {
+        let ctx = self.context(dev)?;
+        if !nvrtc_present() {
+            return Err(nvrtc_missing());
+        }
+        let free = ctx.mem_get_info().ok().map(|(f, _)| f as u64);
+        let device = CudaDevice::new(ctx, dev)?;
+        Ok(Box::new(gpu::decoder::GpuDecoder::new(
+            device, weights, opt, free,
+        )?))
+    }
+}
+
+fn nvrtc_missing() -> BackendError {
+    BackendError::MissingLibrary(
+        "NVRTC (libnvrtc.so) was not found: install the CUDA toolkit's runtime compiler (e.g. \
+         `pip install nvidia-cuda-nvrtc-cu12` and add its lib folder to LD_LIBRARY_PATH)"
+            .into(),
+    )
 }
 
 /// Modules compiled in this process, by (device, precision, source): a session after the first

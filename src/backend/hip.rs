@@ -279,6 +279,22 @@ impl Backend for HipBackend {
             free_memory(),
         )?))
     }
+
+    fn prepare_decoder(
+        &self,
+        dev: usize,
+        weights: &crate::model::llm::DecoderWeights,
+        opt: &crate::backend::DecoderOptions,
+    ) -> Result<Box<dyn crate::backend::DecoderSession>, BackendError> {
+        self.select(dev)?;
+        let device = HipDevice::new(dev)?;
+        Ok(Box::new(gpu::decoder::GpuDecoder::new(
+            device,
+            weights,
+            opt,
+            free_memory(),
+        )?))
+    }
 }
 
 /// Loaded code objects (module handles as integers, which are Send).

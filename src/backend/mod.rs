@@ -361,6 +361,57 @@ pub struct DecoderOptions {
     pub context: usize,
     /// Time each kind of op (`DecoderSession::op_times`).
     pub profile: bool,
+    /// Record a decode step once and replay it (`--compile reduce-overhead`; GPU backends).
+    pub replay: bool,
+    /// Read the GPU kernels from this folder instead of the copies in the binary.
+    pub kernels_dir: Option<std::path::PathBuf>,
+}
+
+/// The new tokens per sequence of a step over `tokens` (sequence-major), after checking that
+/// they make `batch` equal rows, fit in the `context` the cache holds after `pos`, and are in
+/// the vocabulary.
+pub fn step_tokens(
+    cfg: &crate::model::llm::DecoderConfig,
+    batch: usize,
+    context: usize,
+    pos: usize,
+    tokens: &[u32],
+) -> Result<usize, BackendError> {
+    let new = tokens.len() / batch;
+    if new == 0 || tokens.len() != new * batch {
+        return Err(BackendError::Invalid(format!(
+            "{} token ids do not make {batch} sequences of equal length",
+            tokens.len(),
+        )));
+    }
+    if pos + new > context {
+        return Err(BackendError::Invalid(format!(
+            "{new} more tokens would take the sequences to {} positions; the KV cache holds \
+             {context}",
+            pos + new,
+        )));
+    }
+    if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+        return Err(BackendError::Invalid(format!(
+            "token id {bad} is outside the vocabulary of {}",
+            cfg.vocab_size
+        )));
+    }
+    Ok(new)
+}
+
+/// A decode step takes one token per sequence, after a prefill.
+pub fn check_decode(batch: usize, pos: usize, tokens: &[u32]) -> Result<(), BackendError> {
+    if tokens.len() != batch {
+        return Err(BackendError::Invalid(format!(
+            "a decode step takes one token per sequence ({batch}), not {}",
+            tokens.len()
+        )));
+    }
+    if pos == 0 {
+        return Err(BackendError::Invalid("decode before any prefill".into()));
+    }
+    Ok(())
 }
 
 /// Bytes a decoder session holds.

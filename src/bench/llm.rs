@@ -195,6 +195,8 @@ pub fn run(
         batch,
         context: prompt + generate,
         profile: cfg.profile,
+        replay: cfg.exec_options().replay,
+        kernels_dir: cfg.kernels_dir.clone(),
     };
     let mut session = backend.prepare_decoder(cfg.device, &weights, &opt)?;
     drop(weights);

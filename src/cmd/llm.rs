@@ -24,9 +24,12 @@ fn refuse_image_flags(args: &BenchArgs) -> Result<()> {
         ("--flops-prof-step", args.flops_prof_step.is_some()),
         ("--devices", args.devices.is_some()),
         ("--cpu-groups", args.cpu_groups.is_some()),
-        ("--compile", args.compile.is_some()),
+        (
+            "--compile other than reduce-overhead",
+            args.compile
+                .is_some_and(|c| c != crate::bench::record::CompileMode::ReduceOverhead),
+        ),
         ("--results-dir", args.results_dir.is_some()),
-        ("--kernels-dir", args.run.kernels_dir.is_some()),
         (
             "--kernels vendor",
             args.run.kernels != crate::backend::KernelFamily::Native,
@@ -36,7 +39,8 @@ fn refuse_image_flags(args: &BenchArgs) -> Result<()> {
         bail!(
             "{flag} is not available for language models yet: they take --batch-size, \
              --prompt-len, --gen-len, --precision, --backend, --threads, --model-dir, \
-             --iterations, --warmup, --profile, --json and --baseline"
+             --iterations, --warmup, --profile, --compile reduce-overhead, --kernels-dir, \
+             --json and --baseline"
         );
     }
     Ok(())
@@ -78,6 +82,8 @@ pub fn bench(args: BenchArgs) -> Result<()> {
             None => bench::record::random_weights_label(args.run.seed),
         },
         profile: args.profile,
+        compile: args.compile,
+        kernels_dir: args.run.kernels_dir.clone(),
         ..Default::default()
     };
     // The model and every combination are checked before the first run starts.
@@ -206,6 +212,8 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
         batch: 1,
         context,
         profile: false,
+        replay: false,
+        kernels_dir: None,
     };
     let mut session = backend.prepare_decoder(args.device, &weights, &opt)?;
     drop(weights);

@@ -160,28 +160,8 @@ impl<T: Elem> CpuDecoder<T> {
 
     /// One forward pass over `tokens` (batch × new tokens each) from position `self.pos`.
     fn forward(&mut self, tokens: &[u32], all_logits: bool) -> Result<(), BackendError> {
-        let new = tokens.len() / self.batch;
-        if new == 0 || tokens.len() != new * self.batch {
-            return Err(BackendError::Invalid(format!(
-                "{} token ids do not make {} sequences of equal length",
-                tokens.len(),
-                self.batch
-            )));
-        }
-        if self.pos + new > self.context {
-            return Err(BackendError::Invalid(format!(
-                "{} more tokens would take the sequences to {} positions; the KV cache holds {}",
-                new,
-                self.pos + new,
-                self.context
-            )));
-        }
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
-            return Err(BackendError::Invalid(format!(
-                "token id {bad} is outside the vocabulary of {}",
-                self.cfg.vocab_size
-            )));
-        }
+        let new =
+            crate::backend::step_tokens(&self.cfg, self.batch, self.context, self.pos, tokens)?;
         let pool = self.pool.clone();
         pool.install(|| self.layers_pass(tokens, new, all_logits));
         self.pos += new;
@@ -342,16 +322,7 @@ impl<T: Elem> DecoderSession for CpuDecoder<T> {
     }
 
     fn decode(&mut self, tokens: &[u32]) -> Result<(), BackendError> {
-        if tokens.len() != self.batch {
-            return Err(BackendError::Invalid(format!(
-                "a decode step takes one token per sequence ({}), not {}",
-                self.batch,
-                tokens.len()
-            )));
-        }
-        if self.pos == 0 {
-            return Err(BackendError::Invalid("decode before any prefill".into()));
-        }
+        crate::backend::check_decode(self.batch, self.pos, tokens)?;
         self.forward(tokens, false)
     }
 

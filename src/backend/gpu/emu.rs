@@ -579,4 +579,22 @@ impl crate::backend::Backend for EmuBackend {
             device, plan, weights, opt, None,
         )?))
     }
+
+    fn prepare_decoder(
+        &self,
+        dev: usize,
+        weights: &crate::model::llm::DecoderWeights,
+        opt: &crate::backend::DecoderOptions,
+    ) -> Result<Box<dyn crate::backend::DecoderSession>, BackendError> {
+        if dev != 0 {
+            return Err(BackendError::NoDevice {
+                kind: self.kind,
+                reason: format!("the emulator has one device (0), not {dev}"),
+            });
+        }
+        let device = EmuDevice::new(self.kind);
+        Ok(Box::new(super::decoder::GpuDecoder::new(
+            device, weights, opt, None,
+        )?))
+    }
 }

@@ -5,6 +5,7 @@
 //! CPU so that the shared path is tested on machines without a GPU.
 
 pub mod arch;
+pub mod decoder;
 #[cfg(unix)]
 pub mod emu;
 pub mod lower;
@@ -21,6 +22,7 @@ use program::{Contents, Program, Work};
 /// The kernel files in the binary, by their path under kernels/.
 pub const SOURCES: &[(&str, &str)] = &[
     ("gpu/ops.cuh", include_str!("../../../kernels/gpu/ops.cuh")),
+    ("gpu/llm.cuh", include_str!("../../../kernels/gpu/llm.cuh")),
     ("cuda/ops.cu", include_str!("../../../kernels/cuda/ops.cu")),
     ("hip/ops.hip", include_str!("../../../kernels/hip/ops.hip")),
 ];

@@ -14,6 +14,8 @@ pub type BufId = usize;
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Arg {
     Buf(BufId),
+    /// A pointer `bytes` into a buffer.
+    At(BufId, u64),
     /// A pointer the kernel does not read (an absent bias or residual).
     Null,
     I32(i32),
@@ -27,9 +29,13 @@ pub fn pack(args: &[Arg], ptr: impl Fn(BufId) -> u64) -> Vec<u8> {
     let mut out = Vec::with_capacity(args.len() * 8);
     for a in args {
         match *a {
-            Arg::Buf(_) | Arg::Null => {
+            Arg::Buf(_) | Arg::At(..) | Arg::Null => {
                 out.resize(out.len().next_multiple_of(8), 0);
-                let p = if let Arg::Buf(b) = *a { ptr(b) } else { 0 };
+                let p = match *a {
+                    Arg::Buf(b) => ptr(b),
+                    Arg::At(b, bytes) => ptr(b) + bytes,
+                    _ => 0,
+                };
                 out.extend_from_slice(&p.to_ne_bytes());
             }
             Arg::I32(v) => out.extend_from_slice(&v.to_ne_bytes()),

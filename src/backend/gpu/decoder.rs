@@ -1,0 +1,882 @@
+//! The CUDA and HIP backends' language-model session, on any [`Device`] (the emulator too):
+//! weights uploaded once in the storage precision (q/k/v and gate/up fused as on the CPU), the
+//! KV cache preallocated for the whole context, and each step a list of launches of
+//! kernels/gpu/llm.cuh and the linear kernels the CNNs use. Where a step starts comes from a
+//! small device buffer, so a decode step's launches are packed once and, with
+//! `DecoderOptions::replay`, recorded once as a graph and replayed every token. A long prefill
+//! runs in chunks of [`CHUNK_ROWS`] rows that attend to what earlier chunks cached, so scratch
+//! stays small whatever the context.
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::Device;
+use super::program::{Arg, BufId, ConvShape, KernelLaunch, conv_kernel, grid_1d, i32_of};
+use crate::backend::{BackendError, DecoderMemory, DecoderOptions, DecoderSession};
+use crate::model::Precision;
+use crate::model::llm::config::rotary_tables;
+use crate::model::llm::weights::{Linear, Norm};
+use crate::model::llm::{DecoderConfig, DecoderWeights, Family};
+
+/// Must match GEMV_ROWS in kernels/gpu/llm.cuh: steps of at most this many rows take `gemv`.
+const GEMV_ROWS: usize = 8;
+
+/// The most rows one forward pass runs; a longer prefill goes in chunks of whole positions.
+pub const CHUNK_ROWS: usize = 2048;
+
+/// Every kernel a step may launch.
+const KERNELS: [&str; 13] = [
+    "cached_attention",
+    "conv2d",
+    "conv2d_lin_t128",
+    "conv2d_lin_t64",
+    "embed_tokens",
+    "gemv",
+    "glu",
+    "kv_store",
+    "layer_norm_rows",
+    "rms_norm_rows",
+    "rope",
+    "select_token",
+    "to_f32",
+];
+/// The tensor-core linear kernels, where the device has them.
+const MMA_KERNELS: [&str; 2] = ["conv2d_lin_mma_t128", "conv2d_lin_mma_t64"];
+
+/// A linear layer's buffers.
+struct Lin {
+    w: BufId,
+    bias: Option<BufId>,
+    inputs: usize,
+    outputs: usize,
+}
+
+struct NormBufs {
+    w: BufId,
+    bias: Option<BufId>,
+}
+
+struct Layer {
+    norm1: NormBufs,
+    qkv: Lin,
+    o: Lin,
+    norm2: NormBufs,
+    up: Lin,
+    down: Lin,
+    /// (batch, KV heads, context, head).
+    k: BufId,
+    v: BufId,
+}
+
+/// Activations and step inputs, sized for [`CHUNK_ROWS`] rows (or fewer when the whole context
+/// is less).
+struct Scratch {
+    tokens: BufId,
+    /// {first position, new tokens per sequence} of the step.
+    step: BufId,
+    x: BufId,
+    x2: BufId,
+    xn: BufId,
+    qkv: BufId,
+    attn: BufId,
+    up: BufId,
+    act: BufId,
+    /// Each sequence's last row, for the LM head after a prefill.
+    last: BufId,
+    lastn: BufId,
+    head: BufId,
+    /// The LM head's output in f32 (batch × vocabulary).
+    logits: BufId,
+}
+
+/// What a buffer holds, for the memory report.
+#[derive(Clone, Copy, PartialEq)]
+enum Role {
+    Weights,
+    Cache,
+    Scratch,
+}
+
+/// A launch of a step: what profiles call it, and the kernel with its grid and arguments.
+struct Task {
+    op: &'static str,
+    launch: KernelLaunch,
+}
+
+/// A task with its arguments packed, ready to enqueue.
+struct Ready<F> {
+    op: &'static str,
+    f: F,
+    grid: [u32; 3],
+    args: Vec<u8>,
+}
+
+/// Where the last step's logits are.
+enum Logits {
+    None,
+    /// In the `logits` buffer: this many rows.
+    Device(usize),
+    /// Every prompt position's, read back chunk by chunk.
+    Host(Vec<f32>),
+}
+
+pub struct GpuDecoder<D: Device> {
+    device: D,
+    cfg: DecoderConfig,
+    precision: Precision,
+    mma: bool,
+    functions: HashMap<&'static str, D::Function>,
+    /// Device address and size of every buffer, by id.
+    ptrs: Vec<u64>,
+    sizes: Vec<(u64, Role)>,
+    layers: Vec<Layer>,
+    embed: BufId,
+    positions: Option<BufId>,
+    final_norm: NormBufs,
+    lm_head: BufId,
+    cos: BufId,
+    sin: BufId,
+    s: Scratch,
+    batch: usize,
+    context: usize,
+    /// Positions per sequence in one forward pass.
+    chunk: usize,
+    pos: usize,
+    /// A decode step's launches, packed at prepare time.
+    decode: Vec<Ready<D::Function>>,
+    /// The decode step was recorded as a graph and is replayed.
+    replayed: bool,
+    logits: Logits,
+    profile: bool,
+    times: BTreeMap<&'static str, f64>,
+}
+
+/// Device bytes of `n` values of `p`.
+fn bytes(n: usize, p: Precision) -> u64 {
+    n as u64 * p.bytes() as u64
+}
+
+impl<D: Device> GpuDecoder<D> {
+    /// Refuse a session that needs more than `free` bytes of device memory, then upload the
+    /// weights, allocate the cache and scratch, compile the kernels and pack a decode step.
+    pub fn new(
+        device: D,
+        w: &DecoderWeights,
+        opt: &DecoderOptions,
+        free: Option<u64>,
+    ) -> Result<Self, BackendError> {
+        Self::with_chunk_rows(device, w, opt, free, CHUNK_ROWS)
+    }
+
+    /// [`GpuDecoder::new`] with forward passes of at most `chunk_rows` rows.
+    fn with_chunk_rows(
+        mut device: D,
+        w: &DecoderWeights,
+        opt: &DecoderOptions,
+        free: Option<u64>,
+        chunk_rows: usize,
+    ) -> Result<Self, BackendError> {
+        let cfg = w.config.clone();
+        let p = opt.precision;
+        if cfg.head_dim > 256 || !cfg.head_dim.is_multiple_of(2) {
+            return Err(BackendError::Unsupported(format!(
+                "a head of {} values: the GPU attention kernel takes even heads of up to 256",
+                cfg.head_dim
+            )));
+        }
+        let batch = opt.batch.max(1);
+        let chunk = (chunk_rows / batch).clamp(1, opt.context.max(1));
+        let rows = batch * chunk;
+        // Every size the kernels index with 32-bit ints.
+        for (what, v) in [
+            ("rows of a step", rows),
+            ("the context", opt.context),
+            ("the logits of a step", batch.saturating_mul(cfg.vocab_size)),
+            ("the intermediate size", 2 * cfg.intermediate_size),
+        ] {
+            i32_of(v, what)?;
+        }
+        let (d, inner, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+        let (qw, kvw) = cfg.qkv_widths();
+        let up_width = match cfg.family {
+            Family::Llama => 2 * inner,
+            Family::Gpt2 => inner,
+        };
+        let cache = batch * cfg.num_key_value_heads * opt.context * cfg.head_dim;
+        let scratch_sizes = [
+            rows as u64 * 4,
+            8,
+            bytes(rows * d, p),
+            bytes(rows * d, p),
+            bytes(rows * d, p),
+            bytes(rows * (qw + 2 * kvw), p),
+            bytes(rows * qw, p),
+            bytes(rows * up_width, p),
+            bytes(rows * inner, p),
+            bytes(batch * d, p),
+            bytes(batch * d, p),
+            bytes(batch * vocab, p),
+            (batch * vocab) as u64 * 4,
+        ];
+        if let Some(free) = free {
+            let half = cfg.head_dim / 2;
+            let weights = cfg.matmul_params() * p.bytes() as u64
+                + if cfg.tie_word_embeddings {
+                    0
+                } else {
+                    bytes(vocab * d, p)
+                }
+                + (2 * opt.context * half * 4) as u64;
+            let per_sequence = 2 * bytes(cache / batch, p) * cfg.num_hidden_layers as u64;
+            let scratch: u64 = scratch_sizes.iter().sum();
+            let needed = weights + per_sequence * batch as u64 + scratch;
+            if needed > free {
+                let fits = free.saturating_sub(weights + scratch) / per_sequence.max(1);
+                return Err(BackendError::OutOfMemory {
+                    needed,
+                    available: free,
+                    suggestion: (fits >= 1 && (fits as usize) < batch).then_some(fits as usize),
+                });
+            }
+        }
+        let mma = p != Precision::Fp32 && device.matrix_units();
+        let mut names: Vec<&'static str> = KERNELS.to_vec();
+        if mma {
+            names.extend(MMA_KERNELS);
+        }
+        let compiled = device.compile(p, opt.kernels_dir.as_deref(), &names)?;
+        let functions = names.into_iter().zip(compiled).collect();
+
+        let mut bufs = Buffers::default();
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for l in 0..cfg.num_hidden_layers {
+            let t = w.layer(l).map_err(load_err)?;
+            layers.push(Layer {
+                norm1: bufs.norm(&mut device, &t.norm1)?,
+                qkv: bufs.linear(&mut device, &t.qkv, p)?,
+                o: bufs.linear(&mut device, &t.o, p)?,
+                norm2: bufs.norm(&mut device, &t.norm2)?,
+                up: bufs.linear(&mut device, &t.up, p)?,
+                down: bufs.linear(&mut device, &t.down, p)?,
+                k: bufs.alloc(&mut device, bytes(cache, p), Role::Cache)?,
+                v: bufs.alloc(&mut device, bytes(cache, p), Role::Cache)?,
+            });
+        }
+        let embed = bufs.upload(
+            &mut device,
+            p.storage_bytes(&w.token_table().map_err(load_err)?),
+        )?;
+        let lm_head = match w.lm_head().map_err(load_err)? {
+            Some(head) => bufs.upload(&mut device, p.storage_bytes(&head))?,
+            None => embed,
+        };
+        let positions = match w.position_table().map_err(load_err)? {
+            Some(t) => Some(bufs.f32s(&mut device, &t)?),
+            None => None,
+        };
+        let final_norm = bufs.norm(&mut device, &w.final_norm().map_err(load_err)?)?;
+        let (cos, sin) = match positions {
+            Some(_) => (Vec::new(), Vec::new()),
+            None => rotary_tables(&cfg, opt.context),
+        };
+        let (cos, sin) = (bufs.f32s(&mut device, &cos)?, bufs.f32s(&mut device, &sin)?);
+        let mut scratch = Vec::with_capacity(scratch_sizes.len());
+        for n in scratch_sizes {
+            scratch.push(bufs.alloc(&mut device, n, Role::Scratch)?);
+        }
+        let [
+            tokens,
+            step,
+            x,
+            x2,
+            xn,
+            qkv,
+            attn,
+            up,
+            act,
+            last,
+            lastn,
+            head,
+            logits,
+        ] = scratch[..].try_into().expect("one buffer per size");
+        let mut session = GpuDecoder {
+            device,
+            cfg,
+            precision: p,
+            mma,
+            functions,
+            ptrs: bufs.ptrs,
+            sizes: bufs.sizes,
+            layers,
+            embed,
+            positions,
+            final_norm,
+            lm_head,
+            cos,
+            sin,
+            s: Scratch {
+                tokens,
+                step,
+                x,
+                x2,
+                xn,
+                qkv,
+                attn,
+                up,
+                act,
+                last,
+                lastn,
+                head,
+                logits,
+            },
+            batch,
+            context: opt.context,
+            chunk,
+            pos: 0,
+            decode: Vec::new(),
+            replayed: false,
+            logits: Logits::None,
+            profile: opt.profile,
+            times: BTreeMap::new(),
+        };
+        let mut tasks = session.layer_tasks(batch, 1)?;
+        tasks.extend(session.head_tasks(Arg::Buf(session.s.x), batch)?);
+        session.decode = session.ready(&tasks);
+        if opt.replay && !opt.profile && session.device.begin_capture()? {
+            let decode = std::mem::take(&mut session.decode);
+            let run = session.enqueue(&decode);
+            session.decode = decode;
+            session.device.end_capture()?;
+            run?;
+            session.replayed = true;
+        }
+        Ok(session)
+    }
+}
+
+fn load_err(e: anyhow::Error) -> BackendError {
+    BackendError::Invalid(format!("{e:#}"))
+}
+
+/// The session's buffers while they are made.
+#[derive(Default)]
+struct Buffers {
+    ptrs: Vec<u64>,
+    sizes: Vec<(u64, Role)>,
+}
+
+impl Buffers {
+    fn alloc<D: Device>(
+        &mut self,
+        device: &mut D,
+        n: u64,
+        role: Role,
+    ) -> Result<BufId, BackendError> {
+        let n = n.next_multiple_of(8).max(8);
+        self.ptrs.push(device.alloc(n)?);
+        self.sizes.push((n, role));
+        Ok(self.ptrs.len() - 1)
+    }
+
+    fn upload<D: Device>(&mut self, device: &mut D, data: Vec<u8>) -> Result<BufId, BackendError> {
+        let id = self.alloc(device, data.len() as u64, Role::Weights)?;
+        device.upload(self.ptrs[id], &data)?;
+        Ok(id)
+    }
+
+    fn f32s<D: Device>(&mut self, device: &mut D, v: &[f32]) -> Result<BufId, BackendError> {
+        self.upload(device, Precision::Fp32.storage_bytes(v))
+    }
+
+    fn norm<D: Device>(&mut self, device: &mut D, n: &Norm) -> Result<NormBufs, BackendError> {
+        Ok(NormBufs {
+            w: self.f32s(device, &n.weight)?,
+            bias: match &n.bias {
+                Some(b) => Some(self.f32s(device, b)?),
+                None => None,
+            },
+        })
+    }
+
+    fn linear<D: Device>(
+        &mut self,
+        device: &mut D,
+        l: &Linear,
+        p: Precision,
+    ) -> Result<Lin, BackendError> {
+        Ok(Lin {
+            w: self.upload(device, p.storage_bytes(&l.weight))?,
+            bias: match &l.bias {
+                Some(b) => Some(self.f32s(device, b)?),
+                None => None,
+            },
+            inputs: l.inputs,
+            outputs: l.outputs,
+        })
+    }
+}
+
+fn int(v: usize) -> Arg {
+    // Every size was checked against i32 when the session was prepared.
+    Arg::I32(v as i32)
+}
+
+fn task(op: &'static str, kernel: &'static str, grid: [u32; 3], args: Vec<Arg>) -> Task {
+    Task {
+        op,
+        launch: KernelLaunch { kernel, grid, args },
+    }
+}
+
+impl<D: Device> GpuDecoder<D> {
+    fn norm(&self, n: &NormBufs, x: Arg, y: BufId, rows: usize) -> Result<Task, BackendError> {
+        let (d, eps) = (self.cfg.hidden_size, Arg::F32(self.cfg.norm_eps as f32));
+        let (kernel, args) = match n.bias {
+            None => (
+                "rms_norm_rows",
+                vec![x, Arg::Buf(n.w), Arg::Buf(y), int(rows), int(d), eps],
+            ),
+            Some(b) => (
+                "layer_norm_rows",
+                vec![
+                    x,
+                    Arg::Buf(n.w),
+                    Arg::Buf(b),
+                    Arg::Buf(y),
+                    int(rows),
+                    int(d),
+                    int(1),
+                    eps,
+                ],
+            ),
+        };
+        Ok(task("norm", kernel, grid_1d(rows * 32)?, args))
+    }
+
+    /// y = x·wᵀ + bias (+ res): `gemv` for a few rows, else the CNNs' tiled linear kernel.
+    fn linear(
+        &self,
+        op: &'static str,
+        x: Arg,
+        l: &Lin,
+        rows: usize,
+        y: BufId,
+        res: Option<BufId>,
+    ) -> Result<Task, BackendError> {
+        let bias = l.bias.map_or(Arg::Null, Arg::Buf);
+        let residual = res.map_or(Arg::Null, Arg::Buf);
+        let flags = [int(l.bias.is_some() as usize), int(res.is_some() as usize)];
+        if rows <= GEMV_ROWS {
+            let args = [
+                vec![x, Arg::Buf(l.w), bias, residual, Arg::Buf(y)],
+                vec![int(rows), int(l.inputs), int(l.outputs)],
+                flags.to_vec(),
+            ]
+            .concat();
+            return Ok(task(op, "gemv", grid_1d(l.outputs * 32)?, args));
+        }
+        let (kernel, grid) =
+            conv_kernel(rows, l.outputs, 1, l.inputs, ConvShape::Linear, self.mma)?;
+        // ConvArgs of `rows` 1×1 images: a 1×1 kernel, stride 1, no padding, one group.
+        let args = [
+            vec![x, Arg::Buf(l.w), bias, residual, Arg::Buf(y)],
+            [rows, l.inputs, 1, 1, l.outputs, 1, 1].map(int).to_vec(),
+            [1, 1, 1, 1, 0, 0, 1, 1, 1, 0].map(int).to_vec(),
+            flags.to_vec(),
+            vec![int(0)],
+        ]
+        .concat();
+        Ok(task(op, kernel, grid, args))
+    }
+
+    /// Every block of a step of `rows` rows, `new` per sequence, from the token ids in `tokens`
+    /// to the hidden states in `s.x`.
+    fn layer_tasks(&self, rows: usize, new: usize) -> Result<Vec<Task>, BackendError> {
+        let (c, s) = (&self.cfg, &self.s);
+        let (d, inner, hd) = (c.hidden_size, c.intermediate_size, c.head_dim);
+        let (heads, kv_heads) = (c.num_attention_heads, c.num_key_value_heads);
+        let (qw, kvw) = c.qkv_widths();
+        let width = qw + 2 * kvw;
+        debug_assert_eq!(rows % new, 0);
+        let mut t = vec![task(
+            "embedding",
+            "embed_tokens",
+            grid_1d(rows * d)?,
+            vec![
+                Arg::Buf(self.embed),
+                self.positions.map_or(Arg::Null, Arg::Buf),
+                Arg::Buf(s.tokens),
+                Arg::Buf(s.step),
+                Arg::Buf(s.x),
+                int(rows),
+                int(d),
+                int(self.positions.is_some() as usize),
+            ],
+        )];
+        let (mut x, mut x2) = (s.x, s.x2);
+        for l in &self.layers {
+            t.push(self.norm(&l.norm1, Arg::Buf(x), s.xn, rows)?);
+            t.push(self.linear("linear", Arg::Buf(s.xn), &l.qkv, rows, s.qkv, None)?);
+            if c.family == Family::Llama {
+                let rotated = heads + kv_heads;
+                t.push(task(
+                    "rope",
+                    "rope",
+                    grid_1d(rows * rotated * hd / 2)?,
+                    vec![
+                        Arg::Buf(s.qkv),
+                        Arg::Buf(self.cos),
+                        Arg::Buf(self.sin),
+                        Arg::Buf(s.step),
+                        int(rows),
+                        int(width),
+                        int(rotated),
+                        int(hd),
+                    ],
+                ));
+            }
+            let cache = [
+                Arg::Buf(s.qkv),
+                Arg::Buf(l.k),
+                Arg::Buf(l.v),
+                Arg::Buf(s.step),
+            ];
+            t.push(task(
+                "attention",
+                "kv_store",
+                grid_1d(rows * kvw)?,
+                [
+                    cache.to_vec(),
+                    [rows, width, qw, kv_heads, hd, self.context]
+                        .map(int)
+                        .to_vec(),
+                ]
+                .concat(),
+            ));
+            let window = c.sliding_window.map_or(0, |w| w.min(self.context));
+            t.push(task(
+                "attention",
+                "cached_attention",
+                grid_1d(rows * heads * 256)?,
+                [
+                    cache.to_vec(),
+                    vec![Arg::Buf(s.attn)],
+                    [rows, width, heads, kv_heads, hd, self.context, window]
+                        .map(int)
+                        .to_vec(),
+                ]
+                .concat(),
+            ));
+            t.push(self.linear("linear", Arg::Buf(s.attn), &l.o, rows, x2, Some(x))?);
+            std::mem::swap(&mut x, &mut x2);
+            t.push(self.norm(&l.norm2, Arg::Buf(x), s.xn, rows)?);
+            t.push(self.linear("linear", Arg::Buf(s.xn), &l.up, rows, s.up, None)?);
+            t.push(task(
+                "activation",
+                "glu",
+                grid_1d(rows * inner)?,
+                vec![
+                    Arg::Buf(s.up),
+                    Arg::Buf(s.act),
+                    int(rows),
+                    int(inner),
+                    int((c.family == Family::Gpt2) as usize),
+                ],
+            ));
+            t.push(self.linear("linear", Arg::Buf(s.act), &l.down, rows, x2, Some(x))?);
+            std::mem::swap(&mut x, &mut x2);
+        }
+        // Two residual adds a block: the hidden states end where they began.
+        debug_assert_eq!(x, s.x);
+        Ok(t)
+    }
+
+    /// The final norm and the LM head on `rows` rows starting at `x`, into `s.logits` (f32).
+    fn head_tasks(&self, x: Arg, rows: usize) -> Result<Vec<Task>, BackendError> {
+        let (s, vocab) = (&self.s, self.cfg.vocab_size);
+        let head = Lin {
+            w: self.lm_head,
+            bias: None,
+            inputs: self.cfg.hidden_size,
+            outputs: vocab,
+        };
+        Ok(vec![
+            self.norm(&self.final_norm, x, s.lastn, rows)?,
+            self.linear("lm_head", Arg::Buf(s.lastn), &head, rows, s.head, None)?,
+            task(
+                "lm_head",
+                "to_f32",
+                grid_1d(rows * vocab)?,
+                vec![Arg::Buf(s.head), Arg::Buf(s.logits), int(rows * vocab)],
+            ),
+        ])
+    }
+
+    fn ready(&self, tasks: &[Task]) -> Vec<Ready<D::Function>> {
+        tasks
+            .iter()
+            .map(|t| Ready {
+                op: t.op,
+                f: self.functions[t.launch.kernel].clone(),
+                grid: t.launch.grid,
+                args: super::program::pack(&t.launch.args, |b| self.ptrs[b]),
+            })
+            .collect()
+    }
+
+    /// Enqueue `ready`; when profiling, wait for it and add each launch's time to its op.
+    fn enqueue(&mut self, ready: &[Ready<D::Function>]) -> Result<(), BackendError> {
+        if self.profile {
+            self.device.marks(ready.len() + 1)?;
+            self.device.mark(0)?;
+        }
+        for (i, r) in ready.iter().enumerate() {
+            self.device
+                .launch(&r.f, r.grid, super::program::BLOCK, &r.args)?;
+            if self.profile {
+                self.device.mark(i + 1)?;
+            }
+        }
+        if self.profile {
+            self.device.sync()?;
+            let t = self.device.mark_times(ready.len() + 1)?;
+            for (r, w) in ready.iter().zip(t.windows(2)) {
+                *self.times.entry(r.op).or_default() += w[1].saturating_sub(w[0]) as f64 * 1e-9;
+            }
+        }
+        Ok(())
+    }
+
+    fn run(&mut self, tasks: &[Task]) -> Result<(), BackendError> {
+        let ready = self.ready(tasks);
+        self.enqueue(&ready)
+    }
+
+    /// The packed decode step (batch rows, one new token each, logits of every row).
+    fn run_decode_step(&mut self) -> Result<(), BackendError> {
+        if self.replayed {
+            return self.device.replay();
+        }
+        let decode = std::mem::take(&mut self.decode);
+        let run = self.enqueue(&decode);
+        self.decode = decode;
+        run
+    }
+
+    fn download_logits(&mut self, rows: usize) -> Result<Vec<f32>, BackendError> {
+        let mut raw = vec![0u8; rows * self.cfg.vocab_size * 4];
+        self.device.download(self.ptrs[self.s.logits], &mut raw)?;
+        Ok(raw
+            .chunks_exact(4)
+            .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+
+    fn forward(&mut self, tokens: &[u32], all_logits: bool) -> Result<(), BackendError> {
+        let new =
+            crate::backend::step_tokens(&self.cfg, self.batch, self.context, self.pos, tokens)?;
+        let (batch, d) = (self.batch, self.cfg.hidden_size);
+        self.logits = Logits::None;
+        let mut host = Vec::new();
+        for c0 in (0..new).step_by(self.chunk) {
+            let n = (new - c0).min(self.chunk);
+            let rows = batch * n;
+            let ids: Vec<i32> = (0..batch)
+                .flat_map(|b| &tokens[b * new + c0..b * new + c0 + n])
+                .map(|&t| t as i32)
+                .collect();
+            let ids: Vec<u8> = ids.iter().flat_map(|v| v.to_ne_bytes()).collect();
+            self.device.upload(self.ptrs[self.s.tokens], &ids)?;
+            let step: Vec<u8> = [(self.pos + c0) as i32, n as i32]
+                .iter()
+                .flat_map(|v| v.to_ne_bytes())
+                .collect();
+            self.device.upload(self.ptrs[self.s.step], &step)?;
+            if n == 1 && !all_logits {
+                self.run_decode_step()?;
+                self.logits = Logits::Device(batch);
+                continue;
+            }
+            let mut tasks = self.layer_tasks(rows, n)?;
+            if all_logits {
+                self.run(&tasks)?;
+                let row_bytes = self.precision.bytes() as u64 * d as u64;
+                for g0 in (0..rows).step_by(batch) {
+                    let g = (rows - g0).min(batch);
+                    let at = Arg::At(self.s.x, g0 as u64 * row_bytes);
+                    let head = self.head_tasks(at, g)?;
+                    self.run(&head)?;
+                    host.extend(self.download_logits(g)?);
+                }
+            } else if c0 + n == new {
+                tasks.push(task(
+                    "lm_head",
+                    "select_token",
+                    grid_1d(batch * d)?,
+                    [
+                        vec![Arg::Buf(self.s.x), Arg::Buf(self.s.last)],
+                        [batch, n, d, n - 1].map(int).to_vec(),
+                    ]
+                    .concat(),
+                ));
+                tasks.extend(self.head_tasks(Arg::Buf(self.s.last), batch)?);
+                self.run(&tasks)?;
+                self.logits = Logits::Device(batch);
+            } else {
+                self.run(&tasks)?;
+            }
+        }
+        if all_logits {
+            // Rows came chunk by chunk; put each sequence's positions together.
+            let vocab = self.cfg.vocab_size;
+            let mut ordered = vec![0f32; host.len()];
+            let mut at = 0;
+            for c0 in (0..new).step_by(self.chunk) {
+                let n = (new - c0).min(self.chunk);
+                for b in 0..batch {
+                    let dst = (b * new + c0) * vocab;
+                    ordered[dst..dst + n * vocab].copy_from_slice(&host[at..at + n * vocab]);
+                    at += n * vocab;
+                }
+            }
+            self.logits = Logits::Host(ordered);
+        }
+        self.pos += new;
+        Ok(())
+    }
+}
+
+impl<D: Device> DecoderSession for GpuDecoder<D> {
+    fn prefill(&mut self, tokens: &[u32], all_logits: bool) -> Result<(), BackendError> {
+        self.pos = 0;
+        self.forward(tokens, all_logits)
+    }
+
+    fn decode(&mut self, tokens: &[u32]) -> Result<(), BackendError> {
+        crate::backend::check_decode(self.batch, self.pos, tokens)?;
+        self.forward(tokens, false)
+    }
+
+    fn sync(&mut self) -> Result<(), BackendError> {
+        self.device.sync()
+    }
+
+    fn logits(&mut self) -> Result<Vec<f32>, BackendError> {
+        match &self.logits {
+            Logits::None => Err(BackendError::Invalid("no step has run yet".into())),
+            Logits::Device(rows) => self.download_logits(*rows),
+            Logits::Host(v) => Ok(v.clone()),
+        }
+    }
+
+    fn position(&self) -> usize {
+        self.pos
+    }
+
+    fn memory(&self) -> DecoderMemory {
+        let sum = |role| {
+            self.sizes
+                .iter()
+                .filter(|(_, r)| *r == role)
+                .map(|(n, _)| n)
+                .sum()
+        };
+        DecoderMemory {
+            weights: sum(Role::Weights),
+            kv_cache: sum(Role::Cache),
+            scratch: sum(Role::Scratch),
+        }
+    }
+
+    fn op_times(&self) -> Vec<(String, f64)> {
+        self.times
+            .iter()
+            .map(|(k, v)| (k.to_string(), *v))
+            .collect()
+    }
+
+    fn kernel_version(&self) -> String {
+        format!(
+            "workshop-gpu {} on {} ({}{})",
+            env!("CARGO_PKG_VERSION"),
+            self.device.describe(),
+            self.precision,
+            if self.replayed {
+                format!(", decode step replayed as a {}", self.device.graph_name())
+            } else {
+                String::new()
+            }
+        )
+    }
+}
+
+#[cfg(all(test, unix))]
+mod tests {
+    use super::*;
+    use crate::backend::BackendKind;
+    use crate::backend::gpu::emu::EmuDevice;
+
+    fn options(batch: usize, replay: bool) -> DecoderOptions {
+        DecoderOptions {
+            precision: Precision::Fp32,
+            threads: None,
+            batch,
+            context: 12,
+            profile: false,
+            replay,
+            kernels_dir: None,
+        }
+    }
+
+    /// A prefill in chunks (2 positions of 2 sequences at a time, the last chunk one position)
+    /// gives the logits of one pass, every position's and the last's; decode steps after it,
+    /// recorded and replayed, give those of a session that enqueues them.
+    #[test]
+    fn chunked_prefill_and_replayed_decode_match_one_pass() {
+        let mut cfg = crate::model::llm::built_in("qwen2.5-0.5b").unwrap();
+        cfg.name = "tiny".into();
+        (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size) = (32, 48, 40);
+        (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        ) = (4, 2, 8);
+        cfg.num_hidden_layers = 2;
+        let w = DecoderWeights::seeded(cfg, 7);
+        let tokens: Vec<u32> = (0..10).map(|i| (i * 7 + 3) % 40).collect();
+        let emu = || EmuDevice::new(BackendKind::Cuda);
+        let mut one = GpuDecoder::new(emu(), &w, &options(2, false), None).unwrap();
+        let mut chunked =
+            GpuDecoder::with_chunk_rows(emu(), &w, &options(2, true), None, 4).unwrap();
+        assert!(chunked.replayed && chunked.kernel_version().contains("replayed"));
+        for all in [true, false] {
+            one.prefill(&tokens, all).unwrap();
+            chunked.prefill(&tokens, all).unwrap();
+            let (a, b) = (one.logits().unwrap(), chunked.logits().unwrap());
+            assert_eq!(a.len(), if all { 10 * 40 } else { 2 * 40 });
+            let worst = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            assert!(worst < 1e-5, "all logits {all}: chunks differ by {worst}");
+        }
+        for step in 0..3 {
+            let next = [step as u32, 39 - step as u32];
+            one.decode(&next).unwrap();
+            chunked.decode(&next).unwrap();
+            let (a, b) = (one.logits().unwrap(), chunked.logits().unwrap());
+            let worst = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            assert!(worst < 1e-5, "decode step {step} differs by {worst}");
+        }
+        assert_eq!(chunked.position(), 8);
+        for _ in 8..12 {
+            chunked.decode(&[1, 2]).unwrap();
+        }
+        let full = chunked.decode(&[1, 2]).unwrap_err().to_string();
+        assert!(full.contains("the KV cache holds 12"), "{full}");
+    }
+}
