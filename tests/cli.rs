@@ -1664,7 +1664,7 @@ fn kernels_check_compiles_every_kernel_file_and_reports_errors_with_their_line()
     }
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
     let mut line = 0;
-    for f in ["gpu/ops.cuh", "cuda/ops.cu", "hip/ops.hip"] {
+    for f in ["gpu/ops.cuh", "gpu/llm.cuh", "cuda/ops.cu", "hip/ops.hip"] {
         let mut text = std::fs::read_to_string(root.join(f)).unwrap();
         if f == "gpu/ops.cuh" {
             let planted = "float r = acc[j];";

@@ -343,7 +343,7 @@ pub trait Backend {
         _opt: &DecoderOptions,
     ) -> Result<Box<dyn DecoderSession>, BackendError> {
         Err(BackendError::Unsupported(format!(
-            "the {} backend does not run language models yet (the cpu backend does)",
+            "the {} backend does not run language models yet (cpu, cuda and hip do)",
             self.kind()
         )))
     }

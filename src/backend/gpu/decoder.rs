@@ -827,14 +827,16 @@ mod tests {
         }
     }
 
-    /// A prefill in chunks (2 positions of 2 sequences at a time, the last chunk one position)
-    /// gives the logits of one pass, every position's and the last's; decode steps after it,
+    /// A prefill in chunks (2 positions of 2 sequences at a time, the last chunk one position:
+    /// `gemv`) gives the logits of one pass (the tiled GEMM), every position's and the last's; decode steps after it,
     /// recorded and replayed, give those of a session that enqueues them.
     #[test]
     fn chunked_prefill_and_replayed_decode_match_one_pass() {
         let mut cfg = crate::model::llm::built_in("qwen2.5-0.5b").unwrap();
         cfg.name = "tiny".into();
-        (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size) = (32, 48, 40);
+        // A hidden size that is no multiple of 4 values: `gemv`'s scalar path for q/k/v and
+        // gate/up, its 16-byte path for the rest.
+        (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size) = (34, 48, 40);
         (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,

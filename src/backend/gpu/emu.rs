@@ -236,7 +236,9 @@ enum Recorded {
 pub struct EmuDevice {
     kind: BackendKind,
     /// Every allocation, kept alive (and in place) for the session's life.
-    memory: Vec<Box<[u64]>>,
+    /// In 16-byte words: allocations start 16-byte aligned, as on a GPU (kernels load
+    /// 16-byte vectors).
+    memory: Vec<Box<[u128]>>,
     marks: Vec<Option<Instant>>,
     capturing: bool,
     graph: Vec<Recorded>,
@@ -317,8 +319,8 @@ impl Device for EmuDevice {
     }
 
     fn alloc(&mut self, bytes: u64) -> Result<u64, BackendError> {
-        let words = (bytes as usize).div_ceil(8).max(1);
-        let b = vec![0u64; words].into_boxed_slice();
+        let words = (bytes as usize).div_ceil(16).max(1);
+        let b = vec![0u128; words].into_boxed_slice();
         let p = b.as_ptr() as u64;
         self.memory.push(b);
         Ok(p)
