@@ -56,6 +56,17 @@ fn session_on(
     precision: Precision,
     batch: usize,
 ) -> Option<Box<dyn DecoderSession>> {
+    chunked_session(kind, w, precision, batch, None)
+}
+
+/// [`session_on`], with forward passes of at most `max_rows` rows.
+fn chunked_session(
+    kind: BackendKind,
+    w: &DecoderWeights,
+    precision: Precision,
+    batch: usize,
+    max_rows: Option<usize>,
+) -> Option<Box<dyn DecoderSession>> {
     let opt = DecoderOptions {
         precision,
         threads: Some(2),
@@ -64,6 +75,7 @@ fn session_on(
         profile: false,
         replay: false,
         kernels_dir: None,
+        max_rows,
     };
     let prepared = backend::open(kind).and_then(|b| b.prepare_decoder(0, w, &opt));
     match prepared {
@@ -147,6 +159,36 @@ fn greedy_continuation_matches_transformers_generate() {
             })
             .collect();
         assert_eq!(tokens, want.generated, "{kind} {family}");
+    }
+}
+
+/// A prefill in chunks of two positions (4 rows of 2 sequences) on the GPU backends gives
+/// transformers' logits too, every position's and each sequence's last: each chunk attends to
+/// what the chunks before it cached.
+#[test]
+fn chunked_prefill_matches_transformers() {
+    let gpus = [BackendKind::Wgpu, BackendKind::Cuda, BackendKind::Hip];
+    for (kind, family) in gpus.iter().flat_map(|&k| FAMILIES.map(|f| (k, f))) {
+        let want = expected(family);
+        let w = DecoderWeights::open_folder(&fixture(family)).unwrap();
+        let Some(mut s) = chunked_session(kind, &w, Precision::Fp32, 2, Some(4)) else {
+            continue;
+        };
+        let all = want.logits.concat().concat();
+        s.prefill(&want.prompt.concat(), true).unwrap();
+        let rel = rel_diff(&s.logits().unwrap(), &all);
+        assert!(
+            rel <= 1e-4,
+            "{kind} {family}: chunked logits off by {rel:e}"
+        );
+        s.prefill(&want.prompt.concat(), false).unwrap();
+        let last: Vec<f32> = want
+            .logits
+            .iter()
+            .flat_map(|seq| seq.last().unwrap().clone())
+            .collect();
+        let rel = rel_diff(&s.logits().unwrap(), &last);
+        assert!(rel <= 1e-4, "{kind} {family}: last logits off by {rel:e}");
     }
 }
 
@@ -267,7 +309,7 @@ fn bench_sweeps_a_model_folder_and_writes_records() {
 }
 
 /// `workshop bench` on the GPU backends: a decode step recorded once and replayed with
-/// `--compile reduce-overhead`, and the time of each kind of op with `--profile`.
+/// `--compile reduce-overhead` (CUDA), and the time of each kind of op with `--profile`.
 #[test]
 fn gpu_backends_bench_a_model_folder() {
     let dir = tempfile_dir("gpu");
@@ -275,6 +317,7 @@ fn gpu_backends_bench_a_model_folder() {
     for (kind, flag) in [
         (BackendKind::Cuda, ["--compile", "reduce-overhead"]),
         (BackendKind::Hip, ["--profile", "--warmup=0"]),
+        (BackendKind::Wgpu, ["--profile", "--warmup=0"]),
     ] {
         match backend::open(kind) {
             Err(e) => {
@@ -309,7 +352,12 @@ fn gpu_backends_bench_a_model_folder() {
         let v: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
         let version = v["environment"]["kernel_version"].as_str().unwrap();
-        assert!(version.contains("workshop-gpu"), "{version}");
+        let ours = if kind == BackendKind::Wgpu {
+            "workshop-wgsl"
+        } else {
+            "workshop-gpu"
+        };
+        assert!(version.contains(ours), "{version}");
         if kind == BackendKind::Cuda {
             assert!(version.contains("decode step replayed"), "{version}");
         } else {

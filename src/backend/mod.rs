@@ -343,7 +343,7 @@ pub trait Backend {
         _opt: &DecoderOptions,
     ) -> Result<Box<dyn DecoderSession>, BackendError> {
         Err(BackendError::Unsupported(format!(
-            "the {} backend does not run language models yet (cpu, cuda and hip do)",
+            "the {} backend does not run language models yet",
             self.kind()
         )))
     }
@@ -365,6 +365,10 @@ pub struct DecoderOptions {
     pub replay: bool,
     /// Read the GPU kernels from this folder instead of the copies in the binary.
     pub kernels_dir: Option<std::path::PathBuf>,
+    /// Rows one forward pass takes at most on the GPU backends (vLLM's
+    /// `max_num_batched_tokens`): a longer prefill runs in chunks of whole positions, each
+    /// attending to what the chunks before it cached. `None`: 2048.
+    pub max_rows: Option<usize>,
 }
 
 /// The new tokens per sequence of a step over `tokens` (sequence-major), after checking that

@@ -197,6 +197,7 @@ pub fn run(
         profile: cfg.profile,
         replay: cfg.exec_options().replay,
         kernels_dir: cfg.kernels_dir.clone(),
+        max_rows: None,
     };
     let mut session = backend.prepare_decoder(cfg.device, &weights, &opt)?;
     drop(weights);

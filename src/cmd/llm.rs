@@ -214,6 +214,7 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
         profile: false,
         replay: false,
         kernels_dir: None,
+        max_rows: None,
     };
     let mut session = backend.prepare_decoder(args.device, &weights, &opt)?;
     drop(weights);

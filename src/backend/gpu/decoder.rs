@@ -20,8 +20,14 @@ use crate::model::llm::{DecoderConfig, DecoderWeights, Family};
 /// Must match GEMV_ROWS in kernels/gpu/llm.cuh: steps of at most this many rows take `gemv`.
 const GEMV_ROWS: usize = 8;
 
-/// The most rows one forward pass runs; a longer prefill goes in chunks of whole positions.
+/// The most rows one forward pass runs unless `DecoderOptions::max_rows` says otherwise; a
+/// longer prefill goes in chunks of whole positions.
 pub const CHUNK_ROWS: usize = 2048;
+
+/// Positions of every sequence one forward pass takes.
+pub fn chunk_positions(opt: &DecoderOptions) -> usize {
+    (opt.max_rows.unwrap_or(CHUNK_ROWS) / opt.batch.max(1)).clamp(1, opt.context.max(1))
+}
 
 /// Every kernel a step may launch.
 const KERNELS: [&str; 13] = [
@@ -159,21 +165,10 @@ impl<D: Device> GpuDecoder<D> {
     /// Refuse a session that needs more than `free` bytes of device memory, then upload the
     /// weights, allocate the cache and scratch, compile the kernels and pack a decode step.
     pub fn new(
-        device: D,
-        w: &DecoderWeights,
-        opt: &DecoderOptions,
-        free: Option<u64>,
-    ) -> Result<Self, BackendError> {
-        Self::with_chunk_rows(device, w, opt, free, CHUNK_ROWS)
-    }
-
-    /// [`GpuDecoder::new`] with forward passes of at most `chunk_rows` rows.
-    fn with_chunk_rows(
         mut device: D,
         w: &DecoderWeights,
         opt: &DecoderOptions,
         free: Option<u64>,
-        chunk_rows: usize,
     ) -> Result<Self, BackendError> {
         let cfg = w.config.clone();
         let p = opt.precision;
@@ -184,7 +179,7 @@ impl<D: Device> GpuDecoder<D> {
             )));
         }
         let batch = opt.batch.max(1);
-        let chunk = (chunk_rows / batch).clamp(1, opt.context.max(1));
+        let chunk = chunk_positions(opt);
         let rows = batch * chunk;
         // Every size the kernels index with 32-bit ints.
         for (what, v) in [
@@ -815,7 +810,7 @@ mod tests {
     use crate::backend::BackendKind;
     use crate::backend::gpu::emu::EmuDevice;
 
-    fn options(batch: usize, replay: bool) -> DecoderOptions {
+    fn options(batch: usize, replay: bool, max_rows: Option<usize>) -> DecoderOptions {
         DecoderOptions {
             precision: Precision::Fp32,
             threads: None,
@@ -824,6 +819,7 @@ mod tests {
             profile: false,
             replay,
             kernels_dir: None,
+            max_rows,
         }
     }
 
@@ -846,9 +842,8 @@ mod tests {
         let w = DecoderWeights::seeded(cfg, 7);
         let tokens: Vec<u32> = (0..10).map(|i| (i * 7 + 3) % 40).collect();
         let emu = || EmuDevice::new(BackendKind::Cuda);
-        let mut one = GpuDecoder::new(emu(), &w, &options(2, false), None).unwrap();
-        let mut chunked =
-            GpuDecoder::with_chunk_rows(emu(), &w, &options(2, true), None, 4).unwrap();
+        let mut one = GpuDecoder::new(emu(), &w, &options(2, false, None), None).unwrap();
+        let mut chunked = GpuDecoder::new(emu(), &w, &options(2, true, Some(4)), None).unwrap();
         assert!(chunked.replayed && chunked.kernel_version().contains("replayed"));
         for all in [true, false] {
             one.prefill(&tokens, all).unwrap();

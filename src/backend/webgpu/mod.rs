@@ -20,6 +20,7 @@ use std::time::Instant;
 
 use wgpu::util::DeviceExt;
 
+mod decoder;
 mod lower;
 mod session;
 
@@ -65,6 +66,7 @@ const KERNELS: &[(&str, &str)] = &[
         "activate.wgsl",
         include_str!("../../../kernels/wgsl/activate.wgsl"),
     ),
+    ("llm.wgsl", include_str!("../../../kernels/wgsl/llm.wgsl")),
 ];
 
 /// The kernels, as (file, entry point).
@@ -95,6 +97,14 @@ enum Kernel {
     ChannelCopy,
     WindowAttention,
     PatchMerge,
+    EmbedTokens,
+    LlmNorm,
+    Rope,
+    KvStore,
+    CachedAttention,
+    Glu,
+    LlmLinear,
+    LmHead,
 }
 
 impl Kernel {
@@ -125,6 +135,14 @@ impl Kernel {
             Kernel::ChannelCopy => ("channels.wgsl", "channel_copy"),
             Kernel::WindowAttention => ("window.wgsl", "window_attention"),
             Kernel::PatchMerge => ("window.wgsl", "patch_merge"),
+            Kernel::EmbedTokens => ("llm.wgsl", "embed_tokens"),
+            Kernel::LlmNorm => ("llm.wgsl", "llm_norm"),
+            Kernel::Rope => ("llm.wgsl", "llm_rope"),
+            Kernel::KvStore => ("llm.wgsl", "kv_store"),
+            Kernel::CachedAttention => ("llm.wgsl", "cached_attention"),
+            Kernel::Glu => ("llm.wgsl", "glu"),
+            Kernel::LlmLinear => ("llm.wgsl", "llm_linear"),
+            Kernel::LmHead => ("llm.wgsl", "lm_head"),
         }
     }
 }
@@ -225,6 +243,50 @@ fn open_device(
         kind: BackendKind::Wgpu,
         reason: format!("{}: {e}", adapter.get_info().name),
     })
+}
+
+/// A device on `adapter` with the features `precision` (and, with `profile`, timing) need; the
+/// first error it reports outside an error scope lands in the returned slot (wgpu would panic
+/// on it otherwise); and whether kernels can be timed on the device.
+#[allow(clippy::type_complexity)]
+fn open_for(
+    adapter: &wgpu::Adapter,
+    precision: Precision,
+    profile: bool,
+) -> Result<(wgpu::Device, wgpu::Queue, Arc<Mutex<Option<String>>>, bool), BackendError> {
+    let name = adapter.get_info().name;
+    let mut features = wgpu::Features::empty();
+    match precision {
+        Precision::Fp32 => {}
+        Precision::Fp16 if adapter.features().contains(wgpu::Features::SHADER_F16) => {
+            features |= wgpu::Features::SHADER_F16
+        }
+        Precision::Fp16 => {
+            return Err(BackendError::Unsupported(format!(
+                "this adapter ({name}) has no FP16 support (SHADER_F16); use --precision fp32"
+            )));
+        }
+        Precision::Bf16 => {
+            return Err(BackendError::Unsupported(
+                    "the wgpu backend has no BF16: WGSL has no bfloat16 type; use --precision fp32 or fp16".into(),
+                ));
+        }
+    }
+    let timestamps = profile && adapter.features().contains(wgpu::Features::TIMESTAMP_QUERY);
+    if timestamps {
+        features |= wgpu::Features::TIMESTAMP_QUERY;
+    }
+    let (device, queue) = open_device(adapter, features)?;
+    // wgpu panics on errors nobody captured; keep the first one instead and report it as
+    // an error from `prepare` or `sync`.
+    let errors: Arc<Mutex<Option<String>>> = Arc::default();
+    let slot = Arc::clone(&errors);
+    device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+        slot.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert_with(|| e.to_string());
+    }));
+    Ok((device, queue, errors, timestamps))
 }
 
 impl WgpuBackend {
@@ -422,38 +484,7 @@ impl Backend for WgpuBackend {
         super::native_only(BackendKind::Wgpu, opt)?;
         let adapter = self.adapter(dev)?;
         let name = adapter.get_info().name;
-        let mut features = wgpu::Features::empty();
-        match opt.precision {
-            Precision::Fp32 => {}
-            Precision::Fp16 if adapter.features().contains(wgpu::Features::SHADER_F16) => {
-                features |= wgpu::Features::SHADER_F16
-            }
-            Precision::Fp16 => {
-                return Err(BackendError::Unsupported(format!(
-                    "this adapter ({name}) has no FP16 support (SHADER_F16); use --precision fp32"
-                )));
-            }
-            Precision::Bf16 => {
-                return Err(BackendError::Unsupported(
-                    "the wgpu backend has no BF16: WGSL has no bfloat16 type; use --precision fp32 or fp16".into(),
-                ));
-            }
-        }
-        let timestamps =
-            opt.profile && adapter.features().contains(wgpu::Features::TIMESTAMP_QUERY);
-        if timestamps {
-            features |= wgpu::Features::TIMESTAMP_QUERY;
-        }
-        let (device, queue) = open_device(adapter, features)?;
-        // wgpu panics on errors nobody captured; keep the first one instead and report it as
-        // an error from `prepare` or `sync`.
-        let errors: Arc<Mutex<Option<String>>> = Arc::default();
-        let slot = Arc::clone(&errors);
-        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
-            slot.lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get_or_insert_with(|| e.to_string());
-        }));
+        let (device, queue, errors, timestamps) = open_for(adapter, opt.precision, opt.profile)?;
         let mut session = WgpuSession::new(
             device,
             queue,
@@ -466,6 +497,26 @@ impl Backend for WgpuBackend {
         )?;
         session.errors = errors;
         session.check_errors()?;
+        Ok(Box::new(session))
+    }
+
+    fn prepare_decoder(
+        &self,
+        dev: usize,
+        weights: &crate::model::llm::DecoderWeights,
+        opt: &super::DecoderOptions,
+    ) -> Result<Box<dyn super::DecoderSession>, BackendError> {
+        let adapter = self.adapter(dev)?;
+        let (device, queue, errors, _) = open_for(adapter, opt.precision, false)?;
+        let mut session = decoder::WgpuDecoder::new(
+            device,
+            queue,
+            adapter.limits(),
+            weights,
+            opt,
+            adapter.get_info().name,
+        )?;
+        session.errors = errors;
         Ok(Box::new(session))
     }
 }

@@ -92,7 +92,7 @@ pub(super) fn timestamp_queries(
 
 /// The compute pipelines of a session, built on first use: one shader module per kernel file,
 /// one pipeline per entry point.
-struct Pipelines<'a> {
+pub(super) struct Pipelines<'a> {
     device: &'a wgpu::Device,
     kernels_dir: Option<&'a PathBuf>,
     precision: Precision,
@@ -101,7 +101,7 @@ struct Pipelines<'a> {
 }
 
 impl<'a> Pipelines<'a> {
-    fn new(
+    pub(super) fn new(
         device: &'a wgpu::Device,
         kernels_dir: Option<&'a PathBuf>,
         precision: Precision,
@@ -116,7 +116,7 @@ impl<'a> Pipelines<'a> {
     }
 
     /// `kernel`'s pipeline; a compile or validation error names the file and entry point.
-    fn get(&mut self, k: Kernel) -> Result<wgpu::ComputePipeline, BackendError> {
+    pub(super) fn get(&mut self, k: Kernel) -> Result<wgpu::ComputePipeline, BackendError> {
         if let Some(p) = self.pipelines.get(&k) {
             return Ok(p.clone());
         }
