@@ -192,6 +192,36 @@ fn chunked_prefill_matches_transformers() {
     }
 }
 
+/// A token table of 140,000 × 256 values (137 MiB in FP32, more than the 128 MiB one storage
+/// binding holds on many adapters): wgpu cuts it, and the tied LM head, into slices of rows
+/// and gives the CPU's logits, for the prompt and a decode step.
+#[test]
+fn token_table_larger_than_one_binding() {
+    let mut cfg = workshop::model::llm::built_in("qwen2.5-0.5b").unwrap();
+    cfg.name = "wide-vocabulary".into();
+    (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size) = (256, 64, 140_000);
+    (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) = (4, 2, 64);
+    cfg.num_hidden_layers = 1;
+    let w = DecoderWeights::seeded(cfg, 3);
+    let Some(mut gpu) = session_on(BackendKind::Wgpu, &w, Precision::Fp32, 1) else {
+        return;
+    };
+    let mut cpu = session_on(BackendKind::Cpu, &w, Precision::Fp32, 1).unwrap();
+    // Ids from both ends of the table, so more than one slice is read.
+    let prompt = [5, 139_999, 70_000, 12];
+    for s in [&mut gpu, &mut cpu] {
+        s.prefill(&prompt, false).unwrap();
+    }
+    let (a, b) = (gpu.logits().unwrap(), cpu.logits().unwrap());
+    assert!(rel_diff(&a, &b) <= 1e-4, "prompt: {:e}", rel_diff(&a, &b));
+    let next = [argmax(&b)];
+    for s in [&mut gpu, &mut cpu] {
+        s.decode(&next).unwrap();
+    }
+    let (a, b) = (gpu.logits().unwrap(), cpu.logits().unwrap());
+    assert!(rel_diff(&a, &b) <= 1e-4, "decode: {:e}", rel_diff(&a, &b));
+}
+
 /// Each decode step's logits equal those of the same position in one prefill of the whole
 /// sequence (the KV cache holds what a recompute would compute), in every precision.
 #[test]

@@ -21,6 +21,8 @@ struct Params {
     offset: u32,
     q_width: u32,   // values of the queries in a q/k/v row
     eps: f32,
+    first: u32,     // a matrix cut into slices of rows (the binding limit): this slice's first
+    count: u32,     // row (output, or token id of the table) and its rows
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -45,7 +47,8 @@ fn position(r: u32) -> u32 {
     return step[0] + r % step[1];
 }
 
-// Token embeddings, plus GPT-2's learned positions (flag 4).
+// Token embeddings, plus GPT-2's learned positions (flag 4): the rows whose token is in this
+// slice of the table.
 @compute @workgroup_size(256)
 fn embed_tokens(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let i = llm_index(wid, nwg, lid);
@@ -54,7 +57,11 @@ fn embed_tokens(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     }
     let r = i / p.d;
     let j = i % p.d;
-    let v = w[tokens[r] * p.d + j];
+    let t = tokens[r];
+    if (t < p.first || t >= p.first + p.count) {
+        return;
+    }
+    let v = w[(t - p.first) * p.d + j];
     if ((p.flags & 4u) == 0u) {
         y[i] = v;
     } else {
@@ -201,7 +208,8 @@ fn glu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3
     y[i] = elem(g / (1.0 + exp(-g)) * u);
 }
 
-// x (rows, k) · wᵀ for w (n, k), the dot product of one output.
+// x (rows, k) · wᵀ for the slice w (count, k) of the outputs from `first`: the dot product of
+// row r and the slice's output o.
 fn dot_row(r: u32, o: u32) -> f32 {
     var acc = 0.0;
     let xr = r * p.k;
@@ -212,29 +220,34 @@ fn dot_row(r: u32, o: u32) -> f32 {
     return acc;
 }
 
-// y = x·wᵀ (+ bias, flag 1) (+ res, flag 2), one thread per output.
+// y = x·wᵀ (+ bias, flag 1) (+ res, flag 2) for the slice's outputs, one thread per output;
+// y has n values a row.
 @compute @workgroup_size(256)
 fn llm_linear(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let i = llm_index(wid, nwg, lid);
-    if (i >= p.rows * p.n) {
+    if (i >= p.rows * p.count) {
         return;
     }
-    let o = i % p.n;
-    var v = dot_row(i / p.n, o);
+    let r = i / p.count;
+    let o = i % p.count;
+    let at = r * p.n + p.first + o;
+    var v = dot_row(r, o);
     if ((p.flags & 1u) != 0u) {
-        v += bf[o];
+        v += bf[p.first + o];
     }
     if ((p.flags & 2u) != 0u) {
-        v += f32(res[i]);
+        v += f32(res[at]);
     }
-    y[i] = elem(v);
+    y[at] = elem(v);
 }
 
-// The LM head: x·wᵀ rounded to the storage type, as f32 logits.
+// The LM head on the slice's outputs: x·wᵀ rounded to the storage type, as f32 logits.
 @compute @workgroup_size(256)
 fn lm_head(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let i = llm_index(wid, nwg, lid);
-    if (i < p.rows * p.n) {
-        logits[i] = f32(elem(dot_row(i / p.n, i % p.n)));
+    if (i < p.rows * p.count) {
+        let r = i / p.count;
+        let o = i % p.count;
+        logits[r * p.n + p.first + o] = f32(elem(dot_row(r, o)));
     }
 }

@@ -42,6 +42,8 @@ struct Params {
     offset: usize,
     q_width: usize,
     eps: f32,
+    first: usize,
+    count: usize,
 }
 
 /// `Params::flags`.
@@ -74,6 +76,7 @@ impl Params {
         .map(|&v| v as u32)
         .collect();
         w.push(self.eps.to_bits());
+        w.extend([self.first as u32, self.count as u32]);
         w
     }
 }
@@ -96,8 +99,17 @@ struct Bound {
     groups: (u32, u32, u32),
 }
 
+/// Rows `first..first + count` of a matrix, in one buffer: a matrix larger than the adapter
+/// binds at once is cut into slices of whole rows, one launch each.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Slice {
+    buf: BufId,
+    first: usize,
+    count: usize,
+}
+
 struct Lin {
-    w: BufId,
+    w: Vec<Slice>,
     bias: Option<BufId>,
     inputs: usize,
     outputs: usize,
@@ -159,10 +171,10 @@ pub(super) struct WgpuDecoder {
     roles: Vec<Role>,
     zero: BufId,
     layers: Vec<Layer>,
-    embed: BufId,
+    embed: Vec<Slice>,
     positions: Option<BufId>,
     final_norm: NormBufs,
-    lm_head: BufId,
+    lm_head: Vec<Slice>,
     cos: BufId,
     sin: BufId,
     s: Scratch,
@@ -222,6 +234,29 @@ impl Buffers<'_> {
         Ok(self.buffers.len() - 1)
     }
 
+    /// A row-major matrix of `cols` columns in the storage type, in slices of whole rows that
+    /// each fit one binding.
+    fn matrix(
+        &mut self,
+        what: &str,
+        m: &[f32],
+        cols: usize,
+        p: Precision,
+    ) -> Result<Vec<Slice>, BackendError> {
+        let row = elem_bytes(cols, p);
+        self.check(&format!("a row of {what}"), row)?;
+        let per = (self.max_binding / row.max(1)).max(1) as usize;
+        let rows = m.len() / cols.max(1);
+        let mut out = Vec::new();
+        for first in (0..rows.max(1)).step_by(per) {
+            let count = per.min(rows - first);
+            let values = &m[first * cols..(first + count) * cols];
+            let buf = self.upload(what, p.storage_bytes(values))?;
+            out.push(Slice { buf, first, count });
+        }
+        Ok(out)
+    }
+
     fn f32s(&mut self, what: &str, v: &[f32]) -> Result<BufId, BackendError> {
         self.upload(what, f32_bytes(v))
     }
@@ -242,7 +277,7 @@ impl Buffers<'_> {
         p: Precision,
     ) -> Result<Lin, BackendError> {
         Ok(Lin {
-            w: self.upload("linear weight", p.storage_bytes(&l.weight))?,
+            w: self.matrix("a linear layer's weight", &l.weight, l.inputs, p)?,
             bias: match &l.bias {
                 Some(b) => Some(self.f32s("linear bias", b)?),
                 None => None,
@@ -332,11 +367,11 @@ impl WgpuDecoder {
             });
         }
         let table = w.token_table().map_err(load_err)?;
-        let embed = b.upload("token table", p.storage_bytes(&table))?;
+        let embed = b.matrix("the token table", &table, d, p)?;
         drop(table);
         let lm_head = match w.lm_head().map_err(load_err)? {
-            Some(head) => b.upload("LM head", p.storage_bytes(&head))?,
-            None => embed,
+            Some(head) => b.matrix("the LM head", &head, d, p)?,
+            None => embed.clone(),
         };
         let positions = match w.position_table().map_err(load_err)? {
             Some(t) => Some(b.f32s("positions", &t)?),
@@ -452,53 +487,63 @@ impl WgpuDecoder {
         }
     }
 
-    fn linear(&self, x: BufId, l: &Lin, rows: usize, y: BufId, res: Option<BufId>) -> Launch {
+    /// One launch per slice of the weight.
+    fn linear(&self, x: BufId, l: &Lin, rows: usize, y: BufId, res: Option<BufId>) -> Vec<Launch> {
         let flags =
             if l.bias.is_some() { BIAS } else { 0 } | if res.is_some() { RESIDUAL } else { 0 };
-        Launch {
-            kernel: Kernel::LlmLinear,
-            op: "linear",
-            params: Params {
-                k: l.inputs,
-                n: l.outputs,
-                flags,
-                ..self.base(rows)
-            },
-            bindings: vec![
-                (2, x),
-                (3, l.w),
-                (5, l.bias.unwrap_or(self.zero)),
-                (6, y),
-                (9, res.unwrap_or(self.zero)),
-            ],
-            threads: rows * l.outputs,
-        }
+        l.w.iter()
+            .map(|s| Launch {
+                kernel: Kernel::LlmLinear,
+                op: "linear",
+                params: Params {
+                    k: l.inputs,
+                    n: l.outputs,
+                    flags,
+                    first: s.first,
+                    count: s.count,
+                    ..self.base(rows)
+                },
+                bindings: vec![
+                    (2, x),
+                    (3, s.buf),
+                    (5, l.bias.unwrap_or(self.zero)),
+                    (6, y),
+                    (9, res.unwrap_or(self.zero)),
+                ],
+                threads: rows * s.count,
+            })
+            .collect()
     }
 
     /// Every block of a step of `rows` rows, from the token ids to the hidden states in `s.x`.
     fn layer_launches(&self, rows: usize) -> Vec<Launch> {
         let (c, s) = (&self.cfg, &self.s);
         let base = self.base(rows);
-        let mut out = vec![Launch {
-            kernel: Kernel::EmbedTokens,
-            op: "embedding",
-            params: Params {
-                flags: if self.positions.is_some() { SECOND } else { 0 },
-                ..base
-            },
-            bindings: vec![
-                (1, s.step),
-                (3, self.embed),
-                (4, self.positions.unwrap_or(self.zero)),
-                (6, s.x),
-                (8, s.tokens),
-            ],
-            threads: rows * c.hidden_size,
-        }];
+        // Each slice of the table writes the rows whose token it holds.
+        let mut out: Vec<Launch> = (self.embed.iter())
+            .map(|t| Launch {
+                kernel: Kernel::EmbedTokens,
+                op: "embedding",
+                params: Params {
+                    flags: if self.positions.is_some() { SECOND } else { 0 },
+                    first: t.first,
+                    count: t.count,
+                    ..base
+                },
+                bindings: vec![
+                    (1, s.step),
+                    (3, t.buf),
+                    (4, self.positions.unwrap_or(self.zero)),
+                    (6, s.x),
+                    (8, s.tokens),
+                ],
+                threads: rows * c.hidden_size,
+            })
+            .collect();
         let (mut x, mut x2) = (s.x, s.x2);
         for l in &self.layers {
             out.push(self.norm(&l.norm1, x, s.xn, rows, (1, 0)));
-            out.push(self.linear(s.xn, &l.qkv, rows, s.qkv, None));
+            out.extend(self.linear(s.xn, &l.qkv, rows, s.qkv, None));
             if c.family == Family::Llama {
                 let rotated = c.num_attention_heads + c.num_key_value_heads;
                 out.push(Launch {
@@ -526,10 +571,10 @@ impl WgpuDecoder {
                 bindings: vec![(1, s.step), (2, s.qkv), (3, l.k), (6, s.attn), (11, l.v)],
                 threads: rows * c.num_attention_heads,
             });
-            out.push(self.linear(s.attn, &l.o, rows, x2, Some(x)));
+            out.extend(self.linear(s.attn, &l.o, rows, x2, Some(x)));
             std::mem::swap(&mut x, &mut x2);
             out.push(self.norm(&l.norm2, x, s.xn, rows, (1, 0)));
-            out.push(self.linear(s.xn, &l.up, rows, s.up, None));
+            out.extend(self.linear(s.xn, &l.up, rows, s.up, None));
             out.push(Launch {
                 kernel: Kernel::Glu,
                 op: "activation",
@@ -540,7 +585,7 @@ impl WgpuDecoder {
                 bindings: vec![(2, s.up), (6, s.act)],
                 threads: rows * c.intermediate_size,
             });
-            out.push(self.linear(s.act, &l.down, rows, x2, Some(x)));
+            out.extend(self.linear(s.act, &l.down, rows, x2, Some(x)));
             std::mem::swap(&mut x, &mut x2);
         }
         debug_assert_eq!(x, s.x);
@@ -551,20 +596,21 @@ impl WgpuDecoder {
     /// into the f32 `s.logits`.
     fn head_launches(&self, rows: usize, stride: usize, offset: usize) -> Vec<Launch> {
         let (s, vocab) = (&self.s, self.cfg.vocab_size);
-        vec![
-            self.norm(&self.final_norm, s.x, s.lastn, rows, (stride, offset)),
-            Launch {
-                kernel: Kernel::LmHead,
-                op: "lm_head",
-                params: Params {
-                    k: self.cfg.hidden_size,
-                    n: vocab,
-                    ..self.base(rows)
-                },
-                bindings: vec![(2, s.lastn), (3, self.lm_head), (10, s.logits)],
-                threads: rows * vocab,
+        let mut out = vec![self.norm(&self.final_norm, s.x, s.lastn, rows, (stride, offset))];
+        out.extend(self.lm_head.iter().map(|t| Launch {
+            kernel: Kernel::LmHead,
+            op: "lm_head",
+            params: Params {
+                k: self.cfg.hidden_size,
+                n: vocab,
+                first: t.first,
+                count: t.count,
+                ..self.base(rows)
             },
-        ]
+            bindings: vec![(2, s.lastn), (3, t.buf), (10, s.logits)],
+            threads: rows * t.count,
+        }));
+        out
     }
 
     fn bind(&self, launches: &[Launch]) -> Vec<Bound> {
