@@ -200,7 +200,11 @@ fn token_table_larger_than_one_binding() {
     let mut cfg = workshop::model::llm::built_in("qwen2.5-0.5b").unwrap();
     cfg.name = "wide-vocabulary".into();
     (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size) = (256, 64, 140_000);
-    (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) = (4, 2, 64);
+    (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+    ) = (4, 2, 64);
     cfg.num_hidden_layers = 1;
     let w = DecoderWeights::seeded(cfg, 3);
     let Some(mut gpu) = session_on(BackendKind::Wgpu, &w, Precision::Fp32, 1) else {

@@ -42,7 +42,7 @@ fn weights_label(run: &RunArgs) -> String {
 }
 
 /// Whether `kind`'s kernels run on the host's GPU emulator.
-fn emulated(kind: BackendKind) -> bool {
+pub(super) fn emulated(kind: BackendKind) -> bool {
     matches!(kind, BackendKind::Cuda | BackendKind::Hip) && crate::backend::gpu::emu::requested()
 }
 

@@ -121,7 +121,10 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     };
     let mut records = Vec::new();
     for cfg in &runs {
-        println!("{}\n", report::llm::config_echo(cfg, &model.name));
+        println!(
+            "{}\n",
+            report::llm::config_echo(cfg, &model.name, super::bench::emulated(cfg.backend))
+        );
         let mut out = std::io::stdout();
         let record = llm::run(cfg, args.model_dir.as_deref(), &mut |ev| {
             let _ = writeln!(out, "{}", report::bench::event_line(&ev));

@@ -13,15 +13,8 @@ use crate::units::group_digits;
 /// The configuration echo printed before a run; `emulated`: the GPU backend's kernels run on
 /// the host's emulator.
 pub fn config_echo(cfg: &BenchConfig, emulated: bool) -> String {
-    let threads = cfg
-        .threads
-        .map_or_else(|| "all cores".to_string(), |t| t.to_string());
-    let backend = match emulated {
-        true => format!("{} emulated on the host CPU", cfg.backend),
-        false => cfg.backend.to_string(),
-    };
     format!(
-        "Network:     {}\nBatch size:  {}\nInput:       3×{}×{}\nIterations:  {} (after {} warm-up)\nPrecision:   {}\nBackend:     {} (device {}, threads: {})\nWeights:     {}",
+        "Network:     {}\nBatch size:  {}\nInput:       3×{}×{}\nIterations:  {} (after {} warm-up)\nPrecision:   {}\nBackend:     {}\nWeights:     {}",
         cfg.network,
         cfg.batch_size,
         cfg.input_size,
@@ -29,10 +22,29 @@ pub fn config_echo(cfg: &BenchConfig, emulated: bool) -> String {
         cfg.iterations,
         cfg.warmup,
         cfg.precision.name().to_uppercase(),
-        backend,
-        cfg.device,
-        threads,
+        backend_line(cfg, emulated),
         cfg.weights
+    )
+}
+
+/// `cpu (device 0, threads: all cores)`, `cuda emulated on the host CPU (device 0)`: the
+/// worker threads only where the backend's kernels run on them.
+pub fn backend_line(cfg: &BenchConfig, emulated: bool) -> String {
+    if emulated {
+        return format!(
+            "{} emulated on the host CPU (device {})",
+            cfg.backend, cfg.device
+        );
+    }
+    if !cfg.backend.is_host() {
+        return format!("{} (device {})", cfg.backend, cfg.device);
+    }
+    let threads = cfg
+        .threads
+        .map_or_else(|| "all cores".to_string(), |t| t.to_string());
+    format!(
+        "{} (device {}, threads: {threads})",
+        cfg.backend, cfg.device
     )
 }
 

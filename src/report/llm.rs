@@ -11,13 +11,10 @@ use crate::bench::record::{BenchConfig, BenchRecord};
 use crate::model::llm::DecoderConfig;
 use crate::units::{group_digits, human_bytes};
 
-pub fn config_echo(cfg: &BenchConfig, model: &str) -> String {
+pub fn config_echo(cfg: &BenchConfig, model: &str, emulated: bool) -> String {
     let (prompt, generate) = lengths(cfg);
-    let threads = cfg
-        .threads
-        .map_or_else(|| "all cores".to_string(), |t| t.to_string());
     format!(
-        "Model:       {model}\nBatch:       {}\nTokens:      {prompt} prompt + {generate} generated (greedy)\nIterations:  {} (after {} warm-up)\nPrecision:   {}\nBackend:     {} (device {}, threads: {threads})\nWeights:     {}",
+        "Model:       {model}\nBatch:       {}\nTokens:      {prompt} prompt + {generate} generated (greedy)\nIterations:  {} (after {} warm-up)\nPrecision:   {}\nBackend:     {}\nWeights:     {}",
         match cfg.batch_size {
             1 => "1 sequence".to_string(),
             n => format!("{n} sequences"),
@@ -25,8 +22,7 @@ pub fn config_echo(cfg: &BenchConfig, model: &str) -> String {
         cfg.iterations,
         cfg.warmup,
         cfg.precision.name().to_uppercase(),
-        cfg.backend,
-        cfg.device,
+        super::bench::backend_line(cfg, emulated),
         cfg.weights
     )
 }
