@@ -7,6 +7,7 @@ pub mod check;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod decoding;
 pub mod gpu;
 #[cfg(feature = "hip")]
 pub mod hip;
@@ -405,7 +406,7 @@ pub fn step_tokens(
 }
 
 /// A decode step takes one token per sequence, after a prefill.
-pub fn check_decode(batch: usize, pos: usize, tokens: &[u32]) -> Result<(), BackendError> {
+fn check_decode(batch: usize, pos: usize, tokens: &[u32]) -> Result<(), BackendError> {
     if tokens.len() != batch {
         return Err(BackendError::Invalid(format!(
             "a decode step takes one token per sequence ({batch}), not {}",
@@ -432,12 +433,24 @@ pub struct DecoderMemory {
 /// A prepared decoder on a device: prompts in, one token per sequence per step after, the KV
 /// cache kept on the device in between.
 pub trait DecoderSession {
-    /// Run the prompts (`batch` rows of equal length, token ids) from position 0, filling the
-    /// KV cache; the logits are then those of each prompt's last token, or of every token with
-    /// `all_logits`.
-    fn prefill(&mut self, tokens: &[u32], all_logits: bool) -> Result<(), BackendError>;
+    /// One forward pass over `tokens` (`batch` rows of equal length, token ids) from the
+    /// current position, adding them to the KV cache; the logits are then those of each row's
+    /// last token, or of every token with `all_logits`.
+    fn step(&mut self, tokens: &[u32], all_logits: bool) -> Result<(), BackendError>;
+    /// Forget the cache: the next step starts at position 0.
+    fn rewind(&mut self);
+    /// Sequences decoded together.
+    fn batch(&self) -> usize;
+    /// Run the prompts from position 0, filling the KV cache.
+    fn prefill(&mut self, tokens: &[u32], all_logits: bool) -> Result<(), BackendError> {
+        self.rewind();
+        self.step(tokens, all_logits)
+    }
     /// One new token per sequence at the next position.
-    fn decode(&mut self, tokens: &[u32]) -> Result<(), BackendError>;
+    fn decode(&mut self, tokens: &[u32]) -> Result<(), BackendError> {
+        check_decode(self.batch(), self.position(), tokens)?;
+        self.step(tokens, false)
+    }
     /// Wait until the device has finished everything enqueued.
     fn sync(&mut self) -> Result<(), BackendError>;
     /// The last step's logits, (rows × vocabulary) in f32.

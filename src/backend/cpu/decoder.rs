@@ -316,14 +316,16 @@ impl<T: Elem> CpuDecoder<T> {
 }
 
 impl<T: Elem> DecoderSession for CpuDecoder<T> {
-    fn prefill(&mut self, tokens: &[u32], all_logits: bool) -> Result<(), BackendError> {
-        self.pos = 0;
+    fn step(&mut self, tokens: &[u32], all_logits: bool) -> Result<(), BackendError> {
         self.forward(tokens, all_logits)
     }
 
-    fn decode(&mut self, tokens: &[u32]) -> Result<(), BackendError> {
-        crate::backend::check_decode(self.batch, self.pos, tokens)?;
-        self.forward(tokens, false)
+    fn rewind(&mut self) {
+        self.pos = 0;
+    }
+
+    fn batch(&self) -> usize {
+        self.batch
     }
 
     fn sync(&mut self) -> Result<(), BackendError> {
@@ -358,10 +360,7 @@ impl<T: Elem> DecoderSession for CpuDecoder<T> {
     }
 
     fn op_times(&self) -> Vec<(String, f64)> {
-        self.times
-            .iter()
-            .map(|(k, v)| (k.to_string(), *v))
-            .collect()
+        crate::backend::decoding::op_times(&self.times)
     }
 
     fn kernel_version(&self) -> String {

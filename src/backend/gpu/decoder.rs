@@ -4,13 +4,16 @@
 //! kernels/gpu/llm.cuh and the linear kernels the CNNs use. Where a step starts comes from a
 //! small device buffer, so a decode step's launches are packed once and, with
 //! `DecoderOptions::replay`, recorded once as a graph and replayed every token. A long prefill
-//! runs in chunks of [`CHUNK_ROWS`] rows that attend to what earlier chunks cached, so scratch
+//! runs in chunks of [`CHUNK_ROWS`](crate::backend::decoding::CHUNK_ROWS) rows that attend to what earlier chunks cached, so scratch
 //! stays small whatever the context.
 
 use std::collections::{BTreeMap, HashMap};
 
 use super::Device;
-use super::program::{Arg, BufId, ConvShape, KernelLaunch, conv_kernel, grid_1d, i32_of};
+use super::program::{Arg, ConvShape, KernelLaunch, conv_kernel, grid_1d, i32_of};
+use crate::backend::decoding::{
+    self, BufId, Layer, Lin, Logits, NormBufs, Role, Steps, chunk_positions, run_step,
+};
 use crate::backend::{BackendError, DecoderMemory, DecoderOptions, DecoderSession};
 use crate::model::Precision;
 use crate::model::llm::config::rotary_tables;
@@ -19,15 +22,6 @@ use crate::model::llm::{DecoderConfig, DecoderWeights, Family};
 
 /// Must match GEMV_ROWS in kernels/gpu/llm.cuh: steps of at most this many rows take `gemv`.
 const GEMV_ROWS: usize = 8;
-
-/// The most rows one forward pass runs unless `DecoderOptions::max_rows` says otherwise; a
-/// longer prefill goes in chunks of whole positions.
-pub const CHUNK_ROWS: usize = 2048;
-
-/// Positions of every sequence one forward pass takes.
-pub fn chunk_positions(opt: &DecoderOptions) -> usize {
-    (opt.max_rows.unwrap_or(CHUNK_ROWS) / opt.batch.max(1)).clamp(1, opt.context.max(1))
-}
 
 /// Every kernel a step may launch.
 const KERNELS: [&str; 13] = [
@@ -47,31 +41,6 @@ const KERNELS: [&str; 13] = [
 ];
 /// The tensor-core linear kernels, where the device has them.
 const MMA_KERNELS: [&str; 2] = ["conv2d_lin_mma_t128", "conv2d_lin_mma_t64"];
-
-/// A linear layer's buffers.
-struct Lin {
-    w: BufId,
-    bias: Option<BufId>,
-    inputs: usize,
-    outputs: usize,
-}
-
-struct NormBufs {
-    w: BufId,
-    bias: Option<BufId>,
-}
-
-struct Layer {
-    norm1: NormBufs,
-    qkv: Lin,
-    o: Lin,
-    norm2: NormBufs,
-    up: Lin,
-    down: Lin,
-    /// (batch, KV heads, context, head).
-    k: BufId,
-    v: BufId,
-}
 
 /// Activations and step inputs, sized for [`CHUNK_ROWS`] rows (or fewer when the whole context
 /// is less).
@@ -94,14 +63,6 @@ struct Scratch {
     logits: BufId,
 }
 
-/// What a buffer holds, for the memory report.
-#[derive(Clone, Copy, PartialEq)]
-enum Role {
-    Weights,
-    Cache,
-    Scratch,
-}
-
 /// A launch of a step: what profiles call it, and the kernel with its grid and arguments.
 struct Task {
     op: &'static str,
@@ -116,15 +77,6 @@ struct Ready<F> {
     args: Vec<u8>,
 }
 
-/// Where the last step's logits are.
-enum Logits {
-    None,
-    /// In the `logits` buffer: this many rows.
-    Device(usize),
-    /// Every prompt position's, read back chunk by chunk.
-    Host(Vec<f32>),
-}
-
 pub struct GpuDecoder<D: Device> {
     device: D,
     cfg: DecoderConfig,
@@ -134,7 +86,7 @@ pub struct GpuDecoder<D: Device> {
     /// Device address and size of every buffer, by id.
     ptrs: Vec<u64>,
     sizes: Vec<(u64, Role)>,
-    layers: Vec<Layer>,
+    layers: Vec<Layer<BufId>>,
     embed: BufId,
     positions: Option<BufId>,
     final_norm: NormBufs,
@@ -197,6 +149,7 @@ impl<D: Device> GpuDecoder<D> {
             Family::Gpt2 => inner,
         };
         let cache = batch * cfg.num_key_value_heads * opt.context * cfg.head_dim;
+        // In the order of `Scratch`'s fields.
         let scratch_sizes = [
             rows as u64 * 4,
             8,
@@ -274,25 +227,23 @@ impl<D: Device> GpuDecoder<D> {
             None => rotary_tables(&cfg, opt.context),
         };
         let (cos, sin) = (bufs.f32s(&mut device, &cos)?, bufs.f32s(&mut device, &sin)?);
-        let mut scratch = Vec::with_capacity(scratch_sizes.len());
-        for n in scratch_sizes {
-            scratch.push(bufs.alloc(&mut device, n, Role::Scratch)?);
-        }
-        let [
-            tokens,
-            step,
-            x,
-            x2,
-            xn,
-            qkv,
-            attn,
-            up,
-            act,
-            last,
-            lastn,
-            head,
-            logits,
-        ] = scratch[..].try_into().expect("one buffer per size");
+        let mut sizes = scratch_sizes.into_iter();
+        let mut next = || bufs.alloc(&mut device, sizes.next().unwrap_or(8), Role::Scratch);
+        let s = Scratch {
+            tokens: next()?,
+            step: next()?,
+            x: next()?,
+            x2: next()?,
+            xn: next()?,
+            qkv: next()?,
+            attn: next()?,
+            up: next()?,
+            act: next()?,
+            last: next()?,
+            lastn: next()?,
+            head: next()?,
+            logits: next()?,
+        };
         let mut session = GpuDecoder {
             device,
             cfg,
@@ -308,21 +259,7 @@ impl<D: Device> GpuDecoder<D> {
             lm_head,
             cos,
             sin,
-            s: Scratch {
-                tokens,
-                step,
-                x,
-                x2,
-                xn,
-                qkv,
-                attn,
-                up,
-                act,
-                last,
-                lastn,
-                head,
-                logits,
-            },
+            s,
             batch,
             context: opt.context,
             chunk,
@@ -397,7 +334,7 @@ impl Buffers {
         device: &mut D,
         l: &Linear,
         p: Precision,
-    ) -> Result<Lin, BackendError> {
+    ) -> Result<Lin<BufId>, BackendError> {
         Ok(Lin {
             w: self.upload(device, p.storage_bytes(&l.weight))?,
             bias: match &l.bias {
@@ -452,7 +389,7 @@ impl<D: Device> GpuDecoder<D> {
         &self,
         op: &'static str,
         x: Arg,
-        l: &Lin,
+        l: &Lin<BufId>,
         rows: usize,
         y: BufId,
         res: Option<BufId>,
@@ -646,17 +583,6 @@ impl<D: Device> GpuDecoder<D> {
         self.enqueue(&ready)
     }
 
-    /// The packed decode step (batch rows, one new token each, logits of every row).
-    fn run_decode_step(&mut self) -> Result<(), BackendError> {
-        if self.replayed {
-            return self.device.replay();
-        }
-        let decode = std::mem::take(&mut self.decode);
-        let run = self.enqueue(&decode);
-        self.decode = decode;
-        run
-    }
-
     fn download_logits(&mut self, rows: usize) -> Result<Vec<f32>, BackendError> {
         let mut raw = vec![0u8; rows * self.cfg.vocab_size * 4];
         self.device.download(self.ptrs[self.s.logits], &mut raw)?;
@@ -669,86 +595,73 @@ impl<D: Device> GpuDecoder<D> {
     fn forward(&mut self, tokens: &[u32], all_logits: bool) -> Result<(), BackendError> {
         let new =
             crate::backend::step_tokens(&self.cfg, self.batch, self.context, self.pos, tokens)?;
-        let (batch, d) = (self.batch, self.cfg.hidden_size);
+        let (batch, pos, chunk, vocab) = (self.batch, self.pos, self.chunk, self.cfg.vocab_size);
         self.logits = Logits::None;
-        let mut host = Vec::new();
-        for c0 in (0..new).step_by(self.chunk) {
-            let n = (new - c0).min(self.chunk);
-            let rows = batch * n;
-            let ids: Vec<i32> = (0..batch)
-                .flat_map(|b| &tokens[b * new + c0..b * new + c0 + n])
-                .map(|&t| t as i32)
-                .collect();
-            let ids: Vec<u8> = ids.iter().flat_map(|v| v.to_ne_bytes()).collect();
-            self.device.upload(self.ptrs[self.s.tokens], &ids)?;
-            let step: Vec<u8> = [(self.pos + c0) as i32, n as i32]
-                .iter()
-                .flat_map(|v| v.to_ne_bytes())
-                .collect();
-            self.device.upload(self.ptrs[self.s.step], &step)?;
-            if n == 1 && !all_logits {
-                self.run_decode_step()?;
-                self.logits = Logits::Device(batch);
-                continue;
-            }
-            let mut tasks = self.layer_tasks(rows, n)?;
-            if all_logits {
-                self.run(&tasks)?;
-                let row_bytes = self.precision.bytes() as u64 * d as u64;
-                for g0 in (0..rows).step_by(batch) {
-                    let g = (rows - g0).min(batch);
-                    let at = Arg::At(self.s.x, g0 as u64 * row_bytes);
-                    let head = self.head_tasks(at, g)?;
-                    self.run(&head)?;
-                    host.extend(self.download_logits(g)?);
-                }
-            } else if c0 + n == new {
-                tasks.push(task(
-                    "lm_head",
-                    "select_token",
-                    grid_1d(batch * d)?,
-                    [
-                        vec![Arg::Buf(self.s.x), Arg::Buf(self.s.last)],
-                        [batch, n, d, n - 1].map(int).to_vec(),
-                    ]
-                    .concat(),
-                ));
-                tasks.extend(self.head_tasks(Arg::Buf(self.s.last), batch)?);
-                self.run(&tasks)?;
-                self.logits = Logits::Device(batch);
-            } else {
-                self.run(&tasks)?;
-            }
-        }
-        if all_logits {
-            // Rows came chunk by chunk; put each sequence's positions together.
-            let vocab = self.cfg.vocab_size;
-            let mut ordered = vec![0f32; host.len()];
-            let mut at = 0;
-            for c0 in (0..new).step_by(self.chunk) {
-                let n = (new - c0).min(self.chunk);
-                for b in 0..batch {
-                    let dst = (b * new + c0) * vocab;
-                    ordered[dst..dst + n * vocab].copy_from_slice(&host[at..at + n * vocab]);
-                    at += n * vocab;
-                }
-            }
-            self.logits = Logits::Host(ordered);
-        }
+        self.logits = run_step(self, tokens, (batch, new, pos), chunk, vocab, all_logits)?;
         self.pos += new;
         Ok(())
     }
 }
 
+impl<D: Device> Steps for GpuDecoder<D> {
+    fn write_step(&mut self, ids: &[u32], start: usize, len: usize) -> Result<(), BackendError> {
+        let ids: Vec<u8> = ids.iter().flat_map(|&t| (t as i32).to_ne_bytes()).collect();
+        self.device.upload(self.ptrs[self.s.tokens], &ids)?;
+        let step: Vec<u8> = [start as i32, len as i32]
+            .iter()
+            .flat_map(|v| v.to_ne_bytes())
+            .collect();
+        self.device.upload(self.ptrs[self.s.step], &step)
+    }
+
+    fn decode_step(&mut self) -> Result<(), BackendError> {
+        if self.replayed {
+            return self.device.replay();
+        }
+        let decode = std::mem::take(&mut self.decode);
+        let run = self.enqueue(&decode);
+        self.decode = decode;
+        run
+    }
+
+    fn layers(&mut self, rows: usize, len: usize, head: bool) -> Result<(), BackendError> {
+        let mut tasks = self.layer_tasks(rows, len)?;
+        if head {
+            let (batch, d) = (self.batch, self.cfg.hidden_size);
+            tasks.push(task(
+                "lm_head",
+                "select_token",
+                grid_1d(batch * d)?,
+                [
+                    vec![Arg::Buf(self.s.x), Arg::Buf(self.s.last)],
+                    [batch, len, d, len - 1].map(int).to_vec(),
+                ]
+                .concat(),
+            ));
+            tasks.extend(self.head_tasks(Arg::Buf(self.s.last), batch)?);
+        }
+        self.run(&tasks)
+    }
+
+    fn head_rows(&mut self, first: usize, count: usize) -> Result<Vec<f32>, BackendError> {
+        let row_bytes = (self.precision.bytes() * self.cfg.hidden_size) as u64;
+        let head = self.head_tasks(Arg::At(self.s.x, first as u64 * row_bytes), count)?;
+        self.run(&head)?;
+        self.download_logits(count)
+    }
+}
+
 impl<D: Device> DecoderSession for GpuDecoder<D> {
-    fn prefill(&mut self, tokens: &[u32], all_logits: bool) -> Result<(), BackendError> {
-        self.pos = 0;
+    fn step(&mut self, tokens: &[u32], all_logits: bool) -> Result<(), BackendError> {
         self.forward(tokens, all_logits)
     }
 
-    fn decode(&mut self, tokens: &[u32]) -> Result<(), BackendError> {
-        crate::backend::check_decode(self.batch, self.pos, tokens)?;
-        self.forward(tokens, false)
+    fn rewind(&mut self) {
+        self.pos = 0;
+    }
+
+    fn batch(&self) -> usize {
+        self.batch
     }
 
     fn sync(&mut self) -> Result<(), BackendError> {
@@ -768,25 +681,11 @@ impl<D: Device> DecoderSession for GpuDecoder<D> {
     }
 
     fn memory(&self) -> DecoderMemory {
-        let sum = |role| {
-            self.sizes
-                .iter()
-                .filter(|(_, r)| *r == role)
-                .map(|(n, _)| n)
-                .sum()
-        };
-        DecoderMemory {
-            weights: sum(Role::Weights),
-            kv_cache: sum(Role::Cache),
-            scratch: sum(Role::Scratch),
-        }
+        decoding::memory(self.sizes.iter().copied())
     }
 
     fn op_times(&self) -> Vec<(String, f64)> {
-        self.times
-            .iter()
-            .map(|(k, v)| (k.to_string(), *v))
-            .collect()
+        decoding::op_times(&self.times)
     }
 
     fn kernel_version(&self) -> String {

@@ -11,7 +11,9 @@ use std::time::Instant;
 use super::Kernel;
 use super::lower::{elem_bytes, f32_bytes, grid};
 use super::session::{Pipelines, map_read, params};
-use crate::backend::gpu::decoder::chunk_positions;
+use crate::backend::decoding::{
+    self, BufId, Layer, Lin, Logits, NormBufs, Role, Steps, chunk_positions, run_step,
+};
 use crate::backend::{BackendError, DecoderMemory, DecoderOptions, DecoderSession};
 use crate::model::Precision;
 use crate::model::llm::config::rotary_tables;
@@ -19,9 +21,6 @@ use crate::model::llm::{DecoderConfig, DecoderWeights, Family};
 
 /// Must match the size of `acc` in llm.wgsl's `cached_attention`.
 const MAX_HEAD: usize = 128;
-
-/// A buffer of the session, by index.
-type BufId = usize;
 
 /// `Params` of llm.wgsl, field by field.
 #[derive(Debug, Default, Clone, Copy)]
@@ -108,36 +107,6 @@ struct Slice {
     count: usize,
 }
 
-struct Lin {
-    w: Vec<Slice>,
-    bias: Option<BufId>,
-    inputs: usize,
-    outputs: usize,
-}
-
-struct NormBufs {
-    w: BufId,
-    bias: Option<BufId>,
-}
-
-struct Layer {
-    norm1: NormBufs,
-    qkv: Lin,
-    o: Lin,
-    norm2: NormBufs,
-    up: Lin,
-    down: Lin,
-    k: BufId,
-    v: BufId,
-}
-
-#[derive(Clone, Copy, PartialEq)]
-enum Role {
-    Weights,
-    Cache,
-    Scratch,
-}
-
 struct Scratch {
     tokens: BufId,
     step: BufId,
@@ -153,12 +122,6 @@ struct Scratch {
     readback: wgpu::Buffer,
 }
 
-enum Logits {
-    None,
-    Device(usize),
-    Host(Vec<f32>),
-}
-
 pub(super) struct WgpuDecoder {
     device: wgpu::Device,
     queue: wgpu::Queue,
@@ -170,7 +133,7 @@ pub(super) struct WgpuDecoder {
     buffers: Vec<wgpu::Buffer>,
     roles: Vec<Role>,
     zero: BufId,
-    layers: Vec<Layer>,
+    layers: Vec<Layer<Vec<Slice>>>,
     embed: Vec<Slice>,
     positions: Option<BufId>,
     final_norm: NormBufs,
@@ -275,7 +238,7 @@ impl Buffers<'_> {
         &mut self,
         l: &crate::model::llm::weights::Linear,
         p: Precision,
-    ) -> Result<Lin, BackendError> {
+    ) -> Result<Lin<Vec<Slice>>, BackendError> {
         Ok(Lin {
             w: self.matrix("a linear layer's weight", &l.weight, l.inputs, p)?,
             bias: match &l.bias {
@@ -488,7 +451,14 @@ impl WgpuDecoder {
     }
 
     /// One launch per slice of the weight.
-    fn linear(&self, x: BufId, l: &Lin, rows: usize, y: BufId, res: Option<BufId>) -> Vec<Launch> {
+    fn linear(
+        &self,
+        x: BufId,
+        l: &Lin<Vec<Slice>>,
+        rows: usize,
+        y: BufId,
+        res: Option<BufId>,
+    ) -> Vec<Launch> {
         let flags =
             if l.bias.is_some() { BIAS } else { 0 } | if res.is_some() { RESIDUAL } else { 0 };
         l.w.iter()
@@ -710,79 +680,59 @@ impl WgpuDecoder {
     fn forward(&mut self, tokens: &[u32], all_logits: bool) -> Result<(), BackendError> {
         let new =
             crate::backend::step_tokens(&self.cfg, self.batch, self.context, self.pos, tokens)?;
-        let batch = self.batch;
+        let (batch, pos, chunk, vocab) = (self.batch, self.pos, self.chunk, self.cfg.vocab_size);
         self.logits = Logits::None;
-        let mut host = vec![
-            0f32;
-            if all_logits {
-                tokens.len() * self.cfg.vocab_size
-            } else {
-                0
-            }
-        ];
-        for c0 in (0..new).step_by(self.chunk) {
-            let n = (new - c0).min(self.chunk);
-            let rows = batch * n;
-            let ids: Vec<u32> = (0..batch)
-                .flat_map(|b| tokens[b * new + c0..b * new + c0 + n].iter().copied())
-                .collect();
-            self.queue
-                .write_buffer(&self.buffers[self.s.tokens], 0, bytemuck::cast_slice(&ids));
-            let step = [(self.pos + c0) as u32, n as u32];
-            self.queue
-                .write_buffer(&self.buffers[self.s.step], 0, bytemuck::cast_slice(&step));
-            if n == 1 && !all_logits {
-                let decode = std::mem::take(&mut self.decode);
-                let run = self.run(&decode);
-                self.decode = decode;
-                run?;
-                self.logits = Logits::Device(batch);
-                continue;
-            }
-            let mut launches = self.layer_launches(rows);
-            if all_logits {
-                let bound = self.bind(&launches);
-                self.run(&bound)?;
-                // Each sequence's rows of the chunk, `batch` rows at a time.
-                let vocab = self.cfg.vocab_size;
-                for g0 in (0..rows).step_by(batch) {
-                    let g = (rows - g0).min(batch);
-                    let bound = self.bind(&self.head_launches(g, 1, g0));
-                    self.run(&bound)?;
-                    let got = self.read_logits(g)?;
-                    for (i, row) in got.chunks(vocab).enumerate() {
-                        let r = g0 + i;
-                        let at = ((r / n) * new + c0 + r % n) * vocab;
-                        host[at..at + vocab].copy_from_slice(row);
-                    }
-                }
-            } else if c0 + n == new {
-                launches.extend(self.head_launches(batch, n, n - 1));
-                let bound = self.bind(&launches);
-                self.run(&bound)?;
-                self.logits = Logits::Device(batch);
-            } else {
-                let bound = self.bind(&launches);
-                self.run(&bound)?;
-            }
-        }
-        if all_logits {
-            self.logits = Logits::Host(host);
-        }
+        self.logits = run_step(self, tokens, (batch, new, pos), chunk, vocab, all_logits)?;
         self.pos += new;
         Ok(())
     }
 }
 
+impl Steps for WgpuDecoder {
+    fn write_step(&mut self, ids: &[u32], start: usize, len: usize) -> Result<(), BackendError> {
+        let tokens = &self.buffers[self.s.tokens];
+        self.queue
+            .write_buffer(tokens, 0, bytemuck::cast_slice(ids));
+        let step = [start as u32, len as u32];
+        let at = &self.buffers[self.s.step];
+        self.queue.write_buffer(at, 0, bytemuck::cast_slice(&step));
+        Ok(())
+    }
+
+    fn decode_step(&mut self) -> Result<(), BackendError> {
+        let decode = std::mem::take(&mut self.decode);
+        let run = self.run(&decode);
+        self.decode = decode;
+        run
+    }
+
+    fn layers(&mut self, rows: usize, len: usize, head: bool) -> Result<(), BackendError> {
+        let mut launches = self.layer_launches(rows);
+        if head {
+            launches.extend(self.head_launches(self.batch, len, len - 1));
+        }
+        let bound = self.bind(&launches);
+        self.run(&bound)
+    }
+
+    fn head_rows(&mut self, first: usize, count: usize) -> Result<Vec<f32>, BackendError> {
+        let bound = self.bind(&self.head_launches(count, 1, first));
+        self.run(&bound)?;
+        self.read_logits(count)
+    }
+}
+
 impl DecoderSession for WgpuDecoder {
-    fn prefill(&mut self, tokens: &[u32], all_logits: bool) -> Result<(), BackendError> {
-        self.pos = 0;
+    fn step(&mut self, tokens: &[u32], all_logits: bool) -> Result<(), BackendError> {
         self.forward(tokens, all_logits)
     }
 
-    fn decode(&mut self, tokens: &[u32]) -> Result<(), BackendError> {
-        crate::backend::check_decode(self.batch, self.pos, tokens)?;
-        self.forward(tokens, false)
+    fn rewind(&mut self) {
+        self.pos = 0;
+    }
+
+    fn batch(&self) -> usize {
+        self.batch
     }
 
     fn sync(&mut self) -> Result<(), BackendError> {
@@ -802,26 +752,18 @@ impl DecoderSession for WgpuDecoder {
     }
 
     fn memory(&self) -> DecoderMemory {
-        let sum = |role| {
+        let mut m = decoding::memory(
             self.buffers
                 .iter()
-                .zip(&self.roles)
-                .filter(|(_, r)| **r == role)
-                .map(|(b, _)| b.size())
-                .sum()
-        };
-        DecoderMemory {
-            weights: sum(Role::Weights),
-            kv_cache: sum(Role::Cache),
-            scratch: sum(Role::Scratch) + self.s.readback.size(),
-        }
+                .map(|b| b.size())
+                .zip(self.roles.iter().copied()),
+        );
+        m.scratch += self.s.readback.size();
+        m
     }
 
     fn op_times(&self) -> Vec<(String, f64)> {
-        self.times
-            .iter()
-            .map(|(k, v)| (k.to_string(), *v))
-            .collect()
+        decoding::op_times(&self.times)
     }
 
     fn kernel_version(&self) -> String {
