@@ -5,6 +5,9 @@
 use std::collections::BTreeMap;
 
 use super::{BackendError, DecoderMemory, DecoderOptions};
+use crate::model::llm::DecoderWeights;
+use crate::model::llm::config::rotary_tables;
+use crate::model::llm::weights::{Linear, Norm};
 
 /// A buffer of a session, by index into its own list.
 pub type BufId = usize;
@@ -44,6 +47,106 @@ pub struct Layer<W> {
     pub down: Lin<W>,
     pub k: BufId,
     pub v: BufId,
+}
+
+/// A decoder's weights on a device, by buffer (`M`: how a matrix is held).
+pub struct Model<M> {
+    pub layers: Vec<Layer<M>>,
+    /// The token table (vocabulary × hidden), and the LM head (the same buffers when tied).
+    pub embed: M,
+    pub lm_head: M,
+    /// GPT-2's learned positions.
+    pub positions: Option<BufId>,
+    pub final_norm: NormBufs,
+    /// Rotary cosines and sines (context × head/2 each); placeholders for GPT-2.
+    pub cos: BufId,
+    pub sin: BufId,
+}
+
+/// How a session puts buffers on its device.
+pub trait Upload {
+    /// A matrix in the storage precision: one buffer, or slices of rows.
+    type Matrix: Clone;
+    fn f32s(&mut self, what: &str, v: &[f32]) -> Result<BufId, BackendError>;
+    /// A row-major matrix of `cols` columns, in the session's storage precision.
+    fn matrix(&mut self, what: &str, m: &[f32], cols: usize) -> Result<Self::Matrix, BackendError>;
+    /// A zeroed buffer of `bytes`.
+    fn empty(&mut self, what: &str, bytes: u64, role: Role) -> Result<BufId, BackendError>;
+
+    fn norm(&mut self, n: &Norm) -> Result<NormBufs, BackendError> {
+        Ok(NormBufs {
+            w: self.f32s("a norm's weight", &n.weight)?,
+            bias: match &n.bias {
+                Some(b) => Some(self.f32s("a norm's bias", b)?),
+                None => None,
+            },
+        })
+    }
+
+    fn linear(&mut self, l: &Linear) -> Result<Lin<Self::Matrix>, BackendError> {
+        Ok(Lin {
+            w: self.matrix("a linear layer's weight", &l.weight, l.inputs)?,
+            bias: match &l.bias {
+                Some(b) => Some(self.f32s("a linear layer's bias", b)?),
+                None => None,
+            },
+            inputs: l.inputs,
+            outputs: l.outputs,
+        })
+    }
+}
+
+fn load_err(e: anyhow::Error) -> BackendError {
+    BackendError::Invalid(format!("{e:#}"))
+}
+
+/// Every weight of `w` on the device, and a KV cache of `cache_bytes` per layer for K and for V;
+/// rotary tables for `context` positions.
+pub fn upload_model<U: Upload>(
+    u: &mut U,
+    w: &DecoderWeights,
+    cache_bytes: u64,
+    context: usize,
+) -> Result<Model<U::Matrix>, BackendError> {
+    let cfg = &w.config;
+    let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+    for l in 0..cfg.num_hidden_layers {
+        let t = w.layer(l).map_err(load_err)?;
+        layers.push(Layer {
+            norm1: u.norm(&t.norm1)?,
+            qkv: u.linear(&t.qkv)?,
+            o: u.linear(&t.o)?,
+            norm2: u.norm(&t.norm2)?,
+            up: u.linear(&t.up)?,
+            down: u.linear(&t.down)?,
+            k: u.empty("the key cache", cache_bytes, Role::Cache)?,
+            v: u.empty("the value cache", cache_bytes, Role::Cache)?,
+        });
+    }
+    let table = w.token_table().map_err(load_err)?;
+    let embed = u.matrix("the token table", &table, cfg.hidden_size)?;
+    drop(table);
+    let lm_head = match w.lm_head().map_err(load_err)? {
+        Some(head) => u.matrix("the LM head", &head, cfg.hidden_size)?,
+        None => embed.clone(),
+    };
+    let positions = match w.position_table().map_err(load_err)? {
+        Some(t) => Some(u.f32s("the position table", &t)?),
+        None => None,
+    };
+    let (cos, sin) = match positions {
+        Some(_) => (Vec::new(), Vec::new()),
+        None => rotary_tables(cfg, context),
+    };
+    Ok(Model {
+        layers,
+        embed,
+        lm_head,
+        positions,
+        final_norm: u.norm(&w.final_norm().map_err(load_err)?)?,
+        cos: u.f32s("the rotary cosines", &cos)?,
+        sin: u.f32s("the rotary sines", &sin)?,
+    })
 }
 
 /// What a buffer holds, for [`memory`].

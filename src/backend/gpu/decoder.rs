@@ -12,12 +12,11 @@ use std::collections::{BTreeMap, HashMap};
 use super::Device;
 use super::program::{Arg, ConvShape, KernelLaunch, conv_kernel, grid_1d, i32_of};
 use crate::backend::decoding::{
-    self, BufId, Layer, Lin, Logits, NormBufs, Role, Steps, chunk_positions, run_step,
+    self, BufId, Lin, Logits, Model, NormBufs, Role, Steps, Upload, chunk_positions, run_step,
+    upload_model,
 };
 use crate::backend::{BackendError, DecoderMemory, DecoderOptions, DecoderSession};
 use crate::model::Precision;
-use crate::model::llm::config::rotary_tables;
-use crate::model::llm::weights::{Linear, Norm};
 use crate::model::llm::{DecoderConfig, DecoderWeights, Family};
 
 /// Must match GEMV_ROWS in kernels/gpu/llm.cuh: steps of at most this many rows take `gemv`.
@@ -86,13 +85,7 @@ pub struct GpuDecoder<D: Device> {
     /// Device address and size of every buffer, by id.
     ptrs: Vec<u64>,
     sizes: Vec<(u64, Role)>,
-    layers: Vec<Layer<BufId>>,
-    embed: BufId,
-    positions: Option<BufId>,
-    final_norm: NormBufs,
-    lm_head: BufId,
-    cos: BufId,
-    sin: BufId,
+    m: Model<BufId>,
     s: Scratch,
     batch: usize,
     context: usize,
@@ -194,41 +187,15 @@ impl<D: Device> GpuDecoder<D> {
         let compiled = device.compile(p, opt.kernels_dir.as_deref(), &names)?;
         let functions = names.into_iter().zip(compiled).collect();
 
-        let mut bufs = Buffers::default();
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        for l in 0..cfg.num_hidden_layers {
-            let t = w.layer(l).map_err(load_err)?;
-            layers.push(Layer {
-                norm1: bufs.norm(&mut device, &t.norm1)?,
-                qkv: bufs.linear(&mut device, &t.qkv, p)?,
-                o: bufs.linear(&mut device, &t.o, p)?,
-                norm2: bufs.norm(&mut device, &t.norm2)?,
-                up: bufs.linear(&mut device, &t.up, p)?,
-                down: bufs.linear(&mut device, &t.down, p)?,
-                k: bufs.alloc(&mut device, bytes(cache, p), Role::Cache)?,
-                v: bufs.alloc(&mut device, bytes(cache, p), Role::Cache)?,
-            });
-        }
-        let embed = bufs.upload(
-            &mut device,
-            p.storage_bytes(&w.token_table().map_err(load_err)?),
-        )?;
-        let lm_head = match w.lm_head().map_err(load_err)? {
-            Some(head) => bufs.upload(&mut device, p.storage_bytes(&head))?,
-            None => embed,
+        let mut bufs = Buffers {
+            device: &mut device,
+            precision: p,
+            ptrs: Vec::new(),
+            sizes: Vec::new(),
         };
-        let positions = match w.position_table().map_err(load_err)? {
-            Some(t) => Some(bufs.f32s(&mut device, &t)?),
-            None => None,
-        };
-        let final_norm = bufs.norm(&mut device, &w.final_norm().map_err(load_err)?)?;
-        let (cos, sin) = match positions {
-            Some(_) => (Vec::new(), Vec::new()),
-            None => rotary_tables(&cfg, opt.context),
-        };
-        let (cos, sin) = (bufs.f32s(&mut device, &cos)?, bufs.f32s(&mut device, &sin)?);
+        let m = upload_model(&mut bufs, w, bytes(cache, p), opt.context)?;
         let mut sizes = scratch_sizes.into_iter();
-        let mut next = || bufs.alloc(&mut device, sizes.next().unwrap_or(8), Role::Scratch);
+        let mut next = || bufs.empty("scratch", sizes.next().unwrap_or(8), Role::Scratch);
         let s = Scratch {
             tokens: next()?,
             step: next()?,
@@ -244,21 +211,16 @@ impl<D: Device> GpuDecoder<D> {
             head: next()?,
             logits: next()?,
         };
+        let Buffers { ptrs, sizes, .. } = bufs;
         let mut session = GpuDecoder {
             device,
             cfg,
             precision: p,
             mma,
             functions,
-            ptrs: bufs.ptrs,
-            sizes: bufs.sizes,
-            layers,
-            embed,
-            positions,
-            final_norm,
-            lm_head,
-            cos,
-            sin,
+            ptrs,
+            sizes,
+            m,
             s,
             batch,
             context: opt.context,
@@ -285,65 +247,38 @@ impl<D: Device> GpuDecoder<D> {
     }
 }
 
-fn load_err(e: anyhow::Error) -> BackendError {
-    BackendError::Invalid(format!("{e:#}"))
-}
-
 /// The session's buffers while they are made.
-#[derive(Default)]
-struct Buffers {
+struct Buffers<'a, D> {
+    device: &'a mut D,
+    precision: Precision,
     ptrs: Vec<u64>,
     sizes: Vec<(u64, Role)>,
 }
 
-impl Buffers {
-    fn alloc<D: Device>(
-        &mut self,
-        device: &mut D,
-        n: u64,
-        role: Role,
-    ) -> Result<BufId, BackendError> {
-        let n = n.next_multiple_of(8).max(8);
-        self.ptrs.push(device.alloc(n)?);
-        self.sizes.push((n, role));
-        Ok(self.ptrs.len() - 1)
-    }
-
-    fn upload<D: Device>(&mut self, device: &mut D, data: Vec<u8>) -> Result<BufId, BackendError> {
-        let id = self.alloc(device, data.len() as u64, Role::Weights)?;
-        device.upload(self.ptrs[id], &data)?;
+impl<D: Device> Buffers<'_, D> {
+    fn upload(&mut self, data: Vec<u8>) -> Result<BufId, BackendError> {
+        let id = self.empty("weights", data.len() as u64, Role::Weights)?;
+        self.device.upload(self.ptrs[id], &data)?;
         Ok(id)
     }
+}
 
-    fn f32s<D: Device>(&mut self, device: &mut D, v: &[f32]) -> Result<BufId, BackendError> {
-        self.upload(device, Precision::Fp32.storage_bytes(v))
+impl<D: Device> Upload for Buffers<'_, D> {
+    type Matrix = BufId;
+
+    fn f32s(&mut self, _: &str, v: &[f32]) -> Result<BufId, BackendError> {
+        self.upload(Precision::Fp32.storage_bytes(v))
     }
 
-    fn norm<D: Device>(&mut self, device: &mut D, n: &Norm) -> Result<NormBufs, BackendError> {
-        Ok(NormBufs {
-            w: self.f32s(device, &n.weight)?,
-            bias: match &n.bias {
-                Some(b) => Some(self.f32s(device, b)?),
-                None => None,
-            },
-        })
+    fn matrix(&mut self, _: &str, m: &[f32], _: usize) -> Result<BufId, BackendError> {
+        self.upload(self.precision.storage_bytes(m))
     }
 
-    fn linear<D: Device>(
-        &mut self,
-        device: &mut D,
-        l: &Linear,
-        p: Precision,
-    ) -> Result<Lin<BufId>, BackendError> {
-        Ok(Lin {
-            w: self.upload(device, p.storage_bytes(&l.weight))?,
-            bias: match &l.bias {
-                Some(b) => Some(self.f32s(device, b)?),
-                None => None,
-            },
-            inputs: l.inputs,
-            outputs: l.outputs,
-        })
+    fn empty(&mut self, _: &str, bytes: u64, role: Role) -> Result<BufId, BackendError> {
+        let bytes = bytes.next_multiple_of(8).max(8);
+        self.ptrs.push(self.device.alloc(bytes)?);
+        self.sizes.push((bytes, role));
+        Ok(self.ptrs.len() - 1)
     }
 }
 
@@ -434,18 +369,18 @@ impl<D: Device> GpuDecoder<D> {
             "embed_tokens",
             grid_1d(rows * d)?,
             vec![
-                Arg::Buf(self.embed),
-                self.positions.map_or(Arg::Null, Arg::Buf),
+                Arg::Buf(self.m.embed),
+                self.m.positions.map_or(Arg::Null, Arg::Buf),
                 Arg::Buf(s.tokens),
                 Arg::Buf(s.step),
                 Arg::Buf(s.x),
                 int(rows),
                 int(d),
-                int(self.positions.is_some() as usize),
+                int(self.m.positions.is_some() as usize),
             ],
         )];
         let (mut x, mut x2) = (s.x, s.x2);
-        for l in &self.layers {
+        for l in &self.m.layers {
             t.push(self.norm(&l.norm1, Arg::Buf(x), s.xn, rows)?);
             t.push(self.linear("linear", Arg::Buf(s.xn), &l.qkv, rows, s.qkv, None)?);
             if c.family == Family::Llama {
@@ -456,8 +391,8 @@ impl<D: Device> GpuDecoder<D> {
                     grid_1d(rows * rotated * hd / 2)?,
                     vec![
                         Arg::Buf(s.qkv),
-                        Arg::Buf(self.cos),
-                        Arg::Buf(self.sin),
+                        Arg::Buf(self.m.cos),
+                        Arg::Buf(self.m.sin),
                         Arg::Buf(s.step),
                         int(rows),
                         int(width),
@@ -526,13 +461,13 @@ impl<D: Device> GpuDecoder<D> {
     fn head_tasks(&self, x: Arg, rows: usize) -> Result<Vec<Task>, BackendError> {
         let (s, vocab) = (&self.s, self.cfg.vocab_size);
         let head = Lin {
-            w: self.lm_head,
+            w: self.m.lm_head,
             bias: None,
             inputs: self.cfg.hidden_size,
             outputs: vocab,
         };
         Ok(vec![
-            self.norm(&self.final_norm, x, s.lastn, rows)?,
+            self.norm(&self.m.final_norm, x, s.lastn, rows)?,
             self.linear("lm_head", Arg::Buf(s.lastn), &head, rows, s.head, None)?,
             task(
                 "lm_head",

@@ -12,11 +12,11 @@ use super::Kernel;
 use super::lower::{elem_bytes, f32_bytes, grid};
 use super::session::{Pipelines, map_read, params};
 use crate::backend::decoding::{
-    self, BufId, Layer, Lin, Logits, NormBufs, Role, Steps, chunk_positions, run_step,
+    self, BufId, Lin, Logits, Model, NormBufs, Role, Steps, Upload, chunk_positions, run_step,
+    upload_model,
 };
 use crate::backend::{BackendError, DecoderMemory, DecoderOptions, DecoderSession};
 use crate::model::Precision;
-use crate::model::llm::config::rotary_tables;
 use crate::model::llm::{DecoderConfig, DecoderWeights, Family};
 
 /// Must match the size of `acc` in llm.wgsl's `cached_attention`.
@@ -133,13 +133,7 @@ pub(super) struct WgpuDecoder {
     buffers: Vec<wgpu::Buffer>,
     roles: Vec<Role>,
     zero: BufId,
-    layers: Vec<Layer<Vec<Slice>>>,
-    embed: Vec<Slice>,
-    positions: Option<BufId>,
-    final_norm: NormBufs,
-    lm_head: Vec<Slice>,
-    cos: BufId,
-    sin: BufId,
+    m: Model<Vec<Slice>>,
     s: Scratch,
     batch: usize,
     context: usize,
@@ -155,6 +149,7 @@ pub(super) struct WgpuDecoder {
 /// Buffers while the session is made, each checked against the adapter's binding limit.
 struct Buffers<'a> {
     device: &'a wgpu::Device,
+    precision: Precision,
     max_binding: u64,
     buffers: Vec<wgpu::Buffer>,
     roles: Vec<Role>,
@@ -173,6 +168,19 @@ impl Buffers<'_> {
         Ok(())
     }
 
+    fn upload(&mut self, what: &str, mut bytes: Vec<u8>) -> Result<BufId, BackendError> {
+        bytes.resize(bytes.len().next_multiple_of(4).max(16), 0);
+        self.check(what, bytes.len() as u64)?;
+        self.buffers
+            .push(super::session::storage(self.device, what, &bytes));
+        self.roles.push(Role::Weights);
+        Ok(self.buffers.len() - 1)
+    }
+}
+
+impl Upload for Buffers<'_> {
+    type Matrix = Vec<Slice>;
+
     fn empty(&mut self, what: &str, bytes: u64, role: Role) -> Result<BufId, BackendError> {
         let bytes = bytes.next_multiple_of(4).max(16);
         self.check(what, bytes)?;
@@ -188,24 +196,9 @@ impl Buffers<'_> {
         Ok(self.buffers.len() - 1)
     }
 
-    fn upload(&mut self, what: &str, mut bytes: Vec<u8>) -> Result<BufId, BackendError> {
-        bytes.resize(bytes.len().next_multiple_of(4).max(16), 0);
-        self.check(what, bytes.len() as u64)?;
-        self.buffers
-            .push(super::session::storage(self.device, what, &bytes));
-        self.roles.push(Role::Weights);
-        Ok(self.buffers.len() - 1)
-    }
-
-    /// A row-major matrix of `cols` columns in the storage type, in slices of whole rows that
-    /// each fit one binding.
-    fn matrix(
-        &mut self,
-        what: &str,
-        m: &[f32],
-        cols: usize,
-        p: Precision,
-    ) -> Result<Vec<Slice>, BackendError> {
+    /// In slices of whole rows that each fit one binding.
+    fn matrix(&mut self, what: &str, m: &[f32], cols: usize) -> Result<Vec<Slice>, BackendError> {
+        let p = self.precision;
         let row = elem_bytes(cols, p);
         self.check(&format!("a row of {what}"), row)?;
         let per = (self.max_binding / row.max(1)).max(1) as usize;
@@ -223,36 +216,6 @@ impl Buffers<'_> {
     fn f32s(&mut self, what: &str, v: &[f32]) -> Result<BufId, BackendError> {
         self.upload(what, f32_bytes(v))
     }
-
-    fn norm(&mut self, n: &crate::model::llm::weights::Norm) -> Result<NormBufs, BackendError> {
-        Ok(NormBufs {
-            w: self.f32s("norm weight", &n.weight)?,
-            bias: match &n.bias {
-                Some(b) => Some(self.f32s("norm bias", b)?),
-                None => None,
-            },
-        })
-    }
-
-    fn linear(
-        &mut self,
-        l: &crate::model::llm::weights::Linear,
-        p: Precision,
-    ) -> Result<Lin<Vec<Slice>>, BackendError> {
-        Ok(Lin {
-            w: self.matrix("a linear layer's weight", &l.weight, l.inputs, p)?,
-            bias: match &l.bias {
-                Some(b) => Some(self.f32s("linear bias", b)?),
-                None => None,
-            },
-            inputs: l.inputs,
-            outputs: l.outputs,
-        })
-    }
-}
-
-fn load_err(e: anyhow::Error) -> BackendError {
-    BackendError::Invalid(format!("{e:#}"))
 }
 
 impl WgpuDecoder {
@@ -308,6 +271,7 @@ impl WgpuDecoder {
         drop(pipelines);
         let mut b = Buffers {
             device: &device,
+            precision: p,
             max_binding: limits
                 .max_storage_buffer_binding_size
                 .min(limits.max_buffer_size),
@@ -315,37 +279,7 @@ impl WgpuDecoder {
             roles: Vec::new(),
         };
         let zero = b.upload("zero", vec![0; 16])?;
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        for l in 0..cfg.num_hidden_layers {
-            let t = w.layer(l).map_err(load_err)?;
-            layers.push(Layer {
-                norm1: b.norm(&t.norm1)?,
-                qkv: b.linear(&t.qkv, p)?,
-                o: b.linear(&t.o, p)?,
-                norm2: b.norm(&t.norm2)?,
-                up: b.linear(&t.up, p)?,
-                down: b.linear(&t.down, p)?,
-                k: b.empty("key cache", elem_bytes(cache, p), Role::Cache)?,
-                v: b.empty("value cache", elem_bytes(cache, p), Role::Cache)?,
-            });
-        }
-        let table = w.token_table().map_err(load_err)?;
-        let embed = b.matrix("the token table", &table, d, p)?;
-        drop(table);
-        let lm_head = match w.lm_head().map_err(load_err)? {
-            Some(head) => b.matrix("the LM head", &head, d, p)?,
-            None => embed.clone(),
-        };
-        let positions = match w.position_table().map_err(load_err)? {
-            Some(t) => Some(b.f32s("positions", &t)?),
-            None => None,
-        };
-        let final_norm = b.norm(&w.final_norm().map_err(load_err)?)?;
-        let (cos, sin) = match positions {
-            Some(_) => (Vec::new(), Vec::new()),
-            None => rotary_tables(&cfg, opt.context),
-        };
-        let (cos, sin) = (b.f32s("cos", &cos)?, b.f32s("sin", &sin)?);
+        let m = upload_model(&mut b, w, elem_bytes(cache, p), opt.context)?;
         let up_width = match cfg.family {
             Family::Llama => 2 * inner,
             Family::Gpt2 => inner,
@@ -382,13 +316,7 @@ impl WgpuDecoder {
             buffers,
             roles,
             zero,
-            layers,
-            embed,
-            positions,
-            final_norm,
-            lm_head,
-            cos,
-            sin,
+            m,
             s,
             batch,
             context: opt.context,
@@ -490,12 +418,16 @@ impl WgpuDecoder {
         let (c, s) = (&self.cfg, &self.s);
         let base = self.base(rows);
         // Each slice of the table writes the rows whose token it holds.
-        let mut out: Vec<Launch> = (self.embed.iter())
+        let mut out: Vec<Launch> = (self.m.embed.iter())
             .map(|t| Launch {
                 kernel: Kernel::EmbedTokens,
                 op: "embedding",
                 params: Params {
-                    flags: if self.positions.is_some() { SECOND } else { 0 },
+                    flags: if self.m.positions.is_some() {
+                        SECOND
+                    } else {
+                        0
+                    },
                     first: t.first,
                     count: t.count,
                     ..base
@@ -503,7 +435,7 @@ impl WgpuDecoder {
                 bindings: vec![
                     (1, s.step),
                     (3, t.buf),
-                    (4, self.positions.unwrap_or(self.zero)),
+                    (4, self.m.positions.unwrap_or(self.zero)),
                     (6, s.x),
                     (8, s.tokens),
                 ],
@@ -511,7 +443,7 @@ impl WgpuDecoder {
             })
             .collect();
         let (mut x, mut x2) = (s.x, s.x2);
-        for l in &self.layers {
+        for l in &self.m.layers {
             out.push(self.norm(&l.norm1, x, s.xn, rows, (1, 0)));
             out.extend(self.linear(s.xn, &l.qkv, rows, s.qkv, None));
             if c.family == Family::Llama {
@@ -523,7 +455,7 @@ impl WgpuDecoder {
                         heads: rotated,
                         ..base
                     },
-                    bindings: vec![(1, s.step), (4, self.cos), (5, self.sin), (6, s.qkv)],
+                    bindings: vec![(1, s.step), (4, self.m.cos), (5, self.m.sin), (6, s.qkv)],
                     threads: rows * rotated * c.head_dim / 2,
                 });
             }
@@ -566,8 +498,8 @@ impl WgpuDecoder {
     /// into the f32 `s.logits`.
     fn head_launches(&self, rows: usize, stride: usize, offset: usize) -> Vec<Launch> {
         let (s, vocab) = (&self.s, self.cfg.vocab_size);
-        let mut out = vec![self.norm(&self.final_norm, s.x, s.lastn, rows, (stride, offset))];
-        out.extend(self.lm_head.iter().map(|t| Launch {
+        let mut out = vec![self.norm(&self.m.final_norm, s.x, s.lastn, rows, (stride, offset))];
+        out.extend(self.m.lm_head.iter().map(|t| Launch {
             kernel: Kernel::LmHead,
             op: "lm_head",
             params: Params {
