@@ -52,7 +52,18 @@ fn models_lists_the_zoo_with_torchvision_counts() {
     );
     let o = workshop(&["models", "--json"]);
     let rows: Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(rows.as_array().unwrap().len(), zoo::NETWORKS.len());
+    let rows = rows.as_array().unwrap();
+    let decoders = workshop::model::llm::names().len();
+    assert_eq!(rows.len(), zoo::NETWORKS.len() + decoders);
+    // The language models follow the image networks, with their own numbers per token.
+    let qwen = rows
+        .iter()
+        .find(|r| r["network"] == "qwen2.5-0.5b")
+        .unwrap();
+    assert_eq!(qwen["kind"], "language_model");
+    assert_eq!(qwen["params"], 494_032_768);
+    // Two FLOPs per weight of every GEMM, the LM head included.
+    assert!(qwen["flops_per_token"].as_u64().unwrap() > 494_032_768);
 }
 
 #[test]

@@ -346,19 +346,27 @@ pub fn models(args: ModelsArgs) -> Result<()> {
             input_size: size,
         });
     }
+    let decoders: Vec<_> = crate::model::llm::names()
+        .into_iter()
+        .filter_map(|n| {
+            Some((
+                crate::model::llm::built_in(n)?,
+                crate::model::llm::source(n)?,
+            ))
+        })
+        .collect();
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        // The image networks' rows, then the language models' (`kind`: language_model).
+        let mut all = serde_json::to_value(&rows)?;
+        if let (Some(list), serde_json::Value::Array(more)) = (
+            all.as_array_mut(),
+            serde_json::to_value(report::llm::decoder_rows(&decoders))?,
+        ) {
+            list.extend(more);
+        }
+        println!("{}", serde_json::to_string_pretty(&all)?);
     } else {
         println!("{}", report::bench::models_table(&rows));
-        let decoders: Vec<_> = crate::model::llm::names()
-            .into_iter()
-            .filter_map(|n| {
-                Some((
-                    crate::model::llm::built_in(n)?,
-                    crate::model::llm::source(n)?,
-                ))
-            })
-            .collect();
         println!("\n{}", report::llm::models_table(&decoders));
     }
     Ok(())

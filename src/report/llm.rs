@@ -162,6 +162,40 @@ pub fn sweep_table(records: &[BenchRecord]) -> String {
 }
 
 /// The built-in decoders: parameters, weights, the work of a token, the KV cache a token holds.
+/// One language model of `workshop models --json` (after the image networks' rows).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DecoderRow {
+    pub network: String,
+    /// `language_model`, which tells these rows from the image networks'.
+    pub kind: &'static str,
+    pub params: u64,
+    /// FLOPs of a decode step of one sequence at position 0.
+    pub flops_per_token: u64,
+    pub weights_bytes_bf16: u64,
+    pub kv_bytes_per_token_bf16: u64,
+    /// Positions the model takes (max_position_embeddings).
+    pub context: usize,
+    /// The Hugging Face repository its sizes come from.
+    pub source: String,
+}
+
+pub fn decoder_rows(models: &[(DecoderConfig, &str)]) -> Vec<DecoderRow> {
+    let bf16 = crate::model::Precision::Bf16;
+    models
+        .iter()
+        .map(|(m, source)| DecoderRow {
+            network: m.name.clone(),
+            kind: "language_model",
+            params: m.params(),
+            flops_per_token: m.decode_flops(0),
+            weights_bytes_bf16: m.params() * 2,
+            kv_bytes_per_token_bf16: m.kv_bytes_per_token(bf16),
+            context: m.max_position_embeddings,
+            source: source.to_string(),
+        })
+        .collect()
+}
+
 pub fn models_table(models: &[(DecoderConfig, &str)]) -> String {
     let mut t = new_table();
     t.set_header([
