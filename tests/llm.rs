@@ -162,13 +162,12 @@ fn greedy_continuation_matches_transformers_generate() {
     }
 }
 
-/// A prefill in chunks of two positions (4 rows of 2 sequences) on the GPU backends gives
-/// transformers' logits too, every position's and each sequence's last: each chunk attends to
-/// what the chunks before it cached.
+/// A prefill in chunks of two positions (4 rows of 2 sequences) gives transformers' logits
+/// too on every backend, every position's and each sequence's last: each chunk attends to what
+/// the chunks before it cached.
 #[test]
 fn chunked_prefill_matches_transformers() {
-    let gpus = [BackendKind::Wgpu, BackendKind::Cuda, BackendKind::Hip];
-    for (kind, family) in gpus.iter().flat_map(|&k| FAMILIES.map(|f| (k, f))) {
+    for (kind, family) in BACKENDS.iter().flat_map(|&k| FAMILIES.map(|f| (k, f))) {
         let want = expected(family);
         let w = DecoderWeights::open_folder(&fixture(family)).unwrap();
         let Some(mut s) = chunked_session(kind, &w, Precision::Fp32, 2, Some(4)) else {
@@ -316,6 +315,8 @@ fn bench_sweeps_a_model_folder_and_writes_records() {
         "--threads",
         "1",
         "--profile",
+        "--max-batched-tokens",
+        "6",
         "--json",
         json.to_str().unwrap(),
     ]);
@@ -331,6 +332,7 @@ fn bench_sweeps_a_model_folder_and_writes_records() {
             serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         assert_eq!(v["config"]["batch_size"], b);
         assert_eq!(v["config"]["prompt_len"], 8);
+        assert_eq!(v["config"]["max_batched_tokens"], 6);
         // Two timed generations of three decode steps each.
         assert_eq!(v["samples_s"].as_array().unwrap().len(), 6);
         assert_eq!(v["llm"]["ttft_s"].as_array().unwrap().len(), 2);
@@ -414,6 +416,28 @@ fn bad_decoder_input_fails_clearly() {
     fails_with(
         &["bench", "--model-dir", llama, "-n", "1"],
         "--gen-len must be at least 2",
+    );
+    fails_with(
+        &[
+            "bench",
+            "--model-dir",
+            llama,
+            "-b",
+            "4",
+            "--max-batched-tokens",
+            "2",
+        ],
+        "--max-batched-tokens (2) must be at least the batch size (4)",
+    );
+    fails_with(
+        &[
+            "bench",
+            "--network",
+            "resnet18",
+            "--max-batched-tokens",
+            "64",
+        ],
+        "--max-batched-tokens is for language models",
     );
     fails_with(
         &["bench", "--network", "gpt2", "--compile"],

@@ -366,9 +366,9 @@ pub struct DecoderOptions {
     pub replay: bool,
     /// Read the GPU kernels from this folder instead of the copies in the binary.
     pub kernels_dir: Option<std::path::PathBuf>,
-    /// Rows one forward pass takes at most on the GPU backends (vLLM's
-    /// `max_num_batched_tokens`): a longer prefill runs in chunks of whole positions, each
-    /// attending to what the chunks before it cached. `None`: 2048.
+    /// Rows one forward pass takes at most (vLLM's `max_num_batched_tokens`): a longer
+    /// prefill runs in chunks of whole positions, each attending to what the chunks before it
+    /// cached. `None`: 2048 on the GPU backends, the whole prefill at once on the CPU.
     pub max_rows: Option<usize>,
 }
 

@@ -140,6 +140,15 @@ pub fn validate(cfg: &BenchConfig, model: &DecoderConfig) -> Result<()> {
             bail!("--{}: {why}", name.replace('_', "-"));
         }
     }
+    if let Some(rows) = cfg.max_batched_tokens
+        && rows < cfg.batch_size
+    {
+        bail!(
+            "--max-batched-tokens ({rows}) must be at least the batch size ({}): a forward pass \
+             takes at least one token of every sequence",
+            cfg.batch_size
+        );
+    }
     check_context(model, prompt, generate)
 }
 
@@ -197,7 +206,7 @@ pub fn run(
         profile: cfg.profile,
         replay: cfg.exec_options().replay,
         kernels_dir: cfg.kernels_dir.clone(),
-        max_rows: None,
+        max_rows: cfg.max_batched_tokens,
     };
     let mut session = backend.prepare_decoder(cfg.device, &weights, &opt)?;
     drop(weights);

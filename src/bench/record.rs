@@ -104,6 +104,9 @@ pub struct BenchConfig {
     /// (`--gen-len`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gen_len: Option<usize>,
+    /// Language models: the most rows one forward pass takes (`--max-batched-tokens`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_batched_tokens: Option<usize>,
 }
 
 impl Default for BenchConfig {
@@ -132,6 +135,7 @@ impl Default for BenchConfig {
             flops_prof_step: None,
             prompt_len: None,
             gen_len: None,
+            max_batched_tokens: None,
         }
     }
 }

@@ -138,6 +138,11 @@ pub struct BenchArgs {
     /// (default 64; a list sweeps)
     #[arg(short = 'n', long, value_delimiter = ',', value_name = "N")]
     pub gen_len: Vec<usize>,
+    /// Language models: the most tokens (rows) one forward pass takes, as vLLM's
+    /// max_num_batched_tokens: a longer prefill runs in chunks, each attending to what the
+    /// chunks before it cached (default 2048)
+    #[arg(long, value_name = "N")]
+    pub max_batched_tokens: Option<usize>,
     /// A Hugging Face model folder (config.json and safetensors, one file or shards) to run
     /// instead of a built-in language model's seeded weights
     #[arg(long, value_name = "DIR")]

@@ -53,6 +53,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     for (flag, given) in [
         ("--prompt-len", !args.prompt_len.is_empty()),
         ("--gen-len", !args.gen_len.is_empty()),
+        ("--max-batched-tokens", args.max_batched_tokens.is_some()),
     ] {
         if given {
             bail!(
@@ -97,6 +98,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         recompile: args.recompile,
         prompt_len: None,
         gen_len: None,
+        max_batched_tokens: None,
     };
     bench::validate(&cfg)?;
     // Where the results go must take them before the run starts.

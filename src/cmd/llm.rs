@@ -84,6 +84,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         profile: args.profile,
         compile: args.compile,
         kernels_dir: args.run.kernels_dir.clone(),
+        max_batched_tokens: args.max_batched_tokens,
         ..Default::default()
     };
     // The model and every combination are checked before the first run starts.

@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use super::elem::Elem;
 use super::kernels::{self, CacheView, PackedLinear};
+use crate::backend::decoding::Chunk;
 use crate::backend::{BackendError, DecoderMemory, DecoderOptions, DecoderSession};
 use crate::model::llm::weights::{Linear, Norm};
 use crate::model::llm::{DecoderConfig, DecoderWeights, Family, config::rotary_tables};
@@ -54,6 +55,8 @@ pub struct CpuDecoder<T> {
     cos: Vec<f32>,
     sin: Vec<f32>,
     batch: usize,
+    /// Rows a forward pass takes at most (`DecoderOptions::max_rows`); `None`: every row.
+    max_rows: Option<usize>,
     context: usize,
     pos: usize,
     pool: Arc<rayon::ThreadPool>,
@@ -129,6 +132,7 @@ impl<T: Elem> CpuDecoder<T> {
             cos,
             sin,
             batch: opt.batch,
+            max_rows: opt.max_rows,
             context: opt.context,
             pos: 0,
             pool,
@@ -163,12 +167,32 @@ impl<T: Elem> CpuDecoder<T> {
         let new =
             crate::backend::step_tokens(&self.cfg, self.batch, self.context, self.pos, tokens)?;
         let pool = self.pool.clone();
-        pool.install(|| self.layers_pass(tokens, new, all_logits));
-        self.pos += new;
+        // In chunks only when asked (`DecoderOptions::max_rows`): on the host one pass costs
+        // no more scratch than the chunks would.
+        let chunk = self.max_rows.map_or(new, |rows| (rows / self.batch).max(1));
+        let vocab = self.cfg.vocab_size;
+        let mut all = vec![0f32; if all_logits { tokens.len() * vocab } else { 0 }];
+        for c in Chunk::all(new, chunk) {
+            let ids = c.ids(tokens, self.batch);
+            let head = all_logits || c.is_last();
+            pool.install(|| self.layers_pass(&ids, c.len, all_logits, head));
+            self.pos += c.len;
+            if all_logits {
+                for (r, row) in self.logits.chunks(vocab).enumerate() {
+                    let at = c.step_row(r) * vocab;
+                    all[at..at + vocab].copy_from_slice(row);
+                }
+            }
+        }
+        if all_logits {
+            self.logits = all;
+        }
         Ok(())
     }
 
-    fn layers_pass(&mut self, tokens: &[u32], new: usize, all_logits: bool) {
+    /// The blocks over `tokens` (batch × `new`) from `self.pos`; with `head`, then the final
+    /// norm and the LM head (every row's with `all_logits`, else each sequence's last).
+    fn layers_pass(&mut self, tokens: &[u32], new: usize, all_logits: bool, head: bool) {
         let cfg = self.cfg.clone();
         let (d, inner) = (cfg.hidden_size, cfg.intermediate_size);
         let (qw, kvw) = cfg.qkv_widths();
@@ -286,6 +310,10 @@ impl<T: Elem> CpuDecoder<T> {
             );
             std::mem::swap(&mut s.x, &mut s.x2);
             self.lap("linear", &mut t);
+        }
+        if !head {
+            self.s = s;
+            return;
         }
         // The final norm and the LM head, on every row or each sequence's last.
         let picked: Vec<usize> = if all_logits {
