@@ -140,7 +140,7 @@ pub struct BenchArgs {
     pub gen_len: Vec<usize>,
     /// Language models: the most tokens (rows) one forward pass takes, as vLLM's
     /// max_num_batched_tokens: a longer prefill runs in chunks, each attending to what the
-    /// chunks before it cached (default 2048)
+    /// chunks before it cached (default: 2048 on GPU backends; the CPU runs a prefill at once)
     #[arg(long, value_name = "N")]
     pub max_batched_tokens: Option<usize>,
     /// A Hugging Face model folder (config.json and safetensors, one file or shards) to run

@@ -39,8 +39,8 @@ fn refuse_image_flags(args: &BenchArgs) -> Result<()> {
         bail!(
             "{flag} is not available for language models yet: they take --batch-size, \
              --prompt-len, --gen-len, --precision, --backend, --threads, --model-dir, \
-             --iterations, --warmup, --profile, --compile reduce-overhead, --kernels-dir, \
-             --json and --baseline"
+             --max-batched-tokens, --iterations, --warmup, --profile, --compile \
+             reduce-overhead, --kernels-dir, --json and --baseline"
         );
     }
     Ok(())
