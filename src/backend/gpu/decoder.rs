@@ -4,8 +4,8 @@
 //! kernels/gpu/llm.cuh and the linear kernels the CNNs use. Where a step starts comes from a
 //! small device buffer, so a decode step's launches are packed once and, with
 //! `DecoderOptions::replay`, recorded once as a graph and replayed every token. A long prefill
-//! runs in chunks of [`CHUNK_ROWS`](crate::backend::decoding::CHUNK_ROWS) rows that attend to what earlier chunks cached, so scratch
-//! stays small whatever the context.
+//! runs in chunks (`DecoderOptions::max_rows`, 2048 rows by default) that attend to what
+//! earlier chunks cached, so scratch stays small whatever the context.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -41,8 +41,7 @@ const KERNELS: [&str; 13] = [
 /// The tensor-core linear kernels, where the device has them.
 const MMA_KERNELS: [&str; 2] = ["conv2d_lin_mma_t128", "conv2d_lin_mma_t64"];
 
-/// Activations and step inputs, sized for [`CHUNK_ROWS`] rows (or fewer when the whole context
-/// is less).
+/// Activations and step inputs, sized for one chunk of rows.
 struct Scratch {
     tokens: BufId,
     /// {first position, new tokens per sequence} of the step.
@@ -658,8 +657,9 @@ mod tests {
     }
 
     /// A prefill in chunks (2 positions of 2 sequences at a time, the last chunk one position:
-    /// `gemv`) gives the logits of one pass (the tiled GEMM), every position's and the last's; decode steps after it,
-    /// recorded and replayed, give those of a session that enqueues them.
+    /// `gemv`) gives the logits of one pass (the tiled GEMM), every position's and the last's;
+    /// decode steps after it, recorded and replayed, give those of a session that enqueues
+    /// them.
     #[test]
     fn chunked_prefill_and_replayed_decode_match_one_pass() {
         let mut cfg = crate::model::llm::built_in("qwen2.5-0.5b").unwrap();
