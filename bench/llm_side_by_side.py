@@ -5,6 +5,7 @@ number of tokens, the same thread count. Rounds rotate the order; medians are re
 the ratio per row.
 
     python bench/llm_side_by_side.py --model qwen2.5-0.5b --precision fp32,bf16 --batch 1,8
+    python bench/llm_side_by_side.py --model llama-3.1-8b --device cuda --precision bf16 --replay
 
 transformers' TTFT is a `generate` of one token; its TPOT is (a generate of N tokens − TTFT)
 / (N − 1), as vLLM's latency benchmark derives it. `--check` first compares the greedy
@@ -37,32 +38,37 @@ def workshop(args, binary):
     return out
 
 
-def ours(binary, folder, precision, batch, prompt, gen, threads, iterations):
+def ours(binary, folder, precision, batch, prompt, gen, threads, iterations, extra):
     with tempfile.TemporaryDirectory() as tmp:
         record = pathlib.Path(tmp) / "run.json"
         workshop(["bench", "--model-dir", str(folder), "--precision", precision, "-b", str(batch),
                   "-p", str(prompt), "-n", str(gen), "--threads", str(threads),
-                  "--iterations", str(iterations), "--warmup", "1", "--json", str(record)], binary)
+                  "--iterations", str(iterations), "--warmup", "1", "--json", str(record), *extra],
+                 binary)
         run = json.loads(record.read_text())["llm"]
     return run["ttft"]["median_ms"], run["tpot"]["median_ms"]
 
 
 class Hf:
-    def __init__(self, folder, precision, threads):
+    def __init__(self, folder, precision, threads, device="cpu"):
         import torch
         import transformers
         torch.set_num_threads(threads)
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-        self.torch = torch
+        self.torch, self.device = torch, device
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype).eval()
+            folder, dtype=dtype).eval().to(device)
         self.vocab = self.model.config.vocab_size
 
     def generate(self, ids, n):
         torch = self.torch
         with torch.inference_mode():
-            return self.model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                       attention_mask=torch.ones_like(ids), pad_token_id=0)
+            out = self.model.generate(ids.to(self.device), max_new_tokens=n, min_new_tokens=n,
+                                      do_sample=False, attention_mask=torch.ones_like(ids),
+                                      pad_token_id=0)
+        if self.device != "cpu":
+            torch.cuda.synchronize()
+        return out.cpu()
 
     def measure(self, batch, prompt, gen, iterations):
         torch = self.torch
@@ -122,14 +128,15 @@ class LlamaCpp:
         return statistics.median(ttft) * 1e3, statistics.median(tpot) * 1e3
 
 
-def check(binary, folder, threads, tokens=24):
-    """Greedy continuation of a seeded prompt, ours against transformers, in FP32."""
+def check(binary, folder, threads, device, tokens=24):
+    """Greedy continuation of a seeded prompt, ours against transformers, in FP32, both on
+    `device` (cpu, or cuda for our CUDA backend and PyTorch's)."""
     import torch
-    hf = Hf(folder, "fp32", threads)
+    hf = Hf(folder, "fp32", threads, device)
     ids = torch.randint(0, hf.vocab, (1, 16), generator=torch.Generator().manual_seed(3))
     want = hf.generate(ids, tokens)[0, 16:].tolist()
     out = workshop(["generate", "--model-dir", str(folder), "--threads", str(threads),
-                    "--prompt-ids", ",".join(map(str, ids[0].tolist())),
+                    "--backend", device, "--prompt-ids", ",".join(map(str, ids[0].tolist())),
                     "--max-tokens", str(tokens)], binary)
     got = [int(t) for t in out.stdout.strip().split(",")]
     same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
@@ -152,6 +159,10 @@ def main():
     p.add_argument("--check", action="store_true")
     p.add_argument("--peers", default="transformers,llama.cpp",
                    help="transformers, llama.cpp (batch 1 only), comma-separated")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: our CUDA backend against transformers on the GPU (no llama.cpp)")
+    p.add_argument("--replay", action="store_true",
+                   help="ours with --compile reduce-overhead (a decode step replayed as a graph)")
     p.add_argument("--workshop", default=str(ROOT / "target/release/workshop"))
     p.add_argument("--folder", help="model folder (default: written to a cache folder)")
     a = p.parse_args()
@@ -159,13 +170,17 @@ def main():
     if not (folder / "config.json").exists():
         workshop(["weights", "--network", a.model, "--output", str(folder)], a.workshop)
     if a.check:
-        check(a.workshop, folder, a.threads)
+        check(a.workshop, folder, a.threads, a.device)
     rows = []
     wanted = a.peers.split(",") if a.peers else []
+    extra = ["--backend", a.device] + (["--compile", "reduce-overhead"] if a.replay else [])
+    if a.device != "cpu" and "llama.cpp" in wanted:
+        print("llama.cpp left out: the PyPI build of llama-cpp-python runs on the CPU")
+        wanted.remove("llama.cpp")
     for precision in a.precision.split(","):
         peers = {}
         if "transformers" in wanted:
-            peers["transformers"] = Hf(folder, precision, a.threads)
+            peers["transformers"] = Hf(folder, precision, a.threads, a.device)
         if "llama.cpp" in wanted and precision in ("fp32", "bf16"):
             peers["llama.cpp"] = LlamaCpp(folder, precision, a.threads, a.prompt + a.gen)
         for batch in map(int, a.batch.split(",")):
@@ -178,7 +193,7 @@ def main():
                 for who in order:
                     if who == "workshop":
                         results[who].append(ours(a.workshop, folder, precision, batch, a.prompt,
-                                                 a.gen, a.threads, a.iterations))
+                                                 a.gen, a.threads, a.iterations, extra))
                     else:
                         results[who].append(peers[who].measure(batch, a.prompt, a.gen,
                                                                a.iterations))
@@ -187,8 +202,8 @@ def main():
             rows.append((precision, batch, med))
             print(precision, batch, med, flush=True)
         del peers
-    print(f"\n{a.model}, prompt {a.prompt}, {a.gen} new tokens, {a.threads} threads, "
-          f"{a.rounds} interleaved rounds (medians)")
+    print(f"\n{a.model} on {a.device}, prompt {a.prompt}, {a.gen} new tokens, {a.threads} "
+          f"threads, {a.rounds} interleaved rounds (medians)")
     print("| precision | batch | peer | TTFT ours ms | TTFT peer ms | prefill ours/peer speed "
           "| TPOT ours ms | TPOT peer ms | decode ours/peer speed |")
     print("|---|---|---|---|---|---|---|---|---|")
