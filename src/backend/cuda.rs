@@ -148,6 +148,17 @@ pub struct CudaBackend {
 }
 
 impl CudaBackend {
+    /// Device `dev` for a session, and its free memory: NVRTC must be there to compile the
+    /// kernels.
+    fn open_device(&self, dev: usize) -> Result<(CudaDevice, Option<u64>), BackendError> {
+        let ctx = self.context(dev)?;
+        if !nvrtc_present() {
+            return Err(nvrtc_missing());
+        }
+        let free = ctx.mem_get_info().ok().map(|(f, _)| f as u64);
+        Ok((CudaDevice::new(ctx, dev)?, free))
+    }
+
     pub fn new() -> Result<Self, BackendError> {
         if !driver_present() {
             return Err(no_device(
@@ -318,12 +329,7 @@ impl Backend for CudaBackend {
         weights: &Weights,
         opt: &ExecOptions,
     ) -> Result<Box<dyn Session>, BackendError> {
-        let ctx = self.context(dev)?;
-        if !nvrtc_present() {
-            return Err(nvrtc_missing());
-        }
-        let free = ctx.mem_get_info().ok().map(|(f, _)| f as u64);
-        let device = CudaDevice::new(ctx, dev)?;
+        let (device, free) = self.open_device(dev)?;
         Ok(Box::new(GpuSession::new(device, plan, weights, opt, free)?))
     }
 
@@ -333,12 +339,7 @@ impl Backend for CudaBackend {
         weights: &crate::model::llm::DecoderWeights,
         opt: &crate::backend::DecoderOptions,
     ) -> Result<Box<dyn crate::backend::DecoderSession>, BackendError> {
-        let ctx = self.context(dev)?;
-        if !nvrtc_present() {
-            return Err(nvrtc_missing());
-        }
-        let free = ctx.mem_get_info().ok().map(|(f, _)| f as u64);
-        let device = CudaDevice::new(ctx, dev)?;
+        let (device, free) = self.open_device(dev)?;
         Ok(Box::new(gpu::decoder::GpuDecoder::new(
             device, weights, opt, free,
         )?))

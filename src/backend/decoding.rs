@@ -178,8 +178,8 @@ pub fn op_times(times: &BTreeMap<&'static str, f64>) -> Vec<(String, f64)> {
 /// Where the last step's logits are.
 pub enum Logits {
     None,
-    /// In the device's logits buffer: this many rows.
-    Device(usize),
+    /// In the device's logits buffer: each sequence's last row.
+    Device,
     /// Every prompt position's, read back chunk by chunk.
     Host(Vec<f32>),
 }
@@ -240,7 +240,6 @@ pub trait Steps {
 /// positions: the prepared decode step where a chunk is one position, else the blocks, then the
 /// LM head on the last chunk's last rows (or on every row, read back as it goes, with
 /// `all_logits`). Returns where the logits are.
-#[allow(clippy::too_many_arguments)]
 pub fn run_step<S: Steps>(
     s: &mut S,
     tokens: &[u32],
@@ -256,12 +255,12 @@ pub fn run_step<S: Steps>(
         s.write_step(&c.ids(tokens, batch), pos + c.start, c.len)?;
         if c.len == 1 && !all_logits {
             s.decode_step()?;
-            logits = Logits::Device(batch);
+            logits = Logits::Device;
             continue;
         }
         s.layers(rows, c.len, c.is_last() && !all_logits)?;
         if c.is_last() && !all_logits {
-            logits = Logits::Device(batch);
+            logits = Logits::Device;
         }
         if all_logits {
             // `batch` rows at a time: the logits buffer holds that many.

@@ -605,7 +605,7 @@ impl<D: Device> DecoderSession for GpuDecoder<D> {
     fn logits(&mut self) -> Result<Vec<f32>, BackendError> {
         match &self.logits {
             Logits::None => Err(BackendError::Invalid("no step has run yet".into())),
-            Logits::Device(rows) => self.download_logits(*rows),
+            Logits::Device => self.download_logits(self.batch),
             Logits::Host(v) => Ok(v.clone()),
         }
     }

@@ -542,6 +542,17 @@ impl EmuBackend {
     pub fn new(kind: BackendKind) -> Self {
         EmuBackend { kind }
     }
+
+    /// The one emulated device, 0.
+    fn device(&self, dev: usize) -> Result<EmuDevice, BackendError> {
+        if dev != 0 {
+            return Err(BackendError::NoDevice {
+                kind: self.kind,
+                reason: format!("the emulator has one device (0), not {dev}"),
+            });
+        }
+        Ok(EmuDevice::new(self.kind))
+    }
 }
 
 impl crate::backend::Backend for EmuBackend {
@@ -570,13 +581,7 @@ impl crate::backend::Backend for EmuBackend {
         weights: &crate::model::Weights,
         opt: &crate::backend::ExecOptions,
     ) -> Result<Box<dyn crate::backend::Session>, BackendError> {
-        if dev != 0 {
-            return Err(BackendError::NoDevice {
-                kind: self.kind,
-                reason: format!("the emulator has one device (0), not {dev}"),
-            });
-        }
-        let device = EmuDevice::new(self.kind);
+        let device = self.device(dev)?;
         Ok(Box::new(super::GpuSession::new(
             device, plan, weights, opt, None,
         )?))
@@ -588,13 +593,7 @@ impl crate::backend::Backend for EmuBackend {
         weights: &crate::model::llm::DecoderWeights,
         opt: &crate::backend::DecoderOptions,
     ) -> Result<Box<dyn crate::backend::DecoderSession>, BackendError> {
-        if dev != 0 {
-            return Err(BackendError::NoDevice {
-                kind: self.kind,
-                reason: format!("the emulator has one device (0), not {dev}"),
-            });
-        }
-        let device = EmuDevice::new(self.kind);
+        let device = self.device(dev)?;
         Ok(Box::new(super::decoder::GpuDecoder::new(
             device, weights, opt, None,
         )?))

@@ -566,15 +566,7 @@ impl WgpuDecoder {
     }
 
     fn wait(&self) -> Result<(), BackendError> {
-        self.device
-            .poll(wgpu::PollType::wait_indefinitely())
-            .map_err(|e| BackendError::Driver(format!("waiting for the GPU failed: {e}")))?;
-        match self.errors.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            Some(e) => Err(BackendError::Driver(format!(
-                "the GPU reported an error: {e}"
-            ))),
-            None => Ok(()),
-        }
+        super::session::wait(&self.device, &self.errors)
     }
 
     /// Submit `dispatches`; when profiling, one at a time, each timed to its end on the host.
@@ -674,7 +666,7 @@ impl DecoderSession for WgpuDecoder {
     fn logits(&mut self) -> Result<Vec<f32>, BackendError> {
         match &self.logits {
             Logits::None => Err(BackendError::Invalid("no step has run yet".into())),
-            Logits::Device(rows) => self.read_logits(*rows),
+            Logits::Device => self.read_logits(self.batch),
             Logits::Host(v) => Ok(v.clone()),
         }
     }

@@ -307,17 +307,33 @@ impl WgpuSession {
     }
 
     pub(super) fn check_errors(&self) -> Result<(), BackendError> {
-        match self.errors.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            Some(e) => Err(BackendError::Driver(format!(
-                "the GPU reported an error: {e}"
-            ))),
-            None => Ok(()),
-        }
+        reported(&self.errors)
     }
 
     fn read(&self, buffer: &wgpu::Buffer) -> Result<Vec<u8>, BackendError> {
         map_read(&self.device, buffer)
     }
+}
+
+/// The first error the device reported outside an error scope (`errors`), if any.
+pub(super) fn reported(errors: &Mutex<Option<String>>) -> Result<(), BackendError> {
+    match errors.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        Some(e) => Err(BackendError::Driver(format!(
+            "the GPU reported an error: {e}"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Wait until `device` has finished what was submitted, then report any error it raised.
+pub(super) fn wait(
+    device: &wgpu::Device,
+    errors: &Mutex<Option<String>>,
+) -> Result<(), BackendError> {
+    device
+        .poll(wgpu::PollType::wait_indefinitely())
+        .map_err(|e| BackendError::Driver(format!("waiting for the GPU failed: {e}")))?;
+    reported(errors)
 }
 
 /// Map a buffer, wait for it, and copy its bytes out.
@@ -397,10 +413,7 @@ impl Session for WgpuSession {
     }
 
     fn sync(&mut self) -> Result<(), BackendError> {
-        self.device
-            .poll(wgpu::PollType::wait_indefinitely())
-            .map_err(|e| BackendError::Driver(format!("waiting for the GPU failed: {e}")))?;
-        self.check_errors()
+        wait(&self.device, &self.errors)
     }
 
     fn read_output(&mut self) -> Result<Tensor, BackendError> {
