@@ -1046,3 +1046,45 @@ fn partition_attention(kind: BackendKind) {
     check(kind, &g.finish(x), [2, 3, 6, 9], 1.0);
 }
 backend_test!(partition_attention, cpu, wgpu, cuda, hip);
+
+/// Layer chains as `--network` writes them (`model::zoo::layer`) on every backend against the
+/// reference, and a second pass by `Session::rerun` (the input kept on the device, as layer
+/// benchmarks run) gives the output of the first.
+fn layer_chains(kind: BackendKind) {
+    for (spec, shape) in [
+        (
+            "conv2d(6, 8, 3, padding=1)+relu+maxpool2d(2)+batchnorm2d(8)",
+            [2, 6, 9, 8],
+        ),
+        (
+            "conv2d(8, 8, 3, stride=2, padding=2, dilation=2, groups=2, bias=False)+silu",
+            [1, 8, 7, 7],
+        ),
+        (
+            "layernorm(16)+multiheadattention(16, 2)+linear(16, 24)+gelu",
+            [2, 16, 3, 4],
+        ),
+    ] {
+        let graph = workshop::model::zoo::build(spec).unwrap();
+        check(kind, &graph, shape, 1.0);
+        let plan = graph.plan(shape[0], shape[2], shape[3]).unwrap();
+        let w = random_weights(&graph, 3);
+        let Some(mut s) = session(kind, &plan, &w, Precision::Fp32) else {
+            return;
+        };
+        let x = Rng::new(5).normal_tensor(shape.to_vec());
+        s.run(&x).unwrap();
+        s.sync().unwrap();
+        let first = s.read_output().unwrap();
+        let kept = s.rerun().unwrap();
+        assert_eq!(kept, kind != BackendKind::Cpu, "{spec} on {kind}");
+        s.sync().unwrap();
+        assert_eq!(
+            s.read_output().unwrap().data,
+            first.data,
+            "{spec} on {kind}"
+        );
+    }
+}
+
+backend_test!(layer_chains, cpu, wgpu, cuda, hip);

@@ -469,6 +469,13 @@ pub trait DecoderSession {
 pub trait Session {
     /// Enqueue one forward pass on `input` (NCHW f32, the plan's input shape).
     fn run(&mut self, input: &Tensor) -> Result<(), BackendError>;
+    /// Enqueue another forward pass on the input the last `run` copied to the device, without
+    /// copying it again, as PyTorch's op benchmarks keep their input on the device: true where
+    /// the session keeps its input apart from the activations (the GPU backends), false where
+    /// the input must be given again with `run` (the CPU converts it as its first op).
+    fn rerun(&mut self) -> Result<bool, BackendError> {
+        Ok(false)
+    }
     /// Wait until the device has finished everything enqueued.
     fn sync(&mut self) -> Result<(), BackendError>;
     /// The last forward pass's output in f32, in the plan's logical shape.

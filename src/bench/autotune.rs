@@ -77,7 +77,7 @@ pub fn tune(
                     layer: node.name.clone(),
                     shape,
                     variant: e.variant.clone(),
-                    tried: Vec::new(),
+                    tried: e.tried.clone(),
                     cached: true,
                 });
             }

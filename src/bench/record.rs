@@ -246,7 +246,8 @@ pub struct Choice {
     /// The op and its input shape.
     pub shape: String,
     pub variant: String,
-    /// Best time of each variant tried, ms (empty when taken from the cache).
+    /// Best time of each variant tried, ms (when `cached`, as the run that filled the cache
+    /// measured them).
     pub tried: Vec<(String, f64)>,
     pub cached: bool,
 }

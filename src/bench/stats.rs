@@ -13,6 +13,12 @@ pub struct Stats {
     pub cv: f64,
     pub min_s: f64,
     pub max_s: f64,
+    /// The 90th and 99th percentiles of the iteration times (the median is the 50th): the
+    /// tail latency a server's users see (0 in records written before they were kept).
+    #[serde(default)]
+    pub p90_s: f64,
+    #[serde(default)]
+    pub p99_s: f64,
     /// Images per second from the mean step (total images / total time, as
     /// micro_benchmarking_pytorch.py reports it).
     pub throughput: f64,
@@ -37,12 +43,7 @@ impl Stats {
         let mean = samples.iter().sum::<f64>() / n;
         let mut sorted = samples.to_vec();
         sorted.sort_by(f64::total_cmp);
-        let mid = sorted.len() / 2;
-        let median = if sorted.len().is_multiple_of(2) {
-            (sorted[mid - 1] + sorted[mid]) / 2.0
-        } else {
-            sorted[mid]
-        };
+        let median = percentile(&sorted, 50.0);
         let var = if samples.len() > 1 {
             samples.iter().map(|s| (s - mean).powi(2)).sum::<f64>() / (n - 1.0)
         } else {
@@ -55,6 +56,8 @@ impl Stats {
             median_s: median,
             std_s: std,
             cv: if mean > 0.0 { std / mean } else { 0.0 },
+            p90_s: percentile(&sorted, 90.0),
+            p99_s: percentile(&sorted, 99.0),
             min_s: sorted[0],
             max_s: sorted[sorted.len() - 1],
             throughput: b / mean,

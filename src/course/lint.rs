@@ -429,6 +429,31 @@ fn check_sections(l: &mut Linter<'_>, e: &Exercise, step: &Step) {
                 "sweep values must be a non-empty list of positive numbers",
             );
         }
+        for r in &sw.reference {
+            if r.ms.len() != sw.values.len() || r.ms.iter().any(|v| !(*v > 0.0 && v.is_finite())) {
+                l.at(
+                    s.span(),
+                    format!(
+                        "reference `{}` needs one positive time (ms) per sweep value: {} values, {} times",
+                        r.label,
+                        sw.values.len(),
+                        r.ms.len()
+                    ),
+                );
+            }
+        }
+        if !sw.reference.is_empty()
+            && let Some(cpu) = &sw.cpu_values
+            && let Some(v) = cpu.iter().find(|v| !sw.values.contains(v))
+        {
+            l.at(
+                s.span(),
+                format!("cpu value {v} has no published time: a sweep with a reference takes cpu_values from its values"),
+            );
+        }
+        if sw.reference_batch == Some(0) {
+            l.at(s.span(), "reference_batch must be positive");
+        }
     }
     if step.peak.is_some() && step.kind != StepKind::Peak {
         l.at(step.id.span(), "only a `peak` step takes a `peak` section");

@@ -66,7 +66,7 @@ metrics! {
     "std_ms" Step [RUNS] "ms" true "standard deviation of the timed iterations";
     "min_ms" Step [RUNS] "ms" true "fastest timed iteration";
     "max_ms" Step [RUNS] "ms" true "slowest timed iteration";
-    "cv" Step [Bench, Profile, Chart, Llm] "ratio" false "coefficient of variation of the timed iterations (std / mean); of a multi-device run, the noisiest of its runs; of a chart, the noisiest run it compares; of a language model, of its decode steps (the noisiest run of a sweep)";
+    "cv" Step [Bench, Profile, Chart, Llm, Sweep] "ratio" false "coefficient of variation of the timed iterations (std / mean); of a multi-device run, the noisiest of its runs; of a chart, the noisiest run it compares; of a language model, of its decode steps (the noisiest run of a sweep); of a sweep, its noisiest run";
     "us_per_sample" Step [RUNS] "µs" true "median microseconds per image";
     "gflops" Step [RUNS] "GFLOP/s" true "the network's FLOPs per second at the median time";
     "peak_memory_mib" Step [RUNS] "MiB" false "weights and the most activations alive at once";
@@ -101,6 +101,11 @@ metrics! {
     "best_throughput" Step [Sweep] "images/s" true "the highest throughput of the sweep";
     "best_value" Step [Sweep] "value" false "the parameter value that gave it";
     "scaling" Step [Sweep, Llm] "ratio" true "last value's throughput / first value's (a language model's: decode tokens per second)";
+    "best_gflops" Step [Sweep] "GFLOP/s" true "the highest FLOPs per second of the sweep";
+    "peak_pct_first" Step [Sweep] "%" true "the first value's GFLOP/s as a share of the measured GEMM peak";
+    "peak_pct_last" Step [Sweep] "%" true "the last value's GFLOP/s as a share of the measured GEMM peak";
+    "vs_reference_first" Step [Sweep] "ratio" true "the first value's time (at the published batch) / the first published time";
+    "vs_reference_last" Step [Sweep] "ratio" true "the last value's time (at the published batch) / the last published time";
     // Language models (`llm` steps).
     "ttft_ms" Step [Llm] "ms" true "time to first token: the prefill of the prompt and the first token's choice (median)";
     "tpot_ms" Step [Llm] "ms" true "time per output token after the first (median over the timed generations)";

@@ -205,6 +205,22 @@ pub struct SweepSpec {
     pub values: Vec<usize>,
     /// Values to use instead where the workspace computes on the host's cores (as `cpu`).
     pub cpu_values: Option<Vec<usize>>,
+    /// Published times to set the sweep's next to (a paper's table): `ms[i]` belongs to
+    /// `values[i]`; the first reference is the one the others and the student's are
+    /// compared against, as such tables are.
+    #[serde(default)]
+    pub reference: Vec<Reference>,
+    /// The batch the published times were measured at (default: the step's batch); the
+    /// student's times at another batch are scaled to it, and the table says so.
+    pub reference_batch: Option<usize>,
+}
+
+/// One row of a published table: whose time, where (`CUDA.jl, A100`), per sweep value.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Reference {
+    pub label: String,
+    pub ms: Vec<f64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]

@@ -65,7 +65,8 @@ pub fn event_line(ev: &Event) -> String {
             seconds,
         } => {
             format!(
-                "Warm-up {index:>3}: loss = {loss:.4}, time = {:.1} ms",
+                "Warm-up {index:>3}: {}time = {:.1} ms",
+                loss_text(*loss),
                 seconds * 1e3
             )
         }
@@ -75,7 +76,8 @@ pub fn event_line(ev: &Event) -> String {
             seconds,
         } => {
             format!(
-                "Iteration {index:>3}: loss = {loss:.4}, time = {:.1} ms",
+                "Iteration {index:>3}: {}time = {:.1} ms",
+                loss_text(*loss),
                 seconds * 1e3
             )
         }
@@ -93,6 +95,12 @@ pub fn event_line(ev: &Event) -> String {
     }
 }
 
+/// "loss = 2.3026, " for an iteration whose output was scored; nothing for one whose output
+/// stays on the device until the end (a layer chain's).
+fn loss_text(loss: Option<f64>) -> String {
+    loss.map_or(String::new(), |l| format!("loss = {l:.4}, "))
+}
+
 /// The performance summary after a run.
 pub fn summary(r: &BenchRecord) -> String {
     if let Some(run) = &r.llm {
@@ -104,12 +112,12 @@ pub fn summary(r: &BenchRecord) -> String {
     format!(
         "{line}\nPerformance summary: {} {} batch {} on {} ({})\n{line}\n\
          Step time     median {:.2} ms, mean {:.2} ms, std {:.2} ms (CV {:.1}%)\n\
+         Latency       p50 {:.2} ms, p90 {:.2} ms, p99 {:.2} ms\n\
          Range         min {:.2} ms, max {:.2} ms over {} iterations\n\
          Throughput    {:.1} images/s (mean), {:.1} images/s (median)\n\
          Per image     {:.1} µs (median step / batch)\n\
          Compute       {:.1} GFLOP/s ({:.2} GMACs per image in convolutions, linear layers and attention; 2 FLOPs each)\n\
-         Memory        {} peak: {}, {} activations\n\
-         Loss          {:.4} (random labels: ln(classes) ≈ {:.4} for an untrained network)\n{}{}{line}",
+         Memory        {} peak: {}, {} activations\n{}{}{}{line}",
         c.network,
         c.precision.name().to_uppercase(),
         c.batch_size,
@@ -119,6 +127,9 @@ pub fn summary(r: &BenchRecord) -> String {
         s.mean_s * 1e3,
         s.std_s * 1e3,
         s.cv * 100.0,
+        s.median_s * 1e3,
+        s.p90_s * 1e3,
+        s.p99_s * 1e3,
         s.min_s * 1e3,
         s.max_s * 1e3,
         r.samples_s.len(),
@@ -130,10 +141,22 @@ pub fn summary(r: &BenchRecord) -> String {
         human_bytes(r.memory.peak),
         weights_text(r),
         human_bytes(r.memory.peak_activations),
-        r.loss,
-        1000f64.ln(),
+        loss_line(r),
         enqueue_line(r),
         r.compile.as_ref().map_or(String::new(), compile_lines),
+    )
+}
+
+/// The loss of a classifier's last iteration against the seeded labels; nothing for a layer
+/// chain, whose output is activations, not logits.
+fn loss_line(r: &BenchRecord) -> String {
+    if crate::model::zoo::layer::is_layer_spec(&r.config.network) {
+        return String::new();
+    }
+    format!(
+        "Loss          {:.4} (random labels: ln(classes) ≈ {:.4} for an untrained network)\n",
+        r.loss,
+        1000f64.ln()
     )
 }
 

@@ -357,13 +357,26 @@ impl<D: Device> Session for GpuSession<D> {
         }
         let bytes = Precision::Fp32.storage_bytes(&input.data);
         self.device.upload(self.ptrs[self.program.input], &bytes)?;
+        // A pass on the input now on the device; `ran` again only when it was enqueued.
+        self.ran = true;
+        let pass = self.rerun().map(|_| ());
+        self.ran = pass.is_ok();
+        pass
+    }
+
+    /// The input buffer is the program's own (the first op converts it into an activation
+    /// buffer), so it holds the last upload until the next.
+    fn rerun(&mut self) -> Result<bool, BackendError> {
+        if !self.ran {
+            return Ok(false);
+        }
         if self.replay.is_ok() {
             self.device.replay()?;
         } else {
             self.enqueue()?;
         }
         self.ran = true;
-        Ok(())
+        Ok(true)
     }
 
     fn sync(&mut self) -> Result<(), BackendError> {

@@ -6,6 +6,7 @@ mod convnext;
 mod densenet;
 mod efficientnet;
 mod inception;
+pub mod layer;
 mod maxvit;
 mod mnasnet;
 mod mobilenet;
@@ -118,11 +119,15 @@ pub const NETWORKS: &[&str] = &[
     "maxvit_t",
 ];
 
-/// A network name that the zoo does not have.
+/// A network name that the zoo does not have, or a layer chain that cannot be built.
 #[derive(Debug, thiserror::Error)]
-#[error("unknown network `{name}`{}; `workshop models` lists all {} networks", suggest(name), NETWORKS.len())]
-pub struct UnknownNetwork {
-    pub name: String,
+pub enum UnknownNetwork {
+    #[error("unknown network `{name}`{}; `workshop models` lists all {} networks, and one layer \
+             is written as PyTorch makes it: `conv2d(64, 64, 3, padding=1)+relu`",
+             suggest(name), NETWORKS.len())]
+    Unknown { name: String },
+    #[error("layer chain `{spec}`: {why}")]
+    Layer { spec: String, why: String },
 }
 
 /// ": did you mean `resnet50`?": the zoo's names fewest edits away from `name` (at most two,
@@ -149,9 +154,15 @@ fn suggest(name: &str) -> String {
     }
 }
 
-/// Build a zoo network with 1000 ImageNet classes.
+/// Build a zoo network with 1000 ImageNet classes, or a chain of layers ([`layer`]).
 pub fn build(name: &str) -> Result<Graph, UnknownNetwork> {
-    let unknown = || UnknownNetwork {
+    if layer::is_layer_spec(name) {
+        return layer::build(name).map_err(|why| UnknownNetwork::Layer {
+            spec: name.to_string(),
+            why,
+        });
+    }
+    let unknown = || UnknownNetwork::Unknown {
         name: name.to_string(),
     };
     if !NETWORKS.contains(&name) {
