@@ -163,6 +163,24 @@ fn the_embedded_course_runs_start_to_finish_on_the_cpu() {
         find("06-compile", "max-autotune-again")["metrics"]["autotune_timed"],
         0.0
     );
+    // 08: the conv sweep at four sizes next to the published table, the CPU's kernel
+    // variants timed per size, and the vendor step unavailable without cuBLAS.
+    let conv = find("08-conv-sweep", "sweep");
+    let table = &conv["table"];
+    assert_eq!(table["rows"].as_array().unwrap().len(), 4, "{conv}");
+    assert!(
+        table["header"].to_string().contains("× CUDA.jl A100"),
+        "{table}"
+    );
+    assert!(conv["metrics"]["vs_reference_last"].as_f64().unwrap() > 0.0);
+    let variants = find("08-conv-sweep", "variants");
+    assert!(
+        variants["table"]["header"]
+            .to_string()
+            .contains("winograd-f4x4 ms"),
+        "{variants}"
+    );
+    assert_eq!(find("08-conv-sweep", "vendor")["outcome"], "unavailable");
     let chart = find("10-compare", "comparison");
     assert!(chart["metrics"]["fp16.ratio"].as_f64().unwrap() > 0.0);
     assert!(dir.join("records/10-compare.fp16.json").exists());
@@ -199,7 +217,7 @@ fn the_embedded_course_runs_start_to_finish_on_the_cpu() {
     assert!(batch["metrics"]["scaling"].as_f64().unwrap() > 0.0);
     assert!(dir.join("records/15-llm.run.json").exists());
     let status = ok(dir, &["status"]);
-    assert!(status.contains("12/12 exercises"), "{status}");
+    assert!(status.contains("13/13 exercises"), "{status}");
 }
 
 /// A small course of two fast exercises, written into `root`.
@@ -495,7 +513,7 @@ fn the_embedded_course_passes_lint_and_new_exercises_scaffold_cleanly() {
         .output()
         .unwrap();
     assert!(
-        o.status.success() && stdout(&o).contains("course OK: 12 exercises"),
+        o.status.success() && stdout(&o).contains("course OK: 13 exercises"),
         "{}",
         stderr(&o)
     );
@@ -844,15 +862,16 @@ fn init_checks_placement_and_switches_keeping_results() {
 fn shell_words(line: &str) -> Vec<String> {
     let mut words = Vec::new();
     let mut cur = String::new();
-    let mut quoted = false;
+    // The quote that opened the current quoted part, if any: " or '.
+    let mut quoted: Option<char> = None;
     let mut any = false;
     for ch in line.chars() {
         match ch {
-            '"' => {
-                quoted = !quoted;
+            '"' | '\'' if quoted.is_none_or(|q| q == ch) => {
+                quoted = if quoted.is_some() { None } else { Some(ch) };
                 any = true;
             }
-            c if c.is_whitespace() && !quoted => {
+            c if c.is_whitespace() && quoted.is_none() => {
                 if any {
                     words.push(std::mem::take(&mut cur));
                     any = false;
@@ -897,6 +916,14 @@ fn every_command_in_the_book_and_exercises_parses_and_every_chapter_is_listed() 
                 let words = shell_words(cmd);
                 if let Err(e) = workshop::cmd::args::Cli::try_parse_from(&words) {
                     panic!("{name}: `{cmd}` does not parse:\n{e}");
+                }
+                // A network it names exists (a layer chain builds).
+                if let Some(i) = words.iter().position(|w| w == "--network")
+                    && let Some(net) = words.get(i + 1)
+                    && !workshop::model::llm::is_decoder(net)
+                    && let Err(e) = workshop::model::zoo::build(net)
+                {
+                    panic!("{name}: `{cmd}`: {e}");
                 }
                 commands += 1;
             }

@@ -55,6 +55,10 @@ pub const EMBEDDED_EXERCISES: &[(&str, &str)] = &[
         include_str!("../../exercises/07-kernel-profile.toml"),
     ),
     (
+        "exercises/08-conv-sweep.toml",
+        include_str!("../../exercises/08-conv-sweep.toml"),
+    ),
+    (
         "exercises/09-peak.toml",
         include_str!("../../exercises/09-peak.toml"),
     ),
@@ -99,6 +103,10 @@ pub const EMBEDDED_CHAPTERS: &[(&str, &str)] = &[
     (
         "07-kernel-profile.md",
         include_str!("../../book/src/07-kernel-profile.md"),
+    ),
+    (
+        "08-conv-sweep.md",
+        include_str!("../../book/src/08-conv-sweep.md"),
     ),
     ("09-peak.md", include_str!("../../book/src/09-peak.md")),
     (

@@ -65,6 +65,8 @@ fn published(sweep: &SweepSpec, v: usize) -> Option<Vec<f64>> {
 }
 
 fn table(sweep: &SweepSpec, runs: &[(usize, BenchRecord)], peak: Option<f64>) -> ResultTable {
+    // Next to a published table, the columns it does not have make way for its rows.
+    let published_too = !sweep.reference.is_empty();
     let mut header: Vec<String> = [
         sweep.param.label(),
         "median ms",
@@ -75,8 +77,10 @@ fn table(sweep: &SweepSpec, runs: &[(usize, BenchRecord)], peak: Option<f64>) ->
         "CV %",
         "peak MiB",
     ]
-    .map(String::from)
-    .to_vec();
+    .iter()
+    .filter(|h| !published_too || !matches!(**h, "images/s" | "peak MiB"))
+    .map(|h| h.to_string())
+    .collect();
     let names: Vec<String> = (runs.iter())
         .flat_map(|(_, r)| variants(r).iter().map(|t| t.0.clone()))
         .fold(Vec::new(), |mut all, n| {
@@ -104,12 +108,18 @@ fn table(sweep: &SweepSpec, runs: &[(usize, BenchRecord)], peak: Option<f64>) ->
                 v.to_string(),
                 format!("{:.2}", s.median_s * 1e3),
                 format!("{:.2}", s.p99_s * 1e3),
-                format!("{:.1}", s.throughput_median),
+            ];
+            if !published_too {
+                row.push(format!("{:.1}", s.throughput_median));
+            }
+            row.extend([
                 format!("{:.1}", s.gflops),
                 peak.map_or("–".into(), |p| format!("{:.0}", s.gflops / p * 100.0)),
                 format!("{:.1}", s.cv * 100.0),
-                format!("{:.0}", r.memory.peak as f64 / (1024.0 * 1024.0)),
-            ];
+            ]);
+            if !published_too {
+                row.push(format!("{:.0}", r.memory.peak as f64 / (1024.0 * 1024.0)));
+            }
             let tried = variants(r);
             row.extend(names.iter().map(|n| {
                 (tried.iter().find(|t| &t.0 == n)).map_or("–".into(), |t| format!("{:.2}", t.1))
@@ -122,7 +132,8 @@ fn table(sweep: &SweepSpec, runs: &[(usize, BenchRecord)], peak: Option<f64>) ->
                 match published(sweep, *v) {
                     Some(ms) => {
                         row.push(format!("{:.2}", mine / ms[0]));
-                        row.extend(ms.iter().map(|m| format!("{m} ({:.2}×)", m / ms[0])));
+                        row.push(ms[0].to_string());
+                        row.extend(ms[1..].iter().map(|m| format!("{m} ({:.2}×)", m / ms[0])));
                     }
                     None => row.extend(vec!["–".into(); sweep.reference.len() + 1]),
                 }
