@@ -473,6 +473,18 @@ fn broken_exercise_files_get_precise_errors() {
             "kind = \"llm\"\nbench = { network = \"gpt2\", gen_len = 0 }",
             "gen_len must be at least 1",
         ),
+        (
+            "kind = \"sweep\"\nbench = { network = \"conv2d(4, 4, 3\" }\nsweep = { param = \"input_size\", values = [8] }",
+            "no closing parenthesis",
+        ),
+        (
+            "kind = \"sweep\"\nbench = { network = \"resnet18\" }\nsweep = { param = \"input_size\", values = [8, 16], reference = [{ label = \"A100\", ms = [0.3] }] }",
+            "reference `A100` needs one positive time (ms) per sweep value: 2 values, 1 times",
+        ),
+        (
+            "kind = \"sweep\"\nbench = { network = \"resnet18\" }\nsweep = { param = \"input_size\", values = [8], cpu_values = [4], reference = [{ label = \"A100\", ms = [0.3] }] }",
+            "cpu value 4 has no published time",
+        ),
     ];
     for (step, needle) in cases {
         let e = lint_one(&format!("{good}{run}{step}\n"));

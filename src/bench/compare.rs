@@ -20,6 +20,9 @@ pub struct Row {
     pub batch: usize,
     pub input_size: usize,
     pub median_ms: f64,
+    /// The 99th percentile of the iteration times, from the samples (so older records have it).
+    #[serde(default)]
+    pub p99_ms: f64,
     pub throughput: f64,
     /// The slowest and the fastest iteration's throughput: the spread verdicts are judged on.
     pub throughput_range: (f64, f64),
@@ -240,6 +243,11 @@ fn rows(records: &[(String, BenchRecord)], all: &[Fields], varies: &[bool]) -> V
                 batch: r.config.batch_size,
                 input_size: r.config.input_size,
                 median_ms: r.stats.median_s * 1e3,
+                p99_ms: {
+                    let mut sorted = r.samples_s.clone();
+                    sorted.sort_by(f64::total_cmp);
+                    super::stats::percentile(&sorted, 99.0) * 1e3
+                },
                 throughput: r.stats.throughput_median,
                 throughput_range: (
                     per_second(r.config.batch_size, r.stats.max_s),

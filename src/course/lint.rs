@@ -622,6 +622,11 @@ fn check_bench(l: &mut Linter<'_>, span: Range<usize>, b: &super::schema::BenchS
             span.clone(),
             format!("`{n}` is a language model: run it in a step of kind `llm`"),
         ),
+        Some(n) if !llm && zoo::layer::is_layer_spec(n) => {
+            if let Err(e) = zoo::build(n) {
+                l.at(span.clone(), e.to_string());
+            }
+        }
         Some(n) if !llm && zoo::build(n).is_err() => l.at(
             span.clone(),
             format!(
