@@ -461,6 +461,31 @@ fn bad_input_gets_one_clear_line() {
         "--iterations must be at least 1",
     );
     fails_with(&["bench", "--threads", "0"], "--threads must be at least 1");
+    // Layer chains and scenarios.
+    fails_with(
+        &["bench", "--network", "conv2d(64, 64, 3, padding=x)"],
+        "layer chain `conv2d(64, 64, 3, padding=x)`: conv2d(64, 64, 3, padding=x): `padding` takes a whole number, not `x`",
+    );
+    fails_with(
+        &["bench", "--qps", "10"],
+        "--qps is for MLPerf scenarios: add --scenario single-stream|offline|server",
+    );
+    fails_with(
+        &["bench", "--scenario", "offline", "--qps", "10"],
+        "--qps is for --scenario server",
+    );
+    fails_with(
+        &["bench", "--scenario", "server", "--latency-bound-ms", "0"],
+        "--latency-bound-ms must be a positive number of milliseconds",
+    );
+    fails_with(
+        &["bench", "--scenario", "single-stream", "--queries", "0"],
+        "--queries must be between 1 and 10,000,000 (got 0)",
+    );
+    fails_with(
+        &["bench", "--scenario", "server", "--network", "gpt2"],
+        "--scenario runs image networks",
+    );
     fails_with(&["bench", "--fp16", "2"], "--fp16 takes 0 or 1");
     fails_with(
         &["bench", "--precision", "bf16", "--fp16", "1"],

@@ -181,6 +181,20 @@ fn the_embedded_course_runs_start_to_finish_on_the_cpu() {
         "{variants}"
     );
     assert_eq!(find("08-conv-sweep", "vendor")["outcome"], "unavailable");
+    // 13: the three scenarios, their percentiles, and the server's best rate.
+    let single = &find("13-latency-under-load", "single-stream")["metrics"];
+    assert!(
+        single["p99_ms"].as_f64() >= single["p50_ms"].as_f64(),
+        "{single}"
+    );
+    let offline = &find("13-latency-under-load", "offline")["metrics"];
+    assert_eq!(offline["mean_batch"].as_f64(), Some(8.0), "{offline}");
+    let server = &find("13-latency-under-load", "server")["metrics"];
+    assert!(server["best_qps"].as_f64().unwrap() > 0.0, "{server}");
+    assert!(
+        dir.join("records/13-latency-under-load.server.json")
+            .exists()
+    );
     let chart = find("10-compare", "comparison");
     assert!(chart["metrics"]["fp16.ratio"].as_f64().unwrap() > 0.0);
     assert!(dir.join("records/10-compare.fp16.json").exists());
@@ -217,7 +231,7 @@ fn the_embedded_course_runs_start_to_finish_on_the_cpu() {
     assert!(batch["metrics"]["scaling"].as_f64().unwrap() > 0.0);
     assert!(dir.join("records/15-llm.run.json").exists());
     let status = ok(dir, &["status"]);
-    assert!(status.contains("13/13 exercises"), "{status}");
+    assert!(status.contains("14/14 exercises"), "{status}");
 }
 
 /// A small course of two fast exercises, written into `root`.
@@ -485,6 +499,14 @@ fn broken_exercise_files_get_precise_errors() {
             "kind = \"sweep\"\nbench = { network = \"resnet18\" }\nsweep = { param = \"input_size\", values = [8], cpu_values = [4], reference = [{ label = \"A100\", ms = [0.3] }] }",
             "cpu value 4 has no published time",
         ),
+        (
+            "kind = \"bench\"\nbench = { network = \"resnet18\", qps = 5.0 }",
+            "queries, duration_s, latency_bound_ms, batch_timeout_ms and qps are for a `scenario`",
+        ),
+        (
+            "kind = \"bench\"\nbench = { network = \"resnet18\", scenario = \"offline\", qps = 5.0 }",
+            "qps is for the `server` scenario",
+        ),
     ];
     for (step, needle) in cases {
         let e = lint_one(&format!("{good}{run}{step}\n"));
@@ -525,7 +547,7 @@ fn the_embedded_course_passes_lint_and_new_exercises_scaffold_cleanly() {
         .output()
         .unwrap();
     assert!(
-        o.status.success() && stdout(&o).contains("course OK: 13 exercises"),
+        o.status.success() && stdout(&o).contains("course OK: 14 exercises"),
         "{}",
         stderr(&o)
     );

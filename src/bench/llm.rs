@@ -332,6 +332,7 @@ pub fn run(
         output: timed.pop().map(|g| g.last_logits).unwrap_or_default(),
         timeline: Vec::new(),
         llm: Some(run),
+        scenario: None,
     })
 }
 

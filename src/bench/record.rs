@@ -53,6 +53,10 @@ pub struct BenchRecord {
     /// steps, so the throughput is new tokens per second over the batch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub llm: Option<super::llm::LlmRun>,
+    /// An MLPerf scenario's probes and verdict (`--scenario`); the samples above are then the
+    /// reported probe's per-query latencies, and the throughput its queries per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scenario: Option<super::scenario::ScenarioRun>,
     /// The last iteration's output (not kept in the JSON record).
     #[serde(skip)]
     pub output: Vec<f32>,
@@ -107,6 +111,10 @@ pub struct BenchConfig {
     /// Language models: the most rows one forward pass takes (`--max-batched-tokens`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_batched_tokens: Option<usize>,
+    /// An MLPerf scenario instead of the timed loop (`--scenario`); `batch_size` is then the
+    /// largest batch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scenario: Option<super::scenario::ScenarioConfig>,
 }
 
 impl Default for BenchConfig {
@@ -136,6 +144,7 @@ impl Default for BenchConfig {
             prompt_len: None,
             gen_len: None,
             max_batched_tokens: None,
+            scenario: None,
         }
     }
 }

@@ -143,6 +143,31 @@ pub struct BenchArgs {
     /// chunks before it cached (default: 2048 on GPU backends; the CPU runs a prefill at once)
     #[arg(long, value_name = "N")]
     pub max_batched_tokens: Option<usize>,
+    /// Run an MLPerf Inference scenario instead of the timed loop: `single-stream` (p50/p90/p99
+    /// latency of one query at a time), `offline` (throughput of full batches), `server`
+    /// (Poisson arrivals batched dynamically up to --batch-size; the largest rate whose p99
+    /// meets --latency-bound-ms, or --qps)
+    #[arg(long, value_enum)]
+    pub scenario: Option<crate::bench::scenario::Scenario>,
+    /// Scenarios: queries per run, at least (default 1024; 128 where the device computes on
+    /// the host's cores; MLPerf asks 1,024 single-stream and 270,336 server)
+    #[arg(long, value_name = "N")]
+    pub queries: Option<usize>,
+    /// Scenarios: seconds a run lasts at least on its clock (default 10; 2 on the host's
+    /// cores; MLPerf asks 600)
+    #[arg(long, value_name = "S")]
+    pub duration: Option<f64>,
+    /// Server: the p99 latency bound in ms (default 15, MLPerf's for ResNet-50; 100 where the
+    /// device computes on the host's cores)
+    #[arg(long, value_name = "MS")]
+    pub latency_bound_ms: Option<f64>,
+    /// Server: how long the first query of a batch waits for others, ms (default: a tenth of
+    /// the latency bound)
+    #[arg(long, value_name = "MS")]
+    pub batch_timeout_ms: Option<f64>,
+    /// Server: run at this many queries per second instead of searching for the largest rate
+    #[arg(long, value_name = "Q")]
+    pub qps: Option<f64>,
     /// A Hugging Face model folder (config.json and safetensors, one file or shards) to run
     /// instead of a built-in language model's seeded weights
     #[arg(long, value_name = "DIR")]

@@ -46,8 +46,60 @@ pub(super) fn emulated(kind: BackendKind) -> bool {
     matches!(kind, BackendKind::Cuda | BackendKind::Hip) && crate::backend::gpu::emu::requested()
 }
 
+/// The scenario the flags ask for, with the defaults for where it runs (smaller on the
+/// host's cores, and said so in the record's rules line); scenario flags without
+/// `--scenario` are refused.
+fn scenario_config(args: &BenchArgs) -> Result<Option<bench::scenario::ScenarioConfig>> {
+    let Some(scenario) = args.scenario else {
+        for (flag, given) in [
+            ("--queries", args.queries.is_some()),
+            ("--duration", args.duration.is_some()),
+            ("--latency-bound-ms", args.latency_bound_ms.is_some()),
+            ("--batch-timeout-ms", args.batch_timeout_ms.is_some()),
+            ("--qps", args.qps.is_some()),
+        ] {
+            if given {
+                bail!(
+                    "{flag} is for MLPerf scenarios: add --scenario single-stream|offline|server"
+                );
+            }
+        }
+        return Ok(None);
+    };
+    if args.profile
+        || args.flops_prof_step.is_some()
+        || args.devices.is_some()
+        || args.cpu_groups.is_some()
+    {
+        bail!(
+            "--scenario runs on its own: without --profile, --flops-prof-step, --devices or --cpu-groups"
+        );
+    }
+    let host = crate::course::runner::runs_on_host(args.run.backend, args.run.device);
+    let sc = bench::scenario::ScenarioConfig::new(
+        scenario,
+        host,
+        args.queries,
+        args.duration,
+        args.latency_bound_ms,
+        args.batch_timeout_ms,
+        args.qps,
+    );
+    if args.qps.is_some() && scenario != bench::scenario::Scenario::Server {
+        bail!("--qps is for --scenario server");
+    }
+    sc.validate()?;
+    Ok(Some(sc))
+}
+
 pub fn bench(args: BenchArgs) -> Result<()> {
     if args.model_dir.is_some() || crate::model::llm::is_decoder(&args.run.network) {
+        if args.scenario.is_some() {
+            bail!(
+                "--scenario runs image networks; a language model's serving figures are TTFT and TPOT (`workshop bench --network {}`)",
+                args.run.network
+            );
+        }
         return super::llm::bench(args);
     }
     for (flag, given) in [
@@ -99,6 +151,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         prompt_len: None,
         gen_len: None,
         max_batched_tokens: None,
+        scenario: scenario_config(&args)?,
     };
     bench::validate(&cfg)?;
     // Where the results go must take them before the run starts.

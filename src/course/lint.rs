@@ -391,6 +391,25 @@ fn check_sections(l: &mut Linter<'_>, e: &Exercise, step: &Step) {
         if let Some(cpu) = &b.get_ref().cpu {
             check_bench(l, b.span(), cpu, llm);
         }
+        let (span, b) = (b.span(), b.get_ref());
+        // A scenario's settings without one (in the run or its cpu overrides) do nothing.
+        let settings = |b: &super::schema::BenchSpec| {
+            b.queries.is_some()
+                || b.duration_s.is_some()
+                || b.latency_bound_ms.is_some()
+                || b.batch_timeout_ms.is_some()
+                || b.qps.is_some()
+        };
+        let cpu = b.cpu.as_deref();
+        if b.scenario.is_none()
+            && cpu.is_none_or(|c| c.scenario.is_none())
+            && (settings(b) || cpu.is_some_and(settings))
+        {
+            l.at(
+                span,
+                "queries, duration_s, latency_bound_ms, batch_timeout_ms and qps are for a `scenario`",
+            );
+        }
     }
     if let Some(s) = &step.sweep {
         use super::schema::SweepParam;
@@ -610,6 +629,23 @@ fn check_expects(
 /// models and nothing else).
 fn check_bench(l: &mut Linter<'_>, span: Range<usize>, b: &super::schema::BenchSpec, llm: bool) {
     use crate::model::llm as decoders;
+    if let Some(sc) = b.scenario {
+        let c = crate::bench::scenario::ScenarioConfig::new(
+            sc,
+            true,
+            b.queries,
+            b.duration_s,
+            b.latency_bound_ms,
+            b.batch_timeout_ms,
+            b.qps,
+        );
+        if let Err(e) = c.validate() {
+            l.at(span.clone(), e.to_string().replace("--", ""));
+        }
+        if b.qps.is_some() && sc != crate::bench::scenario::Scenario::Server {
+            l.at(span.clone(), "qps is for the `server` scenario");
+        }
+    }
     match &b.network {
         Some(n) if llm && !decoders::is_decoder(n) => l.at(
             span.clone(),

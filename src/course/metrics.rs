@@ -66,6 +66,13 @@ metrics! {
     "std_ms" Step [RUNS] "ms" true "standard deviation of the timed iterations";
     "min_ms" Step [RUNS] "ms" true "fastest timed iteration";
     "max_ms" Step [RUNS] "ms" true "slowest timed iteration";
+    "p90_ms" Step [RUNS] "ms" true "90th percentile of the timed iterations (a scenario's: of its queries' latencies)";
+    "p99_ms" Step [RUNS] "ms" true "99th percentile of the timed iterations (a scenario's: of its queries' latencies)";
+    "p50_ms" Step [Bench] "ms" true "a scenario's median query latency";
+    "queue_p99_ms" Step [Bench] "ms" true "a scenario's 99th percentile of the time queries waited for their batch";
+    "compute_p99_ms" Step [Bench] "ms" true "a scenario's 99th percentile of the compute time of the queries' batches";
+    "mean_batch" Step [Bench] "queries" false "a scenario's mean queries per batch";
+    "best_qps" Step [Bench] "queries/s" true "a server scenario's largest rate whose p99 latency met the bound";
     "cv" Step [Bench, Profile, Chart, Llm, Sweep] "ratio" false "coefficient of variation of the timed iterations (std / mean); of a multi-device run, the noisiest of its runs; of a chart, the noisiest run it compares; of a language model, of its decode steps (the noisiest run of a sweep); of a sweep, its noisiest run";
     "us_per_sample" Step [RUNS] "µs" true "median microseconds per image";
     "gflops" Step [RUNS] "GFLOP/s" true "the network's FLOPs per second at the median time";

@@ -63,6 +63,10 @@ pub const EMBEDDED_EXERCISES: &[(&str, &str)] = &[
         include_str!("../../exercises/09-peak.toml"),
     ),
     (
+        "exercises/13-latency-under-load.toml",
+        include_str!("../../exercises/13-latency-under-load.toml"),
+    ),
+    (
         "exercises/14-attention.toml",
         include_str!("../../exercises/14-attention.toml"),
     ),
@@ -112,6 +116,10 @@ pub const EMBEDDED_CHAPTERS: &[(&str, &str)] = &[
     (
         "10-compare.md",
         include_str!("../../book/src/10-compare.md"),
+    ),
+    (
+        "13-latency-under-load.md",
+        include_str!("../../book/src/13-latency-under-load.md"),
     ),
     (
         "14-attention.md",

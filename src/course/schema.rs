@@ -186,6 +186,20 @@ pub struct BenchSpec {
     /// reduce-overhead `replayed` (1 when the pass is recorded and replayed, 0 when the backend
     /// runs it as usual). Asynchronous backends also record `enqueue_us` (host time per pass).
     pub compile: Option<crate::bench::record::CompileMode>,
+    /// An MLPerf scenario instead of the timed loop (`single-stream`, `offline`, `server`;
+    /// `batch_size` is then the largest batch): metrics add `p50_ms`, `queue_p99_ms`,
+    /// `compute_p99_ms`, `mean_batch` and, for a server, `best_qps`.
+    pub scenario: Option<crate::bench::scenario::Scenario>,
+    /// Scenarios: queries per run, at least.
+    pub queries: Option<usize>,
+    /// Scenarios: seconds a run lasts at least on its clock.
+    pub duration_s: Option<f64>,
+    /// Server: the p99 latency bound, ms.
+    pub latency_bound_ms: Option<f64>,
+    /// Server: how long the first query of a batch waits for others, ms.
+    pub batch_timeout_ms: Option<f64>,
+    /// Server: a fixed rate instead of the search.
+    pub qps: Option<f64>,
     /// Language models (`llm` steps): prompt tokens per sequence.
     pub prompt_len: Option<usize>,
     /// Language models: tokens generated per sequence, the first by the prefill.
@@ -447,6 +461,12 @@ impl BenchSpec {
             out.devices = cpu.devices.clone().or(out.devices);
             out.prompt_len = cpu.prompt_len.or(out.prompt_len);
             out.gen_len = cpu.gen_len.or(out.gen_len);
+            out.scenario = cpu.scenario.or(out.scenario);
+            out.queries = cpu.queries.or(out.queries);
+            out.duration_s = cpu.duration_s.or(out.duration_s);
+            out.latency_bound_ms = cpu.latency_bound_ms.or(out.latency_bound_ms);
+            out.batch_timeout_ms = cpu.batch_timeout_ms.or(out.batch_timeout_ms);
+            out.qps = cpu.qps.or(out.qps);
         }
         if backend != BackendKind::Cpu {
             out.cpu_groups = None;

@@ -51,6 +51,7 @@ pub fn backend_line(cfg: &BenchConfig, emulated: bool) -> String {
 /// One progress line per event.
 pub fn event_line(ev: &Event) -> String {
     match ev {
+        Event::Probe(p) => super::scenario::probe_line(p),
         Event::Preparing {
             params,
             weights,
@@ -105,6 +106,9 @@ fn loss_text(loss: Option<f64>) -> String {
 pub fn summary(r: &BenchRecord) -> String {
     if let Some(run) = &r.llm {
         return super::llm::summary(r, run);
+    }
+    if let Some(run) = &r.scenario {
+        return super::scenario::summary(r, run);
     }
     let s = &r.stats;
     let c = &r.config;
@@ -323,6 +327,19 @@ pub fn step_config(c: &BenchConfig) -> String {
             c.batch_size,
             c.iterations,
             c.warmup,
+            c.backend,
+            c.device
+        );
+    }
+    if let Some(sc) = &c.scenario {
+        return format!(
+            "Running the {} scenario of {} {} ({}×{}, batches up to {}), on {} device {}",
+            sc.scenario.name(),
+            c.network,
+            c.precision.name().to_uppercase(),
+            c.input_size,
+            c.input_size,
+            c.batch_size,
             c.backend,
             c.device
         );

@@ -10,6 +10,7 @@ pub mod llm;
 pub mod machine;
 pub mod profile;
 pub mod results;
+pub mod scenario;
 
 use std::io::IsTerminal;
 

@@ -80,6 +80,17 @@ impl StepContext<'_> {
             compile: s.compile,
             prompt_len: s.prompt_len,
             gen_len: s.gen_len,
+            scenario: s.scenario.map(|scenario| {
+                crate::bench::scenario::ScenarioConfig::new(
+                    scenario,
+                    self.host_sized,
+                    s.queries,
+                    s.duration_s,
+                    s.latency_bound_ms,
+                    s.batch_timeout_ms,
+                    s.qps,
+                )
+            }),
             ..d
         }
     }
@@ -189,7 +200,7 @@ fn bench_with_progress(cfg: &BenchConfig, ui: &mut dyn Ui) -> Result<BenchRecord
     let mut ticker = ui.progress(&label, (cfg.warmup + cfg.iterations) as u64);
     crate::bench::run(cfg, None, &mut |ev| match ev {
         Event::Warmup { .. } | Event::Iteration { .. } | Event::Generation { .. } => ticker.tick(),
-        Event::Preparing { .. } => {}
+        Event::Preparing { .. } | Event::Probe(_) => {}
     })
 }
 
@@ -208,9 +219,23 @@ fn run_metrics(r: &BenchRecord, max_batch: Option<usize>) -> Recorded {
     m.set("us_per_sample", s.us_per_sample);
     m.set("gflops", s.gflops);
     m.set("peak_memory_mib", r.memory.peak as f64 / (1024.0 * 1024.0));
-    m.set("loss", r.loss);
+    if r.scenario.is_none() {
+        m.set("loss", r.loss);
+    }
     if let Some(b) = max_batch {
         m.set("max_batch", b as f64);
+    }
+    m.set("p90_ms", s.p90_s * 1e3);
+    m.set("p99_ms", s.p99_s * 1e3);
+    if let Some(run) = &r.scenario {
+        let p = run.reported();
+        m.set("p50_ms", p.p50_ms);
+        m.set("queue_p99_ms", p.queue_p99_ms);
+        m.set("compute_p99_ms", p.compute_p99_ms);
+        m.set("mean_batch", p.mean_batch);
+        if let Some(q) = run.best_qps {
+            m.set("best_qps", q);
+        }
     }
     if !r.enqueue_s.is_empty() {
         let mut v = r.enqueue_s.clone();
