@@ -19,7 +19,7 @@ pub struct SettingError {
 
 /// The variables, what they accept and what they do (ARCHITECTURE.md's table lists each; a test
 /// keeps the two in step).
-pub const VARIABLES: [(&str, &str, &str); 5] = [
+pub const VARIABLES: [(&str, &str, &str); 6] = [
     (
         CPU_SIMD,
         CPU_SIMD_ACCEPTS,
@@ -41,6 +41,11 @@ pub const VARIABLES: [(&str, &str, &str); 5] = [
         "where measured peaks, autotune choices and compiled PTX are kept",
     ),
     (FONT, "a TrueType file", "the font charts are drawn with"),
+    (
+        PYTHON,
+        "a Python interpreter",
+        "the Python that runs PyTorch for `--framework pytorch` (default: python3)",
+    ),
 ];
 
 pub const CPU_SIMD: &str = "WORKSHOP_CPU_SIMD";
@@ -51,6 +56,7 @@ pub const GPU_EMULATOR: &str = "WORKSHOP_GPU_EMULATOR";
 const GPU_EMULATOR_ACCEPTS: &str = "1 (on) or 0 (off)";
 pub const CACHE_DIR: &str = "WORKSHOP_CACHE_DIR";
 pub const FONT: &str = "WORKSHOP_FONT";
+pub const PYTHON: &str = "WORKSHOP_PYTHON";
 
 /// The SIMD paths `WORKSHOP_CPU_SIMD` can ask for, least to most.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -82,6 +88,7 @@ pub struct Settings {
     pub gpu_emulator: bool,
     pub cache_dir: Option<PathBuf>,
     pub font: Option<PathBuf>,
+    pub python: Option<PathBuf>,
 }
 
 impl Settings {
@@ -147,6 +154,7 @@ impl Settings {
             gpu_emulator,
             cache_dir: var(CACHE_DIR).map(PathBuf::from),
             font: var(FONT).map(PathBuf::from),
+            python: var(PYTHON).map(PathBuf::from),
         })
     }
 }

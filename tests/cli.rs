@@ -1964,3 +1964,78 @@ fn output_paths_are_written_as_what_they_are() {
         );
     }
 }
+
+/// `--framework pytorch` runs the bundled script on WORKSHOP_PYTHON and records what it prints
+/// like one of our runs (a stand-in interpreter here, so the test needs no PyTorch); without
+/// PyTorch, or without Python, it says how to install them; it refuses what only our kernels do.
+#[test]
+fn pytorch_runs_are_recorded_in_our_format() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = tempfile::tempdir().unwrap();
+    let fake = |name: &str, body: &str| {
+        let path = d.path().join(name);
+        std::fs::write(&path, format!("#!/bin/sh\ncat > /dev/null\n{body}\n")).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        path
+    };
+    let printing = fake(
+        "python-ok",
+        r#"echo '{"impl": "pytorch 9.9 eager", "device": "cpu", "network": "resnet18", "samples_s": [0.02, 0.03, 0.025], "warmup_s": [0.05], "prepare_s": 0.4, "threads_used": 2, "peak_memory_bytes": null}'"#,
+    );
+    let json = d.path().join("pt.json");
+    let run = |python: &std::path::Path, iterations: &str, extra: &[&str]| {
+        crate::common::command()
+            .env("WORKSHOP_PYTHON", python)
+            .args([
+                "bench",
+                "--network",
+                "resnet18",
+                "-b",
+                "2",
+                "--input-size",
+                "64",
+            ])
+            .args(["--iterations", iterations, "--warmup", "1"])
+            .args(["--framework", "pytorch"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let o = run(&printing, "3", &["--json", json.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("(cpu, pytorch 9.9 eager)"), "{out}");
+    assert!(out.contains("Step time     median 25.00 ms"), "{out}");
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(r["config"]["framework"], "pytorch");
+    assert_eq!(r["environment"]["kernel_version"], "pytorch 9.9 eager");
+    assert_eq!(r["samples_s"].as_array().unwrap().len(), 3);
+    // compare takes it like any record.
+    let c = crate::common::command()
+        .args(["compare", json.to_str().unwrap(), json.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(c.status.success(), "{}", stderr(&c));
+    // A count of samples that is not the iterations' is refused.
+    let o = run(&printing, "4", &[]);
+    assert!(
+        stderr(&o).contains("returned 3 samples for 4 iterations"),
+        "{}{}",
+        stderr(&o),
+        String::from_utf8_lossy(&o.stdout)
+    );
+    let no_torch = fake(
+        "python-bare",
+        "echo \"ModuleNotFoundError: No module named 'torch'\" >&2; exit 1",
+    );
+    let e = stderr(&run(&no_torch, "3", &[]));
+    assert!(
+        e.contains("PyTorch is not installed for") && e.contains("pip install torch torchvision"),
+        "{e}"
+    );
+    let e = stderr(&run(&d.path().join("no-such-python"), "3", &[]));
+    assert!(e.contains("no Python at"), "{e}");
+    let e = stderr(&run(&printing, "3", &["--compile", "default"]));
+    assert!(e.contains("--compile is for our kernels"), "{e}");
+}

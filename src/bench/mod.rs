@@ -7,6 +7,7 @@ pub mod autotune;
 pub mod compare;
 pub mod data_parallel;
 pub mod flops;
+pub mod framework;
 pub mod llm;
 pub mod peak;
 pub mod profile;
@@ -300,6 +301,9 @@ pub fn run(
         return llm::run(cfg, None, on_event);
     }
     validate(cfg)?;
+    if !cfg.framework.is_ours() {
+        return framework::run(cfg);
+    }
     if let Some(sc) = &cfg.scenario {
         return run_scenario(cfg, sc, weights_file, on_event);
     }

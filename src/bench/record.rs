@@ -115,6 +115,9 @@ pub struct BenchConfig {
     /// largest batch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scenario: Option<super::scenario::ScenarioConfig>,
+    /// Whose software ran it: ours, or PyTorch eager (`--framework`).
+    #[serde(default, skip_serializing_if = "super::framework::Framework::is_ours")]
+    pub framework: super::framework::Framework,
 }
 
 impl Default for BenchConfig {
@@ -145,6 +148,7 @@ impl Default for BenchConfig {
             gen_len: None,
             max_batched_tokens: None,
             scenario: None,
+            framework: Default::default(),
         }
     }
 }

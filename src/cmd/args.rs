@@ -143,6 +143,10 @@ pub struct BenchArgs {
     /// chunks before it cached (default: 2048 on GPU backends; the CPU runs a prefill at once)
     #[arg(long, value_name = "N")]
     pub max_batched_tokens: Option<usize>,
+    /// Whose software runs the network: our kernels, or PyTorch eager timed the same way (the
+    /// bundled bench/pytorch_resnet.py on WORKSHOP_PYTHON or python3; cpu, cuda, hip)
+    #[arg(long, value_enum, default_value_t = crate::bench::framework::Framework::Ours)]
+    pub framework: crate::bench::framework::Framework,
     /// Run an MLPerf Inference scenario instead of the timed loop: `single-stream` (p50/p90/p99
     /// latency of one query at a time), `offline` (throughput of full batches), `server`
     /// (Poisson arrivals batched dynamically up to --batch-size; the largest rate whose p99

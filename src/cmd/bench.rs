@@ -152,6 +152,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         gen_len: None,
         max_batched_tokens: None,
         scenario: scenario_config(&args)?,
+        framework: args.framework,
     };
     bench::validate(&cfg)?;
     // Where the results go must take them before the run starts.
@@ -225,7 +226,14 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         "{}\n",
         report::bench::config_echo(&cfg, emulated(cfg.backend))
     );
-    println!("Building {} and preparing its weights...", cfg.network);
+    if cfg.framework.is_ours() {
+        println!("Building {} and preparing its weights...", cfg.network);
+    } else {
+        println!(
+            "Running {} in PyTorch eager (the bundled bench/pytorch_resnet.py; WORKSHOP_PYTHON picks the Python)...",
+            cfg.network
+        );
+    }
     let mut out = std::io::stdout();
     let record = bench::run(&cfg, args.run.weights.as_deref(), &mut |ev| {
         let _ = writeln!(out, "{}", report::bench::event_line(&ev));

@@ -186,6 +186,9 @@ pub struct BenchSpec {
     /// reduce-overhead `replayed` (1 when the pass is recorded and replayed, 0 when the backend
     /// runs it as usual). Asynchronous backends also record `enqueue_us` (host time per pass).
     pub compile: Option<crate::bench::record::CompileMode>,
+    /// `pytorch`: PyTorch eager timed the same way (recorded unavailable where Python has no
+    /// PyTorch); default our kernels.
+    pub framework: Option<crate::bench::framework::Framework>,
     /// An MLPerf scenario instead of the timed loop (`single-stream`, `offline`, `server`;
     /// `batch_size` is then the largest batch): metrics add `p50_ms`, `queue_p99_ms`,
     /// `compute_p99_ms`, `mean_batch` and, for a server, `best_qps`.
@@ -462,6 +465,7 @@ impl BenchSpec {
             out.prompt_len = cpu.prompt_len.or(out.prompt_len);
             out.gen_len = cpu.gen_len.or(out.gen_len);
             out.scenario = cpu.scenario.or(out.scenario);
+            out.framework = cpu.framework.or(out.framework);
             out.queries = cpu.queries.or(out.queries);
             out.duration_s = cpu.duration_s.or(out.duration_s);
             out.latency_bound_ms = cpu.latency_bound_ms.or(out.latency_bound_ms);

@@ -22,8 +22,14 @@ pub fn config_echo(cfg: &BenchConfig, emulated: bool) -> String {
         cfg.iterations,
         cfg.warmup,
         cfg.precision.name().to_uppercase(),
-        backend_line(cfg, emulated),
-        cfg.weights
+        match cfg.framework.is_ours() {
+            true => backend_line(cfg, emulated),
+            false => format!("PyTorch eager on the {} backend's device", cfg.backend),
+        },
+        match cfg.framework.is_ours() {
+            true => cfg.weights.as_str(),
+            false => "torchvision's default initialisation",
+        }
     )
 }
 
@@ -113,6 +119,10 @@ pub fn summary(r: &BenchRecord) -> String {
     let s = &r.stats;
     let c = &r.config;
     let line = "=".repeat(56);
+    let whose = match c.framework.is_ours() {
+        true => c.backend.to_string(),
+        false => format!("{}, {}", c.backend, r.environment.kernel_version),
+    };
     format!(
         "{line}\nPerformance summary: {} {} batch {} on {} ({})\n{line}\n\
          Step time     median {:.2} ms, mean {:.2} ms, std {:.2} ms (CV {:.1}%)\n\
@@ -121,12 +131,12 @@ pub fn summary(r: &BenchRecord) -> String {
          Throughput    {:.1} images/s (mean), {:.1} images/s (median)\n\
          Per image     {:.1} µs (median step / batch)\n\
          Compute       {:.1} GFLOP/s ({:.2} GMACs per image in convolutions, linear layers and attention; 2 FLOPs each)\n\
-         Memory        {} peak: {}, {} activations\n{}{}{}{line}",
+         {}\n{}{}{}{line}",
         c.network,
         c.precision.name().to_uppercase(),
         c.batch_size,
         r.environment.device.name,
-        c.backend,
+        whose,
         s.median_s * 1e3,
         s.mean_s * 1e3,
         s.std_s * 1e3,
@@ -142,19 +152,31 @@ pub fn summary(r: &BenchRecord) -> String {
         s.us_per_sample,
         s.gflops,
         r.model.macs_per_image as f64 / 1e9,
-        human_bytes(r.memory.peak),
-        weights_text(r),
-        human_bytes(r.memory.peak_activations),
+        memory_line(r),
         loss_line(r),
         enqueue_line(r),
         r.compile.as_ref().map_or(String::new(), compile_lines),
     )
 }
 
+/// The memory a run held at its peak; a framework's run on the CPU reports none.
+fn memory_line(r: &BenchRecord) -> String {
+    if r.memory.peak == 0 && !r.config.framework.is_ours() {
+        return "Memory        not measured (PyTorch reports a GPU's peak, not the CPU's)".into();
+    }
+    format!(
+        "Memory        {} peak: {}, {} activations",
+        human_bytes(r.memory.peak),
+        weights_text(r),
+        human_bytes(r.memory.peak_activations)
+    )
+}
+
 /// The loss of a classifier's last iteration against the seeded labels; nothing for a layer
-/// chain, whose output is activations, not logits.
+/// chain, whose output is activations, not logits, nor for a framework's run (its output stays
+/// in Python).
 fn loss_line(r: &BenchRecord) -> String {
-    if crate::model::zoo::layer::is_layer_spec(&r.config.network) {
+    if crate::model::zoo::layer::is_layer_spec(&r.config.network) || !r.config.framework.is_ours() {
         return String::new();
     }
     format!(

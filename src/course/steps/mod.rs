@@ -80,6 +80,7 @@ impl StepContext<'_> {
             compile: s.compile,
             prompt_len: s.prompt_len,
             gen_len: s.gen_len,
+            framework: s.framework.unwrap_or_default(),
             scenario: s.scenario.map(|scenario| {
                 crate::bench::scenario::ScenarioConfig::new(
                     scenario,
