@@ -12,6 +12,8 @@ use crate::common::{stderr, stdout};
 
 fn ws(dir: &Path, args: &[&str]) -> Output {
     crate::common::command()
+        // No PyTorch, whatever this machine has: exercise 11's PyTorch step is unavailable.
+        .env("WORKSHOP_PYTHON", "/nonexistent/python")
         .args(args)
         .arg("--dir")
         .arg(dir)
@@ -181,6 +183,26 @@ fn the_embedded_course_runs_start_to_finish_on_the_cpu() {
         "{variants}"
     );
     assert_eq!(find("08-conv-sweep", "vendor")["outcome"], "unavailable");
+    // 11: our kernels eager and fused side by side; the vendor and PyTorch steps unavailable
+    // here (no cuBLAS; the test's Python has no PyTorch), and the chart left them out.
+    assert_eq!(
+        find("11-native-vendor-framework", "vendor")["outcome"],
+        "unavailable"
+    );
+    let pytorch = find("11-native-vendor-framework", "pytorch");
+    assert_eq!(pytorch["outcome"], "unavailable", "{pytorch}");
+    assert!(
+        pytorch["note"]
+            .as_str()
+            .unwrap()
+            .contains("pip install torch torchvision"),
+        "{pytorch}"
+    );
+    let stack = find("11-native-vendor-framework", "stack");
+    assert!(
+        stack["metrics"]["fused.ratio"].as_f64().unwrap() > 0.0,
+        "{stack}"
+    );
     // 13: the three scenarios, their percentiles, and the server's best rate.
     let single = &find("13-latency-under-load", "single-stream")["metrics"];
     assert!(
@@ -231,7 +253,7 @@ fn the_embedded_course_runs_start_to_finish_on_the_cpu() {
     assert!(batch["metrics"]["scaling"].as_f64().unwrap() > 0.0);
     assert!(dir.join("records/15-llm.run.json").exists());
     let status = ok(dir, &["status"]);
-    assert!(status.contains("14/14 exercises"), "{status}");
+    assert!(status.contains("15/15 exercises"), "{status}");
 }
 
 /// A small course of two fast exercises, written into `root`.
@@ -547,7 +569,7 @@ fn the_embedded_course_passes_lint_and_new_exercises_scaffold_cleanly() {
         .output()
         .unwrap();
     assert!(
-        o.status.success() && stdout(&o).contains("course OK: 14 exercises"),
+        o.status.success() && stdout(&o).contains("course OK: 15 exercises"),
         "{}",
         stderr(&o)
     );

@@ -167,7 +167,9 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchRecord> {
 
 /// The record of a PyTorch run, in our format.
 fn record(cfg: &BenchConfig, p: Printed) -> Result<BenchRecord> {
-    if p.samples_s.len() != cfg.iterations || p.samples_s.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
+    if p.samples_s.len() != cfg.iterations
+        || p.samples_s.iter().any(|s| !(s.is_finite() && *s > 0.0))
+    {
         bail!(
             "the PyTorch script returned {} samples for {} iterations",
             p.samples_s.len(),

@@ -63,6 +63,10 @@ pub const EMBEDDED_EXERCISES: &[(&str, &str)] = &[
         include_str!("../../exercises/09-peak.toml"),
     ),
     (
+        "exercises/11-native-vendor-framework.toml",
+        include_str!("../../exercises/11-native-vendor-framework.toml"),
+    ),
+    (
         "exercises/13-latency-under-load.toml",
         include_str!("../../exercises/13-latency-under-load.toml"),
     ),
@@ -116,6 +120,10 @@ pub const EMBEDDED_CHAPTERS: &[(&str, &str)] = &[
     (
         "10-compare.md",
         include_str!("../../book/src/10-compare.md"),
+    ),
+    (
+        "11-native-vendor-framework.md",
+        include_str!("../../book/src/11-native-vendor-framework.md"),
     ),
     (
         "13-latency-under-load.md",

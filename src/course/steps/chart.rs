@@ -11,7 +11,24 @@ pub fn run(ctx: &StepContext<'_>, out: &mut StepOutput, ui: &mut dyn Ui) -> Resu
     let spec = (ctx.step.chart.as_ref())
         .ok_or_else(|| anyhow::anyhow!("a chart step needs a chart section"))?
         .get_ref();
-    let records = (spec.steps.iter())
+    // Steps that could not run here (a vendor library or PyTorch this machine lacks) are left
+    // out, said so; fewer than two runs left compare nothing, and the chart is unavailable.
+    let (ran, skipped): (Vec<&String>, Vec<&String>) =
+        (spec.steps.iter()).partition(|s| !ctx.earlier.unavailable.contains_key(s.as_str()));
+    for s in &skipped {
+        ui.show(Show::Line(format!(
+            "  left out: step `{s}` could not run here ({})",
+            ctx.earlier.unavailable[s.as_str()]
+        )));
+    }
+    if ran.len() < 2 {
+        return Err(super::Unavailable(format!(
+            "only {} of the steps it compares ran here",
+            ran.len()
+        ))
+        .into());
+    }
+    let records = (ran.iter())
         .map(|s| {
             let path = ctx.record_path(s)?;
             if !path.exists() {
@@ -20,7 +37,7 @@ pub fn run(ctx: &StepContext<'_>, out: &mut StepOutput, ui: &mut dyn Ui) -> Resu
                     ctx.exercise
                 );
             }
-            Ok((s.clone(), compare::load(&path)?))
+            Ok((s.to_string(), compare::load(&path)?))
         })
         .collect::<Result<Vec<_>>>()?;
     let c = compare::compare(&records);
@@ -35,7 +52,7 @@ pub fn run(ctx: &StepContext<'_>, out: &mut StepOutput, ui: &mut dyn Ui) -> Resu
     out.metrics.set("cv", cv);
     let is = |b: bool| if b { 1.0 } else { 0.0 };
     for p in &c.pairs {
-        let s = &spec.steps[p.index];
+        let s = ran[p.index];
         let v = p.verdict;
         out.metrics.set(format!("{s}.ratio"), p.ratio);
         out.metrics
