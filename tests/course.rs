@@ -961,6 +961,11 @@ fn every_command_in_the_book_and_exercises_parses_and_every_chapter_is_listed() 
             "SUMMARY.md does not list {name}"
         );
         let text = std::fs::read_to_string(&path).unwrap();
+        // Every `{{#include}}` resolves, as mdBook and `workshop book` show it.
+        let shown = workshop::course::expand_includes(&text, |p| {
+            std::fs::read_to_string(book.join("../..").join(p)).ok()
+        });
+        assert!(!shown.contains("the book cannot show"), "{name}: {shown}");
         let mut in_code = false;
         for line in text.lines() {
             if line.starts_with("```") {

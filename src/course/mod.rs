@@ -221,10 +221,90 @@ impl Course {
         self.exercises.iter().map(|e| e.id()).collect()
     }
 
-    /// The text of a book page.
+    /// The text of a book page, its `{{#include}}`s expanded as mdBook expands them.
     pub fn chapter(&self, page: &str) -> Option<String> {
-        chapter_text(&self.source, page)
+        let text = chapter_text(&self.source, page)?;
+        Some(expand_includes(&text, |path| match &self.source {
+            Source::Embedded => (BOOK_SOURCES.iter())
+                .find(|(p, _)| *p == path)
+                .map(|(_, t)| t.to_string()),
+            Source::Dir(dir) => crate::files::read_text(&dir.join(path)).ok(),
+        }))
     }
+}
+
+/// The files the book's chapters include (`{{#include ../../kernels/…}}`), by their path in
+/// the course, for the book in the binary.
+pub const BOOK_SOURCES: &[(&str, &str)] = &[(
+    "kernels/wgsl/conv2d.wgsl",
+    include_str!("../../kernels/wgsl/conv2d.wgsl"),
+)];
+
+/// Expand mdBook's `{{#include PATH}}` and `{{#include PATH:ANCHOR}}` lines: PATH is relative
+/// to book/src/ and must lie in the course's `kernels/` (`../../kernels/…`); ANCHOR keeps the
+/// lines between `ANCHOR: name` and `ANCHOR_END: name`, without any anchor lines, as mdBook
+/// does. `read` gives a file by its path in the course. An include that cannot be resolved
+/// is left as written with a note after it (the book test fails on one).
+pub fn expand_includes(text: &str, read: impl Fn(&str) -> Option<String>) -> String {
+    let mut out = String::with_capacity(text.len());
+    for line in text.lines() {
+        match include_of(line)
+            .map(|(path, anchor)| (path, anchor, resolve_include(path, anchor, &read)))
+        {
+            Some((_, _, Ok(body))) => out.push_str(body.trim_end_matches('\n')),
+            Some((path, _, Err(why))) => {
+                out.push_str(line);
+                out.push_str(&format!("\n(the book cannot show `{path}` here: {why})"));
+            }
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// The (path, anchor) of an include line.
+fn include_of(line: &str) -> Option<(&str, Option<&str>)> {
+    let inner = line
+        .trim()
+        .strip_prefix("{{#include ")?
+        .strip_suffix("}}")?
+        .trim();
+    Some(match inner.rsplit_once(':') {
+        Some((path, anchor)) => (path, Some(anchor)),
+        None => (inner, None),
+    })
+}
+
+fn resolve_include(
+    path: &str,
+    anchor: Option<&str>,
+    read: &impl Fn(&str) -> Option<String>,
+) -> Result<String, String> {
+    let inside = path
+        .strip_prefix("../../")
+        .filter(|p| p.starts_with("kernels/") && is_plain_path(p))
+        .ok_or("includes come from the course's kernels/ (`../../kernels/…`)")?;
+    let text = read(inside).ok_or("no such file in this course")?;
+    let Some(anchor) = anchor else {
+        return Ok(text);
+    };
+    let (start, end) = (format!("ANCHOR: {anchor}"), format!("ANCHOR_END: {anchor}"));
+    let mut lines = text.lines().skip_while(|l| !l.contains(&start));
+    if lines.next().is_none() {
+        return Err(format!("no `ANCHOR: {anchor}` in the file"));
+    }
+    let body: Vec<&str> = lines
+        .take_while(|l| !l.contains(&end))
+        .filter(|l| !l.contains("ANCHOR"))
+        .collect();
+    Ok(body.join("\n"))
+}
+
+/// Plain path components only: no `..`, nothing hidden, nothing absolute.
+fn is_plain_path(p: &str) -> bool {
+    p.split('/')
+        .all(|c| !c.is_empty() && !c.starts_with('.') && c != "..")
 }
 
 /// Read every exercise file of a course as (path, text), sorted by file name.
@@ -307,4 +387,39 @@ pub fn chapter_path(course_dir: &Path, page: &str) -> Result<PathBuf, String> {
 
 pub fn book_dir(course_dir: &Path) -> PathBuf {
     course_dir.join("book").join("src")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::expand_includes;
+
+    #[test]
+    fn includes_expand_like_mdbooks_and_refuse_paths_outside_the_kernels() {
+        let file = "a\n// ANCHOR: two\nb\n// ANCHOR: inner\nc\n// ANCHOR_END: inner\n// ANCHOR_END: two\nd\n";
+        let read = |p: &str| (p == "kernels/k.wgsl").then(|| file.to_string());
+        let page = "x\n{{#include ../../kernels/k.wgsl:two}}\ny\n";
+        assert_eq!(expand_includes(page, read), "x\nb\nc\ny\n");
+        assert_eq!(
+            expand_includes("{{#include ../../kernels/k.wgsl}}", read),
+            format!("{}\n", file.trim_end())
+        );
+        for (line, why) in [
+            (
+                "{{#include ../../kernels/k.wgsl:three}}",
+                "no `ANCHOR: three`",
+            ),
+            ("{{#include ../../kernels/none.wgsl}}", "no such file"),
+            (
+                "{{#include ../../../etc/passwd}}",
+                "come from the course's kernels/",
+            ),
+            (
+                "{{#include ../../kernels/../Cargo.toml}}",
+                "come from the course's kernels/",
+            ),
+        ] {
+            let shown = expand_includes(line, read);
+            assert!(shown.contains(why), "{line}: {shown}");
+        }
+    }
 }
