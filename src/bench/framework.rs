@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 
-use super::record::{BenchConfig, BenchRecord, ModelInfo, SCHEMA_VERSION};
+use super::record::{BenchConfig, BenchRecord, ModelInfo};
 use super::stats::Stats;
 use crate::backend::{BackendError, BackendKind, MemoryStats};
 use crate::model::zoo;
@@ -201,35 +201,17 @@ fn record(cfg: &BenchConfig, p: Printed) -> Result<BenchRecord> {
     let weights = graph.param_count() * cfg.precision.bytes() as u64;
     let mut config = cfg.clone();
     config.weights = "torchvision's default initialisation".into();
+    let model = ModelInfo::of(&graph, cfg.input_size)?;
+    // PyTorch's allocator reports the GPU's peak; the CPU's is not measured.
+    let memory = MemoryStats {
+        weights,
+        peak_activations: p.peak_memory_bytes.map_or(0, |m| m.saturating_sub(weights)),
+        peak: p.peak_memory_bytes.unwrap_or(0),
+    };
+    let environment = super::environment(device, p.implementation);
     Ok(BenchRecord {
-        schema_version: SCHEMA_VERSION,
-        kind: "bench".into(),
-        created_unix: super::now_unix(),
-        config,
-        environment: super::environment(device, p.implementation),
-        model: ModelInfo {
-            params: graph.param_count(),
-            macs_per_image: per_image.macs(),
-            flops_per_image: per_image.flops(),
-        },
         prepare_s: Some(p.prepare_s),
         warmup_s: p.warmup_s,
-        enqueue_s: Vec::new(),
-        samples_s: p.samples_s,
-        stats,
-        loss: f64::NAN,
-        // PyTorch's allocator reports the GPU's peak; the CPU's is not measured.
-        memory: MemoryStats {
-            weights,
-            peak_activations: p.peak_memory_bytes.map_or(0, |m| m.saturating_sub(weights)),
-            peak: p.peak_memory_bytes.unwrap_or(0),
-        },
-        profile: None,
-        flops_profile: None,
-        compile: None,
-        llm: None,
-        scenario: None,
-        output: Vec::new(),
-        timeline: Vec::new(),
+        ..BenchRecord::new(config, environment, model, p.samples_s, stats, memory)
     })
 }

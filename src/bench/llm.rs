@@ -10,7 +10,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 
-use super::record::{BenchConfig, BenchRecord, ModelInfo, SCHEMA_VERSION};
+use super::record::{BenchConfig, BenchRecord, ModelInfo};
 use super::stats::{Stats, percentile};
 use super::{Event, limits, within_limit};
 use crate::backend::{self, DecoderMemory, DecoderOptions, DecoderSession, MemoryStats};
@@ -299,40 +299,30 @@ pub fn run(
         e2e_s,
         tpot_s,
     };
+    let config = BenchConfig {
+        network: model.name.clone(),
+        prompt_len: Some(prompt),
+        gen_len: Some(generate),
+        ..cfg.clone()
+    };
+    let info = ModelInfo {
+        params: model.params(),
+        macs_per_image: model.matmul_params(),
+        flops_per_image: decode_flops as u64,
+    };
+    let memory = MemoryStats {
+        weights: memory.weights,
+        peak_activations: memory.kv_cache + memory.scratch,
+        peak: memory.weights + memory.kv_cache + memory.scratch,
+    };
+    let environment = super::environment(device, kernel_version);
     Ok(BenchRecord {
-        schema_version: SCHEMA_VERSION,
-        kind: "bench".into(),
-        created_unix: super::now_unix(),
-        config: BenchConfig {
-            network: model.name.clone(),
-            prompt_len: Some(prompt),
-            gen_len: Some(generate),
-            ..cfg.clone()
-        },
-        environment: super::environment(device, kernel_version),
-        model: ModelInfo {
-            params: model.params(),
-            macs_per_image: model.matmul_params(),
-            flops_per_image: decode_flops as u64,
-        },
         prepare_s: Some(prepare_s),
         warmup_s,
-        samples_s: itl,
-        enqueue_s: Vec::new(),
-        stats,
         loss,
-        memory: MemoryStats {
-            weights: memory.weights,
-            peak_activations: memory.kv_cache + memory.scratch,
-            peak: memory.weights + memory.kv_cache + memory.scratch,
-        },
-        profile: None,
-        flops_profile: None,
-        compile: None,
         output: timed.pop().map(|g| g.last_logits).unwrap_or_default(),
-        timeline: Vec::new(),
         llm: Some(run),
-        scenario: None,
+        ..BenchRecord::new(config, environment, info, itl, stats, memory)
     })
 }
 

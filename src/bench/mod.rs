@@ -15,15 +15,13 @@ pub mod record;
 pub mod scenario;
 pub mod stats;
 
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Instant, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 
 use crate::backend::{self, DeviceInfo, Session};
 use crate::model::{Graph, Op, Plan, Rng, Tensor, Weights, reference, zoo};
-use record::{
-    BenchConfig, BenchRecord, CompileInfo, CompileMode, Environment, ModelInfo, SCHEMA_VERSION,
-};
+use record::{BenchConfig, BenchRecord, CompileInfo, CompileMode, Environment, ModelInfo};
 use stats::Stats;
 
 /// What the runner reports while it works.
@@ -400,31 +398,11 @@ fn run_scenario(
     let (_, session, _) = batches.sessions.last_mut().context("no session")?;
     let memory = session.memory();
     let environment = environment(device, session.kernel_version());
+    let model = ModelInfo::of(&plan.graph, cfg.input_size)?;
     Ok(BenchRecord {
-        schema_version: SCHEMA_VERSION,
-        kind: "bench".into(),
-        created_unix: now_unix(),
-        config: cfg.clone(),
-        environment,
-        model: ModelInfo {
-            params: plan.graph.param_count(),
-            macs_per_image: per_image.macs(),
-            flops_per_image: per_image.flops(),
-        },
         prepare_s: Some(prepare_s),
-        warmup_s: Vec::new(),
-        enqueue_s: Vec::new(),
-        samples_s,
-        stats,
-        loss: f64::NAN,
-        memory,
-        profile: None,
-        flops_profile: None,
-        compile: None,
-        llm: None,
         scenario: Some(run),
-        output: Vec::new(),
-        timeline: Vec::new(),
+        ..BenchRecord::new(cfg.clone(), environment, model, samples_s, stats, memory)
     })
 }
 
@@ -558,44 +536,22 @@ pub fn measure(
         None => None,
     };
 
-    let per_image = plan.graph.plan(1, cfg.input_size, cfg.input_size)?;
-    let model = ModelInfo {
-        params: plan.graph.param_count(),
-        macs_per_image: per_image.macs(),
-        flops_per_image: per_image.flops(),
-    };
+    let model = ModelInfo::of(&plan.graph, cfg.input_size)?;
     let stats = Stats::from_samples(&samples_s, cfg.batch_size, 2 * plan.macs())
         .context("no timed samples")?;
+    // The warm-up's enqueue times came first.
+    let enqueue_s = enqueue_s.split_off(enqueue_s.len().saturating_sub(samples_s.len()));
     Ok(BenchRecord {
-        schema_version: SCHEMA_VERSION,
-        kind: "bench".into(),
-        created_unix: now_unix(),
-        config: cfg.clone(),
-        environment,
-        model,
-        prepare_s: None,
         warmup_s,
-        // The warm-up's enqueue times came first.
-        enqueue_s: enqueue_s.split_off(enqueue_s.len().saturating_sub(samples_s.len())),
-        samples_s,
-        stats,
+        enqueue_s,
         loss,
-        memory,
         profile: profile::aggregate(&timeline),
         flops_profile,
         compile,
         output: std::mem::take(&mut last),
         timeline,
-        llm: None,
-        scenario: None,
+        ..BenchRecord::new(cfg.clone(), environment, model, samples_s, stats, memory)
     })
-}
-
-/// Seconds since the Unix epoch, for a record's `created_unix`.
-fn now_unix() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
 }
 
 fn environment(device: DeviceInfo, kernel_version: String) -> Environment {

@@ -65,6 +65,59 @@ pub struct BenchRecord {
     pub timeline: Vec<super::profile::IterationTimes>,
 }
 
+impl BenchRecord {
+    /// The record of `config`'s run: where it ran, its work, its timed samples and their
+    /// summary, its memory. What only some runs have (warm-up and enqueue times, profiles,
+    /// compilation, a language model's or a scenario's figures, the output) starts empty for
+    /// the caller to fill; the loss starts NaN (not measured).
+    pub fn new(
+        config: BenchConfig,
+        environment: Environment,
+        model: ModelInfo,
+        samples_s: Vec<f64>,
+        stats: Stats,
+        memory: MemoryStats,
+    ) -> BenchRecord {
+        BenchRecord {
+            schema_version: SCHEMA_VERSION,
+            kind: "bench".into(),
+            created_unix: super::peak::now_unix(),
+            config,
+            environment,
+            model,
+            prepare_s: None,
+            warmup_s: Vec::new(),
+            samples_s,
+            enqueue_s: Vec::new(),
+            stats,
+            loss: f64::NAN,
+            memory,
+            profile: None,
+            flops_profile: None,
+            compile: None,
+            llm: None,
+            scenario: None,
+            output: Vec::new(),
+            timeline: Vec::new(),
+        }
+    }
+}
+
+impl ModelInfo {
+    /// The work of one `side`×`side` image through `graph`.
+    pub fn of(
+        graph: &crate::model::Graph,
+        side: usize,
+    ) -> Result<ModelInfo, crate::model::ShapeError> {
+        let one = graph.plan(1, side, side)?;
+        Ok(ModelInfo {
+            params: graph.param_count(),
+            macs_per_image: one.macs(),
+            flops_per_image: one.flops(),
+        })
+    }
+}
+
 /// What was asked for: enough to run it again.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct BenchConfig {
