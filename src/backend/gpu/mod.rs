@@ -326,6 +326,18 @@ impl<D: Device> GpuSession<D> {
         Ok(session)
     }
 
+    /// One forward pass on the input buffer as it is: replayed where recorded, else enqueued
+    /// launch by launch; `ran` once it is.
+    fn pass(&mut self) -> Result<(), BackendError> {
+        if self.replay.is_ok() {
+            self.device.replay()?;
+        } else {
+            self.enqueue()?;
+        }
+        self.ran = true;
+        Ok(())
+    }
+
     /// Enqueue every launch of the pass, with timing marks when profiling.
     fn enqueue(&mut self) -> Result<(), BackendError> {
         if self.profile {
@@ -357,11 +369,7 @@ impl<D: Device> Session for GpuSession<D> {
         }
         let bytes = Precision::Fp32.storage_bytes(&input.data);
         self.device.upload(self.ptrs[self.program.input], &bytes)?;
-        // A pass on the input now on the device; `ran` again only when it was enqueued.
-        self.ran = true;
-        let pass = self.rerun().map(|_| ());
-        self.ran = pass.is_ok();
-        pass
+        self.pass()
     }
 
     /// The input buffer is the program's own (the first op converts it into an activation
@@ -370,13 +378,7 @@ impl<D: Device> Session for GpuSession<D> {
         if !self.ran {
             return Ok(false);
         }
-        if self.replay.is_ok() {
-            self.device.replay()?;
-        } else {
-            self.enqueue()?;
-        }
-        self.ran = true;
-        Ok(true)
+        self.pass().map(|_| true)
     }
 
     fn sync(&mut self) -> Result<(), BackendError> {

@@ -359,28 +359,10 @@ pub(super) fn map_read(
     Ok(bytes)
 }
 
-impl Session for WgpuSession {
-    fn run(&mut self, input: &Tensor) -> Result<(), BackendError> {
-        if input.shape != self.input_shape {
-            return Err(BackendError::Invalid(format!(
-                "input has shape {:?}, the prepared plan expects {:?}",
-                input.shape, self.input_shape
-            )));
-        }
-        self.queue
-            .write_buffer(&self.input, 0, &f32_bytes(&input.data));
-        // A pass on the input now on the device; `ran` again only when it was enqueued.
-        self.ran = true;
-        let pass = self.rerun().map(|_| ());
-        self.ran = pass.is_ok();
-        pass
-    }
-
-    /// The input buffer is the session's own (no op writes it), so it holds the last upload.
-    fn rerun(&mut self) -> Result<bool, BackendError> {
-        if !self.ran {
-            return Ok(false);
-        }
+impl WgpuSession {
+    /// One forward pass on the input buffer as it is (the session's own: no op writes it),
+    /// with the output copied for reading back; `ran` once it is submitted.
+    fn pass(&mut self) -> Result<(), BackendError> {
         let mut encoder = self
             .device
             .create_command_encoder(&wgpu::CommandEncoderDescriptor {
@@ -421,7 +403,29 @@ impl Session for WgpuSession {
         encoder.copy_buffer_to_buffer(&self.output, 0, &self.readback, 0, self.output.size());
         self.queue.submit([encoder.finish()]);
         self.ran = true;
-        Ok(true)
+        Ok(())
+    }
+}
+
+impl Session for WgpuSession {
+    fn run(&mut self, input: &Tensor) -> Result<(), BackendError> {
+        if input.shape != self.input_shape {
+            return Err(BackendError::Invalid(format!(
+                "input has shape {:?}, the prepared plan expects {:?}",
+                input.shape, self.input_shape
+            )));
+        }
+        self.queue
+            .write_buffer(&self.input, 0, &f32_bytes(&input.data));
+        self.pass()
+    }
+
+    /// The input buffer holds the last upload until the next.
+    fn rerun(&mut self) -> Result<bool, BackendError> {
+        if !self.ran {
+            return Ok(false);
+        }
+        self.pass().map(|_| true)
     }
 
     fn sync(&mut self) -> Result<(), BackendError> {
