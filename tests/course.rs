@@ -88,6 +88,20 @@ fn the_embedded_course_runs_start_to_finish_on_the_cpu() {
             finished = true;
             break;
         }
+        // 12 stays on its kernel step until the kernel passes: the engine's own kernel does.
+        if out.contains("This step stays current until your kernel passes") {
+            let kernel = dir.join("kernels/wgsl/depthwise.wgsl");
+            let engine = engine_kernel("depthwise.wgsl");
+            if std::fs::read_to_string(&kernel).unwrap() != engine {
+                std::fs::write(&kernel, engine).unwrap();
+            } else {
+                // Right but not judged fast enough on this machine (its noise, or a narrow
+                // lavapipe): its correctness is what this test holds it to.
+                assert!(out.contains("PASS         your output matches"), "{out}");
+                eprintln!("12's kernel step did not pass with the engine's kernel here:\n{out}");
+                ok(dir, &["skip"]);
+            }
+        }
     }
     assert!(finished, "the course did not finish");
     let r = results(dir);
@@ -253,7 +267,126 @@ fn the_embedded_course_runs_start_to_finish_on_the_cpu() {
     assert!(batch["metrics"]["scaling"].as_f64().unwrap() > 0.0);
     assert!(dir.join("records/15-llm.run.json").exists());
     let status = ok(dir, &["status"]);
-    assert!(status.contains("15/15 exercises"), "{status}");
+    assert!(status.contains("16/16 exercises"), "{status}");
+}
+
+/// The engine's own copy of a WGSL kernel file.
+fn engine_kernel(file: &str) -> String {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/wgsl");
+    std::fs::read_to_string(root.join(file)).unwrap()
+}
+
+/// 12's kernel step, as a student meets it: the slow start copied into the workspace and
+/// judged right but slow; a compile error shown with the student's file and line; a wrong
+/// output shown value by value and not timed; the step staying current through all of it;
+/// and `workshop watch` checking again on save until the kernel passes, then writing the
+/// solution and moving on.
+#[test]
+fn a_kernel_step_checks_compiling_then_output_then_speed() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    ok(dir, &["init", "--name", "Grace"]);
+    ok(dir, &["goto", "12"]);
+    let out = ok(dir, &["next", "--yes"]);
+    let attempt = |n: usize| results(dir)["attempts"][n].clone();
+    if attempt(0)["outcome"] == "unavailable" {
+        eprintln!("skipped: no wgpu adapter here ({})", attempt(0)["note"]);
+        return;
+    }
+    let kernel = dir.join("kernels/wgsl/depthwise.wgsl");
+    let start = std::fs::read_to_string(&kernel).unwrap();
+    assert!(start.contains("if (lid != 0u)"), "the slow start: {start}");
+    assert_eq!(
+        std::fs::read_to_string(dir.join("kernels/start/wgsl/depthwise.wgsl")).unwrap(),
+        start
+    );
+    let first = attempt(0);
+    assert_eq!(first["outcome"], "fail", "{out}");
+    assert_eq!(first["metrics"]["correct"], 1.0);
+    assert!(
+        first["metrics"]["speedup"].as_f64().unwrap() < 2.0,
+        "{first}"
+    );
+    assert!(first["metrics"]["engine_ms"].as_f64().unwrap() > 0.0);
+    assert!(out.contains("This step stays current"), "{out}");
+    // A compile error: the compiler's message, with the student's file and line.
+    let planted = "acc = bias[c];";
+    let line = 1 + start.lines().position(|l| l.contains(planted)).unwrap();
+    std::fs::write(
+        &kernel,
+        start.replace(planted, "acc = bias[c] + no_such_name;"),
+    )
+    .unwrap();
+    let out = ok(dir, &["next", "--yes"]);
+    assert!(out.contains("no_such_name"), "{out}");
+    assert!(
+        out.contains(&format!("kernels/wgsl/depthwise.wgsl:{line}:")),
+        "the message names the student's file and line {line}:\n{out}"
+    );
+    assert_eq!(attempt(1)["outcome"], "fail");
+    assert_eq!(attempt(1)["metrics"]["correct"], 0.0);
+    // A wrong output: the values shown, nothing timed.
+    std::fs::write(&kernel, start.replace(planted, "acc = bias[c] * 0.5;")).unwrap();
+    let out = ok(dir, &["next", "--yes"]);
+    assert!(out.contains("differ from the engine's kernel"), "{out}");
+    assert!(out.contains("n=0 c=0 y=0 x=0"), "{out}");
+    assert_eq!(attempt(2)["metrics"]["correct"], 0.0);
+    assert!(attempt(2)["metrics"].get("speedup").is_none());
+    let status = ok(dir, &["status"]);
+    assert!(!status.contains("12-write-a-kernel ┆ done"), "{status}");
+    // `workshop watch`: checks now (still wrong), then again once the file is saved.
+    let mut watch = crate::common::command()
+        .args(["watch", "--dir"])
+        .arg(dir)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let attempts = || results(dir)["attempts"].as_array().unwrap().len();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while attempts() < 4 {
+        assert!(std::time::Instant::now() < deadline, "watch did not check");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    std::fs::write(&kernel, engine_kernel("depthwise.wgsl")).unwrap();
+    let last = || {
+        results(dir)["attempts"]
+            .as_array()
+            .unwrap()
+            .last()
+            .unwrap()
+            .clone()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(180);
+    let exited = loop {
+        if watch.try_wait().unwrap().is_some() {
+            break true;
+        }
+        // Right but not judged fast enough here (too noisy, or a narrow lavapipe): watch
+        // would wait for the next save; the check itself is what this test needs.
+        if attempts() >= 5 && last()["outcome"] != "pass" {
+            watch.kill().unwrap();
+            break false;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "watch did not check again"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    let o = watch.wait_with_output().unwrap();
+    let out = stdout(&o);
+    assert!(out.contains("Watching"), "{out}");
+    let last = last();
+    assert_eq!(last["metrics"]["correct"], 1.0, "{out}");
+    if exited {
+        assert!(o.status.success(), "{out}");
+        assert_eq!(last["outcome"], "pass", "{out}");
+        assert!(dir.join("kernels/solution/wgsl/depthwise.wgsl").exists());
+        assert!(ok(dir, &["next", "--yes", "--answer", "yours"]).contains("versus"));
+    } else {
+        eprintln!("the engine's kernel was not judged fast enough here:\n{out}");
+        assert!(last["metrics"]["speedup"].as_f64().unwrap() > 1.0, "{out}");
+    }
 }
 
 /// A small course of two fast exercises, written into `root`.
@@ -529,6 +662,30 @@ fn broken_exercise_files_get_precise_errors() {
             "kind = \"bench\"\nbench = { network = \"resnet18\", scenario = \"offline\", qps = 5.0 }",
             "qps is for the `server` scenario",
         ),
+        (
+            "kind = \"kernel\"\nbench = { network = \"resnet18\" }",
+            "a `kernel` step, and only a `kernel` step, has a `kernel` section",
+        ),
+        (
+            "kind = \"bench\"\nbench = { network = \"resnet18\" }\nkernel = { file = \"wgsl/depthwise.wgsl\", start = \"start/depthwise.wgsl\", entry = \"depthwise\", speedup = 2.0 }",
+            "a `kernel` step, and only a `kernel` step, has a `kernel` section",
+        ),
+        (
+            "kind = \"kernel\"\nbench = { network = \"resnet18\" }\nkernel = { file = \"wgsl/nope.wgsl\", start = \"start/depthwise.wgsl\", entry = \"depthwise\", speedup = 2.0 }",
+            "kernel file `wgsl/nope.wgsl` is not one of the engine's WGSL files (wgsl/activate.wgsl",
+        ),
+        (
+            "kind = \"kernel\"\nbench = { network = \"resnet18\" }\nkernel = { file = \"wgsl/depthwise.wgsl\", start = \"../../etc/passwd\", entry = \"depthwise\", speedup = 2.0 }",
+            "kernel start `../../etc/passwd`: not a plain path inside the course's exercises/",
+        ),
+        (
+            "kind = \"kernel\"\nbench = { network = \"resnet18\" }\nkernel = { file = \"wgsl/depthwise.wgsl\", start = \"start/missing.wgsl\", entry = \"depthwise\", speedup = 2.0 }",
+            "kernel start `start/missing.wgsl`: cannot read",
+        ),
+        (
+            "kind = \"kernel\"\nbench = { network = \"resnet18\" }\nkernel = { file = \"wgsl/depthwise.wgsl\", start = \"start/missing.wgsl\", entry = \"depthwise\", speedup = 0.5 }",
+            "kernel speedup 0.5 must be above 1",
+        ),
     ];
     for (step, needle) in cases {
         let e = lint_one(&format!("{good}{run}{step}\n"));
@@ -569,7 +726,7 @@ fn the_embedded_course_passes_lint_and_new_exercises_scaffold_cleanly() {
         .output()
         .unwrap();
     assert!(
-        o.status.success() && stdout(&o).contains("course OK: 15 exercises"),
+        o.status.success() && stdout(&o).contains("course OK: 16 exercises"),
         "{}",
         stderr(&o)
     );
@@ -654,7 +811,19 @@ fn the_embedded_course_passes_lint_and_new_exercises_scaffold_cleanly() {
     // Every exercise file in exercises/ is embedded in the binary.
     let on_disk = std::fs::read_dir(crate::common::fixture("../../exercises"))
         .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .path()
+                .extension()
+                .is_some_and(|x| x == "toml")
+        })
         .count();
+    // And every kernel step's start file.
+    let starts = std::fs::read_dir(crate::common::fixture("../../exercises/start"))
+        .unwrap()
+        .count();
+    assert_eq!(starts, workshop::course::EMBEDDED_STARTS.len());
     assert_eq!(on_disk, workshop::course::EMBEDDED_EXERCISES.len());
 }
 
@@ -996,6 +1165,9 @@ fn every_command_in_the_book_and_exercises_parses_and_every_chapter_is_listed() 
     let mut quoted = 0;
     for entry in std::fs::read_dir(&exercises).unwrap() {
         let path = entry.unwrap().path();
+        if path.is_dir() {
+            continue;
+        }
         let text = std::fs::read_to_string(&path).unwrap();
         for cmd in text.split('`').skip(1).step_by(2) {
             if cmd.starts_with("workshop ") {

@@ -11,6 +11,7 @@ pub mod decoding;
 pub mod gpu;
 #[cfg(feature = "hip")]
 pub mod hip;
+pub mod kernel_files;
 #[cfg(feature = "wgpu")]
 pub mod webgpu;
 
@@ -155,8 +156,8 @@ pub struct ExecOptions {
     /// Record the forward pass once and replay it (`--compile reduce-overhead`): CUDA and HIP
     /// graphs. Backends without a replay run as usual and say why in [`Session::replay`].
     pub replay: bool,
-    /// Read GPU kernels from this directory (`wgsl/`, `cuda/`, `hip/`) instead of the copies
-    /// embedded in the binary.
+    /// Read GPU kernel files from this directory (`wgsl/`, `gpu/`, `cuda/`, `hip/`) where it
+    /// has them, the binary's copies elsewhere ([`kernel_files`]).
     pub kernels_dir: Option<std::path::PathBuf>,
 }
 

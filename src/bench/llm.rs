@@ -126,6 +126,9 @@ pub fn weights_for(cfg: &BenchConfig, model_dir: Option<&Path>) -> Result<Decode
 /// Check a decoder run's sizes against the model before anything is loaded.
 pub fn validate(cfg: &BenchConfig, model: &DecoderConfig) -> Result<()> {
     let (prompt, generate) = lengths(cfg);
+    if let Some(dir) = &cfg.kernels_dir {
+        crate::backend::kernel_files::overrides(dir)?;
+    }
     if prompt == 0 {
         bail!("--prompt-len must be at least 1 (got 0)");
     }

@@ -90,6 +90,9 @@ pub fn validate(cfg: &BenchConfig) -> Result<()> {
             cfg.iterations
         );
     }
+    if let Some(dir) = &cfg.kernels_dir {
+        crate::backend::kernel_files::overrides(dir)?;
+    }
     Ok(())
 }
 

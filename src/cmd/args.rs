@@ -36,6 +36,8 @@ pub enum Command {
     Skip(SkipArgs),
     /// Show the hint of the current step
     Hint(CourseArgs),
+    /// On a kernel step: check your kernel now and again each time you save it, until it passes
+    Watch(CourseArgs),
     /// Forget your progress on one exercise, or everything with --all (backups are kept)
     Reset(ResetArgs),
     /// Re-run an exercise or one step (ID or ID.STEP) without moving on
@@ -72,7 +74,7 @@ pub enum Command {
 
 #[derive(Debug, Args)]
 pub struct KernelsCheckArgs {
-    /// Compile the kernels in DIR (DIR/cuda, DIR/hip, DIR/gpu) instead of the embedded ones
+    /// Compile with the kernel files in DIR (DIR/cuda, DIR/hip, DIR/gpu) in place of the built-in ones of the same name
     #[arg(long, value_name = "DIR")]
     pub kernels_dir: Option<PathBuf>,
     /// Fail when one of these compilers is missing instead of skipping it: nvrtc, hiprtc, host
@@ -107,8 +109,8 @@ pub struct RunArgs {
     /// Seed of the random weights, input and labels
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Read GPU kernels from DIR (DIR/wgsl/*.wgsl, ...) instead of the copies in the binary,
-    /// to edit a kernel and run it again
+    /// Read GPU kernel files from DIR where it has them (DIR/wgsl/depthwise.wgsl, DIR/gpu/ops.cuh,
+    /// ...), the built-in copies elsewhere: edit one kernel and run it again
     #[arg(long, value_name = "DIR")]
     pub kernels_dir: Option<PathBuf>,
     /// Our own kernels, or the vendor library (cuBLAS) for convolutions and linear layers

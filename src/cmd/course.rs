@@ -16,6 +16,7 @@ use super::args::{
 };
 use crate::backend::BackendKind;
 use crate::course::runner::{earlier, run_step};
+use crate::course::schema::StepKind;
 use crate::course::state::{self, Attempt, Outcome, Progress, Status, Workspace, now, with_lock};
 use crate::course::ui::{Show, Ticker, Ui};
 use crate::course::{Course, LoadedExercise, Source};
@@ -330,9 +331,22 @@ pub fn next(args: NextArgs) -> Result<()> {
             verbose: args.verbose,
         };
         let answer = args.answer.as_deref();
-        let attempt = run_step(&ws, &id, step, &earlier(&ws, &id), answer, &mut ui)?;
+        let attempt = run_step(
+            &ws,
+            &course.source,
+            &id,
+            step,
+            &earlier(&ws, &id),
+            answer,
+            &mut ui,
+        )?;
         println!("{}", report::course::attempt_verdicts(&attempt));
-        progress.next_step += 1;
+        // A kernel step is rustlings' exercise: it stays current until the kernel passes.
+        let stays = step.kind == StepKind::Kernel
+            && !matches!(attempt.outcome, Outcome::Pass | Outcome::Unavailable);
+        if !stays {
+            progress.next_step += 1;
+        }
         progress.status = if progress.next_step >= total {
             Status::Done
         } else {
@@ -349,12 +363,84 @@ pub fn next(args: NextArgs) -> Result<()> {
         } else {
             Some(format!("{id} step {} of {total}", progress.next_step + 1))
         };
-        println!(
-            "{}",
-            report::course::what_next(&id, progress.status == Status::Done, upcoming.as_deref())
-        );
+        match stays {
+            true => println!("{}", report::course::kernel_again(step)),
+            false => println!(
+                "{}",
+                report::course::what_next(
+                    &id,
+                    progress.status == Status::Done,
+                    upcoming.as_deref()
+                )
+            ),
+        }
         Ok(())
     })
+}
+
+/// `workshop watch`: run the current kernel step now and again each time its file is saved,
+/// until it passes or the current step is another kind.
+pub fn watch(c: CourseArgs) -> Result<()> {
+    let dir = workspace_dir(&c);
+    loop {
+        let (ws, course) = open(&c)?;
+        let Some(ex) = current(&ws, &course) else {
+            println!("Every exercise is done or skipped: there is nothing to watch.");
+            return Ok(());
+        };
+        let progress = ws.progress(ex.id());
+        let steps = &ex.exercise.steps;
+        let index = progress.next_step.min(steps.len() - 1);
+        let step = &steps[index];
+        let Some(spec) = step
+            .kernel
+            .as_ref()
+            .filter(|_| progress.status != Status::Done)
+        else {
+            bail!(
+                "the current step ({} step {} of {}, `{}`) is not a kernel step: `workshop watch` checks a kernel each time you save it; `workshop next` runs this step",
+                ex.id(),
+                index + 1,
+                steps.len(),
+                step.id.get_ref()
+            );
+        };
+        let file = crate::course::steps::kernel::KernelFiles::of(&dir, &spec.get_ref().file)?.yours;
+        let before = (ex.id().to_string(), index);
+        next(NextArgs {
+            course: c.clone(),
+            yes: true,
+            answer: None,
+            verbose: false,
+        })?;
+        let (ws, course) = open(&c)?;
+        let now =
+            current(&ws, &course).map(|e| (e.id().to_string(), ws.progress(e.id()).next_step));
+        if now.as_ref() != Some(&before) {
+            return Ok(());
+        }
+        println!(
+            "Watching {} — save it to check again (Ctrl-C stops).",
+            file.display()
+        );
+        wait_for_change(&file);
+    }
+}
+
+/// Block until `file` changes (its length or modification time; an editor that saves by
+/// renaming a new file over it counts), then a moment more so that a save in several writes
+/// is read whole.
+fn wait_for_change(file: &Path) {
+    let stamp = || {
+        std::fs::metadata(file)
+            .ok()
+            .map(|m| (m.len(), m.modified().ok()))
+    };
+    let first = stamp();
+    while stamp() == first {
+        std::thread::sleep(std::time::Duration::from_millis(250));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(200));
 }
 
 pub fn status(c: CourseArgs) -> Result<()> {
@@ -615,7 +701,15 @@ pub fn run(args: RunStepArgs) -> Result<()> {
                 verbose: args.verbose,
             };
             let answer = args.answer.as_deref();
-            let attempt = run_step(&ws, &id, step, &earlier(&ws, &id), answer, &mut ui)?;
+            let attempt = run_step(
+                &ws,
+                &course.source,
+                &id,
+                step,
+                &earlier(&ws, &id),
+                answer,
+                &mut ui,
+            )?;
             println!("{}", report::course::attempt_verdicts(&attempt));
             // Saved after every step: a later failure keeps what was measured.
             record(&mut ws, &course, Some(attempt))?;

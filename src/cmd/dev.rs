@@ -93,6 +93,9 @@ fn kernels_check(args: KernelsCheckArgs) -> Result<()> {
             anyhow::bail!("--require takes {}, not `{r}`", check::COMPILERS.join(", "));
         }
     }
+    if let Some(dir) = &args.kernels_dir {
+        crate::backend::kernel_files::overrides(dir)?;
+    }
     let checks = crate::backend::kernels_check(args.kernels_dir.as_deref());
     println!("{}", report::machine::kernels_check(&checks));
     let failed = checks

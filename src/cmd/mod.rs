@@ -41,6 +41,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Goto(a) => course::goto(a),
         Command::Skip(a) => course::skip(a),
         Command::Hint(a) => course::hint(a),
+        Command::Watch(a) => course::watch(a),
         Command::Reset(a) => course::reset(a),
         Command::Run(a) => course::run(a),
         Command::Results(a) => course::results(a),

@@ -236,6 +236,7 @@ fn check_exercise(l: &mut Linter<'_>, ex: &LoadedExercise, source: &Source, ids:
             );
         }
         check_sections(l, e, step);
+        check_kernel(l, step, source);
         let mut produced = produced_metrics(step);
         check_derive(l, step, &known);
         produced.extend(step.derive.iter().map(|d| d.get_ref().name.clone()));
@@ -336,11 +337,17 @@ fn check_sections(l: &mut Linter<'_>, e: &Exercise, step: &Step) {
         StepKind::Sweep if step.sweep.is_none() => l.at(step.id.span(), needs("sweep")),
         StepKind::Compare if step.derive.is_empty() => l.at(step.id.span(), needs("derive")),
         StepKind::Question if step.question.is_none() => l.at(step.id.span(), needs("question")),
+        StepKind::Kernel if !has_bench => l.at(step.id.span(), needs("bench")),
         _ => {}
     }
     let allowed_bench = matches!(
         step.kind,
-        StepKind::Bench | StepKind::Accuracy | StepKind::Sweep | StepKind::Profile | StepKind::Llm
+        StepKind::Bench
+            | StepKind::Accuracy
+            | StepKind::Sweep
+            | StepKind::Profile
+            | StepKind::Llm
+            | StepKind::Kernel
     );
     if step.chart.is_some() != (step.kind == StepKind::Chart) {
         l.at(
@@ -493,6 +500,53 @@ fn check_sections(l: &mut Linter<'_>, e: &Exercise, step: &Step) {
         l.at(
             step.id.span(),
             format!("max_cv {max_cv} must be between 0 and 1 (0.10 is 10%)"),
+        );
+    }
+}
+
+/// A `kernel` step's section, and only a kernel step's: a WGSL file of the engine, a start
+/// file the course has, an entry point and a speedup to reach.
+fn check_kernel(l: &mut Linter<'_>, step: &Step, source: &Source) {
+    if step.kernel.is_some() != (step.kind == StepKind::Kernel) {
+        l.at(
+            step.id.span(),
+            "a `kernel` step, and only a `kernel` step, has a `kernel` section",
+        );
+    }
+    let Some(k) = &step.kernel else { return };
+    let spec = k.get_ref();
+    if !(spec.file.starts_with("wgsl/")
+        && crate::backend::kernel_files::embedded(&spec.file).is_some())
+    {
+        let wgsl: Vec<&str> = (crate::backend::kernel_files::FILES.iter())
+            .map(|(p, _)| *p)
+            .filter(|p| p.starts_with("wgsl/"))
+            .collect();
+        l.at(
+            k.span(),
+            format!(
+                "kernel file `{}` is not one of the engine's WGSL files ({})",
+                spec.file,
+                wgsl.join(", ")
+            ),
+        );
+    }
+    if let Err(why) = super::start_text(source, &spec.start) {
+        l.at(k.span(), format!("kernel start `{}`: {why}", spec.start));
+    }
+    if !crate::files::is_plain_id(&spec.entry) {
+        l.at(
+            k.span(),
+            format!("kernel entry `{}` is not an entry point's name", spec.entry),
+        );
+    }
+    if !(spec.speedup.is_finite() && spec.speedup > 1.0) {
+        l.at(
+            k.span(),
+            format!(
+                "kernel speedup {} must be above 1: how many times faster than the start the student's kernel must be",
+                spec.speedup
+            ),
         );
     }
 }

@@ -73,7 +73,7 @@ metrics! {
     "compute_p99_ms" Step [Bench] "ms" true "a scenario's 99th percentile of the compute time of the queries' batches";
     "mean_batch" Step [Bench] "queries" false "a scenario's mean queries per batch";
     "best_qps" Step [Bench] "queries/s" true "a server scenario's largest rate whose p99 latency met the bound";
-    "cv" Step [Bench, Profile, Chart, Llm, Sweep] "ratio" false "coefficient of variation of the timed iterations (std / mean); of a multi-device run, the noisiest of its runs; of a chart, the noisiest run it compares; of a language model, of its decode steps (the noisiest run of a sweep); of a sweep, its noisiest run";
+    "cv" Step [Bench, Profile, Chart, Llm, Sweep, Kernel] "ratio" false "coefficient of variation of the timed iterations (std / mean); of a multi-device run, the noisiest of its runs; of a chart, the noisiest run it compares; of a language model, of its decode steps (the noisiest run of a sweep); of a sweep, its noisiest run; of a kernel step, the noisier of the student's kernel and the start";
     "us_per_sample" Step [RUNS] "µs" true "median microseconds per image";
     "gflops" Step [RUNS] "GFLOP/s" true "the network's FLOPs per second at the median time";
     "peak_memory_mib" Step [RUNS] "MiB" false "weights and the most activations alive at once";
@@ -128,8 +128,15 @@ metrics! {
     "tpot_growth" Step [Llm] "ratio" true "a sweep's last TPOT / its first";
     "ttft_growth" Step [Llm] "ratio" true "a sweep's last TTFT / its first";
     // Accuracy.
-    "max_abs_diff" Step [Accuracy] "logit" false "largest |Δlogit| against FP32";
+    "max_abs_diff" Step [Accuracy, Kernel] "value" false "largest |Δlogit| against FP32; of a kernel step, largest |Δ| of the output against the engine's kernel";
     "top1_agreement" Step [Accuracy] "ratio" false "fraction of images whose top-1 class matches FP32's";
+    // Kernel steps.
+    "correct" Step [Kernel] "0/1" false "1 when the student's kernel gave the engine's kernel's output within the tolerance";
+    "kernel_ms" Step [Kernel] "ms" true "median time of the student's kernel in one pass (the device's clock)";
+    "start_ms" Step [Kernel] "ms" true "median time of the start kernel, timed in the same rounds";
+    "engine_ms" Step [Kernel] "ms" true "median time of the engine's own kernel, timed in the same rounds";
+    "speedup" Step [Kernel] "ratio" true "start_ms / kernel_ms";
+    "vs_engine" Step [Kernel] "ratio" true "engine_ms / kernel_ms: above 1, faster than the engine's own kernel";
     // Doctor.
     "cores" Step [Doctor] "cores" false "logical CPU cores";
     "memory_gib" Step [Doctor] "GiB" false "host memory";

@@ -67,6 +67,10 @@ pub const EMBEDDED_EXERCISES: &[(&str, &str)] = &[
         include_str!("../../exercises/11-native-vendor-framework.toml"),
     ),
     (
+        "exercises/12-write-a-kernel.toml",
+        include_str!("../../exercises/12-write-a-kernel.toml"),
+    ),
+    (
         "exercises/13-latency-under-load.toml",
         include_str!("../../exercises/13-latency-under-load.toml"),
     ),
@@ -124,6 +128,10 @@ pub const EMBEDDED_CHAPTERS: &[(&str, &str)] = &[
     (
         "11-native-vendor-framework.md",
         include_str!("../../book/src/11-native-vendor-framework.md"),
+    ),
+    (
+        "12-write-a-kernel.md",
+        include_str!("../../book/src/12-write-a-kernel.md"),
     ),
     (
         "13-latency-under-load.md",
@@ -225,20 +233,37 @@ impl Course {
     pub fn chapter(&self, page: &str) -> Option<String> {
         let text = chapter_text(&self.source, page)?;
         Some(expand_includes(&text, |path| match &self.source {
-            Source::Embedded => (BOOK_SOURCES.iter())
-                .find(|(p, _)| *p == path)
-                .map(|(_, t)| t.to_string()),
+            Source::Embedded => (path.strip_prefix("kernels/"))
+                .and_then(crate::backend::kernel_files::embedded)
+                .map(str::to_string),
             Source::Dir(dir) => crate::files::read_text(&dir.join(path)).ok(),
         }))
     }
 }
 
-/// The files the book's chapters include (`{{#include ../../kernels/…}}`), by their path in
-/// the course, for the book in the binary.
-pub const BOOK_SOURCES: &[(&str, &str)] = &[(
-    "kernels/wgsl/conv2d.wgsl",
-    include_str!("../../kernels/wgsl/conv2d.wgsl"),
+/// The files kernel steps start the student from (`start = "start/depthwise.wgsl"`), by their
+/// path under exercises/, for the course in the binary.
+pub const EMBEDDED_STARTS: &[(&str, &str)] = &[(
+    "start/depthwise.wgsl",
+    include_str!("../../exercises/start/depthwise.wgsl"),
 )];
+
+/// The text of a kernel step's start file, `path` under the course's exercises/: a plain
+/// relative path (no `..`, nothing hidden).
+pub fn start_text(source: &Source, path: &str) -> Result<String, String> {
+    if !is_plain_path(path) {
+        return Err("not a plain path inside the course's exercises/".into());
+    }
+    match source {
+        Source::Embedded => (EMBEDDED_STARTS.iter())
+            .find(|(p, _)| *p == path)
+            .map(|(_, t)| t.to_string())
+            .ok_or_else(|| "not in the course built into the binary (EMBEDDED_STARTS)".into()),
+        Source::Dir(dir) => {
+            crate::files::read_text(&dir.join("exercises").join(path)).map_err(|e| format!("{e:#}"))
+        }
+    }
+}
 
 /// Expand mdBook's `{{#include PATH}}` and `{{#include PATH:ANCHOR}}` lines: PATH is relative
 /// to book/src/ and must lie in the course's `kernels/` (`../../kernels/…`); ANCHOR keeps the

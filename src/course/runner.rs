@@ -63,6 +63,7 @@ pub fn runs_on_host(backend: BackendKind, device: usize) -> bool {
 /// `charts/`). `answer` answers a question step.
 pub fn run_step(
     ws: &Workspace,
+    course: &super::Source,
     exercise: &str,
     step: &Step,
     earlier: &Earlier,
@@ -72,6 +73,7 @@ pub fn run_step(
     let started = now();
     let ctx = StepContext {
         ws,
+        course,
         exercise,
         step,
         earlier,

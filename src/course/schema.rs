@@ -101,6 +101,14 @@ pub enum StepKind {
     /// `peak_pct` (of the GEMM peak), `kv_bytes_per_token`, `kv_cache_mib`, `cv`; a sweep
     /// records its last value's and `scaling`, `tpot_growth`, `ttft_growth` (last / first).
     Llm,
+    /// Write a kernel (needs `kernel` and `bench`): the student edits a kernel file in the
+    /// workspace's `kernels/` (copied there from the course's deliberately slow start the first
+    /// time), and the step checks that it compiles, then that it gives the engine's own kernel's
+    /// output, then times it against the start and the engine's kernel, interleaved: `correct`,
+    /// `max_abs_diff`, `kernel_ms`, `start_ms`, `engine_ms`, `speedup` (start / yours),
+    /// `vs_engine` (engine / yours) and `cv`. `workshop next` stays on the step until it passes
+    /// (`workshop watch` runs it again on every save); then the solution is written next to it.
+    Kernel,
     /// Text only.
     Note,
 }
@@ -117,6 +125,7 @@ impl StepKind {
                 | StepKind::Peak
                 | StepKind::Profile
                 | StepKind::Llm
+                | StepKind::Kernel
         )
     }
 }
@@ -145,6 +154,8 @@ pub struct Step {
     pub profile: Option<Spanned<ProfileSpec>>,
     /// The steps a `chart` step compares.
     pub chart: Option<Spanned<ChartSpec>>,
+    /// The kernel a `kernel` step has the student write.
+    pub kernel: Option<Spanned<KernelSpec>>,
     /// Timing expectations are inconclusive (not failed) when the run's coefficient of
     /// variation is above this (e.g. 0.10 for 10%): the machine was too noisy to judge.
     /// Unset, 0.15 (`expect::DEFAULT_MAX_CV`).
@@ -211,6 +222,25 @@ pub struct BenchSpec {
     /// a software GPU such as lavapipe, the GPU emulator), so a step that takes a few seconds on
     /// a GPU stays well under a minute on a laptop (e.g. a smaller batch).
     pub cpu: Option<Box<BenchSpec>>,
+}
+
+/// The kernel a `kernel` step has the student write. It runs on the wgpu backend (WGSL):
+/// the workspace's device when the workspace is on wgpu, else wgpu's first adapter — on a
+/// machine without a GPU, Mesa's lavapipe, which runs WGSL on the CPU's cores.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KernelSpec {
+    /// The kernel file the student edits, by its path under kernels/ (`wgsl/depthwise.wgsl`):
+    /// the workspace's copy is laid over the engine's (`--kernels-dir`).
+    pub file: String,
+    /// The deliberately slow version the student starts from, by its path under the course's
+    /// `exercises/` (`start/depthwise.wgsl`).
+    pub start: String,
+    /// The entry point whose kernel time is compared (`depthwise`): the device's timestamps of
+    /// every launch of it in a pass, summed.
+    pub entry: String,
+    /// How many times faster than the start the student's kernel must be to pass.
+    pub speedup: f64,
 }
 
 /// A sweep: the step's `bench` run once per value of `param`.

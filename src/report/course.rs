@@ -85,8 +85,12 @@ pub fn attempt_verdicts(a: &crate::course::state::Attempt) -> String {
         }
     }
     let again = format!("workshop run {}.{}", a.exercise, a.step);
+    let kernel = a.kind == crate::course::schema::StepKind::Kernel;
     let outcome = match a.outcome {
         Outcome::Pass => "passed".to_string(),
+        // A kernel step stays current: the line after this one says how to go on.
+        Outcome::Fail if kernel => "not yet (recorded)".to_string(),
+        Outcome::Inconclusive if kernel => "inconclusive (recorded)".to_string(),
         Outcome::Fail => format!("failed (recorded; re-run it with `{again}`, or go on)"),
         Outcome::Inconclusive => {
             format!("inconclusive (recorded; re-run it on a quieter machine to judge: `{again}`)")
@@ -108,6 +112,18 @@ pub fn what_next(exercise: &str, finished: bool, upcoming: Option<&str>) -> Stri
         (false, Some(next)) => format!("Next: {next} — `workshop next`."),
         (false, None) => "`workshop next` continues.".into(),
     }
+}
+
+/// After a kernel step that has not passed: it stays current, and how to go on.
+pub fn kernel_again(step: &crate::course::schema::Step) -> String {
+    let file = (step.kernel.as_ref()).map_or("your kernel".to_string(), |k| {
+        format!("kernels/{}", k.get_ref().file)
+    });
+    format!(
+        "This step stays current until your kernel passes: edit {file} and run `workshop next` \
+         again, or `workshop watch`, which checks it each time you save. `workshop hint` gives a \
+         hint; `workshop skip` moves on."
+    )
 }
 
 /// The last screen: what the steps came to, and how to re-run what failed.

@@ -19,40 +19,11 @@ use super::{BackendError, ExecOptions, KernelTime, MemoryStats, Session};
 use crate::model::{Plan, Precision, Tensor, Weights};
 use program::{Contents, Program, Work};
 
-/// The kernel files in the binary, by their path under kernels/.
-pub const SOURCES: &[(&str, &str)] = &[
-    ("gpu/ops.cuh", include_str!("../../../kernels/gpu/ops.cuh")),
-    ("gpu/llm.cuh", include_str!("../../../kernels/gpu/llm.cuh")),
-    ("cuda/ops.cu", include_str!("../../../kernels/cuda/ops.cu")),
-    ("hip/ops.hip", include_str!("../../../kernels/hip/ops.hip")),
-];
-
 /// A kernel file with its `#include "..."` lines replaced by the files they name (relative to
-/// kernels/), with `#line` markers so compile errors name the right file and line. Read from
-/// `kernels_dir` when given, else from the copies in the binary.
+/// kernels/), with `#line` markers so compile errors name the right file and line. Each file
+/// is `kernels_dir`'s copy where it has one, else the binary's ([`super::kernel_files`]).
 pub fn source(path: &str, kernels_dir: Option<&Path>) -> Result<String, BackendError> {
-    let read = |p: &str| -> Result<(String, String), BackendError> {
-        match kernels_dir {
-            Some(dir) => {
-                let full = dir.join(p);
-                let text = crate::files::read_text(&full).map_err(|e| BackendError::Compile {
-                    path: full.display().to_string(),
-                    log: format!("{e:#}"),
-                })?;
-                Ok((full.display().to_string(), text))
-            }
-            None => SOURCES
-                .iter()
-                .find(|(f, _)| *f == p)
-                .map(|(f, t)| (format!("kernels/{f}"), t.to_string()))
-                .ok_or_else(|| BackendError::Compile {
-                    path: format!("kernels/{p}"),
-                    log: "this kernel file is not embedded in the binary (add it to SOURCES)"
-                        .into(),
-                }),
-        }
-    };
-    let (name, text) = read(path)?;
+    let (name, text) = super::kernel_files::read(path, kernels_dir)?;
     let dir = Path::new(path).parent().unwrap_or(Path::new(""));
     let mut out = format!("#line 1 \"{name}\"\n");
     for (i, line) in text.lines().enumerate() {

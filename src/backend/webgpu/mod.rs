@@ -31,44 +31,6 @@ use super::{Backend, BackendError, BackendKind, DeviceInfo, ExecOptions, Session
 use crate::model::op::Op;
 use crate::model::{Plan, Precision, Weights};
 
-/// The kernel sources shipped in the binary, by file name.
-const KERNELS: &[(&str, &str)] = &[
-    (
-        "conv2d.wgsl",
-        include_str!("../../../kernels/wgsl/conv2d.wgsl"),
-    ),
-    (
-        "depthwise.wgsl",
-        include_str!("../../../kernels/wgsl/depthwise.wgsl"),
-    ),
-    ("pool.wgsl", include_str!("../../../kernels/wgsl/pool.wgsl")),
-    (
-        "elementwise.wgsl",
-        include_str!("../../../kernels/wgsl/elementwise.wgsl"),
-    ),
-    (
-        "transformer.wgsl",
-        include_str!("../../../kernels/wgsl/transformer.wgsl"),
-    ),
-    (
-        "stream.wgsl",
-        include_str!("../../../kernels/wgsl/stream.wgsl"),
-    ),
-    (
-        "channels.wgsl",
-        include_str!("../../../kernels/wgsl/channels.wgsl"),
-    ),
-    (
-        "window.wgsl",
-        include_str!("../../../kernels/wgsl/window.wgsl"),
-    ),
-    (
-        "activate.wgsl",
-        include_str!("../../../kernels/wgsl/activate.wgsl"),
-    ),
-    ("llm.wgsl", include_str!("../../../kernels/wgsl/llm.wgsl")),
-];
-
 /// The kernels, as (file, entry point).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Kernel {

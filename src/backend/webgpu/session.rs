@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 
 use wgpu::util::DeviceExt;
 
+use super::Kernel;
 use super::lower::{self, Buf, Limits, f32_bytes};
-use super::{KERNELS, Kernel};
 use crate::backend::{BackendError, ExecOptions, KernelTime, MemoryStats, Session};
 use crate::model::{Plan, Precision, Tensor, Weights};
 
@@ -147,33 +147,15 @@ impl<'a> Pipelines<'a> {
     }
 }
 
-/// A kernel file's (path, text): from `kernels_dir` when given, else embedded.
+/// A kernel file's (path, text): DIR's copy where `kernels_dir` has one, else the built-in one.
 fn source(file: &str, kernels_dir: Option<&PathBuf>) -> Result<(String, String), BackendError> {
-    match kernels_dir {
-        Some(dir) => {
-            let p = dir.join("wgsl").join(file);
-            let text = crate::files::read_text(&p).map_err(|e| BackendError::Compile {
-                path: p.display().to_string(),
-                log: format!("{e:#}"),
-            })?;
-            Ok((p.display().to_string(), text))
-        }
-        None => {
-            let text = KERNELS
-                .iter()
-                .find(|(f, _)| *f == file)
-                .map(|(_, t)| t.to_string())
-                .ok_or_else(|| BackendError::Compile {
-                    path: format!("kernels/wgsl/{file}"),
-                    log: "this kernel is not embedded in the binary (add it to KERNELS)".into(),
-                })?;
-            Ok((format!("kernels/wgsl/{file} (embedded)"), text))
-        }
-    }
+    crate::backend::kernel_files::read(&format!("wgsl/{file}"), kernels_dir.map(|d| d.as_path()))
 }
 
-/// Compile a kernel file with the storage type prepended and activate.wgsl appended,
-/// reporting naga's full message.
+/// Compile a kernel file with the storage type and activate.wgsl appended, reporting naga's
+/// full message with the file's own path and line numbers: WGSL lets a module use a
+/// declaration before it, so only FP16's `enable` directive, which must come first, goes
+/// ahead of the file — on its first line, which shifts nothing but that line's columns.
 pub(super) fn shader(
     device: &wgpu::Device,
     file: &str,
@@ -182,23 +164,21 @@ pub(super) fn shader(
 ) -> Result<wgpu::ShaderModule, BackendError> {
     let (path, text) = source(file, kernels_dir)?;
     let (_, library) = source("activate.wgsl", kernels_dir)?;
-    let text = format!("{text}\n{library}");
-    let header = match precision {
-        Precision::Fp16 => "enable f16;\nalias elem = f16;\n",
-        _ => "alias elem = f32;\n",
+    let (directive, elem) = match precision {
+        Precision::Fp16 => ("enable f16; ", "f16"),
+        _ => ("", "f32"),
     };
     let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
     let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
         label: Some(file),
-        source: wgpu::ShaderSource::Wgsl(format!("{header}{text}").into()),
+        source: wgpu::ShaderSource::Wgsl(
+            format!("{directive}{text}\nalias elem = {elem};\n{library}").into(),
+        ),
     });
     if let Some(e) = pollster::block_on(scope.pop()) {
-        return Err(BackendError::Compile {
-            path,
-            log: format!(
-                "{e}\n(line numbers count 2 extra lines: the storage-type header comes first)"
-            ),
-        });
+        // naga names the source `wgsl`; its line numbers are the file's own.
+        let log = e.to_string().replace("wgsl:", &format!("{path}:"));
+        return Err(BackendError::Compile { path, log });
     }
     Ok(module)
 }

@@ -10,6 +10,7 @@ mod bench;
 mod chart;
 mod compare;
 mod doctor;
+pub mod kernel;
 mod llm;
 mod peak;
 mod profile;
@@ -34,6 +35,8 @@ pub use accuracy::accuracy;
 /// What a step runs with.
 pub struct StepContext<'a> {
     pub ws: &'a Workspace,
+    /// Where the course comes from (kernel steps read their start file from it).
+    pub course: &'a super::Source,
     pub exercise: &'a str,
     pub step: &'a Step,
     /// What the earlier steps of the exercise left.
@@ -63,8 +66,14 @@ impl StepContext<'_> {
 
     /// The step's bench settings for this workspace's backend, on `workshop bench`'s defaults.
     fn bench_config(&self, spec: &BenchSpec) -> BenchConfig {
+        self.bench_config_sized(spec, self.host_sized)
+    }
+
+    /// [`Self::bench_config`], sized for the host's cores or not as `host_sized` says (a step
+    /// that runs on another device than the workspace's decides for that device).
+    fn bench_config_sized(&self, spec: &BenchSpec, host_sized: bool) -> BenchConfig {
         let state = &self.ws.state;
-        let s = spec.resolved(state.backend, self.host_sized);
+        let s = spec.resolved(state.backend, host_sized);
         let d = BenchConfig::default();
         BenchConfig {
             network: s.network.unwrap_or(d.network),
@@ -84,7 +93,7 @@ impl StepContext<'_> {
             scenario: s.scenario.map(|scenario| {
                 crate::bench::scenario::ScenarioConfig::new(
                     scenario,
-                    self.host_sized,
+                    host_sized,
                     s.queries,
                     s.duration_s,
                     s.latency_bound_ms,
@@ -192,6 +201,7 @@ pub fn function(kind: StepKind) -> StepFn {
         StepKind::Compare => compare::run,
         StepKind::Question => question::run,
         StepKind::Llm => llm::run,
+        StepKind::Kernel => kernel::run,
     }
 }
 
