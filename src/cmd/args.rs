@@ -477,6 +477,12 @@ pub struct BookArgs {
     pub course: CourseArgs,
     /// Exercise id, or `introduction`
     pub id: Option<String>,
+    /// Render the whole book to HTML in DIR (offline, with mdBook's library), then print where
+    #[arg(long, value_name = "DIR", conflicts_with = "id")]
+    pub html: Option<PathBuf>,
+    /// With --html: open the book's first page in the web browser
+    #[arg(long, requires = "html")]
+    pub open: bool,
 }
 
 #[derive(Debug, Subcommand)]

@@ -739,6 +739,14 @@ pub fn book(args: BookArgs) -> Result<()> {
             Course::load(&source_of(args.course.course.as_deref()))?,
         )
     };
+    if let Some(out) = &args.html {
+        let index = crate::course::book::render_html(&course, out)?;
+        println!("The book is in {}: open {}", out.display(), index.display());
+        if args.open {
+            open_in_browser(&index);
+        }
+        return Ok(());
+    }
     let page = match args.id.as_deref() {
         Some("introduction") => "introduction.md".to_string(),
         Some(id) => course
@@ -764,6 +772,26 @@ pub fn book(args: BookArgs) -> Result<()> {
         println!("{text}");
     }
     Ok(())
+}
+
+/// Open `page` in the web browser the desktop chooses; a machine without one says so.
+fn open_in_browser(page: &Path) {
+    let opener = if cfg!(target_os = "macos") {
+        "open"
+    } else {
+        "xdg-open"
+    };
+    let opened = std::process::Command::new(opener)
+        .arg(page)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status();
+    if !opened.is_ok_and(|s| s.success()) {
+        eprintln!(
+            "Could not open a web browser here (`{opener}`): open {} yourself.",
+            page.display()
+        );
+    }
 }
 
 /// Show `text` through the reader's pager (`$PAGER`, else `less -FRX`: it quits at once when

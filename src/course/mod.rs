@@ -2,6 +2,7 @@
 //! directory with `--course DIR`), checked by [`lint`] before anything runs, executed step by
 //! step by [`runner`], with progress and results kept by [`state`].
 
+pub mod book;
 pub mod collect;
 pub mod expect;
 pub mod lint;
