@@ -276,9 +276,11 @@ fn fma_chains() -> Option<(u64, ChainsRun)> {
 
 /// The FP32 FMA throughput of `threads` cores in GFLOP/s, measured: every thread runs
 /// independent fused multiply-adds on registers only (no memory traffic), at the widest
-/// vectors in use, started together; best of three runs of about 30 ms. What the cores can
-/// compute at the clock they run now: the ceiling any kernel can reach. `None` where the
-/// paths in use have no FMA instruction (the portable ones).
+/// vectors in use, started together; best of seven runs of about 30 ms (a ceiling is a best
+/// case: on a shared virtual machine one of three runs was not always free of a neighbour —
+/// a ceiling at half the clock once made the GEMM "157% of it"). What the cores can compute
+/// at the clock they run now: the ceiling any kernel can reach. `None` where the paths in use
+/// have no FMA instruction (the portable ones).
 pub fn fma_ceiling(threads: usize) -> Option<f64> {
     let (flops_per_iter, run) = fma_chains()?;
     let threads = threads.max(1);
@@ -289,7 +291,7 @@ pub fn fma_ceiling(threads: usize) -> Option<f64> {
     let per_iter = start.elapsed().as_secs_f64() / probe as f64;
     let iters = ((0.03 / per_iter.max(1e-12)) as u64).clamp(probe, 1 << 32);
     let mut best = 0f64;
-    for _ in 0..3 {
+    for _ in 0..7 {
         let barrier = std::sync::Barrier::new(threads);
         let longest = std::thread::scope(|s| {
             let workers: Vec<_> = (0..threads)
