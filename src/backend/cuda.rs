@@ -260,6 +260,7 @@ fn theoretical(
         }
     };
     Some(Theoretical {
+        name: String::new(),
         gflops: sms as f64 * ghz * per_clock as f64,
         how: format!("{sms} SMs × {ghz:.2} GHz × {units}"),
         measured: false,

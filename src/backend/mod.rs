@@ -272,6 +272,9 @@ impl BackendError {
 /// the specification's peak.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Theoretical {
+    /// What a measured ceiling is (`FP32 FMA ceiling`), for the line that shows it.
+    #[serde(default)]
+    pub name: String,
     pub gflops: f64,
     /// How it was found, with its assumptions.
     pub how: String,

@@ -330,17 +330,7 @@ pub fn next(args: NextArgs) -> Result<()> {
             interactive: interactive() && !args.yes,
             verbose: args.verbose,
         };
-        let answer = args.answer.as_deref();
-        let attempt = run_step(
-            &ws,
-            &course.source,
-            &id,
-            step,
-            &earlier(&ws, &id),
-            answer,
-            &mut ui,
-        )?;
-        println!("{}", report::course::attempt_verdicts(&attempt));
+        let attempt = run_shown(&ws, &course, &id, step, args.answer.as_deref(), &mut ui)?;
         // A kernel step is rustlings' exercise: it stays current until the kernel passes.
         let stays = step.kind == StepKind::Kernel
             && !matches!(attempt.outcome, Outcome::Pass | Outcome::Unavailable);
@@ -376,6 +366,20 @@ pub fn next(args: NextArgs) -> Result<()> {
         }
         Ok(())
     })
+}
+
+/// Run `step` of exercise `id` and print its verdicts.
+fn run_shown(
+    ws: &Workspace,
+    course: &Course,
+    id: &str,
+    step: &crate::course::schema::Step,
+    answer: Option<&str>,
+    ui: &mut Terminal,
+) -> Result<Attempt> {
+    let attempt = run_step(ws, &course.source, id, step, &earlier(ws, id), answer, ui)?;
+    println!("{}", report::course::attempt_verdicts(&attempt));
+    Ok(attempt)
 }
 
 /// `workshop watch`: run the current kernel step now and again each time its file is saved,
@@ -700,17 +704,7 @@ pub fn run(args: RunStepArgs) -> Result<()> {
                 interactive: interactive(),
                 verbose: args.verbose,
             };
-            let answer = args.answer.as_deref();
-            let attempt = run_step(
-                &ws,
-                &course.source,
-                &id,
-                step,
-                &earlier(&ws, &id),
-                answer,
-                &mut ui,
-            )?;
-            println!("{}", report::course::attempt_verdicts(&attempt));
+            let attempt = run_shown(&ws, &course, &id, step, args.answer.as_deref(), &mut ui)?;
             // Saved after every step: a later failure keeps what was measured.
             record(&mut ws, &course, Some(attempt))?;
         }

@@ -131,7 +131,8 @@ pub fn ceiling(
     let p = g.precision.name().to_uppercase();
     match t {
         Some(t) if t.measured => format!(
-            "FP32 FMA ceiling {:.1} GFLOP/s ({}){}",
+            "{} {:.1} GFLOP/s ({}){}",
+            t.name,
             t.gflops,
             t.how,
             share(t.gflops)

@@ -233,13 +233,13 @@ fn flops_summary(p: &FlopsProfile) -> String {
         ),
     }
     if let Some(t) = &p.limits.theoretical {
+        let label = match t.measured {
+            true => format!("{} (measured):", t.name),
+            false => "theoretical peak:".into(),
+        };
         line(
             &mut s,
-            if t.measured {
-                "FMA ceiling (measured):"
-            } else {
-                "theoretical peak:"
-            },
+            &label,
             format!("{} = {}", si(t.gflops * 1e9, "FLOPS"), t.how),
         );
         line(

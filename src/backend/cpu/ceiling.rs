@@ -52,6 +52,7 @@ pub fn ceiling(features: &[String], cores: usize) -> Option<Theoretical> {
             format!("{cores} threads")
         };
         return Some(Theoretical {
+            name: "FP32 FMA ceiling".into(),
             gflops,
             how: format!(
                 "FMA chains on registers, measured now on {threads}: {ghz:.2} GHz at {per_cycle} \
@@ -62,12 +63,36 @@ pub fn ceiling(features: &[String], cores: usize) -> Option<Theoretical> {
     }
     let ghz = os_ghz?;
     Some(Theoretical {
+        name: String::new(),
         gflops: cores as f64 * ghz * per_cycle as f64,
         how: format!(
             "{cores} cores × {ghz:.2} GHz × {per_cycle} FLOP/cycle ({isa}); an estimate: the clock \
              is the one the OS reports, turbo and AVX clock offsets move it"
         ),
         measured: false,
+    })
+}
+
+/// The BF16 ceiling of `cores` CPU cores where the BF16 GEMM multiplies on AVX512_BF16's
+/// `vdpbf16ps`: its throughput measured on registers ([`simd::bf16_dot_ceiling`]), given
+/// against the FP32 FMA ceiling measured the same way (one `vdpbf16ps` does twice an FMA's
+/// FLOPs; whether a core runs it as fast as an FMA is what the ratio shows). `None` on AMX,
+/// whose tiles are not measured, and where BF16 is not multiplied in hardware.
+pub fn bf16_ceiling(cores: usize) -> Option<Theoretical> {
+    let gflops = simd::bf16_dot_ceiling(cores)?;
+    let fp32 = simd::fma_ceiling(cores).map_or(String::new(), |f| {
+        format!(", {:.2}× the FP32 FMA chains' {f:.0} GFLOP/s", gflops / f)
+    });
+    let threads = if cores == 1 {
+        "1 thread".to_string()
+    } else {
+        format!("{cores} threads")
+    };
+    Some(Theoretical {
+        name: "BF16 dot-product ceiling".into(),
+        gflops,
+        how: format!("vdpbf16ps chains on registers, measured now on {threads}{fp32}"),
+        measured: true,
     })
 }
 

@@ -139,13 +139,11 @@ impl Backend for CpuBackend {
         workers: Option<usize>,
         precision: Precision,
     ) -> Option<Theoretical> {
+        let cores = workers.or(device.compute_units).unwrap_or(1);
         if precision == Precision::Bf16 && simd::simd() >= simd::Simd::Avx512Bf16 {
-            return None;
+            return ceiling::bf16_ceiling(cores);
         }
-        ceiling::ceiling(
-            &device.features,
-            workers.or(device.compute_units).unwrap_or(1),
-        )
+        ceiling::ceiling(&device.features, cores)
     }
 
     fn variants(&self, op: &Op, _out: &[usize]) -> Vec<&'static str> {

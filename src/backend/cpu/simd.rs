@@ -228,6 +228,44 @@ mod chains {
         x.map(|v| _mm512_cvtss_f32(v))
     }
 
+    /// `iters` rounds of x ← x + a·b on `CHAINS` chains of 16 f32 lanes, each lane adding the
+    /// dot product of a pair of bf16 values (`vdpbf16ps`, what the BF16 GEMM multiplies with);
+    /// `a` and `b` are each a pair of bf16 values, both lanes of a pair alike, packed in a u32.
+    ///
+    /// # Safety
+    /// The CPU supports AVX-512F and AVX512_BF16.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub unsafe fn bf16_dots(iters: u64, a: u32, b: u32) -> [f32; CHAINS] {
+        let (a, b) = (_mm512_set1_epi32(a as i32), _mm512_set1_epi32(b as i32));
+        let mut x: [__m512; CHAINS] = std::array::from_fn(|i| _mm512_set1_ps(i as f32));
+        for _ in 0..iters {
+            // SAFETY: register-only dot products; the CPU has AVX512_BF16 (the contract).
+            unsafe {
+                asm!(
+                    "vdpbf16ps {0}, {a}, {b}",
+                    "vdpbf16ps {1}, {a}, {b}",
+                    "vdpbf16ps {2}, {a}, {b}",
+                    "vdpbf16ps {3}, {a}, {b}",
+                    "vdpbf16ps {4}, {a}, {b}",
+                    "vdpbf16ps {5}, {a}, {b}",
+                    "vdpbf16ps {6}, {a}, {b}",
+                    "vdpbf16ps {7}, {a}, {b}",
+                    "vdpbf16ps {8}, {a}, {b}",
+                    "vdpbf16ps {9}, {a}, {b}",
+                    "vdpbf16ps {10}, {a}, {b}",
+                    "vdpbf16ps {11}, {a}, {b}",
+                    inout(zmm_reg) x[0], inout(zmm_reg) x[1], inout(zmm_reg) x[2],
+                    inout(zmm_reg) x[3], inout(zmm_reg) x[4], inout(zmm_reg) x[5],
+                    inout(zmm_reg) x[6], inout(zmm_reg) x[7], inout(zmm_reg) x[8],
+                    inout(zmm_reg) x[9], inout(zmm_reg) x[10], inout(zmm_reg) x[11],
+                    a = in(zmm_reg) a, b = in(zmm_reg) b,
+                    options(nomem, nostack),
+                )
+            };
+        }
+        x.map(|v| _mm512_cvtss_f32(v))
+    }
+
     /// 8 lanes a chain (ymm registers).
     ///
     /// # Safety
@@ -283,6 +321,33 @@ fn fma_chains() -> Option<(u64, ChainsRun)> {
 /// have no FMA instruction (the portable ones).
 pub fn fma_ceiling(threads: usize) -> Option<f64> {
     let (flops_per_iter, run) = fma_chains()?;
+    Some(chains_gflops(flops_per_iter, run, threads))
+}
+
+/// A pair of bf16 values (both 1/64) packed as `vdpbf16ps` reads them: x grows by 2⁻¹¹ a
+/// round, far from overflow in any run.
+const BF16_PAIR: u32 = 0x3c80_3c80;
+
+/// The BF16 dot-product throughput of `threads` cores in GFLOP/s, measured like
+/// [`fma_ceiling`] on `vdpbf16ps` (2 products and 2 additions per f32 lane): the ceiling of
+/// the AVX512_BF16 GEMM. `None` unless that is the BF16 path in use (AMX's tiles are another
+/// unit, not measured here).
+pub fn bf16_dot_ceiling(threads: usize) -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    if simd() == Simd::Avx512Bf16 {
+        fn run(iters: u64) -> [f32; CHAINS] {
+            // SAFETY: chosen only where `simd()` has AVX512_BF16.
+            unsafe { chains::bf16_dots(iters, BF16_PAIR, BF16_PAIR) }
+        }
+        return Some(chains_gflops(4 * 16 * CHAINS as u64, run, threads));
+    }
+    let _ = threads;
+    None
+}
+
+/// GFLOP/s of `run` on `threads` threads started together, `flops_per_iter` a round: best of
+/// seven runs of about 30 ms (calibrated on one thread).
+fn chains_gflops(flops_per_iter: u64, run: ChainsRun, threads: usize) -> f64 {
     let threads = threads.max(1);
     // Calibrate on one thread: rounds for about 30 ms.
     let probe = 1 << 16;
@@ -311,7 +376,7 @@ pub fn fma_ceiling(threads: usize) -> Option<f64> {
         });
         best = best.max((threads as u64 * iters * flops_per_iter) as f64 / longest / 1e9);
     }
-    Some(best)
+    best
 }
 
 #[cfg(test)]
@@ -339,6 +404,15 @@ mod tests {
         }
         if let Some((_, run)) = fma_chains() {
             assert_eq!(run(iters), scalar);
+        }
+        #[cfg(target_arch = "x86_64")]
+        if best() >= Simd::Avx512Bf16 {
+            // 2 × (1/64)² a round, exact in f32 at these sizes.
+            let dots: [f32; CHAINS] =
+                std::array::from_fn(|i| i as f32 + iters as f32 * 2.0 / 4096.0);
+            // SAFETY: the CPU has AVX512_BF16.
+            let got = unsafe { chains::bf16_dots(iters, BF16_PAIR, BF16_PAIR) };
+            assert_eq!(got, dots);
         }
         match fma_ceiling(1) {
             Some(gflops) => assert!(gflops > 0.0 && simd().has_avx2()),
