@@ -119,7 +119,17 @@ pub fn run(ctx: &StepContext<'_>, out: &mut StepOutput, ui: &mut dyn Ui) -> Resu
             Err(e) => {
                 return match e.downcast_ref::<BackendError>() {
                     Some(BackendError::Compile { path, log }) if *whose == "yours" => {
-                        did_not_compile(out, ui, path, log);
+                        rejected(
+                            out,
+                            ui,
+                            "compiles",
+                            &format!("did not compile ({path})"),
+                            log,
+                        );
+                        Ok(())
+                    }
+                    Some(b) if *whose == "yours" && !b.is_unavailable() => {
+                        rejected(out, ui, "runs", "could not be prepared", &b.to_string());
                         Ok(())
                     }
                     Some(b) if b.is_unavailable() => Err(Unavailable(format!(
@@ -134,7 +144,13 @@ pub fn run(ctx: &StepContext<'_>, out: &mut StepOutput, ui: &mut dyn Ui) -> Resu
     }
     let input = input.context("no version of the kernel was prepared")?;
     let engine = crate::bench::infer(sessions[2].as_mut(), &input)?;
-    let yours = crate::bench::infer(sessions[1].as_mut(), &input)?;
+    let yours = match crate::bench::infer(sessions[1].as_mut(), &input) {
+        Ok(y) => y,
+        Err(e) => {
+            rejected(out, ui, "runs", "failed as it ran", &format!("{e:#}"));
+            return Ok(());
+        }
+    };
     let tolerance = tolerance(&cfg, &engine);
     let diff = compare(&engine, &yours, tolerance);
     out.metrics
@@ -179,18 +195,17 @@ pub fn run(ctx: &StepContext<'_>, out: &mut StepOutput, ui: &mut dyn Ui) -> Resu
     Ok(())
 }
 
-/// Record a compile error: the compiler's whole message, a failed check, nothing timed.
-fn did_not_compile(out: &mut StepOutput, ui: &mut dyn Ui, path: &str, log: &str) {
-    ui.show(Show::Line(format!(
-        "Your kernel did not compile ({path}):\n{log}"
-    )));
+/// Record a kernel that did not get as far as an output: the compiler's or the driver's whole
+/// message, a failed check "your kernel `what`", nothing timed.
+fn rejected(out: &mut StepOutput, ui: &mut dyn Ui, what: &str, how: &str, message: &str) {
+    ui.show(Show::Line(format!("Your kernel {how}:\n{message}")));
     out.metrics.set("correct", 0.0);
     out.checks.push(Check {
-        what: "your kernel compiles".into(),
+        what: format!("your kernel {what}"),
         value: None,
         min: None,
         max: None,
-        range: "the compiler's message is above".into(),
+        range: "the message is above".into(),
         verdict: Verdict::Fail,
         reason: None,
         hint: None,
