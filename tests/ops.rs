@@ -513,6 +513,17 @@ fn fused_conv_epilogues(kind: BackendKind) {
             },
             [1, 5, 3, 3],
         ),
+        // Whole and partial 32 × 32 blocks of the bf16-pair GEMM, whose epilogue runs a block
+        // at a time.
+        (
+            "res_relu_blocks",
+            Conv2d {
+                residual: true,
+                act: Act::Relu,
+                ..Conv2d::new(48, 48, 1, 1, 0).with_bias()
+            },
+            [2, 48, 6, 6],
+        ),
         (
             "relu6_grouped",
             Conv2d {
