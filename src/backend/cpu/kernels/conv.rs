@@ -396,6 +396,20 @@ unsafe fn finish_rows<T: Elem>(
     }
 }
 
+/// Ask the caches for the first line of each of `rows` rows, `ld` values apart from `base +
+/// first`. A hint only: it reads nothing and faults on nothing.
+#[inline(always)]
+fn prefetch_rows<T>(base: *const T, first: usize, ld: usize, rows: usize) {
+    #[cfg(target_arch = "x86_64")]
+    for r in 0..rows {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        // SAFETY: prefetching is a hint for any address; no access is made.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(first + r * ld).cast::<i8>()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (base, first, ld, rows);
+}
+
 /// [`conv2d`] on bf16 pairs (AMX tiles or `vdpbf16ps`): A is the bf16 input itself for a 1×1
 /// stride-1 layer whose channels fill whole K steps, else bf16 columns gathered per chunk (K
 /// padded with zeros to the step); results come back in f32 for the bias-free epilogue and
@@ -471,6 +485,16 @@ pub(super) fn conv2d_pairs<T: Elem>(
                         }
                     };
                 }
+                // The next block down this strip of columns: its residual and output lines, rows
+                // `cout` apart, which the hardware prefetchers do not foresee (as the SGEMM's
+                // `prefetch_c_rows`).
+                let next = d.row + d.rows;
+                let ahead = (mr - next.min(mr)).min(bf16_gemm::BLOCK_ROWS);
+                let first = (m0 + next) * cout + col0 + d.col;
+                if let Some(res) = epilogue.residual {
+                    prefetch_rows(res.as_ptr(), first, cout, ahead);
+                }
+                prefetch_rows(out.0.cast_const(), first, cout, ahead);
             };
             // SAFETY: pair packings exist only where `simd()` chose an engine, which it does
             // only where the CPU runs it (`simd::best`); A has mr rows of kp values (zeros
