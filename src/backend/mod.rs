@@ -272,8 +272,9 @@ impl BackendError {
 /// the specification's peak.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Theoretical {
-    /// What a measured ceiling is (`FP32 FMA ceiling`), for the line that shows it.
-    #[serde(default)]
+    /// What a measured ceiling is (`FP32 FMA ceiling`), for the line that shows it. Records
+    /// from before the field measured only that one.
+    #[serde(default = "fma_ceiling_name")]
     pub name: String,
     pub gflops: f64,
     /// How it was found, with its assumptions.
@@ -281,6 +282,10 @@ pub struct Theoretical {
     /// Measured on the device (an FMA loop), not computed from a specification.
     #[serde(default)]
     pub measured: bool,
+}
+
+fn fma_ceiling_name() -> String {
+    "FP32 FMA ceiling".into()
 }
 
 pub trait Backend {

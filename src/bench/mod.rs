@@ -411,7 +411,7 @@ fn run_scenario(
 
 /// The seeded batch of a run: normal noise and random labels, like the classic benchmark (the
 /// loss of an untrained network on it sits near ln(classes)).
-fn bench_batch(cfg: &BenchConfig, plan: &Plan) -> (Tensor, Vec<usize>) {
+pub fn bench_batch(cfg: &BenchConfig, plan: &Plan) -> (Tensor, Vec<usize>) {
     let mut rng = Rng::new(cfg.seed.wrapping_add(1));
     let input = rng.normal_tensor(plan.input_shape().to_vec());
     let classes = plan.output_shape()[1];

@@ -53,14 +53,18 @@ pub fn render_html(course: &Course, out: &Path) -> Result<PathBuf> {
     Ok(out.join("index.html"))
 }
 
-/// The pages a SUMMARY.md links (`[title](page.md)`), in order.
+/// The links of a SUMMARY.md (`[title](page.md)`), in order, each with where its target
+/// starts in the text (lint reports positions from it).
+pub fn summary_links(summary: &str) -> impl Iterator<Item = (usize, &str)> {
+    summary.match_indices("](").filter_map(|(i, _)| {
+        let rest = &summary[i + 2..];
+        rest.find(')').map(|end| (i + 2, &rest[..end]))
+    })
+}
+
+/// The pages a SUMMARY.md links, in order.
 fn linked_pages(summary: &str) -> Vec<&str> {
-    summary
-        .match_indices("](")
-        .filter_map(|(i, _)| {
-            let rest = &summary[i + 2..];
-            rest.find(')').map(|end| &rest[..end])
-        })
+    (summary_links(summary).map(|(_, page)| page))
         .filter(|p| !p.is_empty())
         .collect()
 }

@@ -182,15 +182,12 @@ fn check_book(dir: &std::path::Path, loaded: &[LoadedExercise]) -> Vec<Diagnosti
     };
     // Every `](page.md)` link, with where it starts.
     let mut listed = HashSet::new();
-    for (i, _) in summary.match_indices("](") {
-        let rest = &summary[i + 2..];
-        let Some(end) = rest.find(')') else { continue };
-        let page = &rest[..end];
+    for (at, page) in super::book::summary_links(&summary) {
         listed.insert(page.to_string());
         if super::chapter_path(dir, page).is_err() {
             out.push(warn(
                 shown("SUMMARY.md"),
-                line_col(&summary, i + 2),
+                line_col(&summary, at),
                 format!("`{page}` is not a page of book/src/"),
             ));
         }

@@ -46,11 +46,7 @@ pub fn ceiling(features: &[String], cores: usize) -> Option<Theoretical> {
         });
         // Threads, not cores: two threads of one SMT core share its FMA units, and the
         // clock this implies per thread is then half the core's.
-        let threads = if cores == 1 {
-            "1 thread".to_string()
-        } else {
-            format!("{cores} threads")
-        };
+        let threads = threads(cores);
         return Some(Theoretical {
             name: "FP32 FMA ceiling".into(),
             gflops,
@@ -83,17 +79,21 @@ pub fn bf16_ceiling(cores: usize) -> Option<Theoretical> {
     let fp32 = simd::fma_ceiling(cores).map_or(String::new(), |f| {
         format!(", {:.2}× the FP32 FMA chains' {f:.0} GFLOP/s", gflops / f)
     });
-    let threads = if cores == 1 {
-        "1 thread".to_string()
-    } else {
-        format!("{cores} threads")
-    };
+    let threads = threads(cores);
     Some(Theoretical {
         name: "BF16 dot-product ceiling".into(),
         gflops,
         how: format!("vdpbf16ps chains on registers, measured now on {threads}{fp32}"),
         measured: true,
     })
+}
+
+/// "1 thread", "2 threads": what a ceiling was measured on.
+fn threads(n: usize) -> String {
+    match n {
+        1 => "1 thread".into(),
+        _ => format!("{n} threads"),
+    }
 }
 
 /// FP32 FLOPs per cycle and core from the vector ISA, assuming two FMA units per core (most

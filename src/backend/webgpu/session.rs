@@ -176,8 +176,9 @@ pub(super) fn shader(
         ),
     });
     if let Some(e) = pollster::block_on(scope.pop()) {
-        // naga names the source `wgsl`; its line numbers are the file's own.
-        let log = e.to_string().replace("wgsl:", &format!("{path}:"));
+        // naga's code frame names the source `wgsl` (`┌─ wgsl:64:29`); its line numbers are
+        // the file's own.
+        let log = e.to_string().replace("┌─ wgsl:", &format!("┌─ {path}:"));
         return Err(BackendError::Compile { path, log });
     }
     Ok(module)

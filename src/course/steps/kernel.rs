@@ -108,8 +108,8 @@ pub fn run(ctx: &StepContext<'_>, out: &mut StepOutput, ui: &mut dyn Ui) -> Resu
         }
         match crate::bench::prepare(&cfg, None) {
             Ok((plan, session, device, _)) => {
-                let mut seeded = crate::model::Rng::new(cfg.seed.wrapping_add(1));
-                input.get_or_insert_with(|| seeded.normal_tensor(plan.input_shape().to_vec()));
+                // A bench run's seeded input (its labels unused).
+                input.get_or_insert_with(|| crate::bench::bench_batch(&cfg, &plan).0);
                 out.device = device.name.clone();
                 out.environment.insert("device".into(), device.name.clone());
                 out.environment
