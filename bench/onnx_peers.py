@@ -7,6 +7,7 @@ Prints one JSON line per run, like bench/pytorch_resnet.py.
     pip install torch torchvision onnx onnxscript onnxruntime openvino   # outside the project's dependencies
     python3 bench/onnx_peers.py --engine onnxruntime --network resnet50 --batch-size 8 --threads 2
     python3 bench/onnx_peers.py --engine openvino --network vit_b_16 --batch-size 1 --dtype bf16
+    python3 bench/onnx_peers.py --engine openvino --dtype bf16 --layers   # + per-layer counters
 
 ONNX Runtime's CPU provider runs FP32 only here (`--dtype` other than fp32 is refused);
 OpenVINO takes `INFERENCE_PRECISION_HINT` f32 or bf16 (on CPUs without BF16 units it
@@ -35,6 +36,9 @@ p.add_argument("--warmup", type=int, default=3)
 p.add_argument("--threads", type=int, default=2)
 p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
 p.add_argument("--input-size", type=int, default=224)
+p.add_argument("--layers", action="store_true",
+               help="OpenVINO only: also report its per-layer performance counters (the timed "
+                    "iterations' mean per node, PERF_COUNT on) under \"layers\"")
 p.add_argument("--cache", default=str(pathlib.Path(tempfile.gettempdir()) / "workshop-onnx"),
                help="folder for the exported models (reused across runs)")
 a = p.parse_args()
@@ -70,6 +74,8 @@ if a.engine == "onnxruntime":
 
     if a.dtype != "fp32":
         sys.exit("ONNX Runtime's CPU provider runs this model in FP32 only")
+    if a.layers:
+        sys.exit("--layers reads OpenVINO's performance counters: use --engine openvino")
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = a.threads
     opts.inter_op_num_threads = 1
@@ -82,6 +88,8 @@ else:
     core = ov.Core()
     config = {"INFERENCE_NUM_THREADS": a.threads, "INFERENCE_PRECISION_HINT": {"fp32": "f32", "bf16": "bf16"}[a.dtype],
               "PERFORMANCE_HINT": "LATENCY"}
+    if a.layers:
+        config["PERF_COUNT"] = True
     compiled = core.compile_model(str(onnx_file), "CPU", config)
     request = compiled.create_infer_request()
     run = lambda: request.infer({0: x})  # noqa: E731
@@ -89,14 +97,26 @@ else:
     impl, ran = f"openvino {ov.__version__.split('-')[0]} CPU", getattr(hint, "to_string", lambda: str(hint))()
 prepare_s = time.perf_counter() - start  # loading and compiling the ONNX file
 samples = []
+# Per node of OpenVINO's executed graph (its fusions: a convolution with its batch norm, add and
+# ReLU is one node, named after the last ONNX node fused in): seconds summed over the timed
+# iterations, its type, and the kernel it ran ("brgconv_avx512_core_bf16", ...).
+layers = {}
 for i in range(a.warmup + a.iterations):
     t = time.perf_counter()
     run()
     if i >= a.warmup:
         samples.append(time.perf_counter() - t)
+        for info in request.profiling_info if a.layers else []:
+            if info.status == info.Status.EXECUTED:
+                entry = layers.setdefault(info.node_name, {"type": info.node_type, "exec": info.exec_type, "s": 0.0})
+                entry["s"] += info.real_time.total_seconds()
 median = statistics.median(samples)
-print(json.dumps({
+record = {
     "impl": impl, "device": "cpu", "network": a.network, "batch_size": a.batch_size, "dtype": a.dtype,
     "computed_in": ran, "threads": a.threads, "median_s": median, "images_per_s": a.batch_size / median,
     "prepare_s": prepare_s, "export_s": export_s,
-}))
+}
+if a.layers:
+    record["layers"] = [{"node": k, "type": v["type"], "exec": v["exec"], "s": v["s"] / a.iterations}
+                        for k, v in layers.items()]
+print(json.dumps(record))

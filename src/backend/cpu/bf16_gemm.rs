@@ -65,7 +65,7 @@ pub struct PackedPairs {
     pub k: usize,
     pub n: usize,
     kp: usize,
-    data: Vec<bf16>,
+    data: super::Lines<bf16>,
     bias: Vec<f32>,
 }
 

@@ -8,7 +8,7 @@ use half::{bf16, f16};
 use super::simd;
 use crate::model::Precision;
 
-pub trait Elem: Copy + Send + Sync + Default + 'static {
+pub trait Elem: bytemuck::Pod + Send + Sync + Default + 'static {
     const PRECISION: Precision;
     /// A short suffix for kernel names (`f32`, `f16`, `bf16`).
     const SUFFIX: &'static str;

@@ -52,8 +52,8 @@ use kernels::{Nhwc, PackedConv, PackedLinear};
 
 use calibration::Donor;
 pub use calibration::{Calibration, calibrate_batch_norm};
+pub(crate) use device::{Lines, big_buffer, cache_leaf};
 pub use device::{available_memory, cpu_features, host_device};
-pub(crate) use device::{big_buffer, cache_leaf};
 use session::CpuSession;
 
 pub struct CpuBackend;

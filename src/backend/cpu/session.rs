@@ -77,18 +77,18 @@ pub(super) enum NodeKernel<T> {
 /// without being filled again: a `Vec` truncated and grown back would refill the difference on
 /// every pass (a memset of up to a whole tensor per op).
 pub(super) struct Buf<T> {
-    data: Vec<T>,
+    data: super::Lines<T>,
     len: usize,
 }
 
-impl<T> std::ops::Deref for Buf<T> {
+impl<T: bytemuck::Pod> std::ops::Deref for Buf<T> {
     type Target = [T];
     fn deref(&self) -> &[T] {
         &self.data[..self.len]
     }
 }
 
-impl<T> std::ops::DerefMut for Buf<T> {
+impl<T: bytemuck::Pod> std::ops::DerefMut for Buf<T> {
     fn deref_mut(&mut self) -> &mut [T] {
         &mut self.data[..self.len]
     }

@@ -52,7 +52,7 @@ const KC: usize = 1024;
 pub struct PackedB<T> {
     pub k: usize,
     pub n: usize,
-    data: Vec<T>,
+    data: super::Lines<T>,
     bias: Vec<f32>,
 }
 
@@ -130,7 +130,7 @@ impl<T: Elem> PackedB<T> {
     ) -> Vec<Self> {
         let panels = n.div_ceil(NR);
         let span = (k * NR).max(1);
-        let mut data: Vec<Vec<T>> = (0..count)
+        let mut data: Vec<super::Lines<T>> = (0..count)
             .map(|_| super::big_buffer(panels * span))
             .collect();
         // Panel p of every matrix, handed to one work item together.

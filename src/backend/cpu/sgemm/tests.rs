@@ -225,8 +225,8 @@ fn packers_lay_out_panels() {
         assert_eq!(rows.len(), count);
         for (i, packed) in rows.iter().enumerate() {
             assert_eq!(
-                packed.data,
-                expected(i),
+                packed.data[..],
+                expected(i)[..],
                 "rows: matrix {i} of {count}, {k}×{n}"
             );
             assert!(packed.bias.iter().all(|&v| v == 0.0));
@@ -241,7 +241,11 @@ fn packers_lay_out_panels() {
                 },
                 Some(&bias),
             );
-            assert_eq!(by_col.data, expected(i), "columns: matrix {i}, {k}×{n}");
+            assert_eq!(
+                by_col.data[..],
+                expected(i)[..],
+                "columns: matrix {i}, {k}×{n}"
+            );
             assert_eq!(by_col.bias[..n], bias[..]);
         }
     }
