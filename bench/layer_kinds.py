@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""Where the time goes, per kind of layer, for our CPU backend and for OpenVINO on the same
+network, batch, precision and threads: the table that says which layers to work on where
+OpenVINO leads.
+
+    cargo build --release
+    pip install torch torchvision onnx onnxscript openvino      # outside the project's dependencies
+    python3 bench/layer_kinds.py --network resnet50 --batch-size 8 --precision bf16 --compile
+
+Ours: `workshop bench --trace` (every kernel timed, its node named), summed per node over the
+timed iterations. OpenVINO: its per-node performance counters (bench/onnx_peers.py --layers)
+on the ONNX export of torchvision's model. Both are keyed by torchvision's module names
+(ours name nodes after them; the ONNX exporter writes `/layer1/layer1.0/conv1/Conv`), and a
+convolution's kind comes from the module: its kernel and stride, the stem (3 input channels)
+apart. Whatever each engine fused into a convolution (batch norm, the residual add, ReLU) is
+timed with it; what it ran on its own is listed under its own kind ("batch_norm", "add", ...).
+Profiling costs both sides a little: compare the rows, not the totals with bench runs.
+"""
+import argparse
+import collections
+import json
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+WORKSHOP = ROOT / "target" / "release" / "workshop"
+
+
+def module_kinds(net):
+    """torchvision module name → layer kind, for the convolutions, linear layers and pools."""
+    import torch
+    import torchvision
+
+    kinds = {}
+    for name, m in torchvision.models.get_model(net, weights=None).named_modules():
+        if isinstance(m, torch.nn.Conv2d):
+            k, s = m.kernel_size, m.stride
+            kind = f"conv {k[0]}x{k[1]} s{s[0]}"
+            if m.groups > 1:
+                kind += " grouped" if m.groups != m.in_channels else " depthwise"
+            if m.in_channels == 3:
+                kind += " (stem)"
+            kinds[name] = kind
+        elif isinstance(m, torch.nn.Linear):
+            kinds[name] = "linear"
+        elif isinstance(m, (torch.nn.MaxPool2d, torch.nn.AdaptiveAvgPool2d, torch.nn.AvgPool2d)):
+            kinds[name] = "pool"
+    return kinds
+
+
+def ours(a):
+    """{node: (op, seconds per iteration)} from one traced `workshop bench` run."""
+    with tempfile.TemporaryDirectory() as d:
+        trace = pathlib.Path(d) / "t.json"
+        subprocess.run([str(WORKSHOP), "bench", "--network", a.network, "--batch-size", str(a.batch_size),
+                        "--precision", a.precision, "--threads", str(a.threads), "--iterations", str(a.iterations),
+                        "--trace", str(trace)] + (["--compile"] if a.compile else []),
+                       check=True, stdout=subprocess.DEVNULL)
+        events = json.loads(trace.read_text())["traceEvents"]
+    iterations = sum(1 for e in events if e.get("cat") == "host")
+    nodes = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") == 2:
+            node = e["args"]["node"]
+            op, s = nodes.get(node, (e["cat"], 0.0))
+            nodes[node] = (op, s + e["dur"] / 1e6 / iterations)
+    return nodes
+
+
+def openvino(a):
+    """{node: (type, seconds per iteration)} from OpenVINO's performance counters."""
+    cmd = [sys.executable, str(ROOT / "bench" / "onnx_peers.py"), "--engine", "openvino", "--network", a.network,
+           "--batch-size", str(a.batch_size), "--threads", str(a.threads), "--iterations", str(a.iterations),
+           "--dtype", a.precision, "--layers"]
+    record = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+    return {layer["node"]: (layer["type"], layer["s"]) for layer in record["layers"]}
+
+
+def module_of(node):
+    """torchvision's module name of a node of ours (already one) or of OpenVINO's graph, named
+    after the ONNX export's scopes (`/layer1/layer1.0/downsample/downsample.0/Conv/WithoutBiases`
+    → `layer1.0.downsample.0`): scopes up to the first operator name (capitalised), each either
+    a full path below the last, a sibling path of its last part, or a child."""
+    if not node.startswith("/"):
+        return node
+    name = ""
+    for scope in node.strip("/").split("/"):
+        if scope[:1].isupper():
+            break
+        parent, _, last = name.rpartition(".")
+        if not name or scope.startswith(name + "."):
+            name = scope
+        elif scope.startswith(last + "."):
+            name = f"{parent}.{scope}" if parent else scope
+        else:
+            name = f"{name}.{scope}"
+    return name
+
+
+def by_kind(nodes, kinds):
+    """{kind: seconds}: a node's module kind where it has one, else its op or type in lower case."""
+    out = collections.Counter()
+    for node, (op, s) in nodes.items():
+        kind = kinds.get(module_of(node))
+        out[kind or re.sub(r"(?<!^)(?=[A-Z])", "_", op).lower()] += s
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--network", default="resnet50")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--iterations", type=int, default=5)
+    p.add_argument("--compile", action="store_true", help="ours with --compile default")
+    a = p.parse_args()
+    kinds = module_kinds(a.network)
+    ours_nodes = ours(a)
+    ov_nodes = openvino(a)
+    mine, theirs = by_kind(ours_nodes, kinds), by_kind(ov_nodes, kinds)
+    total_m, total_t = sum(mine.values()), sum(theirs.values())
+    label = "ours" + (" compiled" if a.compile else "")
+    print(f"{a.network} {a.precision.upper()} batch {a.batch_size}, {a.threads} threads: ms per iteration "
+          f"(kernel times, profiling on)")
+    print(f"{'layer kind':28} {label:>14} {'share':>6} {'OpenVINO':>10} {'share':>6} {'ours/OV':>8}")
+    for kind in sorted(set(mine) | set(theirs), key=lambda k: -(mine[k] + theirs[k])):
+        m, t = mine[kind], theirs[kind]
+        ratio = f"{m / t:8.2f}" if t > 0 and m > 0 else f"{'—':>8}"
+        print(f"{kind:28} {m * 1e3:14.2f} {100 * m / total_m:5.1f}% {t * 1e3:10.2f} {100 * t / total_t:5.1f}% {ratio}")
+    print(f"{'total':28} {total_m * 1e3:14.2f} {'':>6} {total_t * 1e3:10.2f} {'':>6} {total_m / total_t:8.2f}")
+    # The layers where ours loses the most time to OpenVINO, module by module.
+    per = collections.defaultdict(lambda: [0.0, 0.0])
+    for side, nodes in ((0, ours_nodes), (1, ov_nodes)):
+        for node, (_, s) in nodes.items():
+            if module_of(node) in kinds:
+                per[module_of(node)][side] += s
+    worst = sorted(per.items(), key=lambda kv: -(kv[1][0] - kv[1][1]))[:8]
+    print("\nmodules where ours spends the most over OpenVINO (ms):")
+    for name, (m, t) in worst:
+        print(f"  {name:28} {kinds[name]:22} ours {m * 1e3:7.2f}  OpenVINO {t * 1e3:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
