@@ -498,10 +498,17 @@ pub(super) fn conv2d_pairs<T: Elem>(
             let col0 = p0 * bf16_gemm::PANEL;
             let mut store = |d: bf16_gemm::Done<'_>| {
                 let first = (m0 + d.row) * cout + col0 + d.col;
-                // SAFETY: rows m0..m0 + mr, columns of panels p0..p1 of y are this work item's
-                // alone; the block's rows, `cout` apart from `first`, are inside them.
-                with_simd(unsafe {
-                    PairStore::new(d.values, d.rows, d.cols, residual, act, out, first, cout)
+                // Rows m0..m0 + mr, columns of panels p0..p1 of y are this work item's alone;
+                // the block's rows, `cout` apart from `first`, are inside them.
+                with_simd(PairStore {
+                    values: d.values,
+                    rows: d.rows,
+                    cols: d.cols,
+                    residual,
+                    act,
+                    out,
+                    first,
+                    ld: cout,
                 });
                 // The next block down this strip of columns: its residual and output lines, rows
                 // `cout` apart, which the hardware prefetchers do not foresee (as the SGEMM's
@@ -530,6 +537,9 @@ pub(super) fn conv2d_pairs<T: Elem>(
 /// and ReLU's clamps compiled for SSE2 around them) a fused BF16 ResNet-50 at batch 8 spent
 /// 22 ms more in its convolutions than eager spent in the same convolutions, batch norms,
 /// additions and ReLUs together.
+///
+/// Built only where rows `first + r·ld` for r < `rows`, `cols` values each, are inside `out`'s
+/// tensor (and `residual`'s, when given) and written by nobody else meanwhile.
 struct PairStore<'a> {
     values: &'a mut [f32],
     rows: usize,
@@ -539,34 +549,6 @@ struct PairStore<'a> {
     out: TilePtr<bf16>,
     first: usize,
     ld: usize,
-}
-
-impl<'a> PairStore<'a> {
-    /// # Safety
-    /// Rows `first + r·ld` for r < `rows`, `cols` values each, are inside `out`'s tensor
-    /// (and `residual`'s, when given) and written by nobody else meanwhile.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn new(
-        values: &'a mut [f32],
-        rows: usize,
-        cols: usize,
-        residual: Option<&'a [bf16]>,
-        act: Act,
-        out: TilePtr<bf16>,
-        first: usize,
-        ld: usize,
-    ) -> Self {
-        PairStore {
-            values,
-            rows,
-            cols,
-            residual,
-            act,
-            out,
-            first,
-            ld,
-        }
-    }
 }
 
 impl PairStore<'_> {
@@ -601,7 +583,7 @@ impl PairStore<'_> {
                             }
                         }
                     }
-                    // SAFETY: the row's 32 values are inside the output (the contract).
+                    // SAFETY: the row's 32 values are inside the output (as `PairStore` is built).
                     unsafe {
                         self.out
                             .add(at)
