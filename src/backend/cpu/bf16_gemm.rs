@@ -266,8 +266,9 @@ mod dot {
 
     /// One block of C for panel p (and p + 1 when `pair`), as AMX's `block` computes it, of
     /// `rows` rows (up to 32): the bias, then each K chunk adds its share, 8 rows × 2 panels
-    /// (or 16 rows × 1) of accumulators in registers at a time. A last group of fewer rows
-    /// repeats its last row; C's rows past `rows` then hold copies, which nobody reads.
+    /// (or 16 rows × 1) of accumulators in registers at a time. A pair's last rows go 4 and
+    /// then 1 at a time; a single panel's last group of fewer than 16 repeats its last row
+    /// (C's rows past `rows` then hold copies, which nobody reads).
     ///
     /// # Safety
     /// The CPU has AVX-512F and AVX512_BF16; `a` has `rows` rows of `b.kp()` values spaced
@@ -303,22 +304,35 @@ mod dot {
                 let start = (k0 == 0).then_some(bias);
                 // Row r of the group at r0, clamped to the block's last row.
                 let at = |r0: usize| move |r: usize| a.add(((r0 + r).min(rows - 1)) * lda + k0);
-                if rows == 1 {
-                    // One row (a decode step at batch 1): the group kernels would repeat it.
-                    let a0 = a.add(k0);
-                    match pair {
-                        true => single::<2>(a0, bk, pairs, c, start),
-                        false => single::<1>(a0, bk, pairs, c, start),
-                    }
-                    continue;
-                }
-                for r0 in (0..rows).step_by(if pair { 8 } else { 16 }) {
-                    let cr = c.add(r0 * ldc);
-                    if pair {
-                        group::<8, 2>(std::array::from_fn(at(r0)), bk, pairs, cr, ldc, start);
-                    } else {
-                        group::<16, 1>(std::array::from_fn(at(r0)), bk, pairs, cr, ldc, start);
-                    }
+                // Groups of 8 rows (16 for one panel) while they last; a pair's last rows in a
+                // group of 4, then one at a time: a group of 8 for the last 1 of ResNet-50's
+                // 49 rows at batch 1 (7 × 7) computed 7 copies of it.
+                let mut r0 = 0;
+                while r0 < rows {
+                    let (cr, left) = (c.add(r0 * ldc), rows - r0);
+                    r0 += match (pair, left) {
+                        (true, 8..) => {
+                            group::<8, 2>(std::array::from_fn(at(r0)), bk, pairs, cr, ldc, start);
+                            8
+                        }
+                        (true, 4..) => {
+                            group::<4, 2>(std::array::from_fn(at(r0)), bk, pairs, cr, ldc, start);
+                            4
+                        }
+                        (true, _) => {
+                            single::<2>(at(r0)(0), bk, pairs, cr, start);
+                            1
+                        }
+                        // One row (a decode step at batch 1): the group would repeat it.
+                        (false, 1) => {
+                            single::<1>(at(r0)(0), bk, pairs, cr, start);
+                            1
+                        }
+                        (false, _) => {
+                            group::<16, 1>(std::array::from_fn(at(r0)), bk, pairs, cr, ldc, start);
+                            16
+                        }
+                    };
                 }
             }
         }
