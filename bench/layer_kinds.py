@@ -100,11 +100,16 @@ def module_of(node):
     return name
 
 
+# OpenVINO's node types named as our kinds are, where a node keeps no module's name (its
+# classifier is named after the graph's output, `logits`).
+TYPE_KINDS = {"FullyConnected": "linear", "ReduceMean": "pool", "MaxPool": "pool", "AvgPool": "pool"}
+
+
 def by_kind(nodes, kinds):
     """{kind: seconds}: a node's module kind where it has one, else its op or type in lower case."""
     out = collections.Counter()
     for node, (op, s) in nodes.items():
-        kind = kinds.get(module_of(node))
+        kind = kinds.get(module_of(node)) or TYPE_KINDS.get(op)
         out[kind or re.sub(r"(?<!^)(?=[A-Z])", "_", op).lower()] += s
     return out
 
