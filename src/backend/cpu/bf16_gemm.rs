@@ -258,10 +258,10 @@ mod dot {
     const B_PREFETCH: usize = 64;
 
     /// K per pass over the block's row groups; the accumulators go through C (in L1) between
-    /// passes. Passes of 256 (the pass's B and A rows, 16 KiB each, in L1) left a 1024³ GEMM at
-    /// 89% of the 1024 here, whose B and A rows stream from L2 instead (the B panels'
-    /// prefetches ahead of them): 393 → 421 GFLOP/s on two Zen 4 cores (five interleaved
-    /// runs, medians), ResNet-50's layers unchanged.
+    /// passes. Passes of 256 (their B and A rows, 16 KiB each, fit L1) ran a 1024³ GEMM at
+    /// 393 GFLOP/s on two Zen 4 cores; passes of 1024, whose rows stream from L2 behind the B
+    /// panels' prefetches, at 421 (five interleaved runs, medians); ResNet-50's layers
+    /// unchanged.
     const KCHUNK: usize = 32 * KSTEP;
 
     /// One block of C for panel p (and p + 1 when `pair`), as AMX's `block` computes it, of

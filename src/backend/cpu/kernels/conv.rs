@@ -9,8 +9,7 @@ use rayon::prelude::*;
 
 use super::*;
 use crate::backend::cpu::bf16_gemm::{self, PackedPairs};
-use crate::backend::cpu::elem::Elem;
-use crate::backend::cpu::elem::{bf16_f32, f32_bf16};
+use crate::backend::cpu::elem::{Elem, bf16_f32, f32_bf16};
 use crate::backend::cpu::sgemm::{self, NR, PackedB};
 use crate::backend::cpu::simd::{Vectorised, with_simd};
 use crate::model::op::{Act, Conv2d};
@@ -541,7 +540,7 @@ pub(super) fn conv2d_pairs<T: Elem>(
 /// Built only where rows `first + r·ld` for r < `rows`, `cols` values each, are inside `out`'s
 /// tensor (and `residual`'s, when given) and written by nobody else meanwhile.
 struct PairStore<'a> {
-    values: &'a mut [f32],
+    values: &'a [f32],
     rows: usize,
     cols: usize,
     residual: Option<&'a [bf16]>,
