@@ -26,17 +26,17 @@ pub(super) fn depthwise<T: Elem>(
     let (kh, kw) = c.kernel;
     let row_len = ys.w * ch;
     let zeros = vec![0f32; ch];
+    let call = next_call();
     y[..ys.elems()]
         .par_chunks_mut(row_len)
         .enumerate()
         .for_each(|(row, out)| {
             let (oy, n) = (row % ys.h, row / ys.h);
-            SCRATCH.with(|s| {
-                let (wide_in, wide_out) = &mut *s.borrow_mut();
-                let iys: Vec<isize> = (0..kh)
-                    .map(|ky| (oy * c.stride.0 + ky * c.dilation.0) as isize - c.padding.0 as isize)
-                    .collect();
-                let input = input_rows(x, xs, n, &iys, wide_in);
+            let iys: Vec<isize> = (0..kh)
+                .map(|ky| (oy * c.stride.0 + ky * c.dilation.0) as isize - c.padding.0 as isize)
+                .collect();
+            WIDE_ROWS.with_borrow_mut(|wide_in| {
+                let input = input_rows(x, xs, n, &iys, (wide_in, call));
                 let run = |acc: &mut [f32]| {
                     with_simd(DepthwiseRow {
                         acc,
@@ -49,11 +49,13 @@ pub(super) fn depthwise<T: Elem>(
                         pad: c.padding.1,
                     })
                 };
-                as_f32_row(out, wide_out, |acc| {
-                    run(&mut *acc);
-                    if !epilogue.is_empty() {
-                        epilogue.apply(acc, row * row_len, &mut Vec::new());
-                    }
+                SCRATCH.with_borrow_mut(|(_, wide_out)| {
+                    as_f32_row(out, wide_out, |acc| {
+                        run(&mut *acc);
+                        if !epilogue.is_empty() {
+                            epilogue.apply(acc, row * row_len, &mut Vec::new());
+                        }
+                    })
                 });
             })
         });

@@ -13,17 +13,17 @@ use crate::model::reference::adaptive_bins;
 pub fn pool<T: Elem>(p: &Pool, max: bool, x: &[T], xs: Nhwc, y: &mut [T], ys: Nhwc) {
     let ch = xs.c;
     let row_len = ys.w * ch;
+    let call = next_call();
     y[..ys.elems()]
         .par_chunks_mut(row_len)
         .enumerate()
         .for_each(|(row, out)| {
             let (oy, n) = (row % ys.h, row / ys.h);
             let y0 = (oy * p.stride.0) as isize - p.padding.0 as isize;
-            SCRATCH.with(|s| {
-                let (wide_in, wide_out) = &mut *s.borrow_mut();
-                let iys: Vec<isize> = (y0..y0 + p.kernel.0 as isize).collect();
-                let input = input_rows(x, xs, n, &iys, wide_in);
-                let rows: Vec<(isize, Option<&[f32]>)> = iys.into_iter().zip(input).collect();
+            let iys: Vec<isize> = (y0..y0 + p.kernel.0 as isize).collect();
+            WIDE_ROWS.with_borrow_mut(|wide_in| {
+                let input = input_rows(x, xs, n, &iys, (wide_in, call));
+                let rows: Vec<(isize, Option<&[f32]>)> = iys.iter().copied().zip(input).collect();
                 let run = |acc: &mut [f32]| {
                     with_simd(PoolRow {
                         acc,
@@ -37,19 +37,22 @@ pub fn pool<T: Elem>(p: &Pool, max: bool, x: &[T], xs: Nhwc, y: &mut [T], ys: Nh
                         limit: ((xs.h + p.padding.0) as isize, (xs.w + p.padding.1) as isize),
                     })
                 };
-                as_f32_row(out, wide_out, run);
+                SCRATCH.with_borrow_mut(|(_, wide_out)| as_f32_row(out, wide_out, run));
             })
         });
 }
 
 /// The input rows `iys` of image `n` as f32, `None` where a row lies outside the image: f32
-/// activations in place, half types widened into `wide`.
+/// activations in place, half types widened into `wide`'s slots, keeping the rows it already
+/// holds from this kernel call (`call`, from [`next_call`]): a worker's next output row is
+/// usually the one below, whose window shares all but `stride` rows with this one's (a 3×3
+/// depthwise convolution in BF16 widened each input row three times).
 pub(super) fn input_rows<'a, T: Elem>(
     x: &'a [T],
     xs: Nhwc,
     n: usize,
     iys: &[isize],
-    wide: &'a mut Vec<f32>,
+    (wide, call): (&'a mut WideRows, u64),
 ) -> Vec<Option<&'a [f32]>> {
     let len = xs.w * xs.c;
     let at = |iy: isize| (iy >= 0 && (iy as usize) < xs.h).then(|| (n * xs.h + iy as usize) * len);
@@ -59,17 +62,54 @@ pub(super) fn input_rows<'a, T: Elem>(
             .map(|&iy| at(iy).map(|a| &x[a..][..len]))
             .collect();
     }
-    wide.resize(iys.len() * len, 0.0);
-    for (i, &iy) in iys.iter().enumerate() {
-        if let Some(a) = at(iy) {
-            T::widen(&x[a..][..len], &mut wide[i * len..][..len]);
-        }
+    let slots = iys.len();
+    if (wide.call, wide.image, wide.held.len()) != (call, n, slots) {
+        (wide.call, wide.image) = (call, n);
+        wide.held = vec![None; slots];
     }
-    let wide: &'a [f32] = wide;
-    iys.iter()
-        .enumerate()
-        .map(|(i, &iy)| at(iy).map(|_| &wide[i * len..][..len]))
+    wide.data.resize(slots * len, 0.0);
+    // Each inside row's slot: the one holding it, else one holding no row asked for now.
+    let mut slot: Vec<Option<usize>> = iys
+        .iter()
+        .map(|&iy| at(iy).and(wide.held.iter().position(|&h| h == Some(iy))))
+        .collect();
+    for (i, &iy) in iys.iter().enumerate() {
+        let Some(a) = at(iy) else { continue };
+        if slot[i].is_some() {
+            continue;
+        }
+        let free = (0..slots)
+            .find(|&s| !slot.contains(&Some(s)) && wide.held[s].is_none_or(|h| !iys.contains(&h)))
+            .expect("as many slots as rows asked for");
+        T::widen(&x[a..][..len], &mut wide.data[free * len..][..len]);
+        wide.held[free] = Some(iy);
+        slot[i] = Some(free);
+    }
+    let data: &'a [f32] = &wide.data;
+    slot.iter()
+        .map(|s| s.map(|s| &data[s * len..][..len]))
         .collect()
+}
+
+/// Per worker: the widened input rows of [`input_rows`], slot by slot, and which row of which
+/// image each slot holds for which kernel call.
+#[derive(Default)]
+pub(super) struct WideRows {
+    call: u64,
+    image: usize,
+    held: Vec<Option<isize>>,
+    data: Vec<f32>,
+}
+
+thread_local! {
+    pub(super) static WIDE_ROWS: RefCell<WideRows> = RefCell::new(WideRows::default());
+}
+
+/// A number no earlier kernel call got: what [`WideRows`] keys its rows by, so that a buffer
+/// the arena hands to another tensor is never mistaken for the rows it held.
+pub(super) fn next_call() -> u64 {
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// One output row of [`pool`], as vectorised work: each output pixel's channels start from
