@@ -73,13 +73,14 @@ pub fn parts(images: Range<usize>, tile: usize) -> impl Iterator<Item = Range<us
 /// their residual add and activation inside — never spilled, so `--compile` got no tiles
 /// where eager did, and ResNet-50 b8 ran 5% slower fused than with tiles, in FP32 and BF16
 /// alike, on a Zen 4 with 32 MB of L3; eager's tiles stayed as they were.) It costs a read of
-/// the node's weights for every part after the first. The last cut is the point, among those that leave a single value live (a block's
-/// output: the only place to join the images without holding more), where the bytes saved
-/// minus the bytes spent (counting every node up to it in the smallest tiles) are largest, if
-/// that is above zero. Up to it, each node asks for as many images as keep the values live
-/// while it runs ([`Plan::live_bytes`], as the memory estimate counts them) within [`TILE_SHARE`] of the
-/// cache; each tile size asked for ends at the first cut after the last node asking for it or
-/// less (and after the ops that only map that cut's value), the largest at the last cut.
+/// the node's weights for every part after the first. The last cut is the point, among those
+/// that leave a single value live (a block's output: the only place to join the images
+/// without holding more), where the bytes saved minus the bytes spent (counting every node up
+/// to it in the smallest tiles) are largest, if that is above zero. Up to it, each node asks
+/// for as many images as keep the values live while it runs ([`Plan::live_bytes`], as the
+/// memory estimate counts them) within [`TILE_SHARE`] of the cache; each tile size asked for
+/// ends at the first cut after the last node asking for it or less (and after the ops that
+/// only map that cut's value), the largest at the last cut.
 pub fn plan(plan: &Plan, elem: usize, cache: usize) -> Option<Split> {
     let n = plan.batch();
     let nodes = plan.graph.nodes.len();

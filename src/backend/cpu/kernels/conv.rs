@@ -667,14 +667,9 @@ impl Vectorised for Activation<'_> {
     type Output = ();
     #[inline(always)]
     fn run(self) {
-        activate_inline(self.0, self.1);
+        let Activation(act, row) = self;
+        with_act!(act, |f| row.iter_mut().for_each(|v| *v = f(*v)))
     }
-}
-
-/// `act` on `row`, inlined into its caller (vectorised where the caller is).
-#[inline(always)]
-fn activate_inline(act: Act, row: &mut [f32]) {
-    with_act!(act, |f| row.iter_mut().for_each(|v| *v = f(*v)))
 }
 
 /// The convolution: `x` (xs) → `y` (ys), both NHWC.

@@ -36,7 +36,7 @@ pub(super) fn depthwise<T: Elem>(
                 .map(|ky| (oy * c.stride.0 + ky * c.dilation.0) as isize - c.padding.0 as isize)
                 .collect();
             WIDE_ROWS.with_borrow_mut(|wide_in| {
-                let input = input_rows(x, xs, n, &iys, (wide_in, call));
+                let input = input_rows(x, xs, n, &iys, wide_in, call);
                 let run = |acc: &mut [f32]| {
                     with_simd(DepthwiseRow {
                         acc,

@@ -22,7 +22,7 @@ pub fn pool<T: Elem>(p: &Pool, max: bool, x: &[T], xs: Nhwc, y: &mut [T], ys: Nh
             let y0 = (oy * p.stride.0) as isize - p.padding.0 as isize;
             let iys: Vec<isize> = (y0..y0 + p.kernel.0 as isize).collect();
             WIDE_ROWS.with_borrow_mut(|wide_in| {
-                let input = input_rows(x, xs, n, &iys, (wide_in, call));
+                let input = input_rows(x, xs, n, &iys, wide_in, call);
                 let rows: Vec<(isize, Option<&[f32]>)> = iys.iter().copied().zip(input).collect();
                 let run = |acc: &mut [f32]| {
                     with_simd(PoolRow {
@@ -52,7 +52,8 @@ pub(super) fn input_rows<'a, T: Elem>(
     xs: Nhwc,
     n: usize,
     iys: &[isize],
-    (wide, call): (&'a mut WideRows, u64),
+    wide: &'a mut WideRows,
+    call: u64,
 ) -> Vec<Option<&'a [f32]>> {
     let len = xs.w * xs.c;
     let at = |iy: isize| (iy >= 0 && (iy as usize) < xs.h).then(|| (n * xs.h + iy as usize) * len);
