@@ -82,21 +82,23 @@ def openvino(a):
 def module_of(node):
     """torchvision's module name of a node of ours (already one) or of OpenVINO's graph, named
     after the ONNX export's scopes (`/layer1/layer1.0/downsample/downsample.0/Conv/WithoutBiases`
-    → `layer1.0.downsample.0`): scopes up to the first operator name (capitalised), each either
-    a full path below the last, a sibling path of its last part, or a child."""
+    → `layer1.0.downsample.0`, `/features/features.2/block/block.1/block.1.0/Conv` →
+    `features.2.block.1.0`): scopes up to the first operator name (capitalised), each either a
+    longer path of the scope before it (which it replaces), a full path below the name so far,
+    or a child."""
     if not node.startswith("/"):
         return node
-    name = ""
+    name, prev = "", ""
     for scope in node.strip("/").split("/"):
         if scope[:1].isupper():
             break
-        parent, _, last = name.rpartition(".")
-        if not name or scope.startswith(name + "."):
+        if prev and scope.startswith(prev + "."):
+            name = name[: len(name) - len(prev)] + scope
+        elif not name or scope.startswith(name + "."):
             name = scope
-        elif scope.startswith(last + "."):
-            name = f"{parent}.{scope}" if parent else scope
         else:
             name = f"{name}.{scope}"
+        prev = scope
     return name
 
 

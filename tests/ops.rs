@@ -162,6 +162,27 @@ fn conv2d_variants(kind: BackendKind) {
             conv(24, 24, (3, 3), 2, (2, 2), 2, 24, true),
             [2, 24, 9, 7],
         ),
+        // 27 channels (a 16-channel block, an 8-channel one, 3 single channels), 5×5 taps on
+        // 13 columns: edge pixels, runs of 4 inside and a single interior pixel after them.
+        (
+            "depthwise_5x5_all_blocks",
+            27,
+            conv(27, 27, (5, 5), 1, (2, 2), 1, 27, true),
+            [2, 27, 6, 13],
+        ),
+        // The other tap shapes the CPU unrolls: 5×5 at stride 2 (MobileNetV3), 7×7 (ConvNeXt).
+        (
+            "depthwise_5x5_stride2",
+            24,
+            conv(24, 24, (5, 5), 2, (2, 2), 1, 24, false),
+            [1, 24, 9, 11],
+        ),
+        (
+            "depthwise_7x7",
+            16,
+            conv(16, 16, (7, 7), 1, (3, 3), 1, 16, true),
+            [1, 16, 8, 10],
+        ),
         (
             "dilated",
             3,

@@ -21,8 +21,14 @@ use super::simd::{Simd, simd};
 
 /// Columns of a panel (one AMX B tile's width, one zmm of f32 results).
 pub const PANEL: usize = 16;
-/// K per step (32 bf16 = one 64-byte AMX tile row of A); K is padded to a multiple of it.
+/// K per AMX step (32 bf16 = one 64-byte tile row of A): packings for AMX pad K to a
+/// multiple of it.
 pub const KSTEP: usize = 32;
+/// K per `vdpbf16ps` step: packings for it pad K only to a multiple of this (4 k-pairs, the
+/// single-row kernel's chains). Padded to [`KSTEP`], MobileNetV3's 1×1 layers of 16, 40 and
+/// 72 input channels multiplied 100%, 60% and 33% more than they needed, and gathered their
+/// input into padded rows instead of reading it in place.
+pub const DOT_KSTEP: usize = 8;
 /// Rows of a C block (two 16-row AMX tiles).
 pub const BLOCK_ROWS: usize = 32;
 /// Row length of a finished block's values (two panels).
@@ -48,6 +54,14 @@ impl Engine {
         }
     }
 
+    /// The multiple of K its packings are padded to.
+    pub fn k_step(self) -> usize {
+        match self {
+            Engine::Amx => KSTEP,
+            Engine::Dot => DOT_KSTEP,
+        }
+    }
+
     /// The name records and `doctor` give it, with the block shape.
     pub fn name(self) -> String {
         let what = match self {
@@ -58,7 +72,8 @@ impl Engine {
     }
 }
 
-/// B (K × N) packed as k-pairs: K padded with zeros to a multiple of [`KSTEP`], N to a
+/// B (K × N) packed as k-pairs: K padded with zeros to a multiple of the engine's step
+/// ([`Engine::k_step`]), N to a
 /// multiple of [`PANEL`]; panel p holds Kp/2 rows of 16 k-pairs (64 bytes). The bias is padded
 /// alike and kept in f32 (zeros when there is none).
 pub struct PackedPairs {
@@ -70,7 +85,8 @@ pub struct PackedPairs {
 }
 
 impl PackedPairs {
-    /// Pack B given column by column: `fill(j, col)` writes column j (K values), as for
+    /// Pack B given column by column for the engine in use (AMX's step where none is):
+    /// `fill(j, col)` writes column j (K values), as for
     /// [`super::sgemm::PackedB::from_columns`].
     pub fn from_columns(
         k: usize,
@@ -78,7 +94,21 @@ impl PackedPairs {
         fill: impl Fn(usize, &mut [f32]) + Sync,
         bias: Option<&[f32]>,
     ) -> Self {
-        let kp = k.div_ceil(KSTEP).max(1) * KSTEP;
+        let step = Engine::in_use().map_or(KSTEP, Engine::k_step);
+        Self::with_step(k, n, step, fill, bias)
+    }
+
+    /// [`PackedPairs::from_columns`] with K padded to a multiple of `step` (even): the engines
+    /// a packing serves are those whose [`Engine::k_step`] divides it.
+    pub fn with_step(
+        k: usize,
+        n: usize,
+        step: usize,
+        fill: impl Fn(usize, &mut [f32]) + Sync,
+        bias: Option<&[f32]>,
+    ) -> Self {
+        assert!(step.is_multiple_of(2), "k-pairs need an even K step");
+        let kp = k.div_ceil(step).max(1) * step;
         let panels = n.div_ceil(PANEL);
         let mut data = super::big_buffer(panels * kp * PANEL);
         data.par_chunks_mut(kp * PANEL)
@@ -166,6 +196,11 @@ pub unsafe fn gemm(
     done: &mut impl FnMut(Done<'_>),
 ) {
     let kp = b.kp;
+    assert_eq!(
+        kp % engine.k_step(),
+        0,
+        "B is packed for a coarser K step than the engine's"
+    );
     // AMX's tiles take 32 rows, so a last block of fewer is copied and zero-padded; the
     // `vdpbf16ps` kernel computes the rows it is given, read in place.
     let whole = match engine {
@@ -346,7 +381,7 @@ mod dot {
     /// C[1 × PANELS·16] += a[2·pairs] · B[2·pairs × PANELS·16] for one row of A: [`CHAINS`]
     /// k-pairs at a time into their own accumulators, summed at the end, so the step streams B
     /// at memory speed (a GEMV: each weight is used once). `pairs` is a multiple of CHAINS (K
-    /// is padded to [`KSTEP`]).
+    /// is padded to [`super::DOT_KSTEP`]).
     ///
     /// # Safety
     /// As for `group` with one row.
@@ -481,6 +516,9 @@ mod tests {
             (100, 256, 1000, 0, 63),
             (64, 32, 48, 1, 2),
             (40, 1100, 32, 0, 2),
+            // MobileNetV3's small 1×1 layers: K a multiple of 8, not of 32.
+            (33, 40, 24, 0, 2),
+            (9, 16, 16, 0, 1),
         ] {
             let av: Vec<f32> = (0..m * k)
                 .map(|i| ((i * 7919 % 29) as f32 - 14.0) / 8.0)
@@ -489,27 +527,33 @@ mod tests {
                 .map(|i| ((i * 104_729 % 23) as f32 - 11.0) / 16.0)
                 .collect();
             let bias: Vec<f32> = (0..n).map(|j| j as f32 / 4.0 - 3.0).collect();
-            let packed = PackedPairs::from_columns(
-                k,
-                n,
-                |j, col| {
-                    col.iter_mut()
-                        .enumerate()
-                        .for_each(|(kk, v)| *v = bv[kk * n + j])
-                },
-                Some(&bias),
-            );
-            assert_eq!(packed.kp() % KSTEP, 0);
-            assert!(packed.kp() >= k);
-            let kp = packed.kp();
-            let lda = kp + 32;
-            let mut a = vec![bf16::ZERO; m * lda];
-            for r in 0..m {
-                for kk in 0..k {
-                    a[r * lda + kk] = bf16::from_f32(av[r * k + kk]);
-                }
+            for step in [KSTEP, DOT_KSTEP] {
+                let kp = PackedPairs::with_step(k, n, step, |_, _| {}, None).kp();
+                assert!(
+                    kp.is_multiple_of(step) && kp >= k && kp < k + step,
+                    "k{k} step {step}: kp {kp}"
+                );
             }
             for &engine in &engines {
+                let packed = PackedPairs::with_step(
+                    k,
+                    n,
+                    engine.k_step(),
+                    |j, col| {
+                        col.iter_mut()
+                            .enumerate()
+                            .for_each(|(kk, v)| *v = bv[kk * n + j])
+                    },
+                    Some(&bias),
+                );
+                let kp = packed.kp();
+                let lda = kp + 32;
+                let mut a = vec![bf16::ZERO; m * lda];
+                for r in 0..m {
+                    for kk in 0..k {
+                        a[r * lda + kk] = bf16::from_f32(av[r * k + kk]);
+                    }
+                }
                 let width = (p1 * PANEL).min(n) - p0 * PANEL;
                 let ldc = width + 5;
                 let mut c = vec![f32::NAN; m * ldc];

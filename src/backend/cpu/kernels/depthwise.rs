@@ -1,16 +1,19 @@
-//! Depthwise convolutions: direct loops over rows of pixels, a block of channels at a time
-//! (a GEMM with one input channel per group would waste the machine).
+//! Depthwise convolutions: direct loops over rows of pixels, a block of channels and a few
+//! output pixels at a time in registers (a GEMM with one input channel per group would waste
+//! the machine).
 
+use half::bf16;
 use rayon::prelude::*;
 
 use super::*;
-use crate::backend::cpu::elem::Elem;
+use crate::backend::cpu::elem::{Elem, bf16_f32, f32_bf16};
 use crate::backend::cpu::simd::{Vectorised, with_simd};
-use crate::model::op::Conv2d;
+use crate::model::op::{Act, Conv2d};
 
 /// Depthwise convolution (one filter per channel) with its epilogue, one output row per work
-/// item ([`DepthwiseRow`]), then the epilogue on the finished row. f32 activations are read
-/// and written in place; half types go through widened input rows and an f32 output row.
+/// item ([`DepthwiseRow`]). f32 and bf16 activations are read and written where they are, the
+/// epilogue applied in registers before the store; f16 goes through widened input rows and an
+/// f32 output row, the epilogue after.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn depthwise<T: Elem>(
     c: &Conv2d,
@@ -22,43 +25,170 @@ pub(super) fn depthwise<T: Elem>(
     ys: Nhwc,
     epilogue: &Epilogue<'_, T>,
 ) {
-    let ch = ys.c;
-    let (kh, kw) = c.kernel;
-    let row_len = ys.w * ch;
-    let zeros = vec![0f32; ch];
+    let zeros;
+    let bias = match bias {
+        Some(b) => b,
+        None => {
+            zeros = vec![0f32; ys.c];
+            &zeros
+        }
+    };
+    let y = &mut y[..ys.elems()];
+    let residual = epilogue.residual;
+    let act = epilogue.act;
+    if let (Some(x), Some(y)) = (T::as_f32(x), T::as_f32_mut(y)) {
+        let residual = residual.map(|r| T::as_f32(r).expect("f32 like the output"));
+        return direct(c, dw, bias, x, xs, y, ys, residual, act);
+    }
+    if let (Some(x), Some(y)) = (T::as_bf16(x), T::as_bf16_mut(y)) {
+        let residual = residual.map(|r| T::as_bf16(r).expect("bf16 like the output"));
+        return direct(c, dw, bias, x, xs, y, ys, residual, act);
+    }
+    widened(c, dw, bias, x, xs, y, ys, epilogue);
+}
+
+/// [`depthwise`] on storage the kernel reads itself (f32, bf16): f32 rows computed in place
+/// and the epilogue applied there; bf16 rows computed into a per-worker f32 row that the
+/// epilogue narrows into the output in one pass ([`Finish`]).
+#[allow(clippy::too_many_arguments)]
+fn direct<S: Lanes>(
+    c: &Conv2d,
+    w: &[f32],
+    bias: &[f32],
+    x: &[S],
+    xs: Nhwc,
+    y: &mut [S],
+    ys: Nhwc,
+    residual: Option<&[S]>,
+    act: Act,
+) {
+    let row_len = ys.w * ys.c;
+    y.par_chunks_mut(row_len)
+        .enumerate()
+        .for_each(|(row, out)| {
+            let input = tap_rows(c, x, xs, row / ys.h, row % ys.h);
+            let residual = residual.map(|r| &r[row * row_len..][..row_len]);
+            let kernel = |acc: &mut [f32]| {
+                with_simd(DepthwiseRow {
+                    acc,
+                    input: &input,
+                    w,
+                    bias,
+                    c,
+                    width: xs.w,
+                })
+            };
+            match S::as_f32_mut(out) {
+                Some(values) => {
+                    kernel(&mut *values);
+                    if residual.is_some() || act != Act::None {
+                        with_simd(Finish::<S> {
+                            values,
+                            residual,
+                            act,
+                            out: None,
+                        })
+                    }
+                }
+                None => SCRATCH.with_borrow_mut(|(_, wide)| {
+                    wide.resize(row_len, 0.0);
+                    kernel(wide);
+                    with_simd(Finish {
+                        values: wide,
+                        residual,
+                        act,
+                        out: Some(out),
+                    })
+                }),
+            }
+        });
+}
+
+/// A row's epilogue, as vectorised work: the residual added to the f32 `values`, the
+/// activation applied, and the values narrowed into `out` (`None`: they are the output). Three
+/// plain loops over a row in L1: folded into one, SiLU's loop was compiled value by value and
+/// EfficientNet-B0's depthwise layers in FP32 took three times as long.
+struct Finish<'a, S> {
+    values: &'a mut [f32],
+    residual: Option<&'a [S]>,
+    act: Act,
+    out: Option<&'a mut [S]>,
+}
+
+impl<S: Lanes> Vectorised for Finish<'_, S> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        let Finish {
+            values,
+            residual,
+            act,
+            out,
+        } = self;
+        if let Some(r) = residual {
+            (values.iter_mut().zip(r)).for_each(|(v, r)| *v += r.wide());
+        }
+        with_act!(act, |f| values.iter_mut().for_each(|v| *v = f(*v)));
+        if let Some(out) = out {
+            (out.iter_mut().zip(values.iter())).for_each(|(o, v)| *o = S::narrow(*v));
+        }
+    }
+}
+
+/// [`depthwise`] on f16: input rows widened to f32 (each kept for the worker's next output row,
+/// [`input_rows`]), the row computed in f32, the epilogue applied and the row narrowed.
+#[allow(clippy::too_many_arguments)]
+fn widened<T: Elem>(
+    c: &Conv2d,
+    w: &[f32],
+    bias: &[f32],
+    x: &[T],
+    xs: Nhwc,
+    y: &mut [T],
+    ys: Nhwc,
+    epilogue: &Epilogue<'_, T>,
+) {
+    let row_len = ys.w * ys.c;
     let call = next_call();
-    y[..ys.elems()]
-        .par_chunks_mut(row_len)
+    y.par_chunks_mut(row_len)
         .enumerate()
         .for_each(|(row, out)| {
             let (oy, n) = (row % ys.h, row / ys.h);
-            let iys: Vec<isize> = (0..kh)
-                .map(|ky| (oy * c.stride.0 + ky * c.dilation.0) as isize - c.padding.0 as isize)
-                .collect();
+            let iys: Vec<isize> = (0..c.kernel.0).map(|ky| tap_row(c, oy, ky)).collect();
             WIDE_ROWS.with_borrow_mut(|wide_in| {
                 let input = input_rows(x, xs, n, &iys, wide_in, call);
-                let run = |acc: &mut [f32]| {
-                    with_simd(DepthwiseRow {
-                        acc,
-                        input: &input,
-                        w: dw,
-                        bias: bias.unwrap_or(&zeros),
-                        kw,
-                        stride: c.stride.1,
-                        dilation: c.dilation.1,
-                        pad: c.padding.1,
-                    })
-                };
                 SCRATCH.with_borrow_mut(|(_, wide_out)| {
                     as_f32_row(out, wide_out, |acc| {
-                        run(&mut *acc);
-                        if !epilogue.is_empty() {
-                            epilogue.apply(acc, row * row_len, &mut Vec::new());
-                        }
+                        with_simd(DepthwiseRow {
+                            acc: &mut *acc,
+                            input: &input,
+                            w,
+                            bias,
+                            c,
+                            width: xs.w,
+                        });
+                        epilogue.apply(acc, row * row_len, &mut Vec::new());
                     })
                 });
             })
         });
+}
+
+/// The input row that tap row `ky` of output row `oy` reads (negative or past the image's
+/// height where that row is padding).
+fn tap_row(c: &Conv2d, oy: usize, ky: usize) -> isize {
+    (oy * c.stride.0 + ky * c.dilation.0) as isize - c.padding.0 as isize
+}
+
+/// The input rows of output row `oy` of image `n`, a tap row each (`None` outside the image).
+fn tap_rows<'a, S>(c: &Conv2d, x: &'a [S], xs: Nhwc, n: usize, oy: usize) -> Vec<Option<&'a [S]>> {
+    let len = xs.w * xs.c;
+    (0..c.kernel.0)
+        .map(|ky| {
+            let iy = tap_row(c, oy, ky);
+            (iy >= 0 && (iy as usize) < xs.h).then(|| &x[(n * xs.h + iy as usize) * len..][..len])
+        })
+        .collect()
 }
 
 /// `f` on `out` as f32: in place for f32 storage, else on `wide` (resized to `out`'s length)
@@ -74,76 +204,281 @@ pub(super) fn as_f32_row<T: Elem>(out: &mut [T], wide: &mut Vec<f32>, f: impl Fn
     }
 }
 
-/// Channels per register block of [`DepthwiseRow`]: two AVX2 vectors, one AVX-512 vector.
-pub(super) const DW_BLOCK: usize = 16;
+/// A storage type the depthwise kernel loads and stores a value at a time (in loops the
+/// compiler vectorises).
+pub(super) trait Lanes: Copy + Send + Sync {
+    fn wide(self) -> f32;
+    fn narrow(v: f32) -> Self;
+    fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]>;
+}
 
-/// One output row of [`depthwise`], as vectorised work: for each output pixel and each block
-/// of [`DW_BLOCK`] channels, the accumulators start from the bias and stay in registers
-/// through every tap (the input pixel at row ky, column ox·stride + kx·dilation − pad, where
-/// inside the image, times the tap's weights), and are stored once. Channels past the last
-/// whole block take a plain loop.
-pub(super) struct DepthwiseRow<'a> {
+impl Lanes for f32 {
+    #[inline(always)]
+    fn wide(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn narrow(v: f32) -> Self {
+        v
+    }
+    fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]> {
+        Some(s)
+    }
+}
+
+impl Lanes for bf16 {
+    #[inline(always)]
+    fn wide(self) -> f32 {
+        bf16_f32(self)
+    }
+    #[inline(always)]
+    fn narrow(v: f32) -> Self {
+        f32_bf16(v)
+    }
+    fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
+        None
+    }
+}
+
+/// Channels per register block of [`DepthwiseRow`]: two AVX2 vectors, one AVX-512 vector.
+const BLOCK: usize = 16;
+/// Output pixels per register block where every tap is inside the image: each tap's weights
+/// are loaded once for all of them.
+const PIXELS: usize = 4;
+/// The bytes of input a run of [`PIXELS`] may read across its channel group (half of a 32 KiB
+/// L1, the other half for the weights and what else the row needs).
+const RUN_BYTES: usize = 16 << 10;
+
+/// One output row of [`depthwise`] before its epilogue, as vectorised work. For each run of
+/// [`PIXELS`] output pixels and each block of [`BLOCK`] channels (then one of 8, then single
+/// channels), the accumulators start from the bias and stay in registers through every tap —
+/// the input pixel at row ky, column ox·stride + kx·dilation − pad, times the tap's weights —
+/// and are stored once, in f32. The common shapes (3, 5 or 7 taps a row, stride 1 or 2, no
+/// dilation) have their taps unrolled ([`DepthwiseRow::row_taps`]), the image's edges
+/// included; others go tap by tap ([`DepthwiseRow::pixels`]), the pixels near the edges one
+/// at a time, skipping the padding.
+pub(super) struct DepthwiseRow<'a, S> {
     acc: &'a mut [f32],
     /// The input row of each tap row ky (`None` above or below the image).
-    input: &'a [Option<&'a [f32]>],
+    input: &'a [Option<&'a [S]>],
     /// Weights, (ky, kx, channel).
     w: &'a [f32],
     bias: &'a [f32],
-    kw: usize,
-    stride: usize,
-    dilation: usize,
-    pad: usize,
+    c: &'a Conv2d,
+    /// The input's width in pixels.
+    width: usize,
 }
 
-impl Vectorised for DepthwiseRow<'_> {
+impl<S: Lanes> Vectorised for DepthwiseRow<'_, S> {
     type Output = ();
     #[inline(always)]
-    fn run(self) {
+    fn run(mut self) {
+        let c = self.c;
+        let (kw, stride, dilation, pad) = (c.kernel.1, c.stride.1, c.dilation.1, c.padding.1);
+        let out_w = self.acc.len() / self.bias.len();
+        // Output pixels ox in lo..hi read no padding: ox·s ≥ pad, ox·s + (kw − 1)·d − pad < width.
+        let lo = pad.div_ceil(stride).min(out_w);
+        let reach = (kw - 1) * dilation;
+        let hi = if self.width + pad > reach {
+            ((self.width + pad - reach - 1) / stride + 1).clamp(lo, out_w)
+        } else {
+            lo
+        };
+        if dilation == 1 {
+            match (kw, stride) {
+                (3, 1) => return self.taps_row::<3, 1>(lo, hi, out_w),
+                (5, 1) => return self.taps_row::<5, 1>(lo, hi, out_w),
+                (7, 1) => return self.taps_row::<7, 1>(lo, hi, out_w),
+                (3, 2) => return self.taps_row::<3, 2>(lo, hi, out_w),
+                (5, 2) => return self.taps_row::<5, 2>(lo, hi, out_w),
+                _ => {}
+            }
+        }
+        let mut ox = 0;
+        while ox < lo {
+            self.channels::<1, true>(ox);
+            ox += 1;
+        }
+        while ox + PIXELS <= hi {
+            self.channels::<PIXELS, false>(ox);
+            ox += PIXELS;
+        }
+        while ox < out_w {
+            if ox < hi {
+                self.channels::<1, false>(ox);
+            } else {
+                self.channels::<1, true>(ox);
+            }
+            ox += 1;
+        }
+    }
+}
+
+impl<S: Lanes> DepthwiseRow<'_, S> {
+    /// Output pixels ox0..ox0 + P, every channel: blocks of [`BLOCK`], one of 8, then single
+    /// channels (a pixel's channels in turn keep its input pixels in L1).
+    #[inline(always)]
+    fn channels<const P: usize, const EDGE: bool>(&mut self, ox0: usize) {
         let ch = self.bias.len();
-        let width = self
-            .input
-            .iter()
-            .flatten()
-            .next()
-            .map_or(0, |r| r.len() / ch);
-        let blocks = ch / DW_BLOCK * DW_BLOCK;
-        // The taps of one output pixel: its input pixel's channels and the tap's weight offset.
-        let mut taps: Vec<(&[f32], usize)> = Vec::with_capacity(self.input.len() * self.kw);
-        for (ox, out) in self.acc.chunks_exact_mut(ch).enumerate() {
-            taps.clear();
-            for (ky, row) in self.input.iter().enumerate() {
-                let Some(row) = row else { continue };
-                for kx in 0..self.kw {
-                    if let Some(ix) = (ox * self.stride + kx * self.dilation).checked_sub(self.pad)
-                        && ix < width
-                    {
-                        taps.push((&row[ix * ch..][..ch], (ky * self.kw + kx) * ch));
+        let mut c0 = 0;
+        while c0 + BLOCK <= ch {
+            self.pixels::<BLOCK, P, EDGE>(ox0, c0);
+            c0 += BLOCK;
+        }
+        if c0 + 8 <= ch {
+            self.pixels::<8, P, EDGE>(ox0, c0);
+            c0 += 8;
+        }
+        for c0 in c0..ch {
+            self.pixels::<1, P, EDGE>(ox0, c0);
+        }
+    }
+
+    /// Output pixels ox0..ox0 + P, channels c0..c0 + B; `EDGE` where some taps may fall on
+    /// the padding (they are skipped).
+    #[inline(always)]
+    fn pixels<const B: usize, const P: usize, const EDGE: bool>(&mut self, ox0: usize, c0: usize) {
+        let c = self.c;
+        let ch = self.bias.len();
+        let (kw, stride, dilation) = (c.kernel.1, c.stride.1, c.dilation.1);
+        let pad = c.padding.1 as isize;
+        let bias: [f32; B] = self.bias[c0..][..B].try_into().expect("B channels");
+        let mut acc = [bias; P];
+        let x0 = (ox0 * stride) as isize - pad;
+        for (ky, row) in self.input.iter().enumerate() {
+            let Some(row) = row else { continue };
+            let weights = &self.w[ky * kw * ch + c0..];
+            for kx in 0..kw {
+                let w: &[f32; B] = weights[kx * ch..][..B].try_into().expect("B weights");
+                let ix0 = x0 + (kx * dilation) as isize;
+                for (p, acc) in acc.iter_mut().enumerate() {
+                    let ix = ix0 + (p * stride) as isize;
+                    if EDGE && (ix < 0 || ix as usize >= self.width) {
+                        continue;
+                    }
+                    let x: &[S; B] = row[ix as usize * ch + c0..][..B]
+                        .try_into()
+                        .expect("B inputs");
+                    for i in 0..B {
+                        acc[i] = x[i].wide().mul_add(w[i], acc[i]);
                     }
                 }
             }
-            for c0 in (0..blocks).step_by(DW_BLOCK) {
-                let mut acc: [f32; DW_BLOCK] = self.bias[c0..][..DW_BLOCK].try_into().unwrap();
-                for &(x, w0) in &taps {
-                    let (x, w) = (&x[c0..][..DW_BLOCK], &self.w[w0 + c0..][..DW_BLOCK]);
-                    for i in 0..DW_BLOCK {
-                        acc[i] += x[i] * w[i];
+        }
+        for (p, acc) in acc.iter().enumerate() {
+            self.acc[(ox0 + p) * ch + c0..][..B].copy_from_slice(acc);
+        }
+    }
+
+    /// The row for `K` taps a row at stride `STRIDE` (no dilation), in runs of [`PIXELS`]
+    /// output pixels ([`Self::row_taps`]), the image's edges and a short last run included
+    /// (checked there, input pixel by input pixel): the pixels near the edges went tap by tap,
+    /// checking each, and on MobileNetV3's 7- and 14-pixel rows that was a third of the time. The channels go in groups whose share of a run's input pixels fits in
+    /// [`RUN_BYTES`], each group along the whole row: a run over all of a wide layer's channels
+    /// (672 at 14 × 14, 5 × 5 taps: 148 KiB) left L1 before the next run came back to the
+    /// pixels they share.
+    #[inline(always)]
+    fn taps_row<const K: usize, const STRIDE: usize>(
+        &mut self,
+        lo: usize,
+        hi: usize,
+        out_w: usize,
+    ) {
+        let ch = self.bias.len();
+        let run_pixels = (PIXELS - 1) * STRIDE + K;
+        let per_channel = run_pixels * self.input.len() * std::mem::size_of::<S>();
+        let group = (RUN_BYTES / per_channel / BLOCK * BLOCK).max(BLOCK);
+        for c_lo in (0..ch).step_by(group) {
+            let cs = c_lo..(c_lo + group).min(ch);
+            for ox in (0..out_w).step_by(PIXELS) {
+                // The last run may be short: its pixels past the row are computed (from the
+                // padding's side of the checks) and not stored. One at a time, those pixels
+                // were each a chain of K² dependent FMAs.
+                let valid = PIXELS.min(out_w - ox);
+                if ox >= lo && ox + PIXELS <= hi {
+                    self.taps_channels::<K, STRIDE, false>(ox, valid, cs.clone());
+                } else {
+                    self.taps_channels::<K, STRIDE, true>(ox, valid, cs.clone());
+                }
+            }
+        }
+    }
+
+    /// [`Self::row_taps`] over channels `cs`, in blocks as [`Self::channels`].
+    #[inline(always)]
+    fn taps_channels<const K: usize, const STRIDE: usize, const EDGE: bool>(
+        &mut self,
+        ox0: usize,
+        valid: usize,
+        cs: std::ops::Range<usize>,
+    ) {
+        let mut c0 = cs.start;
+        while c0 + BLOCK <= cs.end {
+            self.row_taps::<BLOCK, K, STRIDE, EDGE>(ox0, valid, c0);
+            c0 += BLOCK;
+        }
+        if c0 + 8 <= cs.end {
+            self.row_taps::<8, K, STRIDE, EDGE>(ox0, valid, c0);
+            c0 += 8;
+        }
+        for c0 in c0..cs.end {
+            self.row_taps::<1, K, STRIDE, EDGE>(ox0, valid, c0);
+        }
+    }
+
+    /// Output pixels ox0..ox0 + [`PIXELS`] (the first `valid` of them stored), channels
+    /// c0..c0 + B, for `K` taps a row at stride `STRIDE`:
+    /// each input pixel the run reads is loaded (and widened) once per tap row and multiplied
+    /// into every output pixel it reaches, the row's K weights held in registers (a 3×3 run of
+    /// 4 reads 6 input pixels a row where tap by tap it read 12); `EDGE` where some of them
+    /// may lie in the padding (skipped).
+    #[inline(always)]
+    fn row_taps<const B: usize, const K: usize, const STRIDE: usize, const EDGE: bool>(
+        &mut self,
+        ox0: usize,
+        valid: usize,
+        c0: usize,
+    ) {
+        const P: usize = PIXELS;
+        let ch = self.bias.len();
+        let bias: [f32; B] = self.bias[c0..][..B].try_into().expect("B channels");
+        let mut acc = [bias; P];
+        let x0 = (ox0 * STRIDE) as isize - self.c.padding.1 as isize;
+        for (ky, row) in self.input.iter().enumerate() {
+            let Some(row) = row else { continue };
+            // (A loop, not `array::from_fn`: that one was not inlined, and copied the weights
+            // through the stack on every tap row.)
+            let mut w = [[0f32; B]; K];
+            for (kx, w) in w.iter_mut().enumerate() {
+                *w = self.w[(ky * K + kx) * ch + c0..][..B]
+                    .try_into()
+                    .expect("B weights");
+            }
+            for j in 0..(P - 1) * STRIDE + K {
+                let ix = x0 + j as isize;
+                if EDGE && (ix < 0 || ix as usize >= self.width) {
+                    continue;
+                }
+                let xs: &[S; B] = row[ix as usize * ch + c0..][..B]
+                    .try_into()
+                    .expect("B inputs");
+                let mut xv = [0f32; B];
+                for i in 0..B {
+                    xv[i] = xs[i].wide();
+                }
+                for (p, acc) in acc.iter_mut().enumerate() {
+                    // Input pixel j is tap j − p·STRIDE of output pixel p.
+                    if j >= p * STRIDE && j - p * STRIDE < K {
+                        let w = &w[j - p * STRIDE];
+                        for i in 0..B {
+                            acc[i] = xv[i].mul_add(w[i], acc[i]);
+                        }
                     }
                 }
-                out[c0..][..DW_BLOCK].copy_from_slice(&acc);
             }
-            if blocks < ch {
-                let tail = &mut out[blocks..];
-                tail.copy_from_slice(&self.bias[blocks..]);
-                for &(x, w0) in &taps {
-                    for ((a, xv), wv) in tail
-                        .iter_mut()
-                        .zip(&x[blocks..])
-                        .zip(&self.w[w0 + blocks..])
-                    {
-                        *a += xv * wv;
-                    }
-                }
-            }
+        }
+        for (p, acc) in acc.iter().enumerate().take(valid) {
+            self.acc[(ox0 + p) * ch + c0..][..B].copy_from_slice(acc);
         }
     }
 }
