@@ -11,9 +11,8 @@ use crate::backend::cpu::simd::{Vectorised, with_simd};
 use crate::model::op::{Act, Conv2d};
 
 /// Depthwise convolution (one filter per channel) with its epilogue, one output row per work
-/// item ([`DepthwiseRow`]). f32 and bf16 activations are read and written where they are, the
-/// epilogue applied in registers before the store; f16 goes through widened input rows and an
-/// f32 output row, the epilogue after.
+/// item ([`DepthwiseRow`]), then the epilogue on the finished row ([`Finish`]). f32 and bf16
+/// activations are read where they are; f16 goes through widened input rows.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn depthwise<T: Elem>(
     c: &Conv2d,
@@ -49,7 +48,7 @@ pub(super) fn depthwise<T: Elem>(
 
 /// [`depthwise`] on storage the kernel reads itself (f32, bf16): f32 rows computed in place
 /// and the epilogue applied there; bf16 rows computed into a per-worker f32 row that the
-/// epilogue narrows into the output in one pass ([`Finish`]).
+/// epilogue ([`Finish`]) narrows into the output.
 #[allow(clippy::too_many_arguments)]
 fn direct<S: Lanes>(
     c: &Conv2d,
@@ -130,7 +129,7 @@ impl<S: Lanes> Vectorised for Finish<'_, S> {
         }
         with_act!(act, |f| values.iter_mut().for_each(|v| *v = f(*v)));
         if let Some(out) = out {
-            (out.iter_mut().zip(values.iter())).for_each(|(o, v)| *o = S::narrow(*v));
+            (out.iter_mut().zip(values.iter())).for_each(|(o, v)| *o = S::from_wide(*v));
         }
     }
 }
@@ -206,10 +205,9 @@ pub(super) fn as_f32_row<T: Elem>(out: &mut [T], wide: &mut Vec<f32>, f: impl Fn
 
 /// A storage type the depthwise kernel loads and stores a value at a time (in loops the
 /// compiler vectorises).
-pub(super) trait Lanes: Copy + Send + Sync {
+pub(super) trait Lanes: Elem {
     fn wide(self) -> f32;
-    fn narrow(v: f32) -> Self;
-    fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]>;
+    fn from_wide(v: f32) -> Self;
 }
 
 impl Lanes for f32 {
@@ -218,11 +216,8 @@ impl Lanes for f32 {
         self
     }
     #[inline(always)]
-    fn narrow(v: f32) -> Self {
+    fn from_wide(v: f32) -> Self {
         v
-    }
-    fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]> {
-        Some(s)
     }
 }
 
@@ -232,11 +227,8 @@ impl Lanes for bf16 {
         bf16_f32(self)
     }
     #[inline(always)]
-    fn narrow(v: f32) -> Self {
+    fn from_wide(v: f32) -> Self {
         f32_bf16(v)
-    }
-    fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
-        None
     }
 }
 
@@ -284,60 +276,23 @@ impl<S: Lanes> Vectorised for DepthwiseRow<'_, S> {
         } else {
             lo
         };
-        if dilation == 1 {
-            match (kw, stride) {
-                (3, 1) => return self.taps_row::<3, 1>(lo, hi, out_w),
-                (5, 1) => return self.taps_row::<5, 1>(lo, hi, out_w),
-                (7, 1) => return self.taps_row::<7, 1>(lo, hi, out_w),
-                (3, 2) => return self.taps_row::<3, 2>(lo, hi, out_w),
-                (5, 2) => return self.taps_row::<5, 2>(lo, hi, out_w),
-                _ => {}
-            }
-        }
-        let mut ox = 0;
-        while ox < lo {
-            self.channels::<1, true>(ox);
-            ox += 1;
-        }
-        while ox + PIXELS <= hi {
-            self.channels::<PIXELS, false>(ox);
-            ox += PIXELS;
-        }
-        while ox < out_w {
-            if ox < hi {
-                self.channels::<1, false>(ox);
-            } else {
-                self.channels::<1, true>(ox);
-            }
-            ox += 1;
+        match (kw, stride, dilation) {
+            (3, 1, 1) => self.runs::<3, 1>(lo, hi, out_w),
+            (5, 1, 1) => self.runs::<5, 1>(lo, hi, out_w),
+            (7, 1, 1) => self.runs::<7, 1>(lo, hi, out_w),
+            (3, 2, 1) => self.runs::<3, 2>(lo, hi, out_w),
+            (5, 2, 1) => self.runs::<5, 2>(lo, hi, out_w),
+            _ => self.runs::<0, 0>(lo, hi, out_w),
         }
     }
 }
 
 impl<S: Lanes> DepthwiseRow<'_, S> {
-    /// Output pixels ox0..ox0 + P, every channel: blocks of [`BLOCK`], one of 8, then single
-    /// channels (a pixel's channels in turn keep its input pixels in L1).
+    /// [`Self::row_taps`] for the other shapes, tap by tap: each tap's weights loaded once for
+    /// the run, each tap's input pixel checked where `EDGE`.
     #[inline(always)]
-    fn channels<const P: usize, const EDGE: bool>(&mut self, ox0: usize) {
-        let ch = self.bias.len();
-        let mut c0 = 0;
-        while c0 + BLOCK <= ch {
-            self.pixels::<BLOCK, P, EDGE>(ox0, c0);
-            c0 += BLOCK;
-        }
-        if c0 + 8 <= ch {
-            self.pixels::<8, P, EDGE>(ox0, c0);
-            c0 += 8;
-        }
-        for c0 in c0..ch {
-            self.pixels::<1, P, EDGE>(ox0, c0);
-        }
-    }
-
-    /// Output pixels ox0..ox0 + P, channels c0..c0 + B; `EDGE` where some taps may fall on
-    /// the padding (they are skipped).
-    #[inline(always)]
-    fn pixels<const B: usize, const P: usize, const EDGE: bool>(&mut self, ox0: usize, c0: usize) {
+    fn pixels<const B: usize, const EDGE: bool>(&mut self, ox0: usize, valid: usize, c0: usize) {
+        const P: usize = PIXELS;
         let c = self.c;
         let ch = self.bias.len();
         let (kw, stride, dilation) = (c.kernel.1, c.stride.1, c.dilation.1);
@@ -365,27 +320,24 @@ impl<S: Lanes> DepthwiseRow<'_, S> {
                 }
             }
         }
-        for (p, acc) in acc.iter().enumerate() {
+        for (p, acc) in acc.iter().enumerate().take(valid) {
             self.acc[(ox0 + p) * ch + c0..][..B].copy_from_slice(acc);
         }
     }
 
-    /// The row for `K` taps a row at stride `STRIDE` (no dilation), in runs of [`PIXELS`]
-    /// output pixels ([`Self::row_taps`]), the image's edges and a short last run included
-    /// (checked there, input pixel by input pixel): the pixels near the edges went tap by tap,
-    /// checking each, and on MobileNetV3's 7- and 14-pixel rows that was a third of the time. The channels go in groups whose share of a run's input pixels fits in
-    /// [`RUN_BYTES`], each group along the whole row: a run over all of a wide layer's channels
-    /// (672 at 14 × 14, 5 × 5 taps: 148 KiB) left L1 before the next run came back to the
-    /// pixels they share.
+    /// The row in runs of [`PIXELS`] output pixels, the image's edges and a short last run
+    /// included (checked input pixel by input pixel; unchecked where `lo..hi` holds the
+    /// run): for `K` taps a row at stride `STRIDE` (no dilation) by [`Self::row_taps`], for
+    /// `K` = 0 (any other shape) by [`Self::pixels`]. Edge pixels one at a time, each tap
+    /// checked, were a third of the time on MobileNetV3's 7- and 14-pixel rows. The channels go
+    /// in groups whose share of a run's input pixels fits in [`RUN_BYTES`], each group along
+    /// the whole row: a run over all of a wide layer's channels (672 at 14 × 14, 5 × 5 taps:
+    /// 148 KiB) left L1 before the next run came back to the pixels they share.
     #[inline(always)]
-    fn taps_row<const K: usize, const STRIDE: usize>(
-        &mut self,
-        lo: usize,
-        hi: usize,
-        out_w: usize,
-    ) {
+    fn runs<const K: usize, const STRIDE: usize>(&mut self, lo: usize, hi: usize, out_w: usize) {
         let ch = self.bias.len();
-        let run_pixels = (PIXELS - 1) * STRIDE + K;
+        let c = self.c;
+        let run_pixels = (PIXELS - 1) * c.stride.1 + (c.kernel.1 - 1) * c.dilation.1 + 1;
         let per_channel = run_pixels * self.input.len() * std::mem::size_of::<S>();
         let group = (RUN_BYTES / per_channel / BLOCK * BLOCK).max(BLOCK);
         for c_lo in (0..ch).step_by(group) {
@@ -404,7 +356,7 @@ impl<S: Lanes> DepthwiseRow<'_, S> {
         }
     }
 
-    /// [`Self::row_taps`] over channels `cs`, in blocks as [`Self::channels`].
+    /// A run over channels `cs`: blocks of [`BLOCK`], one of 8, then single channels.
     #[inline(always)]
     fn taps_channels<const K: usize, const STRIDE: usize, const EDGE: bool>(
         &mut self,
@@ -414,15 +366,30 @@ impl<S: Lanes> DepthwiseRow<'_, S> {
     ) {
         let mut c0 = cs.start;
         while c0 + BLOCK <= cs.end {
-            self.row_taps::<BLOCK, K, STRIDE, EDGE>(ox0, valid, c0);
+            self.block::<BLOCK, K, STRIDE, EDGE>(ox0, valid, c0);
             c0 += BLOCK;
         }
         if c0 + 8 <= cs.end {
-            self.row_taps::<8, K, STRIDE, EDGE>(ox0, valid, c0);
+            self.block::<8, K, STRIDE, EDGE>(ox0, valid, c0);
             c0 += 8;
         }
         for c0 in c0..cs.end {
-            self.row_taps::<1, K, STRIDE, EDGE>(ox0, valid, c0);
+            self.block::<1, K, STRIDE, EDGE>(ox0, valid, c0);
+        }
+    }
+
+    /// One run's channels c0..c0 + B by the kernel for its shape (`K` = 0: tap by tap).
+    #[inline(always)]
+    fn block<const B: usize, const K: usize, const STRIDE: usize, const EDGE: bool>(
+        &mut self,
+        ox0: usize,
+        valid: usize,
+        c0: usize,
+    ) {
+        if K == 0 {
+            self.pixels::<B, EDGE>(ox0, valid, c0)
+        } else {
+            self.row_taps::<B, K, STRIDE, EDGE>(ox0, valid, c0)
         }
     }
 
