@@ -131,6 +131,42 @@ impl PackedPairs {
         }
     }
 
+    /// No matrix yet: scratch for [`PackedPairs::refill`].
+    pub fn empty() -> Self {
+        PackedPairs {
+            k: 0,
+            n: 0,
+            kp: 0,
+            data: super::big_buffer(0),
+            bias: Vec::new(),
+        }
+    }
+
+    /// Pack B (K × N) again in this packing's memory, on this thread, K padded to `step`:
+    /// `fill(p, panel)` writes panel p's Kp/2 k-pair rows (row r holds `B[2r][j]`,
+    /// `B[2r + 1][j]` for its 16 columns j; zeros wherever it writes nothing); no bias. For
+    /// activations packed per call (attention's keys and values), whose few small panels are
+    /// not worth other threads. Inlined, so `fill` is compiled for the caller's vectors (a
+    /// [`super::simd::Vectorised`] work's).
+    #[inline(always)]
+    pub fn refill(
+        &mut self,
+        (k, n): (usize, usize),
+        step: usize,
+        mut fill: impl FnMut(usize, &mut [bf16]),
+    ) {
+        assert!(step.is_multiple_of(2), "k-pairs need an even K step");
+        let kp = k.div_ceil(step).max(1) * step;
+        let panels = n.div_ceil(PANEL);
+        self.data.refill_zeros(panels * kp * PANEL);
+        for (p, panel) in self.data.chunks_mut(kp * PANEL).enumerate() {
+            fill(p, panel);
+        }
+        (self.k, self.n, self.kp) = (k, n, kp);
+        self.bias.clear();
+        self.bias.resize(panels * PANEL, 0.0);
+    }
+
     /// K padded to the step: the row length A's rows must have (zeros past `k`).
     pub fn kp(&self) -> usize {
         self.kp

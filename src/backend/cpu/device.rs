@@ -134,6 +134,24 @@ pub(crate) struct Lines<T> {
     of: std::marker::PhantomData<T>,
 }
 
+impl<T: bytemuck::Pod> Lines<T> {
+    /// `len` zeros again, in this buffer's memory where it is large enough (else a new
+    /// one's): scratch refilled call after call allocates, and faults in pages, only when it
+    /// grows. Freed per call instead, attention's buffers had glibc hand their pages back and
+    /// fault them in again for every head (a tenth of its time in the kernel).
+    pub(crate) fn refill_zeros(&mut self, len: usize) {
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .expect("buffer size overflows");
+        if bytes <= self.lines.len() * LINE {
+            self.len = len;
+            self.fill(T::zeroed());
+        } else {
+            *self = big_buffer(len);
+        }
+    }
+}
+
 impl<T: bytemuck::Pod> std::ops::Deref for Lines<T> {
     type Target = [T];
     fn deref(&self) -> &[T] {

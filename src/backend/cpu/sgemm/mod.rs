@@ -166,6 +166,33 @@ impl<T: Elem> PackedB<T> {
             .collect()
     }
 
+    /// No matrix yet: scratch for [`PackedB::refill`].
+    pub fn empty() -> Self {
+        PackedB {
+            k: 0,
+            n: 0,
+            data: super::big_buffer(0),
+            bias: Vec::new(),
+        }
+    }
+
+    /// Pack B (K × N) again in this packing's memory, on this thread: `fill(p, panel)` writes
+    /// panel p's K rows of `NR` values (zeros wherever it writes nothing); no bias. For
+    /// activations packed per call (attention's keys and values), whose few small panels are
+    /// not worth other threads. Inlined, so `fill` is compiled for the caller's vectors (a
+    /// [`super::simd::Vectorised`] work's).
+    #[inline(always)]
+    pub fn refill(&mut self, (k, n): (usize, usize), mut fill: impl FnMut(usize, &mut [T])) {
+        let panels = n.div_ceil(NR);
+        self.data.refill_zeros(panels * k * NR);
+        for (p, panel) in self.data.chunks_mut((k * NR).max(1)).enumerate() {
+            fill(p, panel);
+        }
+        (self.k, self.n) = (k, n);
+        self.bias.clear();
+        self.bias.resize(panels * NR, 0.0);
+    }
+
     pub fn panels(&self) -> usize {
         self.n.div_ceil(NR)
     }
