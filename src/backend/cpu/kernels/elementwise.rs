@@ -177,6 +177,31 @@ pub fn clamp_nan(v: f32, lo: f32, hi: f32) -> f32 {
     }
 }
 
+/// Lanes [`fold_lanes`] reduces in: one AVX-512 vector, or two AVX2 ones.
+const LANES: usize = 16;
+
+/// `f` folded over `map` of each value of `row`, in [`LANES`] independent lanes, then the
+/// lanes and the tail in order: a reduction (a row's sum, maximum) that the compiler keeps in
+/// vector registers, where one running value is a chain of dependent operations, one per
+/// value (8 cycles a value for attention's softmax on a Zen 4, 1 ns for a layer norm's sums).
+/// The lanes are folded by value over fixed-size chunks: updated in place in an array, they
+/// went through the stack, a store and a load on every chain. Inline it into
+/// [`crate::backend::cpu::simd::Vectorised`] work to get the wide vectors.
+#[inline(always)]
+pub(crate) fn fold_lanes(
+    row: &[f32],
+    init: f32,
+    map: impl Fn(f32) -> f32,
+    f: impl Fn(f32, f32) -> f32,
+) -> f32 {
+    let (chunks, tail) = row.as_chunks::<LANES>();
+    let lanes = (chunks.iter()).fold([init; LANES], |acc, c| {
+        std::array::from_fn(|i| f(acc[i], map(c[i])))
+    });
+    let lanes = lanes.into_iter().fold(init, &f);
+    tail.iter().fold(lanes, |a, &v| f(a, map(v)))
+}
+
 /// The larger of `a` and `b`, NaN when either is (max pooling's rule in PyTorch).
 #[inline(always)]
 pub fn max_nan(a: f32, b: f32) -> f32 {
