@@ -183,6 +183,44 @@ fn pair(lo: bf16, hi: bf16) -> u32 {
     u32::from(lo.to_bits()) | u32::from(hi.to_bits()) << 16
 }
 
+/// 16 tokens' keys as a panel of k-pairs (pair row r: each token's k[2r], k[2r + 1]), the
+/// token at `first` and the next ones `stride` values apart: one gather per row. Copied one
+/// pair at a time, ViT-B/16's keys took a tenth of its attention.
+///
+/// # Safety
+/// The CPU runs AVX-512F. (Each token's `2 · rows.len() / 16` values are checked to be in
+/// `qkv`: the caller sees that they are all its key's.)
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn gather_pairs(qkv: &[bf16], first: usize, stride: usize, rows: &mut [u32]) {
+    use bf16_gemm::PANEL;
+    use std::arch::x86_64::*;
+    let last = first + (PANEL - 1) * stride + rows.len() / PANEL * 2;
+    assert!(last <= qkv.len());
+    // Token j's pair r is u32 number j·stride/2 + r from the first's.
+    let index = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32((stride / 2) as i32),
+    );
+    let base = qkv[first..].as_ptr().cast::<u8>();
+    for (r, row) in rows.chunks_exact_mut(PANEL).enumerate() {
+        // SAFETY: every lane reads 4 bytes inside the 16 tokens' keys (asserted above).
+        unsafe {
+            let v = _mm512_i32gather_epi32::<4>(index, base.add(4 * r).cast());
+            _mm512_storeu_si512(row.as_mut_ptr().cast(), v);
+        }
+    }
+}
+
+/// Never called off x86-64 (no engine multiplies bf16 pairs there).
+///
+/// # Safety
+/// None needed; it panics.
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn gather_pairs(_: &[bf16], _: usize, _: usize, _: &mut [u32]) {
+    unreachable!("bf16 pairs are multiplied on x86-64 only")
+}
+
 /// The numerators of the softmax of `row` times `scale`, in place, and the reciprocal of
 /// their sum. The maximum keeps a NaN (issue 27), so it spreads as in PyTorch.
 #[inline(always)]
@@ -225,11 +263,11 @@ thread_local! {
     });
 }
 
-/// `v` as `len` zeros, in its own memory where it is large enough.
-fn zeros<E: Copy + Default>(v: &mut Vec<E>, len: usize) -> &mut [E] {
-    v.clear();
+/// `v` as `len` values (any: the caller writes what it reads), in its own memory where it is
+/// large enough. Zeroed per head, the buffers cost a tenth of the attention.
+fn resized<E: Copy + Default>(v: &mut Vec<E>, len: usize) -> &mut [E] {
     v.resize(len, E::default());
-    v
+    &mut v[..len]
 }
 
 /// One head of [`attention`] on the FP32 SGEMM: q, k and v widened where they are not f32.
@@ -255,7 +293,7 @@ impl<T: Elem> Vectorised for OnFloats<'_, T> {
             o,
             ..
         } = self.scratch;
-        let row = zeros(row, dh);
+        let row = resized(row, dh);
         // Keys as B (dh × T): panel p, row d holds k[d] of tokens 16p..16p + 16.
         keys.refill((dh, t), |p, panel| {
             for j in 0..NR.min(t - p * NR) {
@@ -274,8 +312,8 @@ impl<T: Elem> Vectorised for OnFloats<'_, T> {
         });
         let (keys, values) = (keys.view(), values.view());
         let (ld, most) = (t.next_multiple_of(NR), QUERY_ROWS.min(t));
-        let scores = zeros(scores, most * ld);
-        let (q, o) = (zeros(q, most * dh), zeros(o, most * dh));
+        let scores = resized(scores, most * ld);
+        let (q, o) = (resized(q, most * dh), resized(o, most * dh));
         let (f32_in, f32_out) = (T::as_f32(qkv), T::as_f32(&[T::default()]).is_some());
         for q0 in (0..t).step_by(QUERY_ROWS) {
             let rows = QUERY_ROWS.min(t - q0);
@@ -304,9 +342,11 @@ impl<T: Elem> Vectorised for OnFloats<'_, T> {
                     ld,
                 )
             };
+            // The padding's scores −∞, so the softmax runs on whole vectors.
             for row in scores.chunks_mut(ld).take(rows) {
-                let inv = softmax_row(&mut row[..t], scale);
-                row[..t].iter_mut().for_each(|v| *v *= inv);
+                row[t..].fill(f32::NEG_INFINITY);
+                let inv = softmax_row(row, scale);
+                row.iter_mut().for_each(|v| *v *= inv);
             }
             // Straight into this head's columns of y where it is f32 (ld = D), else via `o`.
             let (c, ldc) = if f32_out {
@@ -355,6 +395,7 @@ impl<T: Elem> Vectorised for OnPairs<'_, T> {
     #[inline(always)]
     fn run(self) {
         use bf16_gemm::{BLOCK_COLS, DOT_KSTEP, Done, Engine, PANEL};
+        debug_assert!(PANEL.is_multiple_of(DOT_KSTEP));
         let (head, qkv) = (self.head, self.qkv);
         let (t, dh, scale) = (head.t, head.dh, head.scale());
         let Scratch {
@@ -369,7 +410,14 @@ impl<T: Elem> Vectorised for OnPairs<'_, T> {
         // one 32-bit copy of each token's pair.
         keys.refill((dh, t), DOT_KSTEP, |p, panel| {
             let rows: &mut [u32] = bytemuck::cast_slice_mut(panel);
-            for j in 0..PANEL.min(t - p * PANEL) {
+            let tokens = PANEL.min(t - p * PANEL);
+            if tokens == PANEL && dh.is_multiple_of(DOT_KSTEP) {
+                // SAFETY: `Engine::in_use` is some (checked by `attention`), so the CPU runs
+                // AVX-512F; the panel's 16 tokens have dh values each from `head.at(1, ..)`.
+                unsafe { gather_pairs(qkv, head.at(1, p * PANEL), 3 * head.dim, rows) };
+                return;
+            }
+            for j in 0..tokens {
                 let k = &qkv[head.at(1, p * PANEL + j)..][..dh];
                 for (r, two) in k.chunks(2).enumerate() {
                     rows[r * PANEL + j] = pair(two[0], *two.get(1).unwrap_or(&bf16::ZERO));
@@ -378,7 +426,7 @@ impl<T: Elem> Vectorised for OnPairs<'_, T> {
         });
         // Values as B (T × dh): panel p, pair row r interleaves v[16p..16p + 16] of tokens 2r
         // and 2r + 1 (an odd last token with the padding's zeros).
-        values.refill((t, dh), DOT_KSTEP, |p, panel| {
+        values.refill((t, dh), PANEL, |p, panel| {
             let width = PANEL.min(dh - p * PANEL);
             let value = |k: usize| &qkv[head.at(2, k) + p * PANEL..][..width];
             let rows: &mut [u32] = bytemuck::cast_slice_mut(panel);
@@ -396,16 +444,22 @@ impl<T: Elem> Vectorised for OnPairs<'_, T> {
                 }
             }
         });
-        // A's rows padded with zeros to the packings' K: q to dh's, the probabilities to T's.
-        let (kq, kt) = (keys.kp(), values.kp());
-        let (ld, most) = (t.next_multiple_of(PANEL), QUERY_ROWS.min(t));
-        let q = zeros(q, most * kq);
-        let scores = zeros(scores, most * ld);
-        let probs = zeros(probs, most * kt);
+        // A's rows padded with zeros to the packings' K: q to dh's, the probabilities to T's
+        // (whole vectors: the values are packed for a K step of 16, and the scores' padding
+        // is −∞, whose probability is 0).
+        let (kq, ld) = (keys.kp(), values.kp());
+        let most = QUERY_ROWS.min(t);
+        let q = resized(q, most * kq);
+        let scores = resized(scores, most * ld);
+        let probs = resized(probs, most * ld);
         for q0 in (0..t).step_by(QUERY_ROWS) {
             let rows = QUERY_ROWS.min(t - q0);
             for (r, dst) in q.chunks_mut(kq).take(rows).enumerate() {
                 dst[..dh].copy_from_slice(&qkv[head.at(0, q0 + r)..][..dh]);
+                dst[dh..].fill(bf16::ZERO);
+            }
+            for row in scores.chunks_mut(ld).take(rows) {
+                row[t..].fill(f32::NEG_INFINITY);
             }
             let mut keep = |d: Done<'_>| {
                 for (r, v) in d.values.chunks(BLOCK_COLS).take(d.rows).enumerate() {
@@ -418,9 +472,9 @@ impl<T: Elem> Vectorised for OnPairs<'_, T> {
                 let panels = (0, keys.panels());
                 bf16_gemm::gemm(Engine::Dot, rows, q.as_ptr(), kq, keys, panels, &mut keep)
             };
-            for (row, dst) in scores.chunks_mut(ld).zip(probs.chunks_mut(kt)).take(rows) {
-                let inv = softmax_row(&mut row[..t], scale);
-                for (d, v) in dst[..t].iter_mut().zip(&row[..t]) {
+            for (row, dst) in scores.chunks_mut(ld).zip(probs.chunks_mut(ld)).take(rows) {
+                let inv = softmax_row(row, scale);
+                for (d, v) in dst.iter_mut().zip(&*row) {
                     *d = f32_bf16(v * inv);
                 }
             }
@@ -434,14 +488,14 @@ impl<T: Elem> Vectorised for OnPairs<'_, T> {
                         .for_each(|(d, v)| *d = T::from_f32(*v));
                 }
             };
-            // SAFETY: as above; the probabilities' rows have kt values, zeros past T.
+            // SAFETY: as above; the probabilities' rows have ld values, zeros past T.
             unsafe {
                 let panels = (0, values.panels());
                 bf16_gemm::gemm(
                     Engine::Dot,
                     rows,
                     probs.as_ptr(),
-                    kt,
+                    ld,
                     values,
                     panels,
                     &mut store,
