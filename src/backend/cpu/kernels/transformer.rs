@@ -22,7 +22,7 @@ use crate::model::op::WindowGrid;
 use crate::model::weights::WindowParams;
 
 /// `nn.LayerNorm` over rows of `weight.len()` values: biased variance, in f32, the sums in
-/// lanes ([`fold_lanes`]). ViT-B/16's 25 norms of 1576 × 768 values (batch 8) took 1.2 ms each
+/// lanes (`fold_lanes`). ViT-B/16's 25 norms of 1576 × 768 values (batch 8) took 1.2 ms each
 /// on two Zen 4 cores as running sums.
 pub fn layer_norm<T: Elem>(x: &[T], weight: &[f32], bias: &[f32], eps: f32, y: &mut [T]) {
     super::map_rows(x, weight.len(), y, |v| {
