@@ -115,23 +115,18 @@ pub fn attention<T: Elem>(
     y: &mut [T],
 ) {
     let out = SyncSlice(y.as_mut_ptr(), y.len());
-    let pairs = T::as_bf16(qkv).filter(|_| bf16_gemm::Engine::in_use().is_some());
+    let pairs = T::as_bf16(qkv).is_some() && bf16_gemm::Engine::in_use().is_some();
     // Work items: (image, head); each writes its head's columns of its image's rows.
     (0..n * heads).into_par_iter().for_each(|item| {
         let head = Head::new((t, dim, heads), item);
-        SCRATCH.with_borrow_mut(|scratch| match pairs {
-            Some(qkv) => with_simd(OnPairs {
+        SCRATCH.with_borrow_mut(|scratch| {
+            with_simd(OnHead {
                 head,
                 qkv,
+                pairs,
                 out: &out,
                 scratch,
-            }),
-            None => with_simd(OnFloats {
-                head,
-                qkv,
-                out: &out,
-                scratch,
-            }),
+            })
         })
     });
 }
@@ -270,18 +265,31 @@ fn resized<E: Copy + Default>(v: &mut Vec<E>, len: usize) -> &mut [E] {
     &mut v[..len]
 }
 
-/// One head of [`attention`] on the FP32 SGEMM: q, k and v widened where they are not f32.
-struct OnFloats<'a, T> {
+/// One head of [`attention`], compiled for the widest vectors: on bf16 pairs (`vdpbf16ps`)
+/// where `pairs` (BF16 sessions where the CPU multiplies them), else on the FP32 SGEMM with q,
+/// k and v widened where they are not f32.
+struct OnHead<'a, T> {
     head: Head,
     qkv: &'a [T],
+    pairs: bool,
     out: &'a SyncSlice<T>,
     scratch: &'a mut Scratch,
 }
 
-impl<T: Elem> Vectorised for OnFloats<'_, T> {
+impl<T: Elem> Vectorised for OnHead<'_, T> {
     type Output = ();
     #[inline(always)]
     fn run(self) {
+        match T::as_bf16(self.qkv).filter(|_| self.pairs) {
+            Some(qkv) => self.on_pairs(qkv),
+            None => self.on_floats(),
+        }
+    }
+}
+
+impl<T: Elem> OnHead<'_, T> {
+    #[inline(always)]
+    fn on_floats(self) {
         let (head, qkv) = (self.head, self.qkv);
         let (t, dh, scale) = (head.t, head.dh, head.scale());
         let Scratch {
@@ -379,24 +387,12 @@ impl<T: Elem> Vectorised for OnFloats<'_, T> {
             }
         }
     }
-}
 
-/// One head of [`attention`] on bf16 pairs (`vdpbf16ps`), for BF16 sessions where the CPU
-/// multiplies them.
-struct OnPairs<'a, T> {
-    head: Head,
-    qkv: &'a [bf16],
-    out: &'a SyncSlice<T>,
-    scratch: &'a mut Scratch,
-}
-
-impl<T: Elem> Vectorised for OnPairs<'_, T> {
-    type Output = ();
     #[inline(always)]
-    fn run(self) {
+    fn on_pairs(self, qkv: &[bf16]) {
         use bf16_gemm::{BLOCK_COLS, DOT_KSTEP, Done, Engine, PANEL};
         debug_assert!(PANEL.is_multiple_of(DOT_KSTEP));
-        let (head, qkv) = (self.head, self.qkv);
+        let head = self.head;
         let (t, dh, scale) = (head.t, head.dh, head.scale());
         let Scratch {
             key_pairs: keys,
