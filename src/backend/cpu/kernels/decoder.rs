@@ -4,18 +4,22 @@
 
 use rayon::prelude::*;
 
+use super::transformer::Normalise;
 use super::{exp_nonpositive, map_rows, sigmoid, silu};
 use crate::backend::cpu::elem::Elem;
 use crate::backend::cpu::simd::{Vectorised, with_simd};
 
-/// `x / rms(x) · weight` over rows of `weight.len()` values (Llama's RMSNorm, in f32).
+/// `x / rms(x) · weight` over rows of `weight.len()` values (Llama's RMSNorm, in f32; the
+/// sum of squares in lanes, as the layer norm's).
 pub fn rms_norm<T: Elem>(x: &[T], weight: &[f32], eps: f32, y: &mut [T]) {
     map_rows(x, weight.len(), y, |v| {
-        let ms = v.iter().map(|a| a * a).sum::<f32>() / v.len() as f32;
-        let inv = 1.0 / (ms + eps).sqrt();
-        for (a, w) in v.iter_mut().zip(weight) {
-            *a = *a * inv * w;
-        }
+        with_simd(Normalise {
+            v,
+            weight,
+            bias: None,
+            eps,
+            centre: false,
+        })
     });
 }
 

@@ -29,18 +29,22 @@ pub fn layer_norm<T: Elem>(x: &[T], weight: &[f32], bias: &[f32], eps: f32, y: &
         with_simd(Normalise {
             v,
             weight,
-            bias,
+            bias: Some(bias),
             eps,
+            centre: true,
         })
     });
 }
 
-/// One row of [`layer_norm`], compiled for the widest vectors.
-struct Normalise<'a> {
-    v: &'a mut [f32],
-    weight: &'a [f32],
-    bias: &'a [f32],
-    eps: f32,
+/// One row of a norm, in place, compiled for the widest vectors: (v − mean) / √(var + eps) ·
+/// weight (+ bias), the variance biased; with `centre` false the mean is taken as 0, which is
+/// RMSNorm.
+pub(crate) struct Normalise<'a> {
+    pub v: &'a mut [f32],
+    pub weight: &'a [f32],
+    pub bias: Option<&'a [f32]>,
+    pub eps: f32,
+    pub centre: bool,
 }
 
 impl Vectorised for Normalise<'_> {
@@ -50,11 +54,24 @@ impl Vectorised for Normalise<'_> {
         let v = self.v;
         let d = v.len() as f32;
         let add = |a: f32, b: f32| a + b;
-        let mean = fold_lanes(v, 0.0, |a| a, add) / d;
+        let mean = if self.centre {
+            fold_lanes(v, 0.0, |a| a, add) / d
+        } else {
+            0.0
+        };
         let var = fold_lanes(v, 0.0, |a| (a - mean) * (a - mean), add) / d;
         let inv = 1.0 / (var + self.eps).sqrt();
-        for ((a, w), b) in v.iter_mut().zip(self.weight).zip(self.bias) {
-            *a = (*a - mean) * inv * w + b;
+        match self.bias {
+            Some(bias) => {
+                for ((a, w), b) in v.iter_mut().zip(self.weight).zip(bias) {
+                    *a = (*a - mean) * inv * w + b;
+                }
+            }
+            None => {
+                for (a, w) in v.iter_mut().zip(self.weight) {
+                    *a = (*a - mean) * inv * w;
+                }
+            }
         }
     }
 }
