@@ -84,6 +84,12 @@ pub struct PackedPairs {
     bias: Vec<f32>,
 }
 
+/// K padded to a multiple of `step` (even: k-pairs), at least one step.
+fn padded_k(k: usize, step: usize) -> usize {
+    assert!(step.is_multiple_of(2), "k-pairs need an even K step");
+    k.div_ceil(step).max(1) * step
+}
+
 impl PackedPairs {
     /// Pack B given column by column for the engine in use (AMX's step where none is):
     /// `fill(j, col)` writes column j (K values), as for
@@ -107,8 +113,7 @@ impl PackedPairs {
         fill: impl Fn(usize, &mut [f32]) + Sync,
         bias: Option<&[f32]>,
     ) -> Self {
-        assert!(step.is_multiple_of(2), "k-pairs need an even K step");
-        let kp = k.div_ceil(step).max(1) * step;
+        let kp = padded_k(k, step);
         let panels = n.div_ceil(PANEL);
         let mut data = super::big_buffer(panels * kp * PANEL);
         data.par_chunks_mut(kp * PANEL)
@@ -155,8 +160,7 @@ impl PackedPairs {
         step: usize,
         mut fill: impl FnMut(usize, &mut [bf16]),
     ) {
-        assert!(step.is_multiple_of(2), "k-pairs need an even K step");
-        let kp = k.div_ceil(step).max(1) * step;
+        let kp = padded_k(k, step);
         let panels = n.div_ceil(PANEL);
         self.data.refill_zeros(panels * kp * PANEL);
         for (p, panel) in self.data.chunks_mut(kp * PANEL).enumerate() {

@@ -624,19 +624,10 @@ impl<T: Elem> Vectorised for Window<'_, T> {
                     let mask = if region[i] == region[j] { 0.0 } else { -100.0 };
                     *v += params.table[grid.bias_row(i, j) * heads + h] + mask;
                 }
-                // The maximum keeps a NaN, so it spreads as in PyTorch.
-                let max =
-                    (s.iter()).fold(
-                        f32::NEG_INFINITY,
-                        |m, &v| {
-                            if v > m || v.is_nan() { v } else { m }
-                        },
-                    );
-                s.iter_mut().for_each(|v| *v = exp_nonpositive(*v - max));
-                let sum: f32 = s.iter().sum();
+                let inv = softmax_row(s, 1.0);
                 let o = &mut outs[i * dim + h * dh..][..dh];
                 for (j, e) in s.iter().enumerate() {
-                    let w = e / sum;
+                    let w = e * inv;
                     let v = &t[j * 3 * dim + 2 * dim + h * dh..][..dh];
                     o.iter_mut().zip(v).for_each(|(o, v)| *o += w * v);
                 }
