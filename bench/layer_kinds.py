@@ -124,6 +124,7 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--iterations", type=int, default=5)
     p.add_argument("--compile", action="store_true", help="ours with --compile default")
+    p.add_argument("--top", type=int, default=8, help="how many modules to list where ours loses the most")
     a = p.parse_args()
     kinds = module_kinds(a.network)
     ours_nodes = ours(a)
@@ -145,7 +146,7 @@ def main():
         for node, (_, s) in nodes.items():
             if module_of(node) in kinds:
                 per[module_of(node)][side] += s
-    worst = sorted(per.items(), key=lambda kv: -(kv[1][0] - kv[1][1]))[:8]
+    worst = sorted(per.items(), key=lambda kv: -(kv[1][0] - kv[1][1]))[:a.top]
     print("\nmodules where ours spends the most over OpenVINO (ms):")
     for name, (m, t) in worst:
         print(f"  {name:28} {kinds[name]:22} ours {m * 1e3:7.2f}  OpenVINO {t * 1e3:7.2f}")

@@ -66,7 +66,7 @@ pub(super) use with_act;
 
 /// A pointer to the output that work items write in disjoint tiles.
 #[derive(Clone, Copy)]
-pub(super) struct TilePtr<T>(*mut T);
+pub(super) struct TilePtr<T>(pub(super) *mut T);
 // SAFETY: work items write disjoint (row range × column range) tiles of the output, so sharing
 // the base pointer between workers never lets two of them touch the same element.
 unsafe impl<T> Send for TilePtr<T> {}
@@ -78,7 +78,7 @@ impl<T> TilePtr<T> {
     ///
     /// # Safety
     /// As for `pointer::add`.
-    unsafe fn add(self, i: usize) -> *mut T {
+    pub(super) unsafe fn add(self, i: usize) -> *mut T {
         // SAFETY: the caller's.
         unsafe { self.0.add(i) }
     }
@@ -162,12 +162,11 @@ impl<T: Elem> PackedConv<T> {
                 depthwise: None,
                 chunk_scale: 1,
                 winograd: None,
-                pairs: Some(Box::new(PackedPairs::from_columns(
-                    conv.taps(),
-                    cout_g,
-                    fill(0),
-                    bias,
-                ))),
+                pairs: Some(Box::new(if super::stem::is_stem(&conv) {
+                    super::stem::pack(&conv, fill(0), bias)
+                } else {
+                    PackedPairs::from_columns(conv.taps(), cout_g, fill(0), bias)
+                })),
             };
         }
         let groups = (0..conv.groups)
@@ -239,6 +238,8 @@ impl<T: Elem> PackedConv<T> {
     pub fn kernel_name(&self) -> String {
         let form = if let Some(w) = &self.winograd {
             w.tile().form()
+        } else if self.pairs.is_some() && super::stem::is_stem(&self.conv) {
+            "dpbf16_stem"
         } else if self.pairs.is_some() {
             match bf16_gemm::Engine::in_use() {
                 Some(bf16_gemm::Engine::Amx) => "amx_gemm",
@@ -777,6 +778,12 @@ pub fn conv2d<T: Elem>(
         return;
     }
     if let Some(b) = &p.pairs {
+        if super::stem::is_stem(&p.conv) {
+            let bf = "bf16-pair layers store bf16";
+            let (x, y) = (T::as_bf16(x).expect(bf), T::as_bf16_mut(y).expect(bf));
+            let residual = residual.map(|r| T::as_bf16(r).expect(bf));
+            return super::stem::conv2d_stem(&p.conv, b, x, xs, y, ys, threads, residual);
+        }
         return conv2d_pairs(p, b, x, xs, y, ys, threads, &epilogue);
     }
     let c = &p.conv;

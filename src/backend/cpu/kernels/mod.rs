@@ -11,7 +11,8 @@
 //! one input channel per group wastes the machine).
 //!
 //! One file per op family: `conv.rs` (im2col + GEMM convolutions and their work split),
-//! `im2col.rs`, `depthwise.rs`, `elementwise.rs` (batch norm's affine map, clamps, adds),
+//! `im2col.rs`, `stem.rs` (BF16 convolutions of a few input channels on bf16 pairs read in
+//! place, no gather), `depthwise.rs`, `elementwise.rs` (batch norm's affine map, clamps, adds),
 //! `pool.rs`, `layout.rs` (NCHW ↔ NHWC), `linear.rs` (linear layers and softmax),
 //! `transformer.rs` (layer norm, GELU, class token, positions, fused attention on tokens),
 //! `decoder.rs` (a language model's RMSNorm, rotary positions, SwiGLU and attention over its KV
@@ -25,6 +26,7 @@ mod im2col;
 mod layout;
 mod linear;
 mod pool;
+mod stem;
 mod transformer;
 
 use std::cell::RefCell;

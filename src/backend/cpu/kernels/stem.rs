@@ -1,0 +1,432 @@
+//! Stems on bf16 pairs, read in place: BF16 convolutions of a few input channels (an image's
+//! 3) where the CPU multiplies pairs (`vdpbf16ps`).
+//!
+//! Through im2col and the pair GEMM, MobileNetV3's 3×3 stem (3 → 16 channels, stride 2) spent
+//! half its time gathering columns: 27 values a pixel padded to 32, written out and read back,
+//! for 27 multiply-adds per output channel. Here nothing is gathered. In NHWC, a kernel row's
+//! taps over all input channels are one contiguous run of kw·cin values (9 for the 3×3 stem,
+//! 21 for ResNet's 7×7), so each pair of the run is broadcast straight from the input; an odd
+//! run's last pair is its last two values, the first weighted zero (reading one value past the
+//! run could leave the tensor at its last pixel). The weights are packed to match: per kernel
+//! row, its pairs ([`pack`]). Eight output pixels × one or two panels of 16 channels stay in
+//! registers; the bias starts them, the activation and the narrowing to bf16 finish them
+//! there. A window that crosses the image's edge is copied into a zero-padded buffer first.
+
+use half::bf16;
+use rayon::prelude::*;
+
+use super::conv::{TilePtr, with_act, work_items};
+use super::*;
+use crate::backend::cpu::bf16_gemm::{PANEL, PackedPairs};
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_imports))]
+use crate::model::op::{Act, Conv2d};
+
+/// Input channels below which an ungrouped BF16 convolution multiplying pairs runs here (at 8
+/// and more, the pair GEMM's K steps are whole, and a 1×1 layer reads its input in place).
+const NARROW: usize = 8;
+
+/// Output pixels computed together: 8 pixels × 2 panels are 16 accumulators, as the pair
+/// GEMM's groups.
+const PIXELS: usize = 8;
+
+/// Whether a convolution (already known to multiply bf16 pairs, [`super::uses_pairs`]) runs
+/// here: ungrouped, undilated, fewer than [`NARROW`] input channels, and a kernel row of at
+/// least one pair.
+pub(super) fn is_stem(c: &Conv2d) -> bool {
+    c.groups == 1
+        && c.dilation == (1, 1)
+        && c.in_channels < NARROW
+        && c.kernel.1 * c.in_channels >= 2
+}
+
+/// A kernel row's run of input values (kw taps × cin channels) and its pairs.
+fn run_and_pairs(c: &Conv2d) -> (usize, usize) {
+    let run = c.kernel.1 * c.in_channels;
+    (run, run.div_ceil(2))
+}
+
+/// The weights as k-pairs per kernel row: `fill(j, col)` writes output channel j's column
+/// with K ordered (ky, kx, ci), as for the pair GEMM; row ky's pairs follow, an odd run's last
+/// pair being (0, its last weight) to meet the last two input values.
+pub(super) fn pack(
+    c: &Conv2d,
+    fill: impl Fn(usize, &mut [f32]) + Sync,
+    bias: Option<&[f32]>,
+) -> PackedPairs {
+    let (run, pairs) = run_and_pairs(c);
+    let kh = c.kernel.0;
+    PackedPairs::with_step(
+        kh * 2 * pairs,
+        c.out_channels,
+        2,
+        |j, col| {
+            let mut w = vec![0f32; kh * run];
+            fill(j, &mut w);
+            col.fill(0.0);
+            for (dst, src) in col.chunks_exact_mut(2 * pairs).zip(w.chunks_exact(run)) {
+                let even = run - run % 2;
+                dst[..even].copy_from_slice(&src[..even]);
+                if run % 2 == 1 {
+                    dst[2 * pairs - 1] = src[run - 1];
+                }
+            }
+        },
+        bias,
+    )
+}
+
+/// The convolution `x` (xs) → `y` (ys), both NHWC bf16, with `b` from [`pack`] (the bias in
+/// it), `residual` (NHWC like `y`) added and the layer's activation applied, rows and panels
+/// split over `threads` as the pair GEMM's are.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn conv2d_stem(
+    c: &Conv2d,
+    b: &PackedPairs,
+    x: &[bf16],
+    xs: Nhwc,
+    y: &mut [bf16],
+    ys: Nhwc,
+    threads: usize,
+    residual: Option<&[bf16]>,
+) {
+    let m = ys.n * ys.h * ys.w;
+    assert!(
+        x.len() >= xs.elems() && xs.c == c.in_channels,
+        "stem input buffer too small"
+    );
+    assert!(
+        y.len() >= m * c.out_channels,
+        "stem output buffer too small"
+    );
+    assert!(
+        residual.is_none_or(|r| r.len() >= m * c.out_channels),
+        "stem residual too small"
+    );
+    let out = TilePtr(y.as_mut_ptr());
+    let rows = chunk_rows(m, b.kp());
+    work_items(m, rows, b.panels(), threads).for_each(|((m0, mr), panels)| {
+        let job = Job {
+            c,
+            b,
+            x,
+            xs,
+            ys,
+            out,
+            residual,
+        };
+        // SAFETY: pair packings exist only where `simd()` chose an engine, and both engines'
+        // CPUs have AVX512_BF16 (`bf16_gemm::Engine::in_use`); this work item's rows and panels
+        // of `y` are its own (`work_items`).
+        unsafe { rows_avx512(&job, m0, mr, panels) };
+    });
+}
+
+/// What every work item of one call shares.
+struct Job<'a> {
+    c: &'a Conv2d,
+    b: &'a PackedPairs,
+    x: &'a [bf16],
+    xs: Nhwc,
+    ys: Nhwc,
+    out: TilePtr<bf16>,
+    residual: Option<&'a [bf16]>,
+}
+
+/// Output rows [m0, m0 + mr), panels [p0, p1): each activation compiled in.
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX512_BF16; nobody else writes those rows' panels meanwhile.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn rows_avx512(job: &Job<'_>, m0: usize, mr: usize, panels: (usize, usize)) {
+    // SAFETY: the caller's.
+    with_act!(job.c.act, |f| unsafe { rows(job, m0, mr, panels, f) })
+}
+
+/// Never called: pairs are multiplied on x86-64 only.
+///
+/// # Safety
+/// None needed.
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn rows_avx512(_: &Job<'_>, _: usize, _: usize, _: (usize, usize)) {
+    unreachable!("bf16 pairs are multiplied on x86-64 only")
+}
+
+/// [`rows_avx512`] with the activation `f`: groups of [`PIXELS`] output pixels (the last
+/// group of a range repeating its last pixel), each pixel's window read in place or, where it
+/// crosses the image's edge, from a zero-padded copy.
+///
+/// # Safety
+/// As for [`rows_avx512`].
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn rows(
+    job: &Job<'_>,
+    m0: usize,
+    mr: usize,
+    (p0, p1): (usize, usize),
+    f: impl Fn(f32) -> f32,
+) {
+    let Job {
+        c,
+        b,
+        x,
+        xs,
+        ys,
+        out,
+        residual,
+    } = *job;
+    let (kh, kw) = c.kernel;
+    let (run, _) = run_and_pairs(c);
+    let (sy, sx) = c.stride;
+    let (py, px) = (c.padding.0 as isize, c.padding.1 as isize);
+    let line = xs.w * xs.c;
+    let mut copies = vec![bf16::ZERO; PIXELS * kh * run];
+    let (mut m, end) = (m0, m0 + mr);
+    while m < end {
+        // A segment of one output row: its kernel rows' place in the image found once.
+        let ox0 = m % ys.w;
+        let oy = (m / ys.w) % ys.h;
+        let n = m / (ys.w * ys.h);
+        let seg = (ys.w - ox0).min(end - m);
+        let image = &x[n * xs.h * line..(n + 1) * xs.h * line];
+        let top = (oy * sy) as isize - py;
+        let rows_inside = top >= 0 && top as usize + kh <= xs.h;
+        for g in (0..seg).step_by(PIXELS) {
+            let mut windows = [(std::ptr::null::<bf16>(), 0usize); PIXELS];
+            let mut firsts = [0usize; PIXELS];
+            let pixels_copies = windows
+                .iter_mut()
+                .zip(&mut firsts)
+                .zip(copies.chunks_exact_mut(kh * run));
+            for (p, ((window, first), copy)) in pixels_copies.enumerate() {
+                let o = (g + p).min(seg - 1);
+                *first = (m + o) * c.out_channels;
+                let left = ((ox0 + o) * sx) as isize - px;
+                *window = if rows_inside && left >= 0 && left as usize + kw <= xs.w {
+                    (
+                        image[top as usize * line + left as usize * xs.c..].as_ptr(),
+                        line,
+                    )
+                } else {
+                    edge_window(image, xs, run, (top, left), copy);
+                    (copy.as_ptr(), run)
+                };
+            }
+            let mut q = p0;
+            while q < p1 {
+                let two = q + 1 < p1;
+                // SAFETY: every window has kh rows of `run` readable values spaced as given
+                // (in the image, or its copy); panels q (and q + 1) exist; each pixel's output
+                // row has `out_channels` values from `firsts[p]`, these panels' columns ours
+                // (the caller's); the CPU has AVX-512F and AVX512_BF16 (the caller's).
+                unsafe {
+                    if two {
+                        pixels::<2>(c, b, &windows, q, (out, residual), &firsts, &f);
+                    } else {
+                        pixels::<1>(c, b, &windows, q, (out, residual), &firsts, &f);
+                    }
+                }
+                q += if two { 2 } else { 1 };
+            }
+        }
+        m += seg;
+    }
+}
+
+/// The window of kernel rows `run` values long (kw taps × cin) whose top-left tap is at
+/// (`top`, `left`) of `image` (NHWC, one image of `xs`), copied into `copy`, zeros where it
+/// leaves the image.
+fn edge_window(
+    image: &[bf16],
+    xs: Nhwc,
+    run: usize,
+    (top, left): (isize, isize),
+    copy: &mut [bf16],
+) {
+    let line = xs.w * xs.c;
+    for (ky, dst) in copy.chunks_exact_mut(run).enumerate() {
+        let iy = top + ky as isize;
+        for (kx, tap) in dst.chunks_exact_mut(xs.c).enumerate() {
+            let ix = left + kx as isize;
+            if iy >= 0 && (iy as usize) < xs.h && ix >= 0 && (ix as usize) < xs.w {
+                let from = iy as usize * line + ix as usize * xs.c;
+                tap.copy_from_slice(&image[from..from + xs.c]);
+            } else {
+                tap.fill(bf16::ZERO);
+            }
+        }
+    }
+}
+
+/// [`PIXELS`] output pixels × panels q..q + Q: the bias, every kernel row's pairs broadcast
+/// from each window, the residual, the activation, the narrowing, the store (a partial last panel's valid
+/// columns only).
+///
+/// # Safety
+/// As in [`rows`].
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn pixels<const Q: usize>(
+    c: &Conv2d,
+    b: &PackedPairs,
+    windows: &[(*const bf16, usize); PIXELS],
+    q: usize,
+    (out, residual): (TilePtr<bf16>, Option<&[bf16]>),
+    firsts: &[usize; PIXELS],
+    f: &impl Fn(f32) -> f32,
+) {
+    use std::arch::x86_64::{
+        __m512, __m512bh, __m512i, _mm512_cvtneps_pbh, _mm512_dpbf16_ps, _mm512_loadu_ps,
+        _mm512_loadu_si512, _mm512_set1_epi32, _mm512_storeu_ps,
+    };
+    let (run, pairs) = run_and_pairs(c);
+    let panels: [*const bf16; Q] = std::array::from_fn(|i| b.panel(q + i).as_ptr());
+    // SAFETY: the caller's contract (unaligned loads and stores throughout).
+    unsafe {
+        let mut acc: [[__m512; Q]; PIXELS] =
+            [std::array::from_fn(|i| _mm512_loadu_ps(b.bias(q + i).as_ptr())); PIXELS];
+        for ky in 0..c.kernel.0 {
+            let lines: [*const bf16; PIXELS] =
+                std::array::from_fn(|p| windows[p].0.add(ky * windows[p].1));
+            for j in 0..pairs {
+                let r = ky * pairs + j;
+                let w: [__m512bh; Q] = std::array::from_fn(|i| {
+                    std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                        panels[i].add(r * 2 * PANEL).cast(),
+                    ))
+                });
+                let off = (2 * j).min(run - 2);
+                for (line, acc) in lines.iter().zip(acc.iter_mut()) {
+                    let pair = line.add(off).cast::<i32>().read_unaligned();
+                    let a = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(pair));
+                    for (x, w) in acc.iter_mut().zip(&w) {
+                        *x = _mm512_dpbf16_ps(*x, a, *w);
+                    }
+                }
+            }
+        }
+        for (acc, &first) in acc.iter().zip(firsts) {
+            for (i, x) in acc.iter().enumerate() {
+                let col = (q + i) * PANEL;
+                let cols = PANEL.min(c.out_channels - col);
+                let mut v = [0f32; PANEL];
+                _mm512_storeu_ps(v.as_mut_ptr(), *x);
+                if let Some(res) = residual {
+                    let res = &res[first + col..first + col + cols];
+                    v.iter_mut().zip(res).for_each(|(v, r)| *v += r.to_f32());
+                }
+                v.iter_mut().for_each(|v| *v = f(*v));
+                let h: [bf16; PANEL] =
+                    std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(v.as_ptr())));
+                let dst = out.add(first + col);
+                if cols == PANEL {
+                    dst.cast::<[bf16; PANEL]>().write_unaligned(h);
+                } else {
+                    // A partial last panel (24, 40 channels): value by value, not a call to
+                    // `memcpy` per pixel.
+                    for (t, h) in h[..cols].iter().enumerate() {
+                        dst.add(t).write(*h);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::bf16_gemm::Engine;
+
+    /// Stems of odd and even runs (3×3 and 7×7 over 3 channels, 1×1 and 5×5 over 2, 3×3 over
+    /// 1), strides 1 and 2, padding 0 to 3, output channels within one panel, one pair and a
+    /// partial third panel, activations, images smaller than a window's reach: every output
+    /// against a plain loop in f32 over the same bf16 values, within the bf16 rounding of the
+    /// result. Where the CPU multiplies no pairs it says so and checks nothing.
+    #[test]
+    fn stems_match_a_plain_loop() {
+        if Engine::in_use().is_none() {
+            eprintln!("no AVX512_BF16 or AMX here: the stem kernel is not exercised");
+            return;
+        }
+        let cases = [
+            // (cin, cout, kernel, stride, padding, h, w, act)
+            (3, 16, 3, 2, 1, 15, 12, Act::Hardswish),
+            (3, 64, 7, 2, 3, 17, 19, Act::Relu),
+            (2, 40, 1, 1, 0, 5, 6, Act::None),
+            (2, 24, 5, 1, 2, 6, 4, Act::Relu6),
+            (1, 16, 3, 1, 1, 9, 9, Act::None),
+            (3, 33, 3, 1, 0, 4, 5, Act::Silu),
+        ];
+        for (cin, cout, k, st, pad, h, w, act) in cases {
+            let mut c = Conv2d::new(cin, cout, k, st, pad);
+            c.act = act;
+            assert!(is_stem(&c), "case {c:?}");
+            let xs = Nhwc { n: 3, h, w, c: cin };
+            let (oh, ow) = ((h + 2 * pad - k) / st + 1, (w + 2 * pad - k) / st + 1);
+            let ys = Nhwc {
+                n: 3,
+                h: oh,
+                w: ow,
+                c: cout,
+            };
+            let value = |i: usize| ((i * 37 % 101) as f32 - 50.0) / 25.0;
+            let x: Vec<bf16> = (0..xs.elems()).map(|i| bf16::from_f32(value(i))).collect();
+            // PyTorch's (cout, cin, kh, kw), bf16 values; the column of channel j (ky, kx, ci).
+            let wt: Vec<f32> = (0..cout * cin * k * k)
+                .map(|i| bf16::from_f32(value(i * 7 + 3)).to_f32())
+                .collect();
+            let bias: Vec<f32> = (0..cout).map(|j| j as f32 / 8.0 - 1.0).collect();
+            let weight =
+                |j: usize, ky: usize, kx: usize, ci: usize| wt[((j * cin + ci) * k + ky) * k + kx];
+            let fill = |j: usize, col: &mut [f32]| {
+                for (t, v) in col.iter_mut().enumerate() {
+                    *v = weight(j, t / (k * cin), t / cin % k, t % cin);
+                }
+            };
+            let b = pack(&c, fill, Some(&bias));
+            let mut y = vec![bf16::NAN; ys.elems()];
+            let residual: Vec<bf16> = (0..ys.elems())
+                .map(|i| bf16::from_f32(value(i + 5)))
+                .collect();
+            let residual = (act == Act::Relu).then_some(&residual[..]);
+            conv2d_stem(&c, &b, &x, xs, &mut y, ys, 2, residual);
+            let act_f = |v: f32| match act {
+                Act::None => v,
+                Act::Relu => v.max(0.0),
+                Act::Relu6 => v.clamp(0.0, 6.0),
+                Act::Hardswish => v * (v + 3.0).clamp(0.0, 6.0) / 6.0,
+                Act::Silu => v / (1.0 + (-v).exp()),
+                _ => unreachable!(),
+            };
+            for (i, got) in y.iter().enumerate() {
+                let (j, px) = (i % cout, i / cout);
+                let (ox, oy, n) = (px % ow, px / ow % oh, px / (ow * oh));
+                let mut want = bias[j];
+                for ky in 0..k {
+                    for kx in 0..k {
+                        let (iy, ix) = (
+                            (oy * st + ky) as isize - pad as isize,
+                            (ox * st + kx) as isize - pad as isize,
+                        );
+                        if iy < 0 || ix < 0 || iy as usize >= h || ix as usize >= w {
+                            continue;
+                        }
+                        for ci in 0..cin {
+                            let xv =
+                                x[((n * h + iy as usize) * w + ix as usize) * cin + ci].to_f32();
+                            want += xv * weight(j, ky, kx, ci);
+                        }
+                    }
+                }
+                let want = act_f(want + residual.map_or(0.0, |r| r[i].to_f32()));
+                let got = got.to_f32();
+                assert!(
+                    (got - want).abs() <= want.abs() / 128.0 + 1e-4,
+                    "{c:?} at pixel {px} channel {j}: {got} against {want}"
+                );
+            }
+        }
+    }
+}
