@@ -3,7 +3,8 @@
 use rayon::prelude::*;
 
 use super::*;
-use crate::backend::cpu::elem::Elem;
+use crate::backend::cpu::elem::{Elem, f32_bf16};
+use crate::backend::cpu::simd::{Vectorised, with_simd};
 
 /// (N, C, H, W) logical flatten of an NHWC tensor: reorder to NCHW, as PyTorch's flatten sees it.
 pub fn nhwc_to_nchw<T: Elem>(x: &[T], xs: Nhwc, y: &mut [T]) {
@@ -37,6 +38,32 @@ pub fn nchw_to_nhwc<T: Elem>(x: &[f32], xs: Nhwc, y: &mut [T]) {
         return;
     }
     let row = (xs.w * xs.c).max(1);
+    if xs.c == 3 && (T::IS_F32 || T::as_bf16_mut(&mut y[..0]).is_some()) {
+        // Images, f32 or bf16: one vectorised pass a row, the narrowing in it.
+        return y[..xs.elems()]
+            .par_chunks_mut(row)
+            .enumerate()
+            .for_each(|(r, out)| {
+                let (n, iy) = (r / xs.h, r % xs.h);
+                let channel = |c: usize| &x[(n * xs.c + c) * plane + iy * xs.w..][..xs.w];
+                let planes = [channel(0), channel(1), channel(2)];
+                match T::as_f32_mut(out) {
+                    Some(out) => with_simd(Rgb {
+                        planes,
+                        out,
+                        to: |v| v,
+                    }),
+                    None => {
+                        let out = T::as_bf16_mut(out).expect("f32 or bf16 (checked above)");
+                        with_simd(Rgb {
+                            planes,
+                            out,
+                            to: f32_bf16,
+                        })
+                    }
+                }
+            });
+    }
     y[..xs.elems()]
         .par_chunks_mut(row)
         .enumerate()
@@ -82,6 +109,35 @@ pub fn nchw_to_nhwc<T: Elem>(x: &[f32], xs: Nhwc, y: &mut [T]) {
             };
             as_f32_row(out, wide, interleave);
         });
+}
+
+/// One image row of [`nchw_to_nhwc`] for 3 channels: each pixel's values from the three
+/// planes, converted by `to`, as vectorised work. As a plain loop outside a `with_simd` path
+/// (then narrowed in a pass of its own), a BF16 batch of 8 224² images took 0.43 ms, as long as
+/// OpenVINO's whole input reorder.
+struct Rgb<'a, D, F> {
+    planes: [&'a [f32]; 3],
+    out: &'a mut [D],
+    to: F,
+}
+
+impl<D, F: Fn(f32) -> D> Vectorised for Rgb<'_, D, F> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        let Rgb {
+            planes: [r, g, b],
+            out,
+            to,
+        } = self;
+        let n = (out.len() / 3).min(r.len()).min(g.len()).min(b.len());
+        let (out, r, g, b) = (&mut out[..3 * n], &r[..n], &g[..n], &b[..n]);
+        for p in 0..n {
+            out[3 * p] = to(r[p]);
+            out[3 * p + 1] = to(g[p]);
+            out[3 * p + 2] = to(b[p]);
+        }
+    }
 }
 
 /// Values per work item where [`nchw_to_nhwc`] only narrows.
