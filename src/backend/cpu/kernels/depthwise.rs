@@ -1,6 +1,6 @@
 //! Depthwise convolutions: direct loops over rows of pixels, a block of channels and a few
 //! output pixels at a time in registers (a GEMM with one input channel per group would waste
-//! the machine). BF16 layers of 3×3 and 5×5 taps multiply two tap rows per instruction where
+//! the machine). BF16 layers of 3×3, 5×5 and 7×7 taps multiply two tap rows per instruction where
 //! the CPU has AVX512_BF16 ([`pairs`]).
 
 use half::bf16;
@@ -477,7 +477,8 @@ pub(super) mod pairs {
 
     /// Channels per block: one zmm of f32 sums, one of bf16 pairs.
     const BLOCK: usize = 16;
-    /// Input pixels a run reads on a tap row, at most (5 taps at stride 2).
+    /// Input pixels a run reads on a tap row, at most (5 taps at stride 2; 7 at stride 1 read
+    /// 10).
     const SPAN: usize = (PIXELS - 1) * 2 + 5;
 
     /// A layer's weights as pairs of tap rows: for row pair r, tap kx and channel c, the bf16
@@ -492,14 +493,15 @@ pub(super) mod pairs {
     }
 
     impl Pairs {
-        /// The pairs of a 3×3 or 5×5 layer at stride 1 or 2 without dilation, where this CPU
+        /// The pairs of a 3×3 or 5×5 layer at stride 1 or 2, or a 7×7 one at stride 1, without
+        /// dilation, where this CPU
         /// multiplies bf16 pairs (`None` otherwise). `w` is (ky, kx, channel) f32, each value
         /// a bf16 (the BF16 session's weights).
         pub(in super::super) fn new(c: &Conv2d, w: &[f32]) -> Option<Pairs> {
             let k = c.kernel.0;
-            let shape = c.kernel.1 == k && matches!(k, 3 | 5) && c.dilation == (1, 1);
             let stride = c.stride.0;
-            let strides = c.stride.1 == stride && matches!(stride, 1 | 2);
+            let shape = c.kernel.1 == k && c.stride.1 == stride && c.dilation == (1, 1);
+            let strides = matches!((k, stride), (3 | 5, 1 | 2) | (7, 1));
             let cpu = crate::backend::cpu::bf16_gemm::Engine::in_use().is_some()
                 && is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512vl");
@@ -566,7 +568,8 @@ pub(super) mod pairs {
                                 (3, 1) => self.row::<3, 1>(&input, bias, wide, xs.w, c.padding.1),
                                 (3, 2) => self.row::<3, 2>(&input, bias, wide, xs.w, c.padding.1),
                                 (5, 1) => self.row::<5, 1>(&input, bias, wide, xs.w, c.padding.1),
-                                _ => self.row::<5, 2>(&input, bias, wide, xs.w, c.padding.1),
+                                (5, 2) => self.row::<5, 2>(&input, bias, wide, xs.w, c.padding.1),
+                                _ => self.row::<7, 1>(&input, bias, wide, xs.w, c.padding.1),
                             }
                         }
                         with_simd(Finish {
@@ -715,6 +718,7 @@ mod tests {
             (5, 3, 2, 1, 8, 7),
             (40, 5, 1, 2, 6, 11),
             (16, 5, 2, 2, 9, 9),
+            (24, 7, 1, 3, 8, 10),
             (33, 3, 1, 0, 5, 6),
         ];
         for (ch, k, st, pad, h, w) in cases {
