@@ -92,6 +92,8 @@ pub struct PackedConv<T> {
     pub groups: Vec<PackedB<T>>,
     /// Depthwise: weights as (ky, kx, c) in f32 instead, for the direct kernel, and the bias.
     pub depthwise: Option<(Vec<f32>, Option<Vec<f32>>)>,
+    /// Depthwise BF16 layers the pair kernel runs: the weights as its pairs of tap rows.
+    pub(super) depthwise_pairs: Option<Box<super::depthwise::Pairs>>,
     /// Output rows per work item, as a multiple of [`chunk_rows`]'s choice (a tile-size
     /// variant max-autotune may pick: 1, 2 or 4).
     pub chunk_scale: usize,
@@ -131,10 +133,15 @@ impl<T: Elem> PackedConv<T> {
                 }
             }
             let bias = bias.map(|b| b.to_vec());
+            let depthwise_pairs = (T::PRECISION == crate::model::Precision::Bf16)
+                .then(|| super::depthwise::Pairs::new(&conv, &dw))
+                .flatten()
+                .map(Box::new);
             return PackedConv {
                 conv,
                 groups: Vec::new(),
                 depthwise: Some((dw, bias)),
+                depthwise_pairs,
                 chunk_scale: 1,
                 winograd: None,
                 pairs: None,
@@ -160,6 +167,7 @@ impl<T: Elem> PackedConv<T> {
                 conv,
                 groups: Vec::new(),
                 depthwise: None,
+                depthwise_pairs: None,
                 chunk_scale: 1,
                 winograd: None,
                 pairs: Some(Box::new(if super::stem::is_stem(&conv) {
@@ -184,6 +192,7 @@ impl<T: Elem> PackedConv<T> {
             conv,
             groups,
             depthwise: None,
+            depthwise_pairs: None,
             chunk_scale: 1,
             winograd: None,
             pairs: None,
@@ -202,6 +211,7 @@ impl<T: Elem> PackedConv<T> {
             conv,
             groups: Vec::new(),
             depthwise: None,
+            depthwise_pairs: None,
             chunk_scale: 1,
             winograd: Some(crate::backend::cpu::winograd::Winograd::new(
                 tile, &conv, weight, bias, out,
@@ -233,6 +243,7 @@ impl<T: Elem> PackedConv<T> {
             + dw
             + self.winograd.as_ref().map_or(0, |w| w.bytes())
             + self.pairs.as_ref().map_or(0, |a| a.bytes())
+            + self.depthwise_pairs.as_ref().map_or(0, |d| d.bytes())
     }
 
     pub fn kernel_name(&self) -> String {
@@ -771,7 +782,17 @@ pub fn conv2d<T: Elem>(
         act: p.conv.act,
     };
     if let Some((dw, bias)) = &p.depthwise {
-        return depthwise(&p.conv, dw, bias.as_deref(), x, xs, y, ys, &epilogue);
+        let pairs = p.depthwise_pairs.as_deref();
+        return depthwise(
+            &p.conv,
+            (dw, pairs),
+            bias.as_deref(),
+            x,
+            xs,
+            y,
+            ys,
+            &epilogue,
+        );
     }
     if let Some(w) = &p.winograd {
         crate::backend::cpu::winograd::conv2d(w, &p.conv, x, xs, y, ys, &epilogue);

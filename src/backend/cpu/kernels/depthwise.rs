@@ -17,7 +17,7 @@ use crate::model::op::{Act, Conv2d};
 #[allow(clippy::too_many_arguments)]
 pub(super) fn depthwise<T: Elem>(
     c: &Conv2d,
-    dw: &[f32],
+    (dw, pairs): (&[f32], Option<&Pairs>),
     bias: Option<&[f32]>,
     x: &[T],
     xs: Nhwc,
@@ -42,8 +42,7 @@ pub(super) fn depthwise<T: Elem>(
     }
     if let (Some(x), Some(y)) = (T::as_bf16(x), T::as_bf16_mut(y)) {
         let residual = residual.map(|r| T::as_bf16(r).expect("bf16 like the output"));
-        #[cfg(target_arch = "x86_64")]
-        if let Some(p) = pairs::Pairs::new(c, dw) {
+        if let Some(p) = pairs {
             return p.run(c, bias, x, xs, y, ys, residual, act);
         }
         return direct(c, dw, bias, x, xs, y, ys, residual, act);
@@ -463,7 +462,40 @@ impl<S: Lanes> DepthwiseRow<'_, S> {
 /// instead of 25. The sums stay f32 (each pair's two products are exact; their sum is rounded
 /// once, as the FMAs rounded each) and go through the same epilogue ([`Finish`]).
 #[cfg(target_arch = "x86_64")]
-pub(super) mod pairs {
+pub(super) use pairs::Pairs;
+
+/// No pairs off x86-64: [`Pairs::new`] always says `None`.
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) enum Pairs {}
+
+#[cfg(not(target_arch = "x86_64"))]
+impl Pairs {
+    pub(super) fn new(_: &Conv2d, _: &[f32]) -> Option<Pairs> {
+        None
+    }
+
+    pub(super) fn bytes(&self) -> u64 {
+        match *self {}
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        _: &Conv2d,
+        _: &[f32],
+        _: &[bf16],
+        _: Nhwc,
+        _: &mut [bf16],
+        _: Nhwc,
+        _: Option<&[bf16]>,
+        _: Act,
+    ) {
+        match *self {}
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod pairs {
     use std::arch::x86_64::*;
 
     use half::bf16 as Bf16;
@@ -533,6 +565,11 @@ pub(super) mod pairs {
                 pairs,
                 last,
             })
+        }
+
+        /// The packed weights' bytes.
+        pub(in super::super) fn bytes(&self) -> u64 {
+            (self.pairs.len() * 4 + self.last.len() * 4) as u64
         }
 
         /// The layer `x` (xs) → `y` (ys), bf16 NHWC, with `bias`, `residual` and `act`: rows in
