@@ -38,40 +38,33 @@ pub fn nchw_to_nhwc<T: Elem>(x: &[f32], xs: Nhwc, y: &mut [T]) {
         return;
     }
     let row = (xs.w * xs.c).max(1);
-    if xs.c == 3 && (T::IS_F32 || T::as_bf16_mut(&mut y[..0]).is_some()) {
-        // Images, f32 or bf16: one vectorised pass a row, the narrowing in it.
-        return y[..xs.elems()]
-            .par_chunks_mut(row)
-            .enumerate()
-            .for_each(|(r, out)| {
-                let (n, iy) = (r / xs.h, r % xs.h);
-                let channel = |c: usize| &x[(n * xs.c + c) * plane + iy * xs.w..][..xs.w];
-                let planes = [channel(0), channel(1), channel(2)];
-                match T::as_f32_mut(out) {
-                    Some(out) => with_simd(Rgb {
-                        planes,
-                        out,
-                        to: |v| v,
-                    }),
-                    None => {
-                        let out = T::as_bf16_mut(out).expect("f32 or bf16 (checked above)");
-                        with_simd(Rgb {
-                            planes,
-                            out,
-                            to: f32_bf16,
-                        })
-                    }
-                }
-            });
-    }
     y[..xs.elems()]
         .par_chunks_mut(row)
         .enumerate()
         .for_each_init(Vec::new, |wide: &mut Vec<f32>, (r, out)| {
             let (n, iy) = (r / xs.h, r % xs.h);
             let channel = |c: usize| &x[(n * xs.c + c) * plane + iy * xs.w..][..xs.w];
+            if xs.c == 3 {
+                // Images in f32 or bf16: one vectorised pass, the narrowing in it.
+                let planes = [channel(0), channel(1), channel(2)];
+                if let Some(out) = T::as_f32_mut(out) {
+                    return with_simd(Rgb {
+                        planes,
+                        out,
+                        to: |v| v,
+                    });
+                }
+                if let Some(out) = T::as_bf16_mut(out) {
+                    return with_simd(Rgb {
+                        planes,
+                        out,
+                        to: f32_bf16,
+                    });
+                }
+            }
             let interleave = |out: &mut [f32]| {
                 if xs.c == 3 {
+                    // f16 (f32 and bf16 went above).
                     let (r, g, b) = (channel(0), channel(1), channel(2));
                     for (((px, r), g), b) in out.chunks_exact_mut(3).zip(r).zip(g).zip(b) {
                         px.copy_from_slice(&[*r, *g, *b]);

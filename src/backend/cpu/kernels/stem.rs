@@ -104,16 +104,16 @@ pub(super) fn conv2d_stem(
     );
     let out = TilePtr(y.as_mut_ptr());
     let rows = chunk_rows(m, b.kp());
+    let job = Job {
+        c,
+        b,
+        x,
+        xs,
+        ys,
+        out,
+        residual,
+    };
     work_items(m, rows, b.panels(), threads).for_each(|((m0, mr), panels)| {
-        let job = Job {
-            c,
-            b,
-            x,
-            xs,
-            ys,
-            out,
-            residual,
-        };
         // SAFETY: pair packings exist only where `simd()` chose an engine, and both engines'
         // CPUs have AVX512_BF16 (`bf16_gemm::Engine::in_use`); this work item's rows and panels
         // of `y` are its own (`work_items`).
