@@ -567,14 +567,60 @@ struct PairStore<'a> {
 }
 
 impl PairStore<'_> {
-    /// The block through the epilogue. Partial rows (24, 40, 72, 120 output channels) in
-    /// passes over the block while it is in L1: the residual added row by row, the activation
-    /// on the whole block, then each row narrowed and stored, in runs of 16 and 8 and single
-    /// values. Loops over whole rows and blocks are what the compiler vectorises surely: one
-    /// pass per value over runs of 16 was compiled value by value for some activations
-    /// (MobileNetV3's hardswish stem spent more time there than in its GEMM).
+    /// The block through the epilogue with the activation `act`: whole rows value by value,
+    /// partial rows (24, 40, 72, 120 output channels) in [`Self::passes`]. Loops over whole
+    /// rows and blocks are what the compiler vectorises surely: one pass per value over runs
+    /// of 16 was compiled value by value for some activations (MobileNetV3's hardswish stem
+    /// spent more time there than in its GEMM).
     #[inline(always)]
     fn rows(self, act: impl Fn(f32) -> f32) {
+        const COLS: usize = bf16_gemm::BLOCK_COLS;
+        if self.cols != COLS {
+            return self.passes(|values| values.iter_mut().for_each(|v| *v = act(*v)));
+        }
+        let PairStore {
+            values,
+            rows,
+            residual,
+            out,
+            first,
+            ld,
+            ..
+        } = self;
+        // Whole rows (ResNet's layers): each value's sum, activation and narrowing in
+        // registers, a row's 32 at a time, stored once (the compiler vectorises these; as
+        // the passes below, ResNet-50 BF16 at batch 8 took 2% longer).
+        for (r, row) in values[..rows * COLS].chunks_exact(COLS).enumerate() {
+            let at = first + r * ld;
+            let row: &[f32; COLS] = row.try_into().expect("a row");
+            let mut narrowed = [bf16::ZERO; COLS];
+            match residual {
+                Some(res) => {
+                    // Widened into an array first: added straight from the bf16 values,
+                    // the sum was compiled one value at a time.
+                    let res: &[bf16; COLS] = res[at..at + COLS].try_into().expect("a row");
+                    let mut wide = [0f32; COLS];
+                    (wide.iter_mut().zip(res)).for_each(|(w, x)| *w = bf16_f32(*x));
+                    for ((n, v), w) in narrowed.iter_mut().zip(row).zip(&wide) {
+                        *n = f32_bf16(act(v + w));
+                    }
+                }
+                None => {
+                    for (n, v) in narrowed.iter_mut().zip(row) {
+                        *n = f32_bf16(act(*v));
+                    }
+                }
+            }
+            // SAFETY: the row's 32 values are inside the output (as `PairStore` is built).
+            unsafe { out.add(at).cast::<[bf16; COLS]>().write_unaligned(narrowed) };
+        }
+    }
+
+    /// The block through the epilogue in passes over it while it is in L1: the residual added
+    /// row by row, `activate` on the whole block, then each row narrowed and stored, in runs
+    /// of 16 and 8 and single values.
+    #[inline(always)]
+    fn passes(self, activate: impl FnOnce(&mut [f32])) {
         const COLS: usize = bf16_gemm::BLOCK_COLS;
         let PairStore {
             values,
@@ -587,36 +633,6 @@ impl PairStore<'_> {
             ..
         } = self;
         let values = &mut values[..rows * COLS];
-        if cols == COLS {
-            // Whole rows (ResNet's layers): each value's sum, activation and narrowing in
-            // registers, a row's 32 at a time, stored once (the compiler vectorises these; as
-            // the passes below, ResNet-50 BF16 at batch 8 took 2% longer).
-            for (r, row) in values.chunks_exact(COLS).enumerate() {
-                let at = first + r * ld;
-                let row: &[f32; COLS] = row.try_into().expect("a row");
-                let mut narrowed = [bf16::ZERO; COLS];
-                match residual {
-                    Some(res) => {
-                        // Widened into an array first: added straight from the bf16 values,
-                        // the sum was compiled one value at a time.
-                        let res: &[bf16; COLS] = res[at..at + COLS].try_into().expect("a row");
-                        let mut wide = [0f32; COLS];
-                        (wide.iter_mut().zip(res)).for_each(|(w, x)| *w = bf16_f32(*x));
-                        for ((n, v), w) in narrowed.iter_mut().zip(row).zip(&wide) {
-                            *n = f32_bf16(act(v + w));
-                        }
-                    }
-                    None => {
-                        for (n, v) in narrowed.iter_mut().zip(row) {
-                            *n = f32_bf16(act(*v));
-                        }
-                    }
-                }
-                // SAFETY: the row's 32 values are inside the output (as `PairStore` is built).
-                unsafe { out.add(at).cast::<[bf16; COLS]>().write_unaligned(narrowed) };
-            }
-            return;
-        }
         if let Some(res) = residual {
             for (r, row) in values.chunks_exact_mut(COLS).enumerate() {
                 let at = first + r * ld;
@@ -624,11 +640,11 @@ impl PairStore<'_> {
                     .for_each(|(v, x)| *v += bf16_f32(*x));
             }
         }
-        values.iter_mut().for_each(|v| *v = act(*v));
+        activate(values);
         for (r, row) in values.chunks_exact(COLS).enumerate() {
             let at = first + r * ld;
             let mut j = 0;
-            if j + 16 <= cols {
+            while j + 16 <= cols {
                 store_run::<16>(&row[j..], out, at + j);
                 j += 16;
             }
@@ -704,7 +720,14 @@ impl Vectorised for PairStore<'_> {
 
     #[inline(always)]
     fn run(self) {
-        with_act!(self.act, |f| self.rows(f))
+        match self.act {
+            // Their long chains on the whole block at once ([`activate`]).
+            Act::Silu | Act::Sigmoid => {
+                let act = self.act;
+                self.passes(|values| activate(act, values))
+            }
+            act => with_act!(act, |f| self.rows(f)),
+        }
     }
 }
 
@@ -762,7 +785,7 @@ impl Vectorised for Activation<'_> {
     #[inline(always)]
     fn run(self) {
         let Activation(act, row) = self;
-        with_act!(act, |f| row.iter_mut().for_each(|v| *v = f(*v)))
+        activate(act, row)
     }
 }
 

@@ -131,7 +131,7 @@ impl<S: Lanes> Vectorised for Finish<'_, S> {
         if let Some(r) = residual {
             (values.iter_mut().zip(r)).for_each(|(v, r)| *v += r.wide());
         }
-        with_act!(act, |f| values.iter_mut().for_each(|v| *v = f(*v)));
+        activate(act, values);
         if let Some(out) = out {
             (out.iter_mut().zip(values.iter())).for_each(|(o, v)| *o = S::from_wide(*v));
         }

@@ -15,11 +15,11 @@
 use half::bf16;
 use rayon::prelude::*;
 
-use super::conv::{TilePtr, with_act, work_items};
+use super::conv::{TilePtr, work_items};
 use super::*;
 use crate::backend::cpu::bf16_gemm::{PANEL, PackedPairs};
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_imports))]
-use crate::model::op::{Act, Conv2d};
+use crate::model::op::Conv2d;
 
 /// Input channels below which an ungrouped BF16 convolution multiplying pairs runs here (at 8
 /// and more, the pair GEMM's K steps are whole, and a 1×1 layer reads its input in place).
@@ -132,7 +132,7 @@ struct Job<'a> {
     residual: Option<&'a [bf16]>,
 }
 
-/// Output rows [m0, m0 + mr), panels [p0, p1): each activation compiled in.
+/// Output rows [m0, m0 + mr), panels [p0, p1).
 ///
 /// # Safety
 /// The CPU has AVX-512F and AVX512_BF16; nobody else writes those rows' panels meanwhile.
@@ -140,7 +140,7 @@ struct Job<'a> {
 #[target_feature(enable = "avx512f,avx512bf16")]
 unsafe fn rows_avx512(job: &Job<'_>, m0: usize, mr: usize, panels: (usize, usize)) {
     // SAFETY: the caller's.
-    with_act!(job.c.act, |f| unsafe { rows(job, m0, mr, panels, f) })
+    unsafe { rows(job, m0, mr, panels) }
 }
 
 /// Never called: pairs are multiplied on x86-64 only.
@@ -152,7 +152,7 @@ unsafe fn rows_avx512(_: &Job<'_>, _: usize, _: usize, _: (usize, usize)) {
     unreachable!("bf16 pairs are multiplied on x86-64 only")
 }
 
-/// [`rows_avx512`] with the activation `f`: groups of [`PIXELS`] output pixels (the last
+/// [`rows_avx512`]: groups of [`PIXELS`] output pixels (the last
 /// group of a range repeating its last pixel), each pixel's window read in place or, where it
 /// crosses the image's edge, from a zero-padded copy.
 ///
@@ -160,13 +160,7 @@ unsafe fn rows_avx512(_: &Job<'_>, _: usize, _: usize, _: (usize, usize)) {
 /// As for [`rows_avx512`].
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn rows(
-    job: &Job<'_>,
-    m0: usize,
-    mr: usize,
-    (p0, p1): (usize, usize),
-    f: impl Fn(f32) -> f32,
-) {
+unsafe fn rows(job: &Job<'_>, m0: usize, mr: usize, (p0, p1): (usize, usize)) {
     let Job {
         c,
         b,
@@ -222,9 +216,9 @@ unsafe fn rows(
                 // (the caller's); the CPU has AVX-512F and AVX512_BF16 (the caller's).
                 unsafe {
                     if two {
-                        pixels::<2>(c, b, &windows, q, (out, residual), &firsts, &f);
+                        pixels::<2>(c, b, &windows, q, (out, residual), &firsts);
                     } else {
-                        pixels::<1>(c, b, &windows, q, (out, residual), &firsts, &f);
+                        pixels::<1>(c, b, &windows, q, (out, residual), &firsts);
                     }
                 }
                 q += if two { 2 } else { 1 };
@@ -274,7 +268,6 @@ unsafe fn pixels<const Q: usize>(
     q: usize,
     (out, residual): (TilePtr<bf16>, Option<&[bf16]>),
     firsts: &[usize; PIXELS],
-    f: &impl Fn(f32) -> f32,
 ) {
     use std::arch::x86_64::{
         __m512, __m512bh, __m512i, _mm512_cvtneps_pbh, _mm512_dpbf16_ps, _mm512_loadu_ps,
@@ -321,10 +314,7 @@ unsafe fn pixels<const Q: usize>(
                 }
             }
         }
-        v.as_flattened_mut()
-            .as_flattened_mut()
-            .iter_mut()
-            .for_each(|v| *v = f(*v));
+        activate(c.act, v.as_flattened_mut().as_flattened_mut());
         for (v, &first) in v.iter().zip(firsts) {
             for (i, v) in v.iter().enumerate() {
                 let col = (q + i) * PANEL;
@@ -350,6 +340,7 @@ unsafe fn pixels<const Q: usize>(
 mod tests {
     use super::*;
     use crate::backend::cpu::bf16_gemm::Engine;
+    use crate::model::op::Act;
 
     /// Stems of odd and even runs (3×3 and 7×7 over 3 channels, 1×1 and 5×5 over 2, 3×3 over
     /// 1), strides 1 and 2, padding 0 to 3, output channels within one panel, one pair and a
