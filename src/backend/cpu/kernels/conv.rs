@@ -778,7 +778,7 @@ impl<T: Elem> Epilogue<'_, T> {
 }
 
 /// An activation on a row of values, as vectorised work.
-struct Activation<'a>(Act, &'a mut [f32]);
+pub(super) struct Activation<'a>(pub(super) Act, pub(super) &'a mut [f32]);
 
 impl Vectorised for Activation<'_> {
     type Output = ();

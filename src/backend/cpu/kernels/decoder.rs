@@ -5,9 +5,10 @@
 use rayon::prelude::*;
 
 use super::transformer::Normalise;
-use super::{exp_nonpositive, map_rows, sigmoid, silu};
+use super::{activate, exp_nonpositive, map_rows, sigmoid};
 use crate::backend::cpu::elem::Elem;
 use crate::backend::cpu::simd::{Vectorised, with_simd};
+use crate::model::op::Act;
 
 /// `x / rms(x) · weight` over rows of `weight.len()` values (Llama's RMSNorm, in f32; the
 /// sum of squares in lanes, as the layer norm's).
@@ -93,9 +94,8 @@ impl Vectorised for Glu<'_> {
                 *x *= sigmoid(2.0 * a);
             }
         } else {
-            for (x, u) in g.iter_mut().zip(u) {
-                *x = silu(*x) * u;
-            }
+            activate(Act::Silu, g);
+            g.iter_mut().zip(u).for_each(|(x, u)| *x *= u);
         }
     }
 }

@@ -329,9 +329,7 @@ pub fn clamp_inplace<T: Elem>(buf: &mut [T], lo: f32, hi: f32) {
 
 /// 1 / (1 + e^-x), element-wise, in f32 (half types widened a block at a time).
 pub fn sigmoid_inplace<T: Elem>(buf: &mut [T]) {
-    map_f32(buf, 1, |part| {
-        with_simd(Update(part, |v: &mut f32| *v = sigmoid(*v)))
-    });
+    map_f32(buf, 1, |part| with_simd(Activation(Act::Sigmoid, part)));
 }
 
 /// Hardswish, hardsigmoid, SiLU or tanh, element-wise in f32 (NaN stays NaN).
@@ -345,9 +343,7 @@ pub fn unary_inplace<T: Elem>(buf: &mut [T], u: crate::model::op::Unary) {
         Unary::Hardsigmoid => map_f32(buf, 1, |part| {
             with_simd(Update(part, |v: &mut f32| *v = relu6(*v + 3.0) / 6.0))
         }),
-        Unary::Silu => map_f32(buf, 1, |part| {
-            with_simd(Update(part, |v: &mut f32| *v = silu(*v)))
-        }),
+        Unary::Silu => map_f32(buf, 1, |part| with_simd(Activation(Act::Silu, part))),
         Unary::Tanh => map_f32(buf, 1, |part| part.iter_mut().for_each(|v| *v = v.tanh())),
     }
 }
