@@ -7,6 +7,7 @@ use std::cell::RefCell;
 use half::bf16;
 use rayon::prelude::*;
 
+use super::activation::{self, Activation};
 use super::*;
 use crate::backend::cpu::bf16_gemm::{self, PackedPairs};
 use crate::backend::cpu::elem::{Elem, bf16_f32, f32_bf16};
@@ -722,10 +723,7 @@ impl Vectorised for PairStore<'_> {
     fn run(self) {
         match self.act {
             // Their long chains on the whole block at once ([`activate`]).
-            Act::Silu | Act::Sigmoid => {
-                let act = self.act;
-                self.passes(|values| activate(act, values))
-            }
+            act if activation::long(act) => self.passes(|values| activate(act, values)),
             act => with_act!(act, |f| self.rows(f)),
         }
     }
@@ -774,18 +772,6 @@ impl<T: Elem> Epilogue<'_, T> {
         if self.act != Act::None {
             with_simd(Activation(self.act, row));
         }
-    }
-}
-
-/// An activation on a row of values, as vectorised work.
-pub(super) struct Activation<'a>(pub(super) Act, pub(super) &'a mut [f32]);
-
-impl Vectorised for Activation<'_> {
-    type Output = ();
-    #[inline(always)]
-    fn run(self) {
-        let Activation(act, row) = self;
-        activate(act, row)
     }
 }
 

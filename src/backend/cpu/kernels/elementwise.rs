@@ -4,6 +4,7 @@
 use half::bf16;
 use rayon::prelude::*;
 
+use super::activation::Activation;
 use super::*;
 use crate::backend::cpu::elem::{self, Elem, bf16_f32, f32_bf16};
 use crate::backend::cpu::simd::{Update, Vectorised, ZipWith, with_simd};
@@ -137,98 +138,6 @@ pub(crate) fn sigmoid(x: f32) -> f32 {
 #[inline(always)]
 pub(crate) fn silu(x: f32) -> f32 {
     x * sigmoid(x)
-}
-
-/// e^r for |r| ≤ ln 2 / 2 by its degree-5 minimax polynomial, highest power first (relative
-/// error 7.5·10⁻⁸ in exact arithmetic, 1.9·10⁻⁷ in f32 with FMAs; the degree-6 Taylor
-/// polynomial of [`exp_nonpositive`] needs one term more for 1.2·10⁻⁷). Fitted by iterated
-/// reweighted least squares on 4,000 Chebyshev nodes.
-#[cfg(target_arch = "x86_64")]
-const EXP_MINIMAX: [f32; 6] = [
-    8.297_655e-3,
-    4.191_538_3e-2,
-    1.666_757_5e-1,
-    4.999_889_4e-1,
-    9.999_997e-1,
-    1.000_000_1,
-];
-
-/// `act` on every value of `values`, in place. SiLU and the sigmoid, whose exponential and
-/// division make them the longest activations by far, run on AVX-512 intrinsics where the
-/// paths in use have them ([`logistic_avx512`]); the rest as [`with_act`] compiles them in
-/// the caller's context (every caller inlines this into its own vectorised code).
-#[inline(always)]
-pub(crate) fn activate(act: Act, values: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if matches!(act, Act::Silu | Act::Sigmoid)
-        && crate::backend::cpu::simd::simd() >= crate::backend::cpu::simd::Simd::Avx512
-    {
-        // SAFETY: the paths in use include AVX-512F, so the CPU has it.
-        unsafe { logistic_avx512(values, act == Act::Silu) };
-        return;
-    }
-    with_act!(act, |f| values.iter_mut().for_each(|v| *v = f(*v)))
-}
-
-/// σ(x) = 1 / (1 + e^−x), or x · σ(x) where `silu`, on every value, 16 at a time (a masked
-/// last vector), in 18 instructions a vector where the plain form takes 31 and a division:
-/// plain Rust keeps every multiply and add apart (no contraction into FMAs), scales by 2^k
-/// through integer bits and divides (`vdivps`, 5 cycles a vector on Zen 4). Here e^−x is a
-/// degree-5 minimax polynomial ([`EXP_MINIMAX`]) in five FMAs after the range reduction's
-/// two, `vscalefps` scales it, and `vrcp14ps` with one Newton step (error below 2^−26) takes
-/// the division's place. SiLU took 2.3 of the 3.9 ms of EfficientNet's first BF16 expansion
-/// layer (16 → 96 channels, 112², batch 8) in the plain form; SiLU's values are then most of
-/// what this CPU computes in EfficientNet besides the convolutions' dot products.
-///
-/// 1 / (1 + e^−x) has no cancellation on either side (e^−x overflowing is the danger, not
-/// precision): x is clamped to [−87, 110] first, where e^87 = 6·10³⁷ still leaves 1 / (1 +
-/// e^87) a normal float and e^−110 is 0 in f32. So σ(x) for x < −87 is 1.6·10⁻³⁸ (0 in
-/// [`sigmoid`]), SiLU(−∞) is −∞ (NaN in PyTorch's x / (1 + e^−x) and here in the plain
-/// form), and a NaN stays NaN (`max` and `min` return it as their second operand).
-///
-/// # Safety
-/// The CPU has AVX-512F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-pub(crate) unsafe fn logistic_avx512(values: &mut [f32], silu: bool) {
-    use std::arch::x86_64::*;
-    #[target_feature(enable = "avx512f")]
-    #[inline]
-    fn logistic(x: __m512, silu: bool) -> __m512 {
-        const LN2_HI: f32 = 0.693_145_75;
-        const LN2_LO: f32 = 1.428_606_8e-6;
-        let c = _mm512_set1_ps;
-        let u = _mm512_min_ps(c(110.0), _mm512_max_ps(c(-87.0), x));
-        // e^−u = 2^k · e^r, r = −u − k·ln 2 in [−ln 2 / 2, ln 2 / 2].
-        let k = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm512_mul_ps(u, c(-std::f32::consts::LOG2_E)),
-        );
-        let r = _mm512_fnmsub_ps(k, c(LN2_HI), u);
-        let r = _mm512_fnmadd_ps(k, c(LN2_LO), r);
-        let [first, rest @ ..] = EXP_MINIMAX;
-        let p = rest
-            .iter()
-            .fold(c(first), |p, &a| _mm512_fmadd_ps(p, r, c(a)));
-        let d = _mm512_add_ps(c(1.0), _mm512_scalef_ps(p, k));
-        let s = _mm512_rcp14_ps(d);
-        let s = _mm512_mul_ps(s, _mm512_fnmadd_ps(d, s, c(2.0)));
-        if silu { _mm512_mul_ps(x, s) } else { s }
-    }
-    let mut vectors = values.chunks_exact_mut(16);
-    // SAFETY: each chunk holds 16 floats (unaligned loads and stores); the tail's masked load
-    // and store touch its own values only; the CPU has AVX-512F (the caller's).
-    unsafe {
-        for v in &mut vectors {
-            let y = logistic(_mm512_loadu_ps(v.as_ptr()), silu);
-            _mm512_storeu_ps(v.as_mut_ptr(), y);
-        }
-        let tail = vectors.into_remainder();
-        if !tail.is_empty() {
-            let mask = ((1u32 << tail.len()) - 1) as __mmask16;
-            let x = _mm512_maskz_loadu_ps(mask, tail.as_ptr());
-            _mm512_mask_storeu_ps(tail.as_mut_ptr(), mask, logistic(x, silu));
-        }
-    }
 }
 
 /// erf(x) in code the compiler vectorises: Abramowitz & Stegun 7.1.26 (absolute error below
@@ -470,48 +379,6 @@ mod tests {
         assert_eq!(super::sigmoid(-200.0), 0.0);
         assert_eq!(super::sigmoid(200.0), 1.0);
         assert!(super::sigmoid(f32::NAN).is_nan() && super::silu(f32::NAN).is_nan());
-    }
-
-    /// The AVX-512 sigmoid and SiLU against libm's forms, on slices of every length up to 40
-    /// (masked last vectors) over the range where they bend, the tails of both signs, ±∞ and
-    /// NaN. Where the CPU lacks AVX-512F there is nothing to test.
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn avx512_logistic_matches_libm() {
-        if !std::arch::is_x86_feature_detected!("avx512f") {
-            return;
-        }
-        let mut xs: Vec<f32> = (-40_000..=40_000).map(|i| i as f32 * 2.5e-3).collect();
-        xs.extend([
-            -1e4, -300.0, -90.0, -87.5, 87.5, 90.0, 300.0, 1e4, 0.0, -0.0,
-        ]);
-        for silu in [false, true] {
-            for len in [1, 15, 16, 17, 31, 40, xs.len()] {
-                let mut got = xs[..len].to_vec();
-                // SAFETY: the CPU has AVX-512F (checked above).
-                unsafe { super::logistic_avx512(&mut got, silu) };
-                for (&x, &got) in xs.iter().zip(&got) {
-                    let sig = 1.0 / (1.0 + (-x as f64).exp());
-                    let want = if silu { x as f64 * sig } else { sig };
-                    let got = got as f64;
-                    // Below −87: σ 1.6·10⁻³⁸ where it is less (see `logistic_avx512`).
-                    assert!(
-                        (got - want).abs() <= 6e-7 * want.abs() + 2e-38 * x.abs().max(1.0) as f64,
-                        "silu {silu}, x = {x}: {got} vs {want}"
-                    );
-                }
-            }
-        }
-        let mut edges = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -f32::NAN];
-        // SAFETY: as above.
-        unsafe { super::logistic_avx512(&mut edges, false) };
-        assert!(edges[0].is_nan() && edges[3].is_nan());
-        assert_eq!(edges[1], 1.0);
-        assert!((0.0..1e-37).contains(&edges[2]));
-        let mut edges = [f32::NAN, f32::INFINITY];
-        // SAFETY: as above.
-        unsafe { super::logistic_avx512(&mut edges, true) };
-        assert!(edges[0].is_nan() && edges[1] == f32::INFINITY);
     }
 
     use super::*;

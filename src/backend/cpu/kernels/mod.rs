@@ -18,6 +18,7 @@
 //! `decoder.rs` (a language model's RMSNorm, rotary positions, SwiGLU and attention over its KV
 //! cache).
 
+mod activation;
 mod conv;
 mod decoder;
 mod depthwise;
@@ -31,6 +32,7 @@ mod transformer;
 
 use std::cell::RefCell;
 
+pub(crate) use activation::activate;
 pub use conv::*;
 pub use decoder::*;
 use depthwise::*;
