@@ -1,37 +1,39 @@
 //! Activations over blocks of f32 values in place, for the epilogues of convolutions and
 //! linear layers and the element-wise ops: the long ones (SiLU, the sigmoid, GELU) on AVX-512
-//! intrinsics where the paths in use have them, every one otherwise as [`with_act`] compiles
-//! it into the caller's vectorised code.
+//! or AVX2 intrinsics where the paths in use have them (one generic form over [`Vector`]),
+//! every one otherwise as [`with_act`] compiles it into the caller's vectorised code.
 //!
 //! Plain Rust keeps every multiply and add apart (no contraction into FMAs), scales by 2^k
 //! through integer bits and divides (`vdivps`, about 5 cycles a vector on Zen 4). The
-//! intrinsics evaluate the same functions with FMAs, `vscalefps` for 2^k and `vrcp14ps` with
-//! one Newton step (error below 2^−26) for each reciprocal: SiLU in 18 instructions a vector
-//! where the plain form takes 31 and a division. In EfficientNet (SiLU) and ConvNeXt (GELU)
+//! intrinsics evaluate the same functions with FMAs, `vscalefps` for 2^k (AVX2: the exponent
+//! bits) and `vrcp14ps` (AVX2: `vrcpps`) with one Newton step for each reciprocal: SiLU in 18
+//! instructions a vector where the plain form takes 31 and a division. In EfficientNet (SiLU) and ConvNeXt (GELU)
 //! the activation had been costing about as much as the dot products of the layers it follows.
 
 use super::with_act;
 use crate::backend::cpu::simd::Vectorised;
 use crate::model::op::Act;
 
-/// `act` on every value of `values`, in place: SiLU, the sigmoid and GELU on AVX-512
-/// intrinsics where the paths in use have AVX-512F ([`logistic_avx512`], [`gelu_avx512`]), the
-/// rest (and everything on other paths) as [`with_act`] compiles them in the caller's context:
-/// every caller inlines this into its own vectorised code.
+/// `act` on every value of `values`, in place: SiLU, the sigmoid and GELU on intrinsics where
+/// the paths in use have AVX-512F or AVX2 and FMA ([`logistic`] and [`gelu`] on 16 or 8
+/// lanes), the rest (and everything on the portable paths) as [`with_act`] compiles them in
+/// the caller's context: every caller inlines this into its own vectorised code.
 #[inline(always)]
 pub(crate) fn activate(act: Act, values: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if matches!(act, Act::Silu | Act::Sigmoid | Act::Gelu)
-        && crate::backend::cpu::simd::simd() >= crate::backend::cpu::simd::Simd::Avx512
-    {
-        // SAFETY: the paths in use include AVX-512F, so the CPU has it.
+    if long(act) {
+        use crate::backend::cpu::simd::{Simd, simd};
+        let paths = simd();
+        // SAFETY: the paths in use include AVX-512F, or AVX2 and FMA, so the CPU has them.
         unsafe {
-            match act {
-                Act::Gelu => gelu_avx512(values),
-                _ => logistic_avx512(values, act == Act::Silu),
+            match (act, paths >= Simd::Avx512) {
+                _ if !paths.has_avx2() => {}
+                (Act::Gelu, true) => return gelu_avx512(values),
+                (Act::Gelu, false) => return gelu_avx2(values),
+                (_, true) => return logistic_avx512(values, act == Act::Silu),
+                (_, false) => return logistic_avx2(values, act == Act::Silu),
             }
-        };
-        return;
+        }
     }
     with_act!(act, |f| values.iter_mut().for_each(|v| *v = f(*v)))
 }
@@ -68,92 +70,285 @@ const EXP_MINIMAX: [f32; 6] = [
     1.000_000_1,
 ];
 
+/// What the activations need of a SIMD vector of f32: AVX-512's 16 lanes or AVX2's 8. Every
+/// method is an intrinsic (or two) compiled for its instruction set; the caller must run on a
+/// CPU that has it.
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
-    use std::arch::x86_64::*;
+trait Vector: Copy {
+    const LANES: usize;
+    /// # Safety (every method)
+    /// The CPU has the vector's instruction set; `load`'s and `store`'s pointers have LANES
+    /// floats.
+    unsafe fn splat(v: f32) -> Self;
+    unsafe fn load(p: *const f32) -> Self;
+    unsafe fn store(self, p: *mut f32);
+    unsafe fn add(self, o: Self) -> Self;
+    unsafe fn mul(self, o: Self) -> Self;
+    /// `o` where either is NaN, as `maxps` and `minps` do.
+    unsafe fn max(self, o: Self) -> Self;
+    unsafe fn min(self, o: Self) -> Self;
+    /// self · b + c, and −(self · b) + c, each rounded once.
+    unsafe fn fmadd(self, b: Self, c: Self) -> Self;
+    unsafe fn fnmadd(self, b: Self, c: Self) -> Self;
+    /// To the nearest whole number, ties to even.
+    unsafe fn round(self) -> Self;
+    /// self · 2^k for whole k in [−126, 127].
+    unsafe fn scale(self, k: Self) -> Self;
+    /// 1 / self for normal values, to an ulp or two.
+    unsafe fn recip(self) -> Self;
+    /// |self|, and self with the sign bit of `of`.
+    unsafe fn abs(self) -> Self;
+    unsafe fn with_sign_of(self, of: Self) -> Self;
+}
 
-    /// `f` on every value of `values`, 16 at a time, the last few through a masked load and
-    /// store.
+#[cfg(target_arch = "x86_64")]
+impl Vector for std::arch::x86_64::__m512 {
+    const LANES: usize = 16;
     #[target_feature(enable = "avx512f")]
     #[inline]
-    pub(super) fn each_vector(values: &mut [f32], f: impl Fn(__m512) -> __m512) {
-        let mut vectors = values.chunks_exact_mut(16);
-        // SAFETY: each chunk holds 16 floats (unaligned loads and stores); the tail's masked
-        // load and store touch its own values only.
-        unsafe {
-            for v in &mut vectors {
-                _mm512_storeu_ps(v.as_mut_ptr(), f(_mm512_loadu_ps(v.as_ptr())));
-            }
-            let tail = vectors.into_remainder();
-            if !tail.is_empty() {
-                let mask = ((1u32 << tail.len()) - 1) as __mmask16;
-                let x = _mm512_maskz_loadu_ps(mask, tail.as_ptr());
-                _mm512_mask_storeu_ps(tail.as_mut_ptr(), mask, f(x));
-            }
-        }
+    unsafe fn splat(v: f32) -> Self {
+        std::arch::x86_64::_mm512_set1_ps(v)
     }
-
-    /// e^x for x in [−87, 88] (the caller's to ensure): x = k·ln 2 + r, e^r by
-    /// [`super::EXP_MINIMAX`], 2^k by `vscalefps`.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    pub(super) fn exp(x: __m512) -> __m512 {
-        const LN2_HI: f32 = 0.693_145_75;
-        const LN2_LO: f32 = 1.428_606_8e-6;
-        let c = _mm512_set1_ps;
-        let k = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm512_mul_ps(x, c(std::f32::consts::LOG2_E)),
-        );
-        let r = _mm512_fnmadd_ps(k, c(LN2_HI), x);
-        let r = _mm512_fnmadd_ps(k, c(LN2_LO), r);
-        let [first, rest @ ..] = super::EXP_MINIMAX;
-        let p = rest
-            .iter()
-            .fold(c(first), |p, &a| _mm512_fmadd_ps(p, r, c(a)));
-        _mm512_scalef_ps(p, k)
+    unsafe fn load(p: *const f32) -> Self {
+        // SAFETY: the caller's.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
     }
-
-    /// 1 / d for normal d, by `vrcp14ps` and one Newton step.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    pub(super) fn recip(d: __m512) -> __m512 {
-        let s = _mm512_rcp14_ps(d);
-        _mm512_mul_ps(s, _mm512_fnmadd_ps(d, s, _mm512_set1_ps(2.0)))
+    unsafe fn store(self, p: *mut f32) {
+        // SAFETY: the caller's.
+        unsafe { std::arch::x86_64::_mm512_storeu_ps(p, self) }
+    }
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn add(self, o: Self) -> Self {
+        std::arch::x86_64::_mm512_add_ps(self, o)
+    }
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn mul(self, o: Self) -> Self {
+        std::arch::x86_64::_mm512_mul_ps(self, o)
+    }
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn max(self, o: Self) -> Self {
+        std::arch::x86_64::_mm512_max_ps(self, o)
+    }
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn min(self, o: Self) -> Self {
+        std::arch::x86_64::_mm512_min_ps(self, o)
+    }
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn fmadd(self, b: Self, c: Self) -> Self {
+        std::arch::x86_64::_mm512_fmadd_ps(self, b, c)
+    }
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn fnmadd(self, b: Self, c: Self) -> Self {
+        std::arch::x86_64::_mm512_fnmadd_ps(self, b, c)
+    }
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn round(self) -> Self {
+        use std::arch::x86_64::*;
+        _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(self)
+    }
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn scale(self, k: Self) -> Self {
+        std::arch::x86_64::_mm512_scalef_ps(self, k)
+    }
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn recip(self) -> Self {
+        use std::arch::x86_64::*;
+        let s = _mm512_rcp14_ps(self);
+        _mm512_mul_ps(s, _mm512_fnmadd_ps(self, s, _mm512_set1_ps(2.0)))
+    }
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn abs(self) -> Self {
+        std::arch::x86_64::_mm512_abs_ps(self)
+    }
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn with_sign_of(self, of: Self) -> Self {
+        use std::arch::x86_64::*;
+        let sign = _mm512_and_si512(_mm512_castps_si512(of), _mm512_set1_epi32(i32::MIN));
+        _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(self), sign))
     }
 }
 
-/// σ(x) = 1 / (1 + e^−x), or x · σ(x) where `silu`, on every value. 1 / (1 + e^−x) has no
-/// cancellation on either side (e^−x overflowing is the danger, not precision): x is clamped
-/// to [−87, 87] first, where 1 / (1 + e^87) is still a normal float and 1 + e^−87 is 1. So
-/// σ(x) for x < −87 is 1.6·10⁻³⁸ (0 in [`super::sigmoid`]), SiLU(−∞) is −∞ (NaN in PyTorch's
+#[cfg(target_arch = "x86_64")]
+impl Vector for std::arch::x86_64::__m256 {
+    const LANES: usize = 8;
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn splat(v: f32) -> Self {
+        std::arch::x86_64::_mm256_set1_ps(v)
+    }
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn load(p: *const f32) -> Self {
+        // SAFETY: the caller's.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn store(self, p: *mut f32) {
+        // SAFETY: the caller's.
+        unsafe { std::arch::x86_64::_mm256_storeu_ps(p, self) }
+    }
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn add(self, o: Self) -> Self {
+        std::arch::x86_64::_mm256_add_ps(self, o)
+    }
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn mul(self, o: Self) -> Self {
+        std::arch::x86_64::_mm256_mul_ps(self, o)
+    }
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn max(self, o: Self) -> Self {
+        std::arch::x86_64::_mm256_max_ps(self, o)
+    }
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn min(self, o: Self) -> Self {
+        std::arch::x86_64::_mm256_min_ps(self, o)
+    }
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn fmadd(self, b: Self, c: Self) -> Self {
+        std::arch::x86_64::_mm256_fmadd_ps(self, b, c)
+    }
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn fnmadd(self, b: Self, c: Self) -> Self {
+        std::arch::x86_64::_mm256_fnmadd_ps(self, b, c)
+    }
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn round(self) -> Self {
+        use std::arch::x86_64::*;
+        _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(self)
+    }
+    /// 2^k from its exponent bits (k + 127, shifted), then one multiply: no `vscalefps`
+    /// before AVX-512.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn scale(self, k: Self) -> Self {
+        use std::arch::x86_64::*;
+        let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(k),
+            _mm256_set1_epi32(127),
+        ));
+        _mm256_mul_ps(self, _mm256_castsi256_ps(bits))
+    }
+    /// `vrcpps` (12 bits) and one Newton step: error about 2^−23.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn recip(self) -> Self {
+        use std::arch::x86_64::*;
+        let s = _mm256_rcp_ps(self);
+        _mm256_mul_ps(s, _mm256_fnmadd_ps(self, s, _mm256_set1_ps(2.0)))
+    }
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn abs(self) -> Self {
+        use std::arch::x86_64::*;
+        _mm256_andnot_ps(_mm256_set1_ps(-0.0), self)
+    }
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn with_sign_of(self, of: Self) -> Self {
+        use std::arch::x86_64::*;
+        _mm256_or_ps(self, _mm256_and_ps(of, _mm256_set1_ps(-0.0)))
+    }
+}
+
+/// `f` on every value of `values`, LANES at a time, the last few through a zero-padded copy.
+///
+/// # Safety
+/// The CPU has V's instruction set.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn each_vector<V: Vector>(values: &mut [f32], f: impl Fn(V) -> V) {
+    let mut vectors = values.chunks_exact_mut(V::LANES);
+    // SAFETY: each chunk, and the copy, holds LANES floats; the caller's instruction set.
+    unsafe {
+        for v in &mut vectors {
+            f(V::load(v.as_ptr())).store(v.as_mut_ptr());
+        }
+        let tail = vectors.into_remainder();
+        if !tail.is_empty() {
+            let mut copy = [0f32; 16];
+            copy[..tail.len()].copy_from_slice(tail);
+            f(V::load(copy.as_ptr())).store(copy.as_mut_ptr());
+            tail.copy_from_slice(&copy[..tail.len()]);
+        }
+    }
+}
+
+/// e^x for x in [−87, 87] (the caller's to ensure): x = k·ln 2 + r, e^r by
+/// [`EXP_MINIMAX`], then times 2^k.
+///
+/// # Safety
+/// The CPU has V's instruction set.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn exp<V: Vector>(x: V) -> V {
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    // SAFETY: the caller's.
+    unsafe {
+        let c = |v| V::splat(v);
+        let k = x.mul(c(std::f32::consts::LOG2_E)).round();
+        let r = k.fnmadd(c(LN2_HI), x);
+        let r = k.fnmadd(c(LN2_LO), r);
+        let [first, rest @ ..] = EXP_MINIMAX;
+        let p = rest.iter().fold(c(first), |p, &a| p.fmadd(r, c(a)));
+        p.scale(k)
+    }
+}
+
+/// σ(x) = 1 / (1 + e^−x), or x · σ(x) where `silu`. 1 / (1 + e^−x) has no cancellation on
+/// either side (e^−x overflowing is the danger, not precision): x is clamped to [−87, 87]
+/// first, where 1 / (1 + e^87) is still a normal float and 1 + e^−87 is 1. So σ(x) for
+/// x < −87 is 1.6·10⁻³⁸ (0 in [`super::sigmoid`]), SiLU(−∞) is −∞ (NaN in PyTorch's
 /// x / (1 + e^−x) and in the plain form), and a NaN stays NaN (`max` and `min` return it as
 /// their second operand).
 ///
 /// # Safety
-/// The CPU has AVX-512F.
+/// The CPU has V's instruction set.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-pub(crate) unsafe fn logistic_avx512(values: &mut [f32], silu: bool) {
-    use std::arch::x86_64::*;
-    let c = _mm512_set1_ps;
-    avx512::each_vector(values, |x| {
-        let u = _mm512_min_ps(c(87.0), _mm512_max_ps(c(-87.0), x));
-        let s = avx512::recip(_mm512_add_ps(c(1.0), avx512::exp(_mm512_sub_ps(c(0.0), u))));
-        if silu { _mm512_mul_ps(x, s) } else { s }
-    })
+#[inline(always)]
+unsafe fn logistic<V: Vector>(x: V, silu: bool) -> V {
+    // SAFETY: the caller's.
+    unsafe {
+        let c = |v| V::splat(v);
+        let u = c(87.0).min(c(-87.0).max(x));
+        let s = c(1.0).add(exp(u.mul(c(-1.0)))).recip();
+        if silu { x.mul(s) } else { s }
+    }
 }
 
-/// GELU, x · Φ(x) = x/2 · (1 + erf(x/√2)), on every value, erf as [`super::erf`] computes it
-/// (Abramowitz & Stegun 7.1.26: t = 1 / (1 + p·|z|), a degree-5 polynomial in t times
-/// e^−z²). |z| is clamped to 8, where erf is 1 in f32, so that t and e^−z² stay normal: GELU(∞)
-/// is ∞, GELU(−∞) NaN (−∞ · 0, as in PyTorch and the plain form), and a NaN stays NaN.
+/// GELU, x · Φ(x) = x/2 · (1 + erf(x/√2)), erf as [`super::erf`] computes it (Abramowitz &
+/// Stegun 7.1.26: t = 1 / (1 + p·|z|), a degree-5 polynomial in t times e^−z²). |z| is
+/// clamped to 8, where erf is 1 in f32, so that t and e^−z² stay normal: GELU(∞) is ∞,
+/// GELU(−∞) NaN (−∞ · 0, as in PyTorch and the plain form), and a NaN stays NaN.
 ///
 /// # Safety
-/// The CPU has AVX-512F.
+/// The CPU has V's instruction set.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-pub(crate) unsafe fn gelu_avx512(values: &mut [f32]) {
-    use std::arch::x86_64::*;
+#[inline(always)]
+unsafe fn gelu<V: Vector>(x: V) -> V {
     const P: f32 = 0.327_591_1;
     const A: [f32; 5] = [
         1.061_405_4,
@@ -162,37 +357,79 @@ pub(crate) unsafe fn gelu_avx512(values: &mut [f32]) {
         -0.284_496_74,
         0.254_829_6,
     ];
-    let c = _mm512_set1_ps;
-    let sign = _mm512_set1_epi32(i32::MIN);
-    avx512::each_vector(values, |x| {
-        let z = _mm512_mul_ps(x, c(std::f32::consts::FRAC_1_SQRT_2));
-        let a = _mm512_min_ps(c(8.0), _mm512_abs_ps(z));
-        let t = avx512::recip(_mm512_fmadd_ps(a, c(P), c(1.0)));
+    // SAFETY: the caller's.
+    unsafe {
+        let c = |v| V::splat(v);
+        let z = x.mul(c(std::f32::consts::FRAC_1_SQRT_2));
+        let a = c(8.0).min(z.abs());
+        let t = a.fmadd(c(P), c(1.0)).recip();
         let [first, rest @ ..] = A;
-        let poly = rest
-            .iter()
-            .fold(c(first), |p, &k| _mm512_fmadd_ps(p, t, c(k)));
-        let e = avx512::exp(_mm512_fnmadd_ps(a, a, _mm512_setzero_ps()));
-        // erf(|z|), then its sign from x's (NaN's included).
-        let y = _mm512_fnmadd_ps(_mm512_mul_ps(poly, t), e, c(1.0));
-        let x_sign = _mm512_and_si512(_mm512_castps_si512(x), sign);
-        let erf = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(y), x_sign));
-        let half = _mm512_mul_ps(x, c(0.5));
-        _mm512_fmadd_ps(half, erf, half)
-    })
+        let poly = rest.iter().fold(c(first), |p, &k| p.fmadd(t, c(k)));
+        let e = exp(a.fnmadd(a, c(0.0)));
+        // erf(|z|), then its sign from x's (a NaN's included).
+        let erf = poly.mul(t).fnmadd(e, c(1.0)).with_sign_of(x);
+        let half = x.mul(c(0.5));
+        half.fmadd(erf, half)
+    }
+}
+
+/// [`logistic`] on every value, 16 at a time.
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn logistic_avx512(values: &mut [f32], silu: bool) {
+    use std::arch::x86_64::__m512;
+    // SAFETY: the CPU has AVX-512F (the caller's).
+    unsafe { each_vector(values, |x: __m512| logistic(x, silu)) }
+}
+
+/// [`logistic`] on every value, 8 at a time.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn logistic_avx2(values: &mut [f32], silu: bool) {
+    use std::arch::x86_64::__m256;
+    // SAFETY: the CPU has AVX2 and FMA (the caller's).
+    unsafe { each_vector(values, |x: __m256| logistic(x, silu)) }
+}
+
+/// [`gelu`] on every value, 16 at a time.
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn gelu_avx512(values: &mut [f32]) {
+    use std::arch::x86_64::__m512;
+    // SAFETY: the CPU has AVX-512F (the caller's).
+    unsafe { each_vector(values, |x: __m512| gelu(x)) }
+}
+
+/// [`gelu`] on every value, 8 at a time.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn gelu_avx2(values: &mut [f32]) {
+    use std::arch::x86_64::__m256;
+    // SAFETY: the CPU has AVX2 and FMA (the caller's).
+    unsafe { each_vector(values, |x: __m256| gelu(x)) }
 }
 
 #[cfg(test)]
 mod tests {
-    /// The AVX-512 sigmoid, SiLU and GELU against libm's forms (f64), on slices of every
-    /// length up to 40 (masked last vectors) over the range where they bend, the tails of
-    /// both signs, ±∞ and NaN. Where the CPU lacks AVX-512F there is nothing to test.
+    /// The AVX-512 and AVX2 sigmoid, SiLU and GELU against libm's forms (f64), on slices of
+    /// every length up to 40 (the last vectors partial) over the range where they bend, the
+    /// tails of both signs, ±∞ and NaN: each instruction set the CPU has.
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn avx512_forms_match_libm() {
-        if !std::arch::is_x86_feature_detected!("avx512f") {
-            return;
-        }
+    fn vector_forms_match_libm() {
+        use std::arch::is_x86_feature_detected as has;
         let mut xs: Vec<f32> = (-40_000..=40_000).map(|i| i as f32 * 2.5e-3).collect();
         xs.extend([
             -1e4, -300.0, -90.0, -87.5, 87.5, 90.0, 300.0, 1e4, 0.0, -0.0,
@@ -200,36 +437,67 @@ mod tests {
         // (name, form, exact value, error allowed per |x|: A&S 7.1.26's erf is off by up to
         // 6e-7 in f32, so GELU by half that times |x|).
         type Form = (&'static str, fn(&mut [f32]), fn(f64) -> f64, f64);
-        let forms: [Form; 3] = [
-            (
-                "sigmoid",
-                // SAFETY: the CPU has AVX-512F (checked above).
-                |v| unsafe { super::logistic_avx512(v, false) },
-                |x| 1.0 / (1.0 + (-x).exp()),
-                0.0,
-            ),
-            (
-                "silu",
-                // SAFETY: as above.
-                |v| unsafe { super::logistic_avx512(v, true) },
-                |x| x / (1.0 + (-x).exp()),
-                0.0,
-            ),
-            (
-                "gelu",
-                // SAFETY: as above.
-                |v| unsafe { super::gelu_avx512(v) },
-                |x| 0.5 * x * erfc(-x / std::f64::consts::SQRT_2),
-                3e-7,
-            ),
-        ];
+        let sigmoid: fn(f64) -> f64 = |x| 1.0 / (1.0 + (-x).exp());
+        let silu: fn(f64) -> f64 = |x| x / (1.0 + (-x).exp());
+        let gelu: fn(f64) -> f64 = |x| 0.5 * x * erfc(-x / std::f64::consts::SQRT_2);
+        let mut forms: Vec<Form> = Vec::new();
+        if has!("avx512f") {
+            forms.extend([
+                (
+                    "sigmoid avx512",
+                    // SAFETY: the CPU has the instruction set (checked above).
+                    (|v| unsafe { super::logistic_avx512(v, false) }) as fn(&mut [f32]),
+                    sigmoid,
+                    0.0,
+                ),
+                (
+                    "silu avx512",
+                    // SAFETY: as above.
+                    |v| unsafe { super::logistic_avx512(v, true) },
+                    silu,
+                    0.0,
+                ),
+                (
+                    "gelu avx512",
+                    // SAFETY: as above.
+                    |v| unsafe { super::gelu_avx512(v) },
+                    gelu,
+                    3e-7,
+                ),
+            ]);
+        }
+        if has!("avx2") && has!("fma") {
+            forms.extend([
+                (
+                    "sigmoid avx2",
+                    // SAFETY: the CPU has the instruction set (checked above).
+                    (|v| unsafe { super::logistic_avx2(v, false) }) as fn(&mut [f32]),
+                    sigmoid,
+                    0.0,
+                ),
+                (
+                    "silu avx2",
+                    // SAFETY: as above.
+                    |v| unsafe { super::logistic_avx2(v, true) },
+                    silu,
+                    0.0,
+                ),
+                (
+                    "gelu avx2",
+                    // SAFETY: as above.
+                    |v| unsafe { super::gelu_avx2(v) },
+                    gelu,
+                    3e-7,
+                ),
+            ]);
+        }
         for (name, f, want, per_x) in forms {
-            for len in [1, 15, 16, 17, 31, 40, xs.len()] {
+            for len in [1, 7, 9, 15, 16, 17, 31, 40, xs.len()] {
                 let mut got = xs[..len].to_vec();
                 f(&mut got);
                 for (&x, &got) in xs.iter().zip(&got) {
                     let (got, want, x) = (got as f64, want(x as f64), x as f64);
-                    // Below −87: σ is 1.6·10⁻³⁸ where it is less (see `logistic_avx512`).
+                    // Below −87: σ is 1.6·10⁻³⁸ where it is less (see `logistic`).
                     let floor = 2e-38 * x.abs().max(1.0);
                     assert!(
                         (got - want).abs() <= 6e-7 * want.abs() + per_x * x.abs() + floor,
@@ -237,22 +505,23 @@ mod tests {
                     );
                 }
             }
+            let mut edges = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -f32::NAN];
+            f(&mut edges);
+            assert!(edges[0].is_nan() && edges[3].is_nan(), "{name}: {edges:?}");
+            let (inf, neg_inf) = (edges[1], edges[2]);
+            match name.split(' ').next() {
+                // AVX2's reciprocal of 1 is 1 − 2^−24 after its Newton step.
+                Some("sigmoid") => assert!(
+                    (1.0 - inf) <= 6e-8 && (0.0..1e-37).contains(&neg_inf),
+                    "{name}: {edges:?}"
+                ),
+                Some("silu") => assert!(inf == f32::INFINITY && neg_inf == f32::NEG_INFINITY),
+                _ => assert!(
+                    inf == f32::INFINITY && neg_inf.is_nan(),
+                    "{name}: {edges:?}"
+                ),
+            }
         }
-        let mut edges = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -f32::NAN];
-        // SAFETY: as above.
-        unsafe { super::logistic_avx512(&mut edges, false) };
-        assert!(edges[0].is_nan() && edges[3].is_nan());
-        assert_eq!(edges[1], 1.0);
-        assert!((0.0..1e-37).contains(&edges[2]));
-        let mut edges = [f32::NAN, f32::INFINITY];
-        // SAFETY: as above.
-        unsafe { super::logistic_avx512(&mut edges, true) };
-        assert!(edges[0].is_nan() && edges[1] == f32::INFINITY);
-        let mut edges = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -f32::NAN];
-        // SAFETY: as above.
-        unsafe { super::gelu_avx512(&mut edges) };
-        assert!(edges[0].is_nan() && edges[2].is_nan() && edges[3].is_nan());
-        assert_eq!(edges[1], f32::INFINITY);
     }
 
     /// erfc in f64 to 1e-15 or so: the series for small |x|, the continued fraction beyond.
