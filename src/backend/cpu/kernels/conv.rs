@@ -589,8 +589,8 @@ impl PairStore<'_> {
             ..
         } = self;
         // Whole rows (ResNet's layers): each value's sum, activation and narrowing in
-        // registers, a row's 32 at a time, stored once (the compiler vectorises these; as
-        // the passes below, ResNet-50 BF16 at batch 8 took 2% longer).
+        // registers, a row's 32 at a time, stored once (the compiler vectorises these; in
+        // `passes`, ResNet-50 BF16 at batch 8 took 2% longer).
         for (r, row) in values[..rows * COLS].chunks_exact(COLS).enumerate() {
             let at = first + r * ld;
             let row: &[f32; COLS] = row.try_into().expect("a row");
@@ -619,7 +619,7 @@ impl PairStore<'_> {
 
     /// The block through the epilogue in passes over it while it is in L1: the residual added
     /// row by row, `activate` on the whole block, then each row narrowed and stored, in runs
-    /// of 16 and 8 and single values.
+    /// of 16 (two for a whole row), 8 and single values.
     #[inline(always)]
     fn passes(self, activate: impl FnOnce(&mut [f32])) {
         const COLS: usize = bf16_gemm::BLOCK_COLS;
