@@ -41,7 +41,7 @@ pub(crate) fn activate(act: Act, values: &mut [f32]) {
 
 /// Whether [`activate`] has an intrinsics form of `act`: epilogues that otherwise apply the
 /// activation value by value as they narrow hand these a whole block instead.
-pub(crate) fn long(act: Act) -> bool {
+pub(super) fn long(act: Act) -> bool {
     matches!(act, Act::Silu | Act::Sigmoid | Act::Gelu)
 }
 
@@ -306,8 +306,7 @@ unsafe fn each_vector<V: Vector>(values: &mut [f32], f: impl Fn(V) -> V) {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn exp<V: Vector>(x: V) -> V {
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
+    use super::{LN2_HI, LN2_LO};
     // SAFETY: the caller's.
     unsafe {
         let c = |v| V::splat(v);
@@ -351,21 +350,14 @@ unsafe fn logistic<V: Vector>(x: V, silu: bool) -> V {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn gelu<V: Vector>(x: V) -> V {
-    const P: f32 = 0.327_591_1;
-    const A: [f32; 5] = [
-        1.061_405_4,
-        -1.453_152,
-        1.421_413_7,
-        -0.284_496_74,
-        0.254_829_6,
-    ];
+    use super::{ERF_A, ERF_P};
     // SAFETY: the caller's.
     unsafe {
         let c = |v| V::splat(v);
         let z = x.mul(c(std::f32::consts::FRAC_1_SQRT_2));
         let a = c(8.0).min(z.abs());
-        let t = a.fmadd(c(P), c(1.0)).recip();
-        let [first, rest @ ..] = A;
+        let t = a.fmadd(c(ERF_P), c(1.0)).recip();
+        let [first, rest @ ..] = ERF_A;
         let poly = rest.iter().fold(c(first), |p, &k| p.fmadd(t, c(k)));
         let e = exp(a.fnmadd(a, c(0.0)));
         // erf(|z|), then its sign from x's (a NaN's included).

@@ -99,6 +99,22 @@ impl<V: Copy, L: Fn(V) -> f32, S: Fn(f32) -> V> Vectorised for Affine<'_, V, L, 
     }
 }
 
+/// ln 2 in two parts for the range reduction r = x − k·ln 2 of an exponential: k·LN2_HI is
+/// exact for the k an f32 exponent takes, LN2_LO carries the rest.
+pub(super) const LN2_HI: f32 = 0.693_145_75;
+pub(super) const LN2_LO: f32 = 1.428_606_8e-6;
+
+/// Abramowitz & Stegun 7.1.26: erf(a) ≈ 1 − t·A(t)·e^(−a²) for a ≥ 0, t = 1 / (1 + ERF_P·a),
+/// A's coefficients highest power first.
+pub(super) const ERF_P: f32 = 0.327_591_1;
+pub(super) const ERF_A: [f32; 5] = [
+    1.061_405_4,
+    -1.453_152,
+    1.421_413_7,
+    -0.284_496_74,
+    0.254_829_6,
+];
+
 /// e^x for x ≤ 0 (what a softmax exponentiates once its maximum is subtracted), in code the
 /// compiler vectorises (every step: check the assembly after changing it): x = k·ln 2 + r with
 /// |r| ≤ ln 2 / 2, e^r by its Taylor polynomial to r⁶ (relative error below 2e-7), 2^k from
@@ -107,8 +123,6 @@ impl<V: Copy, L: Fn(V) -> f32, S: Fn(f32) -> V> Vectorised for Affine<'_, V, L, 
 /// of EfficientNet's, in SiLU).
 #[inline(always)]
 pub(crate) fn exp_nonpositive(x: f32) -> f32 {
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
     let small = x < -87.0;
     let x = if small { -87.0 } else { x };
     // Ties to even: one vector instruction (`round`, ties away from zero, is several).
@@ -140,16 +154,16 @@ pub(crate) fn silu(x: f32) -> f32 {
     x * sigmoid(x)
 }
 
-/// erf(x) in code the compiler vectorises: Abramowitz & Stegun 7.1.26 (absolute error below
-/// 1.5e-7 in exact arithmetic, 6e-7 in f32: a few ulps near 1) with [`exp_nonpositive`] for e^(−x²); NaN stays NaN.
-/// libm's `erff`, one call per element, cost 4× more.
+/// erf(x) in code the compiler vectorises: Abramowitz & Stegun 7.1.26 ([`ERF_A`]; absolute
+/// error below 1.5e-7 in exact arithmetic, 6e-7 in f32: a few ulps near 1) with
+/// [`exp_nonpositive`] for e^(−x²); NaN stays NaN. libm's `erff`, one call per element, cost
+/// 4× more.
 #[inline(always)]
 pub(crate) fn erf(x: f32) -> f32 {
     let a = x.abs();
-    let t = 1.0 / (1.0 + 0.327_591_1 * a);
-    let poly = t
-        * (0.254_829_6
-            + t * (-0.284_496_74 + t * (1.421_413_7 + t * (-1.453_152 + t * 1.061_405_4))));
+    let t = 1.0 / (1.0 + ERF_P * a);
+    let [first, rest @ ..] = ERF_A;
+    let poly = t * rest.iter().fold(first, |p, &k| p * t + k);
     let y = 1.0 - poly * exp_nonpositive(-a * a);
     if x < 0.0 {
         -y

@@ -152,9 +152,9 @@ unsafe fn rows_avx512(_: &Job<'_>, _: usize, _: usize, _: (usize, usize)) {
     unreachable!("bf16 pairs are multiplied on x86-64 only")
 }
 
-/// [`rows_avx512`]: groups of [`PIXELS`] output pixels (the last
-/// group of a range repeating its last pixel), each pixel's window read in place or, where it
-/// crosses the image's edge, from a zero-padded copy.
+/// [`rows_avx512`]: groups of [`PIXELS`] output pixels (the last group of a range repeating its
+/// last pixel), each pixel's window read in place or, where it crosses the image's edge, from a
+/// zero-padded copy.
 ///
 /// # Safety
 /// As for [`rows_avx512`].
