@@ -106,4 +106,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit("interrupted: no verdict (the rounds so far are printed above)")
