@@ -690,16 +690,13 @@ mod pairs {
     use rayon::prelude::*;
 
     use super::super::{Nhwc, SCRATCH};
-    use super::{Finish, PIXELS, RUN_BYTES, tap_rows};
+    use super::{Finish, RUN_BYTES, tap_rows};
     use crate::backend::cpu::elem::f32_bf16;
     use crate::backend::cpu::simd::with_simd;
     use crate::model::op::{Act, Conv2d};
 
     /// Channels per block: one zmm of f32 sums, one of bf16 pairs.
     const BLOCK: usize = 16;
-    /// Input pixels a run reads on a tap row, at most (5 taps at stride 2; 7 at stride 1 read
-    /// 10).
-    const SPAN: usize = (PIXELS - 1) * 2 + 5;
 
     /// A layer's weights as pairs of tap rows: for row pair r, tap kx and channel c, the bf16
     /// weights of rows 2r and 2r + 1 in one 32-bit lane (channels padded to 16); an odd last
@@ -807,9 +804,9 @@ mod pairs {
                 });
         }
 
-        /// One output row into `wide` (f32, out_w × ch): runs of [`PIXELS`] output pixels,
-        /// their channels in groups whose input fits [`RUN_BYTES`], 16 at a time (a masked
-        /// last block), as the f32 kernel goes.
+        /// One output row into `wide` (f32, out_w × ch): runs of P output pixels (8 at
+        /// stride 1, 4 at 2), their channels in groups whose input fits [`RUN_BYTES`], 16 at
+        /// a time (a masked last block), as the f32 kernels go.
         ///
         /// # Safety
         /// The CPU has AVX-512F, BW, VL and AVX512_BF16; each input row holds `width` pixels
@@ -823,19 +820,42 @@ mod pairs {
             width: usize,
             pad: usize,
         ) {
+            // SAFETY: forwarded.
+            unsafe {
+                if S == 1 {
+                    self.runs::<K, S, 8>(input, bias, wide, width, pad)
+                } else {
+                    self.runs::<K, S, 4>(input, bias, wide, width, pad)
+                }
+            }
+        }
+
+        /// [`Pairs::row`] in runs of P output pixels.
+        ///
+        /// # Safety
+        /// As for [`Pairs::row`].
+        #[inline(always)]
+        unsafe fn runs<const K: usize, const S: usize, const P: usize>(
+            &self,
+            input: &[Option<&[Bf16]>],
+            bias: &[f32],
+            wide: &mut [f32],
+            width: usize,
+            pad: usize,
+        ) {
             let ch = bias.len();
             let out_w = wide.len() / ch;
-            let run_pixels = (PIXELS - 1) * S + K;
+            let run_pixels = (P - 1) * S + K;
             let group = (RUN_BYTES / (run_pixels * K * 2) / BLOCK * BLOCK).max(BLOCK);
             for c_lo in (0..ch).step_by(group) {
-                for ox0 in (0..out_w).step_by(PIXELS) {
-                    let valid = PIXELS.min(out_w - ox0);
+                for ox0 in (0..out_w).step_by(P) {
+                    let valid = P.min(out_w - ox0);
                     let x0 = (ox0 * S) as isize - pad as isize;
                     for c0 in (c_lo..(c_lo + group).min(ch)).step_by(BLOCK) {
                         let mask = (u32::MAX >> (32 - (ch - c0).min(BLOCK))) as __mmask16;
                         // SAFETY: the caller's; loads and stores are masked to the channels.
                         unsafe {
-                            let acc = self.sums::<K, S>(input, bias, (x0, width, ch), c0, mask);
+                            let acc = self.sums::<K, S, P>(input, bias, (x0, width, ch), c0, mask);
                             for (p, acc) in acc.iter().enumerate().take(valid) {
                                 let at = (ox0 + p) * ch + c0;
                                 _mm512_mask_storeu_ps(wide.as_mut_ptr().add(at), mask, *acc);
@@ -846,21 +866,23 @@ mod pairs {
             }
         }
 
-        /// The sums of [`PIXELS`] output pixels (from input column x0) for channels c0.. (the
+        /// The sums of P output pixels (from input column x0) for channels c0.. (the
         /// `mask`ed ones): the bias, each pair of tap rows by `vdpbf16ps`, an odd last row
-        /// by FMAs; input pixels outside the image read as zeros.
+        /// by FMAs; input pixels outside the image read as zeros. Each input pixel (pair) is
+        /// made once per tap row (pair) and multiplied at once into every output pixel it
+        /// reaches.
         ///
         /// # Safety
         /// As for [`Pairs::row`].
         #[inline(always)]
-        unsafe fn sums<const K: usize, const S: usize>(
+        unsafe fn sums<const K: usize, const S: usize, const P: usize>(
             &self,
             input: &[Option<&[Bf16]>],
             bias: &[f32],
             (x0, width, ch): (isize, usize, usize),
             c0: usize,
             mask: __mmask16,
-        ) -> [__m512; PIXELS] {
+        ) -> [__m512; P] {
             // SAFETY: the caller's (masked loads inside the rows and weights).
             unsafe {
                 let load = |row: Option<&[Bf16]>, ix: isize| match row {
@@ -872,7 +894,7 @@ mod pairs {
                     }
                     _ => _mm512_setzero_si512(),
                 };
-                let mut acc = [_mm512_maskz_loadu_ps(mask, bias.as_ptr().add(c0)); PIXELS];
+                let mut acc = [_mm512_maskz_loadu_ps(mask, bias.as_ptr().add(c0)); P];
                 for r in 0..K / 2 {
                     let (a, b) = (input[2 * r], input[2 * r + 1]);
                     if a.is_none() && b.is_none() {
@@ -883,19 +905,16 @@ mod pairs {
                         let at = (r * K + kx) * self.padded + c0;
                         *w = _mm512_loadu_si512(self.pairs.as_ptr().add(at).cast());
                     }
-                    let mut xv = [_mm512_setzero_si512(); SPAN];
-                    for (j, xv) in xv.iter_mut().enumerate().take((PIXELS - 1) * S + K) {
+                    for j in 0..(P - 1) * S + K {
                         let ix = x0 + j as isize;
-                        *xv = _mm512_or_si512(load(a, ix), _mm512_slli_epi32::<16>(load(b, ix)));
-                    }
-                    for (p, acc) in acc.iter_mut().enumerate() {
-                        for (kx, w) in w.iter().enumerate() {
-                            let xp = std::mem::transmute::<__m512i, __m512bh>(xv[p * S + kx]);
-                            *acc = _mm512_dpbf16_ps(
-                                *acc,
-                                xp,
-                                std::mem::transmute::<__m512i, __m512bh>(*w),
-                            );
+                        let xv = _mm512_or_si512(load(a, ix), _mm512_slli_epi32::<16>(load(b, ix)));
+                        let xp = std::mem::transmute::<__m512i, __m512bh>(xv);
+                        for (p, acc) in acc.iter_mut().enumerate() {
+                            // Input pixel j is tap j − p·S of output pixel p.
+                            if j >= p * S && j - p * S < K {
+                                let wp = std::mem::transmute::<__m512i, __m512bh>(w[j - p * S]);
+                                *acc = _mm512_dpbf16_ps(*acc, xp, wp);
+                            }
                         }
                     }
                 }
@@ -906,16 +925,15 @@ mod pairs {
                     for (kx, w) in w.iter_mut().enumerate() {
                         *w = _mm512_loadu_ps(self.last.as_ptr().add(kx * self.padded + c0));
                     }
-                    let mut xv = [_mm512_setzero_ps(); SPAN];
-                    for (j, xv) in xv.iter_mut().enumerate().take((PIXELS - 1) * S + K) {
-                        *xv = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(load(
+                    for j in 0..(P - 1) * S + K {
+                        let xv = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(load(
                             Some(row),
                             x0 + j as isize,
                         )));
-                    }
-                    for (p, acc) in acc.iter_mut().enumerate() {
-                        for (kx, w) in w.iter().enumerate() {
-                            *acc = _mm512_fmadd_ps(xv[p * S + kx], *w, *acc);
+                        for (p, acc) in acc.iter_mut().enumerate() {
+                            if j >= p * S && j - p * S < K {
+                                *acc = _mm512_fmadd_ps(xv, w[j - p * S], *acc);
+                            }
                         }
                     }
                 }
