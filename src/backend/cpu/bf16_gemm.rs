@@ -283,7 +283,11 @@ pub unsafe fn gemm(
                     let c = values.as_mut_ptr();
                     match engine {
                         Engine::Amx => super::amx::block(ab, ldab, b, p, pair, c, BLOCK_COLS),
-                        Engine::Dot => dot::block(ab, ldab, rows, b, p, pair, c, BLOCK_COLS),
+                        Engine::Dot => {
+                            if !dot::few_pairs(ab, ldab, rows, b, p, pair, c, BLOCK_COLS) {
+                                dot::block(ab, ldab, rows, b, p, pair, c, BLOCK_COLS)
+                            }
+                        }
                     }
                 };
                 done(Done {
@@ -408,6 +412,100 @@ mod dot {
                             16
                         }
                     };
+                }
+            }
+        }
+    }
+
+    /// The most k-pair rows of B (over all panels) that [`stationary`] holds in registers.
+    const STATIONARY: usize = 24;
+
+    /// [`block`] by [`stationary`] where B's k-pair rows for the block's panels fit in
+    /// registers ([`STATIONARY`]); `false` (nothing done) where they do not. Kept apart from
+    /// `block`, whose code for larger K it would otherwise share.
+    ///
+    /// # Safety
+    /// As for [`block`].
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn few_pairs(
+        a: *const bf16,
+        lda: usize,
+        rows: usize,
+        b: &PackedPairs,
+        p: usize,
+        pair: bool,
+        c: *mut f32,
+        ldc: usize,
+    ) -> bool {
+        let panels = [
+            b.panel(p).as_ptr(),
+            b.panel((p + 1).min(b.panels() - 1)).as_ptr(),
+        ];
+        let bias = [
+            b.bias(p).as_ptr(),
+            b.bias((p + 1).min(b.panels() - 1)).as_ptr(),
+        ];
+        macro_rules! stationary {
+            ($($pairs:literal),*) => {
+                match (b.kp() / 2, pair) {
+                    $(($pairs, true) if 2 * $pairs <= STATIONARY => {
+                        stationary::<$pairs, 2>(a, lda, rows, panels, c, ldc, bias)
+                    }
+                    ($pairs, false) => {
+                        stationary::<$pairs, 1>(a, lda, rows, panels, c, ldc, bias)
+                    })*
+                    _ => return false,
+                }
+            };
+        }
+        // SAFETY: the caller's contract: every row and column touched is inside A, B and C,
+        // and K is one chunk.
+        unsafe { stationary!(4, 8, 12, 16, 20, 24) };
+        true
+    }
+
+    /// C[rows × PANELS·16] = bias + A[rows × 2·PAIRS] · B for a K of a few k-pairs: B's
+    /// PAIRS × PANELS k-pair rows held in registers while the rows of A stream past them, a
+    /// row at a time (each row its own chain of PAIRS `vdpbf16ps` per panel; out-of-order
+    /// execution overlaps the rows). The row-group kernel ([`group`]) kept 16 row pointers,
+    /// which spilled, and reloaded them from the stack on every k-pair: MobileNetV3's 16 → 16
+    /// layer (K = 16) ran at a third of `vdpbf16ps`'s rate.
+    ///
+    /// # Safety
+    /// As for `block`, with K = 2·PAIRS padded (one chunk).
+    #[inline(always)]
+    unsafe fn stationary<const PAIRS: usize, const PANELS: usize>(
+        a: *const bf16,
+        lda: usize,
+        rows: usize,
+        panels: [*const bf16; 2],
+        c: *mut f32,
+        ldc: usize,
+        bias: [*const f32; 2],
+    ) {
+        // SAFETY: the caller's contract (unaligned loads and stores throughout).
+        unsafe {
+            let bv: [[__m512bh; PANELS]; PAIRS] = std::array::from_fn(|k2| {
+                std::array::from_fn(|q| {
+                    std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                        panels[q].add(k2 * 2 * PANEL).cast(),
+                    ))
+                })
+            });
+            let start: [__m512; PANELS] = std::array::from_fn(|q| _mm512_loadu_ps(bias[q]));
+            for r in 0..rows {
+                let ar = a.add(r * lda);
+                let mut acc = start;
+                for (k2, bk) in bv.iter().enumerate() {
+                    let pair = ar.add(2 * k2).cast::<i32>().read_unaligned();
+                    let av = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(pair));
+                    for (x, bq) in acc.iter_mut().zip(bk) {
+                        *x = _mm512_dpbf16_ps(*x, *bq, av);
+                    }
+                }
+                for (q, x) in acc.iter().enumerate() {
+                    _mm512_storeu_ps(c.add(r * ldc + q * PANEL), *x);
                 }
             }
         }
@@ -559,6 +657,10 @@ mod tests {
             // MobileNetV3's small 1×1 layers: K a multiple of 8, not of 32.
             (33, 40, 24, 0, 2),
             (9, 16, 16, 0, 1),
+            // B in registers: pairs of panels (K ≤ 24) and single ones (K ≤ 48).
+            (45, 20, 72, 0, 5),
+            (50, 16, 64, 0, 4),
+            (37, 48, 40, 0, 3),
         ] {
             let av: Vec<f32> = (0..m * k)
                 .map(|i| ((i * 7919 % 29) as f32 - 14.0) / 8.0)
