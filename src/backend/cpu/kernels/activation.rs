@@ -367,6 +367,46 @@ unsafe fn gelu<V: Vector>(x: V) -> V {
     }
 }
 
+/// `act` on one AVX-512 vector, value for value as [`activate`] computes it (the clamps as
+/// `clamp_nan` does them: a NaN stays NaN, −0 stays −0; the long ones by [`logistic`] and
+/// [`gelu`]), for kernels that finish their sums in registers.
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn activate_zmm(
+    act: Act,
+    x: std::arch::x86_64::__m512,
+) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's.
+    unsafe {
+        // v < lo → lo, v > hi → hi, else v (NaN included), as `clamp_nan`.
+        let clamp = |v: __m512, lo: f32, hi: f32| {
+            let (lo, hi) = (_mm512_set1_ps(lo), _mm512_set1_ps(hi));
+            let v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_LT_OQ>(v, lo), v, lo);
+            _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_GT_OQ>(v, hi), v, hi)
+        };
+        match act {
+            Act::None => x,
+            Act::Relu => clamp(x, 0.0, f32::INFINITY),
+            Act::Relu6 => clamp(x, 0.0, 6.0),
+            Act::Hardswish => {
+                let t = clamp(_mm512_add_ps(x, _mm512_set1_ps(3.0)), 0.0, 6.0);
+                _mm512_div_ps(_mm512_mul_ps(x, t), _mm512_set1_ps(6.0))
+            }
+            Act::Hardsigmoid => {
+                let t = clamp(_mm512_add_ps(x, _mm512_set1_ps(3.0)), 0.0, 6.0);
+                _mm512_div_ps(t, _mm512_set1_ps(6.0))
+            }
+            Act::Silu => logistic(x, true),
+            Act::Sigmoid => logistic(x, false),
+            Act::Gelu => gelu(x),
+        }
+    }
+}
+
 /// [`logistic`] on every value, 16 at a time.
 ///
 /// # Safety
@@ -417,6 +457,58 @@ pub(crate) unsafe fn gelu_avx2(values: &mut [f32]) {
 
 #[cfg(test)]
 mod tests {
+    /// [`super::activate_zmm`] against [`super::activate`] bit for bit, every activation, on
+    /// values around each one's bends and clamps, ±0, ±∞ and NaN. Where the CPU has no
+    /// AVX-512F it says so and checks nothing.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn zmm_form_matches_activate() {
+        use crate::model::op::Act;
+        use std::arch::x86_64::{_mm512_loadu_ps, _mm512_storeu_ps};
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            eprintln!("no AVX-512F here: activate_zmm is not exercised");
+            return;
+        }
+        let mut values: Vec<f32> = (-400..=400).map(|i| i as f32 / 40.0).collect();
+        values.extend([0.0, -0.0, 3.0, -3.0, 6.0, 1e-40, -1e-40, 1e30, -1e30]);
+        values.extend([
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            2.999_999_8,
+            6.000_001,
+        ]);
+        values.resize(values.len().next_multiple_of(16), 0.5);
+        for act in [
+            Act::None,
+            Act::Relu,
+            Act::Relu6,
+            Act::Silu,
+            Act::Hardswish,
+            Act::Gelu,
+            Act::Sigmoid,
+            Act::Hardsigmoid,
+        ] {
+            let mut want = values.clone();
+            super::activate(act, &mut want);
+            for (i, chunk) in values.chunks(16).enumerate() {
+                let mut got = [0f32; 16];
+                // SAFETY: the CPU has AVX-512F (checked above); both arrays hold 16 floats.
+                unsafe {
+                    let v = super::activate_zmm(act, _mm512_loadu_ps(chunk.as_ptr()));
+                    _mm512_storeu_ps(got.as_mut_ptr(), v);
+                }
+                for (j, (g, w)) in got.iter().zip(&want[i * 16..]).enumerate() {
+                    assert!(
+                        g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                        "{act:?}({}) = {g}, activate gives {w}",
+                        chunk[j]
+                    );
+                }
+            }
+        }
+    }
+
     /// The AVX-512 and AVX2 sigmoid, SiLU and GELU against libm's forms (f64), on slices of
     /// every length up to 40 (the last vectors partial) over the range where they bend, the
     /// tails of both signs, ±∞ and NaN: each instruction set the CPU has.

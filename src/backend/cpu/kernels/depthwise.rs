@@ -648,7 +648,8 @@ mod zmm {
 /// multiplies a pair of taps into each channel's sum where two FMAs did: a 3×3 layer is 3 of
 /// them and 3 FMAs (the odd last row) per output pixel instead of 9 FMAs, a 5×5 one 10 and 5
 /// instead of 25. The sums stay f32 (each pair's two products are exact; their sum is rounded
-/// once, as the FMAs rounded each) and go through the same epilogue ([`Finish`]).
+/// once, as the FMAs rounded each) and get the same epilogue as [`Finish`]'s, applied in
+/// registers (`pairs::finish`).
 #[cfg(target_arch = "x86_64")]
 pub(super) use pairs::Pairs;
 
@@ -689,10 +690,10 @@ mod pairs {
     use half::bf16 as Bf16;
     use rayon::prelude::*;
 
-    use super::super::{Nhwc, SCRATCH};
-    use super::{Finish, RUN_BYTES, tap_rows};
+    use super::super::Nhwc;
+    use super::super::activation::activate_zmm;
+    use super::{RUN_BYTES, tap_rows};
     use crate::backend::cpu::elem::f32_bf16;
-    use crate::backend::cpu::simd::with_simd;
     use crate::model::op::{Act, Conv2d};
 
     /// Channels per block: one zmm of f32 sums, one of bf16 pairs.
@@ -707,6 +708,41 @@ mod pairs {
         padded: usize,
         pairs: Vec<u32>,
         last: Vec<f32>,
+    }
+
+    /// One vector of finished sums stored at `at` in `out` (its `mask`ed channels): the
+    /// residual widened and added, the activation ([`activate_zmm`]), then narrowed by
+    /// `vcvtneps2bf16` (to nearest, ties to even, as [`crate::backend::cpu::elem::f32_bf16`];
+    /// it also flushes f32 subnormals, below 1.2·10⁻³⁸, to zero). Written to an f32 row first
+    /// and finished by [`Finish`]'s three passes over it, MobileNetV3's 16-channel 3×3 layer at
+    /// 112² spent half as long again in the passes as in its sums.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F, BW, VL and AVX512_BF16; `at..at + 16` (the masked lanes) is
+    /// inside `out` and the residual.
+    #[inline(always)]
+    unsafe fn finish(
+        v: __m512,
+        residual: Option<&[Bf16]>,
+        act: Act,
+        out: &mut [Bf16],
+        at: usize,
+        mask: __mmask16,
+    ) {
+        // SAFETY: the caller's (masked loads and stores).
+        unsafe {
+            let v = match residual {
+                Some(r) => {
+                    let r = _mm256_maskz_loadu_epi16(mask, r.as_ptr().add(at).cast());
+                    let r = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(r));
+                    _mm512_add_ps(v, _mm512_castsi512_ps(r))
+                }
+                None => v,
+            };
+            let v = activate_zmm(act, v);
+            let h = std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(v));
+            _mm256_mask_storeu_epi16(out.as_mut_ptr().add(at).cast(), mask, h);
+        }
     }
 
     impl Pairs {
@@ -758,7 +794,7 @@ mod pairs {
         }
 
         /// The layer `x` (xs) → `y` (ys), bf16 NHWC, with `bias`, `residual` and `act`: rows in
-        /// parallel, each computed in f32 into a per-worker row that [`Finish`] completes.
+        /// parallel, each run of sums finished in registers and stored ([`finish`]).
         #[allow(clippy::too_many_arguments)]
         pub(in super::super) fn run(
             &self,
@@ -781,51 +817,46 @@ mod pairs {
                 .for_each(|(row, out)| {
                     let input = tap_rows(c, x, xs, row / ys.h, row % ys.h);
                     let residual = residual.map(|r| &r[row * row_len..][..row_len]);
-                    SCRATCH.with_borrow_mut(|(_, wide)| {
-                        wide.resize(row_len, 0.0);
-                        // SAFETY: `new` checked that the CPU has AVX-512F, BW, VL and
-                        // AVX512_BF16; the rows are the input's (xs.w pixels of ch channels).
-                        unsafe {
-                            match (self.k, self.stride) {
-                                (3, 1) => self.row::<3, 1>(&input, bias, wide, xs.w, c.padding.1),
-                                (3, 2) => self.row::<3, 2>(&input, bias, wide, xs.w, c.padding.1),
-                                (5, 1) => self.row::<5, 1>(&input, bias, wide, xs.w, c.padding.1),
-                                (5, 2) => self.row::<5, 2>(&input, bias, wide, xs.w, c.padding.1),
-                                _ => self.row::<7, 1>(&input, bias, wide, xs.w, c.padding.1),
-                            }
+                    let fin = (residual, act);
+                    let at = (xs.w, c.padding.1);
+                    // SAFETY: `new` checked that the CPU has AVX-512F, BW, VL and AVX512_BF16;
+                    // the rows are the input's (xs.w pixels of ch channels), the residual's
+                    // row is the output's length.
+                    unsafe {
+                        match (self.k, self.stride) {
+                            (3, 1) => self.row::<3, 1>(&input, bias, out, fin, at),
+                            (3, 2) => self.row::<3, 2>(&input, bias, out, fin, at),
+                            (5, 1) => self.row::<5, 1>(&input, bias, out, fin, at),
+                            (5, 2) => self.row::<5, 2>(&input, bias, out, fin, at),
+                            _ => self.row::<7, 1>(&input, bias, out, fin, at),
                         }
-                        with_simd(Finish {
-                            values: wide,
-                            residual,
-                            act,
-                            out: Some(out),
-                        })
-                    })
+                    }
                 });
         }
 
-        /// One output row into `wide` (f32, out_w × ch): runs of P output pixels (8 at
+        /// One output row into `out` (bf16, out_w × ch): runs of P output pixels (8 at
         /// stride 1, 4 at 2), their channels in groups whose input fits [`RUN_BYTES`], 16 at
-        /// a time (a masked last block), as the f32 kernels go.
+        /// a time (a masked last block), as the f32 kernels go; each run's sums finished in
+        /// registers ([`Pairs::finish`]).
         ///
         /// # Safety
         /// The CPU has AVX-512F, BW, VL and AVX512_BF16; each input row holds `width` pixels
-        /// of `bias.len()` channels.
+        /// of `bias.len()` channels; the residual row (if any) is as long as `out`.
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
         unsafe fn row<const K: usize, const S: usize>(
             &self,
             input: &[Option<&[Bf16]>],
             bias: &[f32],
-            wide: &mut [f32],
-            width: usize,
-            pad: usize,
+            out: &mut [Bf16],
+            fin: (Option<&[Bf16]>, Act),
+            at: (usize, usize),
         ) {
             // SAFETY: forwarded.
             unsafe {
                 if S == 1 {
-                    self.runs::<K, S, 8>(input, bias, wide, width, pad)
+                    self.runs::<K, S, 8>(input, bias, out, fin, at)
                 } else {
-                    self.runs::<K, S, 4>(input, bias, wide, width, pad)
+                    self.runs::<K, S, 4>(input, bias, out, fin, at)
                 }
             }
         }
@@ -839,12 +870,12 @@ mod pairs {
             &self,
             input: &[Option<&[Bf16]>],
             bias: &[f32],
-            wide: &mut [f32],
-            width: usize,
-            pad: usize,
+            out: &mut [Bf16],
+            (residual, act): (Option<&[Bf16]>, Act),
+            (width, pad): (usize, usize),
         ) {
             let ch = bias.len();
-            let out_w = wide.len() / ch;
+            let out_w = out.len() / ch;
             let run_pixels = (P - 1) * S + K;
             let group = (RUN_BYTES / (run_pixels * K * 2) / BLOCK * BLOCK).max(BLOCK);
             for c_lo in (0..ch).step_by(group) {
@@ -858,7 +889,7 @@ mod pairs {
                             let acc = self.sums::<K, S, P>(input, bias, (x0, width, ch), c0, mask);
                             for (p, acc) in acc.iter().enumerate().take(valid) {
                                 let at = (ox0 + p) * ch + c0;
-                                _mm512_mask_storeu_ps(wide.as_mut_ptr().add(at), mask, *acc);
+                                finish(*acc, residual, act, out, at, mask);
                             }
                         }
                     }
@@ -1008,8 +1039,8 @@ mod tests {
 
     /// The `vdpbf16ps` kernel against the FMA kernel on the same bf16 values: 3×3 and 5×5 at
     /// strides 1 and 2, padding 0 to 2 (tap rows above and below the image, pixels past both
-    /// sides), channel counts with and without a masked last block, a residual and an
-    /// activation; within one bf16 rounding of each other. Where the CPU multiplies no pairs it
+    /// sides), channel counts with and without a masked last block, with and without a
+    /// residual, every activation; within one bf16 rounding of each other. Where the CPU multiplies no pairs it
     /// says so and checks nothing.
     #[test]
     #[cfg(target_arch = "x86_64")]
@@ -1022,10 +1053,22 @@ mod tests {
             (16, 5, 2, 2, 9, 9),
             (24, 7, 1, 3, 8, 10),
             (33, 3, 1, 0, 5, 6),
+            (48, 3, 1, 1, 6, 20),
+            (20, 5, 1, 2, 5, 17),
         ];
-        for (ch, k, st, pad, h, w) in cases {
+        let acts = [
+            Act::Hardswish,
+            Act::None,
+            Act::Relu,
+            Act::Relu6,
+            Act::Silu,
+            Act::Gelu,
+            Act::Sigmoid,
+            Act::Hardsigmoid,
+        ];
+        for (i, (ch, k, st, pad, h, w)) in cases.into_iter().enumerate() {
             let mut c = Conv2d::new(ch, ch, k, st, pad).with_groups(ch);
-            c.act = Act::Hardswish;
+            c.act = acts[i % acts.len()];
             let value = |i: usize| bf16::from_f32(((i * 37 % 101) as f32 - 50.0) / 25.0);
             let dw: Vec<f32> = (0..k * k * ch)
                 .map(|i| value(i * 7 + 1).to_f32() / 4.0)
@@ -1045,10 +1088,12 @@ mod tests {
             let x: Vec<bf16> = (0..xs.elems()).map(value).collect();
             let res: Vec<bf16> = (0..ys.elems()).map(|i| value(i + 11)).collect();
             let bias: Vec<f32> = (0..ch).map(|i| i as f32 / 16.0 - 1.0).collect();
+            // A residual on every other case.
+            let res = (i % 2 == 0).then_some(&res[..]);
             let mut got = vec![bf16::NAN; ys.elems()];
-            pairs.run(&c, &bias, &x, xs, &mut got, ys, Some(&res), c.act);
+            pairs.run(&c, &bias, &x, xs, &mut got, ys, res, c.act);
             let mut want = vec![bf16::NAN; ys.elems()];
-            direct(&c, &dw, &bias, &x, xs, &mut want, ys, Some(&res), c.act);
+            direct(&c, &dw, &bias, &x, xs, &mut want, ys, res, c.act);
             for (i, (g, e)) in got.iter().zip(&want).enumerate() {
                 let (g, e) = (g.to_f32(), e.to_f32());
                 assert!(
