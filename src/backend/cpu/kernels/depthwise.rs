@@ -83,9 +83,10 @@ fn direct<S: Lanes>(
             };
             match S::as_f32_mut(out) {
                 Some(values) => {
-                    if !S::row_zmm(c, &input, w, bias, values, xs.w) {
-                        kernel(&mut *values);
+                    if S::row_zmm(c, &input, (w, bias), values, xs.w, (residual, act)) {
+                        return;
                     }
+                    kernel(&mut *values);
                     if residual.is_some() || act != Act::None {
                         with_simd(Finish::<S> {
                             values,
@@ -215,16 +216,16 @@ pub(super) trait Lanes: Elem {
     fn wide(self) -> f32;
     fn from_wide(v: f32) -> Self;
 
-    /// One output row (`acc`, before its epilogue) by the AVX-512 kernel written with
-    /// intrinsics ([`zmm`]) where it covers the storage, the layer's shape and the SIMD path
-    /// in use; `false` (nothing written) where it does not.
+    /// One output row (`out`, with its epilogue: the residual row and the activation) by the
+    /// AVX-512 kernel written with intrinsics ([`zmm`]) where it covers the storage, the
+    /// layer's shape and the SIMD path in use; `false` (nothing written) where it does not.
     fn row_zmm(
         _c: &Conv2d,
         _input: &[Option<&[Self]>],
-        _w: &[f32],
-        _bias: &[f32],
-        _acc: &mut [f32],
+        _weights: (&[f32], &[f32]),
+        _out: &mut [f32],
         _width: usize,
+        _fin: (Option<&[Self]>, Act),
     ) -> bool {
         false
     }
@@ -243,16 +244,16 @@ impl Lanes for f32 {
     fn row_zmm(
         c: &Conv2d,
         input: &[Option<&[f32]>],
-        w: &[f32],
-        bias: &[f32],
-        acc: &mut [f32],
+        weights: (&[f32], &[f32]),
+        out: &mut [f32],
         width: usize,
+        fin: (Option<&[f32]>, Act),
     ) -> bool {
         #[cfg(target_arch = "x86_64")]
-        return zmm::row(c, input, w, bias, acc, width);
+        return zmm::row(c, input, weights, out, width, fin);
         #[cfg(not(target_arch = "x86_64"))]
         return {
-            let _ = (c, input, w, bias, acc, width);
+            let _ = (c, input, weights, out, width, fin);
             false
         };
     }
@@ -499,25 +500,26 @@ impl<S: Lanes> DepthwiseRow<'_, S> {
 mod zmm {
     use std::arch::x86_64::*;
 
+    use super::super::activation::activate_zmm;
     use super::RUN_BYTES;
     use crate::backend::cpu::simd::{Simd, simd};
-    use crate::model::op::Conv2d;
+    use crate::model::op::{Act, Conv2d};
 
     /// Channels per block: one zmm.
     const BLOCK: usize = 16;
 
-    /// One output row into `acc` (out_w × ch, the bias and the taps; no epilogue) for 3×3 and
-    /// 5×5 layers at stride 1 or 2 and 7×7 at stride 1, without dilation, where the SIMD path
-    /// in use is AVX-512's; `false` (nothing written) otherwise. `input` holds the tap rows
-    /// (`None` in the padding), each `width` pixels of `bias.len()` channels; `w` is (ky, kx,
-    /// channel).
+    /// One output row into `acc` (out_w × ch: the bias and the taps, then the residual row
+    /// added and the activation, in registers) for 3×3 and 5×5 layers at stride 1 or 2 and
+    /// 7×7 at stride 1, without dilation, where the SIMD path in use is AVX-512's; `false`
+    /// (nothing written) otherwise. `input` holds the tap rows (`None` in the padding), each
+    /// `width` pixels of `bias.len()` channels; `w` is (ky, kx, channel).
     pub(super) fn row(
         c: &Conv2d,
         input: &[Option<&[f32]>],
-        w: &[f32],
-        bias: &[f32],
+        (w, bias): (&[f32], &[f32]),
         acc: &mut [f32],
         width: usize,
+        (residual, act): (Option<&[f32]>, Act),
     ) -> bool {
         let wide = matches!(simd(), Simd::Avx512 | Simd::Avx512Bf16 | Simd::Amx);
         let k = c.kernel.1;
@@ -530,10 +532,11 @@ mod zmm {
             w.len() >= k * k * ch
                 && acc.len().is_multiple_of(ch)
                 && input.len() == k
-                && input.iter().flatten().all(|r| r.len() >= width * ch),
+                && input.iter().flatten().all(|r| r.len() >= width * ch)
+                && residual.is_none_or(|r| r.len() == acc.len()),
             "depthwise: rows, weights and channels disagree"
         );
-        let at = (w, bias, c.padding.1, width);
+        let at = ((w, bias), (c.padding.1, width), (residual, act));
         // SAFETY: `simd()` chose AVX-512 only where the CPU has AVX-512F; the rows, weights
         // and output have the lengths asserted above.
         unsafe {
@@ -556,9 +559,14 @@ mod zmm {
     /// # Safety
     /// The CPU has AVX-512F; the lengths are as [`row`] asserts.
     #[target_feature(enable = "avx512f")]
+    #[allow(clippy::type_complexity)]
     unsafe fn row_k<const K: usize, const S: usize, const P: usize>(
         input: &[Option<&[f32]>],
-        (w, bias, pad, width): (&[f32], &[f32], usize, usize),
+        ((w, bias), (pad, width), (residual, act)): (
+            (&[f32], &[f32]),
+            (usize, usize),
+            (Option<&[f32]>, Act),
+        ),
         acc: &mut [f32],
     ) {
         let ch = bias.len();
@@ -589,11 +597,16 @@ mod zmm {
                             sums::<K, S, P, true>(input, w, bias, at)
                         };
                         for (p, v) in sums.iter().enumerate().take(valid) {
-                            _mm512_mask_storeu_ps(
-                                acc.as_mut_ptr().add((ox0 + p) * ch + c0),
-                                mask,
-                                *v,
-                            );
+                            let at = (ox0 + p) * ch + c0;
+                            let v = match residual {
+                                Some(r) => _mm512_add_ps(
+                                    *v,
+                                    _mm512_maskz_loadu_ps(mask, r.as_ptr().add(at)),
+                                ),
+                                None => *v,
+                            };
+                            let v = activate_zmm(act, v);
+                            _mm512_mask_storeu_ps(acc.as_mut_ptr().add(at), mask, v);
                         }
                     }
                 }
@@ -978,8 +991,9 @@ mod pairs {
 mod tests {
     use super::*;
 
-    /// The AVX-512 intrinsics kernel against the compiler-vectorised one, row by row, bit for
-    /// bit: every shape it takes (3×3 and 5×5 at strides 1 and 2, 7×7 at 1) with padding 0 to
+    /// The AVX-512 intrinsics kernel against the compiler-vectorised one and [`Finish`], row
+    /// by row, bit for bit, with and without a residual, under several activations: every
+    /// shape it takes (3×3 and 5×5 at strides 1 and 2, 7×7 at 1) with padding 0 to
     /// 3, rows narrower than a run, widths that leave short last runs, channel counts below,
     /// at and past a block (masked last blocks), and tap rows in the padding. Where AVX-512 is
     /// not the path in use it says so and checks nothing.
@@ -1000,8 +1014,17 @@ mod tests {
             (8, 5, 2, 0, 7, 9),
         ];
         let value = |i: usize| ((i * 37 % 101) as f32 - 50.0) / 25.0;
-        for (ch, k, st, pad, h, w) in cases {
+        let acts = [
+            Act::None,
+            Act::Relu,
+            Act::Hardswish,
+            Act::Silu,
+            Act::Gelu,
+            Act::Relu6,
+        ];
+        for (case, (ch, k, st, pad, h, w)) in cases.into_iter().enumerate() {
             let c = Conv2d::new(ch, ch, k, st, pad).with_groups(ch);
+            let act = acts[case % acts.len()];
             let xs = Nhwc { n: 1, h, w, c: ch };
             let (oh, ow) = ((h + 2 * pad - k) / st + 1, (w + 2 * pad - k) / st + 1);
             let x: Vec<f32> = (0..xs.elems()).map(value).collect();
@@ -1009,8 +1032,11 @@ mod tests {
             let bias: Vec<f32> = (0..ch).map(|i| i as f32 / 16.0 - 1.0).collect();
             for oy in 0..oh {
                 let input = tap_rows(&c, &x, xs, 0, oy);
+                // A residual row on every other case.
+                let res: Vec<f32> = (0..ow * ch).map(|i| value(i + oy * 3)).collect();
+                let res = (case % 2 == 1).then_some(&res[..]);
                 let mut got = vec![f32::NAN; ow * ch];
-                if !zmm::row(&c, &input, &wt, &bias, &mut got, w) {
+                if !zmm::row(&c, &input, (&wt, &bias), &mut got, w, (res, act)) {
                     eprintln!(
                         "AVX-512 is not the path in use: the zmm depthwise kernel is not exercised"
                     );
@@ -1025,12 +1051,18 @@ mod tests {
                     c: &c,
                     width: w,
                 });
+                with_simd(Finish::<f32> {
+                    values: &mut want,
+                    residual: res,
+                    act,
+                    out: None,
+                });
                 for (i, (g, e)) in got.iter().zip(&want).enumerate() {
                     assert_eq!(
                         g.to_bits(),
                         e.to_bits(),
-                        "{ch} channels {k}×{k} stride {st} pad {pad}, {h}×{w}: row {oy} value {i}: \
-                         {g} against {e}"
+                        "{ch} channels {k}×{k} stride {st} pad {pad}, {h}×{w}, {act:?}: row {oy} \
+                         value {i}: {g} against {e}"
                     );
                 }
             }
