@@ -404,7 +404,12 @@ pub(super) fn gemm_tile<T: Elem>(
             if T::IS_F32 {
                 let c = y.0.add(m0 * cout + col0) as *mut f32;
                 sgemm::gemm_packed(mr, a.as_ptr().add(g * k_g), lda, b, (p0, p1), c, cout);
-                if !epilogue.is_empty() {
+                if !epilogue.is_empty() && width == cout {
+                    // Whole rows: the tile is one run of values, its epilogue one call (per
+                    // row, MobileNetV3's 16-channel stem paid a dispatch for every pixel).
+                    let tile = std::slice::from_raw_parts_mut(c, mr * cout);
+                    epilogue.apply(tile, m0 * cout + col0, res);
+                } else if !epilogue.is_empty() {
                     for r in 0..mr {
                         let row = std::slice::from_raw_parts_mut(c.add(r * cout), width);
                         epilogue.apply(row, (m0 + r) * cout + col0, res);
