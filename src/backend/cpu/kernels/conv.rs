@@ -543,10 +543,31 @@ pub(super) fn conv2d_pairs<T: Elem>(
                 }
                 prefetch_rows(out.0.cast_const(), first, cout, ahead);
             };
+            // The kernel for a few k-pairs stores its rows itself, finished: from this work
+            // item's first row and column on, rows `cout` apart.
+            let finished = bf16_gemm::Finished {
+                out: out.0.wrapping_add(m0 * cout + col0),
+                residual: residual.map(|r| r.as_ptr().wrapping_add(m0 * cout + col0)),
+                ld: cout,
+                act,
+            };
             // SAFETY: pair packings exist only where `simd()` chose an engine, which it does
             // only where the CPU runs it (`simd::best`); A has mr rows of kp values (zeros
-            // past K: gathered so, or K = kp).
-            unsafe { bf16_gemm::gemm(engine, mr, a.as_ptr(), kp, b, (p0, p1), &mut store) };
+            // past K: gathered so, or K = kp); `finished` places the item's rows m0..m0 + mr
+            // and panels' columns, inside y and the residual and written by this item alone.
+            unsafe {
+                let panels = (p0, p1);
+                bf16_gemm::gemm(
+                    engine,
+                    mr,
+                    a.as_ptr(),
+                    kp,
+                    b,
+                    panels,
+                    Some(finished),
+                    &mut store,
+                )
+            };
         });
     });
 }

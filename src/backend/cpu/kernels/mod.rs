@@ -33,6 +33,8 @@ mod transformer;
 use std::cell::RefCell;
 
 pub(crate) use activation::activate;
+#[cfg(target_arch = "x86_64")]
+pub(crate) use activation::activate_zmm;
 pub use conv::*;
 pub use decoder::*;
 use depthwise::*;

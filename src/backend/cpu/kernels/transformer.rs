@@ -483,7 +483,16 @@ impl<T: Elem> OnHead<'_, T> {
             // AVX512_BF16; q has `rows` rows of kq values, zeros past dh.
             unsafe {
                 let panels = (0, keys.panels());
-                bf16_gemm::gemm(Engine::Dot, rows, q.as_ptr(), kq, keys, panels, &mut keep)
+                bf16_gemm::gemm(
+                    Engine::Dot,
+                    rows,
+                    q.as_ptr(),
+                    kq,
+                    keys,
+                    panels,
+                    None,
+                    &mut keep,
+                )
             };
             for (row, dst) in scores.chunks_mut(ld).zip(probs.chunks_mut(ld)).take(rows) {
                 let inv = softmax_row(row, scale);
@@ -511,6 +520,7 @@ impl<T: Elem> OnHead<'_, T> {
                     ld,
                     values,
                     panels,
+                    None,
                     &mut store,
                 )
             };
