@@ -292,6 +292,8 @@ pub unsafe fn gemm(
             }
         }
         let mut values = [0f32; BLOCK_ROWS * BLOCK_COLS];
+        // Whether the kernel for a few k-pairs may take the blocks (it says for each).
+        let few = kp / 2 <= dot::STATIONARY;
         let mut p = p0;
         while p < p1 {
             let pair = p + 1 < p1;
@@ -318,7 +320,7 @@ pub unsafe fn gemm(
                             false
                         }
                         Engine::Dot => {
-                            let few = dot::few_pairs(ab, ldab, rows, b, p, pair, c, here);
+                            let few = few && dot::few_pairs(ab, ldab, rows, b, p, pair, c, here);
                             if !few {
                                 dot::block(ab, ldab, rows, b, p, pair, c, BLOCK_COLS)
                             }
@@ -459,7 +461,7 @@ mod dot {
     }
 
     /// The most k-pair rows of B (over all panels) that [`stationary`] holds in registers.
-    const STATIONARY: usize = 24;
+    pub(super) const STATIONARY: usize = 24;
 
     /// [`block`] by [`stationary`] where B's k-pair rows for the block's panels fit in
     /// registers ([`STATIONARY`]); `false` (nothing done) where they do not. Kept apart from
