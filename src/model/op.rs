@@ -42,7 +42,7 @@ impl Act {
     }
 
     /// The activations an epilogue applies, in code order.
-    const ALL: [Act; 8] = [
+    pub const ALL: [Act; 8] = [
         Act::None,
         Act::Relu,
         Act::Relu6,

@@ -899,6 +899,18 @@ mod tests {
             let res: Vec<bf16> = (0..m * ld).map(|i| bf16::from_f32(value(i + 5))).collect();
             let res = (case % 2 == 0).then_some(res);
             let width = (p1 * PANEL).min(n) - p0 * PANEL;
+            // A block handed to `done`, finished in plain code into `out`.
+            let finish = |d: Done<'_>, out: &mut [bf16]| {
+                for r in 0..d.rows {
+                    let at = (d.row + r) * ld + d.col;
+                    let mut v = d.values[r * BLOCK_COLS..][..d.cols].to_vec();
+                    if let Some(res) = &res {
+                        (v.iter_mut().zip(&res[at..])).for_each(|(v, x)| *v += bf16_f32(*x));
+                    }
+                    activate(act, &mut v);
+                    (out[at..].iter_mut().zip(&v)).for_each(|(o, v)| *o = f32_bf16(*v));
+                }
+            };
             let mut want = vec![bf16::NAN; m * ld];
             // SAFETY: the CPU runs the engine (checked above); A has m rows of kp values.
             unsafe {
@@ -910,18 +922,7 @@ mod tests {
                     &packed,
                     (p0, p1),
                     None,
-                    &mut |d| {
-                        for r in 0..d.rows {
-                            let at = (d.row + r) * ld + d.col;
-                            let mut v = d.values[r * BLOCK_COLS..][..d.cols].to_vec();
-                            if let Some(res) = &res {
-                                (v.iter_mut().zip(&res[at..]))
-                                    .for_each(|(v, x)| *v += bf16_f32(*x));
-                            }
-                            activate(act, &mut v);
-                            (want[at..].iter_mut().zip(&v)).for_each(|(o, v)| *o = f32_bf16(*v));
-                        }
-                    },
+                    &mut |d| finish(d, &mut want),
                 )
             };
             let mut got = vec![bf16::NAN; m * ld];
@@ -941,18 +942,7 @@ mod tests {
                     &packed,
                     (p0, p1),
                     Some(finished),
-                    &mut |d| {
-                        for r in 0..d.rows {
-                            let at = (d.row + r) * ld + d.col;
-                            let mut v = d.values[r * BLOCK_COLS..][..d.cols].to_vec();
-                            if let Some(res) = &res {
-                                (v.iter_mut().zip(&res[at..]))
-                                    .for_each(|(v, x)| *v += bf16_f32(*x));
-                            }
-                            activate(act, &mut v);
-                            (got[at..].iter_mut().zip(&v)).for_each(|(o, v)| *o = f32_bf16(*v));
-                        }
-                    },
+                    &mut |d| finish(d, &mut got),
                 )
             };
             for r in 0..m {

@@ -479,16 +479,7 @@ mod tests {
             6.000_001,
         ]);
         values.resize(values.len().next_multiple_of(16), 0.5);
-        for act in [
-            Act::None,
-            Act::Relu,
-            Act::Relu6,
-            Act::Silu,
-            Act::Hardswish,
-            Act::Gelu,
-            Act::Sigmoid,
-            Act::Hardsigmoid,
-        ] {
+        for act in Act::ALL {
             let mut want = values.clone();
             super::activate(act, &mut want);
             for (i, chunk) in values.chunks(16).enumerate() {

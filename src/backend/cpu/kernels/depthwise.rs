@@ -1088,19 +1088,9 @@ mod tests {
             (48, 3, 1, 1, 6, 20),
             (20, 5, 1, 2, 5, 17),
         ];
-        let acts = [
-            Act::Hardswish,
-            Act::None,
-            Act::Relu,
-            Act::Relu6,
-            Act::Silu,
-            Act::Gelu,
-            Act::Sigmoid,
-            Act::Hardsigmoid,
-        ];
         for (i, (ch, k, st, pad, h, w)) in cases.into_iter().enumerate() {
             let mut c = Conv2d::new(ch, ch, k, st, pad).with_groups(ch);
-            c.act = acts[i % acts.len()];
+            c.act = Act::ALL[(i + 4) % Act::ALL.len()];
             let value = |i: usize| bf16::from_f32(((i * 37 % 101) as f32 - 50.0) / 25.0);
             let dw: Vec<f32> = (0..k * k * ch)
                 .map(|i| value(i * 7 + 1).to_f32() / 4.0)
