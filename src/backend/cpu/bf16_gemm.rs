@@ -932,6 +932,8 @@ mod tests {
                 ld,
                 act,
             };
+            // The blocks still handed over, apart (`got` is written through `finished`).
+            let mut handed = vec![bf16::NAN; m * ld];
             // SAFETY: as above; `got` and the residual hold m rows of ld ≥ width values.
             unsafe {
                 gemm(
@@ -942,9 +944,16 @@ mod tests {
                     &packed,
                     (p0, p1),
                     Some(finished),
-                    &mut |d| finish(d, &mut got),
+                    &mut |d| finish(d, &mut handed),
                 )
             };
+            for (g, h) in got.iter_mut().zip(&handed).filter(|(_, h)| !h.is_nan()) {
+                assert!(
+                    g.is_nan(),
+                    "m{m} k{k} n{n}: a value both finished and handed over"
+                );
+                *g = *h;
+            }
             for r in 0..m {
                 for j in 0..ld {
                     let (g, w) = (got[r * ld + j], want[r * ld + j]);
