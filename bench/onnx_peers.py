@@ -114,6 +114,8 @@ median = statistics.median(samples)
 record = {
     "impl": impl, "device": "cpu", "network": a.network, "batch_size": a.batch_size, "dtype": a.dtype,
     "computed_in": ran, "threads": a.threads, "median_s": median, "images_per_s": a.batch_size / median,
+    # The least disturbed iteration and the spread, as `workshop bench` reports its own.
+    "min_s": min(samples), "cv": statistics.pstdev(samples) / statistics.mean(samples),
     "prepare_s": prepare_s, "export_s": export_s,
 }
 if a.layers:
