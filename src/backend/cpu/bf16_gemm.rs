@@ -216,6 +216,42 @@ pub struct Finished {
     pub act: crate::model::op::Act,
 }
 
+/// One vector of f32 sums finished and stored as bf16, its `mask`ed lanes: the residual's
+/// values (bf16, at `residual`) widened and added, the activation ([`activate_zmm`], bit for
+/// bit what `PairStore` and the depthwise `Finish` apply), then narrowed by `vcvtneps2bf16`
+/// (to nearest, ties to even, as [`super::elem::f32_bf16`]; it also flushes f32 subnormals,
+/// below 1.2·10⁻³⁸, to zero) and stored at `out`. The register epilogue of the kernels that
+/// store finished rows: the few-k-pairs GEMM here and the depthwise pairs.
+///
+/// # Safety
+/// The CPU has AVX-512F, BW, VL and AVX512_BF16; the masked lanes at `out` (and `residual`)
+/// are inside their tensors.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn store_finished(
+    v: std::arch::x86_64::__m512,
+    residual: Option<*const bf16>,
+    act: crate::model::op::Act,
+    out: *mut bf16,
+    mask: std::arch::x86_64::__mmask16,
+) {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's (masked loads and stores).
+    unsafe {
+        let v = match residual {
+            Some(r) => {
+                let r = _mm256_maskz_loadu_epi16(mask, r.cast());
+                let r = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(r));
+                _mm512_add_ps(v, _mm512_castsi512_ps(r))
+            }
+            None => v,
+        };
+        let h = _mm512_cvtneps_pbh(super::kernels::activate_zmm(act, v));
+        let h = std::mem::transmute::<__m256bh, __m256i>(h);
+        _mm256_mask_storeu_epi16(out.cast(), mask, h);
+    }
+}
+
 impl Finished {
     /// The same, from C's value (i, j) on.
     fn at(self, i: usize, j: usize) -> Finished {
@@ -371,7 +407,6 @@ pub unsafe fn gemm(
 #[cfg(target_arch = "x86_64")]
 mod dot {
     use super::{BLOCK_COLS, Finished, KSTEP, PANEL, PackedPairs};
-    use crate::backend::cpu::kernels::activate_zmm;
     use half::bf16;
     use std::arch::x86_64::*;
 
@@ -565,10 +600,8 @@ mod dot {
     }
 
     /// One row's sums (a vector per panel) finished and stored as `f` says, the first `cols`
-    /// values: the residual widened and added, the activation ([`activate_zmm`], bit for bit
-    /// what `PairStore` applies), then narrowed by `vcvtneps2bf16` (to nearest, ties to even;
-    /// f32 subnormals flushed to zero, where `PairStore`'s whole rows keep them) under a mask.
-    /// In registers, the block's trip through C and the store's passes over it went:
+    /// values, by [`super::store_finished`] (f32 subnormals flushed to zero, where
+    /// `PairStore`'s whole rows keep them). In registers, the block's trip through C and the store's passes over it went:
     /// MobileNetV3-Large's 16 → 16 layer with its residual (`features.1.block.1.0`, BF16
     /// batch 8) 0.375 → 0.213 ms in the network; its wider neighbours (16 → 64, 24 → 72)
     /// unchanged, with the line prefetch below (without it 16 → 64 ran 18% slower).
@@ -594,17 +627,8 @@ mod dot {
                     break;
                 }
                 let mask = (u32::MAX >> (32 - n)) as __mmask16;
-                let v = match f.residual {
-                    Some(r) => {
-                        let r = _mm256_maskz_loadu_epi16(mask, r.add(q * PANEL).cast());
-                        let r = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(r));
-                        _mm512_add_ps(v, _mm512_castsi512_ps(r))
-                    }
-                    None => v,
-                };
-                let h = _mm512_cvtneps_pbh(activate_zmm(f.act, v));
-                let h = std::mem::transmute::<__m256bh, __m256i>(h);
-                _mm256_mask_storeu_epi16(f.out.add(q * PANEL).cast(), mask, h);
+                let residual = f.residual.map(|r| r.add(q * PANEL));
+                super::store_finished(v, residual, f.act, f.out.add(q * PANEL), mask);
             }
         }
     }

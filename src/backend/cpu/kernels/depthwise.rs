@@ -662,7 +662,7 @@ mod zmm {
 /// them and 3 FMAs (the odd last row) per output pixel instead of 9 FMAs, a 5×5 one 10 and 5
 /// instead of 25. The sums stay f32 (each pair's two products are exact; their sum is rounded
 /// once, as the FMAs rounded each) and get the same epilogue as [`Finish`]'s, applied in
-/// registers (`pairs::finish`).
+/// registers (`bf16_gemm::store_finished`).
 #[cfg(target_arch = "x86_64")]
 pub(super) use pairs::Pairs;
 
@@ -704,8 +704,8 @@ mod pairs {
     use rayon::prelude::*;
 
     use super::super::Nhwc;
-    use super::super::activation::activate_zmm;
     use super::{RUN_BYTES, tap_rows};
+    use crate::backend::cpu::bf16_gemm::store_finished;
     use crate::backend::cpu::elem::f32_bf16;
     use crate::model::op::{Act, Conv2d};
 
@@ -721,41 +721,6 @@ mod pairs {
         padded: usize,
         pairs: Vec<u32>,
         last: Vec<f32>,
-    }
-
-    /// One vector of finished sums stored at `at` in `out` (its `mask`ed channels): the
-    /// residual widened and added, the activation ([`activate_zmm`]), then narrowed by
-    /// `vcvtneps2bf16` (to nearest, ties to even, as [`crate::backend::cpu::elem::f32_bf16`];
-    /// it also flushes f32 subnormals, below 1.2·10⁻³⁸, to zero). Written to an f32 row first
-    /// and finished by [`Finish`]'s three passes over it, MobileNetV3's 16-channel 3×3 layer at
-    /// 112² spent half as long again in the passes as in its sums.
-    ///
-    /// # Safety
-    /// The CPU has AVX-512F, BW, VL and AVX512_BF16; `at..at + 16` (the masked lanes) is
-    /// inside `out` and the residual.
-    #[inline(always)]
-    unsafe fn finish(
-        v: __m512,
-        residual: Option<&[Bf16]>,
-        act: Act,
-        out: &mut [Bf16],
-        at: usize,
-        mask: __mmask16,
-    ) {
-        // SAFETY: the caller's (masked loads and stores).
-        unsafe {
-            let v = match residual {
-                Some(r) => {
-                    let r = _mm256_maskz_loadu_epi16(mask, r.as_ptr().add(at).cast());
-                    let r = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(r));
-                    _mm512_add_ps(v, _mm512_castsi512_ps(r))
-                }
-                None => v,
-            };
-            let v = activate_zmm(act, v);
-            let h = std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(v));
-            _mm256_mask_storeu_epi16(out.as_mut_ptr().add(at).cast(), mask, h);
-        }
     }
 
     impl Pairs {
@@ -807,7 +772,8 @@ mod pairs {
         }
 
         /// The layer `x` (xs) → `y` (ys), bf16 NHWC, with `bias`, `residual` and `act`: rows in
-        /// parallel, each run of sums finished in registers and stored ([`finish`]).
+        /// parallel, each run of sums finished in registers and stored
+        /// (`bf16_gemm::store_finished`).
         #[allow(clippy::too_many_arguments)]
         pub(in super::super) fn run(
             &self,
@@ -850,7 +816,9 @@ mod pairs {
         /// One output row into `out` (bf16, out_w × ch): runs of P output pixels (8 at
         /// stride 1, 4 at 2), their channels in groups whose input fits [`RUN_BYTES`], 16 at
         /// a time (a masked last block), as the f32 kernels go; each run's sums finished in
-        /// registers ([`Pairs::finish`]).
+        /// registers (`bf16_gemm::store_finished`). Written to an f32 row first and finished
+        /// by [`Finish`]'s three passes over it, MobileNetV3's 16-channel 3×3 layer at 112²
+        /// spent half as long again in the passes as in its sums.
         ///
         /// # Safety
         /// The CPU has AVX-512F, BW, VL and AVX512_BF16; each input row holds `width` pixels
@@ -902,7 +870,9 @@ mod pairs {
                             let acc = self.sums::<K, S, P>(input, bias, (x0, width, ch), c0, mask);
                             for (p, acc) in acc.iter().enumerate().take(valid) {
                                 let at = (ox0 + p) * ch + c0;
-                                finish(*acc, residual, act, out, at, mask);
+                                let res = residual.map(|r| r.as_ptr().add(at));
+                                let to = out.as_mut_ptr().add(at);
+                                store_finished(*acc, res, act, to, mask);
                             }
                         }
                     }
