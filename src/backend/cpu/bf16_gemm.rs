@@ -218,10 +218,10 @@ pub struct Finished {
 
 /// One vector of f32 sums finished and stored as bf16, its `mask`ed lanes: the residual's
 /// values (bf16, at `residual`) widened and added, the activation ([`activate_zmm`], bit for
-/// bit what `PairStore` and the depthwise `Finish` apply), then narrowed by `vcvtneps2bf16`
-/// (to nearest, ties to even, as [`super::elem::f32_bf16`]; it also flushes f32 subnormals,
-/// below 1.2·10⁻³⁸, to zero) and stored at `out`. The register epilogue of the kernels that
-/// store finished rows: the few-k-pairs GEMM here and the depthwise pairs.
+/// bit what [`super::kernels::activate`] and the depthwise `Finish` apply), then narrowed by
+/// `vcvtneps2bf16` (to nearest, ties to even, as [`super::elem::f32_bf16`]; it also flushes
+/// f32 subnormals, below 1.2·10⁻³⁸, to zero) and stored at `out`. The register epilogue of
+/// every bf16-pair GEMM's rows (the kernels here, [`Done::finish`]) and the depthwise pairs.
 ///
 /// # Safety
 /// The CPU has AVX-512F, BW, VL and AVX512_BF16; the masked lanes at `out` (and `residual`)
@@ -274,11 +274,48 @@ pub struct Done<'a> {
     pub values: &'a mut [f32],
 }
 
+impl Done<'_> {
+    /// The block finished and stored as the `vdpbf16ps` kernels store their rows in
+    /// registers: C's value (i, j) at `f`'s place (i, j) (`f` is where C's first row and
+    /// column go), through the same [`store_finished`], so bit for bit the same values.
+    /// What the caller of [`gemm`] does with AMX's blocks.
+    ///
+    /// # Safety
+    /// As for [`store_finished`]: the CPU has AVX-512F, BW, VL and AVX512_BF16; the block's
+    /// rows and valid columns at `f`'s places (and its residual's) are inside their tensors.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bf16,avx512bw,avx512vl")]
+    pub unsafe fn finish(&self, f: Finished) {
+        use std::arch::x86_64::_mm512_loadu_ps;
+        for (r, row) in self
+            .values
+            .chunks_exact(BLOCK_COLS)
+            .take(self.rows)
+            .enumerate()
+        {
+            // SAFETY: a row holds BLOCK_COLS floats; the places are the caller's.
+            unsafe {
+                let halves = [0, PANEL].map(|q| _mm512_loadu_ps(row[q..].as_ptr()));
+                dot::finish(halves, f.at(self.row + r, self.col), self.cols);
+            }
+        }
+    }
+
+    /// Never called: [`Engine::in_use`] is `None` off x86-64.
+    ///
+    /// # Safety
+    /// None needed; it panics.
+    #[cfg(not(target_arch = "x86_64"))]
+    pub unsafe fn finish(&self, _f: Finished) {
+        unreachable!("bf16 pairs are multiplied on x86-64 only")
+    }
+}
+
 /// C = A[0..m, 0..Kp] · B[.., panels p0..p1] + bias on `engine`, single-threaded, in f32,
 /// handed to `done` one block (up to 32 × 32) at a time while it is in L1: the caller applies
-/// its epilogue and stores the block wherever it belongs — except the blocks that the kernel
-/// for a few k-pairs computes where `finished` says where their rows go (it applies the
-/// epilogue in registers and stores them; `done` does not see them).
+/// its epilogue and stores the block wherever it belongs — except where `finished` says where
+/// C's rows go: then the `vdpbf16ps` kernels apply the epilogue to their accumulators in
+/// registers and store the rows themselves, and `done` sees only AMX's blocks.
 ///
 /// Panels are the outer loop: a pair of B panels (Kp × 32 bf16) is reused by every row block
 /// of A, which streams from L2.
@@ -358,9 +395,9 @@ pub unsafe fn gemm(
                         Engine::Dot => {
                             let few = few && dot::few_pairs(ab, ldab, rows, b, p, pair, c, here);
                             if !few {
-                                dot::block(ab, ldab, rows, b, p, pair, c, BLOCK_COLS)
+                                dot::block(ab, ldab, rows, b, p, pair, c, BLOCK_COLS, here)
                             }
-                            few && here.is_some()
+                            here.is_some()
                         }
                     }
                 };
@@ -427,11 +464,16 @@ mod dot {
     /// then 1 at a time; a single panel's last group of fewer than 16 repeats its last row
     /// (C's rows past `rows` then hold copies, which nobody reads).
     ///
+    /// With `finished` (the block's first place and its valid columns) the last K chunk's
+    /// sums are finished in registers and stored there ([`finish`]), the block's rows only;
+    /// C then holds the earlier chunks' partial sums.
+    ///
     /// # Safety
-    /// The CPU has AVX-512F and AVX512_BF16; `a` has `rows` rows of `b.kp()` values spaced
-    /// `lda` apart; `c` has 32 rows of 32 (`pair`) or 16 writable floats spaced `ldc` apart.
+    /// The CPU has AVX-512F, BW, VL and AVX512_BF16; `a` has `rows` rows of `b.kp()` values
+    /// spaced `lda` apart; `c` has 32 rows of 32 (`pair`) or 16 writable floats spaced `ldc`
+    /// apart; `finished` as [`super::gemm`] takes it.
     #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f,avx512bf16")]
+    #[target_feature(enable = "avx512f,avx512bf16,avx512bw,avx512vl")]
     pub(super) unsafe fn block(
         a: *const bf16,
         lda: usize,
@@ -441,6 +483,7 @@ mod dot {
         pair: bool,
         c: *mut f32,
         ldc: usize,
+        finished: Option<(Finished, usize)>,
     ) {
         let kp = b.kp();
         let panels = [
@@ -459,8 +502,16 @@ mod dot {
                 // chunk starts from the bias, the others from C.
                 let bk = panels.map(|q| q.add(k0 * PANEL));
                 let start = (k0 == 0).then_some(bias);
+                let last = k0 + KCHUNK >= kp;
                 // Row r of the group at r0, clamped to the block's last row.
                 let at = |r0: usize| move |r: usize| a.add(((r0 + r).min(rows - 1)) * lda + k0);
+                // Where the group at r0 stores its rows finished (after the last chunk), and
+                // how many of them are the block's.
+                let fin = |r0: usize| {
+                    finished
+                        .filter(|_| last)
+                        .map(|(f, cols)| (f.at(r0, 0), cols, rows - r0))
+                };
                 // Groups of 8 rows (16 for one panel) while they last; a pair's last rows in a
                 // group of 4, then one at a time: a group of 8 for the last 1 of ResNet-50's
                 // 49 rows at batch 1 (7 × 7) computed 7 copies of it.
@@ -469,24 +520,27 @@ mod dot {
                     let (cr, left) = (c.add(r0 * ldc), rows - r0);
                     r0 += match (pair, left) {
                         (true, 8..) => {
-                            group::<8, 2>(std::array::from_fn(at(r0)), bk, pairs, cr, ldc, start);
+                            let a = std::array::from_fn(at(r0));
+                            group::<8, 2>(a, bk, pairs, cr, ldc, start, fin(r0));
                             8
                         }
                         (true, 4..) => {
-                            group::<4, 2>(std::array::from_fn(at(r0)), bk, pairs, cr, ldc, start);
+                            let a = std::array::from_fn(at(r0));
+                            group::<4, 2>(a, bk, pairs, cr, ldc, start, fin(r0));
                             4
                         }
                         (true, _) => {
-                            single::<2>(at(r0)(0), bk, pairs, cr, start);
+                            single::<2>(at(r0)(0), bk, pairs, cr, start, fin(r0));
                             1
                         }
                         // One row (a decode step at batch 1): the group would repeat it.
                         (false, 1) => {
-                            single::<1>(at(r0)(0), bk, pairs, cr, start);
+                            single::<1>(at(r0)(0), bk, pairs, cr, start, fin(r0));
                             1
                         }
                         (false, _) => {
-                            group::<16, 1>(std::array::from_fn(at(r0)), bk, pairs, cr, ldc, start);
+                            let a = std::array::from_fn(at(r0));
+                            group::<16, 1>(a, bk, pairs, cr, ldc, start, fin(r0));
                             16
                         }
                     };
@@ -600,9 +654,8 @@ mod dot {
     }
 
     /// One row's sums (a vector per panel) finished and stored as `f` says, the first `cols`
-    /// values, by [`super::store_finished`] (f32 subnormals flushed to zero, where
-    /// `PairStore`'s whole rows keep them). In registers, the block's trip through C and the store's passes over it went:
-    /// MobileNetV3-Large's 16 → 16 layer with its residual (`features.1.block.1.0`, BF16
+    /// values, by [`super::store_finished`]. In registers, the block's trip through C and the
+    /// store's passes over it went: MobileNetV3-Large's 16 → 16 layer with its residual (`features.1.block.1.0`, BF16
     /// batch 8) 0.375 → 0.213 ms in the network; its wider neighbours (16 → 64, 24 → 72)
     /// unchanged, with the line prefetch below (without it 16 → 64 ran 18% slower).
     ///
@@ -610,7 +663,11 @@ mod dot {
     /// The CPU has AVX-512F, BW, VL and AVX512_BF16; `cols` values from `f.out` (and
     /// `f.residual`) are inside their tensors.
     #[inline(always)]
-    unsafe fn finish<const PANELS: usize>(acc: [__m512; PANELS], f: Finished, cols: usize) {
+    pub(super) unsafe fn finish<const PANELS: usize>(
+        acc: [__m512; PANELS],
+        f: Finished,
+        cols: usize,
+    ) {
         // SAFETY: the caller's (masked loads and stores); prefetches are hints, whatever the
         // address.
         unsafe {
@@ -652,6 +709,7 @@ mod dot {
         pairs: usize,
         c: *mut f32,
         bias: Option<[*const f32; 2]>,
+        finished: Option<(Finished, usize, usize)>,
     ) {
         // SAFETY: the caller's contract (unaligned loads and stores throughout).
         unsafe {
@@ -680,12 +738,16 @@ mod dot {
                     }
                 }
             }
-            for q in 0..PANELS {
-                let mut sum = acc[0][q];
-                for chain in &acc[1..] {
-                    sum = _mm512_add_ps(sum, chain[q]);
+            let sums: [__m512; PANELS] = std::array::from_fn(|q| {
+                (acc[1..].iter()).fold(acc[0][q], |sum, chain| _mm512_add_ps(sum, chain[q]))
+            });
+            match finished {
+                Some((f, cols, _)) => finish(sums, f, cols),
+                None => {
+                    for (q, sum) in sums.iter().enumerate() {
+                        _mm512_storeu_ps(c.add(q * PANEL), *sum);
+                    }
                 }
-                _mm512_storeu_ps(c.add(q * PANEL), sum);
             }
         }
     }
@@ -693,7 +755,9 @@ mod dot {
     /// C[ROWS × PANELS·16] += A[ROWS × 2·pairs] · B[2·pairs × PANELS·16], accumulators in
     /// registers: per k-pair, `PANELS` loads of B, `ROWS` broadcasts of an A pair (32 bits),
     /// ROWS × PANELS `vdpbf16ps`. The accumulators start from `bias` (16 values a panel, on
-    /// every row) where given, else from C.
+    /// every row) where given, else from C. They are stored to C, or, where `finished` gives
+    /// the group's first place, its valid columns and how many of its rows are real (the
+    /// others repeat the last), those rows finished in registers ([`finish`]).
     ///
     /// # Safety
     /// As for `block`: each `a[r]` has 2·pairs values, each `b[q]` `pairs` k-pair rows, `c`
@@ -706,6 +770,7 @@ mod dot {
         c: *mut f32,
         ldc: usize,
         bias: Option<[*const f32; 2]>,
+        finished: Option<(Finished, usize, usize)>,
     ) {
         // SAFETY: the caller's contract (unaligned loads and stores throughout).
         unsafe {
@@ -734,9 +799,18 @@ mod dot {
                     }
                 }
             }
-            for (r, row) in acc.iter().enumerate() {
-                for (q, x) in row.iter().enumerate() {
-                    _mm512_storeu_ps(c.add(r * ldc + q * PANEL), *x);
+            match finished {
+                Some((f, cols, real)) => {
+                    for (r, row) in acc.into_iter().enumerate().take(real) {
+                        finish(row, f.at(r, 0), cols);
+                    }
+                }
+                None => {
+                    for (r, row) in acc.iter().enumerate() {
+                        for (q, x) in row.iter().enumerate() {
+                            _mm512_storeu_ps(c.add(r * ldc + q * PANEL), *x);
+                        }
+                    }
                 }
             }
         }
@@ -897,6 +971,12 @@ mod tests {
             (50, 40, 24, 0, 2),
             (33, 16, 16, 0, 1),
             (40, 72, 24, 0, 2),
+            // The row-group kernel: groups of 8, 4 and 1 rows on a pair of panels, of 16
+            // (the last repeating its last row) on one, a single row, and K in two chunks.
+            (45, 200, 80, 1, 5),
+            (29, 2100, 40, 0, 3),
+            (3, 96, 16, 0, 1),
+            (1, 64, 48, 0, 3),
         ]
         .iter()
         .enumerate()
@@ -971,6 +1051,31 @@ mod tests {
                     &mut |d| finish(d, &mut handed),
                 )
             };
+            // Every block handed over and finished by `Done::finish` (AMX's way): the same
+            // values as the kernels' own.
+            let mut blocks = vec![bf16::NAN; m * ld];
+            let at = Finished {
+                out: blocks.as_mut_ptr(),
+                ..finished
+            };
+            // SAFETY: as above; `blocks` holds m rows of ld ≥ width values.
+            unsafe {
+                gemm(
+                    Engine::Dot,
+                    m,
+                    a.as_ptr(),
+                    kp,
+                    &packed,
+                    (p0, p1),
+                    None,
+                    &mut |d| d.finish(at),
+                )
+            };
+            assert_eq!(
+                blocks.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "m{m} k{k} n{n} {act:?}: blocks finished by Done::finish"
+            );
             for (g, h) in got.iter_mut().zip(&handed).filter(|(_, h)| !h.is_nan()) {
                 assert!(
                     g.is_nan(),
@@ -993,6 +1098,59 @@ mod tests {
                             "m{m} k{k} n{n}: column {j} past the panels written"
                         );
                     }
+                }
+            }
+        }
+    }
+
+    /// `store_finished` narrows as `f32_bf16` rounds (to nearest, ties to even; NaNs quiet),
+    /// on the values where rounding differs: ties either way, ±0, ±∞, the largest finite,
+    /// NaNs, the smallest normal.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn store_finished_rounds_as_f32_bf16() {
+        use crate::backend::cpu::elem::f32_bf16;
+        use crate::model::op::Act;
+        if !runs(Engine::Dot) {
+            eprintln!("no AVX512_BF16 here: the narrowing is not used, nor checked");
+            return;
+        }
+        let bits: [u32; 16] = [
+            0x3f80_8000,
+            0x3f81_8000,
+            0x3f80_7fff,
+            0x3f80_8001,
+            0x8000_0000,
+            0,
+            0x7f80_0000,
+            0xff80_0000,
+            0x7f7f_ffff,
+            0x7fc0_0001,
+            0xffa0_0000,
+            0x4049_0fdb,
+            0xc2f6_e979,
+            0x3400_0000,
+            0x0080_0000,
+            0x7f80_0001,
+        ];
+        for sign in [0u32, 1 << 31] {
+            let values = bits.map(|b| f32::from_bits(b ^ sign));
+            for n in [16, 9, 1] {
+                let mut got = [bf16::NAN; 16];
+                // SAFETY: the CPU has AVX512_BF16 (checked above, with AVX-512F, BW and VL);
+                // 16 values are read and at most 16 written.
+                unsafe {
+                    let v = std::arch::x86_64::_mm512_loadu_ps(values.as_ptr());
+                    let mask = (u32::MAX >> (32 - n)) as u16;
+                    store_finished(v, None, Act::None, got.as_mut_ptr(), mask);
+                }
+                for (j, (g, v)) in got.iter().zip(values).enumerate() {
+                    let want = if j < n {
+                        f32_bf16(v).to_bits()
+                    } else {
+                        bf16::NAN.to_bits()
+                    };
+                    assert_eq!(g.to_bits(), want, "{v} ({:#x}), {n} lanes", v.to_bits());
                 }
             }
         }

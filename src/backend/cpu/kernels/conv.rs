@@ -7,12 +7,12 @@ use std::cell::RefCell;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::activation::{self, Activation};
+use super::activation::Activation;
 use super::*;
 use crate::backend::cpu::bf16_gemm::{self, PackedPairs};
-use crate::backend::cpu::elem::{Elem, bf16_f32, f32_bf16};
+use crate::backend::cpu::elem::Elem;
 use crate::backend::cpu::sgemm::{self, NR, PackedB};
-use crate::backend::cpu::simd::{Vectorised, with_simd};
+use crate::backend::cpu::simd::with_simd;
 use crate::model::op::{Act, Conv2d};
 
 /// Target size of one chunk of im2col columns, in f32 elements (512 KiB, a core's L2).
@@ -457,20 +457,6 @@ unsafe fn finish_rows<T: Elem>(
     }
 }
 
-/// Ask the caches for the first line of each of `rows` rows, `ld` values apart from `base +
-/// first`. A hint only: it reads nothing and faults on nothing.
-#[inline(always)]
-fn prefetch_rows<T>(base: *const T, first: usize, ld: usize, rows: usize) {
-    #[cfg(target_arch = "x86_64")]
-    for r in 0..rows {
-        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-        // SAFETY: prefetching is a hint for any address; no access is made.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(first + r * ld).cast::<i8>()) };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (base, first, ld, rows);
-}
-
 /// [`conv2d`] on bf16 pairs (AMX tiles or `vdpbf16ps`): A is the bf16 input itself for a 1×1
 /// stride-1 layer whose channels fill whole K steps, else bf16 columns gathered per chunk (K
 /// padded with zeros to the step); results come back in f32 for the bias-free epilogue and
@@ -514,43 +500,23 @@ pub(super) fn conv2d_pairs<T: Elem>(
                 &cols[..mr * kp]
             };
             let col0 = p0 * bf16_gemm::PANEL;
-            let mut store = |d: bf16_gemm::Done<'_>| {
-                let first = (m0 + d.row) * cout + col0 + d.col;
-                // Rows m0..m0 + mr, columns of panels p0..p1 of y are this work item's alone;
-                // the block's rows, `cout` apart from `first`, are inside them.
-                // SAFETY: pair packings exist only where `simd()` chose an engine, and both
-                // engines' CPUs have AVX512_BF16 (`bf16_gemm::runs`).
-                unsafe {
-                    store_pairs(PairStore {
-                        values: d.values,
-                        rows: d.rows,
-                        cols: d.cols,
-                        residual,
-                        act,
-                        out,
-                        first,
-                        ld: cout,
-                    })
-                };
-                // The next block down this strip of columns: its residual and output lines, rows
-                // `cout` apart, which the hardware prefetchers do not foresee (as the SGEMM's
-                // `prefetch_c_rows`).
-                let next = d.row + d.rows;
-                let ahead = (mr - next.min(mr)).min(bf16_gemm::BLOCK_ROWS);
-                let first = (m0 + next) * cout + col0 + d.col;
-                if let Some(res) = residual {
-                    prefetch_rows(res.as_ptr(), first, cout, ahead);
-                }
-                prefetch_rows(out.0.cast_const(), first, cout, ahead);
-            };
-            // The kernel for a few k-pairs stores its rows itself, finished: from this work
-            // item's first row and column on, rows `cout` apart.
+            // The `vdpbf16ps` kernels store C's rows finished, in registers: from this work
+            // item's first row and column on, rows `cout` apart. Storing every block through
+            // `done` and a pass over it instead took 3–4% longer in MobileNetV3-Large,
+            // EfficientNet-B0 and ResNet-50 BF16 at batch 8 (the minimum and the first
+            // quartile of 100–200 steps alternating in one process).
             let finished = bf16_gemm::Finished {
-                out: out.0.wrapping_add(m0 * cout + col0),
+                // SAFETY: row m0 < m and column col0 < cout are inside y.
+                out: unsafe { out.add(m0 * cout + col0) },
                 residual: residual.map(|r| r.as_ptr().wrapping_add(m0 * cout + col0)),
                 ld: cout,
                 act,
             };
+            // AMX's blocks come back in f32 and are finished the same way from L1.
+            // SAFETY: pair packings exist only where `simd()` chose an engine, and both
+            // engines' CPUs have AVX512_BF16 (`bf16_gemm::runs`); rows m0..m0 + mr, columns
+            // of panels p0..p1 of y are this work item's alone, and `finished` places them.
+            let mut store = |d: bf16_gemm::Done<'_>| unsafe { d.finish(finished) };
             // SAFETY: pair packings exist only where `simd()` chose an engine, which it does
             // only where the CPU runs it (`simd::best`); A has mr rows of kp values (zeros
             // past K: gathered so, or K = kp); `finished` places the item's rows m0..m0 + mr
@@ -570,189 +536,6 @@ pub(super) fn conv2d_pairs<T: Elem>(
             };
         });
     });
-}
-
-/// A finished block of a bf16-pair convolution (rows of [`bf16_gemm::BLOCK_COLS`] f32, `cols`
-/// valid) through the epilogue — the residual widened and added, the activation — narrowed
-/// and stored, as one piece of work compiled for AVX-512 with AVX512_BF16 ([`store_pairs`]).
-/// Done as calls per block (widen, add, activate, narrow, each dispatched on its own, and the adds
-/// and ReLU's clamps compiled for SSE2 around them) a fused BF16 ResNet-50 at batch 8 spent
-/// 22 ms more in its convolutions than eager spent in the same convolutions, batch norms,
-/// additions and ReLUs together.
-///
-/// Built only where rows `first + r·ld` for r < `rows`, `cols` values each, are inside `out`'s
-/// tensor (and `residual`'s, when given) and written by nobody else meanwhile.
-struct PairStore<'a> {
-    values: &'a mut [f32],
-    rows: usize,
-    cols: usize,
-    residual: Option<&'a [bf16]>,
-    act: Act,
-    out: TilePtr<bf16>,
-    first: usize,
-    ld: usize,
-}
-
-impl PairStore<'_> {
-    /// The block through the epilogue with the activation `act`: whole rows value by value,
-    /// partial rows (24, 40, 72, 120 output channels) in [`Self::passes`]. Loops over whole
-    /// rows and blocks are what the compiler vectorises surely: one pass per value over runs
-    /// of 16 was compiled value by value for some activations (MobileNetV3's hardswish stem
-    /// spent more time there than in its GEMM).
-    #[inline(always)]
-    fn rows(self, act: impl Fn(f32) -> f32) {
-        const COLS: usize = bf16_gemm::BLOCK_COLS;
-        if self.cols != COLS {
-            return self.passes(|values| values.iter_mut().for_each(|v| *v = act(*v)));
-        }
-        let PairStore {
-            values,
-            rows,
-            residual,
-            out,
-            first,
-            ld,
-            ..
-        } = self;
-        // Whole rows (ResNet's layers): each value's sum, activation and narrowing in
-        // registers, a row's 32 at a time, stored once (the compiler vectorises these; in
-        // `passes`, ResNet-50 BF16 at batch 8 took 2% longer).
-        for (r, row) in values[..rows * COLS].chunks_exact(COLS).enumerate() {
-            let at = first + r * ld;
-            let row: &[f32; COLS] = row.try_into().expect("a row");
-            let mut narrowed = [bf16::ZERO; COLS];
-            match residual {
-                Some(res) => {
-                    // Widened into an array first: added straight from the bf16 values,
-                    // the sum was compiled one value at a time.
-                    let res: &[bf16; COLS] = res[at..at + COLS].try_into().expect("a row");
-                    let mut wide = [0f32; COLS];
-                    (wide.iter_mut().zip(res)).for_each(|(w, x)| *w = bf16_f32(*x));
-                    for ((n, v), w) in narrowed.iter_mut().zip(row).zip(&wide) {
-                        *n = f32_bf16(act(v + w));
-                    }
-                }
-                None => {
-                    for (n, v) in narrowed.iter_mut().zip(row) {
-                        *n = f32_bf16(act(*v));
-                    }
-                }
-            }
-            // SAFETY: the row's 32 values are inside the output (as `PairStore` is built).
-            unsafe { out.add(at).cast::<[bf16; COLS]>().write_unaligned(narrowed) };
-        }
-    }
-
-    /// The block through the epilogue in passes over it while it is in L1: the residual added
-    /// row by row, `activate` on the whole block, then each row narrowed and stored, in runs
-    /// of 16 (two for a whole row), 8 and single values.
-    #[inline(always)]
-    fn passes(self, activate: impl FnOnce(&mut [f32])) {
-        const COLS: usize = bf16_gemm::BLOCK_COLS;
-        let PairStore {
-            values,
-            rows,
-            cols,
-            residual,
-            out,
-            first,
-            ld,
-            ..
-        } = self;
-        let values = &mut values[..rows * COLS];
-        if let Some(res) = residual {
-            for (r, row) in values.chunks_exact_mut(COLS).enumerate() {
-                let at = first + r * ld;
-                (row[..cols].iter_mut().zip(&res[at..at + cols]))
-                    .for_each(|(v, x)| *v += bf16_f32(*x));
-            }
-        }
-        activate(values);
-        for (r, row) in values.chunks_exact(COLS).enumerate() {
-            let at = first + r * ld;
-            let mut j = 0;
-            while j + 16 <= cols {
-                store_run::<16>(&row[j..], out, at + j);
-                j += 16;
-            }
-            if j + 8 <= cols {
-                store_run::<8>(&row[j..], out, at + j);
-                j += 8;
-            }
-            for j in j..cols {
-                store_run::<1>(&row[j..], out, at + j);
-            }
-        }
-    }
-}
-
-/// `N` finished values of a [`PairStore`] narrowed into its output at `at` (inside it, as the
-/// store is built).
-#[inline(always)]
-fn store_run<const N: usize>(values: &[f32], out: TilePtr<bf16>, at: usize) {
-    let narrowed = narrow_run::<N>(values[..N].try_into().expect("N values"));
-    // SAFETY: the run's N values are inside the output (as `PairStore` is built).
-    unsafe { out.add(at).cast::<[bf16; N]>().write_unaligned(narrowed) };
-}
-
-/// `values` narrowed to bf16 as [`f32_bf16`] rounds them (to nearest, ties to even; NaNs made
-/// quiet), 16 at a time by `vcvtneps2bf16`, which flushes f32 subnormals (below 1.2e-38) to
-/// zero besides. The compiler's own vectorising of `f32_bf16` gave up on runs of 16 and 8
-/// (MobileNetV3's 16-, 24- and 72-channel 1×1 layers): value by value, the narrowing took 2.6
-/// times as long as the GEMM that made the values.
-///
-/// Called only inside [`store_pairs`] (whose CPUs have AVX512_BF16).
-#[inline(always)]
-fn narrow_run<const N: usize>(values: &[f32; N]) -> [bf16; N] {
-    let mut out = [bf16::ZERO; N];
-    #[cfg(target_arch = "x86_64")]
-    if N >= 8 {
-        use std::arch::x86_64::{_mm512_cvtneps_pbh, _mm512_loadu_ps};
-        for (o, v) in out.chunks_mut(16).zip(values.chunks(16)) {
-            let mut lanes = [0f32; 16];
-            lanes[..v.len()].copy_from_slice(v);
-            // SAFETY: `lanes` holds 16 floats; the CPU has AVX-512F and AVX512_BF16 (only
-            // `store_pairs` calls this).
-            let h: [bf16; 16] =
-                unsafe { std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(lanes.as_ptr()))) };
-            o.copy_from_slice(&h[..o.len()]);
-        }
-        return out;
-    }
-    (out.iter_mut().zip(values)).for_each(|(o, v)| *o = f32_bf16(*v));
-    out
-}
-
-/// [`PairStore`]'s work compiled for AVX-512 with AVX512_BF16 (its narrowing's instruction).
-///
-/// # Safety
-/// The CPU has AVX-512F and AVX512_BF16.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn store_pairs(store: PairStore<'_>) {
-    store.run()
-}
-
-/// Never called: bf16 pairs are multiplied on x86-64 only.
-///
-/// # Safety
-/// None needed.
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn store_pairs(store: PairStore<'_>) {
-    with_simd(store)
-}
-
-impl Vectorised for PairStore<'_> {
-    type Output = ();
-
-    #[inline(always)]
-    fn run(self) {
-        match self.act {
-            // Their long chains on the whole block at once ([`activate`]).
-            act if activation::long(act) => self.passes(|values| activate(act, values)),
-            act => with_act!(act, |f| self.rows(f)),
-        }
-    }
 }
 
 thread_local! {
@@ -886,43 +669,6 @@ mod tests {
     /// values that round up, down and to even, signed zeros, infinities, overflow to infinity
     /// and NaNs; the single values take `f32_bf16` itself. Where the CPU lacks AVX512_BF16 it
     /// says so and checks nothing.
-    #[test]
-    fn pair_narrowing_rounds_as_f32_bf16() {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx512bf16") {
-            let bits: [u32; 16] = [
-                0x3f80_8000,
-                0x3f81_8000,
-                0x3f80_7fff,
-                0x3f80_8001,
-                0x8000_0000,
-                0,
-                0x7f80_0000,
-                0xff80_0000,
-                0x7f7f_ffff,
-                0x7fc0_0001,
-                0xffa0_0000,
-                0x4049_0fdb,
-                0xc2f6_e979,
-                0x3400_0000,
-                0x0080_0000,
-                0x7f80_0001,
-            ];
-            let values: Vec<f32> = (0..32)
-                .map(|i| f32::from_bits(bits[i % 16] ^ ((i as u32 / 16) << 31)))
-                .collect();
-            let want: Vec<u16> = values.iter().map(|v| f32_bf16(*v).to_bits()).collect();
-            let got32 = narrow_run::<32>(values[..32].try_into().unwrap());
-            let got16 = narrow_run::<16>(values[..16].try_into().unwrap());
-            let got8 = narrow_run::<8>(values[8..16].try_into().unwrap());
-            assert_eq!(got32.map(|v| v.to_bits()).as_slice(), &want[..]);
-            assert_eq!(got16.map(|v| v.to_bits()).as_slice(), &want[..16]);
-            assert_eq!(got8.map(|v| v.to_bits()).as_slice(), &want[8..16]);
-            return;
-        }
-        eprintln!("no AVX512_BF16 here: the bf16-pair narrowing is not used, nor checked");
-    }
-
     /// Even chunks: whole units, sizes within one unit of each other, in a multiple of the
     /// workers where the units allow, none above the asked size by more than a unit's rounding,
     /// together covering every row once.
