@@ -151,11 +151,7 @@ impl<T: Elem> CpuSession<T> {
                     let variant = variants.get(&node.name).map(String::as_str);
                     let tile = match variant {
                         Some(v) => winograd::Tile::from_variant(v),
-                        // Where BF16 multiplies bf16 pairs, only layers with tiles enough
-                        // (see `winograd::beats_pairs`).
-                        None => winograd::by_default(&c, &shape).filter(|&t| {
-                            !kernels::uses_pairs::<T>(&c) || winograd::beats_pairs(t, &shape)
-                        }),
+                        None => winograd::by_default(&c, &shape, kernels::uses_pairs::<T>(&c)),
                     };
                     let donated = variant
                         .is_none()

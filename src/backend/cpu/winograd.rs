@@ -16,6 +16,9 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
+use half::bf16;
+
+use super::bf16_gemm::{self, PackedPairs};
 use super::elem::Elem;
 use super::kernels::{Chunks, Epilogue, Nhwc};
 use super::sgemm::{self, NR, PackedB};
@@ -107,27 +110,34 @@ pub fn eligible(c: &Conv2d) -> bool {
 /// faster than im2col at batch 8; at batch 1 F(4×4) still won with 16 tiles (14×14), but with
 /// 4 (7×7) F(2×2) was fastest (16 tiles; 1.4× im2col) and F(4×4) the slowest, its 36 MB of
 /// transformed weights streamed for little work.
-pub fn by_default(c: &Conv2d, out: &[usize]) -> Option<Tile> {
+///
+/// Where the layer multiplies bf16 pairs (`pairs`: BF16 on `vdpbf16ps` or AMX, twice the f32
+/// FMA rate) the choice is between F(4×4) on f32 GEMMs, F(2×2) on pairs (see [`Transformed`])
+/// and im2col on pairs, by the tiles each has:
+/// - F(4×4) with 192 tiles or more. ResNet-50 on a Zen 5, per 3×3 stride-1 layer, F(4×4)
+///   against im2col on pairs: 1568, 392 and 196 tiles (56×56 and 28×28 at batch 8, 56×56 at
+///   batch 1) 10–27% faster, 512 (14×14 at batch 32) 13% faster; 128 (14×14 at batch 8) 4%
+///   slower, 49 and fewer 15–80% slower. Against F(2×2) on pairs, on a Zen 4: F(4×4) faster
+///   with 392 tiles (28×28 at batch 8: 1.49 against 1.67 ms), 1568 (56×56, two images a
+///   call: 0.87 against 1.13) and 1568 (28×28 at batch 32: 1.90 against 2.12).
+/// - Else F(2×2) on pairs with 48 tiles or more. On the Zen 4, against im2col on pairs
+///   (minimum over 10–40 steps alternating in one process): 392 tiles (14×14 at batch 8) 2.7
+///   against 4.3 ms, 128 (7×7 at batch 8) 3.4–3.7 against 4.3, 512 (7×7 at batch 32) 13.0
+///   against 18.0, 196 and 49 (28×28 and 14×14 at batch 1) 0.40 against 0.54 and 0.36–0.46
+///   against 0.55; 16 (7×7 at batch 1) 0.56–0.61 against 0.59: no gain, its 8 MB of
+///   transformed weights streamed for little work.
+pub fn by_default(c: &Conv2d, out: &[usize], pairs: bool) -> Option<Tile> {
     if !eligible(c) || c.in_channels < 32 || c.out_channels < 32 {
         return None;
     }
+    let least = |t: Tile| match (pairs, t) {
+        (false, _) => 16,
+        (true, Tile::F4) => 192,
+        (true, Tile::F2) => 48,
+    };
     [Tile::F4, Tile::F2]
         .into_iter()
-        .find(|&t| t.tiles(out) >= 16)
-}
-
-/// Whether Winograd with `tile` outruns the bf16-pair GEMMs (`vdpbf16ps` or AMX, twice the f32
-/// FMA rate) that a BF16 layer with output `out` would otherwise run through im2col: where the
-/// tiles are many enough for its f32 GEMMs on a quarter of the products to win. ResNet-50 on a
-/// Zen 5 (`vdpbf16ps`), per 3×3 stride-1 layer, F(4×4) against im2col on pairs: 1568, 392 and
-/// 196 tiles (56×56 and 28×28 at batch 8, 56×56 at batch 1) 10–27% faster, 512 (14×14 at batch
-/// 32) 13% faster; 128 (14×14 at batch 8, a third of each tile past the image) 4% slower, 49
-/// and fewer 15–80% slower. Before the transforms were vectorised (they had been scalar) every
-/// BF16 layer on pairs ran im2col; this rule made BF16 ResNet-50 batch 8 +6.8% and batch 32
-/// +10.7% (3 interleaved runs each), batch 1 unchanged. AMX, whose pairs are faster still, was
-/// not measured: the same rule holds there.
-pub fn beats_pairs(tile: Tile, out: &[usize]) -> bool {
-    tile.tiles(out) >= 192
+        .find(|&t| t.tiles(out) >= least(t))
 }
 
 /// Transformed weights: for each of the α² positions ξ of a transformed tile, the (cin × cout)
@@ -146,9 +156,16 @@ pub struct Winograd<T> {
 /// alone 75 MB in f32) and each U_ξ is widened a panel block at a time as its one GEMM per
 /// pass runs; chunks would widen every U_ξ once each, so layers that run in chunks keep f32
 /// (they are the ones with small weights).
+///
+/// Or, for F(2×2) in BF16 where the CPU multiplies bf16 pairs, U_ξ packed as pairs for the
+/// `vdpbf16ps` (or AMX) GEMMs, whose inputs V are then narrowed to bf16 too: twice the FMA
+/// rate on 16/36 of the products. F(4×4)'s transforms (points ±2, coefficients to 8) make bf16
+/// rounding of U and V cost too much accuracy there: on a 256-channel layer with random
+/// inputs, 2.4% RMS error against 0.38% for F(2×2) and 0.17% for the output's own rounding.
 enum Transformed<T> {
     F32(Vec<PackedB<f32>>),
     Stored(Vec<PackedB<T>>),
+    Pairs(Vec<PackedPairs>),
 }
 
 impl<T: Elem> Winograd<T> {
@@ -162,7 +179,9 @@ impl<T: Elem> Winograd<T> {
         out: &[usize],
     ) -> Self {
         let staged = staged(tile, conv, out);
-        let u = if staged && !T::IS_F32 {
+        let u = if on_pairs::<T>(tile, conv) {
+            Transformed::Pairs(transform_pairs::<T>(conv, weight))
+        } else if staged && !T::IS_F32 {
             Transformed::Stored(transform_weights::<T, T>(tile, conv, weight))
         } else {
             Transformed::F32(transform_weights::<T, f32>(tile, conv, weight))
@@ -179,8 +198,9 @@ impl<T: Elem> Winograd<T> {
     /// schedule that output takes; `None` where they would be stored differently.
     pub fn for_output(mut self, conv: &Conv2d, out: &[usize]) -> Option<Self> {
         let staged = staged(self.tile, conv, out);
-        // f32 sessions keep U in f32 on either schedule (see `Transformed`).
-        if staged != self.staged && !T::IS_F32 {
+        // f32 sessions keep U in f32 on either schedule, and pairs are pairs on both (see
+        // `Transformed`).
+        if staged != self.staged && !T::IS_F32 && !matches!(self.u, Transformed::Pairs(_)) {
             return None;
         }
         self.staged = staged;
@@ -191,6 +211,26 @@ impl<T: Elem> Winograd<T> {
         self.tile
     }
 
+    /// The row length (K padded) of V in bf16, where U is packed as pairs.
+    fn pairs_kp(&self) -> Option<usize> {
+        match &self.u {
+            Transformed::Pairs(u) => Some(u[0].kp()),
+            _ => None,
+        }
+    }
+
+    /// The kernel name's form (`conv2d_<form>_<type>`): the tile's, `_dpbf16` (or `_amx`)
+    /// added where its GEMMs multiply bf16 pairs.
+    pub fn form(&self) -> String {
+        match (&self.u, bf16_gemm::Engine::in_use()) {
+            (Transformed::Pairs(_), Some(bf16_gemm::Engine::Amx)) => {
+                format!("{}_amx", self.tile.form())
+            }
+            (Transformed::Pairs(_), _) => format!("{}_dpbf16", self.tile.form()),
+            _ => self.tile.form().to_string(),
+        }
+    }
+
     fn positions(&self) -> usize {
         self.tile.alpha().pow(2)
     }
@@ -199,6 +239,7 @@ impl<T: Elem> Winograd<T> {
         let u = match &self.u {
             Transformed::F32(u) => u.iter().map(|u| u.bytes()).sum::<u64>(),
             Transformed::Stored(u) => u.iter().map(|u| u.bytes()).sum::<u64>(),
+            Transformed::Pairs(u) => u.iter().map(|u| u.bytes()).sum::<u64>(),
         };
         u + self.bias.as_ref().map_or(0, |b| b.len() as u64 * 4)
     }
@@ -251,11 +292,58 @@ fn transform_weights<T: Elem, S: Elem>(
     })
 }
 
+/// Whether a layer with `tile` multiplies bf16 pairs in its GEMMs (see [`Transformed`]).
+fn on_pairs<T: Elem>(tile: Tile, conv: &Conv2d) -> bool {
+    tile == Tile::F2 && super::kernels::uses_pairs::<T>(conv)
+}
+
+/// U_ξ for every position ξ of F(2×2), from PyTorch's (cout, cin, 3, 3) weight as `T` rounds
+/// it, packed as bf16 pairs (rounded once more: U in bf16). All of U is computed first, in f32
+/// (output channel by output channel, in parallel), then packed position by position.
+fn transform_pairs<T: Elem>(conv: &Conv2d, weight: &[f32]) -> Vec<PackedPairs> {
+    let (cin, cout, a) = (conv.in_channels, conv.out_channels, Tile::F2.alpha());
+    let positions = a * a;
+    let g: Vec<[f32; 3]> = Tile::F2.g().iter().map(|r| r.map(|v| v as f32)).collect();
+    // u[(co·positions + ξ)·cin + ci]: each position's column co contiguous over ci.
+    let mut u = vec![0f32; cout * positions * cin];
+    u.par_chunks_mut(positions * cin)
+        .enumerate()
+        .for_each(|(co, u)| {
+            for ci in 0..cin {
+                let w: [f32; 9] = std::array::from_fn(|tap| {
+                    T::from_f32(weight[(co * cin + ci) * 9 + tap]).to_f32()
+                });
+                // G·g (α × 3), then (G·g)·Gᵀ (α × α), as `transform_weights` computes them.
+                let gg: Vec<[f32; 3]> = (g.iter())
+                    .map(|gr| {
+                        std::array::from_fn(|j| gr[0] * w[j] + gr[1] * w[3 + j] + gr[2] * w[6 + j])
+                    })
+                    .collect();
+                for (i, row) in gg.iter().enumerate() {
+                    for (j, gc) in g.iter().enumerate() {
+                        u[(i * a + j) * cin + ci] =
+                            row[0] * gc[0] + row[1] * gc[1] + row[2] * gc[2];
+                    }
+                }
+            }
+        });
+    (0..positions)
+        .map(|xi| {
+            let column = |co: usize, col: &mut [f32]| {
+                col.copy_from_slice(&u[(co * positions + xi) * cin..][..cin]);
+            };
+            PackedPairs::from_columns(cin, cout, column, None)
+        })
+        .collect()
+}
+
 /// Per worker, reused across chunks, layers and passes.
 #[derive(Default)]
 struct Scratch {
     /// Transformed inputs, tile-major: tiles × α² × cin.
     v: Vec<f32>,
+    /// The same narrowed to bf16 for GEMMs on pairs, cin padded with zeros to their K step.
+    vb: Vec<bf16>,
     /// GEMM results, tiles × α² × cout.
     m: Vec<f32>,
     t: TileScratch,
@@ -357,7 +445,7 @@ pub fn conv2d<T: Elem>(
             SCRATCH.with(|s| {
                 let s = &mut *s.borrow_mut();
                 let tiles = chunk(c);
-                let (v, mm) = (&mut s.v, &mut s.m);
+                let (v, vb, mm) = (&mut s.v, &mut s.vb, &mut s.m);
                 v.resize(tiles.len() * positions * xs.c, 0.0);
                 mm.resize(tiles.len() * positions * ys.c, 0.0);
                 with_simd(Inputs {
@@ -366,12 +454,16 @@ pub fn conv2d<T: Elem>(
                     v,
                     s: &mut s.t,
                 });
+                if let Some(kp) = w.pairs_kp() {
+                    vb.resize(v.len() / xs.c * kp, bf16::ZERO);
+                    narrow_rows(xs.c, kp, v, vb);
+                }
                 // SAFETY: `mm` is this work item's own buffer, sized for its tiles above.
                 unsafe {
                     gemms(
                         &job,
                         tiles.len(),
-                        v,
+                        (v, vb),
                         (mm.as_mut_ptr(), mm.len()),
                         0..positions,
                     )
@@ -387,9 +479,13 @@ pub fn conv2d<T: Elem>(
         return;
     }
     // Stage by stage, in buffers this (calling) thread keeps between calls.
-    let (mut v, mut mm) = SCRATCH.with(|s| {
+    let (mut v, mut vb, mut mm) = SCRATCH.with(|s| {
         let s = &mut *s.borrow_mut();
-        (std::mem::take(&mut s.v), std::mem::take(&mut s.m))
+        (
+            std::mem::take(&mut s.v),
+            std::mem::take(&mut s.vb),
+            std::mem::take(&mut s.m),
+        )
     });
     v.resize(tiles * positions * xs.c, 0.0);
     mm.resize(tiles * positions * ys.c, 0.0);
@@ -407,7 +503,14 @@ pub fn conv2d<T: Elem>(
                 })
             })
         });
-    let (v_all, mp) = (&v, OutPtr(mm.as_mut_ptr()));
+    if let Some(kp) = w.pairs_kp() {
+        vb.resize(v.len() / xs.c * kp, bf16::ZERO);
+        let rows = chunks.get(0).1.max(1) * positions;
+        (v.par_chunks(rows * xs.c))
+            .zip(vb.par_chunks_mut(rows * kp))
+            .for_each(|(v, vb)| narrow_rows(xs.c, kp, v, vb));
+    }
+    let (v_all, mp) = ((&v[..], &vb[..]), OutPtr(mm.as_mut_ptr()));
     let (mp, m_len) = (&mp, mm.len());
     (0..positions).into_par_iter().for_each(|xi| {
         // SAFETY: position ξ's GEMM writes only M's rows of ξ (the columns [ξ·cout, (ξ + 1)·cout)
@@ -430,7 +533,7 @@ pub fn conv2d<T: Elem>(
         });
     SCRATCH.with(|s| {
         let s = &mut *s.borrow_mut();
-        (s.v, s.m) = (v, mm);
+        (s.v, s.vb, s.m) = (v, vb, mm);
     });
 }
 
@@ -475,8 +578,18 @@ impl<T: Elem> Vectorised for Outputs<'_, '_, T> {
     }
 }
 
+/// Transformed inputs `v` (rows of `cin`) narrowed to bf16 into `vb`, rows of `kp` (zeros
+/// past cin): what the GEMMs on pairs multiply.
+fn narrow_rows(cin: usize, kp: usize, v: &[f32], vb: &mut [bf16]) {
+    for (src, dst) in v.chunks_exact(cin).zip(vb.chunks_exact_mut(kp)) {
+        <bf16 as Elem>::narrow(src, &mut dst[..cin]);
+        dst[cin..].fill(bf16::ZERO);
+    }
+}
+
 /// The GEMMs of positions `xis` for `nt` tiles: V_ξ's rows are every tile's row ξ (stride
-/// α²·cin), M_ξ's likewise (half-precision U_ξ widened a panel block at a time as it runs).
+/// α²·cin), M_ξ's likewise (half-precision U_ξ widened a panel block at a time as it runs;
+/// U_ξ on pairs multiplied by `vb`, V narrowed by [`narrow_for_pairs`], rows of kp).
 ///
 /// # Safety
 /// `mm` points at `mm.1` writable floats that nothing reads or writes during the call except
@@ -484,26 +597,69 @@ impl<T: Elem> Vectorised for Outputs<'_, '_, T> {
 unsafe fn gemms<T: Elem>(
     job: &Job<'_, T>,
     nt: usize,
-    v: &[f32],
+    (v, vb): (&[f32], &[bf16]),
     mm: (*mut f32, usize),
     xis: Range<usize>,
 ) {
     let (cin, cout) = (job.xs.c, job.ys.c);
     let positions = job.w.positions();
-    assert!(v.len() >= nt * positions * cin && mm.1 >= nt * positions * cout);
+    assert!(mm.1 >= nt * positions * cout);
+    let (c, ldc) = (|xi: usize| mm.0.wrapping_add(xi * cout), positions * cout);
+    if let Transformed::Pairs(u) = &job.w.u {
+        let engine = bf16_gemm::Engine::in_use().expect("pair packings exist only with an engine");
+        let kp = u[0].kp();
+        assert!(vb.len() >= nt * positions * kp);
+        for xi in xis {
+            let c = c(xi);
+            // M_ξ's block rows, from L1 into place.
+            let mut store = |d: bf16_gemm::Done<'_>| {
+                for (r, row) in d
+                    .values
+                    .chunks_exact(bf16_gemm::BLOCK_COLS)
+                    .take(d.rows)
+                    .enumerate()
+                {
+                    // SAFETY: row d.row + r < nt of M_ξ, columns d.col.. + d.cols ≤ cout,
+                    // inside `mm` (asserted above).
+                    unsafe {
+                        let dst = c.add((d.row + r) * ldc + d.col);
+                        std::ptr::copy_nonoverlapping(row.as_ptr(), dst, d.cols);
+                    }
+                }
+            };
+            // SAFETY: pair packings exist only where the engine runs; V_ξ holds nt rows of
+            // kp bf16 (zeros past cin) spaced positions·kp apart inside `vb` (asserted above).
+            unsafe {
+                let a = vb.as_ptr().add(xi * kp);
+                let panels = (0, u[xi].panels());
+                bf16_gemm::gemm(
+                    engine,
+                    nt,
+                    a,
+                    positions * kp,
+                    &u[xi],
+                    panels,
+                    None,
+                    &mut store,
+                )
+            };
+        }
+        return;
+    }
+    assert!(v.len() >= nt * positions * cin);
     for xi in xis {
         // SAFETY: V_ξ holds nt rows of cin floats spaced positions·cin apart, M_ξ nt rows of
         // cout floats spaced positions·cout apart, inside `v` and `mm` (asserted above).
         unsafe {
             let (a, lda) = (v.as_ptr().add(xi * cin), positions * cin);
-            let (c, ldc) = (mm.0.add(xi * cout), positions * cout);
             match &job.w.u {
                 Transformed::F32(u) => {
-                    sgemm::gemm_packed(nt, a, lda, &u[xi], (0, u[xi].panels()), c, ldc)
+                    sgemm::gemm_packed(nt, a, lda, &u[xi], (0, u[xi].panels()), c(xi), ldc)
                 }
                 Transformed::Stored(u) => {
-                    sgemm::gemm_packed(nt, a, lda, &u[xi], (0, u[xi].panels()), c, ldc)
+                    sgemm::gemm_packed(nt, a, lda, &u[xi], (0, u[xi].panels()), c(xi), ldc)
                 }
+                Transformed::Pairs(_) => unreachable!("above"),
             }
         }
     }
@@ -753,6 +909,37 @@ mod tests {
             1,
         );
         out.iter().map(|r| r[0]).collect()
+    }
+
+    /// The default tiles of ResNet-50's 3×3 stride-1 layers, with and without bf16 pairs (the
+    /// measurements are at [`by_default`]).
+    #[test]
+    fn default_tiles_follow_the_measurements() {
+        let conv = |c| Conv2d::new(c, c, 3, 1, 1);
+        let out = |n, c, hw| [n, c, hw, hw];
+        let cases = [
+            // (batch, channels, side): without pairs, with pairs
+            ((8, 64, 56), Some(Tile::F4), Some(Tile::F4)),
+            ((8, 128, 28), Some(Tile::F4), Some(Tile::F4)),
+            ((8, 256, 14), Some(Tile::F4), Some(Tile::F2)),
+            ((8, 512, 7), Some(Tile::F4), Some(Tile::F2)),
+            ((1, 256, 14), Some(Tile::F4), Some(Tile::F2)),
+            ((1, 512, 7), Some(Tile::F2), None),
+            ((32, 512, 7), Some(Tile::F4), Some(Tile::F2)),
+        ];
+        for ((n, c, hw), plain, pairs) in cases {
+            let o = out(n, c, hw);
+            assert_eq!(
+                by_default(&conv(c), &o, false),
+                plain,
+                "{o:?} without pairs"
+            );
+            assert_eq!(by_default(&conv(c), &o, true), pairs, "{o:?} on pairs");
+        }
+        // Too few channels for the transforms to pay, and not a 3×3 stride-1 layer.
+        assert_eq!(by_default(&conv(16), &out(8, 16, 56), true), None);
+        let strided = Conv2d::new(64, 64, 3, 2, 1);
+        assert_eq!(by_default(&strided, &out(8, 64, 28), false), None);
     }
 
     /// The 1-D identity behind both tiles: Aᵀ·((G·g) ⊙ (Bᵀ·d)) is the valid correlation of d

@@ -248,9 +248,10 @@ impl<T: Elem> PackedConv<T> {
     }
 
     pub fn kernel_name(&self) -> String {
-        let form = if let Some(w) = &self.winograd {
-            w.tile().form()
-        } else if self.pairs.is_some() && super::stem::is_stem(&self.conv) {
+        if let Some(w) = &self.winograd {
+            return format!("conv2d_{}_{}", w.form(), T::SUFFIX);
+        }
+        let form = if self.pairs.is_some() && super::stem::is_stem(&self.conv) {
             "dpbf16_stem"
         } else if self.pairs.is_some() {
             match bf16_gemm::Engine::in_use() {
