@@ -222,6 +222,12 @@ impl PackedB<f32> {
             bias: &self.bias,
         }
     }
+
+    /// Panel p: K rows of [`NR`] values (zeros past N), and its [`NR`] bias values.
+    pub(crate) fn panel(&self, p: usize) -> (&[f32], &[f32]) {
+        let span = self.k * NR;
+        (&self.data[p * span..][..span], &self.bias[p * NR..][..NR])
+    }
 }
 
 impl<E> Panels<'_, E> {
