@@ -277,11 +277,11 @@ pub struct Done<'a> {
 impl Done<'_> {
     /// The block finished and stored as the `vdpbf16ps` kernels store their rows in
     /// registers: C's value (i, j) at `f`'s place (i, j) (`f` is where C's first row and
-    /// column go), through the same [`store_finished`], so bit for bit the same values.
+    /// column go), through the same `store_finished`, so bit for bit the same values.
     /// What the caller of [`gemm`] does with AMX's blocks.
     ///
     /// # Safety
-    /// As for [`store_finished`]: the CPU has AVX-512F, BW, VL and AVX512_BF16; the block's
+    /// As for `store_finished`: the CPU has AVX-512F, BW, VL and AVX512_BF16; the block's
     /// rows and valid columns at `f`'s places (and its residual's) are inside their tensors.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bf16,avx512bw,avx512vl")]
@@ -1015,20 +1015,26 @@ mod tests {
                     (out[at..].iter_mut().zip(&v)).for_each(|(o, v)| *o = f32_bf16(*v));
                 }
             };
-            let mut want = vec![bf16::NAN; m * ld];
-            // SAFETY: the CPU runs the engine (checked above); A has m rows of kp values.
-            unsafe {
-                gemm(
-                    Engine::Dot,
-                    m,
-                    a.as_ptr(),
-                    kp,
-                    &packed,
-                    (p0, p1),
-                    None,
-                    &mut |d| finish(d, &mut want),
-                )
+            // The GEMM on the Dot engine, rows stored where `finished` says (if anywhere).
+            let run = |finished: Option<Finished>, done: &mut dyn FnMut(Done<'_>)| {
+                // SAFETY: the CPU runs the engine (checked above); A has m rows of kp values;
+                // each caller's `finished` places m rows of ld ≥ width values, in its own
+                // buffer (and the residual's).
+                unsafe {
+                    gemm(
+                        Engine::Dot,
+                        m,
+                        a.as_ptr(),
+                        kp,
+                        &packed,
+                        (p0, p1),
+                        finished,
+                        &mut |d| done(d),
+                    )
+                }
             };
+            let mut want = vec![bf16::NAN; m * ld];
+            run(None, &mut |d| finish(d, &mut want));
             let mut got = vec![bf16::NAN; m * ld];
             let finished = Finished {
                 out: got.as_mut_ptr(),
@@ -1038,19 +1044,7 @@ mod tests {
             };
             // The blocks still handed over, apart (`got` is written through `finished`).
             let mut handed = vec![bf16::NAN; m * ld];
-            // SAFETY: as above; `got` and the residual hold m rows of ld ≥ width values.
-            unsafe {
-                gemm(
-                    Engine::Dot,
-                    m,
-                    a.as_ptr(),
-                    kp,
-                    &packed,
-                    (p0, p1),
-                    Some(finished),
-                    &mut |d| finish(d, &mut handed),
-                )
-            };
+            run(Some(finished), &mut |d| finish(d, &mut handed));
             // Every block handed over and finished by `Done::finish` (AMX's way): the same
             // values as the kernels' own.
             let mut blocks = vec![bf16::NAN; m * ld];
@@ -1058,19 +1052,9 @@ mod tests {
                 out: blocks.as_mut_ptr(),
                 ..finished
             };
-            // SAFETY: as above; `blocks` holds m rows of ld ≥ width values.
-            unsafe {
-                gemm(
-                    Engine::Dot,
-                    m,
-                    a.as_ptr(),
-                    kp,
-                    &packed,
-                    (p0, p1),
-                    None,
-                    &mut |d| d.finish(at),
-                )
-            };
+            // SAFETY: the CPU runs the engine (checked above); `at` places m rows of ld ≥
+            // width values in `blocks`.
+            run(None, &mut |d| unsafe { d.finish(at) });
             assert_eq!(
                 blocks.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                 want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),

@@ -112,7 +112,7 @@ pub fn eligible(c: &Conv2d) -> bool {
 /// transformed weights streamed for little work.
 ///
 /// Where the layer multiplies bf16 pairs (`pairs`: BF16 on `vdpbf16ps` or AMX, twice the f32
-/// FMA rate) the choice is between F(4×4) on f32 GEMMs, F(2×2) on pairs (see [`Transformed`])
+/// FMA rate) the choice is between F(4×4) on f32 GEMMs, F(2×2) on pairs (see `Transformed`)
 /// and im2col on pairs, by the tiles each has:
 /// - F(4×4) with 192 tiles or more. ResNet-50 on a Zen 5, per 3×3 stride-1 layer, F(4×4)
 ///   against im2col on pairs: 1568, 392 and 196 tiles (56×56 and 28×28 at batch 8, 56×56 at
