@@ -275,6 +275,13 @@ pub struct Done<'a> {
 }
 
 impl Done<'_> {
+    /// The block's rows, each as C's row index and its `cols` valid values.
+    pub fn rows(&self) -> impl Iterator<Item = (usize, &[f32])> {
+        let (row, cols) = (self.row, self.cols);
+        let rows = self.values.chunks_exact(BLOCK_COLS).take(self.rows);
+        rows.enumerate().map(move |(r, v)| (row + r, &v[..cols]))
+    }
+
     /// The block finished and stored as the `vdpbf16ps` kernels store their rows in
     /// registers: C's value (i, j) at `f`'s place (i, j) (`f` is where C's first row and
     /// column go), through the same `store_finished`, so bit for bit the same values.

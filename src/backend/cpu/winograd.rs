@@ -613,17 +613,12 @@ unsafe fn gemms<T: Elem>(
             let c = c(xi);
             // M_ξ's block rows, from L1 into place.
             let mut store = |d: bf16_gemm::Done<'_>| {
-                for (r, row) in d
-                    .values
-                    .chunks_exact(bf16_gemm::BLOCK_COLS)
-                    .take(d.rows)
-                    .enumerate()
-                {
-                    // SAFETY: row d.row + r < nt of M_ξ, columns d.col.. + d.cols ≤ cout,
-                    // inside `mm` (asserted above).
+                for (i, row) in d.rows() {
+                    // SAFETY: row i < nt of M_ξ, columns d.col.. + d.cols ≤ cout, inside `mm`
+                    // (asserted above).
                     unsafe {
-                        let dst = c.add((d.row + r) * ldc + d.col);
-                        std::ptr::copy_nonoverlapping(row.as_ptr(), dst, d.cols);
+                        let dst = c.add(i * ldc + d.col);
+                        std::ptr::copy_nonoverlapping(row.as_ptr(), dst, row.len());
                     }
                 }
             };

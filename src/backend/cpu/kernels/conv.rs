@@ -629,13 +629,13 @@ pub fn conv2d<T: Elem>(
         return conv2d_pairs(p, b, x, xs, y, ys, threads, &epilogue);
     }
     // An FP32 stem runs on its direct kernel where there is one (AVX-512).
-    let f32_packing = (&p.groups[0] as &dyn std::any::Any).downcast_ref::<PackedB<f32>>();
-    if let (Some(b), Some(xf), true) = (f32_packing, T::as_f32(x), p.groups.len() == 1) {
-        let res = residual.map(|r| T::as_f32(r).expect("f32 layers store f32"));
-        let yf = T::as_f32_mut(y).expect("f32 layers store f32");
-        if super::stem::conv2d_stem_f32(&p.conv, b, xf, xs, yf, ys, threads, res) {
-            return;
-        }
+    if T::IS_F32 && super::stem::runs_f32(&p.conv) {
+        let f32s = "f32 layers store f32";
+        let any = &p.groups[0] as &dyn std::any::Any;
+        let b = any.downcast_ref::<PackedB<f32>>().expect(f32s);
+        let (x, y) = (T::as_f32(x).expect(f32s), T::as_f32_mut(y).expect(f32s));
+        let residual = residual.map(|r| T::as_f32(r).expect(f32s));
+        return super::stem::conv2d_stem_f32(&p.conv, b, x, xs, y, ys, threads, residual);
     }
     let c = &p.conv;
     let k_g = c.kernel.0 * c.kernel.1 * (c.in_channels / c.groups);

@@ -90,36 +90,10 @@ pub(super) fn conv2d_stem(
     threads: usize,
     residual: Option<&[bf16]>,
 ) {
-    let m = ys.n * ys.h * ys.w;
-    assert!(
-        x.len() >= xs.elems() && xs.c == c.in_channels,
-        "stem input buffer too small"
-    );
-    assert!(
-        y.len() >= m * c.out_channels,
-        "stem output buffer too small"
-    );
-    assert!(
-        residual.is_none_or(|r| r.len() >= m * c.out_channels),
-        "stem residual too small"
-    );
-    let out = TilePtr(y.as_mut_ptr());
-    let rows = chunk_rows(m, b.kp());
-    let job = Job {
-        c,
-        b,
-        x,
-        xs,
-        ys,
-        out,
-        residual,
-    };
-    work_items(m, rows, b.panels(), threads).for_each(|((m0, mr), panels)| {
-        // SAFETY: pair packings exist only where `simd()` chose an engine, and both engines'
-        // CPUs have AVX512_BF16 (`bf16_gemm::Engine::in_use`); this work item's rows and panels
-        // of `y` are its own (`work_items`).
-        unsafe { rows_avx512(&job, m0, mr, panels) };
-    });
+    let job = Job::new(c, b, (x, xs), (y, ys), residual);
+    // SAFETY: pair packings exist only where `simd()` chose an engine, and both engines'
+    // CPUs have AVX512_BF16 (`bf16_gemm::Engine::in_use`).
+    unsafe { job.launch((b.kp(), b.panels()), threads, rows_avx512) };
 }
 
 /// Whether an FP32 convolution runs on [`conv2d_stem_f32`]: a stem, where the SIMD path in
@@ -129,10 +103,9 @@ pub(super) fn runs_f32(c: &Conv2d) -> bool {
     is_stem(c) && matches!(simd(), Simd::Avx512 | Simd::Avx512Bf16 | Simd::Amx)
 }
 
-/// The FP32 convolution `x` (xs) → `y` (ys), both NHWC f32, of a stem ([`is_stem`]: fewer
-/// than [`NARROW`] input channels) with `b` its GEMM packing (K ordered (ky, kx, ci), the bias
-/// in it), `residual` (NHWC like `y`) added and the layer's activation applied, on AVX-512;
-/// `false` (nothing written) elsewhere. The same design as the pairs' kernel, one value at a
+/// The FP32 convolution `x` (xs) → `y` (ys), both NHWC f32, of a stem that [`runs_f32`]
+/// says runs here, with `b` its GEMM packing (K ordered (ky, kx, ci), the bias in it),
+/// `residual` (NHWC like `y`) added and the layer's activation applied. The same design as the pairs' kernel, one value at a
 /// time instead of pairs: through im2col and the GEMM, MobileNetV3-Large's stem (3 → 16,
 /// 3×3, stride 2) gathered 27 values a pixel for 27 multiply-adds per output channel. Here,
 /// at batch 8 (Zen 4): that stem 1.08–1.24 → 0.84–0.86 ms in the network; alone, it 1.06 →
@@ -148,36 +121,14 @@ pub(super) fn conv2d_stem_f32(
     ys: Nhwc,
     threads: usize,
     residual: Option<&[f32]>,
-) -> bool {
-    if !runs_f32(c) {
-        return false;
-    }
-    let m = ys.n * ys.h * ys.w;
+) {
     assert!(
-        x.len() >= xs.elems()
-            && xs.c == c.in_channels
-            && y.len() >= m * c.out_channels
-            && residual.is_none_or(|r| r.len() >= m * c.out_channels)
-            && b.k == c.taps(),
-        "stem: buffers and packing disagree with the layer"
+        runs_f32(c) && b.k == c.taps(),
+        "stem: not a layer the FP32 stem kernel runs, or not its packing"
     );
-    let out = TilePtr(y.as_mut_ptr());
-    let job = Job {
-        c,
-        b,
-        x,
-        xs,
-        ys,
-        out,
-        residual,
-    };
-    let rows = chunk_rows(m, c.taps());
-    work_items(m, rows, b.panels(), threads).for_each(|((m0, mr), panels)| {
-        // SAFETY: `simd()` chose AVX-512 only where the CPU has AVX-512F; this work item's
-        // rows and panels of `y` are its own (`work_items`).
-        unsafe { rows_f32(&job, m0, mr, panels) };
-    });
-    true
+    let job = Job::new(c, b, (x, xs), (y, ys), residual);
+    // SAFETY: `runs_f32` (asserted): `simd()` chose AVX-512 only where the CPU has AVX-512F.
+    unsafe { job.launch((c.taps(), b.panels()), threads, rows_f32) };
 }
 
 /// [`conv2d_stem_f32`]'s output rows [m0, m0 + mr), panels [p0, p1).
@@ -297,6 +248,57 @@ struct Job<'a, E, B> {
     ys: Nhwc,
     out: TilePtr<E>,
     residual: Option<&'a [E]>,
+}
+
+impl<'a, E: Sync, B: Sync> Job<'a, E, B> {
+    /// The call's shared part, its tensors' lengths checked against the layer.
+    fn new(
+        c: &'a Conv2d,
+        b: &'a B,
+        (x, xs): (&'a [E], Nhwc),
+        (y, ys): (&'a mut [E], Nhwc),
+        residual: Option<&'a [E]>,
+    ) -> Self {
+        let outputs = ys.n * ys.h * ys.w * c.out_channels;
+        assert!(
+            x.len() >= xs.elems() && xs.c == c.in_channels,
+            "stem input buffer too small"
+        );
+        assert!(y.len() >= outputs, "stem output buffer too small");
+        assert!(
+            residual.is_none_or(|r| r.len() >= outputs),
+            "stem residual too small"
+        );
+        let out = TilePtr(y.as_mut_ptr());
+        Job {
+            c,
+            b,
+            x,
+            xs,
+            ys,
+            out,
+            residual,
+        }
+    }
+
+    /// The output rows and `panels` split over `threads` as the GEMMs split theirs (chunks
+    /// sized for columns of `k`), each work item through `rows`.
+    ///
+    /// # Safety
+    /// The CPU runs `rows` (its `#[target_feature]`s).
+    unsafe fn launch(
+        &self,
+        (k, panels): (usize, usize),
+        threads: usize,
+        rows: unsafe fn(&Self, usize, usize, (usize, usize)),
+    ) {
+        let m = self.ys.n * self.ys.h * self.ys.w;
+        work_items(m, chunk_rows(m, k), panels, threads).for_each(|((m0, mr), panels)| {
+            // SAFETY: the CPU's, the caller's; this work item's rows and panels of the
+            // output are its own (`work_items`).
+            unsafe { rows(self, m0, mr, panels) };
+        });
+    }
 }
 
 /// Output rows [m0, m0 + mr), panels [p0, p1).
@@ -593,16 +595,8 @@ mod tests {
                 let wide = |v: &[bf16]| v.iter().map(|v| v.to_f32()).collect::<Vec<_>>();
                 let (xf, rf) = (wide(&x), residual.map(wide));
                 let mut y = vec![f32::NAN; ys.elems()];
-                assert!(conv2d_stem_f32(
-                    &c,
-                    &b,
-                    &xf,
-                    xs,
-                    &mut y,
-                    ys,
-                    2,
-                    rf.as_deref()
-                ));
+                assert!(runs_f32(&c), "case {c:?}");
+                conv2d_stem_f32(&c, &b, &xf, xs, &mut y, ys, 2, rf.as_deref());
                 runs.push((y, 1e-5, "f32"));
             }
             let act_f = |v: f32| match act {

@@ -407,7 +407,7 @@ impl<T: Elem> OnHead<'_, T> {
 
     #[inline(always)]
     fn on_pairs(self, qkv: &[bf16]) {
-        use bf16_gemm::{BLOCK_COLS, DOT_KSTEP, Done, Engine, PANEL};
+        use bf16_gemm::{DOT_KSTEP, Done, Engine, PANEL};
         debug_assert!(PANEL.is_multiple_of(DOT_KSTEP));
         let head = self.head;
         let (t, dh, scale) = (head.t, head.dh, head.scale());
@@ -475,8 +475,8 @@ impl<T: Elem> OnHead<'_, T> {
                 row[t..].fill(f32::NEG_INFINITY);
             }
             let mut keep = |d: Done<'_>| {
-                for (r, v) in d.values.chunks(BLOCK_COLS).take(d.rows).enumerate() {
-                    scores[(d.row + r) * ld + d.col..][..d.cols].copy_from_slice(&v[..d.cols]);
+                for (i, v) in d.rows() {
+                    scores[i * ld + d.col..][..d.cols].copy_from_slice(v);
                 }
             };
             // SAFETY: `Engine::in_use` is some (checked by `attention`), so the CPU runs
@@ -501,8 +501,8 @@ impl<T: Elem> OnHead<'_, T> {
                 }
             }
             let mut store = |d: Done<'_>| {
-                for (r, v) in d.values.chunks(BLOCK_COLS).take(d.rows).enumerate() {
-                    let at = head.out(q0 + d.row + r) + d.col;
+                for (i, v) in d.rows() {
+                    let at = head.out(q0 + i) + d.col;
                     // SAFETY: this work item alone writes this head's columns of its rows.
                     let dst = unsafe { self.out.slice(at, d.cols) };
                     dst.iter_mut()
