@@ -591,10 +591,10 @@ mod dot {
             ($($pairs:literal),*) => {
                 match (b.kp() / 2, pair) {
                     $(($pairs, true) if 2 * $pairs <= STATIONARY => {
-                        stationary::<$pairs, 2>(a, lda, rows, panels, bias, c, finished)
+                        stationary::<$pairs, 2, 2>(a, lda, rows, panels, bias, c, finished)
                     }
                     ($pairs, false) => {
-                        stationary::<$pairs, 1>(a, lda, rows, panels, bias, c, finished)
+                        stationary::<$pairs, 1, 4>(a, lda, rows, panels, bias, c, finished)
                     })*
                     _ => return false,
                 }
@@ -607,11 +607,16 @@ mod dot {
     }
 
     /// C[rows × PANELS·16] = bias + A[rows × 2·PAIRS] · B for a K of a few k-pairs: B's
-    /// PAIRS × PANELS k-pair rows held in registers while the rows of A stream past them, a
-    /// row at a time (each row its own chain of PAIRS `vdpbf16ps` per panel; out-of-order
-    /// execution overlaps the rows). The row-group kernel ([`group`]) kept 16 row pointers,
-    /// which spilled, and reloaded them from the stack on every k-pair: MobileNetV3's 16 → 16
-    /// layer (K = 16) ran at a third of `vdpbf16ps`'s rate.
+    /// PAIRS × PANELS k-pair rows held in registers while the rows of A stream past them, R
+    /// rows at a time (the last R repeating the block's last row; each row a chain of PAIRS
+    /// `vdpbf16ps` per panel). The row-group kernel ([`group`]) kept 16 row pointers, which
+    /// spilled, and reloaded them from the stack on every k-pair: MobileNetV3's 16 → 16
+    /// layer (K = 16) ran at a third of `vdpbf16ps`'s rate. A row at a time left the
+    /// overlap of the rows' chains (6 cycles a step on Zen 4) to out-of-order execution:
+    /// 2 rows of 2 panels and 4 of one ran MobileNetV3's 24 → 72, 16 → 64 and 16 → 16
+    /// layers in 0.97×, 0.95× and 0.955× the time (alone, batch 8, 150–300 steps
+    /// alternating in one process); 4 rows of 2 panels 1.09× (registers: B's 16 and 8
+    /// accumulators).
     ///
     /// Each row's sums are stored to `c` (f32), or finished in registers where `finished`
     /// says where ([`finish`]).
@@ -619,7 +624,7 @@ mod dot {
     /// # Safety
     /// As for `few_pairs`, with K = 2·PAIRS padded (one chunk).
     #[inline(always)]
-    unsafe fn stationary<const PAIRS: usize, const PANELS: usize>(
+    unsafe fn stationary<const PAIRS: usize, const PANELS: usize, const R: usize>(
         a: *const bf16,
         lda: usize,
         rows: usize,
@@ -638,21 +643,28 @@ mod dot {
                 })
             });
             let start: [__m512; PANELS] = std::array::from_fn(|q| _mm512_loadu_ps(bias[q]));
-            for r in 0..rows {
-                let ar = a.add(r * lda);
-                let mut acc = start;
+            for r0 in (0..rows).step_by(R) {
+                // R rows at once (the last group repeating the block's last row).
+                let ar: [*const bf16; R] =
+                    std::array::from_fn(|i| a.add((r0 + i).min(rows - 1) * lda));
+                let mut acc = [start; R];
                 for (k2, bk) in bv.iter().enumerate() {
-                    let pair = ar.add(2 * k2).cast::<i32>().read_unaligned();
-                    let av = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(pair));
-                    for (x, bq) in acc.iter_mut().zip(bk) {
-                        *x = _mm512_dpbf16_ps(*x, *bq, av);
+                    for (acc, ar) in acc.iter_mut().zip(&ar) {
+                        let pair = ar.add(2 * k2).cast::<i32>().read_unaligned();
+                        let av = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(pair));
+                        for (x, bq) in acc.iter_mut().zip(bk) {
+                            *x = _mm512_dpbf16_ps(*x, *bq, av);
+                        }
                     }
                 }
-                match finished {
-                    Some((f, cols)) => finish(acc, f.at(r, 0), cols),
-                    None => {
-                        for (q, x) in acc.iter().enumerate() {
-                            _mm512_storeu_ps(c.add(r * BLOCK_COLS + q * PANEL), *x);
+                for (i, acc) in acc.iter().enumerate().take(rows - r0) {
+                    let r = r0 + i;
+                    match finished {
+                        Some((f, cols)) => finish(*acc, f.at(r, 0), cols),
+                        None => {
+                            for (q, x) in acc.iter().enumerate() {
+                                _mm512_storeu_ps(c.add(r * BLOCK_COLS + q * PANEL), *x);
+                            }
                         }
                     }
                 }
