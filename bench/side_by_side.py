@@ -16,7 +16,10 @@ ratio column takes our faster run against the best of everyone else.
 
 Each round runs every configuration once, alternating implementations, so a slow patch of a
 noisy machine hits both sides alike. The report gives each side's median images/s over the
-rounds, the ratio ours / PyTorch's best layout, each side's effective GFLOP/s (the
+rounds, the ratio ours / the best other of those medians, the same ratio round by round
+(median, range, and in how many rounds ours led: the medians of two columns can come from
+different phases of a host whose speed swings, the rounds' ratios compare runs seconds
+apart), each side's effective GFLOP/s (the
 network's conv and linear MACs × 2 per second, whatever algorithm ran) as a share of the
 machine's measured FP32 GEMM peak (`workshop peak`, measured once at the start; ours also
 against the cores' FMA ceiling it measures on registers, which no kernel's real FLOPs pass), and each
@@ -184,6 +187,24 @@ def main():
             if ceiling:
                 line += f"  {100 * best_ours * per_image / ceiling:>9.0f}%"
             print(line)
+    # Paired by round: on a host whose speed swings between phases, the medians of the columns
+    # can come from different phases (ours from slow rounds, a peer's from fast ones); a
+    # round's ratio compares runs seconds apart.
+    print(f"\nours / best other per round (each round's best of ours against its best other), "
+          f"median [range], rounds ours led")
+    for prec in a.precisions:
+        for b in a.batch_sizes:
+            # Those that ran in every round (a peer without this precision ran in none).
+            full = [n for n in names if len(results.get((prec, b, n), [])) == a.rounds]
+            rounds = [
+                max(results[(prec, b, n)][r] for n in full if n in ours_names)
+                / max(results[(prec, b, n)][r] for n in full if n not in ours_names)
+                for r in range(a.rounds)
+            ]
+            led = sum(x > 1 for x in rounds)
+            print(f"{prec:>9}  {b:>5}  {statistics.median(rounds):.2f}× "
+                  f"[{min(rounds):.2f}–{max(rounds):.2f}×], {led} of {len(rounds)}: "
+                  + " ".join(f"{x:.2f}" for x in rounds))
     print(f"\nstart-up s (median) and peak RSS GiB (largest) per implementation")
     for prec in a.precisions:
         for b in a.batch_sizes:
