@@ -883,93 +883,91 @@ mod pairs {
             // SAFETY: zeros, on a CPU with AVX-512F (the caller's).
             staged.resize(staged_rows * cols, unsafe { _mm512_setzero_si512() });
             let buf = staged.as_mut_ptr();
-            {
-                for c0 in (0..ch).step_by(BLOCK) {
-                    let mask = (u32::MAX >> (32 - (ch - c0).min(BLOCK))) as __mmask16;
-                    // SAFETY: the caller's; loads are masked to the channels, the buffer
-                    // holds staged_rows × cols vectors.
-                    unsafe {
-                        let load = |row: Option<&[Bf16]>, ix: usize| match row {
-                            Some(r) => _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(
-                                mask,
-                                r.as_ptr().add(ix * ch + c0).cast(),
-                            )),
-                            None => _mm512_setzero_si512(),
-                        };
-                        // Column x of a staged row is input column x − pad.
-                        let inside = pad..(pad + width).min(cols);
+            for c0 in (0..ch).step_by(BLOCK) {
+                let mask = (u32::MAX >> (32 - (ch - c0).min(BLOCK))) as __mmask16;
+                // SAFETY: the caller's; loads are masked to the channels, the buffer
+                // holds staged_rows × cols vectors.
+                unsafe {
+                    let load = |row: Option<&[Bf16]>, ix: usize| match row {
+                        Some(r) => _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(
+                            mask,
+                            r.as_ptr().add(ix * ch + c0).cast(),
+                        )),
+                        None => _mm512_setzero_si512(),
+                    };
+                    // Column x of a staged row is input column x − pad.
+                    let inside = pad..(pad + width).min(cols);
+                    for r in 0..staged_rows {
+                        let row = buf.add(r * cols);
+                        let (a, b) = (input[2 * r], input.get(2 * r + 1).copied().flatten());
+                        let odd = 2 * r + 1 == K;
+                        if a.is_none() && b.is_none() {
+                            continue;
+                        }
+                        for x in (0..inside.start).chain(inside.end..cols) {
+                            *row.add(x) = _mm512_setzero_si512();
+                        }
+                        for x in inside.clone() {
+                            let lo = load(a, x - pad);
+                            *row.add(x) = if odd {
+                                _mm512_slli_epi32::<16>(lo)
+                            } else {
+                                _mm512_or_si512(lo, _mm512_slli_epi32::<16>(load(b, x - pad)))
+                            };
+                        }
+                    }
+                    // Staged row r's taps: pairs of tap rows 2r and 2r + 1, or the odd
+                    // last row's f32 weights (as bits); rows past the staged ones unused.
+                    let w: [[__m512i; K]; K] = std::array::from_fn(|r| {
+                        std::array::from_fn(|kx| match r {
+                            r if r < K / 2 => _mm512_loadu_si512(
+                                self.pairs
+                                    .as_ptr()
+                                    .add((r * K + kx) * self.padded + c0)
+                                    .cast(),
+                            ),
+                            r if r < staged_rows => _mm512_loadu_si512(
+                                self.last.as_ptr().add(kx * self.padded + c0).cast(),
+                            ),
+                            _ => _mm512_setzero_si512(),
+                        })
+                    });
+                    let b0 = _mm512_maskz_loadu_ps(mask, bias.as_ptr().add(c0));
+                    for ox0 in (0..out_w).step_by(P) {
+                        let mut acc = [b0; P];
                         for r in 0..staged_rows {
-                            let row = buf.add(r * cols);
-                            let (a, b) = (input[2 * r], input.get(2 * r + 1).copied().flatten());
                             let odd = 2 * r + 1 == K;
-                            if a.is_none() && b.is_none() {
+                            if !present[2 * r] && (odd || !present[2 * r + 1]) {
                                 continue;
                             }
-                            for x in (0..inside.start).chain(inside.end..cols) {
-                                *row.add(x) = _mm512_setzero_si512();
-                            }
-                            for x in inside.clone() {
-                                let lo = load(a, x - pad);
-                                *row.add(x) = if odd {
-                                    _mm512_slli_epi32::<16>(lo)
-                                } else {
-                                    _mm512_or_si512(lo, _mm512_slli_epi32::<16>(load(b, x - pad)))
-                                };
-                            }
-                        }
-                        // Staged row r's taps: pairs of tap rows 2r and 2r + 1, or the odd
-                        // last row's f32 weights (as bits); rows past the staged ones unused.
-                        let w: [[__m512i; K]; K] = std::array::from_fn(|r| {
-                            std::array::from_fn(|kx| match r {
-                                r if r < K / 2 => _mm512_loadu_si512(
-                                    self.pairs
-                                        .as_ptr()
-                                        .add((r * K + kx) * self.padded + c0)
-                                        .cast(),
-                                ),
-                                r if r < staged_rows => _mm512_loadu_si512(
-                                    self.last.as_ptr().add(kx * self.padded + c0).cast(),
-                                ),
-                                _ => _mm512_setzero_si512(),
-                            })
-                        });
-                        let b0 = _mm512_maskz_loadu_ps(mask, bias.as_ptr().add(c0));
-                        for ox0 in (0..out_w).step_by(P) {
-                            let mut acc = [b0; P];
-                            for r in 0..staged_rows {
-                                let odd = 2 * r + 1 == K;
-                                if !present[2 * r] && (odd || !present[2 * r + 1]) {
-                                    continue;
-                                }
-                                let row = buf.add(r * cols + ox0 * S);
-                                for j in 0..(P - 1) * S + K {
-                                    let xv = *row.add(j);
-                                    for (p, acc) in acc.iter_mut().enumerate() {
-                                        // Input pixel j is tap j − p·S of output pixel p.
-                                        if j >= p * S && j - p * S < K {
-                                            let wk = w[r][j - p * S];
-                                            *acc = if odd {
-                                                _mm512_fmadd_ps(
-                                                    _mm512_castsi512_ps(xv),
-                                                    _mm512_castsi512_ps(wk),
-                                                    *acc,
-                                                )
-                                            } else {
-                                                _mm512_dpbf16_ps(
-                                                    *acc,
-                                                    std::mem::transmute::<__m512i, __m512bh>(xv),
-                                                    std::mem::transmute::<__m512i, __m512bh>(wk),
-                                                )
-                                            };
-                                        }
+                            let row = buf.add(r * cols + ox0 * S);
+                            for j in 0..(P - 1) * S + K {
+                                let xv = *row.add(j);
+                                for (p, acc) in acc.iter_mut().enumerate() {
+                                    // Input pixel j is tap j − p·S of output pixel p.
+                                    if j >= p * S && j - p * S < K {
+                                        let wk = w[r][j - p * S];
+                                        *acc = if odd {
+                                            _mm512_fmadd_ps(
+                                                _mm512_castsi512_ps(xv),
+                                                _mm512_castsi512_ps(wk),
+                                                *acc,
+                                            )
+                                        } else {
+                                            _mm512_dpbf16_ps(
+                                                *acc,
+                                                std::mem::transmute::<__m512i, __m512bh>(xv),
+                                                std::mem::transmute::<__m512i, __m512bh>(wk),
+                                            )
+                                        };
                                     }
                                 }
                             }
-                            for (p, acc) in acc.iter().enumerate().take(out_w - ox0) {
-                                let at = (ox0 + p) * ch + c0;
-                                let res = residual.map(|r| r.as_ptr().add(at));
-                                store_finished(*acc, res, act, out.as_mut_ptr().add(at), mask);
-                            }
+                        }
+                        for (p, acc) in acc.iter().enumerate().take(out_w - ox0) {
+                            let at = (ox0 + p) * ch + c0;
+                            let res = residual.map(|r| r.as_ptr().add(at));
+                            store_finished(*acc, res, act, out.as_mut_ptr().add(at), mask);
                         }
                     }
                 }
