@@ -188,12 +188,8 @@ fn tap_row(c: &Conv2d, oy: usize, ky: usize) -> isize {
 
 /// The input rows of output row `oy` of image `n`, a tap row each (`None` outside the image).
 fn tap_rows<'a, S>(c: &Conv2d, x: &'a [S], xs: Nhwc, n: usize, oy: usize) -> Vec<Option<&'a [S]>> {
-    let len = xs.w * xs.c;
     (0..c.kernel.0)
-        .map(|ky| {
-            let iy = tap_row(c, oy, ky);
-            (iy >= 0 && (iy as usize) < xs.h).then(|| &x[(n * xs.h + iy as usize) * len..][..len])
-        })
+        .map(|ky| image_row(x, xs, n, tap_row(c, oy, ky)))
         .collect()
 }
 
@@ -994,11 +990,9 @@ mod pairs {
             let group = (RUN_BYTES / (run_pixels * K * 2) / BLOCK * BLOCK).max(BLOCK);
             // Every tap row inside the image: the runs inside it too read their pixels
             // without a check ([`Pairs::inside`]).
-            let rows: Option<[*const Bf16; K]> = input
-                .iter()
-                .map(|r| r.map(|r| r.as_ptr()))
-                .collect::<Option<Vec<_>>>()
-                .map(|v| std::array::from_fn(|k| v[k]));
+            let rows: Option<[*const Bf16; K]> = (input.iter().all(Option::is_some)).then(|| {
+                std::array::from_fn(|k| input[k].map_or(std::ptr::null(), |r| r.as_ptr()))
+            });
             for c_lo in (0..ch).step_by(group) {
                 for ox0 in (0..out_w).step_by(P) {
                     let valid = P.min(out_w - ox0);

@@ -29,15 +29,8 @@ pub fn pool<T: Elem>(p: &Pool, max: bool, x: &[T], xs: Nhwc, y: &mut [T], ys: Nh
             // loop): widened into f32 rows first, ResNet-50's BF16 max pool took 1.2× as
             // long at batch 8 (OpenVINO's still takes half the time of this one).
             if let Some(x) = T::as_bf16(x) {
-                let len = xs.w * xs.c;
                 let rows: Vec<(isize, Option<&[half::bf16]>)> = (iys.iter())
-                    .map(|&iy| {
-                        let inside = iy >= 0 && (iy as usize) < xs.h;
-                        (
-                            iy,
-                            inside.then(|| &x[(n * xs.h + iy as usize) * len..][..len]),
-                        )
-                    })
+                    .map(|&iy| (iy, image_row(x, xs, n, iy)))
                     .collect();
                 SCRATCH.with_borrow_mut(|(_, wide_out)| {
                     as_f32_row(out, wide_out, |acc| {
@@ -58,6 +51,13 @@ pub fn pool<T: Elem>(p: &Pool, max: bool, x: &[T], xs: Nhwc, y: &mut [T], ys: Nh
         });
 }
 
+/// Row `iy` of image `n` of `x` (NHWC, `xs`): its w·c values, `None` where the row lies
+/// outside the image (in the padding).
+pub(super) fn image_row<S>(x: &[S], xs: Nhwc, n: usize, iy: isize) -> Option<&[S]> {
+    let len = xs.w * xs.c;
+    (iy >= 0 && (iy as usize) < xs.h).then(|| &x[(n * xs.h + iy as usize) * len..][..len])
+}
+
 /// The input rows `iys` of image `n` as f32, `None` where a row lies outside the image: f32
 /// activations in place, half types widened into `wide`'s slots, keeping the rows it already
 /// holds from this kernel call (`call`, from [`next_call`]): a worker's next output row is
@@ -74,10 +74,7 @@ pub(super) fn input_rows<'a, T: Elem>(
     let len = xs.w * xs.c;
     let at = |iy: isize| (iy >= 0 && (iy as usize) < xs.h).then(|| (n * xs.h + iy as usize) * len);
     if let Some(x) = T::as_f32(x) {
-        return iys
-            .iter()
-            .map(|&iy| at(iy).map(|a| &x[a..][..len]))
-            .collect();
+        return iys.iter().map(|&iy| image_row(x, xs, n, iy)).collect();
     }
     let slots = iys.len();
     if (wide.call, wide.image, wide.held.len()) != (call, n, slots) {
