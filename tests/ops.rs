@@ -295,6 +295,13 @@ fn pooling(kind: BackendKind) {
             Op::AdaptiveAvgPool { out: (1, 1) },
             [2, 5, 7, 7],
         ),
+        // Global pooling sums pixels four at a time: 30 pixels leave two over; 37
+        // channels are two AVX-512 vectors and a tail.
+        (
+            "adaptive_1x1_wide",
+            Op::AdaptiveAvgPool { out: (1, 1) },
+            [3, 37, 6, 5],
+        ),
         (
             "adaptive_uneven",
             Op::AdaptiveAvgPool { out: (3, 2) },

@@ -200,6 +200,14 @@ impl<S: super::depthwise::Lanes> Vectorised for PoolRow<'_, S> {
 /// Adaptive average pooling with PyTorch's bin edges.
 pub fn adaptive_avg_pool<T: Elem>(x: &[T], xs: Nhwc, y: &mut [T], ys: Nhwc) {
     let ch = xs.c;
+    if ys.h == 1 && ys.w == 1 {
+        if let Some(x) = T::as_f32(x) {
+            return global_avg_pool(x, xs, y);
+        }
+        if let Some(x) = T::as_bf16(x) {
+            return global_avg_pool(x, xs, y);
+        }
+    }
     y[..ys.elems()]
         .par_chunks_mut(ys.w * ch)
         .enumerate()
@@ -231,4 +239,58 @@ pub fn adaptive_avg_pool<T: Elem>(x: &[T], xs: Nhwc, y: &mut [T], ys: Nhwc) {
                 T::narrow(&acc, &mut out[ox * ch..(ox + 1) * ch]);
             }
         });
+}
+
+/// Global average pooling (an output of one pixel: every squeeze-and-excitation block's
+/// squeeze, a classifier's pooling), one image per work item: its pixels summed four at a
+/// time into one row of sums, read in place (bf16 widened in the vectorised loop). The
+/// general loop above widened each pixel by a call of its own and added it to the sums one
+/// pixel at a time: EfficientNet-B0's first squeeze (32 channels, 112², BF16 batch 8) took
+/// 0.40 ms there, OpenVINO's 0.14.
+fn global_avg_pool<S: super::depthwise::Lanes, T: Elem>(x: &[S], xs: Nhwc, y: &mut [T]) {
+    let (ch, pixels) = (xs.c, xs.h * xs.w);
+    if ch == 0 {
+        return;
+    }
+    y[..xs.n * ch]
+        .par_chunks_mut(ch)
+        .enumerate()
+        .for_each(|(n, out)| {
+            let image = &x[n * pixels * ch..][..pixels * ch];
+            SCRATCH.with_borrow_mut(|(_, wide_out)| {
+                as_f32_row(out, wide_out, |sums| with_simd(PixelSum { sums, image }))
+            });
+        });
+}
+
+/// The mean of an image's pixels (`image`, NHWC) into `sums`, one value per channel.
+struct PixelSum<'a, S> {
+    sums: &'a mut [f32],
+    image: &'a [S],
+}
+
+impl<S: super::depthwise::Lanes> Vectorised for PixelSum<'_, S> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        let ch = self.sums.len();
+        let sums = self.sums;
+        sums.fill(0.0);
+        let mut quads = self.image.chunks_exact(4 * ch);
+        for quad in &mut quads {
+            let (a, rest) = quad.split_at(ch);
+            let (b, rest) = rest.split_at(ch);
+            let (c, d) = rest.split_at(ch);
+            for i in 0..ch {
+                sums[i] += (a[i].wide() + b[i].wide()) + (c[i].wide() + d[i].wide());
+            }
+        }
+        for pixel in quads.remainder().chunks_exact(ch) {
+            for i in 0..ch {
+                sums[i] += pixel[i].wide();
+            }
+        }
+        let count = (self.image.len() / ch.max(1)) as f32;
+        sums.iter_mut().for_each(|s| *s /= count);
+    }
 }
