@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Where the time goes, per kind of layer, for our CPU backend and for OpenVINO on the same
-network, batch, precision and threads: the table that says which layers to work on where
-OpenVINO leads.
+"""Where the time goes, per kind of layer, for our CPU backend and for OpenVINO (or ONNX
+Runtime, `--peer onnxruntime`, FP32 only) on the same network, batch, precision and threads:
+the table that says which layers to work on where the peer leads.
 
     cargo build --release
     pip install torch torchvision onnx onnxscript openvino      # outside the project's dependencies
@@ -9,7 +9,7 @@ OpenVINO leads.
 
 Ours: `workshop bench --trace` (every kernel timed, its node named), summed per node over the
 timed iterations. OpenVINO: its per-node performance counters (bench/onnx_peers.py --layers)
-on the ONNX export of torchvision's model. Both are keyed by torchvision's module names
+on the ONNX export of torchvision's model; ONNX Runtime: its profiler's node times, the same way. Both are keyed by torchvision's module names
 (ours name nodes after them; the ONNX exporter writes `/layer1/layer1.0/conv1/Conv`), and a
 convolution's kind comes from the module: its kernel and stride, the stem (3 input channels)
 apart. Whatever each engine fused into a convolution (batch norm, the residual add, ReLU) is
@@ -70,9 +70,10 @@ def ours(a):
     return nodes
 
 
-def openvino(a):
-    """{node: (type, seconds per iteration)} from OpenVINO's performance counters."""
-    cmd = [sys.executable, str(ROOT / "bench" / "onnx_peers.py"), "--engine", "openvino", "--network", a.network,
+def peer(a):
+    """{node: (type, seconds per iteration)} from OpenVINO's performance counters or ONNX
+    Runtime's profiler."""
+    cmd = [sys.executable, str(ROOT / "bench" / "onnx_peers.py"), "--engine", a.peer, "--network", a.network,
            "--batch-size", str(a.batch_size), "--threads", str(a.threads), "--iterations", str(a.iterations),
            "--dtype", a.precision, "--layers"]
     record = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
@@ -104,14 +105,27 @@ def module_of(node):
 
 # OpenVINO's node types named as our kinds are, where a node keeps no module's name (its
 # classifier is named after the graph's output, `logits`).
-TYPE_KINDS = {"FullyConnected": "linear", "ReduceMean": "pool", "MaxPool": "pool", "AvgPool": "pool"}
+TYPE_KINDS = {"FullyConnected": "linear", "ReduceMean": "pool", "MaxPool": "pool", "AvgPool": "pool",
+              "Gemm": "linear", "GlobalAveragePool": "pool"}
+
+
+def module_in(node, op, kinds):
+    """The module of a node, where a convolution fused with the activation after it is named
+    after the activation (ONNX Runtime: `/features/features.1/block/block.0/block.0.2/Relu` for
+    the convolution `block.0.0`): the first sibling of that name then."""
+    name = module_of(node)
+    if name not in kinds and op == "Conv" and "." in name:
+        sibling = name.rsplit(".", 1)[0] + ".0"
+        if sibling in kinds:
+            return sibling
+    return name
 
 
 def by_kind(nodes, kinds):
     """{kind: seconds}: a node's module kind where it has one, else its op or type in lower case."""
     out = collections.Counter()
     for node, (op, s) in nodes.items():
-        kind = kinds.get(module_of(node)) or TYPE_KINDS.get(op)
+        kind = kinds.get(module_in(node, op, kinds)) or TYPE_KINDS.get(op)
         out[kind or re.sub(r"(?<!^)(?=[A-Z])", "_", op).lower()] += s
     return out
 
@@ -125,31 +139,35 @@ def main():
     p.add_argument("--iterations", type=int, default=5)
     p.add_argument("--compile", action="store_true", help="ours with --compile default")
     p.add_argument("--top", type=int, default=8, help="how many modules to list where ours loses the most")
+    p.add_argument("--peer", default="openvino", choices=["openvino", "onnxruntime"])
     a = p.parse_args()
+    if a.peer == "onnxruntime" and a.precision != "fp32":
+        p.error("ONNX Runtime's CPU provider runs these models in FP32 only")
     kinds = module_kinds(a.network)
     ours_nodes = ours(a)
-    ov_nodes = openvino(a)
+    ov_nodes = peer(a)
+    name, short = {"openvino": ("OpenVINO", "OV"), "onnxruntime": ("ONNX Runtime", "ORT")}[a.peer]
     mine, theirs = by_kind(ours_nodes, kinds), by_kind(ov_nodes, kinds)
     total_m, total_t = sum(mine.values()), sum(theirs.values())
     label = "ours" + (" compiled" if a.compile else "")
     print(f"{a.network} {a.precision.upper()} batch {a.batch_size}, {a.threads} threads: ms per iteration "
           f"(kernel times, profiling on)")
-    print(f"{'layer kind':28} {label:>14} {'share':>6} {'OpenVINO':>10} {'share':>6} {'ours/OV':>8}")
+    print(f"{'layer kind':28} {label:>14} {'share':>6} {name:>12} {'share':>6} {'ours/' + short:>8}")
     for kind in sorted(set(mine) | set(theirs), key=lambda k: -(mine[k] + theirs[k])):
         m, t = mine[kind], theirs[kind]
         ratio = f"{m / t:8.2f}" if t > 0 and m > 0 else f"{'—':>8}"
-        print(f"{kind:28} {m * 1e3:14.2f} {100 * m / total_m:5.1f}% {t * 1e3:10.2f} {100 * t / total_t:5.1f}% {ratio}")
-    print(f"{'total':28} {total_m * 1e3:14.2f} {'':>6} {total_t * 1e3:10.2f} {'':>6} {total_m / total_t:8.2f}")
-    # The layers where ours loses the most time to OpenVINO, module by module.
+        print(f"{kind:28} {m * 1e3:14.2f} {100 * m / total_m:5.1f}% {t * 1e3:12.2f} {100 * t / total_t:5.1f}% {ratio}")
+    print(f"{'total':28} {total_m * 1e3:14.2f} {'':>6} {total_t * 1e3:12.2f} {'':>6} {total_m / total_t:8.2f}")
+    # The layers where ours loses the most time to the peer, module by module.
     per = collections.defaultdict(lambda: [0.0, 0.0])
     for side, nodes in ((0, ours_nodes), (1, ov_nodes)):
-        for node, (_, s) in nodes.items():
-            if module_of(node) in kinds:
-                per[module_of(node)][side] += s
+        for node, (op, s) in nodes.items():
+            if module_in(node, op, kinds) in kinds:
+                per[module_in(node, op, kinds)][side] += s
     worst = sorted(per.items(), key=lambda kv: -(kv[1][0] - kv[1][1]))[:a.top]
-    print("\nmodules where ours spends the most over OpenVINO (ms):")
-    for name, (m, t) in worst:
-        print(f"  {name:28} {kinds[name]:22} ours {m * 1e3:7.2f}  OpenVINO {t * 1e3:7.2f}")
+    print(f"\nmodules where ours spends the most over {name} (ms):")
+    for module, (m, t) in worst:
+        print(f"  {module:28} {kinds[module]:22} ours {m * 1e3:7.2f}  {name} {t * 1e3:7.2f}")
 
 
 if __name__ == "__main__":

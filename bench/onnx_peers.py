@@ -8,6 +8,7 @@ Prints one JSON line per run, like bench/pytorch_resnet.py.
     python3 bench/onnx_peers.py --engine onnxruntime --network resnet50 --batch-size 8 --threads 2
     python3 bench/onnx_peers.py --engine openvino --network vit_b_16 --batch-size 1 --dtype bf16
     python3 bench/onnx_peers.py --engine openvino --dtype bf16 --layers   # + per-layer counters
+    python3 bench/onnx_peers.py --engine onnxruntime --layers             # + its profiler's node times
 
 ONNX Runtime's CPU provider runs FP32 only here (`--dtype` other than fp32 is refused);
 OpenVINO takes `INFERENCE_PRECISION_HINT` f32 or bf16 (on CPUs without BF16 units it
@@ -37,8 +38,9 @@ p.add_argument("--threads", type=int, default=2)
 p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
 p.add_argument("--input-size", type=int, default=224)
 p.add_argument("--layers", action="store_true",
-               help="OpenVINO only: also report its per-layer performance counters (the timed "
-                    "iterations' mean per node, PERF_COUNT on) under \"layers\"")
+               help="also report the time per node of the engine's graph (the timed iterations' "
+                    "mean) under \"layers\": OpenVINO's performance counters (PERF_COUNT on), "
+                    "ONNX Runtime's profiler (enable_profiling)")
 p.add_argument("--cache", default=str(pathlib.Path(tempfile.gettempdir()) / "workshop-onnx"),
                help="folder for the exported models (reused across runs)")
 a = p.parse_args()
@@ -74,11 +76,12 @@ if a.engine == "onnxruntime":
 
     if a.dtype != "fp32":
         sys.exit("ONNX Runtime's CPU provider runs this model in FP32 only")
-    if a.layers:
-        sys.exit("--layers reads OpenVINO's performance counters: use --engine openvino")
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = a.threads
     opts.inter_op_num_threads = 1
+    if a.layers:
+        opts.enable_profiling = True
+        opts.profile_file_prefix = str(pathlib.Path(tempfile.mkdtemp()) / "ort")
     session = ort.InferenceSession(str(onnx_file), opts, providers=["CPUExecutionProvider"])
     run = lambda: session.run(None, {"input": x})  # noqa: E731
     impl, ran = f"onnxruntime {ort.__version__} CPU", "f32"
@@ -106,10 +109,23 @@ for i in range(a.warmup + a.iterations):
     run()
     if i >= a.warmup:
         samples.append(time.perf_counter() - t)
-        for info in request.profiling_info if a.layers else []:
+        for info in request.profiling_info if a.layers and a.engine == "openvino" else []:
             if info.status == info.Status.EXECUTED:
                 entry = layers.setdefault(info.node_name, {"type": info.node_type, "exec": info.exec_type, "s": 0.0})
                 entry["s"] += info.real_time.total_seconds()
+if a.layers and a.engine == "onnxruntime":
+    # The profiler's events: one "model_run" per run, one "<node>_kernel_time" per node run
+    # (ONNX Runtime's own fusions keep the name of the node they started from); the warm-up
+    # runs' nodes are left out by time.
+    events = json.loads(pathlib.Path(session.end_profiling()).read_text())
+    runs = sorted(e["ts"] for e in events if e.get("name") == "model_run")
+    timed_from = runs[a.warmup] if len(runs) > a.warmup else 0
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= timed_from:
+            node = e["name"].removesuffix("_kernel_time")
+            entry = layers.setdefault(node, {"type": e["args"].get("op_name", "?"),
+                                             "exec": e["args"].get("provider", "?"), "s": 0.0})
+            entry["s"] += e["dur"] / 1e6
 median = statistics.median(samples)
 record = {
     "impl": impl, "device": "cpu", "network": a.network, "batch_size": a.batch_size, "dtype": a.dtype,

@@ -649,10 +649,10 @@ unsafe fn gemms<T: Elem>(
             let (a, lda) = (v.as_ptr().add(xi * cin), positions * cin);
             match &job.w.u {
                 Transformed::F32(u) => {
-                    sgemm::gemm_packed(nt, a, lda, &u[xi], (0, u[xi].panels()), c(xi), ldc)
+                    sgemm::gemm_packed(nt, a, lda, &u[xi], (0, u[xi].panels()), c(xi), ldc, None)
                 }
                 Transformed::Stored(u) => {
-                    sgemm::gemm_packed(nt, a, lda, &u[xi], (0, u[xi].panels()), c(xi), ldc)
+                    sgemm::gemm_packed(nt, a, lda, &u[xi], (0, u[xi].panels()), c(xi), ldc, None)
                 }
                 Transformed::Pairs(_) => unreachable!("above"),
             }

@@ -406,18 +406,17 @@ pub(super) fn gemm_tile<T: Elem>(
         unsafe {
             if T::IS_F32 {
                 let c = y.0.add(m0 * cout + col0) as *mut f32;
-                sgemm::gemm_packed(mr, a.as_ptr().add(g * k_g), lda, b, (p0, p1), c, cout);
-                if !epilogue.is_empty() && width == cout {
-                    // Whole rows: the tile is one run of values, its epilogue one call (per
-                    // row, MobileNetV3's 16-channel stem paid a dispatch for every pixel).
-                    let tile = std::slice::from_raw_parts_mut(c, mr * cout);
-                    epilogue.apply(tile, m0 * cout + col0, res);
-                } else if !epilogue.is_empty() {
-                    for r in 0..mr {
-                        let row = std::slice::from_raw_parts_mut(c.add(r * cout), width);
-                        epilogue.apply(row, (m0 + r) * cout + col0, res);
-                    }
-                }
+                // The GEMM's tiles store their rows finished (in registers where whole):
+                // a pass over the work item's C afterwards read it back from L2.
+                let fin = (!epilogue.is_empty()).then(|| sgemm::Finish {
+                    act: epilogue.act,
+                    residual: epilogue.residual.map_or(std::ptr::null(), |r| {
+                        let r = T::as_f32(r).expect("f32 storage");
+                        r[m0 * cout + col0..].as_ptr()
+                    }),
+                });
+                let a = a.as_ptr().add(g * k_g);
+                sgemm::gemm_packed(mr, a, lda, b, (p0, p1), c, cout, fin);
             } else {
                 let ldc = (p1 - p0) * NR;
                 res.resize(mr * ldc, 0.0);
@@ -429,6 +428,7 @@ pub(super) fn gemm_tile<T: Elem>(
                     (p0, p1),
                     res.as_mut_ptr(),
                     ldc,
+                    None,
                 );
                 finish_rows(res, ldc, (m0, mr), (col0, width), y, cout, epilogue);
             }

@@ -32,6 +32,7 @@ use rayon::prelude::*;
 
 use super::elem::Elem;
 use super::simd::{Simd, simd};
+use crate::model::op::Act;
 
 /// Rows of the register tile.
 pub const MR: usize = 6;
@@ -236,6 +237,45 @@ impl<E> Panels<'_, E> {
     }
 }
 
+/// What a GEMM does to its sums before storing them (after the last K block): add a residual
+/// laid out as C (`residual` points at C's first element's counterpart, rows `ldc` apart;
+/// null for none) and apply an activation, in registers where the tile fills its rows and
+/// columns, else on the tile's values in L1 before they are copied out. An epilogue pass over
+/// a work item's C afterwards read its rows back from L2.
+#[derive(Clone, Copy, Debug)]
+pub struct Finish {
+    pub act: Act,
+    pub residual: *const f32,
+}
+
+impl Finish {
+    /// The same finish for the C block that starts `offset` floats further on.
+    fn at(self, offset: usize) -> Self {
+        Finish {
+            residual: if self.residual.is_null() {
+                self.residual
+            } else {
+                self.residual.wrapping_add(offset)
+            },
+            ..self
+        }
+    }
+
+    /// Applied to `values` (a row of C, or of a local tile) whose residual row starts at
+    /// `residual` (ignored where there is none).
+    ///
+    /// # Safety
+    /// Where there is a residual, `residual` has `values.len()` readable floats.
+    unsafe fn apply(self, values: &mut [f32], residual: *const f32) {
+        if !self.residual.is_null() {
+            // SAFETY: the caller's.
+            let r = unsafe { std::slice::from_raw_parts(residual, values.len()) };
+            values.iter_mut().zip(r).for_each(|(v, r)| *v += r);
+        }
+        crate::backend::cpu::kernels::activate(self.act, values);
+    }
+}
+
 /// How a tile's accumulators start.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Init {
@@ -254,9 +294,18 @@ const MAX_PANELS: usize = 2;
 /// A register-tile kernel: C[rows × panels·NR] (+)= A[rows × kc] · the panels' blocks
 /// [kc × NR each]. Its arguments: kc, the rows' A pointers (the first `rows` used), the first
 /// panel's block with the distance (floats) from one panel's block to the next's, C and its
-/// row stride, how the accumulators start, the first panel's bias (the next panels' follow it).
-type TileFn<E = f32> =
-    unsafe fn(usize, &[*const f32; MAX_ROWS], (*const E, usize), *mut f32, usize, Init, *const f32);
+/// row stride, how the accumulators start, the first panel's bias (the next panels' follow it),
+/// and the finish of the tile's C block where this is the last K block.
+type TileFn<E = f32> = unsafe fn(
+    usize,
+    &[*const f32; MAX_ROWS],
+    (*const E, usize),
+    *mut f32,
+    usize,
+    Init,
+    *const f32,
+    Option<Finish>,
+);
 
 /// The tiles of one SIMD path: a tall one for the bulk of the rows and an `MR`-row one for
 /// what is left (row counts are multiples of `MR` wherever the callers can choose them), each
@@ -381,7 +430,20 @@ pub unsafe fn gemm(
     ldc: usize,
 ) {
     // SAFETY: forwarded from this function's contract.
-    unsafe { gemm_with(kernels(), Order::ByCache, m, a, lda, b, p0, p1, c, ldc) }
+    unsafe {
+        gemm_with(
+            kernels(),
+            Order::ByCache,
+            m,
+            a,
+            lda,
+            b,
+            (p0, p1),
+            c,
+            ldc,
+            None,
+        )
+    }
 }
 
 /// The order [`gemm_block`] runs its tiles in (the tests force each of the first two).
@@ -404,15 +466,15 @@ unsafe fn gemm_with<E>(
     a: *const f32,
     lda: usize,
     b: &Panels<'_, E>,
-    p0: usize,
-    p1: usize,
+    (p0, p1): (usize, usize),
     c: *mut f32,
     ldc: usize,
+    fin: Option<Finish>,
 ) {
-    // SAFETY: forwarded from the contract of `gemm`.
+    // SAFETY: forwarded from the contract of `gemm` (and `gemm_packed`'s for `fin`).
     unsafe {
         for_k_blocks(m, a, lda, b.k, |a, lda, block| {
-            gemm_block(kern, order, m, a, lda, b, (p0, p1), block, c, ldc)
+            gemm_block(kern, order, m, a, lda, b, (p0, p1), block, c, ldc, fin)
         })
     }
 }
@@ -425,10 +487,11 @@ unsafe fn gemm_with<E>(
 /// of every weight, which at small batches cost more than the multiplications it fed; the
 /// blocks still wrote one per work item, a fifth of an FP16 ResNet-50 pass at batch 1. The
 /// f16 tiles, on a Zen 5: FP16 ResNet-50 batch 1 43.8 → 53.0 images/s, batch 8 +5%, batch 32
-/// +4% (3 interleaved runs each).
+/// +4% (3 interleaved runs each). With `fin`, C is stored finished (see [`Finish`]).
 ///
 /// # Safety
-/// As for [`gemm`].
+/// As for [`gemm`]; a residual of `fin` has C's `m` rows of columns, `ldc` apart, readable.
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn gemm_packed<T: Elem>(
     m: usize,
     a: *const f32,
@@ -437,6 +500,7 @@ pub unsafe fn gemm_packed<T: Elem>(
     (p0, p1): (usize, usize),
     c: *mut f32,
     ldc: usize,
+    fin: Option<Finish>,
 ) {
     if let Some(data) = T::as_f32(&b.data) {
         let view = Panels {
@@ -446,7 +510,20 @@ pub unsafe fn gemm_packed<T: Elem>(
             bias: &b.bias,
         };
         // SAFETY: forwarded from this function's contract.
-        return unsafe { gemm(m, a, lda, &view, (p0, p1), c, ldc) };
+        return unsafe {
+            gemm_with(
+                kernels(),
+                Order::ByCache,
+                m,
+                a,
+                lda,
+                &view,
+                (p0, p1),
+                c,
+                ldc,
+                fin,
+            )
+        };
     }
     if let (Some(data), Some(kern)) = (T::as_f16(&b.data), kernels_f16()) {
         let view = Panels {
@@ -457,7 +534,20 @@ pub unsafe fn gemm_packed<T: Elem>(
         };
         // SAFETY: forwarded from this function's contract; the f16 tiles read the panels as
         // the f32 ones do, element for element.
-        return unsafe { gemm_with(kern, Order::ByCache, m, a, lda, &view, p0, p1, c, ldc) };
+        return unsafe {
+            gemm_with(
+                kern,
+                Order::ByCache,
+                m,
+                a,
+                lda,
+                &view,
+                (p0, p1),
+                c,
+                ldc,
+                fin,
+            )
+        };
     }
     let kern = kernels();
     B_BLOCK.with_borrow_mut(|wide| {
@@ -494,6 +584,7 @@ pub unsafe fn gemm_packed<T: Elem>(
                         at_zero,
                         c.add((p - p0) * NR),
                         ldc,
+                        fin.map(|f| f.at((p - p0) * NR)),
                     );
                 }
             })
@@ -521,6 +612,7 @@ unsafe fn for_k_blocks(
             k0,
             kc,
             init: if k0 == 0 { Init::Bias } else { Init::Load },
+            last: k0 + kc == k,
         };
         if aliases(lda) && m > 1 {
             // Copy the K block at a stride that spreads its rows over the L1 sets.
@@ -548,6 +640,8 @@ struct Block {
     k0: usize,
     kc: usize,
     init: Init,
+    /// The last K block: C is finished after it.
+    last: bool,
 }
 
 /// C (+)= A[0..m, 0..kc] · B[k0..k0 + kc, panels p0..p1], `a` pointing at the block's column 0.
@@ -563,10 +657,12 @@ unsafe fn gemm_block<E>(
     lda: usize,
     b: &Panels<'_, E>,
     (p0, p1): (usize, usize),
-    Block { k0, kc, init }: Block,
+    Block { k0, kc, init, last }: Block,
     c: *mut f32,
     ldc: usize,
+    fin: Option<Finish>,
 ) {
+    let fin = fin.filter(|_| last);
     // One tile: rows i.. of panels p..p + w (w ≤ kern.panels); returns the rows it covered.
     let tile_at = |p: usize, w: usize, i: usize| -> usize {
         let width = w * NR;
@@ -600,9 +696,10 @@ unsafe fn gemm_block<E>(
                 *row = a.add((i + r.min(rows - 1)) * lda);
             }
             let c_tile = c.add(i * ldc + (p - p0) * NR);
+            let fin = fin.map(|f| f.at(i * ldc + (p - p0) * NR));
             let bstride = b.k * NR;
             if rows == height && cols == width {
-                tile(kc, &a_rows, (panel, bstride), c_tile, ldc, init, bias);
+                tile(kc, &a_rows, (panel, bstride), c_tile, ldc, init, bias, fin);
             } else {
                 // Edge tile: run the full kernel on a local tile, copy the valid part.
                 const LD: usize = MAX_PANELS * NR;
@@ -616,6 +713,27 @@ unsafe fn gemm_block<E>(
                         );
                     }
                 }
+                // The residual's valid part laid out as the local tile, so the kernel
+                // finishes in registers here too (a pass per row of the tile, as the portable
+                // tile's, was 4–5% slower on MobileNetV3's 24- and 72-column layers, whose
+                // last panel is half full).
+                let mut near = [0f32; MAX_ROWS * LD];
+                let fin = fin.map(|f| {
+                    if f.residual.is_null() {
+                        return f;
+                    }
+                    for r in 0..rows {
+                        std::ptr::copy_nonoverlapping(
+                            f.residual.add(r * ldc),
+                            near[r * LD..].as_mut_ptr(),
+                            cols,
+                        );
+                    }
+                    Finish {
+                        residual: near.as_ptr(),
+                        ..f
+                    }
+                });
                 tile(
                     kc,
                     &a_rows,
@@ -624,6 +742,7 @@ unsafe fn gemm_block<E>(
                     LD,
                     init,
                     bias,
+                    fin,
                 );
                 for r in 0..rows {
                     std::ptr::copy_nonoverlapping(

@@ -86,10 +86,10 @@ fn kernels_match_naive_matmul() {
                     a.as_ptr(),
                     k,
                     &packed,
-                    p0,
-                    packed.panels(),
+                    (p0, packed.panels()),
                     c.as_mut_ptr(),
                     ldc,
+                    None,
                 )
             };
             for i in 0..m {
@@ -112,6 +112,55 @@ fn kernels_match_naive_matmul() {
                         .all(|v| v.is_nan())
                 );
             }
+            // Finished in the tiles (a residual, then each activation in turn) as a pass
+            // over the plain results finishes them: full tiles in registers, edge tiles and
+            // the last of several K blocks alike.
+            let residual: Vec<f32> = (0..m * ldc).map(|i| (i % 9) as f32 - 4.0).collect();
+            for (x, act) in Act::ALL.into_iter().enumerate() {
+                let fin = Finish {
+                    act,
+                    residual: if x % 2 == 0 {
+                        residual.as_ptr()
+                    } else {
+                        std::ptr::null()
+                    },
+                };
+                let mut done = vec![f32::NAN; m * ldc];
+                // SAFETY: as above; the residual has C's m rows of ldc floats.
+                unsafe {
+                    gemm_with(
+                        *kern,
+                        order,
+                        m,
+                        a.as_ptr(),
+                        k,
+                        &packed,
+                        (p0, packed.panels()),
+                        done.as_mut_ptr(),
+                        ldc,
+                        Some(fin),
+                    )
+                };
+                for i in 0..m {
+                    let width = n - p0 * NR;
+                    let mut want = c[i * ldc..][..width].to_vec();
+                    // SAFETY: row i of the residual has ldc ≥ width floats.
+                    unsafe { fin.apply(&mut want, residual[i * ldc..].as_ptr()) };
+                    for (j, (g, w)) in done[i * ldc..][..width].iter().zip(&want).enumerate() {
+                        assert!(
+                            (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                            "{name} {order:?} {act:?} residual {} m{m} k{k} n{n} ({i},{j}): \
+                             {g} vs {w}",
+                            x % 2 == 0
+                        );
+                    }
+                    assert!(
+                        done[i * ldc + width..(i + 1) * ldc]
+                            .iter()
+                            .all(|v| v.is_nan())
+                    );
+                }
+            }
         }
     }
 }
@@ -126,7 +175,7 @@ fn packed_halves_match_f32() {
         let ldc = (p.1 - p.0) * NR;
         let mut c = vec![f32::NAN; m * ldc];
         // SAFETY: a is m × b.k, c is m × ldc, wide enough for the panels' columns.
-        unsafe { gemm_packed(m, a.as_ptr(), b.k, b, p, c.as_mut_ptr(), ldc) };
+        unsafe { gemm_packed(m, a.as_ptr(), b.k, b, p, c.as_mut_ptr(), ldc, None) };
         c
     }
     for &(m, k, n) in &[(7, 300, 17), (14, 1024, 40), (3, 2048, 33), (5, 2100, 20)] {
@@ -175,10 +224,10 @@ fn packed_halves_match_f32() {
                             a.as_ptr(),
                             k,
                             &view,
-                            p.0,
-                            p.1,
+                            p,
                             c.as_mut_ptr(),
                             ldc,
+                            None,
                         )
                     };
                     direct.push((name, c));

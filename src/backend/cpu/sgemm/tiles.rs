@@ -8,7 +8,9 @@ use super::*;
 ///
 /// # Safety
 /// Each of the first `ROWS` `a[r]` has `kc` readable floats, `b` has `kc · NR`, `bias` has
-/// `NR`, and `c` has `ROWS` rows of `NR` floats spaced `ldc` apart.
+/// `NR`, and `c` has `ROWS` rows of `NR` floats spaced `ldc` apart, as has `fin`'s residual
+/// where there is one.
+#[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn tile_portable<const ROWS: usize>(
     kc: usize,
     a: &[*const f32; MAX_ROWS],
@@ -17,6 +19,7 @@ pub(super) unsafe fn tile_portable<const ROWS: usize>(
     ldc: usize,
     init: Init,
     bias: *const f32,
+    fin: Option<Finish>,
 ) {
     let mut acc = [[0f32; NR]; ROWS];
     // SAFETY: the pointer ranges are guaranteed by the caller (see above).
@@ -39,7 +42,10 @@ pub(super) unsafe fn tile_portable<const ROWS: usize>(
                 }
             }
         }
-        for (r, row) in acc.iter().enumerate() {
+        for (r, row) in acc.iter_mut().enumerate() {
+            if let Some(f) = fin {
+                f.apply(row, f.residual.wrapping_add(r * ldc));
+            }
             std::ptr::copy_nonoverlapping(row.as_ptr(), c.add(r * ldc), NR);
         }
     }
@@ -55,21 +61,24 @@ pub(super) unsafe fn tile_portable<const ROWS: usize>(
 macro_rules! simd_tile {
     // Both tiles of one width: `tile` reads f32 panels, `tile_h` f16 ones through `$load_h`.
     ($features:literal, $features_h:literal, $lanes:literal, $zero:ident, $load:ident,
-     $store:ident, $splat:ident, $fma:ident, $load_h:ident) => {
-        use super::{B_PREFETCH, Init, MAX_PANELS, MAX_ROWS, NR};
+     $store:ident, $splat:ident, $fma:ident, $add:ident, $act:path, $load_h:ident) => {
+        use super::{B_PREFETCH, Finish, Init, MAX_PANELS, MAX_ROWS, NR};
         use half::f16;
         use std::arch::x86_64::*;
 
-        simd_tile!(@tile tile, f32, $features, $lanes, $zero, $load, $store, $splat, $fma, $load);
+        simd_tile!(@tile tile, f32, $features, $lanes, $zero, $load, $store, $splat, $fma, $add,
+            $act, $load);
         simd_tile!(@tile tile_h, f16, $features_h, $lanes, $zero, $load, $store, $splat, $fma,
-            $load_h);
+            $add, $act, $load_h);
     };
     (@tile $name:ident, $e:ty, $features:literal, $lanes:literal, $zero:ident, $load:ident,
-     $store:ident, $splat:ident, $fma:ident, $load_b:ident) => {
+     $store:ident, $splat:ident, $fma:ident, $add:ident, $act:path, $load_b:ident) => {
         /// # Safety
         /// The CPU has this function's features (checked by `kernels_for`'s and
         /// `kernels_f16_for`'s callers), and the pointer ranges are as for `tile_portable`.
+        /// `fin` is applied in registers: the residual added, then the activation.
         #[target_feature(enable = $features)]
+        #[allow(clippy::too_many_arguments)]
         pub(in crate::backend::cpu::sgemm) unsafe fn $name<const ROWS: usize, const VECS: usize>(
             kc: usize,
             a: &[*const f32; MAX_ROWS],
@@ -78,6 +87,7 @@ macro_rules! simd_tile {
             ldc: usize,
             init: Init,
             bias: *const f32,
+            fin: Option<Finish>,
         ) {
             const {
                 assert!((VECS * $lanes).is_multiple_of(NR) && VECS * $lanes <= MAX_PANELS * NR);
@@ -116,9 +126,26 @@ macro_rules! simd_tile {
                         }
                     }
                 }
-                for (r, row) in acc.iter().enumerate() {
-                    for (v, x) in row.iter().enumerate() {
-                        $store(c.add(r * ldc + v * $lanes), *x);
+                match fin {
+                    None => {
+                        for (r, row) in acc.iter().enumerate() {
+                            for (v, x) in row.iter().enumerate() {
+                                $store(c.add(r * ldc + v * $lanes), *x);
+                            }
+                        }
+                    }
+                    Some(f) => {
+                        for (r, row) in acc.iter().enumerate() {
+                            for (v, &x) in row.iter().enumerate() {
+                                let at = r * ldc + v * $lanes;
+                                let x = if f.residual.is_null() {
+                                    x
+                                } else {
+                                    $add(x, $load(f.residual.add(at)))
+                                };
+                                $store(c.add(at), $act(f.act, x));
+                            }
+                        }
                     }
                 }
             }
@@ -137,6 +164,8 @@ pub(super) mod avx2 {
         _mm256_storeu_ps,
         _mm256_set1_ps,
         _mm256_fmadd_ps,
+        _mm256_add_ps,
+        crate::backend::cpu::kernels::activate_ymm,
         load_h
     );
 
@@ -160,6 +189,8 @@ pub(super) mod avx512 {
         _mm512_storeu_ps,
         _mm512_set1_ps,
         _mm512_fmadd_ps,
+        _mm512_add_ps,
+        crate::backend::cpu::kernels::activate_zmm,
         load_h
     );
 
