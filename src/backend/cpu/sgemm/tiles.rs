@@ -51,6 +51,41 @@ pub(super) unsafe fn tile_portable<const ROWS: usize>(
     }
 }
 
+/// Store a register tile's sums (`ROWS` rows of `VECS` vectors of `lanes` floats) into C
+/// (`c`, rows `ldc` apart), adding the residual laid out as C where `residual` is not null,
+/// then applying `op`: one unrolled run of stores for the SIMD tiles, whose accumulators stay
+/// in registers as long as every index here is a constant.
+///
+/// # Safety
+/// C and the residual have `ROWS` rows of `VECS · lanes` floats `ldc` apart; `ops` are the
+/// vector width's unaligned load, add and store, which the CPU runs.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) unsafe fn store_tile<V: Copy, const ROWS: usize, const VECS: usize>(
+    acc: &[[V; VECS]; ROWS],
+    (c, ldc, lanes): (*mut f32, usize, usize),
+    residual: *const f32,
+    (load, add, store): (
+        impl Fn(*const f32) -> V,
+        impl Fn(V, V) -> V,
+        impl Fn(*mut f32, V),
+    ),
+    op: impl Fn(V) -> V,
+) {
+    for (r, row) in acc.iter().enumerate() {
+        for (v, &x) in row.iter().enumerate() {
+            let at = r * ldc + v * lanes;
+            // (Inside the caller's ranges: `load` and `store` dereference them.)
+            let x = if residual.is_null() {
+                x
+            } else {
+                add(x, load(residual.wrapping_add(at)))
+            };
+            store(c.wrapping_add(at), op(x));
+        }
+    }
+}
+
 /// A register-tile kernel for one SIMD width: `ROWS` rows of `VECS` vectors (`VECS` × lanes =
 /// `NR` for one panel, a multiple of it for several side by side), all accumulators in
 /// registers. Per k: `VECS` loads of B, `ROWS` broadcasts of A, `ROWS · VECS` FMAs. One source
@@ -62,7 +97,8 @@ macro_rules! simd_tile {
     // Both tiles of one width: `tile` reads f32 panels, `tile_h` f16 ones through `$load_h`.
     ($features:literal, $features_h:literal, $lanes:literal, $zero:ident, $load:ident,
      $store:ident, $splat:ident, $fma:ident, $add:ident, $act:path, $load_h:ident) => {
-        use super::{B_PREFETCH, Finish, Init, MAX_PANELS, MAX_ROWS, NR};
+        use super::{B_PREFETCH, Finish, Init, MAX_PANELS, MAX_ROWS, NR, store_tile};
+        use crate::model::op::Act;
         use half::f16;
         use std::arch::x86_64::*;
 
@@ -126,24 +162,32 @@ macro_rules! simd_tile {
                         }
                     }
                 }
-                match fin {
-                    None => {
-                        for (r, row) in acc.iter().enumerate() {
-                            for (v, x) in row.iter().enumerate() {
-                                $store(c.add(r * ldc + v * $lanes), *x);
-                            }
-                        }
-                    }
-                    Some(f) => {
-                        for (r, row) in acc.iter().enumerate() {
-                            for (v, &x) in row.iter().enumerate() {
-                                let at = r * ldc + v * $lanes;
-                                let x = if f.residual.is_null() {
-                                    x
-                                } else {
-                                    $add(x, $load(f.residual.add(at)))
-                                };
-                                $store(c.add(at), $act(f.act, x));
+                // Each arm unrolls its stores to constant indices, the accumulators leaving
+                // registers once (see the last arm).
+                let fix = (c, ldc, $lanes);
+                let ops = (
+                    |p: *const f32| $load(p),
+                    |x, y| $add(x, y),
+                    |p: *mut f32, x| $store(p, x),
+                );
+                let Some(f) = fin else {
+                    return store_tile(&acc, fix, std::ptr::null(), ops, |x| x);
+                };
+                let r = f.residual;
+                match f.act {
+                    Act::None => store_tile(&acc, fix, r, ops, |x| x),
+                    Act::Relu => store_tile(&acc, fix, r, ops, |x| $act(Act::Relu, x)),
+                    Act::Relu6 => store_tile(&acc, fix, r, ops, |x| $act(Act::Relu6, x)),
+                    // The others on the stored rows, from L1: a division (hardswish's and
+                    // hardsigmoid's) or a polynomial in the unrolled stores made them too
+                    // long to unroll, and the accumulators lived in memory through the K
+                    // loop, every FMA storing its result (1024³ at 89 GFLOP/s instead of 210).
+                    other => {
+                        store_tile(&acc, fix, r, ops, |x| x);
+                        for row in 0..ROWS {
+                            for v in 0..VECS {
+                                let p = c.add(row * ldc + v * $lanes);
+                                $store(p, $act(other, $load(p)));
                             }
                         }
                     }
