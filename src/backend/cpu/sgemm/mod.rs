@@ -239,8 +239,10 @@ impl<E> Panels<'_, E> {
 
 /// What a GEMM does to its sums before storing them (after the last K block): add a residual
 /// laid out as C (`residual` points at C's first element's counterpart, rows `ldc` apart;
-/// null for none) and apply an activation, in registers where the tile fills its rows and
-/// columns, else on the tile's values in L1 before they are copied out. An epilogue pass over
+/// null for none) and apply an activation. The SIMD tiles add the residual and apply ReLU or
+/// ReLU6 in registers, the other activations on the tile just stored, from L1
+/// (`tiles::store_tile`, `tiles::map_rows`); an edge tile finishes its local copy the same way,
+/// its residual copied beside it; the portable tile row by row (`apply`). An epilogue pass over
 /// a work item's C afterwards read its rows back from L2.
 #[derive(Clone, Copy, Debug)]
 pub struct Finish {
