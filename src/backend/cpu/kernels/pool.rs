@@ -263,7 +263,8 @@ fn global_avg_pool<S: super::depthwise::Lanes, T: Elem>(x: &[S], xs: Nhwc, y: &m
         });
 }
 
-/// The mean of an image's pixels (`image`, NHWC) into `sums`, one value per channel.
+/// The mean of an image's pixels (`image`, NHWC) into `sums`, one value per channel (at
+/// least one channel).
 struct PixelSum<'a, S> {
     sums: &'a mut [f32],
     image: &'a [S],
@@ -290,7 +291,7 @@ impl<S: super::depthwise::Lanes> Vectorised for PixelSum<'_, S> {
                 sums[i] += pixel[i].wide();
             }
         }
-        let count = (self.image.len() / ch.max(1)) as f32;
+        let count = (self.image.len() / ch) as f32;
         sums.iter_mut().for_each(|s| *s /= count);
     }
 }

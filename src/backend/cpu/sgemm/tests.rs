@@ -76,22 +76,29 @@ fn kernels_match_naive_matmul() {
         {
             // C has a wider row stride than N, to check that ldc is honoured.
             let ldc = n + 3;
-            let mut c = vec![f32::NAN; m * ldc];
-            // SAFETY: a is m × k, c is m × ldc with ldc ≥ n − p0·NR.
-            unsafe {
-                gemm_with(
-                    *kern,
-                    order,
-                    m,
-                    a.as_ptr(),
-                    k,
-                    &packed,
-                    (p0, packed.panels()),
-                    c.as_mut_ptr(),
-                    ldc,
-                    None,
-                )
+            // C (all NaN first) from this call, finished by `fin`.
+            let run = |fin: Option<Finish>| {
+                let mut c = vec![f32::NAN; m * ldc];
+                let (panels, out) = ((p0, packed.panels()), c.as_mut_ptr());
+                // SAFETY: a is m × k, c is m × ldc with ldc ≥ n − p0·NR, and a residual
+                // of `fin` has C's m rows of ldc floats.
+                unsafe {
+                    gemm_with(
+                        *kern,
+                        order,
+                        m,
+                        a.as_ptr(),
+                        k,
+                        &packed,
+                        panels,
+                        out,
+                        ldc,
+                        fin,
+                    )
+                };
+                c
             };
+            let c = run(None);
             for i in 0..m {
                 for j in p0 * NR..n {
                     let want: f64 = bias[j] as f64
@@ -125,22 +132,7 @@ fn kernels_match_naive_matmul() {
                         std::ptr::null()
                     },
                 };
-                let mut done = vec![f32::NAN; m * ldc];
-                // SAFETY: as above; the residual has C's m rows of ldc floats.
-                unsafe {
-                    gemm_with(
-                        *kern,
-                        order,
-                        m,
-                        a.as_ptr(),
-                        k,
-                        &packed,
-                        (p0, packed.panels()),
-                        done.as_mut_ptr(),
-                        ldc,
-                        Some(fin),
-                    )
-                };
+                let done = run(Some(fin));
                 for i in 0..m {
                     let width = n - p0 * NR;
                     let mut want = c[i * ldc..][..width].to_vec();

@@ -130,7 +130,8 @@ macro_rules! simd_tile {
         /// # Safety
         /// The CPU has this function's features (checked by `kernels_for`'s and
         /// `kernels_f16_for`'s callers), and the pointer ranges are as for `tile_portable`.
-        /// `fin` is applied in registers: the residual added, then the activation.
+        /// `fin` is applied on the way out: the residual added and ReLU or ReLU6 in
+        /// registers, the other activations on the stored tile (see the store's match).
         #[target_feature(enable = $features)]
         #[allow(clippy::too_many_arguments)]
         pub(in crate::backend::cpu::sgemm) unsafe fn $name<const ROWS: usize, const VECS: usize>(
