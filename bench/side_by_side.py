@@ -11,8 +11,10 @@ interleaved in one run, medians and ratios.
 
 The peers run the torchvision model exported to ONNX (bench/onnx_peers.py): ONNX Runtime's CPU
 provider in FP32 only (its BF16 cells stay empty), OpenVINO with its precision hint set to the
-precision asked. `--compile` adds our `--compile default` run as a fourth implementation; the
-ratio column takes our faster run against the best of everyone else.
+precision asked. `--compile` adds our `--compile default` run as a fourth implementation
+(`--compile max-autotune` that mode: its first run times the kernel variants and batch
+schedules and keeps the choices for the later rounds); the ratio column takes our faster run
+against the best of everyone else.
 
 Each round runs every configuration once, alternating implementations, so a slow patch of a
 noisy machine hits both sides alike. The report gives each side's median images/s over the
@@ -64,14 +66,14 @@ def input_size(net):
     return next(m["input_size"] for m in json.loads(out) if m["network"] == net)
 
 
-def ours(net, batch, threads, iters, precision, compile=False):
+def ours(net, batch, threads, iters, precision, compile=None):
     """(images/s, effective GFLOP per image, start-up s, peak RSS bytes) of one `workshop bench` run."""
     with tempfile.TemporaryDirectory() as d:
         out = pathlib.Path(d) / "r.json"
         _, rss = run_measured(
             [str(WORKSHOP), "bench", "--network", net, "--batch-size", str(batch), "--threads", str(threads),
              "--iterations", str(iters), "--warmup", "2", "--precision", precision, "--json", str(out),
-             "--input-size", str(input_size(net))] + (["--compile"] if compile else []))
+             "--input-size", str(input_size(net))] + (["--compile", compile] if compile else []))
         r = json.loads(out.read_text())
     return r["stats"]["throughput_median"], 2 * r["model"]["macs_per_image"] / 1e9, r["prepare_s"], rss
 
@@ -124,7 +126,8 @@ def main():
     p.add_argument("--no-peak", action="store_true", help="skip measuring the GEMM peak")
     p.add_argument("--peers", nargs="*", default=[], choices=["onnxruntime", "openvino"],
                    help="also run these engines on the model exported to ONNX")
-    p.add_argument("--compile", action="store_true", help="also run ours with --compile default")
+    p.add_argument("--compile", nargs="?", const="default", choices=["default", "max-autotune"],
+                   help="also run ours with --compile MODE (default when no mode is given)")
     a = p.parse_args()
     if not WORKSHOP.exists():
         sys.exit(f"{WORKSHOP} not found: run `cargo build --release` first")
@@ -135,14 +138,14 @@ def main():
         print(f"measured FP32 FMA ceiling (registers only): {ceiling:.1f} GFLOP/s", flush=True)
     results, startup, peak_rss, gflop_per_image = {}, {}, {}, {}
 
-    def run_ours(b, prec, compile=False):
+    def run_ours(b, prec, compile=None):
         ips, per_image, prepare_s, rss = ours(a.network, b, a.threads, a.iterations, prec, compile)
         gflop_per_image[a.network] = per_image
         return ips, prepare_s, rss
 
     impls = [("workshop", lambda b, prec: run_ours(b, prec))]
     if a.compile:
-        impls.append(("workshop compiled", lambda b, prec: run_ours(b, prec, True)))
+        impls.append(("workshop compiled", lambda b, prec: run_ours(b, prec, a.compile)))
     ours_names = [n for n, _ in impls]
     impls += [
         ("torch NCHW", lambda b, prec: pytorch(a.network, b, a.threads, a.iterations, False, prec)),

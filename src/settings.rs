@@ -80,6 +80,24 @@ pub enum SplitChoice {
     Levels(Vec<(String, usize)>),
 }
 
+impl SplitChoice {
+    /// `off`, or `NODE:IMAGES[,NODE:IMAGES…]` (`WORKSHOP_CPU_SPLIT`'s syntax, also the names
+    /// max-autotune gives the splits it times); the reason where it is neither.
+    pub fn parse(v: &str) -> Result<SplitChoice, String> {
+        if v == "off" {
+            return Ok(SplitChoice::Off);
+        }
+        let levels = v.split(',').map(|level| {
+            let (node, tile) = (level.split_once(':'))
+                .ok_or_else(|| format!("`{level}` is neither `off` nor NODE:IMAGES"))?;
+            let tile = tile.parse::<usize>().ok().filter(|&t| t > 0);
+            let tile = tile.ok_or_else(|| format!("`{level}`: not a positive number of images"))?;
+            Ok((node.to_string(), tile))
+        });
+        Ok(SplitChoice::Levels(levels.collect::<Result<_, String>>()?))
+    }
+}
+
 /// Every setting, parsed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Settings {
@@ -117,24 +135,11 @@ impl Settings {
                 ));
             }
         };
-        let cpu_split = match var(CPU_SPLIT).as_deref() {
+        let cpu_split = match var(CPU_SPLIT) {
             None => SplitChoice::Auto,
-            Some("off") => SplitChoice::Off,
-            Some(v) => SplitChoice::Levels(
-                v.split(',')
-                    .map(|level| {
-                        let fail = |why: String| bad(CPU_SPLIT, v, why, CPU_SPLIT_ACCEPTS);
-                        let (node, tile) = level.split_once(':').ok_or_else(|| {
-                            fail(format!("`{level}` is neither `off` nor NODE:IMAGES"))
-                        })?;
-                        let tile = tile.parse::<usize>().ok().filter(|&t| t > 0);
-                        let tile = tile.ok_or_else(|| {
-                            fail(format!("`{level}`: not a positive number of images"))
-                        })?;
-                        Ok((node.to_string(), tile))
-                    })
-                    .collect::<Result<_, _>>()?,
-            ),
+            Some(v) => {
+                SplitChoice::parse(&v).map_err(|why| bad(CPU_SPLIT, &v, why, CPU_SPLIT_ACCEPTS))?
+            }
         };
         let gpu_emulator = match var(GPU_EMULATOR).as_deref() {
             None | Some("0") => false,

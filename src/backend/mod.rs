@@ -149,6 +149,9 @@ pub struct ExecOptions {
     /// Kernel variant per node name, as [`Backend::variants`] names them (`--compile
     /// max-autotune` fills it); nodes not listed use the backend's default.
     pub variants: std::collections::BTreeMap<String, String>,
+    /// The whole network's schedule, as [`Backend::schedules`] names it (`--compile
+    /// max-autotune` fills it); `None` runs the backend's default.
+    pub schedule: Option<String>,
     /// Collect per-kernel times (costs a little per op).
     pub profile: bool,
     /// Our kernels or the vendor library's for GEMM-shaped work.
@@ -172,6 +175,7 @@ impl Default for ExecOptions {
             kernels_dir: None,
             cores: None,
             variants: Default::default(),
+            schedule: None,
         }
     }
 }
@@ -320,6 +324,12 @@ pub trait Backend {
     /// The kernel variants this backend can run `op` with, for an output of `out` (NCHW):
     /// what max-autotune times. Empty when there is no choice; the first is the default.
     fn variants(&self, _op: &Op, _out: &[usize]) -> Vec<&'static str> {
+        Vec::new()
+    }
+    /// The ways this backend can schedule the whole of `plan` (the CPU's batch tiles), by
+    /// name for [`ExecOptions::schedule`]: what max-autotune times on the whole network.
+    /// Empty when there is no choice; the first is the default.
+    fn schedules(&self, _plan: &Plan, _opt: &ExecOptions) -> Vec<String> {
         Vec::new()
     }
     /// Time a copy (b = a) and a triad (b = a + 0.5·c) over `n` f32 values in device `dev`'s

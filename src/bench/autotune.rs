@@ -1,7 +1,9 @@
 //! max-autotune: for every distinct GEMM-shaped layer (convolution, linear) time each kernel
 //! variant the backend offers on a one-layer network of that shape, keep the fastest, and
 //! remember the choice on disk, keyed by backend, device, driver, kernel version, precision and
-//! shape, so a second run pays nothing (`--recompile` measures again).
+//! shape, so a second run pays nothing (`--recompile` measures again). Then, where the backend
+//! can schedule the whole network more than one way (the CPU's batch tiles), time whole passes
+//! with each schedule and keep that choice the same way ([`tune_schedule`]).
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -33,6 +35,28 @@ fn read_cache() -> Vec<Entry> {
         .unwrap_or_default()
 }
 
+/// Write the choices back; a cache that cannot be written only costs the next run the tuning
+/// again.
+fn write_cache(cache: &[Entry]) -> Result<()> {
+    if let Some(path) = cache_file() {
+        let _ = crate::files::write_atomic(&path, serde_json::to_string_pretty(cache)?.as_bytes());
+    }
+    Ok(())
+}
+
+/// The part of a cache key every choice shares: backend, device, driver, kernel version and
+/// precision.
+fn key_prefix(cfg: &BenchConfig, device: &DeviceInfo) -> String {
+    format!(
+        "{}|{}|{}|workshop {}|{}",
+        cfg.backend,
+        device.name,
+        device.driver.clone().unwrap_or_default(),
+        env!("CARGO_PKG_VERSION"),
+        cfg.precision.name()
+    )
+}
+
 /// Timed runs per variant (after one warm-up); the best counts.
 const RUNS: usize = 3;
 
@@ -61,14 +85,7 @@ pub fn tune(
         // The epilogue does not change which kernel is faster: shapes differing only there share
         // one measurement.
         let shape = format!("{} on {input:?}", bare(&node.op));
-        let key = format!(
-            "{}|{}|{}|workshop {}|{}|{shape}",
-            cfg.backend,
-            device.name,
-            device.driver.clone().unwrap_or_default(),
-            env!("CARGO_PKG_VERSION"),
-            cfg.precision.name()
-        );
+        let key = format!("{}|{shape}", key_prefix(cfg, device));
         report.layers += 1;
         if let Some(e) = cache.iter().find(|e| e.key == key) {
             chosen.insert(node.name.clone(), e.variant.clone());
@@ -110,11 +127,148 @@ pub fn tune(
             cached: false,
         });
     }
-    if fresh && let Some(path) = cache_file() {
-        // A cache that cannot be written only costs the next run the tuning again.
-        let _ = crate::files::write_atomic(&path, serde_json::to_string_pretty(&cache)?.as_bytes());
+    if fresh {
+        write_cache(&cache)?;
     }
     Ok((chosen, report))
+}
+
+/// Rounds of whole passes over the schedules, each round in a rotated order.
+const SCHEDULE_ROUNDS: usize = 4;
+
+/// How much faster than the default schedule another one's best pass must be to be chosen: the
+/// default is the planner's reasoned choice, and smaller gaps are within the noise of a
+/// shared machine.
+const SCHEDULE_MARGIN: f64 = 0.02;
+
+/// Choose among the backend's schedules for `plan` ([`Backend::schedules`], with the layer
+/// variants `opt` already holds): time whole passes with each, interleaved, and keep the one
+/// with the fastest pass, the default unless another is [`SCHEDULE_MARGIN`] faster. `None`
+/// where the backend offers no choice. Cached as [`tune`]'s choices are, keyed also by
+/// network, batch, input, threads and the schedules offered.
+pub fn tune_schedule(
+    cfg: &BenchConfig,
+    plan: &Plan,
+    weights: &Weights,
+    backend: &dyn Backend,
+    device: &DeviceInfo,
+    opt: &ExecOptions,
+) -> Result<Option<Choice>> {
+    let names = backend.schedules(plan, opt);
+    if names.is_empty() {
+        return Ok(None);
+    }
+    let shape = format!(
+        "{} batch {} on {:?}",
+        cfg.network,
+        plan.batch(),
+        plan.input_shape()
+    );
+    let key = format!(
+        "{}|schedule|{shape}|threads {:?} cores {:?}|{}",
+        key_prefix(cfg, device),
+        opt.threads,
+        opt.cores,
+        names.join(" / ")
+    );
+    let mut cache = if cfg.recompile {
+        Vec::new()
+    } else {
+        read_cache()
+    };
+    if let Some(e) = cache.iter().find(|e| e.key == key) {
+        return Ok(Some(Choice {
+            layer: String::new(),
+            shape,
+            variant: e.variant.clone(),
+            tried: e.tried.clone(),
+            cached: true,
+        }));
+    }
+    let best = time_schedules(cfg, plan, weights, backend, opt, &names)?;
+    let chosen = names[pick(&best)].clone();
+    let tried: Vec<(String, f64)> = names.into_iter().zip(best).collect();
+    cache.push(Entry {
+        key,
+        variant: chosen.clone(),
+        tried: tried.clone(),
+    });
+    write_cache(&cache)?;
+    Ok(Some(Choice {
+        layer: String::new(),
+        shape,
+        variant: chosen,
+        tried,
+        cached: false,
+    }))
+}
+
+/// Which of the schedules whose best passes took `best` to keep: the fastest, where it is
+/// [`SCHEDULE_MARGIN`] faster than the default (the first), else the default.
+fn pick(best: &[f64]) -> usize {
+    let fastest = (0..best.len()).min_by(|&a, &b| best[a].total_cmp(&best[b]));
+    fastest
+        .filter(|&i| best[i] < best[0] * (1.0 - SCHEDULE_MARGIN))
+        .unwrap_or(0)
+}
+
+/// The fastest whole pass in ms of `plan` with each of `names`, from one session each: one
+/// warm-up pass, then [`SCHEDULE_ROUNDS`] rounds of about a quarter second each. The sessions
+/// live together (rounds interleave them) where all of them fit in half the memory the
+/// backend has free, else one at a time.
+fn time_schedules(
+    cfg: &BenchConfig,
+    plan: &Plan,
+    weights: &Weights,
+    backend: &dyn Backend,
+    opt: &ExecOptions,
+    names: &[String],
+) -> Result<Vec<f64>> {
+    let x = Rng::new(3).normal_tensor(plan.input_shape().to_vec());
+    let open = |name: &String| {
+        let opt = ExecOptions {
+            schedule: Some(name.clone()),
+            ..opt.clone()
+        };
+        backend.prepare(cfg.device, plan, weights, &opt)
+    };
+    let pass = |session: &mut Box<dyn crate::backend::Session>| -> Result<f64> {
+        let start = Instant::now();
+        session.run(&x)?;
+        session.sync()?;
+        Ok(start.elapsed().as_secs_f64() * 1e3)
+    };
+    let m = plan.memory_estimate(cfg.precision);
+    let all = (m.weights + m.activations).saturating_mul(names.len() as u64);
+    let together = backend
+        .memory_budget(cfg.device)
+        .is_none_or(|free| all < free / 2);
+    let mut best = vec![f64::INFINITY; names.len()];
+    if together {
+        let mut sessions = names.iter().map(open).collect::<Result<Vec<_>, _>>()?;
+        let mut passes = 1;
+        for (i, session) in sessions.iter_mut().enumerate() {
+            best[i] = pass(session)?;
+            passes = passes.max((250.0 / best[i]) as usize).min(8);
+        }
+        for round in 0..SCHEDULE_ROUNDS {
+            for k in 0..names.len() {
+                let i = (k + round) % names.len();
+                for _ in 0..passes {
+                    best[i] = best[i].min(pass(&mut sessions[i])?);
+                }
+            }
+        }
+    } else {
+        for (i, name) in names.iter().enumerate() {
+            let mut session = open(name)?;
+            best[i] = pass(&mut session)?;
+            for _ in 0..SCHEDULE_ROUNDS {
+                best[i] = best[i].min(pass(&mut session)?);
+            }
+        }
+    }
+    Ok(best)
 }
 
 /// `op` without a fused epilogue.
@@ -185,4 +339,17 @@ fn time_variant(
         }
     }
     Ok(best)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_schedule_must_beat_the_default_by_the_margin() {
+        assert_eq!(pick(&[10.0, 9.9, 10.5]), 0, "1% is noise");
+        assert_eq!(pick(&[10.0, 9.9, 9.7]), 2);
+        assert_eq!(pick(&[10.0, f64::INFINITY]), 0);
+        assert_eq!(pick(&[10.0]), 0);
+    }
 }

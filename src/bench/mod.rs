@@ -212,8 +212,11 @@ pub fn prepare_hw(
                     backend.prepare(cfg.device, &plan, &w, &opt)?;
                     bail!("there is no device {}", cfg.device);
                 };
-                let (variants, report) = autotune::tune(cfg, &plan, backend.as_ref(), device)?;
+                let (variants, mut report) = autotune::tune(cfg, &plan, backend.as_ref(), device)?;
                 opt.variants = variants;
+                report.schedule =
+                    autotune::tune_schedule(cfg, &plan, &w, backend.as_ref(), device, &opt)?;
+                opt.schedule = report.schedule.as_ref().map(|c| c.variant.clone());
                 Some(report)
             } else {
                 None

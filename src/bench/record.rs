@@ -224,6 +224,7 @@ impl BenchConfig {
             replay: self.compile == Some(CompileMode::ReduceOverhead),
             cores: self.cores.clone(),
             variants: Default::default(),
+            schedule: None,
         }
     }
 }
@@ -323,4 +324,8 @@ pub struct AutotuneReport {
     pub choices: Vec<Choice>,
     /// Layers that got a variant (several layers share a shape).
     pub layers: usize,
+    /// The whole network's schedule (the CPU's batch tiles), where the backend offers a
+    /// choice: `layer` is empty, `shape` the batch and input, times are whole passes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<Choice>,
 }

@@ -217,11 +217,12 @@ pub struct BenchArgs {
     /// Compile the network first, like torch.compile: `default` folds batch norms (and layer
     /// norms' affines) into the layers around them and fuses activations and residual adds into
     /// epilogues; the output is checked against eager FP32 and the compile time reported apart
-    /// from the run
+    /// from the run. `max-autotune` also times each layer shape's kernel variants and the
+    /// network's schedules (the CPU's batch tiles) and keeps the fastest
     #[arg(long, value_enum, value_name = "MODE", num_args = 0..=1, default_missing_value = "default")]
     pub compile: Option<crate::bench::record::CompileMode>,
-    /// With --compile max-autotune: time the kernel variants again instead of using the
-    /// choices kept from an earlier run
+    /// With --compile max-autotune: time the kernel variants and schedules again instead of
+    /// using the choices kept from an earlier run
     #[arg(long)]
     pub recompile: bool,
     /// Compare this run with a saved `--json` record (the saved one is the reference)

@@ -298,6 +298,18 @@ fn autotune_lines(a: &crate::bench::record::AutotuneReport) -> String {
             c.variant
         ));
     }
+    if let Some(c) = &a.schedule {
+        let how = if c.cached {
+            "from the cache"
+        } else {
+            "timed now, the fastest pass of each"
+        };
+        s.push_str(&format!("Schedule      {} ({how})\n", c.variant));
+        for (v, ms) in c.tried.iter().filter(|_| !c.cached) {
+            let default = if *v == c.tried[0].0 { " (default)" } else { "" };
+            s.push_str(&format!("  {ms:>8.2} ms  {v}{default}\n"));
+        }
+    }
     s
 }
 

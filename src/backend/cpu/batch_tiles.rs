@@ -54,6 +54,11 @@ impl Split {
             .collect();
         said.join(", ")
     }
+
+    /// The (node name, tile) pairs [`at`] takes back, names from `name`.
+    pub fn spec(&self, name: impl Fn(usize) -> String) -> Vec<(String, usize)> {
+        self.levels.iter().map(|l| (name(l.end), l.tile)).collect()
+    }
 }
 
 /// `images` cut into parts of at most `tile`, as even as they go.
@@ -82,9 +87,14 @@ pub fn parts(images: Range<usize>, tile: usize) -> impl Iterator<Item = Range<us
 /// ends at the first cut after the last node asking for it or less (and after the ops that
 /// only map that cut's value), the largest at the last cut.
 pub fn plan(plan: &Plan, elem: usize, cache: usize) -> Option<Split> {
+    within(plan, elem, (cache as f64 * TILE_SHARE) as usize)
+}
+
+/// [`plan`] with `budget` bytes of cache for a tile's live values.
+fn within(plan: &Plan, elem: usize, budget: usize) -> Option<Split> {
     let n = plan.batch();
     let nodes = plan.graph.nodes.len();
-    if n < 2 || nodes < 2 || cache == 0 {
+    if n < 2 || nodes < 2 || budget == 0 {
         return None;
     }
     let bytes = |id: usize| plan.shapes[id].iter().product::<usize>() * elem;
@@ -94,7 +104,6 @@ pub fn plan(plan: &Plan, elem: usize, cache: usize) -> Option<Split> {
             .sum();
         params * elem
     };
-    let budget = (cache as f64 * TILE_SHARE) as usize;
     let live = plan.live_bytes(elem as u64);
     // Images each node may see at a time.
     let mut asks = Vec::new();
@@ -169,6 +178,38 @@ pub fn plan(plan: &Plan, elem: usize, cache: usize) -> Option<Split> {
 /// and `--compile` ran 3% slower than eager; now 5% faster), ResNet-50 FP32 b8 251.5 vs 254.6,
 /// b32 1046 vs 1062, BF16 b8 159.0 vs 160.6, MobileNetV3 BF16 equal.
 pub const TILE_SHARE: f64 = 1.0 / 3.0;
+
+/// The shares of the cache max-autotune plans splits for besides [`TILE_SHARE`]: which one
+/// runs fastest depends on the network and on what else fills the cache. MobileNetV3-Large
+/// FP32 b8 on a Zen 4 VM ran 4–6% faster with a twelfth (smaller tiles, later cuts), while
+/// EfficientNet-B0 BF16 ran 2–3% slower with it.
+const OTHER_SHARES: [f64; 3] = [2.0 / 3.0, 1.0 / 6.0, 1.0 / 12.0];
+
+/// The splits worth timing for `plan`, each once, the default ([`plan`]) first: those
+/// planned for other shares of the cache, and none (`None`). Only splits [`at`] can name
+/// (see [`Split::spec`]) are offered.
+pub fn candidates(plan: &Plan, elem: usize, cache: usize) -> Vec<Option<Split>> {
+    let name = |id: usize| plan.graph.nodes[id].name.clone();
+    let mut found = vec![self::plan(plan, elem, cache)];
+    for share in OTHER_SHARES {
+        found.push(within(plan, elem, (cache as f64 * share) as usize));
+    }
+    found.push(None);
+    let mut distinct: Vec<Option<Split>> = Vec::new();
+    for split in found {
+        let named = split.as_ref().is_none_or(|s| {
+            let asked = s.spec(name);
+            let asked = (asked.iter())
+                .map(|(n, t)| (n.as_str(), *t))
+                .collect::<Vec<_>>();
+            at(plan, &asked).as_ref() == Ok(s)
+        });
+        if named && !distinct.contains(&split) {
+            distinct.push(split);
+        }
+    }
+    distinct
+}
 
 /// Whether the images can be joined after node `e`: nothing before it is read after it, it is
 /// read after it, and it is not the output.
@@ -300,6 +341,38 @@ mod tests {
         assert_eq!(
             half.describe(8, name),
             "2 images up to layer2.0.relu, 4 images up to layer2.3.relu"
+        );
+    }
+
+    /// The splits max-autotune times for ResNet-50 at batch 8 with a 32 MB cache: the default
+    /// first, none last, each once, each named so that [`at`] gives it back; a smaller share
+    /// runs single images further (1 up to layer3.5.relu where the default's end at
+    /// layer2.0.relu), a larger one has larger tiles.
+    #[test]
+    fn candidates_are_distinct_and_named() {
+        let plan = zoo::build("resnet50").unwrap().plan(8, 224, 224).unwrap();
+        let name = |id: usize| plan.graph.nodes[id].name.clone();
+        let found = candidates(&plan, 4, 32 << 20);
+        assert_eq!(found[0], plan_for(&plan, 32 << 20));
+        assert_eq!(found.last(), Some(&None));
+        assert!(found.len() >= 3, "{found:?}");
+        for (i, split) in found.iter().enumerate() {
+            assert!(!found[..i].contains(split), "{split:?} twice");
+            if let Some(split) = split {
+                let spec = split.spec(name);
+                let asked: Vec<(&str, usize)> =
+                    spec.iter().map(|(n, t)| (n.as_str(), *t)).collect();
+                assert_eq!(at(&plan, &asked).as_ref(), Ok(split));
+            }
+        }
+        // The smallest share runs one image a call further than the default.
+        let first_cut = |s: &Split| s.levels[0].end;
+        let ones = found.iter().flatten().filter(|s| s.images(0, 8) == 1);
+        let furthest = ones.max_by_key(|s| first_cut(s)).unwrap();
+        assert!(first_cut(furthest) > first_cut(found[0].as_ref().unwrap()));
+        assert_eq!(
+            candidates(&plan.graph.plan(1, 224, 224).unwrap(), 4, 32 << 20),
+            vec![None]
         );
     }
 

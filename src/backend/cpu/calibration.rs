@@ -47,8 +47,7 @@ pub fn calibrate_batch_norm(
         weights,
         pool,
         threads,
-        false,
-        &Default::default(),
+        &ExecOptions::default(),
         &mut Donor::default(),
     )?;
     // Calibration normalises with batch statistics, so the steps carry gamma and beta.
@@ -148,8 +147,7 @@ mod tests {
                 &weights,
                 pool,
                 1,
-                false,
-                &Default::default(),
+                &ExecOptions::default(),
                 &mut Donor::default(),
             )
             .unwrap();

@@ -106,15 +106,7 @@ impl CpuBackend {
             opt: &ExecOptions,
             donor: &mut Donor,
         ) -> Result<Box<dyn Session>, BackendError> {
-            let session = CpuSession::<T>::new(
-                plan,
-                weights,
-                pool,
-                threads,
-                opt.profile,
-                &opt.variants,
-                donor,
-            )?;
+            let session = CpuSession::<T>::new(plan, weights, pool, threads, opt, donor)?;
             Ok(Box::new(session))
         }
         match opt.precision {
@@ -157,6 +149,22 @@ impl Backend for CpuBackend {
             }
             _ => Vec::new(),
         }
+    }
+
+    /// The batch splits worth timing ([`batch_tiles::candidates`]), named as
+    /// `WORKSHOP_CPU_SPLIT` takes them; none where that variable decides.
+    fn schedules(&self, plan: &Plan, opt: &ExecOptions) -> Vec<String> {
+        let decided =
+            crate::settings::get().is_ok_and(|s| s.cpu_split != crate::settings::SplitChoice::Auto);
+        if decided {
+            return Vec::new();
+        }
+        let elem = opt.precision.bytes();
+        let found = batch_tiles::candidates(plan, elem, batch_tiles::last_level_cache());
+        let names: Vec<String> = (found.iter())
+            .map(|s| schedule_name(plan, s.as_ref()))
+            .collect();
+        if names.len() < 2 { Vec::new() } else { names }
     }
 
     fn stream(
@@ -299,17 +307,29 @@ impl Backend for CpuBackend {
 }
 
 /// The batch tiles for `plan` at `elem` bytes a value: as `WORKSHOP_CPU_SPLIT` sets them
-/// ([`crate::settings::SplitChoice`]), else [`batch_tiles::plan`] for this CPU's last-level cache.
-fn batch_split(plan: &Plan, elem: usize) -> Result<Option<batch_tiles::Split>, BackendError> {
+/// ([`crate::settings::SplitChoice`]), else as `schedule` names them (max-autotune's choice
+/// among [`Backend::schedules`]), else [`batch_tiles::plan`] for this CPU's last-level cache.
+fn batch_split(
+    plan: &Plan,
+    elem: usize,
+    schedule: Option<&str>,
+) -> Result<Option<batch_tiles::Split>, BackendError> {
     use crate::settings::{self, SplitChoice};
     let settings = settings::get().map_err(|e| BackendError::Invalid(e.to_string()))?;
-    match &settings.cpu_split {
+    let (choice, from) = match (&settings.cpu_split, schedule) {
+        (SplitChoice::Auto, Some(name)) => (
+            SplitChoice::parse(name).map_err(BackendError::Invalid)?,
+            "the schedule",
+        ),
+        (choice, _) => (choice.clone(), settings::CPU_SPLIT),
+    };
+    match choice {
         SplitChoice::Off => Ok(None),
         SplitChoice::Levels(levels) => {
             let asked: Vec<(&str, usize)> = levels.iter().map(|(n, t)| (n.as_str(), *t)).collect();
             batch_tiles::at(plan, &asked)
                 .map(Some)
-                .map_err(|why| BackendError::Invalid(format!("{}: {why}", settings::CPU_SPLIT)))
+                .map_err(|why| BackendError::Invalid(format!("{from}: {why}")))
         }
         SplitChoice::Auto => Ok(batch_tiles::plan(
             plan,
@@ -317,6 +337,16 @@ fn batch_split(plan: &Plan, elem: usize) -> Result<Option<batch_tiles::Split>, B
             batch_tiles::last_level_cache(),
         )),
     }
+}
+
+/// A split's schedule name: `WORKSHOP_CPU_SPLIT`'s syntax (`off`, or `NODE:IMAGES,…`).
+fn schedule_name(plan: &Plan, split: Option<&batch_tiles::Split>) -> String {
+    let Some(split) = split else {
+        return "off".into();
+    };
+    let levels = split.spec(|id| plan.graph.nodes[id].name.clone());
+    let levels: Vec<String> = levels.iter().map(|(n, t)| format!("{n}:{t}")).collect();
+    levels.join(",")
 }
 
 fn default_threads() -> usize {

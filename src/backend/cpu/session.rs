@@ -126,11 +126,11 @@ impl<T: Elem> CpuSession<T> {
         weights: &Weights,
         pool: Arc<rayon::ThreadPool>,
         threads: usize,
-        profile: bool,
-        variants: &std::collections::BTreeMap<String, String>,
+        opt: &ExecOptions,
         donor: &mut Donor,
     ) -> Result<Self, BackendError> {
-        let split = batch_split(plan, std::mem::size_of::<T>())?;
+        let (profile, variants) = (opt.profile, &opt.variants);
+        let split = batch_split(plan, std::mem::size_of::<T>(), opt.schedule.as_deref())?;
         // The shape each node runs at: the most images one call of it sees.
         let run_shape = |id: usize| {
             let mut shape = plan.shapes[id].clone();
@@ -809,8 +809,7 @@ mod tests {
                 weights,
                 pool,
                 2,
-                false,
-                &Default::default(),
+                &ExecOptions::default(),
                 &mut Donor::default(),
             )
             .unwrap();
@@ -856,5 +855,37 @@ mod tests {
         let weights = Weights::init(&graph, 3);
         check::<f32>(&graph, &weights);
         check::<bf16>(&graph, &weights);
+    }
+
+    /// Every schedule max-autotune may pick names its split, and runs it: ResNet-18 at batch 5,
+    /// 32², with the splits planned for a 384 KB cache, each gives the whole batch's output bit
+    /// for bit. A name that is not a split is refused with the reason.
+    #[test]
+    fn schedules_name_their_splits() {
+        let graph = zoo::build("resnet18").unwrap();
+        let weights = Weights::init(&graph, 3);
+        let plan = graph.plan(5, 32, 32).unwrap();
+        let input = crate::model::Rng::new(5).normal_tensor(plan.input_shape().to_vec());
+        let found = batch_tiles::candidates(&plan, 4, 384 << 10);
+        assert!(found.len() >= 3, "{found:?}");
+        let pool = worker_pool(2, Vec::new()).unwrap();
+        let opt = ExecOptions::default();
+        let mut session =
+            CpuSession::<f32>::new(&plan, &weights, pool, 2, &opt, &mut Donor::default()).unwrap();
+        session.split = None;
+        session.run(&input).unwrap();
+        let whole = session.read_output().unwrap();
+        for split in &found {
+            let name = schedule_name(&plan, split.as_ref());
+            session.split = batch_split(&plan, 4, Some(&name)).unwrap();
+            assert_eq!(&session.split, split, "{name}");
+            session.run(&input).unwrap();
+            let out = session.read_output().unwrap();
+            let same = (out.data.iter().zip(&whole.data)).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{name}");
+        }
+        let refused = |name: &str| batch_split(&plan, 4, Some(name)).unwrap_err().to_string();
+        assert!(refused("layer9.relu:2").contains("no node `layer9.relu`"));
+        assert!(refused("layer2.1.relu").contains("neither `off` nor NODE:IMAGES"));
     }
 }
