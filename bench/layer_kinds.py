@@ -57,7 +57,7 @@ def ours(a):
         trace = pathlib.Path(d) / "t.json"
         subprocess.run([str(WORKSHOP), "bench", "--network", a.network, "--batch-size", str(a.batch_size),
                         "--precision", a.precision, "--threads", str(a.threads), "--iterations", str(a.iterations),
-                        "--trace", str(trace)] + (["--compile"] if a.compile else []),
+                        "--trace", str(trace)] + (["--compile", a.compile] if a.compile else []),
                        check=True, stdout=subprocess.DEVNULL)
         events = json.loads(trace.read_text())["traceEvents"]
     iterations = sum(1 for e in events if e.get("cat") == "host")
@@ -137,7 +137,8 @@ def main():
     p.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--iterations", type=int, default=5)
-    p.add_argument("--compile", action="store_true", help="ours with --compile default")
+    p.add_argument("--compile", nargs="?", const="default", choices=["default", "max-autotune"],
+                   help="ours with --compile MODE (default when no mode is given)")
     p.add_argument("--top", type=int, default=8, help="how many modules to list where ours loses the most")
     p.add_argument("--peer", default="openvino", choices=["openvino", "onnxruntime"])
     a = p.parse_args()
@@ -149,7 +150,7 @@ def main():
     name, short = {"openvino": ("OpenVINO", "OV"), "onnxruntime": ("ONNX Runtime", "ORT")}[a.peer]
     mine, theirs = by_kind(ours_nodes, kinds), by_kind(ov_nodes, kinds)
     total_m, total_t = sum(mine.values()), sum(theirs.values())
-    label = "ours" + (" compiled" if a.compile else "")
+    label = "ours" + ({None: "", "default": " compiled"}.get(a.compile, f" {a.compile}"))
     print(f"{a.network} {a.precision.upper()} batch {a.batch_size}, {a.threads} threads: ms per iteration "
           f"(kernel times, profiling on)")
     print(f"{'layer kind':28} {label:>14} {'share':>6} {name:>12} {'share':>6} {'ours/' + short:>8}")
