@@ -1713,6 +1713,74 @@ fn reduce_overhead_replays_a_graph_on_gpu_backends() {
     assert!(out.contains("against eager FP32"), "{out}");
 }
 
+/// max-autotune times the CPU's batch schedules on the whole network where it has a choice
+/// (the splits planned for several shares of this machine's last-level cache, as
+/// `Backend::schedules` lists them), records what it tried and chose, and takes the choice
+/// from the cache the second time; where this machine's cache leaves no choice, it says
+/// nothing about schedules.
+#[test]
+fn max_autotune_times_the_batch_schedules() {
+    use workshop::backend::{Backend, ExecOptions, cpu::CpuBackend};
+    let graph = zoo::build("resnet18").unwrap();
+    let weights = Weights::init(&graph, 0);
+    let (fused, _, _) = workshop::model::passes::optimize(&graph, &weights).unwrap();
+    let plan = fused.plan(2, 224, 224).unwrap();
+    let offered = CpuBackend::new().schedules(&plan, &ExecOptions::default());
+    let dir = tempfile::tempdir().unwrap();
+    let run = || {
+        let json = dir.path().join("r.json");
+        let o = crate::common::command()
+            .env("WORKSHOP_CACHE_DIR", dir.path())
+            .args([
+                "bench",
+                "--network",
+                "resnet18",
+                "--batch-size",
+                "2",
+                "--iterations",
+                "1",
+            ])
+            .args(["--warmup", "0", "--compile", "max-autotune", "--json"])
+            .arg(&json)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        let record: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        (
+            stdout(&o),
+            record["compile"]["autotune"]["schedule"].clone(),
+        )
+    };
+    let (out, schedule) = run();
+    if offered.len() < 2 {
+        assert!(!out.contains("Schedule"), "{out}");
+        assert!(schedule.is_null(), "{schedule}");
+        return;
+    }
+    let chosen = schedule["variant"].as_str().unwrap().to_string();
+    assert!(offered.contains(&chosen), "{chosen} not in {offered:?}");
+    let tried: Vec<&str> = (schedule["tried"].as_array().unwrap().iter())
+        .map(|t| t[0].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        tried,
+        offered.iter().map(String::as_str).collect::<Vec<_>>()
+    );
+    assert!(
+        out.contains(&format!("Schedule      {chosen} (timed now")),
+        "{out}"
+    );
+    assert!(out.contains(&format!("{} (default)", offered[0])), "{out}");
+    let (again, cached) = run();
+    assert_eq!(cached["variant"], schedule["variant"]);
+    assert_eq!(cached["cached"], true);
+    assert!(
+        again.contains(&format!("Schedule      {chosen} (from the cache)")),
+        "{again}"
+    );
+}
+
 #[test]
 fn max_autotune_times_variants_once_and_keeps_them() {
     let dir = tempfile::tempdir().unwrap();
