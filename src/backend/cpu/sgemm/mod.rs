@@ -298,6 +298,21 @@ const MAX_PANELS: usize = 2;
 /// panel's block with the distance (floats) from one panel's block to the next's, C and its
 /// row stride, how the accumulators start, the first panel's bias (the next panels' follow it),
 /// and the finish of the tile's C block where this is the last K block.
+/// The depths a kernel with a [`StationaryFn`] takes that way (see `avx512::stationary`).
+const STATIONARY_K: [usize; 2] = [16, 24];
+
+/// A kernel for a K of [`STATIONARY_K`] in one block: C[m × cols] of one panel, started from
+/// the bias and finished. Its arguments: K; A, its row stride and the rows; the panel's block
+/// and bias; C, its row stride and the panel's valid columns; the finish.
+type StationaryFn<E = f32> = unsafe fn(
+    usize,
+    (*const f32, usize, usize),
+    *const E,
+    *const f32,
+    (*mut f32, usize, usize),
+    Option<Finish>,
+);
+
 type TileFn<E = f32> = unsafe fn(
     usize,
     &[*const f32; MAX_ROWS],
@@ -319,6 +334,8 @@ struct Kernels<E = f32> {
     short: TileFn<E>,
     tall1: TileFn<E>,
     short1: TileFn<E>,
+    /// Where the path has one, the kernel for a small K ([`STATIONARY_K`]).
+    stationary: Option<StationaryFn<E>>,
 }
 
 // Function pointers copy whatever they point at (a derive would ask E: Copy).
@@ -343,6 +360,7 @@ fn kernels_for(simd: Simd) -> Kernels {
         short: tile,
         tall1: tile,
         short1: tile,
+        stationary: None,
     };
     match simd {
         #[cfg(target_arch = "x86_64")]
@@ -353,6 +371,7 @@ fn kernels_for(simd: Simd) -> Kernels {
             short: avx512::tile::<MR, 2>,
             tall1: avx512::tile::<14, 1>,
             short1: avx512::tile::<MR, 1>,
+            stationary: Some(avx512::stationary),
         },
         #[cfg(target_arch = "x86_64")]
         Simd::Avx2Fma => six(avx2::tile::<MR, 2>),
@@ -377,6 +396,7 @@ fn kernels_f16_for(simd: Simd) -> Option<Kernels<f16>> {
             short: avx512::tile_h::<MR, 2>,
             tall1: avx512::tile_h::<14, 1>,
             short1: avx512::tile_h::<MR, 1>,
+            stationary: None,
         }),
         #[cfg(target_arch = "x86_64")]
         Simd::Avx2Fma if super::simd::f16c() => {
@@ -388,6 +408,7 @@ fn kernels_f16_for(simd: Simd) -> Option<Kernels<f16>> {
                 short: tile,
                 tall1: tile,
                 short1: tile,
+                stationary: None,
             })
         }
         _ => None,
@@ -665,6 +686,32 @@ unsafe fn gemm_block<E>(
     fin: Option<Finish>,
 ) {
     let fin = fin.filter(|_| last);
+    // The whole of a small K in one block: B's panel in registers, a panel at a time.
+    if let Some(stationary) = kern.stationary
+        && init == Init::Bias
+        && last
+        && STATIONARY_K.contains(&kc)
+    {
+        for p in p0..p1 {
+            let off = (p - p0) * NR;
+            let cols = NR.min(b.n - p * NR);
+            let panel = b.data[p * b.k * NR..].as_ptr();
+            let bias = b.bias[p * NR..].as_ptr();
+            // SAFETY: as for the tiles below: rows 0..m of A and C, panel p of B (k0 is 0:
+            // `Init::Bias` is the first block, and `last` makes it the only one).
+            unsafe {
+                stationary(
+                    kc,
+                    (a, lda, m),
+                    panel,
+                    bias,
+                    (c.add(off), ldc, cols),
+                    fin.map(|f| f.at(off)),
+                )
+            };
+        }
+        return;
+    }
     // One tile: rows i.. of panels p..p + w (w ≤ kern.panels); returns the rows it covered.
     let tile_at = |p: usize, w: usize, i: usize| -> usize {
         let width = w * NR;

@@ -13,6 +13,7 @@ fn kernels_match_naive_matmul() {
         short,
         tall1: tall,
         short1: short,
+        stationary: None,
     };
     let mut kernels: Vec<(&str, Kernels)> = vec![
         ("portable", kernels_for(Simd::Portable)),
@@ -38,6 +39,7 @@ fn kernels_match_naive_matmul() {
                 short: avx2::tile::<MR, 4>,
                 tall1: avx2::tile::<12, 2>,
                 short1: avx2::tile::<MR, 2>,
+                stationary: None,
             },
         ));
     }
@@ -47,6 +49,9 @@ fn kernels_match_naive_matmul() {
     for &(m, k, n) in &[
         (1, 1, 1),
         (6, 16, 16),
+        // AVX-512's B-in-registers depths: rows not a multiple of its 4, a half last panel.
+        (31, 24, 40),
+        (9, 16, 33),
         (7, 300, 17),
         (13, 513, 40),
         (5, 3, 33),
