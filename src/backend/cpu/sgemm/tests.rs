@@ -52,6 +52,9 @@ fn kernels_match_naive_matmul() {
         // AVX-512's B-in-registers depths: rows not a multiple of its 4, a half last panel.
         (31, 24, 40),
         (9, 16, 33),
+        // Its depths with the panel loaded a row a step, and the first past them (the tiles).
+        (11, 64, 48),
+        (8, 65, 16),
         (7, 300, 17),
         (13, 513, 40),
         (5, 3, 33),

@@ -277,22 +277,24 @@ pub(super) mod avx512 {
         unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
     }
 
-    /// C[m × cols] = bias + A[m × K] · one panel's block (K × NR, f32), finished (the residual
-    /// laid out as C added, the activation applied) and stored by masked stores, for a K of
-    /// `STATIONARY_K` (16 or 24): the panel held in registers (as many of its K rows as the
-    /// compiler keeps there beside the accumulators) while A's rows stream past, 6 rows at a
-    /// time (the last group repeating the last row), each row a chain of K FMAs. The register
-    /// tile's fixed costs per tile (its accumulators started from the bias, B's prefetches,
-    /// the caller's row pointers and C's prefetches, 14 rows at a time) weighed as much as
-    /// its 16 or 24 steps of K: alone at batch 8 (FP32, alternating in one process), 24 → 72
+    /// C[m × cols] = bias + A[m × k] · one panel's block (k × NR, f32), finished (the residual
+    /// laid out as C added, the activation applied) and stored by masked stores, for a K up
+    /// to `STATIONARY_MAX_K`: A's rows stream past the panel 6 at a time (the last group
+    /// repeating the last row), each row a chain of k FMAs into one accumulator; at K 16 and
+    /// 24 the panel stays in registers (as many of its rows as the compiler keeps there
+    /// beside the accumulators), at other depths each row of it is loaded at its step. The
+    /// register tile's fixed costs per tile (its accumulators started from the bias, B's
+    /// prefetches, the caller's row pointers and C's prefetches, 14 rows at a time) weighed as
+    /// much as a few steps of K: alone at batch 8 (FP32, alternating in one process), 24 → 72
     /// at 56² with ReLU took 0.75× the time, 16 → 64 at 112² with hardswish 0.71×, SiLU
-    /// layers (16 → 96, 24 → 144) 0.85–0.91×; MobileNetV3-Large's 16 → 64 0.64× in the
-    /// network.
+    /// layers (16 → 96, 24 → 144) 0.85–0.91×, 8 → 32 0.59×, 40 → 120 0.76×, 64 → 256 0.90×;
+    /// MobileNetV3-Large's 16 → 64 0.64× in the network. The panel in registers was 9%
+    /// faster than loaded at K 16 with ReLU, level at 24.
     ///
     /// # Safety
-    /// The CPU has AVX-512F; `a` has `m` rows of K readable floats `lda` apart, `panel` K × NR
-    /// floats and `bias` NR; C (and the residual, laid out as C) `m` rows of `cols` ≤ NR
-    /// floats `ldc` apart, C's this caller's alone.
+    /// The CPU has AVX-512F; `a` has `m` rows of `k` readable floats `lda` apart, `panel`
+    /// k × NR floats and `bias` NR; C (and the residual, laid out as C) `m` rows of `cols` ≤
+    /// NR floats `ldc` apart, C's this caller's alone.
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)]
     pub(in crate::backend::cpu::sgemm) unsafe fn stationary(
@@ -305,16 +307,17 @@ pub(super) mod avx512 {
     ) {
         let residual = fin.map_or(std::ptr::null(), |f| f.residual);
         let act = fin.map_or(Act::None, |f| f.act);
-        // One copy of the loop per depth and activation: a match per vector would not keep
-        // the panel in registers.
+        let call = (k, (a, lda, m), panel, bias, (c, ldc, cols), residual);
+        // One copy of the loop per depth held and activation: a match per vector would not
+        // keep the panel in registers.
         macro_rules! by_act {
             ($k:literal) => {
                 match act {
-                    Act::None => rows::<$k>(a, lda, m, panel, bias, c, ldc, cols, residual, |x| x),
-                    Act::Relu => rows::<$k>(a, lda, m, panel, bias, c, ldc, cols, residual, |x| {
+                    Act::None => rows::<$k>(call, |x| x),
+                    Act::Relu => rows::<$k>(call, |x| {
                         crate::backend::cpu::kernels::activate_zmm(Act::Relu, x)
                     }),
-                    other => rows::<$k>(a, lda, m, panel, bias, c, ldc, cols, residual, |x| {
+                    other => rows::<$k>(call, |x| {
                         crate::backend::cpu::kernels::activate_zmm(other, x)
                     }),
                 }
@@ -325,27 +328,27 @@ pub(super) mod avx512 {
             match k {
                 16 => by_act!(16),
                 24 => by_act!(24),
-                _ => unreachable!("stationary runs K of STATIONARY_K only"),
+                _ => by_act!(0),
             }
         }
     }
 
-    /// [`stationary`] for K = `K`, finishing each row with `op` after its residual.
+    /// [`stationary`] with the panel's `HELD` rows in registers (`HELD` = k), or none
+    /// (`HELD` = 0), finishing each row with `op` after its residual.
     ///
     /// # Safety
     /// As for [`stationary`].
     #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn rows<const K: usize>(
-        a: *const f32,
-        lda: usize,
-        m: usize,
-        panel: *const f32,
-        bias: *const f32,
-        c: *mut f32,
-        ldc: usize,
-        cols: usize,
-        residual: *const f32,
+    #[allow(clippy::type_complexity)]
+    unsafe fn rows<const HELD: usize>(
+        (k, (a, lda, m), panel, bias, (c, ldc, cols), residual): (
+            usize,
+            (*const f32, usize, usize),
+            *const f32,
+            *const f32,
+            (*mut f32, usize, usize),
+            *const f32,
+        ),
         op: impl Fn(__m512) -> __m512,
     ) {
         // Rows at a time: 4 chains of 4-cycle FMAs just fill Zen 4's one zmm FMA a cycle; 6
@@ -355,14 +358,24 @@ pub(super) mod avx512 {
         // the residual's loads masked to `cols`).
         unsafe {
             let mask = (u32::MAX >> (32 - cols.min(NR))) as __mmask16;
-            let bk: [__m512; K] = std::array::from_fn(|k| _mm512_loadu_ps(panel.add(k * NR)));
+            let held: [__m512; HELD] =
+                std::array::from_fn(|kk| _mm512_loadu_ps(panel.add(kk * NR)));
             let start = _mm512_loadu_ps(bias);
             for r0 in (0..m).step_by(R) {
                 let ar: [*const f32; R] = std::array::from_fn(|i| a.add((r0 + i).min(m - 1) * lda));
                 let mut acc = [start; R];
-                for (k, bk) in bk.iter().enumerate() {
+                let mut step = |kk: usize, bk: __m512| {
                     for (x, ar) in acc.iter_mut().zip(&ar) {
-                        *x = _mm512_fmadd_ps(_mm512_set1_ps(*ar.add(k)), *bk, *x);
+                        *x = _mm512_fmadd_ps(_mm512_set1_ps(*ar.add(kk)), bk, *x);
+                    }
+                };
+                if HELD > 0 {
+                    for (kk, &bk) in held.iter().enumerate() {
+                        step(kk, bk);
+                    }
+                } else {
+                    for kk in 0..k {
+                        step(kk, _mm512_loadu_ps(panel.add(kk * NR)));
                     }
                 }
                 for (i, &x) in acc.iter().enumerate().take(m - r0) {
