@@ -143,7 +143,7 @@ const SCHEDULE_MARGIN: f64 = 0.02;
 
 /// Choose among the backend's schedules for `plan` ([`Backend::schedules`], with the layer
 /// variants `opt` already holds): time whole passes with each, interleaved, and keep the one
-/// with the fastest pass, the default unless another is [`SCHEDULE_MARGIN`] faster. `None`
+/// with the fastest pass, the default unless another is 2% faster (`SCHEDULE_MARGIN`). `None`
 /// where the backend offers no choice. Cached as [`tune`]'s choices are, keyed also by
 /// network, batch, input, threads and the schedules offered.
 pub fn tune_schedule(
