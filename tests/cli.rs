@@ -1727,7 +1727,7 @@ fn max_autotune_times_the_batch_schedules() {
     let plan = fused.plan(2, 224, 224).unwrap();
     let offered = CpuBackend::new().schedules(&plan, &ExecOptions::default());
     let dir = tempfile::tempdir().unwrap();
-    let run = || {
+    let run = |extra: &[&str]| {
         let json = dir.path().join("r.json");
         let o = crate::common::command()
             .env("WORKSHOP_CACHE_DIR", dir.path())
@@ -1742,6 +1742,7 @@ fn max_autotune_times_the_batch_schedules() {
             ])
             .args(["--warmup", "0", "--compile", "max-autotune", "--json"])
             .arg(&json)
+            .args(extra)
             .output()
             .unwrap();
         assert!(o.status.success(), "{}", stderr(&o));
@@ -1752,7 +1753,7 @@ fn max_autotune_times_the_batch_schedules() {
             record["compile"]["autotune"]["schedule"].clone(),
         )
     };
-    let (out, schedule) = run();
+    let (out, schedule) = run(&[]);
     if offered.len() < 2 {
         assert!(!out.contains("Schedule"), "{out}");
         assert!(schedule.is_null(), "{schedule}");
@@ -1772,13 +1773,19 @@ fn max_autotune_times_the_batch_schedules() {
         "{out}"
     );
     assert!(out.contains(&format!("{} (default)", offered[0])), "{out}");
-    let (again, cached) = run();
+    let (again, cached) = run(&[]);
     assert_eq!(cached["variant"], schedule["variant"]);
     assert_eq!(cached["cached"], true);
     assert!(
         again.contains(&format!("Schedule      {chosen} (from the cache)")),
         "{again}"
     );
+    // --recompile times the layers and the schedules again and keeps both.
+    let (timed, retimed) = run(&["--recompile"]);
+    assert_eq!(retimed["cached"], false, "{timed}");
+    let (kept, schedule) = run(&[]);
+    assert_eq!(schedule["cached"], true);
+    assert!(kept.contains(" 0 timed now"), "{kept}");
 }
 
 #[test]
@@ -1824,7 +1831,11 @@ fn max_autotune_times_variants_once_and_keeps_them() {
     assert!(timed > 5 && cached == 0, "{first}");
     assert!(dir.path().join("autotune.json").exists());
     assert_eq!(counts(&run(&[])), (0, timed));
+    // Another precision's choices survive this one's --recompile.
+    let (bf16, _) = counts(&run(&["--precision", "bf16"]));
+    assert!(bf16 > 5, "bf16 timed its shapes");
     assert_eq!(counts(&run(&["--recompile"])), (timed, 0));
+    assert_eq!(counts(&run(&["--precision", "bf16"])), (0, bf16));
 }
 
 #[test]

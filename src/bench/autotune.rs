@@ -35,6 +35,13 @@ fn read_cache() -> Vec<Entry> {
         .unwrap_or_default()
 }
 
+/// `entry` in place of any earlier one with its key (`--recompile` replaces, never drops,
+/// what other networks and shapes keep).
+fn remember(cache: &mut Vec<Entry>, entry: Entry) {
+    cache.retain(|e| e.key != entry.key);
+    cache.push(entry);
+}
+
 /// Write the choices back; a cache that cannot be written only costs the next run the tuning
 /// again.
 fn write_cache(cache: &[Entry]) -> Result<()> {
@@ -68,11 +75,10 @@ pub fn tune(
     backend: &dyn Backend,
     device: &DeviceInfo,
 ) -> Result<(BTreeMap<String, String>, AutotuneReport)> {
-    let mut cache = if cfg.recompile {
-        Vec::new()
-    } else {
-        read_cache()
-    };
+    // With --recompile every shape is timed once again (a second layer of a shape takes the
+    // first's fresh choice); the other entries stay.
+    let mut cache = read_cache();
+    let mut timed_now = std::collections::BTreeSet::new();
     let mut chosen = BTreeMap::new();
     let mut report = AutotuneReport::default();
     let mut fresh = false;
@@ -87,7 +93,8 @@ pub fn tune(
         let shape = format!("{} on {input:?}", bare(&node.op));
         let key = format!("{}|{shape}", key_prefix(cfg, device));
         report.layers += 1;
-        if let Some(e) = cache.iter().find(|e| e.key == key) {
+        let usable = !cfg.recompile || timed_now.contains(&key);
+        if let Some(e) = cache.iter().find(|e| e.key == key).filter(|_| usable) {
             chosen.insert(node.name.clone(), e.variant.clone());
             if !report.choices.iter().any(|c| c.shape == shape) {
                 report.choices.push(Choice {
@@ -113,11 +120,15 @@ pub fn tune(
             .map(|t| t.0.clone())
             .context("no variant")?;
         chosen.insert(node.name.clone(), best.clone());
-        cache.push(Entry {
-            key,
-            variant: best.clone(),
-            tried: tried.clone(),
-        });
+        timed_now.insert(key.clone());
+        remember(
+            &mut cache,
+            Entry {
+                key,
+                variant: best.clone(),
+                tried: tried.clone(),
+            },
+        );
         fresh = true;
         report.choices.push(Choice {
             layer: node.name.clone(),
@@ -171,12 +182,8 @@ pub fn tune_schedule(
         opt.cores,
         names.join(" / ")
     );
-    let mut cache = if cfg.recompile {
-        Vec::new()
-    } else {
-        read_cache()
-    };
-    if let Some(e) = cache.iter().find(|e| e.key == key) {
+    let mut cache = read_cache();
+    if let Some(e) = cache.iter().find(|e| e.key == key && !cfg.recompile) {
         return Ok(Some(Choice {
             layer: String::new(),
             shape,
@@ -188,11 +195,14 @@ pub fn tune_schedule(
     let best = time_schedules(cfg, plan, weights, backend, opt, &names)?;
     let chosen = names[pick(&best)].clone();
     let tried: Vec<(String, f64)> = names.into_iter().zip(best).collect();
-    cache.push(Entry {
-        key,
-        variant: chosen.clone(),
-        tried: tried.clone(),
-    });
+    remember(
+        &mut cache,
+        Entry {
+            key,
+            variant: chosen.clone(),
+            tried: tried.clone(),
+        },
+    );
     write_cache(&cache)?;
     Ok(Some(Choice {
         layer: String::new(),
