@@ -299,10 +299,11 @@ const MAX_PANELS: usize = 2;
 /// row stride, how the accumulators start, the first panel's bias (the next panels' follow it),
 /// and the finish of the tile's C block where this is the last K block.
 /// The deepest K a kernel with a [`StationaryFn`] takes that way (see `avx512::stationary`).
-/// On a Zen 4 it also won at ResNet-50's depths (0.90–0.97× the time of the register tile at
-/// K 64–512 with ReLU, alone at batch 8), but with 6 chains of FMAs it would leave a core
-/// with two 512-bit FMA units a quarter idle: past this K the tile, until a start-up probe
-/// chooses per CPU.
+/// On a Zen 4 it also won on ResNet-50's 1×1 layers at K 64–512 (0.90–0.97× the time of the
+/// register tile with ReLU, alone at batch 8), but Winograd's per-point GEMMs (few rows, K
+/// 256–512) took 1.15–1.5× as long with it and the network 1.015×; and with 6 chains of FMAs
+/// it would leave a core with two 512-bit FMA units a quarter idle. Past this K the tile,
+/// until a start-up probe chooses per CPU and shape.
 const STATIONARY_MAX_K: usize = 64;
 
 /// A kernel for a K up to [`STATIONARY_MAX_K`] in one block: C[m × cols] of one panel, started from
