@@ -197,13 +197,7 @@ pub fn candidates(plan: &Plan, elem: usize, cache: usize) -> Vec<Option<Split>> 
     found.push(None);
     let mut distinct: Vec<Option<Split>> = Vec::new();
     for split in found {
-        let named = split.as_ref().is_none_or(|s| {
-            let asked = s.spec(name);
-            let asked = (asked.iter())
-                .map(|(n, t)| (n.as_str(), *t))
-                .collect::<Vec<_>>();
-            at(plan, &asked).as_ref() == Ok(s)
-        });
+        let named = (split.as_ref()).is_none_or(|s| at(plan, &s.spec(name)).as_ref() == Ok(s));
         if named && !distinct.contains(&split) {
             distinct.push(split);
         }
@@ -219,9 +213,10 @@ fn is_cut(plan: &Plan, e: usize) -> bool {
 
 /// The split asked for by name: (node, tile) pairs, each cut after the last node of its name,
 /// in order along the network with tiles growing.
-pub fn at(plan: &Plan, asked: &[(&str, usize)]) -> Result<Split, String> {
+pub fn at(plan: &Plan, asked: &[(impl AsRef<str>, usize)]) -> Result<Split, String> {
     let mut levels: Vec<Level> = Vec::new();
-    for &(node, tile) in asked {
+    for (node, tile) in asked {
+        let (node, tile) = (node.as_ref(), *tile);
         let end = (plan.graph.nodes.iter())
             .rposition(|n| n.name == node)
             .ok_or_else(|| format!("the network has no node `{node}`"))?;
@@ -359,10 +354,7 @@ mod tests {
         for (i, split) in found.iter().enumerate() {
             assert!(!found[..i].contains(split), "{split:?} twice");
             if let Some(split) = split {
-                let spec = split.spec(name);
-                let asked: Vec<(&str, usize)> =
-                    spec.iter().map(|(n, t)| (n.as_str(), *t)).collect();
-                assert_eq!(at(&plan, &asked).as_ref(), Ok(split));
+                assert_eq!(at(&plan, &split.spec(name)).as_ref(), Ok(split));
             }
         }
         // The smallest share runs one image a call further than the default.

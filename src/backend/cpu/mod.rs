@@ -325,12 +325,9 @@ fn batch_split(
     };
     match choice {
         SplitChoice::Off => Ok(None),
-        SplitChoice::Levels(levels) => {
-            let asked: Vec<(&str, usize)> = levels.iter().map(|(n, t)| (n.as_str(), *t)).collect();
-            batch_tiles::at(plan, &asked)
-                .map(Some)
-                .map_err(|why| BackendError::Invalid(format!("{from}: {why}")))
-        }
+        SplitChoice::Levels(levels) => batch_tiles::at(plan, &levels)
+            .map(Some)
+            .map_err(|why| BackendError::Invalid(format!("{from}: {why}"))),
         SplitChoice::Auto => Ok(batch_tiles::plan(
             plan,
             elem,

@@ -293,11 +293,6 @@ const MAX_ROWS: usize = 14;
 /// Panels the widest register tile spans (AVX-512's: two, 32 columns).
 const MAX_PANELS: usize = 2;
 
-/// A register-tile kernel: C[rows × panels·NR] (+)= A[rows × kc] · the panels' blocks
-/// [kc × NR each]. Its arguments: kc, the rows' A pointers (the first `rows` used), the first
-/// panel's block with the distance (floats) from one panel's block to the next's, C and its
-/// row stride, how the accumulators start, the first panel's bias (the next panels' follow it),
-/// and the finish of the tile's C block where this is the last K block.
 /// The deepest K a kernel with a [`StationaryFn`] takes that way (see `avx512::stationary`).
 /// On a Zen 4 it also won on ResNet-50's 1×1 layers at K 64–512 (0.90–0.97× the time of the
 /// register tile with ReLU, alone at batch 8), but Winograd's per-point GEMMs (few rows, K
@@ -318,6 +313,11 @@ type StationaryFn<E = f32> = unsafe fn(
     Option<Finish>,
 );
 
+/// A register-tile kernel: C[rows × panels·NR] (+)= A[rows × kc] · the panels' blocks
+/// [kc × NR each]. Its arguments: kc, the rows' A pointers (the first `rows` used), the first
+/// panel's block with the distance (floats) from one panel's block to the next's, C and its
+/// row stride, how the accumulators start, the first panel's bias (the next panels' follow it),
+/// and the finish of the tile's C block where this is the last K block.
 type TileFn<E = f32> = unsafe fn(
     usize,
     &[*const f32; MAX_ROWS],
