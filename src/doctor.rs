@@ -24,6 +24,9 @@ pub struct Report {
     pub arch: String,
     pub cpu_model: String,
     pub cpu_features: Vec<String>,
+    /// The CPU backend's SIMD paths and why they were chosen (absent in older records).
+    #[serde(default)]
+    pub cpu_paths: Option<String>,
     pub cores: Option<usize>,
     pub memory_bytes: Option<u64>,
     pub available_memory_bytes: u64,
@@ -79,6 +82,7 @@ pub fn collect() -> Report {
         arch: std::env::consts::ARCH.into(),
         cpu_model: host.name.clone(),
         cpu_features: host.features.clone(),
+        cpu_paths: Some(backend::cpu::simd::explain()),
         cores: host.compute_units,
         memory_bytes: host.memory_bytes,
         available_memory_bytes: backend::cpu::available_memory(),

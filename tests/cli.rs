@@ -308,7 +308,7 @@ fn depthwise_network_matches_the_reference_on_every_simd_path() {
     let expected = reference::forward(&graph.plan(2, 72, 56).unwrap(), &w, &x);
     let scale = expected.data.iter().fold(1f32, |a, v| a.max(v.abs()));
     for (precision, tolerance) in [(Precision::Fp32, 1e-4), (Precision::Bf16, 1e-2)] {
-        for simd in ["", "avx512", "avx2", "portable"] {
+        for simd in ["", "avx512bf16", "avx512", "avx2", "portable"] {
             for compile in [false, true] {
                 let o = crate::common::command()
                     .env("WORKSHOP_CPU_SIMD", simd)
@@ -360,12 +360,14 @@ fn infer_matches_the_reference_through_files() {
     let w = Weights::load(&wpath, &graph).unwrap();
     let expected = reference::forward(&graph.plan(2, 48, 40).unwrap(), &w, &x);
     let scale = expected.data.iter().fold(1f32, |a, v| a.max(v.abs()));
-    // The CPU's best SIMD paths, then AVX-512's without bf16 pairs and AVX2's (what a CPU
-    // with more would otherwise never run here: BF16 convolutions widened for the FP32 GEMM
-    // and Winograd instead of AMX or `vdpbf16ps`) and the portable ones that CPUs without
-    // AVX2 + FMA run; in FP32 and in BF16. A path the CPU lacks warns and runs the best.
+    // The CPU's preferred SIMD paths, then AVX512_BF16's pairs (which the start-up probe
+    // declines on a CPU that runs them slower than FMAs), AVX-512's without bf16 pairs and
+    // AVX2's (what a CPU with more would otherwise never run here: BF16 convolutions widened
+    // for the FP32 GEMM and Winograd instead of AMX or `vdpbf16ps`) and the portable ones that
+    // CPUs without AVX2 + FMA run; in FP32 and in BF16. A path the CPU lacks warns and runs
+    // the best.
     for (precision, tolerance) in [(Precision::Fp32, 1e-4), (Precision::Bf16, 6e-2)] {
-        for simd in ["", "avx512", "avx2", "portable"] {
+        for simd in ["", "avx512bf16", "avx512", "avx2", "portable"] {
             let o = crate::common::command()
                 .env("WORKSHOP_CPU_SIMD", simd)
                 .args([
@@ -439,6 +441,67 @@ fn infer_matches_the_reference_through_files() {
         let kernel = workshop::backend::cpu::sgemm::kernel_name();
         assert!(stdout(&o).contains(&kernel), "{kernel}: {}", stdout(&o));
     }
+}
+
+/// On a CPU with AVX512_BF16 (without AMX), BF16 multiplies bf16 pairs only where a probe
+/// found `vdpbf16ps` at least as fast as FMAs, FLOP for FLOP: measured once, kept in the cache
+/// folder, read by later runs, said by `doctor` and `peak`; `WORKSHOP_CPU_SIMD` still forces
+/// either path. Other CPUs have nothing to choose and keep no probe.
+#[test]
+fn bf16_pairs_are_chosen_by_a_cached_probe() {
+    use workshop::backend::cpu::probe::CACHE_FILE;
+    use workshop::backend::cpu::simd::{Simd, best};
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let file = cache.join(CACHE_FILE);
+    let run = |simd: &str, args: &[&str]| {
+        let o = crate::common::command()
+            .env("WORKSHOP_CACHE_DIR", &cache)
+            .env("WORKSHOP_CPU_SIMD", simd)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        stdout(&o)
+    };
+    let out = run("", &["doctor"]);
+    if best() != Simd::Avx512Bf16 {
+        assert!(!file.exists() && !out.contains("vdpbf16ps ran at"), "{out}");
+        return;
+    }
+    assert!(out.contains("vdpbf16ps ran at"), "{out}");
+    // Later runs take the kept ratio, whatever it is.
+    let keep = |ratio: f64| {
+        let mut kept: Value = read_json(&file);
+        kept[0]["dot_per_fma"] = ratio.into();
+        std::fs::write(&file, kept.to_string()).unwrap();
+    };
+    keep(0.5);
+    let out = run("", &["doctor"]);
+    assert!(
+        out.contains("SIMD paths avx512; BF16 widens to the FP32 FMAs: vdpbf16ps ran at 0.50×"),
+        "{out}"
+    );
+    assert!(!out.contains("avx512-bf16"), "{out}");
+    let peak = ["peak", "--precision", "bf16", "--size", "64", "--iterations", "2"];
+    let out = run("", &[&peak[..], &["--array-mib", "4"]].concat());
+    assert!(
+        out.contains("FP32 FMA ceiling") && out.contains("BF16 widens to the FP32 FMAs"),
+        "{out}"
+    );
+    keep(2.0);
+    let out = run("", &["doctor"]);
+    assert!(
+        out.contains("SIMD paths avx512bf16; BF16 multiplies bf16 pairs (vdpbf16ps)")
+            && out.contains("avx512-bf16 32x32"),
+        "{out}"
+    );
+    keep(0.5);
+    let out = run("avx512bf16", &["doctor"]);
+    assert!(
+        out.contains("SIMD paths avx512bf16 (forced by WORKSHOP_CPU_SIMD)"),
+        "{out}"
+    );
 }
 
 /// A NaN in the input reaches the logits as in IEEE arithmetic and PyTorch (ReLU and max

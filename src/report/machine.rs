@@ -23,6 +23,9 @@ pub fn doctor(d: &doctor::Report) -> String {
             d.cpu_features.join(" ")
         }
     ));
+    if let Some(paths) = &d.cpu_paths {
+        s.push_str(&format!("     {paths}\n"));
+    }
     s.push_str(&format!(
         "Memory: {} total, {} available\n",
         mem(d.memory_bytes),

@@ -12,7 +12,9 @@
 //! `vdpbf16ps` does twice the FLOPs of an FP32 FMA in one instruction; a Zen 5 core runs two a
 //! cycle, as it does FMAs: 495 GFLOP/s against 265 for FP32 FMAs on one core here. A Sapphire
 //! Rapids core ran it at 78 GFLOP/s from memory against 235–390 for its AMX tiles, which is
-//! why AMX wins where both exist.
+//! why AMX wins where both exist; an Emerald Rapids core issues it every other cycle, at half
+//! its FMAs' FLOPs, so there (without AMX) BF16 layers widen to FP32 instead: a start-up probe
+//! measures which ([`super::probe`]).
 
 use half::bf16;
 use rayon::prelude::*;

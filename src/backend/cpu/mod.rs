@@ -10,8 +10,9 @@
 //!   ([`kernels`]).
 //! - 3×3 stride-1 convolutions: Winograd F(4×4, 3×3) or F(2×2, 3×3) ([`winograd`]).
 //! - BF16 sessions: convolutions multiply bf16 pairs on AMX tiles ([`amx`]) or with
-//!   `vdpbf16ps` ([`bf16_gemm`]) where the CPU has them (Winograd instead on 3×3 layers with many
-//!   tiles); FP16 weights are widened in registers by the GEMM tiles.
+//!   `vdpbf16ps` ([`bf16_gemm`]) where the CPU has them and they pay (a start-up probe decides,
+//!   [`probe`]; Winograd instead on 3×3 layers with many tiles), else widen to FP32; FP16
+//!   weights are widened in registers by the GEMM tiles.
 //! - Depthwise convolutions, pooling, batch norm (an affine map), ReLU, adds, softmax: direct
 //!   loops vectorised for the widest SIMD in use ([`simd`]); element-wise ops work in place
 //!   where their input is not read again.
@@ -30,6 +31,7 @@ mod decoder;
 mod device;
 pub mod elem;
 pub mod kernels;
+pub mod probe;
 mod session;
 pub mod sgemm;
 pub mod simd;
@@ -135,7 +137,12 @@ impl Backend for CpuBackend {
         if precision == Precision::Bf16 && simd::simd() >= simd::Simd::Avx512Bf16 {
             return ceiling::bf16_ceiling(cores);
         }
-        ceiling::ceiling(&device.features, cores)
+        let mut fmas = ceiling::ceiling(&device.features, cores)?;
+        // Where the probe chose the FMAs over the CPU's bf16 pairs, say why.
+        if let Some(p) = simd::probed().filter(|p| !p.pay() && precision == Precision::Bf16) {
+            fmas.how.push_str(&format!("; {}", p.describe()));
+        }
+        Some(fmas)
     }
 
     fn variants(&self, op: &Op, _out: &[usize]) -> Vec<&'static str> {

@@ -15,6 +15,8 @@ pub enum Simd {
     Avx512,
     /// AVX-512 and AVX512_BF16 (Zen 4 and 5, Cooper Lake): BF16 sessions' convolutions
     /// multiply bf16 pairs with `vdpbf16ps` ([`super::bf16_gemm`]), the rest as on AVX-512.
+    /// Taken only where the start-up probe finds the pairs pay ([`super::probe`]); a CPU
+    /// whose `vdpbf16ps` is slower than its FMAs takes [`Simd::Avx512`].
     Avx512Bf16,
     /// AVX-512 and AMX's BF16 tiles (Sapphire Rapids and later Xeons): BF16 sessions'
     /// convolutions run on the tiles ([`super::amx`]), the rest as on AVX-512.
@@ -55,10 +57,11 @@ fn asked() -> Option<Simd> {
     })
 }
 
-/// The paths in use: the ones asked for where the CPU runs them, else the best it has.
+/// The paths in use: the ones asked for where the CPU runs them, else the ones that pay
+/// ([`preferred`]).
 pub fn simd() -> Simd {
     static SIMD: OnceLock<Simd> = OnceLock::new();
-    *SIMD.get_or_init(|| asked().filter(|&a| a <= best()).unwrap_or_else(best))
+    *SIMD.get_or_init(|| asked().filter(|&a| a <= best()).unwrap_or_else(preferred))
 }
 
 /// Why the paths asked for are not the ones in use, for the command layer to warn about.
@@ -67,8 +70,37 @@ pub fn warning() -> Option<String> {
     Some(format!(
         "{ENV}={}: this CPU cannot run those paths: using {}",
         asked.name(),
-        best().name()
+        simd().name()
     ))
+}
+
+/// The paths in use and why, for `doctor`: forced by [`ENV`], or the best this CPU has, with
+/// the probe's choice where it made one.
+pub fn explain() -> String {
+    let mut said = format!("SIMD paths {}", simd().name());
+    if asked().is_some_and(|a| a <= best()) {
+        said.push_str(&format!(" (forced by {ENV})"));
+    } else if let Some(p) = probed() {
+        said.push_str(&format!("; {}", p.describe()));
+    }
+    said
+}
+
+/// The probe's result where it chose the paths in use: on a CPU with AVX512_BF16 (without
+/// AMX), unless [`ENV`] forced them.
+pub fn probed() -> Option<super::probe::Bf16Pairs> {
+    let forced = asked().is_some_and(|a| a <= best());
+    (!forced && best() == Simd::Avx512Bf16).then(super::probe::bf16_pairs)?
+}
+
+/// The best paths of this CPU that pay: [`best`], except that AVX512_BF16's pairs give way
+/// to the FP32 FMAs where the start-up probe found `vdpbf16ps` slower than them, FLOP for
+/// FLOP ([`super::probe::bf16_pairs`]).
+pub fn preferred() -> Simd {
+    match best() {
+        Simd::Avx512Bf16 if super::probe::bf16_pairs().is_some_and(|p| !p.pay()) => Simd::Avx512,
+        b => b,
+    }
 }
 
 /// The best paths this CPU can run.
@@ -349,6 +381,42 @@ pub fn bf16_dot_ceiling(threads: usize) -> Option<f64> {
         return Some(chains_gflops(4 * 16 * CHAINS as u64, run, threads));
     }
     let _ = threads;
+    None
+}
+
+/// `vdpbf16ps`'s FLOP rate over the FMAs' on one core, measured now on registers at 16 lanes:
+/// the two kinds of chains alternate, about 2 ms a run, and the best of five runs of each
+/// counts (a quick probe, not a ceiling: [`fma_ceiling`] and [`bf16_dot_ceiling`] measure
+/// those). `None` where the CPU lacks AVX512_BF16. Calls nothing that asks [`simd`], which
+/// may be choosing its paths with this.
+pub(super) fn dot_per_fma() -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    if best() >= Simd::Avx512Bf16 {
+        fn fma(iters: u64) -> [f32; CHAINS] {
+            // SAFETY: run only where `best()` has AVX512_BF16, so AVX-512F.
+            unsafe { chains::zmm(iters, CHAIN_B, CHAIN_C) }
+        }
+        fn dot(iters: u64) -> [f32; CHAINS] {
+            // SAFETY: run only where `best()` has AVX512_BF16.
+            unsafe { chains::bf16_dots(iters, BF16_PAIR, BF16_PAIR) }
+        }
+        // GFLOP/s of one run of `iters` rounds.
+        let rate = |run: ChainsRun, flops_per_iter: u64, iters: u64| {
+            let start = std::time::Instant::now();
+            std::hint::black_box(run(iters));
+            (iters * flops_per_iter) as f64 / start.elapsed().as_secs_f64().max(1e-9) / 1e9
+        };
+        let (fma_flops, dot_flops) = (2 * 16 * CHAINS as u64, 4 * 16 * CHAINS as u64);
+        let probe = 1 << 12;
+        let iters = ((2e-3 * rate(fma, fma_flops, probe) * 1e9 / fma_flops as f64) as u64)
+            .clamp(probe, 1 << 24);
+        let (mut fmas, mut dots) = (0f64, 0f64);
+        for _ in 0..5 {
+            fmas = fmas.max(rate(fma, fma_flops, iters));
+            dots = dots.max(rate(dot, dot_flops, iters));
+        }
+        return Some(dots / fmas);
+    }
     None
 }
 
