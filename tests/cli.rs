@@ -483,7 +483,15 @@ fn bf16_pairs_are_chosen_by_a_cached_probe() {
         "{out}"
     );
     assert!(!out.contains("avx512-bf16"), "{out}");
-    let peak = ["peak", "--precision", "bf16", "--size", "64", "--iterations", "2"];
+    let peak = [
+        "peak",
+        "--precision",
+        "bf16",
+        "--size",
+        "64",
+        "--iterations",
+        "2",
+    ];
     let out = run("", &[&peak[..], &["--array-mib", "4"]].concat());
     assert!(
         out.contains("FP32 FMA ceiling") && out.contains("BF16 widens to the FP32 FMAs"),

@@ -12,7 +12,7 @@ use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
 use super::record::{AutotuneReport, BenchConfig, Choice};
-use crate::backend::{Backend, DeviceInfo, ExecOptions};
+use crate::backend::{Backend, BackendKind, DeviceInfo, ExecOptions};
 use crate::model::graph::GraphBuilder;
 use crate::model::op::{Act, Op};
 use crate::model::{Plan, Rng, Weights};
@@ -52,10 +52,15 @@ fn write_cache(cache: &[Entry]) -> Result<()> {
 }
 
 /// The part of a cache key every choice shares: backend, device, driver, kernel version and
-/// precision.
+/// precision; on the CPU the kernels' build too (their source's hash): choices timed on
+/// kernels since changed are timed again.
 fn key_prefix(cfg: &BenchConfig, device: &DeviceInfo) -> String {
+    let build = match cfg.backend {
+        BackendKind::Cpu => format!(" kernels {:016x}", crate::backend::cpu::source_hash()),
+        _ => String::new(),
+    };
     format!(
-        "{}|{}|{}|workshop {}|{}",
+        "{}|{}|{}|workshop {}{build}|{}",
         cfg.backend,
         device.name,
         device.driver.clone().unwrap_or_default(),

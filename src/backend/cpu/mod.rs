@@ -60,6 +60,49 @@ use session::CpuSession;
 
 pub struct CpuBackend;
 
+/// A hash of the CPU backend's source, for the caches of choices measured on its kernels (the
+/// start-up probes' `simd.json`, `--compile max-autotune`'s `autotune.json`): a binary built
+/// from changed kernels measures again instead of trusting what the old ones did. Every file
+/// of this folder is in it; a new file belongs in the list.
+pub fn source_hash() -> u64 {
+    static HASH: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *HASH.get_or_init(|| {
+        macro_rules! sources {
+            ($($file:literal),* $(,)?) => { [$(&include_bytes!($file)[..]),*] };
+        }
+        let files = sources!(
+            "amx.rs",
+            "batch_tiles.rs",
+            "bf16_gemm.rs",
+            "calibration.rs",
+            "ceiling.rs",
+            "decoder.rs",
+            "device.rs",
+            "elem.rs",
+            "mod.rs",
+            "probe.rs",
+            "session.rs",
+            "simd.rs",
+            "winograd.rs",
+            "kernels/activation.rs",
+            "kernels/conv.rs",
+            "kernels/decoder.rs",
+            "kernels/depthwise.rs",
+            "kernels/elementwise.rs",
+            "kernels/im2col.rs",
+            "kernels/layout.rs",
+            "kernels/linear.rs",
+            "kernels/mod.rs",
+            "kernels/pool.rs",
+            "kernels/stem.rs",
+            "kernels/transformer.rs",
+            "sgemm/mod.rs",
+            "sgemm/tiles.rs",
+        );
+        crate::files::stable_hash(&files.concat())
+    })
+}
+
 impl CpuBackend {
     pub fn new() -> Self {
         CpuBackend

@@ -1,14 +1,20 @@
-//! Choices between SIMD paths that a CPU's features cannot make: measured once per CPU by a
-//! quick probe at start-up and kept in the cache folder (`simd.json`, next to `workshop
-//! peak`'s `peak.json`), so that every later process takes the same path without measuring
-//! again, and a noisy moment cannot flip it from one run to the next.
+//! Choices between kernels that a CPU's features cannot make: measured once per CPU (and
+//! build of the kernels) by quick probes at start-up and kept in the cache folder
+//! (`simd.json`, next to `workshop peak`'s `peak.json`), so that every later process takes the
+//! same path without measuring again, and a noisy moment cannot flip it from one run to the
+//! next. Whatever the CPU's name, the measurement decides.
 //!
-//! The one choice so far: whether BF16 layers multiply bf16 pairs with AVX512_BF16's
-//! `vdpbf16ps` or widen them for the FP32 FMAs. One `vdpbf16ps` does the work of two FMAs
-//! (two products a lane). A Zen 4 or Zen 5 core issues it as often as an FMA, so it doubles
-//! the rate; an Intel Xeon of family 6 model 207 (Emerald Rapids, AMX hidden by its VM) ran
-//! it at 0.51× the FMAs' FLOPs, and ResNet-50 BF16 at batch 8 ran at 19 images/s on pairs
-//! against 25 widened. Whatever the CPU's name, the measurement decides.
+//! - Whether BF16 layers multiply bf16 pairs with AVX512_BF16's `vdpbf16ps` or widen them for
+//!   the FP32 FMAs ([`bf16_pairs`]). One `vdpbf16ps` does the work of two FMAs (two products
+//!   a lane). A Zen 4 or Zen 5 core issues it as often as an FMA, so it doubles the rate; an
+//!   Intel Xeon of family 6 model 207 (Emerald Rapids, AMX hidden by its VM) ran it at 0.50×
+//!   the FMAs' FLOPs, and ResNet-50 BF16 at batch 8 ran at 19 images/s on pairs against 25
+//!   widened.
+//! - How deep a K the FP32 GEMM's small-K kernel takes (`sgemm`'s `stationary`, B's panel held
+//!   in registers) instead of the register tile ([`small_k_reach`]). On a Zen 4 (two 256-bit
+//!   FMA units) it took 0.59–0.91× the tile's time on layers of K 16–64; on the Emerald Rapids
+//!   core (two 512-bit units, which its 6 chains of FMAs leave partly idle) 1.03–1.31× at every
+//!   K, and ResNet-50 FP32 at batch 8 ran 15% faster without it.
 
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -16,7 +22,7 @@ use std::sync::OnceLock;
 
 /// The pairs pay where `vdpbf16ps` does at least an FMA's FLOPs a second: at the same rate
 /// they also halve the bytes every GEMM reads. The CPUs measured sit far on either side
-/// (Zen 4 and 5 about 2, the Xeon above 0.51).
+/// (Zen 4 and 5 about 2, the Xeon 0.50).
 pub const PAY_FROM: f64 = 1.0;
 
 /// What the probe found on this CPU.
@@ -39,71 +45,123 @@ impl Bf16Pairs {
             false => "BF16 widens to the FP32 FMAs",
         };
         format!(
-            "{chose}: vdpbf16ps ran at {:.2}× their FLOP rate here (measured once, kept in simd.json)",
+            "{chose}: vdpbf16ps ran at {:.2}× their FLOP rate here (measured once, kept in {CACHE_FILE})",
             self.dot_per_fma
         )
     }
 }
 
-/// The probe's result for this CPU: from the cache where it holds one, else measured now and
-/// kept. `None` where the CPU lacks AVX512_BF16 (there is nothing to choose).
+/// The bf16-pair probe's result for this CPU: from the cache where it holds one, else
+/// measured now and kept. `None` where the CPU lacks AVX512_BF16 (there is nothing to choose).
 pub fn bf16_pairs() -> Option<Bf16Pairs> {
     static PAIRS: OnceLock<Option<Bf16Pairs>> = OnceLock::new();
     *PAIRS.get_or_init(|| {
-        cached_or_measured(cache_path().as_deref(), &cpu_identity(), super::simd::dot_per_fma)
-            .map(|dot_per_fma| Bf16Pairs { dot_per_fma })
+        let found = kept(
+            cache_path().as_deref(),
+            &cpu_identity(),
+            |e| e.dot_per_fma,
+            |e, r| e.dot_per_fma = Some(r),
+            super::simd::dot_per_fma,
+        );
+        found.map(|dot_per_fma| Bf16Pairs { dot_per_fma })
+    })
+}
+
+/// The K depths the small-K probe tries, shallowest first.
+pub const SMALL_K_DEPTHS: [usize; 3] = [16, 32, 64];
+
+/// The deepest K up to which the FP32 GEMM takes its small-K kernel: the deepest of
+/// [`SMALL_K_DEPTHS`] at which that kernel beat the register tile, with every shallower one
+/// beating it too (0: never). `None` where the SIMD path has no small-K kernel.
+pub fn small_k_reach() -> Option<usize> {
+    static REACH: OnceLock<Option<usize>> = OnceLock::new();
+    *REACH.get_or_init(|| {
+        kept(
+            cache_path().as_deref(),
+            &cpu_identity(),
+            |e| e.small_k_reach,
+            |e, r| e.small_k_reach = Some(r),
+            || {
+                let mut reach = 0;
+                for k in SMALL_K_DEPTHS {
+                    if super::sgemm::stationary_over_tile(k)? >= 1.0 {
+                        break;
+                    }
+                    reach = k;
+                }
+                Some(reach)
+            },
+        )
     })
 }
 
 /// The cache's name in the cache folder.
 pub const CACHE_FILE: &str = "simd.json";
 
-/// One CPU's measurements.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// Where the probes' results are kept, if anywhere.
+pub fn cache_path() -> Option<PathBuf> {
+    Some(crate::settings::cache_dir()?.join(CACHE_FILE))
+}
+
+/// One CPU's measurements (each absent until its probe first ran there).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 struct Entry {
-    /// Brand string and CPUID signature ([`cpu_identity`]).
+    /// Brand string, CPUID signature and kernels' build ([`cpu_identity`]).
     cpu: String,
-    dot_per_fma: f64,
+    #[serde(default)]
+    dot_per_fma: Option<f64>,
+    #[serde(default)]
+    small_k_reach: Option<usize>,
+    #[serde(default)]
     measured_unix: u64,
 }
 
-/// The ratio kept for `cpu` in the cache at `path`, else `measure()`'s, kept there in place
-/// of any earlier one for that CPU (the other CPUs' entries stay). A cache that cannot be
-/// read is measured over; one that cannot be written costs the next process the probe again.
-fn cached_or_measured(
+/// The value `get` reads from `cpu`'s entry in the cache at `path`, else `measure()`'s, which
+/// `set` writes into that entry (the entry's other values and the other CPUs' entries stay).
+/// A cache that cannot be read is measured over; one that cannot be written costs the next
+/// process the probe again. A result of `None` (nothing to choose on this CPU) is not kept.
+fn kept<T: Copy>(
     path: Option<&Path>,
     cpu: &str,
-    measure: impl FnOnce() -> Option<f64>,
-) -> Option<f64> {
+    get: impl Fn(&Entry) -> Option<T>,
+    set: impl Fn(&mut Entry, T),
+    measure: impl FnOnce() -> Option<T>,
+) -> Option<T> {
     let mut all: Vec<Entry> = path
         .and_then(|p| crate::files::read_text(p).ok())
         .and_then(|t| serde_json::from_str(&t).ok())
         .unwrap_or_default();
-    let kept = all.iter().find(|e| e.cpu == cpu);
-    if let Some(e) = kept.filter(|e| e.dot_per_fma.is_finite() && e.dot_per_fma > 0.0) {
-        return Some(e.dot_per_fma);
+    if let Some(v) = all.iter().find(|e| e.cpu == cpu).and_then(&get) {
+        return Some(v);
     }
-    let dot_per_fma = measure()?;
+    let value = measure()?;
     if let Some(path) = path {
-        all.retain(|e| e.cpu != cpu);
-        all.push(Entry {
-            cpu: cpu.to_string(),
-            dot_per_fma,
-            measured_unix: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs()),
-        });
+        let at = match all.iter().position(|e| e.cpu == cpu) {
+            Some(i) => i,
+            None => {
+                all.push(Entry {
+                    cpu: cpu.to_string(),
+                    ..Entry::default()
+                });
+                all.len() - 1
+            }
+        };
+        set(&mut all[at], value);
+        all[at].measured_unix = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
         if let Ok(text) = serde_json::to_string_pretty(&all) {
             let _ = crate::files::write_atomic(path, text.as_bytes());
         }
     }
-    Some(dot_per_fma)
+    Some(value)
 }
 
 /// The CPU as the cache knows it: its brand string and CPUID signature (family, model and
 /// stepping), which a virtual machine may report alike for different hosts only when they
-/// are the same part.
+/// are the same part; and the build of the kernels measured ([`super::source_hash`]).
 fn cpu_identity() -> String {
+    let kernels = super::source_hash();
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::__cpuid;
@@ -125,15 +183,13 @@ fn cpu_identity() -> String {
             (signature, brand)
         };
         let brand = String::from_utf8_lossy(&brand);
-        format!("{} (CPUID signature {signature:#x})", brand.trim_matches(['\0', ' ']))
+        format!(
+            "{} (CPUID signature {signature:#x}), kernels {kernels:016x}",
+            brand.trim_matches(['\0', ' '])
+        )
     }
     #[cfg(not(target_arch = "x86_64"))]
-    std::env::consts::ARCH.to_string()
-}
-
-/// Where the probe's results are kept, if anywhere.
-pub fn cache_path() -> Option<PathBuf> {
-    Some(crate::settings::cache_dir()?.join(CACHE_FILE))
+    format!("{}, kernels {kernels:016x}", std::env::consts::ARCH)
 }
 
 #[cfg(test)]
@@ -142,10 +198,10 @@ mod tests {
     use std::cell::Cell;
 
     /// The first process measures and keeps the result; later ones read it without
-    /// measuring; another CPU's entry is measured beside it, not over it; a broken cache is
-    /// measured over.
+    /// measuring; another CPU's entry is measured beside it, not over it; another probe's
+    /// value joins the CPU's entry; a broken cache is measured over.
     #[test]
-    fn the_probe_runs_once_per_cpu() {
+    fn each_probe_runs_once_per_cpu() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(CACHE_FILE);
         let runs = Cell::new(0);
@@ -156,21 +212,36 @@ mod tests {
                 Some(r)
             }
         };
-        assert_eq!(cached_or_measured(Some(&path), "a", measure(0.5)), Some(0.5));
-        assert_eq!(cached_or_measured(Some(&path), "a", measure(2.0)), Some(0.5));
+        let dots = |p: Option<&Path>, cpu: &str, m: &dyn Fn() -> Option<f64>| {
+            kept(p, cpu, |e| e.dot_per_fma, |e, r| e.dot_per_fma = Some(r), m)
+        };
+        assert_eq!(dots(Some(&path), "a", &measure(0.5)), Some(0.5));
+        assert_eq!(dots(Some(&path), "a", &measure(2.0)), Some(0.5));
         assert_eq!(runs.get(), 1);
-        assert_eq!(cached_or_measured(Some(&path), "b", measure(2.0)), Some(2.0));
-        assert_eq!(cached_or_measured(Some(&path), "a", measure(9.0)), Some(0.5));
-        assert_eq!(cached_or_measured(Some(&path), "b", measure(9.0)), Some(2.0));
+        assert_eq!(dots(Some(&path), "b", &measure(2.0)), Some(2.0));
+        assert_eq!(dots(Some(&path), "a", &measure(9.0)), Some(0.5));
+        assert_eq!(dots(Some(&path), "b", &measure(9.0)), Some(2.0));
         assert_eq!(runs.get(), 2);
+        let reach = |m: usize| {
+            kept(
+                Some(&path),
+                "a",
+                |e| e.small_k_reach,
+                |e, r| e.small_k_reach = Some(r),
+                || Some(m),
+            )
+        };
+        assert_eq!(reach(32), Some(32));
+        assert_eq!(reach(64), Some(32));
+        assert_eq!(dots(Some(&path), "a", &measure(9.0)), Some(0.5));
         std::fs::write(&path, "{ not json").unwrap();
-        assert_eq!(cached_or_measured(Some(&path), "a", measure(1.5)), Some(1.5));
-        assert_eq!(cached_or_measured(Some(&path), "a", measure(9.0)), Some(1.5));
+        assert_eq!(dots(Some(&path), "a", &measure(1.5)), Some(1.5));
+        assert_eq!(dots(Some(&path), "a", &measure(9.0)), Some(1.5));
         // Nothing to measure (no AVX512_BF16): nothing kept, nothing chosen.
-        assert_eq!(cached_or_measured(Some(&path), "c", || None), None);
+        assert_eq!(dots(Some(&path), "c", &|| None), None);
         assert_eq!(runs.get(), 3);
         // No cache folder: measured every time.
-        assert_eq!(cached_or_measured(None, "a", measure(0.7)), Some(0.7));
+        assert_eq!(dots(None, "a", &measure(0.7)), Some(0.7));
         assert_eq!(runs.get(), 4);
     }
 
@@ -191,5 +262,28 @@ mod tests {
             None => assert!(super::super::simd::best() < super::super::simd::Simd::Avx512Bf16),
         }
         assert!(!cpu_identity().is_empty());
+    }
+
+    /// Every source file of the CPU backend is in the hash that keys the probes' cache (the
+    /// unit tests apart).
+    #[test]
+    fn the_source_hash_covers_every_file() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/backend/cpu");
+        let listed = std::fs::read_to_string(root.join("mod.rs")).unwrap();
+        let mut stack = vec![root.clone()];
+        while let Some(dir) = stack.pop() {
+            for entry in std::fs::read_dir(&dir).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    stack.push(path);
+                } else if path.file_name().is_some_and(|n| n != "tests.rs") {
+                    let rel = path.strip_prefix(&root).unwrap().to_str().unwrap();
+                    assert!(
+                        listed.contains(&format!("\"{rel}\",")),
+                        "{rel} is not hashed"
+                    );
+                }
+            }
+        }
     }
 }

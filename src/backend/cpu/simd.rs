@@ -83,6 +83,13 @@ pub fn explain() -> String {
     } else if let Some(p) = probed() {
         said.push_str(&format!("; {}", p.describe()));
     }
+    match super::probe::small_k_reach() {
+        Some(0) => {
+            said.push_str("; FP32 small-K kernel not used: it lost to the register tile here")
+        }
+        Some(k) => said.push_str(&format!("; FP32 small-K kernel up to K {k}")),
+        None => {}
+    }
     said
 }
 

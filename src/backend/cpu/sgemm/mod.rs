@@ -293,13 +293,67 @@ const MAX_ROWS: usize = 14;
 /// Panels the widest register tile spans (AVX-512's: two, 32 columns).
 const MAX_PANELS: usize = 2;
 
-/// The deepest K a kernel with a [`StationaryFn`] takes that way (see `avx512::stationary`).
-/// On a Zen 4 it also won on ResNet-50's 1×1 layers at K 64–512 (0.90–0.97× the time of the
-/// register tile with ReLU, alone at batch 8), but Winograd's per-point GEMMs (few rows, K
-/// 256–512) took 1.15–1.5× as long with it and the network 1.015×; and with 6 chains of FMAs
-/// it would leave a core with two 512-bit FMA units a quarter idle. Past this K the tile,
-/// until a start-up probe chooses per CPU and shape.
+/// The deepest K a kernel with a [`StationaryFn`] can take that way (see
+/// `avx512::stationary`); a start-up probe finds how deep it pays on this CPU, up to this
+/// ([`super::probe::small_k_reach`]). On a Zen 4 it also won on ResNet-50's 1×1 layers at K
+/// 64–512 (0.90–0.97× the time of the register tile with ReLU, alone at batch 8), but
+/// Winograd's per-point GEMMs (few rows, K 256–512) took 1.15–1.5× as long with it and the
+/// network 1.015×. With 6 chains of FMAs it leaves a core with two 512-bit FMA units partly
+/// idle: an Emerald Rapids core took 1.03–1.31× the tile's time at every K up to 64.
 const STATIONARY_MAX_K: usize = 64;
+
+/// The small-K kernel's time over the register tile's at this `k` (at most
+/// [`STATIONARY_MAX_K`]), measured now on one core: the GEMM of a 1×1 layer with ReLU,
+/// [`PROBE_ROWS`] rows by `k` by [`PROBE_COLS`] columns (its C outgrows a core's L2 on some
+/// CPUs, as a layer's does), the two kernels alternating, the fastest of seven runs each.
+/// `None` where the SIMD path has no small-K kernel.
+pub(super) fn stationary_over_tile(k: usize) -> Option<f64> {
+    let tiles = kernels_for(simd());
+    tiles.stationary?;
+    let plain = Kernels {
+        small_k: 0,
+        ..tiles
+    };
+    let k = k.clamp(1, STATIONARY_MAX_K);
+    let (m, n) = (PROBE_ROWS, PROBE_COLS);
+    let a: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32 * 0.01 - 0.03).collect();
+    let b = PackedB::<f32>::new(k, n, |kk, j| ((kk + j) % 5) as f32 * 0.01, None);
+    let mut c = vec![0f32; m * n];
+    let fin = Finish {
+        act: Act::Relu,
+        residual: std::ptr::null(),
+    };
+    let mut run = |kern: Kernels| {
+        let start = std::time::Instant::now();
+        // SAFETY: A has m rows of k floats, C m rows of n; B's panels cover n columns.
+        unsafe {
+            gemm_with(
+                kern,
+                Order::ByCache,
+                m,
+                a.as_ptr(),
+                k,
+                &b.view(),
+                (0, b.panels()),
+                c.as_mut_ptr(),
+                n,
+                Some(fin),
+            )
+        };
+        start.elapsed().as_secs_f64()
+    };
+    let (mut small, mut tile) = (f64::INFINITY, f64::INFINITY);
+    for _ in 0..8 {
+        small = small.min(run(tiles));
+        tile = tile.min(run(plain));
+    }
+    Some(small / tile.max(1e-9))
+}
+
+/// Rows of [`stationary_over_tile`]'s GEMM.
+const PROBE_ROWS: usize = 1536;
+/// Columns of [`stationary_over_tile`]'s GEMM (1.5 MiB of C).
+const PROBE_COLS: usize = 256;
 
 /// A kernel for a K up to [`STATIONARY_MAX_K`] in one block: C[m × cols] of one panel, started from
 /// the bias and finished. Its arguments: K; A, its row stride and the rows; the panel's block
@@ -341,6 +395,9 @@ struct Kernels<E = f32> {
     short1: TileFn<E>,
     /// Where the path has one, the kernel for a small K ([`STATIONARY_MAX_K`]).
     stationary: Option<StationaryFn<E>>,
+    /// The deepest K the small-K kernel takes (0: none), as the start-up probe found
+    /// ([`super::probe::small_k_reach`]).
+    small_k: usize,
 }
 
 // Function pointers copy whatever they point at (a derive would ask E: Copy).
@@ -351,10 +408,17 @@ impl<E> Clone for Kernels<E> {
 }
 impl<E> Copy for Kernels<E> {}
 
-/// The kernels for the SIMD paths in use (`simd::simd()`), chosen once.
+/// The kernels for the SIMD paths in use (`simd::simd()`), chosen once: the small-K kernel
+/// as deep as the start-up probe found it pays.
 fn kernels() -> Kernels {
     static KERNELS: OnceLock<Kernels> = OnceLock::new();
-    *KERNELS.get_or_init(|| kernels_for(simd()))
+    *KERNELS.get_or_init(|| {
+        let reach = super::probe::small_k_reach().unwrap_or(0);
+        Kernels {
+            small_k: reach.min(STATIONARY_MAX_K),
+            ..kernels_for(simd())
+        }
+    })
 }
 
 fn kernels_for(simd: Simd) -> Kernels {
@@ -366,6 +430,7 @@ fn kernels_for(simd: Simd) -> Kernels {
         tall1: tile,
         short1: tile,
         stationary: None,
+        small_k: 0,
     };
     match simd {
         #[cfg(target_arch = "x86_64")]
@@ -377,6 +442,7 @@ fn kernels_for(simd: Simd) -> Kernels {
             tall1: avx512::tile::<14, 1>,
             short1: avx512::tile::<MR, 1>,
             stationary: Some(avx512::stationary),
+            small_k: STATIONARY_MAX_K,
         },
         #[cfg(target_arch = "x86_64")]
         Simd::Avx2Fma => six(avx2::tile::<MR, 2>),
@@ -402,6 +468,7 @@ fn kernels_f16_for(simd: Simd) -> Option<Kernels<f16>> {
             tall1: avx512::tile_h::<14, 1>,
             short1: avx512::tile_h::<MR, 1>,
             stationary: None,
+            small_k: 0,
         }),
         #[cfg(target_arch = "x86_64")]
         Simd::Avx2Fma if super::simd::f16c() => {
@@ -414,6 +481,7 @@ fn kernels_f16_for(simd: Simd) -> Option<Kernels<f16>> {
                 tall1: tile,
                 short1: tile,
                 stationary: None,
+                small_k: 0,
             })
         }
         _ => None,
@@ -695,7 +763,7 @@ unsafe fn gemm_block<E>(
     if let Some(stationary) = kern.stationary
         && init == Init::Bias
         && last
-        && kc <= STATIONARY_MAX_K
+        && kc <= kern.small_k
     {
         for p in p0..p1 {
             let off = (p - p0) * NR;

@@ -14,6 +14,7 @@ fn kernels_match_naive_matmul() {
         tall1: tall,
         short1: short,
         stationary: None,
+        small_k: 0,
     };
     let mut kernels: Vec<(&str, Kernels)> = vec![
         ("portable", kernels_for(Simd::Portable)),
@@ -40,11 +41,18 @@ fn kernels_match_naive_matmul() {
                 tall1: avx2::tile::<12, 2>,
                 short1: avx2::tile::<MR, 2>,
                 stationary: None,
+                small_k: 0,
             },
         ));
     }
     if best >= Simd::Avx512 {
         kernels.push(("avx512", kernels_for(Simd::Avx512)));
+        // Its register tiles at every K, as where the probe declines the small-K kernel.
+        let tiles = Kernels {
+            small_k: 0,
+            ..kernels_for(Simd::Avx512)
+        };
+        kernels.push(("avx512 without its small-K kernel", tiles));
     }
     for &(m, k, n) in &[
         (1, 1, 1),
@@ -299,5 +307,15 @@ fn packers_lay_out_panels() {
             );
             assert_eq!(by_col.bias[..n], bias[..]);
         }
+    }
+}
+
+/// The small-K probe times both kernels on a real GEMM: a ratio no core could be far from,
+/// where the path has the kernel.
+#[test]
+fn the_small_k_probe_measures_a_plausible_ratio() {
+    match stationary_over_tile(24) {
+        Some(r) => assert!((0.2..5.0).contains(&r), "{r}"),
+        None => assert!(kernels_for(simd()).stationary.is_none()),
     }
 }
