@@ -317,7 +317,17 @@ pub(super) fn stationary_over_tile(k: usize) -> Option<f64> {
     let k = k.clamp(1, STATIONARY_MAX_K);
     let (m, n) = (PROBE_ROWS, PROBE_COLS);
     let a: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32 * 0.01 - 0.03).collect();
-    let b = PackedB::<f32>::new(k, n, |kk, j| ((kk + j) % 5) as f32 * 0.01, None);
+    // B's panels built here, not by `PackedB`'s packing: that runs on rayon, and this probe
+    // runs while `kernels()` initialises, perhaps on a pool's worker, which while it waited
+    // for the packing could take another work item that asks `kernels()` again.
+    let data: Vec<f32> = (0..n * k).map(|i| (i % 5) as f32 * 0.01).collect();
+    let bias = vec![0f32; n];
+    let b = Panels {
+        k,
+        n,
+        data: &data,
+        bias: &bias,
+    };
     let mut c = vec![0f32; m * n];
     let fin = Finish {
         act: Act::Relu,
@@ -333,8 +343,8 @@ pub(super) fn stationary_over_tile(k: usize) -> Option<f64> {
                 m,
                 a.as_ptr(),
                 k,
-                &b.view(),
-                (0, b.panels()),
+                &b,
+                (0, n / NR),
                 c.as_mut_ptr(),
                 n,
                 Some(fin),
@@ -352,8 +362,9 @@ pub(super) fn stationary_over_tile(k: usize) -> Option<f64> {
 
 /// Rows of [`stationary_over_tile`]'s GEMM.
 const PROBE_ROWS: usize = 1536;
-/// Columns of [`stationary_over_tile`]'s GEMM (1.5 MiB of C).
+/// Columns of [`stationary_over_tile`]'s GEMM (1.5 MiB of C): whole panels.
 const PROBE_COLS: usize = 256;
+const _: () = assert!(PROBE_COLS.is_multiple_of(NR));
 
 /// A kernel for a K up to [`STATIONARY_MAX_K`] in one block: C[m × cols] of one panel, started from
 /// the bias and finished. Its arguments: K; A, its row stride and the rows; the panel's block
