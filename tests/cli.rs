@@ -510,6 +510,12 @@ fn bf16_pairs_are_chosen_by_a_cached_probe() {
         out.contains("SIMD paths avx512bf16 (forced by WORKSHOP_CPU_SIMD)"),
         "{out}"
     );
+    // AVX2's tiles have no small-K kernel: nothing to say of one, whatever the cache holds.
+    let out = run("avx2", &["doctor"]);
+    assert!(
+        out.contains("SIMD paths avx2 (forced by WORKSHOP_CPU_SIMD)") && !out.contains("small-K"),
+        "{out}"
+    );
 }
 
 /// A NaN in the input reaches the logits as in IEEE arithmetic and PyTorch (ReLU and max

@@ -76,6 +76,11 @@ pub const SMALL_K_DEPTHS: [usize; 3] = [16, 32, 64];
 pub fn small_k_reach() -> Option<usize> {
     static REACH: OnceLock<Option<usize>> = OnceLock::new();
     *REACH.get_or_init(|| {
+        // A path without the kernel (AVX2, portable: forced, or all the CPU has) has nothing
+        // to choose, whatever the cache kept for the AVX-512 kernels.
+        if !super::sgemm::has_small_k_kernel() {
+            return None;
+        }
         kept(
             cache_path().as_deref(),
             &cpu_identity(),

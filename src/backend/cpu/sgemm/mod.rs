@@ -360,6 +360,11 @@ pub(super) fn stationary_over_tile(k: usize) -> Option<f64> {
     Some(small / tile.max(1e-9))
 }
 
+/// Whether the SIMD path in use has a small-K kernel to choose.
+pub(super) fn has_small_k_kernel() -> bool {
+    kernels_for(simd()).stationary.is_some()
+}
+
 /// Rows of [`stationary_over_tile`]'s GEMM.
 const PROBE_ROWS: usize = 1536;
 /// Columns of [`stationary_over_tile`]'s GEMM (1.5 MiB of C): whole panels.
