@@ -61,7 +61,12 @@ fn asked() -> Option<Simd> {
 /// ([`preferred`]).
 pub fn simd() -> Simd {
     static SIMD: OnceLock<Simd> = OnceLock::new();
-    *SIMD.get_or_init(|| asked().filter(|&a| a <= best()).unwrap_or_else(preferred))
+    *SIMD.get_or_init(|| forced().unwrap_or_else(preferred))
+}
+
+/// The paths [`ENV`] asked for, where this CPU runs them.
+fn forced() -> Option<Simd> {
+    asked().filter(|&a| a <= best())
 }
 
 /// Why the paths asked for are not the ones in use, for the command layer to warn about.
@@ -78,7 +83,7 @@ pub fn warning() -> Option<String> {
 /// the probe's choice where it made one.
 pub fn explain() -> String {
     let mut said = format!("SIMD paths {}", simd().name());
-    if asked().is_some_and(|a| a <= best()) {
+    if forced().is_some() {
         said.push_str(&format!(" (forced by {ENV})"));
     } else if let Some(p) = probed() {
         said.push_str(&format!("; {}", p.describe()));
@@ -96,8 +101,7 @@ pub fn explain() -> String {
 /// The probe's result where it chose the paths in use: on a CPU with AVX512_BF16 (without
 /// AMX), unless [`ENV`] forced them.
 pub fn probed() -> Option<super::probe::Bf16Pairs> {
-    let forced = asked().is_some_and(|a| a <= best());
-    (!forced && best() == Simd::Avx512Bf16).then(super::probe::bf16_pairs)?
+    (forced().is_none() && best() == Simd::Avx512Bf16).then(super::probe::bf16_pairs)?
 }
 
 /// The best paths of this CPU that pay: [`best`], except that AVX512_BF16's pairs give way

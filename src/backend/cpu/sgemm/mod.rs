@@ -305,7 +305,7 @@ const STATIONARY_MAX_K: usize = 64;
 /// The small-K kernel's time over the register tile's at this `k` (at most
 /// [`STATIONARY_MAX_K`]), measured now on one core: the GEMM of a 1×1 layer with ReLU,
 /// [`PROBE_ROWS`] rows by `k` by [`PROBE_COLS`] columns (its C outgrows a core's L2 on some
-/// CPUs, as a layer's does), the two kernels alternating, the fastest of seven runs each.
+/// CPUs, as a layer's does), the two kernels alternating, the fastest of eight runs each.
 /// `None` where the SIMD path has no small-K kernel.
 pub(super) fn stationary_over_tile(k: usize) -> Option<f64> {
     let tiles = kernels_for(simd());
