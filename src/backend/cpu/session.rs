@@ -115,6 +115,11 @@ pub(super) struct CpuSession<T: Elem> {
     /// The batch tiles of the first layers (see [`batch_tiles`]); not used while calibrating, whose
     /// statistics are the whole batch's.
     pub(super) split: Option<batch_tiles::Split>,
+    /// Node p and p + 1 are a pointwise and a depthwise layer [`CpuSession::pair`] may run
+    /// as one where `paired[p]`.
+    pub(super) paired: Vec<bool>,
+    /// A core's L2 in bytes (for [`kernels::conv_pair`]).
+    pub(super) l2: usize,
     pub(super) weight_bytes: u64,
     pub(super) held_bytes: u64,
     pub(super) peak_bytes: u64,
@@ -272,6 +277,7 @@ impl<T: Elem> CpuSession<T> {
             };
             steps.push(step);
         }
+        let paired = pairs(plan, &steps);
         let names = plan.graph.nodes.iter().map(|n| n.name.clone()).collect();
         Ok(CpuSession {
             plan: plan.clone(),
@@ -287,6 +293,8 @@ impl<T: Elem> CpuSession<T> {
             calibrate: false,
             batch_stats: Vec::new(),
             split,
+            paired,
+            l2: batch_tiles::mid_level_cache(),
             weight_bytes,
             held_bytes: 0,
             peak_bytes: 0,
@@ -411,9 +419,61 @@ impl<T: Elem> CpuSession<T> {
             values[end] = Some(joined);
             first = end + 1;
         }
-        for (id, step) in steps.iter_mut().enumerate().take(upto + 1).skip(first) {
-            self.step(id, step, values, input, images.clone(), start);
+        let mut id = first;
+        while id <= upto {
+            if self.paired[id] && id < upto && self.pair(id, steps, values, images.clone(), start) {
+                id += 2;
+                continue;
+            }
+            self.step(id, &mut steps[id], values, input, images.clone(), start);
+            id += 1;
         }
+    }
+
+    /// Pointwise layer `p` and depthwise layer `p + 1` (see [`pairs`]) on `images`, run as one
+    /// where [`kernels::conv_pair`] takes them: the depthwise layer's output is left in
+    /// `values`, the pointwise one's never made. `false` (nothing done) where it does not.
+    /// Profiling times them as one kernel, on the depthwise layer's node.
+    fn pair(
+        &mut self,
+        p: usize,
+        steps: &[NodeKernel<T>],
+        values: &mut [Option<Buf<T>>],
+        images: std::ops::Range<usize>,
+        forward_start: Instant,
+    ) -> bool {
+        let (NodeKernel::Conv(pw), NodeKernel::Conv(dw)) = (&steps[p], &steps[p + 1]) else {
+            return false;
+        };
+        let start = Instant::now();
+        let x_id = self.plan.graph.nodes[p].inputs[0];
+        let (xs, ys) = (
+            self.dims(x_id, images.len()),
+            self.dims(p + 1, images.len()),
+        );
+        let Some(band) = kernels::pair_bands((pw, dw), xs, ys, self.threads, self.l2) else {
+            return false;
+        };
+        let mut y = self.alloc(ys.elems());
+        let x = values[x_id].as_ref().expect("input computed");
+        kernels::conv_pair((pw, dw), x, xs, &mut y, ys, band);
+        values[p + 1] = Some(y);
+        if self.plan.last_use[x_id] == p
+            && let Some(buf) = values[x_id].take()
+        {
+            self.free.push(buf);
+        }
+        if self.profile {
+            let end = Instant::now();
+            self.times.push(KernelTime {
+                node: self.names[p + 1].clone(),
+                op: "conv2d".into(),
+                kernel: format!("conv2d_pointwise_depthwise_{}", T::SUFFIX),
+                start_ns: start.duration_since(forward_start).as_nanos() as u64,
+                ns: end.duration_since(start).as_nanos() as u64,
+            });
+        }
+        true
     }
 
     /// Node `id` on `images` of the batch: reads its inputs from `values`, leaves its output
@@ -709,6 +769,27 @@ impl<T: Elem> CpuSession<T> {
     }
 }
 
+/// Which nodes start a pair [`CpuSession::pair`] may run as one: a pointwise layer without a
+/// residual, not the output, whose output the next node, a depthwise layer, alone reads, where
+/// [`kernels::can_pair`] says the kernels serve them.
+fn pairs<T: Elem>(plan: &Plan, steps: &[NodeKernel<T>]) -> Vec<bool> {
+    let nodes = &plan.graph.nodes;
+    (0..steps.len())
+        .map(|p| {
+            let Some((NodeKernel::Conv(pw), NodeKernel::Conv(dw))) =
+                steps.get(p).zip(steps.get(p + 1))
+            else {
+                return false;
+            };
+            nodes[p].inputs.len() == 1
+                && nodes[p + 1].inputs == [p]
+                && nodes.iter().filter(|n| n.inputs.contains(&p)).count() == 1
+                && p != plan.graph.output
+                && kernels::can_pair(pw, dw)
+        })
+        .collect()
+}
+
 pub(super) fn kernel_name<T: Elem>(step: &NodeKernel<T>, op: &Op) -> String {
     match step {
         NodeKernel::Conv(p) => p.kernel_name(),
@@ -855,6 +936,71 @@ mod tests {
         let weights = Weights::init(&graph, 3);
         check::<f32>(&graph, &weights);
         check::<bf16>(&graph, &weights);
+    }
+
+    /// A pointwise layer and the depthwise layer after it run as one where their middle tensor
+    /// outgrows the workers' L2 (here set to 256 KB a core; it is 1.2 MB), and the output is
+    /// the layers' apart bit for bit, with batch tiles too: one image at a time up to the pair
+    /// (fused in each tile), and a cut between the two (not fused).
+    #[test]
+    fn fused_pairs_change_nothing() {
+        let chain =
+            "conv2d(4,16,1)+hardswish+conv2d(16,16,3,padding=1,groups=16)+relu+conv2d(16,8,1)";
+        let graph = zoo::build(chain).unwrap();
+        let weights = Weights::init(&graph, 3);
+        let (graph, weights, _) = crate::model::passes::optimize(&graph, &weights).unwrap();
+        let plan = graph.plan(2, 96, 96).unwrap();
+        let input = crate::model::Rng::new(5).normal_tensor(plan.input_shape().to_vec());
+        let pool = worker_pool(2, Vec::new()).unwrap();
+        let opt = ExecOptions {
+            profile: true,
+            ..ExecOptions::default()
+        };
+        let mut session =
+            CpuSession::<f32>::new(&plan, &weights, pool, 2, &opt, &mut Donor::default()).unwrap();
+        assert_eq!(
+            session.paired[..3],
+            [false, true, false],
+            "the 1×1 layer, then the depthwise"
+        );
+        session.l2 = 256 << 10;
+        let kernels = |s: &mut CpuSession<f32>| -> Vec<String> {
+            s.times.iter().map(|t| t.kernel.clone()).collect()
+        };
+        let run = |s: &mut CpuSession<f32>| {
+            s.run(&input).unwrap();
+            s.read_output().unwrap()
+        };
+        let fused = run(&mut session);
+        assert!(kernels(&mut session).contains(&"conv2d_pointwise_depthwise_f32".to_string()));
+        let paired = std::mem::replace(&mut session.paired, vec![false; plan.graph.nodes.len()]);
+        let apart = run(&mut session);
+        assert!(
+            !kernels(&mut session)
+                .iter()
+                .any(|k| k.contains("pointwise_depthwise"))
+        );
+        let same = |a: &Tensor, b: &Tensor| {
+            a.shape == b.shape
+                && (a.data.iter().zip(&b.data)).all(|(x, y)| x.to_bits() == y.to_bits())
+        };
+        assert!(same(&fused, &apart), "fused against apart");
+        session.paired = paired;
+        let (pw, dw) = (
+            plan.graph.nodes[1].name.clone(),
+            plan.graph.nodes[2].name.clone(),
+        );
+        for (cut, fuses) in [(dw, true), (pw, false)] {
+            session.split = Some(batch_tiles::at(&plan, &[(cut.as_str(), 1)]).unwrap());
+            let tiled = run(&mut session);
+            assert!(same(&tiled, &apart), "tiles of one image up to {cut}");
+            let ran = kernels(&mut session);
+            let n = ran
+                .iter()
+                .filter(|k| k.contains("pointwise_depthwise"))
+                .count();
+            assert_eq!(n, if fuses { 2 } else { 0 }, "cut after {cut}: {ran:?}");
+        }
     }
 
     /// Every schedule max-autotune may pick names its split, and runs it: ResNet-18 at batch 5,
