@@ -118,7 +118,7 @@ pub(super) struct CpuSession<T: Elem> {
     /// Node p and p + 1 are a pointwise and a depthwise layer [`CpuSession::pair`] may run
     /// as one where `paired[p]`.
     pub(super) paired: Vec<bool>,
-    /// A core's L2 in bytes (for [`kernels::conv_pair`]).
+    /// A core's L2 in bytes (for [`kernels::pair_bands`]).
     pub(super) l2: usize,
     pub(super) weight_bytes: u64,
     pub(super) held_bytes: u64,
@@ -431,7 +431,7 @@ impl<T: Elem> CpuSession<T> {
     }
 
     /// Pointwise layer `p` and depthwise layer `p + 1` (see [`pairs`]) on `images`, run as one
-    /// where [`kernels::conv_pair`] takes them: the depthwise layer's output is left in
+    /// where [`kernels::pair_bands`] takes them: the depthwise layer's output is left in
     /// `values`, the pointwise one's never made. `false` (nothing done) where it does not.
     /// Profiling times them as one kernel, on the depthwise layer's node.
     fn pair(
@@ -456,7 +456,7 @@ impl<T: Elem> CpuSession<T> {
         };
         let mut y = self.alloc(ys.elems());
         let x = values[x_id].as_ref().expect("input computed");
-        kernels::conv_pair((pw, dw), x, xs, &mut y, ys, band);
+        kernels::pointwise_depthwise(pw, dw, x, xs, &mut y, ys, band);
         values[p + 1] = Some(y);
         if self.plan.last_use[x_id] == p
             && let Some(buf) = values[x_id].take()

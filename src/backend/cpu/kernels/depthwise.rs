@@ -178,12 +178,12 @@ pub fn fused_band_rows(
 /// The results are the unfused pair's, bit for bit: the same GEMM tiles over the same K, the
 /// same depthwise rows.
 #[allow(clippy::too_many_arguments)]
-pub fn pointwise_depthwise(
-    pw: &PackedConv<f32>,
-    dw: &PackedConv<f32>,
-    x: &[f32],
+pub fn pointwise_depthwise<T: Elem>(
+    pw: &PackedConv<T>,
+    dw: &PackedConv<T>,
+    x: &[T],
     xs: Nhwc,
-    y: &mut [f32],
+    y: &mut [T],
     ys: Nhwc,
     band: usize,
 ) {
@@ -205,13 +205,33 @@ pub fn pointwise_depthwise(
     let bands = ys.h.div_ceil(band.max(1));
     let out = TilePtr(y.as_mut_ptr());
     let act = pw.conv.act;
+    let pw_epilogue = Epilogue::<T> {
+        residual: None,
+        act,
+    };
     (0..ys.n * bands).into_par_iter().for_each(|item| {
         let (n, oy0) = (item / bands, item % bands * band);
         let oy1 = (oy0 + band).min(ys.h);
         let (r0, rows) = tap_span(c, (oy0, oy1), mid.h);
-        SCRATCH.with_borrow_mut(|(expanded, _)| {
+        SCRATCH.with_borrow_mut(|(cols, expanded)| {
+            let x = &x[(n * xs.h + r0) * xs.w * cin..][..rows * xs.w * cin];
+            // The 1×1 layer's rows as `conv2d` computes them: from f32 input in place, or
+            // from the input widened (its im2col), then, in half precision, the epilogue and
+            // the rounding its output's storage would make.
+            let a = match T::as_f32(x) {
+                Some(a) => a,
+                None => {
+                    cols.resize(x.len(), 0.0);
+                    T::widen(x, cols);
+                    &cols[..]
+                }
+            };
             expanded.resize(rows * mid.w * mid.c, 0.0);
-            let a = &x[(n * xs.h + r0) * xs.w * cin..][..rows * xs.w * cin];
+            let fin =
+                (T::IS_F32 && act != Act::None).then_some(crate::backend::cpu::sgemm::Finish {
+                    act,
+                    residual: std::ptr::null(),
+                });
             // SAFETY: `a` holds rows·w pixels of `cin` floats; `expanded` as many of the
             // pointwise layer's n channels, written by this worker alone.
             unsafe {
@@ -223,11 +243,12 @@ pub fn pointwise_depthwise(
                     (0, b.panels()),
                     expanded.as_mut_ptr(),
                     mid.c,
-                    (act != Act::None).then_some(crate::backend::cpu::sgemm::Finish {
-                        act,
-                        residual: std::ptr::null(),
-                    }),
+                    fin,
                 );
+            }
+            if !T::IS_F32 {
+                pw_epilogue.apply(expanded, 0, &mut Vec::new());
+                round_to::<T>(expanded);
             }
             let band_dims = Nhwc {
                 n: 1,
@@ -239,33 +260,47 @@ pub fn pointwise_depthwise(
                     .map(|ky| image_row(expanded, band_dims, 0, tap_row(c, oy, ky) - r0 as isize))
                     .collect();
                 // SAFETY: output row oy of image n, this work item's alone.
-                let values = unsafe {
+                let out = unsafe {
                     std::slice::from_raw_parts_mut(out.add((n * ys.h + oy) * row_len), row_len)
                 };
-                f32_row(c, &input, (w, bias), values, mid.w, (None, c.act));
+                as_f32_row(out, cols, |values| {
+                    f32_row(c, &input, (w, bias), values, mid.w, (None, c.act))
+                });
             }
         });
     });
 }
 
-/// Whether [`conv_pair`] may run `pw` then `dw` as one: f32 storage, `pw` an ungrouped 1×1
-/// stride-1 layer on the GEMM (no residual: the caller checks its inputs) and `dw` a depthwise
-/// layer over its channels.
+/// `values` rounded to `T`'s precision, as storing them in `T` and reading them back would.
+fn round_to<T: Elem>(values: &mut [f32]) {
+    if T::IS_F32 {
+        return;
+    }
+    let mut stored = [T::from_f32(0.0); 64];
+    for run in values.chunks_mut(64) {
+        T::narrow(run, &mut stored[..run.len()]);
+        T::widen(&stored[..run.len()], run);
+    }
+}
+
+/// Whether [`pointwise_depthwise`] may run `pw` then `dw` as one: `pw` an ungrouped 1×1
+/// stride-1 layer on the GEMM (not on bf16 pairs; no residual: the caller checks its inputs)
+/// and `dw` a depthwise layer over its channels on the FMA kernels.
 pub fn can_pair<T: Elem>(pw: &PackedConv<T>, dw: &PackedConv<T>) -> bool {
-    T::IS_F32
-        && is_pointwise(&pw.conv)
+    is_pointwise(&pw.conv)
         && pw.groups.len() == 1
         && pw.winograd.is_none()
         && pw.pairs.is_none()
         && dw.depthwise.is_some()
+        && dw.depthwise_pairs.is_none()
         && dw.conv.in_channels == pw.conv.out_channels
 }
 
 /// Whether pointwise layer `pw` and depthwise layer `dw` (which reads `pw`'s output alone),
-/// `xs` → `ys`, should run as one ([`conv_pair`]) and in bands of how many output rows. It pays
+/// `xs` → `ys`, should run as one ([`pointwise_depthwise`]) and in bands of how many output rows. It pays
 /// where `pw`'s output outgrows the L2 caches of the `threads` workers (`l2` bytes each),
-/// which it would otherwise leave for the depthwise layer to read back, and serves f32
-/// storage where [`fused_band_rows`] finds bands within half an L2. Alternating in one process
+/// which it would otherwise leave for the depthwise layer to read back, and serves where
+/// [`fused_band_rows`] finds bands within half an L2. Alternating in one process
 /// on a 2-vCPU Xeon (2 MB of L2 a core), MobileNetV3-Large FP32 b8's pairs took 0.63× (16 →
 /// 64 at 112², 26 MB), 0.86× (24 → 72 at 56², 7 MB), 0.91–0.94× (6–7 MB) as long fused, level
 /// at 3–4 MB, and 1.06–1.10× at 1.2–1.5 MB (14² and 7² maps, whose per-image GEMMs are small).
@@ -280,29 +315,11 @@ pub fn pair_bands<T: Elem>(
         c: pw.conv.out_channels,
         ..xs
     };
-    if !T::IS_F32 || mid.elems().saturating_mul(4) <= threads.saturating_mul(l2) {
+    let bytes = mid.elems().saturating_mul(std::mem::size_of::<T>());
+    if bytes <= threads.saturating_mul(l2) {
         return None;
     }
     fused_band_rows(&dw.conv, mid, ys.h, threads, l2 / 2)
-}
-
-/// [`pointwise_depthwise`] on storage of any type that is f32 ([`pair_bands`] said so).
-pub fn conv_pair<T: Elem>(
-    (pw, dw): (&PackedConv<T>, &PackedConv<T>),
-    x: &[T],
-    xs: Nhwc,
-    y: &mut [T],
-    ys: Nhwc,
-    band: usize,
-) {
-    fn f32s<T: Elem>(p: &PackedConv<T>) -> Option<&PackedConv<f32>> {
-        (p as &dyn std::any::Any).downcast_ref()
-    }
-    let f32s = (f32s(pw), f32s(dw), T::as_f32(x), T::as_f32_mut(y));
-    let (Some(pw), Some(dw), Some(x), Some(y)) = f32s else {
-        unreachable!("pair_bands takes f32 storage alone");
-    };
-    pointwise_depthwise(pw, dw, x, xs, y, ys, band);
 }
 
 /// A row's epilogue, as vectorised work: the residual added to the f32 `values`, the
@@ -1446,75 +1463,91 @@ mod tests {
     }
 
     /// A pointwise layer and the depthwise layer after it, fused, give the pair's results run
-    /// apart bit for bit: every band height from one output row to the whole image, 3×3 and
-    /// 5×5 taps at strides 1 and 2, padding 0 to 2 (bands whose taps reach above and below the
-    /// image), channel counts that leave a half panel and a masked last block, K below and
-    /// above the small-K kernel's reach, activations on either layer or neither.
+    /// apart bit for bit, in FP32, BF16 (where it widens) and FP16: every band height from one
+    /// output row to the whole image, 3×3 and 5×5 taps at strides 1 and 2, padding 0 to 2
+    /// (bands whose taps reach above and below the image), channel counts that leave a half
+    /// panel and a masked last block, K below and above the small-K kernel's reach,
+    /// activations on either layer or neither.
     #[test]
     fn fused_pairs_match_the_layers_apart() {
-        let cases = [
-            // (in, mid, kernel, stride, padding, h, w, batch)
-            (16, 64, 3, 2, 1, 12, 10, 2),
-            (24, 72, 3, 1, 1, 9, 7, 1),
-            (40, 120, 5, 1, 2, 8, 9, 2),
-            (8, 40, 5, 2, 2, 11, 6, 1),
-            (80, 24, 3, 1, 0, 7, 8, 3),
-            (3, 17, 3, 2, 0, 9, 9, 1),
-        ];
-        let value = |i: usize| ((i * 37 % 101) as f32 - 50.0) / 25.0;
-        let acts = [
-            (Act::Relu, Act::None),
-            (Act::Hardswish, Act::Hardswish),
-            (Act::Silu, Act::Silu),
-            (Act::None, Act::Relu),
-            (Act::Relu6, Act::Gelu),
-            (Act::None, Act::None),
-        ];
-        for (case, (cin, cmid, k, st, pad, h, w, n)) in cases.into_iter().enumerate() {
-            let (act_pw, act_dw) = acts[case % acts.len()];
-            let pw_conv = Conv2d {
-                act: act_pw,
-                ..Conv2d::new(cin, cmid, 1, 1, 0).with_bias()
-            };
-            let dw_conv = Conv2d {
-                act: act_dw,
-                ..Conv2d::new(cmid, cmid, k, st, pad)
-                    .with_groups(cmid)
-                    .with_bias()
-            };
-            let pw_w: Vec<f32> = (0..cin * cmid).map(|i| value(i * 3 + 2) / 8.0).collect();
-            let dw_w: Vec<f32> = (0..k * k * cmid).map(|i| value(i * 7 + 1) / 4.0).collect();
-            let bias: Vec<f32> = (0..cmid).map(|i| i as f32 / 64.0 - 0.5).collect();
-            let pw = PackedConv::<f32>::new(pw_conv, &pw_w, Some(&bias));
-            let dw = PackedConv::<f32>::new(dw_conv, &dw_w, Some(&bias));
-            assert!(can_pair(&pw, &dw));
-            let xs = Nhwc { n, h, w, c: cin };
-            let ms = Nhwc { c: cmid, ..xs };
-            let (oh, ow) = dw_conv.output_hw(h, w).unwrap();
-            let ys = Nhwc {
-                n,
-                h: oh,
-                w: ow,
-                c: cmid,
-            };
-            let x: Vec<f32> = (0..xs.elems()).map(value).collect();
-            let mut mid = vec![0f32; ms.elems()];
-            let mut want = vec![0f32; ys.elems()];
-            conv2d(&pw, &x, xs, &mut mid, ms, 2, None);
-            conv2d(&dw, &mid, ms, &mut want, ys, 2, None);
-            for band in 1..=oh {
-                let mut got = vec![f32::NAN; ys.elems()];
-                pointwise_depthwise(&pw, &dw, &x, xs, &mut got, ys, band);
-                for (i, (g, e)) in got.iter().zip(&want).enumerate() {
-                    assert_eq!(
-                        g.to_bits(),
-                        e.to_bits(),
-                        "{cin} → {cmid}, {k}×{k} stride {st} pad {pad}, {n}×{h}×{w}, \
-                         {act_pw:?} then {act_dw:?}, bands of {band}: value {i}: {g} against {e}"
+        fn check<T: Elem>() {
+            let cases = [
+                // (in, mid, kernel, stride, padding, h, w, batch)
+                (16, 64, 3, 2, 1, 12, 10, 2),
+                (24, 72, 3, 1, 1, 9, 7, 1),
+                (40, 120, 5, 1, 2, 8, 9, 2),
+                (8, 40, 5, 2, 2, 11, 6, 1),
+                (80, 24, 3, 1, 0, 7, 8, 3),
+                (3, 17, 3, 2, 0, 9, 9, 1),
+            ];
+            let value = |i: usize| ((i * 37 % 101) as f32 - 50.0) / 25.0;
+            let acts = [
+                (Act::Relu, Act::None),
+                (Act::Hardswish, Act::Hardswish),
+                (Act::Silu, Act::Silu),
+                (Act::None, Act::Relu),
+                (Act::Relu6, Act::Gelu),
+                (Act::None, Act::None),
+            ];
+            for (case, (cin, cmid, k, st, pad, h, w, n)) in cases.into_iter().enumerate() {
+                let (act_pw, act_dw) = acts[case % acts.len()];
+                let pw_conv = Conv2d {
+                    act: act_pw,
+                    ..Conv2d::new(cin, cmid, 1, 1, 0).with_bias()
+                };
+                let dw_conv = Conv2d {
+                    act: act_dw,
+                    ..Conv2d::new(cmid, cmid, k, st, pad)
+                        .with_groups(cmid)
+                        .with_bias()
+                };
+                let pw_w: Vec<f32> = (0..cin * cmid).map(|i| value(i * 3 + 2) / 8.0).collect();
+                let dw_w: Vec<f32> = (0..k * k * cmid).map(|i| value(i * 7 + 1) / 4.0).collect();
+                let bias: Vec<f32> = (0..cmid).map(|i| i as f32 / 64.0 - 0.5).collect();
+                let pw = PackedConv::<T>::new(pw_conv, &pw_w, Some(&bias));
+                let dw = PackedConv::<T>::new(dw_conv, &dw_w, Some(&bias));
+                if !can_pair(&pw, &dw) {
+                    // BF16 on bf16 pairs (AMX, AVX512_BF16 where it pays): not fused.
+                    assert!(
+                        T::PRECISION == crate::model::Precision::Bf16,
+                        "{cin} → {cmid}"
                     );
+                    return;
+                }
+                let xs = Nhwc { n, h, w, c: cin };
+                let ms = Nhwc { c: cmid, ..xs };
+                let (oh, ow) = dw_conv.output_hw(h, w).unwrap();
+                let ys = Nhwc {
+                    n,
+                    h: oh,
+                    w: ow,
+                    c: cmid,
+                };
+                let x: Vec<T> = (0..xs.elems()).map(|i| T::from_f32(value(i))).collect();
+                let mut mid = vec![T::from_f32(0.0); ms.elems()];
+                let mut want = vec![T::from_f32(0.0); ys.elems()];
+                conv2d(&pw, &x, xs, &mut mid, ms, 2, None);
+                conv2d(&dw, &mid, ms, &mut want, ys, 2, None);
+                for band in 1..=oh {
+                    let mut got = vec![T::from_f32(f32::NAN); ys.elems()];
+                    pointwise_depthwise(&pw, &dw, &x, xs, &mut got, ys, band);
+                    for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+                        let (g, e) = (g.to_f32(), e.to_f32());
+                        assert_eq!(
+                            g.to_bits(),
+                            e.to_bits(),
+                            "{}: {cin} → {cmid}, {k}×{k} stride {st} pad {pad}, {n}×{h}×{w}, \
+                             {act_pw:?} then {act_dw:?}, bands of {band}: value {i}: {g} \
+                             against {e}",
+                            T::PRECISION
+                        );
+                    }
                 }
             }
         }
+        check::<f32>();
+        check::<bf16>();
+        check::<half::f16>();
     }
 
     /// Bands: within the budget, at least two work items a worker where the rows allow, the
