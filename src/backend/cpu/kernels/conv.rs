@@ -98,6 +98,10 @@ pub struct PackedConv<T> {
     /// Output rows per work item, as a multiple of [`chunk_rows`]'s choice (a tile-size
     /// variant max-autotune may pick: 1, 2 or 4).
     pub chunk_scale: usize,
+    /// A BF16 stem's weights (rounded to bf16) packed in f32 for the FP32 stem kernel, where
+    /// that kernel runs (AVX-512) and this layer does not multiply pairs: see
+    /// [`super::stem::conv2d_stem_f32`].
+    pub stem_f32: Option<Box<PackedB<f32>>>,
     /// Winograd F(m×m, 3×3) weights, when this layer runs that way (3×3, stride 1): `groups`
     /// is then empty.
     pub winograd: Option<crate::backend::cpu::winograd::Winograd<T>>,
@@ -146,6 +150,7 @@ impl<T: Elem> PackedConv<T> {
                 chunk_scale: 1,
                 winograd: None,
                 pairs: None,
+                stem_f32: None,
             };
         }
         let cin_g = conv.in_channels / conv.groups;
@@ -171,6 +176,7 @@ impl<T: Elem> PackedConv<T> {
                 depthwise_pairs: None,
                 chunk_scale: 1,
                 winograd: None,
+                stem_f32: None,
                 pairs: Some(Box::new(if super::stem::is_stem(&conv) {
                     super::stem::pack(&conv, fill(0), bias)
                 } else {
@@ -189,6 +195,18 @@ impl<T: Elem> PackedConv<T> {
                 )
             })
             .collect();
+        let stem_f32 = (T::PRECISION == crate::model::Precision::Bf16
+            && conv.groups == 1
+            && !conv.residual
+            && super::stem::runs_f32(&conv))
+        .then(|| {
+            let fill = fill(0);
+            let rounded = move |co: usize, col: &mut [f32]| {
+                fill(co, col);
+                col.iter_mut().for_each(|v| *v = T::from_f32(*v).to_f32());
+            };
+            Box::new(PackedB::from_columns(conv.taps(), cout_g, rounded, bias))
+        });
         PackedConv {
             conv,
             groups,
@@ -197,6 +215,7 @@ impl<T: Elem> PackedConv<T> {
             chunk_scale: 1,
             winograd: None,
             pairs: None,
+            stem_f32,
         }
     }
 
@@ -218,6 +237,7 @@ impl<T: Elem> PackedConv<T> {
                 tile, &conv, weight, bias, out,
             )),
             pairs: None,
+            stem_f32: None,
         })
     }
 
@@ -244,6 +264,7 @@ impl<T: Elem> PackedConv<T> {
             + dw
             + self.winograd.as_ref().map_or(0, |w| w.bytes())
             + self.pairs.as_ref().map_or(0, |a| a.bytes())
+            + self.stem_f32.as_ref().map_or(0, |b| b.bytes())
             + self.depthwise_pairs.as_ref().map_or(0, |d| d.bytes())
     }
 
@@ -258,7 +279,7 @@ impl<T: Elem> PackedConv<T> {
                 Some(bf16_gemm::Engine::Amx) => "amx_gemm",
                 _ => "dpbf16_gemm",
             }
-        } else if T::IS_F32 && super::stem::runs_f32(&self.conv) {
+        } else if (T::IS_F32 || self.stem_f32.is_some()) && super::stem::runs_f32(&self.conv) {
             "direct_stem"
         } else if self.depthwise.is_some() {
             "depthwise_direct"
@@ -640,6 +661,15 @@ pub fn conv2d<T: Elem>(
             return super::stem::conv2d_stem(&p.conv, b, x, xs, y, ys, threads, residual);
         }
         return conv2d_pairs(p, b, x, xs, y, ys, threads, &epilogue);
+    }
+    // A BF16 stem that does not multiply pairs runs on the FP32 direct kernel, reading and
+    // writing bf16, where there is one (AVX-512).
+    if let (Some(b), Some(x), Some(y), None) =
+        (&p.stem_f32, T::as_bf16(x), T::as_bf16_mut(y), residual)
+        && super::stem::runs_f32(&p.conv)
+    {
+        let no_residual = None::<&[bf16]>;
+        return super::stem::conv2d_stem_f32(&p.conv, b, x, xs, y, ys, threads, no_residual);
     }
     // An FP32 stem runs on its direct kernel where there is one (AVX-512).
     if T::IS_F32 && super::stem::runs_f32(&p.conv) {

@@ -97,30 +97,34 @@ pub(super) fn conv2d_stem(
 }
 
 /// Whether an FP32 convolution runs on [`conv2d_stem_f32`]: a stem, where the SIMD path in
-/// use is AVX-512's.
+/// use is AVX-512's. (A BF16 one too, where it does not multiply pairs and has no residual:
+/// see [`Wide`].)
 pub(super) fn runs_f32(c: &Conv2d) -> bool {
     use crate::backend::cpu::simd::{Simd, simd};
     is_stem(c) && matches!(simd(), Simd::Avx512 | Simd::Avx512Bf16 | Simd::Amx)
 }
 
-/// The FP32 convolution `x` (xs) → `y` (ys), both NHWC f32, of a stem that [`runs_f32`]
-/// says runs here, with `b` its GEMM packing (K ordered (ky, kx, ci), the bias in it),
-/// `residual` (NHWC like `y`) added and the layer's activation applied. The same design as the pairs' kernel, one value at a
-/// time instead of pairs: through im2col and the GEMM, MobileNetV3-Large's stem (3 → 16,
+/// The convolution `x` (xs) → `y` (ys), both NHWC, f32 or bf16 ([`Wide`]), of a stem that
+/// [`runs_f32`] says runs here, with `b` its GEMM packing in f32 (K ordered (ky, kx, ci), the
+/// bias in it; a BF16 layer's weights rounded to bf16), `residual` (NHWC like `y`) added and
+/// the layer's activation applied, in f32. The same design as the pairs' kernel, one value at
+/// a time instead of pairs: through im2col and the GEMM, MobileNetV3-Large's stem (3 → 16,
 /// 3×3, stride 2) gathered 27 values a pixel for 27 multiply-adds per output channel. Here,
 /// at batch 8 (Zen 4): that stem 1.08–1.24 → 0.84–0.86 ms in the network; alone, it 1.06 →
 /// 0.79 ms, EfficientNet-B0's (3 → 32, SiLU) 2.10 → 1.56, ResNet-50's 7×7 11.2 → 10.6. The
-/// sums are the GEMM's, in its order.
+/// sums are the GEMM's, in its order. BF16 layers where the CPU widens bf16 for the FP32
+/// FMAs instead of multiplying pairs ran through im2col too, at 2.0 ms for MobileNetV3-Large's
+/// stem at batch 8 on a Xeon whose FP32 kernel took 0.84.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn conv2d_stem_f32(
+pub(super) fn conv2d_stem_f32<E: Wide>(
     c: &Conv2d,
     b: &PackedB<f32>,
-    x: &[f32],
+    x: &[E],
     xs: Nhwc,
-    y: &mut [f32],
+    y: &mut [E],
     ys: Nhwc,
     threads: usize,
-    residual: Option<&[f32]>,
+    residual: Option<&[E]>,
 ) {
     assert!(
         runs_f32(c) && b.k == c.taps(),
@@ -128,7 +132,86 @@ pub(super) fn conv2d_stem_f32(
     );
     let job = Job::new(c, b, (x, xs), (y, ys), residual);
     // SAFETY: `runs_f32` (asserted): `simd()` chose AVX-512 only where the CPU has AVX-512F.
-    unsafe { job.launch((c.taps(), b.panels()), threads, rows_f32) };
+    unsafe { job.launch((c.taps(), b.panels()), threads, rows_f32::<E>) };
+}
+
+/// The storage [`conv2d_stem_f32`] reads and writes: f32, or bf16 widened as it is read and
+/// narrowed in registers as it is stored (to nearest, ties to even, as
+/// [`crate::backend::cpu::elem::f32_bf16`]).
+pub(super) trait Wide: Lanes + Default {
+    /// The lanes of `mask` of `v` stored at `p`.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; those lanes' places at `p` are writable.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn store(p: *mut Self, mask: std::arch::x86_64::__mmask16, v: std::arch::x86_64::__m512);
+
+    /// The lanes of `mask` from `p`, the others zero.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; those lanes' places at `p` are readable.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load(p: *const Self, mask: std::arch::x86_64::__mmask16)
+    -> std::arch::x86_64::__m512;
+}
+
+impl Wide for f32 {
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, mask: std::arch::x86_64::__mmask16, v: std::arch::x86_64::__m512) {
+        // SAFETY: the caller's.
+        unsafe { std::arch::x86_64::_mm512_mask_storeu_ps(p, mask, v) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load(p: *const f32, mask: std::arch::x86_64::__mmask16) -> std::arch::x86_64::__m512 {
+        // SAFETY: the caller's.
+        unsafe { std::arch::x86_64::_mm512_maskz_loadu_ps(mask, p) }
+    }
+}
+
+impl Wide for bf16 {
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn store(
+        p: *mut bf16,
+        mask: std::arch::x86_64::__mmask16,
+        v: std::arch::x86_64::__m512,
+    ) {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's (AVX-512F; the store writes the lanes of `mask` alone).
+        unsafe {
+            let x = _mm512_castps_si512(v);
+            let high = _mm512_srli_epi32::<16>(x);
+            let lsb = _mm512_and_si512(high, _mm512_set1_epi32(1));
+            let up = _mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+            let rounded = _mm512_srli_epi32::<16>(up);
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+            let quiet = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
+            let bits = _mm512_mask_mov_epi32(rounded, nan, quiet);
+            _mm512_mask_cvtepi32_storeu_epi16(p.cast(), mask, bits);
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load(
+        p: *const bf16,
+        mask: std::arch::x86_64::__mmask16,
+    ) -> std::arch::x86_64::__m512 {
+        // Value by value: BF16 stems with a residual are not run here (see `PackedConv`'s
+        // `stem_f32`); this serves the tests.
+        let mut lanes = [0f32; 16];
+        for (i, lane) in lanes.iter_mut().enumerate() {
+            if mask >> i & 1 == 1 {
+                // SAFETY: the caller's: lane i's place is readable.
+                *lane = unsafe { p.add(i).read() }.wide();
+            }
+        }
+        // SAFETY: the caller's (AVX-512F).
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(lanes.as_ptr()) }
+    }
 }
 
 /// [`conv2d_stem_f32`]'s output rows [m0, m0 + mr), panels [p0, p1).
@@ -137,15 +220,20 @@ pub(super) fn conv2d_stem_f32(
 /// The CPU has AVX-512F; nobody else writes those rows' panels meanwhile.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn rows_f32(job: &Job<'_, f32, PackedB<f32>>, m0: usize, mr: usize, panels: (usize, usize)) {
+unsafe fn rows_f32<E: Wide>(
+    job: &Job<'_, E, PackedB<f32>>,
+    m0: usize,
+    mr: usize,
+    panels: (usize, usize),
+) {
     let pixels = |windows: &_, q, two, firsts: &_| {
         let (c, b, ends) = (job.c, job.b, (job.out, job.residual));
         // SAFETY: as `rows` promises (windows, panels, outputs); the CPU's, the caller's.
         unsafe {
             if two {
-                pixels_f32::<2>(c, b, windows, q, ends, firsts);
+                pixels_f32::<E, 2>(c, b, windows, q, ends, firsts);
             } else {
-                pixels_f32::<1>(c, b, windows, q, ends, firsts);
+                pixels_f32::<E, 1>(c, b, windows, q, ends, firsts);
             }
         }
     };
@@ -158,7 +246,7 @@ unsafe fn rows_f32(job: &Job<'_, f32, PackedB<f32>>, m0: usize, mr: usize, panel
 /// # Safety
 /// None needed.
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn rows_f32(_: &Job<'_, f32, PackedB<f32>>, _: usize, _: usize, _: (usize, usize)) {
+unsafe fn rows_f32<E: Wide>(_: &Job<'_, E, PackedB<f32>>, _: usize, _: usize, _: (usize, usize)) {
     unreachable!("the FP32 stem kernel runs on AVX-512 only")
 }
 
@@ -170,12 +258,12 @@ unsafe fn rows_f32(_: &Job<'_, f32, PackedB<f32>>, _: usize, _: usize, _: (usize
 /// As in [`rows`]; the CPU has AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn pixels_f32<const Q: usize>(
+unsafe fn pixels_f32<E: Wide, const Q: usize>(
     c: &Conv2d,
     b: &PackedB<f32>,
-    windows: &[(*const f32, usize); PIXELS],
+    windows: &[(*const E, usize); PIXELS],
     q: usize,
-    (out, residual): (TilePtr<f32>, Option<&[f32]>),
+    (out, residual): (TilePtr<E>, Option<&[E]>),
     firsts: &[usize; PIXELS],
 ) {
     use std::arch::x86_64::*;
@@ -186,7 +274,7 @@ unsafe fn pixels_f32<const Q: usize>(
         let mut acc: [[__m512; Q]; PIXELS] =
             [std::array::from_fn(|i| _mm512_loadu_ps(panels[i].1.as_ptr())); PIXELS];
         for ky in 0..c.kernel.0 {
-            let lines: [*const f32; PIXELS] =
+            let lines: [*const E; PIXELS] =
                 std::array::from_fn(|p| windows[p].0.add(ky * windows[p].1));
             let w = panels.map(|(p, _)| p[ky * run * NR..].as_ptr());
             kernel_row_f32(&mut acc, &lines, &w, run);
@@ -197,12 +285,10 @@ unsafe fn pixels_f32<const Q: usize>(
                 let cols = NR.min(c.out_channels - col);
                 let mask = (u32::MAX >> (32 - cols)) as __mmask16;
                 let v = match residual {
-                    Some(r) => {
-                        _mm512_add_ps(*v, _mm512_maskz_loadu_ps(mask, r[first + col..].as_ptr()))
-                    }
+                    Some(r) => _mm512_add_ps(*v, E::load(r[first + col..].as_ptr(), mask)),
                     None => *v,
                 };
-                _mm512_mask_storeu_ps(out.add(first + col), mask, activate_zmm(c.act, v));
+                E::store(out.add(first + col), mask, activate_zmm(c.act, v));
             }
         }
     }
@@ -216,9 +302,9 @@ unsafe fn pixels_f32<const Q: usize>(
 /// [`NR`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn kernel_row_f32<const Q: usize>(
+unsafe fn kernel_row_f32<E: Wide, const Q: usize>(
     acc: &mut [[std::arch::x86_64::__m512; Q]; PIXELS],
-    lines: &[*const f32; PIXELS],
+    lines: &[*const E; PIXELS],
     w: &[*const f32; Q],
     run: usize,
 ) {
@@ -229,7 +315,7 @@ unsafe fn kernel_row_f32<const Q: usize>(
         for t in 0..run {
             let wv: [_; Q] = std::array::from_fn(|i| _mm512_loadu_ps(w[i].add(t * NR)));
             for (line, acc) in lines.iter().zip(a.iter_mut()) {
-                let x = _mm512_set1_ps(line.add(t).read());
+                let x = _mm512_set1_ps(line.add(t).read().wide());
                 for (v, wv) in acc.iter_mut().zip(&wv) {
                     *v = _mm512_fmadd_ps(x, *wv, *v);
                 }
@@ -534,6 +620,57 @@ mod tests {
     /// bf16 rounding of the result, the FP32 kernel within f32 rounding (its sums are fused
     /// multiply-adds, the loop's are not). Where the CPU runs neither it says so and checks
     /// nothing.
+    /// The bf16 store's narrowing in registers is `f32_bf16`'s, bit for bit: values that round
+    /// up, down and to even, signed zeros, infinities, overflow to infinity, NaNs; lanes
+    /// outside the mask are left alone. Where AVX-512 is not the path in use it checks nothing.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn the_bf16_store_rounds_as_f32_bf16() {
+        use crate::backend::cpu::simd::{Simd, simd};
+        if !matches!(simd(), Simd::Avx512 | Simd::Avx512Bf16 | Simd::Amx) {
+            eprintln!("no AVX-512 here: the bf16 store is not exercised");
+            return;
+        }
+        let values: [f32; 16] = [
+            1.0,
+            f32::from_bits(0x3f80_8000), // a tie, to even (down)
+            f32::from_bits(0x3f81_8000), // a tie, to even (up)
+            f32::from_bits(0x3f80_8001), // just above a tie: up
+            f32::from_bits(0x3f80_7fff), // just below: down
+            -2.5,
+            0.0,
+            -0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::MAX, // rounds to infinity
+            f32::NAN,
+            f32::from_bits(0xff80_0001), // a signalling NaN, negative
+            1e-40,                       // subnormal
+            -2.71875,
+            65504.0,
+        ];
+        for mask in [0xffffu16, 0x00ff, 0x8001] {
+            let mut out = [bf16::from_f32(7.0); 16];
+            // SAFETY: AVX-512F (checked above); 16 writable values.
+            unsafe {
+                let v = std::arch::x86_64::_mm512_loadu_ps(values.as_ptr());
+                <bf16 as Wide>::store(out.as_mut_ptr(), mask, v);
+            }
+            for (i, (o, v)) in out.iter().zip(values).enumerate() {
+                let want = if mask >> i & 1 == 1 {
+                    crate::backend::cpu::elem::f32_bf16(v)
+                } else {
+                    bf16::from_f32(7.0)
+                };
+                assert_eq!(
+                    o.to_bits(),
+                    want.to_bits(),
+                    "lane {i} ({v:e}), mask {mask:#x}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn stems_match_a_plain_loop() {
         use crate::backend::cpu::simd::{Simd, simd};
@@ -599,7 +736,24 @@ mod tests {
                 let mut y = vec![f32::NAN; ys.elems()];
                 assert!(runs_f32(&c), "case {c:?}");
                 conv2d_stem_f32(&c, &b, &xf, xs, &mut y, ys, 2, rf.as_deref());
+                // The same kernel reading and writing bf16 (BF16 where pairs do not pay): the
+                // f32 results rounded to bf16, bit for bit.
+                let mut yb = vec![bf16::NAN; ys.elems()];
+                conv2d_stem_f32(&c, &b, &x, xs, &mut yb, ys, 2, residual);
+                for (i, (got, f)) in yb.iter().zip(&y).enumerate() {
+                    let want = crate::backend::cpu::elem::f32_bf16(*f);
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "{c:?}: value {i}: {got} against {f}"
+                    );
+                }
                 runs.push((y, 1e-5, "f32"));
+                runs.push((
+                    yb.iter().map(|v| v.to_f32()).collect(),
+                    1.0 / 128.0,
+                    "bf16 on f32",
+                ));
             }
             let act_f = |v: f32| match act {
                 Act::None => v,
