@@ -100,7 +100,7 @@ pub struct PackedConv<T> {
     pub chunk_scale: usize,
     /// A BF16 stem's weights (rounded to bf16) packed in f32 for the FP32 stem kernel, where
     /// that kernel runs (AVX-512) and this layer does not multiply pairs: see
-    /// [`super::stem::conv2d_stem_f32`].
+    /// the stem module's `conv2d_stem_f32`.
     pub stem_f32: Option<Box<PackedB<f32>>>,
     /// Winograd F(m×m, 3×3) weights, when this layer runs that way (3×3, stride 1): `groups`
     /// is then empty.
