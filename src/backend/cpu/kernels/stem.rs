@@ -1,5 +1,6 @@
 //! Stems read in place: convolutions of a few input channels (an image's 3), in BF16 where
-//! the CPU multiplies pairs (`vdpbf16ps`), and in FP32 on AVX-512 ([`conv2d_stem_f32`]).
+//! the CPU multiplies pairs (`vdpbf16ps`), and in FP32 on AVX-512 ([`conv2d_stem_f32`]), which
+//! also runs BF16 stems where BF16 widens to the FP32 FMAs.
 //!
 //! Through im2col and the pair GEMM, MobileNetV3's 3×3 stem (3 → 16 channels, stride 2) spent
 //! half its time gathering columns: 27 values a pixel padded to 32, written out and read back,
