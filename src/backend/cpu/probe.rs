@@ -141,6 +141,10 @@ fn kept<T: Copy>(
     }
     let value = measure()?;
     if let Some(path) = path {
+        // The same CPU's entries for other builds of the kernels go: each build of the
+        // backend's source measures anew, and a developer's cache kept one entry per build.
+        let part = |id: &str| id.split(KERNELS_SEP).next().unwrap_or_default().to_string();
+        all.retain(|e| e.cpu == cpu || part(&e.cpu) != part(cpu));
         let at = match all.iter().position(|e| e.cpu == cpu) {
             Some(i) => i,
             None => {
@@ -161,6 +165,9 @@ fn kept<T: Copy>(
     }
     Some(value)
 }
+
+/// What separates the CPU from the kernels' build in [`cpu_identity`].
+const KERNELS_SEP: &str = ", kernels ";
 
 /// The CPU as the cache knows it: its brand string and CPUID signature (family, model and
 /// stepping), which a virtual machine may report alike for different hosts only when they
@@ -189,12 +196,12 @@ fn cpu_identity() -> String {
         };
         let brand = String::from_utf8_lossy(&brand);
         format!(
-            "{} (CPUID signature {signature:#x}), kernels {kernels:016x}",
+            "{} (CPUID signature {signature:#x}){KERNELS_SEP}{kernels:016x}",
             brand.trim_matches(['\0', ' '])
         )
     }
     #[cfg(not(target_arch = "x86_64"))]
-    format!("{}, kernels {kernels:016x}", std::env::consts::ARCH)
+    format!("{}{KERNELS_SEP}{kernels:016x}", std::env::consts::ARCH)
 }
 
 #[cfg(test)]
@@ -248,6 +255,18 @@ mod tests {
         // No cache folder: measured every time.
         assert_eq!(dots(None, "a", &measure(0.7)), Some(0.7));
         assert_eq!(runs.get(), 4);
+        // A new build of the kernels on a CPU replaces that CPU's entry for the old build;
+        // other CPUs' entries stay.
+        let (old, new) = (
+            "x (CPUID signature 0x1), kernels 01",
+            "x (CPUID signature 0x1), kernels 02",
+        );
+        assert_eq!(dots(Some(&path), old, &measure(0.5)), Some(0.5));
+        assert_eq!(dots(Some(&path), new, &measure(2.0)), Some(2.0));
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(!text.contains(old) && text.contains(new), "{text}");
+        assert_eq!(dots(Some(&path), "a", &measure(9.0)), Some(1.5));
+        assert_eq!(runs.get(), 6);
     }
 
     #[test]
