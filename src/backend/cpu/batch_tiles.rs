@@ -252,17 +252,7 @@ pub fn last_level_cache() -> usize {
     }
 }
 
-/// A core's L2 in bytes: Linux's report for cpu0's level-2 data or unified cache, else 1 MiB.
-pub fn mid_level_cache() -> usize {
-    sysfs_cache(Some(2)).unwrap_or(1 << 20)
-}
-
 fn sysfs_llc() -> Option<usize> {
-    sysfs_cache(None)
-}
-
-/// cpu0's cache of `level` (data or unified) in bytes, or the deepest one's where `None`.
-fn sysfs_cache(level_wanted: Option<u32>) -> Option<usize> {
     let dir = std::path::Path::new("/sys/devices/system/cpu/cpu0/cache");
     let mut best: Option<(u32, usize)> = None;
     for entry in std::fs::read_dir(dir).ok()? {
@@ -277,9 +267,6 @@ fn sysfs_cache(level_wanted: Option<u32>) -> Option<usize> {
         }
         let level: u32 = level.trim().parse().ok()?;
         let bytes = parse_size(size.trim())?;
-        if level_wanted.is_some_and(|w| w != level) {
-            continue;
-        }
         if best.is_none_or(|(l, _)| level > l) {
             best = Some((level, bytes));
         }

@@ -294,7 +294,7 @@ impl<T: Elem> CpuSession<T> {
             batch_stats: Vec::new(),
             split,
             paired,
-            l2: batch_tiles::mid_level_cache(),
+            l2: sgemm::l2_bytes(),
             weight_bytes,
             held_bytes: 0,
             peak_bytes: 0,

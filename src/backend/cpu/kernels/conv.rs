@@ -99,8 +99,8 @@ pub struct PackedConv<T> {
     /// variant max-autotune may pick: 1, 2 or 4).
     pub chunk_scale: usize,
     /// A BF16 stem's weights (rounded to bf16) packed in f32 for the FP32 stem kernel, where
-    /// that kernel runs (AVX-512) and this layer does not multiply pairs: see
-    /// the stem module's `conv2d_stem_f32`.
+    /// that kernel runs (AVX-512) and this layer does not multiply pairs (nor has a residual):
+    /// see the stem module's `conv2d_stem_f32`. Where it is present, the layer runs there.
     pub stem_f32: Option<Box<PackedB<f32>>>,
     /// Winograd F(m×m, 3×3) weights, when this layer runs that way (3×3, stride 1): `groups`
     /// is then empty.
@@ -279,7 +279,7 @@ impl<T: Elem> PackedConv<T> {
                 Some(bf16_gemm::Engine::Amx) => "amx_gemm",
                 _ => "dpbf16_gemm",
             }
-        } else if (T::IS_F32 || self.stem_f32.is_some()) && super::stem::runs_f32(&self.conv) {
+        } else if self.stem_f32.is_some() || (T::IS_F32 && super::stem::runs_f32(&self.conv)) {
             "direct_stem"
         } else if self.depthwise.is_some() {
             "depthwise_direct"
@@ -666,7 +666,6 @@ pub fn conv2d<T: Elem>(
     // writing bf16, where there is one (AVX-512).
     if let (Some(b), Some(x), Some(y), None) =
         (&p.stem_f32, T::as_bf16(x), T::as_bf16_mut(y), residual)
-        && super::stem::runs_f32(&p.conv)
     {
         let no_residual = None::<&[bf16]>;
         return super::stem::conv2d_stem_f32(&p.conv, b, x, xs, y, ys, threads, no_residual);

@@ -25,14 +25,8 @@ pub(super) fn depthwise<T: Elem>(
     ys: Nhwc,
     epilogue: &Epilogue<'_, T>,
 ) {
-    let zeros;
-    let bias = match bias {
-        Some(b) => b,
-        None => {
-            zeros = vec![0f32; ys.c];
-            &zeros
-        }
-    };
+    let bias = bias_or_zeros(bias, ys.c);
+    let bias = &bias[..];
     let y = &mut y[..ys.elems()];
     let residual = epilogue.residual;
     let act = epilogue.act;
@@ -48,6 +42,11 @@ pub(super) fn depthwise<T: Elem>(
         return direct(c, dw, bias, x, xs, y, ys, residual, act);
     }
     widened(c, dw, bias, x, xs, y, ys, epilogue);
+}
+
+/// A depthwise layer's bias, or `channels` zeros where it has none.
+fn bias_or_zeros(bias: Option<&[f32]>, channels: usize) -> std::borrow::Cow<'_, [f32]> {
+    bias.map_or_else(|| vec![0f32; channels].into(), std::borrow::Cow::Borrowed)
 }
 
 /// [`depthwise`] on storage the kernel reads itself (f32, bf16): f32 rows computed in place
@@ -189,14 +188,8 @@ pub fn pointwise_depthwise<T: Elem>(
     let (Some((w, bias)), [b]) = (&dw.depthwise, pw.groups.as_slice()) else {
         unreachable!("a fused pair is an ungrouped pointwise layer and a depthwise one");
     };
-    let zeros;
-    let bias = match bias {
-        Some(b) => b.as_slice(),
-        None => {
-            zeros = vec![0f32; ys.c];
-            &zeros
-        }
-    };
+    let bias = bias_or_zeros(bias.as_deref(), ys.c);
+    let bias = &bias[..];
     let (c, cin) = (&dw.conv, xs.c);
     let mid = Nhwc { c: b.n, ..xs };
     let row_len = ys.w * ys.c;
@@ -296,10 +289,10 @@ pub fn can_pair<T: Elem>(pw: &PackedConv<T>, dw: &PackedConv<T>) -> bool {
 }
 
 /// Whether pointwise layer `pw` and depthwise layer `dw` (which reads `pw`'s output alone),
-/// `xs` → `ys`, should run as one ([`pointwise_depthwise`]) and in bands of how many output rows. It pays
-/// where `pw`'s output outgrows the L2 caches of the `threads` workers (`l2` bytes each),
-/// which it would otherwise leave for the depthwise layer to read back, and serves where
-/// [`fused_band_rows`] finds bands within half an L2. Alternating in one process
+/// `xs` → `ys`, should run as one ([`pointwise_depthwise`]), and in bands of how many output
+/// rows. It pays where `pw`'s output outgrows the L2 caches of the `threads` workers (`l2`
+/// bytes each), which it would otherwise leave for the depthwise layer to read back, and
+/// serves where [`fused_band_rows`] finds bands within half an L2. Alternating in one process
 /// on a 2-vCPU Xeon (2 MB of L2 a core), MobileNetV3-Large FP32 b8's pairs took 0.63× (16 →
 /// 64 at 112², 26 MB), 0.86× (24 → 72 at 56², 7 MB), 0.91–0.94× (6–7 MB) as long fused, level
 /// at 3–4 MB, and 1.06–1.10× at 1.2–1.5 MB (14² and 7² maps, whose per-image GEMMs are small).

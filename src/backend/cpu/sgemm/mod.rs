@@ -950,7 +950,7 @@ fn row_outer_fits() -> usize {
 /// The L2 cache of one core in bytes: CPUID's extended leaf 0x8000_0006 on x86-64 (Intel and
 /// AMD both report it there), 256 KiB (the smallest of recent x86 cores) where it says
 /// nothing.
-fn l2_bytes() -> usize {
+pub(crate) fn l2_bytes() -> usize {
     match super::cache_leaf() {
         Some((ecx, _)) if ecx >> 16 > 0 => ((ecx >> 16) as usize) << 10,
         _ => 256 << 10,
