@@ -118,7 +118,12 @@ pub fn preferred() -> Simd {
 pub fn best() -> Simd {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        return if !std::arch::is_x86_feature_detected!("avx512f") {
+        // The AVX-512 paths ask for BW and VL beside F (bf16 loads of 16 lanes, masked):
+        // every AVX-512 core since Skylake-SP has them; Xeon Phi, which has not, runs AVX2.
+        let avx512 = std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vl");
+        return if !avx512 {
             Simd::Avx2Fma
         } else if super::amx::available() {
             Simd::Amx

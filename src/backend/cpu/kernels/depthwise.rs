@@ -49,11 +49,12 @@ fn bias_or_zeros(bias: Option<&[f32]>, channels: usize) -> std::borrow::Cow<'_, 
     bias.map_or_else(|| vec![0f32; channels].into(), std::borrow::Cow::Borrowed)
 }
 
-/// [`depthwise`] on storage the kernel reads itself (f32, bf16): f32 rows computed in place
-/// and the epilogue applied there; bf16 rows computed into a per-worker f32 row that the
-/// epilogue ([`Finish`]) narrows into the output.
+/// [`depthwise`] on storage the kernel reads itself (f32, bf16): each row by the AVX-512
+/// kernel ([`zmm_row`]) where it covers the layer, straight from and into the storage; else
+/// f32 rows computed in place and the epilogue applied there, bf16 rows computed into a
+/// per-worker f32 row that the epilogue ([`Finish`]) narrows into the output.
 #[allow(clippy::too_many_arguments)]
-fn direct<S: Lanes>(
+fn direct<S: Wide>(
     c: &Conv2d,
     w: &[f32],
     bias: &[f32],
@@ -70,21 +71,14 @@ fn direct<S: Lanes>(
         .for_each(|(row, out)| {
             let input = tap_rows(c, x, xs, row / ys.h, row % ys.h);
             let residual = residual.map(|r| &r[row * row_len..][..row_len]);
-            let kernel = |acc: &mut [f32]| {
-                with_simd(DepthwiseRow {
-                    acc,
-                    input: &input,
-                    w,
-                    bias,
-                    c,
-                    width: xs.w,
-                })
-            };
+            if zmm_row(c, &input, (w, bias), out, xs.w, (residual, act)) {
+                return;
+            }
             match S::as_f32_mut(out) {
-                Some(values) => f32_row(c, &input, (w, bias), values, xs.w, (residual, act)),
+                Some(values) => vectorised_row(c, &input, (w, bias), values, xs.w, (residual, act)),
                 None => SCRATCH.with_borrow_mut(|(_, wide)| {
                     wide.resize(row_len, 0.0);
-                    kernel(wide);
+                    vectorised_row(c, &input, (w, bias), wide, xs.w, (None, Act::None));
                     with_simd(Finish {
                         values: wide,
                         residual,
@@ -96,9 +90,29 @@ fn direct<S: Lanes>(
         });
 }
 
-/// One output row of f32 storage, finished (`fin`: the residual row and the activation): the
-/// AVX-512 kernel where it covers the layer, else [`DepthwiseRow`] and [`Finish`].
-fn f32_row<S: Lanes>(
+/// One output row into `out` (f32 or bf16), finished (`fin`: the residual row and the
+/// activation), by the AVX-512 kernel written with intrinsics ([`zmm`]) where it covers the
+/// layer's shape and the SIMD path in use; `false` (nothing written) where it does not.
+fn zmm_row<I: Wide, O: Wide>(
+    c: &Conv2d,
+    input: &[Option<&[I]>],
+    weights: (&[f32], &[f32]),
+    out: &mut [O],
+    width: usize,
+    fin: (Option<&[O]>, Act),
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return zmm::row(c, input, weights, out, width, fin);
+    #[cfg(not(target_arch = "x86_64"))]
+    return {
+        let _ = (c, input, weights, out, width, fin);
+        false
+    };
+}
+
+/// One output row of f32 `values`, finished, by the vectorised kernel ([`DepthwiseRow`]) and
+/// then [`Finish`] where there is an epilogue.
+fn vectorised_row<S: Lanes>(
     c: &Conv2d,
     input: &[Option<&[S]>],
     (w, bias): (&[f32], &[f32]),
@@ -106,9 +120,6 @@ fn f32_row<S: Lanes>(
     width: usize,
     (residual, act): (Option<&[S]>, Act),
 ) {
-    if S::row_zmm(c, input, (w, bias), values, width, (residual, act)) {
-        return;
-    }
     with_simd(DepthwiseRow {
         acc: &mut *values,
         input,
@@ -255,8 +266,17 @@ pub fn pointwise_depthwise<T: Elem>(
                 let out = unsafe {
                     std::slice::from_raw_parts_mut(out.add((n * ys.h + oy) * row_len), row_len)
                 };
+                // bf16 rows straight from the kernel's registers where it covers the layer.
+                let fin = (None, c.act);
+                if let Some(o) = T::as_bf16_mut(&mut *out)
+                    && zmm_row(c, &input, (w, bias), o, mid.w, fin)
+                {
+                    continue;
+                }
                 as_f32_row(out, cols, |values| {
-                    f32_row(c, &input, (w, bias), values, mid.w, (None, c.act))
+                    if !zmm_row(c, &input, (w, bias), values, mid.w, (None, c.act)) {
+                        vectorised_row(c, &input, (w, bias), values, mid.w, (None, c.act));
+                    }
                 });
             }
         });
@@ -415,20 +435,6 @@ pub(super) fn as_f32_row<T: Elem>(out: &mut [T], wide: &mut Vec<f32>, f: impl Fn
 pub(super) trait Lanes: Elem {
     fn wide(self) -> f32;
     fn from_wide(v: f32) -> Self;
-
-    /// One output row (`out`, with its epilogue: the residual row and the activation) by the
-    /// AVX-512 kernel written with intrinsics ([`zmm`]) where it covers the storage, the
-    /// layer's shape and the SIMD path in use; `false` (nothing written) where it does not.
-    fn row_zmm(
-        _c: &Conv2d,
-        _input: &[Option<&[Self]>],
-        _weights: (&[f32], &[f32]),
-        _out: &mut [f32],
-        _width: usize,
-        _fin: (Option<&[Self]>, Act),
-    ) -> bool {
-        false
-    }
 }
 
 impl Lanes for f32 {
@@ -440,23 +446,6 @@ impl Lanes for f32 {
     fn from_wide(v: f32) -> Self {
         v
     }
-
-    fn row_zmm(
-        c: &Conv2d,
-        input: &[Option<&[f32]>],
-        weights: (&[f32], &[f32]),
-        out: &mut [f32],
-        width: usize,
-        fin: (Option<&[f32]>, Act),
-    ) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        return zmm::row(c, input, weights, out, width, fin);
-        #[cfg(not(target_arch = "x86_64"))]
-        return {
-            let _ = (c, input, weights, out, width, fin);
-            false
-        };
-    }
 }
 
 impl Lanes for bf16 {
@@ -467,6 +456,81 @@ impl Lanes for bf16 {
     #[inline(always)]
     fn from_wide(v: f32) -> Self {
         f32_bf16(v)
+    }
+}
+
+/// Storage the AVX-512 kernels written with intrinsics read and write (the stems', the
+/// depthwise rows'): f32, or bf16 widened as it is read and narrowed in registers as it is
+/// stored (to nearest, ties to even, as [`crate::backend::cpu::elem::f32_bf16`]).
+pub(super) trait Wide: Lanes + Default {
+    /// The lanes of `mask` of `v` stored at `p`.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; those lanes' places at `p` are writable.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn store(p: *mut Self, mask: std::arch::x86_64::__mmask16, v: std::arch::x86_64::__m512);
+
+    /// The lanes of `mask` from `p`, the others zero.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F, BW and VL; those lanes' places at `p` are readable.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load(p: *const Self, mask: std::arch::x86_64::__mmask16)
+    -> std::arch::x86_64::__m512;
+}
+
+impl Wide for f32 {
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, mask: std::arch::x86_64::__mmask16, v: std::arch::x86_64::__m512) {
+        // SAFETY: the caller's.
+        unsafe { std::arch::x86_64::_mm512_mask_storeu_ps(p, mask, v) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load(p: *const f32, mask: std::arch::x86_64::__mmask16) -> std::arch::x86_64::__m512 {
+        // SAFETY: the caller's.
+        unsafe { std::arch::x86_64::_mm512_maskz_loadu_ps(mask, p) }
+    }
+}
+
+impl Wide for bf16 {
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn store(
+        p: *mut bf16,
+        mask: std::arch::x86_64::__mmask16,
+        v: std::arch::x86_64::__m512,
+    ) {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's (AVX-512F; the store writes the lanes of `mask` alone).
+        unsafe {
+            let x = _mm512_castps_si512(v);
+            let high = _mm512_srli_epi32::<16>(x);
+            let lsb = _mm512_and_si512(high, _mm512_set1_epi32(1));
+            let up = _mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+            let rounded = _mm512_srli_epi32::<16>(up);
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+            let quiet = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
+            let bits = _mm512_mask_mov_epi32(rounded, nan, quiet);
+            _mm512_mask_cvtepi32_storeu_epi16(p.cast(), mask, bits);
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load(
+        p: *const bf16,
+        mask: std::arch::x86_64::__mmask16,
+    ) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's (AVX-512BW and VL: the AVX-512 paths ask for them; the load
+        // reads the lanes of `mask` alone). bf16 is f32's upper half.
+        unsafe {
+            let x = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p.cast()));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(x))
+        }
     }
 }
 
@@ -701,7 +765,7 @@ mod zmm {
     use std::arch::x86_64::*;
 
     use super::super::activation::activate_zmm;
-    use super::RUN_BYTES;
+    use super::{RUN_BYTES, Wide};
     use crate::backend::cpu::simd::{Simd, simd};
     use crate::model::op::{Act, Conv2d};
 
@@ -713,13 +777,13 @@ mod zmm {
     /// 7×7 at stride 1, without dilation, where the SIMD path in use is AVX-512's; `false`
     /// (nothing written) otherwise. `input` holds the tap rows (`None` in the padding), each
     /// `width` pixels of `bias.len()` channels; `w` is (ky, kx, channel).
-    pub(super) fn row(
+    pub(super) fn row<I: Wide, O: Wide>(
         c: &Conv2d,
-        input: &[Option<&[f32]>],
+        input: &[Option<&[I]>],
         (w, bias): (&[f32], &[f32]),
-        acc: &mut [f32],
+        acc: &mut [O],
         width: usize,
-        (residual, act): (Option<&[f32]>, Act),
+        (residual, act): (Option<&[O]>, Act),
     ) -> bool {
         let wide = matches!(simd(), Simd::Avx512 | Simd::Avx512Bf16 | Simd::Amx);
         let k = c.kernel.1;
@@ -741,11 +805,11 @@ mod zmm {
         // and output have the lengths asserted above.
         unsafe {
             match (k, c.stride.1) {
-                (3, 1) => row_k::<3, 1, 8>(input, at, acc),
-                (5, 1) => row_k::<5, 1, 8>(input, at, acc),
-                (7, 1) => row_k::<7, 1, 8>(input, at, acc),
-                (3, 2) => row_k::<3, 2, 4>(input, at, acc),
-                (5, 2) => row_k::<5, 2, 4>(input, at, acc),
+                (3, 1) => row_k::<I, O, 3, 1, 8>(input, at, acc),
+                (5, 1) => row_k::<I, O, 5, 1, 8>(input, at, acc),
+                (7, 1) => row_k::<I, O, 7, 1, 8>(input, at, acc),
+                (3, 2) => row_k::<I, O, 3, 2, 4>(input, at, acc),
+                (5, 2) => row_k::<I, O, 5, 2, 4>(input, at, acc),
                 _ => return false,
             }
         }
@@ -758,21 +822,21 @@ mod zmm {
     ///
     /// # Safety
     /// The CPU has AVX-512F; the lengths are as [`row`] asserts.
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     #[allow(clippy::type_complexity)]
-    unsafe fn row_k<const K: usize, const S: usize, const P: usize>(
-        input: &[Option<&[f32]>],
+    unsafe fn row_k<I: Wide, O: Wide, const K: usize, const S: usize, const P: usize>(
+        input: &[Option<&[I]>],
         ((w, bias), (pad, width), (residual, act)): (
             (&[f32], &[f32]),
             (usize, usize),
-            (Option<&[f32]>, Act),
+            (Option<&[O]>, Act),
         ),
-        acc: &mut [f32],
+        acc: &mut [O],
     ) {
         let ch = bias.len();
         let out_w = acc.len() / ch;
         let span = (P - 1) * S + K;
-        let group = (RUN_BYTES / (span * K * 4) / BLOCK * BLOCK).max(BLOCK);
+        let group = (RUN_BYTES / (span * K * size_of::<I>()) / BLOCK * BLOCK).max(BLOCK);
         // Output pixels lo..hi read no padding: ox·S ≥ pad and ox·S + K − 1 − pad < width.
         let lo = pad.div_ceil(S).min(out_w);
         let hi = if width + pad >= K {
@@ -792,21 +856,17 @@ mod zmm {
                     // and, outside `inside` runs, checked against the row's width.
                     unsafe {
                         let sums = if inside {
-                            sums::<K, S, P, false>(input, w, bias, at)
+                            sums::<I, K, S, P, false>(input, w, bias, at)
                         } else {
-                            sums::<K, S, P, true>(input, w, bias, at)
+                            sums::<I, K, S, P, true>(input, w, bias, at)
                         };
                         for (p, v) in sums.iter().enumerate().take(valid) {
                             let at = (ox0 + p) * ch + c0;
                             let v = match residual {
-                                Some(r) => _mm512_add_ps(
-                                    *v,
-                                    _mm512_maskz_loadu_ps(mask, r.as_ptr().add(at)),
-                                ),
+                                Some(r) => _mm512_add_ps(*v, O::load(r.as_ptr().add(at), mask)),
                                 None => *v,
                             };
-                            let v = activate_zmm(act, v);
-                            _mm512_mask_storeu_ps(acc.as_mut_ptr().add(at), mask, v);
+                            O::store(acc.as_mut_ptr().add(at), mask, activate_zmm(act, v));
                         }
                     }
                 }
@@ -822,8 +882,8 @@ mod zmm {
     /// As for [`row_k`]; without `EDGE`, input columns x0..x0 + (P − 1)·S + K are inside the
     /// rows.
     #[inline(always)]
-    unsafe fn sums<const K: usize, const S: usize, const P: usize, const EDGE: bool>(
-        input: &[Option<&[f32]>],
+    unsafe fn sums<I: Wide, const K: usize, const S: usize, const P: usize, const EDGE: bool>(
+        input: &[Option<&[I]>],
         w: &[f32],
         bias: &[f32],
         (x0, width, ch, c0, mask): (isize, usize, usize, usize, __mmask16),
@@ -841,7 +901,7 @@ mod zmm {
                     if EDGE && (ix < 0 || ix as usize >= width) {
                         continue;
                     }
-                    let x = _mm512_maskz_loadu_ps(mask, row.as_ptr().add(ix as usize * ch + c0));
+                    let x = I::load(row.as_ptr().add(ix as usize * ch + c0), mask);
                     for (p, acc) in acc.iter_mut().enumerate() {
                         // Input pixel j is tap j − p·S of output pixel p.
                         if j >= p * S && j - p * S < K {
@@ -1448,6 +1508,45 @@ mod tests {
                         e.to_bits(),
                         "{ch} channels {k}×{k} stride {st} pad {pad}, {h}×{w}, {act:?}: row {oy} \
                          value {i}: {g} against {e}"
+                    );
+                }
+                // bf16 storage: read and written by the same kernel in place, against the
+                // vectorised kernel's f32 row finished and narrowed.
+                let x16: Vec<bf16> = x.iter().map(|&v| f32_bf16(v)).collect();
+                let res16: Option<Vec<bf16>> =
+                    res.map(|r| r.iter().map(|&v| f32_bf16(v)).collect());
+                let input16 = tap_rows(&c, &x16, xs, 0, oy);
+                let mut got16 = vec![bf16::NAN; ow * ch];
+                assert!(zmm::row(
+                    &c,
+                    &input16,
+                    (&wt, &bias),
+                    &mut got16,
+                    w,
+                    (res16.as_deref(), act)
+                ));
+                let mut wide = vec![f32::NAN; ow * ch];
+                let mut want16 = vec![bf16::NAN; ow * ch];
+                with_simd(DepthwiseRow {
+                    acc: &mut wide,
+                    input: &input16,
+                    w: &wt,
+                    bias: &bias,
+                    c: &c,
+                    width: w,
+                });
+                with_simd(Finish::<bf16> {
+                    values: &mut wide,
+                    residual: res16.as_deref(),
+                    act,
+                    out: Some(&mut want16),
+                });
+                for (i, (g, e)) in got16.iter().zip(&want16).enumerate() {
+                    assert_eq!(
+                        g.to_bits(),
+                        e.to_bits(),
+                        "bf16, {ch} channels {k}×{k} stride {st} pad {pad}, {h}×{w}, {act:?}: \
+                         row {oy} value {i}: {g} against {e}"
                     );
                 }
             }

@@ -17,6 +17,7 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::conv::{TilePtr, work_items};
+use super::depthwise::Wide;
 use super::*;
 use crate::backend::cpu::bf16_gemm::{PANEL, PackedPairs};
 use crate::backend::cpu::sgemm::{NR, PackedB};
@@ -136,91 +137,12 @@ pub(super) fn conv2d_stem_f32<E: Wide>(
     unsafe { job.launch((c.taps(), b.panels()), threads, rows_f32::<E>) };
 }
 
-/// The storage [`conv2d_stem_f32`] reads and writes: f32, or bf16 widened as it is read and
-/// narrowed in registers as it is stored (to nearest, ties to even, as
-/// [`crate::backend::cpu::elem::f32_bf16`]).
-pub(super) trait Wide: Lanes + Default {
-    /// The lanes of `mask` of `v` stored at `p`.
-    ///
-    /// # Safety
-    /// The CPU has AVX-512F; those lanes' places at `p` are writable.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn store(p: *mut Self, mask: std::arch::x86_64::__mmask16, v: std::arch::x86_64::__m512);
-
-    /// The lanes of `mask` from `p`, the others zero.
-    ///
-    /// # Safety
-    /// The CPU has AVX-512F; those lanes' places at `p` are readable.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn load(p: *const Self, mask: std::arch::x86_64::__mmask16)
-    -> std::arch::x86_64::__m512;
-}
-
-impl Wide for f32 {
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn store(p: *mut f32, mask: std::arch::x86_64::__mmask16, v: std::arch::x86_64::__m512) {
-        // SAFETY: the caller's.
-        unsafe { std::arch::x86_64::_mm512_mask_storeu_ps(p, mask, v) }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load(p: *const f32, mask: std::arch::x86_64::__mmask16) -> std::arch::x86_64::__m512 {
-        // SAFETY: the caller's.
-        unsafe { std::arch::x86_64::_mm512_maskz_loadu_ps(mask, p) }
-    }
-}
-
-impl Wide for bf16 {
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn store(
-        p: *mut bf16,
-        mask: std::arch::x86_64::__mmask16,
-        v: std::arch::x86_64::__m512,
-    ) {
-        use std::arch::x86_64::*;
-        // SAFETY: the caller's (AVX-512F; the store writes the lanes of `mask` alone).
-        unsafe {
-            let x = _mm512_castps_si512(v);
-            let high = _mm512_srli_epi32::<16>(x);
-            let lsb = _mm512_and_si512(high, _mm512_set1_epi32(1));
-            let up = _mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-            let rounded = _mm512_srli_epi32::<16>(up);
-            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
-            let quiet = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
-            let bits = _mm512_mask_mov_epi32(rounded, nan, quiet);
-            _mm512_mask_cvtepi32_storeu_epi16(p.cast(), mask, bits);
-        }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load(
-        p: *const bf16,
-        mask: std::arch::x86_64::__mmask16,
-    ) -> std::arch::x86_64::__m512 {
-        // Value by value: BF16 stems with a residual are not run here (see `PackedConv`'s
-        // `stem_f32`); this serves the tests.
-        let mut lanes = [0f32; 16];
-        for (i, lane) in lanes.iter_mut().enumerate() {
-            if mask >> i & 1 == 1 {
-                // SAFETY: the caller's: lane i's place is readable.
-                *lane = unsafe { p.add(i).read() }.wide();
-            }
-        }
-        // SAFETY: the caller's (AVX-512F).
-        unsafe { std::arch::x86_64::_mm512_loadu_ps(lanes.as_ptr()) }
-    }
-}
-
 /// [`conv2d_stem_f32`]'s output rows [m0, m0 + mr), panels [p0, p1).
 ///
 /// # Safety
 /// The CPU has AVX-512F; nobody else writes those rows' panels meanwhile.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn rows_f32<E: Wide>(
     job: &Job<'_, E, PackedB<f32>>,
     m0: usize,
@@ -302,7 +224,7 @@ unsafe fn pixels_f32<E: Wide, const Q: usize>(
 /// The CPU has AVX-512F; each line has `run` readable values, each `w[i]` `run` rows of
 /// [`NR`].
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn kernel_row_f32<E: Wide, const Q: usize>(
     acc: &mut [[std::arch::x86_64::__m512; Q]; PIXELS],
     lines: &[*const E; PIXELS],
