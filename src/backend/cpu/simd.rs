@@ -10,8 +10,8 @@ pub enum Simd {
     Portable,
     /// AVX2 and FMA (x86-64 since Haswell and Zen).
     Avx2Fma,
-    /// AVX-512 Foundation (with AVX2 and FMA), without bf16 pairs: Skylake-SP, Cascade Lake,
-    /// Ice Lake.
+    /// AVX-512 Foundation, BW and VL (with AVX2 and FMA), without bf16 pairs: Skylake-SP,
+    /// Cascade Lake, Ice Lake.
     Avx512,
     /// AVX-512 and AVX512_BF16 (Zen 4 and 5, Cooper Lake): BF16 sessions' convolutions
     /// multiply bf16 pairs with `vdpbf16ps` ([`super::bf16_gemm`]), the rest as on AVX-512.
