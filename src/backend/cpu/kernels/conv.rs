@@ -632,6 +632,22 @@ pub fn conv2d<T: Elem>(
     threads: usize,
     residual: Option<&[T]>,
 ) {
+    conv2d_squeezed(p, x, xs, y, ys, threads, residual, None);
+}
+
+/// [`conv2d`], and where `sums` is given and the layer is depthwise, its output rows' sums per
+/// channel written there as well (see [`depthwise`]): returns whether they were.
+#[allow(clippy::too_many_arguments)]
+pub fn conv2d_squeezed<T: Elem>(
+    p: &PackedConv<T>,
+    x: &[T],
+    xs: Nhwc,
+    y: &mut [T],
+    ys: Nhwc,
+    threads: usize,
+    residual: Option<&[T]>,
+    sums: Option<&mut [f32]>,
+) -> bool {
     let epilogue = Epilogue {
         residual,
         act: p.conv.act,
@@ -647,10 +663,26 @@ pub fn conv2d<T: Elem>(
             y,
             ys,
             &epilogue,
+            sums,
         );
     }
+    conv2d_dense(p, x, xs, y, ys, threads, &epilogue);
+    false
+}
+
+/// [`conv2d`] of a layer that is not depthwise.
+fn conv2d_dense<T: Elem>(
+    p: &PackedConv<T>,
+    x: &[T],
+    xs: Nhwc,
+    y: &mut [T],
+    ys: Nhwc,
+    threads: usize,
+    epilogue: &Epilogue<'_, T>,
+) {
+    let residual = epilogue.residual;
     if let Some(w) = &p.winograd {
-        crate::backend::cpu::winograd::conv2d(w, &p.conv, x, xs, y, ys, &epilogue);
+        crate::backend::cpu::winograd::conv2d(w, &p.conv, x, xs, y, ys, epilogue);
         return;
     }
     if let Some(b) = &p.pairs {
@@ -660,7 +692,7 @@ pub fn conv2d<T: Elem>(
             let residual = residual.map(|r| T::as_bf16(r).expect(bf));
             return super::stem::conv2d_stem(&p.conv, b, x, xs, y, ys, threads, residual);
         }
-        return conv2d_pairs(p, b, x, xs, y, ys, threads, &epilogue);
+        return conv2d_pairs(p, b, x, xs, y, ys, threads, epilogue);
     }
     // A BF16 stem that does not multiply pairs runs on the FP32 direct kernel, reading and
     // writing bf16, where there is one (AVX-512).
@@ -709,7 +741,7 @@ pub fn conv2d<T: Elem>(
                 out,
                 cout,
                 res,
-                &epilogue,
+                epilogue,
             );
         });
     });

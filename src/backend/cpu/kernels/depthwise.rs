@@ -13,7 +13,10 @@ use crate::model::op::{Act, Conv2d};
 
 /// Depthwise convolution (one filter per channel) with its epilogue, one output row per work
 /// item ([`DepthwiseRow`]), then the epilogue on the finished row ([`Finish`]). f32 and bf16
-/// activations are read where they are; f16 goes through widened input rows.
+/// activations are read where they are; f16 goes through widened input rows. With `sums`
+/// (n·h rows of c floats), each output row's sums per channel ([`row_sums`]) are written
+/// there as the row is finished, for a global average pool that reads the output next
+/// ([`mean_of_row_sums`]); returns whether they were (f32 and bf16 on the FMA kernels).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn depthwise<T: Elem>(
     c: &Conv2d,
@@ -24,24 +27,47 @@ pub(super) fn depthwise<T: Elem>(
     y: &mut [T],
     ys: Nhwc,
     epilogue: &Epilogue<'_, T>,
-) {
+    sums: Option<&mut [f32]>,
+) -> bool {
     let bias = bias_or_zeros(bias, ys.c);
     let bias = &bias[..];
     let y = &mut y[..ys.elems()];
     let residual = epilogue.residual;
     let act = epilogue.act;
+    let made = sums.is_some();
+    let sums = sums.map(|s| {
+        assert!(
+            s.len() >= ys.n * ys.h * ys.c,
+            "depthwise: row sums too short"
+        );
+        TilePtr(s.as_mut_ptr())
+    });
     if let (Some(x), Some(y)) = (T::as_f32(x), T::as_f32_mut(y)) {
         let residual = residual.map(|r| T::as_f32(r).expect("f32 like the output"));
-        return direct(c, dw, bias, x, xs, y, ys, residual, act);
+        direct(c, dw, bias, x, xs, y, ys, residual, act, sums);
+        return made;
     }
     if let (Some(x), Some(y)) = (T::as_bf16(x), T::as_bf16_mut(y)) {
         let residual = residual.map(|r| T::as_bf16(r).expect("bf16 like the output"));
         if let Some(p) = pairs {
-            return p.run(c, bias, x, xs, y, ys, residual, act);
+            p.run(c, bias, x, xs, y, ys, residual, act);
+            return false;
         }
-        return direct(c, dw, bias, x, xs, y, ys, residual, act);
+        direct(c, dw, bias, x, xs, y, ys, residual, act, sums);
+        return made;
     }
     widened(c, dw, bias, x, xs, y, ys, epilogue);
+    false
+}
+
+/// Row `row`'s `ch` sums in `sums` (see [`depthwise`]), from the finished output row `out`.
+///
+/// # Safety
+/// `sums` has n·h rows of `ch` floats; this worker alone writes row `row`.
+unsafe fn put_row_sums<S: Lanes>(sums: TilePtr<f32>, row: usize, ch: usize, out: &[S]) {
+    // SAFETY: the caller's.
+    let dst = unsafe { std::slice::from_raw_parts_mut(sums.add(row * ch), ch) };
+    row_sums(out, dst);
 }
 
 /// A depthwise layer's bias, or `channels` zeros where it has none.
@@ -64,6 +90,7 @@ fn direct<S: Wide>(
     ys: Nhwc,
     residual: Option<&[S]>,
     act: Act,
+    sums: Option<TilePtr<f32>>,
 ) {
     let row_len = ys.w * ys.c;
     y.par_chunks_mut(row_len)
@@ -71,23 +98,41 @@ fn direct<S: Wide>(
         .for_each(|(row, out)| {
             let input = tap_rows(c, x, xs, row / ys.h, row % ys.h);
             let residual = residual.map(|r| &r[row * row_len..][..row_len]);
-            if zmm_row(c, &input, (w, bias), out, xs.w, (residual, act)) {
-                return;
+            if !zmm_row(c, &input, (w, bias), out, xs.w, (residual, act)) {
+                other_row(c, &input, (w, bias), out, xs.w, (residual, act));
             }
-            match S::as_f32_mut(out) {
-                Some(values) => vectorised_row(c, &input, (w, bias), values, xs.w, (residual, act)),
-                None => SCRATCH.with_borrow_mut(|(_, wide)| {
-                    wide.resize(row_len, 0.0);
-                    vectorised_row(c, &input, (w, bias), wide, xs.w, (None, Act::None));
-                    with_simd(Finish {
-                        values: wide,
-                        residual,
-                        act,
-                        out: Some(out),
-                    })
-                }),
+            if let Some(sums) = sums {
+                // SAFETY: `depthwise` checked the sums' length; row `row` is this item's.
+                unsafe { put_row_sums(sums, row, ys.c, out) };
             }
         });
+}
+
+/// One output row of [`direct`] where the AVX-512 kernel does not cover it: f32 rows computed
+/// in place and finished there, bf16 rows computed into a per-worker f32 row that
+/// [`Finish`] narrows into `out`.
+fn other_row<S: Wide>(
+    c: &Conv2d,
+    input: &[Option<&[S]>],
+    (w, bias): (&[f32], &[f32]),
+    out: &mut [S],
+    width: usize,
+    (residual, act): (Option<&[S]>, Act),
+) {
+    let row_len = out.len();
+    match S::as_f32_mut(out) {
+        Some(values) => vectorised_row(c, input, (w, bias), values, width, (residual, act)),
+        None => SCRATCH.with_borrow_mut(|(_, wide)| {
+            wide.resize(row_len, 0.0);
+            vectorised_row(c, input, (w, bias), wide, width, (None, Act::None));
+            with_simd(Finish {
+                values: wide,
+                residual,
+                act,
+                out: Some(out),
+            })
+        }),
+    }
 }
 
 /// One output row into `out` (f32 or bf16), finished (`fin`: the residual row and the
@@ -187,6 +232,9 @@ pub fn fused_band_rows(
 /// ~16 MB) copied at ~24 GB/s, MobileNetV3-Large's first pair (16 → 64 channels at 112², 26 MB
 /// between them at batch 8, FP32) took 2.9 ms apart and 1.8 ms fused. The results are the
 /// unfused pair's, bit for bit: the same GEMM tiles over the same K, the same depthwise rows.
+/// With `sums`, the depthwise rows' sums as [`depthwise`] writes them (f32 and bf16 storage:
+/// returns whether they were).
+#[allow(clippy::too_many_arguments)]
 pub fn pointwise_depthwise<T: Elem>(
     pw: &PackedConv<T>,
     dw: &PackedConv<T>,
@@ -195,7 +243,16 @@ pub fn pointwise_depthwise<T: Elem>(
     y: &mut [T],
     ys: Nhwc,
     band: usize,
-) {
+    sums: Option<&mut [f32]>,
+) -> bool {
+    // Row sums as `depthwise` makes them, of f32 and bf16 rows.
+    let sums = sums
+        .filter(|_| T::IS_F32 || T::as_bf16(&[T::default()]).is_some())
+        .map(|s| {
+            assert!(s.len() >= ys.n * ys.h * ys.c, "pair: row sums too short");
+            TilePtr(s.as_mut_ptr())
+        });
+    let made = sums.is_some();
     let (Some((w, bias)), [b]) = (&dw.depthwise, pw.groups.as_slice()) else {
         unreachable!("a fused pair is an ungrouped pointwise layer and a depthwise one");
     };
@@ -268,19 +325,32 @@ pub fn pointwise_depthwise<T: Elem>(
                 };
                 // bf16 rows straight from the kernel's registers where it covers the layer.
                 let fin = (None, c.act);
-                if let Some(o) = T::as_bf16_mut(&mut *out)
-                    && zmm_row(c, &input, (w, bias), o, mid.w, fin)
-                {
-                    continue;
+                let done = match T::as_bf16_mut(&mut *out) {
+                    Some(o) => zmm_row(c, &input, (w, bias), o, mid.w, fin),
+                    None => false,
+                };
+                if !done {
+                    as_f32_row(out, cols, |values| {
+                        if !zmm_row(c, &input, (w, bias), values, mid.w, (None, c.act)) {
+                            vectorised_row(c, &input, (w, bias), values, mid.w, (None, c.act));
+                        }
+                    });
                 }
-                as_f32_row(out, cols, |values| {
-                    if !zmm_row(c, &input, (w, bias), values, mid.w, (None, c.act)) {
-                        vectorised_row(c, &input, (w, bias), values, mid.w, (None, c.act));
+                if let Some(sums) = sums {
+                    let row = n * ys.h + oy;
+                    // SAFETY: the sums' length is checked above; row `row` is this item's.
+                    unsafe {
+                        match (T::as_f32(out), T::as_bf16(out)) {
+                            (Some(o), _) => put_row_sums(sums, row, ys.c, o),
+                            (_, Some(o)) => put_row_sums(sums, row, ys.c, o),
+                            _ => unreachable!("sums are made of f32 and bf16 rows"),
+                        }
                     }
-                });
+                }
             }
         });
     });
+    made
 }
 
 /// `values` rounded to `T`'s precision, as storing them in `T` and reading them back would.
@@ -1627,7 +1697,20 @@ mod tests {
                 conv2d(&dw, &mid, ms, &mut want, ys, 2, None);
                 for band in 1..=oh {
                     let mut got = vec![T::from_f32(f32::NAN); ys.elems()];
-                    pointwise_depthwise(&pw, &dw, &x, xs, &mut got, ys, band);
+                    let mut sums = vec![f32::NAN; ys.n * ys.h * ys.c];
+                    let made =
+                        pointwise_depthwise(&pw, &dw, &x, xs, &mut got, ys, band, Some(&mut sums));
+                    // Each row's sums, where the storage makes them (f32, bf16): its values'.
+                    assert_eq!(made, T::PRECISION != crate::model::Precision::Fp16);
+                    let ch = ys.c;
+                    let rows = want.chunks(ys.w * ch).zip(sums.chunks(ch));
+                    for (r, (row, got)) in rows.enumerate().filter(|_| made) {
+                        let wide: Vec<f32> = row.iter().map(|v| v.to_f32()).collect();
+                        let mut sum = vec![0f32; ch];
+                        super::super::pool::row_sums(&wide, &mut sum);
+                        let bits = |s: &[f32]| s.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(got), bits(&sum), "band {band}: row {r}'s sums");
+                    }
                     for (i, (g, e)) in got.iter().zip(&want).enumerate() {
                         let (g, e) = (g.to_f32(), e.to_f32());
                         assert_eq!(
@@ -1766,7 +1849,7 @@ mod tests {
             let mut got = vec![bf16::NAN; ys.elems()];
             pairs.run(&c, &bias, &x, xs, &mut got, ys, res, c.act);
             let mut want = vec![bf16::NAN; ys.elems()];
-            direct(&c, &dw, &bias, &x, xs, &mut want, ys, res, c.act);
+            direct(&c, &dw, &bias, &x, xs, &mut want, ys, res, c.act, None);
             for (i, (g, e)) in got.iter().zip(&want).enumerate() {
                 let (g, e) = (g.to_f32(), e.to_f32());
                 assert!(

@@ -4,7 +4,7 @@ use rayon::prelude::*;
 
 use super::*;
 use crate::backend::cpu::elem::Elem;
-use crate::backend::cpu::simd::{Vectorised, with_simd};
+use crate::backend::cpu::simd::{Vectorised, ZipWith, with_simd};
 use crate::model::op::Pool;
 use crate::model::reference::adaptive_bins;
 
@@ -242,11 +242,12 @@ pub fn adaptive_avg_pool<T: Elem>(x: &[T], xs: Nhwc, y: &mut [T], ys: Nhwc) {
 }
 
 /// Global average pooling (an output of one pixel: every squeeze-and-excitation block's
-/// squeeze, a classifier's pooling), one image per work item: its pixels summed four at a
-/// time into one row of sums, read in place (bf16 widened in the vectorised loop). The
-/// general loop above widened each pixel by a call of its own and added it to the sums one
-/// pixel at a time: EfficientNet-B0's first squeeze (32 channels, 112², BF16 batch 8) took
-/// 0.40 ms there, OpenVINO's 0.14.
+/// squeeze, a classifier's pooling), one image per work item: each row's pixels summed four
+/// at a time ([`row_sums`]), the rows' sums added in order, read in place (bf16 widened in the
+/// vectorised loop). The general loop above widened each pixel by a call of its own and added
+/// it to the sums one pixel at a time: EfficientNet-B0's first squeeze (32 channels, 112²,
+/// BF16 batch 8) took 0.40 ms there, OpenVINO's 0.14. Row by row so that a depthwise layer can
+/// hand its rows' sums over as it writes them ([`mean_of_row_sums`]), the same values.
 fn global_avg_pool<S: super::depthwise::Lanes, T: Elem>(x: &[S], xs: Nhwc, y: &mut [T]) {
     let (ch, pixels) = (xs.c, xs.h * xs.w);
     if ch == 0 {
@@ -257,14 +258,49 @@ fn global_avg_pool<S: super::depthwise::Lanes, T: Elem>(x: &[S], xs: Nhwc, y: &m
         .enumerate()
         .for_each(|(n, out)| {
             let image = &x[n * pixels * ch..][..pixels * ch];
+            let mut row = vec![0f32; ch];
             SCRATCH.with_borrow_mut(|(_, wide_out)| {
-                as_f32_row(out, wide_out, |sums| with_simd(PixelSum { sums, image }))
+                as_f32_row(out, wide_out, |sums| {
+                    sums.fill(0.0);
+                    for line in image.chunks_exact(xs.w * ch) {
+                        row_sums(line, &mut row);
+                        with_simd(ZipWith(sums, &row, |s: &mut f32, r: &f32| *s += r));
+                    }
+                    let count = pixels as f32;
+                    sums.iter_mut().for_each(|s| *s /= count);
+                })
             });
         });
 }
 
-/// The mean of an image's pixels (`image`, NHWC) into `sums`, one value per channel (at
-/// least one channel).
+/// The sums per channel of one row of pixels (`row`, NHWC, `sums.len()` channels, at least
+/// one), into `sums`: what [`global_avg_pool`] adds up for each row.
+pub(super) fn row_sums<S: super::depthwise::Lanes>(row: &[S], sums: &mut [f32]) {
+    with_simd(PixelSum { sums, image: row })
+}
+
+/// The global average pool of an image batch (`xs`) from its rows' sums per channel (`sums`,
+/// n·h rows of c, as [`row_sums`] makes them), into `y` (n × c): bit for bit what
+/// [`adaptive_avg_pool`] gives from the images themselves.
+pub fn mean_of_row_sums<T: Elem>(sums: &[f32], xs: Nhwc, y: &mut [T]) {
+    let (ch, pixels) = (xs.c, xs.h * xs.w);
+    if ch == 0 {
+        return;
+    }
+    let mut total = vec![0f32; ch];
+    for (n, out) in y[..xs.n * ch].chunks_mut(ch).enumerate() {
+        total.fill(0.0);
+        for row in sums[n * xs.h * ch..][..xs.h * ch].chunks_exact(ch) {
+            with_simd(ZipWith(&mut total, row, |s: &mut f32, r: &f32| *s += r));
+        }
+        let count = pixels as f32;
+        total.iter_mut().for_each(|s| *s /= count);
+        T::narrow(&total, out);
+    }
+}
+
+/// The sums of the pixels of `image` (NHWC: one row, or any run of pixels) into `sums`, one
+/// value per channel (at least one channel).
 struct PixelSum<'a, S> {
     sums: &'a mut [f32],
     image: &'a [S],
@@ -291,7 +327,5 @@ impl<S: super::depthwise::Lanes> Vectorised for PixelSum<'_, S> {
                 sums[i] += pixel[i].wide();
             }
         }
-        let count = (self.image.len() / ch) as f32;
-        sums.iter_mut().for_each(|s| *s /= count);
     }
 }
