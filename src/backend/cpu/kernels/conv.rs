@@ -676,7 +676,8 @@ pub fn conv2d<T: Elem>(
 }
 
 /// [`conv2d`], and where `sums` is given and the layer is depthwise, its output rows' sums per
-/// channel written there as well (see [`depthwise`]): returns whether they were.
+/// channel written there as well, for the global average pool that reads the output next
+/// ([`mean_of_row_sums`]): returns whether they were (f32 and bf16 on the FMA kernels).
 #[allow(clippy::too_many_arguments)]
 pub fn conv2d_squeezed<T: Elem>(
     p: &PackedConv<T>,

@@ -232,8 +232,8 @@ pub fn fused_band_rows(
 /// ~16 MB) copied at ~24 GB/s, MobileNetV3-Large's first pair (16 → 64 channels at 112², 26 MB
 /// between them at batch 8, FP32) took 2.9 ms apart and 1.8 ms fused. The results are the
 /// unfused pair's, bit for bit: the same GEMM tiles over the same K, the same depthwise rows.
-/// With `sums`, the depthwise rows' sums as [`depthwise`] writes them (f32 and bf16 storage:
-/// returns whether they were).
+/// With `sums`, the depthwise rows' sums as [`super::conv2d_squeezed`] writes them (f32 and
+/// bf16 storage: returns whether they were).
 #[allow(clippy::too_many_arguments)]
 pub fn pointwise_depthwise<T: Elem>(
     pw: &PackedConv<T>,

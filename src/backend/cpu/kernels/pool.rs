@@ -280,7 +280,7 @@ pub(super) fn row_sums<S: super::depthwise::Lanes>(row: &[S], sums: &mut [f32]) 
 }
 
 /// The global average pool of an image batch (`xs`) from its rows' sums per channel (`sums`,
-/// n·h rows of c, as [`row_sums`] makes them), into `y` (n × c): bit for bit what
+/// n·h rows of c, as `row_sums` makes them), into `y` (n × c): bit for bit what
 /// [`adaptive_avg_pool`] gives from the images themselves.
 pub fn mean_of_row_sums<T: Elem>(sums: &[f32], xs: Nhwc, y: &mut [T]) {
     let (ch, pixels) = (xs.c, xs.h * xs.w);
