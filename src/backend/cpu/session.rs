@@ -825,7 +825,7 @@ fn pairs<T: Elem>(plan: &Plan, steps: &[NodeKernel<T>]) -> Vec<bool> {
 /// storage (whose rows the pool's sums are made of) that a global average pool reads.
 fn squeezes<T: Elem>(plan: &Plan, steps: &[NodeKernel<T>]) -> Vec<bool> {
     let nodes = &plan.graph.nodes;
-    let storage = T::IS_F32 || T::as_bf16(&[T::default()]).is_some();
+    let storage = kernels::makes_row_sums::<T>();
     let mut squeezed = vec![false; steps.len()];
     for node in nodes {
         if let (Op::AdaptiveAvgPool { out: (1, 1) }, [d]) = (&node.op, node.inputs.as_slice())

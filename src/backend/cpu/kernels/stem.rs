@@ -543,57 +543,6 @@ mod tests {
     /// bf16 rounding of the result, the FP32 kernel within f32 rounding (its sums are fused
     /// multiply-adds, the loop's are not). Where the CPU runs neither it says so and checks
     /// nothing.
-    /// The bf16 store's narrowing in registers is `f32_bf16`'s, bit for bit: values that round
-    /// up, down and to even, signed zeros, infinities, overflow to infinity, NaNs; lanes
-    /// outside the mask are left alone. Where AVX-512 is not the path in use it checks nothing.
-    #[test]
-    #[cfg(target_arch = "x86_64")]
-    fn the_bf16_store_rounds_as_f32_bf16() {
-        use crate::backend::cpu::simd::{Simd, simd};
-        if !matches!(simd(), Simd::Avx512 | Simd::Avx512Bf16 | Simd::Amx) {
-            eprintln!("no AVX-512 here: the bf16 store is not exercised");
-            return;
-        }
-        let values: [f32; 16] = [
-            1.0,
-            f32::from_bits(0x3f80_8000), // a tie, to even (down)
-            f32::from_bits(0x3f81_8000), // a tie, to even (up)
-            f32::from_bits(0x3f80_8001), // just above a tie: up
-            f32::from_bits(0x3f80_7fff), // just below: down
-            -2.5,
-            0.0,
-            -0.0,
-            f32::INFINITY,
-            f32::NEG_INFINITY,
-            f32::MAX, // rounds to infinity
-            f32::NAN,
-            f32::from_bits(0xff80_0001), // a signalling NaN, negative
-            1e-40,                       // subnormal
-            -2.71875,
-            65504.0,
-        ];
-        for mask in [0xffffu16, 0x00ff, 0x8001] {
-            let mut out = [bf16::from_f32(7.0); 16];
-            // SAFETY: AVX-512F (checked above); 16 writable values.
-            unsafe {
-                let v = std::arch::x86_64::_mm512_loadu_ps(values.as_ptr());
-                <bf16 as Wide>::store(out.as_mut_ptr(), mask, v);
-            }
-            for (i, (o, v)) in out.iter().zip(values).enumerate() {
-                let want = if mask >> i & 1 == 1 {
-                    crate::backend::cpu::elem::f32_bf16(v)
-                } else {
-                    bf16::from_f32(7.0)
-                };
-                assert_eq!(
-                    o.to_bits(),
-                    want.to_bits(),
-                    "lane {i} ({v:e}), mask {mask:#x}"
-                );
-            }
-        }
-    }
-
     #[test]
     fn stems_match_a_plain_loop() {
         use crate::backend::cpu::simd::{Simd, simd};
