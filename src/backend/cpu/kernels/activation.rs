@@ -85,7 +85,6 @@ trait Vector: Copy {
     unsafe fn store(self, p: *mut f32);
     unsafe fn add(self, o: Self) -> Self;
     unsafe fn mul(self, o: Self) -> Self;
-    unsafe fn div(self, o: Self) -> Self;
     /// `o` where either is NaN, as `maxps` and `minps` do.
     unsafe fn max(self, o: Self) -> Self;
     unsafe fn min(self, o: Self) -> Self;
@@ -132,11 +131,6 @@ impl Vector for std::arch::x86_64::__m512 {
     #[inline]
     unsafe fn mul(self, o: Self) -> Self {
         std::arch::x86_64::_mm512_mul_ps(self, o)
-    }
-    #[target_feature(enable = "avx512f")]
-    #[inline]
-    unsafe fn div(self, o: Self) -> Self {
-        std::arch::x86_64::_mm512_div_ps(self, o)
     }
     #[target_feature(enable = "avx512f")]
     #[inline]
@@ -219,11 +213,6 @@ impl Vector for std::arch::x86_64::__m256 {
     #[inline]
     unsafe fn mul(self, o: Self) -> Self {
         std::arch::x86_64::_mm256_mul_ps(self, o)
-    }
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    unsafe fn div(self, o: Self) -> Self {
-        std::arch::x86_64::_mm256_div_ps(self, o)
     }
     #[target_feature(enable = "avx2,fma")]
     #[inline]
@@ -400,9 +389,9 @@ unsafe fn activate_vec<V: Vector>(act: Act, x: V) -> V {
             Act::Relu6 => clamp(x, 0.0, 6.0),
             Act::Hardswish => {
                 let t = clamp(x.add(V::splat(3.0)), 0.0, 6.0);
-                x.mul(t).div(V::splat(6.0))
+                x.mul(t).mul(V::splat(super::SIXTH))
             }
-            Act::Hardsigmoid => clamp(x.add(V::splat(3.0)), 0.0, 6.0).div(V::splat(6.0)),
+            Act::Hardsigmoid => clamp(x.add(V::splat(3.0)), 0.0, 6.0).mul(V::splat(super::SIXTH)),
             Act::Silu => logistic(x, true),
             Act::Sigmoid => logistic(x, false),
             Act::Gelu => gelu(x),

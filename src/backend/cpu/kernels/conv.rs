@@ -45,7 +45,7 @@ macro_rules! with_act {
                 $body
             }
             Act::Hardswish => {
-                let $f = |v: f32| v * super::clamp_nan(v + 3.0, 0.0, 6.0) / 6.0;
+                let $f = |v: f32| v * super::clamp_nan(v + 3.0, 0.0, 6.0) * super::SIXTH;
                 $body
             }
             Act::Gelu => {
@@ -57,7 +57,7 @@ macro_rules! with_act {
                 $body
             }
             Act::Hardsigmoid => {
-                let $f = |v: f32| super::clamp_nan(v + 3.0, 0.0, 6.0) / 6.0;
+                let $f = |v: f32| super::clamp_nan(v + 3.0, 0.0, 6.0) * super::SIXTH;
                 $body
             }
         }

@@ -15,6 +15,7 @@ fn kernels_match_naive_matmul() {
         short1: short,
         stationary: None,
         small_k: 0,
+        edges: None,
     };
     let mut kernels: Vec<(&str, Kernels)> = vec![
         ("portable", kernels_for(Simd::Portable)),
@@ -36,12 +37,13 @@ fn kernels_match_naive_matmul() {
             Kernels {
                 rows: 12,
                 panels: 2,
-                tall: avx2::tile::<12, 4>,
-                short: avx2::tile::<MR, 4>,
-                tall1: avx2::tile::<12, 2>,
-                short1: avx2::tile::<MR, 2>,
+                tall: avx2::tile::<12, 4, false>,
+                short: avx2::tile::<MR, 4, false>,
+                tall1: avx2::tile::<12, 2, false>,
+                short1: avx2::tile::<MR, 2, false>,
                 stationary: None,
                 small_k: 0,
+                edges: None,
             },
         ));
     }
@@ -53,6 +55,12 @@ fn kernels_match_naive_matmul() {
             ..kernels_for(Simd::Avx512)
         };
         kernels.push(("avx512 without its small-K kernel", tiles));
+        // Its edge tiles on a local copy, as the paths without masks run them.
+        let copied = Kernels {
+            edges: None,
+            ..tiles
+        };
+        kernels.push(("avx512 with edge tiles copied", copied));
     }
     for &(m, k, n) in &[
         (1, 1, 1),
@@ -92,9 +100,10 @@ fn kernels_match_naive_matmul() {
         {
             // C has a wider row stride than N, to check that ldc is honoured.
             let ldc = n + 3;
-            // C (all NaN first) from this call, finished by `fin`.
+            // C (all NaN first, with rows past the last to catch a tile that stores there)
+            // from this call, finished by `fin`.
             let run = |fin: Option<Finish>| {
-                let mut c = vec![f32::NAN; m * ldc];
+                let mut c = vec![f32::NAN; (m + MAX_ROWS) * ldc];
                 let (panels, out) = ((p0, packed.panels()), c.as_mut_ptr());
                 // SAFETY: a is m × k, c is m × ldc with ldc ≥ n − p0·NR, and a residual
                 // of `fin` has C's m rows of ldc floats.
@@ -115,6 +124,10 @@ fn kernels_match_naive_matmul() {
                 c
             };
             let c = run(None);
+            assert!(
+                c[m * ldc..].iter().all(|v| v.is_nan()),
+                "{name}: rows past m written"
+            );
             for i in 0..m {
                 for j in p0 * NR..n {
                     let want: f64 = bias[j] as f64
@@ -149,6 +162,10 @@ fn kernels_match_naive_matmul() {
                     },
                 };
                 let done = run(Some(fin));
+                assert!(
+                    done[m * ldc..].iter().all(|v| v.is_nan()),
+                    "{name}: rows past m"
+                );
                 for i in 0..m {
                     let width = n - p0 * NR;
                     let mut want = c[i * ldc..][..width].to_vec();

@@ -17,6 +17,7 @@ pub(super) unsafe fn tile_portable<const ROWS: usize>(
     (b, _): (*const f32, usize),
     c: *mut f32,
     ldc: usize,
+    _valid: (usize, usize),
     init: Init,
     bias: *const f32,
     fin: Option<Finish>,
@@ -51,55 +52,71 @@ pub(super) unsafe fn tile_portable<const ROWS: usize>(
     }
 }
 
-/// Store a register tile's sums (`ROWS` rows of `VECS` vectors of `lanes` floats) into C
-/// (`c`, rows `ldc` apart), adding the residual laid out as C where `residual` is not null,
-/// then applying `op`: one unrolled run of stores for the SIMD tiles, whose accumulators stay
-/// in registers as long as every index here is a constant.
+/// The lanes of vector `v` of tile row `r` that lie inside C's valid `rows` × `cols` block
+/// (`lanes` a vector): all of them inside, none past the last row, the first few at the edge.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn lanes_in((r, v): (usize, usize), (rows, cols): (usize, usize), lanes: usize) -> usize {
+    if r < rows {
+        cols.saturating_sub(v * lanes).min(lanes)
+    } else {
+        0
+    }
+}
+
+/// Store a register tile's sums (`ROWS` rows of `VECS` vectors of `lanes` floats) into the
+/// `valid` rows and columns of C (`c`, rows `ldc` apart), adding the residual laid out as C
+/// where `residual` is not null, then applying `op`: one unrolled run of stores for the SIMD
+/// tiles, whose accumulators stay in registers as long as every index here is a constant.
 ///
 /// # Safety
-/// C and the residual have `ROWS` rows of `VECS · lanes` floats `ldc` apart; `ops` are the
-/// vector width's unaligned load, add and store, which the CPU runs.
+/// C and the residual have the `valid` rows and columns `ldc` apart; `ops` are the vector
+/// width's unaligned load and store of the first n lanes (n ≤ `lanes`; the path's kernels
+/// either mask the rest or are only ever given whole tiles) and its add, which the CPU runs.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(super) unsafe fn store_tile<V: Copy, const ROWS: usize, const VECS: usize>(
     acc: &[[V; VECS]; ROWS],
-    (c, ldc, lanes): (*mut f32, usize, usize),
+    (c, ldc, lanes, valid): (*mut f32, usize, usize, (usize, usize)),
     residual: *const f32,
     (load, add, store): (
-        impl Fn(*const f32) -> V,
+        impl Fn(*const f32, usize) -> V,
         impl Fn(V, V) -> V,
-        impl Fn(*mut f32, V),
+        impl Fn(*mut f32, V, usize),
     ),
     op: impl Fn(V) -> V,
 ) {
     for (r, row) in acc.iter().enumerate() {
         for (v, &x) in row.iter().enumerate() {
             let at = r * ldc + v * lanes;
+            let n = lanes_in((r, v), valid, lanes);
             // (Inside the caller's ranges: `load` and `store` dereference them.)
             let x = if residual.is_null() {
                 x
             } else {
-                add(x, load(residual.wrapping_add(at)))
+                add(x, load(residual.wrapping_add(at), n))
             };
-            store(c.wrapping_add(at), op(x));
+            store(c.wrapping_add(at), op(x), n);
         }
     }
 }
 
-/// `op` on every vector of `rows` rows of `width` floats (`lanes` a vector), `ldc` apart,
-/// in place: one loop per activation, not a match per vector.
+/// `op` on every vector of a tile of `ROWS` rows of `width` floats (`lanes` a vector), `ldc`
+/// apart, in place within its `valid` rows and columns: one loop per activation, not a match
+/// per vector.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub(super) fn map_rows<V: Copy>(
-    (c, ldc, rows, width, lanes): (*mut f32, usize, usize, usize, usize),
-    load: &impl Fn(*const f32) -> V,
-    store: &impl Fn(*mut f32, V),
+pub(super) fn map_rows<V: Copy, const ROWS: usize>(
+    (c, ldc, width, lanes, valid): (*mut f32, usize, usize, usize, (usize, usize)),
+    load: &impl Fn(*const f32, usize) -> V,
+    store: &impl Fn(*mut f32, V, usize),
     op: impl Fn(V) -> V,
 ) {
-    for row in 0..rows {
-        for v in (0..width).step_by(lanes) {
-            let p = c.wrapping_add(row * ldc + v);
-            store(p, op(load(p)));
+    for row in 0..ROWS {
+        for v in 0..width / lanes {
+            let p = c.wrapping_add(row * ldc + v * lanes);
+            let n = lanes_in((row, v), valid, lanes);
+            store(p, op(load(p, n)), n);
         }
     }
 }
@@ -113,33 +130,126 @@ pub(super) fn map_rows<V: Copy>(
 #[cfg(target_arch = "x86_64")]
 macro_rules! simd_tile {
     // Both tiles of one width: `tile` reads f32 panels, `tile_h` f16 ones through `$load_h`.
-    ($features:literal, $features_h:literal, $lanes:literal, $zero:ident, $load:ident,
-     $store:ident, $splat:ident, $fma:ident, $add:ident, $act:path, $load_h:ident) => {
+    ($features:literal, $features_h:literal, $lanes:literal, $vec:ty, $zero:ident, $load:ident,
+     $load_part:ident, $store_part:ident, $splat:ident, $fma:ident, $add:ident, $act:path,
+     $load_h:ident) => {
         use super::{B_PREFETCH, Finish, Init, MAX_PANELS, MAX_ROWS, NR, map_rows, store_tile};
         use crate::model::op::Act;
         use half::f16;
         use std::arch::x86_64::*;
 
-        simd_tile!(@tile tile, f32, $features, $lanes, $zero, $load, $store, $splat, $fma, $add,
-            $act, $load);
-        simd_tile!(@tile tile_h, f16, $features_h, $lanes, $zero, $load, $store, $splat, $fma,
-            $add, $act, $load_h);
+        /// `act` (not ReLU or ReLU6, which the tiles apply in registers) on a stored tile of
+        /// `ROWS` rows of `width` floats `ldc` apart, within its `valid` rows and columns:
+        /// one loop per activation, not a match per vector, and apart from the tiles (never
+        /// inlined), whose K loops otherwise kept these activations' constants in registers
+        /// and spilled their accumulators (a 1024³ GEMM at 133 GFLOP/s instead of 300).
+        #[target_feature(enable = $features)]
+        #[inline(never)]
+        unsafe fn activate_stored<const ROWS: usize>(
+            (c, ldc, width, valid): (*mut f32, usize, usize, (usize, usize)),
+            act: Act,
+        ) {
+            // SAFETY: the caller's: the valid part of the tile is C's, the features enabled.
+            unsafe {
+                let load = |p: *const f32, n| $load_part(p, n);
+                let store = |p: *mut f32, x, n| $store_part(p, x, n);
+                let rows = (c, ldc, width, $lanes, valid);
+                match act {
+                    Act::Hardswish => map_rows::<_, ROWS>(rows, &load, &store, |x| $act(Act::Hardswish, x)),
+                    Act::Hardsigmoid => {
+                        map_rows::<_, ROWS>(rows, &load, &store, |x| $act(Act::Hardsigmoid, x))
+                    }
+                    Act::Silu => map_rows::<_, ROWS>(rows, &load, &store, |x| $act(Act::Silu, x)),
+                    Act::Sigmoid => map_rows::<_, ROWS>(rows, &load, &store, |x| $act(Act::Sigmoid, x)),
+                    Act::Gelu => map_rows::<_, ROWS>(rows, &load, &store, |x| $act(Act::Gelu, x)),
+                    Act::None | Act::Relu | Act::Relu6 => unreachable!("the tiles apply these"),
+                }
+            }
+        }
+
+        /// A tile's sums into C's `valid` rows and columns (`c`, rows `ldc` apart), finished by
+        /// `fin` (see [`super::store_tile`]): inlined into the whole tiles, whose accumulators
+        /// are then stored straight from registers.
+        #[inline(always)]
+        unsafe fn finish<const ROWS: usize, const VECS: usize>(
+            acc: &[[$vec; VECS]; ROWS],
+            (c, ldc): (*mut f32, usize),
+            valid: (usize, usize),
+            fin: Option<Finish>,
+        ) {
+            let fix = (c, ldc, $lanes, valid);
+            // SAFETY: the caller's (a tile's function, with the features enabled).
+            unsafe {
+                let ops = (
+                    |p: *const f32, n| $load_part(p, n),
+                    |x, y| $add(x, y),
+                    |p: *mut f32, x, n| $store_part(p, x, n),
+                );
+                let Some(f) = fin else {
+                    return store_tile(acc, fix, std::ptr::null(), ops, |x| x);
+                };
+                let r = f.residual;
+                // Each arm unrolls its stores to constant indices, the accumulators leaving
+                // registers once. The other activations on the stored rows, from L1, one loop
+                // per activation (`activate_stored`): a division (hardswish's, hardsigmoid's)
+                // or a polynomial in the unrolled stores made them too long to unroll, and the
+                // accumulators lived in memory through the K loop, every FMA storing its
+                // result (1024³ at 89 GFLOP/s instead of 210); with one match per vector in
+                // the loop, EfficientNet-B0 FP32's SiLU layers took 1.08–1.12× as long.
+                match f.act {
+                    Act::None => store_tile(acc, fix, r, ops, |x| x),
+                    Act::Relu => store_tile(acc, fix, r, ops, |x| $act(Act::Relu, x)),
+                    Act::Relu6 => store_tile(acc, fix, r, ops, |x| $act(Act::Relu6, x)),
+                    other => {
+                        store_tile(acc, fix, r, ops, |x| x);
+                        activate_stored::<ROWS>((c, ldc, VECS * $lanes, valid), other);
+                    }
+                }
+            }
+        }
+
+        /// [`finish`] for an edge tile, never inlined (see the tiles), its sums passed by
+        /// value: by reference, the K loop stored every accumulator after each FMA.
+        #[target_feature(enable = $features)]
+        #[inline(never)]
+        unsafe fn finish_edge<const ROWS: usize, const VECS: usize>(
+            acc: [[$vec; VECS]; ROWS],
+            c: (*mut f32, usize),
+            valid: (usize, usize),
+            fin: Option<Finish>,
+        ) {
+            // SAFETY: the caller's.
+            unsafe { finish(&acc, c, valid, fin) }
+        }
+
+        simd_tile!(@tile tile, f32, $features, $lanes, $zero, $load, $load_part, $store_part,
+            $splat, $fma, $add, $act, $load);
+        simd_tile!(@tile tile_h, f16, $features_h, $lanes, $zero, $load, $load_part,
+            $store_part, $splat, $fma, $add, $act, $load_h);
     };
     (@tile $name:ident, $e:ty, $features:literal, $lanes:literal, $zero:ident, $load:ident,
-     $store:ident, $splat:ident, $fma:ident, $add:ident, $act:path, $load_b:ident) => {
+     $load_part:ident, $store_part:ident, $splat:ident, $fma:ident, $add:ident, $act:path,
+     $load_b:ident) => {
         /// # Safety
         /// The CPU has this function's features (checked by `kernels_for`'s and
-        /// `kernels_f16_for`'s callers), and the pointer ranges are as for `tile_portable`.
+        /// `kernels_f16_for`'s callers), and the pointer ranges are as for `tile_portable`
+        /// within the `valid` rows and columns of C (and of the residual): the tile reads and
+        /// writes no others (AVX-512's mask them; AVX2's are only given whole tiles).
         /// `fin` is applied on the way out: the residual added and ReLU or ReLU6 in
         /// registers, the other activations on the stored tile (see the store's match).
         #[target_feature(enable = $features)]
         #[allow(clippy::too_many_arguments)]
-        pub(in crate::backend::cpu::sgemm) unsafe fn $name<const ROWS: usize, const VECS: usize>(
+        pub(in crate::backend::cpu::sgemm) unsafe fn $name<
+            const ROWS: usize,
+            const VECS: usize,
+            const EDGE: bool,
+        >(
             kc: usize,
             a: &[*const f32; MAX_ROWS],
             (b, bstride): (*const $e, usize),
             c: *mut f32,
             ldc: usize,
+            valid: (usize, usize),
             init: Init,
             bias: *const f32,
             fin: Option<Finish>,
@@ -148,6 +258,8 @@ macro_rules! simd_tile {
                 assert!((VECS * $lanes).is_multiple_of(NR) && VECS * $lanes <= MAX_PANELS * NR);
                 assert!(ROWS <= MAX_ROWS);
             };
+            // A whole tile's extents as constants, which keep its code as without masks.
+            let valid = if EDGE { valid } else { (ROWS, VECS * $lanes) };
             // Vector v reads panel v·lanes / NR's block, (v·lanes) mod NR into its row.
             let bv: [*const $e; VECS] = std::array::from_fn(|v| {
                 b.wrapping_add(v * $lanes / NR * bstride + v * $lanes % NR)
@@ -157,13 +269,13 @@ macro_rules! simd_tile {
             unsafe {
                 let mut acc = [[$zero(); VECS]; ROWS];
                 for (r, row) in acc.iter_mut().enumerate() {
-                    let src = if init == Init::Load {
-                        c.add(r * ldc)
-                    } else {
-                        bias
-                    };
                     for (v, x) in row.iter_mut().enumerate() {
-                        *x = $load(src.add(v * $lanes));
+                        *x = if init == Init::Load {
+                            let n = super::lanes_in((r, v), valid, $lanes);
+                            $load_part(c.add(r * ldc + v * $lanes), n)
+                        } else {
+                            $load(bias.add(v * $lanes))
+                        };
                     }
                 }
                 let a: [*const f32; ROWS] = std::array::from_fn(|r| a[r]);
@@ -181,48 +293,13 @@ macro_rules! simd_tile {
                         }
                     }
                 }
-                // Each arm unrolls its stores to constant indices, the accumulators leaving
-                // registers once (see the last arm).
-                let fix = (c, ldc, $lanes);
-                let ops = (
-                    |p: *const f32| $load(p),
-                    |x, y| $add(x, y),
-                    |p: *mut f32, x| $store(p, x),
-                );
-                let Some(f) = fin else {
-                    return store_tile(&acc, fix, std::ptr::null(), ops, |x| x);
-                };
-                let r = f.residual;
-                // The others on the stored rows, from L1, one loop per activation: a division
-                // (hardswish's, hardsigmoid's) or a polynomial in the unrolled stores made them
-                // too long to unroll, and the accumulators lived in memory through the K loop,
-                // every FMA storing its result (1024³ at 89 GFLOP/s instead of 210); with one
-                // match per vector in the loop, EfficientNet-B0 FP32's SiLU layers took
-                // 1.08–1.12× as long.
-                match f.act {
-                    Act::None => store_tile(&acc, fix, r, ops, |x| x),
-                    Act::Relu => store_tile(&acc, fix, r, ops, |x| $act(Act::Relu, x)),
-                    Act::Relu6 => store_tile(&acc, fix, r, ops, |x| $act(Act::Relu6, x)),
-                    other => {
-                        store_tile(&acc, fix, r, ops, |x| x);
-                        let (load, store) = (&ops.0, &ops.2);
-                        let rows = (c, ldc, ROWS, VECS * $lanes, $lanes);
-                        match other {
-                            Act::Hardswish => {
-                                map_rows(rows, load, store, |x| $act(Act::Hardswish, x))
-                            }
-                            Act::Hardsigmoid => {
-                                map_rows(rows, load, store, |x| $act(Act::Hardsigmoid, x))
-                            }
-                            Act::Silu => map_rows(rows, load, store, |x| $act(Act::Silu, x)),
-                            Act::Sigmoid => {
-                                map_rows(rows, load, store, |x| $act(Act::Sigmoid, x))
-                            }
-                            Act::Gelu => map_rows(rows, load, store, |x| $act(Act::Gelu, x)),
-                            Act::None | Act::Relu | Act::Relu6 => unreachable!("finished above"),
-                        }
-                    }
+                // An edge tile's finish apart (never inlined), so that its masks do not
+                // crowd the K loop's registers (kept inline, they spilled the row pointers:
+                // MobileNetV3's 24-column GEMM ran at 44 GFLOP/s against 105 on a copy).
+                if EDGE {
+                    return finish_edge(acc, (c, ldc), valid, fin);
                 }
+                finish(&acc, (c, ldc), valid, fin);
             }
         }
     };
@@ -234,15 +311,35 @@ pub(super) mod avx2 {
         "avx2,fma",
         "avx2,fma,f16c",
         8,
+        __m256,
         _mm256_setzero_ps,
         _mm256_loadu_ps,
-        _mm256_storeu_ps,
+        load_part,
+        store_part,
         _mm256_set1_ps,
         _mm256_fmadd_ps,
         _mm256_add_ps,
         crate::backend::cpu::kernels::activate_ymm,
         load_h
     );
+
+    /// 8 values from `p`: AVX2's tiles are given whole tiles only (`n` is 8).
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn load_part(p: *const f32, n: usize) -> __m256 {
+        debug_assert_eq!(n, 8, "AVX2 tiles are whole");
+        // SAFETY: the caller's.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+
+    /// `x` stored at `p`, all 8 lanes (see [`load_part`]).
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn store_part(p: *mut f32, x: __m256, n: usize) {
+        debug_assert_eq!(n, 8, "AVX2 tiles are whole");
+        // SAFETY: the caller's.
+        unsafe { _mm256_storeu_ps(p, x) }
+    }
 
     /// 8 f16 values widened to f32.
     #[target_feature(enable = "avx2,f16c")]
@@ -259,15 +356,45 @@ pub(super) mod avx512 {
         "avx512f",
         "avx512f",
         16,
+        __m512,
         _mm512_setzero_ps,
         _mm512_loadu_ps,
-        _mm512_storeu_ps,
+        load_part,
+        store_part,
         _mm512_set1_ps,
         _mm512_fmadd_ps,
         _mm512_add_ps,
         crate::backend::cpu::kernels::activate_zmm,
         load_h
     );
+
+    /// The first `n` (≤ 16) values from `p`, the other lanes zero (nothing read there).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn load_part(p: *const f32, n: usize) -> __m512 {
+        // SAFETY: the caller's: n readable values at p.
+        unsafe {
+            if n >= 16 {
+                _mm512_loadu_ps(p)
+            } else {
+                _mm512_maskz_loadu_ps(((1u32 << n) - 1) as __mmask16, p)
+            }
+        }
+    }
+
+    /// The first `n` (≤ 16) lanes of `x` stored at `p` (nothing written past them).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn store_part(p: *mut f32, x: __m512, n: usize) {
+        // SAFETY: the caller's: n writable values at p.
+        unsafe {
+            if n >= 16 {
+                _mm512_storeu_ps(p, x)
+            } else {
+                _mm512_mask_storeu_ps(p, ((1u32 << n) - 1) as __mmask16, x)
+            }
+        }
+    }
 
     /// 16 f16 values widened to f32.
     #[target_feature(enable = "avx512f")]
