@@ -80,7 +80,7 @@ pub fn peak(
         if g.backend.times_on_device() {
             ", kernel time on the device"
         } else {
-            ""
+            ", the kernel's time alone"
         }
     );
     match bw {
