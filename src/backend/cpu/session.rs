@@ -118,6 +118,10 @@ pub(super) struct CpuSession<T: Elem> {
     /// Node p and p + 1 are a pointwise and a depthwise layer [`CpuSession::pair`] may run
     /// as one where `paired[p]`.
     pub(super) paired: Vec<bool>,
+    /// Node d and d + 1 are a depthwise layer and a pointwise one reading its output alone,
+    /// which [`CpuSession::fused`] may run on the depthwise rows as they are made, where
+    /// `projected[d]` (see [`projections`]).
+    pub(super) projected: Vec<bool>,
     /// Node d is a depthwise layer whose output a global average pool reads where
     /// `squeezed[d]` (a squeeze-and-excitation block's squeeze): its kernel sums each output
     /// row as it writes it, and the pool adds up those sums instead of reading the tensor.
@@ -284,6 +288,7 @@ impl<T: Elem> CpuSession<T> {
             steps.push(step);
         }
         let paired = pairs(plan, &steps);
+        let projected = projections(plan, &steps);
         let squeezed = squeezes(plan, &steps);
         let names = plan.graph.nodes.iter().map(|n| n.name.clone()).collect();
         Ok(CpuSession {
@@ -301,6 +306,7 @@ impl<T: Elem> CpuSession<T> {
             batch_stats: Vec::new(),
             split,
             paired,
+            projected,
             row_sums: vec![None; squeezed.len()],
             squeezed,
             l2: sgemm::l2_bytes(),
@@ -430,8 +436,9 @@ impl<T: Elem> CpuSession<T> {
         }
         let mut id = first;
         while id <= upto {
-            if self.paired[id] && id < upto && self.pair(id, steps, values, images.clone(), start) {
-                id += 2;
+            let fused = self.fused(id, upto, steps, values, images.clone(), start);
+            if fused > 0 {
+                id += fused;
                 continue;
             }
             self.step(id, &mut steps[id], values, input, images.clone(), start);
@@ -439,53 +446,98 @@ impl<T: Elem> CpuSession<T> {
         }
     }
 
-    /// Pointwise layer `p` and depthwise layer `p + 1` (see [`pairs`]) on `images`, run as one
-    /// where [`kernels::pair_bands`] takes them: the depthwise layer's output is left in
-    /// `values`, the pointwise one's never made. `false` (nothing done) where it does not.
-    /// Profiling times them as one kernel, on the depthwise layer's node.
-    fn pair(
+    /// The layers from `first` (up to `upto`) that run as one kernel on `images`, where
+    /// they do: pointwise layer `first` and the depthwise layer after it (see [`pairs`]),
+    /// where [`kernels::pair_bands`] takes them, and the pointwise layer that projects the
+    /// depthwise one's output after that (see [`projections`]); or a depthwise layer `first`
+    /// and its projection, where [`kernels::projected_bands`] takes them. The last layer's
+    /// output is left in `values`, the others' never made. Returns how many layers ran (0:
+    /// none, nothing done). Profiling times them as one kernel, on the depthwise layer's node.
+    fn fused(
         &mut self,
-        p: usize,
+        first: usize,
+        upto: usize,
         steps: &[NodeKernel<T>],
         values: &mut [Option<Buf<T>>],
         images: std::ops::Range<usize>,
         forward_start: Instant,
-    ) -> bool {
-        let (NodeKernel::Conv(pw), NodeKernel::Conv(dw)) = (&steps[p], &steps[p + 1]) else {
-            return false;
+    ) -> usize {
+        let pointwise = self.paired[first] && first < upto;
+        let d = first + usize::from(pointwise);
+        let project = self.projected[d] && d < upto;
+        if !pointwise && !project {
+            return 0;
+        }
+        let conv = |id: usize| match &steps[id] {
+            NodeKernel::Conv(c) => Some(c),
+            _ => None,
+        };
+        let (Some(dw), pw) = (conv(d), pointwise.then(|| conv(first)).flatten()) else {
+            return 0;
         };
         let start = Instant::now();
-        let x_id = self.plan.graph.nodes[p].inputs[0];
-        let (xs, ys) = (
-            self.dims(x_id, images.len()),
-            self.dims(p + 1, images.len()),
-        );
-        let Some(band) = kernels::pair_bands((pw, dw), xs, ys, self.threads, self.l2) else {
-            return false;
+        let x_id = self.plan.graph.nodes[first].inputs[0];
+        let (xs, ys) = (self.dims(x_id, images.len()), self.dims(d, images.len()));
+        let band = match pw {
+            Some(pw) => kernels::pair_bands((pw, dw), xs, ys, self.threads, self.l2),
+            None => kernels::projected_bands(dw, xs, ys, self.threads, self.l2),
         };
-        let mut y = self.alloc(ys.elems());
+        let Some(band) = band else {
+            return 0;
+        };
+        let last = d + usize::from(project);
+        let mut y = self.alloc(self.dims(last, images.len()).elems());
         let x = values[x_id].as_ref().expect("input computed");
-        let mut sums = self.squeezed[p + 1].then(|| vec![0f32; ys.n * ys.h * ys.c]);
-        let made =
-            kernels::pointwise_depthwise(pw, dw, x, xs, &mut y, ys, band, sums.as_deref_mut());
-        self.row_sums[p + 1] = sums.filter(|_| made).map(|s| (images.clone(), s));
-        values[p + 1] = Some(y);
-        if self.plan.last_use[x_id] == p
-            && let Some(buf) = values[x_id].take()
-        {
-            self.free.push(buf);
+        let residual = project
+            .then(|| self.plan.graph.nodes[last].inputs.get(1))
+            .flatten()
+            .map(|&r| &values[r].as_ref().expect("residual computed")[..]);
+        let projection = project.then(|| kernels::Projection {
+            conv: conv(last).expect("projections are convolutions"),
+            residual,
+        });
+        let mut sums = (self.squeezed[d] && !project).then(|| vec![0f32; ys.n * ys.h * ys.c]);
+        let made = kernels::pointwise_depthwise(
+            pw,
+            dw,
+            x,
+            xs,
+            &mut y,
+            ys,
+            band,
+            sums.as_deref_mut(),
+            projection,
+        );
+        self.row_sums[d] = sums.filter(|_| made).map(|s| (images.clone(), s));
+        values[last] = Some(y);
+        // The inputs from outside that these layers read last: the first one's, the
+        // projection's residual.
+        for node in [first, last] {
+            for &v in &self.plan.graph.nodes[node].inputs {
+                if v < first
+                    && self.plan.last_use[v] <= last
+                    && let Some(buf) = values[v].take()
+                {
+                    self.free.push(buf);
+                }
+            }
         }
         if self.profile {
             let end = Instant::now();
+            let kernel = match (pointwise, project) {
+                (true, true) => "conv2d_pointwise_depthwise_pointwise",
+                (true, false) => "conv2d_pointwise_depthwise",
+                _ => "conv2d_depthwise_pointwise",
+            };
             self.times.push(KernelTime {
-                node: self.names[p + 1].clone(),
+                node: self.names[d].clone(),
                 op: "conv2d".into(),
-                kernel: format!("conv2d_pointwise_depthwise_{}", T::SUFFIX),
+                kernel: format!("{kernel}_{}", T::SUFFIX),
                 start_ns: start.duration_since(forward_start).as_nanos() as u64,
                 ns: end.duration_since(start).as_nanos() as u64,
             });
         }
-        true
+        last + 1 - first
     }
 
     /// Node `id` on `images` of the batch: reads its inputs from `values`, leaves its output
@@ -821,6 +873,28 @@ fn pairs<T: Elem>(plan: &Plan, steps: &[NodeKernel<T>]) -> Vec<bool> {
         .collect()
 }
 
+/// Which nodes start a projection [`CpuSession::fused`] may run on their rows: a depthwise
+/// layer, not the output, whose output the next node, a pointwise layer (with or without a
+/// residual, not this output again), alone reads, where [`kernels::can_project`] says the
+/// kernels serve them.
+fn projections<T: Elem>(plan: &Plan, steps: &[NodeKernel<T>]) -> Vec<bool> {
+    let nodes = &plan.graph.nodes;
+    (0..steps.len())
+        .map(|d| {
+            let Some((NodeKernel::Conv(dw), NodeKernel::Conv(proj))) =
+                steps.get(d).zip(steps.get(d + 1))
+            else {
+                return false;
+            };
+            nodes[d + 1].inputs.first() == Some(&d)
+                && nodes[d + 1].inputs.iter().filter(|&&v| v == d).count() == 1
+                && nodes.iter().filter(|n| n.inputs.contains(&d)).count() == 1
+                && d != plan.graph.output
+                && kernels::can_project(dw, proj)
+        })
+        .collect()
+}
+
 /// Which nodes are squeezed (see [`CpuSession::squeezed`]): depthwise layers in f32 or bf16
 /// storage (whose rows the pool's sums are made of) that a global average pool reads.
 fn squeezes<T: Elem>(plan: &Plan, steps: &[NodeKernel<T>]) -> Vec<bool> {
@@ -988,9 +1062,11 @@ mod tests {
     }
 
     /// A pointwise layer and the depthwise layer after it run as one where their middle tensor
-    /// outgrows the workers' L2 (here set to 256 KB a core; it is 1.2 MB), and the output is
-    /// the layers' apart bit for bit, with batch tiles too: one image at a time up to the pair
-    /// (fused in each tile), and a cut between the two (not fused).
+    /// outgrows the workers' L2 (here set to 256 KB a core; it is 1.2 MB), the 1×1 layer that
+    /// projects the depthwise output with them or with the depthwise layer alone, and the
+    /// output is the layers' apart bit for bit, with batch tiles too: one image at a time up to
+    /// the pair (fused in each tile, the projection after the cut), and a cut between the two
+    /// (the pair not fused).
     #[test]
     fn fused_pairs_change_nothing() {
         let chain =
@@ -1012,6 +1088,11 @@ mod tests {
             [false, true, false],
             "the 1×1 layer, then the depthwise"
         );
+        assert_eq!(
+            session.projected[..4],
+            [false, false, true, false],
+            "the depthwise layer, then the 1×1 layer that projects it"
+        );
         session.l2 = 256 << 10;
         let kernels = |s: &mut CpuSession<f32>| -> Vec<String> {
             s.times.iter().map(|t| t.kernel.clone()).collect()
@@ -1020,21 +1101,37 @@ mod tests {
             s.run(&input).unwrap();
             s.read_output().unwrap()
         };
-        let fused = run(&mut session);
-        assert!(kernels(&mut session).contains(&"conv2d_pointwise_depthwise_f32".to_string()));
-        let paired = std::mem::replace(&mut session.paired, vec![false; plan.graph.nodes.len()]);
-        let apart = run(&mut session);
-        assert!(
-            !kernels(&mut session)
-                .iter()
-                .any(|k| k.contains("pointwise_depthwise"))
-        );
+        let (paired, projected) = (session.paired.clone(), session.projected.clone());
+        let none = vec![false; plan.graph.nodes.len()];
         let same = |a: &Tensor, b: &Tensor| {
             a.shape == b.shape
                 && (a.data.iter().zip(&b.data)).all(|(x, y)| x.to_bits() == y.to_bits())
         };
-        assert!(same(&fused, &apart), "fused against apart");
+        session.paired = none.clone();
+        session.projected = none.clone();
+        let apart = run(&mut session);
+        let runs = [
+            (true, true, "conv2d_pointwise_depthwise_pointwise_f32"),
+            (true, false, "conv2d_pointwise_depthwise_f32"),
+            (false, true, "conv2d_depthwise_pointwise_f32"),
+        ];
+        let ran = kernels(&mut session);
+        assert!(
+            !runs.iter().any(|r| ran.contains(&r.2.to_string())),
+            "{ran:?}"
+        );
+        for (pairs, projects, kernel) in runs {
+            session.paired = if pairs { &paired } else { &none }.clone();
+            session.projected = if projects { &projected } else { &none }.clone();
+            let fused = run(&mut session);
+            assert!(
+                kernels(&mut session).contains(&kernel.to_string()),
+                "{kernel}"
+            );
+            assert!(same(&fused, &apart), "{kernel} against the layers apart");
+        }
         session.paired = paired;
+        session.projected = projected;
         let (pw, dw) = (
             plan.graph.nodes[1].name.clone(),
             plan.graph.nodes[2].name.clone(),

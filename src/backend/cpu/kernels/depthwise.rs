@@ -228,6 +228,13 @@ pub fn fused_band_rows(
     (8 * computed <= 9 * mid.h).then_some(rows)
 }
 
+/// A pointwise layer that reads a fused depthwise layer's output alone, run on its rows as
+/// [`pointwise_depthwise`] makes them: the layer, and its residual (laid out as its output).
+pub struct Projection<'a, T> {
+    pub conv: &'a PackedConv<T>,
+    pub residual: Option<&'a [T]>,
+}
+
 /// A pointwise convolution whose output only a depthwise one reads, the two run as one: each
 /// work item, a band of one image's output rows ([`fused_band_rows`]), computes the pointwise
 /// rows its taps read into the worker's buffer — the GEMM with its bias and activation, as
@@ -236,13 +243,20 @@ pub fn fused_band_rows(
 /// output (the block's widest tensor, three to six times its input) through the last-level
 /// cache and the depthwise one read it back: on a 2-vCPU Xeon whose memory (and L3, past
 /// ~16 MB) copied at ~24 GB/s, MobileNetV3-Large's first pair (16 → 64 channels at 112², 26 MB
-/// between them at batch 8, FP32) took 2.9 ms apart and 1.8 ms fused. The results are the
-/// unfused pair's, bit for bit: the same GEMM tiles over the same K, the same depthwise rows.
-/// With `sums`, the depthwise rows' sums as [`super::conv2d_squeezed`] writes them (f32 and
-/// bf16 storage: returns whether they were).
+/// between them at batch 8, FP32) took 2.9 ms apart and 1.8 ms fused. Without `pw`, the
+/// depthwise layer reads `x` itself, band by band.
+///
+/// With `project` (f32 storage), the pointwise layer that reads the depthwise one's output
+/// alone (an inverted residual block's projection) runs on each band's depthwise rows from the
+/// worker's buffer, its residual added, and `y` is its output: the depthwise output, as wide
+/// as the expanded tensor at a stride of 1, is never written out and read back either.
+///
+/// The results are the unfused layers', bit for bit: the same GEMM tiles over the same K, the
+/// same depthwise rows. With `sums` (and no `project`), the depthwise rows' sums as
+/// [`super::conv2d_squeezed`] writes them (f32 and bf16 storage: returns whether they were).
 #[allow(clippy::too_many_arguments)]
 pub fn pointwise_depthwise<T: Elem>(
-    pw: &PackedConv<T>,
+    pw: Option<&PackedConv<T>>,
     dw: &PackedConv<T>,
     x: &[T],
     xs: Nhwc,
@@ -250,110 +264,183 @@ pub fn pointwise_depthwise<T: Elem>(
     ys: Nhwc,
     band: usize,
     sums: Option<&mut [f32]>,
+    project: Option<Projection<'_, T>>,
 ) -> bool {
-    let sums = sums.filter(|_| makes_row_sums::<T>()).map(|s| {
-        assert!(s.len() >= ys.n * ys.h * ys.c, "pair: row sums too short");
-        TilePtr(s.as_mut_ptr())
-    });
+    let sums = sums
+        .filter(|_| makes_row_sums::<T>() && project.is_none())
+        .map(|s| {
+            assert!(s.len() >= ys.n * ys.h * ys.c, "pair: row sums too short");
+            TilePtr(s.as_mut_ptr())
+        });
     let made = sums.is_some();
-    let (Some((w, bias)), [b]) = (&dw.depthwise, pw.groups.as_slice()) else {
-        unreachable!("a fused pair is an ungrouped pointwise layer and a depthwise one");
+    let Some((w, bias)) = &dw.depthwise else {
+        unreachable!("a fused pair's second layer is depthwise");
     };
+    let pw = pw.map(|pw| match pw.groups.as_slice() {
+        [b] => (b, pw.conv.act),
+        _ => unreachable!("a fused pair's first layer is an ungrouped pointwise one"),
+    });
+    assert!(
+        project.is_none() || T::IS_F32,
+        "a projection runs fused on f32 storage alone"
+    );
     let bias = bias_or_zeros(bias.as_deref(), ys.c);
     let bias = &bias[..];
     let (c, cin) = (&dw.conv, xs.c);
-    let mid = Nhwc { c: b.n, ..xs };
+    let mid = Nhwc {
+        c: pw.map_or(xs.c, |(b, _)| b.n),
+        ..xs
+    };
     let row_len = ys.w * ys.c;
-    let y = &mut y[..ys.elems()];
+    let out_len = match &project {
+        Some(p) => ys.n * ys.h * ys.w * p.conv.conv.out_channels,
+        None => ys.elems(),
+    };
+    let y = &mut y[..out_len];
     let bands = ys.h.div_ceil(band.max(1));
     let out = TilePtr(y.as_mut_ptr());
-    let act = pw.conv.act;
-    let pw_epilogue = Epilogue::<T> {
-        residual: None,
-        act,
-    };
     (0..ys.n * bands).into_par_iter().for_each(|item| {
         let (n, oy0) = (item / bands, item % bands * band);
         let oy1 = (oy0 + band).min(ys.h);
         let (r0, rows) = tap_span(c, (oy0, oy1), mid.h);
         SCRATCH.with_borrow_mut(|(cols, expanded)| {
             let x = &x[(n * xs.h + r0) * xs.w * cin..][..rows * xs.w * cin];
-            // The 1×1 layer's rows as `conv2d` computes them: from f32 input in place, or
-            // from the input widened (its im2col), then, in half precision, the epilogue and
-            // the rounding its output's storage would make.
-            let a = match T::as_f32(x) {
-                Some(a) => a,
-                None => {
-                    cols.resize(x.len(), 0.0);
-                    T::widen(x, cols);
-                    &cols[..]
+            // The depthwise layer's input rows: the 1×1 layer's as `conv2d` computes them
+            // (from f32 input in place, or from the input widened, its im2col; then, in half
+            // precision, the epilogue and the rounding its output's storage would make), or
+            // without one, the input's own rows (widened from a half type).
+            let made_rows: &[f32] = match (pw, T::as_f32(x)) {
+                (None, Some(a)) => a,
+                (None, None) => {
+                    expanded.resize(x.len(), 0.0);
+                    T::widen(x, expanded);
+                    expanded
+                }
+                (Some((b, act)), a) => {
+                    let a = a.unwrap_or_else(|| {
+                        cols.resize(x.len(), 0.0);
+                        T::widen(x, cols);
+                        cols
+                    });
+                    expanded.resize(rows * mid.w * mid.c, 0.0);
+                    expand(b, act, a, (rows * mid.w, cin), expanded);
+                    expanded
                 }
             };
-            expanded.resize(rows * mid.w * mid.c, 0.0);
-            let fin =
-                (T::IS_F32 && act != Act::None).then_some(crate::backend::cpu::sgemm::Finish {
-                    act,
-                    residual: std::ptr::null(),
-                });
-            // SAFETY: `a` holds rows·w pixels of `cin` floats; `expanded` as many of the
-            // pointwise layer's n channels, written by this worker alone.
-            unsafe {
-                crate::backend::cpu::sgemm::gemm_packed(
-                    rows * mid.w,
-                    a.as_ptr(),
-                    cin,
-                    b,
-                    (0, b.panels()),
-                    expanded.as_mut_ptr(),
-                    mid.c,
-                    fin,
-                );
-            }
-            if !T::IS_F32 {
-                pw_epilogue.apply(expanded, 0, &mut Vec::new());
-                round_to::<T>(expanded);
-            }
             let band_dims = Nhwc {
                 n: 1,
                 h: rows,
                 ..mid
             };
-            for oy in oy0..oy1 {
-                let input: Vec<Option<&[f32]>> = (0..c.kernel.0)
-                    .map(|ky| image_row(expanded, band_dims, 0, tap_row(c, oy, ky) - r0 as isize))
-                    .collect();
-                // SAFETY: output row oy of image n, this work item's alone.
-                let out = unsafe {
-                    std::slice::from_raw_parts_mut(out.add((n * ys.h + oy) * row_len), row_len)
-                };
-                // bf16 rows straight from the kernel's registers where it covers the layer.
-                let fin = (None, c.act);
-                let done = match T::as_bf16_mut(&mut *out) {
-                    Some(o) => zmm_row(c, &input, (w, bias), o, mid.w, fin),
-                    None => false,
-                };
-                if !done {
-                    as_f32_row(out, cols, |values| {
+            BAND.with_borrow_mut(|projected| {
+                if project.is_some() {
+                    projected.resize((oy1 - oy0) * row_len, 0.0);
+                }
+                for oy in oy0..oy1 {
+                    let input: Vec<Option<&[f32]>> = (0..c.kernel.0)
+                        .map(|ky| {
+                            image_row(made_rows, band_dims, 0, tap_row(c, oy, ky) - r0 as isize)
+                        })
+                        .collect();
+                    if project.is_some() {
+                        // This band's row of the depthwise output, in the worker's buffer.
+                        let values = &mut projected[(oy - oy0) * row_len..][..row_len];
                         if !zmm_row(c, &input, (w, bias), values, mid.w, (None, c.act)) {
                             vectorised_row(c, &input, (w, bias), values, mid.w, (None, c.act));
                         }
-                    });
-                }
-                if let Some(sums) = sums {
-                    let row = n * ys.h + oy;
-                    // SAFETY: the sums' length is checked above; row `row` is this item's.
-                    unsafe {
-                        match (T::as_f32(out), T::as_bf16(out)) {
-                            (Some(o), _) => put_row_sums(sums, row, ys.c, o),
-                            (_, Some(o)) => put_row_sums(sums, row, ys.c, o),
-                            _ => unreachable!("sums are made of f32 and bf16 rows"),
+                        continue;
+                    }
+                    // SAFETY: output row oy of image n, this work item's alone.
+                    let out = unsafe {
+                        std::slice::from_raw_parts_mut(out.add((n * ys.h + oy) * row_len), row_len)
+                    };
+                    // bf16 rows straight from the kernel's registers where it covers the layer.
+                    let fin = (None, c.act);
+                    let done = match T::as_bf16_mut(&mut *out) {
+                        Some(o) => zmm_row(c, &input, (w, bias), o, mid.w, fin),
+                        None => false,
+                    };
+                    if !done {
+                        as_f32_row(out, cols, |values| {
+                            if !zmm_row(c, &input, (w, bias), values, mid.w, (None, c.act)) {
+                                vectorised_row(c, &input, (w, bias), values, mid.w, (None, c.act));
+                            }
+                        });
+                    }
+                    if let Some(sums) = sums {
+                        let row = n * ys.h + oy;
+                        // SAFETY: the sums' length is checked above; row `row` is this item's.
+                        unsafe {
+                            match (T::as_f32(out), T::as_bf16(out)) {
+                                (Some(o), _) => put_row_sums(sums, row, ys.c, o),
+                                (_, Some(o)) => put_row_sums(sums, row, ys.c, o),
+                                _ => unreachable!("sums are made of f32 and bf16 rows"),
+                            }
                         }
                     }
                 }
-            }
+                if let Some(p) = &project {
+                    // The band's depthwise rows are the projection's A, as `conv2d` reads its
+                    // input in place: its output rows of this band, finished.
+                    let cout = p.conv.conv.out_channels;
+                    let epilogue = Epilogue {
+                        residual: p.residual,
+                        act: p.conv.conv.act,
+                    };
+                    let pixels = ((n * ys.h + oy0) * ys.w, (oy1 - oy0) * ys.w);
+                    let panels = (0, p.conv.groups[0].panels());
+                    let groups = &p.conv.groups;
+                    gemm_tile(
+                        projected, ys.c, groups, ys.c, pixels, panels, out, cout, cols, &epilogue,
+                    );
+                }
+            });
         });
     });
     made
+}
+
+/// The 1×1 layer's rows (`m` pixels of `k` channels in `a`) into `expanded`, as [`conv2d`]
+/// computes them: the GEMM, finished in its tiles in f32, or then the epilogue and the
+/// rounding a half type's storage would make.
+fn expand<T: Elem>(
+    b: &crate::backend::cpu::sgemm::PackedB<T>,
+    act: Act,
+    a: &[f32],
+    (m, k): (usize, usize),
+    expanded: &mut [f32],
+) {
+    let fin = (T::IS_F32 && act != Act::None).then_some(crate::backend::cpu::sgemm::Finish {
+        act,
+        residual: std::ptr::null(),
+    });
+    // SAFETY: `a` holds m pixels of k floats; `expanded` as many of the layer's n channels,
+    // written by this worker alone.
+    unsafe {
+        crate::backend::cpu::sgemm::gemm_packed(
+            m,
+            a.as_ptr(),
+            k,
+            b,
+            (0, b.panels()),
+            expanded.as_mut_ptr(),
+            b.n,
+            fin,
+        );
+    }
+    if !T::IS_F32 {
+        let epilogue = Epilogue::<T> {
+            residual: None,
+            act,
+        };
+        epilogue.apply(expanded, 0, &mut Vec::new());
+        round_to::<T>(expanded);
+    }
+}
+
+thread_local! {
+    /// A fused projection's band of depthwise rows (see [`pointwise_depthwise`]).
+    static BAND: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `values` rounded to `T`'s precision, as storing them in `T` and reading them back would.
@@ -411,6 +498,45 @@ pub fn pair_bands<T: Elem>(
         return None;
     }
     fused_band_rows(&dw.conv, mid, ys.h, threads, l2 / 2)
+}
+
+/// Whether pointwise layer `proj` may run on depthwise layer `dw`'s rows as they are made (a
+/// [`Projection`] of [`pointwise_depthwise`]): f32 storage, `dw` on the FMA kernels, and `proj`
+/// an ungrouped 1×1 stride-1 layer over its channels on the f32 GEMM, as `conv2d` runs it.
+pub fn can_project<T: Elem>(dw: &PackedConv<T>, proj: &PackedConv<T>) -> bool {
+    T::IS_F32
+        && dw.depthwise.is_some()
+        && dw.depthwise_pairs.is_none()
+        && is_pointwise(&proj.conv)
+        && proj.groups.len() == 1
+        && proj.winograd.is_none()
+        && proj.pairs.is_none()
+        && !super::stem::runs_f32(&proj.conv)
+        && proj.conv.in_channels == dw.conv.out_channels
+}
+
+/// Whether depthwise layer `dw` (`xs` → `ys`) and the pointwise layer that reads its output
+/// alone should run as one ([`pointwise_depthwise`] without a pointwise layer before), and in
+/// bands of how many output rows: where `dw`'s output outgrows the L2 caches of the `threads`
+/// workers (`l2` bytes each), which the projection would otherwise read back, in bands of
+/// input rows within half an L2 ([`fused_band_rows`]). Alternating in one process on a 2-vCPU
+/// Emerald Rapids Xeon (2 MB of L2 a core), MobileNetV3-Large FP32 b8's projected layers took
+/// 0.83× (16 channels at 112², no pointwise layer before), 0.94× (the pair 16 → 64 → 24),
+/// 0.74× (24 → 72 → 24 at 56² with a residual) and 0.94× (40 → 240 → 80) the time of the
+/// pair and the projection apart; the network 0.95× at batch 8 and 32, 0.985× at 1, and
+/// MobileNetV2 (whose blocks all end in a projection) 0.91× at batch 8.
+pub fn projected_bands<T: Elem>(
+    dw: &PackedConv<T>,
+    xs: Nhwc,
+    ys: Nhwc,
+    threads: usize,
+    l2: usize,
+) -> Option<usize> {
+    let bytes = ys.elems().saturating_mul(4);
+    if bytes <= threads.saturating_mul(l2) {
+        return None;
+    }
+    fused_band_rows(&dw.conv, xs, ys.h, threads, l2 / 2)
 }
 
 /// A row's epilogue, as vectorised work: the residual added to the f32 `values`, the
@@ -1688,7 +1814,9 @@ mod tests {
     /// output row to the whole image, 3×3 and 5×5 taps at strides 1 and 2, padding 0 to 2
     /// (bands whose taps reach above and below the image), channel counts that leave a half
     /// panel and a masked last block, K below and above the small-K kernel's reach,
-    /// activations on either layer or neither.
+    /// activations on either layer or neither. In FP32, with the depthwise output projected
+    /// too (by a 1×1 layer with and without a residual, to channel counts that leave half
+    /// panels), after the pointwise layer and without one.
     #[test]
     fn fused_pairs_match_the_layers_apart() {
         fn check<T: Elem>() {
@@ -1752,8 +1880,18 @@ mod tests {
                 for band in 1..=oh {
                     let mut got = vec![T::from_f32(f32::NAN); ys.elems()];
                     let mut sums = vec![f32::NAN; ys.n * ys.h * ys.c];
-                    let made =
-                        pointwise_depthwise(&pw, &dw, &x, xs, &mut got, ys, band, Some(&mut sums));
+                    let sums_to = Some(&mut sums[..]);
+                    let made = pointwise_depthwise(
+                        Some(&pw),
+                        &dw,
+                        &x,
+                        xs,
+                        &mut got,
+                        ys,
+                        band,
+                        sums_to,
+                        None,
+                    );
                     // Each row's sums, where the storage makes them (f32, bf16): its values'.
                     assert_eq!(made, T::PRECISION != crate::model::Precision::Fp16);
                     let ch = ys.c;
@@ -1774,6 +1912,64 @@ mod tests {
                              {act_pw:?} then {act_dw:?}, bands of {band}: value {i}: {g} \
                              against {e}",
                             T::PRECISION
+                        );
+                    }
+                }
+                if !T::IS_F32 {
+                    continue;
+                }
+                let cp = [24, 16, 40, 8, 80, 17][case];
+                let proj_conv = Conv2d {
+                    act: acts[(case + 1) % acts.len()].0,
+                    residual: case % 2 == 0,
+                    ..Conv2d::new(cmid, cp, 1, 1, 0).with_bias()
+                };
+                let proj_w: Vec<f32> = (0..cmid * cp).map(|i| value(i * 5 + 3) / 8.0).collect();
+                let proj_bias: Vec<f32> = (0..cp).map(|i| i as f32 / 32.0 - 0.25).collect();
+                let proj = PackedConv::<T>::new(proj_conv, &proj_w, Some(&proj_bias));
+                assert!(can_project(&dw, &proj), "{cmid} → {cp}");
+                let os = Nhwc { c: cp, ..ys };
+                let res: Vec<T> = (0..os.elems())
+                    .map(|i| T::from_f32(value(i * 11 + 5)))
+                    .collect();
+                let residual = proj_conv.residual.then_some(&res[..]);
+                let mut want_p = vec![T::from_f32(0.0); os.elems()];
+                conv2d(&proj, &want, ys, &mut want_p, os, 2, residual);
+                for band in 1..=oh {
+                    // After the pointwise layer, and on its output without it.
+                    for (pw, x, xs) in [(Some(&pw), &x, xs), (None, &mid, ms)] {
+                        let mut got = vec![T::from_f32(f32::NAN); os.elems()];
+                        let projection = Projection {
+                            conv: &proj,
+                            residual,
+                        };
+                        let fused = (pw, &dw);
+                        let made = pointwise_depthwise(
+                            fused.0,
+                            fused.1,
+                            x,
+                            xs,
+                            &mut got,
+                            ys,
+                            band,
+                            None,
+                            Some(projection),
+                        );
+                        assert!(!made);
+                        let same = got
+                            .iter()
+                            .zip(&want_p)
+                            .position(|(g, e)| g.to_f32().to_bits() != e.to_f32().to_bits());
+                        assert_eq!(
+                            same,
+                            None,
+                            "projected to {cp} after {}: {cin} → {cmid}, {k}×{k} stride {st}, \
+                             bands of {band}",
+                            if pw.is_some() {
+                                "the pair"
+                            } else {
+                                "the depthwise layer"
+                            }
                         );
                     }
                 }

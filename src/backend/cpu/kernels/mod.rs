@@ -38,7 +38,10 @@ pub(crate) use activation::{activate_ymm, activate_zmm};
 pub use conv::*;
 pub use decoder::*;
 use depthwise::*;
-pub use depthwise::{can_pair, fused_band_rows, makes_row_sums, pair_bands, pointwise_depthwise};
+pub use depthwise::{
+    Projection, can_pair, can_project, fused_band_rows, makes_row_sums, pair_bands,
+    pointwise_depthwise, projected_bands,
+};
 pub use elementwise::*;
 use im2col::*;
 pub use layout::*;
