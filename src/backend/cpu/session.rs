@@ -115,7 +115,7 @@ pub(super) struct CpuSession<T: Elem> {
     /// The batch tiles of the first layers (see [`batch_tiles`]); not used while calibrating, whose
     /// statistics are the whole batch's.
     pub(super) split: Option<batch_tiles::Split>,
-    /// Node p and p + 1 are a pointwise and a depthwise layer [`CpuSession::pair`] may run
+    /// Node p and p + 1 are a pointwise and a depthwise layer [`CpuSession::fused`] may run
     /// as one where `paired[p]`.
     pub(super) paired: Vec<bool>,
     /// Node d and d + 1 are a depthwise layer and a pointwise one reading its output alone,
@@ -852,7 +852,7 @@ impl<T: Elem> CpuSession<T> {
     }
 }
 
-/// Which nodes start a pair [`CpuSession::pair`] may run as one: a pointwise layer without a
+/// Which nodes start a pair [`CpuSession::fused`] may run as one: a pointwise layer without a
 /// residual, not the output, whose output the next node, a depthwise layer, alone reads, where
 /// [`kernels::can_pair`] says the kernels serve them.
 fn pairs<T: Elem>(plan: &Plan, steps: &[NodeKernel<T>]) -> Vec<bool> {
