@@ -387,7 +387,7 @@ type StationaryFn<E = f32> = unsafe fn(
 /// [kc × NR each]. Its arguments: kc, the rows' A pointers (the first `rows` used), the first
 /// panel's block with the distance (floats) from one panel's block to the next's, C and its
 /// row stride, the rows and columns of C that are valid (the tile's own on paths without
-/// [`Kernels::masked`]), how the accumulators start, the first panel's bias (the next panels'
+/// [`Kernels::edges`]), how the accumulators start, the first panel's bias (the next panels'
 /// follow it), and the finish of the tile's C block where this is the last K block.
 type TileFn<E = f32> = unsafe fn(
     usize,
