@@ -863,22 +863,15 @@ unsafe fn gemm_block<E>(
             let c_tile = c.add(i * ldc + (p - p0) * NR);
             let fin = fin.map(|f| f.at(i * ldc + (p - p0) * NR));
             let bstride = b.k * NR;
-            if whole {
+            // In place: a whole tile, or an edge tile on a path that masks its edges.
+            let in_place = if whole {
+                Some(tile)
+            } else {
+                kern.edges.map(|edges| edges[which])
+            };
+            if let Some(tile) = in_place {
                 let valid = (rows, cols);
                 tile(
-                    kc,
-                    &a_rows,
-                    (panel, bstride),
-                    c_tile,
-                    ldc,
-                    valid,
-                    init,
-                    bias,
-                    fin,
-                );
-            } else if let Some(edges) = kern.edges {
-                let valid = (rows, cols);
-                edges[which](
                     kc,
                     &a_rows,
                     (panel, bstride),
