@@ -853,44 +853,43 @@ impl<T: Elem> CpuSession<T> {
 }
 
 /// Which nodes start a pair [`CpuSession::fused`] may run as one: a pointwise layer without a
-/// residual, not the output, whose output the next node, a depthwise layer, alone reads, where
-/// [`kernels::can_pair`] says the kernels serve them.
+/// residual whose output a depthwise layer (without one) alone reads next
+/// ([`chained`]), where [`kernels::can_pair`] says the kernels serve them.
 fn pairs<T: Elem>(plan: &Plan, steps: &[NodeKernel<T>]) -> Vec<bool> {
     let nodes = &plan.graph.nodes;
-    (0..steps.len())
-        .map(|p| {
-            let Some((NodeKernel::Conv(pw), NodeKernel::Conv(dw))) =
-                steps.get(p).zip(steps.get(p + 1))
-            else {
-                return false;
-            };
-            nodes[p].inputs.len() == 1
-                && nodes[p + 1].inputs == [p]
-                && nodes.iter().filter(|n| n.inputs.contains(&p)).count() == 1
-                && p != plan.graph.output
-                && kernels::can_pair(pw, dw)
-        })
-        .collect()
+    chained(plan, steps, |p, pw, dw| {
+        nodes[p].inputs.len() == 1 && nodes[p + 1].inputs.len() == 1 && kernels::can_pair(pw, dw)
+    })
 }
 
 /// Which nodes start a projection [`CpuSession::fused`] may run on their rows: a depthwise
-/// layer, not the output, whose output the next node, a pointwise layer (with or without a
-/// residual, not this output again), alone reads, where [`kernels::can_project`] says the
-/// kernels serve them.
+/// layer whose output a pointwise layer (with or without a residual) alone reads next
+/// ([`chained`]), where [`kernels::can_project`] says the kernels serve them.
 fn projections<T: Elem>(plan: &Plan, steps: &[NodeKernel<T>]) -> Vec<bool> {
+    chained(plan, steps, |_, dw, proj| kernels::can_project(dw, proj))
+}
+
+/// The nodes i where i and i + 1 are convolutions, node i + 1 reads node i's output as its
+/// first input (and not again, as a residual), nothing else reads it, it is not the network's
+/// output, and `takes(i, layer i, layer i + 1)`.
+fn chained<T: Elem>(
+    plan: &Plan,
+    steps: &[NodeKernel<T>],
+    takes: impl Fn(usize, &PackedConv<T>, &PackedConv<T>) -> bool,
+) -> Vec<bool> {
     let nodes = &plan.graph.nodes;
     (0..steps.len())
-        .map(|d| {
-            let Some((NodeKernel::Conv(dw), NodeKernel::Conv(proj))) =
-                steps.get(d).zip(steps.get(d + 1))
+        .map(|i| {
+            let Some((NodeKernel::Conv(first), NodeKernel::Conv(next))) =
+                steps.get(i).zip(steps.get(i + 1))
             else {
                 return false;
             };
-            nodes[d + 1].inputs.first() == Some(&d)
-                && nodes[d + 1].inputs.iter().filter(|&&v| v == d).count() == 1
-                && nodes.iter().filter(|n| n.inputs.contains(&d)).count() == 1
-                && d != plan.graph.output
-                && kernels::can_project(dw, proj)
+            nodes[i + 1].inputs.first() == Some(&i)
+                && nodes[i + 1].inputs.iter().filter(|&&v| v == i).count() == 1
+                && nodes.iter().filter(|n| n.inputs.contains(&i)).count() == 1
+                && i != plan.graph.output
+                && takes(i, first, next)
         })
         .collect()
 }
