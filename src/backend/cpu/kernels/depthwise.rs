@@ -342,12 +342,16 @@ pub fn pointwise_depthwise<T: Elem>(
                             image_row(made_rows, band_dims, 0, tap_row(c, oy, ky) - r0 as isize)
                         })
                         .collect();
-                    if project.is_some() {
-                        // This band's row of the depthwise output, in the worker's buffer.
-                        let values = &mut projected[(oy - oy0) * row_len..][..row_len];
+                    // The row in f32, finished: by the intrinsics kernel where it covers the
+                    // layer, else the vectorised one.
+                    let f32_row = |values: &mut [f32]| {
                         if !zmm_row(c, &input, (w, bias), values, mid.w, (None, c.act)) {
                             vectorised_row(c, &input, (w, bias), values, mid.w, (None, c.act));
                         }
+                    };
+                    if project.is_some() {
+                        // This band's row of the depthwise output, in the worker's buffer.
+                        f32_row(&mut projected[(oy - oy0) * row_len..][..row_len]);
                         continue;
                     }
                     // SAFETY: output row oy of image n, this work item's alone.
@@ -355,17 +359,12 @@ pub fn pointwise_depthwise<T: Elem>(
                         std::slice::from_raw_parts_mut(out.add((n * ys.h + oy) * row_len), row_len)
                     };
                     // bf16 rows straight from the kernel's registers where it covers the layer.
-                    let fin = (None, c.act);
                     let done = match T::as_bf16_mut(&mut *out) {
-                        Some(o) => zmm_row(c, &input, (w, bias), o, mid.w, fin),
+                        Some(o) => zmm_row(c, &input, (w, bias), o, mid.w, (None, c.act)),
                         None => false,
                     };
                     if !done {
-                        as_f32_row(out, cols, |values| {
-                            if !zmm_row(c, &input, (w, bias), values, mid.w, (None, c.act)) {
-                                vectorised_row(c, &input, (w, bias), values, mid.w, (None, c.act));
-                            }
-                        });
+                        as_f32_row(out, cols, f32_row);
                     }
                     if let Some(sums) = sums {
                         let row = n * ys.h + oy;

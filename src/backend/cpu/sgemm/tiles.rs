@@ -155,12 +155,16 @@ macro_rules! simd_tile {
                 let store = |p: *mut f32, x, n| $store_part(p, x, n);
                 let rows = (c, ldc, width, $lanes, valid);
                 match act {
-                    Act::Hardswish => map_rows::<_, ROWS>(rows, &load, &store, |x| $act(Act::Hardswish, x)),
+                    Act::Hardswish => {
+                        map_rows::<_, ROWS>(rows, &load, &store, |x| $act(Act::Hardswish, x))
+                    }
                     Act::Hardsigmoid => {
                         map_rows::<_, ROWS>(rows, &load, &store, |x| $act(Act::Hardsigmoid, x))
                     }
                     Act::Silu => map_rows::<_, ROWS>(rows, &load, &store, |x| $act(Act::Silu, x)),
-                    Act::Sigmoid => map_rows::<_, ROWS>(rows, &load, &store, |x| $act(Act::Sigmoid, x)),
+                    Act::Sigmoid => {
+                        map_rows::<_, ROWS>(rows, &load, &store, |x| $act(Act::Sigmoid, x))
+                    }
                     Act::Gelu => map_rows::<_, ROWS>(rows, &load, &store, |x| $act(Act::Gelu, x)),
                     Act::None | Act::Relu | Act::Relu6 => unreachable!("the tiles apply these"),
                 }
