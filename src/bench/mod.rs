@@ -14,6 +14,7 @@ pub mod profile;
 pub mod record;
 pub mod scenario;
 pub mod stats;
+pub mod telemetry;
 
 use std::time::{Instant, UNIX_EPOCH};
 
@@ -483,6 +484,8 @@ pub fn measure(
     let mut loss = f64::NAN;
     let mut timeline = Vec::new();
     let mut flops_step = None;
+    let reader = telemetry::reader_for(cfg.backend, cfg.device, &device);
+    let sampler = reader.map(|r| telemetry::Sampler::start(r, telemetry::PERIOD));
     let run_start = Instant::now();
     for index in 0..cfg.iterations {
         together(None)?;
@@ -513,6 +516,7 @@ pub fn measure(
             seconds,
         });
     }
+    let telemetry = Some(sampler.map(telemetry::Sampler::finish));
     if cfg.profile && timeline.is_empty() || cfg.flops_prof_step.is_some() && flops_step.is_none() {
         return Err(backend::BackendError::Unsupported(
             "this device cannot time its kernels (no timestamp queries): run without \
@@ -528,7 +532,10 @@ pub fn measure(
     }
     // The session's facts, then its memory back before a peak probe may need it.
     let memory = session.memory();
-    let environment = environment(device.clone(), session.kernel_version());
+    let environment = Environment {
+        telemetry,
+        ..environment(device.clone(), session.kernel_version())
+    };
     drop(session);
     let flops_profile = match flops_step {
         Some((kernels, host_s)) => Some(flops::profile(
@@ -571,6 +578,7 @@ fn environment(device: DeviceInfo, kernel_version: String) -> Environment {
         cpu_cores: host.compute_units,
         device,
         kernel_version,
+        telemetry: None,
     }
 }
 

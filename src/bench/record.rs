@@ -103,6 +103,21 @@ impl BenchRecord {
     }
 }
 
+impl BenchRecord {
+    /// The run's telemetry, where it was read.
+    pub fn telemetry(&self) -> Option<&super::telemetry::Telemetry> {
+        self.environment.telemetry.as_ref()?.as_ref().ok()
+    }
+
+    /// Images (a language model's: new tokens) per joule over the timed iterations, where the
+    /// device's energy or power was readable.
+    pub fn per_joule(&self) -> Option<f64> {
+        let joules = self.telemetry()?.summary.energy_j.filter(|&j| j > 0.0)?;
+        let items = self.config.batch_size * self.samples_s.len();
+        Some(items as f64 / joules)
+    }
+}
+
 impl ModelInfo {
     /// The work of one `side`×`side` image through `graph`.
     pub fn of(
@@ -240,6 +255,11 @@ pub struct Environment {
     pub cpu_cores: Option<usize>,
     pub device: DeviceInfo,
     pub kernel_version: String,
+    /// What the machine did while the run was timed (clocks, temperature, power, throttling,
+    /// other programs' load: [`super::telemetry`]), or why nothing could be read. Absent in
+    /// older records and in runs of other frameworks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub telemetry: Option<Result<super::telemetry::Telemetry, String>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -85,6 +85,51 @@ fn cv_of(reference: &str, step: &str, metrics: &Metrics) -> Option<f64> {
     metrics.get(s).and_then(|m| m.get("cv")).copied()
 }
 
+/// What telemetry found wrong during the run behind `reference`, where it marked the run
+/// `unsteady` (the rule is [`crate::bench::telemetry`]'s; this only words its figures).
+fn unsteady(reference: &str, step: &str, metrics: &Metrics) -> Option<String> {
+    let (s, _) = own_or_earlier(reference, step, metrics);
+    let m = metrics.get(s)?;
+    if m.get("unsteady") != Some(&1.0) {
+        return None;
+    }
+    let mut why = Vec::new();
+    if let Some(t) = m.get("throttled").filter(|&&t| t > 0.0) {
+        why.push(format!(
+            "the device held its clocks back in {:.0}% of the readings",
+            t * 100.0
+        ));
+    }
+    if let Some(c) = m
+        .get("clock_ratio")
+        .filter(|&&c| c < crate::bench::telemetry::LOW_CLOCK)
+    {
+        why.push(format!(
+            "its clock ran at {:.0}% of the rated one",
+            c * 100.0
+        ));
+    }
+    if let Some(o) = m
+        .get("other_cores")
+        .filter(|&&o| o >= crate::bench::telemetry::OTHER_CORES)
+    {
+        why.push(format!("other programs kept {o:.1} cores busy"));
+    }
+    if let Some(st) = m
+        .get("steal")
+        .filter(|&&st| st >= crate::bench::telemetry::STEAL)
+    {
+        why.push(format!(
+            "the hypervisor took {:.0}% of the CPU time",
+            st * 100.0
+        ));
+    }
+    if why.is_empty() {
+        why.push("see the run's telemetry".into());
+    }
+    Some(why.join(", "))
+}
+
 /// Judge one expectation of step `step` (whose own metrics are already in `metrics`); `None`
 /// where the range that applies has neither `min` nor `max` (not judged on this device or
 /// backend: a metric it does not measure, say).
@@ -165,6 +210,12 @@ pub fn evaluate(
             ));
             return Some(check);
         }
+        if let Some(why) = unsteady(r, step, metrics) {
+            check.reason = Some(format!(
+                "not judged: the machine was not steady during the run behind `{r}` ({why}); re-run the step when it is"
+            ));
+            return Some(check);
+        }
     }
     let ok = min.is_none_or(|m| value >= m) && max.is_none_or(|m| value <= m);
     // A compared run's ratio out of range while the two runs' spreads overlap: the comparison
@@ -230,6 +281,72 @@ mod tests {
         assert!(c.reason.unwrap().contains("spreads overlap"));
         let c = evaluate(&x, "chart", &chart(0.0, 0.4), &ctx, None).unwrap();
         assert_eq!(c.verdict, Verdict::Inconclusive);
+    }
+
+    /// A run that telemetry marked unsteady: its timing checks are inconclusive with the
+    /// figures behind it, also when a later step divides by it; its other checks are judged.
+    #[test]
+    fn an_unsteady_machine_makes_timing_checks_inconclusive() {
+        let ctx = Context {
+            device: "Intel Xeon",
+            backend: crate::backend::BackendKind::Cpu,
+        };
+        let mut m = Metrics::new();
+        m.insert(
+            "busy".into(),
+            BTreeMap::from([
+                ("throughput".into(), 50.0),
+                ("loss".into(), 7.0),
+                ("cv".into(), 0.01),
+                ("unsteady".into(), 1.0),
+                ("other_cores".into(), 0.9),
+                ("steal".into(), 0.02),
+            ]),
+        );
+        m.insert(
+            "quiet".into(),
+            BTreeMap::from([
+                ("throughput".into(), 100.0),
+                ("cv".into(), 0.01),
+                ("unsteady".into(), 0.0),
+            ]),
+        );
+        let c = evaluate(
+            &expect("throughput", None, Some(80.0), None),
+            "busy",
+            &m,
+            &ctx,
+            None,
+        );
+        let c = c.unwrap();
+        assert_eq!(c.verdict, Verdict::Inconclusive);
+        let why = c.reason.unwrap();
+        assert!(why.contains("other programs kept 0.9 cores busy"), "{why}");
+        assert!(!why.contains("hypervisor"), "{why}");
+        let c = evaluate(
+            &expect("loss", None, Some(1.0), None),
+            "busy",
+            &m,
+            &ctx,
+            None,
+        )
+        .unwrap();
+        assert_eq!(c.verdict, Verdict::Pass);
+        let x = expect("throughput", Some("busy.throughput"), Some(1.5), None);
+        let c = evaluate(&x, "quiet", &m, &ctx, None).unwrap();
+        assert_eq!(
+            c.verdict,
+            Verdict::Inconclusive,
+            "the divisor's run was unsteady"
+        );
+        let c = evaluate(
+            &expect("throughput", None, Some(80.0), None),
+            "quiet",
+            &m,
+            &ctx,
+            None,
+        );
+        assert_eq!(c.unwrap().verdict, Verdict::Pass);
     }
 
     fn metrics() -> Metrics {

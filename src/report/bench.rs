@@ -131,7 +131,7 @@ pub fn summary(r: &BenchRecord) -> String {
          Throughput    {:.1} images/s (mean), {:.1} images/s (median)\n\
          Per image     {:.1} µs (median step / batch)\n\
          Compute       {:.1} GFLOP/s ({:.2} GMACs per image in convolutions, linear layers and attention; 2 FLOPs each)\n\
-         {}\n{}{}{}{line}",
+         {}\n{}{}{}{}{line}",
         c.network,
         c.precision.name().to_uppercase(),
         c.batch_size,
@@ -155,8 +155,33 @@ pub fn summary(r: &BenchRecord) -> String {
         memory_line(r),
         loss_line(r),
         enqueue_line(r),
+        machine_lines(r, "images"),
         r.compile.as_ref().map_or(String::new(), compile_lines),
     )
+}
+
+/// What the machine did while the run was timed, its energy where readable, and a warning
+/// when it was not steady; nothing for records without telemetry (older ones, frameworks').
+pub fn machine_lines(r: &BenchRecord, items: &str) -> String {
+    let t = match &r.environment.telemetry {
+        None => return String::new(),
+        Some(Err(why)) => return format!("Machine       not recorded: {why}\n"),
+        Some(Ok(t)) => t,
+    };
+    let mut out = format!("Machine       {}\n", t.describe());
+    if let (Some(j), Some(per)) = (t.summary.energy_j, r.per_joule()) {
+        out.push_str(&format!(
+            "Energy        {j:.1} J over the timed iterations: {:.2} J per iteration, {per:.2} {items}/J\n",
+            j / r.samples_s.len().max(1) as f64
+        ));
+    }
+    if !t.summary.concerns.is_empty() {
+        out.push_str(&format!(
+            "Not steady    {}: these times are not the device's own speed (the course judges them inconclusive)\n",
+            t.summary.concerns.join("; ")
+        ));
+    }
+    out
 }
 
 /// The memory a run held at its peak; a framework's run on the CPU reports none.

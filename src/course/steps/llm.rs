@@ -120,5 +120,6 @@ fn metrics(r: &BenchRecord) -> Result<Recorded> {
         run.memory.kv_cache as f64 / (1024.0 * 1024.0),
     );
     m.set("cv", r.stats.cv);
+    super::machine_metrics(r, &mut m);
     Ok(m)
 }

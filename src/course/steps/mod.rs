@@ -215,6 +215,30 @@ fn bench_with_progress(cfg: &BenchConfig, ui: &mut dyn Ui) -> Result<BenchRecord
     })
 }
 
+/// What the run's telemetry read: the machine's state and energy, and `unsteady` (1 when it
+/// found reasons the times are not the device's own speed, which makes the step's timing
+/// checks inconclusive); nothing where it read nothing.
+pub(super) fn machine_metrics(r: &BenchRecord, m: &mut Recorded) {
+    let Some(t) = r.telemetry() else {
+        return;
+    };
+    let s = &t.summary;
+    m.set("unsteady", f64::from(u8::from(!s.concerns.is_empty())));
+    let known = [
+        ("throttled", s.throttled),
+        ("clock_ratio", s.clock_ratio),
+        ("other_cores", s.other_cores),
+        ("steal", s.steal),
+        ("energy_j", s.energy_j),
+        ("per_joule", r.per_joule()),
+    ];
+    for (name, value) in known {
+        if let Some(v) = value {
+            m.set(name, v);
+        }
+    }
+}
+
 /// The metrics of one run (bench and profile steps), `max_batch` where estimated.
 fn run_metrics(r: &BenchRecord, max_batch: Option<usize>) -> Recorded {
     let s = &r.stats;
@@ -253,6 +277,7 @@ fn run_metrics(r: &BenchRecord, max_batch: Option<usize>) -> Recorded {
         v.sort_by(f64::total_cmp);
         m.set("enqueue_us", v[v.len() / 2] * 1e6);
     }
+    machine_metrics(r, &mut m);
     if let Some(c) = &r.compile {
         m.set("compile_s", c.compile_s);
         // An all-zero output compares nothing: not measured, so its checks are inconclusive.
