@@ -127,6 +127,20 @@ fn bench_prints_iterations_and_writes_a_record() {
             .as_str()
             .is_some_and(|s| !s.is_empty())
     );
+    // The machine's state while the iterations ran: Linux's counters, a reading before and
+    // one after at least, other programs' load over the window, in the record and the summary.
+    if cfg!(target_os = "linux") {
+        let t = &r["environment"]["telemetry"]["Ok"];
+        assert_eq!(t["source"], "Linux /proc and /sys", "{t}");
+        let readings = t["readings"].as_array().unwrap();
+        assert!(readings.len() >= 2, "{t}");
+        // /proc/stat counts in ticks of 10 ms: a window of several has a share.
+        if t["summary"]["seconds"].as_f64().unwrap() > 0.1 {
+            assert!(readings.last().unwrap()["steal"].as_f64().is_some(), "{t}");
+        }
+        assert!(t["cores"].as_u64().unwrap() >= 1);
+        assert!(out.contains("Machine       "), "{out}");
+    }
 }
 
 #[test]
@@ -1421,6 +1435,12 @@ fn template_record(dir: &std::path::Path) -> Value {
 /// The template with these step times (seconds per batch of 2) and, optionally, another batch.
 fn record_with(template: &Value, samples: &[f64], batch: usize) -> Value {
     let mut r = template.clone();
+    // The machine's state during the template's run is not the chosen numbers' (a busy CI
+    // machine would make every verdict ambiguous).
+    r["environment"]
+        .as_object_mut()
+        .unwrap()
+        .remove("telemetry");
     let mut sorted = samples.to_vec();
     sorted.sort_by(f64::total_cmp);
     let median = (sorted[(sorted.len() - 1) / 2] + sorted[sorted.len() / 2]) / 2.0;
@@ -1470,6 +1490,25 @@ fn compare_gives_known_ratios_verdicts_and_warnings() {
         .map(|p| p["verdict"].as_str().unwrap())
         .collect();
     assert_eq!(verdicts, ["faster", "same", "ambiguous"]);
+    // Twice as fast on a machine whose telemetry found it busy: not a verdict, and why.
+    let mut busy = record_with(&t, &[0.050, 0.051, 0.050, 0.052], 2);
+    busy["environment"]["telemetry"] = serde_json::json!({"Ok": {
+        "source": "Linux /proc and /sys", "reports_throttling": false, "cores": 2,
+        "readings": [{"t_s": 0.0}, {"t_s": 1.0, "other_cores": 1.2}],
+        "summary": {"seconds": 1.0, "other_cores": 1.2,
+                    "concerns": ["other programs kept 1.2 of 2 cores busy"]}}});
+    let busy = write("busy.json", &busy);
+    let o = workshop(&["compare", &base, &busy]);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        out.contains("ambiguous: the machine was not steady during the runs (other programs kept 1.2 of 2 cores busy)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("busy: other programs kept 1.2 of 2 cores busy"),
+        "{out}"
+    );
     let ratio = pairs[0]["ratio"].as_f64().unwrap();
     assert!((ratio - 0.1015 / 0.0505).abs() < 1e-9, "{ratio}");
     assert!(

@@ -31,6 +31,9 @@ pub struct Row {
     /// What the throughput counts: `images/s`, or a language model's decode `tokens/s`.
     #[serde(default = "images_per_s")]
     pub unit: String,
+    /// Images (tokens) per joule, where the run's telemetry read the device's energy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_joule: Option<f64>,
 }
 
 fn images_per_s() -> String {
@@ -97,6 +100,9 @@ pub struct Comparison {
     pub warnings: Vec<String>,
     /// Environment differences (driver, kernel version, threads, ...).
     pub differences: Vec<String>,
+    /// Records whose telemetry found the machine unsteady, and why.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unsteady: Vec<String>,
     pub shape: Shape,
 }
 
@@ -133,6 +139,20 @@ pub fn verdict(a: &BenchRecord, b: &BenchRecord) -> (Direction, String) {
                 "too few timed iterations to see the noise ({} and {}; at least {MIN_SAMPLES} each)",
                 sa.len(),
                 sb.len()
+            ),
+        );
+    }
+    let unsteady: Vec<String> = [a, b]
+        .iter()
+        .filter_map(|r| r.telemetry())
+        .flat_map(|t| t.summary.concerns.clone())
+        .collect();
+    if !unsteady.is_empty() {
+        return (
+            Direction::Ambiguous,
+            format!(
+                "the machine was not steady during the runs ({}): measure again when it is",
+                unsteady.join("; ")
             ),
         );
     }
@@ -196,9 +216,16 @@ pub fn compare(records: &[(String, BenchRecord)]) -> Comparison {
             pairs: Vec::new(),
             warnings: Vec::new(),
             differences: Vec::new(),
+            unsteady: Vec::new(),
             shape: Shape::Bars,
         };
     }
+    let unsteady = (records.iter().zip(&rows))
+        .filter_map(|((_, r), row)| {
+            let concerns = &r.telemetry()?.summary.concerns;
+            (!concerns.is_empty()).then(|| format!("{}: {}", row.label, concerns.join("; ")))
+        })
+        .collect();
     let pairs = pairs(records, &rows, &all, &varies);
     let (warnings, differences) = config_differences(records, &rows);
     Comparison {
@@ -207,6 +234,7 @@ pub fn compare(records: &[(String, BenchRecord)]) -> Comparison {
         pairs,
         warnings,
         differences,
+        unsteady,
     }
 }
 
@@ -259,6 +287,7 @@ fn rows(records: &[(String, BenchRecord)], all: &[Fields], varies: &[bool]) -> V
                     Some(_) => "tokens/s".into(),
                     None => images_per_s(),
                 },
+                per_joule: r.per_joule(),
             }
         })
         .collect();

@@ -10,7 +10,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 
-use super::record::{BenchConfig, BenchRecord, ModelInfo};
+use super::record::{BenchConfig, BenchRecord, Environment, ModelInfo};
 use super::stats::{Stats, percentile};
 use super::{Event, limits, within_limit};
 use crate::backend::{self, DecoderMemory, DecoderOptions, DecoderSession, MemoryStats};
@@ -227,7 +227,19 @@ pub fn run(
 
     let mut warmup_s = Vec::new();
     let mut timed = Vec::new();
+    let mut reader = Some(super::telemetry::reader_for(
+        cfg.backend,
+        cfg.device,
+        &device,
+    ));
+    let mut sampler = None;
     for index in 0..cfg.warmup + cfg.iterations {
+        if index == cfg.warmup
+            && let Some(r) = reader.take()
+        {
+            sampler =
+                Some(r.map(|r| super::telemetry::Sampler::start(r, super::telemetry::PERIOD)));
+        }
         let g = generation(session.as_mut(), &prompts, generate, model.vocab_size)?;
         let warm = index < cfg.warmup;
         on_event(Event::Generation {
@@ -242,6 +254,7 @@ pub fn run(
             timed.push(g);
         }
     }
+    let telemetry = sampler.map(|s| s.map(super::telemetry::Sampler::finish));
     let memory = session.memory();
     let kernel_version = session.kernel_version();
     drop(session);
@@ -318,7 +331,10 @@ pub fn run(
         peak_activations: memory.kv_cache + memory.scratch,
         peak: memory.weights + memory.kv_cache + memory.scratch,
     };
-    let environment = super::environment(device, kernel_version);
+    let environment = Environment {
+        telemetry,
+        ..super::environment(device, kernel_version)
+    };
     Ok(BenchRecord {
         prepare_s: Some(prepare_s),
         warmup_s,

@@ -113,7 +113,11 @@ impl BenchRecord {
     /// device's energy or power was readable.
     pub fn per_joule(&self) -> Option<f64> {
         let joules = self.telemetry()?.summary.energy_j.filter(|&j| j > 0.0)?;
-        let items = self.config.batch_size * self.samples_s.len();
+        // A language model's samples are its decode steps; the window held whole generations.
+        let items = match &self.llm {
+            Some(run) => self.config.gen_len? * run.ttft_s.len(),
+            None => self.samples_s.len(),
+        } * self.config.batch_size;
         Some(items as f64 / joules)
     }
 }

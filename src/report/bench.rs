@@ -155,29 +155,34 @@ pub fn summary(r: &BenchRecord) -> String {
         memory_line(r),
         loss_line(r),
         enqueue_line(r),
-        machine_lines(r, "images"),
+        machine_lines(r, "images", 14),
         r.compile.as_ref().map_or(String::new(), compile_lines),
     )
 }
 
 /// What the machine did while the run was timed, its energy where readable, and a warning
 /// when it was not steady; nothing for records without telemetry (older ones, frameworks').
-pub fn machine_lines(r: &BenchRecord, items: &str) -> String {
+/// `items` names what a joule buys (images, tokens); labels are `width` wide.
+pub fn machine_lines(r: &BenchRecord, items: &str, width: usize) -> String {
+    let label = |l: &str| format!("{l:<width$}");
     let t = match &r.environment.telemetry {
         None => return String::new(),
-        Some(Err(why)) => return format!("Machine       not recorded: {why}\n"),
+        Some(Err(why)) => return format!("{}not recorded: {why}\n", label("Machine")),
         Some(Ok(t)) => t,
     };
-    let mut out = format!("Machine       {}\n", t.describe());
+    let mut out = format!("{}{}\n", label("Machine"), t.describe());
     if let (Some(j), Some(per)) = (t.summary.energy_j, r.per_joule()) {
+        let runs = r.llm.as_ref().map_or(r.samples_s.len(), |l| l.ttft_s.len());
         out.push_str(&format!(
-            "Energy        {j:.1} J over the timed iterations: {:.2} J per iteration, {per:.2} {items}/J\n",
-            j / r.samples_s.len().max(1) as f64
+            "{}{j:.1} J over the timed iterations: {:.2} J per iteration, {per:.2} {items}/J\n",
+            label("Energy"),
+            j / runs.max(1) as f64
         ));
     }
     if !t.summary.concerns.is_empty() {
         out.push_str(&format!(
-            "Not steady    {}: these times are not the device's own speed (the course judges them inconclusive)\n",
+            "{}{}: these times are not the device's own speed (the course judges them inconclusive)\n",
+            label("Not steady"),
             t.summary.concerns.join("; ")
         ));
     }

@@ -27,9 +27,15 @@ fn comparison_cells(c: &crate::bench::compare::Comparison) -> Vec<Vec<String>> {
         .map(String::from)
         .to_vec(),
     ];
+    // Energy only where some run could read it.
+    let energy = c.rows.iter().any(|r| r.per_joule.is_some());
+    if energy {
+        let per = unit.split('/').next().unwrap_or("images");
+        rows[0].insert(10, format!("{per}/J"));
+    }
     for (i, r) in c.rows.iter().enumerate() {
         let pair = c.pairs.iter().find(|p| p.index == i);
-        rows.push(vec![
+        let mut row = vec![
             (i + 1).to_string(),
             r.label.clone(),
             r.device.clone(),
@@ -44,7 +50,12 @@ fn comparison_cells(c: &crate::bench::compare::Comparison) -> Vec<Vec<String>> {
             format!("{:.1}", r.cv * 100.0),
             pair.map_or("reference".into(), |p| format!("{:.2}×", p.ratio)),
             pair.map_or(String::new(), |p| p.verdict.word().to_string()),
-        ]);
+        ];
+        if energy {
+            let per = r.per_joule.map_or("—".into(), |j| format!("{j:.2}"));
+            row.insert(10, per);
+        }
+        rows.push(row);
     }
     rows
 }
@@ -64,6 +75,12 @@ fn comparison_notes(c: &crate::bench::compare::Comparison, bullet: &str) -> Stri
         s.push_str("\nThe configurations differ, so the ratios measure these differences too:\n");
         for w in &c.warnings {
             s.push_str(&format!("{bullet}{w}\n"));
+        }
+    }
+    if !c.unsteady.is_empty() {
+        s.push_str("\nThe machine was not steady during these runs (their times are not the device's own speed):\n");
+        for u in &c.unsteady {
+            s.push_str(&format!("{bullet}{u}\n"));
         }
     }
     if !c.differences.is_empty() {

@@ -84,7 +84,7 @@ pub fn summary(r: &BenchRecord, run: &LlmRun) -> String {
          Bandwidth       {:.1} GB/s in decode = {}{bandwidth} ({} read a step)\n\
          End to end      {} for {generate} tokens\n\
          KV cache        {} per token, {} for {} × {} positions{fits}\n\
-         Memory          {} weights, {} KV cache, {} activations{}{}\n{line}",
+         Memory          {} weights, {} KV cache, {} activations{}{}\n{}{line}",
         c.network,
         c.precision.name().to_uppercase(),
         c.batch_size,
@@ -112,6 +112,7 @@ pub fn summary(r: &BenchRecord, run: &LlmRun) -> String {
         human_bytes(m.scratch),
         ops("Prefill time", &run.prefill_ops),
         ops("Decode time", &run.decode_ops),
+        super::bench::machine_lines(r, "tokens", 16),
     )
 }
 
