@@ -217,71 +217,6 @@ fn info(ctx: &Arc<CudaContext>) -> DeviceInfo {
     }
 }
 
-/// An NVIDIA GPU's peak for arithmetic in `precision`: SMs × clock × FLOPs per SM per clock
-/// on the units that precision runs on, from the compute capability (`sm_XY` in the
-/// features). FP32 on the ordinary cores: 64 lanes on sm_60, Volta, Turing and the A100
-/// (sm_80), 128 on the rest from Pascal's sm_61 to Blackwell, 2 FLOPs per FMA. FP16 and BF16
-/// on the tensor cores (dense, FP32 accumulation): [`tensor_flops_per_clock`].
-fn theoretical(
-    features: &[String],
-    sms: usize,
-    clock_mhz: u32,
-    precision: Precision,
-) -> Option<Theoretical> {
-    let sm: u32 = features
-        .iter()
-        .find_map(|f| f.strip_prefix("sm_")?.parse().ok())?;
-    let ghz = clock_mhz as f64 / 1e3;
-    let (per_clock, units) = match precision {
-        Precision::Fp32 => {
-            let lanes = match sm {
-                60 | 70..=75 | 80 => 64,
-                _ => 128,
-            };
-            (
-                2 * lanes,
-                format!(
-                    "{lanes} FP32 lanes × 2 (FMA), at the highest clock the driver reports; \
-                     tensor cores (FP16, BF16, TF32) go well beyond this"
-                ),
-            )
-        }
-        Precision::Fp16 | Precision::Bf16 => {
-            let flops = tensor_flops_per_clock(sm, precision)?;
-            (
-                flops,
-                format!(
-                    "{flops} {} FLOPs per SM per clock on tensor cores (dense, FP32 accumulation), \
-                     at the highest clock the driver reports (data sheets quote a lower clock \
-                     under tensor load)",
-                    precision.name().to_uppercase()
-                ),
-            )
-        }
-    };
-    Some(Theoretical {
-        name: String::new(),
-        gflops: sms as f64 * ghz * per_clock as f64,
-        how: format!("{sms} SMs × {ghz:.2} GHz × {units}"),
-        measured: false,
-    })
-}
-
-/// Dense FP16/BF16 tensor-core FLOPs per SM per clock with FP32 accumulation, for the
-/// data-centre architectures whose every part runs them at full rate: Volta (sm_70, FP16 only:
-/// 8 tensor cores × 64 FMAs), the A100 (sm_80: 4 × 256) and Hopper (sm_90: 4 × 512; wgmma's rate,
-/// which mma.sync kernels such as ours do not reach). `None` elsewhere: the consumer parts of
-/// Turing, Ampere and Ada halve the rate with FP32 accumulation where the professional ones
-/// do not, and the SM version does not tell them apart.
-fn tensor_flops_per_clock(sm: u32, precision: Precision) -> Option<u32> {
-    match (sm, precision) {
-        (70, Precision::Fp16) => Some(1024),
-        (80, _) => Some(2048),
-        (90, _) => Some(4096),
-        _ => None,
-    }
-}
-
 impl Backend for CudaBackend {
     fn kind(&self) -> BackendKind {
         BackendKind::Cuda
@@ -293,7 +228,7 @@ impl Backend for CudaBackend {
         _workers: Option<usize>,
         precision: Precision,
     ) -> Option<Theoretical> {
-        theoretical(
+        gpu::ceiling::nvidia(
             &device.features,
             device.compute_units?,
             device.clock_mhz?,
@@ -708,46 +643,4 @@ pub fn kernel_checks(dir: Option<&Path>) -> Vec<KernelCheck> {
         compile(target, p, dir)
     }));
     out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn cuda_theoretical_peaks_follow_the_compute_capability() {
-        let sm = |s: &str| vec![s.to_string()];
-        // H100 SXM: 132 SMs at 1980 MHz, 128 lanes: 66.9 TFLOP/s, its specification.
-        use Precision::*;
-        let h100 = theoretical(&sm("sm_90"), 132, 1980, Fp32).unwrap();
-        assert!((h100.gflops - 66_908.16).abs() < 0.01, "{}", h100.gflops);
-        assert!(
-            h100.how.contains("132 SMs × 1.98 GHz × 128 FP32 lanes"),
-            "{}",
-            h100.how
-        );
-        // Its tensor cores: 4096 FLOPs per SM per clock, 989 TFLOP/s at the data sheet's
-        // 1830 MHz; the same for BF16.
-        let h100_fp16 = theoretical(&sm("sm_90"), 132, 1830, Fp16).unwrap();
-        assert!((h100_fp16.gflops - 989_429.76).abs() < 0.01);
-        assert!(
-            h100_fp16
-                .how
-                .contains("4096 FP16 FLOPs per SM per clock on tensor cores")
-        );
-        let bf16 = theoretical(&sm("sm_90"), 132, 1830, Bf16).unwrap();
-        assert_eq!(bf16.gflops, h100_fp16.gflops);
-        // A100: 108 SMs at 1410 MHz, 64 lanes: 19.5 TFLOP/s; tensor cores 312.
-        let a100 = theoretical(&sm("sm_80"), 108, 1410, Fp32).unwrap();
-        assert!((a100.gflops - 19_491.84).abs() < 0.01, "{}", a100.gflops);
-        let a100 = theoretical(&sm("sm_80"), 108, 1410, Bf16).unwrap();
-        assert!((a100.gflops - 311_869.44).abs() < 0.01, "{}", a100.gflops);
-        // V100: FP16 tensor cores (125 TFLOP/s at 1530 MHz), no BF16 ones; a consumer
-        // architecture's rate is not known from its SM version.
-        let v100 = theoretical(&sm("sm_70"), 80, 1530, Fp16).unwrap();
-        assert!((v100.gflops - 125_337.6).abs() < 0.01, "{}", v100.gflops);
-        assert!(theoretical(&sm("sm_70"), 80, 1530, Bf16).is_none());
-        assert!(theoretical(&sm("sm_89"), 128, 2520, Fp16).is_none());
-        assert!(theoretical(&sm("emulated"), 1, 1000, Fp32).is_none());
-    }
 }

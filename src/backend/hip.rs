@@ -208,6 +208,17 @@ fn properties(dev: usize) -> Result<(String, Option<String>, u64, usize), Backen
     ))
 }
 
+/// The highest clock of device `dev`'s compute units, MHz (the attribute's number is the same
+/// in every ROCm since 5.0; a value outside any GPU's range is not trusted).
+fn clock_mhz(dev: usize) -> Option<u32> {
+    let mut khz: c_int = 0;
+    let attr = h::hipDeviceAttribute_t::hipDeviceAttributeClockRate;
+    // SAFETY: an out-pointer and a device index the caller checked.
+    let e = unsafe { h::hipDeviceGetAttribute(&mut khz, attr, dev as c_int) };
+    let mhz = (khz / 1000) as u32;
+    (e == h::hipError_t::hipSuccess && (100..=10_000).contains(&mhz)).then_some(mhz)
+}
+
 fn versions() -> String {
     let (mut d, mut r) = (0, 0);
     // SAFETY: out-pointers.
@@ -235,16 +246,30 @@ impl Backend for HipBackend {
 
     fn devices(&self) -> Vec<DeviceInfo> {
         (0..self.count)
-            .filter_map(|d| properties(d).ok())
-            .map(|(name, arch, mem, cus)| DeviceInfo {
+            .filter_map(|d| Some((d, properties(d).ok()?)))
+            .map(|(d, (name, arch, mem, cus))| DeviceInfo {
                 name,
                 memory_bytes: Some(mem),
                 driver: Some(versions()),
                 compute_units: Some(cus),
                 features: arch.into_iter().collect(),
-                clock_mhz: None,
+                clock_mhz: clock_mhz(d),
             })
             .collect()
+    }
+
+    fn ceiling(
+        &self,
+        device: &DeviceInfo,
+        _workers: Option<usize>,
+        precision: Precision,
+    ) -> Option<super::Theoretical> {
+        gpu::ceiling::amd(
+            &device.features,
+            device.compute_units?,
+            device.clock_mhz?,
+            precision,
+        )
     }
 
     fn memory_budget(&self, dev: usize) -> Option<u64> {

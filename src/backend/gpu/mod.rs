@@ -5,6 +5,7 @@
 //! CPU so that the shared path is tested on machines without a GPU.
 
 pub mod arch;
+pub mod ceiling;
 pub mod decoder;
 #[cfg(unix)]
 pub mod emu;
