@@ -14,6 +14,10 @@ pub struct BackendStatus {
     /// Why not, in words that say what to install or change.
     pub reason: Option<String>,
     pub devices: Vec<DeviceInfo>,
+    /// What a run on its first device records of the machine's state
+    /// ([`crate::bench::telemetry`]), or why nothing; absent where the backend has no device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub telemetry: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -51,13 +55,21 @@ pub fn collect() -> Report {
                     status: "no device".into(),
                     reason: Some("no device found".into()),
                     devices,
+                    telemetry: None,
                 }
             } else {
+                let telemetry = Some(
+                    match crate::bench::telemetry::reader_for(kind, 0, &devices[0]) {
+                        Ok(mut r) => crate::bench::telemetry::readable(r.as_mut()),
+                        Err(why) => why,
+                    },
+                );
                 BackendStatus {
                     backend: kind,
                     status: "available".into(),
                     reason: None,
                     devices,
+                    telemetry,
                 }
             }
         }
@@ -66,12 +78,14 @@ pub fn collect() -> Report {
             status: "not in this build".into(),
             reason: Some(e.to_string()),
             devices: vec![],
+            telemetry: None,
         },
         Err(e) => BackendStatus {
             backend: kind,
             status: "no device".into(),
             reason: Some(e.to_string()),
             devices: vec![],
+            telemetry: None,
         },
     })
     .collect();

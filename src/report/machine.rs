@@ -55,6 +55,9 @@ pub fn doctor(d: &doctor::Report) -> String {
                 s.push_str(&format!("            {}\n", dev.features.join(" ")));
             }
         }
+        if let Some(t) = &b.telemetry {
+            s.push_str(&format!("        telemetry: {t}\n"));
+        }
     }
     s.trim_end().to_string()
 }

@@ -112,6 +112,38 @@ pub fn reader_for(
     }
 }
 
+/// What `reader` can read on this machine, in words (for `doctor`): its source, what it has,
+/// and what this machine does not expose.
+pub fn readable(reader: &mut dyn Reader) -> String {
+    let r = reader.read();
+    let mut have = Vec::new();
+    let mut lack = Vec::new();
+    if reader.cores().is_some() {
+        have.push("other programs' load, steal");
+    }
+    let fields = [
+        (r.clock_mhz.is_some(), "clocks"),
+        (r.temperature_c.is_some(), "temperature"),
+        (
+            r.power_w.is_some() || r.energy_j.is_some(),
+            "power or energy",
+        ),
+        (reader.reports_throttling(), "throttle reasons"),
+    ];
+    for (present, what) in fields {
+        if present {
+            have.push(what)
+        } else {
+            lack.push(what)
+        }
+    }
+    let lack = match lack.is_empty() {
+        true => String::new(),
+        false => format!(" (no {} here)", lack.join(", ")),
+    };
+    format!("{}: {}{lack}", reader.source(), have.join(", "))
+}
+
 /// Reads in the background until [`Sampler::finish`].
 pub struct Sampler {
     stop: mpsc::Sender<()>,
