@@ -92,7 +92,8 @@ pub fn session_with(
             skip(kind, &reason);
             None
         }
-        // A precision, op or library this backend lacks here (hipBLAS in a build without it).
+        // A precision, op or library this backend lacks here (rocBLAS where it is not
+        // installed, or on the emulator).
         Err(e) if e.is_unavailable() => {
             eprintln!("skipped {precision} on {kind}: {e}");
             None

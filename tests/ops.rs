@@ -274,6 +274,41 @@ fn conv2d_variants(kind: BackendKind) {
 }
 backend_test!(conv2d_variants, cpu, wgpu, cuda, hip);
 
+/// FP16 and BF16 convolutions run on the matrix units' kernels where the device has them (on
+/// the emulator: CUDA's mma.sync per warp of 32 and HIP's MFMA per wavefront of 64, the
+/// variants above checked against the reference through them), and FP32 never does.
+fn matrix_kernels_in_half_precision(kind: BackendKind) {
+    let graph = single("layer", 48, conv(48, 40, (3, 3), 1, (1, 1), 1, 1, true));
+    let plan = graph.plan(1, 9, 7).unwrap();
+    let w = random_weights(&graph, 3);
+    let x = Rng::new(2).normal_tensor(vec![1, 48, 9, 7]);
+    for precision in [Precision::Fp32, Precision::Fp16, Precision::Bf16] {
+        let Some(mut s) = profiled_session(kind, &plan, &w, precision, true) else {
+            return;
+        };
+        s.run(&x).unwrap();
+        s.sync().unwrap();
+        let kernels: Vec<String> = s
+            .kernel_times()
+            .unwrap()
+            .into_iter()
+            .map(|k| k.kernel)
+            .collect();
+        let conv = kernels.iter().find(|k| k.starts_with("conv2d")).unwrap();
+        // A real AMD GPU has them from CDNA 2 on, a real NVIDIA one from compute capability
+        // 8.0 on: only the emulator's answer is known here.
+        if workshop::backend::gpu::emu::requested() {
+            let wanted = precision != Precision::Fp32;
+            assert_eq!(
+                conv.contains("_mma_"),
+                wanted,
+                "{kind} {precision:?}: {kernels:?}"
+            );
+        }
+    }
+}
+backend_test!(matrix_kernels_in_half_precision, cuda, hip);
+
 fn pooling(kind: BackendKind) {
     let ceil = |k, s, p| Pool {
         ceil_mode: true,

@@ -322,17 +322,99 @@ BLOCK_KERNEL(conv2d_t64, ConvArgs) { conv_tiled<64, 64, 16, 4, 4, false, false>(
 BLOCK_KERNEL(conv2d_pw_t64, ConvArgs) { conv_tiled<64, 64, 16, 4, 4, true, false>(a); }
 BLOCK_KERNEL(conv2d_lin_t64, ConvArgs) { conv_tiled<64, 64, 16, 4, 4, true, true>(a); }
 
-// ---- tensor cores: the tiled convolution on half-precision matrix units ----------------------
+// ---- matrix units: the tiled convolution on half-precision tensor or matrix cores --------------
+//
+// NVIDIA: mma.sync m16n8k16 per warp of 32 (compute capability 8.0 on). AMD: MFMA 16×16×16 per
+// wavefront of 64 (CDNA 2 and later: gfx90a, gfx94x, gfx950; the HIP dialect defines WS_MFMA for
+// those targets). The emulator runs either, in shared memory (WS_EMU_WAVE64: AMD's).
 
-#if (defined(WS_FP16) || defined(WS_BF16)) && (defined(WS_MMA_PTX) || defined(WS_EMULATOR))
+#if (defined(WS_FP16) || defined(WS_BF16)) && \
+    (defined(WS_MMA_PTX) || defined(WS_MFMA) || defined(WS_EMULATOR))
 #define WS_MMA 1
 
+__device__ inline unsigned pack2(const elem* p) { return (unsigned)p[0] | ((unsigned)p[1] << 16); }
+
+#if defined(WS_MFMA) || defined(WS_EMU_WAVE64)
+// One wavefront: D (16 × 16, f32) += A (16 × 16) · B (16 × 16), as v_mfma_f32_16x16x16f16 (and
+// its bf16 twin, _1k). With r = lane % 16 and q = lane / 16, a lane holds in a[0..1] A's row r,
+// columns 4q .. 4q + 3 (two halves per register, lower column in the low bits); in b[0..1] B's
+// column r, rows 4q .. 4q + 3; in d[0..3] D's rows 4q .. 4q + 3 of column r.
+struct MmaShape {
+    static constexpr int LANES = 64, WAVES_N = 2, TN = 16;
+    // Where a lane's accumulator r sits in its 16 × TN tile.
+    __device__ static int row(int lane, int r) { return 4 * (lane / 16) + r; }
+    __device__ static int col(int lane, int r) { return lane % 16; }
+};
+
+#if defined(WS_MFMA)
+typedef _Float16 ws_half4 __attribute__((ext_vector_type(4)));
+typedef short ws_short4 __attribute__((ext_vector_type(4)));
+typedef float ws_float4 __attribute__((ext_vector_type(4)));
+struct ws_pair { unsigned lo, hi; };
+#endif
+
+__device__ inline void mma_tile(float* d, const unsigned* a, const unsigned* b) {
+#if defined(WS_MFMA)
+    const ws_pair pa = {a[0], a[1]}, pb = {b[0], b[1]};
+    ws_float4 c = {d[0], d[1], d[2], d[3]};
+#if defined(WS_FP16)
+    c = __builtin_amdgcn_mfma_f32_16x16x16f16(__builtin_bit_cast(ws_half4, pa),
+                                              __builtin_bit_cast(ws_half4, pb), c, 0, 0, 0);
+#else
+    c = __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(__builtin_bit_cast(ws_short4, pa),
+                                                  __builtin_bit_cast(ws_short4, pb), c, 0, 0, 0);
+#endif
+    for (int r = 0; r < 4; ++r) d[r] = c[r];
+#else
+    // The emulator: the wavefront's fragments meet in shared memory, each lane computes its four.
+    __shared__ unsigned fa[256][2], fb[256][2];
+    const int tid = threadIdx.x, lane = tid % 64, wave0 = tid - lane;
+    fa[tid][0] = a[0];
+    fa[tid][1] = a[1];
+    fb[tid][0] = b[0];
+    fb[tid][1] = b[1];
+    __syncthreads();
+    for (int r = 0; r < 4; ++r) {
+        const int row = MmaShape::row(lane, r), col = MmaShape::col(lane, r);
+        float sum = 0.0f;
+        for (int k = 0; k < 16; ++k) {
+            // A[row][k] and B[k][col] are in lanes row + 16·(k / 4) and col + 16·(k / 4).
+            const unsigned ar = fa[wave0 + row + 16 * (k / 4)][(k % 4) / 2];
+            const unsigned br = fb[wave0 + col + 16 * (k / 4)][(k % 4) / 2];
+            sum += ld((elem)(k % 2 ? ar >> 16 : ar & 0xffffu)) *
+                   ld((elem)(k % 2 ? br >> 16 : br & 0xffffu));
+        }
+        d[r] += sum;
+    }
+    __syncthreads();
+#endif
+}
+
+// A lane's fragment of the 16 × 16 piece of A at row m (or of B, n-major, at column m), from
+// k: the same shape for both.
+template <int LD>
+__device__ inline void mma_a(const elem (*As)[LD], int m, int k, int lane, unsigned* af) {
+    const int r = lane % 16, kk = k + 4 * (lane / 16);
+    af[0] = pack2(&As[m + r][kk]);
+    af[1] = pack2(&As[m + r][kk + 2]);
+}
+template <int LD>
+__device__ inline void mma_b(const elem (*Bs)[LD], int n, int k, int lane, unsigned* bf) {
+    mma_a<LD>(Bs, n, k, lane, bf);
+}
+#else
 // One warp: D (16 × 8, f32) += A (16 × 16, row-major) · B (16 × 8, column-major), as PTX's
 // mma.sync m16n8k16. With g = lane / 4 and t = lane % 4, a lane holds in a[0..3] A's
 // (row g, columns 2t, 2t+1), (g + 8, 2t..), (g, 2t + 8..), (g + 8, 2t + 8..), two halves per
 // register, lower column in the low bits; in b[0..1] B's (rows 2t, 2t+1, column g) and
 // (2t + 8.., g); in d[0..3] D's (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1).
-__device__ inline void mma16816(float* d, const unsigned* a, const unsigned* b) {
+struct MmaShape {
+    static constexpr int LANES = 32, WAVES_N = 4, TN = 8;
+    __device__ static int row(int lane, int r) { return lane / 4 + 8 * (r / 2); }
+    __device__ static int col(int lane, int r) { return (lane % 4) * 2 + r % 2; }
+};
+
+__device__ inline void mma_tile(float* d, const unsigned* a, const unsigned* b) {
 #if defined(WS_MMA_PTX)
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32." WS_MMA_PTX "." WS_MMA_PTX ".f32 "
@@ -362,20 +444,38 @@ __device__ inline void mma16816(float* d, const unsigned* a, const unsigned* b) 
 #endif
 }
 
-__device__ inline unsigned pack2(const elem* p) { return (unsigned)p[0] | ((unsigned)p[1] << 16); }
+// A lane's fragment of the 16 × 16 piece of A at row m, and of the 16 × 8 piece of B
+// (n-major) at column n, from k.
+template <int LD>
+__device__ inline void mma_a(const elem (*As)[LD], int m, int k, int lane, unsigned* af) {
+    const int g = lane / 4, kk = k + 2 * (lane % 4);
+    af[0] = pack2(&As[m + g][kk]);
+    af[1] = pack2(&As[m + g + 8][kk]);
+    af[2] = pack2(&As[m + g][kk + 8]);
+    af[3] = pack2(&As[m + g + 8][kk + 8]);
+}
+template <int LD>
+__device__ inline void mma_b(const elem (*Bs)[LD], int n, int k, int lane, unsigned* bf) {
+    const int g = lane / 4, kk = k + 2 * (lane % 4);
+    bf[0] = pack2(&Bs[n + g][kk]);
+    bf[1] = pack2(&Bs[n + g][kk + 8]);
+}
+#endif
 
-// conv_tiled's implicit GEMM on tensor cores: tiles of BM × BN outputs and 32-deep slices of
+// conv_tiled's implicit GEMM on matrix units: tiles of BM × BN outputs and 32-deep slices of
 // the reduction in shared memory as half-precision values (A row-major, the columns n-major),
-// 8 warps in 2 × 4, each multiplying a (BM / 2) × (BN / 4) piece with m16n8k16 steps.
-// Accumulation, bias, residual and activation in f32, as everywhere.
+// the block's 256 threads as warps (wavefronts) in 2 rows × WAVES_N, each multiplying a
+// (BM / 2) × (BN / WAVES_N) piece in 16 × TN steps. Accumulation, bias, residual and
+// activation in f32, as everywhere.
 template <int BM, int BN, bool PW, bool LIN>
 __device__ inline void conv_mma(const ConvArgs& a) {
     constexpr int BK = 32, LD = BK + 8;  // +8: the fragment loads of a warp hit 32 banks
-    constexpr int MT = BM / 32, NT = BN / 32;
+    constexpr int WN = MmaShape::WAVES_N, TN = MmaShape::TN;
+    constexpr int MT = BM / 32, NT = BN / WN / TN;
     alignas(16) __shared__ elem As[BM][LD];
     alignas(16) __shared__ elem Bs[BN][LD];
-    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const int wm = warp / 4, wn = warp % 4, gq = lane / 4, tq = lane % 4;
+    const int tid = threadIdx.x, lane = tid % MmaShape::LANES, warp = tid / MmaShape::LANES;
+    const int wm = warp / WN, wn = warp % WN;
     const ConvTile t = conv_tile<BM, BN>(a);
     constexpr int AL = BM * BK / 256, BL = BK * BN / 256, BSTEP = 256 / BN;
     elem ra[AL], rb[BL];
@@ -421,46 +521,35 @@ __device__ inline void conv_mma(const ConvArgs& a) {
         for (int ks = 0; ks < BK; ks += 16) {
             unsigned af[MT][4], bf[NT][2];
 #pragma unroll
-            for (int i = 0; i < MT; ++i) {
-                const int m = wm * (BM / 2) + i * 16 + gq, k = ks + 2 * tq;
-                af[i][0] = pack2(&As[m][k]);
-                af[i][1] = pack2(&As[m + 8][k]);
-                af[i][2] = pack2(&As[m][k + 8]);
-                af[i][3] = pack2(&As[m + 8][k + 8]);
-            }
+            for (int i = 0; i < MT; ++i) mma_a<LD>(As, wm * (BM / 2) + i * 16, ks, lane, af[i]);
 #pragma unroll
-            for (int j = 0; j < NT; ++j) {
-                const int n = wn * (BN / 4) + j * 8 + gq, k = ks + 2 * tq;
-                bf[j][0] = pack2(&Bs[n][k]);
-                bf[j][1] = pack2(&Bs[n][k + 8]);
-            }
+            for (int j = 0; j < NT; ++j) mma_b<LD>(Bs, wn * (BN / WN) + j * TN, ks, lane, bf[j]);
 #pragma unroll
             for (int i = 0; i < MT; ++i)
 #pragma unroll
-                for (int j = 0; j < NT; ++j) mma16816(acc[i][j], af[i], bf[j]);
+                for (int j = 0; j < NT; ++j) mma_tile(acc[i][j], af[i], bf[j]);
         }
         __syncthreads();
     }
-    long long cols[NT][2];
+    // Each accumulator's output column, found once.
+    long long cols[NT][4];
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-            cols[j][h] = conv_out_col(a, t, t.n0 + wn * (BN / 4) + j * 8 + tq * 2 + h);
+        for (int r = 0; r < 4; ++r)
+            cols[j][r] = conv_out_col(a, t, t.n0 + wn * (BN / WN) + j * TN + MmaShape::col(lane, r));
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
-        for (int rh = 0; rh < 2; ++rh) {
-            const int m = t.m0 + wm * (BM / 2) + i * 16 + gq + 8 * rh;
+        for (int r = 0; r < 4; ++r) {
+            const int m = t.m0 + wm * (BM / 2) + i * 16 + MmaShape::row(lane, r);
             if (m >= t.cout_g) continue;
             const int co = t.g * t.cout_g + m;
             const float bias = a.has_bias ? a.bias[co] : 0.0f;
 #pragma unroll
             for (int j = 0; j < NT; ++j)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    if (cols[j][h] >= 0)
-                        conv_store(a, cols[j][h] + (long long)co * t.ohw, acc[i][j][2 * rh + h] + bias);
+                if (cols[j][r] >= 0)
+                    conv_store(a, cols[j][r] + (long long)co * t.ohw, acc[i][j][r] + bias);
         }
 }
 

@@ -80,12 +80,17 @@ pub(crate) fn skipped(file: &'static str, compiler: &'static str, why: &str) -> 
 #[cfg(unix)]
 pub(crate) fn host(dir: Option<&Path>) -> Vec<KernelCheck> {
     use super::gpu::Device;
+    use crate::backend::BackendKind;
+    // The warp-of-32 (CUDA) and wavefront-of-64 (HIP) matrix kernels are two builds.
     each("gpu/ops.cuh", "host", &["emulator"], |_, p| {
-        super::gpu::emu::EmuDevice::new(crate::backend::BackendKind::Cuda).compile(
-            p,
-            dir,
-            &["conv2d", "conv2d_t128"],
-        )
+        let mut names = vec!["conv2d", "conv2d_t128"];
+        if p != Precision::Fp32 {
+            names.push("conv2d_mma_t64");
+        }
+        for kind in [BackendKind::Cuda, BackendKind::Hip] {
+            super::gpu::emu::EmuDevice::new(kind).compile(p, dir, &names)?;
+        }
+        Ok(())
     })
 }
 

@@ -2,8 +2,8 @@
 //! are kernels/hip/ops.hip, compiled by hiprtc at run time for the device's gfx target — only
 //! for targets this ROCm's hiprtc knows, since it aborts the process on others — and cached per
 //! device for the life of the process. hiprtc's functions are exported by libamdhip64 itself;
-//! the few we need are declared here. There is no vendor GEMM in this build (hipBLAS is not
-//! linked): `--kernels vendor` says so.
+//! the few we need are declared here. The vendor GEMM (`--kernels vendor`) is rocBLAS, loaded at
+//! run time (`gpu::rocblas`); without it the flag says what to install.
 
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::path::Path;
@@ -252,7 +252,14 @@ impl Backend for HipBackend {
                 memory_bytes: Some(mem),
                 driver: Some(versions()),
                 compute_units: Some(cus),
-                features: arch.into_iter().collect(),
+                // The target, and "mfma" where our matrix kernels use its matrix cores.
+                features: (arch.iter().cloned())
+                    .chain(
+                        arch.iter()
+                            .filter(|a| gpu::arch::has_mfma(a))
+                            .map(|_| "mfma".into()),
+                    )
+                    .collect(),
                 clock_mhz: clock_mhz(d),
             })
             .collect()
@@ -334,6 +341,8 @@ pub struct HipDevice {
     allocations: Vec<*mut c_void>,
     events: Vec<h::hipEvent_t>,
     graph: Option<(h::hipGraph_t, h::hipGraphExec_t)>,
+    /// rocBLAS on the session's stream, made on the first vendor GEMM.
+    blas: Option<gpu::rocblas::RocBlas>,
 }
 
 impl HipDevice {
@@ -362,6 +371,7 @@ impl HipDevice {
             allocations: Vec::new(),
             events: Vec::new(),
             graph: None,
+            blas: None,
         })
     }
 
@@ -379,6 +389,7 @@ impl Drop for HipDevice {
             // SAFETY: our own allocations and events, no longer used once the device is idle.
             unsafe {
                 h::hipStreamSynchronize(self.stream);
+                self.blas = None;
                 if let Some((g, exec)) = self.graph.take() {
                     h::hipGraphExecDestroy(exec);
                     h::hipGraphDestroy(g);
@@ -397,6 +408,10 @@ impl Drop for HipDevice {
 
 impl Device for HipDevice {
     type Function = usize;
+
+    fn matrix_units(&self) -> bool {
+        gpu::arch::has_mfma(&self.arch)
+    }
 
     fn compile(
         &mut self,
@@ -517,18 +532,23 @@ impl Device for HipDevice {
     }
 
     fn vendor_gemm(&self) -> Result<(), BackendError> {
-        Err(BackendError::MissingLibrary(
-            "--kernels vendor on hip needs hipBLAS, which is not in this build".into(),
-        ))
+        gpu::rocblas::present()
     }
 
     fn gemm(
         &mut self,
-        _g: &ColumnMajor,
-        _ptr: &dyn Fn(BufId) -> u64,
-        _precision: Precision,
+        g: &ColumnMajor,
+        ptr: &dyn Fn(BufId) -> u64,
+        precision: Precision,
     ) -> Result<(), BackendError> {
-        self.vendor_gemm()
+        if self.blas.is_none() {
+            self.select()?;
+            // SAFETY: the session's stream, destroyed after the handle (Drop).
+            self.blas = Some(unsafe { gpu::rocblas::RocBlas::new(self.stream as *mut c_void)? });
+        }
+        let blas = self.blas.as_ref().expect("made above");
+        // SAFETY: the pointers are our allocations, sized by the program for this GEMM.
+        unsafe { blas.gemm(g, ptr, precision) }
     }
 
     fn marks(&mut self, count: usize) -> Result<(), BackendError> {

@@ -213,7 +213,7 @@ pub enum BackendError {
     NotCompiled(BackendKind),
     #[error("no {kind} device: {reason}")]
     NoDevice { kind: BackendKind, reason: String },
-    /// A runtime library or compiler the run needs is not installed (NVRTC, cuBLAS, hipBLAS);
+    /// A runtime library or compiler the run needs is not installed (NVRTC, cuBLAS, rocBLAS);
     /// the message says what to install.
     #[error("{0}")]
     MissingLibrary(String),

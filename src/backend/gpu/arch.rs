@@ -35,6 +35,17 @@ pub fn base_target(arch: &str) -> &str {
     arch.split(':').next().unwrap_or(arch)
 }
 
+/// Whether our matrix kernels run on target `arch`'s matrix cores: MFMA 16×16×16 in FP16 and
+/// BF16 (`_1k`) exists from CDNA 2 on (gfx90a, gfx94x, gfx950; the HIP dialect file keeps the
+/// same list). gfx908 (MI100) has MFMA but not the BF16 step of that shape, and RDNA's WMMA
+/// works per wavefront of 32 on other layouts: both keep the vector-unit kernels.
+pub fn has_mfma(arch: &str) -> bool {
+    matches!(
+        base_target(arch),
+        "gfx90a" | "gfx940" | "gfx941" | "gfx942" | "gfx950"
+    )
+}
+
 /// The gfx targets a ROCm release's hiprtc compiles for.
 pub fn known_targets((major, minor): (i32, i32)) -> Vec<&'static str> {
     let v = (major, minor);
@@ -113,5 +124,13 @@ mod tests {
         assert!(hip_target("gfx1100", (5, 2)).is_err());
         assert!(hip_target("gfx950", (6, 2)).is_err());
         assert!(hip_target("gfx950", (6, 4)).is_ok());
+    }
+
+    #[test]
+    fn matrix_cores_from_cdna2_on() {
+        assert!(has_mfma("gfx90a:sramecc+:xnack-"));
+        assert!(has_mfma("gfx942"));
+        assert!(!has_mfma("gfx908"));
+        assert!(!has_mfma("gfx1100"));
     }
 }

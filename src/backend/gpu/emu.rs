@@ -3,7 +3,7 @@
 //! `KERNEL(...)` into a function that loops over a range of blocks and threads, the system C++
 //! compiler builds it into a shared library, and launches call it (blocks in parallel). Library
 //! GEMMs (the vendor family) are computed here in column-major order, exactly as cuBLAS and
-//! hipBLAS are called, so the argument mapping is tested too.
+//! rocBLAS are called, so the argument mapping is tested too.
 //!
 //! It is a developer's tool, selected with `WORKSHOP_GPU_EMULATOR=1` for the cuda and hip
 //! backends: every number it produces is labelled as emulated, and its timings say nothing
@@ -267,12 +267,18 @@ impl EmuDevice {
 /// Compile the shared kernel body for the host, as [`Device::compile`] does for a GPU; also
 /// used by `workshop dev kernels-check`.
 pub fn compile_source(
+    kind: BackendKind,
     precision: Precision,
     kernels_dir: Option<&Path>,
 ) -> Result<String, BackendError> {
     let body = source("gpu/ops.cuh", kernels_dir)?;
+    // HIP's matrix kernels run as AMD's matrix cores do: a wavefront of 64 per 16×16×16 step.
+    let wave64 = match kind {
+        BackendKind::Hip => "#define WS_EMU_WAVE64\n",
+        _ => "",
+    };
     Ok(format!(
-        "#define {}\n{PRELUDE}\n{body}",
+        "#define {}\n{wave64}{PRELUDE}\n{body}",
         precision_define(precision)
     ))
 }
@@ -286,7 +292,7 @@ impl Device for EmuDevice {
         kernels_dir: Option<&Path>,
         names: &[&'static str],
     ) -> Result<Vec<EmuFunction>, BackendError> {
-        let text = compile_source(precision, kernels_dir)?;
+        let text = compile_source(self.kind, precision, kernels_dir)?;
         let lib =
             LIBRARIES.get_or_load(0, precision, &text, || build(&text, "kernels/gpu/ops.cuh"))?;
         names
@@ -380,17 +386,20 @@ impl Device for EmuDevice {
         Ok(())
     }
 
-    /// The emulator runs the tensor-core kernels too (their fragments in shared memory), so
-    /// they are tested without a GPU; the real HIP backend has none yet.
+    /// The emulator runs the matrix kernels too (their fragments in shared memory): CUDA's
+    /// mma.sync per warp of 32, HIP's MFMA per wavefront of 64, so both are tested without a
+    /// GPU.
     fn matrix_units(&self) -> bool {
-        self.kind == BackendKind::Cuda
+        true
     }
 
     fn vendor_gemm(&self) -> Result<(), BackendError> {
         if self.kind == BackendKind::Hip {
-            // As the real HIP backend: this build links no hipBLAS.
+            // rocBLAS runs on an AMD GPU only: the emulator has no vendor library for HIP.
             return Err(BackendError::MissingLibrary(
-                "--kernels vendor on hip needs hipBLAS, which is not in this build".into(),
+                "--kernels vendor on hip needs rocBLAS on an AMD GPU, which the emulator cannot \
+                 run"
+                .into(),
             ));
         }
         Ok(())

@@ -11,6 +11,8 @@ pub mod decoder;
 pub mod emu;
 pub mod lower;
 pub mod program;
+#[cfg(unix)]
+pub mod rocblas;
 
 use std::collections::HashMap;
 use std::path::Path;

@@ -174,7 +174,7 @@ pub struct Gemm {
     pub stride_c: usize,
 }
 
-/// The same GEMM as a column-major library sees it (cuBLAS, hipBLAS): a row-major matrix is its
+/// The same GEMM as a column-major library sees it (cuBLAS, rocBLAS): a row-major matrix is its
 /// transpose in column-major, so C = A·B is computed as Cᵀ = Bᵀ·Aᵀ.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ColumnMajor {

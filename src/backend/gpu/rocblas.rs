@@ -1,0 +1,226 @@
+//! rocBLAS, AMD's BLAS, as the HIP backend's vendor GEMM (`--kernels vendor`): loaded at run
+//! time with `dlopen`, as cudarc loads cuBLAS, so no header or library is needed to build and
+//! a machine without it says what to install. Only the few functions used are declared, with
+//! the enumerations' numbers from `rocblas-types.h` (stable since ROCm 3).
+
+use std::ffi::{CString, c_void};
+
+use super::program::{BufId, ColumnMajor};
+use crate::backend::BackendError;
+use crate::model::Precision;
+
+/// The names the library goes by: the development link, then ROCm 6's and ROCm 5's sonames, then
+/// ROCm's own folder.
+const NAMES: [&str; 4] = [
+    "librocblas.so",
+    "librocblas.so.4",
+    "librocblas.so.0",
+    "/opt/rocm/lib/librocblas.so",
+];
+
+// rocblas_operation, rocblas_datatype, rocblas_gemm_algo, rocblas_status.
+const OPERATION_NONE: u32 = 111;
+const OPERATION_TRANSPOSE: u32 = 112;
+const F16: u32 = 150;
+const F32: u32 = 151;
+const BF16: u32 = 168;
+const ALGO_STANDARD: u32 = 0;
+const SUCCESS: u32 = 0;
+
+type CreateHandle = unsafe extern "C" fn(*mut *mut c_void) -> u32;
+type DestroyHandle = unsafe extern "C" fn(*mut c_void) -> u32;
+type SetStream = unsafe extern "C" fn(*mut c_void, *mut c_void) -> u32;
+#[rustfmt::skip]
+type GemmStridedBatchedEx = unsafe extern "C" fn(
+    *mut c_void, u32, u32, i32, i32, i32, *const c_void,
+    *const c_void, u32, i32, i64,
+    *const c_void, u32, i32, i64,
+    *const c_void,
+    *const c_void, u32, i32, i64,
+    *mut c_void, u32, i32, i64,
+    i32, u32, u32, i32, u32,
+) -> u32;
+
+/// The opened library's functions.
+struct Functions {
+    create: CreateHandle,
+    destroy: DestroyHandle,
+    set_stream: SetStream,
+    gemm: GemmStridedBatchedEx,
+}
+
+/// What `--kernels vendor` on HIP says where rocBLAS is missing.
+fn missing(why: &str) -> BackendError {
+    BackendError::MissingLibrary(format!(
+        "--kernels vendor on hip needs rocBLAS (librocblas.so), {why}: install ROCm's rocblas \
+         package, or add /opt/rocm/lib to LD_LIBRARY_PATH"
+    ))
+}
+
+/// Open rocBLAS and find its functions, or say what is missing.
+fn open() -> Result<Functions, BackendError> {
+    let lib = NAMES
+        .iter()
+        .find_map(|name| {
+            let c = CString::new(*name).ok()?;
+            // SAFETY: dlopen of a NUL-terminated name; the handle stays open for the process.
+            let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+            (!h.is_null()).then_some(h)
+        })
+        .ok_or_else(|| missing("which was not found"))?;
+    let symbol = |name: &str| {
+        let c = CString::new(name).expect("no NUL");
+        // SAFETY: a valid handle and a NUL-terminated name.
+        let p = unsafe { libc::dlsym(lib, c.as_ptr()) };
+        if p.is_null() {
+            Err(missing(&format!(
+                "whose {name} was not found (too old a rocBLAS?)"
+            )))
+        } else {
+            Ok(p)
+        }
+    };
+    // SAFETY: the symbols are rocBLAS's C functions with these signatures (rocblas-functions.h).
+    unsafe {
+        Ok(Functions {
+            create: std::mem::transmute::<*mut c_void, CreateHandle>(symbol(
+                "rocblas_create_handle",
+            )?),
+            destroy: std::mem::transmute::<*mut c_void, DestroyHandle>(symbol(
+                "rocblas_destroy_handle",
+            )?),
+            set_stream: std::mem::transmute::<*mut c_void, SetStream>(symbol(
+                "rocblas_set_stream",
+            )?),
+            gemm: std::mem::transmute::<*mut c_void, GemmStridedBatchedEx>(symbol(
+                "rocblas_gemm_strided_batched_ex",
+            )?),
+        })
+    }
+}
+
+/// Whether rocBLAS can be loaded here, or what to install.
+pub fn present() -> Result<(), BackendError> {
+    open().map(|_| ())
+}
+
+/// A rocBLAS handle on one stream.
+pub struct RocBlas {
+    f: Functions,
+    handle: *mut c_void,
+}
+
+impl RocBlas {
+    /// A handle whose work goes on `stream`.
+    ///
+    /// # Safety
+    /// `stream` is a live `hipStream_t` of the current device (or null: the default stream),
+    /// alive as long as the handle.
+    pub unsafe fn new(stream: *mut c_void) -> Result<RocBlas, BackendError> {
+        let f = open()?;
+        let mut handle = std::ptr::null_mut();
+        // SAFETY: an out-pointer; the handle is destroyed in Drop.
+        let status = unsafe { (f.create)(&mut handle) };
+        if status != SUCCESS {
+            return Err(BackendError::Driver(format!(
+                "creating the rocBLAS handle failed (status {status})"
+            )));
+        }
+        let blas = RocBlas { f, handle };
+        // SAFETY: a live handle, and the stream the contract vouches for.
+        let status = unsafe { (blas.f.set_stream)(blas.handle, stream) };
+        if status != SUCCESS {
+            return Err(BackendError::Driver(format!(
+                "binding rocBLAS to the session's stream failed (status {status})"
+            )));
+        }
+        Ok(blas)
+    }
+
+    /// Enqueue `g` in `precision` (f32 accumulation), as the CUDA backend's cuBLAS call does.
+    ///
+    /// # Safety
+    /// `ptr` gives device pointers to allocations the program sized for this GEMM.
+    pub unsafe fn gemm(
+        &self,
+        g: &ColumnMajor,
+        ptr: &dyn Fn(BufId) -> u64,
+        precision: Precision,
+    ) -> Result<(), BackendError> {
+        let ty = match precision {
+            Precision::Fp32 => F32,
+            Precision::Fp16 => F16,
+            Precision::Bf16 => BF16,
+        };
+        let op = |t: bool| {
+            if t {
+                OPERATION_TRANSPOSE
+            } else {
+                OPERATION_NONE
+            }
+        };
+        let (alpha, beta) = (1f32, 0f32);
+        let i = |v: usize| v as i32;
+        let c = ptr(g.c) as *mut c_void;
+        // SAFETY: forwarded from the contract; C is also D (in place, as rocBLAS allows).
+        let status = unsafe {
+            (self.f.gemm)(
+                self.handle,
+                op(g.trans_first),
+                OPERATION_NONE,
+                i(g.m),
+                i(g.n),
+                i(g.k),
+                &alpha as *const f32 as *const c_void,
+                ptr(g.first) as *const c_void,
+                ty,
+                i(g.ld_first),
+                g.stride_first as i64,
+                ptr(g.second) as *const c_void,
+                ty,
+                i(g.ld_second),
+                g.stride_second as i64,
+                &beta as *const f32 as *const c_void,
+                c,
+                ty,
+                i(g.ldc),
+                g.stride_c as i64,
+                c,
+                ty,
+                i(g.ldc),
+                g.stride_c as i64,
+                i(g.batch),
+                F32,
+                ALGO_STANDARD,
+                0,
+                0,
+            )
+        };
+        match status {
+            SUCCESS => Ok(()),
+            s => Err(BackendError::Driver(format!(
+                "rocBLAS GEMM failed (status {s})"
+            ))),
+        }
+    }
+}
+
+impl Drop for RocBlas {
+    fn drop(&mut self) {
+        // SAFETY: the handle was created in `new` and is destroyed once.
+        unsafe { (self.f.destroy)(self.handle) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Where rocBLAS is not installed (CI's machines), the vendor path says what to install;
+    /// where it is, it loads.
+    #[test]
+    fn missing_rocblas_says_what_to_install() {
+        if let Err(e) = super::present() {
+            let e = e.to_string();
+            assert!(e.contains("librocblas.so") && e.contains("install"), "{e}");
+        }
+    }
+}
