@@ -30,6 +30,10 @@ pub struct GemmPeak {
     /// Iterations whose sampled outputs all matched the reference.
     pub validated: usize,
     pub max_rel_error: f64,
+    /// The device's state while the GEMMs ran ([`super::telemetry`]), or why it was not read;
+    /// absent in older records.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub telemetry: Option<Result<super::telemetry::Telemetry, String>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -136,6 +140,12 @@ pub fn gemm_on(
         .collect();
     session.run(&input)?;
     session.sync()?;
+    let info = b.devices().into_iter().nth(device);
+    let sampler = info
+        .as_ref()
+        .ok_or_else(|| format!("no {kind} device {device} to read"))
+        .and_then(|d| super::telemetry::reader_for(kind, device, d))
+        .map(|r| super::telemetry::Sampler::start(r, super::telemetry::PERIOD));
     let mut times = Vec::with_capacity(iterations);
     let mut validated = 0;
     let mut max_rel_error = 0f64;
@@ -158,11 +168,11 @@ pub fn gemm_on(
         }
         validated += ok as usize;
     }
+    let telemetry = Some(sampler.map(super::telemetry::Sampler::finish));
     let mut sorted = times.clone();
     sorted.sort_by(f64::total_cmp);
     let median = sorted[sorted.len() / 2];
     let flops = 2.0 * (size as f64).powi(3);
-    let info = b.devices().into_iter().nth(device);
     let peak = GemmPeak {
         backend: kind,
         device: info.as_ref().map(|d| d.name.clone()).unwrap_or_default(),
@@ -174,6 +184,7 @@ pub fn gemm_on(
         best_gflops: flops / sorted[0] / 1e9,
         validated,
         max_rel_error,
+        telemetry,
     };
     Ok((peak, info))
 }

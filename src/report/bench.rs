@@ -164,28 +164,18 @@ pub fn summary(r: &BenchRecord) -> String {
 /// when it was not steady; nothing for records without telemetry (older ones, frameworks').
 /// `items` names what a joule buys (images, tokens); labels are `width` wide.
 pub fn machine_lines(r: &BenchRecord, items: &str, width: usize) -> String {
-    let label = |l: &str| format!("{l:<width$}");
-    let t = match &r.environment.telemetry {
-        None => return String::new(),
-        Some(Err(why)) => return format!("{}not recorded: {why}\n", label("Machine")),
-        Some(Ok(t)) => t,
-    };
-    let mut out = format!("{}{}\n", label("Machine"), t.describe());
-    if let (Some(j), Some(per)) = (t.summary.energy_j, r.per_joule()) {
+    let read = r.environment.telemetry.as_ref();
+    let mut out = super::machine::state_line(read, width);
+    if let (Some(t), Some(per)) = (r.telemetry(), r.per_joule()) {
         let runs = r.llm.as_ref().map_or(r.samples_s.len(), |l| l.ttft_s.len());
+        let j = t.summary.energy_j.unwrap_or_default();
         out.push_str(&format!(
-            "{}{j:.1} J over the timed iterations: {:.2} J per iteration, {per:.2} {items}/J\n",
-            label("Energy"),
+            "{:<width$}{j:.1} J over the timed iterations: {:.2} J per iteration, {per:.2} {items}/J\n",
+            "Energy",
             j / runs.max(1) as f64
         ));
     }
-    if !t.summary.concerns.is_empty() {
-        out.push_str(&format!(
-            "{}{}: these times are not the device's own speed (the course judges them inconclusive)\n",
-            label("Not steady"),
-            t.summary.concerns.join("; ")
-        ));
-    }
+    out.push_str(&super::machine::unsteady_line(read, width));
     out
 }
 

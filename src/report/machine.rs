@@ -1,5 +1,6 @@
 //! The machine as text: `doctor`, the peak probes and their ceiling, the kernels check.
 
+use crate::bench::telemetry::Telemetry;
 use crate::doctor;
 use crate::units::human_bytes;
 
@@ -62,6 +63,29 @@ pub fn doctor(d: &doctor::Report) -> String {
     s.trim_end().to_string()
 }
 
+/// The `Machine` line of a measurement's telemetry (what was read, or why nothing was),
+/// labelled `width` wide; nothing where the record has none.
+pub fn state_line(t: Option<&Result<Telemetry, String>>, width: usize) -> String {
+    match t {
+        None => String::new(),
+        Some(Err(why)) => format!("{:<width$}not recorded: {why}\n", "Machine"),
+        Some(Ok(t)) => format!("{:<width$}{}\n", "Machine", t.describe()),
+    }
+}
+
+/// The `Not steady` line where the telemetry found reasons the numbers are not the device's own
+/// speed; nothing otherwise.
+pub fn unsteady_line(t: Option<&Result<Telemetry, String>>, width: usize) -> String {
+    match t {
+        Some(Ok(t)) if !t.summary.concerns.is_empty() => format!(
+            "{:<width$}{}: these times are not the device's own speed (the course judges them inconclusive)\n",
+            "Not steady",
+            t.summary.concerns.join("; ")
+        ),
+        _ => String::new(),
+    }
+}
+
 /// `workshop peak`, in the shape of the classic validated-GEMM test.
 pub fn peak(
     g: &crate::bench::peak::GemmPeak,
@@ -111,6 +135,12 @@ pub fn peak(
             }
         }
         None => s.push_str("\nMemory bandwidth: this backend has no bandwidth probe yet."),
+    }
+    let t = g.telemetry.as_ref();
+    let state = format!("{}{}", state_line(t, 13), unsteady_line(t, 13));
+    if !state.is_empty() {
+        s.push('\n');
+        s.push_str(state.trim_end());
     }
     s
 }

@@ -371,6 +371,9 @@ impl Telemetry {
         if let Some(st) = s.steal {
             parts.push(format!("hypervisor steal {:.1}%", st * 100.0));
         }
+        if self.cores.is_some() && s.other_cores.is_none() {
+            parts.push("too short a run to measure other programs' load".into());
+        }
         match s.throttled {
             Some(0.0) => parts.push("no throttling".into()),
             Some(_) => parts.push(format!("throttled: {}", s.throttle_reasons.join(", "))),
