@@ -81,13 +81,13 @@ metrics! {
     "enqueue_us" Step [RUNS] "µs" false "median host time to enqueue a pass (asynchronous backends)";
     "max_batch" Step [Bench] "images" false "the largest batch the device's memory holds, estimated";
     // The machine during the run (`bench::telemetry`), where it could be read.
-    "unsteady" Step [Bench, Profile, Llm] "0/1" false "1 when the machine was not steady during the timed run (the device throttled or ran below its rated clock, other programs or the hypervisor took the CPU): the step's timing checks are then inconclusive";
-    "throttled" Step [Bench, Profile, Llm] "ratio" false "share of the readings in which the GPU held its clocks back (power cap, thermal slowdown; where the driver reports reasons)";
-    "clock_ratio" Step [Bench, Profile, Llm] "ratio" false "the device's median clock during the run / its rated clock";
-    "other_cores" Step [Bench, Profile, Llm] "cores" false "cores other programs kept busy during the timed run (Linux)";
-    "steal" Step [Bench, Profile, Llm] "ratio" false "share of the CPU time the hypervisor gave to other machines during the timed run";
-    "energy_j" Step [Bench, Profile, Llm] "J" false "the device's energy over the timed iterations (from its counter, else its power readings)";
-    "per_joule" Step [Bench, Profile, Llm] "images/J" false "images per joule over the timed iterations (a language model's: new tokens per joule)";
+    "unsteady" Step [Bench, Profile, Llm, Sweep] "0/1" false "1 when the machine was not steady during the timed run (the device throttled or ran below its rated clock, other programs or the hypervisor took the CPU): the step's timing checks are then inconclusive. A step of several runs (a sweep, several devices) records its first unsteady run's figures, else its last run's";
+    "throttled" Step [Bench, Profile, Llm, Sweep] "ratio" false "share of the readings in which the GPU held its clocks back (power cap, thermal slowdown; where the driver reports reasons)";
+    "clock_ratio" Step [Bench, Profile, Llm, Sweep] "ratio" false "the device's median clock during the run / its rated clock";
+    "other_cores" Step [Bench, Profile, Llm, Sweep] "cores" false "cores other programs kept busy during the timed run (Linux)";
+    "steal" Step [Bench, Profile, Llm, Sweep] "ratio" false "share of the CPU time the hypervisor gave to other machines during the timed run";
+    "energy_j" Step [Bench, Profile, Llm, Sweep] "J" false "the device's energy over the timed iterations (from its counter, else its power readings)";
+    "per_joule" Step [Bench, Profile, Llm, Sweep] "images/J" false "images per joule over the timed iterations (a language model's: new tokens per joule)";
     // Compiled runs (`compile`).
     "compile_s" Step [RUNS] "s" false "seconds spent compiling (passes, autotuning, recording)";
     "rel_diff" Step [Bench, Profile, Accuracy] "ratio" false "largest output difference from FP32 eager, relative to the largest output";

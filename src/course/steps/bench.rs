@@ -63,5 +63,6 @@ fn multi_metrics(m: &MultiRecord) -> Recorded {
     if let Some(s) = &m.single {
         out.set("single_throughput", s.stats.throughput_median);
     }
+    super::machine_metrics_of(m.runs.iter().chain(&m.single), &mut out);
     out
 }

@@ -239,6 +239,23 @@ pub(super) fn machine_metrics(r: &BenchRecord, m: &mut Recorded) {
     }
 }
 
+/// [`machine_metrics`] of a step that ran several times (a sweep, a multi-device run): its
+/// first unsteady run's, so that one busy run makes the step's timing checks inconclusive,
+/// else its last run's.
+pub(super) fn machine_metrics_of<'a>(
+    runs: impl IntoIterator<Item = &'a BenchRecord>,
+    m: &mut Recorded,
+) {
+    let runs: Vec<&BenchRecord> = runs.into_iter().collect();
+    let unsteady = |r: &&&BenchRecord| {
+        r.telemetry()
+            .is_some_and(|t| !t.summary.concerns.is_empty())
+    };
+    if let Some(r) = runs.iter().find(unsteady).or(runs.last()) {
+        machine_metrics(r, m);
+    }
+}
+
 /// The metrics of one run (bench and profile steps), `max_batch` where estimated.
 fn run_metrics(r: &BenchRecord, max_batch: Option<usize>) -> Recorded {
     let s = &r.stats;

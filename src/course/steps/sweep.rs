@@ -161,6 +161,7 @@ fn record_metrics(
     m.set("best_gflops", gflops.fold(0.0, f64::max));
     let cv = runs.iter().map(|(_, r)| r.stats.cv);
     m.set("cv", cv.fold(0.0, f64::max));
+    super::machine_metrics_of(runs.iter().map(|(_, r)| r), m);
     let (Some((_, first)), Some((_, last))) = (runs.first(), runs.last()) else {
         return;
     };
