@@ -62,7 +62,7 @@ pub fn nvidia(
 /// which mma.sync kernels such as ours do not reach). `None` elsewhere: the consumer parts of
 /// Turing, Ampere and Ada halve the rate with FP32 accumulation where the professional ones
 /// do not, and the SM version does not tell them apart.
-fn tensor_flops_per_clock(sm: u32, precision: Precision) -> Option<u32> {
+pub fn tensor_flops_per_clock(sm: u32, precision: Precision) -> Option<u32> {
     match (sm, precision) {
         (70, Precision::Fp16) => Some(1024),
         (80, _) => Some(2048),
