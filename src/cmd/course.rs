@@ -219,17 +219,7 @@ pub fn init(args: InitArgs) -> Result<()> {
         if let Some(note) = &note {
             eprintln!("note: {note}");
         }
-        // Every later command needs the same --dir when the workspace is not here.
-        let dir_flag = match &args.course.dir {
-            Some(d) => {
-                let d = d.display().to_string();
-                format!(
-                    " --dir {}",
-                    shlex::try_quote(&d).unwrap_or(d.as_str().into())
-                )
-            }
-            None => String::new(),
-        };
+        let dir_flag = dir_flag(&args.course);
         println!(
             "Workspace ready in {} for {} (backend {}). Results go to {}.\nStart with `workshop next{dir_flag}`.",
             dir.display(),
@@ -239,6 +229,21 @@ pub fn init(args: InitArgs) -> Result<()> {
         );
         Ok(())
     })
+}
+
+/// ` --dir DIR` where the workspace is not the current folder (every later command needs it),
+/// quoted for pasting; nothing otherwise.
+fn dir_flag(course: &CourseArgs) -> String {
+    match &course.dir {
+        Some(d) => {
+            let d = d.display().to_string();
+            format!(
+                " --dir {}",
+                shlex::try_quote(&d).unwrap_or(d.as_str().into())
+            )
+        }
+        None => String::new(),
+    }
 }
 
 pub fn next(args: NextArgs) -> Result<()> {
@@ -360,7 +365,8 @@ pub fn next(args: NextArgs) -> Result<()> {
                 report::course::what_next(
                     &id,
                     progress.status == Status::Done,
-                    upcoming.as_deref()
+                    upcoming.as_deref(),
+                    &dir_flag(&args.course)
                 )
             ),
         }

@@ -102,15 +102,18 @@ pub fn attempt_verdicts(a: &crate::course::state::Attempt) -> String {
     s
 }
 
-/// What comes after a step.
-pub fn what_next(exercise: &str, finished: bool, upcoming: Option<&str>) -> String {
+/// What comes after a step; `dir` is the ` --dir DIR` the commands need where the workspace is
+/// not the current folder.
+pub fn what_next(exercise: &str, finished: bool, upcoming: Option<&str>, dir: &str) -> String {
     match (finished, upcoming) {
-        (true, Some(next)) => format!("{exercise} is done. Next: {next} — `workshop next`."),
+        (true, Some(next)) => {
+            format!("{exercise} is done. Next: {next} — `workshop next{dir}`.")
+        }
         (true, None) => format!(
-            "{exercise} is done, and with it the course. See your worksheet: `workshop results`."
+            "{exercise} is done, and with it the course. See your worksheet: `workshop results{dir}`."
         ),
-        (false, Some(next)) => format!("Next: {next} — `workshop next`."),
-        (false, None) => "`workshop next` continues.".into(),
+        (false, Some(next)) => format!("Next: {next} — `workshop next{dir}`."),
+        (false, None) => format!("`workshop next{dir}` continues."),
     }
 }
 
