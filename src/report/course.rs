@@ -279,6 +279,12 @@ pub fn measured(a: &crate::course::state::Attempt) -> String {
     if let Some(v) = get("loss") {
         parts.push(format!("loss {v:.4}"));
     }
+    if let Some(v) = get("per_joule") {
+        parts.push(format!("{v:.2} per joule"));
+    }
+    if get("unsteady") == Some(1.0) {
+        parts.push("machine not steady (timing checks inconclusive)".into());
+    }
     if let Some(v) = get("best_throughput") {
         parts.push(format!(
             "best {v:.1} images/s at {}",
