@@ -254,7 +254,7 @@ pub fn run(
             timed.push(g);
         }
     }
-    let telemetry = sampler.map(|s| s.map(super::telemetry::Sampler::finish));
+    let telemetry = sampler.map(|s| s.and_then(super::telemetry::Sampler::finish));
     let memory = session.memory();
     let kernel_version = session.kernel_version();
     drop(session);

@@ -516,7 +516,7 @@ pub fn measure(
             seconds,
         });
     }
-    let telemetry = Some(sampler.map(telemetry::Sampler::finish));
+    let telemetry = Some(sampler.and_then(telemetry::Sampler::finish));
     if cfg.profile && timeline.is_empty() || cfg.flops_prof_step.is_some() && flops_step.is_none() {
         return Err(backend::BackendError::Unsupported(
             "this device cannot time its kernels (no timestamp queries): run without \

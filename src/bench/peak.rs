@@ -168,7 +168,7 @@ pub fn gemm_on(
         }
         validated += ok as usize;
     }
-    let telemetry = Some(sampler.map(super::telemetry::Sampler::finish));
+    let telemetry = Some(sampler.and_then(super::telemetry::Sampler::finish));
     let mut sorted = times.clone();
     sorted.sort_by(f64::total_cmp);
     let median = sorted[sorted.len() / 2];

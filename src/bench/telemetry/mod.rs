@@ -178,18 +178,19 @@ impl Sampler {
         }
     }
 
-    /// Stop, take the last reading (after the timed work) and summarise.
-    pub fn finish(self) -> Telemetry {
+    /// Stop, take the last reading (after the timed work) and summarise; a reader that
+    /// panicked in its thread costs the telemetry, not the run.
+    pub fn finish(self) -> Result<Telemetry, String> {
         let _ = self.stop.send(());
-        let (mut reader, mut readings) = match self.thread.join() {
-            Ok(done) => done,
-            Err(_) => unreachable!("the sampler's thread only reads files and counters"),
-        };
+        let (mut reader, mut readings) = self
+            .thread
+            .join()
+            .map_err(|_| "the telemetry sampler stopped with an error".to_string())?;
         readings.push(Reading {
             t_s: self.start.elapsed().as_secs_f64(),
             ..reader.read()
         });
-        Telemetry::of(reader.as_ref(), readings)
+        Ok(Telemetry::of(reader.as_ref(), readings))
     }
 }
 

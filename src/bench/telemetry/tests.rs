@@ -368,7 +368,7 @@ fn the_sampler_reads_before_during_and_after() {
     }
     let sampler = Sampler::start(Box::new(Count(0)), Duration::from_millis(10));
     std::thread::sleep(Duration::from_millis(100));
-    let t = sampler.finish();
+    let t = sampler.finish().unwrap();
     let n = t.readings.len();
     assert!(n >= 3, "{n} readings");
     assert_eq!(t.readings[0].power_w, Some(1.0));
