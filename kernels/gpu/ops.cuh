@@ -340,55 +340,16 @@ __device__ inline unsigned pack2(const elem* p) { return (unsigned)p[0] | ((unsi
 // columns 4q .. 4q + 3 (two halves per register, lower column in the low bits); in b[0..1] B's
 // column r, rows 4q .. 4q + 3; in d[0..3] D's rows 4q .. 4q + 3 of column r.
 struct MmaShape {
-    static constexpr int LANES = 64, WAVES_N = 2, TN = 16;
+    static constexpr int LANES = 64, WAVES_N = 2, TN = 16, A_REGS = 2;
     // Where a lane's accumulator r sits in its 16 × TN tile.
     __device__ static int row(int lane, int r) { return 4 * (lane / 16) + r; }
     __device__ static int col(int lane, int r) { return lane % 16; }
+    // The lane and register holding A[row][k], and B[k][col] (the same shape).
+    __device__ static int a_lane(int row, int k) { return row + 16 * (k / 4); }
+    __device__ static int a_reg(int row, int k) { return (k % 4) / 2; }
+    __device__ static int b_lane(int k, int col) { return a_lane(col, k); }
+    __device__ static int b_reg(int k, int col) { return a_reg(col, k); }
 };
-
-#if defined(WS_MFMA)
-typedef _Float16 ws_half4 __attribute__((ext_vector_type(4)));
-typedef short ws_short4 __attribute__((ext_vector_type(4)));
-typedef float ws_float4 __attribute__((ext_vector_type(4)));
-struct ws_pair { unsigned lo, hi; };
-#endif
-
-__device__ inline void mma_tile(float* d, const unsigned* a, const unsigned* b) {
-#if defined(WS_MFMA)
-    const ws_pair pa = {a[0], a[1]}, pb = {b[0], b[1]};
-    ws_float4 c = {d[0], d[1], d[2], d[3]};
-#if defined(WS_FP16)
-    c = __builtin_amdgcn_mfma_f32_16x16x16f16(__builtin_bit_cast(ws_half4, pa),
-                                              __builtin_bit_cast(ws_half4, pb), c, 0, 0, 0);
-#else
-    c = __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(__builtin_bit_cast(ws_short4, pa),
-                                                  __builtin_bit_cast(ws_short4, pb), c, 0, 0, 0);
-#endif
-    for (int r = 0; r < 4; ++r) d[r] = c[r];
-#else
-    // The emulator: the wavefront's fragments meet in shared memory, each lane computes its four.
-    __shared__ unsigned fa[256][2], fb[256][2];
-    const int tid = threadIdx.x, lane = tid % 64, wave0 = tid - lane;
-    fa[tid][0] = a[0];
-    fa[tid][1] = a[1];
-    fb[tid][0] = b[0];
-    fb[tid][1] = b[1];
-    __syncthreads();
-    for (int r = 0; r < 4; ++r) {
-        const int row = MmaShape::row(lane, r), col = MmaShape::col(lane, r);
-        float sum = 0.0f;
-        for (int k = 0; k < 16; ++k) {
-            // A[row][k] and B[k][col] are in lanes row + 16·(k / 4) and col + 16·(k / 4).
-            const unsigned ar = fa[wave0 + row + 16 * (k / 4)][(k % 4) / 2];
-            const unsigned br = fb[wave0 + col + 16 * (k / 4)][(k % 4) / 2];
-            sum += ld((elem)(k % 2 ? ar >> 16 : ar & 0xffffu)) *
-                   ld((elem)(k % 2 ? br >> 16 : br & 0xffffu));
-        }
-        d[r] += sum;
-    }
-    __syncthreads();
-#endif
-}
 
 // A lane's fragment of the 16 × 16 piece of A at row m (or of B, n-major, at column m), from
 // k: the same shape for both.
@@ -409,40 +370,14 @@ __device__ inline void mma_b(const elem (*Bs)[LD], int n, int k, int lane, unsig
 // register, lower column in the low bits; in b[0..1] B's (rows 2t, 2t+1, column g) and
 // (2t + 8.., g); in d[0..3] D's (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1).
 struct MmaShape {
-    static constexpr int LANES = 32, WAVES_N = 4, TN = 8;
+    static constexpr int LANES = 32, WAVES_N = 4, TN = 8, A_REGS = 4;
     __device__ static int row(int lane, int r) { return lane / 4 + 8 * (r / 2); }
     __device__ static int col(int lane, int r) { return (lane % 4) * 2 + r % 2; }
+    __device__ static int a_lane(int row, int k) { return (row % 8) * 4 + (k % 8) / 2; }
+    __device__ static int a_reg(int row, int k) { return row / 8 + 2 * (k / 8); }
+    __device__ static int b_lane(int k, int col) { return col * 4 + (k % 8) / 2; }
+    __device__ static int b_reg(int k, int col) { return k / 8; }
 };
-
-__device__ inline void mma_tile(float* d, const unsigned* a, const unsigned* b) {
-#if defined(WS_MMA_PTX)
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32." WS_MMA_PTX "." WS_MMA_PTX ".f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#else
-    // The emulator: the warp's fragments meet in shared memory, each lane computes its four.
-    __shared__ unsigned fa[256][4], fb[256][2];
-    const int tid = threadIdx.x, lane = tid % 32, warp0 = tid - lane;
-    for (int r = 0; r < 4; ++r) fa[tid][r] = a[r];
-    fb[tid][0] = b[0];
-    fb[tid][1] = b[1];
-    __syncthreads();
-    for (int r = 0; r < 4; ++r) {
-        const int row = lane / 4 + 8 * (r / 2), col = (lane % 4) * 2 + (r % 2);
-        float sum = 0.0f;
-        for (int k = 0; k < 16; ++k) {
-            const unsigned ar = fa[warp0 + (row % 8) * 4 + (k % 8) / 2][(row / 8) + 2 * (k / 8)];
-            const unsigned br = fb[warp0 + col * 4 + (k % 8) / 2][k / 8];
-            sum += ld((elem)(k % 2 ? ar >> 16 : ar & 0xffffu)) *
-                   ld((elem)(k % 2 ? br >> 16 : br & 0xffffu));
-        }
-        d[r] += sum;
-    }
-    __syncthreads();
-#endif
-}
 
 // A lane's fragment of the 16 × 16 piece of A at row m, and of the 16 × 8 piece of B
 // (n-major) at column n, from k.
@@ -461,6 +396,56 @@ __device__ inline void mma_b(const elem (*Bs)[LD], int n, int k, int lane, unsig
     bf[1] = pack2(&Bs[n + g][kk + 8]);
 }
 #endif
+
+#if defined(WS_MFMA)
+typedef _Float16 ws_half4 __attribute__((ext_vector_type(4)));
+typedef short ws_short4 __attribute__((ext_vector_type(4)));
+typedef float ws_float4 __attribute__((ext_vector_type(4)));
+struct ws_pair { unsigned lo, hi; };
+#endif
+
+// d += the 16 × 16 piece of A times the 16 × TN piece of B, in the fragments MmaShape describes.
+__device__ inline void mma_tile(float* d, const unsigned* a, const unsigned* b) {
+#if defined(WS_MMA_PTX)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32." WS_MMA_PTX "." WS_MMA_PTX ".f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#elif defined(WS_MFMA)
+    const ws_pair pa = {a[0], a[1]}, pb = {b[0], b[1]};
+    ws_float4 c = {d[0], d[1], d[2], d[3]};
+#if defined(WS_FP16)
+    c = __builtin_amdgcn_mfma_f32_16x16x16f16(__builtin_bit_cast(ws_half4, pa),
+                                              __builtin_bit_cast(ws_half4, pb), c, 0, 0, 0);
+#else
+    c = __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(__builtin_bit_cast(ws_short4, pa),
+                                                  __builtin_bit_cast(ws_short4, pb), c, 0, 0, 0);
+#endif
+    for (int r = 0; r < 4; ++r) d[r] = c[r];
+#else
+    // The emulator: the warp's (wavefront's) fragments meet in shared memory, each lane
+    // computes its four outputs from the lanes and registers MmaShape says hold them.
+    __shared__ unsigned fa[256][4], fb[256][2];
+    const int tid = threadIdx.x, lane = tid % MmaShape::LANES, first = tid - lane;
+    for (int r = 0; r < MmaShape::A_REGS; ++r) fa[tid][r] = a[r];
+    fb[tid][0] = b[0];
+    fb[tid][1] = b[1];
+    __syncthreads();
+    for (int r = 0; r < 4; ++r) {
+        const int row = MmaShape::row(lane, r), col = MmaShape::col(lane, r);
+        float sum = 0.0f;
+        for (int k = 0; k < 16; ++k) {
+            const unsigned ar = fa[first + MmaShape::a_lane(row, k)][MmaShape::a_reg(row, k)];
+            const unsigned br = fb[first + MmaShape::b_lane(k, col)][MmaShape::b_reg(k, col)];
+            sum += ld((elem)(k % 2 ? ar >> 16 : ar & 0xffffu)) *
+                   ld((elem)(k % 2 ? br >> 16 : br & 0xffffu));
+        }
+        d[r] += sum;
+    }
+    __syncthreads();
+#endif
+}
 
 // conv_tiled's implicit GEMM on matrix units: tiles of BM × BN outputs and 32-deep slices of
 // the reduction in shared memory as half-precision values (A row-major, the columns n-major),
