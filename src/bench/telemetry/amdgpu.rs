@@ -22,7 +22,7 @@ impl AmdGpu {
         let list = std::env::var("HIP_VISIBLE_DEVICES")
             .or_else(|_| std::env::var("ROCR_VISIBLE_DEVICES"))
             .ok();
-        AmdGpu::at("/", super::nvml::visible(list.as_deref(), device))
+        AmdGpu::at("/", super::visible(list.as_deref(), device))
     }
 
     /// The `index`-th AMD card (vendor 0x1002) under `root`, in PCI order (HIP's).

@@ -144,6 +144,13 @@ pub fn readable(reader: &mut dyn Reader) -> String {
     format!("{}: {}{lack}", reader.source(), have.join(", "))
 }
 
+/// The physical index of visible device `device` under a `*_VISIBLE_DEVICES` list of indices
+/// (UUIDs and other forms are not followed: the device's own index then).
+pub fn visible(list: Option<&str>, device: usize) -> usize {
+    list.and_then(|l| l.split(',').nth(device)?.trim().parse().ok())
+        .unwrap_or(device)
+}
+
 /// Reads in the background until [`Sampler::finish`].
 pub struct Sampler {
     stop: mpsc::Sender<()>,

@@ -45,7 +45,7 @@ impl Nvml {
                  (libnvidia-ml.so.1)"
             )
         })?;
-        let index = visible(
+        let index = super::visible(
             std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref(),
             device,
         );
@@ -62,13 +62,6 @@ impl Nvml {
             rated_mhz,
         })
     }
-}
-
-/// The physical index of visible device `device` under a `*_VISIBLE_DEVICES` list of indices
-/// (UUIDs and other forms are not followed: the device's own index then).
-pub fn visible(list: Option<&str>, device: usize) -> usize {
-    list.and_then(|l| l.split(',').nth(device)?.trim().parse().ok())
-        .unwrap_or(device)
 }
 
 impl Reader for Nvml {

@@ -164,9 +164,9 @@ fn nvml_names_the_reasons_that_slow_a_run() {
         nvml::slowing(T::SW_POWER_CAP | T::HW_THERMAL_SLOWDOWN | T::GPU_IDLE),
         ["power cap", "thermal (hardware)"]
     );
-    assert_eq!(nvml::visible(Some("2,3"), 1), 3);
-    assert_eq!(nvml::visible(Some("GPU-8d1f"), 0), 0);
-    assert_eq!(nvml::visible(None, 1), 1);
+    assert_eq!(visible(Some("2,3"), 1), 3);
+    assert_eq!(visible(Some("GPU-8d1f"), 0), 0);
+    assert_eq!(visible(None, 1), 1);
 }
 
 /// Without the NVIDIA driver (as on CI's machines), NVML says so and what to install; a
