@@ -656,7 +656,8 @@ fn bad_input_gets_one_clear_line() {
     }
     fails_with(
         &["bench", "--kernels", "vendor", "--network", "resnet18"],
-        "the cpu backend has only our own kernels: --kernels vendor is for cuda (cuBLAS)",
+        "the cpu backend has only our own kernels: --kernels vendor is for cuda (cuDNN, cuBLAS) and \
+         hip (MIOpen, rocBLAS)",
     );
     fails_with(
         &[

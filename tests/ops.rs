@@ -752,8 +752,9 @@ fn compiled_network_matches_eager(kind: BackendKind) {
 }
 backend_test!(compiled_network_matches_eager, cpu, wgpu, cuda, hip);
 
-/// `--kernels vendor`: library GEMMs (after im2col for k×k) with our epilogue kernel, for dense
-/// convolutions and linear layers, against the reference; grouped convolutions keep ours.
+/// `--kernels vendor` against the reference: library convolutions (the emulator's stand-in for
+/// cuDNN on cuda) and library GEMMs for linear layers, each with our epilogue kernel; the
+/// im2col + GEMM path of a device without a convolution library is tested in `gpu::emu`.
 /// Backends without a vendor library refuse it in words.
 fn vendor_kernels_match_the_reference(kind: BackendKind) {
     let mut g = GraphBuilder::new(

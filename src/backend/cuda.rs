@@ -1,8 +1,9 @@
 //! The CUDA backend: cudarc with dynamic loading, so this build runs on machines without the
 //! NVIDIA driver (and says so). Kernels are kernels/cuda/ops.cu, compiled by NVRTC at run time
 //! for the device's compute capability and cached per device for the life of the process; the
-//! vendor family hands GEMMs to cuBLAS. Everything runs in order on one stream of the session,
-//! timed with CUDA events; `--compile reduce-overhead` captures the pass into a CUDA graph.
+//! vendor family hands convolutions to cuDNN (where installed) and GEMMs to cuBLAS. Everything
+//! runs in order on one stream of the session, timed with CUDA events; `--compile
+//! reduce-overhead` captures the pass into a CUDA graph.
 
 use std::ffi::c_void;
 use std::path::Path;
@@ -13,7 +14,7 @@ use cudarc::driver::{
 };
 
 use super::check::{self, KernelCheck};
-use super::gpu::program::{BufId, ColumnMajor};
+use super::gpu::program::{BufId, ColumnMajor, LibConv};
 use super::gpu::{self, Device, GpuSession};
 use super::{
     Backend, BackendError, BackendKind, DeviceInfo, ExecOptions, Session, StreamTimes, Theoretical,
@@ -301,6 +302,10 @@ pub struct CudaDevice {
     allocations: Vec<sys::CUdeviceptr>,
     events: Vec<CudaEvent>,
     blas: Option<cudarc::cublas::CudaBlas>,
+    /// cuDNN on the session's stream, made on the first vendor convolution.
+    dnn: Option<gpu::cudnn::Cudnn>,
+    /// The workspace the planned cuDNN convolutions share: address and bytes.
+    workspace: (u64, u64),
     graph: Option<CudaGraph>,
     name: String,
 }
@@ -319,6 +324,8 @@ impl CudaDevice {
             allocations: Vec::new(),
             events: Vec::new(),
             blas: None,
+            dnn: None,
+            workspace: (0, 0),
             graph: None,
             name,
         })
@@ -344,6 +351,7 @@ impl Drop for CudaDevice {
         self.graph = None;
         if self.bind().is_ok() {
             let _ = self.stream.synchronize();
+            self.dnn = None;
             for p in self.allocations.drain(..) {
                 // SAFETY: allocated by `alloc` in this context and no longer used.
                 let _ = unsafe { result::free_sync(p) };
@@ -354,6 +362,7 @@ impl Drop for CudaDevice {
 
 impl Device for CudaDevice {
     type Function = CudaFunction;
+    type Conv = gpu::cudnn::Conv;
 
     fn compile(
         &mut self,
@@ -522,6 +531,44 @@ impl Device for CudaDevice {
             )
         }
         .map_err(|e| BackendError::Driver(format!("cuBLAS GEMM failed: {e:?}")))
+    }
+
+    fn library_conv(&self) -> Result<String, String> {
+        gpu::cudnn::present()
+    }
+
+    fn plan_conv(
+        &mut self,
+        c: &LibConv,
+        ptrs: [u64; 3],
+        precision: Precision,
+    ) -> Result<gpu::cudnn::Conv, BackendError> {
+        self.bind()?;
+        if self.dnn.is_none() {
+            // SAFETY: the session's stream, which outlives the handle (Drop).
+            self.dnn =
+                Some(unsafe { gpu::cudnn::Cudnn::new(self.stream.cu_stream() as *mut c_void)? });
+        }
+        let (conv, bytes) = self
+            .dnn
+            .as_ref()
+            .expect("made above")
+            .plan(c, ptrs, precision)?;
+        if bytes > self.workspace.1 {
+            self.workspace = (self.alloc(bytes)?, bytes);
+        }
+        Ok(conv)
+    }
+
+    fn conv(&mut self, c: &gpu::cudnn::Conv) -> Result<(), BackendError> {
+        let dnn = self.dnn.as_ref().expect("planned before");
+        // SAFETY: the plan's buffers are this session's allocations; the workspace is at least
+        // as large as every plan asked.
+        unsafe { dnn.forward(c, self.workspace) }
+    }
+
+    fn workspace_bytes(&self) -> u64 {
+        self.workspace.1
     }
 
     fn marks(&mut self, count: usize) -> Result<(), BackendError> {

@@ -2,8 +2,9 @@
 //! are kernels/hip/ops.hip, compiled by hiprtc at run time for the device's gfx target — only
 //! for targets this ROCm's hiprtc knows, since it aborts the process on others — and cached per
 //! device for the life of the process. hiprtc's functions are exported by libamdhip64 itself;
-//! the few we need are declared here. The vendor GEMM (`--kernels vendor`) is rocBLAS, loaded at
-//! run time (`gpu::rocblas`); without it the flag says what to install.
+//! the few we need are declared here. The vendor family (`--kernels vendor`) is MIOpen for
+//! convolutions and rocBLAS for GEMMs, loaded at run time (`gpu::miopen`, `gpu::rocblas`);
+//! without them the flag says what to install.
 
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::path::Path;
@@ -11,7 +12,7 @@ use std::path::Path;
 use hip_sys::hiprt as h;
 
 use super::check::{self, KernelCheck};
-use super::gpu::program::{BufId, ColumnMajor};
+use super::gpu::program::{BufId, ColumnMajor, LibConv};
 use super::gpu::{self, Device, GpuSession};
 use super::{Backend, BackendError, BackendKind, DeviceInfo, ExecOptions, Session, StreamTimes};
 use crate::model::{Plan, Precision, Weights};
@@ -343,6 +344,10 @@ pub struct HipDevice {
     graph: Option<(h::hipGraph_t, h::hipGraphExec_t)>,
     /// rocBLAS on the session's stream, made on the first vendor GEMM.
     blas: Option<gpu::rocblas::RocBlas>,
+    /// MIOpen on the session's stream, made on the first vendor convolution.
+    dnn: Option<gpu::miopen::MiOpen>,
+    /// The workspace the planned MIOpen convolutions share: address and bytes.
+    workspace: (u64, u64),
 }
 
 impl HipDevice {
@@ -372,6 +377,8 @@ impl HipDevice {
             events: Vec::new(),
             graph: None,
             blas: None,
+            dnn: None,
+            workspace: (0, 0),
         })
     }
 
@@ -390,6 +397,7 @@ impl Drop for HipDevice {
             unsafe {
                 h::hipStreamSynchronize(self.stream);
                 self.blas = None;
+                self.dnn = None;
                 if let Some((g, exec)) = self.graph.take() {
                     h::hipGraphExecDestroy(exec);
                     h::hipGraphDestroy(g);
@@ -408,6 +416,7 @@ impl Drop for HipDevice {
 
 impl Device for HipDevice {
     type Function = usize;
+    type Conv = gpu::miopen::Conv;
 
     fn matrix_units(&self) -> bool {
         gpu::arch::has_mfma(&self.arch)
@@ -549,6 +558,44 @@ impl Device for HipDevice {
         let blas = self.blas.as_ref().expect("made above");
         // SAFETY: the pointers are our allocations, sized by the program for this GEMM.
         unsafe { blas.gemm(g, ptr, precision) }
+    }
+
+    fn library_conv(&self) -> Result<String, String> {
+        gpu::miopen::present()
+    }
+
+    fn plan_conv(
+        &mut self,
+        c: &LibConv,
+        ptrs: [u64; 3],
+        precision: Precision,
+    ) -> Result<gpu::miopen::Conv, BackendError> {
+        self.select()?;
+        if self.dnn.is_none() {
+            // SAFETY: the session's stream, destroyed after the handle (Drop).
+            self.dnn = Some(unsafe { gpu::miopen::MiOpen::new(self.stream as *mut c_void)? });
+        }
+        let dnn = self.dnn.as_ref().expect("made above");
+        let mut conv = dnn.describe(c, precision)?;
+        let bytes = dnn.workspace(&conv)?;
+        if bytes > self.workspace.1 {
+            self.workspace = (self.alloc(bytes)?, bytes);
+        }
+        let dnn = self.dnn.as_ref().expect("made above");
+        // SAFETY: the buffers are this session's allocations, sized for `c`; the workspace
+        // holds what MIOpen asked for.
+        unsafe { dnn.plan(&mut conv, ptrs, self.workspace)? };
+        Ok(conv)
+    }
+
+    fn conv(&mut self, c: &gpu::miopen::Conv) -> Result<(), BackendError> {
+        let dnn = self.dnn.as_ref().expect("planned before");
+        // SAFETY: as in `plan_conv`; the workspace only grew since.
+        unsafe { dnn.forward(c, self.workspace) }
+    }
+
+    fn workspace_bytes(&self) -> u64 {
+        self.workspace.1
     }
 
     fn marks(&mut self, count: usize) -> Result<(), BackendError> {

@@ -114,8 +114,8 @@ pub enum KernelFamily {
     /// Our own kernels, on every backend.
     #[default]
     Native,
-    /// The vendor's library for convolutions and linear layers (cuBLAS on CUDA), ours for
-    /// the rest.
+    /// The vendor's libraries for convolutions and linear layers (cuDNN and cuBLAS on CUDA,
+    /// MIOpen and rocBLAS on HIP), ours for the rest.
     Vendor,
 }
 
@@ -582,7 +582,8 @@ pub fn native_only(kind: BackendKind, opt: &ExecOptions) -> Result<(), BackendEr
     match opt.kernels {
         KernelFamily::Native => Ok(()),
         KernelFamily::Vendor => Err(BackendError::Unsupported(format!(
-            "the {kind} backend has only our own kernels: --kernels vendor is for cuda (cuBLAS)"
+            "the {kind} backend has only our own kernels: --kernels vendor is for cuda (cuDNN, \
+             cuBLAS) and hip (MIOpen, rocBLAS)"
         ))),
     }
 }

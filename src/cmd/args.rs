@@ -113,7 +113,8 @@ pub struct RunArgs {
     /// ...), the built-in copies elsewhere: edit one kernel and run it again
     #[arg(long, value_name = "DIR")]
     pub kernels_dir: Option<PathBuf>,
-    /// Our own kernels, or the vendor library (cuBLAS) for convolutions and linear layers
+    /// Our own kernels, or the vendor libraries (cuDNN and cuBLAS, MIOpen and rocBLAS) for
+    /// convolutions and linear layers
     #[arg(long, value_enum, default_value_t = KernelFamily::Native)]
     pub kernels: KernelFamily,
 }

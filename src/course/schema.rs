@@ -188,8 +188,9 @@ pub struct BenchSpec {
     pub devices: Option<String>,
     /// Data parallel over this many groups of CPU cores (CPU backend; wins over `devices`).
     pub cpu_groups: Option<usize>,
-    /// `native` (our kernels, the default) or `vendor` (the vendor library for convolutions and
-    /// linear layers: cuBLAS on cuda). Backends without one record the step as unavailable.
+    /// `native` (our kernels, the default) or `vendor` (the vendor libraries for convolutions
+    /// and linear layers: cuDNN and cuBLAS on cuda, MIOpen and rocBLAS on hip). Backends
+    /// without one record the step as unavailable.
     pub kernels: Option<crate::backend::KernelFamily>,
     /// Graph compilation (`default`, `reduce-overhead`, `max-autotune`); metrics then add
     /// `compile_s`, `rel_diff` (against eager FP32) and `memory_saved` (fraction of the plan),

@@ -82,7 +82,7 @@ impl Plan {
             };
             refs[b] += 1;
             a.of[id] = b;
-            for &i in &node.inputs {
+            for i in node.distinct_inputs() {
                 if self.last_use[i] == id {
                     let b = a.of[i];
                     refs[b] -= 1;
@@ -125,6 +125,26 @@ mod tests {
         };
         let a = plan.assign_buffers(bytes, renames);
         let n = plan.graph.nodes.len();
+        assert_values_apart(&plan, &a, bytes, renames);
+        assert!(
+            a.bytes.len() * 4 < n,
+            "{} buffers for {n} values",
+            a.bytes.len()
+        );
+        let mut a2 = a.clone();
+        let out = a2.of[plan.graph.output];
+        assert_ne!(a2.scratch(1), out, "the output's buffer is still in use");
+    }
+
+    /// Every value's buffer holds it, and no two values live at once share a buffer unless
+    /// one renames the other.
+    fn assert_values_apart(
+        plan: &Plan,
+        a: &BufferAssignment,
+        bytes: impl Fn(usize) -> u64,
+        renames: impl Fn(usize) -> bool,
+    ) {
+        let n = plan.graph.nodes.len();
         for id in 0..n {
             assert!(a.bytes[a.of[id]] >= bytes(id), "value {id}");
         }
@@ -138,13 +158,46 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A node that reads one value twice (`conv(x) + x` fused: x as input and residual)
+    /// releases it once: the buffer is not handed out again while a renaming of a later value
+    /// still lives (it was, and a linear layer wrote over its own input).
+    #[test]
+    fn a_value_read_twice_is_released_once() {
+        use crate::model::graph::{ConvInit, GraphBuilder, LinearInit};
+        use crate::model::op::{Conv2d, Op};
+        let mut g = GraphBuilder::new("twice", 3, ConvInit::TorchDefault, LinearInit::TorchDefault);
+        let x = g.input();
+        let a = g.conv("a", x, Conv2d::new(3, 8, 3, 2, 1));
+        let b = g.conv("b", a, Conv2d::new(8, 8, 1, 1, 0));
+        let c = g.add("sum", a, b);
+        let grouped = Conv2d {
+            groups: 2,
+            dilation: (2, 1),
+            ..Conv2d::new(8, 6, 3, 1, 2)
+        };
+        let d = g.conv("grouped", c, grouped);
+        let depthwise = Conv2d {
+            groups: 6,
+            ..Conv2d::new(6, 6, 3, 2, 1)
+        };
+        let e = g.conv("depthwise", d, depthwise);
+        let f = g.flatten("flatten", e);
+        let y = g.linear("fc", f, 6 * 3 * 3, 5);
+        let graph = g.finish(y);
+        let w = crate::model::Weights::init(&graph, 1);
+        let (graph, _, _) = crate::model::passes::optimize(&graph, &w).unwrap();
+        let twice = graph.nodes.iter().find(|n| n.inputs.len() == 2);
         assert!(
-            a.bytes.len() * 4 < n,
-            "{} buffers for {n} values",
-            a.bytes.len()
+            twice.is_some_and(|n| n.inputs[0] == n.inputs[1]),
+            "{:?}",
+            graph.nodes
         );
-        let mut a2 = a.clone();
-        let out = a2.of[plan.graph.output];
-        assert_ne!(a2.scratch(1), out, "the output's buffer is still in use");
+        let plan = graph.plan(2, 9, 7).unwrap();
+        let bytes = |id: usize| plan.shapes[id].iter().product::<usize>() as u64 * 4;
+        let renames = |id: usize| matches!(plan.graph.nodes[id].op, Op::Flatten);
+        let a = plan.assign_buffers(bytes, renames);
+        assert_values_apart(&plan, &a, bytes, renames);
     }
 }

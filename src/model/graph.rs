@@ -17,6 +17,16 @@ pub struct Node {
     pub inputs: Vec<ValueId>,
 }
 
+impl Node {
+    /// The inputs, each once: a value read twice (a fused `conv(x) + x` reads `x` as input
+    /// and as residual) is released once after its last reader.
+    pub fn distinct_inputs(&self) -> impl Iterator<Item = ValueId> + '_ {
+        (self.inputs.iter().enumerate())
+            .filter(|&(k, i)| !self.inputs[..k].contains(i))
+            .map(|(_, &i)| i)
+    }
+}
+
 /// How a family of models initialises its layers (torchvision differs per architecture).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ConvInit {
@@ -264,7 +274,7 @@ impl Plan {
                     _ => 0,
                 };
                 let during = live.saturating_add(bytes(id).saturating_mul(scratch));
-                for &i in &node.inputs {
+                for i in node.distinct_inputs() {
                     if self.last_use[i] == id {
                         live = live.saturating_sub(bytes(i));
                     }

@@ -3,7 +3,8 @@
 //! `KERNEL(...)` into a function that loops over a range of blocks and threads, the system C++
 //! compiler builds it into a shared library, and launches call it (blocks in parallel). Library
 //! GEMMs (the vendor family) are computed here in column-major order, exactly as cuBLAS and
-//! rocBLAS are called, so the argument mapping is tested too.
+//! rocBLAS are called, so the argument mapping is tested too; library convolutions (cuDNN's
+//! and MIOpen's) directly, from the same description the devices hand the libraries.
 //!
 //! It is a developer's tool, selected with `WORKSHOP_GPU_EMULATOR=1` for the cuda and hip
 //! backends: every number it produces is labelled as emulated, and its timings say nothing
@@ -15,7 +16,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use super::program::{BufId, ColumnMajor};
+use super::program::{BufId, ColumnMajor, LibConv};
 use super::{Device, precision_define, source};
 use crate::backend::{BackendError, BackendKind, DeviceInfo};
 use crate::model::Precision;
@@ -229,6 +230,15 @@ enum Recorded {
         ptrs: [u64; 3],
         precision: Precision,
     },
+    Conv(EmuConv),
+}
+
+/// A planned library convolution: the call and its device addresses `[x, w, y]`.
+#[derive(Debug, Clone, Copy)]
+pub struct EmuConv {
+    c: LibConv,
+    ptrs: [u64; 3],
+    precision: Precision,
 }
 
 /// Host memory posing as device memory; launches run before `launch` returns, or are kept in a
@@ -242,6 +252,8 @@ pub struct EmuDevice {
     marks: Vec<Option<Instant>>,
     capturing: bool,
     graph: Vec<Recorded>,
+    /// Whether the vendor family gets library convolutions (CUDA's, standing in for cuDNN).
+    conv_library: bool,
 }
 
 impl EmuDevice {
@@ -252,6 +264,16 @@ impl EmuDevice {
             marks: Vec::new(),
             capturing: false,
             graph: Vec::new(),
+            conv_library: kind == BackendKind::Cuda,
+        }
+    }
+
+    /// A device whose vendor family has no convolution library, as a CUDA machine without
+    /// cuDNN: convolutions run as im2col and a library GEMM.
+    pub fn without_conv_library(kind: BackendKind) -> Self {
+        EmuDevice {
+            conv_library: false,
+            ..EmuDevice::new(kind)
         }
     }
 
@@ -285,6 +307,7 @@ pub fn compile_source(
 
 impl Device for EmuDevice {
     type Function = EmuFunction;
+    type Conv = EmuConv;
 
     fn compile(
         &mut self,
@@ -425,6 +448,39 @@ impl Device for EmuDevice {
         Ok(())
     }
 
+    fn library_conv(&self) -> Result<String, String> {
+        if self.conv_library {
+            Ok("emulated library".into())
+        } else if self.kind == BackendKind::Hip {
+            Err("MIOpen runs on an AMD GPU only, which the emulator is not".into())
+        } else {
+            Err("this emulated device has no convolution library".into())
+        }
+    }
+
+    fn plan_conv(
+        &mut self,
+        c: &LibConv,
+        ptrs: [u64; 3],
+        precision: Precision,
+    ) -> Result<EmuConv, BackendError> {
+        self.library_conv().map_err(BackendError::MissingLibrary)?;
+        Ok(EmuConv {
+            c: *c,
+            ptrs,
+            precision,
+        })
+    }
+
+    fn conv(&mut self, c: &EmuConv) -> Result<(), BackendError> {
+        if self.capturing {
+            self.graph.push(Recorded::Conv(*c));
+        } else {
+            library_conv(c);
+        }
+        Ok(())
+    }
+
     fn begin_capture(&mut self) -> Result<bool, BackendError> {
         self.capturing = true;
         self.graph.clear();
@@ -447,6 +503,10 @@ impl Device for EmuDevice {
             } => self.launch(f, *grid, *block, args),
             Recorded::Gemm { g, ptrs, precision } => {
                 column_major_gemm(g, *ptrs, *precision);
+                Ok(())
+            }
+            Recorded::Conv(c) => {
+                library_conv(c);
                 Ok(())
             }
         });
@@ -517,6 +577,46 @@ fn column_major_gemm(g: &ColumnMajor, [first, second, c]: [u64; 3], precision: P
             }
         }
     }
+}
+
+/// A grouped, strided, padded, dilated cross-correlation over NCHW tensors, as cuDNN's and
+/// MIOpen's forward convolutions compute it (f32 accumulation); output planes in parallel.
+fn library_conv(e: &EmuConv) {
+    let (c, p) = (&e.c, e.precision);
+    let [x, w, y] = e.ptrs.map(|a| a as usize);
+    let ([ci, hi, wi], [co, ho, wo]) = (c.input, c.output);
+    let (cig, cog) = (ci / c.groups, co / c.groups);
+    let (kh, kw) = c.kernel;
+    (0..c.batch * co).into_par_iter().for_each(|plane| {
+        let (n, o) = (plane / co, plane % co);
+        let first = o / cog * cig;
+        for oy in 0..ho {
+            for ox in 0..wo {
+                let mut acc = 0f32;
+                for i in 0..cig {
+                    for ky in 0..kh {
+                        let iy = (oy * c.stride.0 + ky * c.dilation.0).checked_sub(c.padding.0);
+                        let Some(iy) = iy.filter(|&v| v < hi) else {
+                            continue;
+                        };
+                        for kx in 0..kw {
+                            let ix = (ox * c.stride.1 + kx * c.dilation.1).checked_sub(c.padding.1);
+                            let Some(ix) = ix.filter(|&v| v < wi) else {
+                                continue;
+                            };
+                            let xi = ((n * ci + first + i) * hi + iy) * wi + ix;
+                            let wi_ = ((o * cig + i) * kh + ky) * kw + kx;
+                            // SAFETY: indices within the tensors the program sized for this
+                            // convolution.
+                            unsafe { acc += load(x as u64, xi, p) * load(w as u64, wi_, p) };
+                        }
+                    }
+                }
+                // SAFETY: as above; each plane is written by one task only.
+                unsafe { store(y as u64, ((n * co + o) * ho + oy) * wo + ox, acc, p) };
+            }
+        }
+    });
 }
 
 /// Element `i` of an array in the storage type, as f32.
@@ -606,5 +706,75 @@ impl crate::backend::Backend for EmuBackend {
         Ok(Box::new(super::decoder::GpuDecoder::new(
             device, weights, opt, None,
         )?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::GpuSession;
+    use super::super::program::Work;
+    use super::*;
+    use crate::backend::{ExecOptions, KernelFamily, Session};
+    use crate::model::graph::{ConvInit, GraphBuilder, LinearInit};
+    use crate::model::op::Conv2d;
+    use crate::model::{Rng, Weights, passes, reference};
+
+    /// The vendor family on a device with a convolution library (cuDNN's and MIOpen's calls,
+    /// every convolution one call) and on one without (im2col and a GEMM for dense ones, our
+    /// kernel for grouped ones) computes what the reference computes; so do our kernels.
+    #[test]
+    fn library_convolutions_and_im2col_gemms_match_the_reference() {
+        let mut g = GraphBuilder::new("lib", 3, ConvInit::TorchDefault, LinearInit::TorchDefault);
+        let x = g.input();
+        let a = g.conv("stem", x, Conv2d::new(3, 8, 3, 2, 1).with_bias());
+        let a = g.relu("stem_relu", a);
+        let b = g.conv("pointwise", a, Conv2d::new(8, 8, 1, 1, 0));
+        let c = g.add("sum", a, b);
+        let grouped = Conv2d {
+            groups: 2,
+            dilation: (2, 1),
+            ..Conv2d::new(8, 6, 3, 1, 2)
+        };
+        let d = g.conv("grouped", c, grouped);
+        let depthwise = Conv2d {
+            groups: 6,
+            ..Conv2d::new(6, 6, 3, 2, 1)
+        };
+        let e = g.conv("depthwise", d, depthwise);
+        let f = g.flatten("flatten", e);
+        let y = g.linear("fc", f, 6 * 3 * 3, 5);
+        let graph = g.finish(y);
+        let (graph, w, _) = passes::optimize(&graph, &Weights::init(&graph, 3)).unwrap();
+        let plan = graph.plan(2, 9, 7).unwrap();
+        let input = Rng::new(5).normal_tensor(vec![2, 3, 9, 7]);
+        let expected = reference::forward(&plan, &w, &input);
+        let cases = [
+            (EmuDevice::new(BackendKind::Cuda), KernelFamily::Native, 0),
+            (EmuDevice::new(BackendKind::Cuda), KernelFamily::Vendor, 4),
+            (
+                EmuDevice::without_conv_library(BackendKind::Cuda),
+                KernelFamily::Vendor,
+                0,
+            ),
+        ];
+        for (device, kernels, library_convs) in cases {
+            let opt = ExecOptions {
+                kernels,
+                ..Default::default()
+            };
+            let mut s = GpuSession::new(device, &plan, &w, &opt, None).unwrap();
+            let convs = s.program.tasks.iter();
+            let convs = convs.filter(|t| matches!(t.work, Work::Conv(_))).count();
+            assert_eq!(convs, library_convs, "{kernels:?}");
+            s.run(&input).unwrap();
+            let got = s.read_output().unwrap();
+            let diff = got.max_abs_diff(&expected);
+            assert!(
+                diff < 1e-4,
+                "{kernels:?} ({library_convs} library calls): {diff}"
+            );
+            let version = s.kernel_version();
+            assert_eq!(version.contains("vendor:"), kernels == KernelFamily::Vendor);
+        }
     }
 }

@@ -54,16 +54,27 @@ impl Builder {
     }
 }
 
-/// Lay `plan` out as kernel launches in `precision`. With [`KernelFamily::Vendor`], dense
-/// convolutions and linear layers become library GEMMs (after an im2col for k×k convolutions)
-/// followed by an epilogue kernel; grouped convolutions keep our kernel.
+/// What the device offers the lowering.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Target {
+    /// Half-precision matrix units our `_mma_` kernels use (tensor cores, MFMA).
+    pub mma: bool,
+    /// A library convolution (cuDNN, MIOpen) for the vendor family.
+    pub library_conv: bool,
+}
+
+/// Lay `plan` out as kernel launches in `precision`. With [`KernelFamily::Vendor`], linear
+/// layers become library GEMMs and convolutions library convolutions where the target has them
+/// (dense and grouped alike), else library GEMMs after an im2col (dense only: grouped ones keep
+/// our kernel); an epilogue kernel adds bias, activation and residual.
 pub fn build(
     plan: &Plan,
     weights: &Weights,
     precision: Precision,
     family: KernelFamily,
-    mma: bool,
+    target: Target,
 ) -> Result<Program, BackendError> {
+    let mma = target.mma;
     let mut b = Builder {
         buffers: Vec::new(),
         tasks: Vec::new(),
@@ -147,8 +158,13 @@ pub fn build(
             window_attention_op(&mut b, &at, mma)?;
             continue;
         }
+        let vendor = family == KernelFamily::Vendor;
+        let linear = matches!(node.op, Op::Linear { .. });
         match conv_like(&at)? {
-            Some((conv, wt)) if family == KernelFamily::Vendor && conv.groups == 1 => {
+            Some((conv, wt)) if vendor && target.library_conv && !linear => {
+                library_conv(&mut b, &at, &conv, wt)?
+            }
+            Some((conv, wt)) if vendor && conv.groups == 1 => {
                 vendor_conv(&mut b, &at, &conv, wt, &mut scratch)?
             }
             Some((conv, wt)) => native_conv(&mut b, &at, &conv, wt, mma)?,
@@ -255,18 +271,9 @@ fn vendor_conv(
     wt: &[f32],
     scratch: &mut Option<BufId>,
 ) -> Result<(), BackendError> {
-    let NodeCtx {
-        node,
-        op,
-        x,
-        y,
-        grid,
-        total_i,
-        ..
-    } = *at;
+    let NodeCtx { node, op, x, y, .. } = *at;
     let ((n, c, h, w), (xc, xh, xw)) = (at.out, at.input);
     let conv = *conv;
-    let has_bias = conv.bias;
     let esize = b.precision.bytes() as u64;
     let (bias_arg, res) = at.bias_and_residual(b, &conv)?;
     let wbuf = b.weights(wt);
@@ -334,21 +341,64 @@ fn vendor_conv(
         op,
         work: Work::Gemm(gemm),
     });
-    if has_bias || conv.residual || conv.act != Act::None {
+    epilogue(b, at, &conv, bias_arg, res);
+    Ok(())
+}
+
+/// A convolution as one library call (cuDNN, MIOpen: they pick the algorithm), then the
+/// epilogue kernel.
+fn library_conv(
+    b: &mut Builder,
+    at: &NodeCtx<'_>,
+    conv: &Conv2d,
+    wt: &[f32],
+) -> Result<(), BackendError> {
+    let ((n, c, h, w), (xc, xh, xw)) = (at.out, at.input);
+    let (bias_arg, res) = at.bias_and_residual(b, conv)?;
+    let Arg::Buf(x) = at.x else {
+        unreachable!("a convolution always has an input")
+    };
+    let call = LibConv {
+        batch: n,
+        input: [xc, xh, xw],
+        output: [c, h, w],
+        kernel: conv.kernel,
+        stride: conv.stride,
+        padding: conv.padding,
+        dilation: conv.dilation,
+        groups: conv.groups,
+        x,
+        w: b.weights(wt),
+        y: at.y,
+    };
+    // Every size fits the libraries' `int`s (and the epilogue's).
+    call.dims()?;
+    b.tasks.push(Task {
+        node: at.node.name.clone(),
+        op: at.op,
+        work: Work::Conv(call),
+    });
+    epilogue(b, at, conv, bias_arg, res);
+    Ok(())
+}
+
+/// Bias, activation and residual over a library call's output, where the layer has any.
+fn epilogue(b: &mut Builder, at: &NodeCtx<'_>, conv: &Conv2d, bias: Arg, res: Arg) {
+    let (_, c, h, w) = at.out;
+    if conv.bias || conv.residual || conv.act != Act::None {
         let args = vec![
-            bias_arg,
+            bias,
             res,
-            Arg::Buf(y),
-            Arg::I32(total_i),
+            Arg::Buf(at.y),
+            Arg::I32(at.total_i),
             Arg::I32(c as i32),
             Arg::I32((h * w) as i32),
             Arg::I32(conv.act.code() as i32),
-            Arg::I32(has_bias as i32),
+            Arg::I32(conv.bias as i32),
             Arg::I32(conv.residual as i32),
         ];
-        b.launch(&node.name, op, "epilogue", grid, args);
+        b.launch(&at.node.name, at.op, "epilogue", at.grid, args);
     }
-    Ok(())
 }
 
 /// A convolution or linear layer on our kernels: the tiled implicit GEMM (tensor cores where
@@ -827,7 +877,14 @@ mod tests {
         let g = zoo::build("resnet18").unwrap();
         let plan = g.plan(1, 64, 64).unwrap();
         let w = Weights::init(&g, 0);
-        let p = build(&plan, &w, Precision::Fp32, KernelFamily::Native, false).unwrap();
+        let p = build(
+            &plan,
+            &w,
+            Precision::Fp32,
+            KernelFamily::Native,
+            Target::default(),
+        )
+        .unwrap();
         let activations = p
             .buffers
             .iter()
@@ -854,7 +911,14 @@ mod tests {
         assert_eq!(last.kernel, "to_f32");
         assert_eq!(last.args[1], Arg::Buf(p.output));
         // The vendor family adds an im2col scratch buffer and GEMMs, never more weights.
-        let v = build(&plan, &w, Precision::Fp32, KernelFamily::Vendor, false).unwrap();
+        let v = build(
+            &plan,
+            &w,
+            Precision::Fp32,
+            KernelFamily::Vendor,
+            Target::default(),
+        )
+        .unwrap();
         assert_eq!(v.weight_bytes(), p.weight_bytes());
         assert!(v.tasks.iter().any(|s| matches!(s.work, Work::Gemm(_))));
     }

@@ -6,10 +6,16 @@
 
 pub mod arch;
 pub mod ceiling;
+#[cfg(feature = "cuda")]
+pub mod cudnn;
 pub mod decoder;
+#[cfg(unix)]
+pub mod dl;
 #[cfg(unix)]
 pub mod emu;
 pub mod lower;
+#[cfg(unix)]
+pub mod miopen;
 pub mod program;
 #[cfg(unix)]
 pub mod rocblas;
@@ -160,6 +166,28 @@ pub trait Device {
         ptr: &dyn Fn(program::BufId) -> u64,
         precision: Precision,
     ) -> Result<(), BackendError>;
+    /// A planned library convolution.
+    type Conv;
+    /// The library convolution the vendor family uses here (`cuDNN 9.1`), or why there is
+    /// none: convolutions then run as im2col and a library GEMM.
+    fn library_conv(&self) -> Result<String, String> {
+        Err("this device has no convolution library".into())
+    }
+    /// Plan convolution `c` on the device addresses `[x, w, y]`: the library picks its
+    /// algorithm (MIOpen times its candidates here, on these buffers) and the device grows
+    /// the one workspace its convolutions share. At prepare time, never while recording.
+    fn plan_conv(
+        &mut self,
+        c: &program::LibConv,
+        ptrs: [u64; 3],
+        precision: Precision,
+    ) -> Result<Self::Conv, BackendError>;
+    /// Enqueue a planned convolution.
+    fn conv(&mut self, c: &Self::Conv) -> Result<(), BackendError>;
+    /// Bytes of the library workspace the device holds for its convolutions.
+    fn workspace_bytes(&self) -> u64 {
+        0
+    }
     /// Make `count` timing marks available (0..count).
     fn marks(&mut self, count: usize) -> Result<(), BackendError>;
     /// Enqueue mark `i`: it records when the work enqueued before it has finished.
@@ -190,10 +218,12 @@ pub trait Device {
     fn describe(&self) -> String;
 }
 
-/// A launch with everything resolved: the function, the grid and the argument bytes.
-enum Ready<F> {
+/// A launch with everything resolved: the function, the grid and the argument bytes; a
+/// library GEMM's arguments; a planned library convolution.
+enum Ready<F, C> {
     Kernel { f: F, grid: [u32; 3], args: Vec<u8> },
     Gemm(program::ColumnMajor),
+    Conv(C),
 }
 
 /// A prepared forward pass on a [`Device`]. Every launch's arguments are packed once, at
@@ -201,12 +231,14 @@ enum Ready<F> {
 pub struct GpuSession<D: Device> {
     device: D,
     program: Program,
-    ready: Vec<Ready<D::Function>>,
+    ready: Vec<Ready<D::Function, D::Conv>>,
     ptrs: Vec<u64>,
     profile: bool,
     ran: bool,
     /// The pass was recorded at prepare time and is replayed (`ExecOptions::replay`); else why not.
     replay: Result<String, String>,
+    /// With the vendor family: which libraries run what, for records.
+    libraries: Option<String>,
 }
 
 impl<D: Device> GpuSession<D> {
@@ -219,8 +251,17 @@ impl<D: Device> GpuSession<D> {
         opt: &ExecOptions,
         free: Option<u64>,
     ) -> Result<Self, BackendError> {
-        let mma = opt.precision != Precision::Fp32 && device.matrix_units();
-        let program = lower::build(plan, weights, opt.precision, opt.kernels, mma)?;
+        let vendor = opt.kernels == super::KernelFamily::Vendor;
+        let library_conv = if vendor {
+            device.library_conv()
+        } else {
+            Err(String::new())
+        };
+        let target = lower::Target {
+            mma: opt.precision != Precision::Fp32 && device.matrix_units(),
+            library_conv: library_conv.is_ok(),
+        };
+        let program = lower::build(plan, weights, opt.precision, opt.kernels, target)?;
         if let Some(free) = free {
             fits(&program, plan.batch(), free)?;
         }
@@ -231,12 +272,16 @@ impl<D: Device> GpuSession<D> {
         {
             device.vendor_gemm()?;
         }
+        let libraries = vendor.then(|| match &library_conv {
+            Ok(conv) => format!("vendor: {conv} convolutions, library GEMMs for linear layers"),
+            Err(why) => format!("vendor: convolutions as im2col + library GEMM ({why})"),
+        });
         let mut names: Vec<&'static str> = program
             .tasks
             .iter()
             .filter_map(|s| match &s.work {
                 Work::Kernel(l) => Some(l.kernel),
-                Work::Gemm(_) => None,
+                Work::Gemm(_) | Work::Conv(_) => None,
             })
             .collect();
         names.sort_unstable();
@@ -265,6 +310,11 @@ impl<D: Device> GpuSession<D> {
                     }
                 }
                 Work::Gemm(g) => Ready::Gemm(g.column_major()),
+                Work::Conv(c) => Ready::Conv(device.plan_conv(
+                    c,
+                    [ptr(c.x), ptr(c.w), ptr(c.y)],
+                    opt.precision,
+                )?),
             });
         }
         if opt.profile {
@@ -278,6 +328,7 @@ impl<D: Device> GpuSession<D> {
             profile: opt.profile,
             ran: false,
             replay: Err("not asked for (--compile reduce-overhead asks)".into()),
+            libraries,
         };
         if opt.replay {
             session.replay = if opt.profile {
@@ -324,6 +375,7 @@ impl<D: Device> GpuSession<D> {
                     self.device.launch(f, *grid, program::BLOCK, args)?
                 }
                 Ready::Gemm(g) => self.device.gemm(g, &|b| ptrs[b], self.program.precision)?,
+                Ready::Conv(c) => self.device.conv(c)?,
             }
             if self.profile {
                 self.device.mark(i + 1)?;
@@ -402,7 +454,8 @@ impl<D: Device> Session for GpuSession<D> {
 
     fn memory(&self) -> MemoryStats {
         let weights = self.program.weight_bytes();
-        let activations = self.program.activation_bytes();
+        // The libraries' workspace is scratch too.
+        let activations = self.program.activation_bytes() + self.device.workspace_bytes();
         MemoryStats {
             weights,
             peak_activations: activations,
@@ -415,8 +468,12 @@ impl<D: Device> Session for GpuSession<D> {
     }
 
     fn kernel_version(&self) -> String {
+        let libraries = self
+            .libraries
+            .as_ref()
+            .map_or(String::new(), |l| format!("; {l}"));
         format!(
-            "workshop-gpu {} on {} ({})",
+            "workshop-gpu {} on {} ({}){libraries}",
             env!("CARGO_PKG_VERSION"),
             self.device.describe(),
             self.program.precision

@@ -1,8 +1,8 @@
-//! A planned graph as a list of kernel launches and library GEMMs over numbered buffers, for
-//! the CUDA and HIP backends (and the CPU emulator of their kernels): the program's types, the
-//! argument packing, the launch shapes and the choice of convolution kernel. Building one
-//! (`lower.rs`) is plain arithmetic too, so both are tested without a device; a `Device` then
-//! only allocates, uploads and launches what the program says.
+//! A planned graph as a list of kernel launches, library GEMMs and library convolutions over
+//! numbered buffers, for the CUDA and HIP backends (and the CPU emulator of their kernels): the
+//! program's types, the argument packing, the launch shapes and the choice of convolution
+//! kernel. Building one (`lower.rs`) is plain arithmetic too, so both are tested without a
+//! device; a `Device` then only allocates, uploads and launches what the program says.
 
 use crate::backend::BackendError;
 use crate::model::Precision;
@@ -221,10 +221,68 @@ impl Gemm {
     }
 }
 
+/// A library convolution (cuDNN, MIOpen) of NCHW tensors in the session's precision with f32
+/// accumulation: `y` is overwritten; bias, activation and residual follow in our epilogue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LibConv {
+    pub batch: usize,
+    /// Channels, height and width of the input and of the output.
+    pub input: [usize; 3],
+    pub output: [usize; 3],
+    pub kernel: (usize, usize),
+    pub stride: (usize, usize),
+    pub padding: (usize, usize),
+    pub dilation: (usize, usize),
+    pub groups: usize,
+    pub x: BufId,
+    /// Weights as PyTorch stores them: out × in/groups × kh × kw.
+    pub w: BufId,
+    pub y: BufId,
+}
+
+impl LibConv {
+    /// The dimensions as the libraries' `int` arguments: input, weights, output (each NCHW),
+    /// then padding, stride and dilation (each height, width), then the groups. Checked when
+    /// the program is built, so a device's call cannot overflow.
+    pub fn dims(&self) -> Result<LibConvDims, BackendError> {
+        let i = |v: usize| i32_of(v, "a library convolution's size");
+        let [ci, hi, wi] = self.input;
+        let [co, ho, wo] = self.output;
+        let n = i(self.batch)?;
+        Ok(LibConvDims {
+            x: [n, i(ci)?, i(hi)?, i(wi)?],
+            w: [
+                i(co)?,
+                i(ci / self.groups.max(1))?,
+                i(self.kernel.0)?,
+                i(self.kernel.1)?,
+            ],
+            y: [n, i(co)?, i(ho)?, i(wo)?],
+            padding: [i(self.padding.0)?, i(self.padding.1)?],
+            stride: [i(self.stride.0)?, i(self.stride.1)?],
+            dilation: [i(self.dilation.0)?, i(self.dilation.1)?],
+            groups: i(self.groups)?,
+        })
+    }
+}
+
+/// [`LibConv`]'s sizes as `int`s, in the order cuDNN and MIOpen take them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LibConvDims {
+    pub x: [i32; 4],
+    pub w: [i32; 4],
+    pub y: [i32; 4],
+    pub padding: [i32; 2],
+    pub stride: [i32; 2],
+    pub dilation: [i32; 2],
+    pub groups: i32,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum Work {
     Kernel(KernelLaunch),
     Gemm(Gemm),
+    Conv(LibConv),
 }
 
 /// One piece of work and the graph node it belongs to.
@@ -242,6 +300,7 @@ impl Task {
         match &self.work {
             Work::Kernel(l) => format!("{}_{}", l.kernel, precision.name()),
             Work::Gemm(_) => format!("vendor_gemm_{}", precision.name()),
+            Work::Conv(_) => format!("vendor_conv_{}", precision.name()),
         }
     }
 }

@@ -1,10 +1,10 @@
-//! rocBLAS, AMD's BLAS, as the HIP backend's vendor GEMM (`--kernels vendor`): loaded at run
-//! time with `dlopen`, as cudarc loads cuBLAS, so no header or library is needed to build and
-//! a machine without it says what to install. Only the few functions used are declared, with
+//! rocBLAS, AMD's BLAS, as the HIP backend's vendor GEMM (`--kernels vendor`): opened at run
+//! time ([`super::dl`]), as cudarc opens cuBLAS. Only the few functions used are declared, with
 //! the enumerations' numbers from `rocblas-types.h` (stable since ROCm 3).
 
-use std::ffi::{CString, c_void};
+use std::ffi::c_void;
 
+use super::dl::{Library, library_functions};
 use super::program::{BufId, ColumnMajor};
 use crate::backend::BackendError;
 use crate::model::Precision;
@@ -27,26 +27,23 @@ const BF16: u32 = 168;
 const ALGO_STANDARD: u32 = 0;
 const SUCCESS: u32 = 0;
 
-type CreateHandle = unsafe extern "C" fn(*mut *mut c_void) -> u32;
-type DestroyHandle = unsafe extern "C" fn(*mut c_void) -> u32;
-type SetStream = unsafe extern "C" fn(*mut c_void, *mut c_void) -> u32;
 #[rustfmt::skip]
-type GemmStridedBatchedEx = unsafe extern "C" fn(
-    *mut c_void, u32, u32, i32, i32, i32, *const c_void,
-    *const c_void, u32, i32, i64,
-    *const c_void, u32, i32, i64,
-    *const c_void,
-    *const c_void, u32, i32, i64,
-    *mut c_void, u32, i32, i64,
-    i32, u32, u32, i32, u32,
-) -> u32;
-
-/// The opened library's functions.
-struct Functions {
-    create: CreateHandle,
-    destroy: DestroyHandle,
-    set_stream: SetStream,
-    gemm: GemmStridedBatchedEx,
+library_functions! {
+    /// rocBLAS's functions we call (rocblas-functions.h, rocblas-auxiliary.h).
+    struct Functions {
+        create: "rocblas_create_handle" => unsafe extern "C" fn(*mut *mut c_void) -> u32,
+        destroy: "rocblas_destroy_handle" => unsafe extern "C" fn(*mut c_void) -> u32,
+        set_stream: "rocblas_set_stream" => unsafe extern "C" fn(*mut c_void, *mut c_void) -> u32,
+        gemm: "rocblas_gemm_strided_batched_ex" => unsafe extern "C" fn(
+            *mut c_void, u32, u32, i32, i32, i32, *const c_void,
+            *const c_void, u32, i32, i64,
+            *const c_void, u32, i32, i64,
+            *const c_void,
+            *const c_void, u32, i32, i64,
+            *mut c_void, u32, i32, i64,
+            i32, u32, u32, i32, u32,
+        ) -> u32,
+    }
 }
 
 /// What `--kernels vendor` on HIP says where rocBLAS is missing.
@@ -59,44 +56,9 @@ fn missing(why: &str) -> BackendError {
 
 /// Open rocBLAS and find its functions, or say what is missing.
 fn open() -> Result<Functions, BackendError> {
-    let lib = NAMES
-        .iter()
-        .find_map(|name| {
-            let c = CString::new(*name).ok()?;
-            // SAFETY: dlopen of a NUL-terminated name; the handle stays open for the process.
-            let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-            (!h.is_null()).then_some(h)
-        })
-        .ok_or_else(|| missing("which was not found"))?;
-    let symbol = |name: &str| {
-        let c = CString::new(name).expect("no NUL");
-        // SAFETY: a valid handle and a NUL-terminated name.
-        let p = unsafe { libc::dlsym(lib, c.as_ptr()) };
-        if p.is_null() {
-            Err(missing(&format!(
-                "whose {name} was not found (too old a rocBLAS?)"
-            )))
-        } else {
-            Ok(p)
-        }
-    };
-    // SAFETY: the symbols are rocBLAS's C functions with these signatures (rocblas-functions.h).
-    unsafe {
-        Ok(Functions {
-            create: std::mem::transmute::<*mut c_void, CreateHandle>(symbol(
-                "rocblas_create_handle",
-            )?),
-            destroy: std::mem::transmute::<*mut c_void, DestroyHandle>(symbol(
-                "rocblas_destroy_handle",
-            )?),
-            set_stream: std::mem::transmute::<*mut c_void, SetStream>(symbol(
-                "rocblas_set_stream",
-            )?),
-            gemm: std::mem::transmute::<*mut c_void, GemmStridedBatchedEx>(symbol(
-                "rocblas_gemm_strided_batched_ex",
-            )?),
-        })
-    }
+    let lib = Library::open(&NAMES).ok_or_else(|| missing("which was not found"))?;
+    Functions::load(&lib)
+        .map_err(|name| missing(&format!("whose {name} was not found (too old a rocBLAS?)")))
 }
 
 /// Whether rocBLAS can be loaded here, or what to install.
