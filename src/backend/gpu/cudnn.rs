@@ -9,7 +9,7 @@ use std::ffi::c_void;
 
 use cudarc::cudnn::{result, sys};
 
-use super::program::LibConv;
+use super::program::{LibConv, WORKSPACE_LIMIT};
 use crate::backend::BackendError;
 use crate::model::Precision;
 
@@ -162,10 +162,13 @@ impl Cudnn {
             )
         }
         .map_err(e("choosing an algorithm"))?;
-        // Ranked best first; the first that can run this convolution.
+        // Ranked best first; the first that can run this convolution in a workspace we grant.
         let best = found[..count.clamp(0, ASKED as i32) as usize]
             .iter()
-            .find(|p| p.status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS)
+            .find(|p| {
+                p.status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS
+                    && p.memory as u64 <= WORKSPACE_LIMIT
+            })
             .ok_or_else(|| {
                 BackendError::Driver("cuDNN has no algorithm for a convolution".into())
             })?;

@@ -476,7 +476,7 @@ impl Device for EmuDevice {
         if self.capturing {
             self.graph.push(Recorded::Conv(*c));
         } else {
-            library_conv(c);
+            library_conv(&c.c, c.ptrs, c.precision);
         }
         Ok(())
     }
@@ -506,7 +506,7 @@ impl Device for EmuDevice {
                 Ok(())
             }
             Recorded::Conv(c) => {
-                library_conv(c);
+                library_conv(&c.c, c.ptrs, c.precision);
                 Ok(())
             }
         });
@@ -581,9 +581,8 @@ fn column_major_gemm(g: &ColumnMajor, [first, second, c]: [u64; 3], precision: P
 
 /// A grouped, strided, padded, dilated cross-correlation over NCHW tensors, as cuDNN's and
 /// MIOpen's forward convolutions compute it (f32 accumulation); output planes in parallel.
-fn library_conv(e: &EmuConv) {
-    let (c, p) = (&e.c, e.precision);
-    let [x, w, y] = e.ptrs.map(|a| a as usize);
+pub(crate) fn library_conv(c: &LibConv, ptrs: [u64; 3], p: Precision) {
+    let [x, w, y] = ptrs.map(|a| a as usize);
     let ([ci, hi, wi], [co, ho, wo]) = (c.input, c.output);
     let (cig, cog) = (ci / c.groups, co / c.groups);
     let (kh, kw) = c.kernel;

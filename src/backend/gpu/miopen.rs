@@ -9,7 +9,7 @@
 use std::ffi::c_void;
 
 use super::dl::{Library, library_functions};
-use super::program::LibConv;
+use super::program::{LibConv, WORKSPACE_LIMIT};
 use crate::backend::BackendError;
 use crate::model::Precision;
 
@@ -77,24 +77,28 @@ fn missing(why: &str) -> String {
     )
 }
 
-/// Open MIOpen and find its functions, or say what is missing.
-fn open() -> Result<Functions, String> {
-    let lib = Library::open(&NAMES).ok_or_else(|| missing("which was not found"))?;
+/// Open MIOpen (the first of `names` that opens) and find its functions, or say what is
+/// missing.
+fn open(names: &[&str]) -> Result<Functions, String> {
+    let lib = Library::open(names).ok_or_else(|| missing("which was not found"))?;
     Functions::load(&lib)
         .map_err(|name| missing(&format!("whose {name} was not found (too old a MIOpen?)")))
 }
 
 /// MIOpen's version (`MIOpen 3.1.0`) where it loads, else what to install.
 pub fn present() -> Result<String, String> {
-    let f = open()?;
+    Ok(version(&open(&NAMES)?))
+}
+
+fn version(f: &Functions) -> String {
     let (mut major, mut minor, mut patch) = (0, 0, 0);
     // SAFETY: three out-pointers.
     let status = unsafe { (f.version)(&mut major, &mut minor, &mut patch) };
-    Ok(if status == SUCCESS {
+    if status == SUCCESS {
         format!("MIOpen {major}.{minor}.{patch}")
     } else {
         "MIOpen".into()
-    })
+    }
 }
 
 fn status(what: &str, s: u32) -> Result<(), BackendError> {
@@ -164,7 +168,16 @@ impl MiOpen {
     /// # Safety
     /// `stream` is a live `hipStream_t` of the current device, alive as long as the handle.
     pub unsafe fn new(stream: *mut c_void) -> Result<MiOpen, BackendError> {
-        let f = open().map_err(BackendError::MissingLibrary)?;
+        let f = open(&NAMES).map_err(BackendError::MissingLibrary)?;
+        // SAFETY: forwarded.
+        unsafe { MiOpen::with(f, stream) }
+    }
+
+    /// [`MiOpen::new`] with the library's functions at hand.
+    ///
+    /// # Safety
+    /// As for [`MiOpen::new`].
+    unsafe fn with(f: Functions, stream: *mut c_void) -> Result<MiOpen, BackendError> {
         let mut handle = std::ptr::null_mut();
         // SAFETY: an out-pointer and the stream the contract vouches for; destroyed in Drop.
         status("creating a handle", unsafe {
@@ -221,14 +234,15 @@ impl MiOpen {
         Ok(conv)
     }
 
-    /// The workspace bytes MIOpen's search may use for `conv`.
+    /// The workspace bytes MIOpen's search may use for `conv` (the most any candidate needs,
+    /// up to [`WORKSPACE_LIMIT`]: the search then skips the algorithms needing more).
     pub fn workspace(&self, conv: &Conv) -> Result<u64, BackendError> {
         let mut bytes = 0usize;
         // SAFETY: live descriptors and an out-pointer.
         status("sizing the workspace", unsafe {
             (self.f.workspace)(self.handle, conv.w, conv.x, conv.conv, conv.y, &mut bytes)
         })?;
-        Ok(bytes as u64)
+        Ok((bytes as u64).min(WORKSPACE_LIMIT))
     }
 
     /// Run MIOpen's search for `conv` on the buffers `[x, w, y]` and keep the fastest algorithm.
@@ -317,13 +331,108 @@ impl Drop for MiOpen {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use crate::backend::gpu::emu;
+    use crate::model::Rng;
+
     /// Where MIOpen is not installed (CI's machines), the vendor path says what to install;
     /// where it is, it names its version.
     #[test]
     fn missing_miopen_says_what_to_install() {
-        match super::present() {
+        match present() {
             Ok(version) => assert!(version.starts_with("MIOpen"), "{version}"),
             Err(e) => assert!(e.contains("libMIOpen.so") && e.contains("install"), "{e}"),
         }
+    }
+
+    /// The binding drives a stand-in library with miopen.h's signatures
+    /// (tests/fixtures/fake_miopen.cpp, built here with the host C++ compiler) through a
+    /// grouped, strided, padded, dilated convolution whose every size differs, so a swapped
+    /// argument fails its checks: descriptors, the workspace, the search (whose fastest
+    /// candidate needs more workspace than granted, so the next is kept) and the call, whose
+    /// output matches the emulator's convolution.
+    #[test]
+    fn the_binding_drives_a_stand_in_library() {
+        let dir = std::env::temp_dir().join(format!("workshop-fake-miopen-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (src, lib) = (dir.join("fake_miopen.cpp"), dir.join("libfake_miopen.so"));
+        std::fs::write(
+            &src,
+            include_str!("../../../tests/fixtures/fake_miopen.cpp"),
+        )
+        .unwrap();
+        let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+        let out = std::process::Command::new(&cxx)
+            .args(["-std=c++17", "-O1", "-fPIC", "-shared", "-o"])
+            .args([&lib, &src])
+            .output()
+            .expect("a C++ compiler (the GPU emulator needs one too)");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let f = open(&[lib.to_str().unwrap()]).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(version(&f), "MIOpen 3.1.0");
+        // SAFETY: the stand-in takes any stream.
+        let dnn = unsafe { MiOpen::with(f, std::ptr::null_mut()) }.unwrap();
+        let out_size = |i: usize, p: usize, d: usize, k: usize, s: usize| {
+            (i + 2 * p - d * (k - 1) - 1) / s + 1
+        };
+        let (input, kernel, stride, padding, dilation) =
+            ([4, 9, 11], (3, 2), (2, 3), (1, 2), (1, 2));
+        let output = [6, out_size(9, 1, 1, 3, 2), out_size(11, 2, 2, 2, 3)];
+        let c = LibConv {
+            batch: 2,
+            input,
+            output,
+            kernel,
+            stride,
+            padding,
+            dilation,
+            groups: 2,
+            x: 0,
+            w: 1,
+            y: 2,
+        };
+        let mut rng = Rng::new(3);
+        let mut random = |n: usize| (0..n).map(|_| rng.normal() as f32).collect::<Vec<f32>>();
+        let x = random(2 * 4 * 9 * 11);
+        let w = random(6 * 2 * 3 * 2);
+        let numel = 2 * output.iter().product::<usize>();
+        let (mut y, mut expected) = (vec![f32::NAN; numel], vec![0f32; numel]);
+        let ptrs = [x.as_ptr() as u64, w.as_ptr() as u64, y.as_mut_ptr() as u64];
+        let mut conv = dnn.describe(&c, Precision::Fp32).unwrap();
+        let bytes = dnn.workspace(&conv).unwrap();
+        let mut workspace = vec![0u8; bytes as usize];
+        let ws = (workspace.as_mut_ptr() as u64, bytes);
+        // SAFETY: host buffers of the sizes the stand-in reads and writes.
+        unsafe {
+            let early = dnn.forward(&conv, ws).unwrap_err().to_string();
+            assert!(early.contains("not implemented"), "{early}");
+            dnn.plan(&mut conv, ptrs, ws).unwrap();
+            dnn.forward(&conv, ws).unwrap();
+        }
+        let reference = [
+            x.as_ptr() as u64,
+            w.as_ptr() as u64,
+            expected.as_mut_ptr() as u64,
+        ];
+        emu::library_conv(&c, reference, Precision::Fp32);
+        let worst = y
+            .iter()
+            .zip(&expected)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-5, "{worst}");
+        // Sizes that make no convolution are refused by the library, in words.
+        let wrong = LibConv { groups: 4, ..c };
+        let mut bad = dnn.describe(&wrong, Precision::Fp32).unwrap();
+        // SAFETY: as above.
+        let e = unsafe { dnn.plan(&mut bad, ptrs, ws) }
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("bad parameter"), "{e}");
     }
 }

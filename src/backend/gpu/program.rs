@@ -266,6 +266,10 @@ impl LibConv {
     }
 }
 
+/// The most workspace one library convolution may take: an algorithm asking more (an FFT on a
+/// large layer can ask for gigabytes) is passed over for the next best.
+pub const WORKSPACE_LIMIT: u64 = 1 << 30;
+
 /// [`LibConv`]'s sizes as `int`s, in the order cuDNN and MIOpen take them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LibConvDims {
