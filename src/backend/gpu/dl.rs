@@ -27,6 +27,33 @@ impl Library {
     }
 }
 
+/// A stand-in for a vendor library, built from a C++ test fixture with the host compiler
+/// (`$CXX`, else `c++`: the GPU emulator needs one too) and opened; its files are removed.
+#[cfg(test)]
+pub(crate) fn stand_in(name: &str, source: &str) -> Library {
+    let dir = std::env::temp_dir().join(format!("workshop-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (src, lib) = (
+        dir.join(format!("{name}.cpp")),
+        dir.join(format!("lib{name}.so")),
+    );
+    std::fs::write(&src, source).unwrap();
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let out = std::process::Command::new(&cxx)
+        .args(["-std=c++17", "-O1", "-fPIC", "-shared", "-o"])
+        .args([&lib, &src])
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run the C++ compiler `{cxx}`: {e}"));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let opened = Library::open(&[lib.to_str().unwrap()]).expect("the stand-in opens");
+    std::fs::remove_dir_all(&dir).unwrap();
+    opened
+}
+
 /// A struct of function pointers, one per C function of a [`Library`], with a `load` that
 /// finds them all or names the first one missing:
 ///

@@ -332,7 +332,7 @@ impl Drop for MiOpen {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::gpu::emu;
+    use crate::backend::gpu::{dl, emu};
     use crate::model::Rng;
 
     /// Where MIOpen is not installed (CI's machines), the vendor path says what to install;
@@ -353,27 +353,8 @@ mod tests {
     /// output matches the emulator's convolution.
     #[test]
     fn the_binding_drives_a_stand_in_library() {
-        let dir = std::env::temp_dir().join(format!("workshop-fake-miopen-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let (src, lib) = (dir.join("fake_miopen.cpp"), dir.join("libfake_miopen.so"));
-        std::fs::write(
-            &src,
-            include_str!("../../../tests/fixtures/fake_miopen.cpp"),
-        )
-        .unwrap();
-        let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-        let out = std::process::Command::new(&cxx)
-            .args(["-std=c++17", "-O1", "-fPIC", "-shared", "-o"])
-            .args([&lib, &src])
-            .output()
-            .expect("a C++ compiler (the GPU emulator needs one too)");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let f = open(&[lib.to_str().unwrap()]).unwrap();
-        std::fs::remove_dir_all(&dir).unwrap();
+        let source = include_str!("../../../tests/fixtures/fake_miopen.cpp");
+        let f = Functions::load(&dl::stand_in("fake_miopen", source)).unwrap();
         assert_eq!(version(&f), "MIOpen 3.1.0");
         // SAFETY: the stand-in takes any stream.
         let dnn = unsafe { MiOpen::with(f, std::ptr::null_mut()) }.unwrap();
