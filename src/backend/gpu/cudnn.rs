@@ -232,20 +232,76 @@ impl Drop for Cudnn {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use crate::backend::gpu::{dl, emu};
+
     #[test]
     fn versions_read_in_both_schemes() {
-        assert_eq!(super::version(91002), "9.10.2");
-        assert_eq!(super::version(90100), "9.1.0");
-        assert_eq!(super::version(8907), "8.9.7");
+        assert_eq!(version(91002), "9.10.2");
+        assert_eq!(version(90100), "9.1.0");
+        assert_eq!(version(8907), "8.9.7");
     }
 
     /// Where cuDNN is not installed (CI's machines), the vendor path says what to install;
     /// where it is, it names its version.
     #[test]
     fn missing_cudnn_says_what_to_install() {
-        match super::present() {
+        match present() {
             Ok(version) => assert!(version.starts_with("cuDNN"), "{version}"),
             Err(e) => assert!(e.contains("libcudnn.so") && e.contains("install"), "{e}"),
         }
+    }
+
+    /// Set in the process that runs the binding against the stand-in.
+    const STAND_IN: &str = "WORKSHOP_TEST_CUDNN_STAND_IN";
+
+    /// The binding drives a stand-in library with cudnn.h's signatures
+    /// (tests/fixtures/fake_cudnn.cpp): descriptors, the heuristic's ranking (its best wants
+    /// 2 GiB of workspace and its second cannot run the shape, so the third is kept), the
+    /// workspace, and a convolution matching the emulator's. cudarc opens `libcudnn.so` by
+    /// name, so this test runs itself again with the stand-in's folder on LD_LIBRARY_PATH.
+    #[test]
+    fn the_binding_drives_a_stand_in_library() {
+        if std::env::var_os(STAND_IN).is_none() {
+            let dir = std::env::temp_dir().join(format!("workshop-cudnn-{}", std::process::id()));
+            let sources = [
+                include_str!("../../../tests/fixtures/fake_conv.inc"),
+                include_str!("../../../tests/fixtures/fake_cudnn.cpp"),
+            ];
+            dl::build_stand_in("cudnn", &sources, &dir);
+            let name = "backend::gpu::cudnn::tests::the_binding_drives_a_stand_in_library";
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args([name, "--exact", "--test-threads=1"])
+                .env(STAND_IN, "1")
+                .env("LD_LIBRARY_PATH", &dir)
+                .output()
+                .unwrap();
+            std::fs::remove_dir_all(&dir).unwrap();
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success() && stdout.contains("1 passed"),
+                "{stdout}{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            return;
+        }
+        assert_eq!(present().unwrap(), "cuDNN 9.10.2");
+        // SAFETY: the stand-in takes any stream.
+        let dnn = unsafe { Cudnn::new(std::ptr::null_mut()) }.unwrap();
+        let c = emu::odd_conv();
+        emu::check_library_conv(&c, |ptrs| {
+            let (conv, bytes) = dnn.plan(&c, ptrs, Precision::Fp32).unwrap();
+            assert_eq!(bytes, 512);
+            let mut workspace = vec![0u8; bytes as usize];
+            // SAFETY: host buffers of the sizes the stand-in reads and writes.
+            unsafe { dnn.forward(&conv, (workspace.as_mut_ptr() as u64, bytes)) }.unwrap();
+        });
+        // The stand-in takes FP32 only: half precision is refused in cuDNN's words.
+        let e = dnn
+            .plan(&c, [0; 3], Precision::Fp16)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("CUDNN_STATUS_BAD_PARAM"), "{e}");
     }
 }

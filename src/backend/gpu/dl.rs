@@ -27,17 +27,21 @@ impl Library {
     }
 }
 
-/// A stand-in for a vendor library, built from a C++ test fixture with the host compiler
-/// (`$CXX`, else `c++`: the GPU emulator needs one too) and opened; its files are removed.
+/// A stand-in for a vendor library, built from C++ test fixtures (`sources`, in order) with
+/// the host compiler (`$CXX`, else `c++`: the GPU emulator needs one too) as `lib{name}.so` in
+/// `dir`.
 #[cfg(test)]
-pub(crate) fn stand_in(name: &str, source: &str) -> Library {
-    let dir = std::env::temp_dir().join(format!("workshop-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+pub(crate) fn build_stand_in(
+    name: &str,
+    sources: &[&str],
+    dir: &std::path::Path,
+) -> std::path::PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
     let (src, lib) = (
         dir.join(format!("{name}.cpp")),
         dir.join(format!("lib{name}.so")),
     );
-    std::fs::write(&src, source).unwrap();
+    std::fs::write(&src, sources.concat()).unwrap();
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
     let out = std::process::Command::new(&cxx)
         .args(["-std=c++17", "-O1", "-fPIC", "-shared", "-o"])
@@ -49,6 +53,14 @@ pub(crate) fn stand_in(name: &str, source: &str) -> Library {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    lib
+}
+
+/// [`build_stand_in`] in a folder of its own, opened; the files are removed.
+#[cfg(test)]
+pub(crate) fn stand_in(name: &str, sources: &[&str]) -> Library {
+    let dir = std::env::temp_dir().join(format!("workshop-{name}-{}", std::process::id()));
+    let lib = build_stand_in(name, sources, &dir);
     let opened = Library::open(&[lib.to_str().unwrap()]).expect("the stand-in opens");
     std::fs::remove_dir_all(&dir).unwrap();
     opened

@@ -708,6 +708,45 @@ impl crate::backend::Backend for EmuBackend {
     }
 }
 
+/// A convolution whose every size differs (grouped, strided, padded, dilated, a non-square
+/// kernel), so a library binding that swaps two arguments fails: buffers `[x, w, y] = [0, 1, 2]`.
+#[cfg(test)]
+pub(crate) fn odd_conv() -> LibConv {
+    let out =
+        |i: usize, p: usize, d: usize, k: usize, s: usize| (i + 2 * p - d * (k - 1) - 1) / s + 1;
+    LibConv {
+        batch: 2,
+        input: [4, 9, 11],
+        output: [6, out(9, 1, 1, 3, 2), out(11, 2, 2, 2, 3)],
+        kernel: (3, 2),
+        stride: (2, 3),
+        padding: (1, 2),
+        dilation: (1, 2),
+        groups: 2,
+        x: 0,
+        w: 1,
+        y: 2,
+    }
+}
+
+/// Run `call` on `c` in FP32 with random host buffers (`[x, w, y]`, y filled with NaN) and
+/// check y against this emulator's convolution, which is checked against the reference.
+#[cfg(test)]
+pub(crate) fn check_library_conv(c: &LibConv, call: impl FnOnce([u64; 3])) {
+    let mut rng = crate::model::Rng::new(3);
+    let mut random = |n: usize| (0..n).map(|_| rng.normal() as f32).collect::<Vec<f32>>();
+    let [ci, hi, wi] = c.input;
+    let x = random(c.batch * ci * hi * wi);
+    let w = random(c.output[0] * ci / c.groups * c.kernel.0 * c.kernel.1);
+    let numel = c.batch * c.output.iter().product::<usize>();
+    let (mut y, mut expected) = (vec![f32::NAN; numel], vec![0f32; numel]);
+    let address = |y: &mut Vec<f32>| [x.as_ptr() as u64, w.as_ptr() as u64, y.as_mut_ptr() as u64];
+    call(address(&mut y));
+    library_conv(c, address(&mut expected), Precision::Fp32);
+    let worst = (y.iter().zip(&expected)).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(worst < 1e-5, "the library's convolution is off by {worst}");
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::GpuSession;

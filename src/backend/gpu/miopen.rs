@@ -333,7 +333,6 @@ impl Drop for MiOpen {
 mod tests {
     use super::*;
     use crate::backend::gpu::{dl, emu};
-    use crate::model::Rng;
 
     /// Where MIOpen is not installed (CI's machines), the vendor path says what to install;
     /// where it is, it names its version.
@@ -353,65 +352,34 @@ mod tests {
     /// output matches the emulator's convolution.
     #[test]
     fn the_binding_drives_a_stand_in_library() {
-        let source = include_str!("../../../tests/fixtures/fake_miopen.cpp");
-        let f = Functions::load(&dl::stand_in("fake_miopen", source)).unwrap();
+        let sources = [
+            include_str!("../../../tests/fixtures/fake_conv.inc"),
+            include_str!("../../../tests/fixtures/fake_miopen.cpp"),
+        ];
+        let f = Functions::load(&dl::stand_in("fake_miopen", &sources)).unwrap();
         assert_eq!(version(&f), "MIOpen 3.1.0");
         // SAFETY: the stand-in takes any stream.
         let dnn = unsafe { MiOpen::with(f, std::ptr::null_mut()) }.unwrap();
-        let out_size = |i: usize, p: usize, d: usize, k: usize, s: usize| {
-            (i + 2 * p - d * (k - 1) - 1) / s + 1
-        };
-        let (input, kernel, stride, padding, dilation) =
-            ([4, 9, 11], (3, 2), (2, 3), (1, 2), (1, 2));
-        let output = [6, out_size(9, 1, 1, 3, 2), out_size(11, 2, 2, 2, 3)];
-        let c = LibConv {
-            batch: 2,
-            input,
-            output,
-            kernel,
-            stride,
-            padding,
-            dilation,
-            groups: 2,
-            x: 0,
-            w: 1,
-            y: 2,
-        };
-        let mut rng = Rng::new(3);
-        let mut random = |n: usize| (0..n).map(|_| rng.normal() as f32).collect::<Vec<f32>>();
-        let x = random(2 * 4 * 9 * 11);
-        let w = random(6 * 2 * 3 * 2);
-        let numel = 2 * output.iter().product::<usize>();
-        let (mut y, mut expected) = (vec![f32::NAN; numel], vec![0f32; numel]);
-        let ptrs = [x.as_ptr() as u64, w.as_ptr() as u64, y.as_mut_ptr() as u64];
+        let c = emu::odd_conv();
         let mut conv = dnn.describe(&c, Precision::Fp32).unwrap();
         let bytes = dnn.workspace(&conv).unwrap();
         let mut workspace = vec![0u8; bytes as usize];
         let ws = (workspace.as_mut_ptr() as u64, bytes);
-        // SAFETY: host buffers of the sizes the stand-in reads and writes.
-        unsafe {
-            let early = dnn.forward(&conv, ws).unwrap_err().to_string();
-            assert!(early.contains("not implemented"), "{early}");
-            dnn.plan(&mut conv, ptrs, ws).unwrap();
-            dnn.forward(&conv, ws).unwrap();
-        }
-        let reference = [
-            x.as_ptr() as u64,
-            w.as_ptr() as u64,
-            expected.as_mut_ptr() as u64,
-        ];
-        emu::library_conv(&c, reference, Precision::Fp32);
-        let worst = y
-            .iter()
-            .zip(&expected)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        assert!(worst < 1e-5, "{worst}");
+        emu::check_library_conv(&c, |ptrs| {
+            // SAFETY: host buffers of the sizes the stand-in reads and writes.
+            unsafe {
+                let early = dnn.forward(&conv, ws).unwrap_err().to_string();
+                assert!(early.contains("not implemented"), "{early}");
+                dnn.plan(&mut conv, ptrs, ws).unwrap();
+                dnn.forward(&conv, ws).unwrap();
+            }
+        });
         // Sizes that make no convolution are refused by the library, in words.
         let wrong = LibConv { groups: 4, ..c };
         let mut bad = dnn.describe(&wrong, Precision::Fp32).unwrap();
-        // SAFETY: as above.
-        let e = unsafe { dnn.plan(&mut bad, ptrs, ws) }
+        let zeros = [workspace.as_ptr() as u64; 3];
+        // SAFETY: the stand-in refuses before reading the buffers.
+        let e = unsafe { dnn.plan(&mut bad, zeros, ws) }
             .unwrap_err()
             .to_string();
         assert!(e.contains("bad parameter"), "{e}");

@@ -205,7 +205,7 @@ mod tests {
     #[test]
     fn the_binding_drives_a_stand_in_library() {
         let source = include_str!("../../../tests/fixtures/fake_rocblas.cpp");
-        let f = Functions::load(&dl::stand_in("fake_rocblas", source)).unwrap();
+        let f = Functions::load(&dl::stand_in("fake_rocblas", &[source])).unwrap();
         // SAFETY: the stand-in takes any stream.
         let blas = unsafe { RocBlas::with(f, std::ptr::null_mut()) }.unwrap();
         let (m, n, k, batch) = (3, 5, 4, 2);
