@@ -18,6 +18,10 @@ pub struct BackendStatus {
     /// ([`crate::bench::telemetry`]), or why nothing; absent where the backend has no device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub telemetry: Option<String>,
+    /// What `--kernels vendor` runs here (the libraries' versions, or what to install);
+    /// absent where the backend has no vendor family or is not available.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vendor: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -56,6 +60,7 @@ pub fn collect() -> Report {
                     reason: Some("no device found".into()),
                     devices,
                     telemetry: None,
+                    vendor: None,
                 }
             } else {
                 let telemetry = Some(
@@ -70,6 +75,7 @@ pub fn collect() -> Report {
                     reason: None,
                     devices,
                     telemetry,
+                    vendor: b.vendor_libraries(),
                 }
             }
         }
@@ -79,6 +85,7 @@ pub fn collect() -> Report {
             reason: Some(e.to_string()),
             devices: vec![],
             telemetry: None,
+            vendor: None,
         },
         Err(e) => BackendStatus {
             backend: kind,
@@ -86,6 +93,7 @@ pub fn collect() -> Report {
             reason: Some(e.to_string()),
             devices: vec![],
             telemetry: None,
+            vendor: None,
         },
     })
     .collect();

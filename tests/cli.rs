@@ -457,6 +457,27 @@ fn infer_matches_the_reference_through_files() {
     }
 }
 
+/// `doctor` says what `--kernels vendor` runs on each GPU backend: on the emulator, its own
+/// stand-ins for cuda and a refusal in words for hip (MIOpen and rocBLAS need an AMD GPU).
+#[test]
+fn doctor_names_the_vendor_libraries() {
+    let o = crate::common::command()
+        .env("WORKSHOP_GPU_EMULATOR", "1")
+        .args(["doctor"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("vendor: emulated library convolutions and GEMMs"),
+        "{out}"
+    );
+    assert!(
+        out.contains("vendor: --kernels vendor on hip needs rocBLAS"),
+        "{out}"
+    );
+}
+
 /// On a CPU with AVX512_BF16 (without AMX), BF16 multiplies bf16 pairs only where a probe
 /// found `vdpbf16ps` at least as fast as FMAs, FLOP for FLOP: measured once, kept in the cache
 /// folder, read by later runs, said by `doctor` and `peak`; `WORKSHOP_CPU_SIMD` still forces

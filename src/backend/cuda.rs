@@ -237,6 +237,19 @@ impl Backend for CudaBackend {
         )
     }
 
+    fn vendor_libraries(&self) -> Option<String> {
+        // SAFETY: only tries to dlopen the library.
+        let blas = if unsafe { cudarc::cublas::sys::is_culib_present() } {
+            "cuBLAS".to_string()
+        } else {
+            "no cuBLAS (libcublas.so): `pip install nvidia-cublas-cu12`".to_string()
+        };
+        Some(match gpu::cudnn::present() {
+            Ok(dnn) => format!("{dnn} convolutions, {blas} GEMMs"),
+            Err(why) => format!("{blas} GEMMs, convolutions as im2col + GEMM ({why})"),
+        })
+    }
+
     fn devices(&self) -> Vec<DeviceInfo> {
         (0..self.count)
             .filter_map(|d| self.context(d).ok())

@@ -245,6 +245,14 @@ impl Backend for HipBackend {
         BackendKind::Hip
     }
 
+    fn vendor_libraries(&self) -> Option<String> {
+        Some(match (gpu::miopen::present(), gpu::rocblas::present()) {
+            (Ok(dnn), Ok(())) => format!("{dnn} convolutions, rocBLAS GEMMs"),
+            (Err(why), Ok(())) => format!("rocBLAS GEMMs, convolutions as im2col + GEMM ({why})"),
+            (_, Err(e)) => e.to_string(),
+        })
+    }
+
     fn devices(&self) -> Vec<DeviceInfo> {
         (0..self.count)
             .filter_map(|d| Some((d, properties(d).ok()?)))

@@ -321,6 +321,11 @@ pub trait Backend {
     fn memory_budget(&self, _dev: usize) -> Option<u64> {
         None
     }
+    /// What `--kernels vendor` would run here, in a line for `doctor` (each library's version,
+    /// or what to install); `None` where the backend has no vendor family.
+    fn vendor_libraries(&self) -> Option<String> {
+        None
+    }
     /// The kernel variants this backend can run `op` with, for an output of `out` (NCHW):
     /// what max-autotune times. Empty when there is no choice; the first is the default.
     fn variants(&self, _op: &Op, _out: &[usize]) -> Vec<&'static str> {

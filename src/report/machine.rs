@@ -59,6 +59,9 @@ pub fn doctor(d: &doctor::Report) -> String {
         if let Some(t) = &b.telemetry {
             s.push_str(&format!("        telemetry: {t}\n"));
         }
+        if let Some(v) = &b.vendor {
+            s.push_str(&format!("        vendor: {v}\n"));
+        }
     }
     s.trim_end().to_string()
 }

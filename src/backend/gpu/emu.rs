@@ -668,6 +668,15 @@ impl crate::backend::Backend for EmuBackend {
         self.kind
     }
 
+    fn vendor_libraries(&self) -> Option<String> {
+        let device = EmuDevice::new(self.kind);
+        Some(match (device.library_conv(), device.vendor_gemm()) {
+            (Ok(_), Ok(())) => "emulated library convolutions and GEMMs".into(),
+            (_, Err(e)) => e.to_string(),
+            (Err(why), Ok(())) => format!("emulated GEMMs ({why})"),
+        })
+    }
+
     fn devices(&self) -> Vec<DeviceInfo> {
         vec![device_info(self.kind)]
     }
