@@ -768,7 +768,8 @@ mod tests {
 
     /// The vendor family on a device with a convolution library (cuDNN's and MIOpen's calls,
     /// every convolution one call) and on one without (im2col and a GEMM for dense ones, our
-    /// kernel for grouped ones) computes what the reference computes; so do our kernels.
+    /// kernel for grouped ones) computes what the reference computes, enqueued or recorded
+    /// and replayed; so do our kernels.
     #[test]
     fn library_convolutions_and_im2col_gemms_match_the_reference() {
         let mut g = GraphBuilder::new("lib", 3, ConvInit::TorchDefault, LinearInit::TorchDefault);
@@ -796,23 +797,43 @@ mod tests {
         let input = Rng::new(5).normal_tensor(vec![2, 3, 9, 7]);
         let expected = reference::forward(&plan, &w, &input);
         let cases = [
-            (EmuDevice::new(BackendKind::Cuda), KernelFamily::Native, 0),
-            (EmuDevice::new(BackendKind::Cuda), KernelFamily::Vendor, 4),
+            (
+                EmuDevice::new(BackendKind::Cuda),
+                KernelFamily::Native,
+                0,
+                false,
+            ),
+            (
+                EmuDevice::new(BackendKind::Cuda),
+                KernelFamily::Vendor,
+                4,
+                false,
+            ),
+            // Recorded once and replayed, as `--compile reduce-overhead` runs it.
+            (
+                EmuDevice::new(BackendKind::Cuda),
+                KernelFamily::Vendor,
+                4,
+                true,
+            ),
             (
                 EmuDevice::without_conv_library(BackendKind::Cuda),
                 KernelFamily::Vendor,
                 0,
+                false,
             ),
         ];
-        for (device, kernels, library_convs) in cases {
+        for (device, kernels, library_convs, replay) in cases {
             let opt = ExecOptions {
                 kernels,
+                replay,
                 ..Default::default()
             };
             let mut s = GpuSession::new(device, &plan, &w, &opt, None).unwrap();
             let convs = s.program.tasks.iter();
             let convs = convs.filter(|t| matches!(t.work, Work::Conv(_))).count();
             assert_eq!(convs, library_convs, "{kernels:?}");
+            assert_eq!(s.replay.is_ok(), replay, "{:?}", s.replay);
             s.run(&input).unwrap();
             let got = s.read_output().unwrap();
             let diff = got.max_abs_diff(&expected);
