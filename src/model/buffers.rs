@@ -165,27 +165,8 @@ mod tests {
     /// still lives (it was, and a linear layer wrote over its own input).
     #[test]
     fn a_value_read_twice_is_released_once() {
-        use crate::model::graph::{ConvInit, GraphBuilder, LinearInit};
-        use crate::model::op::{Conv2d, Op};
-        let mut g = GraphBuilder::new("twice", 3, ConvInit::TorchDefault, LinearInit::TorchDefault);
-        let x = g.input();
-        let a = g.conv("a", x, Conv2d::new(3, 8, 3, 2, 1));
-        let b = g.conv("b", a, Conv2d::new(8, 8, 1, 1, 0));
-        let c = g.add("sum", a, b);
-        let grouped = Conv2d {
-            groups: 2,
-            dilation: (2, 1),
-            ..Conv2d::new(8, 6, 3, 1, 2)
-        };
-        let d = g.conv("grouped", c, grouped);
-        let depthwise = Conv2d {
-            groups: 6,
-            ..Conv2d::new(6, 6, 3, 2, 1)
-        };
-        let e = g.conv("depthwise", d, depthwise);
-        let f = g.flatten("flatten", e);
-        let y = g.linear("fc", f, 6 * 3 * 3, 5);
-        let graph = g.finish(y);
+        use crate::model::op::Op;
+        let graph = crate::model::graph::convolution_mix();
         let w = crate::model::Weights::init(&graph, 1);
         let (graph, _, _) = crate::model::passes::optimize(&graph, &w).unwrap();
         let twice = graph.nodes.iter().find(|n| n.inputs.len() == 2);

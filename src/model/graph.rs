@@ -437,3 +437,32 @@ impl GraphBuilder {
         self.graph
     }
 }
+
+/// A small network of the convolutions the GPU lowering tells apart — a strided k×k one with
+/// bias and ReLU, a 1×1 whose output is added to its own input (fused, it reads that input
+/// twice), a grouped dilated one, a depthwise strided one — then a linear layer over the
+/// flattened features: for a 2×3×9×7 input.
+#[cfg(test)]
+pub(crate) fn convolution_mix() -> Graph {
+    use super::op::Conv2d;
+    let mut g = GraphBuilder::new("mix", 3, ConvInit::TorchDefault, LinearInit::TorchDefault);
+    let x = g.input();
+    let a = g.conv("stem", x, Conv2d::new(3, 8, 3, 2, 1).with_bias());
+    let a = g.relu("stem_relu", a);
+    let b = g.conv("pointwise", a, Conv2d::new(8, 8, 1, 1, 0));
+    let c = g.add("sum", a, b);
+    let grouped = Conv2d {
+        groups: 2,
+        dilation: (2, 1),
+        ..Conv2d::new(8, 6, 3, 1, 2)
+    };
+    let d = g.conv("grouped", c, grouped);
+    let depthwise = Conv2d {
+        groups: 6,
+        ..Conv2d::new(6, 6, 3, 2, 1)
+    };
+    let e = g.conv("depthwise", d, depthwise);
+    let f = g.flatten("flatten", e);
+    let y = g.linear("fc", f, 6 * 3 * 3, 5);
+    g.finish(y)
+}

@@ -762,8 +762,6 @@ mod tests {
     use super::super::program::Work;
     use super::*;
     use crate::backend::{ExecOptions, KernelFamily, Session};
-    use crate::model::graph::{ConvInit, GraphBuilder, LinearInit};
-    use crate::model::op::Conv2d;
     use crate::model::{Rng, Weights, passes, reference};
 
     /// The vendor family on a device with a convolution library (cuDNN's and MIOpen's calls,
@@ -772,26 +770,7 @@ mod tests {
     /// and replayed; so do our kernels.
     #[test]
     fn library_convolutions_and_im2col_gemms_match_the_reference() {
-        let mut g = GraphBuilder::new("lib", 3, ConvInit::TorchDefault, LinearInit::TorchDefault);
-        let x = g.input();
-        let a = g.conv("stem", x, Conv2d::new(3, 8, 3, 2, 1).with_bias());
-        let a = g.relu("stem_relu", a);
-        let b = g.conv("pointwise", a, Conv2d::new(8, 8, 1, 1, 0));
-        let c = g.add("sum", a, b);
-        let grouped = Conv2d {
-            groups: 2,
-            dilation: (2, 1),
-            ..Conv2d::new(8, 6, 3, 1, 2)
-        };
-        let d = g.conv("grouped", c, grouped);
-        let depthwise = Conv2d {
-            groups: 6,
-            ..Conv2d::new(6, 6, 3, 2, 1)
-        };
-        let e = g.conv("depthwise", d, depthwise);
-        let f = g.flatten("flatten", e);
-        let y = g.linear("fc", f, 6 * 3 * 3, 5);
-        let graph = g.finish(y);
+        let graph = crate::model::graph::convolution_mix();
         let (graph, w, _) = passes::optimize(&graph, &Weights::init(&graph, 3)).unwrap();
         let plan = graph.plan(2, 9, 7).unwrap();
         let input = Rng::new(5).normal_tensor(vec![2, 3, 9, 7]);

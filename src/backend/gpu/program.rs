@@ -369,6 +369,50 @@ pub(super) fn i32_of(v: usize, what: &str) -> Result<i32, BackendError> {
     })
 }
 
+/// Batched row-major GEMMs (3×5 by 5×4, two of them), B stored either way, computed by
+/// `run` (the GEMM, its buffers `[a, b, c]` as ids 0, 1, 2, c filled with NaN) and checked
+/// against the plain product: for anything that claims to compute a [`Gemm`].
+#[cfg(test)]
+pub(crate) fn check_gemms(mut run: impl FnMut(&Gemm, &mut [Vec<f32>; 3])) {
+    let (m, n, k, batch) = (3, 4, 5, 2);
+    let a: Vec<f32> = (0..batch * m * k).map(|v| (v % 7) as f32 - 3.0).collect();
+    let b: Vec<f32> = (0..batch * k * n).map(|v| (v % 5) as f32 * 0.5).collect();
+    for trans_b in [false, true] {
+        // B stored n×k when transposed: the same matrix, laid out the other way.
+        let at = |s: usize, j: usize, l: usize| b[s * k * n + l * n + j];
+        let stored_b: Vec<f32> = if trans_b {
+            (0..batch)
+                .flat_map(|s| (0..n).flat_map(move |j| (0..k).map(move |l| at(s, j, l))))
+                .collect()
+        } else {
+            b.clone()
+        };
+        let g = Gemm {
+            m,
+            n,
+            k,
+            a: 0,
+            b: 1,
+            c: 2,
+            trans_b,
+            batch,
+            stride_a: m * k,
+            stride_b: k * n,
+            stride_c: m * n,
+        };
+        let mut bufs = [a.clone(), stored_b, vec![f32::NAN; batch * m * n]];
+        run(&g, &mut bufs);
+        for s in 0..batch {
+            for i in 0..m {
+                for j in 0..n {
+                    let want: f32 = (0..k).map(|l| a[s * m * k + i * k + l] * at(s, j, l)).sum();
+                    assert_eq!(bufs[2][s * m * n + i * n + j], want, "trans_b {trans_b}");
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -473,47 +517,8 @@ mod tests {
 
     #[test]
     fn row_major_gemms_map_onto_column_major_calls() {
+        check_gemms(|g, bufs| column_major_gemm(&g.column_major(), bufs));
         let (m, n, k, batch) = (3, 4, 5, 2);
-        let a: Vec<f32> = (0..batch * m * k).map(|v| (v % 7) as f32 - 3.0).collect();
-        let b: Vec<f32> = (0..batch * k * n).map(|v| (v % 5) as f32 * 0.5).collect();
-        for trans_b in [false, true] {
-            // B stored n×k when transposed: the same matrix, laid out the other way.
-            let stored_b: Vec<f32> = if trans_b {
-                (0..batch)
-                    .flat_map(|s| {
-                        let b = &b;
-                        (0..n).flat_map(move |j| (0..k).map(move |l| b[s * k * n + l * n + j]))
-                    })
-                    .collect()
-            } else {
-                b.clone()
-            };
-            let g = Gemm {
-                m,
-                n,
-                k,
-                a: 0,
-                b: 1,
-                c: 2,
-                trans_b,
-                batch,
-                stride_a: m * k,
-                stride_b: k * n,
-                stride_c: m * n,
-            };
-            let mut bufs = vec![a.clone(), stored_b, vec![0.0; batch * m * n]];
-            column_major_gemm(&g.column_major(), &mut bufs);
-            for s in 0..batch {
-                for i in 0..m {
-                    for j in 0..n {
-                        let want: f32 = (0..k)
-                            .map(|l| a[s * m * k + i * k + l] * b[s * k * n + l * n + j])
-                            .sum();
-                        assert_eq!(bufs[2][s * m * n + i * n + j], want, "trans_b {trans_b}");
-                    }
-                }
-            }
-        }
         assert_eq!(
             Gemm {
                 m,

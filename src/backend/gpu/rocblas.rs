@@ -185,7 +185,7 @@ impl Drop for RocBlas {
 #[cfg(test)]
 mod tests {
     use super::super::dl;
-    use super::super::program::Gemm;
+    use super::super::program::{Gemm, check_gemms};
     use super::*;
 
     /// Where rocBLAS is not installed (CI's machines), the vendor path says what to install;
@@ -201,57 +201,22 @@ mod tests {
     /// The binding drives a stand-in library with rocBLAS's signature
     /// (tests/fixtures/fake_rocblas.cpp, built here), which checks the types, operations,
     /// leading dimensions and strides it is given: batched row-major GEMMs, B stored either
-    /// way, come out as the plain product.
+    /// way, come out as the plain product (`check_gemms`).
     #[test]
     fn the_binding_drives_a_stand_in_library() {
         let source = include_str!("../../../tests/fixtures/fake_rocblas.cpp");
         let f = Functions::load(&dl::stand_in("fake_rocblas", &[source])).unwrap();
         // SAFETY: the stand-in takes any stream.
         let blas = unsafe { RocBlas::with(f, std::ptr::null_mut()) }.unwrap();
-        let (m, n, k, batch) = (3, 5, 4, 2);
-        let a: Vec<f32> = (0..batch * m * k).map(|v| (v % 7) as f32 - 3.0).collect();
-        let b: Vec<f32> = (0..batch * k * n).map(|v| (v % 5) as f32 * 0.5).collect();
-        for trans_b in [false, true] {
-            let stored_b: Vec<f32> = if trans_b {
-                let at = |s: usize, j: usize, l: usize| b[s * k * n + l * n + j];
-                (0..batch)
-                    .flat_map(|s| (0..n).flat_map(move |j| (0..k).map(move |l| at(s, j, l))))
-                    .collect()
-            } else {
-                b.clone()
-            };
-            let g = Gemm {
-                m,
-                n,
-                k,
-                a: 0,
-                b: 1,
-                c: 2,
-                trans_b,
-                batch,
-                stride_a: m * k,
-                stride_b: k * n,
-                stride_c: m * n,
-            };
-            let mut c = vec![f32::NAN; batch * m * n];
+        check_gemms(|g, bufs| {
             let ptrs = [
-                a.as_ptr() as u64,
-                stored_b.as_ptr() as u64,
-                c.as_mut_ptr() as u64,
+                bufs[0].as_ptr() as u64,
+                bufs[1].as_ptr() as u64,
+                bufs[2].as_mut_ptr() as u64,
             ];
             // SAFETY: host buffers of the sizes the GEMM reads and writes.
             unsafe { blas.gemm(&g.column_major(), &|id| ptrs[id], Precision::Fp32) }.unwrap();
-            for s in 0..batch {
-                for i in 0..m {
-                    for j in 0..n {
-                        let want: f32 = (0..k)
-                            .map(|l| a[s * m * k + i * k + l] * b[s * k * n + l * n + j])
-                            .sum();
-                        assert_eq!(c[s * m * n + i * n + j], want, "trans_b {trans_b}");
-                    }
-                }
-            }
-        }
+        });
         // A storage type the stand-in does not take is refused with rocBLAS's status.
         let g = Gemm {
             m: 1,
