@@ -310,11 +310,17 @@ impl<D: Device> GpuSession<D> {
                     }
                 }
                 Work::Gemm(g) => Ready::Gemm(g.column_major()),
-                Work::Conv(c) => Ready::Conv(device.plan_conv(
-                    c,
-                    [ptr(c.x), ptr(c.w), ptr(c.y)],
-                    opt.precision,
-                )?),
+                Work::Conv(c) => Ready::Conv(
+                    device
+                        .plan_conv(c, [ptr(c.x), ptr(c.w), ptr(c.y)], opt.precision)
+                        .map_err(|e| match e {
+                            // Which layer the library refused.
+                            BackendError::Driver(m) => {
+                                BackendError::Driver(format!("`{}`: {m}", s.node))
+                            }
+                            e => e,
+                        })?,
+                ),
             });
         }
         if opt.profile {
