@@ -6,6 +6,10 @@ use std::ffi::{CString, c_void};
 
 /// An opened shared library; the handle stays open for the life of the process.
 pub struct Library(*mut c_void);
+// SAFETY: the handle is only read (dlsym), which is thread-safe.
+unsafe impl Send for Library {}
+// SAFETY: as for Send: shared use only reads symbols, which dlsym allows from any thread.
+unsafe impl Sync for Library {}
 
 impl Library {
     /// The first of `names` that opens (a bare soname, or a path).
@@ -28,7 +32,7 @@ impl Library {
 }
 
 /// A stand-in for a vendor library, built from C++ test fixtures (`sources`, in order) with
-/// the host compiler (`$CXX`, else `c++`: the GPU emulator needs one too) as `lib{name}.so` in
+/// the emulator's C++ compiler (`$CXX`, else `c++`) as `lib{name}.so` in
 /// `dir`.
 #[cfg(test)]
 pub(crate) fn build_stand_in(
@@ -42,7 +46,7 @@ pub(crate) fn build_stand_in(
         dir.join(format!("lib{name}.so")),
     );
     std::fs::write(&src, sources.concat()).unwrap();
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let cxx = super::emu::compiler();
     let out = std::process::Command::new(&cxx)
         .args(["-std=c++17", "-O1", "-fPIC", "-shared", "-o"])
         .args([&lib, &src])

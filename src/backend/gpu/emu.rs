@@ -16,6 +16,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
+use super::dl::Library;
 use super::program::{BufId, ColumnMajor, LibConv};
 use super::{Device, precision_define, source};
 use crate::backend::{BackendError, BackendKind, DeviceInfo};
@@ -42,7 +43,7 @@ pub fn device_info(kind: BackendKind) -> DeviceInfo {
 }
 
 /// The C++ compiler: `$CXX`, or `c++`.
-fn compiler() -> String {
+pub(crate) fn compiler() -> String {
     std::env::var("CXX").unwrap_or_else(|_| "c++".into())
 }
 
@@ -143,22 +144,6 @@ static void ws_blocks(const void* args, const unsigned* dims, unsigned long firs
 type KernelFn = unsafe extern "C" fn(*const u8, *const u32, u64, u64);
 type SizeFn = unsafe extern "C" fn() -> u64;
 
-/// A compiled kernel library, open for the life of the process.
-struct Library(*mut libc::c_void);
-// SAFETY: the handle is only read (dlsym), which is thread-safe.
-unsafe impl Send for Library {}
-// SAFETY: as for Send: shared use only reads symbols, which dlsym allows from any thread.
-unsafe impl Sync for Library {}
-
-impl Library {
-    fn symbol(&self, name: &str) -> Option<*mut libc::c_void> {
-        let c = std::ffi::CString::new(name).ok()?;
-        // SAFETY: a valid handle and a NUL-terminated name.
-        let p = unsafe { libc::dlsym(self.0, c.as_ptr()) };
-        (!p.is_null()).then_some(p)
-    }
-}
-
 /// Compiled libraries: tests prepare many sessions from the same source.
 static LIBRARIES: super::ModuleCache<Arc<Library>> = super::ModuleCache::new();
 
@@ -197,15 +182,12 @@ fn build(text: &str, path_hint: &str) -> Result<Arc<Library>, BackendError> {
     if !out.status.success() {
         return Err(fail(String::from_utf8_lossy(&out.stderr).into_owned()));
     }
-    let c = std::ffi::CString::new(lib.to_string_lossy().as_bytes()).expect("a path");
-    // SAFETY: dlopen of a library we just built; RTLD_NOW resolves everything up front.
-    let handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    // RTLD_NOW resolves everything up front.
+    let opened = Library::open(&[&lib.to_string_lossy()]);
     let _ = std::fs::remove_file(&src);
     let _ = std::fs::remove_file(&lib);
-    if handle.is_null() {
-        return Err(fail("dlopen failed on the compiled kernels".into()));
-    }
-    Ok(Arc::new(Library(handle)))
+    let opened = opened.ok_or_else(|| fail("dlopen failed on the compiled kernels".into()))?;
+    Ok(Arc::new(opened))
 }
 
 /// A kernel of the emulator: its entry point and the size of its argument struct.
@@ -582,7 +564,7 @@ fn column_major_gemm(g: &ColumnMajor, [first, second, c]: [u64; 3], precision: P
 /// A grouped, strided, padded, dilated cross-correlation over NCHW tensors, as cuDNN's and
 /// MIOpen's forward convolutions compute it (f32 accumulation); output planes in parallel.
 pub(crate) fn library_conv(c: &LibConv, ptrs: [u64; 3], p: Precision) {
-    let [x, w, y] = ptrs.map(|a| a as usize);
+    let [x, w, y] = ptrs;
     let ([ci, hi, wi], [co, ho, wo]) = (c.input, c.output);
     let (cig, cog) = (ci / c.groups, co / c.groups);
     let (kh, kw) = c.kernel;
@@ -604,15 +586,15 @@ pub(crate) fn library_conv(c: &LibConv, ptrs: [u64; 3], p: Precision) {
                                 continue;
                             };
                             let xi = ((n * ci + first + i) * hi + iy) * wi + ix;
-                            let wi_ = ((o * cig + i) * kh + ky) * kw + kx;
+                            let wk = ((o * cig + i) * kh + ky) * kw + kx;
                             // SAFETY: indices within the tensors the program sized for this
                             // convolution.
-                            unsafe { acc += load(x as u64, xi, p) * load(w as u64, wi_, p) };
+                            unsafe { acc += load(x, xi, p) * load(w, wk, p) };
                         }
                     }
                 }
                 // SAFETY: as above; each plane is written by one task only.
-                unsafe { store(y as u64, ((n * co + o) * ho + oy) * wo + ox, acc, p) };
+                unsafe { store(y, ((n * co + o) * ho + oy) * wo + ox, acc, p) };
             }
         }
     });

@@ -251,15 +251,12 @@ impl<D: Device> GpuSession<D> {
         opt: &ExecOptions,
         free: Option<u64>,
     ) -> Result<Self, BackendError> {
-        let vendor = opt.kernels == super::KernelFamily::Vendor;
-        let library_conv = if vendor {
-            device.library_conv()
-        } else {
-            Err(String::new())
-        };
+        // With the vendor family: the device's convolution library, or why none.
+        let library_conv =
+            (opt.kernels == super::KernelFamily::Vendor).then(|| device.library_conv());
         let target = lower::Target {
             mma: opt.precision != Precision::Fp32 && device.matrix_units(),
-            library_conv: library_conv.is_ok(),
+            library_conv: matches!(library_conv, Some(Ok(_))),
         };
         let program = lower::build(plan, weights, opt.precision, opt.kernels, target)?;
         if let Some(free) = free {
@@ -272,7 +269,7 @@ impl<D: Device> GpuSession<D> {
         {
             device.vendor_gemm()?;
         }
-        let libraries = vendor.then(|| match &library_conv {
+        let libraries = library_conv.map(|conv| match conv {
             Ok(conv) => format!("vendor: {conv} convolutions, library GEMMs for linear layers"),
             Err(why) => format!("vendor: convolutions as im2col + library GEMM ({why})"),
         });
