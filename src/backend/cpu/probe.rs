@@ -14,7 +14,9 @@
 //!   in registers) instead of the register tile ([`small_k_reach`]). On a Zen 4 (two 256-bit
 //!   FMA units) it took 0.59–0.91× the tile's time on layers of K 16–64; on the Emerald Rapids
 //!   core (two 512-bit units, which its 6 chains of FMAs leave partly idle) 1.03–1.31× at every
-//!   K, and ResNet-50 FP32 at batch 8 ran 15% faster without it.
+//!   K, and ResNet-50 FP32 at batch 8 ran 15% faster without it. AVX2's kernel (the tile's
+//!   6×16 loop run a panel at a time) may go as deep as a K block: on a Zen 3 it won at every
+//!   depth probed, up to 1024.
 
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -67,8 +69,9 @@ pub fn bf16_pairs() -> Option<Bf16Pairs> {
     })
 }
 
-/// The K depths the small-K probe tries, shallowest first.
-pub const SMALL_K_DEPTHS: [usize; 3] = [16, 32, 64];
+/// The K depths the small-K probe tries, shallowest first (those within the path's reach:
+/// AVX-512's kernel stops at 64).
+pub const SMALL_K_DEPTHS: [usize; 5] = [16, 32, 64, 256, 1024];
 
 /// The deepest K up to which the FP32 GEMM takes its small-K kernel: the deepest of
 /// [`SMALL_K_DEPTHS`] at which that kernel beat the register tile, with every shallower one
@@ -78,7 +81,8 @@ pub fn small_k_reach() -> Option<usize> {
     *REACH.get_or_init(|| {
         // A path without the kernel (AVX2, portable: forced, or all the CPU has) has nothing
         // to choose, whatever the cache kept for the AVX-512 kernels.
-        if !super::sgemm::has_small_k_kernel() {
+        let max = super::sgemm::small_k_max();
+        if max == 0 {
             return None;
         }
         kept(
@@ -88,7 +92,7 @@ pub fn small_k_reach() -> Option<usize> {
             |e, r| e.small_k_reach = Some(r),
             || {
                 let mut reach = 0;
-                for k in SMALL_K_DEPTHS {
+                for k in SMALL_K_DEPTHS.into_iter().filter(|&k| k <= max) {
                     if super::sgemm::stationary_over_tile(k)? >= 1.0 {
                         break;
                     }

@@ -648,12 +648,24 @@ unsafe fn gemms<T: Elem>(
         unsafe {
             let (a, lda) = (v.as_ptr().add(xi * cin), positions * cin);
             match &job.w.u {
-                Transformed::F32(u) => {
-                    sgemm::gemm_packed(nt, a, lda, &u[xi], (0, u[xi].panels()), c(xi), ldc, None)
-                }
-                Transformed::Stored(u) => {
-                    sgemm::gemm_packed(nt, a, lda, &u[xi], (0, u[xi].panels()), c(xi), ldc, None)
-                }
+                Transformed::F32(u) => sgemm::gemm_packed_per_point(
+                    nt,
+                    a,
+                    lda,
+                    &u[xi],
+                    (0, u[xi].panels()),
+                    c(xi),
+                    ldc,
+                ),
+                Transformed::Stored(u) => sgemm::gemm_packed_per_point(
+                    nt,
+                    a,
+                    lda,
+                    &u[xi],
+                    (0, u[xi].panels()),
+                    c(xi),
+                    ldc,
+                ),
                 Transformed::Pairs(_) => unreachable!("above"),
             }
         }

@@ -16,7 +16,9 @@
 //! ResNet-50 layer's rows at even batches (n·56², n·28², n·14², n·7²: 392 rows were 32 tiles
 //! and a part-filled one): single layers at batch 8 1–7% faster (layer4's the most), the
 //! network +1.2% (10 interleaved runs). Machines without AVX2 + FMA run the 6×16 tiling with a
-//! portable kernel.
+//! portable kernel. Both SIMD paths also have a small-K kernel that runs one panel at a time
+//! over all of a work item's rows in a single K block, without the tile's per-call costs
+//! (`Kernels::stationary`); a start-up probe decides how deep it pays on the CPU.
 //! FP16 weights stay f16 in their panels: the same tiles, built a second time, widen them in
 //! registers as they load them (F16C's `vcvtph2ps`); bf16 panels are widened a block at a time
 //! (see [`gemm_packed`]).
@@ -302,10 +304,23 @@ const MAX_PANELS: usize = 2;
 /// idle: an Emerald Rapids core took 1.03–1.31× the tile's time at every K up to 64.
 const STATIONARY_MAX_K: usize = 64;
 
-/// The small-K kernel's time over the register tile's at this `k` (at most
-/// [`STATIONARY_MAX_K`]), measured now on one core: the GEMM of a 1×1 layer with ReLU,
-/// [`PROBE_ROWS`] rows by `k` by [`PROBE_COLS`] columns (its C outgrows a core's L2 on some
-/// CPUs, as a layer's does), the two kernels alternating, the fastest of eight runs each.
+/// The deepest K the AVX2 small-K kernel (`avx2::stationary`) may take: a whole K block. On
+/// that path it is the register tile's own 6×16 loop without the tile's per-call costs, run a
+/// panel at a time over the work item's rows, B's rows prefetched as the tile's are; on a Zen 3
+/// (AVX2 only, 32 KiB L1, 512 KiB L2) it won well past K 64. Single ResNet-50 layers at
+/// batch 1, its time over the tile's (paired `bench/ab.py` rounds, 2 threads): 1×1 64 → 256
+/// at 56² 0.90, 256 → 64 at 56² 0.83, 128 → 512 at 56² 0.87, 512 → 128 at 28² 0.89 (over K
+/// 256's), 1024 → 256 at 14² 0.86, 256 → 1024 at 7² 0.87, 512 → 2048 at 7² 0.92; Winograd's
+/// per-point GEMMs (3×3 256 → 256 at 14²) 0.93 with B prefetched, 1.2 without; at batch 8
+/// every layer level, a prefill-sized GEMM (144 × 896 × 4864) 0.96. The start-up probe
+/// still decides ([`super::probe::small_k_reach`]).
+const AVX2_SMALL_K_MAX: usize = KC;
+
+/// The small-K kernel's time over the register tile's at this `k` (at most [`small_k_max`]),
+/// measured now on one core: the GEMM of a 1×1 layer with ReLU, [`PROBE_ROWS`] rows (fewer as
+/// K deepens past 64, the work kept) by `k` by [`PROBE_COLS`] columns (its C outgrows a core's
+/// L2 on some CPUs, as a layer's does), the two kernels alternating, the fastest of eight runs
+/// each.
 /// `None` where the SIMD path has no small-K kernel.
 pub(super) fn stationary_over_tile(k: usize) -> Option<f64> {
     let tiles = kernels_for(simd());
@@ -314,8 +329,10 @@ pub(super) fn stationary_over_tile(k: usize) -> Option<f64> {
         small_k: 0,
         ..tiles
     };
-    let k = k.clamp(1, STATIONARY_MAX_K);
-    let (m, n) = (PROBE_ROWS, PROBE_COLS);
+    let k = k.clamp(1, tiles.small_k);
+    // The same multiplications at every depth: fewer rows (never under 384) as K grows.
+    let m = (PROBE_ROWS * 64 / k).clamp(384, PROBE_ROWS);
+    let n = PROBE_COLS;
     let a: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32 * 0.01 - 0.03).collect();
     // B's panels built here, not by `PackedB`'s packing: that runs on rayon, and this probe
     // runs while `kernels()` initialises, perhaps on a pool's worker, which while it waited
@@ -360,9 +377,10 @@ pub(super) fn stationary_over_tile(k: usize) -> Option<f64> {
     Some(small / tile.max(1e-9))
 }
 
-/// Whether the SIMD path in use has a small-K kernel to choose.
-pub(super) fn has_small_k_kernel() -> bool {
-    kernels_for(simd()).stationary.is_some()
+/// The deepest K the SIMD path in use could give its small-K kernel (0: it has none).
+pub(super) fn small_k_max() -> usize {
+    let path = kernels_for(simd());
+    path.stationary.map_or(0, |_| path.small_k)
 }
 
 /// Rows of [`stationary_over_tile`]'s GEMM.
@@ -411,7 +429,8 @@ struct Kernels<E = f32> {
     short: TileFn<E>,
     tall1: TileFn<E>,
     short1: TileFn<E>,
-    /// Where the path has one, the kernel for a small K ([`STATIONARY_MAX_K`]).
+    /// Where the path has one, the kernel for a small K ([`STATIONARY_MAX_K`] on AVX-512,
+    /// [`AVX2_SMALL_K_MAX`] on AVX2).
     stationary: Option<StationaryFn<E>>,
     /// The deepest K the small-K kernel takes (0: none), as the start-up probe found
     /// ([`super::probe::small_k_reach`]).
@@ -441,10 +460,11 @@ impl<E> Copy for Kernels<E> {}
 fn kernels() -> Kernels {
     static KERNELS: OnceLock<Kernels> = OnceLock::new();
     *KERNELS.get_or_init(|| {
+        let path = kernels_for(simd());
         let reach = super::probe::small_k_reach().unwrap_or(0);
         Kernels {
-            small_k: reach.min(STATIONARY_MAX_K),
-            ..kernels_for(simd())
+            small_k: reach.min(path.small_k),
+            ..path
         }
     })
 }
@@ -480,7 +500,11 @@ fn kernels_for(simd: Simd) -> Kernels {
             ]),
         },
         #[cfg(target_arch = "x86_64")]
-        Simd::Avx2Fma => six(avx2::tile::<MR, 2, false>),
+        Simd::Avx2Fma => Kernels {
+            stationary: Some(avx2::stationary),
+            small_k: AVX2_SMALL_K_MAX,
+            ..six(avx2::tile::<MR, 2, false>)
+        },
         _ => six(tile_portable::<MR>),
     }
 }
@@ -635,6 +659,47 @@ pub unsafe fn gemm_packed<T: Elem>(
     a: *const f32,
     lda: usize,
     b: &PackedB<T>,
+    panels: (usize, usize),
+    c: *mut f32,
+    ldc: usize,
+    fin: Option<Finish>,
+) {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { gemm_packed_to(usize::MAX, m, a, lda, b, panels, c, ldc, fin) }
+}
+
+/// [`gemm_packed`] for Winograd's per-point GEMMs (a few rows of tiles against each point's
+/// B, read once): the small-K kernel only as deep as AVX-512's ([`STATIONARY_MAX_K`]). AVX2's
+/// deeper reach lost there on a Zen 3: F(4×4) layers of ResNet-50 at batch 1 took 1.00–1.07×
+/// and F(2×2) ones 1.05–1.11× the register tile's time in the network.
+///
+/// # Safety
+/// As for [`gemm_packed`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_packed_per_point<T: Elem>(
+    m: usize,
+    a: *const f32,
+    lda: usize,
+    b: &PackedB<T>,
+    panels: (usize, usize),
+    c: *mut f32,
+    ldc: usize,
+) {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { gemm_packed_to(STATIONARY_MAX_K, m, a, lda, b, panels, c, ldc, None) }
+}
+
+/// [`gemm_packed`] with the small-K kernel no deeper than `small_k_max`.
+///
+/// # Safety
+/// As for [`gemm_packed`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_packed_to<T: Elem>(
+    small_k_max: usize,
+    m: usize,
+    a: *const f32,
+    lda: usize,
+    b: &PackedB<T>,
     (p0, p1): (usize, usize),
     c: *mut f32,
     ldc: usize,
@@ -650,7 +715,7 @@ pub unsafe fn gemm_packed<T: Elem>(
         // SAFETY: forwarded from this function's contract.
         return unsafe {
             gemm_with(
-                kernels(),
+                small_k_to(kernels(), small_k_max),
                 Order::ByCache,
                 m,
                 a,
@@ -663,7 +728,10 @@ pub unsafe fn gemm_packed<T: Elem>(
             )
         };
     }
-    if let (Some(data), Some(kern)) = (T::as_f16(&b.data), kernels_f16()) {
+    if let (Some(data), Some(kern)) = (
+        T::as_f16(&b.data),
+        kernels_f16().map(|k| small_k_to(k, small_k_max)),
+    ) {
         let view = Panels {
             k: b.k,
             n: b.n,
@@ -687,7 +755,7 @@ pub unsafe fn gemm_packed<T: Elem>(
             )
         };
     }
-    let kern = kernels();
+    let kern = small_k_to(kernels(), small_k_max);
     B_BLOCK.with_borrow_mut(|wide| {
         wide.resize(KC * NR * kern.panels, 0.0);
         // SAFETY: forwarded from this function's contract; each view is its panels' K block
@@ -728,6 +796,14 @@ pub unsafe fn gemm_packed<T: Elem>(
             })
         }
     })
+}
+
+/// `kern` with its small-K kernel taking no K deeper than `max`.
+fn small_k_to<E>(kern: Kernels<E>, max: usize) -> Kernels<E> {
+    Kernels {
+        small_k: kern.small_k.min(max),
+        ..kern
+    }
 }
 
 /// Run `f(a, lda, block)` for each K block of a GEMM over K = `k`, `a` pointing at the

@@ -29,6 +29,13 @@ fn kernels_match_naive_matmul() {
     #[cfg(target_arch = "x86_64")]
     if best.has_avx2() {
         kernels.push(("avx2", kernels_for(Simd::Avx2Fma)));
+        // Its register tile at every depth, as where the probe declines the small-K kernel
+        // (which otherwise takes every single-block K here).
+        let tiles = Kernels {
+            small_k: 0,
+            ..kernels_for(Simd::Avx2Fma)
+        };
+        kernels.push(("avx2 without its small-K kernel", tiles));
         // AVX-512's shapes through the same source with AVX2 vectors (they spill
         // registers: correct, not fast), two panels wide with one-panel tiles for an odd
         // last panel, as AVX-512 runs them.
@@ -68,9 +75,12 @@ fn kernels_match_naive_matmul() {
         // AVX-512's B-in-registers depths: rows not a multiple of its 4, a half last panel.
         (31, 24, 40),
         (9, 16, 33),
-        // Its depths with the panel loaded a row a step, and the first past them (the tiles).
+        // Its depths with the panel loaded a row a step, and the first past them (the tiles;
+        // AVX2's small-K kernel goes on to a whole K block).
         (11, 64, 48),
         (8, 65, 16),
+        // A last panel of 12 columns: AVX2's small-K kernel finishes it through a local row.
+        (10, 40, 28),
         (7, 300, 17),
         (13, 513, 40),
         (5, 3, 33),

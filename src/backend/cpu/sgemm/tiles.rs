@@ -345,6 +345,110 @@ pub(super) mod avx2 {
         unsafe { _mm256_storeu_ps(p, x) }
     }
 
+    /// The AVX2 small-K kernel (see `avx512::stationary`, whose loop this is at half the
+    /// width): C[m × cols] of one panel, A's rows streaming past the panel's block 6 at a
+    /// time (the last group repeating the last row), 12 accumulators of two vectors a row, B's
+    /// rows loaded at each step from L1, where the whole block stays (K ≤ 64: 4 KiB). The
+    /// register tile's per-tile costs (the row pointers built for 14 rows, C's prefetches, the
+    /// call through a pointer) stay out of the loop. A partial panel (`cols` < 16) goes through
+    /// a local row: AVX2's masked stores are slow on AMD cores.
+    ///
+    /// # Safety
+    /// As for `avx512::stationary`, with AVX2 and FMA in place of AVX-512F.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(in crate::backend::cpu::sgemm) unsafe fn stationary(
+        k: usize,
+        (a, lda, m): (*const f32, usize, usize),
+        panel: *const f32,
+        bias: *const f32,
+        (c, ldc, cols): (*mut f32, usize, usize),
+        fin: Option<Finish>,
+    ) {
+        let residual = fin.map_or(std::ptr::null(), |f| f.residual);
+        let call = (k, (a, lda, m), panel, bias, (c, ldc, cols), residual);
+        // One copy of the loop per activation kept in registers (see the AVX-512 kernel).
+        // SAFETY: the caller's.
+        unsafe {
+            match fin.map_or(Act::None, |f| f.act) {
+                Act::None => rows(call, |x| x),
+                Act::Relu => rows(call, |x| {
+                    crate::backend::cpu::kernels::activate_ymm(Act::Relu, x)
+                }),
+                other => rows(call, |x| {
+                    crate::backend::cpu::kernels::activate_ymm(other, x)
+                }),
+            }
+        }
+    }
+
+    /// [`stationary`]'s loop, finishing each row with `op` after its residual.
+    ///
+    /// # Safety
+    /// As for [`stationary`].
+    #[inline(always)]
+    #[allow(clippy::type_complexity)]
+    unsafe fn rows(
+        (k, (a, lda, m), panel, bias, (c, ldc, cols), residual): (
+            usize,
+            (*const f32, usize, usize),
+            *const f32,
+            *const f32,
+            (*mut f32, usize, usize),
+            *const f32,
+        ),
+        op: impl Fn(__m256) -> __m256,
+    ) {
+        const R: usize = 6;
+        // SAFETY: the caller's (every access inside the ranges it guarantees; a partial
+        // panel's residual and C through a local row).
+        unsafe {
+            let start = [_mm256_loadu_ps(bias), _mm256_loadu_ps(bias.add(8))];
+            for r0 in (0..m).step_by(R) {
+                let ar: [*const f32; R] = std::array::from_fn(|i| a.add((r0 + i).min(m - 1) * lda));
+                let mut acc = [start; R];
+                for kk in 0..k {
+                    let ahead = panel.wrapping_add((kk + super::B_PREFETCH) * NR);
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+                    let b0 = _mm256_loadu_ps(panel.add(kk * NR));
+                    let b1 = _mm256_loadu_ps(panel.add(kk * NR + 8));
+                    for (x, ar) in acc.iter_mut().zip(&ar) {
+                        let av = _mm256_set1_ps(*ar.add(kk));
+                        x[0] = _mm256_fmadd_ps(av, b0, x[0]);
+                        x[1] = _mm256_fmadd_ps(av, b1, x[1]);
+                    }
+                }
+                for (i, x) in acc.iter().enumerate().take(m - r0) {
+                    let at = (r0 + i) * ldc;
+                    if cols == NR {
+                        for (v, &x) in x.iter().enumerate() {
+                            let x = if residual.is_null() {
+                                x
+                            } else {
+                                _mm256_add_ps(x, _mm256_loadu_ps(residual.add(at + v * 8)))
+                            };
+                            _mm256_storeu_ps(c.add(at + v * 8), op(x));
+                        }
+                    } else {
+                        let mut row = [0f32; NR];
+                        if !residual.is_null() {
+                            std::ptr::copy_nonoverlapping(residual.add(at), row.as_mut_ptr(), cols);
+                        }
+                        for (v, &x) in x.iter().enumerate() {
+                            let x = if residual.is_null() {
+                                x
+                            } else {
+                                _mm256_add_ps(x, _mm256_loadu_ps(row.as_ptr().add(v * 8)))
+                            };
+                            _mm256_storeu_ps(row.as_mut_ptr().add(v * 8), op(x));
+                        }
+                        std::ptr::copy_nonoverlapping(row.as_ptr(), c.add(at), cols);
+                    }
+                }
+            }
+        }
+    }
+
     /// 8 f16 values widened to f32.
     #[target_feature(enable = "avx2,f16c")]
     #[inline]
