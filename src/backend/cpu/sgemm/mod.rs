@@ -669,7 +669,7 @@ pub unsafe fn gemm_packed<T: Elem>(
 }
 
 /// [`gemm_packed`] for Winograd's per-point GEMMs (a few rows of tiles against each point's
-/// B, read once): the small-K kernel only as deep as AVX-512's ([`STATIONARY_MAX_K`]). AVX2's
+/// B, read once): the small-K kernel only as deep as AVX-512's (`STATIONARY_MAX_K`, 64). AVX2's
 /// deeper reach lost there on a Zen 3: F(4×4) layers of ResNet-50 at batch 1 took 1.00–1.07×
 /// and F(2×2) ones 1.05–1.11× the register tile's time in the network.
 ///
