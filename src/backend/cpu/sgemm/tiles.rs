@@ -127,6 +127,19 @@ pub(super) fn map_rows<V: Copy, const ROWS: usize>(
 /// for every x86 width, so the AVX2 instances that every x86 machine here tests are the same
 /// code as the AVX-512 ones; each width gets `tile` (f32 panels) and `tile_h` (f16 panels,
 /// widened by `$load_h` as B is loaded) from one invocation.
+/// What the small-K kernels' row loops (`avx2::rows`, `avx512::rows`) take: K; A, its row
+/// stride and the rows; the panel's block and bias; C, its row stride and the panel's valid
+/// columns; the residual laid out as C (null: none).
+#[cfg(target_arch = "x86_64")]
+type RowsCall = (
+    usize,
+    (*const f32, usize, usize),
+    *const f32,
+    *const f32,
+    (*mut f32, usize, usize),
+    *const f32,
+);
+
 #[cfg(target_arch = "x86_64")]
 macro_rules! simd_tile {
     // Both tiles of one width: `tile` reads f32 panels, `tile_h` f16 ones through `$load_h`.
@@ -348,7 +361,8 @@ pub(super) mod avx2 {
     /// The AVX2 small-K kernel (see `avx512::stationary`, whose loop this is at half the
     /// width): C[m × cols] of one panel, A's rows streaming past the panel's block 6 at a
     /// time (the last group repeating the last row), 12 accumulators of two vectors a row, B's
-    /// rows loaded at each step from L1, where the whole block stays (K ≤ 64: 4 KiB). The
+    /// rows loaded at each step (from L1 where the block fits: 16 KiB at K 256; prefetched a
+    /// page ahead as the tile's are, for deeper blocks and a first pass from memory). The
     /// register tile's per-tile costs (the row pointers built for 14 rows, C's prefetches, the
     /// call through a pointer) stay out of the loop. A partial panel (`cols` < 16) goes through
     /// a local row: AVX2's masked stores are slow on AMD cores.
@@ -387,16 +401,8 @@ pub(super) mod avx2 {
     /// # Safety
     /// As for [`stationary`].
     #[inline(always)]
-    #[allow(clippy::type_complexity)]
     unsafe fn rows(
-        (k, (a, lda, m), panel, bias, (c, ldc, cols), residual): (
-            usize,
-            (*const f32, usize, usize),
-            *const f32,
-            *const f32,
-            (*mut f32, usize, usize),
-            *const f32,
-        ),
+        (k, (a, lda, m), panel, bias, (c, ldc, cols), residual): super::RowsCall,
         op: impl Fn(__m256) -> __m256,
     ) {
         const R: usize = 6;
@@ -574,16 +580,8 @@ pub(super) mod avx512 {
     /// # Safety
     /// As for [`stationary`].
     #[inline(always)]
-    #[allow(clippy::type_complexity)]
     unsafe fn rows<const HELD: usize>(
-        (k, (a, lda, m), panel, bias, (c, ldc, cols), residual): (
-            usize,
-            (*const f32, usize, usize),
-            *const f32,
-            *const f32,
-            (*mut f32, usize, usize),
-            *const f32,
-        ),
+        (k, (a, lda, m), panel, bias, (c, ldc, cols), residual): super::RowsCall,
         op: impl Fn(__m512) -> __m512,
     ) {
         // Rows at a time: 4 chains of 4-cycle FMAs just fill Zen 4's one zmm FMA a cycle; 6
