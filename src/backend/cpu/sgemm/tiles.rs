@@ -121,12 +121,6 @@ pub(super) fn map_rows<V: Copy, const ROWS: usize>(
     }
 }
 
-/// A register-tile kernel for one SIMD width: `ROWS` rows of `VECS` vectors (`VECS` × lanes =
-/// `NR` for one panel, a multiple of it for several side by side), all accumulators in
-/// registers. Per k: `VECS` loads of B, `ROWS` broadcasts of A, `ROWS · VECS` FMAs. One source
-/// for every x86 width, so the AVX2 instances that every x86 machine here tests are the same
-/// code as the AVX-512 ones; each width gets `tile` (f32 panels) and `tile_h` (f16 panels,
-/// widened by `$load_h` as B is loaded) from one invocation.
 /// What the small-K kernels' row loops (`avx2::rows`, `avx512::rows`) take: K; A, its row
 /// stride and the rows; the panel's block and bias; C, its row stride and the panel's valid
 /// columns; the residual laid out as C (null: none).
@@ -140,6 +134,12 @@ type RowsCall = (
     *const f32,
 );
 
+/// A register-tile kernel for one SIMD width: `ROWS` rows of `VECS` vectors (`VECS` × lanes =
+/// `NR` for one panel, a multiple of it for several side by side), all accumulators in
+/// registers. Per k: `VECS` loads of B, `ROWS` broadcasts of A, `ROWS · VECS` FMAs. One source
+/// for every x86 width, so the AVX2 instances that every x86 machine here tests are the same
+/// code as the AVX-512 ones; each width gets `tile` (f32 panels) and `tile_h` (f16 panels,
+/// widened by `$load_h` as B is loaded) from one invocation.
 #[cfg(target_arch = "x86_64")]
 macro_rules! simd_tile {
     // Both tiles of one width: `tile` reads f32 panels, `tile_h` f16 ones through `$load_h`.
@@ -426,28 +426,25 @@ pub(super) mod avx2 {
                 }
                 for (i, x) in acc.iter().enumerate().take(m - r0) {
                     let at = (r0 + i) * ldc;
-                    if cols == NR {
-                        for (v, &x) in x.iter().enumerate() {
-                            let x = if residual.is_null() {
-                                x
-                            } else {
-                                _mm256_add_ps(x, _mm256_loadu_ps(residual.add(at + v * 8)))
-                            };
-                            _mm256_storeu_ps(c.add(at + v * 8), op(x));
-                        }
+                    // A whole panel's row in place; a partial one through `row`.
+                    let mut row = [0f32; NR];
+                    let (from, to) = if cols == NR {
+                        (residual.wrapping_add(at), c.add(at))
                     } else {
-                        let mut row = [0f32; NR];
                         if !residual.is_null() {
                             std::ptr::copy_nonoverlapping(residual.add(at), row.as_mut_ptr(), cols);
                         }
-                        for (v, &x) in x.iter().enumerate() {
-                            let x = if residual.is_null() {
-                                x
-                            } else {
-                                _mm256_add_ps(x, _mm256_loadu_ps(row.as_ptr().add(v * 8)))
-                            };
-                            _mm256_storeu_ps(row.as_mut_ptr().add(v * 8), op(x));
-                        }
+                        (row.as_ptr(), row.as_mut_ptr())
+                    };
+                    for (v, &x) in x.iter().enumerate() {
+                        let x = if residual.is_null() {
+                            x
+                        } else {
+                            _mm256_add_ps(x, _mm256_loadu_ps(from.add(v * 8)))
+                        };
+                        _mm256_storeu_ps(to.add(v * 8), op(x));
+                    }
+                    if cols < NR {
                         std::ptr::copy_nonoverlapping(row.as_ptr(), c.add(at), cols);
                     }
                 }
