@@ -75,7 +75,7 @@ const EXP_MINIMAX: [f32; 6] = [
 /// method is an intrinsic (or two) compiled for its instruction set; the caller must run on a
 /// CPU that has it.
 #[cfg(target_arch = "x86_64")]
-trait Vector: Copy {
+pub(super) trait Vector: Copy {
     const LANES: usize;
     /// # Safety (every method)
     /// The CPU has the vector's instruction set; `load`'s and `store`'s pointers have LANES
@@ -375,7 +375,7 @@ unsafe fn gelu<V: Vector>(x: V) -> V {
 /// The CPU has the vector's instruction set.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn activate_vec<V: Vector>(act: Act, x: V) -> V {
+pub(super) unsafe fn activate_vec<V: Vector>(act: Act, x: V) -> V {
     // SAFETY: the caller's.
     unsafe {
         // v < lo → lo, v > hi → hi, else v (NaN included), as `clamp_nan`: `vmaxps` and

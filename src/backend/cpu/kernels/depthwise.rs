@@ -81,8 +81,8 @@ fn bias_or_zeros(bias: Option<&[f32]>, channels: usize) -> std::borrow::Cow<'_, 
     bias.map_or_else(|| vec![0f32; channels].into(), std::borrow::Cow::Borrowed)
 }
 
-/// [`depthwise`] on storage the kernel reads itself (f32, bf16): each row by the AVX-512
-/// kernel ([`zmm_row`]) where it covers the layer, straight from and into the storage; else
+/// [`depthwise`] on storage the kernel reads itself (f32, bf16): each row by the intrinsics
+/// kernel ([`regs_row`]) where it covers the layer, straight from and into the storage; else
 /// f32 rows computed in place and the epilogue applied there, bf16 rows computed into a
 /// per-worker f32 row that the epilogue ([`Finish`]) narrows into the output.
 #[allow(clippy::too_many_arguments)]
@@ -104,7 +104,7 @@ fn direct<S: Wide>(
         .for_each(|(row, out)| {
             let input = tap_rows(c, x, xs, row / ys.h, row % ys.h);
             let residual = residual.map(|r| &r[row * row_len..][..row_len]);
-            if !zmm_row(c, &input, (w, bias), out, xs.w, (residual, act)) {
+            if !regs_row(c, &input, (w, bias), out, xs.w, (residual, act)) {
                 other_row(c, &input, (w, bias), out, xs.w, (residual, act));
             }
             if let Some(sums) = sums {
@@ -114,7 +114,7 @@ fn direct<S: Wide>(
         });
 }
 
-/// One output row of [`direct`] where the AVX-512 kernel does not cover it: f32 rows computed
+/// One output row of [`direct`] where the intrinsics kernel does not cover it: f32 rows computed
 /// in place and finished there, bf16 rows computed into a per-worker f32 row that
 /// [`Finish`] narrows into `out`.
 fn other_row<S: Wide>(
@@ -142,9 +142,10 @@ fn other_row<S: Wide>(
 }
 
 /// One output row into `out` (f32 or bf16), finished (`fin`: the residual row and the
-/// activation), by the AVX-512 kernel written with intrinsics ([`zmm`]) where it covers the
-/// layer's shape and the SIMD path in use; `false` (nothing written) where it does not.
-fn zmm_row<I: Wide, O: Wide>(
+/// activation), by the kernel written with intrinsics ([`regs`], AVX-512 or AVX2) where it
+/// covers the layer's shape and the SIMD path in use; `false` (nothing written) where it does
+/// not.
+fn regs_row<I: Wide, O: Wide>(
     c: &Conv2d,
     input: &[Option<&[I]>],
     weights: (&[f32], &[f32]),
@@ -153,7 +154,15 @@ fn zmm_row<I: Wide, O: Wide>(
     fin: (Option<&[O]>, Act),
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
-    return zmm::row(c, input, weights, out, width, fin);
+    return regs::row(
+        crate::backend::cpu::simd::simd(),
+        c,
+        input,
+        weights,
+        out,
+        width,
+        fin,
+    );
     #[cfg(not(target_arch = "x86_64"))]
     return {
         let _ = (c, input, weights, out, width, fin);
@@ -345,7 +354,7 @@ pub fn pointwise_depthwise<T: Elem>(
                     // The row in f32, finished: by the intrinsics kernel where it covers the
                     // layer, else the vectorised one.
                     let f32_row = |values: &mut [f32]| {
-                        if !zmm_row(c, &input, (w, bias), values, mid.w, (None, c.act)) {
+                        if !regs_row(c, &input, (w, bias), values, mid.w, (None, c.act)) {
                             vectorised_row(c, &input, (w, bias), values, mid.w, (None, c.act));
                         }
                     };
@@ -360,7 +369,7 @@ pub fn pointwise_depthwise<T: Elem>(
                     };
                     // bf16 rows straight from the kernel's registers where it covers the layer.
                     let done = match T::as_bf16_mut(&mut *out) {
-                        Some(o) => zmm_row(c, &input, (w, bias), o, mid.w, (None, c.act)),
+                        Some(o) => regs_row(c, &input, (w, bias), o, mid.w, (None, c.act)),
                         None => false,
                     };
                     if !done {
@@ -663,8 +672,8 @@ impl Lanes for bf16 {
     }
 }
 
-/// Storage the AVX-512 kernels written with intrinsics read and write (the stems', the
-/// depthwise rows'): f32, or bf16 widened as it is read and narrowed in registers as it is
+/// Storage the kernels written with intrinsics read and write (the AVX-512 stems', the
+/// depthwise rows' on AVX-512 and AVX2): f32, or bf16 widened as it is read and narrowed in registers as it is
 /// stored (to nearest, ties to even, as [`crate::backend::cpu::elem::f32_bf16`]).
 pub(super) trait Wide: Lanes + Default {
     /// The lanes of `mask` of `v` stored at `p`.
@@ -681,6 +690,20 @@ pub(super) trait Wide: Lanes + Default {
     #[cfg(target_arch = "x86_64")]
     unsafe fn load(p: *const Self, mask: std::arch::x86_64::__mmask16)
     -> std::arch::x86_64::__m512;
+
+    /// 8 values from `p`, widened.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; 8 values at `p` are readable.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+
+    /// `v`'s 8 values stored at `p`, narrowed.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; 8 places at `p` are writable.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn store8(p: *mut Self, v: std::arch::x86_64::__m256);
 }
 
 impl Wide for f32 {
@@ -696,6 +719,20 @@ impl Wide for f32 {
     unsafe fn load(p: *const f32, mask: std::arch::x86_64::__mmask16) -> std::arch::x86_64::__m512 {
         // SAFETY: the caller's.
         unsafe { std::arch::x86_64::_mm512_maskz_loadu_ps(mask, p) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
+        // SAFETY: the caller's.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn store8(p: *mut f32, v: std::arch::x86_64::__m256) {
+        // SAFETY: the caller's.
+        unsafe { std::arch::x86_64::_mm256_storeu_ps(p, v) }
     }
 }
 
@@ -734,6 +771,40 @@ impl Wide for bf16 {
         unsafe {
             let x = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p.cast()));
             _mm512_castsi512_ps(_mm512_slli_epi32::<16>(x))
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const bf16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's (AVX2; 8 values, 16 bytes).
+        unsafe {
+            let x = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(x))
+        }
+    }
+
+    /// Rounded as [`Wide::store`] rounds; the 8 halves packed in order (`packus` packs within
+    /// each 128-bit half, the permute brings the two quarters that hold them together).
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn store8(p: *mut bf16, v: std::arch::x86_64::__m256) {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's (AVX2; 8 places, 16 bytes).
+        unsafe {
+            let x = _mm256_castps_si256(v);
+            let high = _mm256_srli_epi32::<16>(x);
+            let lsb = _mm256_and_si256(high, _mm256_set1_epi32(1));
+            let up = _mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+            let rounded = _mm256_srli_epi32::<16>(up);
+            let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+            let quiet = _mm256_or_si256(high, _mm256_set1_epi32(0x40));
+            let bits = _mm256_blendv_epi8(rounded, quiet, nan);
+            // Every value is below 2^16: the signed saturation of `packus` leaves it be.
+            let packed = _mm256_packus_epi32(bits, bits);
+            let ordered = _mm256_permute4x64_epi64::<0b1000>(packed);
+            _mm_storeu_si128(p.cast(), _mm256_castsi256_si128(ordered));
         }
     }
 }
@@ -956,32 +1027,91 @@ impl<S: Lanes> DepthwiseRow<'_, S> {
     }
 }
 
-/// FP32 depthwise rows on AVX-512, written with intrinsics: runs of 8 output pixels (4 at
-/// stride 2) × 16 channels, the accumulators and a tap row's weights in registers, each input
-/// pixel loaded once per tap row and multiplied into every output pixel it reaches. The
-/// compiler's vectorisation of [`DepthwiseRow`] kept 4 pixels (8 spilled its arrays to the
-/// stack and ran 30–50% slower), so each tap row was a chain of K dependent FMAs per
-/// accumulator with only 4 accumulators, and every input load checked two slice bounds. The
-/// sums are the same FMAs in the same order as [`DepthwiseRow::row_taps`]: results are equal
-/// bit for bit.
+/// Depthwise rows written with intrinsics, on AVX-512 (a zmm of 16 channels, a layer's last
+/// block masked) and on AVX2 (a ymm of 8, for layers whose channels are a multiple of 8: every
+/// depthwise layer of the zoo): runs of P output pixels × one register of channels, the
+/// accumulators and a tap row's weights in registers, each input pixel loaded once per tap row
+/// and multiplied into every output pixel it reaches. The compiler's vectorisation of
+/// [`DepthwiseRow`] kept 4 pixels (8 spilled its arrays to the stack and ran 30–50% slower on
+/// AVX-512), so each tap row was a chain of K dependent FMAs per accumulator with only 4
+/// accumulators, and every input load checked two slice bounds; on AVX2 its blocks of 16
+/// channels (two ymm) and a 5×5 row's weights needed more than AVX2's 16 registers. The sums
+/// are the same FMAs in the same order as [`DepthwiseRow::row_taps`]: results are equal bit
+/// for bit, on every path.
 #[cfg(target_arch = "x86_64")]
-mod zmm {
+mod regs {
     use std::arch::x86_64::*;
 
-    use super::super::activation::activate_zmm;
+    use super::super::activation::{Vector, activate_vec};
     use super::{RUN_BYTES, Wide};
-    use crate::backend::cpu::simd::{Simd, simd};
+    use crate::backend::cpu::simd::Simd;
     use crate::model::op::{Act, Conv2d};
 
-    /// Channels per block: one zmm.
-    const BLOCK: usize = 16;
+    /// A register of f32 lanes the rows run in, and how it reads and writes a block of a
+    /// row's channels in their storage.
+    pub(super) trait Reg: Vector {
+        /// Which of a block's lanes are the layer's channels.
+        type Mask: Copy;
+        /// The mask of a block with `left` channels from its first (every lane where `left`
+        /// covers them).
+        fn mask(left: usize) -> Self::Mask;
+        /// The lanes of `mask` from `p`, widened, the others zero.
+        ///
+        /// # Safety
+        /// The CPU has the register's instruction set; those lanes' places at `p` are
+        /// readable.
+        unsafe fn get<T: Wide>(p: *const T, mask: Self::Mask) -> Self;
+        /// The lanes of `mask` of `v`, narrowed, stored at `p`.
+        ///
+        /// # Safety
+        /// As for [`Reg::get`], the places writable.
+        unsafe fn put<T: Wide>(p: *mut T, mask: Self::Mask, v: Self);
+    }
+
+    impl Reg for __m512 {
+        type Mask = __mmask16;
+        #[inline(always)]
+        fn mask(left: usize) -> __mmask16 {
+            (u32::MAX >> (32 - left.min(16))) as __mmask16
+        }
+        #[inline(always)]
+        unsafe fn get<T: Wide>(p: *const T, mask: __mmask16) -> Self {
+            // SAFETY: the caller's.
+            unsafe { T::load(p, mask) }
+        }
+        #[inline(always)]
+        unsafe fn put<T: Wide>(p: *mut T, mask: __mmask16, v: Self) {
+            // SAFETY: the caller's.
+            unsafe { T::store(p, mask, v) }
+        }
+    }
+
+    /// Whole blocks only: the AVX2 rows take layers whose channels are a multiple of 8.
+    impl Reg for __m256 {
+        type Mask = ();
+        #[inline(always)]
+        fn mask(_: usize) {}
+        #[inline(always)]
+        unsafe fn get<T: Wide>(p: *const T, (): ()) -> Self {
+            // SAFETY: the caller's.
+            unsafe { T::load8(p) }
+        }
+        #[inline(always)]
+        unsafe fn put<T: Wide>(p: *mut T, (): (), v: Self) {
+            // SAFETY: the caller's.
+            unsafe { T::store8(p, v) }
+        }
+    }
 
     /// One output row into `acc` (out_w × ch: the bias and the taps, then the residual row
     /// added and the activation, in registers) for 3×3 and 5×5 layers at stride 1 or 2 and
-    /// 7×7 at stride 1, without dilation, where the SIMD path in use is AVX-512's; `false`
-    /// (nothing written) otherwise. `input` holds the tap rows (`None` in the padding), each
-    /// `width` pixels of `bias.len()` channels; `w` is (ky, kx, channel).
+    /// 7×7 at stride 1, without dilation, where `simd` is AVX-512's path (any channel count)
+    /// or AVX2's (channels a multiple of 8); `false` (nothing written) otherwise. `input`
+    /// holds the tap rows (`None` in the padding), each `width` pixels of `bias.len()`
+    /// channels; `w` is (ky, kx, channel). `simd` is the path in use ([`crate::backend::cpu::simd::simd`]),
+    /// or for tests one the CPU has.
     pub(super) fn row<I: Wide, O: Wide>(
+        simd: Simd,
         c: &Conv2d,
         input: &[Option<&[I]>],
         (w, bias): (&[f32], &[f32]),
@@ -989,13 +1119,14 @@ mod zmm {
         width: usize,
         (residual, act): (Option<&[O]>, Act),
     ) -> bool {
-        let wide = matches!(simd(), Simd::Avx512 | Simd::Avx512Bf16 | Simd::Amx);
+        let ch = bias.len();
         let k = c.kernel.1;
         let square = c.kernel.0 == k && c.stride.0 == c.stride.1 && c.dilation == (1, 1);
-        if !(wide && square) {
+        let wide = matches!(simd, Simd::Avx512 | Simd::Avx512Bf16 | Simd::Amx);
+        let narrow = simd == Simd::Avx2Fma && ch.is_multiple_of(8);
+        if !(square && (wide || narrow) && matches!((k, c.stride.1), (3 | 5, 1 | 2) | (7, 1))) {
             return false;
         }
-        let ch = bias.len();
         assert!(
             w.len() >= k * k * ch
                 && acc.len().is_multiple_of(ch)
@@ -1005,42 +1136,112 @@ mod zmm {
             "depthwise: rows, weights and channels disagree"
         );
         let at = ((w, bias), (c.padding.1, width), (residual, act));
-        // SAFETY: `simd()` chose AVX-512 only where the CPU has AVX-512F; the rows, weights
-        // and output have the lengths asserted above.
+        // SAFETY: `simd` is a path the CPU has (AVX-512F, BW and VL; or AVX2 and FMA); the
+        // rows, weights and output have the lengths asserted above, and AVX2's blocks are
+        // whole.
         unsafe {
-            match (k, c.stride.1) {
-                (3, 1) => row_k::<I, O, 3, 1, 8>(input, at, acc),
-                (5, 1) => row_k::<I, O, 5, 1, 8>(input, at, acc),
-                (7, 1) => row_k::<I, O, 7, 1, 8>(input, at, acc),
-                (3, 2) => row_k::<I, O, 3, 2, 4>(input, at, acc),
-                (5, 2) => row_k::<I, O, 5, 2, 4>(input, at, acc),
-                _ => return false,
+            if wide {
+                avx512(k, c.stride.1, input, at, acc);
+            } else {
+                avx2(k, c.stride.1, input, at, acc);
             }
         }
         true
     }
 
-    /// [`row`] for K taps a row at stride S, P output pixels a run: the channels in groups
-    /// whose share of a run's input fits [`RUN_BYTES`], each group along the whole row; runs
-    /// that read no padding unchecked.
+    /// What [`row_k`] takes besides the rows: (weights, bias), (padding, input width),
+    /// (residual row, activation).
+    type At<'a, O> = (
+        (&'a [f32], &'a [f32]),
+        (usize, usize),
+        (Option<&'a [O]>, Act),
+    );
+
+    /// [`row`] in zmm registers, taps a row: 8 pixels a run at stride 1, 4 at stride 2.
     ///
     /// # Safety
-    /// The CPU has AVX-512F; the lengths are as [`row`] asserts.
+    /// The CPU has AVX-512F, BW and VL; the lengths are as [`row`] asserts; (k, s) is a
+    /// shape [`row`] takes.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    #[allow(clippy::type_complexity)]
-    unsafe fn row_k<I: Wide, O: Wide, const K: usize, const S: usize, const P: usize>(
+    unsafe fn avx512<I: Wide, O: Wide>(
+        k: usize,
+        s: usize,
+        i: &[Option<&[I]>],
+        at: At<'_, O>,
+        acc: &mut [O],
+    ) {
+        // SAFETY: the caller's.
+        unsafe {
+            match (k, s) {
+                (3, 1) => row_k::<__m512, I, O, 3, 1, 8, false>(i, at, acc),
+                (5, 1) => row_k::<__m512, I, O, 5, 1, 8, false>(i, at, acc),
+                (7, 1) => row_k::<__m512, I, O, 7, 1, 8, false>(i, at, acc),
+                (3, 2) => row_k::<__m512, I, O, 3, 2, 4, false>(i, at, acc),
+                _ => row_k::<__m512, I, O, 5, 2, 4, false>(i, at, acc),
+            }
+        }
+    }
+
+    /// [`row`] in ymm registers. Each shape takes the loop and run length that measured
+    /// fastest, single-threaded and interleaved in one process against the
+    /// compiler-vectorised [`DepthwiseRow`] on a Zen 3 (f32, rows of 56 down to 7 pixels,
+    /// 64 to 120 channels; the ratios are that kernel's time over this one's): 3×3 at stride
+    /// 1 taps a row, 6 pixels a run (1.15–1.25×); 5×5 and 7×7 at stride 1 tap by tap, 8
+    /// pixels (1.07–2.0×, the gain largest on 7- and 14-pixel rows; 1.09–1.17×); stride 2
+    /// taps a row, 4 pixels (3×3 1.0–1.17×, 5×5 1.9–2.2×). Where this CPU's compiler
+    /// vectorisation spilled (16 registers hold 4 pixels × 16 channels, or a 5×5 row's
+    /// weights, but not both), a ymm of 8 channels leaves room for the accumulators.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA; the lengths are as [`row`] asserts, the channels a multiple
+    /// of 8; (k, s) is a shape [`row`] takes.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn avx2<I: Wide, O: Wide>(
+        k: usize,
+        s: usize,
+        i: &[Option<&[I]>],
+        at: At<'_, O>,
+        acc: &mut [O],
+    ) {
+        // SAFETY: the caller's.
+        unsafe {
+            match (k, s) {
+                (3, 1) => row_k::<__m256, I, O, 3, 1, 6, false>(i, at, acc),
+                (5, 1) => row_k::<__m256, I, O, 5, 1, 8, true>(i, at, acc),
+                (7, 1) => row_k::<__m256, I, O, 7, 1, 8, true>(i, at, acc),
+                (3, 2) => row_k::<__m256, I, O, 3, 2, 4, false>(i, at, acc),
+                _ => row_k::<__m256, I, O, 5, 2, 4, false>(i, at, acc),
+            }
+        }
+    }
+
+    /// [`row`] for K taps a row at stride S, P output pixels a run, in registers `V`, tap
+    /// by tap where `BY_TAP` (see [`sums`]): the channels in groups whose share of a run's
+    /// input fits [`RUN_BYTES`], each group along the whole row; runs that read no padding
+    /// unchecked.
+    ///
+    /// # Safety
+    /// The CPU has `V`'s instruction set; the lengths are as [`row`] asserts (and the
+    /// channels whole blocks where `V`'s mask cannot cut one).
+    #[inline(always)]
+    unsafe fn row_k<
+        V: Reg,
+        I: Wide,
+        O: Wide,
+        const K: usize,
+        const S: usize,
+        const P: usize,
+        const BY_TAP: bool,
+    >(
         input: &[Option<&[I]>],
-        ((w, bias), (pad, width), (residual, act)): (
-            (&[f32], &[f32]),
-            (usize, usize),
-            (Option<&[O]>, Act),
-        ),
+        ((w, bias), (pad, width), (residual, act)): At<'_, O>,
         acc: &mut [O],
     ) {
         let ch = bias.len();
         let out_w = acc.len() / ch;
         let span = (P - 1) * S + K;
-        let group = (RUN_BYTES / (span * K * size_of::<I>()) / BLOCK * BLOCK).max(BLOCK);
+        let lanes = V::LANES;
+        let group = (RUN_BYTES / (span * K * size_of::<I>()) / lanes * lanes).max(lanes);
         // Output pixels lo..hi read no padding: ox·S ≥ pad and ox·S + K − 1 − pad < width.
         let lo = pad.div_ceil(S).min(out_w);
         let hi = if width + pad >= K {
@@ -1053,24 +1254,24 @@ mod zmm {
                 let valid = P.min(out_w - ox0);
                 let x0 = (ox0 * S) as isize - pad as isize;
                 let inside = ox0 >= lo && ox0 + P <= hi;
-                for c0 in (c_lo..(c_lo + group).min(ch)).step_by(BLOCK) {
-                    let mask = (u32::MAX >> (32 - (ch - c0).min(BLOCK))) as __mmask16;
+                for c0 in (c_lo..(c_lo + group).min(ch)).step_by(lanes) {
+                    let mask = V::mask(ch - c0);
                     let at = (x0, width, ch, c0, mask);
-                    // SAFETY: the caller's; every load and store is masked to the channels
+                    // SAFETY: the caller's; every load and store is of the block's channels
                     // and, outside `inside` runs, checked against the row's width.
                     unsafe {
                         let sums = if inside {
-                            sums::<I, K, S, P, false>(input, w, bias, at)
+                            sums::<V, I, K, S, P, false, BY_TAP>(input, w, bias, at)
                         } else {
-                            sums::<I, K, S, P, true>(input, w, bias, at)
+                            sums::<V, I, K, S, P, true, BY_TAP>(input, w, bias, at)
                         };
                         for (p, v) in sums.iter().enumerate().take(valid) {
                             let at = (ox0 + p) * ch + c0;
                             let v = match residual {
-                                Some(r) => _mm512_add_ps(*v, O::load(r.as_ptr().add(at), mask)),
+                                Some(r) => v.add(V::get(r.as_ptr().add(at), mask)),
                                 None => *v,
                             };
-                            O::store(acc.as_mut_ptr().add(at), mask, activate_zmm(act, v));
+                            V::put(acc.as_mut_ptr().add(at), mask, activate_vec(act, v));
                         }
                     }
                 }
@@ -1080,36 +1281,68 @@ mod zmm {
 
     /// The sums of P output pixels (from input column x0) for the `mask`ed channels from c0:
     /// the bias, then tap row by tap row each input pixel times the weights of the taps it is
-    /// for; with `EDGE`, pixels outside the image are skipped.
+    /// for (or with `BY_TAP`, away from the edges, tap by tap: every accumulator's FMAs come
+    /// in the same order either way); with `EDGE`, pixels outside the image are skipped.
     ///
     /// # Safety
     /// As for [`row_k`]; without `EDGE`, input columns x0..x0 + (P − 1)·S + K are inside the
     /// rows.
     #[inline(always)]
-    unsafe fn sums<I: Wide, const K: usize, const S: usize, const P: usize, const EDGE: bool>(
+    #[allow(clippy::type_complexity)]
+    unsafe fn sums<
+        V: Reg,
+        I: Wide,
+        const K: usize,
+        const S: usize,
+        const P: usize,
+        const EDGE: bool,
+        const BY_TAP: bool,
+    >(
         input: &[Option<&[I]>],
         w: &[f32],
         bias: &[f32],
-        (x0, width, ch, c0, mask): (isize, usize, usize, usize, __mmask16),
-    ) -> [__m512; P] {
-        // SAFETY: the caller's (masked loads inside the rows and weights).
+        (x0, width, ch, c0, mask): (isize, usize, usize, usize, V::Mask),
+    ) -> [V; P] {
+        // SAFETY: the caller's (loads of the block's channels inside the rows and weights).
         unsafe {
-            let mut acc = [_mm512_maskz_loadu_ps(mask, bias.as_ptr().add(c0)); P];
+            let mut acc = [V::get(bias.as_ptr().add(c0), mask); P];
             for (ky, row) in input.iter().enumerate() {
                 let Some(row) = row else { continue };
-                let wk: [__m512; K] = std::array::from_fn(|kx| {
-                    _mm512_maskz_loadu_ps(mask, w.as_ptr().add((ky * K + kx) * ch + c0))
-                });
+                if BY_TAP && !EDGE && size_of::<I>() == 4 {
+                    // Tap by tap (where the run reads no padding, from f32): each input pixel
+                    // loaded for each tap that reads it, as an FMA's memory operand, over a
+                    // tap count the compiler does not know. Over the taps unrolled, the
+                    // compiler merged those loads back into one per pixel, hoisted them all
+                    // ahead of the FMAs, and spilled the accumulators out of AVX2's 16
+                    // registers and the pixels' offsets out of the general ones (5×5 layers
+                    // 1.5× slower than the compiler-vectorised kernel). At the edges each
+                    // pixel's check is made once a tap row, below. bf16 pixels take a widening
+                    // each, so they are loaded once a tap row too (not measured apart).
+                    for kx in 0..std::hint::black_box(K) {
+                        let wv = V::get(w.as_ptr().add((ky * K + kx) * ch + c0), mask);
+                        for (p, acc) in acc.iter_mut().enumerate() {
+                            let ix = x0 + (p * S + kx) as isize;
+                            if EDGE && (ix < 0 || ix as usize >= width) {
+                                continue;
+                            }
+                            let x = V::get(row.as_ptr().add(ix as usize * ch + c0), mask);
+                            *acc = x.fmadd(wv, *acc);
+                        }
+                    }
+                    continue;
+                }
+                let wk: [V; K] =
+                    std::array::from_fn(|kx| V::get(w.as_ptr().add((ky * K + kx) * ch + c0), mask));
                 for j in 0..(P - 1) * S + K {
                     let ix = x0 + j as isize;
                     if EDGE && (ix < 0 || ix as usize >= width) {
                         continue;
                     }
-                    let x = I::load(row.as_ptr().add(ix as usize * ch + c0), mask);
+                    let x = V::get(row.as_ptr().add(ix as usize * ch + c0), mask);
                     for (p, acc) in acc.iter_mut().enumerate() {
                         // Input pixel j is tap j − p·S of output pixel p.
                         if j >= p * S && j - p * S < K {
-                            *acc = _mm512_fmadd_ps(x, wk[j - p * S], *acc);
+                            *acc = x.fmadd(wk[j - p * S], *acc);
                         }
                     }
                 }
@@ -1640,15 +1873,46 @@ mod pairs {
 mod tests {
     use super::*;
 
-    /// The AVX-512 intrinsics kernel against the compiler-vectorised one and [`Finish`], row
-    /// by row, bit for bit, with and without a residual, under several activations: every
-    /// shape it takes (3×3 and 5×5 at strides 1 and 2, 7×7 at 1) with padding 0 to
-    /// 3, rows narrower than a run, widths that leave short last runs, channel counts below,
-    /// at and past a block (masked last blocks), and tap rows in the padding. Where AVX-512 is
-    /// not the path in use it says so and checks nothing.
+    /// The intrinsics kernels (AVX-512's and AVX2's, each where the CPU has it, whichever path
+    /// is in use) against the compiler-vectorised one and [`Finish`], row by row, bit for bit,
+    /// with and without a residual, under several activations: every shape they take (3×3
+    /// and 5×5 at strides 1 and 2, 7×7 at 1) with padding 0 to 3, rows narrower than a run,
+    /// widths that leave short last runs, channel counts below, at and past a block (AVX-512's
+    /// masked last blocks; AVX2 declines channel counts that are not a multiple of 8), and tap
+    /// rows in the padding. Where the CPU has neither it says so and checks nothing.
     #[test]
     #[cfg(target_arch = "x86_64")]
-    fn zmm_rows_match_the_vectorised_kernel() {
+    fn intrinsics_rows_match_the_vectorised_kernel() {
+        use crate::backend::cpu::simd::Simd;
+        let mut paths = Vec::new();
+        if is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+        {
+            paths.push(Simd::Avx512);
+        }
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            paths.push(Simd::Avx2Fma);
+        }
+        if paths.is_empty() {
+            eprintln!(
+                "neither AVX-512 nor AVX2 here: the intrinsics depthwise rows are not exercised"
+            );
+        }
+        for path in paths {
+            intrinsics_rows_on(path);
+        }
+    }
+
+    /// [`intrinsics_rows_match_the_vectorised_kernel`] on one path.
+    #[cfg(target_arch = "x86_64")]
+    fn intrinsics_rows_on(path: crate::backend::cpu::simd::Simd) {
+        use crate::backend::cpu::simd::{Simd, simd};
+        // The reference's activation is the one of the path in use: the long ones
+        // (SiLU, GELU) are each path's own, so they are compared where that path has this
+        // one's width (the others, clamps and products, are the same on every path).
+        let in_use = simd();
+        let same_width = in_use.has_avx2() && (in_use >= Simd::Avx512) == (path >= Simd::Avx512);
         let cases = [
             // (channels, kernel, stride, padding, h, w)
             (16, 3, 1, 1, 5, 19),
@@ -1673,7 +1937,10 @@ mod tests {
         ];
         for (case, (ch, k, st, pad, h, w)) in cases.into_iter().enumerate() {
             let c = Conv2d::new(ch, ch, k, st, pad).with_groups(ch);
-            let act = acts[case % acts.len()];
+            let act = match acts[case % acts.len()] {
+                act if super::super::activation::long(act) && !same_width => Act::Hardswish,
+                act => act,
+            };
             let xs = Nhwc { n: 1, h, w, c: ch };
             let (oh, ow) = ((h + 2 * pad - k) / st + 1, (w + 2 * pad - k) / st + 1);
             let x: Vec<f32> = (0..xs.elems()).map(value).collect();
@@ -1685,11 +1952,14 @@ mod tests {
                 let res: Vec<f32> = (0..ow * ch).map(|i| value(i + oy * 3)).collect();
                 let res = (case % 2 == 1).then_some(&res[..]);
                 let mut got = vec![f32::NAN; ow * ch];
-                if !zmm::row(&c, &input, (&wt, &bias), &mut got, w, (res, act)) {
-                    eprintln!(
-                        "AVX-512 is not the path in use: the zmm depthwise kernel is not exercised"
-                    );
-                    return;
+                let took = regs::row(path, &c, &input, (&wt, &bias), &mut got, w, (res, act));
+                let declines = path == Simd::Avx2Fma && ch % 8 != 0;
+                assert_eq!(
+                    took, !declines,
+                    "{path:?}, {ch} channels {k}×{k} stride {st}"
+                );
+                if declines {
+                    continue;
                 }
                 let mut want = vec![f32::NAN; ow * ch];
                 with_simd(DepthwiseRow {
@@ -1710,8 +1980,8 @@ mod tests {
                     assert_eq!(
                         g.to_bits(),
                         e.to_bits(),
-                        "{ch} channels {k}×{k} stride {st} pad {pad}, {h}×{w}, {act:?}: row {oy} \
-                         value {i}: {g} against {e}"
+                        "{path:?}, {ch} channels {k}×{k} stride {st} pad {pad}, {h}×{w}, {act:?}: \
+                         row {oy} value {i}: {g} against {e}"
                     );
                 }
                 // bf16 storage: read and written by the same kernel in place, against the
@@ -1721,7 +1991,8 @@ mod tests {
                     res.map(|r| r.iter().map(|&v| f32_bf16(v)).collect());
                 let input16 = tap_rows(&c, &x16, xs, 0, oy);
                 let mut got16 = vec![bf16::NAN; ow * ch];
-                assert!(zmm::row(
+                assert!(regs::row(
+                    path,
                     &c,
                     &input16,
                     (&wt, &bias),
@@ -1749,7 +2020,7 @@ mod tests {
                     assert_eq!(
                         g.to_bits(),
                         e.to_bits(),
-                        "bf16, {ch} channels {k}×{k} stride {st} pad {pad}, {h}×{w}, {act:?}: \
+                        "{path:?} bf16, {ch} channels {k}×{k} stride {st} pad {pad}, {h}×{w}, {act:?}: \
                          row {oy} value {i}: {g} against {e}"
                     );
                 }
@@ -1757,17 +2028,14 @@ mod tests {
         }
     }
 
-    /// The bf16 store's narrowing in registers is `f32_bf16`'s, bit for bit: values that round
-    /// up, down and to even, signed zeros, infinities, overflow to infinity, NaNs; lanes
-    /// outside the mask are left alone. Where AVX-512 is not the path in use it checks nothing.
+    /// The bf16 stores' narrowing in registers is `f32_bf16`'s, bit for bit: values that
+    /// round up, down and to even, signed zeros, infinities, overflow to infinity, NaNs; on
+    /// AVX-512, lanes outside the mask are left alone; on AVX2, 8 values in order (both
+    /// halves of the ymm) and none past them. Each where the CPU has its instructions.
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn the_bf16_store_rounds_as_f32_bf16() {
         use crate::backend::cpu::simd::{Simd, simd};
-        if !matches!(simd(), Simd::Avx512 | Simd::Avx512Bf16 | Simd::Amx) {
-            eprintln!("no AVX-512 here: the bf16 store is not exercised");
-            return;
-        }
         let values: [f32; 16] = [
             1.0,
             f32::from_bits(0x3f80_8000), // a tie, to even (down)
@@ -1786,6 +2054,27 @@ mod tests {
             -2.71875,
             65504.0,
         ];
+        if is_x86_feature_detected!("avx2") {
+            for half in values.chunks(8) {
+                let mut out = [bf16::from_f32(7.0); 9];
+                // SAFETY: AVX2 (checked above); 8 readable values, 8 writable places.
+                unsafe {
+                    let v = std::arch::x86_64::_mm256_loadu_ps(half.as_ptr());
+                    <bf16 as Wide>::store8(out.as_mut_ptr(), v);
+                }
+                for (i, (o, v)) in out.iter().zip(half).enumerate() {
+                    let want = f32_bf16(*v);
+                    assert_eq!(o.to_bits(), want.to_bits(), "AVX2 lane {i} ({v:e})");
+                }
+                assert_eq!(out[8], bf16::from_f32(7.0), "AVX2 wrote past its 8 values");
+            }
+        } else {
+            eprintln!("no AVX2 here: its bf16 store is not exercised");
+        }
+        if !matches!(simd(), Simd::Avx512 | Simd::Avx512Bf16 | Simd::Amx) {
+            eprintln!("no AVX-512 here: its bf16 store is not exercised");
+            return;
+        }
         for mask in [0xffffu16, 0x00ff, 0x8001] {
             let mut out = [bf16::from_f32(7.0); 16];
             // SAFETY: AVX-512F (checked above); 16 writable values.
