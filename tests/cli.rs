@@ -478,6 +478,46 @@ fn doctor_names_the_vendor_libraries() {
     );
 }
 
+/// A BF16 run on the CPU says where its values are widened to FP32 for every multiply (always
+/// on the portable path, forced here), and `doctor` says it beside the paths; an FP32 run says
+/// nothing of it.
+#[test]
+fn bf16_runs_say_where_they_are_widened() {
+    let run = |args: &[&str]| {
+        let o = crate::common::command()
+            .env("WORKSHOP_CPU_SIMD", "portable")
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        stdout(&o)
+    };
+    let bench = |precision| {
+        run(&[
+            "bench",
+            "--network",
+            "conv2d(8,8,3,padding=1)",
+            "--input-size",
+            "8",
+            "--batch-size",
+            "1",
+            "--iterations",
+            "1",
+            "--warmup",
+            "0",
+            "--precision",
+            precision,
+        ])
+    };
+    let said = "note: BF16 values are widened to FP32 for every multiply here";
+    let out = bench("bf16");
+    assert!(out.contains(said), "{out}");
+    let out = bench("fp32");
+    assert!(!out.contains("widened"), "{out}");
+    let out = run(&["doctor"]);
+    assert!(out.contains("BF16 multiplied as FP32 ("), "{out}");
+}
+
 /// On a CPU with AVX512_BF16 (without AMX), BF16 multiplies bf16 pairs only where a probe
 /// found `vdpbf16ps` at least as fast as FMAs, FLOP for FLOP: measured once, kept in the cache
 /// folder, read by later runs, said by `doctor` and `peak`; `WORKSHOP_CPU_SIMD` still forces

@@ -582,6 +582,20 @@ pub fn warnings() -> Vec<String> {
     cpu::simd::warning().into_iter().collect()
 }
 
+/// A note for a run in `precision` on backend `kind`, where the kernels will not compute in
+/// that precision (BF16 on a CPU whose paths widen it to FP32: see
+/// [`cpu::simd::bf16_widened`]).
+pub fn precision_note(kind: BackendKind, precision: crate::model::Precision) -> Option<String> {
+    if kind != BackendKind::Cpu || precision != crate::model::Precision::Bf16 {
+        return None;
+    }
+    let why = cpu::simd::bf16_widened()?;
+    Some(format!(
+        "note: BF16 values are widened to FP32 for every multiply here ({why}): half the bytes \
+         moved, plus conversions; compare with --precision fp32"
+    ))
+}
+
 /// Refuse `--kernels vendor` on a backend without a vendor library.
 pub fn native_only(kind: BackendKind, opt: &ExecOptions) -> Result<(), BackendError> {
     match opt.kernels {

@@ -227,6 +227,9 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         report::bench::config_echo(&cfg, emulated(cfg.backend))
     );
     if cfg.framework.is_ours() {
+        if let Some(note) = crate::backend::precision_note(cfg.backend, cfg.precision) {
+            println!("{note}");
+        }
         println!("Building {} and preparing its weights...", cfg.network);
     } else {
         println!(

@@ -88,6 +88,10 @@ pub fn explain() -> String {
     } else if let Some(p) = probed() {
         said.push_str(&format!("; {}", p.describe()));
     }
+    // (Where the probe chose, its description says so already.)
+    if let Some(why) = bf16_widened().filter(|_| probed().is_none()) {
+        said.push_str(&format!("; BF16 multiplied as FP32 ({why})"));
+    }
     match super::probe::small_k_reach() {
         Some(0) => {
             said.push_str("; FP32 small-K kernel not used: it lost to the register tile here")
@@ -96,6 +100,22 @@ pub fn explain() -> String {
         None => {}
     }
     said
+}
+
+/// Why BF16 sessions widen every value to FP32 before it is multiplied, where they do (every
+/// path but AVX512_BF16's pairs and AMX's tiles): they still halve the bytes stored and
+/// moved, but add conversions that FP32 does not have, so on such a CPU `--precision bf16`
+/// is usually slower than FP32 (MobileNetV3-Large at batch 8 on a Zen 3: 136 against 178
+/// images/s).
+pub fn bf16_widened() -> Option<&'static str> {
+    match (simd(), best()) {
+        (Simd::Avx512Bf16 | Simd::Amx, _) => None,
+        (_, Simd::Avx512Bf16 | Simd::Amx) if forced().is_some() => {
+            Some("the paths forced have no BF16 multiply")
+        }
+        (_, Simd::Avx512Bf16) => Some("vdpbf16ps lost the start-up probe to the FP32 FMAs"),
+        _ => Some("this CPU has neither AVX512_BF16 nor AMX"),
+    }
 }
 
 /// The probe's result where it chose the paths in use: on a CPU with AVX512_BF16 (without
