@@ -66,6 +66,35 @@ def export(net, size):
     return path
 
 
+# The ops ONNX Runtime's CPU provider fuses into the convolution before them.
+FUSED_INTO_CONV = {"Relu", "Add", "Sum", "BatchNormalization", "Clip", "Sigmoid", "HardSigmoid",
+                   "HardSwish", "LeakyRelu", "Tanh"}
+
+
+def fused_origins(onnx_file, profiled):
+    """ONNX Runtime's profiled node names ({name: op}) → the ONNX nodes they came from, for the
+    nodes its NCHWc pass made: it names them after the output of the last node fused in
+    (`/layer1/layer1.0/relu/Relu_output_0_nchwc` is conv1 with its batch norm and ReLU), which
+    keeps no module's name. A convolution is walked back from that output through the ops it
+    fuses to the Conv; at an Add (a residual), along the input whose chain is not profiled under
+    a name of its own (the other is the block's input, or a downsample convolution timed apart).
+    Any other op (a pool) is the node that made the output."""
+    import onnx
+
+    graph = onnx.load(str(onnx_file)).graph
+    producer = {out: node for node in graph.node for out in node.output}
+    origins = {}
+    for name, op in profiled.items():
+        node = producer.get(name.removesuffix("_nchwc"))
+        while op == "Conv" and node is not None and node.op_type in FUSED_INTO_CONV:
+            inputs = [i for i in node.input if i in producer]
+            own = [i for i in inputs if i + "_nchwc" not in profiled and i not in profiled]
+            node = producer[(own or inputs)[0]] if inputs else None
+        if node is not None and name != node.name:
+            origins[name] = node.name
+    return origins
+
+
 start = time.perf_counter()
 onnx_file = export(a.network, a.input_size)
 export_s = time.perf_counter() - start
@@ -120,12 +149,15 @@ if a.layers and a.engine == "onnxruntime":
     events = json.loads(pathlib.Path(session.end_profiling()).read_text())
     runs = sorted(e["ts"] for e in events if e.get("name") == "model_run")
     timed_from = runs[a.warmup] if len(runs) > a.warmup else 0
-    for e in events:
-        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= timed_from:
-            node = e["name"].removesuffix("_kernel_time")
-            entry = layers.setdefault(node, {"type": e["args"].get("op_name", "?"),
-                                             "exec": e["args"].get("provider", "?"), "s": 0.0})
-            entry["s"] += e["dur"] / 1e6
+    timed = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")
+             and e["ts"] >= timed_from]
+    origin = fused_origins(onnx_file, {e["name"].removesuffix("_kernel_time"): e["args"].get("op_name")
+                                       for e in timed})
+    for e in timed:
+        node = e["name"].removesuffix("_kernel_time")
+        entry = layers.setdefault(origin.get(node, node), {"type": e["args"].get("op_name", "?"),
+                                                          "exec": e["args"].get("provider", "?"), "s": 0.0})
+        entry["s"] += e["dur"] / 1e6
 median = statistics.median(samples)
 record = {
     "impl": impl, "device": "cpu", "network": a.network, "batch_size": a.batch_size, "dtype": a.dtype,
