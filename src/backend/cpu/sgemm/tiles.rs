@@ -381,27 +381,41 @@ pub(super) mod avx2 {
     ) {
         let residual = fin.map_or(std::ptr::null(), |f| f.residual);
         let call = (k, (a, lda, m), panel, bias, (c, ldc, cols), residual);
-        // One copy of the loop per activation kept in registers (see the AVX-512 kernel).
+        let act = fin.map_or(Act::None, |f| f.act);
+        // One copy of the loop per activation kept in registers (see the AVX-512 kernel), and
+        // per whole or partial panel: with the panel's width known, a row's store is its two
+        // vectors (a check of the width on every row, and the local row's traffic, were a
+        // tenth of a K-24 layer's time).
+        macro_rules! by_act {
+            ($whole:literal) => {
+                match act {
+                    Act::None => rows::<$whole>(call, |x| x),
+                    Act::Relu => rows::<$whole>(call, |x| {
+                        crate::backend::cpu::kernels::activate_ymm(Act::Relu, x)
+                    }),
+                    other => rows::<$whole>(call, |x| {
+                        crate::backend::cpu::kernels::activate_ymm(other, x)
+                    }),
+                }
+            };
+        }
         // SAFETY: the caller's.
         unsafe {
-            match fin.map_or(Act::None, |f| f.act) {
-                Act::None => rows(call, |x| x),
-                Act::Relu => rows(call, |x| {
-                    crate::backend::cpu::kernels::activate_ymm(Act::Relu, x)
-                }),
-                other => rows(call, |x| {
-                    crate::backend::cpu::kernels::activate_ymm(other, x)
-                }),
+            if cols == NR {
+                by_act!(true)
+            } else {
+                by_act!(false)
             }
         }
     }
 
-    /// [`stationary`]'s loop, finishing each row with `op` after its residual.
+    /// [`stationary`]'s loop, finishing each row with `op` after its residual; `WHOLE`:
+    /// `cols` is `NR`.
     ///
     /// # Safety
     /// As for [`stationary`].
     #[inline(always)]
-    unsafe fn rows(
+    unsafe fn rows<const WHOLE: bool>(
         (k, (a, lda, m), panel, bias, (c, ldc, cols), residual): super::RowsCall,
         op: impl Fn(__m256) -> __m256,
     ) {
@@ -428,7 +442,7 @@ pub(super) mod avx2 {
                     let at = (r0 + i) * ldc;
                     // A whole panel's row in place; a partial one through `row`.
                     let mut row = [0f32; NR];
-                    let (from, to) = if cols == NR {
+                    let (from, to) = if WHOLE {
                         (residual.wrapping_add(at), c.add(at))
                     } else {
                         if !residual.is_null() {
@@ -444,7 +458,7 @@ pub(super) mod avx2 {
                         };
                         _mm256_storeu_ps(to.add(v * 8), op(x));
                     }
-                    if cols < NR {
+                    if !WHOLE {
                         std::ptr::copy_nonoverlapping(row.as_ptr(), c.add(at), cols);
                     }
                 }
