@@ -673,8 +673,9 @@ impl Lanes for bf16 {
 }
 
 /// Storage the kernels written with intrinsics read and write (the AVX-512 stems', the
-/// depthwise rows' on AVX-512 and AVX2): f32, or bf16 widened as it is read and narrowed in registers as it is
-/// stored (to nearest, ties to even, as [`crate::backend::cpu::elem::f32_bf16`]).
+/// depthwise rows' on AVX-512 and AVX2): f32, or bf16 widened as it is read and narrowed in
+/// registers as it is stored (to nearest, ties to even, as
+/// [`crate::backend::cpu::elem::f32_bf16`]).
 pub(super) trait Wide: Lanes + Default {
     /// The lanes of `mask` of `v` stored at `p`.
     ///
@@ -1028,16 +1029,17 @@ impl<S: Lanes> DepthwiseRow<'_, S> {
 }
 
 /// Depthwise rows written with intrinsics, on AVX-512 (a zmm of 16 channels, a layer's last
-/// block masked) and on AVX2 (a ymm of 8, for layers whose channels are a multiple of 8: every
-/// depthwise layer of the zoo): runs of P output pixels × one register of channels, the
-/// accumulators and a tap row's weights in registers, each input pixel loaded once per tap row
-/// and multiplied into every output pixel it reaches. The compiler's vectorisation of
-/// [`DepthwiseRow`] kept 4 pixels (8 spilled its arrays to the stack and ran 30–50% slower on
-/// AVX-512), so each tap row was a chain of K dependent FMAs per accumulator with only 4
-/// accumulators, and every input load checked two slice bounds; on AVX2 its blocks of 16
-/// channels (two ymm) and a 5×5 row's weights needed more than AVX2's 16 registers. The sums
-/// are the same FMAs in the same order as [`DepthwiseRow::row_taps`]: results are equal bit
-/// for bit, on every path.
+/// block masked) and on AVX2 (a ymm of 8, for layers whose channels are a multiple of 8: all of
+/// MobileNet's, EfficientNet's and ConvNeXt's; ShuffleNet's 58- and 116-channel layers keep the
+/// vectorised kernel): runs of P output pixels × one register of channels, the accumulators and
+/// a tap row's weights in registers, each input pixel loaded once per tap row and multiplied
+/// into every output pixel it reaches (on AVX2 at 5×5 and 7×7, once per tap: see `sums`). The
+/// compiler's vectorisation of [`DepthwiseRow`] kept 4 pixels (8 spilled its arrays to the
+/// stack and ran 30–50% slower on AVX-512), so each tap row was a chain of K dependent FMAs per
+/// accumulator with only 4 accumulators, and every input load checked two slice bounds; on
+/// AVX2 its blocks of 16 channels (two ymm) and a 5×5 row's weights needed more than AVX2's 16
+/// registers. The sums are the same FMAs in the same order as [`DepthwiseRow::row_taps`]:
+/// results are equal bit for bit, on every path.
 #[cfg(target_arch = "x86_64")]
 mod regs {
     use std::arch::x86_64::*;
@@ -1108,8 +1110,8 @@ mod regs {
     /// 7×7 at stride 1, without dilation, where `simd` is AVX-512's path (any channel count)
     /// or AVX2's (channels a multiple of 8); `false` (nothing written) otherwise. `input`
     /// holds the tap rows (`None` in the padding), each `width` pixels of `bias.len()`
-    /// channels; `w` is (ky, kx, channel). `simd` is the path in use ([`crate::backend::cpu::simd::simd`]),
-    /// or for tests one the CPU has.
+    /// channels; `w` is (ky, kx, channel). `simd` is the path in use
+    /// ([`crate::backend::cpu::simd::simd`]), or for tests one the CPU has.
     pub(super) fn row<I: Wide, O: Wide>(
         simd: Simd,
         c: &Conv2d,
