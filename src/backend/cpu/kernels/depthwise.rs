@@ -1310,7 +1310,7 @@ mod regs {
             let mut acc = [V::get(bias.as_ptr().add(c0), mask); P];
             for (ky, row) in input.iter().enumerate() {
                 let Some(row) = row else { continue };
-                if BY_TAP && !EDGE && size_of::<I>() == 4 {
+                if BY_TAP && !EDGE && I::IS_F32 {
                     // Tap by tap (where the run reads no padding, from f32): each input pixel
                     // loaded for each tap that reads it, as an FMA's memory operand, over a
                     // tap count the compiler does not know. Over the taps unrolled, the
@@ -1324,9 +1324,6 @@ mod regs {
                         let wv = V::get(w.as_ptr().add((ky * K + kx) * ch + c0), mask);
                         for (p, acc) in acc.iter_mut().enumerate() {
                             let ix = x0 + (p * S + kx) as isize;
-                            if EDGE && (ix < 0 || ix as usize >= width) {
-                                continue;
-                            }
                             let x = V::get(row.as_ptr().add(ix as usize * ch + c0), mask);
                             *acc = x.fmadd(wv, *acc);
                         }
