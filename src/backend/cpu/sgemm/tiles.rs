@@ -360,11 +360,12 @@ pub(super) mod avx2 {
 
     /// The AVX2 small-K kernel (see `avx512::stationary`, whose loop this is at half the
     /// width): C[m × cols] of one panel, A's rows streaming past the panel's block 6 at a
-    /// time (the last group repeating the last row), 12 accumulators of two vectors a row, B's
-    /// rows loaded at each step (from L1 where the block fits: 16 KiB at K 256; prefetched a
-    /// page ahead as the tile's are, for deeper blocks and a first pass from memory). The
-    /// register tile's per-tile costs (the row pointers built for 14 rows, C's prefetches, the
-    /// call through a pointer) stay out of the loop. A partial panel (`cols` < 16) goes through
+    /// time (the last group repeating the last row), 12 accumulators of two vectors a row (a
+    /// last panel of at most 8 columns: 12 rows of one vector), B's rows loaded at each step
+    /// (from L1 where the block fits: 16 KiB at K 256; prefetched a page ahead as the tile's
+    /// are, for deeper blocks and a first pass from memory). The register tile's per-tile
+    /// costs (the row pointers built for 14 rows, C's prefetches, the call through a pointer)
+    /// stay out of the loop. A partial width (`cols` under 16 or 8) goes through
     /// a local row: AVX2's masked stores are slow on AMD cores.
     ///
     /// # Safety
@@ -382,65 +383,71 @@ pub(super) mod avx2 {
         let residual = fin.map_or(std::ptr::null(), |f| f.residual);
         let call = (k, (a, lda, m), panel, bias, (c, ldc, cols), residual);
         let act = fin.map_or(Act::None, |f| f.act);
-        // One copy of the loop per activation kept in registers (see the AVX-512 kernel), and
-        // per whole or partial panel: with the panel's width known, a row's store is its two
-        // vectors (a check of the width on every row, and the local row's traffic, were a
-        // tenth of a K-24 layer's time).
+        // One copy of the loop per activation kept in registers (see the AVX-512 kernel), and per
+        // whole or partial width: with the width known, a row's store is its vectors (a check of
+        // the width on every row, and the local row's traffic, were a tenth of a K-24 layer's
+        // time). A last panel of at most 8 columns (MobileNetV3's 24, 40, 72, 120, 184 and 200)
+        // takes one vector a row, 12 rows at a time: half the FMAs (alone on a Zen 3 core, in one
+        // process, 768-row chunks at K 24–480: 0.55–0.75× the time of two vectors a row).
+        // MobileNetV3's hardswish and EfficientNet's SiLU have their own copies too: through the
+        // catch-all arm (a match per vector) their layers took 1.02–1.2× the time.
+        use crate::backend::cpu::kernels::activate_ymm;
         macro_rules! by_act {
-            ($whole:literal) => {
+            ($v:literal, $r:literal, $whole:literal) => {
                 match act {
-                    Act::None => rows::<$whole>(call, |x| x),
-                    Act::Relu => rows::<$whole>(call, |x| {
-                        crate::backend::cpu::kernels::activate_ymm(Act::Relu, x)
-                    }),
-                    other => rows::<$whole>(call, |x| {
-                        crate::backend::cpu::kernels::activate_ymm(other, x)
-                    }),
+                    Act::None => rows::<$v, $r, $whole>(call, |x| x),
+                    Act::Relu => rows::<$v, $r, $whole>(call, |x| activate_ymm(Act::Relu, x)),
+                    Act::Hardswish => {
+                        rows::<$v, $r, $whole>(call, |x| activate_ymm(Act::Hardswish, x))
+                    }
+                    Act::Silu => rows::<$v, $r, $whole>(call, |x| activate_ymm(Act::Silu, x)),
+                    other => rows::<$v, $r, $whole>(call, |x| activate_ymm(other, x)),
                 }
             };
         }
         // SAFETY: the caller's.
         unsafe {
-            if cols == NR {
-                by_act!(true)
-            } else {
-                by_act!(false)
+            match cols {
+                NR => by_act!(2, 6, true),
+                8 => by_act!(1, 12, true),
+                ..8 => by_act!(1, 12, false),
+                _ => by_act!(2, 6, false),
             }
         }
     }
 
-    /// [`stationary`]'s loop, finishing each row with `op` after its residual; `WHOLE`:
-    /// `cols` is `NR`.
+    /// [`stationary`]'s loop, `R` rows at a time of `V` vectors each, finishing each row with
+    /// `op` after its residual; `WHOLE`: `cols` is `V` · 8.
     ///
     /// # Safety
-    /// As for [`stationary`].
+    /// As for [`stationary`], with `cols` at most `V` · 8.
     #[inline(always)]
-    unsafe fn rows<const WHOLE: bool>(
+    unsafe fn rows<const V: usize, const R: usize, const WHOLE: bool>(
         (k, (a, lda, m), panel, bias, (c, ldc, cols), residual): super::RowsCall,
         op: impl Fn(__m256) -> __m256,
     ) {
-        const R: usize = 6;
         // SAFETY: the caller's (every access inside the ranges it guarantees; a partial
-        // panel's residual and C through a local row).
+        // width's residual and C through a local row).
         unsafe {
-            let start = [_mm256_loadu_ps(bias), _mm256_loadu_ps(bias.add(8))];
+            let start: [__m256; V] = std::array::from_fn(|v| _mm256_loadu_ps(bias.add(v * 8)));
             for r0 in (0..m).step_by(R) {
                 let ar: [*const f32; R] = std::array::from_fn(|i| a.add((r0 + i).min(m - 1) * lda));
                 let mut acc = [start; R];
                 for kk in 0..k {
                     let ahead = panel.wrapping_add((kk + super::B_PREFETCH) * NR);
                     _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
-                    let b0 = _mm256_loadu_ps(panel.add(kk * NR));
-                    let b1 = _mm256_loadu_ps(panel.add(kk * NR + 8));
+                    let bk: [__m256; V] =
+                        std::array::from_fn(|v| _mm256_loadu_ps(panel.add(kk * NR + v * 8)));
                     for (x, ar) in acc.iter_mut().zip(&ar) {
                         let av = _mm256_set1_ps(*ar.add(kk));
-                        x[0] = _mm256_fmadd_ps(av, b0, x[0]);
-                        x[1] = _mm256_fmadd_ps(av, b1, x[1]);
+                        for (x, &b) in x.iter_mut().zip(&bk) {
+                            *x = _mm256_fmadd_ps(av, b, *x);
+                        }
                     }
                 }
                 for (i, x) in acc.iter().enumerate().take(m - r0) {
                     let at = (r0 + i) * ldc;
-                    // A whole panel's row in place; a partial one through `row`.
+                    // A whole width's row in place; a partial one through `row`.
                     let mut row = [0f32; NR];
                     let (from, to) = if WHOLE {
                         (residual.wrapping_add(at), c.add(at))
