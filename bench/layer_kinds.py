@@ -52,7 +52,8 @@ def module_kinds(net):
 
 
 def ours(a):
-    """{node: (op, seconds per iteration)} from one traced `workshop bench` run."""
+    """({node: (op, seconds per iteration)}, {node: the other nodes its kernel ran}) from one
+    traced `workshop bench` run."""
     with tempfile.TemporaryDirectory() as d:
         trace = pathlib.Path(d) / "t.json"
         subprocess.run([str(WORKSHOP), "bench", "--network", a.network, "--batch-size", str(a.batch_size),
@@ -61,13 +62,45 @@ def ours(a):
                        check=True, stdout=subprocess.DEVNULL)
         events = json.loads(trace.read_text())["traceEvents"]
     iterations = sum(1 for e in events if e.get("cat") == "host")
-    nodes = {}
+    nodes, fused = {}, {}
     for e in events:
         if e.get("ph") == "X" and e.get("pid") == 2:
             node = e["args"]["node"]
             op, s = nodes.get(node, (e["cat"], 0.0))
             nodes[node] = (op, s + e["dur"] / 1e6 / iterations)
-    return nodes
+            if e["args"].get("fused"):
+                fused[node] = e["args"]["fused"]
+    return nodes, fused
+
+
+def short_kind(kind):
+    """A layer kind as a fused group's kind names it: `pw` for a 1×1 convolution, `dw 3x3 s1`
+    for a depthwise one."""
+    if kind.startswith("conv 1x1") and "depthwise" not in kind:
+        return "pw"
+    body = kind.replace("conv ", "").replace(" depthwise", "")
+    return f"dw {body}" if "depthwise" in kind else body
+
+
+def fused_groups(fused, kinds):
+    """{module: (group name, group kind)} for the layers our kernels ran together (the CPU's
+    pointwise → depthwise → pointwise), so that both sides' times for them land on one row:
+    the group named as our profiles name it (`features.2.block.{0.0, 1.0, 2.0}`), its kind
+    after its layers' (`pw + dw 3x3 s2 + pw`)."""
+    out = {}
+    for node, others in fused.items():
+        order = lambda n: [int(p) if p.isdigit() else -1 for p in n.split(".")]
+        layers = sorted([node] + others, key=order)
+        parts = [layer.split(".") for layer in layers]
+        shared = 0
+        while shared < min(map(len, parts)) - 1 and len({p[shared] for p in parts}) == 1:
+            shared += 1
+        rest = ", ".join(".".join(p[shared:]) for p in parts)
+        name = ".".join(parts[0][:shared] + [f"{{{rest}}}"])
+        kind = " + ".join(short_kind(kinds.get(layer, "?")) for layer in layers)
+        for layer in layers:
+            out[layer] = (name, kind)
+    return out
 
 
 def peer(a):
@@ -145,8 +178,12 @@ def main():
     if a.peer == "onnxruntime" and a.precision != "fp32":
         p.error("ONNX Runtime's CPU provider runs these models in FP32 only")
     kinds = module_kinds(a.network)
-    ours_nodes = ours(a)
+    ours_nodes, fused = ours(a)
     ov_nodes = peer(a)
+    # Layers our kernels ran together count as one kind on both sides, one module in the list.
+    groups = fused_groups(fused, kinds)
+    module_names = {m: groups[m][0] if m in groups else m for m in kinds}
+    kinds = {m: groups[m][1] if m in groups else k for m, k in kinds.items()}
     name, short = {"openvino": ("OpenVINO", "OV"), "onnxruntime": ("ONNX Runtime", "ORT")}[a.peer]
     mine, theirs = by_kind(ours_nodes, kinds), by_kind(ov_nodes, kinds)
     total_m, total_t = sum(mine.values()), sum(theirs.values())
@@ -161,14 +198,17 @@ def main():
     print(f"{'total':28} {total_m * 1e3:14.2f} {'':>6} {total_t * 1e3:12.2f} {'':>6} {total_m / total_t:8.2f}")
     # The layers where ours loses the most time to the peer, module by module.
     per = collections.defaultdict(lambda: [0.0, 0.0])
+    kind_of = {}
     for side, nodes in ((0, ours_nodes), (1, ov_nodes)):
         for node, (op, s) in nodes.items():
-            if module_in(node, op, kinds) in kinds:
-                per[module_in(node, op, kinds)][side] += s
+            module = module_in(node, op, kinds)
+            if module in kinds:
+                per[module_names[module]][side] += s
+                kind_of[module_names[module]] = kinds[module]
     worst = sorted(per.items(), key=lambda kv: -(kv[1][0] - kv[1][1]))[:a.top]
     print(f"\nmodules where ours spends the most over {name} (ms):")
     for module, (m, t) in worst:
-        print(f"  {module:28} {kinds[module]:22} ours {m * 1e3:7.2f}  {name} {t * 1e3:7.2f}")
+        print(f"  {module:28} {kind_of[module]:22} ours {m * 1e3:7.2f}  {name} {t * 1e3:7.2f}")
 
 
 if __name__ == "__main__":

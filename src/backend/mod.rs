@@ -192,6 +192,10 @@ pub struct KernelTime {
     /// Start, from the start of the forward pass, on the device's clock.
     pub start_ns: u64,
     pub ns: u64,
+    /// The other nodes whose work this kernel did along with `node`'s (layers fused at run
+    /// time, in graph order; empty for a kernel of one node): the time is theirs too.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fused: Vec<String>,
 }
 
 /// Device memory of a session, in bytes.

@@ -35,6 +35,11 @@ pub struct Module {
     /// Bytes the layers read and write (inputs, weights, outputs) at the run's precision.
     pub bytes: u64,
     pub latency_ns: u64,
+    /// Where the layer ran inside a kernel of several layers (fused at run time): that group's
+    /// name (see [`FlopsProfile::fused`]). Its time is the group's, counted in the group's
+    /// nearest container, not in the layer's own row.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fused_in: Option<String>,
 }
 
 impl Module {
@@ -97,6 +102,11 @@ pub struct FlopsProfile {
     pub limits: Limits,
     /// The tree in preorder; `modules[0]` is the whole network.
     pub modules: Vec<Module>,
+    /// Layers that ran as one kernel (the CPU's fused pointwise and depthwise convolutions),
+    /// each group as one row: its layers' params, MACs, FLOPs and bytes, the kernel's time.
+    /// Named after the layers (`features.2.block.{0.0, 1.0, 2.0}`), the kernel as its layer.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fused: Vec<Module>,
 }
 
 impl FlopsProfile {
@@ -195,7 +205,24 @@ pub fn profile(
         row.flops += plan.node_flops(id);
         row.bytes += plan.node_bytes(id, precision);
     }
+    // What a layer's output costs in memory, written and read back: a group that runs as one
+    // kernel keeps its inner layers' outputs on chip.
+    let id_of: HashMap<&str, usize> = (graph.nodes.iter().enumerate())
+        .map(|(id, n)| (n.name.as_str(), id))
+        .collect();
+    let round_trip = |name: &str| {
+        id_of.get(name).map_or(0, |&id| {
+            (plan.shapes[id].iter()).fold(2 * precision.bytes() as u64, |n, &d| {
+                n.saturating_mul(d as u64)
+            })
+        })
+    };
+    let mut fused: Vec<Module> = Vec::new();
     for k in kernels {
+        if !k.fused.is_empty() {
+            fused_kernel(&mut tree, (&leaf_of, &round_trip), &mut fused, k);
+            continue;
+        }
         // Kernels outside the graph (the final conversion of the output) become their own leaf.
         let m = match leaf_of.get(k.node.as_str()) {
             Some(&m) => m,
@@ -217,7 +244,78 @@ pub fn profile(
         host_s,
         limits,
         modules: tree.preorder(),
+        fused,
     }
+}
+
+/// A kernel of several layers into `tree`: its time to the layers' nearest container, each
+/// layer marked as run in the group, the group's row in `groups` made or its time added to.
+/// The group's bytes are its layers' less `round_trip` of each output but the last.
+fn fused_kernel(
+    tree: &mut Tree,
+    (leaf_of, round_trip): (&HashMap<String, usize>, &dyn Fn(&str) -> u64),
+    groups: &mut Vec<Module>,
+    k: &KernelTime,
+) {
+    // The layers in network order (the tree's rows are in first-seen order).
+    let mut layers: Vec<&str> = std::iter::once(&k.node)
+        .chain(&k.fused)
+        .map(String::as_str)
+        .collect();
+    layers.sort_by_key(|n| leaf_of.get(*n).copied().unwrap_or(usize::MAX));
+    let parts: Vec<Vec<&str>> = layers.iter().map(|n| n.split('.').collect()).collect();
+    // The path all the layers share, short of every layer's own name.
+    let shortest = parts.iter().map(Vec::len).min().unwrap_or(1);
+    let shared = (0..shortest - 1)
+        .take_while(|&i| parts.iter().all(|p| p[i] == parts[0][i]))
+        .count();
+    let container = parts[0][..shared].join(".");
+    let rest: Vec<String> = parts.iter().map(|p| p[shared..].join(".")).collect();
+    let name = if container.is_empty() {
+        format!("{{{}}}", rest.join(", "))
+    } else {
+        format!("{container}.{{{}}}", rest.join(", "))
+    };
+    let at = if container.is_empty() {
+        0
+    } else {
+        tree.path(&container)
+    };
+    tree.rows[at].latency_ns += k.ns;
+    if let Some(g) = groups.iter_mut().find(|g| g.name == name) {
+        g.latency_ns += k.ns;
+        return;
+    }
+    let mut group = Module {
+        name: name.clone(),
+        depth: tree.rows[at].depth + 1,
+        layer: format!("{} (one kernel)", k.kernel),
+        kind: format!("{} ×{}", k.op, layers.len()),
+        calls: 1,
+        params: 0,
+        macs: 0,
+        flops: 0,
+        bytes: 0,
+        latency_ns: k.ns,
+        fused_in: None,
+    };
+    let mut kept = 0u64;
+    for (i, layer) in layers.iter().enumerate() {
+        let Some(&m) = leaf_of.get(*layer) else {
+            continue;
+        };
+        let row = &mut tree.rows[m];
+        row.fused_in = Some(name.clone());
+        group.params += row.params;
+        group.macs += row.macs;
+        group.flops += row.flops;
+        group.bytes += row.bytes;
+        if i + 1 < layers.len() {
+            kept = kept.saturating_add(round_trip(layer));
+        }
+    }
+    group.bytes = group.bytes.saturating_sub(kept);
+    groups.push(group);
 }
 
 /// Modules by path with their children in first-seen order.
@@ -250,6 +348,7 @@ impl Tree {
             flops: 0,
             bytes: 0,
             latency_ns: 0,
+            fused_in: None,
         });
         self.children.push(Vec::new());
         self.index.insert(name, self.rows.len() - 1);
@@ -315,6 +414,7 @@ mod tests {
             kernel: "k".into(),
             start_ns: 0,
             ns,
+            fused: Vec::new(),
         }
     }
 
@@ -361,6 +461,47 @@ mod tests {
         let depth1: u64 = p.at_depth(1).map(|m| m.flops).sum();
         assert_eq!(depth1, root.flops);
         assert_eq!(root.flops, plan.flops());
+    }
+
+    /// A kernel of three layers (the CPU's fused pointwise → depthwise → pointwise) is one
+    /// row named after them, timed once, in their block's total; its layers say where their
+    /// time went, and the group's bytes leave out the two outputs it keeps on chip.
+    #[test]
+    fn a_fused_kernel_is_one_row_timed_in_its_block() {
+        let plan = zoo::build("mobilenet_v3_large")
+            .unwrap()
+            .plan(1, 224, 224)
+            .unwrap();
+        let layers = ["features.2.block.0.0", "features.2.block.1.0", "features.2.block.2.0"];
+        let fused = KernelTime {
+            fused: vec![layers[0].into(), layers[2].into()],
+            ..kt(layers[1], 700)
+        };
+        // Timed in two parts, as a kernel run over the batch in pieces would be.
+        let kernels = vec![fused.clone(), fused, kt("features.3.block.0.0", 50)];
+        let p = profile(&plan, Precision::Fp32, &kernels, 1, 0.1, Limits::default());
+        assert_eq!(p.root().latency_ns, 1450);
+        assert_eq!(p.module("features.2.block").unwrap().latency_ns, 1400);
+        assert_eq!(p.module("features.2").unwrap().latency_ns, 1400);
+        let [group] = &p.fused[..] else {
+            panic!("one group: {:?}", p.fused);
+        };
+        assert_eq!(group.name, "features.2.block.{0.0, 1.0, 2.0}");
+        assert_eq!(group.latency_ns, 1400);
+        let rows: Vec<&Module> = layers.iter().map(|l| p.module(l).unwrap()).collect();
+        for row in &rows {
+            assert_eq!(row.fused_in.as_deref(), Some(group.name.as_str()));
+            assert_eq!(row.latency_ns, 0, "{}: its time is the group's", row.name);
+        }
+        assert_eq!(group.flops, rows.iter().map(|r| r.flops).sum::<u64>());
+        assert_eq!(group.macs, rows.iter().map(|r| r.macs).sum::<u64>());
+        // 16 → 64 channels at 112², then 64 at 56² (stride 2): written and read back, 4 bytes.
+        let inner = 2 * 4 * (64 * 112 * 112 + 64 * 56 * 56);
+        assert_eq!(
+            group.bytes,
+            rows.iter().map(|r| r.bytes).sum::<u64>() - inner
+        );
+        assert!(p.module("features.3.block.0.0").unwrap().fused_in.is_none());
     }
 
     #[test]

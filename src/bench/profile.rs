@@ -124,10 +124,15 @@ pub fn trace(iters: &[IterationTimes], device: &str) -> serde_json::Value {
             "ts": it.start_us, "dur": it.host_s * 1e6,
         }));
         for k in &it.kernels {
+            // A kernel of several layers names the others too.
+            let mut args = serde_json::json!({"node": k.node});
+            if !k.fused.is_empty() {
+                args["fused"] = serde_json::json!(k.fused);
+            }
             events.push(serde_json::json!({
                 "ph": "X", "name": k.kernel, "cat": k.op, "pid": 2, "tid": 1,
                 "ts": it.start_us + k.start_ns as f64 / 1e3, "dur": k.ns as f64 / 1e3,
-                "args": {"node": k.node},
+                "args": args,
             }));
         }
     }
@@ -145,6 +150,7 @@ mod tests {
             kernel: kernel.into(),
             start_ns,
             ns,
+            fused: Vec::new(),
         }
     }
 

@@ -340,9 +340,15 @@ fn timing_cells(p: &FlopsProfile, m: &Module) -> [Cell; 6] {
     ]
 }
 
-/// The slowest layers with their intensity and bound.
+/// The slowest layers with their intensity and bound: a group of layers that ran as one
+/// kernel as one row, in place of its layers.
 fn flops_slowest(s: &mut String, p: &FlopsProfile, top: usize) {
-    let mut leaves: Vec<&Module> = p.modules.iter().filter(|m| !m.kind.is_empty()).collect();
+    let mut leaves: Vec<&Module> = p
+        .modules
+        .iter()
+        .filter(|m| !m.kind.is_empty() && m.fused_in.is_none())
+        .chain(&p.fused)
+        .collect();
     leaves.sort_by_key(|m| std::cmp::Reverse(m.latency_ns));
     let _ = writeln!(s, "\nTop {} layers by fwd latency:", top.min(leaves.len()));
     let mut t = new_table();
@@ -409,7 +415,18 @@ fn flops_detailed(s: &mut String, p: &FlopsProfile, depth: Option<usize>) {
             } else {
                 String::new()
             };
-            let _ = writeln!(s, "{indent}({short}): {}{calls}, {}", m.layer, stats(m));
+            match &m.fused_in {
+                Some(group) => {
+                    let _ = writeln!(
+                        s,
+                        "{indent}({short}): {}{calls}, one kernel with others: timed as {group}",
+                        m.layer
+                    );
+                }
+                None => {
+                    let _ = writeln!(s, "{indent}({short}): {}{calls}, {}", m.layer, stats(m));
+                }
+            }
         }
     }
     while let Some(d) = open.pop() {

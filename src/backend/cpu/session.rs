@@ -535,6 +535,10 @@ impl<T: Elem> CpuSession<T> {
                 kernel: format!("{kernel}_{}", T::SUFFIX),
                 start_ns: start.duration_since(forward_start).as_nanos() as u64,
                 ns: end.duration_since(start).as_nanos() as u64,
+                fused: (first..=last)
+                    .filter(|&id| id != d)
+                    .map(|id| self.names[id].clone())
+                    .collect(),
             });
         }
         last + 1 - first
@@ -821,6 +825,7 @@ impl<T: Elem> CpuSession<T> {
                     kernel,
                     start_ns: from.duration_since(forward_start).as_nanos() as u64,
                     ns: to.duration_since(from).as_nanos() as u64,
+                    fused: Vec::new(),
                 });
                 from = to;
             }
@@ -1128,6 +1133,12 @@ mod tests {
                 "{kernel}"
             );
             assert!(same(&fused, &apart), "{kernel} against the layers apart");
+            // Timed on the depthwise layer, naming the others it ran (profiles credit them).
+            let t = (session.times.iter().find(|t| t.kernel == kernel)).unwrap();
+            let name = |id: usize| plan.graph.nodes[id].name.clone();
+            assert_eq!(t.node, name(2));
+            let others = [pairs.then(|| name(1)), projects.then(|| name(3))];
+            assert_eq!(t.fused, others.into_iter().flatten().collect::<Vec<_>>());
         }
         session.paired = paired;
         session.projected = projected;

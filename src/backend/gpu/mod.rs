@@ -450,6 +450,7 @@ impl<D: Device> Session for GpuSession<D> {
                     kernel: s.kernel_name(p),
                     start_ns: t[i],
                     ns: t[i + 1].saturating_sub(t[i]),
+                    fused: Vec::new(),
                 })
                 .collect(),
         )

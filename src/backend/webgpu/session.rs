@@ -440,6 +440,7 @@ impl Session for WgpuSession {
                     kernel: format!("{}_{}", d.kernel.source().1, self.precision.name()),
                     start_ns: (ticks[2 * i].saturating_sub(ticks[0]) as f64 * period) as u64,
                     ns: (ticks[2 * i + 1].saturating_sub(ticks[2 * i]) as f64 * period) as u64,
+                    fused: Vec::new(),
                 })
                 .collect(),
         )
