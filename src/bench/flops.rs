@@ -220,7 +220,7 @@ pub fn profile(
     let mut fused: Vec<Module> = Vec::new();
     for k in kernels {
         if !k.fused.is_empty() {
-            fused_kernel(&mut tree, (&leaf_of, &round_trip), &mut fused, k);
+            fused_kernel(&mut tree, &leaf_of, &round_trip, &mut fused, k);
             continue;
         }
         // Kernels outside the graph (the final conversion of the output) become their own leaf.
@@ -253,7 +253,8 @@ pub fn profile(
 /// The group's bytes are its layers' less `round_trip` of each output but the last.
 fn fused_kernel(
     tree: &mut Tree,
-    (leaf_of, round_trip): (&HashMap<String, usize>, &dyn Fn(&str) -> u64),
+    leaf_of: &HashMap<String, usize>,
+    round_trip: &dyn Fn(&str) -> u64,
     groups: &mut Vec<Module>,
     k: &KernelTime,
 ) {
@@ -472,7 +473,11 @@ mod tests {
             .unwrap()
             .plan(1, 224, 224)
             .unwrap();
-        let layers = ["features.2.block.0.0", "features.2.block.1.0", "features.2.block.2.0"];
+        let layers = [
+            "features.2.block.0.0",
+            "features.2.block.1.0",
+            "features.2.block.2.0",
+        ];
         let fused = KernelTime {
             fused: vec![layers[0].into(), layers[2].into()],
             ..kt(layers[1], 700)

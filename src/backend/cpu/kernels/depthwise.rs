@@ -210,14 +210,14 @@ fn tap_span(c: &Conv2d, (oy0, oy1): (usize, usize), h: usize) -> (usize, usize) 
 /// this many output rows, or `None` where it should not run fused. The band is the tallest whose
 /// pointwise rows (with the rows its taps share with the next band's) fill at most `budget`
 /// bytes, cut small enough to give each of `threads` workers two of the `n` images' bands; the
-/// pair is left unfused where the rows computed twice would add more than an eighth to the
-/// pointwise layer's work (small maps cut for a batch of one).
+/// pair is left unfused where the rows computed twice would add more than `eighths` eighths to
+/// the pointwise layer's work (small maps cut for a batch of one).
 pub fn fused_band_rows(
     dw: &Conv2d,
     mid: Nhwc,
     out_h: usize,
     threads: usize,
-    budget: usize,
+    (budget, eighths): (usize, usize),
 ) -> Option<usize> {
     if out_h == 0 || mid.h == 0 || mid.n == 0 {
         return None;
@@ -234,7 +234,7 @@ pub fn fused_band_rows(
         .map(|bands| out_h.div_ceil(bands))
         .find(|&rows| spans(rows).all(|read| read * row_bytes <= budget))?;
     let computed: usize = spans(rows).sum();
-    (8 * computed <= 9 * mid.h).then_some(rows)
+    (8 * computed <= (8 + eighths) * mid.h).then_some(rows)
 }
 
 /// A pointwise layer that reads a fused depthwise layer's output alone, run on its rows as
@@ -486,7 +486,11 @@ pub fn can_pair<T: Elem>(pw: &PackedConv<T>, dw: &PackedConv<T>) -> bool {
 /// at 3–4 MB, and 1.06–1.10× at 1.2–1.5 MB (14² and 7² maps, whose per-image GEMMs are small).
 /// BF16 (widened) with the tensor counted in f32 rather than bf16, five more pairs fused:
 /// 0.91–0.96× (at 3.6, 1.8, 1.2 MB of bf16) and one 1.03× (24 → 72, 5×5 stride 2, 3.6 MB), the
-/// network 0.976×.
+/// network 0.976×. Where the tensor is four times the L2s or more, the bands may compute up to
+/// three eighths of its rows twice, not one: on a Zen 3 (512 KiB of L2 a core) the pair 24 →
+/// 72 at 56², 5×5 stride 2 (7.2 MB at batch 8, a fifth of its rows twice in bands of 6 output
+/// rows) took 0.77–0.90× the time apart (each kernel's least time over 6 alternating runs,
+/// three times); every pair let recompute as much (the 14² ones too) left the network level.
 pub fn pair_bands<T: Elem>(
     (pw, dw): (&PackedConv<T>, &PackedConv<T>),
     xs: Nhwc,
@@ -505,7 +509,12 @@ pub fn pair_bands<T: Elem>(
     if bytes <= threads.saturating_mul(l2) {
         return None;
     }
-    fused_band_rows(&dw.conv, mid, ys.h, threads, l2 / 2)
+    let eighths = if bytes / 4 >= threads.saturating_mul(l2) {
+        3
+    } else {
+        1
+    };
+    fused_band_rows(&dw.conv, mid, ys.h, threads, (l2 / 2, eighths))
 }
 
 /// Whether pointwise layer `proj` may run on depthwise layer `dw`'s rows as they are made (a
@@ -544,7 +553,7 @@ pub fn projected_bands<T: Elem>(
     if bytes <= threads.saturating_mul(l2) {
         return None;
     }
-    fused_band_rows(&dw.conv, xs, ys.h, threads, l2 / 2)
+    fused_band_rows(&dw.conv, xs, ys.h, threads, (l2 / 2, 1))
 }
 
 /// A row's epilogue, as vectorised work: the residual added to the f32 `values`, the
@@ -2277,32 +2286,39 @@ mod tests {
         let row = 112 * 64 * 4;
         // MobileNetV3's first pair at batch 8: 56 output rows in bands of 8 (17 rows in).
         assert_eq!(
-            fused_band_rows(&dw(3, 2), mid(8, 112), 56, 2, 512 << 10),
+            fused_band_rows(&dw(3, 2), mid(8, 112), 56, 2, (512 << 10, 1)),
             Some(8)
         );
         assert_eq!(
-            fused_band_rows(&dw(3, 2), mid(8, 112), 56, 2, 17 * row),
+            fused_band_rows(&dw(3, 2), mid(8, 112), 56, 2, (17 * row, 1)),
             Some(8)
         );
         // A budget of one more row than the whole image takes: one band an image.
         assert_eq!(
-            fused_band_rows(&dw(3, 2), mid(8, 112), 56, 2, 112 * row),
+            fused_band_rows(&dw(3, 2), mid(8, 112), 56, 2, (112 * row, 1)),
             Some(56)
         );
         // Batch 1, two workers: at least four bands.
         assert_eq!(
-            fused_band_rows(&dw(3, 2), mid(1, 112), 56, 2, 112 * row),
+            fused_band_rows(&dw(3, 2), mid(1, 112), 56, 2, (112 * row, 1)),
             Some(14)
         );
         // 14² at batch 1: four bands of 4 output rows read 5 or 6 rows each, 22 for 14.
-        assert_eq!(fused_band_rows(&dw(3, 1), mid(1, 14), 14, 2, 1 << 30), None);
+        assert_eq!(
+            fused_band_rows(&dw(3, 1), mid(1, 14), 14, 2, (1 << 30, 1)),
+            None
+        );
+        // MobileNetV3-Large's 5×5 stride-2 pair at batch 8 in half of a Zen 3's L2: bands of
+        // 7 output rows read 15 to 17 input rows, 65 for 56 (a sixth computed twice).
+        let five = |eighths| fused_band_rows(&dw(5, 2), mid(8, 56), 28, 2, (256 << 10, eighths));
+        assert_eq!((five(1), five(3)), (None, Some(7)));
         // No band fits: three rows of a 3×3 layer's taps need 3 rows' bytes.
         assert_eq!(
-            fused_band_rows(&dw(3, 1), mid(8, 112), 112, 2, 2 * row),
+            fused_band_rows(&dw(3, 1), mid(8, 112), 112, 2, (2 * row, 1)),
             None
         );
         assert_eq!(
-            fused_band_rows(&dw(3, 1), mid(0, 112), 112, 2, 1 << 30),
+            fused_band_rows(&dw(3, 1), mid(0, 112), 112, 2, (1 << 30, 1)),
             None
         );
         for (k, st, n, h, budget) in [
@@ -2311,7 +2327,7 @@ mod tests {
             (5, 1, 4, 28, 1 << 20),
         ] {
             let out_h = dw(k, st).output_hw(h, h).unwrap().0;
-            let Some(band) = fused_band_rows(&dw(k, st), mid(n, h), out_h, 2, budget) else {
+            let Some(band) = fused_band_rows(&dw(k, st), mid(n, h), out_h, 2, (budget, 1)) else {
                 panic!("{k}×{k} s{st} {n}×{h}²: no bands");
             };
             let w_row = h * 64 * 4;
