@@ -1053,7 +1053,7 @@ impl<S: Lanes> DepthwiseRow<'_, S> {
 mod regs {
     use std::arch::x86_64::*;
 
-    use super::super::activation::{Vector, activate_vec};
+    use super::super::activation::{Vector, activate_vec, with_vec_act};
     use super::{RUN_BYTES, Wide};
     use crate::backend::cpu::simd::Simd;
     use crate::model::op::{Act, Conv2d};
@@ -1160,23 +1160,6 @@ mod regs {
         true
     }
 
-    /// `$shapes!(op)` with `op` the activation `act` as a function of a vector: one copy of
-    /// the loops for each common activation, not a match per vector (the catch-all arm's
-    /// match made a 672-channel 3×3 layer with hardswish at 14² take 1.5–1.8× the time of the
-    /// layer without, on a Zen 3; with its own copy, 1.3× and the layer 0.74× the time, the
-    /// kernel's least time over 40 iterations in 6 alternating runs, one thread, batch 1).
-    macro_rules! by_act {
-        ($act:expr, $shapes:ident) => {
-            match $act {
-                Act::None => $shapes!(|v| v),
-                Act::Relu => $shapes!(|v| activate_vec(Act::Relu, v)),
-                Act::Hardswish => $shapes!(|v| activate_vec(Act::Hardswish, v)),
-                Act::Silu => $shapes!(|v| activate_vec(Act::Silu, v)),
-                other => $shapes!(|v| activate_vec(other, v)),
-            }
-        };
-    }
-
     /// What [`row_k`] takes besides the rows: (weights, bias), (padding, input width),
     /// (residual row, activation).
     type At<'a, O> = (
@@ -1210,7 +1193,7 @@ mod regs {
             };
         }
         // SAFETY: the caller's.
-        unsafe { by_act!(at.2.1, shapes) }
+        unsafe { with_vec_act!(at.2.1, activate_vec, |op| shapes!(op)) }
     }
 
     /// [`row`] in ymm registers. Each shape takes the loop and run length that measured
@@ -1246,7 +1229,7 @@ mod regs {
             };
         }
         // SAFETY: the caller's.
-        unsafe { by_act!(at.2.1, shapes) }
+        unsafe { with_vec_act!(at.2.1, activate_vec, |op| shapes!(op)) }
     }
 
     /// [`row`] for K taps a row at stride S, P output pixels a run, in registers `V`, tap

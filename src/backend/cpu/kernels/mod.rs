@@ -34,7 +34,7 @@ use std::cell::RefCell;
 
 pub(crate) use activation::activate;
 #[cfg(target_arch = "x86_64")]
-pub(crate) use activation::{activate_ymm, activate_zmm};
+pub(crate) use activation::{activate_ymm, activate_zmm, with_vec_act};
 pub use conv::*;
 pub use decoder::*;
 use depthwise::*;

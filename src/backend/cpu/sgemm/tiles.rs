@@ -389,31 +389,21 @@ pub(super) mod avx2 {
         // time). A last panel of at most 8 columns (MobileNetV3's 24, 40, 72, 120, 184 and 200)
         // takes one vector a row, 12 rows at a time: half the FMAs (alone on a Zen 3 core, in one
         // process, 768-row chunks at K 24–480: 0.55–0.75× the time of two vectors a row).
-        // MobileNetV3's hardswish and EfficientNet's SiLU have their own copies too: through the
-        // catch-all arm (a match per vector) their layers took 1.02–1.2× the time.
-        use crate::backend::cpu::kernels::activate_ymm;
-        macro_rules! by_act {
-            ($v:literal, $r:literal, $whole:literal) => {
-                match act {
-                    Act::None => rows::<$v, $r, $whole>(call, |x| x),
-                    Act::Relu => rows::<$v, $r, $whole>(call, |x| activate_ymm(Act::Relu, x)),
-                    Act::Hardswish => {
-                        rows::<$v, $r, $whole>(call, |x| activate_ymm(Act::Hardswish, x))
-                    }
-                    Act::Silu => rows::<$v, $r, $whole>(call, |x| activate_ymm(Act::Silu, x)),
-                    other => rows::<$v, $r, $whole>(call, |x| activate_ymm(other, x)),
+        // MobileNetV3's hardswish and EfficientNet's SiLU have their own copies too (see
+        // `with_vec_act`).
+        use crate::backend::cpu::kernels::{activate_ymm, with_vec_act};
+        macro_rules! by_width {
+            ($op:ident) => {
+                match cols {
+                    NR => rows::<2, 6, true>(call, $op),
+                    8 => rows::<1, 12, true>(call, $op),
+                    ..8 => rows::<1, 12, false>(call, $op),
+                    _ => rows::<2, 6, false>(call, $op),
                 }
             };
         }
         // SAFETY: the caller's.
-        unsafe {
-            match cols {
-                NR => by_act!(2, 6, true),
-                8 => by_act!(1, 12, true),
-                ..8 => by_act!(1, 12, false),
-                _ => by_act!(2, 6, false),
-            }
-        }
+        unsafe { with_vec_act!(act, activate_ymm, |op| by_width!(op)) }
     }
 
     /// [`stationary`]'s loop, `R` rows at a time of `V` vectors each, finishing each row with
