@@ -270,10 +270,9 @@ pub fn run(
         .sum::<u64>() as f64
         / steps;
     let kv_read = (prompt..prompt + generate - 1)
-        .map(|p| model.keys_seen(p) as f64)
+        .map(|p| model.kv_bytes_read(p, cfg.precision) as f64)
         .sum::<f64>()
         / steps
-        * model.kv_bytes_per_token(cfg.precision) as f64
         * batch as f64;
     let stats = Stats::from_samples(&itl, batch, (decode_flops * batch as f64) as u64)
         .context("no decode steps were timed")?;

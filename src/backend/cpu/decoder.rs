@@ -238,7 +238,7 @@ impl<T: Elem> CpuDecoder<T> {
             heads: cfg.num_attention_heads,
             kv_heads: cfg.num_key_value_heads,
             head: cfg.head_dim,
-            window: cfg.sliding_window,
+            window: None,
         };
         let threads = self.threads;
         let up_width = if cfg.family == Family::Gpt2 {
@@ -274,6 +274,10 @@ impl<T: Elem> CpuDecoder<T> {
                     layer.v[at..at + hd].copy_from_slice(v);
                 }
             }
+            let view = CacheView {
+                window: cfg.window(l),
+                ..view
+            };
             kernels::cached_attention(&s.qkv, width, (&layer.k, &layer.v), view, &mut s.attn);
             self.lap("attention", &mut t);
             let layer = &self.layers[l];

@@ -379,7 +379,7 @@ impl<D: Device> GpuDecoder<D> {
             ],
         )];
         let (mut x, mut x2) = (s.x, s.x2);
-        for l in &self.m.layers {
+        for (index, l) in self.m.layers.iter().enumerate() {
             t.push(self.norm(&l.norm1, Arg::Buf(x), s.xn, rows)?);
             t.push(self.linear("linear", Arg::Buf(s.xn), &l.qkv, rows, s.qkv, None)?);
             if c.family == Family::Llama {
@@ -418,7 +418,7 @@ impl<D: Device> GpuDecoder<D> {
                 ]
                 .concat(),
             ));
-            let window = c.sliding_window.map_or(0, |w| w.min(self.context));
+            let window = c.window(index).map_or(0, |w| w.min(self.context));
             t.push(task(
                 "attention",
                 "cached_attention",

@@ -346,7 +346,6 @@ impl WgpuDecoder {
             kv_heads: c.num_key_value_heads,
             head: c.head_dim,
             context: self.context,
-            window: c.sliding_window.map_or(0, |w| w.min(self.context)),
             inner: c.intermediate_size,
             stride: 1,
             q_width: qw,
@@ -443,7 +442,7 @@ impl WgpuDecoder {
             })
             .collect();
         let (mut x, mut x2) = (s.x, s.x2);
-        for l in &self.m.layers {
+        for (index, l) in self.m.layers.iter().enumerate() {
             out.push(self.norm(&l.norm1, x, s.xn, rows, (1, 0)));
             out.extend(self.linear(s.xn, &l.qkv, rows, s.qkv, None));
             if c.family == Family::Llama {
@@ -469,7 +468,10 @@ impl WgpuDecoder {
             out.push(Launch {
                 kernel: Kernel::CachedAttention,
                 op: "attention",
-                params: base,
+                params: Params {
+                    window: c.window(index).map_or(0, |w| w.min(self.context)),
+                    ..base
+                },
                 bindings: vec![(1, s.step), (2, s.qkv), (3, l.k), (6, s.attn), (11, l.v)],
                 threads: rows * c.num_attention_heads,
             });

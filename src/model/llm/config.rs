@@ -50,8 +50,14 @@ pub struct DecoderConfig {
     pub tie_word_embeddings: bool,
     /// q, k and v projections have biases (Qwen2).
     pub qkv_bias: bool,
-    /// Each query sees at most this many keys, itself included (Mistral v0.1).
+    /// Each query sees at most this many keys, itself included (Mistral v0.1; Qwen2 with
+    /// `use_sliding_window`), in every layer but those of `full_attention_layers`.
     pub sliding_window: Option<usize>,
+    /// Layers that see every key although `sliding_window` is set: Qwen2's first
+    /// `max_window_layers`, or its `layer_types`' `full_attention` entries. Empty for Mistral,
+    /// whose every layer slides.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub full_attention_layers: Vec<usize>,
     /// Tokens that end a generation (`eos_token_id`); none for seeded weights.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub eos_token_ids: Vec<u32>,
@@ -116,6 +122,7 @@ fn gpt2() -> DecoderConfig {
         tie_word_embeddings: true,
         qkv_bias: true,
         sliding_window: None,
+        full_attention_layers: Vec::new(),
         eos_token_ids: Vec::new(),
     }
 }
@@ -147,6 +154,7 @@ fn qwen(
         tie_word_embeddings: tied,
         qkv_bias: true,
         sliding_window: None,
+        full_attention_layers: Vec::new(),
         eos_token_ids: Vec::new(),
     }
 }
@@ -181,6 +189,7 @@ fn llama3(
         tie_word_embeddings: tied,
         qkv_bias: false,
         sliding_window: None,
+        full_attention_layers: Vec::new(),
         eos_token_ids: Vec::new(),
     }
 }
@@ -284,12 +293,6 @@ impl DecoderConfig {
                         return Err(bad(k, "biases on these layers are not supported yet"));
                     }
                 }
-                if model_type == "qwen2" && flag("use_sliding_window", false)? {
-                    return Err(bad(
-                        "use_sliding_window",
-                        "Qwen2's per-layer sliding window is not supported yet",
-                    ));
-                }
                 let hidden = need("hidden_size")?;
                 let heads = need("num_attention_heads")?;
                 // transformers 5 writes `rope_parameters` (θ inside); older configs, the
@@ -326,8 +329,14 @@ impl DecoderConfig {
                     qkv_bias: model_type == "qwen2",
                     sliding_window: match model_type.as_str() {
                         "mistral" => size("sliding_window")?,
+                        // Qwen2's window exists only with `use_sliding_window` (4096 keys
+                        // when the size is left out, as transformers defaults it).
+                        "qwen2" if flag("use_sliding_window", false)? => {
+                            Some(size("sliding_window")?.unwrap_or(4096))
+                        }
                         _ => None,
                     },
+                    full_attention_layers: Vec::new(),
                     model_type,
                     eos_token_ids: Vec::new(),
                 }
@@ -338,6 +347,14 @@ impl DecoderConfig {
                     format!("`{other}` is not supported (llama, qwen2, mistral and gpt2 are)"),
                 ));
             }
+        };
+        let cfg = if cfg.model_type == "qwen2" && cfg.sliding_window.is_some() {
+            DecoderConfig {
+                full_attention_layers: qwen2_full_layers(obj, cfg.num_hidden_layers)?,
+                ..cfg
+            }
+        } else {
+            cfg
         };
         cfg.check().map_err(|reason| bad("(sizes)", reason))?;
         let eos = match get("eos_token_id") {
@@ -399,10 +416,22 @@ impl DecoderConfig {
                     })),
                     "hidden_act": "silu",
                     "sliding_window": self.sliding_window,
-                    "use_sliding_window": false,
+                    "use_sliding_window": self.sliding_window.is_some(),
                 })
             }
         };
+        if self.model_type == "qwen2" && self.sliding_window.is_some() {
+            // transformers 5 reads `layer_types`; older releases, the leading full layers.
+            let types: Vec<&str> = (0..self.num_hidden_layers)
+                .map(|l| match self.window(l) {
+                    Some(_) => "sliding_attention",
+                    None => "full_attention",
+                })
+                .collect();
+            let leading = types.iter().take_while(|t| **t == "full_attention").count();
+            v["layer_types"] = types.into();
+            v["max_window_layers"] = leading.into();
+        }
         v["tie_word_embeddings"] = self.tie_word_embeddings.into();
         if !self.eos_token_ids.is_empty() {
             v["eos_token_id"] = self.eos_token_ids.clone().into();
@@ -434,6 +463,16 @@ impl DecoderConfig {
         }
         if self.sliding_window == Some(0) {
             return Err("a sliding window of 0 keys".into());
+        }
+        if let Some(&l) = self
+            .full_attention_layers
+            .iter()
+            .find(|&&l| l >= self.num_hidden_layers)
+        {
+            return Err(format!(
+                "full-attention layer {l} of {} layers",
+                self.num_hidden_layers
+            ));
         }
         let largest = [
             self.vocab_size * self.hidden_size,
@@ -500,27 +539,40 @@ impl DecoderConfig {
         n
     }
 
-    /// Keys a query at position `pos` (from 0) attends to.
-    pub fn keys_seen(&self, pos: usize) -> usize {
-        let all = pos + 1;
-        self.sliding_window.map_or(all, |w| all.min(w))
+    /// The most keys a query of `layer` sees (itself included), or `None` for every key.
+    pub fn window(&self, layer: usize) -> Option<usize> {
+        self.sliding_window
+            .filter(|_| !self.full_attention_layers.contains(&layer))
+    }
+
+    /// Keys a query at position `pos` (from 0) attends to, summed over the layers.
+    pub fn layer_keys(&self, pos: usize) -> u64 {
+        (0..self.num_hidden_layers)
+            .map(|l| self.window(l).map_or(pos + 1, |w| w.min(pos + 1)) as u64)
+            .sum()
     }
 
     /// FLOPs of one sequence's prefill of `prompt` tokens: every GEMM on every token but the
     /// LM head on the last only, and causal attention (q·k and p·v, 2 FLOPs a multiply-add).
     pub fn prefill_flops(&self, prompt: usize) -> u64 {
         let per_token = self.matmul_params() - self.lm_head_params();
-        let keys: u64 = (0..prompt).map(|p| self.keys_seen(p) as u64).sum();
+        let keys: u64 = (0..prompt).map(|p| self.layer_keys(p)).sum();
         2 * per_token * prompt as u64 + 2 * self.lm_head_params() + self.attention_flops(keys)
     }
 
     /// FLOPs of one sequence's decode step at position `pos` (the new token's).
     pub fn decode_flops(&self, pos: usize) -> u64 {
-        2 * self.matmul_params() + self.attention_flops(self.keys_seen(pos) as u64)
+        2 * self.matmul_params() + self.attention_flops(self.layer_keys(pos))
     }
 
+    /// FLOPs of attention over `keys` keys, summed over the layers.
     fn attention_flops(&self, keys: u64) -> u64 {
-        4 * self.num_hidden_layers as u64 * (self.num_attention_heads * self.head_dim) as u64 * keys
+        4 * (self.num_attention_heads * self.head_dim) as u64 * keys
+    }
+
+    /// Cached key and value bytes one sequence's decode step at position `pos` reads.
+    pub fn kv_bytes_read(&self, pos: usize, precision: Precision) -> u64 {
+        self.layer_keys(pos) * self.kv_bytes_per_token(precision) / self.num_hidden_layers as u64
     }
 
     /// Bytes of weights one decode step reads: every GEMM's weights once, whatever the batch.
@@ -533,6 +585,44 @@ impl DecoderConfig {
         2 * (self.num_hidden_layers * self.num_key_value_heads * self.head_dim) as u64
             * precision.bytes() as u64
     }
+}
+
+/// Qwen2's layers that see every key when its window is on: `layer_types`' `full_attention`
+/// entries where the file lists them (transformers 5), else the first `max_window_layers` (28
+/// when left out, as transformers defaults it).
+fn qwen2_full_layers(
+    obj: &serde_json::Map<String, Value>,
+    layers: usize,
+) -> Result<Vec<usize>, ConfigError> {
+    let Some(types) = obj.get("layer_types").filter(|v| !v.is_null()) else {
+        let leading = match obj.get("max_window_layers").filter(|v| !v.is_null()) {
+            None => 28,
+            Some(v) => v
+                .as_u64()
+                .filter(|&n| n <= MAX_SIZE)
+                .ok_or_else(|| bad("max_window_layers", format!("{v} is not a layer count")))?
+                as usize,
+        };
+        return Ok((0..leading.min(layers)).collect());
+    };
+    let list = types
+        .as_array()
+        .filter(|a| a.len() == layers)
+        .ok_or_else(|| bad("layer_types", format!("not a list of {layers} layer types")))?;
+    let mut full = Vec::new();
+    for (l, t) in list.iter().enumerate() {
+        match t.as_str() {
+            Some("full_attention") => full.push(l),
+            Some("sliding_attention") => {}
+            _ => {
+                return Err(bad(
+                    &format!("layer_types[{l}]"),
+                    format!("{t} is not full_attention or sliding_attention"),
+                ));
+            }
+        }
+    }
+    Ok(full)
 }
 
 fn rope_scaling(v: &Value) -> Result<Option<RopeScaling>, ConfigError> {
@@ -686,6 +776,49 @@ mod tests {
                 c,
                 "{name}"
             );
+        }
+    }
+
+    /// Qwen2's window: off unless `use_sliding_window`; then in the layers from
+    /// `max_window_layers` on, or where `layer_types` says; a bad list names its entry.
+    #[test]
+    fn qwen2_windows_follow_use_sliding_window_and_the_layer_list() {
+        let base = r#"{"model_type":"qwen2","vocab_size":100,"hidden_size":64,
+            "intermediate_size":128,"num_hidden_layers":4,"num_attention_heads":4,
+            "num_key_value_heads":2,"max_position_embeddings":256,"sliding_window":8,
+            "max_window_layers":1"#;
+        let read = |tail: &str| DecoderConfig::from_hf_json("t", &format!("{base}{tail}}}"));
+        let windows = |c: &DecoderConfig| (0..4).map(|l| c.window(l)).collect::<Vec<_>>();
+        assert_eq!(windows(&read("").unwrap()), [None; 4]);
+        let on = read(r#","use_sliding_window":true"#).unwrap();
+        assert_eq!(windows(&on), [None, Some(8), Some(8), Some(8)]);
+        let listed = read(
+            r#","use_sliding_window":true,"layer_types":["sliding_attention",
+            "full_attention","sliding_attention","full_attention"]"#,
+        )
+        .unwrap();
+        assert_eq!(windows(&listed), [Some(8), None, Some(8), None]);
+        // Keys at position 9: 10 in a full layer, 8 in a sliding one.
+        assert_eq!(listed.layer_keys(9), 10 + 8 + 8 + 10);
+        let text = listed.to_hf_json().to_string();
+        assert_eq!(DecoderConfig::from_hf_json("t", &text).unwrap(), listed);
+        for (tail, field) in [
+            (
+                r#","use_sliding_window":true,"layer_types":["full_attention"]"#,
+                "layer_types",
+            ),
+            (
+                r#","use_sliding_window":true,"layer_types":["full_attention",
+                "chunked_attention","full_attention","full_attention"]"#,
+                "layer_types[1]",
+            ),
+            (
+                r#","use_sliding_window":true,"max_window_layers":-1"#,
+                "max_window_layers",
+            ),
+            (r#","use_sliding_window":"yes""#, "use_sliding_window"),
+        ] {
+            assert_eq!(read(tail).unwrap_err().field, field, "{tail}");
         }
     }
 
