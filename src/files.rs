@@ -98,17 +98,26 @@ fn is_device(_: &std::fs::Metadata) -> bool {
 /// its target (the link stays a link), and to a device (`/dev/null`) directly; a folder, FIFO
 /// or socket is refused (issue 27: a rename over `/dev/null` would replace the device).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_with(path, |w| Ok(w.write_all(bytes)?))
+}
+
+/// [`write_atomic`] for contents too large to hold at once: `fill` writes them, in pieces, to
+/// a buffered writer on the temporary file. An error from `fill` leaves nothing behind and is
+/// returned as it is (an I/O error, with the path).
+pub fn write_atomic_with(
+    path: &Path,
+    fill: impl FnOnce(&mut dyn Write) -> Result<()>,
+) -> Result<()> {
     check_destination(path)?;
+    let failed = || format!("failed to write `{}`", path.display());
     if let Ok(m) = std::fs::metadata(path)
         && is_device(&m)
     {
         let mut f = std::fs::OpenOptions::new()
             .write(true)
             .open(path)
-            .with_context(|| format!("failed to write `{}`", path.display()))?;
-        return f
-            .write_all(bytes)
-            .with_context(|| format!("failed to write `{}`", path.display()));
+            .with_context(failed)?;
+        return fill(&mut f).with_context(failed);
     }
     let resolved;
     let path = match std::fs::symlink_metadata(path) {
@@ -126,15 +135,19 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         .with_context(|| format!("failed to create `{}`", dir.display()))?;
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
     let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
-    let mut f = std::fs::File::create(&tmp)
-        .with_context(|| format!("failed to write `{}`", path.display()))?;
-    let written =
-        (f.write_all(bytes).and_then(|_| f.sync_all())).and_then(|_| std::fs::rename(&tmp, path));
+    let f = std::fs::File::create(&tmp).with_context(failed)?;
+    let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+    let written = fill(&mut w).and_then(|()| {
+        let f = w.into_inner().map_err(|e| e.into_error())?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)?;
+        Ok(())
+    });
     if let Err(e) = written {
         // A failed write leaves nothing behind (on a full disk the temporary file would hold
         // the last free space; issue 27).
         let _ = std::fs::remove_file(&tmp);
-        return Err(e).with_context(|| format!("failed to write `{}`", path.display()));
+        return Err(e.context(failed()));
     }
     Ok(())
 }

@@ -486,6 +486,59 @@ fn bad_decoder_input_fails_clearly() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `workshop weights` writes a language model as a Hugging Face folder in the precision asked
+/// for, a tensor at a time; the folder reads back to the seeded values rounded to it, and an
+/// image network is refused anything but fp32.
+#[test]
+fn weights_writes_a_model_folder_in_bf16() {
+    let dir = tempfile_dir("weights");
+    let out = dir.join("gpt2");
+    let o = workshop(&[
+        "weights",
+        "--network",
+        "gpt2",
+        "--precision",
+        "bf16",
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("bf16"), "{}", stdout(&o));
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["torch_dtype"], "bfloat16");
+    let read = DecoderWeights::open_folder(&out).unwrap();
+    let seeded = DecoderWeights::seeded(read.config.clone(), 0);
+    for name in ["wte.weight", "h.11.mlp.c_proj.weight", "ln_f.weight"] {
+        let want: Vec<f32> = seeded
+            .tensor(name)
+            .unwrap()
+            .iter()
+            .map(|&x| Precision::Bf16.round(x))
+            .collect();
+        assert!(read.tensor(name).unwrap() == want, "{name}");
+    }
+    // 124M parameters in 2 bytes each, and the header.
+    let bytes = std::fs::metadata(out.join("model.safetensors"))
+        .unwrap()
+        .len();
+    assert!((248_000_000..250_000_000).contains(&bytes), "{bytes}");
+    let _ = std::fs::remove_dir_all(&dir);
+    fails_with(
+        &[
+            "weights",
+            "--network",
+            "resnet18",
+            "--precision",
+            "fp16",
+            "--output",
+            "/tmp/never-written.safetensors",
+        ],
+        "image network's weights are written in fp32",
+    );
+    assert!(!Path::new("/tmp/never-written.safetensors").exists());
+}
+
 fn tempfile_dir(what: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("workshop-llm-{what}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);

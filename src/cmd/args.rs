@@ -356,6 +356,10 @@ pub struct WeightsArgs {
     /// model.safetensors (a Hugging Face model folder)
     #[arg(long, value_name = "FILE|DIR")]
     pub output: PathBuf,
+    /// How a language model's tensors are stored (checkpoints on the Hugging Face Hub are
+    /// mostly bf16); image networks' weights are fp32
+    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
+    pub precision: Precision,
 }
 
 /// Where the workspace and the course are.

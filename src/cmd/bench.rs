@@ -443,6 +443,13 @@ pub fn weights(args: WeightsArgs) -> Result<()> {
         return decoder_folder(config, &args);
     }
     crate::files::check_destination(&args.output)?;
+    if args.precision != Precision::Fp32 {
+        bail!(
+            "--precision {}: an image network's weights are written in fp32 (bench narrows them \
+             at load); --precision is for language models",
+            args.precision.name()
+        );
+    }
     let graph = zoo::build(&args.network)?;
     let w = bench::seeded_weights(&graph, args.seed, 224)?;
     w.save(&args.output, &graph)?;
@@ -456,8 +463,9 @@ pub fn weights(args: WeightsArgs) -> Result<()> {
 }
 
 /// A language model's seeded weights as a Hugging Face model folder: `config.json` and one
-/// F32 `model.safetensors` under the checkpoint's names, which `transformers` loads with
-/// `from_pretrained` and `workshop bench --model-dir` reads back.
+/// `model.safetensors` under the checkpoint's names, in `--precision`, which `transformers`
+/// loads with `from_pretrained` and `workshop bench --model-dir` reads back. Tensors are
+/// made and written one at a time: an 8B model is written in the memory of its largest tensor.
 fn decoder_folder(config: crate::model::llm::DecoderConfig, args: &WeightsArgs) -> Result<()> {
     use crate::model::llm::{DecoderWeights, weights::tensors};
     let dir = &args.output;
@@ -469,21 +477,28 @@ fn decoder_folder(config: crate::model::llm::DecoderConfig, args: &WeightsArgs) 
     }
     std::fs::create_dir_all(dir)
         .with_context(|| format!("failed to create `{}`", dir.display()))?;
+    let precision = args.precision;
     let w = DecoderWeights::seeded(config.clone(), args.seed);
-    let mut all = Vec::new();
-    for (name, shape) in tensors(&config) {
-        let data = w.tensor(&name)?;
-        all.push((name, crate::model::Tensor::new(shape, data)));
+    crate::model::tensor_file::write_streamed(
+        &dir.join("model.safetensors"),
+        precision,
+        &tensors(&config),
+        |name| w.tensor(name),
+    )?;
+    let mut json = config.to_hf_json();
+    json["torch_dtype"] = match precision {
+        Precision::Fp32 => "float32",
+        Precision::Fp16 => "float16",
+        Precision::Bf16 => "bfloat16",
     }
-    let views: Vec<(&str, &crate::model::Tensor)> =
-        all.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    weights::write_tensors(&dir.join("model.safetensors"), &views)?;
-    let json = serde_json::to_string_pretty(&config.to_hf_json())?;
-    crate::files::write_atomic(&dir.join("config.json"), json.as_bytes())?;
+    .into();
+    let text = serde_json::to_string_pretty(&json)?;
+    crate::files::write_atomic(&dir.join("config.json"), text.as_bytes())?;
     println!(
-        "{} weights (seed {}) written to {} (config.json, model.safetensors)",
+        "{} weights (seed {}, {}) written to {} (config.json, model.safetensors)",
         config.name,
         args.seed,
+        precision.name(),
         dir.display()
     );
     Ok(())

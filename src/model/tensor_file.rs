@@ -13,8 +13,8 @@ use std::path::Path;
 use safetensors::Dtype;
 use safetensors::tensor::TensorInfo;
 
-use super::Tensor;
 use super::weights::WeightsError;
+use super::{Precision, Tensor};
 
 /// The largest header accepted: the safetensors format's own bound (100 MB).
 const MAX_HEADER: u64 = 100_000_000;
@@ -146,6 +146,62 @@ impl TensorFile {
     }
 }
 
+/// Write a safetensors file tensor by tensor, stored in `precision`: the header first, from
+/// the names and shapes, then each tensor's values as `values` gives them in f32, in the
+/// order listed. Only one tensor is in memory at a time, so a model larger than memory can be
+/// written; the file appears whole or not at all ([`crate::files::write_atomic_with`]).
+pub fn write_streamed(
+    path: &Path,
+    precision: Precision,
+    tensors: &[(String, Vec<usize>)],
+    mut values: impl FnMut(&str) -> anyhow::Result<Vec<f32>>,
+) -> anyhow::Result<()> {
+    let dtype = match precision {
+        Precision::Fp32 => "F32",
+        Precision::Fp16 => "F16",
+        Precision::Bf16 => "BF16",
+    };
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
+    let mut at = 0usize;
+    for (name, shape) in tensors {
+        let bytes = shape
+            .iter()
+            .try_fold(precision.bytes(), |n, &d| n.checked_mul(d))
+            .and_then(|n| at.checked_add(n).map(|end| (n, end)))
+            .ok_or_else(|| anyhow::anyhow!("tensor `{name}` {shape:?} is too large"))?;
+        header.insert(
+            name.clone(),
+            serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [at, bytes.1]}),
+        );
+        at = bytes.1;
+    }
+    let mut text = serde_json::to_string(&header)?.into_bytes();
+    // The data starts 8-byte aligned, as the safetensors library writes it.
+    text.resize(text.len().next_multiple_of(8), b' ');
+    crate::files::write_atomic_with(path, |w| {
+        w.write_all(&(text.len() as u64).to_le_bytes())?;
+        w.write_all(&text)?;
+        for (name, shape) in tensors {
+            let v = values(name)?;
+            let n: usize = shape.iter().product();
+            anyhow::ensure!(v.len() == n, "tensor `{name}`: {} values, not {n}", v.len());
+            match precision {
+                Precision::Fp32 => w.write_all(bytemuck::cast_slice(&v))?,
+                Precision::Fp16 => {
+                    let h: Vec<half::f16> = v.iter().map(|&x| half::f16::from_f32(x)).collect();
+                    w.write_all(bytemuck::cast_slice(&h))?
+                }
+                Precision::Bf16 => {
+                    let h: Vec<half::bf16> = v.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                    w.write_all(bytemuck::cast_slice(&h))?
+                }
+            }
+        }
+        Ok(())
+    })
+}
+
 /// The tensors a header describes, each checked: a printable name, a known dtype, offsets that
 /// follow on from the previous tensor's and hold exactly shape × dtype bytes. The reason for a
 /// refusal names the tensor.
@@ -224,4 +280,51 @@ pub fn to_f32(dtype: Dtype, d: &[u8]) -> Option<Vec<f32>> {
         _ => return None,
     };
     Some(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A streamed file reads back through our reader in every precision (values rounded as
+    /// the precision stores them); a tensor whose values go wrong leaves no file behind.
+    #[test]
+    fn streamed_files_read_back_and_failures_leave_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let list = vec![
+            ("b".to_string(), vec![3]),
+            ("a.weight".to_string(), vec![2, 5]),
+        ];
+        let values = |name: &str| {
+            let n = if name == "b" { 3 } else { 10 };
+            Ok((0..n).map(|i| i as f32 * 0.3 - 1.0).collect::<Vec<f32>>())
+        };
+        for p in [Precision::Fp32, Precision::Fp16, Precision::Bf16] {
+            let path = dir.path().join(format!("{}.safetensors", p.name()));
+            write_streamed(&path, p, &list, values).unwrap();
+            let mut f = TensorFile::open(&path).unwrap();
+            for (name, shape) in &list {
+                let t = f.read(name).unwrap();
+                assert_eq!(&t.shape, shape);
+                let want: Vec<f32> = values(name).unwrap().iter().map(|&x| p.round(x)).collect();
+                assert_eq!(t.data, want, "{name} in {}", p.name());
+            }
+        }
+        let path = dir.path().join("short.safetensors");
+        let short = |name: &str| match name {
+            "b" => Ok(vec![0.0; 3]),
+            _ => Ok(vec![0.0; 9]),
+        };
+        let err = write_streamed(&path, Precision::Fp32, &list, short).unwrap_err();
+        assert!(
+            format!("{err:#}").contains("`a.weight`: 9 values, not 10"),
+            "{err:#}"
+        );
+        let left: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.contains("short"))
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
+    }
 }
