@@ -567,6 +567,73 @@ fn generate_streams_the_text_transformers_writes() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(stdout(&o).trim_end(), v["text"].as_str().unwrap());
     assert!(stderr(&o).contains("8 generated"), "{}", stderr(&o));
+    // A system message and a prompt through the folder's chat template: the ids transformers'
+    // apply_chat_template gives (the prompt's length says so) and its greedy continuation.
+    let o = workshop(&[
+        "generate",
+        "--model-dir",
+        folder.to_str().unwrap(),
+        "--system",
+        v["chat_system"].as_str().unwrap(),
+        "--prompt",
+        v["chat_prompt"].as_str().unwrap(),
+        "--max-tokens",
+        "8",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stdout(&o).trim_end(), v["chat_text"].as_str().unwrap());
+    let prompt_len = v["chat_ids"].as_array().unwrap().len();
+    assert!(
+        stderr(&o).contains(&format!("{prompt_len} prompt")),
+        "{}",
+        stderr(&o)
+    );
+    // The same folder without its template: --chat says what is missing.
+    let bare = tempfile_dir("no-template");
+    for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::copy(folder.join(f), bare.join(f)).unwrap();
+    }
+    fails_with(
+        &[
+            "generate",
+            "--model-dir",
+            bare.to_str().unwrap(),
+            "--chat",
+            "--prompt",
+            "hi",
+        ],
+        "has no chat template",
+    );
+    // generation_config.json's end tokens stop a generation too (transformers' generate reads
+    // them there): the text's first new token ends it at once.
+    let first = v["text_ids"][0].as_u64().unwrap();
+    let generation = bare.join("generation_config.json");
+    std::fs::write(
+        &generation,
+        format!(r#"{{"eos_token_id": [7777, {first}]}}"#),
+    )
+    .unwrap();
+    let o = workshop(&[
+        "generate",
+        "--model-dir",
+        bare.to_str().unwrap(),
+        "--prompt",
+        v["text_prompt"].as_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains(", 1 generated"), "{}", stderr(&o));
+    std::fs::write(&generation, r#"{"eos_token_id": -1}"#).unwrap();
+    fails_with(
+        &[
+            "generate",
+            "--model-dir",
+            bare.to_str().unwrap(),
+            "--prompt",
+            "hi",
+        ],
+        "eos_token_id -1 is not a token id",
+    );
+    let _ = std::fs::remove_dir_all(&bare);
     // Token ids in, token ids out.
     let want = expected("qwen2");
     let ids: Vec<String> = want.prompt[0].iter().map(u32::to_string).collect();

@@ -250,6 +250,14 @@ pub struct GenerateArgs {
     /// The prompt as token ids: `--prompt-ids 1,450,4996`
     #[arg(long, value_delimiter = ',', value_name = "IDS")]
     pub prompt_ids: Option<Vec<u32>>,
+    /// Send the prompt as a user's message through the folder's chat template (an instruct
+    /// model's chat_template.jinja or tokenizer_config.json), as transformers'
+    /// apply_chat_template does
+    #[arg(long, requires = "prompt")]
+    pub chat: bool,
+    /// A system message before the prompt (implies --chat)
+    #[arg(long, value_name = "TEXT", requires = "prompt")]
+    pub system: Option<String>,
     /// The most tokens to generate (fewer when the model ends the text)
     #[arg(long, default_value_t = 32, value_name = "N")]
     pub max_tokens: usize,

@@ -4,7 +4,7 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 
 use super::args::{BenchArgs, GenerateArgs};
 use crate::bench::{self, llm, record::BenchConfig};
@@ -163,6 +163,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
 }
 
 pub fn generate(args: GenerateArgs) -> Result<()> {
+    use crate::model::llm::chat::ChatTemplate;
     use crate::model::llm::text::{Sampling, Tokenizer};
     if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
         bail!("--temperature must be 0 or more (got {})", args.temperature);
@@ -192,7 +193,25 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
     };
     let prompt = match (&args.prompt, &args.prompt_ids) {
         (Some(text), _) => match &tokenizer {
-            Some(t) => t.encode(text)?,
+            Some(t) if args.chat || args.system.is_some() => {
+                let Some(dir) = &args.model_dir else {
+                    unreachable!("a tokenizer comes from a model folder")
+                };
+                let template = ChatTemplate::open(dir)?.with_context(|| {
+                    format!(
+                        "--chat: `{}` has no chat template (chat_template.jinja, or chat_template \
+                         in tokenizer_config.json): a base model takes the prompt as it is",
+                        dir.display()
+                    )
+                })?;
+                let mut messages = Vec::new();
+                if let Some(system) = &args.system {
+                    messages.push(("system", system.as_str()));
+                }
+                messages.push(("user", text.as_str()));
+                t.encode(&template.render(&messages)?, false)?
+            }
+            Some(t) => t.encode(text, true)?,
             None => bail!(
                 "--prompt needs the model folder's tokenizer.json ({}); give token ids with --prompt-ids",
                 match &args.model_dir {

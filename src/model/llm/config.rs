@@ -359,12 +359,8 @@ impl DecoderConfig {
         cfg.check().map_err(|reason| bad("(sizes)", reason))?;
         let eos = match get("eos_token_id") {
             None => Vec::new(),
-            Some(Value::Array(ids)) => ids
-                .iter()
-                .filter_map(Value::as_u64)
-                .map(|i| i as u32)
-                .collect(),
-            Some(v) => v.as_u64().map(|i| vec![i as u32]).unwrap_or_default(),
+            Some(Value::Array(ids)) => ids.iter().filter_map(token_id).collect(),
+            Some(v) => token_id(v).into_iter().collect(),
         };
         Ok(DecoderConfig {
             eos_token_ids: eos,
@@ -623,6 +619,11 @@ fn qwen2_full_layers(
         }
     }
     Ok(full)
+}
+
+/// A token id in JSON: a whole number that fits in u32.
+fn token_id(v: &Value) -> Option<u32> {
+    v.as_u64().and_then(|i| u32::try_from(i).ok())
 }
 
 fn rope_scaling(v: &Value) -> Result<Option<RopeScaling>, ConfigError> {

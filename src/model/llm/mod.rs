@@ -9,6 +9,7 @@
 //! step (one more key to attend to) and it keeps state between steps (the KV cache), so each
 //! backend runs it through [`crate::backend::Backend::prepare_decoder`].
 
+pub mod chat;
 pub mod config;
 pub mod text;
 pub mod weights;

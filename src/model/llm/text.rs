@@ -25,11 +25,12 @@ impl Tokenizer {
         Ok(Some(Tokenizer(t)))
     }
 
-    /// Token ids of `text`, with the special tokens the tokenizer adds (Llama's BOS).
-    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+    /// Token ids of `text`, with the special tokens the tokenizer adds (Llama's BOS) where
+    /// `special`; a chat template's text carries its own, so it is encoded without.
+    pub fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>> {
         let e = self
             .0
-            .encode(text, true)
+            .encode(text, special)
             .map_err(|e| anyhow!("cannot tokenize the prompt: {e}"))?;
         Ok(e.get_ids().to_vec())
     }

@@ -62,8 +62,35 @@ impl DecoderWeights {
         let name = dir
             .file_name()
             .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
-        let config = DecoderConfig::from_hf_json(&name, &text)
+        let mut config = DecoderConfig::from_hf_json(&name, &text)
             .with_context(|| format!("`{}`", config_path.display()))?;
+        // transformers' generate stops at generation_config.json's end tokens, which instruct
+        // models list there (Qwen2.5-Instruct's <|endoftext|> beside config.json's <|im_end|>).
+        let generation = dir.join("generation_config.json");
+        if generation.is_file() {
+            let text = crate::files::read_text(&generation)?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .with_context(|| format!("`{}` is not JSON", generation.display()))?;
+            let ids: Vec<&serde_json::Value> = match v.get("eos_token_id") {
+                Some(serde_json::Value::Array(ids)) => ids.iter().collect(),
+                Some(id) => vec![id],
+                None => Vec::new(),
+            };
+            for v in ids {
+                let id = v
+                    .as_u64()
+                    .and_then(|i| u32::try_from(i).ok())
+                    .with_context(|| {
+                        format!(
+                            "`{}`: eos_token_id {v} is not a token id",
+                            generation.display()
+                        )
+                    })?;
+                if !config.eos_token_ids.contains(&id) {
+                    config.eos_token_ids.push(id);
+                }
+            }
+        }
         let index_path = dir.join("model.safetensors.index.json");
         let shards: Vec<String> = if index_path.is_file() {
             let text = crate::files::read_text(&index_path)?;
