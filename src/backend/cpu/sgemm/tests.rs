@@ -101,6 +101,18 @@ fn kernels_match_naive_matmul() {
         let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.1).collect();
         let packed = PackedB::<f32>::new(k, n, |kk, j| bm[kk * n + j], Some(&bias));
         let packed = packed.view();
+        // AVX2's tiles exactly as tall as a GEMM of fewer rows than a tile (`thin_avx2`).
+        #[cfg(target_arch = "x86_64")]
+        let thin = best.has_avx2().then(|| {
+            let tiles = Kernels {
+                small_k: 0,
+                ..kernels_for(Simd::Avx2Fma)
+            };
+            ("avx2 thin", thin_avx2!(tiles, avx2::tile, m, Simd::Avx2Fma))
+        });
+        #[cfg(not(target_arch = "x86_64"))]
+        let thin = None;
+        let kernels: Vec<(&str, Kernels)> = kernels.iter().copied().chain(thin).collect();
         // All the panels, and from the second on (a call that starts on an odd panel).
         let starts = (0..packed.panels().min(2))
             .flat_map(|p0| [Order::RowsOuter, Order::PanelsOuter].map(|order| (p0, order)));
@@ -238,37 +250,50 @@ fn packed_halves_match_f32() {
             // rounding is not its rounding).
             let best = crate::backend::cpu::simd::simd();
             let mut direct = Vec::new();
-            for (name, path) in [
-                ("f16 avx2 tiles", Simd::Avx2Fma),
-                ("f16 avx512 tiles", Simd::Avx512),
-            ] {
-                if let Some(kern) = kernels_f16_for(path).filter(|_| best >= path) {
-                    let view = Panels {
+            /// C from `kern`'s tiles called directly on `data`'s panels.
+            fn direct_run<E>(
+                kern: Kernels<E>,
+                (data, bias): (&[E], &[f32]),
+                (m, k, n): (usize, usize, usize),
+                a: &[f32],
+                p: (usize, usize),
+                (len, ldc): (usize, usize),
+            ) -> Vec<f32> {
+                let view = Panels { k, n, data, bias };
+                let mut c = vec![f32::NAN; len];
+                // SAFETY: as for `run`.
+                unsafe {
+                    gemm_with(
+                        kern,
+                        Order::ByCache,
+                        m,
+                        a.as_ptr(),
                         k,
-                        n,
-                        data: &h.data,
-                        bias: &h.bias,
-                    };
-                    let mut c = vec![f32::NAN; want.len()];
-                    // SAFETY: as for `run`.
-                    unsafe {
-                        gemm_with(
-                            kern,
-                            Order::ByCache,
-                            m,
-                            a.as_ptr(),
-                            k,
-                            &view,
-                            p,
-                            c.as_mut_ptr(),
-                            ldc,
-                            None,
-                        )
-                    };
-                    direct.push((name, c));
+                        &view,
+                        p,
+                        c.as_mut_ptr(),
+                        ldc,
+                        None,
+                    )
+                };
+                c
+            }
+            let sizes = ((m, k, n), &a[..], p, (want.len(), ldc));
+            for (name, path) in [("avx2", Simd::Avx2Fma), ("avx512", Simd::Avx512)] {
+                let (dims, a, p, out) = sizes;
+                if let Some(kern) = kernels_f16_for(path).filter(|_| best >= path) {
+                    let c = direct_run(kern, (&h.data, &h.bias), dims, a, p, out);
+                    direct.push((format!("f16 {name} tiles"), c));
+                }
+                if let Some(kern) = kernels_bf16_for(path).filter(|_| best >= path) {
+                    let c = direct_run(kern, (&bf.data, &bf.bias), dims, a, p, out);
+                    direct.push((format!("bf16 {name} tiles"), c));
                 }
             }
-            let halves = [("f16", run(&h, &a, m, p)), ("bf16", run(&bf, &a, m, p))];
+            let halves = [
+                ("f16".to_string(), run(&h, &a, m, p)),
+                ("bf16".to_string(), run(&bf, &a, m, p)),
+            ];
             for (name, got) in halves.into_iter().chain(direct) {
                 for (r, (g, w)) in got
                     .chunks(want.len() / m)

@@ -138,17 +138,19 @@ type RowsCall = (
 /// `NR` for one panel, a multiple of it for several side by side), all accumulators in
 /// registers. Per k: `VECS` loads of B, `ROWS` broadcasts of A, `ROWS · VECS` FMAs. One source
 /// for every x86 width, so the AVX2 instances that every x86 machine here tests are the same
-/// code as the AVX-512 ones; each width gets `tile` (f32 panels) and `tile_h` (f16 panels,
-/// widened by `$load_h` as B is loaded) from one invocation.
+/// code as the AVX-512 ones; each width gets `tile` (f32 panels), `tile_h` (f16 panels,
+/// widened by `$load_h` as B is loaded) and `tile_b` (bf16 panels, widened by `$load_b`: a
+/// zero extension and a shift) from one invocation.
 #[cfg(target_arch = "x86_64")]
 macro_rules! simd_tile {
-    // Both tiles of one width: `tile` reads f32 panels, `tile_h` f16 ones through `$load_h`.
+    // The tiles of one width: `tile` reads f32 panels, `tile_h` f16 ones through `$load_h`,
+    // `tile_b` bf16 ones through `$load_b`.
     ($features:literal, $features_h:literal, $lanes:literal, $vec:ty, $zero:ident, $load:ident,
      $load_part:ident, $store_part:ident, $splat:ident, $fma:ident, $add:ident, $act:path,
-     $load_h:ident) => {
+     $load_h:ident, $load_b:ident) => {
         use super::{B_PREFETCH, Finish, Init, MAX_PANELS, MAX_ROWS, NR, map_rows, store_tile};
         use crate::model::op::Act;
-        use half::f16;
+        use half::{bf16, f16};
         use std::arch::x86_64::*;
 
         /// `act` (not ReLU or ReLU6, which the tiles apply in registers) on a stored tile of
@@ -243,6 +245,8 @@ macro_rules! simd_tile {
             $splat, $fma, $add, $act, $load);
         simd_tile!(@tile tile_h, f16, $features_h, $lanes, $zero, $load, $load_part,
             $store_part, $splat, $fma, $add, $act, $load_h);
+        simd_tile!(@tile tile_b, bf16, $features, $lanes, $zero, $load, $load_part,
+            $store_part, $splat, $fma, $add, $act, $load_b);
     };
     (@tile $name:ident, $e:ty, $features:literal, $lanes:literal, $zero:ident, $load:ident,
      $load_part:ident, $store_part:ident, $splat:ident, $fma:ident, $add:ident, $act:path,
@@ -337,7 +341,8 @@ pub(super) mod avx2 {
         _mm256_fmadd_ps,
         _mm256_add_ps,
         crate::backend::cpu::kernels::activate_ymm,
-        load_h
+        load_h,
+        load_b
     );
 
     /// 8 values from `p`: AVX2's tiles are given whole tiles only (`n` is 8).
@@ -470,6 +475,17 @@ pub(super) mod avx2 {
         // SAFETY: the caller's: 8 readable values at p.
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
     }
+
+    /// 8 bf16 values widened to f32 (each the top half of its float).
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn load_b(p: *const bf16) -> __m256 {
+        // SAFETY: the caller's: 8 readable values at p.
+        unsafe {
+            let wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wide))
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -487,7 +503,8 @@ pub(super) mod avx512 {
         _mm512_fmadd_ps,
         _mm512_add_ps,
         crate::backend::cpu::kernels::activate_zmm,
-        load_h
+        load_h,
+        load_b
     );
 
     /// The first `n` (≤ 16) values from `p`, the other lanes zero (nothing read there).
@@ -524,6 +541,17 @@ pub(super) mod avx512 {
     unsafe fn load_h(p: *const f16) -> __m512 {
         // SAFETY: the caller's: 16 readable values at p.
         unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
+    }
+
+    /// 16 bf16 values widened to f32 (each the top half of its float).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn load_b(p: *const bf16) -> __m512 {
+        // SAFETY: the caller's: 16 readable values at p.
+        unsafe {
+            let wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(wide))
+        }
     }
 
     /// C[m × cols] = bias + A[m × k] · one panel's block (k × NR, f32), finished (the residual
