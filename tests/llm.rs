@@ -634,6 +634,17 @@ fn generate_streams_the_text_transformers_writes() {
         "eos_token_id -1 is not a token id",
     );
     let _ = std::fs::remove_dir_all(&bare);
+    fails_with(
+        &[
+            "generate",
+            "--network",
+            "gpt2",
+            "--chat",
+            "--prompt-ids",
+            "1",
+        ],
+        "--chat and --system take a text prompt",
+    );
     // Token ids in, token ids out.
     let want = expected("qwen2");
     let ids: Vec<String> = want.prompt[0].iter().map(u32::to_string).collect();

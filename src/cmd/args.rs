@@ -253,10 +253,10 @@ pub struct GenerateArgs {
     /// Send the prompt as a user's message through the folder's chat template (an instruct
     /// model's chat_template.jinja or tokenizer_config.json), as transformers'
     /// apply_chat_template does
-    #[arg(long, requires = "prompt")]
+    #[arg(long)]
     pub chat: bool,
     /// A system message before the prompt (implies --chat)
-    #[arg(long, value_name = "TEXT", requires = "prompt")]
+    #[arg(long, value_name = "TEXT")]
     pub system: Option<String>,
     /// The most tokens to generate (fewer when the model ends the text)
     #[arg(long, default_value_t = 32, value_name = "N")]

@@ -191,6 +191,11 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
         Some(dir) => Tokenizer::open(dir)?,
         None => None,
     };
+    if (args.chat || args.system.is_some()) && args.prompt.is_none() {
+        bail!(
+            "--chat and --system take a text prompt (--prompt TEXT): token ids go to the model as they are"
+        );
+    }
     let prompt = match (&args.prompt, &args.prompt_ids) {
         (Some(text), _) => match &tokenizer {
             Some(t) if args.chat || args.system.is_some() => {
