@@ -136,7 +136,7 @@ pub fn write_atomic_with(
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
     let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
     let f = std::fs::File::create(&tmp).with_context(failed)?;
-    let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+    let mut w = std::io::BufWriter::with_capacity(1 << 16, f);
     let written = fill(&mut w).and_then(|()| {
         let f = w.into_inner().map_err(|e| e.into_error())?;
         f.sync_all()?;

@@ -721,7 +721,8 @@ macro_rules! thin_avx2 {
 /// [`gemm`] straight from packed `b` in any storage type: f32 panels are read in place, f16
 /// panels too where the CPU converts f16 (the f16 tiles widen B in registers as they load
 /// it, `vcvtph2ps`), and bf16 panels on the AVX2 and AVX-512 paths (the bf16 tiles: a zero
-/// extension and a shift). Widened a block at a time, as the portable path still does, a
+/// extension and a shift) beyond the small-K kernel's reach or below a tile's rows. Widened
+/// a block at a time, as the portable path still does, a
 /// decode step of Qwen2.5-0.5B BF16 on a Zen 3 (AVX2) read its weights at 45% of the
 /// measured bandwidth; with the bf16 tiles 62–65%, and with tiles as tall as its one row
 /// (`thin_avx2`) 74–80% (FP32: 83–90% before and after). Other half panels (f16 without
@@ -839,8 +840,14 @@ unsafe fn gemm_packed_to<T: Elem>(
             )
         };
     }
+    // The bf16 tiles where the f32 path's small-K kernel would not take the GEMM (a K deeper
+    // than its reach), or where the rows are fewer than a tile. Within its reach, widening the
+    // (single) K block and running the small-K kernel stays faster: 768 rows, K 72 → 24, one
+    // thread on a Zen 3, took 1.5× as long on the bf16 tiles; deeper, the two were level
+    // (K 1152 → 128 0.99×, 4608 → 512 1.01×, 96 rows 2048 → 512 0.97×).
+    let within_small_k = b.k <= small_k_to(kernels(), small_k_max).small_k;
     if let (Some(data), Some(kern)) = (
-        T::as_bf16(&b.data),
+        T::as_bf16(&b.data).filter(|_| m < MR || !within_small_k),
         kernels_bf16().map(|k| small_k_to(k, small_k_max)),
     ) {
         let view = Panels {
