@@ -517,42 +517,50 @@ fn kernels_f16() -> Option<Kernels<f16>> {
     *KERNELS.get_or_init(|| kernels_f16_for(simd()))
 }
 
-fn kernels_f16_for(simd: Simd) -> Option<Kernels<f16>> {
-    match simd {
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx512 | Simd::Avx512Bf16 | Simd::Amx => Some(Kernels {
-            rows: 14,
-            panels: 2,
-            tall: avx512::tile_h::<14, 2, false>,
-            short: avx512::tile_h::<MR, 2, false>,
-            tall1: avx512::tile_h::<14, 1, false>,
-            short1: avx512::tile_h::<MR, 1, false>,
-            stationary: None,
-            small_k: 0,
-            edges: Some([
-                avx512::tile_h::<14, 2, true>,
-                avx512::tile_h::<MR, 2, true>,
-                avx512::tile_h::<14, 1, true>,
-                avx512::tile_h::<MR, 1, true>,
-            ]),
-        }),
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2Fma if super::simd::f16c() => {
-            let tile = avx2::tile_h::<MR, 2, false>;
-            Some(Kernels {
-                rows: MR,
-                panels: 1,
-                tall: tile,
-                short: tile,
-                tall1: tile,
-                short1: tile,
+/// A half-precision tile family (`tile_h`, `tile_b`) of each x86 path as [`Kernels`], AVX2's
+/// where `$avx2` holds (what the family needs beyond AVX2 + FMA).
+macro_rules! half_kernels {
+    ($simd:expr, $tile:ident, $avx2:expr) => {
+        match $simd {
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512 | Simd::Avx512Bf16 | Simd::Amx => Some(Kernels {
+                rows: 14,
+                panels: 2,
+                tall: avx512::$tile::<14, 2, false>,
+                short: avx512::$tile::<MR, 2, false>,
+                tall1: avx512::$tile::<14, 1, false>,
+                short1: avx512::$tile::<MR, 1, false>,
                 stationary: None,
                 small_k: 0,
-                edges: None,
-            })
+                edges: Some([
+                    avx512::$tile::<14, 2, true>,
+                    avx512::$tile::<MR, 2, true>,
+                    avx512::$tile::<14, 1, true>,
+                    avx512::$tile::<MR, 1, true>,
+                ]),
+            }),
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx2Fma if $avx2 => {
+                let tile = avx2::$tile::<MR, 2, false>;
+                Some(Kernels {
+                    rows: MR,
+                    panels: 1,
+                    tall: tile,
+                    short: tile,
+                    tall1: tile,
+                    short1: tile,
+                    stationary: None,
+                    small_k: 0,
+                    edges: None,
+                })
+            }
+            _ => None,
         }
-        _ => None,
-    }
+    };
+}
+
+fn kernels_f16_for(simd: Simd) -> Option<Kernels<f16>> {
+    half_kernels!(simd, tile_h, super::simd::f16c())
 }
 
 /// The same tiles reading bf16 panels, widened in registers as they are loaded (a zero
@@ -563,41 +571,7 @@ fn kernels_bf16() -> Option<Kernels<bf16>> {
 }
 
 fn kernels_bf16_for(simd: Simd) -> Option<Kernels<bf16>> {
-    match simd {
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx512 | Simd::Avx512Bf16 | Simd::Amx => Some(Kernels {
-            rows: 14,
-            panels: 2,
-            tall: avx512::tile_b::<14, 2, false>,
-            short: avx512::tile_b::<MR, 2, false>,
-            tall1: avx512::tile_b::<14, 1, false>,
-            short1: avx512::tile_b::<MR, 1, false>,
-            stationary: None,
-            small_k: 0,
-            edges: Some([
-                avx512::tile_b::<14, 2, true>,
-                avx512::tile_b::<MR, 2, true>,
-                avx512::tile_b::<14, 1, true>,
-                avx512::tile_b::<MR, 1, true>,
-            ]),
-        }),
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2Fma => {
-            let tile = avx2::tile_b::<MR, 2, false>;
-            Some(Kernels {
-                rows: MR,
-                panels: 1,
-                tall: tile,
-                short: tile,
-                tall1: tile,
-                short1: tile,
-                stationary: None,
-                small_k: 0,
-                edges: None,
-            })
-        }
-        _ => None,
-    }
+    half_kernels!(simd, tile_b, true)
 }
 
 /// Rows of the tallest tile in use: row chunks that are a multiple of it never end in a
@@ -788,92 +762,57 @@ unsafe fn gemm_packed_to<T: Elem>(
     ldc: usize,
     fin: Option<Finish>,
 ) {
+    // Panels read in place by `$kern`'s tiles: the call is done.
+    macro_rules! in_place {
+        ($data:expr, $kern:expr) => {{
+            let view = Panels {
+                k: b.k,
+                n: b.n,
+                data: $data,
+                bias: &b.bias,
+            };
+            let kern = $kern;
+            // SAFETY: forwarded from this function's contract; the half tiles read the panels
+            // as the f32 ones do, element for element.
+            return unsafe {
+                gemm_with(
+                    kern,
+                    Order::ByCache,
+                    m,
+                    a,
+                    lda,
+                    &view,
+                    (p0, p1),
+                    c,
+                    ldc,
+                    fin,
+                )
+            };
+        }};
+    }
+    let f32_kernels = small_k_to(kernels(), small_k_max);
     if let Some(data) = T::as_f32(&b.data) {
-        let view = Panels {
-            k: b.k,
-            n: b.n,
-            data,
-            bias: &b.bias,
-        };
-        let kern = thin_avx2!(small_k_to(kernels(), small_k_max), avx2::tile, m, simd());
-        // SAFETY: forwarded from this function's contract.
-        return unsafe {
-            gemm_with(
-                kern,
-                Order::ByCache,
-                m,
-                a,
-                lda,
-                &view,
-                (p0, p1),
-                c,
-                ldc,
-                fin,
-            )
-        };
+        in_place!(data, thin_avx2!(f32_kernels, avx2::tile, m, simd()));
     }
     if let (Some(data), Some(kern)) = (
         T::as_f16(&b.data),
         kernels_f16().map(|k| small_k_to(k, small_k_max)),
     ) {
-        let view = Panels {
-            k: b.k,
-            n: b.n,
-            data,
-            bias: &b.bias,
-        };
-        let kern = thin_avx2!(kern, avx2::tile_h, m, simd());
-        // SAFETY: forwarded from this function's contract; the f16 tiles read the panels as
-        // the f32 ones do, element for element.
-        return unsafe {
-            gemm_with(
-                kern,
-                Order::ByCache,
-                m,
-                a,
-                lda,
-                &view,
-                (p0, p1),
-                c,
-                ldc,
-                fin,
-            )
-        };
+        in_place!(data, thin_avx2!(kern, avx2::tile_h, m, simd()));
     }
     // The bf16 tiles where the f32 path's small-K kernel would not take the GEMM (a K deeper
     // than its reach), or where the rows are fewer than a tile. Within its reach, widening the
     // (single) K block and running the small-K kernel stays faster: 768 rows, K 72 → 24, one
     // thread on a Zen 3, took 1.5× as long on the bf16 tiles; deeper, the two were level
     // (K 1152 → 128 0.99×, 4608 → 512 1.01×, 96 rows 2048 → 512 0.97×).
-    let within_small_k = b.k <= small_k_to(kernels(), small_k_max).small_k;
+    let within_small_k = b.k <= f32_kernels.small_k;
     if let (Some(data), Some(kern)) = (
         T::as_bf16(&b.data).filter(|_| m < MR || !within_small_k),
         kernels_bf16().map(|k| small_k_to(k, small_k_max)),
     ) {
-        let view = Panels {
-            k: b.k,
-            n: b.n,
-            data,
-            bias: &b.bias,
-        };
-        let kern = thin_avx2!(kern, avx2::tile_b, m, simd());
-        // SAFETY: as for the f16 tiles just above.
-        return unsafe {
-            gemm_with(
-                kern,
-                Order::ByCache,
-                m,
-                a,
-                lda,
-                &view,
-                (p0, p1),
-                c,
-                ldc,
-                fin,
-            )
-        };
+        in_place!(data, thin_avx2!(kern, avx2::tile_b, m, simd()));
     }
-    let kern = small_k_to(kernels(), small_k_max);
+    let kern = f32_kernels;
     B_BLOCK.with_borrow_mut(|wide| {
         wide.resize(KC * NR * kern.panels, 0.0);
         // SAFETY: forwarded from this function's contract; each view is its panels' K block
