@@ -470,8 +470,10 @@ fn kernels() -> Kernels {
     })
 }
 
-fn kernels_for(simd: Simd) -> Kernels {
-    let six = |tile| Kernels {
+/// One `MR`-row tile, one panel wide, for every part of a GEMM (AVX2's and the portable
+/// path's shape).
+fn six<E>(tile: TileFn<E>) -> Kernels<E> {
+    Kernels {
         rows: MR,
         panels: 1,
         tall: tile,
@@ -481,7 +483,10 @@ fn kernels_for(simd: Simd) -> Kernels {
         stationary: None,
         small_k: 0,
         edges: None,
-    };
+    }
+}
+
+fn kernels_for(simd: Simd) -> Kernels {
     match simd {
         #[cfg(target_arch = "x86_64")]
         Simd::Avx512 | Simd::Avx512Bf16 | Simd::Amx => Kernels {
@@ -540,20 +545,7 @@ macro_rules! half_kernels {
                 ]),
             }),
             #[cfg(target_arch = "x86_64")]
-            Simd::Avx2Fma if $avx2 => {
-                let tile = avx2::$tile::<MR, 2, false>;
-                Some(Kernels {
-                    rows: MR,
-                    panels: 1,
-                    tall: tile,
-                    short: tile,
-                    tall1: tile,
-                    short1: tile,
-                    stationary: None,
-                    small_k: 0,
-                    edges: None,
-                })
-            }
+            Simd::Avx2Fma if $avx2 => Some(six(avx2::$tile::<MR, 2, false>)),
             _ => None,
         }
     };
