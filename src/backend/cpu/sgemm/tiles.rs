@@ -148,7 +148,7 @@ macro_rules! simd_tile {
     ($features:literal, $features_h:literal, $lanes:literal, $vec:ty, $zero:ident, $load:ident,
      $load_part:ident, $store_part:ident, $splat:ident, $fma:ident, $add:ident, $act:path,
      $load_h:ident, $load_b:ident) => {
-        use super::{B_PREFETCH, Finish, Init, MAX_PANELS, MAX_ROWS, NR, map_rows, store_tile};
+        use super::{B_PREFETCH, Finish, Init, MAX_PANELS, MAX_ROWS, MR, NR, map_rows, store_tile};
         use crate::model::op::Act;
         use half::{bf16, f16};
         use std::arch::x86_64::*;
@@ -300,11 +300,20 @@ macro_rules! simd_tile {
                     }
                 }
                 let a: [*const f32; ROWS] = std::array::from_fn(|r| a[r]);
+                // Not in the thin tiles (fewer rows than MR: AVX2's, for a decode step) on f32
+                // panels, which streamed faster without the hint: the four GEMMs of
+                // Qwen2.5-0.5B's 24 layers at one row, two threads on a Zen 3, 1.43 GB
+                // from memory, took 0.91× as long (medians of 15, alternating, in two runs).
+                // Their f16 and bf16 tiles (a line every second k) keep it: without it, 1.10×
+                // and 1.09–1.14× as long.
+                let prefetch = ROWS >= MR || size_of::<$e>() < size_of::<f32>();
                 for kk in 0..kc {
                     // Each panel's row B_PREFETCH k ahead (a hint: past the end reads nothing).
                     for q in 0..VECS * $lanes / NR {
                         let ahead = bv[q * NR / $lanes].wrapping_add((kk + B_PREFETCH) * NR);
-                        _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+                        if prefetch {
+                            _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+                        }
                     }
                     let bk: [_; VECS] = std::array::from_fn(|v| $load_b(bv[v].add(kk * NR)));
                     for (row, a) in acc.iter_mut().zip(a) {
