@@ -647,7 +647,13 @@ unsafe fn gemm_with<E>(
 ) {
     // SAFETY: forwarded from the contract of `gemm` (and `gemm_packed`'s for `fin`).
     unsafe {
-        for_k_blocks(m, a, lda, b.k, |a, lda, block| {
+        // Fewer rows than a tile (a decode step): each panel is read once, whole. K blocks
+        // keep a panel's block in cache for the next row group, and here there is none; they
+        // cut the panel's stream into KC-row pieces a panel apart. Qwen2.5-0.5B's down
+        // projection (K 4864) at one row, two threads on a Zen 3, in one process: 0.91–0.98×
+        // the time in BF16, 0.98× in FP32 (6 runs, all faster).
+        let kc = if m < MR { b.k } else { KC };
+        for_k_blocks(m, a, lda, (b.k, kc), |a, lda, block| {
             gemm_block(kern, order, m, a, lda, b, (p0, p1), block, c, ldc, fin)
         })
     }
@@ -811,7 +817,7 @@ unsafe fn gemm_packed_to<T: Elem>(
         // alone (k0 = 0 within it, the panels' blocks kc · NR apart), and C's columns for
         // panel p start (p − p0)·NR in.
         unsafe {
-            for_k_blocks(m, a, lda, b.k, |a, lda, block| {
+            for_k_blocks(m, a, lda, (b.k, KC), |a, lda, block| {
                 for p in (p0..p1).step_by(kern.panels) {
                     let w = kern.panels.min(p1 - p);
                     let len = block.kc * NR;
@@ -855,9 +861,9 @@ fn small_k_to<E>(kern: Kernels<E>, max: usize) -> Kernels<E> {
     }
 }
 
-/// Run `f(a, lda, block)` for each K block of a GEMM over K = `k`, `a` pointing at the
-/// block's first column: A itself, or a copy of the block where A's stride aliases (see
-/// [`aliases`]).
+/// Run `f(a, lda, block)` for each K block (of `block` columns, the last fewer) of a GEMM
+/// over K = `k`, `a` pointing at the block's first column: A itself, or a copy of the block
+/// where A's stride aliases (see [`aliases`]).
 ///
 /// # Safety
 /// `a` must point to `m` rows of at least `k` readable floats spaced `lda` apart.
@@ -865,12 +871,12 @@ unsafe fn for_k_blocks(
     m: usize,
     a: *const f32,
     lda: usize,
-    k: usize,
+    (k, block): (usize, usize),
     mut f: impl FnMut(*const f32, usize, Block),
 ) {
     let mut k0 = 0;
     while k0 < k {
-        let kc = KC.min(k - k0);
+        let kc = block.min(k - k0);
         let block = Block {
             k0,
             kc,
