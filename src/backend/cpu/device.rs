@@ -100,8 +100,8 @@ pub(crate) fn cache_leaf() -> Option<(u32, u32)> {
 pub(crate) fn big_buffer<T: bytemuck::Pod>(len: usize) -> Lines<T> {
     let bytes = len
         .checked_mul(std::mem::size_of::<T>())
+        .and_then(|b| b.checked_next_multiple_of(LINE))
         .expect("buffer size overflows");
-    let bytes = bytes.div_ceil(LINE) * LINE;
     #[cfg(target_os = "linux")]
     if bytes >= HUGE
         && let Some((ptr, mapping)) = map_huge(bytes)

@@ -650,8 +650,8 @@ unsafe fn gemm_with<E>(
         // Fewer rows than a tile (a decode step): each panel is read once, whole. K blocks
         // keep a panel's block in cache for the next row group, and here there is none; they
         // cut the panel's stream into KC-row pieces a panel apart. Qwen2.5-0.5B's down
-        // projection (K 4864) at one row, two threads on a Zen 3, in one process: 0.91–0.98×
-        // the time in BF16, 0.98× in FP32 (6 runs, all faster).
+        // projection (K 4864) at one row, two threads on a Zen 3, in one process: 0.91–0.97×
+        // the time in BF16 (4 runs), 0.98× in FP32 (2 runs).
         let kc = if m < MR { b.k } else { KC };
         for_k_blocks(m, a, lda, (b.k, kc), |a, lda, block| {
             gemm_block(kern, order, m, a, lda, b, (p0, p1), block, c, ldc, fin)
@@ -861,7 +861,7 @@ fn small_k_to<E>(kern: Kernels<E>, max: usize) -> Kernels<E> {
     }
 }
 
-/// Run `f(a, lda, block)` for each K block (of `block` columns, the last fewer) of a GEMM
+/// Run `f(a, lda, block)` for each K block (of `kc_max` columns, the last fewer) of a GEMM
 /// over K = `k`, `a` pointing at the block's first column: A itself, or a copy of the block
 /// where A's stride aliases (see [`aliases`]).
 ///
@@ -871,12 +871,12 @@ unsafe fn for_k_blocks(
     m: usize,
     a: *const f32,
     lda: usize,
-    (k, block): (usize, usize),
+    (k, kc_max): (usize, usize),
     mut f: impl FnMut(*const f32, usize, Block),
 ) {
     let mut k0 = 0;
     while k0 < k {
-        let kc = block.min(k - k0);
+        let kc = kc_max.min(k - k0);
         let block = Block {
             k0,
             kc,
