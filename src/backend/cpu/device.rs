@@ -103,29 +103,26 @@ pub(crate) fn big_buffer<T: bytemuck::Pod>(len: usize) -> Lines<T> {
         .and_then(|b| b.checked_next_multiple_of(LINE))
         .expect("buffer size overflows");
     #[cfg(target_os = "linux")]
-    if bytes >= HUGE
-        && let Some((ptr, mapping)) = map_huge(bytes)
-    {
-        return Lines {
-            ptr,
-            bytes,
-            memory: Memory::Mapped(mapping),
-            len,
-            of: std::marker::PhantomData,
+    let mapped = (bytes >= HUGE).then(|| map_huge(bytes)).flatten();
+    #[cfg(not(target_os = "linux"))]
+    let mapped = None;
+    let (ptr, memory) = mapped.unwrap_or_else(|| {
+        let layout =
+            std::alloc::Layout::from_size_align(bytes, LINE).expect("buffer size overflows");
+        let ptr = if bytes == 0 {
+            std::ptr::NonNull::dangling()
+        } else {
+            // SAFETY: the layout's size is not zero.
+            let p = unsafe { std::alloc::alloc_zeroed(layout) };
+            std::ptr::NonNull::new(p.cast())
+                .unwrap_or_else(|| std::alloc::handle_alloc_error(layout))
         };
-    }
-    let layout = std::alloc::Layout::from_size_align(bytes, LINE).expect("buffer size overflows");
-    let ptr = if bytes == 0 {
-        std::ptr::NonNull::dangling()
-    } else {
-        // SAFETY: the layout's size is not zero.
-        let p = unsafe { std::alloc::alloc_zeroed(layout) };
-        std::ptr::NonNull::new(p.cast()).unwrap_or_else(|| std::alloc::handle_alloc_error(layout))
-    };
+        (ptr, Memory::Allocated(layout))
+    });
     Lines {
         ptr,
         bytes,
-        memory: Memory::Allocated(layout),
+        memory,
         len,
         of: std::marker::PhantomData,
     }
@@ -140,7 +137,7 @@ pub(crate) fn big_buffer<T: bytemuck::Pod>(len: usize) -> Lines<T> {
 /// down projections and all its qkv ones lay in small pages. None where the kernel refuses the
 /// mapping.
 #[cfg(target_os = "linux")]
-fn map_huge(bytes: usize) -> Option<(std::ptr::NonNull<Line>, (usize, usize))> {
+fn map_huge(bytes: usize) -> Option<(std::ptr::NonNull<Line>, Memory)> {
     let size = bytes.checked_add(HUGE)?;
     // SAFETY: a fresh private anonymous mapping, touching no memory of ours.
     let base = unsafe {
@@ -162,7 +159,7 @@ fn map_huge(bytes: usize) -> Option<(std::ptr::NonNull<Line>, (usize, usize))> {
     // never what they hold. A kernel without huge pages refuses it, which changes nothing.
     unsafe { libc::madvise(start as *mut libc::c_void, whole, libc::MADV_HUGEPAGE) };
     let ptr = std::ptr::NonNull::new(start as *mut Line)?;
-    Some((ptr, (base as usize, size)))
+    Some((ptr, Memory::Mapped((base as usize, size))))
 }
 
 const LINE: usize = 64;
