@@ -62,8 +62,9 @@ class Hf:
 
     def generate(self, ids, n):
         torch = self.torch
+        ids = ids.to(self.device)  # the mask too: transformers takes the positions from it
         with torch.inference_mode():
-            out = self.model.generate(ids.to(self.device), max_new_tokens=n, min_new_tokens=n,
+            out = self.model.generate(ids, max_new_tokens=n, min_new_tokens=n,
                                       do_sample=False, attention_mask=torch.ones_like(ids),
                                       pad_token_id=0)
         if self.device != "cpu":

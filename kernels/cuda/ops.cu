@@ -25,6 +25,20 @@ __device__ inline unsigned short f32_to_f16(float f) {
 #endif
 #endif
 
+// The sum of v over a warp's 32 lanes, in every lane (a butterfly: the shared-memory tree's
+// additions, pair for pair).
+#define WS_WARP_SUM 1
+__device__ inline float warp_sum(float v) {
+    for (int offset = 16; offset > 0; offset /= 2) {
+        float other;
+        asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;"
+                     : "=f"(other)
+                     : "f"(v), "r"(offset));
+        v += other;
+    }
+    return v;
+}
+
 #define KERNEL(name, Args) extern "C" __global__ void name(const Args a)
 #define BLOCK_KERNEL(name, Args) extern "C" __global__ void __launch_bounds__(256) name(const Args a)
 

@@ -209,12 +209,14 @@ struct alignas(16) ElemPack {
     elem v[GEMV_VEC];
 };
 
-// y = x·wᵀ (+ bias) (+ res) for a few rows, reading each weight once: 32 threads per output
-// (8 outputs a block) walk its weight row side by side, 16 bytes each at a time when the row
-// length allows (so enough bytes are in flight to stream at the memory's bandwidth), every row
-// of x at once, and their sums meet in shared memory. Buffers start 16-byte aligned.
+// y = x·wᵀ (+ bias) (+ res) for a few rows, reading each weight once: 32 threads (a warp) per
+// output, 8 outputs a block, walk its weight row side by side, 16 bytes each at a time when the
+// row length allows, four such loads issued before the first is used (so enough bytes are in
+// flight to stream at the memory's bandwidth: one at a time reached 45% of an H200's), every row
+// of x at once. The lanes' sums meet through warp shuffles where the dialect has them
+// (WS_WARP_SUM), else in shared memory (the emulator), in the same order: the same bits either
+// way. Buffers start 16-byte aligned.
 BLOCK_KERNEL(gemv, GemvArgs) {
-    __shared__ float red[GEMV_ROWS][256];
     const int tid = threadIdx.x, lane = tid % 32;
     const long long o = linear_index() / 32;
     const bool live = o < a.n;
@@ -224,7 +226,20 @@ BLOCK_KERNEL(gemv, GemvArgs) {
         const ElemPack* wr = (const ElemPack*)(a.w + o * a.k);
         const ElemPack* x = (const ElemPack*)a.x;
         const int packs = a.k / GEMV_VEC;
-        for (int j = lane; j < packs; j += 32) {
+        int j = lane;
+        for (; j + 96 < packs; j += 128) {
+            ElemPack wp[4];
+            for (int u = 0; u < 4; ++u) wp[u] = wr[j + 32 * u];
+            for (int r = 0; r < GEMV_ROWS; ++r) {
+                if (r >= a.rows) break;
+                for (int u = 0; u < 4; ++u) {
+                    const ElemPack xp = x[(long long)r * packs + j + 32 * u];
+#pragma unroll
+                    for (int e = 0; e < GEMV_VEC; ++e) acc[r] += ld(wp[u].v[e]) * ld(xp.v[e]);
+                }
+            }
+        }
+        for (; j < packs; j += 32) {
             const ElemPack wp = wr[j];
             for (int r = 0; r < GEMV_ROWS; ++r) {
                 if (r >= a.rows) break;
@@ -241,6 +256,18 @@ BLOCK_KERNEL(gemv, GemvArgs) {
                 if (r < a.rows) acc[r] += wv * ld(a.x[(long long)r * a.k + j]);
         }
     }
+#if defined(WS_WARP_SUM)
+    // A warp's lanes share one output: all of them live or none.
+    if (!live) return;
+    float v = 0.0f;
+    for (int r = 0; r < GEMV_ROWS; ++r) {
+        if (r >= a.rows) break;
+        const float sum = warp_sum(acc[r]);
+        if (lane == r) v = sum;
+    }
+    if (lane >= a.rows) return;
+#else
+    __shared__ float red[GEMV_ROWS][256];
     for (int r = 0; r < GEMV_ROWS; ++r) red[r][tid] = acc[r];
     for (int step = 16; step > 0; step /= 2) {
         __syncthreads();
@@ -249,8 +276,10 @@ BLOCK_KERNEL(gemv, GemvArgs) {
     }
     __syncthreads();
     if (!live || lane >= a.rows) return;
+    float v = red[lane][tid - lane];
+#endif
     // Lane r writes row r's output.
-    float v = red[lane][tid - lane] + (a.has_bias ? a.bias[o] : 0.0f);
+    v += a.has_bias ? a.bias[o] : 0.0f;
     const long long at = (long long)lane * a.n + o;
     if (a.has_res) v += ld(a.res[at]);
     a.y[at] = st(v);

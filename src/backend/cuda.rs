@@ -472,17 +472,24 @@ impl Device for CudaDevice {
         .map_err(|e| driver_error("launching a kernel", e))
     }
 
-    fn vendor_gemm(&self) -> Result<(), BackendError> {
+    fn vendor_gemm(&mut self) -> Result<(), BackendError> {
         // SAFETY: only tries to dlopen the library.
-        if unsafe { cudarc::cublas::sys::is_culib_present() } {
-            Ok(())
-        } else {
-            Err(BackendError::MissingLibrary(
+        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+            return Err(BackendError::MissingLibrary(
                 "--kernels vendor needs cuBLAS (libcublas.so), which was not found: install \
                  the CUDA toolkit's libraries (e.g. `pip install nvidia-cublas-cu12`)"
                     .into(),
-            ))
+            ));
         }
+        if self.blas.is_none() {
+            self.bind()?;
+            self.blas = Some(
+                cudarc::cublas::CudaBlas::new(self.stream.clone()).map_err(|e| {
+                    BackendError::Driver(format!("creating the cuBLAS handle failed: {e:?}"))
+                })?,
+            );
+        }
+        Ok(())
     }
 
     fn gemm(
@@ -492,15 +499,8 @@ impl Device for CudaDevice {
         precision: Precision,
     ) -> Result<(), BackendError> {
         use cudarc::cublas::sys as cb;
-        if self.blas.is_none() {
-            self.vendor_gemm()?;
-            self.blas = Some(
-                cudarc::cublas::CudaBlas::new(self.stream.clone()).map_err(|e| {
-                    BackendError::Driver(format!("creating the cuBLAS handle failed: {e:?}"))
-                })?,
-            );
-        }
-        let blas = self.blas.as_ref().expect("created above");
+        self.vendor_gemm()?;
+        let blas = self.blas.as_ref().expect("made by vendor_gemm");
         let ty = match precision {
             Precision::Fp32 => cb::cudaDataType::CUDA_R_32F,
             Precision::Fp16 => cb::cudaDataType::CUDA_R_16F,

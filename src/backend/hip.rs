@@ -548,8 +548,14 @@ impl Device for HipDevice {
         })
     }
 
-    fn vendor_gemm(&self) -> Result<(), BackendError> {
-        gpu::rocblas::present()
+    fn vendor_gemm(&mut self) -> Result<(), BackendError> {
+        gpu::rocblas::present()?;
+        if self.blas.is_none() {
+            self.select()?;
+            // SAFETY: the session's stream, destroyed after the handle (Drop).
+            self.blas = Some(unsafe { gpu::rocblas::RocBlas::new(self.stream as *mut c_void)? });
+        }
+        Ok(())
     }
 
     fn gemm(
@@ -558,12 +564,8 @@ impl Device for HipDevice {
         ptr: &dyn Fn(BufId) -> u64,
         precision: Precision,
     ) -> Result<(), BackendError> {
-        if self.blas.is_none() {
-            self.select()?;
-            // SAFETY: the session's stream, destroyed after the handle (Drop).
-            self.blas = Some(unsafe { gpu::rocblas::RocBlas::new(self.stream as *mut c_void)? });
-        }
-        let blas = self.blas.as_ref().expect("made above");
+        self.vendor_gemm()?;
+        let blas = self.blas.as_ref().expect("made by vendor_gemm");
         // SAFETY: the pointers are our allocations, sized by the program for this GEMM.
         unsafe { blas.gemm(g, ptr, precision) }
     }

@@ -414,12 +414,19 @@ pub struct ProbeSpec {
     pub device: usize,
     pub precision: Precision,
     pub threads: Option<usize>,
-    /// GEMM size (M = N = K).
-    pub size: usize,
+    /// GEMM size (M = N = K); `None`: [`HOST_PROBE`]'s or [`GPU_PROBE`]'s.
+    pub size: Option<usize>,
     pub iterations: usize,
-    /// Size of each bandwidth array, in MiB.
-    pub array_mib: usize,
+    /// Size of each bandwidth array, in MiB; `None` as `size`.
+    pub array_mib: Option<usize>,
 }
+
+/// The probes' GEMM size and bandwidth arrays (MiB) by default: on the host and software
+/// devices; and on a real GPU, which a 1024³ GEMM leaves mostly idle (an H200 ran our BF16
+/// GEMM at 35 TFLOP/s at 1024³, 59 at 4096³) and whose caches reach hundreds of MiB (an
+/// MI300X's Infinity Cache holds 256 MiB).
+pub const HOST_PROBE: (usize, usize) = (1024, 256);
+pub const GPU_PROBE: (usize, usize) = (4096, 1024);
 
 /// The GEMM peak, the bandwidth probes where the backend has them, and the ceiling above the
 /// GEMM (from the facts of the device that was measured, or measured on the CPU's cores).
@@ -433,15 +440,25 @@ pub struct Probe {
 /// Run the probes of `spec`.
 pub fn probe(spec: &ProbeSpec) -> Result<Probe> {
     let (backend, device, threads) = (spec.backend, spec.device, spec.threads);
+    let defaults = if spec.size.is_some() && spec.array_mib.is_some() || backend.is_host() {
+        HOST_PROBE
+    } else {
+        let devices = backend::open(backend)?.devices();
+        match devices.get(device) {
+            Some(d) if !d.is_software() => GPU_PROBE,
+            _ => HOST_PROBE,
+        }
+    };
     let (gemm, info) = gemm_on(
         backend,
         device,
         spec.precision,
         threads,
-        spec.size,
+        spec.size.unwrap_or(defaults.0),
         spec.iterations,
     )?;
-    let bandwidth = bandwidth_if_any(backend, device, spec.array_mib, spec.iterations, threads)?;
+    let mib = spec.array_mib.unwrap_or(defaults.1);
+    let bandwidth = bandwidth_if_any(backend, device, mib, spec.iterations, threads)?;
     let ceiling = info.and_then(|d| theoretical(backend, &d, threads, spec.precision));
     Ok(Probe {
         gemm,

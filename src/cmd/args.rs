@@ -533,15 +533,17 @@ pub struct PeakArgs {
     /// CPU worker threads (default: every core)
     #[arg(long)]
     pub threads: Option<usize>,
-    /// GEMM size: M = N = K
-    #[arg(long, default_value_t = 1024)]
-    pub size: usize,
+    /// GEMM size: M = N = K (default: 1024 on the CPU and software devices, 4096 on a GPU,
+    /// which a 1024³ GEMM does not fill)
+    #[arg(long)]
+    pub size: Option<usize>,
     /// Timed GEMMs (each one's output is checked)
     #[arg(long, default_value_t = 10)]
     pub iterations: usize,
-    /// Size of each bandwidth array in MiB (host memory on the CPU backend, device memory on a GPU)
-    #[arg(long, default_value_t = 256, value_name = "MIB")]
-    pub array_mib: usize,
+    /// Size of each bandwidth array in MiB: host memory on the CPU backend (default 256), device
+    /// memory on a GPU (default 1024: several times the largest GPU caches)
+    #[arg(long, value_name = "MIB")]
+    pub array_mib: Option<usize>,
     /// Print the results as JSON
     #[arg(long)]
     pub json: bool,

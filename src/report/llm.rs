@@ -34,8 +34,19 @@ fn spread(s: &Spread) -> String {
     )
 }
 
-fn share(part: Option<f64>) -> String {
-    part.map_or("no measured peak".into(), |p| format!("{:.0}%", p * 100.0))
+/// ` = N% of the CEILING`; with no ceiling, that none was measured; past it (by more than the
+/// noise of two measurements), that the measurement was no ceiling: a short probe on a large
+/// GPU, say (on an H200 a 512³ BF16 GEMM probe ran at 1.2% of the tensor cores' rate).
+fn share(part: Option<f64>, ceiling: &str) -> String {
+    match part {
+        None => " (no measured peak)".into(),
+        Some(p) if p > 1.1 => format!(
+            ", {:.0}% of the {ceiling}: that measurement is no ceiling (`workshop peak` measures \
+             one at this precision)",
+            p * 100.0
+        ),
+        Some(p) => format!(" = {:.0}% of the {ceiling}", p * 100.0),
+    }
 }
 
 /// The summary of one run.
@@ -43,12 +54,14 @@ pub fn summary(r: &BenchRecord, run: &LlmRun) -> String {
     let c = &r.config;
     let (prompt, generate) = lengths(c);
     let line = "=".repeat(56);
-    let bandwidth = run
-        .bandwidth_gbps
-        .map_or(String::new(), |b| format!(" of the {b:.1} GB/s measured"));
-    let peak = run.peak_gflops.map_or(String::new(), |p| {
-        format!(" of the {p:.1} GFLOP/s GEMM peak")
-    });
+    let bandwidth = share(
+        run.bandwidth_share(),
+        &format!("{:.1} GB/s measured", run.bandwidth_gbps.unwrap_or(0.0)),
+    );
+    let peak = share(
+        run.peak_share(),
+        &format!("{:.1} GFLOP/s GEMM peak", run.peak_gflops.unwrap_or(0.0)),
+    );
     let fits = match (run.max_context, run.max_batch) {
         (Some(ctx), Some(b)) => format!(
             "\n                fits: a context of {} at batch {}, or a batch of {} at {} tokens",
@@ -77,11 +90,11 @@ pub fn summary(r: &BenchRecord, run: &LlmRun) -> String {
     format!(
         "{line}\nPerformance summary: {} {} batch {} on {} ({})\n{line}\n\
          TTFT            {} (prefill of {prompt} tokens)\n\
-         Prefill         {:.1} tokens/s, {:.1} GFLOP/s = {}{peak}\n\
+         Prefill         {:.1} tokens/s, {:.1} GFLOP/s{peak}\n\
          TPOT            {}\n\
          ITL             {} over {} steps\n\
          Decode          {:.1} tokens/s per sequence, {:.1} tokens/s in all\n\
-         Bandwidth       {:.1} GB/s in decode = {}{bandwidth} ({} read a step)\n\
+         Bandwidth       {:.1} GB/s in decode{bandwidth} ({} read a step)\n\
          End to end      {} for {generate} tokens\n\
          KV cache        {} per token, {} for {} × {} positions{fits}\n\
          Memory          {} weights, {} KV cache, {} activations{}{}\n{}{line}",
@@ -93,14 +106,12 @@ pub fn summary(r: &BenchRecord, run: &LlmRun) -> String {
         spread(&run.ttft),
         run.prefill_tokens_per_s,
         run.prefill_gflops,
-        share(run.peak_share()),
         spread(&run.tpot),
         spread(&run.itl),
         r.samples_s.len(),
         run.decode_tokens_per_s_per_sequence,
         run.decode_tokens_per_s,
         run.decode_gbps,
-        share(run.bandwidth_share()),
         human_bytes(run.decode_bytes_per_step as u64),
         spread(&run.e2e),
         human_bytes(run.kv_bytes_per_token),

@@ -236,6 +236,8 @@ pub struct EmuDevice {
     graph: Vec<Recorded>,
     /// Whether the vendor family gets library convolutions (CUDA's, standing in for cuDNN).
     conv_library: bool,
+    /// Whether `vendor_gemm` made the GEMM library ready, as a real device makes its handle.
+    gemm_ready: bool,
 }
 
 impl EmuDevice {
@@ -247,6 +249,7 @@ impl EmuDevice {
             capturing: false,
             graph: Vec::new(),
             conv_library: kind == BackendKind::Cuda,
+            gemm_ready: false,
         }
     }
 
@@ -398,7 +401,7 @@ impl Device for EmuDevice {
         true
     }
 
-    fn vendor_gemm(&self) -> Result<(), BackendError> {
+    fn vendor_gemm(&mut self) -> Result<(), BackendError> {
         if self.kind == BackendKind::Hip {
             // rocBLAS runs on an AMD GPU only: the emulator has no vendor library for HIP.
             return Err(BackendError::MissingLibrary(
@@ -407,6 +410,13 @@ impl Device for EmuDevice {
                 .into(),
             ));
         }
+        if self.capturing && !self.gemm_ready {
+            // As cuBLAS refuses to make its handle (an allocation) inside a stream capture.
+            return Err(BackendError::Driver(
+                "the GEMM library's handle was first made while recording a graph".into(),
+            ));
+        }
+        self.gemm_ready = true;
         Ok(())
     }
 
@@ -651,7 +661,7 @@ impl crate::backend::Backend for EmuBackend {
     }
 
     fn vendor_libraries(&self) -> Option<String> {
-        let device = EmuDevice::new(self.kind);
+        let mut device = EmuDevice::new(self.kind);
         Some(match (device.library_conv(), device.vendor_gemm()) {
             (Ok(_), Ok(())) => "emulated library convolutions and GEMMs".into(),
             (_, Err(e)) => e.to_string(),
@@ -804,6 +814,78 @@ mod tests {
             );
             let version = s.kernel_version();
             assert_eq!(version.contains("vendor:"), kernels == KernelFamily::Vendor);
+        }
+    }
+
+    /// `gemv` (a decode step's linear layers) at row lengths that take its loop of four 16-byte
+    /// loads and its one-load tail (k = 676), only the tail (k = 36) and its scalar path
+    /// (k = 514), for one to eight rows, with and without bias and residual, against sums on
+    /// the host. The output count leaves warps of the last block without an output.
+    #[test]
+    fn gemv_matches_host_sums_on_each_of_its_paths() {
+        use super::super::program::{Arg, BLOCK, grid_1d, pack};
+        let mut dev = EmuDevice::new(BackendKind::Cuda);
+        let f = dev
+            .compile(Precision::Fp32, None, &["gemv"])
+            .unwrap()
+            .remove(0);
+        let mut rng = Rng::new(11);
+        let n = 11;
+        for (k, rows, extras) in [
+            (676, 1, false),
+            (676, 8, true),
+            (36, 3, true),
+            (514, 5, false),
+        ] {
+            let x = rng.normal_tensor(vec![rows, k]).data;
+            let w = rng.normal_tensor(vec![n, k]).data;
+            let bias = rng.normal_tensor(vec![n]).data;
+            let res = rng.normal_tensor(vec![rows, n]).data;
+            let bytes = |v: &[f32]| Precision::Fp32.storage_bytes(v);
+            let mut at = Vec::new();
+            for data in [&x, &w, &bias, &res] {
+                let p = dev.alloc(data.len() as u64 * 4).unwrap();
+                dev.upload(p, &bytes(data)).unwrap();
+                at.push(p);
+            }
+            at.push(dev.alloc((rows * n) as u64 * 4).unwrap());
+            let i = |v: usize| Arg::I32(v as i32);
+            let args = [
+                Arg::Buf(0),
+                Arg::Buf(1),
+                Arg::Buf(2),
+                Arg::Buf(3),
+                Arg::Buf(4),
+                i(rows),
+                i(k),
+                i(n),
+                i(extras as usize),
+                i(extras as usize),
+            ];
+            let grid = grid_1d(n * 32).unwrap();
+            dev.launch(&f, grid, BLOCK, &pack(&args, |b| at[b]))
+                .unwrap();
+            let mut out = vec![0u8; rows * n * 4];
+            dev.download(at[4], &mut out).unwrap();
+            for r in 0..rows {
+                for o in 0..n {
+                    let dot: f64 = (0..k)
+                        .map(|j| x[r * k + j] as f64 * w[o * k + j] as f64)
+                        .sum();
+                    let want = dot
+                        + if extras {
+                            (bias[o] + res[r * n + o]) as f64
+                        } else {
+                            0.0
+                        };
+                    let c = &out[(r * n + o) * 4..][..4];
+                    let got = f32::from_ne_bytes([c[0], c[1], c[2], c[3]]) as f64;
+                    assert!(
+                        (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                        "k {k}, row {r}, output {o}: {got} against {want}"
+                    );
+                }
+            }
         }
     }
 }

@@ -156,9 +156,11 @@ pub trait Device {
     fn matrix_units(&self) -> bool {
         false
     }
-    /// Whether [`Device::gemm`] can run here: asked at prepare time, so `--kernels vendor`
-    /// without a library is refused before anything runs.
-    fn vendor_gemm(&self) -> Result<(), BackendError>;
+    /// Make [`Device::gemm`] ready, or say why it cannot run here: called at prepare time, so
+    /// `--kernels vendor` without a library is refused before anything runs, and the library's
+    /// handle exists before a pass is recorded (making one allocates, which a CUDA stream
+    /// capture refuses: cuBLAS answers `CUBLAS_STATUS_NOT_INITIALIZED`).
+    fn vendor_gemm(&mut self) -> Result<(), BackendError>;
     /// Enqueue a library GEMM in the session's precision (the vendor kernel family).
     fn gemm(
         &mut self,
@@ -504,7 +506,8 @@ pub fn stream<D: Device>(
     let fill = |v: f32| Precision::Fp32.storage_bytes(&vec![v; n]);
     device.upload(a, &fill(1.0))?;
     device.upload(c, &fill(3.0))?;
-    let grid = program::grid_1d(n)?;
+    // Four values a thread (the kernel's 16-byte loads).
+    let grid = program::grid_1d(n.div_ceil(4))?;
     let time = |device: &mut D, triad: bool| -> Result<Vec<f64>, BackendError> {
         let args = program::pack(
             &[

@@ -17,9 +17,9 @@ pub fn run(ctx: &StepContext<'_>, out: &mut StepOutput, ui: &mut dyn Ui) -> Resu
         device: state.device,
         precision: spec.precision.unwrap_or(crate::model::Precision::Fp32),
         threads: state.threads,
-        size: spec.size.unwrap_or(1024),
+        size: spec.size,
         iterations: spec.iterations.unwrap_or(10),
-        array_mib: spec.array_mib.unwrap_or(256),
+        array_mib: spec.array_mib,
     };
     let p = peak::probe(&probe)?;
     ui.show(Show::Peak {
