@@ -39,6 +39,12 @@ pub struct Report {
     pub memory_bytes: Option<u64>,
     pub available_memory_bytes: u64,
     pub backends: Vec<BackendStatus>,
+    /// The font charts are drawn with; else `charts_problem` says why there is none, or what
+    /// is wrong with `WORKSHOP_FONT` (absent in older records).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chart_font: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub charts_problem: Option<String>,
 }
 
 pub fn collect() -> Report {
@@ -97,6 +103,7 @@ pub fn collect() -> Report {
         },
     })
     .collect();
+    let font = crate::report::charts::font();
     Report {
         runner_version: env!("CARGO_PKG_VERSION").into(),
         os: sysinfo::System::long_os_version().unwrap_or_else(|_| std::env::consts::OS.into()),
@@ -109,5 +116,7 @@ pub fn collect() -> Report {
         memory_bytes: host.memory_bytes,
         available_memory_bytes: backend::cpu::available_memory(),
         backends,
+        chart_font: font.clone().ok(),
+        charts_problem: font.err(),
     }
 }

@@ -478,6 +478,30 @@ fn doctor_names_the_vendor_libraries() {
     );
 }
 
+/// `doctor` names the font charts are drawn with, or says why there is none (a GPU machine's
+/// image had none, and every chart failed there); a WORKSHOP_FONT that is no font is named.
+#[test]
+fn doctor_says_how_charts_are_drawn() {
+    let o = crate::common::command().args(["doctor"]).output().unwrap();
+    let out = stdout(&o);
+    assert!(
+        out.contains("Charts: drawn with /") || out.contains("Charts: charts need a TrueType"),
+        "{out}"
+    );
+    let not_a_font = crate::common::fixture("llm/make_llm_fixtures.py");
+    let o = crate::common::command()
+        .env("WORKSHOP_FONT", &not_a_font)
+        .args(["doctor"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let said = format!(
+        "Charts: WORKSHOP_FONT={} is no TrueType font that can be read; ",
+        not_a_font.display()
+    );
+    assert!(stdout(&o).contains(&said), "{}", stdout(&o));
+}
+
 /// A BF16 run on the CPU says where its values are widened to FP32 for every multiply (always
 /// on the portable path, forced here), and `doctor` says it beside the paths; an FP32 run says
 /// nothing of it.

@@ -32,6 +32,12 @@ pub fn doctor(d: &doctor::Report) -> String {
         mem(d.memory_bytes),
         human_bytes(d.available_memory_bytes)
     ));
+    if let Some(font) = &d.chart_font {
+        s.push_str(&format!("Charts: drawn with {font}\n"));
+    }
+    if let Some(why) = &d.charts_problem {
+        s.push_str(&format!("Charts: {why}\n"));
+    }
     s.push_str("Backends:\n");
     for b in &d.backends {
         s.push_str(&format!("  {:<5} {}", b.backend.name(), b.status));
