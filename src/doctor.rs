@@ -103,7 +103,7 @@ pub fn collect() -> Report {
         },
     })
     .collect();
-    let font = crate::report::charts::font();
+    let font = crate::fonts::font();
     Report {
         runner_version: env!("CARGO_PKG_VERSION").into(),
         os: sysinfo::System::long_os_version().unwrap_or_else(|_| std::env::consts::OS.into()),

@@ -13,6 +13,7 @@ pub mod cmd;
 pub mod course;
 pub mod doctor;
 pub mod files;
+pub mod fonts;
 pub mod model;
 pub mod report;
 pub mod settings;

@@ -2,8 +2,8 @@
 //! of throughput against a swept batch or input size. PNG or SVG by the file's extension.
 //!
 //! Text needs a TrueType font. plotters is built without system-font discovery (which would
-//! need fontconfig at build time), so the first font found in the usual places is loaded
-//! once; `WORKSHOP_FONT=FILE.ttf` chooses another.
+//! need fontconfig at build time), so the first font [`crate::fonts`] finds in the usual
+//! places is loaded once; `WORKSHOP_FONT=FILE.ttf` chooses another.
 
 use std::path::Path;
 use std::sync::OnceLock;
@@ -18,68 +18,12 @@ use crate::bench::compare::{Comparison, Shape};
 /// Pixels of every chart.
 pub const SIZE: (u32, u32) = (960, 540);
 
-const FONTS: &[&str] = &[
-    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
-    "/usr/share/fonts/TTF/DejaVuSans.ttf",
-    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
-    "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
-    "/usr/share/fonts/liberation-sans/LiberationSans-Regular.ttf",
-    "/usr/share/fonts/truetype/noto/NotoSans-Regular.ttf",
-    "/usr/share/fonts/noto/NotoSans-Regular.ttf",
-    "/System/Library/Fonts/Supplemental/Arial.ttf",
-    "/Library/Fonts/Arial.ttf",
-    "C:\\Windows\\Fonts\\arial.ttf",
-];
-
-/// The fonts charts would try, `WORKSHOP_FONT`'s first.
-fn candidates() -> impl Iterator<Item = String> {
-    let chosen = crate::settings::get().ok().and_then(|s| s.font.clone());
-    let chosen = chosen.and_then(|p| p.to_str().map(String::from));
-    chosen
-        .into_iter()
-        .chain(FONTS.iter().map(|p| p.to_string()))
-}
-
-/// Why no chart can be drawn here, and what to do about it.
-fn no_font() -> String {
-    format!(
-        "charts need a TrueType font and none was found (looked in {}); install one \
-         (Debian/Ubuntu: `apt-get install fonts-dejavu-core`) or set WORKSHOP_FONT=FILE.ttf",
-        FONTS[0]
-    )
-}
-
-/// Whether `bytes` start as a TrueType or OpenType font does.
-fn looks_like_a_font(bytes: &[u8]) -> bool {
-    matches!(
-        bytes.get(..4),
-        Some(b"\0\x01\0\0" | b"true" | b"OTTO" | b"ttcf")
-    )
-}
-
-/// The font charts will be drawn with (`doctor` shows it), or why there is none; a
-/// `WORKSHOP_FONT` that is no font is named, with the fallback taken instead.
-pub fn font() -> Result<String, String> {
-    let chosen = crate::settings::get().ok().and_then(|s| s.font.clone());
-    let usable = |p: &str| std::fs::read(p).is_ok_and(|b| looks_like_a_font(&b));
-    let found = candidates().find(|p| usable(p));
-    match (chosen, found) {
-        (Some(c), found) if !usable(&c.to_string_lossy()) => Err(format!(
-            "WORKSHOP_FONT={} is no TrueType font that can be read; {}",
-            c.display(),
-            found.map_or(no_font(), |f| format!("charts would use {f}"))
-        )),
-        (_, Some(f)) => Ok(f),
-        (_, None) => Err(no_font()),
-    }
-}
-
 /// Load a font for plotters once per process; the error says what to install.
 fn ensure_font() -> Result<()> {
     static LOADED: OnceLock<Result<(), String>> = OnceLock::new();
     LOADED
         .get_or_init(|| {
-            for path in candidates() {
+            for path in crate::fonts::candidates() {
                 if let Ok(bytes) = std::fs::read(&path) {
                     // plotters keeps fonts for the life of the process: one font, loaded once.
                     let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
@@ -90,7 +34,7 @@ fn ensure_font() -> Result<()> {
                     }
                 }
             }
-            Err(no_font())
+            Err(crate::fonts::none_found())
         })
         .clone()
         .map_err(anyhow::Error::msg)
