@@ -499,7 +499,10 @@ impl Device for CudaDevice {
         precision: Precision,
     ) -> Result<(), BackendError> {
         use cudarc::cublas::sys as cb;
-        self.vendor_gemm()?;
+        // Made at prepare time; only a GEMM outside a prepared program gets here without it.
+        if self.blas.is_none() {
+            self.vendor_gemm()?;
+        }
         let blas = self.blas.as_ref().expect("made by vendor_gemm");
         let ty = match precision {
             Precision::Fp32 => cb::cudaDataType::CUDA_R_32F,

@@ -564,7 +564,10 @@ impl Device for HipDevice {
         ptr: &dyn Fn(BufId) -> u64,
         precision: Precision,
     ) -> Result<(), BackendError> {
-        self.vendor_gemm()?;
+        // Made at prepare time; only a GEMM outside a prepared program gets here without it.
+        if self.blas.is_none() {
+            self.vendor_gemm()?;
+        }
         let blas = self.blas.as_ref().expect("made by vendor_gemm");
         // SAFETY: the pointers are our allocations, sized by the program for this GEMM.
         unsafe { blas.gemm(g, ptr, precision) }
