@@ -128,6 +128,9 @@ def main():
                    help="also run these engines on the model exported to ONNX")
     p.add_argument("--compile", nargs="?", const="default", choices=["default", "max-autotune"],
                    help="also run ours with --compile MODE (default when no mode is given)")
+    p.add_argument("--no-torch", action="store_true",
+                   help="leave PyTorch out (on a CPU without bf16 instructions its BF16 ResNet-50 "
+                        "takes seconds an image, far behind every other engine)")
     a = p.parse_args()
     if not WORKSHOP.exists():
         sys.exit(f"{WORKSHOP} not found: run `cargo build --release` first")
@@ -147,10 +150,11 @@ def main():
     if a.compile:
         impls.append(("workshop compiled", lambda b, prec: run_ours(b, prec, a.compile)))
     ours_names = [n for n, _ in impls]
-    impls += [
-        ("torch NCHW", lambda b, prec: pytorch(a.network, b, a.threads, a.iterations, False, prec)),
-        ("torch CL", lambda b, prec: pytorch(a.network, b, a.threads, a.iterations, True, prec)),
-    ]
+    if not a.no_torch:
+        impls += [
+            ("torch NCHW", lambda b, prec: pytorch(a.network, b, a.threads, a.iterations, False, prec)),
+            ("torch CL", lambda b, prec: pytorch(a.network, b, a.threads, a.iterations, True, prec)),
+        ]
     impls += [(e, lambda b, prec, e=e: peer(e, a.network, b, a.threads, a.iterations, prec)) for e in a.peers]
     names = [n for n, _ in impls]
     for rnd in range(a.rounds):

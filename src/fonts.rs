@@ -17,11 +17,15 @@ const FONTS: &[&str] = &[
 
 /// The fonts charts would try, `WORKSHOP_FONT`'s first.
 pub fn candidates() -> impl Iterator<Item = String> {
-    let chosen = crate::settings::get().ok().and_then(|s| s.font.clone());
-    let chosen = chosen.and_then(|p| p.to_str().map(String::from));
+    let chosen = chosen().and_then(|p| p.to_str().map(String::from));
     chosen
         .into_iter()
         .chain(FONTS.iter().map(|p| p.to_string()))
+}
+
+/// `WORKSHOP_FONT`'s file, where it is set.
+fn chosen() -> Option<std::path::PathBuf> {
+    crate::settings::get().ok().and_then(|s| s.font.clone())
 }
 
 /// Why no chart can be drawn here, and what to do about it.
@@ -44,16 +48,17 @@ fn looks_like_a_font(bytes: &[u8]) -> bool {
 /// The font charts will be drawn with (`doctor` shows it), or why there is none; a
 /// `WORKSHOP_FONT` that is no font is named, with the fallback taken instead.
 pub fn font() -> Result<String, String> {
-    let chosen = crate::settings::get().ok().and_then(|s| s.font.clone());
     let usable = |p: &str| std::fs::read(p).is_ok_and(|b| looks_like_a_font(&b));
-    let found = candidates().find(|p| usable(p));
-    match (chosen, found) {
-        (Some(c), found) if !usable(&c.to_string_lossy()) => Err(format!(
+    let fallback = || FONTS.iter().find(|p| usable(p)).map(|p| p.to_string());
+    let Some(chosen) = chosen() else {
+        return fallback().ok_or_else(none_found);
+    };
+    match chosen.to_str() {
+        Some(p) if usable(p) => Ok(p.to_string()),
+        _ => Err(format!(
             "WORKSHOP_FONT={} is no TrueType font that can be read; {}",
-            c.display(),
-            found.map_or(none_found(), |f| format!("charts would use {f}"))
+            chosen.display(),
+            fallback().map_or_else(none_found, |f| format!("charts would use {f}"))
         )),
-        (_, Some(f)) => Ok(f),
-        (_, None) => Err(none_found()),
     }
 }

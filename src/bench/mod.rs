@@ -625,10 +625,10 @@ pub fn limits(cfg: &BenchConfig, device: &DeviceInfo) -> Result<flops::Limits> {
             (c, how)
         }
         None => {
-            let (size, mib) = if cfg.backend.is_host() || device.is_software() {
-                PROBE
-            } else {
+            let (size, mib) = if peak::on_real_gpu(cfg.backend, device) {
                 GPU_PROBE
+            } else {
+                PROBE
             };
             let gemm = peak::gemm(cfg.backend, cfg.device, cfg.precision, cfg.threads, size, 3)?;
             let bandwidth = peak::bandwidth_if_any(cfg.backend, cfg.device, mib, 3, cfg.threads)?

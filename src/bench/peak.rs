@@ -428,6 +428,12 @@ pub struct ProbeSpec {
 pub const HOST_PROBE: (usize, usize) = (1024, 256);
 pub const GPU_PROBE: (usize, usize) = (4096, 1024);
 
+/// Whether `device` of `backend` is a GPU of its own (not the host's cores, nor a device that
+/// computes on them: the emulator, lavapipe), which the probes size for.
+pub fn on_real_gpu(backend: BackendKind, device: &DeviceInfo) -> bool {
+    !backend.is_host() && !device.is_software()
+}
+
 /// The GEMM peak, the bandwidth probes where the backend has them, and the ceiling above the
 /// GEMM (from the facts of the device that was measured, or measured on the CPU's cores).
 #[derive(Debug, Clone)]
@@ -445,7 +451,7 @@ pub fn probe(spec: &ProbeSpec) -> Result<Probe> {
     } else {
         let devices = backend::open(backend)?.devices();
         match devices.get(device) {
-            Some(d) if !d.is_software() => GPU_PROBE,
+            Some(d) if on_real_gpu(backend, d) => GPU_PROBE,
             _ => HOST_PROBE,
         }
     };

@@ -186,6 +186,22 @@ impl PackedPairs {
         (self.data.len() * 2 + self.bias.len() * 4) as u64
     }
 
+    /// Column j of B (its K values) into `out`, as [`super::sgemm::PackedB::column`]: value
+    /// k of it is in k-pair row k/2, at the column's pair.
+    pub fn column(&self, j: usize, out: &mut [bf16]) {
+        assert!(
+            j < self.n && out.len() == self.k,
+            "column {j} of a {}×{} B",
+            self.k,
+            self.n
+        );
+        let panel = &self.data[j / PANEL * self.kp * PANEL..][..self.kp * PANEL];
+        let at = j % PANEL * 2;
+        for (kk, o) in out.iter_mut().enumerate() {
+            *o = panel[kk / 2 * 2 * PANEL + at + kk % 2];
+        }
+    }
+
     /// Panel q's k-pair rows (Kp/2 rows of 2 × [`PANEL`] values).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(super) fn panel(&self, q: usize) -> &[bf16] {

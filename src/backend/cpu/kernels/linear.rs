@@ -27,6 +27,19 @@ impl<T: Elem> PackedLinear<T> {
     pub fn bytes(&self) -> u64 {
         self.0.bytes()
     }
+
+    /// Output j's weights (row j of PyTorch's (out × in) weight), as stored, into `out` (in
+    /// values): how a language model whose token table is its LM head's weight (tied) looks a
+    /// token up, rather than keeping the table twice.
+    pub fn weights_of(&self, j: usize, out: &mut [T]) {
+        let p = &self.0;
+        if let Some(pairs) = &p.pairs {
+            let out = T::as_bf16_mut(out).expect("bf16-pair layers store bf16");
+            pairs.column(j, out);
+        } else {
+            p.groups[0].column(j, out);
+        }
+    }
 }
 
 /// Fully connected layer: y (n × out) = x (n × in) · Wᵀ + b; `dims` is (n, in, out).
@@ -67,4 +80,72 @@ pub fn softmax<T: Elem>(x: &[T], len: usize, y: &mut [T]) {
                 *o = T::from_f32(v / s);
             }
         });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::bf16_gemm::PackedPairs;
+    use crate::backend::cpu::sgemm::PackedB;
+    use half::{bf16, f16};
+
+    /// A weight whose every value says where it is: output j, input i.
+    fn weight(fin: usize, fout: usize) -> Vec<f32> {
+        (0..fout * fin)
+            .map(|x| (x / fin) as f32 + (x % fin) as f32 / 1024.0)
+            .collect()
+    }
+
+    fn rows_read_back<T: Elem>(fin: usize, fout: usize) {
+        let w = weight(fin, fout);
+        let packed = PackedLinear::<T>::new(&w, None, fin, fout);
+        let mut out = vec![T::from_f32(-1.0); fin];
+        for j in 0..fout {
+            packed.weights_of(j, &mut out);
+            for (i, v) in out.iter().enumerate() {
+                let want = T::from_f32(w[j * fin + i]);
+                assert_eq!(
+                    bytemuck::bytes_of(v),
+                    bytemuck::bytes_of(&want),
+                    "{} {fin}→{fout}: output {j}, input {i}",
+                    T::SUFFIX
+                );
+            }
+        }
+    }
+
+    /// A tied LM head's rows come back as the token table stores them, bit for bit, whichever
+    /// packing this CPU gives the layer, for widths that fill panels and widths that do not.
+    #[test]
+    fn a_linear_layer_gives_back_each_output_s_weights() {
+        for (fin, fout) in [(1, 1), (7, 5), (16, 16), (33, 40), (64, 100)] {
+            rows_read_back::<f32>(fin, fout);
+            rows_read_back::<bf16>(fin, fout);
+            rows_read_back::<f16>(fin, fout);
+        }
+    }
+
+    /// The same for both packings on any CPU: panels of `NR` columns, and bf16 k-pairs (K odd,
+    /// padded, and columns past the last whole panel).
+    #[test]
+    fn packed_columns_read_back_from_both_layouts() {
+        for (k, n) in [(1, 1), (5, 17), (32, 16), (9, 40)] {
+            let b = |kk: usize, j: usize| (j * 100 + kk) as f32;
+            let fill = |j: usize, col: &mut [f32]| {
+                col.iter_mut().enumerate().for_each(|(kk, v)| *v = b(kk, j))
+            };
+            let panels = PackedB::<f32>::new(k, n, b, None);
+            let pairs = PackedPairs::with_step(k, n, 32, fill, None);
+            let (mut f, mut h) = (vec![0f32; k], vec![bf16::ZERO; k]);
+            for j in 0..n {
+                panels.column(j, &mut f);
+                pairs.column(j, &mut h);
+                let want: Vec<f32> = (0..k).map(|kk| b(kk, j)).collect();
+                assert_eq!(f, want, "panels {k}×{n}, column {j}");
+                let got: Vec<f32> = h.iter().map(|v| v.to_f32()).collect();
+                let rounded: Vec<f32> = want.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+                assert_eq!(got, rounded, "pairs {k}×{n}, column {j}");
+            }
+        }
+    }
 }

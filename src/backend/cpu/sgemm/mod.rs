@@ -204,6 +204,21 @@ impl<T: Elem> PackedB<T> {
     pub fn bytes(&self) -> u64 {
         (self.data.len() * std::mem::size_of::<T>() + self.bias.len() * 4) as u64
     }
+
+    /// Column j of B (its K values, as stored) into `out`: the weights of one output, read
+    /// back from its panel (one value per panel row, `NR` apart).
+    pub fn column(&self, j: usize, out: &mut [T]) {
+        assert!(
+            j < self.n && out.len() == self.k,
+            "column {j} of a {}×{} B",
+            self.k,
+            self.n
+        );
+        let panel = &self.data[j / NR * self.k * NR..][..self.k * NR];
+        for (o, row) in out.iter_mut().zip(panel.chunks_exact(NR)) {
+            *o = row[j % NR];
+        }
+    }
 }
 
 /// The first `n` values of `bias` (zeros where there is none), padded with zeros to `len`: a
