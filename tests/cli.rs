@@ -291,6 +291,25 @@ fn batch_tiles_match_the_reference_and_bad_cuts_are_refused() {
         assert!(stderr(&o).contains(says), "{bad}: {}", stderr(&o));
         assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
     }
+    // Tiles named in the compiled graph (layer1.1.conv2 is its block's output once the add is
+    // fused into it; in the eager graph the add still reads the block's input after it) run
+    // the compiled network, and the eager reference it is checked against runs whole.
+    let record = dir.path().join("compiled.json");
+    let o = crate::common::command()
+        .env("WORKSHOP_CPU_SPLIT", "layer1.1.conv2:1")
+        .args(["bench", "--network", "resnet18", "--batch-size", "2"])
+        .args(["--input-size", "32", "--compile", "default"])
+        .args(["--iterations", "1", "--warmup", "0", "--json"])
+        .arg(&record)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let json = std::fs::read_to_string(&record).unwrap();
+    assert!(
+        json.contains("batch tiles of 1 image up to layer1.1.conv2")
+            && stdout(&o).contains("Check"),
+        "{json}"
+    );
 }
 
 /// MobileNetV3-Small's depthwise convolutions (3×3 and 5×5, strides 1 and 2, 16 to 576

@@ -178,14 +178,23 @@ pub fn prepare(cfg: &BenchConfig, weights_file: Option<&std::path::Path>) -> Res
 pub fn prepare_hw(
     cfg: &BenchConfig,
     weights_file: Option<&std::path::Path>,
+    hw: (usize, usize),
+) -> Result<Prepared> {
+    prepare_with(cfg, weights_file, hw, cfg.exec_options())
+}
+
+/// [`prepare_hw`] with these options rather than the configuration's own.
+fn prepare_with(
+    cfg: &BenchConfig,
+    weights_file: Option<&std::path::Path>,
     (height, width): (usize, usize),
+    opt: crate::backend::ExecOptions,
 ) -> Result<Prepared> {
     let graph = zoo::build(&cfg.network)?;
     let eager_plan = graph
         .plan(cfg.batch_size, height, width)
         .with_context(|| format!("{} cannot take {height}×{width} inputs", cfg.network))?;
     let backend = backend::open(cfg.backend)?;
-    let opt = cfg.exec_options();
     backend.check_fits(cfg.device, &eager_plan, &opt)?;
     let (weights, calibration) = match weights_file {
         Some(path) => (Weights::load(path, &graph)?, None),
@@ -332,7 +341,15 @@ pub fn run(
             flops_prof_step: None,
             ..cfg.clone()
         };
-        let (plan, mut session, _, _) = prepare(&eager, weights_file)?;
+        let mut opt = eager.exec_options();
+        // A WORKSHOP_CPU_SPLIT names the compiled graph's nodes, where the eager graph may not
+        // join the images (a block's last convolution, with its add fused): the reference
+        // runs whole batches then, which changes none of its values.
+        if crate::settings::get().is_ok_and(|s| s.cpu_split != crate::settings::SplitChoice::Auto) {
+            opt.schedule = Some("off".into());
+        }
+        let hw = (cfg.input_size, cfg.input_size);
+        let (plan, mut session, _, _) = prepare_with(&eager, weights_file, hw, opt)?;
         let want = infer(session.as_mut(), &bench_batch(cfg, &plan).0)?;
         let scale = want.data.iter().fold(0f64, |m, v| m.max(v.abs() as f64));
         info.max_abs_diff = want

@@ -42,14 +42,18 @@ pub fn calibrate_batch_norm(
 ) -> Result<Calibration, BackendError> {
     let threads = default_threads();
     let pool = worker_pool(threads, Vec::new())?;
-    let mut session = CpuSession::<f32>::new(
-        plan,
-        weights,
-        pool,
-        threads,
-        &ExecOptions::default(),
-        &mut Donor::default(),
-    )?;
+    // A calibrating session runs whole batches (the statistics are the whole batch's), but
+    // plans the tiles the run's own session will, so that its packed layers fit that session
+    // (`Calibration::prepare`); not those of a WORKSHOP_CPU_SPLIT, which may name a compiled
+    // graph's nodes that this eager one cannot join at.
+    let by_hand =
+        crate::settings::get().is_ok_and(|s| s.cpu_split != crate::settings::SplitChoice::Auto);
+    let whole = ExecOptions {
+        schedule: by_hand.then(|| "off".into()),
+        ..ExecOptions::default()
+    };
+    let mut session =
+        CpuSession::<f32>::new(plan, weights, pool, threads, &whole, &mut Donor::default())?;
     // Calibration normalises with batch statistics, so the steps carry gamma and beta.
     for (step, node) in session.steps.iter_mut().zip(&plan.graph.nodes) {
         if let NodeKernel::Affine { scale, shift } = step {

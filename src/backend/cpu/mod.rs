@@ -356,9 +356,12 @@ impl Backend for CpuBackend {
     }
 }
 
-/// The batch tiles for `plan` at `elem` bytes a value: as `WORKSHOP_CPU_SPLIT` sets them
-/// ([`crate::settings::SplitChoice`]), else as `schedule` names them (max-autotune's choice
-/// among [`Backend::schedules`]), else [`batch_tiles::plan`] for this CPU's last-level cache.
+/// The batch tiles for `plan` at `elem` bytes a value: as `schedule` names them (max-autotune's
+/// choice among [`Backend::schedules`], which offers none while `WORKSHOP_CPU_SPLIT` decides;
+/// or a compiled run's eager reference, whose tiles change no value, run whole where that
+/// variable names the compiled graph's nodes), else as `WORKSHOP_CPU_SPLIT` sets them
+/// ([`crate::settings::SplitChoice`]), else [`batch_tiles::plan`] for this CPU's last-level
+/// cache.
 fn batch_split(
     plan: &Plan,
     elem: usize,
@@ -366,12 +369,12 @@ fn batch_split(
 ) -> Result<Option<batch_tiles::Split>, BackendError> {
     use crate::settings::{self, SplitChoice};
     let settings = settings::get().map_err(|e| BackendError::Invalid(e.to_string()))?;
-    let (choice, from) = match (&settings.cpu_split, schedule) {
-        (SplitChoice::Auto, Some(name)) => (
+    let (choice, from) = match schedule {
+        Some(name) => (
             SplitChoice::parse(name).map_err(BackendError::Invalid)?,
             "the schedule",
         ),
-        (choice, _) => (choice.clone(), settings::CPU_SPLIT),
+        None => (settings.cpu_split.clone(), settings::CPU_SPLIT),
     };
     match choice {
         SplitChoice::Off => Ok(None),
