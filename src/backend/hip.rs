@@ -549,12 +549,15 @@ impl Device for HipDevice {
     }
 
     fn vendor_gemm(&mut self) -> Result<(), BackendError> {
-        gpu::rocblas::present()?;
-        if self.blas.is_none() {
-            self.select()?;
-            // SAFETY: the session's stream, destroyed after the handle (Drop).
-            self.blas = Some(unsafe { gpu::rocblas::RocBlas::new(self.stream as *mut c_void)? });
+        // Made once (at prepare time): the library's presence is then known, and a GEMM's
+        // call to this costs one test.
+        if self.blas.is_some() {
+            return Ok(());
         }
+        gpu::rocblas::present()?;
+        self.select()?;
+        // SAFETY: the session's stream, destroyed after the handle (Drop).
+        self.blas = Some(unsafe { gpu::rocblas::RocBlas::new(self.stream as *mut c_void)? });
         Ok(())
     }
 
@@ -564,10 +567,7 @@ impl Device for HipDevice {
         ptr: &dyn Fn(BufId) -> u64,
         precision: Precision,
     ) -> Result<(), BackendError> {
-        // Made at prepare time; only a GEMM outside a prepared program gets here without it.
-        if self.blas.is_none() {
-            self.vendor_gemm()?;
-        }
+        self.vendor_gemm()?;
         let blas = self.blas.as_ref().expect("made by vendor_gemm");
         // SAFETY: the pointers are our allocations, sized by the program for this GEMM.
         unsafe { blas.gemm(g, ptr, precision) }
