@@ -26,6 +26,30 @@ KERNEL(embed_tokens, EmbedArgs) {
     a.y[i] = st(ld(v) + a.pos[(long long)p * a.d + j]);
 }
 
+// The maximum (a NaN wins, as in PyTorch) or the sum of `v` over the block's 256 threads, in
+// every one of them.
+__device__ inline float block_reduce(float* red, float v, bool take_max) {
+    const int tid = threadIdx.x;
+    red[tid] = v;
+    for (int step = 128; step > 0; step /= 2) {
+        __syncthreads();
+        if (tid < step) {
+            const float o = red[tid + step], m = red[tid];
+            red[tid] = take_max ? ((o > m || o != o) ? o : m) : m + o;
+        }
+    }
+    __syncthreads();
+    const float total = red[0];
+    __syncthreads();
+    return total;
+}
+
+// 16 bytes of storage values, the unit `gemv` loads when rows allow (4 f32 or 8 halves).
+#define GEMV_VEC (16 / (int)sizeof(elem))
+struct alignas(16) ElemPack {
+    elem v[GEMV_VEC];
+};
+
 struct RmsNormArgs {
     const elem* x;
     const float* w;
@@ -34,20 +58,21 @@ struct RmsNormArgs {
     float eps;
 };
 
-// x / √(mean(x²) + eps) · w, in f32: 32 threads a row, 8 rows a block (as layer_norm_rows).
+// x / √(mean(x²) + eps) · w, in f32: a block of 256 threads a row. A decode step has a row or a
+// few, and 32 threads a row walked each of Llama's 4096 values 128 loads deep on one warp (on
+// an H200 the norms were a quarter of a Qwen2.5 decode step).
 BLOCK_KERNEL(rms_norm_rows, RmsNormArgs) {
     __shared__ float red[256];
-    const int lane = threadIdx.x % 32;
-    const long long r = linear_index() / 32;
-    const bool live = r < a.rows;
-    const elem* x = a.x + (live ? r : 0) * a.d;
+    const long long r = linear_index() / 256;
+    if (r >= a.rows) return;  // the whole block
+    const elem* x = a.x + r * a.d;
     float part = 0.0f;
-    for (int j = lane; live && j < a.d; j += 32) {
+    for (int j = threadIdx.x; j < a.d; j += 256) {
         const float v = ld(x[j]);
         part += v * v;
     }
-    const float inv = 1.0f / sqrtf(row_sum32(red, part) / (float)a.d + a.eps);
-    for (int j = lane; live && j < a.d; j += 32) a.y[r * a.d + j] = st(ld(x[j]) * inv * a.w[j]);
+    const float inv = 1.0f / sqrtf(block_reduce(red, part, false) / (float)a.d + a.eps);
+    for (int j = threadIdx.x; j < a.d; j += 256) a.y[r * a.d + j] = st(ld(x[j]) * inv * a.w[j]);
 }
 
 struct RopeArgs {
@@ -94,24 +119,6 @@ KERNEL(kv_store, KvStoreArgs) {
     a.v[at] = row[kv_width + c];
 }
 
-// The maximum (a NaN wins, as in PyTorch) or the sum of `v` over the block's 256 threads, in
-// every one of them.
-__device__ inline float block_reduce(float* red, float v, bool take_max) {
-    const int tid = threadIdx.x;
-    red[tid] = v;
-    for (int step = 128; step > 0; step /= 2) {
-        __syncthreads();
-        if (tid < step) {
-            const float o = red[tid + step], m = red[tid];
-            red[tid] = take_max ? ((o > m || o != o) ? o : m) : m + o;
-        }
-    }
-    __syncthreads();
-    const float total = red[0];
-    __syncthreads();
-    return total;
-}
-
 struct CachedAttentionArgs {
     const elem* qkv;  // (rows, width): the queries are the first heads · head values
     const elem* k;    // (batch, KV heads, context, head)
@@ -124,9 +131,12 @@ struct CachedAttentionArgs {
 
 // softmax(q·kᵀ/√head)·v over the cached keys up to each query's position (causal; grouped
 // query heads share a KV head). One block per (row, head): the keys go by in tiles of 256, a
-// thread scoring one key of a tile, then the head's dims (a thread each) take the tile's
-// weighted values; a running maximum and sum rescale what came before (online softmax), so
-// no score outlives its tile.
+// thread scoring one key of a tile (its row read 16 bytes at a time where the head's size
+// allows), then the tile's weighted values are summed by 256 / head groups of the head's dims
+// (a thread a dim, each group every groups-th key of the tile), which meet once at the end; a
+// running maximum and sum rescale what came before (online softmax), so no score outlives its
+// tile. A value read a key at a time by one thread a dim left half of the block idle at
+// Llama's head of 128 and kept a decode step's attention a quarter of it on an H200.
 BLOCK_KERNEL(cached_attention, CachedAttentionArgs) {
     __shared__ float q[256];
     __shared__ float p[256];
@@ -141,6 +151,9 @@ BLOCK_KERNEL(cached_attention, CachedAttentionArgs) {
     const long long cache = ((long long)b * a.kv_heads + g) * a.context * a.head;
     const elem* kc = a.k + cache;
     const elem* vc = a.v + cache;
+    // This thread's group and dim for the values (threads past the last whole group idle).
+    const int groups = 256 / a.head, group = tid / a.head, dim = tid % a.head;
+    const bool packed = a.head % GEMV_VEC == 0;
     if (tid < a.head) q[tid] = ld(a.qkv[(long long)r * a.width + h * a.head + tid]);
     __syncthreads();
     const float scale = 1.0f / sqrtf((float)a.head), lowest = -3.402823466e38f;
@@ -151,7 +164,16 @@ BLOCK_KERNEL(cached_attention, CachedAttentionArgs) {
         if (key <= pos) {
             const elem* kr = kc + (long long)key * a.head;
             float dot = 0.0f;
-            for (int j = 0; j < a.head; ++j) dot += q[j] * ld(kr[j]);
+            if (packed) {
+                const ElemPack* kp = (const ElemPack*)kr;
+                for (int j = 0; j < a.head / GEMV_VEC; ++j) {
+                    const ElemPack w = kp[j];
+#pragma unroll
+                    for (int e = 0; e < GEMV_VEC; ++e) dot += q[j * GEMV_VEC + e] * ld(w.v[e]);
+                }
+            } else {
+                for (int j = 0; j < a.head; ++j) dot += q[j] * ld(kr[j]);
+            }
             score = dot * scale;
         }
         const float tile = block_reduce(red, score, true);
@@ -160,15 +182,23 @@ BLOCK_KERNEL(cached_attention, CachedAttentionArgs) {
         p[tid] = e;
         const float corr = expf(m - m2);
         s = s * corr + block_reduce(red, e, false);
-        if (tid < a.head) {
+        if (group < groups) {
             const int n = min(256, pos + 1 - k0);
+            const elem* vt = vc + (long long)k0 * a.head + dim;
             acc *= corr;
-            for (int i = 0; i < n; ++i) acc += p[i] * ld(vc[(long long)(k0 + i) * a.head + tid]);
+            for (int i = group; i < n; i += groups) acc += p[i] * ld(vt[(long long)i * a.head]);
         }
         m = m2;
         __syncthreads();
     }
-    if (tid < a.head) a.y[((long long)r * a.heads + h) * a.head + tid] = st(acc / s);
+    // The groups' sums, in group order.
+    red[tid] = acc;
+    __syncthreads();
+    if (tid < a.head) {
+        float sum = 0.0f;
+        for (int i = 0; i < groups; ++i) sum += red[i * a.head + tid];
+        a.y[((long long)r * a.heads + h) * a.head + tid] = st(sum / s);
+    }
 }
 
 struct GluArgs {
@@ -201,12 +231,6 @@ struct GemvArgs {
     const elem* res;    // (rows, n), or unused
     elem* y;            // (rows, n)
     int rows, k, n, has_bias, has_res;
-};
-
-// 16 bytes of storage values, the unit `gemv` loads when rows allow (4 f32 or 8 halves).
-#define GEMV_VEC (16 / (int)sizeof(elem))
-struct alignas(16) ElemPack {
-    elem v[GEMV_VEC];
 };
 
 // y = x·wᵀ (+ bias) (+ res) for a few rows, reading each weight once: 32 threads (a warp) per

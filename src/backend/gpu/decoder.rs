@@ -296,10 +296,12 @@ fn task(op: &'static str, kernel: &'static str, grid: [u32; 3], args: Vec<Arg>) 
 impl<D: Device> GpuDecoder<D> {
     fn norm(&self, n: &NormBufs, x: Arg, y: BufId, rows: usize) -> Result<Task, BackendError> {
         let (d, eps) = (self.cfg.hidden_size, Arg::F32(self.cfg.norm_eps as f32));
-        let (kernel, args) = match n.bias {
+        // RMSNorm takes a block (256 threads) a row, LayerNorm 32 threads a row.
+        let (kernel, args, threads) = match n.bias {
             None => (
                 "rms_norm_rows",
                 vec![x, Arg::Buf(n.w), Arg::Buf(y), int(rows), int(d), eps],
+                256,
             ),
             Some(b) => (
                 "layer_norm_rows",
@@ -313,9 +315,10 @@ impl<D: Device> GpuDecoder<D> {
                     int(1),
                     eps,
                 ],
+                32,
             ),
         };
-        Ok(task("norm", kernel, grid_1d(rows * 32)?, args))
+        Ok(task("norm", kernel, grid_1d(rows * threads)?, args))
     }
 
     /// y = x·wᵀ + bias (+ res): `gemv` for a few rows, else the CNNs' tiled linear kernel.

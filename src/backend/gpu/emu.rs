@@ -817,6 +817,193 @@ mod tests {
         }
     }
 
+    /// Runs `kernel` of `precision` on `threads` threads (256 a block) with `args`, whose
+    /// buffers are `data` uploaded in order, and returns buffer `out`'s bytes afterwards.
+    fn launch_on(
+        precision: Precision,
+        kernel: &'static str,
+        data: &[Vec<u8>],
+        args: &[super::super::program::Arg],
+        threads: usize,
+        out: usize,
+    ) -> Vec<u8> {
+        use super::super::program::{BLOCK, grid_1d, pack};
+        let mut dev = EmuDevice::new(BackendKind::Cuda);
+        let f = dev.compile(precision, None, &[kernel]).unwrap().remove(0);
+        let at: Vec<u64> = (data.iter())
+            .map(|bytes| {
+                let p = dev.alloc(bytes.len().max(8) as u64).unwrap();
+                dev.upload(p, bytes).unwrap();
+                p
+            })
+            .collect();
+        let grid = grid_1d(threads).unwrap();
+        dev.launch(&f, grid, BLOCK, &pack(args, |b| at[b])).unwrap();
+        let mut bytes = vec![0u8; data[out].len()];
+        dev.download(at[out], &mut bytes).unwrap();
+        bytes
+    }
+
+    /// Storage values (`precision`'s) back to f32.
+    fn values(precision: Precision, bytes: &[u8]) -> Vec<f32> {
+        match precision {
+            Precision::Fp32 => bytemuck::pod_collect_to_vec(bytes),
+            Precision::Bf16 => bytes
+                .chunks(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            Precision::Fp16 => bytes
+                .chunks(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+        }
+    }
+
+    /// `cached_attention` (a block per row and head) against softmax(q·kᵀ/√head)·v on the
+    /// host: heads whose keys it reads 16 bytes at a time (8, 64, 128 in FP32; 8 in BF16) and a
+    /// value at a time (6; 12 in BF16), value groups that fill the block and ones that leave
+    /// threads idle (96: two groups of 96), grouped KV heads, contexts of one, two and three
+    /// tiles of 256 keys, several new rows of a sequence, and a sliding window.
+    #[test]
+    fn cached_attention_matches_host_softmax() {
+        use super::super::program::Arg;
+        let cases = [
+            // (precision, head, batch, new rows, start, window)
+            (Precision::Fp32, 8, 2, 1, 300, 0),
+            (Precision::Fp32, 6, 1, 3, 5, 4),
+            (Precision::Fp32, 64, 1, 2, 520, 0),
+            (Precision::Fp32, 128, 2, 1, 40, 0),
+            (Precision::Fp32, 96, 1, 1, 257, 100),
+            (Precision::Bf16, 8, 1, 2, 290, 0),
+            (Precision::Bf16, 12, 2, 1, 17, 0),
+        ];
+        let (heads, kv_heads, context) = (4, 2, 600);
+        let mut rng = Rng::new(21);
+        for (precision, head, batch, new, start, window) in cases {
+            let rows = batch * new;
+            let width = (heads + 2 * kv_heads) * head;
+            let mut random = |n: usize| -> Vec<f32> {
+                let v = rng.normal_tensor(vec![n]).data;
+                v.into_iter().map(|x| precision.round(x)).collect()
+            };
+            let qkv = random(rows * width);
+            let cache_len = batch * kv_heads * context * head;
+            let (k, v) = (random(cache_len), random(cache_len));
+            let step: Vec<u8> = bytemuck::cast_slice(&[start as i32, new as i32]).to_vec();
+            let y = vec![0u8; rows * heads * head * precision.bytes()];
+            let store = |x: &[f32]| precision.storage_bytes(x);
+            let data = [store(&qkv), store(&k), store(&v), step, y];
+            let i = |v: usize| Arg::I32(v as i32);
+            let mut args: Vec<Arg> = (0..5).map(Arg::Buf).collect();
+            args.extend([rows, width, heads, kv_heads, head, context, window].map(i));
+            let got = values(
+                precision,
+                &launch_on(
+                    precision,
+                    "cached_attention",
+                    &data,
+                    &args,
+                    rows * heads * 256,
+                    4,
+                ),
+            );
+            for r in 0..rows {
+                let (b, pos) = (r / new, start + r % new);
+                let first = if window > 0 && pos + 1 > window {
+                    pos + 1 - window
+                } else {
+                    0
+                };
+                for h in 0..heads {
+                    let g = h / (heads / kv_heads);
+                    let q = &qkv[r * width + h * head..][..head];
+                    let row = |c: &[f32], key: usize| -> Vec<f64> {
+                        let at = ((b * kv_heads + g) * context + key) * head;
+                        c[at..at + head].iter().map(|&x| x as f64).collect()
+                    };
+                    let scores: Vec<f64> = (first..=pos)
+                        .map(|key| {
+                            let kr = row(&k, key);
+                            let dot: f64 = q.iter().zip(&kr).map(|(&a, b)| a as f64 * b).sum();
+                            dot / (head as f64).sqrt()
+                        })
+                        .collect();
+                    let top = scores.iter().cloned().fold(f64::MIN, f64::max);
+                    let e: Vec<f64> = scores.iter().map(|s| (s - top).exp()).collect();
+                    let sum: f64 = e.iter().sum();
+                    for d in 0..head {
+                        let want: f64 = (first..=pos)
+                            .zip(&e)
+                            .map(|(key, w)| w * row(&v, key)[d])
+                            .sum::<f64>()
+                            / sum;
+                        let got = got[(r * heads + h) * head + d] as f64;
+                        let tol = if precision == Precision::Fp32 {
+                            1e-5
+                        } else {
+                            1e-2
+                        };
+                        assert!(
+                            (got - want).abs() <= tol * (1.0 + want.abs()),
+                            "{precision:?} head {head}, row {r}, head {h}, dim {d}: {got} against {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// `rms_norm_rows` (a block a row) against x / √(mean(x²) + eps) · w on the host, for one
+    /// row and several, rows shorter than the block and longer than it.
+    #[test]
+    fn rms_norm_matches_host() {
+        use super::super::program::Arg;
+        let mut rng = Rng::new(22);
+        for (rows, d) in [(1, 4096), (3, 33), (2, 600)] {
+            let x = rng.normal_tensor(vec![rows, d]).data;
+            let w = rng.normal_tensor(vec![d]).data;
+            let eps = 1e-5f32;
+            let data = [
+                Precision::Fp32.storage_bytes(&x),
+                Precision::Fp32.storage_bytes(&w),
+                vec![0u8; rows * d * 4],
+            ];
+            let i = |v: usize| Arg::I32(v as i32);
+            let args = [
+                Arg::Buf(0),
+                Arg::Buf(1),
+                Arg::Buf(2),
+                i(rows),
+                i(d),
+                Arg::F32(eps),
+            ];
+            let got = values(
+                Precision::Fp32,
+                &launch_on(
+                    Precision::Fp32,
+                    "rms_norm_rows",
+                    &data,
+                    &args,
+                    rows * 256,
+                    2,
+                ),
+            );
+            for r in 0..rows {
+                let row = &x[r * d..][..d];
+                let mean = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / d as f64;
+                let inv = 1.0 / (mean + eps as f64).sqrt();
+                for j in 0..d {
+                    let want = row[j] as f64 * inv * w[j] as f64;
+                    let got = got[r * d + j] as f64;
+                    assert!(
+                        (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                        "rows {rows}, d {d}: row {r}, value {j}: {got} against {want}"
+                    );
+                }
+            }
+        }
+    }
+
     /// `gemv` (a decode step's linear layers) at row lengths that take its loop of four 16-byte
     /// loads and its one-load tail (k = 676), only the tail (k = 36) and its scalar path
     /// (k = 514), for one to eight rows, with and without bias and residual, against sums on
