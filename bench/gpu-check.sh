@@ -59,7 +59,8 @@ if has llm; then
     { timeout 120 "${b[@]}" --network qwen2.5-0.5b -b 1,8
       timeout 120 "${b[@]}" --network qwen2.5-0.5b -b 1,8 --compile reduce-overhead
       timeout 120 "${b[@]}" --network qwen2.5-0.5b -b 1 --profile
-      timeout 300 "${b[@]}" --network llama-3.1-8b -b 1 --compile reduce-overhead; } > "$out/llm.log" 2>&1
+      timeout 300 "${b[@]}" --network llama-3.1-8b -b 1 --compile reduce-overhead
+      timeout 300 "${b[@]}" --network llama-3.1-8b -b 1 -n 16 --profile; } > "$out/llm.log" 2>&1
     say llm; grep -E "Performance summary|^TPOT|^Bandwidth" "$out/llm.log"
 fi
 if has resnet; then

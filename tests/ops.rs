@@ -322,6 +322,12 @@ fn pooling(kind: BackendKind) {
         ("max_3_s2_p1", Op::MaxPool(Pool::new(3, 2, 1)), [2, 3, 9, 8]),
         ("max_2_s2", Op::MaxPool(Pool::new(2, 2, 0)), [1, 4, 6, 6]),
         ("max_ceil", Op::MaxPool(ceil(3, 2, 0)), [1, 3, 8, 7]),
+        // 77 channels: the CPU kernel's runs of 64, 8 and 1 channels.
+        (
+            "max_3_s2_p1_wide",
+            Op::MaxPool(Pool::new(3, 2, 1)),
+            [1, 77, 7, 6],
+        ),
         ("avg_3_s1_p1", Op::AvgPool(Pool::new(3, 1, 1)), [1, 3, 5, 4]),
         ("avg_ceil_pad", Op::AvgPool(ceil(2, 2, 1)), [1, 2, 5, 7]),
         ("avg_exclude_pad", Op::AvgPool(no_pad_count), [1, 2, 6, 5]),

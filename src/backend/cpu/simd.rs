@@ -209,15 +209,39 @@ pub fn with_simd<W: Vectorised>(work: W) -> W::Output {
     work.run()
 }
 
-/// `f(d)` for each element of a slice, as [`Vectorised`] work (`f` as for [`ZipWith`]).
+/// `f(d)` for each element of a slice, as [`Vectorised`] work (`f` as for [`ZipWith`]), by
+/// value as [`map_in_place`] does.
 pub struct Update<'a, D, F>(pub &'a mut [D], pub F);
 
-impl<D, F: Fn(&mut D)> Vectorised for Update<'_, D, F> {
+impl<D: Copy, F: Fn(&mut D)> Vectorised for Update<'_, D, F> {
     type Output = ();
     #[inline(always)]
     fn run(self) {
         let Update(dst, f) = self;
-        dst.iter_mut().for_each(f);
+        map_in_place(dst, |mut d| {
+            f(&mut d);
+            d
+        });
+    }
+}
+
+/// Each value of `values` replaced by `f` of it, a fixed run of values at a time mapped by
+/// value and stored whole (inline it into [`Vectorised`] work). Updated one by one in place
+/// (`*v = f(*v)`), an `f` that is a select (ReLU keeping a value, a clamp) was compiled into a
+/// store only where the value changes, a masked store (`vmaskmovps`), which AMD's cores run
+/// slowly: on a Zen 3, ReLU on a BF16 ResNet-50's f32 sums took 4.5% of a batch-8 run.
+#[inline(always)]
+pub fn map_in_place<D: Copy>(values: &mut [D], f: impl Fn(D) -> D) {
+    let (runs, tail) = values.as_chunks_mut::<16>();
+    for run in runs {
+        // Read through `black_box`, the stored run is no longer seen as the loaded one where
+        // `f` keeps a value: mapped by value alone, the compiler still stored only the changed
+        // values, through masks.
+        let src = std::hint::black_box(*run);
+        *run = std::array::from_fn(|i| f(src[i]));
+    }
+    for v in tail {
+        *v = f(*v);
     }
 }
 

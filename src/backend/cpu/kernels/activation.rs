@@ -36,7 +36,7 @@ pub(crate) fn activate(act: Act, values: &mut [f32]) {
             }
         }
     }
-    with_act!(act, |f| values.iter_mut().for_each(|v| *v = f(*v)))
+    with_act!(act, |f| crate::backend::cpu::simd::map_in_place(values, f))
 }
 
 /// Whether [`activate`] has an intrinsics form of `act`: epilogues that otherwise apply the
