@@ -1010,12 +1010,7 @@ mod tests {
     /// the host. The output count leaves warps of the last block without an output.
     #[test]
     fn gemv_matches_host_sums_on_each_of_its_paths() {
-        use super::super::program::{Arg, BLOCK, grid_1d, pack};
-        let mut dev = EmuDevice::new(BackendKind::Cuda);
-        let f = dev
-            .compile(Precision::Fp32, None, &["gemv"])
-            .unwrap()
-            .remove(0);
+        use super::super::program::Arg;
         let mut rng = Rng::new(11);
         let n = 11;
         for (k, rows, extras) in [
@@ -1029,31 +1024,20 @@ mod tests {
             let bias = rng.normal_tensor(vec![n]).data;
             let res = rng.normal_tensor(vec![rows, n]).data;
             let bytes = |v: &[f32]| Precision::Fp32.storage_bytes(v);
-            let mut at = Vec::new();
-            for data in [&x, &w, &bias, &res] {
-                let p = dev.alloc(data.len() as u64 * 4).unwrap();
-                dev.upload(p, &bytes(data)).unwrap();
-                at.push(p);
-            }
-            at.push(dev.alloc((rows * n) as u64 * 4).unwrap());
-            let i = |v: usize| Arg::I32(v as i32);
-            let args = [
-                Arg::Buf(0),
-                Arg::Buf(1),
-                Arg::Buf(2),
-                Arg::Buf(3),
-                Arg::Buf(4),
-                i(rows),
-                i(k),
-                i(n),
-                i(extras as usize),
-                i(extras as usize),
+            let data = [
+                bytes(&x),
+                bytes(&w),
+                bytes(&bias),
+                bytes(&res),
+                vec![0u8; rows * n * 4],
             ];
-            let grid = grid_1d(n * 32).unwrap();
-            dev.launch(&f, grid, BLOCK, &pack(&args, |b| at[b]))
-                .unwrap();
-            let mut out = vec![0u8; rows * n * 4];
-            dev.download(at[4], &mut out).unwrap();
+            let i = |v: usize| Arg::I32(v as i32);
+            let mut args: Vec<Arg> = (0..5).map(Arg::Buf).collect();
+            args.extend([rows, k, n, extras as usize, extras as usize].map(i));
+            let out = values(
+                Precision::Fp32,
+                &launch_on(Precision::Fp32, "gemv", &data, &args, n * 32, 4),
+            );
             for r in 0..rows {
                 for o in 0..n {
                     let dot: f64 = (0..k)
@@ -1065,8 +1049,7 @@ mod tests {
                         } else {
                             0.0
                         };
-                    let c = &out[(r * n + o) * 4..][..4];
-                    let got = f32::from_ne_bytes([c[0], c[1], c[2], c[3]]) as f64;
+                    let got = out[r * n + o] as f64;
                     assert!(
                         (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
                         "k {k}, row {r}, output {o}: {got} against {want}"
