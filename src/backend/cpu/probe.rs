@@ -73,9 +73,21 @@ pub fn bf16_pairs() -> Option<Bf16Pairs> {
 /// AVX-512's kernel stops at 64).
 pub const SMALL_K_DEPTHS: [usize; 5] = [16, 32, 64, 256, 1024];
 
+/// How much slower than the register tile the small-K kernel may measure at a depth and
+/// still keep it. Where the two kernels are level a cut at exactly 1.0 made the reach a coin
+/// toss: on a Zen 3 one build of the kernels got 1024, the next 256, the next 16, and
+/// profiles of two builds differed for that alone. There, with the probe's median of seven
+/// rounds, eight probes in a row read 0.98–1.03 at K 256 and 0.94–1.03 at K 1024 (0.70–0.74
+/// at K 16, 0.90–0.94 at K 64). Level goes to the small-K kernel, which whole layers
+/// preferred where the probe saw a tie (on the Zen 3, ResNet-50's 1×1 layers of K 512–1024 at
+/// batch 1: 0.86–0.92× the tile's time, paired runs); a kernel clearly behind (an Emerald
+/// Rapids core: up to 1.31×, and ResNet-50 FP32 15% faster without it) still stops it.
+pub const SMALL_K_TIE: f64 = 1.05;
+
 /// The deepest K up to which the FP32 GEMM takes its small-K kernel: the deepest of
-/// [`SMALL_K_DEPTHS`] at which that kernel beat the register tile, with every shallower one
-/// beating it too (0: never). `None` where the SIMD path has no small-K kernel.
+/// [`SMALL_K_DEPTHS`] at which that kernel was not behind the register tile (its time at most
+/// [`SMALL_K_TIE`] of the tile's), with every shallower one not behind either (0: never).
+/// `None` where the SIMD path has no small-K kernel.
 pub fn small_k_reach() -> Option<usize> {
     static REACH: OnceLock<Option<usize>> = OnceLock::new();
     *REACH.get_or_init(|| {
@@ -91,17 +103,25 @@ pub fn small_k_reach() -> Option<usize> {
             |e| e.small_k_reach,
             |e, r| e.small_k_reach = Some(r),
             || {
-                let mut reach = 0;
-                for k in SMALL_K_DEPTHS.into_iter().filter(|&k| k <= max) {
-                    if super::sgemm::stationary_over_tile(k)? >= 1.0 {
-                        break;
-                    }
-                    reach = k;
-                }
-                Some(reach)
+                let depths = SMALL_K_DEPTHS.into_iter().filter(|&k| k <= max);
+                reach_of(depths.map(|k| Some((k, super::sgemm::stationary_over_tile(k)?))))
             },
         )
     })
+}
+
+/// The small-K reach from the probe's (depth, small-K time over the tile's) pairs,
+/// shallowest first ([`small_k_reach`]); `None` if a measurement was (`None`).
+fn reach_of(measured: impl IntoIterator<Item = Option<(usize, f64)>>) -> Option<usize> {
+    let mut reach = 0;
+    for m in measured {
+        let (k, ratio) = m?;
+        if ratio > SMALL_K_TIE {
+            break;
+        }
+        reach = k;
+    }
+    Some(reach)
 }
 
 /// The cache's name in the cache folder.
@@ -271,6 +291,19 @@ mod tests {
         assert!(!text.contains(old) && text.contains(new), "{text}");
         assert_eq!(dots(Some(&path), "a", &measure(9.0)), Some(1.5));
         assert_eq!(runs.get(), 6);
+    }
+
+    /// The reach stops at the first depth where the small-K kernel is clearly behind; a tie
+    /// keeps it going.
+    #[test]
+    fn the_small_k_reach_stops_where_the_kernel_falls_behind() {
+        let reach = |r: &[f64]| reach_of(SMALL_K_DEPTHS.iter().zip(r).map(|(&k, &r)| Some((k, r))));
+        assert_eq!(reach(&[0.7, 0.8, 0.9, 0.99, 1.04]), Some(1024));
+        assert_eq!(reach(&[0.7, 0.8, 0.9, 1.08, 0.9]), Some(64));
+        assert_eq!(reach(&[1.1, 0.9, 0.9, 0.9, 0.9]), Some(0));
+        // AVX-512's kernel stops at 64: fewer depths measured.
+        assert_eq!(reach(&[0.6, 0.7, 0.8]), Some(64));
+        assert_eq!(reach_of([Some((16, 0.7)), None]), None);
     }
 
     #[test]

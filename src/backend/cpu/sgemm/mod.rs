@@ -335,8 +335,8 @@ const AVX2_SMALL_K_MAX: usize = KC;
 /// The small-K kernel's time over the register tile's at this `k` (at most [`small_k_max`]),
 /// measured now on one core: the GEMM of a 1×1 layer with ReLU, [`PROBE_ROWS`] rows (fewer as
 /// K deepens past 64, the work kept) by `k` by [`PROBE_COLS`] columns (its C outgrows a core's
-/// L2 on some CPUs, as a layer's does), the two kernels alternating, the fastest of eight runs
-/// each.
+/// L2 on some CPUs, as a layer's does); the median over [`PROBE_ROUNDS`] rounds of the ratio
+/// of the two kernels' fastest of [`PROBE_RUNS`] runs, alternating.
 /// `None` where the SIMD path has no small-K kernel.
 pub(super) fn stationary_over_tile(k: usize) -> Option<f64> {
     let tiles = kernels_for(simd());
@@ -385,13 +385,28 @@ pub(super) fn stationary_over_tile(k: usize) -> Option<f64> {
         };
         start.elapsed().as_secs_f64()
     };
-    let (mut small, mut tile) = (f64::INFINITY, f64::INFINITY);
-    for _ in 0..8 {
-        small = small.min(run(tiles));
-        tile = tile.min(run(plain));
-    }
-    Some(small / tile.max(1e-9))
+    // Each round's ratio of the two kernels' fastest runs, and the median of the rounds: one
+    // round's fastest run is at the mercy of one quiet or busy moment (on a shared 2-vCPU Zen 3
+    // VM, single rounds of eight read 0.67–0.95 at K 16 and 0.92–1.03 at K 256), the median
+    // of several much less so.
+    let mut ratios: Vec<f64> = (0..PROBE_ROUNDS)
+        .map(|_| {
+            let (mut small, mut tile) = (f64::INFINITY, f64::INFINITY);
+            for _ in 0..PROBE_RUNS {
+                small = small.min(run(tiles));
+                tile = tile.min(run(plain));
+            }
+            small / tile.max(1e-9)
+        })
+        .collect();
+    ratios.sort_by(f64::total_cmp);
+    Some(ratios[ratios.len() / 2])
 }
+
+/// Rounds of [`stationary_over_tile`]'s measurement (odd: their median is one of them).
+const PROBE_ROUNDS: usize = 7;
+/// Runs of each kernel, alternating, in one round of it.
+const PROBE_RUNS: usize = 4;
 
 /// The deepest K the SIMD path in use could give its small-K kernel (0: it has none).
 pub(super) fn small_k_max() -> usize {
