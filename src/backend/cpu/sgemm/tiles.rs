@@ -651,12 +651,8 @@ pub(super) mod avx512 {
                 std::array::from_fn(|kk| _mm512_loadu_ps(panel.add(kk * NR)));
             let start = _mm512_loadu_ps(bias);
             for r0 in (0..m).step_by(R) {
-                // The next group's lines of C, and of the residual, while this group's K runs:
-                // both stream from memory for a large layer, and its stores and the residual's
-                // loads otherwise wait for them after every short K. ResNet-50 FP32 at batch 32
-                // on a Zen 3 (2 threads, compiled): the 1×1 layers' time over the unchanged
-                // Winograd layers' in the same run, 0.94–1.00× (8 alternating pairs, median
-                // 0.96) with this and the tile's residual prefetch against without.
+                // The next group's lines of C and of the residual, as AVX2's kernel asks for
+                // them (measured there, on a Zen 3; not yet on an AVX-512 core).
                 for lines in [c.cast_const(), residual] {
                     if !lines.is_null() {
                         super::super::prefetch_c_rows(lines, ldc, 0, r0 + R, R, m);
