@@ -114,7 +114,7 @@ pub fn small_k_reach() -> Option<usize> {
 }
 
 /// The small-K reach from the probe's (depth, small-K time over the tile's) pairs,
-/// shallowest first ([`small_k_reach`]); `None` if a measurement was (`None`).
+/// shallowest first ([`small_k_reach`]); `None` where a measurement is missing.
 fn reach_of(measured: impl IntoIterator<Item = Option<(usize, f64)>>) -> Option<usize> {
     let mut reach = 0;
     for m in measured {

@@ -387,7 +387,7 @@ pub(super) fn stationary_over_tile(k: usize) -> Option<f64> {
     };
     // Each round's ratio of the two kernels' fastest runs, and the median of the rounds: one
     // round's fastest run is at the mercy of one quiet or busy moment (on a shared 2-vCPU Zen 3
-    // VM, single rounds of eight read 0.67–0.95 at K 16 and 0.92–1.03 at K 256), the median
+    // VM, single rounds of eight read 0.70–0.95 at K 16 and 0.92–1.03 at K 256), the median
     // of several much less so.
     let mut ratios: Vec<f64> = (0..PROBE_ROUNDS)
         .map(|_| {
