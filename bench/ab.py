@@ -6,19 +6,29 @@ difference larger than the machine's noise?
     python3 bench/ab.py /tmp/workshop-before target/release/workshop --network efficientnet_b0 \
         --precision bf16 --rounds 8
     python3 bench/ab.py OLD NEW --network "conv2d(24,72,1)+relu" --input-size 56 --kernel
+    python3 bench/ab.py OLD NEW --network resnet50 --precision fp32 --batch-size 32 \
+        --kernel-total conv2d_pointwise --control conv2d_winograd
 
 Each round runs both builds once, alternating which goes first, on the same arguments
 (`workshop bench ... --compile default` unless --eager). A round gives one paired ratio
 new / old: of the step time's minimum over the run's iterations (the least disturbed
 iteration: a shared machine's noise only ever adds time), or with --kernel of the first
 convolution kernel's average time from `--profile` (a single layer's step also converts the
-input, which for many channels outweighs the layer). Reported: each build's median and minimum,
+input, which for many channels outweighs the layer), or with --kernel-total of the summed total
+of the kernels named so. With --control, that total is divided by the total of other kernels
+that neither build changed, timed in the same process: on a 2-vCPU VM whose neighbours come and
+go, ResNet-50's unchanged Winograd kernels read 0.91–1.17× from one process to the next, and so
+did the 1×1 kernels under test, while the quotient of the two kept within 0.94–1.00 (a
+prefetch change, 8 rounds). Reported: each build's median and minimum,
 every round's ratio, their median, and how many rounds the new build won. The verdict is
-"faster" or "slower" only when at least 80% of the rounds agree and the median ratio is off 1
-by more than 2%, else "inconclusive" with the reason: on a noisy host most single rounds
-say little, and a verdict should not rest on one.
+"faster" or "slower" only when so many rounds agree that a coin would do it with a chance of
+at most 10% (a two-sided sign test: all of 5 to 7 rounds, 7 of 8, 8 of 9, 9 of 10) and the
+median ratio is off 1 by more than 2%, else "inconclusive" with the reason: on a noisy host
+most single rounds say little, and a verdict should not rest on one (two rounds of the same
+build, both 1–5% slower, once read "slower" under the former rule of 80% agreeing).
 """
 import argparse
+import math
 import re
 import statistics
 import subprocess
@@ -38,12 +48,29 @@ def run(binary, args):
     if step is None:
         sys.exit(f"{binary}: no 'Range min' line in its output")
     kernel = None
+    totals = {}
+    in_kernels = False
     for line in text.splitlines():
+        in_kernels = in_kernels or line.startswith("Kernels:")
         cells = [c.strip() for c in line.strip("│ ").split("┆")]
-        if len(cells) >= 4 and cells[0].startswith("conv2d_"):
+        if len(cells) < 4:
+            continue
+        if kernel is None and cells[0].startswith("conv2d_"):
             kernel = float(cells[3])
-            break
-    return float(step.group(1)), kernel
+        if in_kernels:
+            try:
+                totals[cells[0]] = float(cells[2])
+            except ValueError:
+                pass  # the header row
+    return float(step.group(1)), kernel, totals
+
+
+def total(totals, prefix, binary):
+    """The summed total (ms) of the profiled kernels whose names start with `prefix`."""
+    picked = [ms for name, ms in totals.items() if name.startswith(prefix)]
+    if not picked:
+        sys.exit(f"{binary}: no kernel named {prefix}… in the profile (it has: {', '.join(sorted(totals))})")
+    return sum(picked)
 
 
 def main():
@@ -60,9 +87,21 @@ def main():
     p.add_argument("--eager", action="store_true", help="without --compile default")
     p.add_argument("--kernel", action="store_true",
                    help="compare the first convolution kernel's average time (--profile) instead of the step")
+    p.add_argument("--kernel-total", metavar="PREFIX",
+                   help="compare the total time (--profile) of the kernels whose names start with PREFIX")
+    p.add_argument("--control", metavar="PREFIX",
+                   help="with --kernel-total: divide it by the total of these kernels, which the change "
+                        "leaves alone, in the same process (the machine's drift cancels)")
     a = p.parse_args()
     if a.rounds < 2:
         sys.exit("--rounds must be at least 2: one round cannot tell noise from a difference")
+    if a.rounds < 5:
+        print(f"note: {a.rounds} rounds can only say inconclusive (a verdict takes 5 rounds or more)",
+              file=sys.stderr)
+    if a.control and not a.kernel_total:
+        sys.exit("--control needs --kernel-total: it is what the changed kernels' total is divided by")
+    if a.kernel and a.kernel_total:
+        sys.exit("--kernel and --kernel-total each choose what to compare: give one")
     args = ["--network", a.network, "--batch-size", str(a.batch_size), "--precision", a.precision,
             "--iterations", str(a.iterations), "--warmup", "3"]
     if a.input_size:
@@ -71,19 +110,30 @@ def main():
         args += ["--threads", str(a.threads)]
     if not a.eager:
         args += ["--compile", "default"]
-    if a.kernel:
+    if a.kernel or a.kernel_total:
         args += ["--profile"]
-    unit = "µs (kernel average)" if a.kernel else "ms (step minimum)"
+    if a.control:
+        unit = f"{a.kernel_total}… total over {a.control}… total"
+    elif a.kernel_total:
+        unit = f"ms ({a.kernel_total}… total)"
+    else:
+        unit = "µs (kernel average)" if a.kernel else "ms (step minimum)"
     times = {"old": [], "new": []}
     ratios = []
     for r in range(a.rounds):
         order = ["old", "new"] if r % 2 == 0 else ["new", "old"]
         got = {}
         for side in order:
-            step, kernel = run(getattr(a, side), args)
+            binary = getattr(a, side)
+            step, kernel, totals = run(binary, args)
             if a.kernel and kernel is None:
-                sys.exit(f"{getattr(a, side)}: no conv2d kernel in the profile (--kernel needs a convolution)")
-            got[side] = kernel if a.kernel else step
+                sys.exit(f"{binary}: no conv2d kernel in the profile (--kernel needs a convolution)")
+            if a.kernel_total:
+                got[side] = total(totals, a.kernel_total, binary)
+                if a.control:
+                    got[side] /= total(totals, a.control, binary)
+            else:
+                got[side] = kernel if a.kernel else step
             times[side].append(got[side])
         ratios.append(got["new"] / got["old"])
         print(f"round {r + 1}: old {got['old']:.2f}  new {got['new']:.2f}  new/old {ratios[-1]:.3f}",
@@ -96,13 +146,27 @@ def main():
     wins = sum(r < 1 for r in ratios)
     print(f"  new/old per round: {' '.join(f'{r:.3f}' for r in ratios)}")
     print(f"  median new/old {median:.3f}; the new build faster in {wins} of {a.rounds} rounds")
-    agree = max(wins, a.rounds - wins) / a.rounds
-    if agree >= 0.8 and abs(median - 1) > 0.02:
-        print(f"verdict: {'faster' if median < 1 else 'slower'} ({(1 / median - 1) * 100:+.1f}% throughput)")
+    agree = max(wins, a.rounds - wins)
+    p_value = sign_test(agree, a.rounds)
+    if p_value <= MAX_P and abs(median - 1) > 0.02:
+        print(f"verdict: {'faster' if median < 1 else 'slower'} ({(1 / median - 1) * 100:+.1f}% throughput;"
+              f" {agree} of {a.rounds} rounds agree, sign test p = {p_value:.3f})")
     else:
-        why = (f"only {max(wins, a.rounds - wins)} of {a.rounds} rounds agree" if agree < 0.8
-               else f"the median ratio is within 2% of 1")
+        why = (f"{agree} of {a.rounds} rounds agree, which a coin does with p = {p_value:.2f}"
+               f" (a verdict needs p ≤ {MAX_P})" if p_value > MAX_P
+               else "the median ratio is within 2% of 1")
         print(f"verdict: inconclusive ({why}; more rounds, or a quieter machine)")
+
+
+# The largest chance that noise alone (each round a coin toss) would make as many rounds agree,
+# under which a verdict is given: all of 5 to 7 rounds, 7 of 8, 8 of 9, 9 of 10.
+MAX_P = 0.1
+
+
+def sign_test(agree, n):
+    """Two-sided sign test: the chance that n fair coin tosses split at least `agree` to one side."""
+    tail = sum(math.comb(n, i) for i in range(agree, n + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
 
 
 if __name__ == "__main__":
