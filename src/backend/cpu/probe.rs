@@ -78,12 +78,13 @@ pub const SMALL_K_DEPTHS: [usize; 5] = [16, 32, 64, 256, 1024];
 /// toss: on a Zen 3 one build of the kernels got 1024, the next 256, the next 16, and
 /// profiles of two builds differed for that alone. There, with the probe's median of seven
 /// rounds, eight probes in a row read 0.98–1.03 at K 256 and 0.94–1.03 at K 1024 (0.70–0.74
-/// at K 16, 0.90–0.94 at K 64). Level goes to the small-K kernel. Where the probe ties, whole
-/// layers on two threads of that Zen 3 did not settle it: ResNet-50's 1×1 layers of K
-/// 512–1024 at batch 1 took 0.86–0.92× the tile's time in one session's paired runs and
-/// 1.0–1.1× in a later one's, and the network with the reach at 1024 against 64 was
-/// level (0.95× at batch 1 and 0.97× at batch 8, neither verdict clear of the noise). A
-/// kernel clearly behind (an Emerald Rapids core: up to 1.31×, and ResNet-50 FP32 15% faster
+/// at K 16, 0.90–0.94 at K 64). Level goes to the small-K kernel, which the network preferred
+/// where the probe ties: on that Zen 3 (2 threads, FP32, compiled), ResNet-50's 1×1 layers
+/// took 0.94× the time with the reach at 1024 against 64 at batch 1 (7 of 8 rounds) and
+/// 0.97× at batch 8 (8 of 8), measured against its Winograd layers in the same process
+/// (`bench/ab.py --control`, which the reach does not touch); single layers timed process
+/// against process had said 0.86–1.1×, either way, from one session to the next. A kernel
+/// clearly behind (an Emerald Rapids core: up to 1.31×, and ResNet-50 FP32 15% faster
 /// without it) still stops it.
 pub const SMALL_K_TIE: f64 = 1.05;
 
