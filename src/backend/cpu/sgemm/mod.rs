@@ -1006,18 +1006,14 @@ unsafe fn gemm_block<E>(
         // C's lines, and the residual's where the tile finishes with one (read as it stores).
         let residual = fin.map_or(std::ptr::null(), |f| f.residual);
         for q in 0..w {
-            for lines in [c.cast_const(), residual] {
-                if !lines.is_null() {
-                    prefetch_c_rows(
-                        lines,
-                        ldc,
-                        (p + q - p0) * NR,
-                        i + PREFETCH_TILES * height,
-                        height,
-                        m,
-                    );
-                }
-            }
+            prefetch_c_rows(
+                (c, residual),
+                ldc,
+                (p + q - p0) * NR,
+                i + PREFETCH_TILES * height,
+                height,
+                m,
+            );
         }
         // SAFETY: rows i..i+rows of A and C exist by the contract, and so do panels
         // p..p + w (the callers keep p + w ≤ p1); rows past `rows` in an edge tile repeat
@@ -1184,25 +1180,38 @@ const B_PREFETCH: usize = 64;
 const PREFETCH_TILES: usize = 2;
 
 /// Ask the caches for C's lines of the tile at rows `r0..r0 + height` (those below `m`),
-/// columns `col..col + NR`, ahead of its kernel (or the residual's, laid out as C): a tile
-/// writes (or first reads) C rows that are `ldc` apart, which the hardware prefetchers do not
-/// foresee, and a tile's stores that miss wait for their lines while the next tile's loads
-/// queue behind them (a profile showed about 8% of ResNet-50's time stalled on the stores
-/// right after each tile). A hint only: it reads nothing and faults on nothing.
+/// columns `col..col + NR`, ahead of its kernel, and for the residual's (laid out as C; null:
+/// none): a tile writes (or first reads) C rows that are `ldc` apart, and reads the residual's
+/// as it stores, which the hardware prefetchers do not foresee, and a tile's stores that miss
+/// wait for their lines while the next tile's loads queue behind them (a profile showed about
+/// 8% of ResNet-50's time stalled on the stores right after each tile). A hint only: it reads
+/// nothing and faults on nothing.
 #[inline(always)]
-fn prefetch_c_rows(c: *const f32, ldc: usize, col: usize, r0: usize, height: usize, m: usize) {
+fn prefetch_c_rows(
+    (c, residual): (*mut f32, *const f32),
+    ldc: usize,
+    col: usize,
+    r0: usize,
+    height: usize,
+    m: usize,
+) {
     #[cfg(target_arch = "x86_64")]
-    for r in r0..(r0 + height).min(m) {
-        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-        let at = c.wrapping_add(r * ldc + col);
-        // SAFETY: prefetching is a hint for any address; no access is made.
-        unsafe {
-            _mm_prefetch::<_MM_HINT_T0>(at as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(NR - 1) as *const i8);
+    for lines in [c.cast_const(), residual] {
+        if lines.is_null() {
+            continue;
+        }
+        for r in r0..(r0 + height).min(m) {
+            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+            let at = lines.wrapping_add(r * ldc + col);
+            // SAFETY: prefetching is a hint for any address; no access is made.
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(at as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(NR - 1) as *const i8);
+            }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (c, ldc, col, r0, height, m);
+    let _ = (c, residual, ldc, col, r0, height, m);
 }
 
 /// Padding of a copied K block's rows (floats): one cache line, so that consecutive rows start

@@ -441,11 +441,7 @@ pub(super) mod avx2 {
                 // on a Zen 3 (2 threads, compiled): the 1×1 layers' time over the unchanged
                 // Winograd layers' in the same run, 0.94–1.00× (8 alternating pairs, median
                 // 0.96) with this and the tile's residual prefetch against without.
-                for lines in [c.cast_const(), residual] {
-                    if !lines.is_null() {
-                        super::super::prefetch_c_rows(lines, ldc, 0, r0 + R, R, m);
-                    }
-                }
+                super::super::prefetch_c_rows((c, residual), ldc, 0, r0 + R, R, m);
                 let ar: [*const f32; R] = std::array::from_fn(|i| a.add((r0 + i).min(m - 1) * lda));
                 let mut acc = [start; R];
                 for kk in 0..k {
@@ -653,11 +649,7 @@ pub(super) mod avx512 {
             for r0 in (0..m).step_by(R) {
                 // The next group's lines of C and of the residual, as AVX2's kernel asks for
                 // them (measured there, on a Zen 3; not yet on an AVX-512 core).
-                for lines in [c.cast_const(), residual] {
-                    if !lines.is_null() {
-                        super::super::prefetch_c_rows(lines, ldc, 0, r0 + R, R, m);
-                    }
-                }
+                super::super::prefetch_c_rows((c, residual), ldc, 0, r0 + R, R, m);
                 let ar: [*const f32; R] = std::array::from_fn(|i| a.add((r0 + i).min(m - 1) * lda));
                 let mut acc = [start; R];
                 let mut step = |kk: usize, bk: __m512| {
