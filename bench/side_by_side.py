@@ -186,9 +186,10 @@ def main():
         for b in a.batch_sizes:
             m = {n: median((prec, b, n)) for n in names}
             best_ours = max(m[n] for n in ours_names)
-            best_other = max(v for n, v in m.items() if n not in ours_names and v is not None)
+            # Every other implementation may have been left out (a peer that failed to run).
+            best_other = max((v for n, v in m.items() if n not in ours_names and v is not None), default=None)
             line = f"{prec:>9}  {b:>5}" + "".join(f"  {v:>17.2f}" if v else f"  {'—':>17}" for v in m.values())
-            line += f"  {best_ours / best_other:>16.2f}×"
+            line += f"  {best_ours / best_other:>16.2f}×" if best_other else f"  {'—':>17}"
             if peak:
                 line += f"  {100 * best_ours * per_image / peak:>10.0f}%"
             if ceiling:
@@ -203,6 +204,9 @@ def main():
         for b in a.batch_sizes:
             # Those that ran in every round (a peer without this precision ran in none).
             full = [n for n in names if len(results.get((prec, b, n), [])) == a.rounds]
+            if not any(n not in ours_names for n in full) or not any(n in ours_names for n in full):
+                print(f"{prec:>9}  {b:>5}  — (no other implementation ran in every round)")
+                continue
             rounds = [
                 max(results[(prec, b, n)][r] for n in full if n in ours_names)
                 / max(results[(prec, b, n)][r] for n in full if n not in ours_names)
