@@ -443,6 +443,13 @@ pub(super) fn gemm_tile<T: Elem>(
                 // that where they are the output's whole rows one pass finishes them all.
                 let ldc = width;
                 res.resize(mr * ldc, 0.0);
+                // Without a residual, the activation in the tiles, as for f32 (the same
+                // vector forms as `Epilogue::apply`'s): the pass after them only narrows.
+                let in_tiles = epilogue.residual.is_none() && epilogue.act != Act::None;
+                let fin = in_tiles.then_some(sgemm::Finish {
+                    act: epilogue.act,
+                    residual: std::ptr::null(),
+                });
                 sgemm::gemm_packed(
                     mr,
                     a.as_ptr().add(g * k_g),
@@ -451,9 +458,13 @@ pub(super) fn gemm_tile<T: Elem>(
                     (p0, p1),
                     res.as_mut_ptr(),
                     ldc,
-                    None,
+                    fin,
                 );
-                finish_rows(res, ldc, (m0, mr), (col0, width), y, cout, epilogue);
+                let rest = Epilogue {
+                    residual: epilogue.residual,
+                    act: if in_tiles { Act::None } else { epilogue.act },
+                };
+                finish_rows(res, ldc, (m0, mr), (col0, width), y, cout, &rest);
             }
         }
     }

@@ -409,8 +409,8 @@ pub fn pointwise_depthwise<T: Elem>(
 }
 
 /// The 1×1 layer's rows (`m` pixels of `k` channels in `a`) into `expanded`, as [`conv2d`]
-/// computes them: the GEMM, finished in its tiles in f32, or then the epilogue and the
-/// rounding a half type's storage would make.
+/// computes them: the GEMM, its activation applied in its tiles (it has no residual), then
+/// the rounding a half type's storage would make.
 fn expand<T: Elem>(
     b: &crate::backend::cpu::sgemm::PackedB<T>,
     act: Act,
@@ -418,7 +418,7 @@ fn expand<T: Elem>(
     (m, k): (usize, usize),
     expanded: &mut [f32],
 ) {
-    let fin = (T::IS_F32 && act != Act::None).then_some(crate::backend::cpu::sgemm::Finish {
+    let fin = (act != Act::None).then_some(crate::backend::cpu::sgemm::Finish {
         act,
         residual: std::ptr::null(),
     });
@@ -436,14 +436,7 @@ fn expand<T: Elem>(
             fin,
         );
     }
-    if !T::IS_F32 {
-        let epilogue = Epilogue::<T> {
-            residual: None,
-            act,
-        };
-        epilogue.apply(expanded, 0, &mut Vec::new());
-        round_to::<T>(expanded);
-    }
+    round_to::<T>(expanded);
 }
 
 thread_local! {
