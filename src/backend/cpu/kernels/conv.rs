@@ -7,7 +7,6 @@ use std::cell::RefCell;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::activation::Activation;
 use super::*;
 use crate::backend::cpu::bf16_gemm::{self, PackedPairs};
 use crate::backend::cpu::elem::{Elem, bf16_f32, f32_bf16};
@@ -663,12 +662,10 @@ impl<T: Elem> Epilogue<'_, T> {
         self.activate(row);
     }
 
-    /// The activation alone, on `values`, compiled for the widest vectors.
+    /// The activation alone, on `values` ([`super::activate`]: the widest vectors).
     #[inline(always)]
     pub(crate) fn activate(&self, row: &mut [f32]) {
-        if self.act != Act::None {
-            with_simd(Activation(self.act, row));
-        }
+        super::activate(self.act, row);
     }
 }
 

@@ -1951,9 +1951,7 @@ mod tests {
         for (case, (ch, k, st, pad, h, w)) in cases.into_iter().enumerate() {
             let c = Conv2d::new(ch, ch, k, st, pad).with_groups(ch);
             let act = match acts[case % acts.len()] {
-                act if matches!(act, Act::Silu | Act::Sigmoid | Act::Gelu) && !same_width => {
-                    Act::Hardswish
-                }
+                act if super::super::activation::long(act) && !same_width => Act::Hardswish,
                 act => act,
             };
             let xs = Nhwc { n: 1, h, w, c: ch };

@@ -4,7 +4,6 @@
 use half::bf16;
 use rayon::prelude::*;
 
-use super::activation::Activation;
 use super::*;
 use crate::backend::cpu::elem::{self, Elem, bf16_f32, f32_bf16};
 use crate::backend::cpu::simd::{Update, Vectorised, ZipWith, with_simd};
@@ -260,23 +259,16 @@ pub fn clamp_inplace<T: Elem>(buf: &mut [T], lo: f32, hi: f32) {
 
 /// 1 / (1 + e^-x), element-wise, in f32 (half types widened a block at a time).
 pub fn sigmoid_inplace<T: Elem>(buf: &mut [T]) {
-    map_f32(buf, 1, |part| with_simd(Activation(Act::Sigmoid, part)));
+    map_f32(buf, 1, |part| super::activate(Act::Sigmoid, part));
 }
 
 /// Hardswish, hardsigmoid, SiLU or tanh, element-wise in f32 (NaN stays NaN).
 pub fn unary_inplace<T: Elem>(buf: &mut [T], u: crate::model::op::Unary) {
     use crate::model::op::Unary;
-    let relu6 = |v: f32| clamp_nan(v, 0.0, 6.0);
     match u {
-        Unary::Hardswish => map_f32(buf, 1, |part| {
-            with_simd(Update(part, |v: &mut f32| {
-                *v = *v * relu6(*v + 3.0) * SIXTH
-            }))
-        }),
-        Unary::Hardsigmoid => map_f32(buf, 1, |part| {
-            with_simd(Update(part, |v: &mut f32| *v = relu6(*v + 3.0) * SIXTH))
-        }),
-        Unary::Silu => map_f32(buf, 1, |part| with_simd(Activation(Act::Silu, part))),
+        Unary::Hardswish => map_f32(buf, 1, |part| super::activate(Act::Hardswish, part)),
+        Unary::Hardsigmoid => map_f32(buf, 1, |part| super::activate(Act::Hardsigmoid, part)),
+        Unary::Silu => map_f32(buf, 1, |part| super::activate(Act::Silu, part)),
         Unary::Tanh => map_f32(buf, 1, |part| part.iter_mut().for_each(|v| *v = v.tanh())),
     }
 }
