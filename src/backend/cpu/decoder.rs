@@ -187,7 +187,7 @@ impl<T: Elem> CpuDecoder<T> {
         for c in Chunk::all(new, chunk) {
             let ids = c.ids(tokens, self.batch);
             let head = all_logits || c.is_last();
-            pool.install(|| self.layers_pass(&ids, c.len, all_logits, head));
+            super::install_awake(&pool, || self.layers_pass(&ids, c.len, all_logits, head));
             self.pos += c.len;
             if all_logits {
                 for (r, row) in self.logits.chunks(vocab).enumerate() {

@@ -421,6 +421,55 @@ fn worker_pool(threads: usize, cores: Vec<usize>) -> Result<Arc<rayon::ThreadPoo
         })
 }
 
+/// `pass()` on `pool` with its other workers kept awake until it returns: each waits for the
+/// pass's parallel work by taking it (`rayon::yield_now`) in a loop, instead of falling asleep
+/// whenever the pass runs serial code for longer than rayon's idle rounds (tens of
+/// microseconds) and being woken by a futex for the next parallel loop, a wake-up whose
+/// latency on a VM includes an exit to the hypervisor. ONNX Runtime's and OpenMP's workers
+/// spin through a run the same way. GPT-2's decode steps on 2 vCPUs took 0.83–1.01× the
+/// time with it (8 alternating pairs); see ARCHITECTURE.md. Between passes the workers sleep
+/// as before.
+pub(crate) fn install_awake<R: Send>(
+    pool: &rayon::ThreadPool,
+    pass: impl FnOnce() -> R + Send,
+) -> R {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    if pool.current_num_threads() < 2 {
+        return pool.install(pass);
+    }
+    pool.install(|| {
+        let done = AtomicBool::new(false);
+        let runner = rayon::current_thread_index();
+        rayon::scope(|s| {
+            for _ in 1..rayon::current_num_threads() {
+                s.spawn(|_| {
+                    // The pass's own worker can meet one of these while it waits inside the
+                    // pass (a join whose other half was stolen): it must not spin there, under
+                    // the pass that would end the spinning.
+                    if rayon::current_thread_index() == runner {
+                        return;
+                    }
+                    while !done.load(Ordering::Acquire) {
+                        if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                            std::hint::spin_loop();
+                        }
+                    }
+                });
+            }
+            // Set however the pass ends: a panic in it would otherwise leave the scope
+            // waiting for spinners that never stop.
+            struct Done<'a>(&'a AtomicBool);
+            impl Drop for Done<'_> {
+                fn drop(&mut self) {
+                    self.0.store(true, Ordering::Release);
+                }
+            }
+            let _done = Done(&done);
+            pass()
+        })
+    })
+}
+
 /// Refuse a plan that cannot fit in the memory available now, before allocating anything, and
 /// suggest the largest batch that would.
 fn check_memory(plan: &Plan, precision: Precision, threads: usize) -> Result<(), BackendError> {
@@ -443,4 +492,42 @@ fn check_memory(plan: &Plan, precision: Precision, threads: usize) -> Result<(),
         // Only a smaller batch is advice (issue 27: the batch that did not fit was suggested).
         suggestion: (fits >= 1 && fits < plan.batch()).then_some(fits),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pass kept awake does its parallel work on every pool size, and a pass that panics
+    /// hands its panic back (the spinners stop) and leaves the pool usable.
+    #[test]
+    fn awake_passes_finish_their_work_and_their_panics() {
+        let squares = |n: u64| (0..n).map(|i| i * i).sum::<u64>();
+        for threads in [1, 2, 3] {
+            let pool = worker_pool(threads, Vec::new()).unwrap();
+            let sum: u64 = install_awake(&pool, || {
+                (0..100_000u64).into_par_iter().map(|i| i * i).sum()
+            });
+            assert_eq!(sum, squares(100_000), "{threads} threads");
+            // On a thread of its own, so that a hang fails the test instead of holding it.
+            let (tx, rx) = std::sync::mpsc::channel();
+            let pool2 = Arc::clone(&pool);
+            std::thread::spawn(move || {
+                let failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    install_awake(&pool2, || -> u64 {
+                        let _: u64 = (0..1000u64).into_par_iter().sum();
+                        panic!("the pass failed")
+                    })
+                }));
+                tx.send(failed.is_err()).unwrap();
+            });
+            let failed = rx.recv_timeout(std::time::Duration::from_secs(60));
+            assert_eq!(
+                failed,
+                Ok(true),
+                "{threads} threads: the panic did not come back"
+            );
+            assert_eq!(install_awake(&pool, || squares(10)), squares(10));
+        }
+    }
 }

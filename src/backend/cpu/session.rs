@@ -929,7 +929,7 @@ pub(super) fn kernel_name<T: Elem>(step: &NodeKernel<T>, op: &Op) -> String {
 impl<T: Elem> Session for CpuSession<T> {
     fn run(&mut self, input: &Tensor) -> Result<(), BackendError> {
         let pool = Arc::clone(&self.pool);
-        pool.install(|| self.forward(input))
+        super::install_awake(&pool, || self.forward(input))
     }
 
     fn sync(&mut self) -> Result<(), BackendError> {
