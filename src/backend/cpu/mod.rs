@@ -428,13 +428,17 @@ fn worker_pool(threads: usize, cores: Vec<usize>) -> Result<Arc<rayon::ThreadPoo
 /// latency on a VM includes an exit to the hypervisor. ONNX Runtime's and OpenMP's workers
 /// spin through a run the same way. GPT-2's decode steps on 2 vCPUs took 0.83–1.01× the
 /// time with it (8 alternating pairs); see ARCHITECTURE.md. Between passes the workers sleep
-/// as before.
+/// as before, and a pool with more workers than the machine has cores does not spin.
 pub(crate) fn install_awake<R: Send>(
     pool: &rayon::ThreadPool,
     pass: impl FnOnce() -> R + Send,
 ) -> R {
     use std::sync::atomic::{AtomicBool, Ordering};
-    if pool.current_num_threads() < 2 {
+    // Only where every worker has a core: with more workers than cores a spinning worker
+    // would hold a core the pass's own worker is waiting for.
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let cores = *CORES.get_or_init(default_threads);
+    if !(2..=cores).contains(&pool.current_num_threads()) {
         return pool.install(pass);
     }
     pool.install(|| {
