@@ -426,8 +426,8 @@ fn worker_pool(threads: usize, cores: Vec<usize>) -> Result<Arc<rayon::ThreadPoo
 /// whenever the pass runs serial code for longer than rayon's idle rounds (tens of
 /// microseconds) and being woken by a futex for the next parallel loop, a wake-up whose
 /// latency on a VM includes an exit to the hypervisor. ONNX Runtime's and OpenMP's workers
-/// spin through a run the same way. GPT-2's decode steps on 2 vCPUs took 0.83–1.01× the
-/// time with it (8 alternating pairs); see ARCHITECTURE.md. Between passes the workers sleep
+/// spin through a run the same way. GPT-2's decode steps on 2 vCPUs took 0.83–1.04× the
+/// time with it (14 alternating pairs, median 0.93); see ARCHITECTURE.md. Between passes the workers sleep
 /// as before, and a pool with more workers than the machine has cores does not spin.
 pub(crate) fn install_awake<R: Send>(
     pool: &rayon::ThreadPool,
