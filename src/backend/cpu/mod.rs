@@ -427,8 +427,9 @@ fn worker_pool(threads: usize, cores: Vec<usize>) -> Result<Arc<rayon::ThreadPoo
 /// microseconds) and being woken by a futex for the next parallel loop, a wake-up whose
 /// latency on a VM includes an exit to the hypervisor. ONNX Runtime's and OpenMP's workers
 /// spin through a run the same way. GPT-2's decode steps on 2 vCPUs took 0.83–1.04× the
-/// time with it (14 alternating pairs, median 0.93); see ARCHITECTURE.md. Between passes the workers sleep
-/// as before, and a pool with more workers than the machine has cores does not spin.
+/// time with it (14 alternating pairs, median 0.93); see ARCHITECTURE.md. Between passes the
+/// workers sleep as before, and a pool with more workers than the machine has cores does not
+/// spin.
 pub(crate) fn install_awake<R: Send>(
     pool: &rayon::ThreadPool,
     pass: impl FnOnce() -> R + Send,
@@ -438,14 +439,15 @@ pub(crate) fn install_awake<R: Send>(
     // would hold a core the pass's own worker is waiting for.
     static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     let cores = *CORES.get_or_init(default_threads);
-    if !(2..=cores).contains(&pool.current_num_threads()) {
+    let threads = pool.current_num_threads();
+    if !(2..=cores).contains(&threads) {
         return pool.install(pass);
     }
     pool.install(|| {
         let done = AtomicBool::new(false);
         let runner = rayon::current_thread_index();
         rayon::scope(|s| {
-            for _ in 1..rayon::current_num_threads() {
+            for _ in 1..threads {
                 s.spawn(|_| {
                     // The pass's own worker can meet one of these while it waits inside the
                     // pass (a join whose other half was stolen): it must not spin there, under
