@@ -8,23 +8,25 @@ difference larger than the machine's noise?
     python3 bench/ab.py OLD NEW --network "conv2d(24,72,1)+relu" --input-size 56 --kernel
     python3 bench/ab.py OLD NEW --network resnet50 --precision fp32 --batch-size 32 \
         --kernel-total conv2d_pointwise --control conv2d_winograd
+    python3 bench/ab.py BIN BIN --old-mode eager --new-mode default --network resnet50 \
+        --precision fp32 --batch-size 1 --rounds 10      # two modes of one build
 
-Each round runs both builds once, alternating which goes first, on the same arguments
-(`workshop bench ... --compile default` unless --eager). A round gives one paired ratio
-new / old: of the step time's minimum over the run's iterations (the least disturbed
-iteration: a shared machine's noise only ever adds time), or with --kernel of the first
-convolution kernel's average time from `--profile` (a single layer's step also converts the
-input, which for many channels outweighs the layer), or with --kernel-total of the summed total
-of the kernels named so. With --control, that total is divided by the total of other kernels
-that neither build changed, timed in the same process: on a 2-vCPU VM whose neighbours come and
-go, ResNet-50's unchanged Winograd kernels read 0.91–1.17× from one process to the next, and so
-did the 1×1 kernels under test, while the quotient of the two kept within 0.94–1.00 (a
-prefetch change, 8 rounds). Reported: each build's median and minimum,
-every round's ratio, their median, and how many rounds the new build won. The verdict is
-"faster" or "slower" only when so many rounds agree that a coin would do it with a chance of
-at most 10% (a two-sided sign test: all of 5 to 7 rounds, 7 of 8, 8 of 9, 9 of 10) and the
-median ratio is off 1 by more than 2%, else "inconclusive" with the reason: on a noisy host
-most single rounds say little, and a verdict should not rest on one (two rounds of the same
+Each round runs both builds once, alternating which goes first, on the same arguments (`workshop
+bench ... --compile default` unless --eager; --old-mode and --new-mode give each side its own, eager
+or a compile mode, so one build's eager and compiled runs can be compared). A round gives one paired
+ratio new / old: of the step time's minimum over the run's iterations (the least disturbed
+iteration: a shared machine's noise only ever adds time), or with --kernel of the first convolution
+kernel's average time from `--profile` (a single layer's step also converts the input, which for
+many channels outweighs the layer), or with --kernel-total of the summed total of the kernels named
+so. With --control, that total is divided by the total of other kernels that neither build changed,
+timed in the same process: on a 2-vCPU VM whose neighbours come and go, ResNet-50's unchanged
+Winograd kernels read 0.91–1.17× from one process to the next, and so did the 1×1 kernels under
+test, while the quotient of the two kept within 0.94–1.00 (a prefetch change, 8 rounds). Reported:
+each build's median and minimum, every round's ratio, their median, and how many rounds the new
+build won. The verdict is "faster" or "slower" only when so many rounds agree that a coin would do
+it with a chance of at most 10% (a two-sided sign test: all of 5 to 7 rounds, 7 of 8, 8 of 9, 9 of
+10) and the median ratio is off 1 by more than 2%, else "inconclusive" with the reason: on a noisy
+host most single rounds say little, and a verdict should not rest on one (two rounds of the same
 build, both 1–5% slower, once read "slower" under the former rule of 80% agreeing).
 """
 import argparse
@@ -85,6 +87,9 @@ def main():
     p.add_argument("--iterations", type=int, default=20)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--eager", action="store_true", help="without --compile default")
+    modes = ["eager", "default", "reduce-overhead", "max-autotune"]
+    p.add_argument("--old-mode", choices=modes, help="the old side's mode (default: --compile default, or eager with --eager)")
+    p.add_argument("--new-mode", choices=modes, help="the new side's mode (as --old-mode)")
     p.add_argument("--kernel", action="store_true",
                    help="compare the first convolution kernel's average time (--profile) instead of the step")
     p.add_argument("--kernel-total", metavar="PREFIX",
@@ -108,8 +113,9 @@ def main():
         args += ["--input-size", str(a.input_size)]
     if a.threads:
         args += ["--threads", str(a.threads)]
-    if not a.eager:
-        args += ["--compile", "default"]
+    mode = {}
+    for side in ("old", "new"):
+        mode[side] = getattr(a, f"{side}_mode") or ("eager" if a.eager else "default")
     if a.kernel or a.kernel_total:
         args += ["--profile"]
     if a.control:
@@ -125,7 +131,8 @@ def main():
         got = {}
         for side in order:
             binary = getattr(a, side)
-            step, kernel, totals = run(binary, args)
+            extra = [] if mode[side] == "eager" else ["--compile", mode[side]]
+            step, kernel, totals = run(binary, args + extra)
             if a.kernel and kernel is None:
                 sys.exit(f"{binary}: no conv2d kernel in the profile (--kernel needs a convolution)")
             if a.kernel_total:
@@ -141,7 +148,7 @@ def main():
     print(f"\n{a.network} {a.precision} batch {a.batch_size}, {a.rounds} rounds, {unit}")
     for side in ("old", "new"):
         print(f"  {side}: median {statistics.median(times[side]):.2f}  min {min(times[side]):.2f}"
-              f"  ({getattr(a, side)})")
+              f"  ({getattr(a, side)}, {mode[side]})")
     median = statistics.median(ratios)
     wins = sum(r < 1 for r in ratios)
     print(f"  new/old per round: {' '.join(f'{r:.3f}' for r in ratios)}")

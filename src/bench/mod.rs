@@ -633,8 +633,17 @@ pub fn limits(cfg: &BenchConfig, device: &DeviceInfo) -> Result<flops::Limits> {
     let cached = match peak::cached(cfg.backend, &device.name, cfg.precision, cfg.threads) {
         Some(c) => {
             let when = UNIX_EPOCH + std::time::Duration::from_secs(c.measured_unix);
+            // A measurement the cache kept although its run was disturbed (no undisturbed
+            // one to keep instead) says so wherever it is the denominator.
+            let disturbed = match c.gemm.disturbed() {
+                [] => String::new(),
+                why => format!(
+                    "; while it ran, {}, so the shares against it read high",
+                    why.join("; ")
+                ),
+            };
             let how = format!(
-                "a {}³ GEMM measured {} (kept in {}; `workshop peak` measures again)",
+                "a {}³ GEMM measured {} (kept in {}; `workshop peak` measures again){disturbed}",
                 c.gemm.size,
                 humantime::format_rfc3339_seconds(when),
                 peak::cache_path().map_or(String::new(), |p| p.display().to_string())

@@ -30,8 +30,8 @@ pub struct GemmPeak {
     /// Iterations whose sampled outputs all matched the reference.
     pub validated: usize,
     pub max_rel_error: f64,
-    /// The device's state while the GEMMs ran ([`super::telemetry`]), or why it was not read;
-    /// absent in older records.
+    /// The device's state while the GEMMs ran ([`super::telemetry`]), and `workshop peak`'s
+    /// bandwidth probes after them, or why it was not read; absent in older records.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub telemetry: Option<Result<super::telemetry::Telemetry, String>>,
 }
@@ -72,18 +72,31 @@ pub fn gemm(
     size: usize,
     iterations: usize,
 ) -> Result<GemmPeak> {
-    Ok(gemm_on(kind, device, precision, threads, size, iterations)?.0)
+    Ok(gemm_on(
+        kind,
+        device,
+        precision,
+        threads,
+        size,
+        iterations,
+        || Ok(()),
+    )?
+    .0)
 }
 
-/// [`gemm`], and the facts of the device it measured (where the backend lists it).
-pub fn gemm_on(
+/// [`gemm`], and the facts of the device it measured (where the backend lists it), and what
+/// `then` returned: it runs after the timed GEMMs, inside their telemetry's window (the
+/// bandwidth probes of [`probe`]: on a CPU the GEMMs alone take a tenth of a second, too short
+/// to tell whether other programs shared the cores).
+pub fn gemm_on<R>(
     kind: BackendKind,
     device: usize,
     precision: Precision,
     threads: Option<usize>,
     size: usize,
     iterations: usize,
-) -> Result<(GemmPeak, Option<DeviceInfo>)> {
+    then: impl FnOnce() -> Result<R>,
+) -> Result<(GemmPeak, Option<DeviceInfo>, R)> {
     if size == 0 || iterations == 0 {
         bail!("--size and --iterations must be at least 1");
     }
@@ -168,7 +181,9 @@ pub fn gemm_on(
         }
         validated += ok as usize;
     }
+    let then = then();
     let telemetry = Some(sampler.and_then(super::telemetry::Sampler::finish));
+    let then = then?;
     let mut sorted = times.clone();
     sorted.sort_by(f64::total_cmp);
     let median = sorted[sorted.len() / 2];
@@ -186,7 +201,7 @@ pub fn gemm_on(
         max_rel_error,
         telemetry,
     };
-    Ok((peak, info))
+    Ok((peak, info, then))
 }
 
 /// Copy and triad bandwidth of device `device`'s memory over `mib` MiB arrays (host memory
@@ -327,8 +342,12 @@ pub fn cache_path() -> Option<std::path::PathBuf> {
 }
 
 fn read_cache() -> Vec<CachedPeak> {
-    cache_path()
-        .and_then(|p| crate::files::read_text(&p).ok())
+    cache_path().map(|p| read_cache_at(&p)).unwrap_or_default()
+}
+
+fn read_cache_at(path: &std::path::Path) -> Vec<CachedPeak> {
+    crate::files::read_text(path)
+        .ok()
         .and_then(|t| serde_json::from_str(&t).ok())
         .unwrap_or_default()
 }
@@ -349,18 +368,77 @@ pub fn cached(
         .max_by_key(|c| (c.gemm.size, c.measured_unix))
 }
 
-/// Keep a validated measurement (replacing the device's earlier one of the same size); a
-/// measurement with a failed check is never kept. Returns where it was written.
-pub fn remember(entry: CachedPeak) -> Result<std::path::PathBuf> {
+/// What [`remember`] did with a measurement.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Kept {
+    /// It replaced the device's earlier one of the same probe, in the cache at this path.
+    Now(std::path::PathBuf),
+    /// It was left out: its telemetry says the run was disturbed (`why`), and the cache at
+    /// `path` keeps `earlier`, a measurement of the same probe whose run was not.
+    Earlier {
+        path: std::path::PathBuf,
+        earlier: Box<CachedPeak>,
+        why: Vec<String>,
+    },
+}
+
+impl GemmPeak {
+    /// Why the telemetry says the run was not the device's speed (other programs on the
+    /// cores, steal, throttling, low clocks); empty when it says nothing was wrong, or was
+    /// not read.
+    pub fn disturbed(&self) -> &[String] {
+        match &self.telemetry {
+            Some(Ok(t)) => &t.summary.concerns,
+            _ => &[],
+        }
+    }
+
+    /// Whether the telemetry read the run and found nothing wrong: on a CPU that includes
+    /// other programs' load, which a window under a quarter of a second cannot judge (the
+    /// GEMMs alone, before the bandwidth probes joined their window).
+    pub fn undisturbed(&self) -> bool {
+        match &self.telemetry {
+            Some(Ok(t)) => {
+                t.summary.concerns.is_empty()
+                    && (t.cores.is_none() || t.summary.other_cores.is_some())
+            }
+            _ => false,
+        }
+    }
+}
+
+/// Keep a validated measurement, replacing the device's earlier one of the same probe —
+/// unless the new run was disturbed and the earlier one is known not to have been: every
+/// later FLOPs profile and exercise divides by the cached figure, and a `workshop peak` taken
+/// while a build shared the cores once made a profile read "123% of the measured bandwidth".
+/// A measurement with a failed check is never kept.
+pub fn remember(entry: CachedPeak) -> Result<Kept> {
+    let path = cache_path().context("no cache directory: set WORKSHOP_CACHE_DIR or HOME")?;
+    remember_at(path, entry)
+}
+
+/// [`remember`] in the cache file at `path`.
+fn remember_at(path: std::path::PathBuf, entry: CachedPeak) -> Result<Kept> {
     if entry.gemm.validated < entry.gemm.iterations {
         bail!("a GEMM result did not match the reference: not kept");
     }
-    let path = cache_path().context("no cache directory: set WORKSHOP_CACHE_DIR or HOME")?;
-    let mut all = read_cache();
+    let mut all = read_cache_at(&path);
+    let why = entry.gemm.disturbed();
+    if !why.is_empty()
+        && let Some(earlier) = all
+            .iter()
+            .find(|c| c.same_key(&entry) && c.gemm.undisturbed())
+    {
+        return Ok(Kept::Earlier {
+            why: why.to_vec(),
+            earlier: Box::new(earlier.clone()),
+            path,
+        });
+    }
     all.retain(|c| !c.same_key(&entry));
     all.push(entry);
     crate::files::write_atomic(&path, serde_json::to_string_pretty(&all)?.as_bytes())?;
-    Ok(path)
+    Ok(Kept::Now(path))
 }
 
 /// Keep a validated measurement of device `index` of backend `kind` (see [`remember`]).
@@ -370,7 +448,7 @@ pub fn keep(
     threads: Option<usize>,
     gemm: &GemmPeak,
     bandwidth: &[Bandwidth],
-) -> Result<std::path::PathBuf> {
+) -> Result<Kept> {
     let device = backend::open(kind)?
         .devices()
         .into_iter()
@@ -455,16 +533,16 @@ pub fn probe(spec: &ProbeSpec) -> Result<Probe> {
             _ => HOST_PROBE,
         }
     };
-    let (gemm, info) = gemm_on(
+    let mib = spec.array_mib.unwrap_or(defaults.1);
+    let (gemm, info, bandwidth) = gemm_on(
         backend,
         device,
         spec.precision,
         threads,
         spec.size.unwrap_or(defaults.0),
         spec.iterations,
+        || bandwidth_if_any(backend, device, mib, spec.iterations, threads),
     )?;
-    let mib = spec.array_mib.unwrap_or(defaults.1);
-    let bandwidth = bandwidth_if_any(backend, device, mib, spec.iterations, threads)?;
     let ceiling = info.and_then(|d| theoretical(backend, &d, threads, spec.precision));
     Ok(Probe {
         gemm,
@@ -491,7 +569,7 @@ impl Probe {
     }
 
     /// Keep the measurement for later FLOPs profiles and exercises of this device ([`keep`]).
-    pub fn keep(&self, spec: &ProbeSpec) -> Result<std::path::PathBuf> {
+    pub fn keep(&self, spec: &ProbeSpec) -> Result<Kept> {
         let bandwidth = self.bandwidth.as_deref().unwrap_or_default();
         keep(
             spec.backend,
@@ -500,5 +578,104 @@ impl Probe {
             &self.gemm,
             bandwidth,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::telemetry::{Summary, Telemetry};
+    use super::*;
+
+    /// A validated 256³ FP32 CPU measurement of `gflops` whose telemetry read other programs'
+    /// load as `other_cores` (`None`: a window too short to read it), with `concerns`.
+    fn measured(gflops: f64, other_cores: Option<f64>, concerns: &[&str]) -> CachedPeak {
+        let telemetry = Telemetry {
+            source: "test".into(),
+            rated_clock_mhz: None,
+            reports_throttling: false,
+            cores: Some(2),
+            readings: Vec::new(),
+            summary: Summary {
+                other_cores,
+                concerns: concerns.iter().map(|c| c.to_string()).collect(),
+                ..Summary::default()
+            },
+        };
+        let gemm = GemmPeak {
+            backend: BackendKind::Cpu,
+            device: "CPU".into(),
+            precision: Precision::Fp32,
+            size: 256,
+            iterations: 3,
+            median_s: 1.0,
+            gflops,
+            best_gflops: gflops,
+            validated: 3,
+            max_rel_error: 0.0,
+            telemetry: Some(Ok(telemetry)),
+        };
+        CachedPeak::new("CPU".into(), Some(2), gemm, Vec::new())
+    }
+
+    /// The GEMM figure the cache at `path` holds (one entry expected).
+    fn held(path: &std::path::Path) -> f64 {
+        let all = read_cache_at(path);
+        assert_eq!(all.len(), 1, "{all:?}");
+        all[0].gemm.gflops
+    }
+
+    /// A disturbed measurement never replaces one known to be undisturbed, and says which it
+    /// left in place; it does replace one whose load was never read (older records, short
+    /// windows), and an undisturbed one replaces anything.
+    #[test]
+    fn a_disturbed_peak_keeps_the_undisturbed_one_in_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("peak.json");
+        let busy = || {
+            measured(
+                90.0,
+                Some(1.1),
+                &["other programs kept 1.1 of 2 cores busy"],
+            )
+        };
+
+        // Nothing earlier: the disturbed one is better than none.
+        assert_eq!(
+            remember_at(path.clone(), busy()).unwrap(),
+            Kept::Now(path.clone())
+        );
+        assert_eq!(held(&path), 90.0);
+        // An undisturbed one replaces it.
+        remember_at(path.clone(), measured(170.0, Some(0.02), &[])).unwrap();
+        assert_eq!(held(&path), 170.0);
+        // The disturbed one is left out, naming why and what stays.
+        match remember_at(path.clone(), busy()).unwrap() {
+            Kept::Earlier {
+                path: p,
+                earlier,
+                why,
+            } => {
+                assert_eq!(p, path);
+                assert_eq!(earlier.gemm.gflops, 170.0);
+                assert_eq!(why, ["other programs kept 1.1 of 2 cores busy"]);
+            }
+            other => panic!("kept the disturbed run: {other:?}"),
+        }
+        assert_eq!(held(&path), 170.0);
+        // A quiet run measuring less replaces it: the latest undisturbed figure counts.
+        remember_at(path.clone(), measured(150.0, Some(0.0), &[])).unwrap();
+        assert_eq!(held(&path), 150.0);
+        // An earlier one whose load was not read is not known to be undisturbed.
+        remember_at(path.clone(), measured(160.0, None, &[])).unwrap();
+        assert_eq!(
+            remember_at(path.clone(), busy()).unwrap(),
+            Kept::Now(path.clone())
+        );
+        assert_eq!(held(&path), 90.0);
+        // Another probe's key (a different size) is not touched either way.
+        let mut other = measured(40.0, Some(0.0), &[]);
+        other.gemm.size = 128;
+        remember_at(path.clone(), other).unwrap();
+        assert_eq!(read_cache_at(&path).len(), 2);
     }
 }

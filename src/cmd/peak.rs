@@ -3,7 +3,7 @@
 use anyhow::{Result, bail};
 
 use super::args::PeakArgs;
-use crate::bench::peak::{self, ProbeSpec};
+use crate::bench::peak::{self, Kept, ProbeSpec};
 use crate::report;
 
 pub fn run(a: PeakArgs) -> Result<()> {
@@ -35,11 +35,18 @@ pub fn run(a: PeakArgs) -> Result<()> {
     }
     // The measurement stands without the cache; say why it was not kept.
     match p.keep(&spec) {
-        Ok(path) if !a.json => println!(
+        Ok(Kept::Now(path)) if !a.json => println!(
             "Kept for FLOPs profiles and exercises in {}",
             path.display()
         ),
-        Ok(_) => {}
+        Ok(Kept::Now(_)) => {}
+        Ok(Kept::Earlier { path, earlier, why }) => eprintln!(
+            "note: not kept for later: {} while it ran. FLOPs profiles and exercises keep \
+             the earlier, undisturbed {} in {}; measure again when the machine is quiet",
+            why.join("; "),
+            report::machine::kept_peak(&earlier),
+            path.display()
+        ),
         Err(e) => eprintln!("warning: the result was not kept for later: {e:#}"),
     }
     Ok(())

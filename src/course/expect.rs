@@ -347,6 +347,28 @@ mod tests {
             None,
         );
         assert_eq!(c.unwrap().verdict, Verdict::Pass);
+        // A peak step's figures are timings too: a GEMM measured on busy cores, and a
+        // baseline's throughput divided by it, are not judged.
+        m.insert(
+            "peak".into(),
+            BTreeMap::from([
+                ("gemm_gflops".into(), 60.0),
+                ("ceiling_gflops".into(), 50.0),
+                ("unsteady".into(), 1.0),
+                ("other_cores".into(), 1.1),
+            ]),
+        );
+        let x = expect("gemm_gflops", Some("ceiling_gflops"), None, Some(1.05));
+        let c = evaluate(&x, "peak", &m, &ctx, None).unwrap();
+        assert_eq!(c.verdict, Verdict::Inconclusive, "{:?}", c.reason);
+        assert!(
+            c.reason
+                .unwrap()
+                .contains("other programs kept 1.1 cores busy")
+        );
+        let x = expect("throughput", Some("peak.gemm_gflops"), Some(0.1), None);
+        let c = evaluate(&x, "quiet", &m, &ctx, None).unwrap();
+        assert_eq!(c.verdict, Verdict::Inconclusive);
     }
 
     fn metrics() -> Metrics {

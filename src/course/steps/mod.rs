@@ -222,6 +222,21 @@ pub(super) fn machine_metrics(r: &BenchRecord, m: &mut Recorded) {
     let Some(t) = r.telemetry() else {
         return;
     };
+    state_metrics(t, m);
+    let known = [
+        ("energy_j", t.summary.energy_j),
+        ("per_joule", r.per_joule()),
+    ];
+    for (name, value) in known {
+        if let Some(v) = value {
+            m.set(name, v);
+        }
+    }
+}
+
+/// The machine's state during a measurement (a run's, a peak probe's): `unsteady` and the
+/// figures behind it.
+pub(super) fn state_metrics(t: &crate::bench::telemetry::Telemetry, m: &mut Recorded) {
     let s = &t.summary;
     m.set("unsteady", f64::from(u8::from(!s.concerns.is_empty())));
     let known = [
@@ -229,8 +244,6 @@ pub(super) fn machine_metrics(r: &BenchRecord, m: &mut Recorded) {
         ("clock_ratio", s.clock_ratio),
         ("other_cores", s.other_cores),
         ("steal", s.steal),
-        ("energy_j", s.energy_j),
-        ("per_joule", r.per_joule()),
     ];
     for (name, value) in known {
         if let Some(v) = value {

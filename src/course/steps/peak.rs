@@ -41,6 +41,11 @@ pub fn run(ctx: &StepContext<'_>, out: &mut StepOutput, ui: &mut dyn Ui) -> Resu
     if let Some(why) = p.refusal() {
         bail!("{why}");
     }
+    // Whether other programs, the hypervisor or the device's clocks disturbed the probes:
+    // their checks are then inconclusive, as a benchmark's are.
+    if let Some(Ok(t)) = &p.gemm.telemetry {
+        super::state_metrics(t, &mut out.metrics);
+    }
     out.metrics.set("gemm_gflops", p.gemm.gflops);
     // Kept for later FLOPs profiles of this device (a failure to keep it is harmless).
     let _ = p.keep(&probe);
