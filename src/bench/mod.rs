@@ -16,7 +16,7 @@ pub mod scenario;
 pub mod stats;
 pub mod telemetry;
 
-use std::time::{Instant, UNIX_EPOCH};
+use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 
@@ -632,7 +632,6 @@ const GPU_PROBE: (usize, usize) = (4096, 512);
 pub fn limits(cfg: &BenchConfig, device: &DeviceInfo) -> Result<flops::Limits> {
     let cached = match peak::cached(cfg.backend, &device.name, cfg.precision, cfg.threads) {
         Some(c) => {
-            let when = UNIX_EPOCH + std::time::Duration::from_secs(c.measured_unix);
             // A measurement the cache kept although its run was disturbed (no undisturbed
             // one to keep instead) says so wherever it is the denominator.
             let disturbed = match c.gemm.disturbed() {
@@ -645,7 +644,7 @@ pub fn limits(cfg: &BenchConfig, device: &DeviceInfo) -> Result<flops::Limits> {
             let how = format!(
                 "a {}³ GEMM measured {} (kept in {}; `workshop peak` measures again){disturbed}",
                 c.gemm.size,
-                humantime::format_rfc3339_seconds(when),
+                c.measured_at(),
                 peak::cache_path().map_or(String::new(), |p| p.display().to_string())
             );
             (c, how)

@@ -327,6 +327,12 @@ impl CachedPeak {
             && self.kernels == kernels
     }
 
+    /// When it was measured, as RFC 3339 ("2026-11-30T20:16:39Z").
+    pub fn measured_at(&self) -> String {
+        let when = std::time::UNIX_EPOCH + std::time::Duration::from_secs(self.measured_unix);
+        humantime::format_rfc3339_seconds(when).to_string()
+    }
+
     /// Median triad bandwidth, when measured.
     pub fn triad_gbps(&self) -> Option<f64> {
         self.bandwidth

@@ -98,13 +98,12 @@ pub fn unsteady_line(t: Option<&Result<Telemetry, String>>, width: usize) -> Str
 /// A cached measurement in a few words: "GEMM median 172.5 GFLOP/s (1024³ FP32, measured
 /// 2026-11-30T20:06:31Z)".
 pub fn kept_peak(c: &crate::bench::peak::CachedPeak) -> String {
-    let when = std::time::UNIX_EPOCH + std::time::Duration::from_secs(c.measured_unix);
     format!(
         "GEMM median {:.1} GFLOP/s ({}³ {}, measured {})",
         c.gemm.gflops,
         c.gemm.size,
         c.gemm.precision.name().to_uppercase(),
-        humantime::format_rfc3339_seconds(when)
+        c.measured_at()
     )
 }
 
