@@ -321,7 +321,7 @@ impl CachedPeak {
         kernels: &str,
     ) -> bool {
         self.device == device
-            && self.threads == threads
+            && pool(backend, self.threads) == pool(backend, threads)
             && self.gemm.backend == backend
             && self.gemm.precision == precision
             && self.kernels == kernels
@@ -339,6 +339,17 @@ impl CachedPeak {
             .iter()
             .find(|b| b.kernel == "triad")
             .map(|b| b.median_gbps)
+    }
+}
+
+/// The pool `threads` asks of `backend`, as the cache keys it: on the CPU, a count equal to
+/// the machine's cores is the default pool (`--threads 2` on a 2-core machine and no
+/// `--threads` measure the same thing); elsewhere the count as given.
+fn pool(backend: BackendKind, threads: Option<usize>) -> Option<usize> {
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    match threads {
+        Some(n) if backend == BackendKind::Cpu && n == cores => None,
+        other => other,
     }
 }
 
@@ -683,5 +694,31 @@ mod tests {
         other.gemm.size = 128;
         remember_at(path.clone(), other).unwrap();
         assert_eq!(read_cache_at(&path).len(), 2);
+    }
+
+    /// On the CPU a thread count equal to the machine's cores is the default pool: a
+    /// measurement under either key is found by both and replaces the other; any other count
+    /// is a pool of its own.
+    #[test]
+    fn all_cores_and_the_default_pool_share_one_cache_key() {
+        let cores = std::thread::available_parallelism().unwrap().get();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("peak.json");
+        let mut all_cores = measured(150.0, Some(0.0), &[]);
+        all_cores.threads = Some(cores);
+        remember_at(path.clone(), all_cores.clone()).unwrap();
+        let kernels = all_cores.kernels.clone();
+        let found = |threads| {
+            read_cache_at(&path)
+                .iter()
+                .any(|c| c.is_for(BackendKind::Cpu, "CPU", Precision::Fp32, threads, &kernels))
+        };
+        assert!(found(None) && found(Some(cores)));
+        assert!(!found(Some(cores + 1)));
+
+        let mut default_pool = measured(160.0, Some(0.0), &[]);
+        default_pool.threads = None;
+        remember_at(path.clone(), default_pool).unwrap();
+        assert_eq!(held(&path), 160.0);
     }
 }
