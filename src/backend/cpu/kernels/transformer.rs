@@ -12,13 +12,13 @@ use std::cell::RefCell;
 
 use half::bf16;
 
-use super::{exp_nonpositive, fold_lanes, gelu, max_nan};
+use super::{exp_nonpositive, fold_lanes, max_nan};
 use crate::backend::cpu::bf16_gemm::{self, PackedPairs};
 use crate::backend::cpu::elem::Elem;
 use crate::backend::cpu::elem::f32_bf16;
 use crate::backend::cpu::sgemm::{self, NR, PackedB};
-use crate::backend::cpu::simd::{Update, Vectorised, with_simd};
-use crate::model::op::WindowGrid;
+use crate::backend::cpu::simd::{Vectorised, with_simd};
+use crate::model::op::{Act, WindowGrid};
 use crate::model::weights::WindowParams;
 
 /// `nn.LayerNorm` over rows of `weight.len()` values: biased variance, in f32, the sums in
@@ -78,9 +78,7 @@ impl Vectorised for Normalise<'_> {
 
 /// x · Φ(x) = x · (1 + erf(x/√2)) / 2, in place (the exact form, `nn.GELU()`).
 pub fn gelu_inplace<T: Elem>(buf: &mut [T]) {
-    super::map_f32(buf, 1, |part| {
-        with_simd(Update(part, |v: &mut f32| *v = gelu(*v)))
-    });
+    super::map_f32(buf, 1, |part| super::activate(Act::Gelu, part));
 }
 
 /// (N, T, D) → (N, 1 + T, D) with `token` in front of each image's tokens.
