@@ -15,6 +15,7 @@ fn kernels_match_naive_matmul() {
         short1: short,
         stationary: None,
         small_k: 0,
+        tails: None,
         edges: None,
     };
     let mut kernels: Vec<(&str, Kernels)> = vec![
@@ -36,6 +37,15 @@ fn kernels_match_naive_matmul() {
             ..kernels_for(Simd::Avx2Fma)
         };
         kernels.push(("avx2 without its small-K kernel", tiles));
+        // Its last short row groups as the 6-row tile on a local copy, and in the small-K
+        // kernel repeating a row, as before it had tiles that tall.
+        kernels.push((
+            "avx2 without tail tiles",
+            Kernels {
+                tails: None,
+                ..kernels_for(Simd::Avx2Fma)
+            },
+        ));
         // AVX-512's shapes through the same source with AVX2 vectors (they spill
         // registers: correct, not fast), two panels wide with one-panel tiles for an odd
         // last panel, as AVX-512 runs them.
@@ -50,6 +60,7 @@ fn kernels_match_naive_matmul() {
                 short1: avx2::tile::<MR, 2, false>,
                 stationary: None,
                 small_k: 0,
+                tails: None,
                 edges: None,
             },
         ));
@@ -101,14 +112,14 @@ fn kernels_match_naive_matmul() {
         let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.1).collect();
         let packed = PackedB::<f32>::new(k, n, |kk, j| bm[kk * n + j], Some(&bias));
         let packed = packed.view();
-        // AVX2's tiles exactly as tall as a GEMM of fewer rows than a tile (`thin_avx2`).
+        // AVX2's tiles exactly as tall as a GEMM of fewer rows than a tile (`thin`).
         #[cfg(target_arch = "x86_64")]
         let thin = best.has_avx2().then(|| {
             let tiles = Kernels {
                 small_k: 0,
                 ..kernels_for(Simd::Avx2Fma)
             };
-            ("avx2 thin", thin_avx2!(tiles, avx2::tile, m, Simd::Avx2Fma))
+            ("avx2 thin", thin(tiles, m))
         });
         #[cfg(not(target_arch = "x86_64"))]
         let thin = None;
