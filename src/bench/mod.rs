@@ -632,17 +632,8 @@ const GPU_PROBE: (usize, usize) = (4096, 512);
 pub fn limits(cfg: &BenchConfig, device: &DeviceInfo) -> Result<flops::Limits> {
     let cached = match peak::cached(cfg.backend, &device.name, cfg.precision, cfg.threads) {
         Some(c) => {
-            // A measurement the cache kept although its run was disturbed (no undisturbed
-            // one to keep instead) says so wherever it is the denominator.
-            let disturbed = match c.gemm.disturbed() {
-                [] => String::new(),
-                why => format!(
-                    "; while it ran, {}, so the shares against it read high",
-                    why.join("; ")
-                ),
-            };
             let how = format!(
-                "a {}³ GEMM measured {} (kept in {}; `workshop peak` measures again){disturbed}",
+                "a {}³ GEMM measured {} (kept in {}; `workshop peak` measures again)",
                 c.gemm.size,
                 c.measured_at(),
                 peak::cache_path().map_or(String::new(), |p| p.display().to_string())
@@ -665,7 +656,8 @@ pub fn limits(cfg: &BenchConfig, device: &DeviceInfo) -> Result<flops::Limits> {
             (entry, how)
         }
     };
-    let (c, source) = cached;
+    let (c, how) = cached;
+    let source = c.gemm.denominator(how);
     let theoretical = peak::theoretical(cfg.backend, device, cfg.threads, cfg.precision);
     Ok(flops::Limits {
         peak_gflops: (c.gemm.validated == c.gemm.iterations).then_some(c.gemm.gflops),

@@ -400,6 +400,19 @@ pub enum Kept {
 }
 
 impl GemmPeak {
+    /// `how` this peak came to be the denominator of a profile's shares, and, for one
+    /// measured while other programs had the cores (one the cache kept for want of an
+    /// undisturbed one, or a probe just run), that those shares read high.
+    pub fn denominator(&self, how: String) -> String {
+        match self.disturbed() {
+            [] => how,
+            why => format!(
+                "{how}; while it ran, {}, so the shares against it read high",
+                why.join("; ")
+            ),
+        }
+    }
+
     /// Why the telemetry says the run was not the device's speed (other programs on the
     /// cores, steal, throttling, low clocks); empty when it says nothing was wrong, or was
     /// not read.
@@ -694,6 +707,25 @@ mod tests {
         other.gemm.size = 128;
         remember_at(path.clone(), other).unwrap();
         assert_eq!(read_cache_at(&path).len(), 2);
+    }
+
+    /// A peak measured on busy cores says so where it divides a profile's figures; a quiet
+    /// one, or one whose load was not read, is named as it is.
+    #[test]
+    fn a_disturbed_denominator_says_its_shares_read_high() {
+        let busy = measured(
+            90.0,
+            Some(1.1),
+            &["other programs kept 1.1 of 2 cores busy"],
+        );
+        assert_eq!(
+            busy.gemm.denominator("a 512³ GEMM probe".into()),
+            "a 512³ GEMM probe; while it ran, other programs kept 1.1 of 2 cores busy, so the \
+             shares against it read high"
+        );
+        for quiet in [measured(150.0, Some(0.0), &[]), measured(150.0, None, &[])] {
+            assert_eq!(quiet.gemm.denominator("a probe".into()), "a probe");
+        }
     }
 
     /// On the CPU a thread count equal to the machine's cores is the default pool: a
