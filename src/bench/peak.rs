@@ -343,12 +343,13 @@ impl CachedPeak {
 }
 
 /// The pool `threads` asks of `backend`, as the cache keys it: on the CPU, a count equal to
-/// the machine's cores is the default pool (`--threads 2` on a 2-core machine and no
+/// the backend's default pool is that pool (`--threads 2` on a 2-core machine and no
 /// `--threads` measure the same thing); elsewhere the count as given.
 fn pool(backend: BackendKind, threads: Option<usize>) -> Option<usize> {
-    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
     match threads {
-        Some(n) if backend == BackendKind::Cpu && n == cores => None,
+        Some(n) if backend == BackendKind::Cpu && n == crate::backend::cpu::default_threads() => {
+            None
+        }
         other => other,
     }
 }

@@ -399,7 +399,9 @@ fn schedule_name(plan: &Plan, split: Option<&batch_tiles::Split>) -> String {
     levels.join(",")
 }
 
-fn default_threads() -> usize {
+/// The workers of a CPU session opened without `threads`: one per core this process may run
+/// on.
+pub(crate) fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 

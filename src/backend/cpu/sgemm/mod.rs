@@ -1018,8 +1018,7 @@ unsafe fn gemm_block<E>(
                     fin.map(|f| f.at(off)),
                 );
                 if let Some(tile) = tail {
-                    let a_rows: [*const f32; MAX_ROWS] =
-                        std::array::from_fn(|r| a.add((body + r.min(m - body - 1)) * lda));
+                    let a_rows = row_pointers(a, lda, body, m - body);
                     tile(
                         kc,
                         &a_rows,
@@ -1067,10 +1066,7 @@ unsafe fn gemm_block<E>(
         // p..p + w (the callers keep p + w ≤ p1); rows past `rows` in an edge tile repeat
         // the last valid row and their results are dropped.
         unsafe {
-            let mut a_rows = [a; MAX_ROWS];
-            for (r, row) in a_rows.iter_mut().enumerate() {
-                *row = a.add((i + r.min(rows - 1)) * lda);
-            }
+            let a_rows = row_pointers(a, lda, i, rows);
             let c_tile = c.add(i * ldc + (p - p0) * NR);
             let fin = fin.map(|f| f.at(i * ldc + (p - p0) * NR));
             let bstride = b.k * NR;
@@ -1174,6 +1170,13 @@ unsafe fn gemm_block<E>(
             }
         }
     }
+}
+
+/// A tile's row pointers into A for `rows` rows from row `i` (`lda` apart), the rows past
+/// them repeating the last (a tile that is taller reads them; its results there are dropped).
+#[inline(always)]
+fn row_pointers(a: *const f32, lda: usize, i: usize, rows: usize) -> [*const f32; MAX_ROWS] {
+    std::array::from_fn(|r| a.wrapping_add((i + r.min(rows - 1)) * lda))
 }
 
 /// Row stride of an edge tile's local copy: the widest tile's columns.
