@@ -399,7 +399,16 @@ pub fn pointwise_depthwise<T: Elem>(
                     let panels = (0, p.conv.groups[0].panels());
                     let groups = &p.conv.groups;
                     gemm_tile(
-                        projected, ys.c, groups, ys.c, pixels, panels, out, cout, cols, &epilogue,
+                        projected,
+                        ys.c,
+                        groups,
+                        (ys.c, true),
+                        pixels,
+                        panels,
+                        out,
+                        cout,
+                        cols,
+                        &epilogue,
                     );
                 }
             });

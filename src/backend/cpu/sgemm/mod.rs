@@ -796,6 +796,71 @@ pub unsafe fn gemm_packed_per_point<T: Elem>(
     unsafe { gemm_packed_to(STATIONARY_MAX_K, m, a, lda, b, panels, c, ldc, None) }
 }
 
+/// [`gemm_packed`] of bf16 panels into bf16 C (`ldc` apart), finished: `act` after adding the
+/// bf16 `residual` laid out as C (null: none). Where the small-K kernel stores bf16 (AVX2) and
+/// takes this GEMM (K within its reach, at least a tile's rows, A's rows not aliasing), it
+/// runs and rounds C's rows in registers as it stores them, and this returns true; elsewhere
+/// it writes nothing and returns false, and the caller goes the f32 way ([`gemm_packed`] into
+/// f32 rows, then a pass that finishes and narrows them).
+///
+/// # Safety
+/// As for [`gemm_packed`], with C and the residual of bf16s.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_packed_bf16<T: Elem>(
+    m: usize,
+    a: *const f32,
+    lda: usize,
+    b: &PackedB<T>,
+    (p0, p1): (usize, usize),
+    c: *mut bf16,
+    ldc: usize,
+    act: Act,
+    residual: *const bf16,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let kern = kernels();
+        let takes = simd() == Simd::Avx2Fma
+            && kern.stationary.is_some()
+            && b.k <= kern.small_k
+            && m >= MR
+            && !aliases(lda);
+        let Some(data) = T::as_bf16(&b.data).filter(|_| takes) else {
+            return false;
+        };
+        B_BLOCK.with_borrow_mut(|wide| {
+            let len = b.k * NR;
+            wide.resize(len, 0.0);
+            for p in p0..p1 {
+                <bf16 as Elem>::widen(&data[p * len..][..len], wide);
+                let off = (p - p0) * NR;
+                let cols = NR.min(b.n - p * NR);
+                // Null stays null: the kernel adds no residual then.
+                let residual = residual.wrapping_add(if residual.is_null() { 0 } else { off });
+                let bias = b.bias[p * NR..].as_ptr();
+                let call = (
+                    b.k,
+                    (a, lda, m),
+                    wide.as_ptr(),
+                    bias,
+                    (c.wrapping_add(off), ldc, cols),
+                    residual,
+                );
+                // SAFETY: the AVX2 path is in use (so the CPU has AVX2 and FMA); A's m rows of
+                // K floats and C's (and the residual's) m rows of the panel's `cols` columns
+                // are the caller's (the contract), B's panel widened in `wide`.
+                unsafe { avx2::stationary_to(call, act) };
+            }
+        });
+        true
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (m, a, lda, b, (p0, p1), c, ldc, act, residual);
+        false
+    }
+}
+
 /// [`gemm_packed`] with the small-K kernel no deeper than `small_k_max`.
 ///
 /// # Safety
@@ -1241,8 +1306,8 @@ const PREFETCH_TILES: usize = 2;
 /// 8% of ResNet-50's time stalled on the stores right after each tile). A hint only: it reads
 /// nothing and faults on nothing.
 #[inline(always)]
-fn prefetch_c_rows(
-    (c, residual): (*mut f32, *const f32),
+fn prefetch_c_rows<O>(
+    (c, residual): (*mut O, *const O),
     ldc: usize,
     col: usize,
     r0: usize,

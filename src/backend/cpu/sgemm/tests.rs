@@ -382,3 +382,98 @@ fn the_small_k_probe_measures_a_plausible_ratio() {
         None => assert!(kernels_for(simd()).stationary.is_none()),
     }
 }
+
+/// The small-K kernel's bf16 rows ([`gemm_packed_bf16`]) are bit for
+/// bit the f32 way: [`gemm_packed`] into f32 rows, the residual added and the activation
+/// applied to them, then each value rounded to bf16 (`Elem::narrow`). Partial last panels, row
+/// counts that end in a short group, every activation the kernel keeps a copy for, a row of
+/// NaNs (rounded and made quiet as `f32_bf16` does), and a panel range past panel 0.
+#[test]
+fn bf16_rows_match_the_f32_way() {
+    use crate::backend::cpu::elem::{bf16_f32, f32_bf16};
+    use half::bf16;
+    for &(m, k, n) in &[
+        (13, 24, 40),
+        (20, 72, 24),
+        (6, 200, 16),
+        (50, 600, 33),
+        (49, 27, 16),
+    ] {
+        let mut a: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0)
+            .collect();
+        a[k * (m / 2)] = f32::NAN;
+        let b = |kk: usize, j: usize| ((kk * 5 + j * 3) % 17) as f32 / 8.0 - 1.0;
+        let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.25 - 2.0).collect();
+        let packed = PackedB::<bf16>::new(k, n, b, Some(&bias));
+        let residual: Vec<bf16> = (0..m * n)
+            .map(|i| bf16::from_f32(((i % 11) as f32 - 5.0) / 3.0))
+            .collect();
+        let panels = n.div_ceil(NR);
+        let runs = kernels().small_k >= k && simd() == Simd::Avx2Fma;
+        for act in [Act::None, Act::Relu, Act::Hardswish, Act::Silu, Act::Gelu] {
+            for with_residual in [false, true] {
+                for p in [(0, panels), (1, panels)].into_iter().filter(|p| p.0 < p.1) {
+                    let col0 = p.0 * NR;
+                    let cols = n - col0;
+                    let mut f = vec![0f32; m * n];
+                    // SAFETY: A is m × k, C m × n from column col0 on, wide enough.
+                    unsafe {
+                        gemm_packed(
+                            m,
+                            a.as_ptr(),
+                            k,
+                            &packed,
+                            p,
+                            f[col0..].as_mut_ptr(),
+                            n,
+                            None,
+                        )
+                    };
+                    let mut want = vec![bf16::ZERO; m * n];
+                    for r in 0..m {
+                        let row = &mut f[r * n + col0..][..cols];
+                        if with_residual {
+                            let res = &residual[r * n + col0..][..cols];
+                            row.iter_mut()
+                                .zip(res)
+                                .for_each(|(v, x)| *v += bf16_f32(*x));
+                        }
+                        crate::backend::cpu::kernels::activate(act, row);
+                        for (j, v) in row.iter().enumerate() {
+                            want[r * n + col0 + j] = f32_bf16(*v);
+                        }
+                    }
+                    let mut got = vec![bf16::ZERO; m * n];
+                    let res = if with_residual {
+                        residual[col0..].as_ptr()
+                    } else {
+                        std::ptr::null()
+                    };
+                    // SAFETY: as above; the residual is laid out as C.
+                    let ran = unsafe {
+                        gemm_packed_bf16(
+                            m,
+                            a.as_ptr(),
+                            k,
+                            &packed,
+                            p,
+                            got[col0..].as_mut_ptr(),
+                            n,
+                            act,
+                            res,
+                        )
+                    };
+                    assert_eq!(ran, runs, "m{m} k{k} n{n}: ran");
+                    if !ran {
+                        continue;
+                    }
+                    let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    let what =
+                        format!("m{m} k{k} n{n} {act:?} residual {with_residual} panels {p:?}");
+                    assert_eq!(bits(&got), bits(&want), "{what}");
+                }
+            }
+        }
+    }
+}

@@ -122,16 +122,16 @@ pub(super) fn map_rows<V: Copy, const ROWS: usize>(
 }
 
 /// What the small-K kernels' row loops (`avx2::rows`, `avx512::rows`) take: K; A, its row
-/// stride and the rows; the panel's block and bias; C, its row stride and the panel's valid
-/// columns; the residual laid out as C (null: none).
+/// stride and the rows; the panel's block and bias; C (of `O`s: f32, or bf16 on AVX2), its
+/// row stride and the panel's valid columns; the residual laid out as C (null: none).
 #[cfg(target_arch = "x86_64")]
-type RowsCall = (
+pub(super) type RowsCall<O = f32> = (
     usize,
     (*const f32, usize, usize),
     *const f32,
     *const f32,
-    (*mut f32, usize, usize),
-    *const f32,
+    (*mut O, usize, usize),
+    *const O,
 );
 
 /// A register-tile kernel for one SIMD width: `ROWS` rows of `VECS` vectors (`VECS` × lanes =
@@ -395,8 +395,23 @@ pub(super) mod avx2 {
         fin: Option<Finish>,
     ) {
         let residual = fin.map_or(std::ptr::null(), |f| f.residual);
-        let call = (k, (a, lda, m), panel, bias, (c, ldc, cols), residual);
         let act = fin.map_or(Act::None, |f| f.act);
+        // SAFETY: the caller's.
+        unsafe { stationary_to((k, (a, lda, m), panel, bias, (c, ldc, cols), residual), act) }
+    }
+
+    /// [`stationary`] for C of `O`s: f32, or bf16, C's rows rounded in registers as they are
+    /// stored (ties to even, as `Elem::narrow`) rather than stored in f32 and narrowed by a
+    /// pass over them afterwards.
+    ///
+    /// # Safety
+    /// As for [`stationary`], C and the residual of `O`s.
+    #[target_feature(enable = "avx2,fma")]
+    pub(in crate::backend::cpu::sgemm) unsafe fn stationary_to<O: Stored>(
+        call: super::RowsCall<O>,
+        act: Act,
+    ) {
+        let cols = call.4.2;
         // One copy of the loop per activation kept in registers (see the AVX-512 kernel), and per
         // whole or partial width: with the width known, a row's store is its vectors (a check of
         // the width on every row, and the local row's traffic, were a tenth of a K-24 layer's
@@ -409,10 +424,10 @@ pub(super) mod avx2 {
         macro_rules! by_width {
             ($op:ident) => {
                 match cols {
-                    NR => rows::<2, 6, true>(call, $op),
-                    8 => rows::<1, 12, true>(call, $op),
-                    ..8 => rows::<1, 12, false>(call, $op),
-                    _ => rows::<2, 6, false>(call, $op),
+                    NR => rows::<O, 2, 6, true>(call, $op),
+                    8 => rows::<O, 1, 12, true>(call, $op),
+                    ..8 => rows::<O, 1, 12, false>(call, $op),
+                    _ => rows::<O, 2, 6, false>(call, $op),
                 }
             };
         }
@@ -426,8 +441,8 @@ pub(super) mod avx2 {
     /// # Safety
     /// As for [`stationary`], with `cols` at most `V` · 8.
     #[inline(always)]
-    unsafe fn rows<const V: usize, const R: usize, const WHOLE: bool>(
-        (k, (a, lda, m), panel, bias, (c, ldc, cols), residual): super::RowsCall,
+    unsafe fn rows<O: Stored, const V: usize, const R: usize, const WHOLE: bool>(
+        (k, (a, lda, m), panel, bias, (c, ldc, cols), residual): super::RowsCall<O>,
         op: impl Fn(__m256) -> __m256,
     ) {
         // SAFETY: the caller's (every access inside the ranges it guarantees; a partial
@@ -459,7 +474,7 @@ pub(super) mod avx2 {
                 for (i, x) in acc.iter().enumerate().take(m - r0) {
                     let at = (r0 + i) * ldc;
                     // A whole width's row in place; a partial one through `row`.
-                    let mut row = [0f32; NR];
+                    let mut row = [O::default(); NR];
                     let (from, to) = if WHOLE {
                         (residual.wrapping_add(at), c.add(at))
                     } else {
@@ -468,20 +483,129 @@ pub(super) mod avx2 {
                         }
                         (row.as_ptr(), row.as_mut_ptr())
                     };
-                    for (v, &x) in x.iter().enumerate() {
+                    let done: [__m256; V] = std::array::from_fn(|v| {
                         let x = if residual.is_null() {
-                            x
+                            x[v]
                         } else {
-                            _mm256_add_ps(x, _mm256_loadu_ps(from.add(v * 8)))
+                            _mm256_add_ps(x[v], O::load(from.add(v * 8)))
                         };
-                        _mm256_storeu_ps(to.add(v * 8), op(x));
-                    }
+                        op(x)
+                    });
+                    O::store_row(to, done);
                     if !WHOLE {
                         std::ptr::copy_nonoverlapping(row.as_ptr(), c.add(at), cols);
                     }
                 }
             }
         }
+    }
+
+    /// What the small-K kernel stores C's rows as, and reads the residual as: 8 values at a
+    /// time, widened to f32 as they are loaded and narrowed as they are stored.
+    pub(in crate::backend::cpu::sgemm) trait Stored:
+        Copy + Default
+    {
+        /// # Safety
+        /// 8 readable values at `p`; the CPU has AVX2.
+        unsafe fn load(p: *const Self) -> __m256;
+        /// # Safety
+        /// 8 writable values at `p`; the CPU has AVX2.
+        unsafe fn store(p: *mut Self, x: __m256);
+        /// `V` vectors stored one after another from `p`.
+        ///
+        /// # Safety
+        /// `V` · 8 writable values at `p`; the CPU has AVX2.
+        #[inline(always)]
+        unsafe fn store_row<const V: usize>(p: *mut Self, x: [__m256; V]) {
+            for (v, x) in x.into_iter().enumerate() {
+                // SAFETY: the caller's.
+                unsafe { Self::store(p.add(v * 8), x) }
+            }
+        }
+    }
+
+    impl Stored for f32 {
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> __m256 {
+            // SAFETY: the caller's.
+            unsafe { _mm256_loadu_ps(p) }
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, x: __m256) {
+            // SAFETY: the caller's.
+            unsafe { _mm256_storeu_ps(p, x) }
+        }
+    }
+
+    impl Stored for bf16 {
+        #[inline(always)]
+        unsafe fn load(p: *const bf16) -> __m256 {
+            // SAFETY: the caller's.
+            unsafe { load_b(p) }
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut bf16, x: __m256) {
+            // SAFETY: the caller's.
+            unsafe { store_b(p, x) }
+        }
+        /// A whole panel's row, 16 values, packed by one instruction and stored by one.
+        #[inline(always)]
+        unsafe fn store_row<const V: usize>(p: *mut bf16, x: [__m256; V]) {
+            // SAFETY: the caller's.
+            unsafe {
+                if V == 2 {
+                    store_b2(p, x[0], x[1]);
+                } else {
+                    for (v, x) in x.into_iter().enumerate() {
+                        store_b(p.add(v * 8), x)
+                    }
+                }
+            }
+        }
+    }
+
+    /// 8 floats rounded to bf16 and stored at `p`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn store_b(p: *mut bf16, x: __m256) {
+        // SAFETY: the caller's: 8 writable values at p.
+        unsafe {
+            let halves = bf16_bits(x);
+            // Each lane's value is below 2¹⁶: packing with unsigned saturation keeps it.
+            let packed = _mm_packus_epi32(
+                _mm256_castsi256_si128(halves),
+                _mm256_extracti128_si256::<1>(halves),
+            );
+            _mm_storeu_si128(p.cast(), packed);
+        }
+    }
+
+    /// 16 floats (`lo`'s 8, then `hi`'s) rounded to bf16 and stored at `p`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn store_b2(p: *mut bf16, lo: __m256, hi: __m256) {
+        // SAFETY: the caller's: 16 writable values at p.
+        unsafe {
+            // Packed lane by lane (lo's first 4, hi's first 4, lo's last 4, hi's last 4), then
+            // the middle quarters swapped.
+            let packed = _mm256_packus_epi32(bf16_bits(lo), bf16_bits(hi));
+            let row = _mm256_permute4x64_epi64::<0b11_01_10_00>(packed);
+            _mm256_storeu_si256(p.cast(), row);
+        }
+    }
+
+    /// The bf16 nearest each of 8 floats, in its lane's low 16 bits, bit for bit as
+    /// `elem::f32_bf16` (ties to even; a NaN made quiet, its sign and top payload bits kept).
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn bf16_bits(x: __m256) -> __m256i {
+        let bits = _mm256_castps_si256(x);
+        let top = _mm256_srli_epi32::<16>(bits);
+        let even = _mm256_add_epi32(_mm256_and_si256(top, _mm256_set1_epi32(1)), bits);
+        let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(even, _mm256_set1_epi32(0x7fff)));
+        let quiet = _mm256_or_si256(top, _mm256_set1_epi32(0x40));
+        let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
+        _mm256_blendv_epi8(rounded, quiet, nan)
     }
 
     /// 8 f16 values widened to f32.
