@@ -4,7 +4,7 @@
 use half::bf16;
 
 use super::*;
-use crate::backend::cpu::elem::Elem;
+use crate::backend::cpu::elem::{Elem, bf16_f32};
 use crate::model::op::Conv2d;
 
 /// What [`im2col`] gathers into: f32 columns (widened) for the SGEMM, or the bf16 storage
@@ -17,9 +17,14 @@ pub(super) trait Gathered<T: Elem>: Copy {
 impl<T: Elem> Gathered<T> for f32 {
     const ZERO: f32 = 0.0;
     fn put(src: &[T], dst: &mut [f32]) {
-        match T::as_f32(src) {
-            Some(src) => copy_run(src, dst),
-            None => T::widen(src, dst),
+        match (T::as_f32(src), T::as_bf16(src)) {
+            (Some(src), _) => copy_run(src, dst),
+            // A short run (a stem's kernel row over 3 channels: 9 or 21 values) widened in
+            // line rather than through `widen`'s SIMD dispatch, a call per run.
+            (_, Some(src)) if src.len() < 32 => {
+                dst.iter_mut().zip(src).for_each(|(d, s)| *d = bf16_f32(*s))
+            }
+            _ => T::widen(src, dst),
         }
     }
 }
@@ -181,7 +186,8 @@ pub(super) fn im2col_runs<T: Elem, D: Gathered<T>>(
 mod tests {
     use super::*;
 
-    /// The gathered columns, in f32 and bf16, against a plain loop over every tap: kernels
+    /// The gathered columns, in f32, bf16 and bf16 widened to f32, against a plain loop over
+    /// every tap: kernels
     /// from 1×1 to a 7×7 stem, strides 1 and 2, padding 0 to 3, row ranges that start and end
     /// inside output rows and cross images.
     #[test]
@@ -232,6 +238,10 @@ mod tests {
                 im2col(&c, &x, xs, ys, m0, mr, &mut cols, ld);
                 let mut colb = vec![bf16::NAN; mr * ld];
                 im2col(&c, &xb, xs, ys, m0, mr, &mut colb, ld);
+                // bf16 widened to f32 as it is gathered (short runs in line, long through
+                // `Elem::widen`).
+                let mut colw = vec![f32::NAN; mr * ld];
+                im2col(&c, &xb, xs, ys, m0, mr, &mut colw, ld);
                 for r in 0..mr {
                     for t in 0..ld {
                         let f = want(m0 + r, t, &|i| x[i]);
@@ -239,6 +249,7 @@ mod tests {
                         let case = format!("k{k} s{st} p{pad} rows {m0}+{mr}: row {r} col {t}");
                         assert_eq!(cols[r * ld + t], f, "f32 {case}");
                         assert_eq!(colb[r * ld + t].to_f32(), b, "bf16 {case}");
+                        assert_eq!(colw[r * ld + t], b, "bf16 → f32 {case}");
                     }
                 }
             }
