@@ -244,6 +244,27 @@ pub fn f32_bf16(v: f32) -> bf16 {
     bf16::from_bits(bits as u16)
 }
 
+/// [`f32_bf16`] of 8 floats in AVX2 registers: each lane's bf16 in its low 16 bits (ties to
+/// even; a NaN made quiet, its sign and top payload bits kept), for a kernel to pack and store
+/// (`vpackusdw`: every lane is below 2¹⁶).
+///
+/// # Safety
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(crate) unsafe fn bf16_bits8(v: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    let x = _mm256_castps_si256(v);
+    let high = _mm256_srli_epi32::<16>(x);
+    let lsb = _mm256_and_si256(high, _mm256_set1_epi32(1));
+    let up = _mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    let rounded = _mm256_srli_epi32::<16>(up);
+    let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+    let quiet = _mm256_or_si256(high, _mm256_set1_epi32(0x40));
+    _mm256_blendv_epi8(rounded, quiet, nan)
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use half::f16;

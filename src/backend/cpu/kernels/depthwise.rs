@@ -810,14 +810,7 @@ impl Wide for bf16 {
         use std::arch::x86_64::*;
         // SAFETY: the caller's (AVX2; 8 places, 16 bytes).
         unsafe {
-            let x = _mm256_castps_si256(v);
-            let high = _mm256_srli_epi32::<16>(x);
-            let lsb = _mm256_and_si256(high, _mm256_set1_epi32(1));
-            let up = _mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-            let rounded = _mm256_srli_epi32::<16>(up);
-            let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
-            let quiet = _mm256_or_si256(high, _mm256_set1_epi32(0x40));
-            let bits = _mm256_blendv_epi8(rounded, quiet, nan);
+            let bits = crate::backend::cpu::elem::bf16_bits8(v);
             // Every value is below 2^16: the signed saturation of `packus` leaves it be.
             let packed = _mm256_packus_epi32(bits, bits);
             let ordered = _mm256_permute4x64_epi64::<0b1000>(packed);

@@ -570,7 +570,7 @@ pub(super) mod avx2 {
     unsafe fn store_b(p: *mut bf16, x: __m256) {
         // SAFETY: the caller's: 8 writable values at p.
         unsafe {
-            let halves = bf16_bits(x);
+            let halves = crate::backend::cpu::elem::bf16_bits8(x);
             // Each lane's value is below 2¹⁶: packing with unsigned saturation keeps it.
             let packed = _mm_packus_epi32(
                 _mm256_castsi256_si128(halves),
@@ -588,24 +588,13 @@ pub(super) mod avx2 {
         unsafe {
             // Packed lane by lane (lo's first 4, hi's first 4, lo's last 4, hi's last 4), then
             // the middle quarters swapped.
-            let packed = _mm256_packus_epi32(bf16_bits(lo), bf16_bits(hi));
+            let packed = _mm256_packus_epi32(
+                crate::backend::cpu::elem::bf16_bits8(lo),
+                crate::backend::cpu::elem::bf16_bits8(hi),
+            );
             let row = _mm256_permute4x64_epi64::<0b11_01_10_00>(packed);
             _mm256_storeu_si256(p.cast(), row);
         }
-    }
-
-    /// The bf16 nearest each of 8 floats, in its lane's low 16 bits, bit for bit as
-    /// `elem::f32_bf16` (ties to even; a NaN made quiet, its sign and top payload bits kept).
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    fn bf16_bits(x: __m256) -> __m256i {
-        let bits = _mm256_castps_si256(x);
-        let top = _mm256_srli_epi32::<16>(bits);
-        let even = _mm256_add_epi32(_mm256_and_si256(top, _mm256_set1_epi32(1)), bits);
-        let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(even, _mm256_set1_epi32(0x7fff)));
-        let quiet = _mm256_or_si256(top, _mm256_set1_epi32(0x40));
-        let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
-        _mm256_blendv_epi8(rounded, quiet, nan)
     }
 
     /// 8 f16 values widened to f32.
