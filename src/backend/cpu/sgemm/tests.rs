@@ -392,12 +392,14 @@ fn the_small_k_probe_measures_a_plausible_ratio() {
 fn bf16_rows_match_the_f32_way() {
     use crate::backend::cpu::elem::{bf16_f32, f32_bf16};
     use half::bf16;
+    // Up to `FEW_ROWS` rows on the panels in place, more on their widened blocks.
     for &(m, k, n) in &[
         (13, 24, 40),
         (20, 72, 24),
         (6, 200, 16),
         (50, 600, 33),
         (49, 27, 16),
+        (131, 72, 40),
     ] {
         let mut a: Vec<f32> = (0..m * k)
             .map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0)

@@ -122,13 +122,14 @@ pub(super) fn map_rows<V: Copy, const ROWS: usize>(
 }
 
 /// What the small-K kernels' row loops (`avx2::rows`, `avx512::rows`) take: K; A, its row
-/// stride and the rows; the panel's block and bias; C (of `O`s: f32, or bf16 on AVX2), its
-/// row stride and the panel's valid columns; the residual laid out as C (null: none).
+/// stride and the rows; the panel's block (of `P`s: f32, or bf16 on AVX2) and bias; C (of
+/// `O`s, as `P`), its row stride and the panel's valid columns; the residual laid out as C
+/// (null: none).
 #[cfg(target_arch = "x86_64")]
-pub(super) type RowsCall<O = f32> = (
+pub(super) type RowsCall<O = f32, P = f32> = (
     usize,
     (*const f32, usize, usize),
-    *const f32,
+    *const P,
     *const f32,
     (*mut O, usize, usize),
     *const O,
@@ -400,6 +401,28 @@ pub(super) mod avx2 {
         unsafe { stationary_to((k, (a, lda, m), panel, bias, (c, ldc, cols), residual), act) }
     }
 
+    /// [`stationary`] on a bf16 panel, widened in registers as it is loaded (as `tile_b`
+    /// does): for a GEMM of few rows, which widening the panel's block into a buffer first
+    /// costs more than the loads' extra work (see `sgemm::FEW_ROWS`).
+    ///
+    /// # Safety
+    /// As for [`stationary`], the panel of bf16s.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(in crate::backend::cpu::sgemm) unsafe fn stationary_b(
+        k: usize,
+        (a, lda, m): (*const f32, usize, usize),
+        panel: *const bf16,
+        bias: *const f32,
+        (c, ldc, cols): (*mut f32, usize, usize),
+        fin: Option<Finish>,
+    ) {
+        let residual = fin.map_or(std::ptr::null(), |f| f.residual);
+        let act = fin.map_or(Act::None, |f| f.act);
+        // SAFETY: the caller's.
+        unsafe { stationary_to((k, (a, lda, m), panel, bias, (c, ldc, cols), residual), act) }
+    }
+
     /// [`stationary`] for C of `O`s: f32, or bf16, C's rows rounded in registers as they are
     /// stored (ties to even, as `Elem::narrow`) rather than stored in f32 and narrowed by a
     /// pass over them afterwards.
@@ -407,8 +430,8 @@ pub(super) mod avx2 {
     /// # Safety
     /// As for [`stationary`], C and the residual of `O`s.
     #[target_feature(enable = "avx2,fma")]
-    pub(in crate::backend::cpu::sgemm) unsafe fn stationary_to<O: Stored>(
-        call: super::RowsCall<O>,
+    pub(in crate::backend::cpu::sgemm) unsafe fn stationary_to<O: Stored, P: Stored>(
+        call: super::RowsCall<O, P>,
         act: Act,
     ) {
         let cols = call.4.2;
@@ -424,10 +447,10 @@ pub(super) mod avx2 {
         macro_rules! by_width {
             ($op:ident) => {
                 match cols {
-                    NR => rows::<O, 2, 6, true>(call, $op),
-                    8 => rows::<O, 1, 12, true>(call, $op),
-                    ..8 => rows::<O, 1, 12, false>(call, $op),
-                    _ => rows::<O, 2, 6, false>(call, $op),
+                    NR => rows::<O, P, 2, 6, true>(call, $op),
+                    8 => rows::<O, P, 1, 12, true>(call, $op),
+                    ..8 => rows::<O, P, 1, 12, false>(call, $op),
+                    _ => rows::<O, P, 2, 6, false>(call, $op),
                 }
             };
         }
@@ -441,8 +464,8 @@ pub(super) mod avx2 {
     /// # Safety
     /// As for [`stationary`], with `cols` at most `V` · 8.
     #[inline(always)]
-    unsafe fn rows<O: Stored, const V: usize, const R: usize, const WHOLE: bool>(
-        (k, (a, lda, m), panel, bias, (c, ldc, cols), residual): super::RowsCall<O>,
+    unsafe fn rows<O: Stored, P: Stored, const V: usize, const R: usize, const WHOLE: bool>(
+        (k, (a, lda, m), panel, bias, (c, ldc, cols), residual): super::RowsCall<O, P>,
         op: impl Fn(__m256) -> __m256,
     ) {
         // SAFETY: the caller's (every access inside the ranges it guarantees; a partial
@@ -463,7 +486,7 @@ pub(super) mod avx2 {
                     let ahead = panel.wrapping_add((kk + super::B_PREFETCH) * NR);
                     _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
                     let bk: [__m256; V] =
-                        std::array::from_fn(|v| _mm256_loadu_ps(panel.add(kk * NR + v * 8)));
+                        std::array::from_fn(|v| P::load(panel.add(kk * NR + v * 8)));
                     for (x, ar) in acc.iter_mut().zip(&ar) {
                         let av = _mm256_set1_ps(*ar.add(kk));
                         for (x, &b) in x.iter_mut().zip(&bk) {
