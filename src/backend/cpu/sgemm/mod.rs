@@ -564,7 +564,7 @@ fn kernels_for(simd: Simd) -> Kernels {
         },
         #[cfg(target_arch = "x86_64")]
         Simd::Avx2Fma => Kernels {
-            stationary: Some(avx2::stationary),
+            stationary: Some(avx2::stationary::<f32>),
             small_k: AVX2_SMALL_K_MAX,
             tails: Some(avx2_tails!(avx2::tile)),
             ..six(avx2::tile::<MR, 2, false>)
@@ -630,7 +630,7 @@ fn kernels_bf16_for(simd: Simd) -> Option<Kernels<bf16>> {
     #[cfg(target_arch = "x86_64")]
     if simd == Simd::Avx2Fma {
         return Some(Kernels {
-            stationary: Some(avx2::stationary_b),
+            stationary: Some(avx2::stationary::<bf16>),
             small_k: AVX2_SMALL_K_MAX,
             ..kern
         });
@@ -892,7 +892,7 @@ pub unsafe fn gemm_packed_bf16<T: Elem>(
 }
 
 /// Rows up to which a GEMM on bf16 panels within the small-K kernel's reach reads them in
-/// place (AVX2: widened as they are loaded, `avx2::stationary_b`) rather than widening each
+/// place (AVX2: widened as they are loaded, `avx2::stationary`) rather than widening each
 /// panel's block into a buffer first: with few rows, few row groups share the widening. One
 /// thread's work item on a Zen 3, the two alternating in one process, in-place time over
 /// widened: 49 rows (ResNet-50's 7² layers at batch 1, 512 → 2048) 0.93×; 98–196 rows (14²)

@@ -381,38 +381,19 @@ pub(super) mod avx2 {
     /// are, for deeper blocks and a first pass from memory). The register tile's per-tile
     /// costs (the row pointers built for 14 rows, C's prefetches, the call through a pointer)
     /// stay out of the loop. A partial width (`cols` under 16 or 8) goes through
-    /// a local row: AVX2's masked stores are slow on AMD cores.
+    /// a local row: AVX2's masked stores are slow on AMD cores. The panel is f32, or bf16
+    /// widened in registers as it is loaded (as `tile_b` does): for a GEMM of few rows, whose
+    /// few row groups would not share the cost of widening the block into a buffer first
+    /// (`sgemm::FEW_ROWS`).
     ///
     /// # Safety
-    /// As for `avx512::stationary`, with AVX2 and FMA in place of AVX-512F.
+    /// As for `avx512::stationary`, with AVX2 and FMA in place of AVX-512F, the panel of `P`s.
     #[target_feature(enable = "avx2,fma")]
     #[allow(clippy::too_many_arguments)]
-    pub(in crate::backend::cpu::sgemm) unsafe fn stationary(
+    pub(in crate::backend::cpu::sgemm) unsafe fn stationary<P: Stored>(
         k: usize,
         (a, lda, m): (*const f32, usize, usize),
-        panel: *const f32,
-        bias: *const f32,
-        (c, ldc, cols): (*mut f32, usize, usize),
-        fin: Option<Finish>,
-    ) {
-        let residual = fin.map_or(std::ptr::null(), |f| f.residual);
-        let act = fin.map_or(Act::None, |f| f.act);
-        // SAFETY: the caller's.
-        unsafe { stationary_to((k, (a, lda, m), panel, bias, (c, ldc, cols), residual), act) }
-    }
-
-    /// [`stationary`] on a bf16 panel, widened in registers as it is loaded (as `tile_b`
-    /// does): for a GEMM of few rows, which widening the panel's block into a buffer first
-    /// costs more than the loads' extra work (see `sgemm::FEW_ROWS`).
-    ///
-    /// # Safety
-    /// As for [`stationary`], the panel of bf16s.
-    #[target_feature(enable = "avx2,fma")]
-    #[allow(clippy::too_many_arguments)]
-    pub(in crate::backend::cpu::sgemm) unsafe fn stationary_b(
-        k: usize,
-        (a, lda, m): (*const f32, usize, usize),
-        panel: *const bf16,
+        panel: *const P,
         bias: *const f32,
         (c, ldc, cols): (*mut f32, usize, usize),
         fin: Option<Finish>,
