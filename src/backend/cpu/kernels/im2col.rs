@@ -187,9 +187,8 @@ mod tests {
     use super::*;
 
     /// The gathered columns, in f32, bf16 and bf16 widened to f32, against a plain loop over
-    /// every tap: kernels
-    /// from 1×1 to a 7×7 stem, strides 1 and 2, padding 0 to 3, row ranges that start and end
-    /// inside output rows and cross images.
+    /// every tap: kernels from 1×1 to a 7×7 stem, strides 1 and 2, padding 0 to 3, row ranges
+    /// that start and end inside output rows and cross images.
     #[test]
     fn im2col_matches_a_plain_gather() {
         let cases = [

@@ -840,46 +840,32 @@ pub unsafe fn gemm_packed_bf16<T: Elem>(
             return false;
         };
         let len = b.k * NR;
-        if m <= FEW_ROWS {
-            for p in p0..p1 {
-                let off = (p - p0) * NR;
-                let cols = NR.min(b.n - p * NR);
-                let residual = residual.wrapping_add(if residual.is_null() { 0 } else { off });
-                let (panel, bias) = (data[p * len..].as_ptr(), b.bias[p * NR..].as_ptr());
-                let call = (
-                    b.k,
-                    (a, lda, m),
-                    panel,
-                    bias,
-                    (c.wrapping_add(off), ldc, cols),
-                    residual,
-                );
-                // SAFETY: as below, the panel read in place.
-                unsafe { avx2::stationary_to(call, act) };
-            }
-            return true;
-        }
+        let in_place = m <= FEW_ROWS;
         B_BLOCK.with_borrow_mut(|wide| {
-            wide.resize(len, 0.0);
+            if !in_place {
+                wide.resize(len, 0.0);
+            }
             for p in p0..p1 {
-                <bf16 as Elem>::widen(&data[p * len..][..len], wide);
                 let off = (p - p0) * NR;
                 let cols = NR.min(b.n - p * NR);
                 // Null stays null: the kernel adds no residual then.
                 let residual = residual.wrapping_add(if residual.is_null() { 0 } else { off });
-                let bias = b.bias[p * NR..].as_ptr();
-                let call = (
-                    b.k,
-                    (a, lda, m),
-                    wide.as_ptr(),
-                    bias,
-                    (c.wrapping_add(off), ldc, cols),
-                    residual,
-                );
+                let (bias, block) = (b.bias[p * NR..].as_ptr(), &data[p * len..][..len]);
+                let out = (c.wrapping_add(off), ldc, cols);
                 // SAFETY: the AVX2 path is in use (so the CPU has AVX2 and FMA); A's m rows of
                 // K floats and C's (and the residual's) m rows of the panel's `cols` columns
-                // are the caller's (the contract), B's panel widened in `wide`.
-                unsafe { avx2::stationary_to(call, act) };
+                // are the caller's (the contract); B's panel is read in place, or widened in
+                // `wide`.
+                unsafe {
+                    if in_place {
+                        let call = (b.k, (a, lda, m), block.as_ptr(), bias, out, residual);
+                        avx2::stationary_to(call, act)
+                    } else {
+                        <bf16 as Elem>::widen(block, wide);
+                        let call = (b.k, (a, lda, m), wide.as_ptr(), bias, out, residual);
+                        avx2::stationary_to(call, act)
+                    }
+                }
             }
         });
         true
