@@ -265,6 +265,180 @@ pub(crate) unsafe fn bf16_bits8(v: std::arch::x86_64::__m256) -> std::arch::x86_
     _mm256_blendv_epi8(rounded, quiet, nan)
 }
 
+/// [`bf16_bits8`] of 16 floats in AVX-512 registers (AVX-512F).
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn bf16_bits16(v: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::*;
+    let x = _mm512_castps_si512(v);
+    let high = _mm512_srli_epi32::<16>(x);
+    let lsb = _mm512_and_si512(high, _mm512_set1_epi32(1));
+    let up = _mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    let rounded = _mm512_srli_epi32::<16>(up);
+    let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+    let quiet = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
+    _mm512_mask_mov_epi32(rounded, nan, quiet)
+}
+
+/// Storage that the kernels written with intrinsics load and store a vector at a time (the
+/// GEMM's small-K kernel, the depthwise rows, the AVX-512 stems): f32; bf16, widened as it is
+/// loaded and rounded in registers as it is stored (to nearest, ties to even, as
+/// [`f32_bf16`]).
+pub(crate) trait Wide: Copy + Default {
+    /// The lanes of `mask` of `v` stored at `p`.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; those lanes' places at `p` are writable.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn store(p: *mut Self, mask: std::arch::x86_64::__mmask16, v: std::arch::x86_64::__m512);
+
+    /// The lanes of `mask` from `p`, the others zero.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F, BW and VL; those lanes' places at `p` are readable.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load(p: *const Self, mask: std::arch::x86_64::__mmask16)
+    -> std::arch::x86_64::__m512;
+
+    /// 8 values from `p`, widened.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; 8 values at `p` are readable.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+
+    /// `v`'s 8 values stored at `p`, narrowed.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; 8 places at `p` are writable.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn store8(p: *mut Self, v: std::arch::x86_64::__m256);
+
+    /// Whether [`Wide::store16`] stores two vectors in fewer instructions than two
+    /// [`Wide::store8`] (bf16: one pack and one store for both).
+    const PACKS_16: bool = false;
+
+    /// `v`'s 16 values (the first vector's, then the second's) stored at `p`, narrowed.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; 16 places at `p` are writable.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn store16(p: *mut Self, v: [std::arch::x86_64::__m256; 2]) {
+        // SAFETY: the caller's.
+        unsafe {
+            Self::store8(p, v[0]);
+            Self::store8(p.wrapping_add(8), v[1]);
+        }
+    }
+}
+
+impl Wide for f32 {
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, mask: std::arch::x86_64::__mmask16, v: std::arch::x86_64::__m512) {
+        // SAFETY: the caller's.
+        unsafe { std::arch::x86_64::_mm512_mask_storeu_ps(p, mask, v) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load(p: *const f32, mask: std::arch::x86_64::__mmask16) -> std::arch::x86_64::__m512 {
+        // SAFETY: the caller's.
+        unsafe { std::arch::x86_64::_mm512_maskz_loadu_ps(mask, p) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
+        // SAFETY: the caller's.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn store8(p: *mut f32, v: std::arch::x86_64::__m256) {
+        // SAFETY: the caller's.
+        unsafe { std::arch::x86_64::_mm256_storeu_ps(p, v) }
+    }
+}
+
+impl Wide for bf16 {
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn store(
+        p: *mut bf16,
+        mask: std::arch::x86_64::__mmask16,
+        v: std::arch::x86_64::__m512,
+    ) {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's (AVX-512F; the store writes the lanes of `mask` alone).
+        unsafe { _mm512_mask_cvtepi32_storeu_epi16(p.cast(), mask, bf16_bits16(v)) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load(
+        p: *const bf16,
+        mask: std::arch::x86_64::__mmask16,
+    ) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's (AVX-512BW and VL: the AVX-512 paths ask for them; the load
+        // reads the lanes of `mask` alone). bf16 is f32's upper half.
+        unsafe {
+            let x = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p.cast()));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(x))
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const bf16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's (AVX2; 8 values, 16 bytes).
+        unsafe {
+            let x = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(x))
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn store8(p: *mut bf16, v: std::arch::x86_64::__m256) {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's (AVX2; 8 places, 16 bytes).
+        unsafe {
+            let bits = bf16_bits8(v);
+            // Every lane is below 2¹⁶: packing with unsigned saturation keeps it.
+            let packed = _mm_packus_epi32(
+                _mm256_castsi256_si128(bits),
+                _mm256_extracti128_si256::<1>(bits),
+            );
+            _mm_storeu_si128(p.cast(), packed);
+        }
+    }
+
+    const PACKS_16: bool = true;
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn store16(p: *mut bf16, v: [std::arch::x86_64::__m256; 2]) {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's (AVX2; 16 places, 32 bytes).
+        unsafe {
+            // Packed lane by lane (the first vector's first 4, the second's first 4, the
+            // first's last 4, the second's last 4), then the middle quarters swapped.
+            let packed = _mm256_packus_epi32(bf16_bits8(v[0]), bf16_bits8(v[1]));
+            let row = _mm256_permute4x64_epi64::<0b11_01_10_00>(packed);
+            _mm256_storeu_si256(p.cast(), row);
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use half::f16;
@@ -372,6 +546,81 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The bf16 stores' rounding in registers is `f32_bf16`'s, bit for bit: values that round
+    /// up, down and to even, signed zeros, infinities, overflow to infinity, NaNs; on AVX2 8
+    /// values in order (both halves of the ymm) and 16 by `store16` (both vectors' halves in
+    /// order), none past them; on AVX-512, lanes outside the mask left alone. Each where the
+    /// CPU has its instructions.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn the_bf16_stores_round_as_f32_bf16() {
+        use super::simd::{Simd, simd};
+        use std::arch::x86_64::{_mm256_loadu_ps, _mm512_loadu_ps};
+        let values: [f32; 16] = [
+            1.0,
+            f32::from_bits(0x3f80_8000), // a tie, to even (down)
+            f32::from_bits(0x3f81_8000), // a tie, to even (up)
+            f32::from_bits(0x3f80_8001), // just above a tie: up
+            f32::from_bits(0x3f80_7fff), // just below: down
+            -2.5,
+            0.0,
+            -0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::MAX, // rounds to infinity
+            f32::NAN,
+            f32::from_bits(0xff80_0001), // a signalling NaN, negative
+            1e-40,                       // subnormal
+            -2.71875,
+            65504.0,
+        ];
+        let want = |v: f32| f32_bf16(v).to_bits();
+        let b7 = bf16::from_f32(7.0);
+        if is_x86_feature_detected!("avx2") {
+            for half in values.chunks(8) {
+                let mut b = [b7; 9];
+                // SAFETY: AVX2 (checked above); 8 readable values, 8 writable places.
+                unsafe { <bf16 as Wide>::store8(b.as_mut_ptr(), _mm256_loadu_ps(half.as_ptr())) };
+                for (i, v) in half.iter().enumerate() {
+                    assert_eq!(b[i].to_bits(), want(*v), "AVX2 lane {i} ({v:e})");
+                }
+                assert_eq!(b[8], b7, "AVX2 wrote past its 8 values");
+            }
+            let mut b = [b7; 17];
+            // SAFETY: AVX2 (checked above); 16 readable values, 16 writable places.
+            unsafe {
+                let v = [0, 8].map(|at| _mm256_loadu_ps(values[at..].as_ptr()));
+                <bf16 as Wide>::store16(b.as_mut_ptr(), v);
+            }
+            for (i, v) in values.iter().enumerate() {
+                assert_eq!(b[i].to_bits(), want(*v), "AVX2 pair, value {i} ({v:e})");
+            }
+            assert_eq!(b[16], b7, "AVX2 wrote past its 16 values");
+        } else {
+            eprintln!("no AVX2 here: its bf16 stores are not exercised");
+        }
+        if !matches!(simd(), Simd::Avx512 | Simd::Avx512Bf16 | Simd::Amx) {
+            eprintln!("no AVX-512 here: its bf16 store is not exercised");
+            return;
+        }
+        for mask in [0xffffu16, 0x00ff, 0x8001] {
+            let mut b = [b7; 16];
+            // SAFETY: AVX-512F (checked above); 16 writable values.
+            unsafe {
+                let v = _mm512_loadu_ps(values.as_ptr());
+                <bf16 as Wide>::store(b.as_mut_ptr(), mask, v);
+            }
+            for (i, v) in values.iter().enumerate() {
+                let want = if mask >> i & 1 == 1 {
+                    want(*v)
+                } else {
+                    b7.to_bits()
+                };
+                assert_eq!(b[i].to_bits(), want, "lane {i} ({v:e}), mask {mask:#x}");
+            }
+        }
+    }
 
     /// Values that exercise rounding (ties to even both ways), subnormals, overflow, the
     /// infinities and NaN, over a length with a tail that is not a multiple of 8.

@@ -7,7 +7,7 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::*;
-use crate::backend::cpu::elem::{Elem, bf16_f32, f32_bf16};
+use crate::backend::cpu::elem::{Elem, Wide, bf16_f32, f32_bf16};
 use crate::backend::cpu::simd::{Vectorised, with_simd};
 use crate::model::op::{Act, Conv2d};
 
@@ -86,7 +86,7 @@ fn bias_or_zeros(bias: Option<&[f32]>, channels: usize) -> std::borrow::Cow<'_, 
 /// f32 rows computed in place and the epilogue applied there, bf16 rows computed into a
 /// per-worker f32 row that the epilogue ([`Finish`]) narrows into the output.
 #[allow(clippy::too_many_arguments)]
-fn direct<S: Wide>(
+fn direct<S: Lanes + Wide>(
     c: &Conv2d,
     w: &[f32],
     bias: &[f32],
@@ -117,7 +117,7 @@ fn direct<S: Wide>(
 /// One output row of [`direct`] where the intrinsics kernel does not cover it: f32 rows computed
 /// in place and finished there, bf16 rows computed into a per-worker f32 row that
 /// [`Finish`] narrows into `out`.
-fn other_row<S: Wide>(
+fn other_row<S: Lanes + Wide>(
     c: &Conv2d,
     input: &[Option<&[S]>],
     (w, bias): (&[f32], &[f32]),
@@ -145,7 +145,7 @@ fn other_row<S: Wide>(
 /// activation), by the kernel written with intrinsics ([`regs`], AVX-512 or AVX2) where it
 /// covers the layer's shape and the SIMD path in use; `false` (nothing written) where it does
 /// not.
-fn regs_row<I: Wide, O: Wide>(
+fn regs_row<I: Lanes + Wide, O: Wide>(
     c: &Conv2d,
     input: &[Option<&[I]>],
     weights: (&[f32], &[f32]),
@@ -688,137 +688,6 @@ impl Lanes for bf16 {
     }
 }
 
-/// Storage the kernels written with intrinsics read and write (the AVX-512 stems', the
-/// depthwise rows' on AVX-512 and AVX2): f32, or bf16 widened as it is read and narrowed in
-/// registers as it is stored (to nearest, ties to even, as
-/// [`crate::backend::cpu::elem::f32_bf16`]).
-pub(super) trait Wide: Lanes + Default {
-    /// The lanes of `mask` of `v` stored at `p`.
-    ///
-    /// # Safety
-    /// The CPU has AVX-512F; those lanes' places at `p` are writable.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn store(p: *mut Self, mask: std::arch::x86_64::__mmask16, v: std::arch::x86_64::__m512);
-
-    /// The lanes of `mask` from `p`, the others zero.
-    ///
-    /// # Safety
-    /// The CPU has AVX-512F, BW and VL; those lanes' places at `p` are readable.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn load(p: *const Self, mask: std::arch::x86_64::__mmask16)
-    -> std::arch::x86_64::__m512;
-
-    /// 8 values from `p`, widened.
-    ///
-    /// # Safety
-    /// The CPU has AVX2; 8 values at `p` are readable.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
-
-    /// `v`'s 8 values stored at `p`, narrowed.
-    ///
-    /// # Safety
-    /// The CPU has AVX2; 8 places at `p` are writable.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn store8(p: *mut Self, v: std::arch::x86_64::__m256);
-}
-
-impl Wide for f32 {
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn store(p: *mut f32, mask: std::arch::x86_64::__mmask16, v: std::arch::x86_64::__m512) {
-        // SAFETY: the caller's.
-        unsafe { std::arch::x86_64::_mm512_mask_storeu_ps(p, mask, v) }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load(p: *const f32, mask: std::arch::x86_64::__mmask16) -> std::arch::x86_64::__m512 {
-        // SAFETY: the caller's.
-        unsafe { std::arch::x86_64::_mm512_maskz_loadu_ps(mask, p) }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
-        // SAFETY: the caller's.
-        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn store8(p: *mut f32, v: std::arch::x86_64::__m256) {
-        // SAFETY: the caller's.
-        unsafe { std::arch::x86_64::_mm256_storeu_ps(p, v) }
-    }
-}
-
-impl Wide for bf16 {
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn store(
-        p: *mut bf16,
-        mask: std::arch::x86_64::__mmask16,
-        v: std::arch::x86_64::__m512,
-    ) {
-        use std::arch::x86_64::*;
-        // SAFETY: the caller's (AVX-512F; the store writes the lanes of `mask` alone).
-        unsafe {
-            let x = _mm512_castps_si512(v);
-            let high = _mm512_srli_epi32::<16>(x);
-            let lsb = _mm512_and_si512(high, _mm512_set1_epi32(1));
-            let up = _mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-            let rounded = _mm512_srli_epi32::<16>(up);
-            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
-            let quiet = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
-            let bits = _mm512_mask_mov_epi32(rounded, nan, quiet);
-            _mm512_mask_cvtepi32_storeu_epi16(p.cast(), mask, bits);
-        }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load(
-        p: *const bf16,
-        mask: std::arch::x86_64::__mmask16,
-    ) -> std::arch::x86_64::__m512 {
-        use std::arch::x86_64::*;
-        // SAFETY: the caller's (AVX-512BW and VL: the AVX-512 paths ask for them; the load
-        // reads the lanes of `mask` alone). bf16 is f32's upper half.
-        unsafe {
-            let x = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p.cast()));
-            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(x))
-        }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load8(p: *const bf16) -> std::arch::x86_64::__m256 {
-        use std::arch::x86_64::*;
-        // SAFETY: the caller's (AVX2; 8 values, 16 bytes).
-        unsafe {
-            let x = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(x))
-        }
-    }
-
-    /// Rounded as [`Wide::store`] rounds; the 8 halves packed in order (`packus` packs within
-    /// each 128-bit half, the permute brings the two quarters that hold them together).
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn store8(p: *mut bf16, v: std::arch::x86_64::__m256) {
-        use std::arch::x86_64::*;
-        // SAFETY: the caller's (AVX2; 8 places, 16 bytes).
-        unsafe {
-            let bits = crate::backend::cpu::elem::bf16_bits8(v);
-            // Every value is below 2^16: the signed saturation of `packus` leaves it be.
-            let packed = _mm256_packus_epi32(bits, bits);
-            let ordered = _mm256_permute4x64_epi64::<0b1000>(packed);
-            _mm_storeu_si128(p.cast(), _mm256_castsi256_si128(ordered));
-        }
-    }
-}
-
 /// Channels per register block of [`DepthwiseRow`]: two AVX2 vectors, one AVX-512 vector.
 const BLOCK: usize = 16;
 /// Output pixels per register block where every tap is inside the image: each tap's weights
@@ -1054,7 +923,7 @@ mod regs {
     use std::arch::x86_64::*;
 
     use super::super::activation::{Vector, activate_vec, with_vec_act};
-    use super::{RUN_BYTES, Wide};
+    use super::{Lanes, RUN_BYTES, Wide};
     use crate::backend::cpu::simd::Simd;
     use crate::model::op::{Act, Conv2d};
 
@@ -1121,7 +990,7 @@ mod regs {
     /// holds the tap rows (`None` in the padding), each `width` pixels of `bias.len()`
     /// channels; `w` is (ky, kx, channel). `simd` is the path in use
     /// ([`crate::backend::cpu::simd::simd`]), or for tests one the CPU has.
-    pub(super) fn row<I: Wide, O: Wide>(
+    pub(super) fn row<I: Lanes + Wide, O: Wide>(
         simd: Simd,
         c: &Conv2d,
         input: &[Option<&[I]>],
@@ -1174,7 +1043,7 @@ mod regs {
     /// The CPU has AVX-512F, BW and VL; the lengths are as [`row`] asserts; (k, s) is a
     /// shape [`row`] takes.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn avx512<I: Wide, O: Wide>(
+    unsafe fn avx512<I: Lanes + Wide, O: Wide>(
         k: usize,
         s: usize,
         i: &[Option<&[I]>],
@@ -1210,7 +1079,7 @@ mod regs {
     /// The CPU has AVX2 and FMA; the lengths are as [`row`] asserts, the channels a multiple
     /// of 8; (k, s) is a shape [`row`] takes.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn avx2<I: Wide, O: Wide>(
+    unsafe fn avx2<I: Lanes + Wide, O: Wide>(
         k: usize,
         s: usize,
         i: &[Option<&[I]>],
@@ -1243,7 +1112,7 @@ mod regs {
     #[inline(always)]
     unsafe fn row_k<
         V: Reg,
-        I: Wide,
+        I: Lanes + Wide,
         O: Wide,
         const K: usize,
         const S: usize,
@@ -1309,7 +1178,7 @@ mod regs {
     #[allow(clippy::type_complexity)]
     unsafe fn sums<
         V: Reg,
-        I: Wide,
+        I: Lanes + Wide,
         const K: usize,
         const S: usize,
         const P: usize,
@@ -2043,81 +1912,12 @@ mod tests {
         }
     }
 
-    /// The bf16 stores' narrowing in registers is `f32_bf16`'s, bit for bit: values that
-    /// round up, down and to even, signed zeros, infinities, overflow to infinity, NaNs; on
-    /// AVX-512, lanes outside the mask are left alone; on AVX2, 8 values in order (both
-    /// halves of the ymm) and none past them. Each where the CPU has its instructions.
-    #[test]
-    #[cfg(target_arch = "x86_64")]
-    fn the_bf16_store_rounds_as_f32_bf16() {
-        use crate::backend::cpu::simd::{Simd, simd};
-        let values: [f32; 16] = [
-            1.0,
-            f32::from_bits(0x3f80_8000), // a tie, to even (down)
-            f32::from_bits(0x3f81_8000), // a tie, to even (up)
-            f32::from_bits(0x3f80_8001), // just above a tie: up
-            f32::from_bits(0x3f80_7fff), // just below: down
-            -2.5,
-            0.0,
-            -0.0,
-            f32::INFINITY,
-            f32::NEG_INFINITY,
-            f32::MAX, // rounds to infinity
-            f32::NAN,
-            f32::from_bits(0xff80_0001), // a signalling NaN, negative
-            1e-40,                       // subnormal
-            -2.71875,
-            65504.0,
-        ];
-        if is_x86_feature_detected!("avx2") {
-            for half in values.chunks(8) {
-                let mut out = [bf16::from_f32(7.0); 9];
-                // SAFETY: AVX2 (checked above); 8 readable values, 8 writable places.
-                unsafe {
-                    let v = std::arch::x86_64::_mm256_loadu_ps(half.as_ptr());
-                    <bf16 as Wide>::store8(out.as_mut_ptr(), v);
-                }
-                for (i, (o, v)) in out.iter().zip(half).enumerate() {
-                    let want = f32_bf16(*v);
-                    assert_eq!(o.to_bits(), want.to_bits(), "AVX2 lane {i} ({v:e})");
-                }
-                assert_eq!(out[8], bf16::from_f32(7.0), "AVX2 wrote past its 8 values");
-            }
-        } else {
-            eprintln!("no AVX2 here: its bf16 store is not exercised");
-        }
-        if !matches!(simd(), Simd::Avx512 | Simd::Avx512Bf16 | Simd::Amx) {
-            eprintln!("no AVX-512 here: its bf16 store is not exercised");
-            return;
-        }
-        for mask in [0xffffu16, 0x00ff, 0x8001] {
-            let mut out = [bf16::from_f32(7.0); 16];
-            // SAFETY: AVX-512F (checked above); 16 writable values.
-            unsafe {
-                let v = std::arch::x86_64::_mm512_loadu_ps(values.as_ptr());
-                <bf16 as Wide>::store(out.as_mut_ptr(), mask, v);
-            }
-            for (i, (o, v)) in out.iter().zip(values).enumerate() {
-                let want = if mask >> i & 1 == 1 {
-                    f32_bf16(v)
-                } else {
-                    bf16::from_f32(7.0)
-                };
-                assert_eq!(
-                    o.to_bits(),
-                    want.to_bits(),
-                    "lane {i} ({v:e}), mask {mask:#x}"
-                );
-            }
-        }
-    }
-
     /// A pointwise layer and the depthwise layer after it, fused, give the pair's results run
     /// apart bit for bit, in FP32, BF16 (where it widens) and FP16: every band height from one
     /// output row to the whole image, 3×3 and 5×5 taps at strides 1 and 2, padding 0 to 2
     /// (bands whose taps reach above and below the image), channel counts that leave a half
     /// panel and a masked last block, K below and above the small-K kernel's reach,
-    /// activations on either layer or neither. In FP32, with the depthwise output projected
+    /// activations on either layer or neither. With the depthwise output projected
     /// too (by a 1×1 layer with and without a residual, to channel counts that leave half
     /// panels), after the pointwise layer and without one.
     #[test]

@@ -17,9 +17,10 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::conv::{TilePtr, work_items};
-use super::depthwise::Wide;
+use super::depthwise::Lanes;
 use super::*;
 use crate::backend::cpu::bf16_gemm::{PANEL, PackedPairs};
+use crate::backend::cpu::elem::Wide;
 use crate::backend::cpu::sgemm::{NR, PackedB};
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_imports))]
 use crate::model::op::Conv2d;
@@ -118,7 +119,7 @@ pub(super) fn runs_f32(c: &Conv2d) -> bool {
 /// FMAs instead of multiplying pairs ran through im2col too, at 2.0 ms for MobileNetV3-Large's
 /// stem at batch 8 on a Xeon whose FP32 kernel took 0.84.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn conv2d_stem_f32<E: Wide>(
+pub(super) fn conv2d_stem_f32<E: Lanes + Wide>(
     c: &Conv2d,
     b: &PackedB<f32>,
     x: &[E],
@@ -143,7 +144,7 @@ pub(super) fn conv2d_stem_f32<E: Wide>(
 /// The CPU has AVX-512F; nobody else writes those rows' panels meanwhile.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn rows_f32<E: Wide>(
+unsafe fn rows_f32<E: Lanes + Wide>(
     job: &Job<'_, E, PackedB<f32>>,
     m0: usize,
     mr: usize,
@@ -169,7 +170,12 @@ unsafe fn rows_f32<E: Wide>(
 /// # Safety
 /// None needed.
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn rows_f32<E: Wide>(_: &Job<'_, E, PackedB<f32>>, _: usize, _: usize, _: (usize, usize)) {
+unsafe fn rows_f32<E: Lanes + Wide>(
+    _: &Job<'_, E, PackedB<f32>>,
+    _: usize,
+    _: usize,
+    _: (usize, usize),
+) {
     unreachable!("the FP32 stem kernel runs on AVX-512 only")
 }
 
@@ -181,7 +187,7 @@ unsafe fn rows_f32<E: Wide>(_: &Job<'_, E, PackedB<f32>>, _: usize, _: usize, _:
 /// As in [`rows`]; the CPU has AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn pixels_f32<E: Wide, const Q: usize>(
+unsafe fn pixels_f32<E: Lanes + Wide, const Q: usize>(
     c: &Conv2d,
     b: &PackedB<f32>,
     windows: &[(*const E, usize); PIXELS],
@@ -225,7 +231,7 @@ unsafe fn pixels_f32<E: Wide, const Q: usize>(
 /// [`NR`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn kernel_row_f32<E: Wide, const Q: usize>(
+unsafe fn kernel_row_f32<E: Lanes + Wide, const Q: usize>(
     acc: &mut [[std::arch::x86_64::__m512; Q]; PIXELS],
     lines: &[*const E; PIXELS],
     w: &[*const f32; Q],

@@ -355,6 +355,8 @@ pub(super) mod avx2 {
         load_b
     );
 
+    use crate::backend::cpu::elem::Wide;
+
     /// 8 values from `p`: AVX2's tiles are given whole tiles only (`n` is 8).
     #[target_feature(enable = "avx2,fma")]
     #[inline]
@@ -390,7 +392,7 @@ pub(super) mod avx2 {
     /// As for `avx512::stationary`, with AVX2 and FMA in place of AVX-512F, the panel of `P`s.
     #[target_feature(enable = "avx2,fma")]
     #[allow(clippy::too_many_arguments)]
-    pub(in crate::backend::cpu::sgemm) unsafe fn stationary<P: Stored>(
+    pub(in crate::backend::cpu::sgemm) unsafe fn stationary<P: Wide>(
         k: usize,
         (a, lda, m): (*const f32, usize, usize),
         panel: *const P,
@@ -411,7 +413,7 @@ pub(super) mod avx2 {
     /// # Safety
     /// As for [`stationary`], C and the residual of `O`s.
     #[target_feature(enable = "avx2,fma")]
-    pub(in crate::backend::cpu::sgemm) unsafe fn stationary_to<O: Stored, P: Stored>(
+    pub(in crate::backend::cpu::sgemm) unsafe fn stationary_to<O: Wide, P: Wide>(
         call: super::RowsCall<O, P>,
         act: Act,
     ) {
@@ -445,7 +447,7 @@ pub(super) mod avx2 {
     /// # Safety
     /// As for [`stationary`], with `cols` at most `V` · 8.
     #[inline(always)]
-    unsafe fn rows<O: Stored, P: Stored, const V: usize, const R: usize, const WHOLE: bool>(
+    unsafe fn rows<O: Wide, P: Wide, const V: usize, const R: usize, const WHOLE: bool>(
         (k, (a, lda, m), panel, bias, (c, ldc, cols), residual): super::RowsCall<O, P>,
         op: impl Fn(__m256) -> __m256,
     ) {
@@ -467,7 +469,7 @@ pub(super) mod avx2 {
                     let ahead = panel.wrapping_add((kk + super::B_PREFETCH) * NR);
                     _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
                     let bk: [__m256; V] =
-                        std::array::from_fn(|v| P::load(panel.add(kk * NR + v * 8)));
+                        std::array::from_fn(|v| P::load8(panel.add(kk * NR + v * 8)));
                     for (x, ar) in acc.iter_mut().zip(&ar) {
                         let av = _mm256_set1_ps(*ar.add(kk));
                         for (x, &b) in x.iter_mut().zip(&bk) {
@@ -491,18 +493,18 @@ pub(super) mod avx2 {
                         let x = if residual.is_null() {
                             x[v]
                         } else {
-                            _mm256_add_ps(x[v], O::load(from.add(v * 8)))
+                            _mm256_add_ps(x[v], O::load8(from.add(v * 8)))
                         };
                         op(x)
                     };
-                    if O::PACKS_ROWS && V == 2 {
-                        O::store_row(to, [finish(0), finish(1)]);
+                    if O::PACKS_16 && V == 2 {
+                        O::store16(to, [finish(0), finish(1)]);
                     } else {
                         // Each vector stored as it is finished: building the row first kept
                         // two SiLU results live at once, and FP32 EfficientNet-B0's 1×1
                         // layers took 1.07× as long.
                         for v in 0..V {
-                            O::store(to.add(v * 8), finish(v));
+                            O::store8(to.add(v * 8), finish(v));
                         }
                     }
                     if !WHOLE {
@@ -510,99 +512,6 @@ pub(super) mod avx2 {
                     }
                 }
             }
-        }
-    }
-
-    /// What the small-K kernel stores C's rows as, and reads the residual as: 8 values at a
-    /// time, widened to f32 as they are loaded and narrowed as they are stored.
-    pub(in crate::backend::cpu::sgemm) trait Stored:
-        Copy + Default
-    {
-        /// # Safety
-        /// 8 readable values at `p`; the CPU has AVX2.
-        unsafe fn load(p: *const Self) -> __m256;
-        /// # Safety
-        /// 8 writable values at `p`; the CPU has AVX2.
-        unsafe fn store(p: *mut Self, x: __m256);
-        /// Whether a whole panel's row (two vectors) is stored by [`Stored::store_row`].
-        const PACKS_ROWS: bool = false;
-        /// Two vectors stored one after the other from `p`.
-        ///
-        /// # Safety
-        /// 16 writable values at `p`; the CPU has AVX2.
-        #[inline(always)]
-        unsafe fn store_row(p: *mut Self, x: [__m256; 2]) {
-            // SAFETY: the caller's.
-            unsafe {
-                Self::store(p, x[0]);
-                Self::store(p.add(8), x[1]);
-            }
-        }
-    }
-
-    impl Stored for f32 {
-        #[inline(always)]
-        unsafe fn load(p: *const f32) -> __m256 {
-            // SAFETY: the caller's.
-            unsafe { _mm256_loadu_ps(p) }
-        }
-        #[inline(always)]
-        unsafe fn store(p: *mut f32, x: __m256) {
-            // SAFETY: the caller's.
-            unsafe { _mm256_storeu_ps(p, x) }
-        }
-    }
-
-    impl Stored for bf16 {
-        #[inline(always)]
-        unsafe fn load(p: *const bf16) -> __m256 {
-            // SAFETY: the caller's.
-            unsafe { load_b(p) }
-        }
-        #[inline(always)]
-        unsafe fn store(p: *mut bf16, x: __m256) {
-            // SAFETY: the caller's.
-            unsafe { store_b(p, x) }
-        }
-        /// A whole panel's row, 16 values, packed by one instruction and stored by one.
-        const PACKS_ROWS: bool = true;
-        #[inline(always)]
-        unsafe fn store_row(p: *mut bf16, x: [__m256; 2]) {
-            // SAFETY: the caller's.
-            unsafe { store_b2(p, x[0], x[1]) }
-        }
-    }
-
-    /// 8 floats rounded to bf16 and stored at `p`.
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    unsafe fn store_b(p: *mut bf16, x: __m256) {
-        // SAFETY: the caller's: 8 writable values at p.
-        unsafe {
-            let halves = crate::backend::cpu::elem::bf16_bits8(x);
-            // Each lane's value is below 2¹⁶: packing with unsigned saturation keeps it.
-            let packed = _mm_packus_epi32(
-                _mm256_castsi256_si128(halves),
-                _mm256_extracti128_si256::<1>(halves),
-            );
-            _mm_storeu_si128(p.cast(), packed);
-        }
-    }
-
-    /// 16 floats (`lo`'s 8, then `hi`'s) rounded to bf16 and stored at `p`.
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    unsafe fn store_b2(p: *mut bf16, lo: __m256, hi: __m256) {
-        // SAFETY: the caller's: 16 writable values at p.
-        unsafe {
-            // Packed lane by lane (lo's first 4, hi's first 4, lo's last 4, hi's last 4), then
-            // the middle quarters swapped.
-            let packed = _mm256_packus_epi32(
-                crate::backend::cpu::elem::bf16_bits8(lo),
-                crate::backend::cpu::elem::bf16_bits8(hi),
-            );
-            let row = _mm256_permute4x64_epi64::<0b11_01_10_00>(packed);
-            _mm256_storeu_si256(p.cast(), row);
         }
     }
 
@@ -619,10 +528,7 @@ pub(super) mod avx2 {
     #[inline]
     unsafe fn load_b(p: *const bf16) -> __m256 {
         // SAFETY: the caller's: 8 readable values at p.
-        unsafe {
-            let wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wide))
-        }
+        unsafe { <bf16 as Wide>::load8(p) }
     }
 }
 
