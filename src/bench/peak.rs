@@ -86,8 +86,8 @@ pub fn gemm(
 
 /// [`gemm`], and the facts of the device it measured (where the backend lists it), and what
 /// `then` returned: it runs after the timed GEMMs, inside their telemetry's window (the
-/// bandwidth probes of [`probe`]: on a CPU the GEMMs alone take a tenth of a second, too short
-/// to tell whether other programs shared the cores).
+/// ceiling and the bandwidth probes of [`probe`]: on a CPU the GEMMs alone take a tenth of a
+/// second, too short to tell whether other programs shared the cores).
 pub fn gemm_on<R>(
     kind: BackendKind,
     device: usize,
@@ -565,16 +565,25 @@ pub fn probe(spec: &ProbeSpec) -> Result<Probe> {
         }
     };
     let mib = spec.array_mib.unwrap_or(defaults.1);
-    let (gemm, info, bandwidth) = gemm_on(
+    // The ceiling right after the timed GEMMs, before the bandwidth probes: the GEMM's share
+    // of it is a ratio of two timings, which should see the cores at one clock. On a shared
+    // 2-vCPU VM the FMA chains read 201.7 GFLOP/s in one run and 142.1 in the next (3.15 and
+    // 2.22 GHz); measured after the probes' gigabyte of copies, the ceiling was seconds
+    // apart from the GEMM rather than a fraction of one.
+    let (gemm, _, (ceiling, bandwidth)) = gemm_on(
         backend,
         device,
         spec.precision,
         threads,
         spec.size.unwrap_or(defaults.0),
         spec.iterations,
-        || bandwidth_if_any(backend, device, mib, spec.iterations, threads),
+        || {
+            let info = backend::open(backend)?.devices().into_iter().nth(device);
+            let ceiling = info.and_then(|d| theoretical(backend, &d, threads, spec.precision));
+            let bandwidth = bandwidth_if_any(backend, device, mib, spec.iterations, threads)?;
+            Ok((ceiling, bandwidth))
+        },
     )?;
-    let ceiling = info.and_then(|d| theoretical(backend, &d, threads, spec.precision));
     Ok(Probe {
         gemm,
         bandwidth,
