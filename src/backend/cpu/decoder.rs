@@ -14,6 +14,55 @@ use crate::backend::{BackendError, DecoderMemory, DecoderOptions, DecoderSession
 use crate::model::llm::weights::{Linear, Norm};
 use crate::model::llm::{DecoderConfig, DecoderWeights, Family, config::rotary_tables};
 
+/// The lengths of [`Scratch`]'s activation buffers (x, x2, xn, qkv, attn, up, act) for a pass
+/// of `rows` rows.
+fn scratch_lens(cfg: &DecoderConfig, rows: usize) -> [usize; 7] {
+    let (d, inner) = (cfg.hidden_size, cfg.intermediate_size);
+    let (qw, kvw) = cfg.qkv_widths();
+    [d, d, d, qw + 2 * kvw, qw, 2 * inner, inner].map(|n| n.saturating_mul(rows))
+}
+
+/// [`CpuDecoder::check_pass`] for a `batch` of sequences with `per_sequence` rows each in a
+/// pass, with `available` bytes free for it (the weights and the KV cache already allocated):
+/// the pass's activations (as [`scratch_lens`] sizes them) and its logits (each sequence's
+/// last row's, or every row's with `all`, in `T` and again in f32). Refused with the batch
+/// whose pass would fit.
+fn check_pass<T: Elem>(
+    cfg: &DecoderConfig,
+    (batch, per_sequence, all): (usize, usize, Option<usize>),
+    available: u64,
+) -> Result<(), BackendError> {
+    let elem = size_of::<T>() as u64;
+    let vocab = cfg.vocab_size as u64;
+    // One sequence's share of the pass: its rows' activations, its row of logits.
+    let rows = |sequences: usize| sequences.saturating_mul(per_sequence);
+    let activations = |sequences: usize| {
+        let lens = scratch_lens(cfg, rows(sequences));
+        (lens.iter()).fold(0u64, |sum, &n| {
+            sum.saturating_add((n as u64).saturating_mul(elem))
+        })
+    };
+    let logits = |picked: usize| (picked as u64).saturating_mul(vocab * (elem + 4));
+    let (picked, every) = match all {
+        Some(all) => (rows(batch), (all as u64).saturating_mul(vocab * 4)),
+        None => (batch, 0),
+    };
+    let needed = (activations(batch))
+        .saturating_add(logits(picked))
+        .saturating_add(every);
+    if needed <= available {
+        return Ok(());
+    }
+    // A smaller batch frees some of the KV cache too: the suggestion errs on the safe side.
+    let per_sequence_bytes = activations(1).saturating_add(logits(1)).max(1);
+    let fits = (available / per_sequence_bytes) as usize;
+    Err(BackendError::OutOfMemory {
+        needed,
+        available,
+        suggestion: (fits >= 1 && fits < batch).then_some(fits),
+    })
+}
+
 struct Layer<T> {
     norm1: Norm,
     /// q, k and v in one GEMM: rows of q (heads·head), then k and v (KV heads·head each).
@@ -183,6 +232,7 @@ impl<T: Elem> CpuDecoder<T> {
         // no more scratch than the chunks would.
         let chunk = self.max_rows.map_or(new, |rows| (rows / self.batch).max(1));
         let vocab = self.cfg.vocab_size;
+        self.check_pass(chunk.min(new), all_logits.then_some(tokens.len()))?;
         let mut all = vec![0f32; if all_logits { tokens.len() * vocab } else { 0 }];
         for c in Chunk::all(new, chunk) {
             let ids = c.ids(tokens, self.batch);
@@ -202,6 +252,18 @@ impl<T: Elem> CpuDecoder<T> {
         Ok(())
     }
 
+    /// Refuses a forward pass of `per_sequence` new rows for each sequence (and with `all`,
+    /// logits for all of that many rows) whose activations and logits would not fit in the
+    /// memory there is, before anything is allocated: a batch whose KV cache fits can still ask
+    /// more of one prefill pass than the machine has (Qwen2.5-0.5B at batch 100,000 with a
+    /// 4-token prompt: 31 GB of activations and 122 GB of logits on top of 15 GB of cache;
+    /// on a 24 GB machine it went on allocating for over a minute rather than stopping).
+    fn check_pass(&self, per_sequence: usize, all: Option<usize>) -> Result<(), BackendError> {
+        // The scratch held is resized in place, so it counts as available to the pass.
+        let available = super::available_memory().saturating_add(self.memory().scratch);
+        check_pass::<T>(&self.cfg, (self.batch, per_sequence, all), available)
+    }
+
     /// The blocks over `tokens` (batch × `new`) from `self.pos`; with `head`, then the final
     /// norm and the LM head (every row's with `all_logits`, else each sequence's last).
     fn layers_pass(&mut self, tokens: &[u32], new: usize, all_logits: bool, head: bool) {
@@ -213,15 +275,17 @@ impl<T: Elem> CpuDecoder<T> {
         let start = self.pos;
         let mut s = std::mem::take(&mut self.s);
         let zero = T::from_f32(0.0);
-        for (buf, n) in [
-            (&mut s.x, rows * d),
-            (&mut s.x2, rows * d),
-            (&mut s.xn, rows * d),
-            (&mut s.qkv, rows * width),
-            (&mut s.attn, rows * qw),
-            (&mut s.up, rows * 2 * inner),
-            (&mut s.act, rows * inner),
-        ] {
+        let lens = scratch_lens(&cfg, rows);
+        let bufs = [
+            &mut s.x,
+            &mut s.x2,
+            &mut s.xn,
+            &mut s.qkv,
+            &mut s.attn,
+            &mut s.up,
+            &mut s.act,
+        ];
+        for (buf, n) in bufs.into_iter().zip(lens) {
             buf.resize(n, zero);
         }
         let mut t = Instant::now();
@@ -411,5 +475,46 @@ impl<T: Elem> DecoderSession for CpuDecoder<T> {
 
     fn kernel_version(&self) -> String {
         super::sgemm::kernel_name()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pass's activations and logits are counted before they are allocated: Qwen2.5-0.5B in
+    /// FP32 with a 4-token prompt fits 20 GB at batch 8, while batch 100,000 (whose KV cache,
+    /// 15 GB, would fit) is refused with a batch that fits; the suggestion fits, and the count
+    /// grows with the rows a pass takes (one token a step, or all 4 at once).
+    #[test]
+    fn passes_that_cannot_fit_are_refused_before_allocating() {
+        let cfg = crate::model::llm::built_in("qwen2.5-0.5b").unwrap();
+        let available = 20u64 << 30;
+        let pass =
+            |batch: usize, rows: usize| check_pass::<f32>(&cfg, (batch, rows, None), available);
+        assert!(pass(8, 4).is_ok());
+        let Err(BackendError::OutOfMemory {
+            needed,
+            suggestion: Some(fits),
+            ..
+        }) = pass(100_000, 4)
+        else {
+            panic!("batch 100,000 is not refused with a suggestion");
+        };
+        // 31 GB of activations, 122 GB of logits.
+        assert!(needed > 140 << 30, "{needed}");
+        assert!(fits > 8 && fits < 100_000, "{fits}");
+        assert!(
+            pass(fits, 4).is_ok(),
+            "the suggested batch {fits} does not fit"
+        );
+        // One row a sequence (a decode step) needs less than the prompt's four.
+        let need = |rows| match pass(100_000, rows) {
+            Err(BackendError::OutOfMemory { needed, .. }) => needed,
+            other => panic!("{other:?}"),
+        };
+        assert!(need(1) < need(4));
+        // Sizes past any machine saturate rather than wrap to small.
+        assert!(pass(usize::MAX, usize::MAX).is_err());
     }
 }
