@@ -72,20 +72,16 @@ pub fn gemm(
     size: usize,
     iterations: usize,
 ) -> Result<GemmPeak> {
-    Ok(gemm_on(
-        kind,
-        device,
-        precision,
-        threads,
-        size,
-        iterations,
-        || Ok(()),
-    )?
-    .0)
+    Ok(
+        gemm_on(kind, device, precision, threads, size, iterations, |_| {
+            Ok(())
+        })?
+        .0,
+    )
 }
 
-/// [`gemm`], and the facts of the device it measured (where the backend lists it), and what
-/// `then` returned: it runs after the timed GEMMs, inside their telemetry's window (the
+/// [`gemm`], and what `then` returned: it runs after the timed GEMMs, on the facts of the
+/// device they ran on (where the backend lists it), inside their telemetry's window (the
 /// ceiling and the bandwidth probes of [`probe`]: on a CPU the GEMMs alone take a tenth of a
 /// second, too short to tell whether other programs shared the cores).
 pub fn gemm_on<R>(
@@ -95,8 +91,8 @@ pub fn gemm_on<R>(
     threads: Option<usize>,
     size: usize,
     iterations: usize,
-    then: impl FnOnce() -> Result<R>,
-) -> Result<(GemmPeak, Option<DeviceInfo>, R)> {
+    then: impl FnOnce(Option<&DeviceInfo>) -> Result<R>,
+) -> Result<(GemmPeak, R)> {
     if size == 0 || iterations == 0 {
         bail!("--size and --iterations must be at least 1");
     }
@@ -181,7 +177,7 @@ pub fn gemm_on<R>(
         }
         validated += ok as usize;
     }
-    let then = then();
+    let then = then(info.as_ref());
     let telemetry = Some(sampler.and_then(super::telemetry::Sampler::finish));
     let then = then?;
     let mut sorted = times.clone();
@@ -201,7 +197,7 @@ pub fn gemm_on<R>(
         max_rel_error,
         telemetry,
     };
-    Ok((peak, info, then))
+    Ok((peak, then))
 }
 
 /// Copy and triad bandwidth of device `device`'s memory over `mib` MiB arrays (host memory
@@ -570,16 +566,15 @@ pub fn probe(spec: &ProbeSpec) -> Result<Probe> {
     // 2-vCPU VM the FMA chains read 201.7 GFLOP/s in one run and 142.1 in the next (3.15 and
     // 2.22 GHz); measured after the probes' gigabyte of copies, the ceiling was seconds
     // apart from the GEMM rather than a fraction of one.
-    let (gemm, _, (ceiling, bandwidth)) = gemm_on(
+    let (gemm, (ceiling, bandwidth)) = gemm_on(
         backend,
         device,
         spec.precision,
         threads,
         spec.size.unwrap_or(defaults.0),
         spec.iterations,
-        || {
-            let info = backend::open(backend)?.devices().into_iter().nth(device);
-            let ceiling = info.and_then(|d| theoretical(backend, &d, threads, spec.precision));
+        |info| {
+            let ceiling = info.and_then(|d| theoretical(backend, d, threads, spec.precision));
             let bandwidth = bandwidth_if_any(backend, device, mib, spec.iterations, threads)?;
             Ok((ceiling, bandwidth))
         },

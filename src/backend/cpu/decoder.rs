@@ -23,18 +23,19 @@ fn scratch_lens(cfg: &DecoderConfig, rows: usize) -> [usize; 7] {
 }
 
 /// [`CpuDecoder::check_pass`] for a `batch` of sequences with `per_sequence` rows each in a
-/// pass, with `available` bytes free for it (the weights and the KV cache already allocated):
-/// the pass's activations (as [`scratch_lens`] sizes them) and its logits (each sequence's
-/// last row's, or every row's with `all`, in `T` and again in f32). Refused with the batch
-/// whose pass would fit.
+/// pass: the pass's activations (as [`scratch_lens`] sizes them) and its logits (each
+/// sequence's last row's, or every row's with `all`, in `T` and again in f32) against the
+/// `held` bytes of scratch the pass reuses and, only where they are more, the bytes `free`
+/// says the machine has besides (the weights and the KV cache already allocated): the OS is
+/// not asked on every decode step. Refused with the batch whose pass would fit.
 fn check_pass<T: Elem>(
     cfg: &DecoderConfig,
     (batch, per_sequence, all): (usize, usize, Option<usize>),
-    available: u64,
+    (held, free): (u64, impl FnOnce() -> u64),
 ) -> Result<(), BackendError> {
     let elem = size_of::<T>() as u64;
     let vocab = cfg.vocab_size as u64;
-    // One sequence's share of the pass: its rows' activations, its row of logits.
+    // Counted for any number of sequences: the whole batch's, and one's for the suggestion.
     let rows = |sequences: usize| sequences.saturating_mul(per_sequence);
     let activations = |sequences: usize| {
         let lens = scratch_lens(cfg, rows(sequences));
@@ -50,6 +51,10 @@ fn check_pass<T: Elem>(
     let needed = (activations(batch))
         .saturating_add(logits(picked))
         .saturating_add(every);
+    if needed <= held {
+        return Ok(());
+    }
+    let available = held.saturating_add(free());
     if needed <= available {
         return Ok(());
     }
@@ -260,8 +265,8 @@ impl<T: Elem> CpuDecoder<T> {
     /// on a 24 GB machine it went on allocating for over a minute rather than stopping).
     fn check_pass(&self, per_sequence: usize, all: Option<usize>) -> Result<(), BackendError> {
         // The scratch held is resized in place, so it counts as available to the pass.
-        let available = super::available_memory().saturating_add(self.memory().scratch);
-        check_pass::<T>(&self.cfg, (self.batch, per_sequence, all), available)
+        let held = (self.memory().scratch, super::available_memory);
+        check_pass::<T>(&self.cfg, (self.batch, per_sequence, all), held)
     }
 
     /// The blocks over `tokens` (batch × `new`) from `self.pos`; with `head`, then the final
@@ -489,10 +494,13 @@ mod tests {
     #[test]
     fn passes_that_cannot_fit_are_refused_before_allocating() {
         let cfg = crate::model::llm::built_in("qwen2.5-0.5b").unwrap();
-        let available = 20u64 << 30;
+        let free = || 20u64 << 30;
         let pass =
-            |batch: usize, rows: usize| check_pass::<f32>(&cfg, (batch, rows, None), available);
+            |batch: usize, rows: usize| check_pass::<f32>(&cfg, (batch, rows, None), (0, free));
         assert!(pass(8, 4).is_ok());
+        // Within the scratch already held, the machine's free memory is not asked.
+        let asked = || panic!("free memory asked for a pass within the scratch held");
+        assert!(check_pass::<f32>(&cfg, (8, 4, None), (1 << 30, asked)).is_ok());
         let Err(BackendError::OutOfMemory {
             needed,
             suggestion: Some(fits),
