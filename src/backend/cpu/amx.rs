@@ -177,3 +177,73 @@ pub(super) unsafe fn block(
         }
     }
 }
+
+/// `iters` rounds of four independent `tdpbf16ps` on tiles only (tmm0–3 += tmm4 · tmm6 and
+/// the like, every input 1/64, no memory traffic between the loads and the one store): the
+/// tiles' throughput, which bounds the GEMM as the FMA chains bound the FP32 one. Returns
+/// the first `N` floats of tmm0, each 32 · 2⁻¹² · `iters` (exact while below 2²⁴ ulps of it).
+///
+/// # Safety
+/// [`available`] is true.
+pub(super) unsafe fn chains<const N: usize>(iters: u64) -> [f32; N] {
+    use std::arch::asm;
+    #[repr(C, align(64))]
+    struct Tile([u8; 1024]);
+    // bf16 1/64 is 0x3c80, little-endian.
+    let ones = Tile(std::array::from_fn(|i| [0x80, 0x3c][i % 2]));
+    let zero = Tile([0; 1024]);
+    let mut out = Tile([0; 1024]);
+    // SAFETY: `available()` (the contract); every tile load and store covers 16 rows of 64
+    // bytes of a 1024-byte buffer (stride 64).
+    unsafe {
+        configure();
+        asm!(
+            "tileloadd tmm0, [{z} + {s}*1]",
+            "tileloadd tmm1, [{z} + {s}*1]",
+            "tileloadd tmm2, [{z} + {s}*1]",
+            "tileloadd tmm3, [{z} + {s}*1]",
+            "tileloadd tmm4, [{o} + {s}*1]",
+            "tileloadd tmm5, [{o} + {s}*1]",
+            "tileloadd tmm6, [{o} + {s}*1]",
+            "tileloadd tmm7, [{o} + {s}*1]",
+            z = in(reg) zero.0.as_ptr(), o = in(reg) ones.0.as_ptr(), s = in(reg) 64usize,
+            options(nostack, readonly),
+        );
+        for _ in 0..iters {
+            asm!(
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                options(nostack, nomem),
+            );
+        }
+        asm!(
+            "tilestored [{c} + {s}*1], tmm0",
+            c = in(reg) out.0.as_mut_ptr(), s = in(reg) 64usize,
+            options(nostack),
+        );
+        release();
+    }
+    std::array::from_fn(|i| f32::from_le_bytes([0, 1, 2, 3].map(|b| out.0[4 * i + b])))
+}
+
+/// FLOPs of one round of [`chains`]: four 16 × 16 × 32 tile products.
+pub(super) const CHAIN_FLOPS: u64 = 4 * 16 * 16 * 32 * 2;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tile chains run every round they are asked for: each of tmm0's values is 32
+    /// products of 1/64 · 1/64 a round. (Only on a CPU with AMX: elsewhere nothing runs them.)
+    #[test]
+    fn tile_chains_compute_their_products() {
+        if !available() {
+            return;
+        }
+        // SAFETY: `available()`.
+        let out: [f32; 20] = unsafe { chains(1000) };
+        assert_eq!(out, [1000.0 / 128.0; 20]);
+    }
+}

@@ -69,21 +69,25 @@ pub fn ceiling(features: &[String], cores: usize) -> Option<Theoretical> {
     })
 }
 
-/// The BF16 ceiling of `cores` CPU cores where the BF16 GEMM multiplies on AVX512_BF16's
-/// `vdpbf16ps`: its throughput measured on registers ([`simd::bf16_dot_ceiling`]), given
-/// against the FP32 FMA ceiling measured the same way (one `vdpbf16ps` does twice an FMA's
-/// FLOPs; whether a core runs it as fast as an FMA is what the ratio shows). `None` on AMX,
-/// whose tiles are not measured, and where BF16 is not multiplied in hardware.
+/// The BF16 ceiling of `cores` CPU cores where the BF16 GEMM multiplies pairs of bf16 values
+/// in hardware: the throughput of its instruction (`vdpbf16ps` of AVX512_BF16, `tdpbf16ps` of
+/// AMX's tiles) measured on registers ([`simd::bf16_ceiling`]), given against the FP32 FMA
+/// ceiling measured the same way (one `vdpbf16ps` does twice an FMA's FLOPs; whether a core
+/// runs it as fast as an FMA is what the ratio shows). `None` where BF16 is widened to FP32.
 pub fn bf16_ceiling(cores: usize) -> Option<Theoretical> {
-    let gflops = simd::bf16_dot_ceiling(cores)?;
+    let (gflops, instruction) = simd::bf16_ceiling(cores)?;
     let fp32 = simd::fma_ceiling(cores).map_or(String::new(), |f| {
         format!(", {:.2}× the FP32 FMA chains' {f:.0} GFLOP/s", gflops / f)
     });
+    let (name, on) = match instruction {
+        "tdpbf16ps" => ("BF16 AMX tile ceiling", "tiles"),
+        _ => ("BF16 dot-product ceiling", "registers"),
+    };
     let threads = threads(cores);
     Some(Theoretical {
-        name: "BF16 dot-product ceiling".into(),
+        name: name.into(),
         gflops,
-        how: format!("vdpbf16ps chains on registers, measured now on {threads}{fp32}"),
+        how: format!("{instruction} chains on {on}, measured now on {threads}{fp32}"),
         measured: true,
     })
 }

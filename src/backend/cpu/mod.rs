@@ -168,8 +168,7 @@ impl Backend for CpuBackend {
     }
 
     /// The FMA ceiling, for FP32 and the precisions widened to it (FP16; BF16 without bf16
-    /// pairs). BF16 pairs (`vdpbf16ps`, AMX tiles) run at twice FP32's rate or more, a ceiling
-    /// not measured yet.
+    /// pairs); BF16 on `vdpbf16ps` or AMX's tiles, that instruction's own.
     fn ceiling(
         &self,
         device: &DeviceInfo,

@@ -166,7 +166,7 @@ impl<T: Elem> CpuSession<T> {
                     let variant = variants.get(&node.name).map(String::as_str);
                     let tile = match variant {
                         Some(v) => winograd::Tile::from_variant(v),
-                        None => winograd::by_default(&c, &shape, kernels::uses_pairs::<T>(&c)),
+                        None => winograd::by_default(&c, &shape, kernels::pair_engine::<T>(&c)),
                     };
                     let donated = variant
                         .is_none()

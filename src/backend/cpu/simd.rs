@@ -428,18 +428,33 @@ pub fn fma_ceiling(threads: usize) -> Option<f64> {
 /// round, far from overflow in any run.
 const BF16_PAIR: u32 = 0x3c80_3c80;
 
-/// The BF16 dot-product throughput of `threads` cores in GFLOP/s, measured like
-/// [`fma_ceiling`] on `vdpbf16ps` (2 products and 2 additions per f32 lane): the ceiling of
-/// the AVX512_BF16 GEMM. `None` unless that is the BF16 path in use (AMX's tiles are another
-/// unit, not measured here).
-pub fn bf16_dot_ceiling(threads: usize) -> Option<f64> {
+/// The BF16 throughput of `threads` cores in GFLOP/s, measured like [`fma_ceiling`] on the
+/// instruction the BF16 GEMM multiplies with, and that instruction: `vdpbf16ps` (2 products
+/// and 2 additions per f32 lane) for the AVX512_BF16 path, `tdpbf16ps` on AMX's tiles (four
+/// independent 16 × 16 × 32 products a round, [`super::amx::chains`]). `None` where BF16 is
+/// widened to FP32 (the FMA ceiling is its ceiling).
+pub fn bf16_ceiling(threads: usize) -> Option<(f64, &'static str)> {
     #[cfg(target_arch = "x86_64")]
-    if simd() == Simd::Avx512Bf16 {
-        fn run(iters: u64) -> [f32; CHAINS] {
-            // SAFETY: chosen only where `simd()` has AVX512_BF16.
-            unsafe { chains::bf16_dots(iters, BF16_PAIR, BF16_PAIR) }
+    match simd() {
+        Simd::Avx512Bf16 => {
+            fn run(iters: u64) -> [f32; CHAINS] {
+                // SAFETY: chosen only where `simd()` has AVX512_BF16.
+                unsafe { chains::bf16_dots(iters, BF16_PAIR, BF16_PAIR) }
+            }
+            return Some((
+                chains_gflops(4 * 16 * CHAINS as u64, run, threads),
+                "vdpbf16ps",
+            ));
         }
-        return Some(chains_gflops(4 * 16 * CHAINS as u64, run, threads));
+        Simd::Amx => {
+            fn run(iters: u64) -> [f32; CHAINS] {
+                // SAFETY: `simd()` is Amx only where `amx::available()`.
+                unsafe { super::amx::chains(iters) }
+            }
+            let gflops = chains_gflops(super::amx::CHAIN_FLOPS, run, threads);
+            return Some((gflops, "tdpbf16ps"));
+        }
+        _ => {}
     }
     let _ = threads;
     None
@@ -447,7 +462,7 @@ pub fn bf16_dot_ceiling(threads: usize) -> Option<f64> {
 
 /// `vdpbf16ps`'s FLOP rate over the FMAs' on one core, measured now on registers at 16 lanes:
 /// the two kinds of chains alternate, about 2 ms a run, and the best of five runs of each
-/// counts (a quick probe, not a ceiling: [`fma_ceiling`] and [`bf16_dot_ceiling`] measure
+/// counts (a quick probe, not a ceiling: [`fma_ceiling`] and [`bf16_ceiling`] measure
 /// those). `None` where the CPU lacks AVX512_BF16. Calls nothing that asks [`simd`], which
 /// may be choosing its paths with this.
 pub(super) fn dot_per_fma() -> Option<f64> {

@@ -18,7 +18,7 @@ use rayon::prelude::*;
 
 use half::bf16;
 
-use super::bf16_gemm::{self, PackedPairs};
+use super::bf16_gemm::{self, Engine, PackedPairs};
 use super::elem::Elem;
 use super::kernels::{Chunks, Epilogue, Nhwc};
 use super::sgemm::{self, NR, PackedB};
@@ -126,14 +126,23 @@ pub fn eligible(c: &Conv2d) -> bool {
 ///   against 18.0, 196 and 49 (28×28 and 14×14 at batch 1) 0.40 against 0.54 and 0.36–0.46
 ///   against 0.55; 16 (7×7 at batch 1) 0.56–0.61 against 0.59: no gain, its 8 MB of
 ///   transformed weights streamed for little work.
-pub fn by_default(c: &Conv2d, out: &[usize], pairs: bool) -> Option<Tile> {
+///
+/// On AMX's tiles (`pairs` is [`Engine::Amx`]) none: im2col. The tiles multiply 12–16× as
+/// fast as the cores' FMAs (not `vdpbf16ps`'s 2×), so F(4×4) on f32 GEMMs loses to them and
+/// what F(2×2) saves in products costs more in its transforms' passes over memory. ResNet-50
+/// BF16 at batch 8 on 2 Sapphire Rapids cores, each stride-1 3×3 layer timed by max-autotune
+/// in one process, im2col against F(2×2) on the tiles and F(4×4) on f32: 56×56 2.8–4.0 ms
+/// against 6.5 and 5.0, 28×28 1.95 against 4.5 and 4.6, 14×14 2.3 against 4.9 and 5.7, 7×7
+/// 3.0 against 3.6 and 5.1.
+pub fn by_default(c: &Conv2d, out: &[usize], pairs: Option<Engine>) -> Option<Tile> {
     if !eligible(c) || c.in_channels < 32 || c.out_channels < 32 {
         return None;
     }
     let least = |t: Tile| match (pairs, t) {
-        (false, _) => 16,
-        (true, Tile::F4) => 192,
-        (true, Tile::F2) => 48,
+        (Some(Engine::Amx), _) => usize::MAX,
+        (None, _) => 16,
+        (Some(Engine::Dot), Tile::F4) => 192,
+        (Some(Engine::Dot), Tile::F2) => 48,
     };
     [Tile::F4, Tile::F2]
         .into_iter()
@@ -936,17 +945,20 @@ mod tests {
         ];
         for ((n, c, hw), plain, pairs) in cases {
             let o = out(n, c, hw);
+            assert_eq!(by_default(&conv(c), &o, None), plain, "{o:?} without pairs");
             assert_eq!(
-                by_default(&conv(c), &o, false),
-                plain,
-                "{o:?} without pairs"
+                by_default(&conv(c), &o, Some(Engine::Dot)),
+                pairs,
+                "{o:?} on pairs"
             );
-            assert_eq!(by_default(&conv(c), &o, true), pairs, "{o:?} on pairs");
         }
         // Too few channels for the transforms to pay, and not a 3×3 stride-1 layer.
-        assert_eq!(by_default(&conv(16), &out(8, 16, 56), true), None);
+        assert_eq!(
+            by_default(&conv(16), &out(8, 16, 56), Some(Engine::Dot)),
+            None
+        );
         let strided = Conv2d::new(64, 64, 3, 2, 1);
-        assert_eq!(by_default(&strided, &out(8, 64, 28), false), None);
+        assert_eq!(by_default(&strided, &out(8, 64, 28), None), None);
     }
 
     /// The 1-D identity behind both tiles: Aᵀ·((G·g) ⊙ (Bᵀ·d)) is the valid correlation of d

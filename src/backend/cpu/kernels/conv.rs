@@ -273,7 +273,10 @@ impl<T: Elem> PackedConv<T> {
             return format!("conv2d_{}_{}", w.form(), T::SUFFIX);
         }
         let form = if self.pairs.is_some() && super::stem::is_stem(&self.conv) {
-            "dpbf16_stem"
+            match super::stem::on_tiles(&self.conv) {
+                true => "amx_stem",
+                false => "dpbf16_stem",
+            }
         } else if self.pairs.is_some() {
             match bf16_gemm::Engine::in_use() {
                 Some(bf16_gemm::Engine::Amx) => "amx_gemm",
@@ -295,9 +298,14 @@ impl<T: Elem> PackedConv<T> {
 /// Whether a convolution of this precision multiplies bf16 pairs: BF16, ungrouped, where the
 /// paths in use include AMX or AVX512_BF16 (see [`crate::backend::cpu::bf16_gemm`]).
 pub fn uses_pairs<T: Elem>(c: &Conv2d) -> bool {
-    T::PRECISION == crate::model::Precision::Bf16
-        && c.groups == 1
-        && bf16_gemm::Engine::in_use().is_some()
+    pair_engine::<T>(c).is_some()
+}
+
+/// The engine that multiplies the layer's bf16 pairs, where [`uses_pairs`].
+pub fn pair_engine<T: Elem>(c: &Conv2d) -> Option<bf16_gemm::Engine> {
+    (T::PRECISION == crate::model::Precision::Bf16 && c.groups == 1)
+        .then(bf16_gemm::Engine::in_use)
+        .flatten()
 }
 
 pub(super) fn is_depthwise(c: &Conv2d) -> bool {
