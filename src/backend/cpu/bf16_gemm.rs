@@ -46,6 +46,15 @@ pub enum Engine {
 }
 
 impl Engine {
+    /// The rows a block of C takes: AMX's tiles 32 (fewer are copied and padded to 32), the
+    /// `vdpbf16ps` kernels any number (work is cut as for the FP32 tile).
+    pub fn row_unit(self) -> usize {
+        match self {
+            Engine::Amx => BLOCK_ROWS,
+            Engine::Dot => super::sgemm::tile_rows(),
+        }
+    }
+
     /// The engine of the SIMD paths in use: `None` where they multiply no bf16 pairs (BF16
     /// layers then widen B's panels for the FP32 GEMM).
     pub fn in_use() -> Option<Engine> {

@@ -389,15 +389,16 @@ pub(super) fn panel_range(panels: usize, splits: usize, s: usize) -> (usize, usi
     (panels * s / splits, panels * (s + 1) / splits)
 }
 
-/// The work items of a GEMM of `m` rows in chunks of about `rows` ([`Chunks`]) over `panels`
-/// column panels ([`work_split`]), in parallel: each item's rows (m0, mr) and panels [p0, p1).
+/// The work items of a GEMM of `m` rows in chunks of about `rows` made of whole `unit`s (the
+/// kernel's rows per block, [`Chunks`]) over `panels` column panels ([`work_split`]), in
+/// parallel: each item's rows (m0, mr) and panels [p0, p1).
 pub(super) fn work_items(
     m: usize,
-    rows: usize,
+    (rows, unit): (usize, usize),
     panels: usize,
     threads: usize,
 ) -> impl IndexedParallelIterator<Item = ((usize, usize), (usize, usize))> {
-    let chunks = Chunks::new(m, rows, sgemm::tile_rows(), threads);
+    let chunks = Chunks::new(m, rows, unit, threads);
     let splits = work_split(chunks.count(), panels, threads);
     (0..chunks.count() * splits)
         .into_par_iter()
@@ -606,7 +607,12 @@ pub(super) fn conv2d_pairs<T: Elem>(
             .expect("bf16-pair layers store bf16")
             .as_mut_ptr(),
     );
-    work_items(m, rows, b.panels(), threads).for_each(|((m0, mr), (p0, p1))| {
+    // AMX's blocks are 32 rows: chunks of 14-row units (the FP32 tile's) left most chunks a
+    // last block to copy and pad, 30 of its 32 rows zeros in chunks of 98 rows (3×3 layers
+    // over 128 channels and more). ResNet-50 BF16 at batch 8 on 2 Sapphire Rapids cores, 30
+    // steps alternating in one process: those layers 0.71–0.90× the time, the step 0.91×.
+    let units = (rows, engine.row_unit());
+    work_items(m, units, b.panels(), threads).for_each(|((m0, mr), (p0, p1))| {
         PAIR_COLUMNS.with_borrow_mut(|cols| {
             let a: &[bf16] = if direct {
                 &x16[m0 * kp..(m0 + mr) * kp]
@@ -805,7 +811,8 @@ fn conv2d_dense<T: Elem>(
     let direct = if pointwise { T::as_f32(x) } else { None };
     assert!(y.len() >= m * cout, "conv2d output buffer too small");
     let out = TilePtr(y.as_mut_ptr());
-    work_items(m, rows, p.groups[0].panels(), threads).for_each(|((m0, mr), panels)| {
+    let units = (rows, sgemm::tile_rows());
+    work_items(m, units, p.groups[0].panels(), threads).for_each(|((m0, mr), panels)| {
         SCRATCH.with(|s| {
             let (cols, res) = &mut *s.borrow_mut();
             let a: &[f32] = match direct {

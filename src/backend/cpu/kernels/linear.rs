@@ -35,7 +35,11 @@ impl<T: Elem> PackedLinear<T> {
         let p = &self.0;
         if let Some(pairs) = &p.pairs {
             let out = T::as_bf16_mut(out).expect("bf16-pair layers store bf16");
-            pairs.column(j, out);
+            if super::stem::is_stem(&p.conv) {
+                super::stem::column(&p.conv, pairs, j, out);
+            } else {
+                pairs.column(j, out);
+            }
         } else {
             p.groups[0].column(j, out);
         }

@@ -82,6 +82,25 @@ pub(super) fn pack(
     )
 }
 
+/// Output channel j's weights as PyTorch orders them (K as (ky, kx, ci)) from `b`, packed by
+/// [`pack`], into `out` (kh·kw·cin values): each kernel row's run, which [`pack`] spread over
+/// its pairs (an odd run's last value at the end of its last pair).
+pub(super) fn column(c: &Conv2d, b: &PackedPairs, j: usize, out: &mut [bf16]) {
+    let (run, pairs) = run_and_pairs(c);
+    let mut packed = vec![bf16::ZERO; c.kernel.0 * 2 * pairs];
+    b.column(j, &mut packed);
+    for (dst, src) in out
+        .chunks_exact_mut(run)
+        .zip(packed.chunks_exact(2 * pairs))
+    {
+        let even = run - run % 2;
+        dst[..even].copy_from_slice(&src[..even]);
+        if run % 2 == 1 {
+            dst[run - 1] = src[2 * pairs - 1];
+        }
+    }
+}
+
 /// The convolution `x` (xs) → `y` (ys), both NHWC bf16, with `b` from [`pack`] (the bias in
 /// it), `residual` (NHWC like `y`) added and the layer's activation applied, rows and panels
 /// split over `threads` as the pair GEMM's are.
@@ -134,7 +153,8 @@ fn tiles(job: &Job<'_, bf16, PackedPairs>, threads: usize) {
     let (run, pairs) = run_and_pairs(c);
     let (kp, cout) = (b.kp(), c.out_channels);
     let m = job.ys.n * job.ys.h * job.ys.w;
-    work_items(m, chunk_rows(m, kp), b.panels(), threads).for_each(|((m0, mr), (p0, p1))| {
+    let units = (chunk_rows(m, kp), Engine::Amx.row_unit());
+    work_items(m, units, b.panels(), threads).for_each(|((m0, mr), (p0, p1))| {
         TILE_ROWS.with_borrow_mut(|a| {
             a.clear();
             a.resize(mr * kp, bf16::ZERO);
@@ -399,7 +419,8 @@ impl<'a, E: Sync, B: Sync> Job<'a, E, B> {
         rows: unsafe fn(&Self, usize, usize, (usize, usize)),
     ) {
         let m = self.ys.n * self.ys.h * self.ys.w;
-        work_items(m, chunk_rows(m, k), panels, threads).for_each(|((m0, mr), panels)| {
+        let units = (chunk_rows(m, k), crate::backend::cpu::sgemm::tile_rows());
+        work_items(m, units, panels, threads).for_each(|((m0, mr), panels)| {
             // SAFETY: the CPU's, the caller's; this work item's rows and panels of the
             // output are its own (`work_items`).
             unsafe { rows(self, m0, mr, panels) };
