@@ -125,6 +125,7 @@ pub(super) unsafe fn block(
                 options(nostack, readonly),
             );
             for k0 in (0..kp).step_by(KSTEP) {
+                prefetch_a(a, lda, k0, kp);
                 asm!(
                     "tileloadd tmm4, [{a0} + {sa}*1]",
                     "tileloadd tmm5, [{a1} + {sa}*1]",
@@ -157,6 +158,7 @@ pub(super) unsafe fn block(
                 options(nostack, readonly),
             );
             for k0 in (0..kp).step_by(KSTEP) {
+                prefetch_a(a, lda, k0, kp);
                 asm!(
                     "tileloadd tmm4, [{a0} + {sa}*1]",
                     "tileloadd tmm5, [{a1} + {sa}*1]",
@@ -174,6 +176,28 @@ pub(super) unsafe fn block(
                 c0 = in(reg) c, c1 = in(reg) c1, sc = in(reg) sc,
                 options(nostack),
             );
+        }
+    }
+}
+
+/// Ask for the cache lines of A's 32 rows that the K step two after `k0` loads, if there is
+/// one. The tile loads read A's rows a cache line each, `lda` apart, and a 32-row block walks
+/// 32 such streams at once; where K is long (3×3 layers' columns, 576–4608 values) the loads
+/// waited on L2 (perf put most of the block's samples on them). ResNet-50 BF16 at batch 8 on
+/// 2 Sapphire Rapids cores, 30 steps alternating in one process: its 3×3 layers 0.83–0.87×
+/// the time with these, the step 0.95×; four steps ahead rather than two read the same.
+///
+/// # Safety
+/// `a` has 32 rows of `kp` values spaced `lda` apart (a prefetch past them would not fault,
+/// but none is issued).
+#[inline(always)]
+unsafe fn prefetch_a(a: *const bf16, lda: usize, k0: usize, kp: usize) {
+    use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+    let ahead = k0 + 2 * KSTEP;
+    if ahead < kp {
+        for r in 0..32 {
+            // SAFETY: row r's value `ahead` is inside A (the contract).
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(a.add(r * lda + ahead).cast()) };
         }
     }
 }
