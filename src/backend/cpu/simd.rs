@@ -431,7 +431,7 @@ const BF16_PAIR: u32 = 0x3c80_3c80;
 /// The BF16 throughput of `threads` cores in GFLOP/s, measured like [`fma_ceiling`] on the
 /// instruction the BF16 GEMM multiplies with, and that instruction: `vdpbf16ps` (2 products
 /// and 2 additions per f32 lane) for the AVX512_BF16 path, `tdpbf16ps` on AMX's tiles (four
-/// independent 16 × 16 × 32 products a round, [`super::amx::chains`]). `None` where BF16 is
+/// independent 16 × 16 × 32 products a round, `amx::chains`). `None` where BF16 is
 /// widened to FP32 (the FMA ceiling is its ceiling).
 pub fn bf16_ceiling(threads: usize) -> Option<(f64, &'static str)> {
     #[cfg(target_arch = "x86_64")]
