@@ -75,13 +75,13 @@ pub fn ceiling(features: &[String], cores: usize) -> Option<Theoretical> {
 /// ceiling measured the same way (one `vdpbf16ps` does twice an FMA's FLOPs; whether a core
 /// runs it as fast as an FMA is what the ratio shows). `None` where BF16 is widened to FP32.
 pub fn bf16_ceiling(cores: usize) -> Option<Theoretical> {
-    let (gflops, instruction) = simd::bf16_ceiling(cores)?;
+    let gflops = simd::bf16_ceiling(cores)?;
     let fp32 = simd::fma_ceiling(cores).map_or(String::new(), |f| {
         format!(", {:.2}× the FP32 FMA chains' {f:.0} GFLOP/s", gflops / f)
     });
-    let (name, on) = match instruction {
-        "tdpbf16ps" => ("BF16 AMX tile ceiling", "tiles"),
-        _ => ("BF16 dot-product ceiling", "registers"),
+    let (name, instruction, on) = match simd::simd() {
+        Simd::Amx => ("BF16 AMX tile ceiling", "tdpbf16ps", "tiles"),
+        _ => ("BF16 dot-product ceiling", "vdpbf16ps", "registers"),
     };
     let threads = threads(cores);
     Some(Theoretical {

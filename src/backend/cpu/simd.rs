@@ -429,11 +429,11 @@ pub fn fma_ceiling(threads: usize) -> Option<f64> {
 const BF16_PAIR: u32 = 0x3c80_3c80;
 
 /// The BF16 throughput of `threads` cores in GFLOP/s, measured like [`fma_ceiling`] on the
-/// instruction the BF16 GEMM multiplies with, and that instruction: `vdpbf16ps` (2 products
-/// and 2 additions per f32 lane) for the AVX512_BF16 path, `tdpbf16ps` on AMX's tiles (four
-/// independent 16 × 16 × 32 products a round, `amx::chains`). `None` where BF16 is
-/// widened to FP32 (the FMA ceiling is its ceiling).
-pub fn bf16_ceiling(threads: usize) -> Option<(f64, &'static str)> {
+/// instruction the BF16 GEMM multiplies with: `vdpbf16ps` (2 products and 2 additions per f32
+/// lane) on the AVX512_BF16 path, `tdpbf16ps` on AMX's tiles (four independent 16 × 16 × 32
+/// products a round, `amx::chains`). `None` where BF16 is widened to FP32 (the FMA ceiling is
+/// its ceiling).
+pub fn bf16_ceiling(threads: usize) -> Option<f64> {
     #[cfg(target_arch = "x86_64")]
     match simd() {
         Simd::Avx512Bf16 => {
@@ -441,18 +441,14 @@ pub fn bf16_ceiling(threads: usize) -> Option<(f64, &'static str)> {
                 // SAFETY: chosen only where `simd()` has AVX512_BF16.
                 unsafe { chains::bf16_dots(iters, BF16_PAIR, BF16_PAIR) }
             }
-            return Some((
-                chains_gflops(4 * 16 * CHAINS as u64, run, threads),
-                "vdpbf16ps",
-            ));
+            return Some(chains_gflops(4 * 16 * CHAINS as u64, run, threads));
         }
         Simd::Amx => {
             fn run(iters: u64) -> [f32; CHAINS] {
                 // SAFETY: `simd()` is Amx only where `amx::available()`.
                 unsafe { super::amx::chains(iters) }
             }
-            let gflops = chains_gflops(super::amx::CHAIN_FLOPS, run, threads);
-            return Some((gflops, "tdpbf16ps"));
+            return Some(chains_gflops(super::amx::CHAIN_FLOPS, run, threads));
         }
         _ => {}
     }
