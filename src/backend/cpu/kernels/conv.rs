@@ -273,9 +273,10 @@ impl<T: Elem> PackedConv<T> {
             return format!("conv2d_{}_{}", w.form(), T::SUFFIX);
         }
         let form = if self.pairs.is_some() && super::stem::is_stem(&self.conv) {
-            match super::stem::on_tiles(&self.conv) {
-                true => "amx_stem",
-                false => "dpbf16_stem",
+            if super::stem::on_tiles(&self.conv) {
+                "amx_stem"
+            } else {
+                "dpbf16_stem"
             }
         } else if self.pairs.is_some() {
             match bf16_gemm::Engine::in_use() {
@@ -621,43 +622,59 @@ pub(super) fn conv2d_pairs<T: Elem>(
                 im2col(c, x, xs, ys, m0, mr, &mut cols[..mr * kp], kp);
                 &cols[..mr * kp]
             };
-            let col0 = p0 * bf16_gemm::PANEL;
-            // The `vdpbf16ps` kernels store C's rows finished, in registers: from this work
-            // item's first row and column on, rows `cout` apart. Storing every block through
-            // `done` and a pass over it instead took 3–4% longer in MobileNetV3-Large,
-            // EfficientNet-B0 and ResNet-50 BF16 at batch 8 (the minimum and the first
-            // quartile of 100–200 steps alternating in one process).
-            let finished = bf16_gemm::Finished {
-                // SAFETY: row m0 < m and column col0 < cout are inside y.
-                out: unsafe { out.add(m0 * cout + col0) },
-                residual: residual.map(|r| r.as_ptr().wrapping_add(m0 * cout + col0)),
-                ld: cout,
-                act,
-            };
-            // AMX's blocks come back in f32 and are finished the same way from L1.
-            // SAFETY: pair packings exist only where `simd()` chose an engine, and both
-            // engines' CPUs have AVX512_BF16 (`bf16_gemm::runs`); rows m0..m0 + mr, columns
-            // of panels p0..p1 of y are this work item's alone, and `finished` places them.
-            let mut store = |d: bf16_gemm::Done<'_>| unsafe { d.finish(finished) };
-            // SAFETY: pair packings exist only where `simd()` chose an engine, which it does
-            // only where the CPU runs it (`simd::best`); A has mr rows of kp values (zeros
-            // past K: gathered so, or K = kp); `finished` places the item's rows m0..m0 + mr
-            // and panels' columns, inside y and the residual and written by this item alone.
-            unsafe {
-                let panels = (p0, p1);
-                bf16_gemm::gemm(
-                    engine,
-                    mr,
-                    a.as_ptr(),
-                    kp,
-                    b,
-                    panels,
-                    Some(finished),
-                    &mut store,
-                )
-            };
+            // SAFETY: pair packings exist only where `simd()` chose an engine; A has mr rows
+            // of kp values (zeros past K: gathered so, or K = kp); rows m0..m0 + mr, columns
+            // of panels p0..p1 of y (and the residual) are this work item's alone.
+            unsafe { pairs_finished(engine, a, b, (m0, mr), (p0, p1), (out, residual), act) };
         });
     });
+}
+
+/// Rows m0..m0 + mr of the bf16-pair GEMM A · B over panels p0..p1 on `engine`, finished (B's
+/// bias, the residual, `act`, narrowed to bf16) into `out`, NHWC rows as wide as B: the tail
+/// of [`conv2d_pairs`] and of the stems on AMX's tiles. The `vdpbf16ps` kernels store C's rows
+/// finished, in registers; storing every block through `done` and a pass over it instead
+/// took 3–4% longer in MobileNetV3-Large, EfficientNet-B0 and ResNet-50 BF16 at batch 8 (the
+/// minimum and the first quartile of 100–200 steps alternating in one process). AMX's blocks
+/// come back in f32 and are finished the same way from L1.
+///
+/// # Safety
+/// `engine` is [`bf16_gemm::Engine::in_use`]; `a` holds mr rows of `b.kp()` values, zeros
+/// (or finite values) past K; rows m0..m0 + mr and the columns of panels p0..p1 of `out` (and
+/// of the residual) are inside them and written (read) by nobody else meanwhile.
+pub(super) unsafe fn pairs_finished(
+    engine: bf16_gemm::Engine,
+    a: &[bf16],
+    b: &PackedPairs,
+    (m0, mr): (usize, usize),
+    (p0, p1): (usize, usize),
+    (out, residual): (TilePtr<bf16>, Option<&[bf16]>),
+    act: Act,
+) {
+    let (cout, col0) = (b.n, p0 * bf16_gemm::PANEL);
+    let finished = bf16_gemm::Finished {
+        // SAFETY: row m0 and column col0 are inside the output (the contract).
+        out: unsafe { out.add(m0 * cout + col0) },
+        residual: residual.map(|r| r.as_ptr().wrapping_add(m0 * cout + col0)),
+        ld: cout,
+        act,
+    };
+    // SAFETY: both engines' CPUs have AVX512_BF16 (`bf16_gemm::runs`); the block's rows and
+    // columns are inside the output and the caller's alone (the contract).
+    let mut store = |d: bf16_gemm::Done<'_>| unsafe { d.finish(finished) };
+    // SAFETY: the engine is in use, so the CPU runs it; A and the places are the caller's.
+    unsafe {
+        bf16_gemm::gemm(
+            engine,
+            mr,
+            a.as_ptr(),
+            b.kp(),
+            b,
+            (p0, p1),
+            Some(finished),
+            &mut store,
+        )
+    };
 }
 
 thread_local! {

@@ -16,10 +16,10 @@
 use half::bf16;
 use rayon::prelude::*;
 
-use super::conv::{TilePtr, work_items};
+use super::conv::{TilePtr, pairs_finished, work_items};
 use super::depthwise::Lanes;
 use super::*;
-use crate::backend::cpu::bf16_gemm::{self, Done, Engine, Finished, KSTEP, PANEL, PackedPairs};
+use crate::backend::cpu::bf16_gemm::{Engine, KSTEP, PANEL, PackedPairs};
 use crate::backend::cpu::elem::Wide;
 use crate::backend::cpu::sgemm::{NR, PackedB};
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_imports))]
@@ -156,13 +156,15 @@ fn tiles(job: &Job<'_, bf16, PackedPairs>, threads: usize) {
     let units = (chunk_rows(m, kp), Engine::Amx.row_unit());
     work_items(m, units, b.panels(), threads).for_each(|((m0, mr), (p0, p1))| {
         TILE_ROWS.with_borrow_mut(|a| {
-            a.clear();
+            // Every row is gathered below, its K padding written with it.
             a.resize(mr * kp, bf16::ZERO);
             let gather =
                 |windows: &[(*const bf16, usize); PIXELS], _, _, firsts: &[usize; PIXELS]| {
                     for (&(window, line), &first) in windows.iter().zip(firsts) {
-                        let row = &mut a[(first / cout - m0) * kp..][..c.kernel.0 * 2 * pairs];
-                        for (ky, dst) in row.chunks_exact_mut(2 * pairs).enumerate() {
+                        let row = &mut a[(first / cout - m0) * kp..][..kp];
+                        let (kernel, padding) = row.split_at_mut(c.kernel.0 * 2 * pairs);
+                        padding.fill(bf16::ZERO);
+                        for (ky, dst) in kernel.chunks_exact_mut(2 * pairs).enumerate() {
                             // SAFETY: every window has kh rows of `run` readable values, `line`
                             // apart (`rows`).
                             let src =
@@ -178,34 +180,10 @@ fn tiles(job: &Job<'_, bf16, PackedPairs>, threads: usize) {
             // SAFETY: one panel asked for, so `gather` runs once per group of pixels, each
             // window read as `rows` promises; the rows written are this item's.
             unsafe { rows(job, m0, mr, (p0, p0 + 1), gather) };
-            let col0 = p0 * PANEL;
-            let finished = Finished {
-                // SAFETY: row m0 < m and column col0 < cout are inside the output.
-                out: unsafe { job.out.add(m0 * cout + col0) },
-                residual: job
-                    .residual
-                    .map(|r| r.as_ptr().wrapping_add(m0 * cout + col0)),
-                ld: cout,
-                act: c.act,
-            };
-            // SAFETY: AMX's CPUs have AVX-512F, BW, VL and AVX512_BF16; the block's rows and
-            // columns are this item's, inside the output (and residual).
-            let mut store = |d: Done<'_>| unsafe { d.finish(finished) };
-            // SAFETY: the engine in use is AMX, so the CPU runs it; A has mr rows of kp values,
-            // zeros past K; B is packed to AMX's step (`pack`); `finished` places the item's
-            // rows and panels' columns, written by it alone.
-            unsafe {
-                bf16_gemm::gemm(
-                    Engine::Amx,
-                    mr,
-                    a.as_ptr(),
-                    kp,
-                    b,
-                    (p0, p1),
-                    Some(finished),
-                    &mut store,
-                )
-            };
+            let ends = (job.out, job.residual);
+            // SAFETY: the engine in use is AMX; A has mr rows of kp values, zeros past K (B is
+            // packed to AMX's step, `pack`); the item's rows and panels' columns are its own.
+            unsafe { pairs_finished(Engine::Amx, a, b, (m0, mr), (p0, p1), ends, c.act) };
         });
     });
 }
