@@ -55,6 +55,32 @@ impl Engine {
         }
     }
 
+    /// The row stride A's `kp` values are laid out at where they are gathered or copied.
+    /// AMX's tile loads read 16 rows a line each; rows a multiple of 2 KiB apart fall in two
+    /// of L1's 64 sets, 16 lines a set for its 12 ways, so a block's rows evicted each other
+    /// (and the lines asked for ahead of them): one step more puts each row in a set of its
+    /// own.
+    pub fn lda(self, kp: usize) -> usize {
+        match self {
+            Engine::Amx if kp.is_multiple_of(1024) => kp + KSTEP,
+            _ => kp,
+        }
+    }
+
+    /// Whether [`gemm`] walks a work item's blocks a row block at a time across its panels
+    /// rather than a panel pair at a time down its rows: AMX where a block's A rows stay in
+    /// L1 across eight panel pairs or more (K of 128 to 256, N of 256 or more) and all of B
+    /// in L2 (512 KiB or less) — the wide, short-K 1×1 layers, whose finished blocks then go
+    /// out a whole row stripe at a time. ResNet-50 BF16 at batch 8 on 2 Sapphire Rapids
+    /// cores, 30–60 steps alternating in one process (3 runs): its 1×1 layers from 128
+    /// channels to 512 took 0.56–0.87× the time, from 256 to 1024 0.82–0.93×; from 64 to 256
+    /// they were even (0.79–1.14×), and from 256 to 64 or 128 (four panels) 1.10–1.12× as
+    /// long: there a pair of panels in L1 down all the rows does better.
+    pub fn rows_outer(self, kp: usize, n: usize) -> bool {
+        let wide = n >= 16 * PANEL && kp * n * 2 <= 512 << 10;
+        self == Engine::Amx && (128..=256).contains(&kp) && wide
+    }
+
     /// The engine of the SIMD paths in use: `None` where they multiply no bf16 pairs (BF16
     /// layers then widen B's panels for the FP32 GEMM).
     pub fn in_use() -> Option<Engine> {
@@ -92,7 +118,8 @@ pub struct PackedPairs {
     pub n: usize,
     kp: usize,
     data: super::Lines<bf16>,
-    bias: Vec<f32>,
+    /// On a cache line: AMX loads a panel's 16 values (64 bytes) as every row of a tile.
+    bias: super::Lines<f32>,
 }
 
 /// K padded to a multiple of `step` (even: k-pairs), at least one step.
@@ -143,7 +170,7 @@ impl PackedPairs {
             n,
             kp,
             data,
-            bias: super::sgemm::padded_bias(bias, n, panels * PANEL),
+            bias: super::Lines::from_slice(&super::sgemm::padded_bias(bias, n, panels * PANEL)),
         }
     }
 
@@ -154,7 +181,7 @@ impl PackedPairs {
             n: 0,
             kp: 0,
             data: super::big_buffer(0),
-            bias: Vec::new(),
+            bias: super::big_buffer(0),
         }
     }
 
@@ -178,8 +205,7 @@ impl PackedPairs {
             fill(p, panel);
         }
         (self.k, self.n, self.kp) = (k, n, kp);
-        self.bias.clear();
-        self.bias.resize(panels * PANEL, 0.0);
+        self.bias.refill_zeros(panels * PANEL);
     }
 
     /// K padded to the step: the row length A's rows must have (zeros past `k`).
@@ -228,7 +254,8 @@ impl PackedPairs {
 thread_local! {
     /// AMX's last rows of A copied and zero-padded to a whole block when fewer than 32 are
     /// left.
-    static EDGE: std::cell::RefCell<Vec<bf16>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// (On a cache line, as the tiles read A best.)
+    static EDGE: std::cell::RefCell<super::Lines<bf16>> = std::cell::RefCell::new(super::big_buffer(0));
 }
 
 /// Where the `vdpbf16ps` kernel for a few k-pairs ([`gemm`]'s `finished`) stores its rows
@@ -390,71 +417,94 @@ pub unsafe fn gemm(
     }
     EDGE.with_borrow_mut(|edge| {
         if whole < m {
-            edge.clear();
-            edge.resize(BLOCK_ROWS * kp, bf16::ZERO);
+            edge.refill_zeros(BLOCK_ROWS * kp);
             for r in 0..m - whole {
                 // SAFETY: rows whole..m of A have kp readable values (the contract).
                 let src = unsafe { std::slice::from_raw_parts(a.add((whole + r) * lda), kp) };
                 edge[r * kp..(r + 1) * kp].copy_from_slice(src);
             }
         }
-        let mut values = [0f32; BLOCK_ROWS * BLOCK_COLS];
+        // On a cache line: AMX stores its tiles here 64 bytes a row.
+        #[repr(C, align(64))]
+        struct Block([f32; BLOCK_ROWS * BLOCK_COLS]);
+        let Block(values) = &mut Block([0f32; BLOCK_ROWS * BLOCK_COLS]);
         // Whether the kernel for a few k-pairs may take the blocks (it says for each).
         let few = kp / 2 <= dot::STATIONARY;
-        let mut p = p0;
-        while p < p1 {
-            // A last panel of 8 columns or fewer goes alone, to the `vdpbf16ps` half kernel
-            // (not where B fits in registers: there the zmm kernels were as fast).
-            let halves = engine == Engine::Dot && !few;
+        let halves = engine == Engine::Dot && !few;
+        // Panel p's step: whether it goes with p + 1, and the columns they hold. A last panel
+        // of 8 columns or fewer goes alone, to the `vdpbf16ps` half kernel (not where B fits
+        // in registers: there the zmm kernels were as fast).
+        let step = |p: usize| {
             let half_next = halves && p + 2 == p1 && b.n - (p + 1) * PANEL <= PANEL / 2;
             let pair = p + 1 < p1 && !half_next;
-            let cols = (if pair { 2 } else { 1 } * PANEL).min(b.n - p * PANEL);
-            let mut i = 0;
-            while i < m {
-                let rows = BLOCK_ROWS.min(m - i);
-                let (ab, ldab) = if i < whole {
-                    // SAFETY: row i exists (the contract).
-                    (unsafe { a.add(i * lda) }, lda)
-                } else {
-                    (edge.as_ptr(), kp)
-                };
-                // SAFETY: the block's A rows have kp values (above: 32 rows for AMX, `rows`
-                // for Dot), panels p (and p + 1) of B exist, `values` holds 32 rows of
-                // BLOCK_COLS floats; the CPU runs `engine` (the contract), and AMX's tiles are
-                // configured above.
-                let stored = unsafe {
-                    let c = values.as_mut_ptr();
-                    let here = finished.map(|f| (f.at(i, (p - p0) * PANEL), cols));
-                    match engine {
-                        Engine::Amx => {
-                            super::amx::block(ab, ldab, b, p, pair, c, BLOCK_COLS);
-                            false
-                        }
-                        Engine::Dot if halves && !pair && cols <= PANEL / 2 => {
-                            dot::half(ab, ldab, rows, b, p, c, here);
-                            here.is_some()
-                        }
-                        Engine::Dot => {
-                            let few = few && dot::few_pairs(ab, ldab, rows, b, p, pair, c, here);
-                            if !few {
-                                dot::block(ab, ldab, rows, b, p, pair, c, BLOCK_COLS, here)
-                            }
-                            here.is_some()
-                        }
+            (
+                pair,
+                (if pair { 2 } else { 1 } * PANEL).min(b.n - p * PANEL),
+            )
+        };
+        let next = |p: usize| p + if step(p).0 { 2 } else { 1 };
+        // The block of rows i.. and panel p (and p + 1).
+        let mut one = |i: usize, p: usize| {
+            let (pair, cols) = step(p);
+            let rows = BLOCK_ROWS.min(m - i);
+            let (ab, ldab) = if i < whole {
+                // SAFETY: row i exists (the contract).
+                (unsafe { a.add(i * lda) }, lda)
+            } else {
+                (edge.as_ptr(), kp)
+            };
+            // SAFETY: the block's A rows have kp values (above: 32 rows for AMX, `rows` for
+            // Dot), panels p (and p + 1) of B exist, `values` holds 32 rows of BLOCK_COLS
+            // floats; the CPU runs `engine` (the contract), and AMX's tiles are configured
+            // above.
+            let stored = unsafe {
+                let c = values.as_mut_ptr();
+                let here = finished.map(|f| (f.at(i, (p - p0) * PANEL), cols));
+                match engine {
+                    Engine::Amx => {
+                        super::amx::block(ab, ldab, b, p, pair, c, BLOCK_COLS);
+                        false
                     }
-                };
-                if !stored {
-                    done(Done {
-                        row: i,
-                        rows,
-                        col: (p - p0) * PANEL,
-                        cols,
-                        values: &mut values,
-                    });
+                    Engine::Dot if halves && !pair && cols <= PANEL / 2 => {
+                        dot::half(ab, ldab, rows, b, p, c, here);
+                        here.is_some()
+                    }
+                    Engine::Dot => {
+                        let few = few && dot::few_pairs(ab, ldab, rows, b, p, pair, c, here);
+                        if !few {
+                            dot::block(ab, ldab, rows, b, p, pair, c, BLOCK_COLS, here)
+                        }
+                        here.is_some()
+                    }
                 }
-                i += rows;
+            };
+            if !stored {
+                done(Done {
+                    row: i,
+                    rows,
+                    col: (p - p0) * PANEL,
+                    cols,
+                    values,
+                });
             }
-            p += if pair { 2 } else { 1 };
+        };
+        let blocks = (0..m).step_by(BLOCK_ROWS);
+        if engine.rows_outer(kp, b.n) {
+            for i in blocks {
+                let mut p = p0;
+                while p < p1 {
+                    one(i, p);
+                    p = next(p);
+                }
+            }
+        } else {
+            let mut p = p0;
+            while p < p1 {
+                for i in blocks.clone() {
+                    one(i, p);
+                }
+                p = next(p);
+            }
         }
     });
     if engine == Engine::Amx {

@@ -220,15 +220,33 @@ impl<T: bytemuck::Pod> Lines<T> {
     /// grows. Freed per call instead, attention's buffers had glibc hand their pages back and
     /// fault them in again for every head (a tenth of its time in the kernel).
     pub(crate) fn refill_zeros(&mut self, len: usize) {
+        if self.reuse(len) {
+            self.fill(T::zeroed());
+        }
+    }
+
+    /// `len` values in this buffer's memory where it is large enough (else a new one's),
+    /// holding whatever was last written there (zeros where nothing was): scratch that its
+    /// caller writes whole before it reads it, as a `Vec` resized call after call would be,
+    /// but starting on a line. Returns whether the memory was this buffer's (else: all zeros).
+    pub(crate) fn reuse(&mut self, len: usize) -> bool {
         let bytes = len
             .checked_mul(std::mem::size_of::<T>())
             .expect("buffer size overflows");
-        if bytes <= self.bytes {
+        let kept = bytes <= self.bytes;
+        if kept {
             self.len = len;
-            self.fill(T::zeroed());
         } else {
             *self = big_buffer(len);
         }
+        kept
+    }
+
+    /// A copy of `values` that starts on a line.
+    pub(crate) fn from_slice(values: &[T]) -> Self {
+        let mut lines = big_buffer(values.len());
+        lines.copy_from_slice(values);
+        lines
     }
 }
 
