@@ -126,19 +126,33 @@ pub(super) fn conv2d_stem(
 }
 
 thread_local! {
-    /// Per-worker rows of A of [`tiles`].
-    /// (On a cache line, as `conv`'s columns for the tiles.)
+    /// Per-worker rows of A of [`tiles`], on a cache line (as `conv`'s columns).
     static TILE_ROWS: std::cell::RefCell<crate::backend::cpu::Lines<bf16>> =
         std::cell::RefCell::new(crate::backend::cpu::big_buffer(0));
 }
 
+/// Where each of a register's 32 lanes takes its value from in [`gather_row`]: lane j from
+/// value j, except an odd run's last pair (lanes run − 1 and run), which takes values run − 2
+/// and run − 1, as [`pack`] pairs the weights.
+#[cfg(target_arch = "x86_64")]
+fn pair_lanes(run: usize) -> [i16; 32] {
+    std::array::from_fn(|j| {
+        let j = if run % 2 == 1 && j + 1 >= run {
+            j - 1
+        } else {
+            j
+        };
+        j.min(31) as i16
+    })
+}
+
 /// One output pixel's row of A for [`tiles`]: per kernel row (kh of them, `line` apart from
-/// `window`) its `run` values as k-pairs — an odd run's last pair repeating its next-to-last
-/// value, as [`pack`] pairs the weights — then zeros to the row's end (K's step). A masked
-/// load, a permutation and a masked store a kernel row (up to 32 values; wider ones are
-/// copied as before): copied value by value through
-/// `copy_from_slice`, ResNet-50's stem made 14 calls to `memmove` of 2 to 20 values per
-/// pixel, 1.4 million a batch of 8, most of its time.
+/// `window`) its `run` values as k-pairs (lane j from value `lanes[j]`, [`pair_lanes`]), then
+/// zeros to the row's end (K's step). A masked load, a permutation and a masked store a
+/// kernel row. Copied value by value through `copy_from_slice` (as rows of more than 32
+/// values still are: AlexNet's 11 × 3), ResNet-50's stem made 14 calls to `memmove` of 2 to
+/// 20 values a pixel, 1.4 million a batch of 8; this way the stem took 0.82× the time (2
+/// Sapphire Rapids cores, batch 8, 40 steps alternating in one process).
 ///
 /// # Safety
 /// The CPU has AVX-512F and BW (every AMX CPU has); `window` has kh rows of `run` readable
@@ -147,7 +161,7 @@ thread_local! {
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn gather_row(
     (window, line): (*const bf16, usize),
-    (kh, run): (usize, usize),
+    (kh, run, lanes): (usize, usize, &[i16; 32]),
     row: &mut [bf16],
 ) {
     use std::arch::x86_64::*;
@@ -155,7 +169,6 @@ unsafe fn gather_row(
     let span = kh * width;
     assert!(span <= row.len(), "a stem row of {kh} × {run} values");
     if width > 32 {
-        // Wider than a register (AlexNet's 11 × 3 values): value by value.
         let (kernel, padding) = row.split_at_mut(span);
         padding.fill(half::bf16::ZERO);
         for (ky, dst) in kernel.chunks_exact_mut(width).enumerate() {
@@ -169,32 +182,22 @@ unsafe fn gather_row(
         }
         return;
     }
-    let lanes = |n: usize| if n >= 32 { u32::MAX } else { (1u32 << n) - 1 };
-    // Lane j takes value j; an odd run's last lane its last value, the one before it the
-    // value before that (so the pair is (run − 2, run − 1)).
-    let index: [i16; 32] = std::array::from_fn(|j| {
-        let j = if run % 2 == 1 && j + 1 >= run {
-            j - 1
-        } else {
-            j
-        };
-        j.min(31) as i16
-    });
+    let first = |n: usize| if n >= 32 { u32::MAX } else { (1u32 << n) - 1 };
     // SAFETY: the contract: each kernel row's load reads `run` values of the window, its
     // store `width` values of `row`, the zeros the rest of it.
     unsafe {
-        let index = _mm512_loadu_si512(index.as_ptr().cast());
+        let index = _mm512_loadu_si512(lanes.as_ptr().cast());
         let dst = row.as_mut_ptr().cast::<i16>();
         for ky in 0..kh {
             let src = window.add(ky * line).cast::<i16>();
-            let v = _mm512_maskz_loadu_epi16(lanes(run), src);
+            let v = _mm512_maskz_loadu_epi16(first(run), src);
             let v = _mm512_permutexvar_epi16(index, v);
-            _mm512_mask_storeu_epi16(dst.add(ky * width), lanes(width), v);
+            _mm512_mask_storeu_epi16(dst.add(ky * width), first(width), v);
         }
         let mut at = span;
         while at < row.len() {
             let n = (row.len() - at).min(32);
-            _mm512_mask_storeu_epi16(dst.add(at), lanes(n), _mm512_setzero_si512());
+            _mm512_mask_storeu_epi16(dst.add(at), first(n), _mm512_setzero_si512());
             at += n;
         }
     }
@@ -221,6 +224,7 @@ pub(super) fn on_tiles(c: &Conv2d) -> bool {
 fn tiles(job: &Job<'_, bf16, PackedPairs>, threads: usize) {
     let (c, b) = (job.c, job.b);
     let (run, _) = run_and_pairs(c);
+    let lanes = pair_lanes(run);
     let (kp, cout) = (b.kp(), c.out_channels);
     let m = job.ys.n * job.ys.h * job.ys.w;
     let units = (chunk_rows(m, kp), Engine::Amx.row_unit());
@@ -234,7 +238,7 @@ fn tiles(job: &Job<'_, bf16, PackedPairs>, threads: usize) {
                         let row = &mut a[(first / cout - m0) * kp..][..kp];
                         // SAFETY: every window has kh rows of `run` readable values, `line`
                         // apart (`rows`); the CPU has AMX, so AVX-512BW (`gather_row`).
-                        unsafe { gather_row((window, line), (c.kernel.0, run), row) };
+                        unsafe { gather_row((window, line), (c.kernel.0, run, &lanes), row) };
                     }
                 };
             // SAFETY: one panel asked for, so `gather` runs once per group of pixels, each
