@@ -614,14 +614,14 @@ pub(super) fn conv2d_pairs<T: Elem>(
     // over 128 channels and more). ResNet-50 BF16 at batch 8 on 2 Sapphire Rapids cores, 30
     // steps alternating in one process: those layers 0.71–0.90× the time, the step 0.91×.
     let units = (rows, engine.row_unit());
+    // A 1×1 layer's rows are read in place, unless the engine wants them further apart than K
+    // (`Engine::lda`): then they are copied. ResNet-50 BF16 at batch 8 on 2 Sapphire Rapids
+    // cores (60 steps alternating in one process): its layers over 2048 channels 0.90–0.93×
+    // the time, the stride-2 one over 1024 (gathered anyway) 0.90–0.95×, those over 1024
+    // channels copied 0.94–1.04×.
+    let lda = engine.lda(kp);
     work_items(m, units, b.panels(), threads).for_each(|((m0, mr), (p0, p1))| {
         PAIR_COLUMNS.with_borrow_mut(|cols| {
-            // A 1×1 layer's rows are read in place, unless the engine wants them further apart
-            // than K (`Engine::lda`): then they are copied. ResNet-50 BF16 at batch 8 on 2
-            // Sapphire Rapids cores (60 steps alternating in one process): its layers over
-            // 2048 channels 0.90–0.93× the time, the stride-2 one over 1024 (gathered anyway)
-            // 0.90–0.95×, those over 1024 channels copied 0.94–1.04×.
-            let lda = engine.lda(kp);
             let a: &[bf16] = if direct && lda == kp {
                 &x16[m0 * kp..(m0 + mr) * kp]
             } else {

@@ -131,26 +131,30 @@ thread_local! {
         std::cell::RefCell::new(crate::backend::cpu::big_buffer(0));
 }
 
-/// Where each of a register's 32 lanes takes its value from in [`gather_row`]: lane j from
-/// value j, except an odd run's last pair (lanes run − 1 and run), which takes values run − 2
-/// and run − 1, as [`pack`] pairs the weights.
+/// The value of a kernel row that its k-pairs' place j takes in [`gather_row`]: value j,
+/// except an odd run's last pair (places run − 1 and run), which takes values run − 2 and
+/// run − 1, as [`pack`] pairs the weights (0 and the last weight: a run of one pairs the
+/// zero weight with value 0).
+#[cfg(target_arch = "x86_64")]
+fn pair_source(run: usize, j: usize) -> usize {
+    if run % 2 == 1 && j + 1 >= run {
+        j.saturating_sub(1)
+    } else {
+        j
+    }
+}
+
+/// [`pair_source`] for each of a register's 32 lanes, the permutation [`gather_row`] applies.
 #[cfg(target_arch = "x86_64")]
 fn pair_lanes(run: usize) -> [i16; 32] {
-    std::array::from_fn(|j| {
-        let j = if run % 2 == 1 && j + 1 >= run {
-            j - 1
-        } else {
-            j
-        };
-        j.min(31) as i16
-    })
+    std::array::from_fn(|j| pair_source(run, j).min(31) as i16)
 }
 
 /// One output pixel's row of A for [`tiles`]: per kernel row (kh of them, `line` apart from
 /// `window`) its `run` values as k-pairs (lane j from value `lanes[j]`, [`pair_lanes`]), then
 /// zeros to the row's end (K's step). A masked load, a permutation and a masked store a
-/// kernel row. Copied value by value through `copy_from_slice` (as rows of more than 32
-/// values still are: AlexNet's 11 × 3), ResNet-50's stem made 14 calls to `memmove` of 2 to
+/// kernel row (rows of more than 32 values, AlexNet's 11 × 3, value by value). Copied
+/// through `copy_from_slice`, ResNet-50's stem made 14 calls to `memmove` of 2 to
 /// 20 values a pixel, 1.4 million a batch of 8; this way the stem took 0.82× the time (2
 /// Sapphire Rapids cores, batch 8, 40 steps alternating in one process).
 ///
@@ -174,10 +178,8 @@ unsafe fn gather_row(
         for (ky, dst) in kernel.chunks_exact_mut(width).enumerate() {
             // SAFETY: the window's row ky has `run` values (the contract).
             let src = unsafe { std::slice::from_raw_parts(window.add(ky * line), run) };
-            let even = run - run % 2;
-            dst[..even].copy_from_slice(&src[..even]);
-            if run % 2 == 1 {
-                dst[even..].copy_from_slice(&src[run - 2..]);
+            for (j, v) in dst.iter_mut().enumerate() {
+                *v = src[pair_source(run, j)];
             }
         }
         return;
