@@ -69,16 +69,19 @@ impl Engine {
 
     /// Whether [`gemm`] walks a work item's blocks a row block at a time across its panels
     /// rather than a panel pair at a time down its rows: AMX where a block's A rows stay in
-    /// L1 across eight panel pairs or more (K of 128 to 256, N of 256 or more) and all of B
+    /// L1 across eight panel pairs or more (K of 64 to 256, N of 256 or more) and all of B
     /// in L2 (512 KiB or less) — the wide, short-K 1×1 layers, whose finished blocks then go
     /// out a whole row stripe at a time. ResNet-50 BF16 at batch 8 on 2 Sapphire Rapids
     /// cores, 30–60 steps alternating in one process (3 runs): its 1×1 layers from 128
-    /// channels to 512 took 0.56–0.87× the time, from 256 to 1024 0.82–0.93×; from 64 to 256
-    /// they were even (0.79–1.14×), and from 256 to 64 or 128 (four panels) 1.10–1.12× as
-    /// long: there a pair of panels in L1 down all the rows does better.
+    /// channels to 512 took 0.56–0.87× the time, from 256 to 1024 0.82–0.93×, and from 256
+    /// to 64 or 128 (four panels) 1.10–1.12× as long: there a pair of panels in L1 down all
+    /// the rows does better. From 64 to 256 they first read even (0.79–1.14×, before A's
+    /// rows sat on cache lines); measured again after (two runs of 40 steps), layer1's four
+    /// took 0.72–0.90× the time (the one alone at 56², 0.68–0.74×), and EfficientNet-B0's
+    /// 80 → 480 (K padded to 96) 0.90×; no other layer of the two moved past noise.
     pub fn rows_outer(self, kp: usize, n: usize) -> bool {
         let wide = n >= 16 * PANEL && kp * n * 2 <= 512 << 10;
-        self == Engine::Amx && (128..=256).contains(&kp) && wide
+        self == Engine::Amx && (64..=256).contains(&kp) && wide
     }
 
     /// The engine of the SIMD paths in use: `None` where they multiply no bf16 pairs (BF16
@@ -1010,6 +1013,8 @@ mod tests {
             (32, 147, 64, 0, 4),
             (45, 600, 72, 1, 5),
             (100, 256, 1000, 0, 63),
+            // AMX's rows-outer order at its shortest K (`Engine::rows_outer`), a tail block.
+            (70, 64, 300, 1, 19),
             (64, 32, 48, 1, 2),
             (40, 1100, 32, 0, 2),
             // MobileNetV3's small 1×1 layers: K a multiple of 8, not of 32.
