@@ -91,13 +91,18 @@ pub(super) unsafe fn release() {
 
 /// One 32-row block of C for panel p (and p + 1 when `pair`): the accumulators start from the
 /// bias (a stride-0 tile load repeats its 16 values on every row), then one step per 32 of K.
+/// A's 32 values of step s start `s · a_step` values after its row's first: `KSTEP` where a
+/// row of A is its K values in a line (a GEMM's), more where each step reads a row of an
+/// input of its own (the stems' kernel rows, [`super::kernels`]' implicit stem).
 ///
 /// # Safety
-/// The tile configuration is loaded; `a` has 32 rows of `b.kp` values spaced `lda` apart;
-/// `c` has 32 rows of 32 (`pair`) or 16 writable floats spaced `ldc` apart.
+/// The tile configuration is loaded; `a` has 32 rows spaced `lda` apart, each with 32
+/// readable values at every `s · a_step` for s < `b.kp() / KSTEP`; `c` has 32 rows of 32
+/// (`pair`) or 16 writable floats spaced `ldc` apart.
+#[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn block(
     a: *const bf16,
-    lda: usize,
+    (lda, a_step): (usize, usize),
     b: &PackedPairs,
     p: usize,
     pair: bool,
@@ -124,8 +129,9 @@ pub(super) unsafe fn block(
                 z0 = in(reg) bias0, z1 = in(reg) bias1, zero = in(reg) 0usize,
                 options(nostack, readonly),
             );
-            for k0 in (0..kp).step_by(KSTEP) {
-                prefetch_a(a, lda, k0, kp);
+            for (s, k0) in (0..kp).step_by(KSTEP).enumerate() {
+                prefetch_a(a, (lda, a_step), s, kp / KSTEP);
+                let at = s * a_step;
                 asm!(
                     "tileloadd tmm4, [{a0} + {sa}*1]",
                     "tileloadd tmm5, [{a1} + {sa}*1]",
@@ -135,7 +141,7 @@ pub(super) unsafe fn block(
                     "tdpbf16ps tmm1, tmm4, tmm7",
                     "tdpbf16ps tmm2, tmm5, tmm6",
                     "tdpbf16ps tmm3, tmm5, tmm7",
-                    a0 = in(reg) a.add(k0), a1 = in(reg) a1.add(k0), sa = in(reg) sa,
+                    a0 = in(reg) a.add(at), a1 = in(reg) a1.add(at), sa = in(reg) sa,
                     b0 = in(reg) b0.add(k0 * PANEL), b1 = in(reg) b1.add(k0 * PANEL),
                     sb = in(reg) 4 * PANEL,
                     options(nostack, readonly),
@@ -157,15 +163,16 @@ pub(super) unsafe fn block(
                 z0 = in(reg) bias0, zero = in(reg) 0usize,
                 options(nostack, readonly),
             );
-            for k0 in (0..kp).step_by(KSTEP) {
-                prefetch_a(a, lda, k0, kp);
+            for (s, k0) in (0..kp).step_by(KSTEP).enumerate() {
+                prefetch_a(a, (lda, a_step), s, kp / KSTEP);
+                let at = s * a_step;
                 asm!(
                     "tileloadd tmm4, [{a0} + {sa}*1]",
                     "tileloadd tmm5, [{a1} + {sa}*1]",
                     "tileloadd tmm6, [{b0} + {sb}*1]",
                     "tdpbf16ps tmm0, tmm4, tmm6",
                     "tdpbf16ps tmm2, tmm5, tmm6",
-                    a0 = in(reg) a.add(k0), a1 = in(reg) a1.add(k0), sa = in(reg) sa,
+                    a0 = in(reg) a.add(at), a1 = in(reg) a1.add(at), sa = in(reg) sa,
                     b0 = in(reg) b0.add(k0 * PANEL), sb = in(reg) 4 * PANEL,
                     options(nostack, readonly),
                 );
@@ -180,7 +187,7 @@ pub(super) unsafe fn block(
     }
 }
 
-/// Ask for the cache lines of A's 32 rows that the K step two after `k0` loads, if there is
+/// Ask for the cache lines of A's 32 rows that step s + 2 loads, if there is
 /// one. The tile loads read A's rows a cache line each, `lda` apart, and a 32-row block walks
 /// 32 such streams at once; where K is long (3×3 layers' columns, 576–4608 values) the loads
 /// waited on L2 (perf put most of the block's samples on them). ResNet-50 BF16 at batch 8 on
@@ -189,16 +196,19 @@ pub(super) unsafe fn block(
 /// Measured again once A's rows sat on cache lines (40 steps): those layers' medians still
 /// 0.86–0.98× with them.
 ///
+/// Rows closer than a line (the implicit stem's, a few values apart) share their lines,
+/// which the hardware's own prefetchers follow: none asked for there.
+///
 /// # Safety
-/// `a` has 32 rows of `kp` values spaced `lda` apart (a prefetch past them would not fault,
+/// `a` is as [`block`] takes it, with `steps` steps (a prefetch past them would not fault,
 /// but none is issued).
 #[inline(always)]
-unsafe fn prefetch_a(a: *const bf16, lda: usize, k0: usize, kp: usize) {
+unsafe fn prefetch_a(a: *const bf16, (lda, a_step): (usize, usize), s: usize, steps: usize) {
     use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-    let ahead = k0 + 2 * KSTEP;
-    if ahead < kp {
+    if s + 2 < steps && lda >= KSTEP {
+        let ahead = (s + 2) * a_step;
         for r in 0..32 {
-            // SAFETY: row r's value `ahead` is inside A (the contract).
+            // SAFETY: row r's step s + 2 is inside A (the contract).
             unsafe { _mm_prefetch::<_MM_HINT_T0>(a.add(r * lda + ahead).cast()) };
         }
     }

@@ -465,7 +465,7 @@ pub unsafe fn gemm(
                 let here = finished.map(|f| (f.at(i, (p - p0) * PANEL), cols));
                 match engine {
                     Engine::Amx => {
-                        super::amx::block(ab, ldab, b, p, pair, c, BLOCK_COLS);
+                        super::amx::block(ab, (ldab, KSTEP), b, p, pair, c, BLOCK_COLS);
                         false
                     }
                     Engine::Dot if halves && !pair && cols <= PANEL / 2 => {
