@@ -9,6 +9,8 @@ interleaved in one run, medians and ratios.
     python3 bench/side_by_side.py --network efficientnet_b0 --batch-sizes 1 8 --precisions fp32 bf16 \
         --peers onnxruntime openvino --compile
 
+PyTorch and the peers run on `WORKSHOP_PYTHON` where it is set (the venv that has them, as
+for `workshop bench --framework pytorch`), else on the interpreter running this script.
 The peers run the torchvision model exported to ONNX (bench/onnx_peers.py): ONNX Runtime's CPU
 provider in FP32 only (its BF16 cells stay empty), OpenVINO with its precision hint set to the
 precision asked. `--compile` adds our `--compile default` run as a fourth implementation
@@ -42,6 +44,9 @@ import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKSHOP = ROOT / "target" / "release" / "workshop"
+# The peers (and PyTorch) run where the rest of our tools run Python: on WORKSHOP_PYTHON (the
+# venv with torch, onnx and openvino), else on the interpreter running this script.
+PYTHON = os.environ.get("WORKSHOP_PYTHON") or sys.executable
 
 
 def run_measured(cmd, must=True):
@@ -79,7 +84,7 @@ def ours(net, batch, threads, iters, precision, compile=None):
 
 
 def pytorch(net, batch, threads, iters, channels_last, dtype):
-    cmd = [sys.executable, str(ROOT / "bench" / "pytorch_resnet.py"), "--network", net, "--batch-size", str(batch),
+    cmd = [PYTHON, str(ROOT / "bench" / "pytorch_resnet.py"), "--network", net, "--batch-size", str(batch),
            "--threads", str(threads), "--iterations", str(iters), "--warmup", "2", "--dtype", dtype,
            "--input-size", str(input_size(net))]
     if channels_last:
@@ -94,7 +99,7 @@ def peer(engine, net, batch, threads, iters, dtype):
     engine does not run that precision."""
     if engine == "onnxruntime" and dtype != "fp32":
         return None
-    done = run_measured([sys.executable, str(ROOT / "bench" / "onnx_peers.py"), "--engine", engine,
+    done = run_measured([PYTHON, str(ROOT / "bench" / "onnx_peers.py"), "--engine", engine,
                          "--network", net, "--batch-size", str(batch), "--threads", str(threads),
                          "--iterations", str(iters), "--warmup", "2", "--dtype", dtype,
                          "--input-size", str(input_size(net))], must=False)
