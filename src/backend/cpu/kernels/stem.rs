@@ -289,8 +289,9 @@ thread_local! {
 /// GEMMs up to half their rate), yet with no row gathered the stem took 0.49–0.65× the time
 /// of [`tiles`]' (ResNet-50 BF16 at batch 8 on 2 Sapphire Rapids cores, 40 steps alternating
 /// in one process, two runs): 3.2–3.6 ms a call, against OpenVINO's 5.9–7.7 in its counters.
-/// At batch 1 (100 steps) 0.86×, at batch 32 (16 steps, two runs) 0.89×: there the stem took
-/// twice as long an image as at batch 8 on either path, not yet understood.
+/// At batch 1 (100 steps) 0.86×, at batch 32 (16 steps, two runs) 0.89× — there the batch
+/// tiles run it as four calls of 8 images (7–8 ms each), so why it gains less than the one
+/// call at batch 8 is not yet understood.
 #[cfg(target_arch = "x86_64")]
 fn implicit_tiles(job: &Job<'_, bf16, PackedPairs>, threads: usize) {
     use crate::backend::cpu::amx;
