@@ -417,6 +417,9 @@ pub fn watch(c: CourseArgs) -> Result<()> {
         };
         let file = crate::course::steps::kernel::KernelFiles::of(&dir, &spec.get_ref().file)?.yours;
         let before = (ex.id().to_string(), index);
+        // The file as this check reads it: a save while the check runs is a change to check
+        // again, not the state to wait from (the stamp taken after the check missed it).
+        let checked = stamp(&file);
         next(NextArgs {
             course: c.clone(),
             yes: true,
@@ -433,21 +436,24 @@ pub fn watch(c: CourseArgs) -> Result<()> {
             "Watching {} — save it to check again (Ctrl-C stops).",
             file.display()
         );
-        wait_for_change(&file);
+        wait_for_change(&file, checked);
     }
 }
 
-/// Block until `file` changes (its length or modification time; an editor that saves by
-/// renaming a new file over it counts), then a moment more so that a save in several writes
-/// is read whole.
-fn wait_for_change(file: &Path) {
-    let stamp = || {
-        std::fs::metadata(file)
-            .ok()
-            .map(|m| (m.len(), m.modified().ok()))
-    };
-    let first = stamp();
-    while stamp() == first {
+/// What tells a save of `file` from the last: its length and modification time (an editor
+/// that saves by renaming a new file over it changes them too).
+type Stamp = Option<(u64, Option<std::time::SystemTime>)>;
+
+fn stamp(file: &Path) -> Stamp {
+    std::fs::metadata(file)
+        .ok()
+        .map(|m| (m.len(), m.modified().ok()))
+}
+
+/// Block until `file` differs from `seen` (at once where it already does), then a moment more
+/// so that a save in several writes is read whole.
+fn wait_for_change(file: &Path, seen: Stamp) {
+    while stamp(file) == seen {
         std::thread::sleep(std::time::Duration::from_millis(250));
     }
     std::thread::sleep(std::time::Duration::from_millis(200));
@@ -921,5 +927,39 @@ impl Ui for Terminal {
                 .prompt()
                 .map_err(|e| anyhow::anyhow!("no answer given ({e}); nothing was recorded"))
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A save that lands while a check runs (after the stamp it checked, before watch waits
+    /// again) ends the wait at once: `workshop watch` once took its stamp after the check and
+    /// waited for a save that had already happened.
+    #[test]
+    fn a_save_during_the_check_is_not_missed() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("kernel.wgsl");
+        std::fs::write(&file, "fn a() {}").unwrap();
+        let checked = stamp(&file);
+        std::fs::write(&file, "fn a() { let b = 1; }").unwrap();
+        let (done, wait) = std::sync::mpsc::channel();
+        let watched = file.clone();
+        std::thread::spawn(move || {
+            wait_for_change(&watched, checked);
+            done.send(()).unwrap();
+        });
+        let waited = wait.recv_timeout(std::time::Duration::from_secs(30));
+        assert!(waited.is_ok(), "the save before the wait was missed");
+        // Nothing saved since: the wait goes on.
+        let (done, wait) = std::sync::mpsc::channel();
+        let now = stamp(&file);
+        std::thread::spawn(move || {
+            wait_for_change(&file, now);
+            let _ = done.send(());
+        });
+        let waited = wait.recv_timeout(std::time::Duration::from_millis(800));
+        assert!(waited.is_err(), "the wait ended with nothing saved");
     }
 }
