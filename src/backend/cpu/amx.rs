@@ -99,7 +99,6 @@ pub(super) unsafe fn release() {
 /// The tile configuration is loaded; `a` has 32 rows spaced `lda` apart, each with 32
 /// readable values at every `s · a_step` for s < `b.kp() / KSTEP`; `c` has 32 rows of 32
 /// (`pair`) or 16 writable floats spaced `ldc` apart.
-#[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn block(
     a: *const bf16,
     (lda, a_step): (usize, usize),

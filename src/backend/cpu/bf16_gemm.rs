@@ -321,6 +321,17 @@ impl Finished {
     }
 }
 
+/// A block of C in f32 (32 rows of [`BLOCK_COLS`]) on a cache line: AMX stores its tiles here
+/// 64 bytes a row, before [`Done::finish`] reads them.
+#[repr(C, align(64))]
+pub(crate) struct CBlock(pub [f32; BLOCK_ROWS * BLOCK_COLS]);
+
+impl Default for CBlock {
+    fn default() -> Self {
+        CBlock([0.0; BLOCK_ROWS * BLOCK_COLS])
+    }
+}
+
 /// A finished block of C: its first row and row count, its first column (from panel p0's) and
 /// valid column count, and its values (32 rows of [`BLOCK_COLS`] f32, `cols` valid per row).
 pub struct Done<'a> {
@@ -427,10 +438,7 @@ pub unsafe fn gemm(
                 edge[r * kp..(r + 1) * kp].copy_from_slice(src);
             }
         }
-        // On a cache line: AMX stores its tiles here 64 bytes a row.
-        #[repr(C, align(64))]
-        struct Block([f32; BLOCK_ROWS * BLOCK_COLS]);
-        let Block(values) = &mut Block([0f32; BLOCK_ROWS * BLOCK_COLS]);
+        let CBlock(values) = &mut CBlock::default();
         // Whether the kernel for a few k-pairs may take the blocks (it says for each).
         let few = kp / 2 <= dot::STATIONARY;
         let halves = engine == Engine::Dot && !few;

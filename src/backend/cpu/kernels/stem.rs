@@ -59,6 +59,14 @@ fn row_width(c: &Conv2d) -> usize {
     }
 }
 
+/// The values at the start of a kernel row's run that [`pack`] keeps in place: all of them
+/// where the stem reads its input in place, else the whole pairs (an odd run's last value goes
+/// to the end of its pair).
+fn straight(c: &Conv2d) -> usize {
+    let run = run_and_pairs(c).0;
+    if implicit(c) { run } else { run - run % 2 }
+}
+
 /// Whether a stem on AMX's tiles ([`on_tiles`]) reads A in place ([`implicit_tiles`]): where a
 /// kernel row's run fits one K step.
 fn implicit(c: &Conv2d) -> bool {
@@ -73,7 +81,7 @@ pub(super) fn pack(
     fill: impl Fn(usize, &mut [f32]) + Sync,
     bias: Option<&[f32]>,
 ) -> PackedPairs {
-    let (run, width) = (run_and_pairs(c).0, row_width(c));
+    let (run, width, even) = (run_and_pairs(c).0, row_width(c), straight(c));
     let kh = c.kernel.0;
     // AMX's tiles multiply K in steps of 32 (zeros past the kernel's pairs); the `vdpbf16ps`
     // kernel reads a panel's pairs from its start, whatever follows.
@@ -87,7 +95,6 @@ pub(super) fn pack(
             fill(j, &mut w);
             col.fill(0.0);
             for (dst, src) in col.chunks_exact_mut(width).zip(w.chunks_exact(run)) {
-                let even = if implicit(c) { run } else { run - run % 2 };
                 dst[..even].copy_from_slice(&src[..even]);
                 if even < run {
                     dst[width - 1] = src[run - 1];
@@ -102,11 +109,10 @@ pub(super) fn pack(
 /// [`pack`], into `out` (kh·kw·cin values): each kernel row's run, which [`pack`] spread over
 /// its pairs (an odd run's last value at the end of its last pair).
 pub(super) fn column(c: &Conv2d, b: &PackedPairs, j: usize, out: &mut [bf16]) {
-    let (run, width) = (run_and_pairs(c).0, row_width(c));
+    let (run, width, even) = (run_and_pairs(c).0, row_width(c), straight(c));
     let mut packed = vec![bf16::ZERO; c.kernel.0 * width];
     b.column(j, &mut packed);
     for (dst, src) in out.chunks_exact_mut(run).zip(packed.chunks_exact(width)) {
-        let even = if implicit(c) { run } else { run - run % 2 };
         dst[..even].copy_from_slice(&src[..even]);
         if even < run {
             dst[run - 1] = src[width - 1];
@@ -295,7 +301,7 @@ thread_local! {
 #[cfg(target_arch = "x86_64")]
 fn implicit_tiles(job: &Job<'_, bf16, PackedPairs>, threads: usize) {
     use crate::backend::cpu::amx;
-    use crate::backend::cpu::bf16_gemm::{BLOCK_COLS, BLOCK_ROWS, Done, Finished};
+    use crate::backend::cpu::bf16_gemm::{BLOCK_COLS, BLOCK_ROWS, CBlock, Done, Finished};
     let (c, b, xs, ys) = (job.c, job.b, job.xs, job.ys);
     if ys.n * ys.h * ys.w == 0 {
         return;
@@ -326,10 +332,7 @@ fn implicit_tiles(job: &Job<'_, bf16, PackedPairs>, threads: usize) {
         (0..out_rows.div_ceil(chunk))
             .into_par_iter()
             .for_each(|item| {
-                // On a cache line: AMX stores its tiles here 64 bytes a row.
-                #[repr(C, align(64))]
-                struct Block([f32; BLOCK_ROWS * BLOCK_COLS]);
-                let Block(values) = &mut Block([0f32; BLOCK_ROWS * BLOCK_COLS]);
+                let CBlock(values) = &mut CBlock::default();
                 let finished = Finished {
                     out: job.out.0,
                     residual: job.residual.map(|r| r.as_ptr()),
