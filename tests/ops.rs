@@ -593,6 +593,17 @@ fn fused_conv_epilogues(kind: BackendKind) {
             },
             [2, 48, 6, 6],
         ),
+        // K of 16 or less: on AMX CPUs `vdpbf16ps` multiplies it (the input read in place, B
+        // held in registers, rows finished there), MobileNetV3's 16 → 16 with its residual.
+        (
+            "res_relu_k16",
+            Conv2d {
+                residual: true,
+                act: Act::Relu,
+                ..Conv2d::new(16, 16, 1, 1, 0).with_bias()
+            },
+            [2, 16, 7, 9],
+        ),
         (
             "relu6_grouped",
             Conv2d {

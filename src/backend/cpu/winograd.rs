@@ -231,11 +231,11 @@ impl<T: Elem> Winograd<T> {
     /// The kernel name's form (`conv2d_<form>_<type>`): the tile's, `_dpbf16` (or `_amx`)
     /// added where its GEMMs multiply bf16 pairs.
     pub fn form(&self) -> String {
-        match (&self.u, bf16_gemm::Engine::in_use()) {
-            (Transformed::Pairs(_), Some(bf16_gemm::Engine::Amx)) => {
+        match &self.u {
+            Transformed::Pairs(u) if Engine::for_k(u[0].k) == Some(Engine::Amx) => {
                 format!("{}_amx", self.tile.form())
             }
-            (Transformed::Pairs(_), _) => format!("{}_dpbf16", self.tile.form()),
+            Transformed::Pairs(_) => format!("{}_dpbf16", self.tile.form()),
             _ => self.tile.form().to_string(),
         }
     }
@@ -615,7 +615,8 @@ unsafe fn gemms<T: Elem>(
     assert!(mm.1 >= nt * positions * cout);
     let (c, ldc) = (|xi: usize| mm.0.wrapping_add(xi * cout), positions * cout);
     if let Transformed::Pairs(u) = &job.w.u {
-        let engine = bf16_gemm::Engine::in_use().expect("pair packings exist only with an engine");
+        let engine =
+            bf16_gemm::Engine::for_k(u[0].k).expect("pair packings exist only with an engine");
         let kp = u[0].kp();
         assert!(vb.len() >= nt * positions * kp);
         for xi in xis {

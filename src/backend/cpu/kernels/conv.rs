@@ -279,8 +279,8 @@ impl<T: Elem> PackedConv<T> {
             } else {
                 "dpbf16_stem"
             }
-        } else if self.pairs.is_some() {
-            match bf16_gemm::Engine::in_use() {
+        } else if let Some(b) = &self.pairs {
+            match bf16_gemm::Engine::for_k(b.k) {
                 Some(bf16_gemm::Engine::Amx) => "amx_gemm",
                 _ => "dpbf16_gemm",
             }
@@ -306,7 +306,7 @@ pub fn uses_pairs<T: Elem>(c: &Conv2d) -> bool {
 /// The engine that multiplies the layer's bf16 pairs, where [`uses_pairs`].
 pub fn pair_engine<T: Elem>(c: &Conv2d) -> Option<bf16_gemm::Engine> {
     (T::PRECISION == crate::model::Precision::Bf16 && c.groups == 1)
-        .then(bf16_gemm::Engine::in_use)
+        .then(|| bf16_gemm::Engine::for_k(c.taps()))
         .flatten()
 }
 
@@ -602,7 +602,7 @@ pub(super) fn conv2d_pairs<T: Elem>(
     let cout = c.out_channels;
     let rows = (chunk_rows(m, k) * p.chunk_scale).min(m.max(1));
     let direct = is_pointwise(c) && c.in_channels == kp;
-    let engine = bf16_gemm::Engine::in_use().expect("pair packings exist only with an engine");
+    let engine = bf16_gemm::Engine::for_k(k).expect("pair packings exist only with an engine");
     assert!(y.len() >= m * cout, "conv2d output buffer too small");
     let out = TilePtr(
         T::as_bf16_mut(y)
