@@ -592,7 +592,6 @@ pub(super) fn conv2d_pairs<T: Elem>(
     epilogue: &Epilogue<'_, T>,
 ) {
     let c = &p.conv;
-    let x16 = T::as_bf16(x).expect("bf16-pair layers store bf16");
     let residual = epilogue
         .residual
         .map(|r| T::as_bf16(r).expect("bf16-pair layers store bf16"));
@@ -601,7 +600,6 @@ pub(super) fn conv2d_pairs<T: Elem>(
     let m = ys.n * ys.h * ys.w;
     let cout = c.out_channels;
     let rows = (chunk_rows(m, k) * p.chunk_scale).min(m.max(1));
-    let direct = is_pointwise(c) && c.in_channels == kp;
     let engine = bf16_gemm::Engine::for_k(k).expect("pair packings exist only with an engine");
     assert!(y.len() >= m * cout, "conv2d output buffer too small");
     let out = TilePtr(
@@ -622,20 +620,7 @@ pub(super) fn conv2d_pairs<T: Elem>(
     let lda = engine.lda(kp);
     work_items(m, units, b.panels(), threads).for_each(|((m0, mr), (p0, p1))| {
         PAIR_COLUMNS.with_borrow_mut(|cols| {
-            let a: &[bf16] = if direct && lda == kp {
-                &x16[m0 * kp..(m0 + mr) * kp]
-            } else {
-                cols.reuse(mr * lda);
-                if direct {
-                    let rows = x16[m0 * kp..(m0 + mr) * kp].chunks_exact(kp);
-                    for (row, src) in cols.chunks_exact_mut(lda).zip(rows) {
-                        row[..kp].copy_from_slice(src);
-                    }
-                } else {
-                    im2col(c, x, xs, ys, m0, mr, &mut cols[..], lda);
-                }
-                &cols[..]
-            };
+            let a = pair_rows(c, (x, xs, ys), (m0, mr), (kp, lda), cols);
             let ends = (out, residual);
             // SAFETY: pair packings exist only where `simd()` chose an engine; A has mr rows
             // of kp values lda apart (zeros past K: gathered so, or K = kp); rows m0..m0 + mr,
@@ -643,6 +628,33 @@ pub(super) fn conv2d_pairs<T: Elem>(
             unsafe { pairs_finished(engine, (a, lda), b, (m0, mr), (p0, p1), ends, act) };
         });
     });
+}
+
+/// Rows m0..m0 + mr of a bf16-pair layer's A (`x` → output `ys`), `kp` values each, `lda`
+/// apart: the input itself where the layer is 1×1 at stride 1 over channels that fill K and the
+/// engine reads rows K apart, else copied or gathered (im2col) into `cols`, zeros past K.
+pub(super) fn pair_rows<'a, T: Elem>(
+    c: &Conv2d,
+    (x, xs, ys): (&'a [T], Nhwc, Nhwc),
+    (m0, mr): (usize, usize),
+    (kp, lda): (usize, usize),
+    cols: &'a mut Lines<bf16>,
+) -> &'a [bf16] {
+    let direct = is_pointwise(c) && c.in_channels == kp;
+    let x16 = T::as_bf16(x).expect("bf16-pair layers store bf16");
+    if direct && lda == kp {
+        return &x16[m0 * kp..(m0 + mr) * kp];
+    }
+    cols.reuse(mr * lda);
+    if direct {
+        let rows = x16[m0 * kp..(m0 + mr) * kp].chunks_exact(kp);
+        for (row, src) in cols.chunks_exact_mut(lda).zip(rows) {
+            row[..kp].copy_from_slice(src);
+        }
+    } else {
+        im2col(c, x, xs, ys, m0, mr, &mut cols[..], lda);
+    }
+    &cols[..]
 }
 
 /// Rows m0..m0 + mr of the bf16-pair GEMM A · B over panels p0..p1 on `engine`, finished (B's

@@ -7,8 +7,10 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::*;
+use crate::backend::cpu::bf16_gemm;
 use crate::backend::cpu::elem::{Elem, Wide, bf16_f32, f32_bf16};
 use crate::backend::cpu::simd::{Vectorised, with_simd};
+use crate::backend::cpu::{Lines, big_buffer};
 use crate::model::op::{Act, Conv2d};
 
 /// Depthwise convolution (one filter per channel) with its epilogue, one output row per work
@@ -264,6 +266,8 @@ pub struct Projection<'a, T> {
 /// The results are the unfused layers', bit for bit: the same GEMM tiles over the same K, the
 /// same depthwise rows. With `sums` (and no `project`), the depthwise rows' sums as
 /// [`super::conv2d_squeezed`] writes them (f32 and bf16 storage: returns whether they were).
+/// Where both layers multiply bf16 pairs the band's rows stay bf16 (`pairs_band`), with
+/// neither sums nor a projection, as the pair kernels run apart.
 #[allow(clippy::too_many_arguments)]
 pub fn pointwise_depthwise<T: Elem>(
     pw: Option<&PackedConv<T>>,
@@ -282,6 +286,10 @@ pub fn pointwise_depthwise<T: Elem>(
             assert!(s.len() >= ys.n * ys.h * ys.c, "pair: row sums too short");
             TilePtr(s.as_mut_ptr())
         });
+    if let (Some(pw), Some(pairs)) = (pw, &dw.depthwise_pairs) {
+        pairs_band(pw, (dw, pairs), (x, xs), (y, ys), band);
+        return false;
+    }
     let made = sums.is_some();
     let Some((w, bias)) = &dw.depthwise else {
         unreachable!("a fused pair's second layer is depthwise");
@@ -417,6 +425,84 @@ pub fn pointwise_depthwise<T: Elem>(
     made
 }
 
+/// [`pointwise_depthwise`] on bf16 pairs: each band's pointwise rows made by the pair GEMM
+/// into the worker's buffer, in bf16, finished as [`super::conv2d_pairs`] stores them (its
+/// input read in place or copied into padded rows, as there), and the depthwise rows made from
+/// there by the pair kernel ([`Pairs::output_row`]), so the same values as the layers apart.
+fn pairs_band<T: Elem>(
+    pw: &PackedConv<T>,
+    (dw, pairs): (&PackedConv<T>, &Pairs),
+    (x, xs): (&[T], Nhwc),
+    (y, ys): (&mut [T], Nhwc),
+    band: usize,
+) {
+    let b = pw
+        .pairs
+        .as_deref()
+        .expect("a pair's pointwise layer multiplies pairs");
+    let engine = bf16_gemm::Engine::for_k(b.k).expect("pair packings exist only with an engine");
+    let (kp, lda) = (b.kp(), engine.lda(b.kp()));
+    let c = &dw.conv;
+    let mid = Nhwc { c: b.n, ..xs };
+    let bias = bias_or_zeros(dw.depthwise.as_ref().and_then(|d| d.1.as_deref()), ys.c);
+    let bias = &bias[..];
+    let row_len = ys.w * ys.c;
+    let out = TilePtr(
+        T::as_bf16_mut(&mut y[..ys.elems()])
+            .expect("bf16-pair layers store bf16")
+            .as_mut_ptr(),
+    );
+    let bands = ys.h.div_ceil(band.max(1));
+    (0..ys.n * bands).into_par_iter().for_each(|item| {
+        let (n, oy0) = (item / bands, item % bands * band);
+        let oy1 = (oy0 + band).min(ys.h);
+        let (r0, rows) = tap_span(c, (oy0, oy1), mid.h);
+        PAIR_BAND.with_borrow_mut(|(cols, made)| {
+            let pixels = ((n * xs.h + r0) * xs.w, rows * xs.w);
+            let a = super::pair_rows(&pw.conv, (x, xs, mid), pixels, (kp, lda), cols);
+            made.reuse(pixels.1 * mid.c);
+            let ends = (TilePtr(made.as_mut_ptr()), None);
+            // SAFETY: pair packings exist only where the CPU runs their engine; A has the
+            // band's rows of kp values lda apart (zeros past K); `made` holds as many rows of
+            // the layer's channels, this worker's alone.
+            unsafe {
+                let panels = (0, b.panels());
+                super::pairs_finished(
+                    engine,
+                    (a, lda),
+                    b,
+                    (0, pixels.1),
+                    panels,
+                    ends,
+                    pw.conv.act,
+                )
+            };
+            let band_dims = Nhwc {
+                n: 1,
+                h: rows,
+                ..mid
+            };
+            for oy in oy0..oy1 {
+                let input: Vec<Option<&[bf16]>> = (0..c.kernel.0)
+                    .map(|ky| image_row(made, band_dims, 0, tap_row(c, oy, ky) - r0 as isize))
+                    .collect();
+                // SAFETY: output row oy of image n, this work item's alone.
+                let out = unsafe {
+                    std::slice::from_raw_parts_mut(out.add((n * ys.h + oy) * row_len), row_len)
+                };
+                pairs.output_row(&input, bias, out, (None, c.act), (mid.w, c.padding.1));
+            }
+        });
+    });
+}
+
+thread_local! {
+    /// A fused pair's bf16 A rows (where they are copied) and its band of pointwise rows (see
+    /// [`pairs_band`]), on cache lines as the tiles read them.
+    static PAIR_BAND: std::cell::RefCell<(Lines<bf16>, Lines<bf16>)> =
+        std::cell::RefCell::new((big_buffer(0), big_buffer(0)));
+}
+
 /// The 1×1 layer's rows (`m` pixels of `k` channels in `a`) into `expanded`, as [`conv2d`]
 /// computes them: the GEMM, its activation applied in its tiles (it has no residual), then
 /// the rounding a half type's storage would make.
@@ -471,15 +557,18 @@ fn round_to<T: Elem>(values: &mut [f32]) {
 }
 
 /// Whether [`pointwise_depthwise`] may run `pw` then `dw` as one: `pw` an ungrouped 1×1
-/// stride-1 layer on the GEMM (not on bf16 pairs; no residual: the caller checks its inputs)
-/// and `dw` a depthwise layer over its channels on the FMA kernels.
+/// stride-1 layer (no residual: the caller checks its inputs) and `dw` a depthwise layer over
+/// its channels, either both on f32 rows (the GEMM and the FMA kernels) or both on bf16 pairs.
 pub fn can_pair<T: Elem>(pw: &PackedConv<T>, dw: &PackedConv<T>) -> bool {
+    let kernels = match (&pw.pairs, &dw.depthwise_pairs) {
+        (None, None) => pw.groups.len() == 1,
+        (Some(_), Some(_)) => !super::stem::is_stem(&pw.conv),
+        _ => false,
+    };
     is_pointwise(&pw.conv)
-        && pw.groups.len() == 1
+        && kernels
         && pw.winograd.is_none()
-        && pw.pairs.is_none()
         && dw.depthwise.is_some()
-        && dw.depthwise_pairs.is_none()
         && dw.conv.in_channels == pw.conv.out_channels
 }
 
@@ -513,14 +602,21 @@ pub fn pair_bands<T: Elem>(
     // type, its output also makes a pass to narrow it (and the depthwise layer widens it
     // again), which the fused pair does in place.
     let bytes = mid.elems().saturating_mul(4);
-    if bytes <= threads.saturating_mul(l2) {
+    let l2s = threads.saturating_mul(l2);
+    // On bf16 pairs the tensor is stored as it is computed, in bf16, and the pair paid past
+    // three quarters of the L2s: MobileNetV3-Large BF16 at batch 8 on 2 Sapphire Rapids cores
+    // (2 MB of L2 each; 100 steps alternating in one process), fused against apart, 16 → 64 at
+    // 112² (12.8 MB of bf16) 0.93×, 24 → 72 at 56² 0.85× and 0.95× (3.6 MB), 40 → 240 at 28²
+    // 0.97× (3.0 MB), but 112 → 672 at 14² 1.14× and 1.15× as long (2.1 MB): a band of a
+    // small map is a small GEMM, whose last block of 32 rows AMX pads.
+    let stored = match pw.pairs {
+        Some(_) => mid.elems().saturating_mul(2).saturating_mul(4) / 3,
+        None => bytes,
+    };
+    if stored <= l2s {
         return None;
     }
-    let eighths = if bytes / 4 >= threads.saturating_mul(l2) {
-        3
-    } else {
-        1
-    };
+    let eighths = if bytes / 4 >= l2s { 3 } else { 1 };
     fused_band_rows(&dw.conv, mid, ys.h, threads, (l2 / 2, eighths))
 }
 
@@ -1275,6 +1371,17 @@ impl Pairs {
     ) {
         match *self {}
     }
+
+    pub(super) fn output_row(
+        &self,
+        _: &[Option<&[bf16]>],
+        _: &[f32],
+        _: &mut [bf16],
+        _: (Option<&[bf16]>, Act),
+        _: (usize, usize),
+    ) {
+        match *self {}
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -1382,21 +1489,41 @@ mod pairs {
                 .for_each(|(row, out)| {
                     let input = tap_rows(c, x, xs, row / ys.h, row % ys.h);
                     let residual = residual.map(|r| &r[row * row_len..][..row_len]);
-                    let fin = (residual, act);
-                    let at = (xs.w, c.padding.1);
-                    // SAFETY: `new` checked that the CPU has AVX-512F, BW, VL and AVX512_BF16;
-                    // the rows are the input's (xs.w pixels of ch channels), the residual's
-                    // row is the output's length.
-                    unsafe {
-                        match (self.k, self.stride) {
-                            (3, 1) => self.row::<3, 1>(&input, bias, out, fin, at),
-                            (3, 2) => self.row::<3, 2>(&input, bias, out, fin, at),
-                            (5, 1) => self.row::<5, 1>(&input, bias, out, fin, at),
-                            (5, 2) => self.row::<5, 2>(&input, bias, out, fin, at),
-                            _ => self.row::<7, 1>(&input, bias, out, fin, at),
-                        }
-                    }
+                    self.output_row(&input, bias, out, (residual, act), (xs.w, c.padding.1));
                 });
+        }
+
+        /// One output row into `out` (bf16, its pixels × `bias.len()` channels) from the
+        /// kernel's tap rows (`None` where a row is padding), each `width` pixels wide,
+        /// padded by `pad` pixels left and right; `fin`: the residual row (as long as `out`)
+        /// and the activation. [`Pairs::run`]'s rows, and a fused pair's from its band.
+        pub(in super::super) fn output_row(
+            &self,
+            input: &[Option<&[Bf16]>],
+            bias: &[f32],
+            out: &mut [Bf16],
+            fin: (Option<&[Bf16]>, Act),
+            at: (usize, usize),
+        ) {
+            let ch = bias.len();
+            assert!(
+                input.len() == self.k
+                    && input.iter().flatten().all(|r| r.len() == at.0 * ch)
+                    && out.len().is_multiple_of(ch)
+                    && fin.0.is_none_or(|r| r.len() == out.len()),
+                "depthwise: rows do not fit the layer"
+            );
+            // SAFETY: `new` checked that the CPU has AVX-512F, BW, VL and AVX512_BF16; the
+            // rows' lengths are checked above.
+            unsafe {
+                match (self.k, self.stride) {
+                    (3, 1) => self.row::<3, 1>(input, bias, out, fin, at),
+                    (3, 2) => self.row::<3, 2>(input, bias, out, fin, at),
+                    (5, 1) => self.row::<5, 1>(input, bias, out, fin, at),
+                    (5, 2) => self.row::<5, 2>(input, bias, out, fin, at),
+                    _ => self.row::<7, 1>(input, bias, out, fin, at),
+                }
+            }
         }
 
         /// One output row into `out` (bf16, out_w × ch): runs of P output pixels (8 at
@@ -1922,7 +2049,9 @@ mod tests {
     /// panels), after the pointwise layer and without one.
     #[test]
     fn fused_pairs_match_the_layers_apart() {
-        fn check<T: Elem>() {
+        /// Returns how many cases fused on bf16 pairs.
+        fn check<T: Elem>() -> usize {
+            let mut on_pair_kernels = 0;
             let cases = [
                 // (in, mid, kernel, stride, padding, h, w, batch)
                 (16, 64, 3, 2, 1, 12, 10, 2),
@@ -1958,14 +2087,19 @@ mod tests {
                 let bias: Vec<f32> = (0..cmid).map(|i| i as f32 / 64.0 - 0.5).collect();
                 let pw = PackedConv::<T>::new(pw_conv, &pw_w, Some(&bias));
                 let dw = PackedConv::<T>::new(dw_conv, &dw_w, Some(&bias));
+                // BF16 on bf16 pairs (AMX, AVX512_BF16 where it pays) fuses where both layers
+                // multiply pairs: the depthwise pair kernel takes 3×3 and 5×5 layers, and the
+                // 1×1 layer over 3 channels runs as a stem.
+                let on_pairs = dw.depthwise_pairs.is_some();
                 if !can_pair(&pw, &dw) {
-                    // BF16 on bf16 pairs (AMX, AVX512_BF16 where it pays): not fused.
                     assert!(
-                        T::PRECISION == crate::model::Precision::Bf16,
+                        T::PRECISION == crate::model::Precision::Bf16
+                            && (on_pairs != pw.pairs.is_some() || cin < 8),
                         "{cin} → {cmid}"
                     );
-                    return;
+                    continue;
                 }
+                on_pair_kernels += usize::from(on_pairs);
                 let xs = Nhwc { n, h, w, c: cin };
                 let ms = Nhwc { c: cmid, ..xs };
                 let (oh, ow) = dw_conv.output_hw(h, w).unwrap();
@@ -1995,8 +2129,10 @@ mod tests {
                         sums_to,
                         None,
                     );
-                    // Each row's sums, where the storage makes them (f32, bf16): its values'.
-                    assert_eq!(made, T::PRECISION != crate::model::Precision::Fp16);
+                    // Each row's sums, where the storage makes them (f32, bf16 off the pair
+                    // kernel): its values'.
+                    let makes = T::PRECISION != crate::model::Precision::Fp16 && !on_pairs;
+                    assert_eq!(made, makes);
                     let ch = ys.c;
                     let rows = want.chunks(ys.w * ch).zip(sums.chunks(ch));
                     for (r, (row, got)) in rows.enumerate().filter(|_| made) {
@@ -2027,6 +2163,11 @@ mod tests {
                 let proj_w: Vec<f32> = (0..cmid * cp).map(|i| value(i * 5 + 3) / 8.0).collect();
                 let proj_bias: Vec<f32> = (0..cp).map(|i| i as f32 / 32.0 - 0.25).collect();
                 let proj = PackedConv::<T>::new(proj_conv, &proj_w, Some(&proj_bias));
+                if on_pairs {
+                    // Projections run on f32 rows only.
+                    assert!(!can_project(&dw, &proj), "{cmid} → {cp}");
+                    continue;
+                }
                 assert!(can_project(&dw, &proj), "{cmid} → {cp}");
                 let os = Nhwc { c: cp, ..ys };
                 let res: Vec<T> = (0..os.elems())
@@ -2074,10 +2215,17 @@ mod tests {
                     }
                 }
             }
+            on_pair_kernels
         }
-        check::<f32>();
-        check::<bf16>();
-        check::<half::f16>();
+        assert_eq!(check::<f32>() + check::<half::f16>(), 0);
+        let pairs = check::<bf16>();
+        // Where the CPU multiplies pairs, the pair kernels' path ran: five of the six cases
+        // (a 1×1 layer over 3 channels runs as a stem).
+        let dw = Conv2d::new(16, 16, 3, 1, 1).with_groups(16);
+        let cpu = PackedConv::<bf16>::new(dw, &[0.0; 144], None)
+            .depthwise_pairs
+            .is_some();
+        assert_eq!(pairs, if cpu { 5 } else { 0 });
     }
 
     /// Bands: within the budget, at least two work items a worker where the rows allow, the
