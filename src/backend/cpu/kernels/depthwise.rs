@@ -1508,10 +1508,14 @@ mod pairs {
             at: (usize, usize),
         ) {
             let ch = bias.len();
+            // The output row is as wide as the layer makes from `width` and `pad`.
+            let out_w = (at.0 + 2 * at.1)
+                .checked_sub(self.k)
+                .map(|span| span / self.stride + 1);
             assert!(
                 input.len() == self.k
                     && input.iter().flatten().all(|r| r.len() == at.0 * ch)
-                    && out.len().is_multiple_of(ch)
+                    && out_w.map(|w| w * ch) == Some(out.len())
                     && fin.0.is_none_or(|r| r.len() == out.len()),
                 "depthwise: rows do not fit the layer"
             );
