@@ -604,6 +604,23 @@ fn fused_conv_epilogues(kind: BackendKind) {
             },
             [2, 16, 7, 9],
         ),
+        // Channels that fill no whole K step (AMX's 32, `vdpbf16ps`'s 8): the bf16-pair
+        // GEMM's input copied into rows padded with zeros, MobileNetV3's 40 and 72 channels.
+        (
+            "res_relu_k40",
+            Conv2d {
+                residual: true,
+                act: Act::Relu,
+                ..Conv2d::new(40, 40, 1, 1, 0).with_bias()
+            },
+            [2, 40, 5, 7],
+        ),
+        (
+            "k20",
+            Conv2d::new(20, 24, 1, 1, 0).with_bias(),
+            [1, 20, 6, 6],
+        ),
+        ("k12", Conv2d::new(12, 40, 1, 1, 0), [1, 12, 5, 5]),
         (
             "relu6_grouped",
             Conv2d {

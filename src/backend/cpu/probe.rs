@@ -27,6 +27,16 @@ use std::sync::OnceLock;
 /// (Zen 4 and 5 about 2, the Xeon 0.50).
 pub const PAY_FROM: f64 = 1.0;
 
+/// The depthwise pair kernels (`kernels::depthwise`'s `Pairs`) pay only where `vdpbf16ps`
+/// does well over an FMA's FLOPs a second: they spend shuffles making each input pixel's
+/// pairs that the FMA kernels do not. On a 2-vCPU AMX Xeon whose `vdpbf16ps` ran at 1.00× the
+/// FMAs' FLOP rate, MobileNetV3-Large BF16's depthwise layers took 0.69–0.79× the time on
+/// the FMA kernels (5×5 over 120 channels at 28², batch 8: 0.64 against 0.93 ms), 100–200
+/// steps alternating in one process. Where they were written (the backend was tuned on a
+/// Zen 5, which issues `vdpbf16ps` as often as FMAs: about 2), single layers took 0.63–0.89×
+/// the time on pairs.
+pub const DEPTHWISE_FROM: f64 = 1.5;
+
 /// What the probe found on this CPU.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Bf16Pairs {
@@ -38,6 +48,11 @@ impl Bf16Pairs {
     /// Whether BF16 layers should multiply pairs rather than widen to FP32.
     pub fn pay(self) -> bool {
         self.dot_per_fma >= PAY_FROM
+    }
+
+    /// Whether BF16 depthwise layers should multiply pairs rather than widen to the FMAs.
+    pub fn depthwise_pays(self) -> bool {
+        self.dot_per_fma >= DEPTHWISE_FROM
     }
 
     /// What was chosen and why, for `doctor` and the records.
@@ -314,6 +329,11 @@ mod tests {
     fn the_pairs_pay_from_an_fmas_rate() {
         assert!(Bf16Pairs { dot_per_fma: 1.97 }.pay());
         assert!(!Bf16Pairs { dot_per_fma: 0.51 }.pay());
+        // The GEMMs' pairs pay at an FMA's rate (they halve the bytes read); the depthwise
+        // ones, which make their pairs per input pixel, only well above it.
+        let level = Bf16Pairs { dot_per_fma: 1.0 };
+        assert!(level.pay() && !level.depthwise_pays());
+        assert!(Bf16Pairs { dot_per_fma: 1.97 }.depthwise_pays());
         let said = Bf16Pairs { dot_per_fma: 0.51 }.describe();
         assert!(said.contains("widens") && said.contains("0.51×"), "{said}");
     }

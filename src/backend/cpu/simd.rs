@@ -99,6 +99,19 @@ pub fn explain() -> String {
         Some(k) => said.push_str(&format!("; FP32 small-K kernel up to K {k}")),
         None => {}
     }
+    if let Some(p) =
+        super::probe::bf16_pairs().filter(|_| matches!(simd(), Simd::Avx512Bf16 | Simd::Amx))
+    {
+        let how = match depthwise_pairs() {
+            true => "on vdpbf16ps",
+            false => "on the FP32 FMAs",
+        };
+        said.push_str(&format!(
+            "; BF16 depthwise layers {how} (vdpbf16ps at {:.2}× the FMAs' FLOP rate; pairs from {:.1}×)",
+            p.dot_per_fma,
+            super::probe::DEPTHWISE_FROM
+        ));
+    }
     said
 }
 
@@ -132,6 +145,15 @@ pub fn preferred() -> Simd {
         Simd::Avx512Bf16 if super::probe::bf16_pairs().is_some_and(|p| !p.pay()) => Simd::Avx512,
         b => b,
     }
+}
+
+/// Whether BF16 depthwise layers multiply bf16 pairs (`vdpbf16ps`) on the paths in use: where
+/// those multiply pairs and the probe found `vdpbf16ps` fast enough for the depthwise kernels
+/// ([`super::probe::Bf16Pairs::depthwise_pays`]; on AMX CPUs too, whose GEMMs take the tiles
+/// whatever the probe says).
+pub fn depthwise_pairs() -> bool {
+    matches!(simd(), Simd::Avx512Bf16 | Simd::Amx)
+        && super::probe::bf16_pairs().is_some_and(|p| p.depthwise_pays())
 }
 
 /// The best paths this CPU can run.

@@ -139,7 +139,9 @@ impl<T: Elem> PackedConv<T> {
                 }
             }
             let bias = bias.map(|b| b.to_vec());
-            let depthwise_pairs = (T::PRECISION == crate::model::Precision::Bf16)
+            let pairs =
+                T::PRECISION == Precision::Bf16 && crate::backend::cpu::simd::depthwise_pairs();
+            let depthwise_pairs = pairs
                 .then(|| super::depthwise::Pairs::new(&conv, &dw))
                 .flatten()
                 .map(Box::new);
@@ -286,6 +288,8 @@ impl<T: Elem> PackedConv<T> {
             }
         } else if self.stem_f32.is_some() || (T::IS_F32 && super::stem::runs_f32(&self.conv)) {
             "direct_stem"
+        } else if self.depthwise_pairs.is_some() {
+            "depthwise_dpbf16"
         } else if self.depthwise.is_some() {
             "depthwise_direct"
         } else if is_pointwise(&self.conv) {
@@ -632,7 +636,8 @@ pub(super) fn conv2d_pairs<T: Elem>(
 
 /// Rows m0..m0 + mr of a bf16-pair layer's A (`x` → output `ys`), `kp` values each, `lda`
 /// apart: the input itself where the layer is 1×1 at stride 1 over channels that fill K and the
-/// engine reads rows K apart, else copied or gathered (im2col) into `cols`, zeros past K.
+/// engine reads rows K apart, else copied ([`PaddedRows`]) or gathered (im2col) into `cols`,
+/// zeros past K.
 pub(super) fn pair_rows<'a, T: Elem>(
     c: &Conv2d,
     (x, xs, ys): (&'a [T], Nhwc, Nhwc),
@@ -640,21 +645,77 @@ pub(super) fn pair_rows<'a, T: Elem>(
     (kp, lda): (usize, usize),
     cols: &'a mut Lines<bf16>,
 ) -> &'a [bf16] {
-    let direct = is_pointwise(c) && c.in_channels == kp;
+    let cin = c.in_channels;
     let x16 = T::as_bf16(x).expect("bf16-pair layers store bf16");
-    if direct && lda == kp {
+    if is_pointwise(c) && cin == kp && lda == kp {
         return &x16[m0 * kp..(m0 + mr) * kp];
     }
     cols.reuse(mr * lda);
-    if direct {
-        let rows = x16[m0 * kp..(m0 + mr) * kp].chunks_exact(kp);
-        for (row, src) in cols.chunks_exact_mut(lda).zip(rows) {
-            row[..kp].copy_from_slice(src);
-        }
+    if is_pointwise(c) {
+        let src = &x16[m0 * cin..(m0 + mr) * cin];
+        with_simd(PaddedRows {
+            src,
+            cin,
+            dst: &mut cols[..],
+            ld: lda,
+            kp,
+        });
     } else {
         im2col(c, x, xs, ys, m0, mr, &mut cols[..], lda);
     }
     &cols[..]
+}
+
+/// Rows of `cin` bf16 values (`src`) copied `ld` apart into `dst`, each padded with zeros to
+/// `kp`: a 1×1 layer's input as the
+/// bf16-pair GEMM's A where its channels do not fill the steps. 64-byte blocks, the last one
+/// overlapping the one before, after the zeros of the row's last block: no call to `memcpy`
+/// and `memset` per row (a pixel's 72 channels are 144 bytes). MobileNetV3-Large BF16 at
+/// batch 8 on 2 Sapphire Rapids cores, 100 steps alternating in one process: its 72 → 24
+/// layer took 0.89× the time (0.79× alone at 56²), the 1×1 layers over 40 and 72 channels
+/// fused with their depthwise ones 0.86–0.91×, the network 0.98×.
+struct PaddedRows<'a> {
+    src: &'a [bf16],
+    cin: usize,
+    dst: &'a mut [bf16],
+    ld: usize,
+    kp: usize,
+}
+
+impl Vectorised for PaddedRows<'_> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        const BLOCK: usize = bf16_gemm::KSTEP;
+        let (cin, kp) = (self.cin, self.kp);
+        assert!(
+            cin <= kp && kp <= self.ld,
+            "PaddedRows: rows longer than their place"
+        );
+        let block = |src: &[bf16], dst: &mut [bf16]| {
+            let v: [bf16; BLOCK] = src[..BLOCK].try_into().unwrap();
+            dst[..BLOCK].copy_from_slice(&v);
+        };
+        let zeros = [bf16::ZERO; BLOCK];
+        for (src, dst) in self
+            .src
+            .chunks_exact(cin)
+            .zip(self.dst.chunks_exact_mut(self.ld))
+        {
+            match kp.checked_sub(BLOCK) {
+                Some(at) if at <= cin => block(&zeros, &mut dst[at..]),
+                _ => dst[cin..kp].fill(bf16::ZERO),
+            }
+            if cin < BLOCK {
+                copy_run(src, &mut dst[..cin]);
+                continue;
+            }
+            for at in (0..cin - BLOCK).step_by(BLOCK) {
+                block(&src[at..], &mut dst[at..]);
+            }
+            block(&src[cin - BLOCK..], &mut dst[cin - BLOCK..]);
+        }
+    }
 }
 
 /// Rows m0..m0 + mr of the bf16-pair GEMM A · B over panels p0..p1 on `engine`, finished (B's

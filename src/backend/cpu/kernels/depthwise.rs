@@ -266,8 +266,9 @@ pub struct Projection<'a, T> {
 /// The results are the unfused layers', bit for bit: the same GEMM tiles over the same K, the
 /// same depthwise rows. With `sums` (and no `project`), the depthwise rows' sums as
 /// [`super::conv2d_squeezed`] writes them (f32 and bf16 storage: returns whether they were).
-/// Where both layers multiply bf16 pairs the band's rows stay bf16 (`pairs_band`), with
-/// neither sums nor a projection, as the pair kernels run apart.
+/// Where the pointwise layer multiplies bf16 pairs the band's rows stay bf16 (`pairs_band`),
+/// without a projection, and without sums where the depthwise layer multiplies pairs too, as
+/// the layers run apart.
 #[allow(clippy::too_many_arguments)]
 pub fn pointwise_depthwise<T: Elem>(
     pw: Option<&PackedConv<T>>,
@@ -286,9 +287,11 @@ pub fn pointwise_depthwise<T: Elem>(
             assert!(s.len() >= ys.n * ys.h * ys.c, "pair: row sums too short");
             TilePtr(s.as_mut_ptr())
         });
-    if let (Some(pw), Some(pairs)) = (pw, &dw.depthwise_pairs) {
-        pairs_band(pw, (dw, pairs), (x, xs), (y, ys), band);
-        return false;
+    if let Some(pw) = pw.filter(|pw| pw.pairs.is_some()) {
+        assert!(project.is_none(), "pair: projections run on f32 rows");
+        let pairs = dw.depthwise_pairs.as_deref();
+        let sums = sums.filter(|_| pairs.is_none());
+        return pairs_band(pw, (dw, pairs), (x, xs), (y, ys), band, sums);
     }
     let made = sums.is_some();
     let Some((w, bias)) = &dw.depthwise else {
@@ -425,17 +428,20 @@ pub fn pointwise_depthwise<T: Elem>(
     made
 }
 
-/// [`pointwise_depthwise`] on bf16 pairs: each band's pointwise rows made by the pair GEMM
-/// into the worker's buffer, in bf16, finished as [`super::conv2d_pairs`] stores them (its
-/// input read in place or copied into padded rows, as there), and the depthwise rows made from
-/// there by the pair kernel ([`Pairs::output_row`]), so the same values as the layers apart.
+/// [`pointwise_depthwise`] with its 1×1 layer on bf16 pairs: each band's pointwise rows made
+/// by the pair GEMM into the worker's buffer, in bf16, finished as [`super::conv2d_pairs`]
+/// stores them (its input read in place or copied into padded rows, as there), and the
+/// depthwise rows made from there by the kernel the layer runs on apart — the pair kernel
+/// ([`Pairs::output_row`]) or the FMA one (with the rows' `sums` where asked) — so the same
+/// values as the layers apart. Returns whether the sums were made.
 fn pairs_band<T: Elem>(
     pw: &PackedConv<T>,
-    (dw, pairs): (&PackedConv<T>, &Pairs),
+    (dw, pairs): (&PackedConv<T>, Option<&Pairs>),
     (x, xs): (&[T], Nhwc),
     (y, ys): (&mut [T], Nhwc),
     band: usize,
-) {
+    sums: Option<TilePtr<f32>>,
+) -> bool {
     let b = pw
         .pairs
         .as_deref()
@@ -444,7 +450,10 @@ fn pairs_band<T: Elem>(
     let (kp, lda) = (b.kp(), engine.lda(b.kp()));
     let c = &dw.conv;
     let mid = Nhwc { c: b.n, ..xs };
-    let bias = bias_or_zeros(dw.depthwise.as_ref().and_then(|d| d.1.as_deref()), ys.c);
+    let Some((w, bias)) = &dw.depthwise else {
+        unreachable!("a fused pair's second layer is depthwise");
+    };
+    let bias = bias_or_zeros(bias.as_deref(), ys.c);
     let bias = &bias[..];
     let row_len = ys.w * ys.c;
     let out = TilePtr(
@@ -490,10 +499,21 @@ fn pairs_band<T: Elem>(
                 let out = unsafe {
                     std::slice::from_raw_parts_mut(out.add((n * ys.h + oy) * row_len), row_len)
                 };
-                pairs.output_row(&input, bias, out, (None, c.act), (mid.w, c.padding.1));
+                let fin = (None, c.act);
+                match pairs {
+                    Some(p) => p.output_row(&input, bias, out, fin, (mid.w, c.padding.1)),
+                    None if regs_row(c, &input, (w, bias), out, mid.w, fin) => {}
+                    None => other_row(c, &input, (w, bias), out, mid.w, fin),
+                }
+                if let Some(sums) = sums {
+                    // SAFETY: the caller checked the sums' length; row n·h + oy is this
+                    // item's.
+                    unsafe { put_row_sums(sums, n * ys.h + oy, ys.c, out) };
+                }
             }
         });
     });
+    sums.is_some()
 }
 
 thread_local! {
@@ -558,12 +578,13 @@ fn round_to<T: Elem>(values: &mut [f32]) {
 
 /// Whether [`pointwise_depthwise`] may run `pw` then `dw` as one: `pw` an ungrouped 1×1
 /// stride-1 layer (no residual: the caller checks its inputs) and `dw` a depthwise layer over
-/// its channels, either both on f32 rows (the GEMM and the FMA kernels) or both on bf16 pairs.
+/// its channels, either both on f32 rows (the GEMM and the FMA kernels) or `pw` on bf16 pairs
+/// (`dw` on either kernel of bf16 rows).
 pub fn can_pair<T: Elem>(pw: &PackedConv<T>, dw: &PackedConv<T>) -> bool {
     let kernels = match (&pw.pairs, &dw.depthwise_pairs) {
         (None, None) => pw.groups.len() == 1,
-        (Some(_), Some(_)) => !super::stem::is_stem(&pw.conv),
-        _ => false,
+        (Some(_), _) => !super::stem::is_stem(&pw.conv),
+        (None, Some(_)) => false,
     };
     is_pointwise(&pw.conv)
         && kernels
@@ -2092,132 +2113,145 @@ mod tests {
                 let dw_w: Vec<f32> = (0..k * k * cmid).map(|i| value(i * 7 + 1) / 4.0).collect();
                 let bias: Vec<f32> = (0..cmid).map(|i| i as f32 / 64.0 - 0.5).collect();
                 let pw = PackedConv::<T>::new(pw_conv, &pw_w, Some(&bias));
+                // The depthwise layer on the kernel this CPU picks for it and, where it
+                // multiplies pairs at all, on the other one too: BF16 depthwise layers take
+                // the FMA kernel where `vdpbf16ps` is slow (`simd::depthwise_pairs`).
                 let dw = PackedConv::<T>::new(dw_conv, &dw_w, Some(&bias));
-                // BF16 on bf16 pairs (AMX, AVX512_BF16 where it pays) fuses where both layers
-                // multiply pairs: the depthwise pair kernel takes 3×3 and 5×5 layers, and the
-                // 1×1 layer over 3 channels runs as a stem.
-                let on_pairs = dw.depthwise_pairs.is_some();
-                if !can_pair(&pw, &dw) {
-                    assert!(
-                        T::PRECISION == crate::model::Precision::Bf16
-                            && (on_pairs != pw.pairs.is_some() || cin < 8),
-                        "{cin} → {cmid}"
-                    );
-                    continue;
-                }
-                on_pair_kernels += usize::from(on_pairs);
-                let xs = Nhwc { n, h, w, c: cin };
-                let ms = Nhwc { c: cmid, ..xs };
-                let (oh, ow) = dw_conv.output_hw(h, w).unwrap();
-                let ys = Nhwc {
-                    n,
-                    h: oh,
-                    w: ow,
-                    c: cmid,
+                let mut other = PackedConv::<T>::new(dw_conv, &dw_w, Some(&bias));
+                other.depthwise_pairs = match &dw.depthwise_pairs {
+                    Some(_) => None,
+                    None => Pairs::new(&dw_conv, &dw.depthwise.as_ref().unwrap().0).map(Box::new),
                 };
-                let x: Vec<T> = (0..xs.elems()).map(|i| T::from_f32(value(i))).collect();
-                let mut mid = vec![T::from_f32(0.0); ms.elems()];
-                let mut want = vec![T::from_f32(0.0); ys.elems()];
-                conv2d(&pw, &x, xs, &mut mid, ms, 2, None);
-                conv2d(&dw, &mid, ms, &mut want, ys, 2, None);
-                for band in 1..=oh {
-                    let mut got = vec![T::from_f32(f32::NAN); ys.elems()];
-                    let mut sums = vec![f32::NAN; ys.n * ys.h * ys.c];
-                    let sums_to = Some(&mut sums[..]);
-                    let made = pointwise_depthwise(
-                        Some(&pw),
-                        &dw,
-                        &x,
-                        xs,
-                        &mut got,
-                        ys,
-                        band,
-                        sums_to,
-                        None,
-                    );
-                    // Each row's sums, where the storage makes them (f32, bf16 off the pair
-                    // kernel): its values'.
-                    let makes = T::PRECISION != crate::model::Precision::Fp16 && !on_pairs;
-                    assert_eq!(made, makes);
-                    let ch = ys.c;
-                    let rows = want.chunks(ys.w * ch).zip(sums.chunks(ch));
-                    for (r, (row, got)) in rows.enumerate().filter(|_| made) {
-                        let wide: Vec<f32> = row.iter().map(|v| v.to_f32()).collect();
-                        let mut sum = vec![0f32; ch];
-                        super::super::pool::row_sums(&wide, &mut sum);
-                        let bits = |s: &[f32]| s.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-                        assert_eq!(bits(got), bits(&sum), "band {band}: row {r}'s sums");
-                    }
-                    for (i, (g, e)) in got.iter().zip(&want).enumerate() {
-                        let (g, e) = (g.to_f32(), e.to_f32());
-                        assert_eq!(
-                            g.to_bits(),
-                            e.to_bits(),
-                            "{}: {cin} → {cmid}, {k}×{k} stride {st} pad {pad}, {n}×{h}×{w}, \
-                             {act_pw:?} then {act_dw:?}, bands of {band}: value {i}: {g} \
-                             against {e}",
-                            T::PRECISION
+                let both = pw.pairs.is_some()
+                    && other.depthwise_pairs.is_some() != dw.depthwise_pairs.is_some();
+                for dw in std::iter::once(&dw).chain(both.then_some(&other)) {
+                    // BF16 on bf16 pairs (AMX, AVX512_BF16 where it pays) fuses where the 1×1
+                    // layer multiplies pairs (not the one over 3 channels: it runs as a stem), the
+                    // depthwise layer on either kernel.
+                    let on_pairs = dw.depthwise_pairs.is_some();
+                    if !can_pair(&pw, dw) {
+                        assert!(
+                            T::PRECISION == crate::model::Precision::Bf16
+                                && (pw.pairs.is_none() && on_pairs || cin < 8),
+                            "{cin} → {cmid}"
                         );
+                        continue;
                     }
-                }
-                let cp = [24, 16, 40, 8, 80, 17][case];
-                let proj_conv = Conv2d {
-                    act: acts[(case + 1) % acts.len()].0,
-                    residual: case % 2 == 0,
-                    ..Conv2d::new(cmid, cp, 1, 1, 0).with_bias()
-                };
-                let proj_w: Vec<f32> = (0..cmid * cp).map(|i| value(i * 5 + 3) / 8.0).collect();
-                let proj_bias: Vec<f32> = (0..cp).map(|i| i as f32 / 32.0 - 0.25).collect();
-                let proj = PackedConv::<T>::new(proj_conv, &proj_w, Some(&proj_bias));
-                if on_pairs {
-                    // Projections run on f32 rows only.
-                    assert!(!can_project(&dw, &proj), "{cmid} → {cp}");
-                    continue;
-                }
-                assert!(can_project(&dw, &proj), "{cmid} → {cp}");
-                let os = Nhwc { c: cp, ..ys };
-                let res: Vec<T> = (0..os.elems())
-                    .map(|i| T::from_f32(value(i * 11 + 5)))
-                    .collect();
-                let residual = proj_conv.residual.then_some(&res[..]);
-                let mut want_p = vec![T::from_f32(0.0); os.elems()];
-                conv2d(&proj, &want, ys, &mut want_p, os, 2, residual);
-                for band in 1..=oh {
-                    // After the pointwise layer, and on its output without it.
-                    for (pw, x, xs) in [(Some(&pw), &x, xs), (None, &mid, ms)] {
-                        let mut got = vec![T::from_f32(f32::NAN); os.elems()];
-                        let projection = Projection {
-                            conv: &proj,
-                            residual,
-                        };
-                        let fused = (pw, &dw);
+                    on_pair_kernels += usize::from(pw.pairs.is_some());
+                    let xs = Nhwc { n, h, w, c: cin };
+                    let ms = Nhwc { c: cmid, ..xs };
+                    let (oh, ow) = dw_conv.output_hw(h, w).unwrap();
+                    let ys = Nhwc {
+                        n,
+                        h: oh,
+                        w: ow,
+                        c: cmid,
+                    };
+                    let x: Vec<T> = (0..xs.elems()).map(|i| T::from_f32(value(i))).collect();
+                    let mut mid = vec![T::from_f32(0.0); ms.elems()];
+                    let mut want = vec![T::from_f32(0.0); ys.elems()];
+                    conv2d(&pw, &x, xs, &mut mid, ms, 2, None);
+                    conv2d(dw, &mid, ms, &mut want, ys, 2, None);
+                    for band in 1..=oh {
+                        let mut got = vec![T::from_f32(f32::NAN); ys.elems()];
+                        let mut sums = vec![f32::NAN; ys.n * ys.h * ys.c];
+                        let sums_to = Some(&mut sums[..]);
                         let made = pointwise_depthwise(
-                            fused.0,
-                            fused.1,
-                            x,
+                            Some(&pw),
+                            dw,
+                            &x,
                             xs,
                             &mut got,
                             ys,
                             band,
+                            sums_to,
                             None,
-                            Some(projection),
                         );
-                        assert!(!made);
-                        let same = got
-                            .iter()
-                            .zip(&want_p)
-                            .position(|(g, e)| g.to_f32().to_bits() != e.to_f32().to_bits());
-                        assert_eq!(
-                            same,
-                            None,
-                            "projected to {cp} after {}: {cin} → {cmid}, {k}×{k} stride {st}, \
+                        // Each row's sums, where the storage makes them (f32, bf16 off the pair
+                        // kernel): its values'.
+                        let makes = T::PRECISION != crate::model::Precision::Fp16 && !on_pairs;
+                        assert_eq!(made, makes);
+                        let ch = ys.c;
+                        let rows = want.chunks(ys.w * ch).zip(sums.chunks(ch));
+                        for (r, (row, got)) in rows.enumerate().filter(|_| made) {
+                            let wide: Vec<f32> = row.iter().map(|v| v.to_f32()).collect();
+                            let mut sum = vec![0f32; ch];
+                            super::super::pool::row_sums(&wide, &mut sum);
+                            let bits =
+                                |s: &[f32]| s.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                            assert_eq!(bits(got), bits(&sum), "band {band}: row {r}'s sums");
+                        }
+                        for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+                            let (g, e) = (g.to_f32(), e.to_f32());
+                            assert_eq!(
+                                g.to_bits(),
+                                e.to_bits(),
+                                "{}: {cin} → {cmid}, {k}×{k} stride {st} pad {pad}, {n}×{h}×{w}, \
+                             {act_pw:?} then {act_dw:?}, bands of {band}: value {i}: {g} \
+                             against {e}",
+                                T::PRECISION
+                            );
+                        }
+                    }
+                    let cp = [24, 16, 40, 8, 80, 17][case];
+                    let proj_conv = Conv2d {
+                        act: acts[(case + 1) % acts.len()].0,
+                        residual: case % 2 == 0,
+                        ..Conv2d::new(cmid, cp, 1, 1, 0).with_bias()
+                    };
+                    let proj_w: Vec<f32> = (0..cmid * cp).map(|i| value(i * 5 + 3) / 8.0).collect();
+                    let proj_bias: Vec<f32> = (0..cp).map(|i| i as f32 / 32.0 - 0.25).collect();
+                    let proj = PackedConv::<T>::new(proj_conv, &proj_w, Some(&proj_bias));
+                    if on_pairs || proj.pairs.is_some() {
+                        // Projections run on f32 rows only.
+                        assert!(!can_project(dw, &proj), "{cmid} → {cp}");
+                        continue;
+                    }
+                    assert!(can_project(dw, &proj), "{cmid} → {cp}");
+                    let os = Nhwc { c: cp, ..ys };
+                    let res: Vec<T> = (0..os.elems())
+                        .map(|i| T::from_f32(value(i * 11 + 5)))
+                        .collect();
+                    let residual = proj_conv.residual.then_some(&res[..]);
+                    let mut want_p = vec![T::from_f32(0.0); os.elems()];
+                    conv2d(&proj, &want, ys, &mut want_p, os, 2, residual);
+                    for band in 1..=oh {
+                        // After the pointwise layer, and on its output without it.
+                        for (pw, x, xs) in [(Some(&pw), &x, xs), (None, &mid, ms)] {
+                            let mut got = vec![T::from_f32(f32::NAN); os.elems()];
+                            let projection = Projection {
+                                conv: &proj,
+                                residual,
+                            };
+                            let fused = (pw, dw);
+                            let made = pointwise_depthwise(
+                                fused.0,
+                                fused.1,
+                                x,
+                                xs,
+                                &mut got,
+                                ys,
+                                band,
+                                None,
+                                Some(projection),
+                            );
+                            assert!(!made);
+                            let same = got
+                                .iter()
+                                .zip(&want_p)
+                                .position(|(g, e)| g.to_f32().to_bits() != e.to_f32().to_bits());
+                            assert_eq!(
+                                same,
+                                None,
+                                "projected to {cp} after {}: {cin} → {cmid}, {k}×{k} stride {st}, \
                              bands of {band}",
-                            if pw.is_some() {
-                                "the pair"
-                            } else {
-                                "the depthwise layer"
-                            }
-                        );
+                                if pw.is_some() {
+                                    "the pair"
+                                } else {
+                                    "the depthwise layer"
+                                }
+                            );
+                        }
                     }
                 }
             }
@@ -2225,13 +2259,16 @@ mod tests {
         }
         assert_eq!(check::<f32>() + check::<half::f16>(), 0);
         let pairs = check::<bf16>();
-        // Where the CPU multiplies pairs, the pair kernels' path ran: five of the six cases
-        // (a 1×1 layer over 3 channels runs as a stem).
-        let dw = Conv2d::new(16, 16, 3, 1, 1).with_groups(16);
-        let cpu = PackedConv::<bf16>::new(dw, &[0.0; 144], None)
-            .depthwise_pairs
+        // Where the CPU multiplies pairs, the pair GEMM's path ran: five of the six cases (a
+        // 1×1 layer over 3 channels runs as a stem), each with the depthwise layer on both
+        // kernels where it has the pair kernel too.
+        let pw = Conv2d::new(16, 64, 1, 1, 0);
+        let on_pairs = PackedConv::<bf16>::new(pw, &[0.0; 1024], None)
+            .pairs
             .is_some();
-        assert_eq!(pairs, if cpu { 5 } else { 0 });
+        let dw = Conv2d::new(16, 16, 3, 1, 1).with_groups(16);
+        let dw_kernels = 1 + usize::from(Pairs::new(&dw, &[0.0; 144]).is_some());
+        assert_eq!(pairs, if on_pairs { 5 * dw_kernels } else { 0 });
     }
 
     /// Bands: within the budget, at least two work items a worker where the rows allow, the
