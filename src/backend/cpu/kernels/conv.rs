@@ -672,8 +672,8 @@ pub(super) fn pair_rows<'a, T: Elem>(
 /// overlapping the one before, after the zeros of the row's last block: no call to `memcpy`
 /// and `memset` per row (a pixel's 72 channels are 144 bytes). MobileNetV3-Large BF16 at
 /// batch 8 on 2 Sapphire Rapids cores, 100 steps alternating in one process: its 72 → 24
-/// layer took 0.89× the time (0.79× alone at 56²), the 1×1 layers over 40 and 72 channels
-/// fused with their depthwise ones 0.86–0.91×, the network 0.98×.
+/// layer took 0.89× the time (0.79× alone at 56²), those over 24 channels fused with their
+/// depthwise layers 0.86–0.91×, those over 40 channels 0.88–0.91×, the network 0.98×.
 struct PaddedRows<'a> {
     src: &'a [bf16],
     cin: usize,
