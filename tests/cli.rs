@@ -584,12 +584,20 @@ fn bf16_pairs_are_chosen_by_a_cached_probe() {
     };
     let out = run("", &["doctor"]);
     if best() != Simd::Avx512Bf16 {
-        // Nothing kept for BF16 (the small-K probe may keep its own depth in the file).
+        // Nothing kept for BF16's GEMMs (the small-K probe may keep its own depth in the
+        // file); an AMX CPU keeps the ratio for its depthwise layers alone, and says so.
         let kept: Option<Value> = file.exists().then(|| read_json(&file));
-        assert!(
-            kept.as_ref().is_none_or(|k| k[0]["dot_per_fma"].is_null()),
-            "{kept:?}"
-        );
+        let ratio = kept.as_ref().map(|k| k[0]["dot_per_fma"].clone());
+        match best() {
+            Simd::Amx => {
+                assert!(ratio.is_some_and(|r| r.is_number()), "{kept:?}");
+                assert!(out.contains("BF16 depthwise layers on"), "{out}");
+            }
+            _ => {
+                assert!(ratio.is_none_or(|r| r.is_null()), "{kept:?}");
+                assert!(!out.contains("BF16 depthwise layers"), "{out}");
+            }
+        }
         assert!(!out.contains("vdpbf16ps ran at"), "{out}");
         return;
     }
@@ -625,7 +633,17 @@ fn bf16_pairs_are_chosen_by_a_cached_probe() {
     let out = run("", &["doctor"]);
     assert!(
         out.contains("SIMD paths avx512bf16; BF16 multiplies bf16 pairs (vdpbf16ps)")
-            && out.contains("avx512-bf16 32x32"),
+            && out.contains("avx512-bf16 32x32")
+            && out.contains("BF16 depthwise layers on vdpbf16ps"),
+        "{out}"
+    );
+    // Between an FMA's rate and the depthwise kernels' threshold: the GEMMs on pairs, the
+    // depthwise layers on FMAs.
+    keep(1.2);
+    let out = run("", &["doctor"]);
+    assert!(
+        out.contains("SIMD paths avx512bf16;")
+            && out.contains("BF16 depthwise layers on the FP32 FMAs"),
         "{out}"
     );
     keep(0.5);

@@ -480,7 +480,10 @@ impl<T: Elem> CpuSession<T> {
         let (xs, ys) = (self.dims(x_id, images.len()), self.dims(d, images.len()));
         let band = match pw {
             Some(pw) => kernels::pair_bands((pw, dw), xs, ys, self.threads, self.l2),
-            None => kernels::projected_bands(dw, xs, ys, self.threads, self.l2),
+            None => {
+                let proj = conv(d + 1).expect("projections are convolutions");
+                kernels::projected_bands((dw, proj), xs, ys, self.threads, self.l2)
+            }
         };
         let Some(band) = band else {
             return 0;

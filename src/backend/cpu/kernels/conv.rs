@@ -635,9 +635,8 @@ pub(super) fn conv2d_pairs<T: Elem>(
 }
 
 /// Rows m0..m0 + mr of a bf16-pair layer's A (`x` → output `ys`), `kp` values each, `lda`
-/// apart: the input itself where the layer is 1×1 at stride 1 over channels that fill K and the
-/// engine reads rows K apart, else copied ([`PaddedRows`]) or gathered (im2col) into `cols`,
-/// zeros past K.
+/// apart: for a 1×1 layer at stride 1, its input's rows ([`padded_rows`]), else gathered
+/// (im2col) into `cols`, zeros past K.
 pub(super) fn pair_rows<'a, T: Elem>(
     c: &Conv2d,
     (x, xs, ys): (&'a [T], Nhwc, Nhwc),
@@ -647,22 +646,34 @@ pub(super) fn pair_rows<'a, T: Elem>(
 ) -> &'a [bf16] {
     let cin = c.in_channels;
     let x16 = T::as_bf16(x).expect("bf16-pair layers store bf16");
-    if is_pointwise(c) && cin == kp && lda == kp {
-        return &x16[m0 * kp..(m0 + mr) * kp];
+    if is_pointwise(c) {
+        return padded_rows(&x16[m0 * cin..(m0 + mr) * cin], cin, (kp, lda), cols);
     }
     cols.reuse(mr * lda);
-    if is_pointwise(c) {
-        let src = &x16[m0 * cin..(m0 + mr) * cin];
-        with_simd(PaddedRows {
-            src,
-            cin,
-            dst: &mut cols[..],
-            ld: lda,
-            kp,
-        });
-    } else {
-        im2col(c, x, xs, ys, m0, mr, &mut cols[..], lda);
+    im2col(c, x, xs, ys, m0, mr, &mut cols[..], lda);
+    &cols[..]
+}
+
+/// Rows of `cin` bf16 values (`src`) as a bf16-pair GEMM's A of `kp` values `lda` apart: `src`
+/// itself where its channels fill K and the engine reads rows K apart, else copied into
+/// `cols` ([`PaddedRows`]), zeros past `cin`.
+pub(super) fn padded_rows<'a>(
+    src: &'a [bf16],
+    cin: usize,
+    (kp, lda): (usize, usize),
+    cols: &'a mut Lines<bf16>,
+) -> &'a [bf16] {
+    if cin == kp && lda == kp {
+        return src;
     }
+    cols.reuse(src.len() / cin * lda);
+    with_simd(PaddedRows {
+        src,
+        cin,
+        dst: &mut cols[..],
+        ld: lda,
+        kp,
+    });
     &cols[..]
 }
 

@@ -287,11 +287,11 @@ pub fn pointwise_depthwise<T: Elem>(
             assert!(s.len() >= ys.n * ys.h * ys.c, "pair: row sums too short");
             TilePtr(s.as_mut_ptr())
         });
-    if let Some(pw) = pw.filter(|pw| pw.pairs.is_some()) {
-        assert!(project.is_none(), "pair: projections run on f32 rows");
+    let pw_pairs = pw.is_some_and(|pw| pw.pairs.is_some());
+    if pw_pairs || project.as_ref().is_some_and(|p| p.conv.pairs.is_some()) {
         let pairs = dw.depthwise_pairs.as_deref();
         let sums = sums.filter(|_| pairs.is_none());
-        return pairs_band(pw, (dw, pairs), (x, xs), (y, ys), band, sums);
+        return pairs_band(pw, (dw, pairs), (x, xs), (y, ys), band, sums, project);
     }
     let made = sums.is_some();
     let Some((w, bias)) = &dw.depthwise else {
@@ -428,36 +428,58 @@ pub fn pointwise_depthwise<T: Elem>(
     made
 }
 
-/// [`pointwise_depthwise`] with its 1×1 layer on bf16 pairs: each band's pointwise rows made
-/// by the pair GEMM into the worker's buffer, in bf16, finished as [`super::conv2d_pairs`]
-/// stores them (its input read in place or copied into padded rows, as there), and the
-/// depthwise rows made from there by the kernel the layer runs on apart — the pair kernel
-/// ([`Pairs::output_row`]) or the FMA one (with the rows' `sums` where asked) — so the same
-/// values as the layers apart. Returns whether the sums were made.
+/// [`pointwise_depthwise`] on bf16 rows, where its 1×1 layers multiply bf16 pairs: each band's
+/// pointwise rows made by the pair GEMM into the worker's buffer, in bf16, finished as
+/// [`super::conv2d_pairs`] stores them (its input read in place or copied into padded rows, as
+/// there) — or without `pw`, the input's own rows —, and the depthwise rows made from there by
+/// the kernel the layer runs on apart: the pair kernel ([`Pairs::output_row`]) or the FMA one
+/// (with the rows' `sums` where asked). With `project`, those rows go to a second buffer, and
+/// the projection's pair GEMM reads them from there as its A, its output rows of the band
+/// finished into `y` with its residual. The same values as the layers apart. Returns whether
+/// the sums were made.
+#[allow(clippy::too_many_arguments)]
 fn pairs_band<T: Elem>(
-    pw: &PackedConv<T>,
+    pw: Option<&PackedConv<T>>,
     (dw, pairs): (&PackedConv<T>, Option<&Pairs>),
     (x, xs): (&[T], Nhwc),
     (y, ys): (&mut [T], Nhwc),
     band: usize,
     sums: Option<TilePtr<f32>>,
+    project: Option<Projection<'_, T>>,
 ) -> bool {
-    let b = pw
-        .pairs
-        .as_deref()
-        .expect("a pair's pointwise layer multiplies pairs");
-    let engine = bf16_gemm::Engine::for_k(b.k).expect("pair packings exist only with an engine");
-    let (kp, lda) = (b.kp(), engine.lda(b.kp()));
+    /// A 1×1 layer's B, engine and A's K (padded) and row stride.
+    fn gemm<T: Elem>(
+        conv: &PackedConv<T>,
+    ) -> (&bf16_gemm::PackedPairs, bf16_gemm::Engine, (usize, usize)) {
+        let b = conv
+            .pairs
+            .as_deref()
+            .expect("a bf16-row band's 1×1 layers multiply pairs");
+        let engine =
+            bf16_gemm::Engine::for_k(b.k).expect("pair packings exist only with an engine");
+        (b, engine, (b.kp(), engine.lda(b.kp())))
+    }
+    fn stored<T: Elem>(v: &[T]) -> &[bf16] {
+        T::as_bf16(v).expect("bf16-pair layers store bf16")
+    }
+    let pw = pw.map(|pw| (pw, gemm(pw)));
+    let proj = project.as_ref().map(|p| (p.conv.conv.act, gemm(p.conv)));
     let c = &dw.conv;
-    let mid = Nhwc { c: b.n, ..xs };
+    let mid = Nhwc {
+        c: pw.map_or(xs.c, |(pw, _)| pw.conv.out_channels),
+        ..xs
+    };
     let Some((w, bias)) = &dw.depthwise else {
         unreachable!("a fused pair's second layer is depthwise");
     };
     let bias = bias_or_zeros(bias.as_deref(), ys.c);
     let bias = &bias[..];
     let row_len = ys.w * ys.c;
+    let out_c = proj.map_or(ys.c, |(_, (b, _, _))| b.n);
+    let residual = project.as_ref().and_then(|p| p.residual).map(stored::<T>);
+    let x16 = stored::<T>(x);
     let out = TilePtr(
-        T::as_bf16_mut(&mut y[..ys.elems()])
+        T::as_bf16_mut(&mut y[..ys.n * ys.h * ys.w * out_c])
             .expect("bf16-pair layers store bf16")
             .as_mut_ptr(),
     );
@@ -466,38 +488,42 @@ fn pairs_band<T: Elem>(
         let (n, oy0) = (item / bands, item % bands * band);
         let oy1 = (oy0 + band).min(ys.h);
         let (r0, rows) = tap_span(c, (oy0, oy1), mid.h);
-        PAIR_BAND.with_borrow_mut(|(cols, made)| {
+        PAIR_BAND.with_borrow_mut(|(cols, made, depthwise_rows)| {
             let pixels = ((n * xs.h + r0) * xs.w, rows * xs.w);
-            let a = super::pair_rows(&pw.conv, (x, xs, mid), pixels, (kp, lda), cols);
-            made.reuse(pixels.1 * mid.c);
-            let ends = (TilePtr(made.as_mut_ptr()), None);
-            // SAFETY: pair packings exist only where the CPU runs their engine; A has the
-            // band's rows of kp values lda apart (zeros past K); `made` holds as many rows of
-            // the layer's channels, this worker's alone.
-            unsafe {
-                let panels = (0, b.panels());
-                super::pairs_finished(
-                    engine,
-                    (a, lda),
-                    b,
-                    (0, pixels.1),
-                    panels,
-                    ends,
-                    pw.conv.act,
-                )
+            let made: &[bf16] = match pw {
+                Some((pw, (b, engine, (kp, lda)))) => {
+                    let a = super::pair_rows(&pw.conv, (x, xs, mid), pixels, (kp, lda), cols);
+                    made.reuse(pixels.1 * mid.c);
+                    let ends = (TilePtr(made.as_mut_ptr()), None);
+                    // SAFETY: pair packings exist only where the CPU runs their engine; A has
+                    // the band's rows of kp values lda apart (zeros past K); `made` holds as
+                    // many rows of the layer's channels, this worker's alone.
+                    unsafe {
+                        let (m, panels) = ((0, pixels.1), (0, b.panels()));
+                        super::pairs_finished(engine, (a, lda), b, m, panels, ends, pw.conv.act)
+                    };
+                    made
+                }
+                None => &x16[pixels.0 * mid.c..][..pixels.1 * mid.c],
             };
             let band_dims = Nhwc {
                 n: 1,
                 h: rows,
                 ..mid
             };
+            if proj.is_some() {
+                depthwise_rows.reuse((oy1 - oy0) * row_len);
+            }
             for oy in oy0..oy1 {
                 let input: Vec<Option<&[bf16]>> = (0..c.kernel.0)
                     .map(|ky| image_row(made, band_dims, 0, tap_row(c, oy, ky) - r0 as isize))
                     .collect();
-                // SAFETY: output row oy of image n, this work item's alone.
-                let out = unsafe {
-                    std::slice::from_raw_parts_mut(out.add((n * ys.h + oy) * row_len), row_len)
+                let out = match proj {
+                    Some(_) => &mut depthwise_rows[(oy - oy0) * row_len..][..row_len],
+                    // SAFETY: output row oy of image n, this work item's alone.
+                    None => unsafe {
+                        std::slice::from_raw_parts_mut(out.add((n * ys.h + oy) * row_len), row_len)
+                    },
                 };
                 let fin = (None, c.act);
                 match pairs {
@@ -511,16 +537,30 @@ fn pairs_band<T: Elem>(
                     unsafe { put_row_sums(sums, n * ys.h + oy, ys.c, out) };
                 }
             }
+            if let Some((act, (b, engine, (kp, lda)))) = proj {
+                // The band's depthwise rows are the projection's A, as `conv2d` reads its
+                // input: its output rows of this band, finished.
+                let m = (oy1 - oy0) * ys.w;
+                let a = super::padded_rows(&depthwise_rows[..m * ys.c], ys.c, (kp, lda), cols);
+                let rows = ((n * ys.h + oy0) * ys.w, m);
+                // SAFETY: as above; rows `rows` of `y` (and of the residual) are this work
+                // item's.
+                unsafe {
+                    let ends = (out, residual);
+                    super::pairs_finished(engine, (a, lda), b, rows, (0, b.panels()), ends, act)
+                };
+            }
         });
     });
     sums.is_some()
 }
 
 thread_local! {
-    /// A fused pair's bf16 A rows (where they are copied) and its band of pointwise rows (see
-    /// [`pairs_band`]), on cache lines as the tiles read them.
-    static PAIR_BAND: std::cell::RefCell<(Lines<bf16>, Lines<bf16>)> =
-        std::cell::RefCell::new((big_buffer(0), big_buffer(0)));
+    /// A fused pair's bf16 A rows (where they are copied), its band of pointwise rows and, for
+    /// a projection, its band of depthwise rows (see [`pairs_band`]), on cache lines as the
+    /// tiles read them.
+    static PAIR_BAND: std::cell::RefCell<(Lines<bf16>, Lines<bf16>, Lines<bf16>)> =
+        std::cell::RefCell::new((big_buffer(0), big_buffer(0), big_buffer(0)));
 }
 
 /// The 1×1 layer's rows (`m` pixels of `k` channels in `a`) into `expanded`, as [`conv2d`]
@@ -644,22 +684,27 @@ pub fn pair_bands<T: Elem>(
 }
 
 /// Whether pointwise layer `proj` may run on depthwise layer `dw`'s rows as they are made (a
-/// [`Projection`] of [`pointwise_depthwise`]): `dw` on the FMA kernels, and `proj` an ungrouped
-/// 1×1 stride-1 layer over its channels on the GEMM of f32 rows (not on bf16 pairs), as
-/// `conv2d` runs it.
+/// [`Projection`] of [`pointwise_depthwise`]): `proj` an ungrouped 1×1 stride-1 layer over
+/// `dw`'s channels, as `conv2d` runs it — on the GEMM of f32 rows after `dw` on the FMA
+/// kernels, or on bf16 pairs after `dw` on either kernel.
 pub fn can_project<T: Elem>(dw: &PackedConv<T>, proj: &PackedConv<T>) -> bool {
+    let kernels = match &proj.pairs {
+        None => {
+            dw.depthwise_pairs.is_none()
+                && proj.groups.len() == 1
+                && proj.winograd.is_none()
+                && !super::stem::runs_f32(&proj.conv)
+        }
+        Some(_) => !super::stem::is_stem(&proj.conv),
+    };
     dw.depthwise.is_some()
-        && dw.depthwise_pairs.is_none()
         && is_pointwise(&proj.conv)
-        && proj.groups.len() == 1
-        && proj.winograd.is_none()
-        && proj.pairs.is_none()
-        && !super::stem::runs_f32(&proj.conv)
+        && kernels
         && proj.conv.in_channels == dw.conv.out_channels
 }
 
-/// Whether depthwise layer `dw` (`xs` → `ys`) and the pointwise layer that reads its output
-/// alone should run as one ([`pointwise_depthwise`] without a pointwise layer before), and in
+/// Whether depthwise layer `dw` (`xs` → `ys`) and the pointwise layer `proj` that reads its
+/// output alone should run as one ([`pointwise_depthwise`] without a pointwise layer before), and in
 /// bands of how many output rows: where `dw`'s output outgrows the L2 caches of the `threads`
 /// workers (`l2` bytes each), which the projection would otherwise read back, in bands of
 /// input rows within half an L2 ([`fused_band_rows`]). Alternating in one process on a 2-vCPU
@@ -668,14 +713,24 @@ pub fn can_project<T: Elem>(dw: &PackedConv<T>, proj: &PackedConv<T>) -> bool {
 /// 0.74× (24 → 72 → 24 at 56² with a residual) and 0.94× (40 → 240 → 80) the time of the
 /// pair and the projection apart; the network 0.95× at batch 8 and 32, 0.985× at 1, and
 /// MobileNetV2 (whose blocks all end in a projection) 0.91× at batch 8.
+///
+/// Where `proj` multiplies bf16 pairs (`dw`'s rows stay bf16, `pairs_band`) the tensor counts
+/// as its bf16 bytes and a third more, as for [`pair_bands`]' pairs: MobileNetV3-Large BF16 on
+/// 2 Sapphire Rapids cores (one process alternating, 100 steps at batch 8, 30 at 32), the
+/// depthwise layer and its projection took 0.95–0.97× the time fused at 112² and 56² (3.2 and
+/// 3.6 MB of bf16 at batch 8), the network 0.97–0.99×; counted in f32 instead, 14² layers of
+/// 184 and 200 channels at batch 32 (2.3 and 2.5 MB) fused too, and took 1.00–1.05× as long.
 pub fn projected_bands<T: Elem>(
-    dw: &PackedConv<T>,
+    (dw, proj): (&PackedConv<T>, &PackedConv<T>),
     xs: Nhwc,
     ys: Nhwc,
     threads: usize,
     l2: usize,
 ) -> Option<usize> {
-    let bytes = ys.elems().saturating_mul(4);
+    let bytes = match proj.pairs {
+        Some(_) => ys.elems().saturating_mul(2).saturating_mul(4) / 3,
+        None => ys.elems().saturating_mul(4),
+    };
     if bytes <= threads.saturating_mul(l2) {
         return None;
     }
@@ -2071,9 +2126,10 @@ mod tests {
     /// output row to the whole image, 3×3 and 5×5 taps at strides 1 and 2, padding 0 to 2
     /// (bands whose taps reach above and below the image), channel counts that leave a half
     /// panel and a masked last block, K below and above the small-K kernel's reach,
-    /// activations on either layer or neither. With the depthwise output projected
-    /// too (by a 1×1 layer with and without a residual, to channel counts that leave half
-    /// panels), after the pointwise layer and without one.
+    /// activations on either layer or neither; in BF16 where it multiplies pairs, the
+    /// depthwise layer on both its kernels. With the depthwise output projected too (by a 1×1
+    /// layer with and without a residual, to channel counts that leave half panels), after
+    /// the pointwise layer and without one, on f32 rows or on bf16 pairs.
     #[test]
     fn fused_pairs_match_the_layers_apart() {
         /// Returns how many cases fused on bf16 pairs.
@@ -2202,11 +2258,7 @@ mod tests {
                     let proj_w: Vec<f32> = (0..cmid * cp).map(|i| value(i * 5 + 3) / 8.0).collect();
                     let proj_bias: Vec<f32> = (0..cp).map(|i| i as f32 / 32.0 - 0.25).collect();
                     let proj = PackedConv::<T>::new(proj_conv, &proj_w, Some(&proj_bias));
-                    if on_pairs || proj.pairs.is_some() {
-                        // Projections run on f32 rows only.
-                        assert!(!can_project(dw, &proj), "{cmid} → {cp}");
-                        continue;
-                    }
+                    // On f32 rows after the FMA kernels, on bf16 pairs after either.
                     assert!(can_project(dw, &proj), "{cmid} → {cp}");
                     let os = Nhwc { c: cp, ..ys };
                     let res: Vec<T> = (0..os.elems())
