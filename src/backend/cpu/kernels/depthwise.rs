@@ -106,14 +106,27 @@ fn direct<S: Lanes + Wide>(
         .for_each(|(row, out)| {
             let input = tap_rows(c, x, xs, row / ys.h, row % ys.h);
             let residual = residual.map(|r| &r[row * row_len..][..row_len]);
-            if !regs_row(c, &input, (w, bias), out, xs.w, (residual, act)) {
-                other_row(c, &input, (w, bias), out, xs.w, (residual, act));
-            }
+            fma_row(c, &input, (w, bias), out, xs.w, (residual, act));
             if let Some(sums) = sums {
                 // SAFETY: `depthwise` checked the sums' length; row `row` is this item's.
                 unsafe { put_row_sums(sums, row, ys.c, out) };
             }
         });
+}
+
+/// One output row on the FMA kernels: by the intrinsics kernel ([`regs_row`]) where it covers
+/// the layer, else by [`other_row`].
+fn fma_row<S: Lanes + Wide>(
+    c: &Conv2d,
+    input: &[Option<&[S]>],
+    weights: (&[f32], &[f32]),
+    out: &mut [S],
+    width: usize,
+    fin: (Option<&[S]>, Act),
+) {
+    if !regs_row(c, input, weights, out, width, fin) {
+        other_row(c, input, weights, out, width, fin);
+    }
 }
 
 /// One output row of [`direct`] where the intrinsics kernel does not cover it: f32 rows computed
@@ -266,9 +279,8 @@ pub struct Projection<'a, T> {
 /// The results are the unfused layers', bit for bit: the same GEMM tiles over the same K, the
 /// same depthwise rows. With `sums` (and no `project`), the depthwise rows' sums as
 /// [`super::conv2d_squeezed`] writes them (f32 and bf16 storage: returns whether they were).
-/// Where the pointwise layer multiplies bf16 pairs the band's rows stay bf16 (`pairs_band`),
-/// without a projection, and without sums where the depthwise layer multiplies pairs too, as
-/// the layers run apart.
+/// Where the 1×1 layers multiply bf16 pairs the band's rows stay bf16 (`pairs_band`), without
+/// sums where the depthwise layer multiplies pairs too, as the layers run apart.
 #[allow(clippy::too_many_arguments)]
 pub fn pointwise_depthwise<T: Elem>(
     pw: Option<&PackedConv<T>>,
@@ -528,8 +540,7 @@ fn pairs_band<T: Elem>(
                 let fin = (None, c.act);
                 match pairs {
                     Some(p) => p.output_row(&input, bias, out, fin, (mid.w, c.padding.1)),
-                    None if regs_row(c, &input, (w, bias), out, mid.w, fin) => {}
-                    None => other_row(c, &input, (w, bias), out, mid.w, fin),
+                    None => fma_row(c, &input, (w, bias), out, mid.w, fin),
                 }
                 if let Some(sums) = sums {
                     // SAFETY: the caller checked the sums' length; row n·h + oy is this
@@ -673,7 +684,7 @@ pub fn pair_bands<T: Elem>(
     // steps) every pair this fuses took 0.71–0.94× the time, those at 14² (8.4 MB) 0.88× and
     // 0.94×; the network's least step 0.93×.
     let stored = match pw.pairs {
-        Some(_) => mid.elems().saturating_mul(2).saturating_mul(4) / 3,
+        Some(_) => pair_band_bytes(mid),
         None => bytes,
     };
     if stored <= l2s {
@@ -681,6 +692,12 @@ pub fn pair_bands<T: Elem>(
     }
     let eighths = if bytes / 4 >= l2s { 3 } else { 1 };
     fused_band_rows(&dw.conv, mid, ys.h, threads, (l2 / 2, eighths))
+}
+
+/// The bytes a tensor kept in bf16 by a fused band on bf16 pairs counts as against the L2s
+/// ([`pair_bands`], [`projected_bands`]): its bf16 bytes and a third more.
+fn pair_band_bytes(dims: Nhwc) -> usize {
+    dims.elems().saturating_mul(2).saturating_mul(4) / 3
 }
 
 /// Whether pointwise layer `proj` may run on depthwise layer `dw`'s rows as they are made (a
@@ -704,10 +721,10 @@ pub fn can_project<T: Elem>(dw: &PackedConv<T>, proj: &PackedConv<T>) -> bool {
 }
 
 /// Whether depthwise layer `dw` (`xs` → `ys`) and the pointwise layer `proj` that reads its
-/// output alone should run as one ([`pointwise_depthwise`] without a pointwise layer before), and in
-/// bands of how many output rows: where `dw`'s output outgrows the L2 caches of the `threads`
-/// workers (`l2` bytes each), which the projection would otherwise read back, in bands of
-/// input rows within half an L2 ([`fused_band_rows`]). Alternating in one process on a 2-vCPU
+/// output alone should run as one ([`pointwise_depthwise`] without a pointwise layer before),
+/// and in bands of how many output rows: where `dw`'s output outgrows the L2 caches of the
+/// `threads` workers (`l2` bytes each), which the projection would otherwise read back, in
+/// bands of input rows within half an L2 ([`fused_band_rows`]). Alternating in one process on a 2-vCPU
 /// Emerald Rapids Xeon (2 MB of L2 a core), MobileNetV3-Large FP32 b8's projected layers took
 /// 0.83× (16 channels at 112², no pointwise layer before), 0.94× (the pair 16 → 64 → 24),
 /// 0.74× (24 → 72 → 24 at 56² with a residual) and 0.94× (40 → 240 → 80) the time of the
@@ -728,7 +745,7 @@ pub fn projected_bands<T: Elem>(
     l2: usize,
 ) -> Option<usize> {
     let bytes = match proj.pairs {
-        Some(_) => ys.elems().saturating_mul(2).saturating_mul(4) / 3,
+        Some(_) => pair_band_bytes(ys),
         None => ys.elems().saturating_mul(4),
     };
     if bytes <= threads.saturating_mul(l2) {
