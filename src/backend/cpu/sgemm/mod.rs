@@ -15,7 +15,11 @@
 //! ceiling is 265. 14 rows over 12 read each B row for two more rows of A, and divide every
 //! ResNet-50 layer's rows at even batches (n·56², n·28², n·14², n·7²: 392 rows were 32 tiles
 //! and a part-filled one): single layers at batch 8 1–7% faster (layer4's the most), the
-//! network +1.2% (10 interleaved runs). Machines without AVX2 + FMA run the 6×16 tiling with a
+//! network +1.2% (10 interleaved runs). Where a call has panels enough to repay a copy
+//! (`PACK_FROM`), AVX-512 packs each K block's whole 14-row groups of A k-major first
+//! (`pack_groups`), BLIS's packed A: the tile's fourteen broadcasts then read one stream at
+//! constant offsets from one pointer (embedded broadcasts in the FMAs) instead of fourteen
+//! rows. Machines without AVX2 + FMA run the 6×16 tiling with a
 //! portable kernel. Both SIMD paths also have a small-K kernel that runs one panel at a time
 //! over all of a work item's rows in a single K block, without the tile's per-call costs
 //! (`Kernels::stationary`); a start-up probe decides how deep it pays on the CPU.
@@ -486,6 +490,12 @@ struct Kernels<E = f32> {
     /// time and EfficientNet-B0 0.97× (alternating runs). (Masks in the whole tiles' code
     /// spilled their accumulators, whatever the extents: hence two sets.)
     edges: Option<[TileFn<E>; 4]>,
+    /// Where the path has them, `tall` and `tall1` reading A packed (`PACKED`: each group of
+    /// `rows` rows k-major in one buffer, [`pack_groups`]), for calls of at least `pack_from`
+    /// panels: the tile's broadcasts then read one stream instead of `rows` rows. See
+    /// [`PACK_FROM`].
+    packed: Option<[TileFn<E>; 2]>,
+    pack_from: usize,
 }
 
 // Function pointers copy whatever they point at (a derive would ask E: Copy).
@@ -524,6 +534,8 @@ fn six<E>(tile: TileFn<E>) -> Kernels<E> {
         small_k: 0,
         tails: None,
         edges: None,
+        packed: None,
+        pack_from: 0,
     }
 }
 
@@ -533,11 +545,11 @@ fn six<E>(tile: TileFn<E>) -> Kernels<E> {
 macro_rules! avx2_tails {
     ($($tile:ident)::+) => {
         [
-            $($tile)::+::<1, 2, false>,
-            $($tile)::+::<2, 2, false>,
-            $($tile)::+::<3, 2, false>,
-            $($tile)::+::<4, 2, false>,
-            $($tile)::+::<5, 2, false>,
+            $($tile)::+::<1, 2, false, false>,
+            $($tile)::+::<2, 2, false, false>,
+            $($tile)::+::<3, 2, false, false>,
+            $($tile)::+::<4, 2, false, false>,
+            $($tile)::+::<5, 2, false, false>,
         ]
     };
 }
@@ -548,26 +560,31 @@ fn kernels_for(simd: Simd) -> Kernels {
         Simd::Avx512 | Simd::Avx512Bf16 | Simd::Amx => Kernels {
             rows: 14,
             panels: 2,
-            tall: avx512::tile::<14, 2, false>,
-            short: avx512::tile::<MR, 2, false>,
-            tall1: avx512::tile::<14, 1, false>,
-            short1: avx512::tile::<MR, 1, false>,
+            tall: avx512::tile::<14, 2, false, false>,
+            short: avx512::tile::<MR, 2, false, false>,
+            tall1: avx512::tile::<14, 1, false, false>,
+            short1: avx512::tile::<MR, 1, false, false>,
             stationary: Some(avx512::stationary),
             small_k: STATIONARY_MAX_K,
             tails: None,
             edges: Some([
-                avx512::tile::<14, 2, true>,
-                avx512::tile::<MR, 2, true>,
-                avx512::tile::<14, 1, true>,
-                avx512::tile::<MR, 1, true>,
+                avx512::tile::<14, 2, true, false>,
+                avx512::tile::<MR, 2, true, false>,
+                avx512::tile::<14, 1, true, false>,
+                avx512::tile::<MR, 1, true, false>,
             ]),
+            packed: Some([
+                avx512::tile::<14, 2, false, true>,
+                avx512::tile::<14, 1, false, true>,
+            ]),
+            pack_from: PACK_FROM,
         },
         #[cfg(target_arch = "x86_64")]
         Simd::Avx2Fma => Kernels {
             stationary: Some(avx2::stationary::<f32>),
             small_k: AVX2_SMALL_K_MAX,
             tails: Some(avx2_tails!(avx2::tile)),
-            ..six(avx2::tile::<MR, 2, false>)
+            ..six(avx2::tile::<MR, 2, false, false>)
         },
         _ => six(tile_portable::<MR>),
     }
@@ -589,24 +606,29 @@ macro_rules! half_kernels {
             Simd::Avx512 | Simd::Avx512Bf16 | Simd::Amx => Some(Kernels {
                 rows: 14,
                 panels: 2,
-                tall: avx512::$tile::<14, 2, false>,
-                short: avx512::$tile::<MR, 2, false>,
-                tall1: avx512::$tile::<14, 1, false>,
-                short1: avx512::$tile::<MR, 1, false>,
+                tall: avx512::$tile::<14, 2, false, false>,
+                short: avx512::$tile::<MR, 2, false, false>,
+                tall1: avx512::$tile::<14, 1, false, false>,
+                short1: avx512::$tile::<MR, 1, false, false>,
                 stationary: None,
                 small_k: 0,
                 tails: None,
                 edges: Some([
-                    avx512::$tile::<14, 2, true>,
-                    avx512::$tile::<MR, 2, true>,
-                    avx512::$tile::<14, 1, true>,
-                    avx512::$tile::<MR, 1, true>,
+                    avx512::$tile::<14, 2, true, false>,
+                    avx512::$tile::<MR, 2, true, false>,
+                    avx512::$tile::<14, 1, true, false>,
+                    avx512::$tile::<MR, 1, true, false>,
                 ]),
+                packed: Some([
+                    avx512::$tile::<14, 2, false, true>,
+                    avx512::$tile::<14, 1, false, true>,
+                ]),
+                pack_from: PACK_FROM,
             }),
             #[cfg(target_arch = "x86_64")]
             Simd::Avx2Fma if $avx2 => Some(Kernels {
                 tails: Some(avx2_tails!(avx2::$tile)),
-                ..six(avx2::$tile::<MR, 2, false>)
+                ..six(avx2::$tile::<MR, 2, false, false>)
             }),
             _ => None,
         }
@@ -725,7 +747,9 @@ unsafe fn gemm_with<E>(
         // projection (K 4864) at one row, two threads on a Zen 3, in one process: 0.91–0.97×
         // the time in BF16 (4 runs), 0.98× in FP32 (2 runs).
         let kc = if m < MR { b.k } else { KC };
-        for_k_blocks(m, a, lda, (b.k, kc), |a, lda, block| {
+        // Packed row groups are out of the way of each other's L1 sets: no copy first.
+        let copy = aliases(lda) && m > 1 && packed_groups(&kern, m, (p0, p1)) == 0;
+        for_k_blocks(m, a, lda, (b.k, kc), copy, |a, lda, block| {
             gemm_block(kern, order, m, a, lda, b, (p0, p1), block, c, ldc, fin)
         })
     }
@@ -959,7 +983,8 @@ unsafe fn gemm_packed_to<T: Elem>(
         // alone (k0 = 0 within it, the panels' blocks kc · NR apart), and C's columns for
         // panel p start (p − p0)·NR in.
         unsafe {
-            for_k_blocks(m, a, lda, (b.k, KC), |a, lda, block| {
+            let copy = aliases(lda) && m > 1;
+            for_k_blocks(m, a, lda, (b.k, KC), copy, |a, lda, block| {
                 for p in (p0..p1).step_by(kern.panels) {
                     let w = kern.panels.min(p1 - p);
                     let len = block.kc * NR;
@@ -1004,8 +1029,8 @@ fn small_k_to<E>(kern: Kernels<E>, max: usize) -> Kernels<E> {
 }
 
 /// Run `f(a, lda, block)` for each K block (of `kc_max` columns, the last fewer) of a GEMM
-/// over K = `k`, `a` pointing at the block's first column: A itself, or a copy of the block
-/// where A's stride aliases (see [`aliases`]).
+/// over K = `k`, `a` pointing at the block's first column: A itself, or where `copy` (A's
+/// stride aliases, see [`aliases`]) a copy of the block at a stride that does not.
 ///
 /// # Safety
 /// `a` must point to `m` rows of at least `k` readable floats spaced `lda` apart.
@@ -1014,6 +1039,7 @@ unsafe fn for_k_blocks(
     a: *const f32,
     lda: usize,
     (k, kc_max): (usize, usize),
+    copy: bool,
     mut f: impl FnMut(*const f32, usize, Block),
 ) {
     let mut k0 = 0;
@@ -1025,7 +1051,7 @@ unsafe fn for_k_blocks(
             init: if k0 == 0 { Init::Bias } else { Init::Load },
             last: k0 + kc == k,
         };
-        if aliases(lda) && m > 1 {
+        if copy {
             // Copy the K block at a stride that spreads its rows over the L1 sets.
             A_COPY.with_borrow_mut(|copy| {
                 let ld = kc + COPY_PAD;
@@ -1128,6 +1154,16 @@ unsafe fn gemm_block<E>(
         }
         return;
     }
+    // The whole row groups packed for the packed tiles, where they run: a buffer taken from
+    // the worker's for the call and given back after it.
+    let groups = packed_groups(&kern, m, (p0, p1));
+    let mut pack = if groups > 0 {
+        A_PACK.take()
+    } else {
+        Vec::new()
+    };
+    // SAFETY: A has m ≥ groups · rows rows of kc readable floats (the contract).
+    unsafe { pack_groups(a, lda, (groups, kern.rows), kc, &mut pack) };
     // One tile: rows i.. of panels p..p + w (w ≤ kern.panels); returns the rows it covered.
     let tile_at = |p: usize, w: usize, i: usize| -> usize {
         let width = w * NR;
@@ -1157,12 +1193,24 @@ unsafe fn gemm_block<E>(
         }
         // SAFETY: rows i..i+rows of A and C exist by the contract, and so do panels
         // p..p + w (the callers keep p + w ≤ p1); rows past `rows` in an edge tile repeat
-        // the last valid row and their results are dropped.
+        // the last valid row and their results are dropped. A packed group holds its rows'
+        // kc columns (`pack_groups`); i is a multiple of the tall tile's rows while they run.
         unsafe {
-            let a_rows = row_pointers(a, lda, i, rows);
             let c_tile = c.add(i * ldc + (p - p0) * NR);
             let fin = fin.map(|f| f.at(i * ldc + (p - p0) * NR));
             let bstride = b.k * NR;
+            let group = i / kern.rows;
+            if let Some(tiles) = kern
+                .packed
+                .filter(|_| whole && which % 2 == 0 && group < groups)
+            {
+                let tile = tiles[which / 2];
+                let a_group = [pack.as_ptr().add(group * kern.rows * kc); MAX_ROWS];
+                let (b, valid) = ((panel, bstride), (rows, cols));
+                tile(kc, &a_group, b, c_tile, ldc, valid, init, bias, fin);
+                return rows;
+            }
+            let a_rows = row_pointers(a, lda, i, rows);
             // In place: a whole tile; a whole panel's last rows on a path with tiles that
             // tall; an edge tile on a path that masks its edges.
             let in_place = match (whole, kern.tails) {
@@ -1234,7 +1282,7 @@ unsafe fn gemm_block<E>(
     };
     // The call's panels in tiles `kern.panels` wide, the last one narrower when they do not
     // divide evenly: (first panel, width).
-    let groups = (p0..p1)
+    let panel_groups = (p0..p1)
         .step_by(kern.panels)
         .map(|p| (p, kern.panels.min(p1 - p)));
     // Rows outer where the K block of every panel fits in half the L2 cache: a row group's A
@@ -1250,16 +1298,57 @@ unsafe fn gemm_block<E>(
         let mut i = 0;
         while i < m {
             let mut rows = 0;
-            for (p, w) in groups.clone() {
+            for (p, w) in panel_groups.clone() {
                 rows = tile_at(p, w, i);
             }
             i += rows;
         }
     } else {
-        for (p, w) in groups {
+        for (p, w) in panel_groups {
             let mut i = 0;
             while i < m {
                 i += tile_at(p, w, i);
+            }
+        }
+    }
+    if groups > 0 {
+        A_PACK.set(pack);
+    }
+}
+
+/// The whole row groups of A a call of [`gemm_block`] packs for `kern`'s packed tiles: none
+/// where the path has none, or the call has fewer panels than `kern.pack_from` (each group
+/// is copied once and read by every panel: a few panels do not repay the copy).
+fn packed_groups<E>(kern: &Kernels<E>, m: usize, (p0, p1): (usize, usize)) -> usize {
+    match kern.packed {
+        Some(_) if kern.pack_from > 0 && p1.saturating_sub(p0) >= kern.pack_from => m / kern.rows,
+        _ => 0,
+    }
+}
+
+/// Copy `groups` groups of `rows` rows of A (`lda` apart, from row 0), columns 0..kc, into
+/// `pack` k-major, as the `PACKED` tiles read them: group g's row r, column k at
+/// g·rows·kc + k·rows + r. The buffer only grows (its old values are all overwritten).
+///
+/// # Safety
+/// `a` points to `groups · rows` rows of at least `kc` readable floats `lda` apart.
+unsafe fn pack_groups(
+    a: *const f32,
+    lda: usize,
+    (groups, rows): (usize, usize),
+    kc: usize,
+    pack: &mut Vec<f32>,
+) {
+    let len = groups * rows * kc;
+    if pack.len() < len {
+        pack.resize(len, 0.0);
+    }
+    for (g, block) in pack[..len].chunks_exact_mut((rows * kc).max(1)).enumerate() {
+        let row = row_pointers(a, lda, g * rows, rows);
+        for (k, values) in block.chunks_exact_mut(rows).enumerate() {
+            for (v, row) in values.iter_mut().zip(row) {
+                // SAFETY: row g·rows + r < groups · rows has kc > k readable floats.
+                *v = unsafe { *row.add(k) };
             }
         }
     }
@@ -1361,6 +1450,21 @@ fn prefetch_c_rows<O>(
     let _ = (c, residual, ldc, col, r0, height, m);
 }
 
+/// The fewest panels a [`gemm_block`] call has for the AVX-512 tiles to read A packed
+/// ([`pack_groups`], a copy of each A value per K block: about a cycle, against the tile's
+/// one FMA cycle per value and panel pair that it speeds up).
+///
+/// On an AMX Xeon (Sapphire Rapids family, 2 vCPUs, 2 MiB L2 a core), one core: the 14×32
+/// tile reading 14 rows of A ran at 0.76–0.80× its rate on data in L1 over a whole GEMM
+/// (784 × 768 × 3072 and 504 × 1024 × 1024, K blocks of 1024), and at 0.90–0.93× on A packed
+/// before the timing (the copy: 0.55 ns a value). In the workshop, the two alternating in one
+/// process (packed time over the rows' time, FP32 batch 8, medians): ViT-B/16's MLP linears
+/// 0.87–0.89×, its compiled linears all together 0.87× and the network 0.94× eager and 0.88×
+/// compiled; 1024³ (`linear(1024,1024)` on 1024 rows) 0.91×; FP16 ViT-B/16's (f16 panels)
+/// 0.96–0.97×. ResNet-50's 1×1 and 3×3 layers of 256 to 2048 outputs (16 to 128 panels)
+/// 0.90–0.96×, but its 128-output ones (8 panels) 1.07–1.09×: they pack from 16.
+const PACK_FROM: usize = 16;
+
 /// Padding of a copied K block's rows (floats): one cache line, so that consecutive rows start
 /// on different L1 sets.
 const COPY_PAD: usize = 16;
@@ -1368,6 +1472,8 @@ const COPY_PAD: usize = 16;
 thread_local! {
     /// The copied K block of A (see [`aliases`]): grown once per worker, reused by every call.
     static A_COPY: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// A K block's row groups of A packed for the packed tiles (see [`pack_groups`]).
+    static A_PACK: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     /// One widened K block of a half-precision panel (see [`gemm_packed`]).
     static B_BLOCK: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }

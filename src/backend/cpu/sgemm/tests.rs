@@ -17,6 +17,8 @@ fn kernels_match_naive_matmul() {
         small_k: 0,
         tails: None,
         edges: None,
+        packed: None,
+        pack_from: 0,
     };
     let mut kernels: Vec<(&str, Kernels)> = vec![
         ("portable", kernels_for(Simd::Portable)),
@@ -54,14 +56,16 @@ fn kernels_match_naive_matmul() {
             Kernels {
                 rows: 12,
                 panels: 2,
-                tall: avx2::tile::<12, 4, false>,
-                short: avx2::tile::<MR, 4, false>,
-                tall1: avx2::tile::<12, 2, false>,
-                short1: avx2::tile::<MR, 2, false>,
+                tall: avx2::tile::<12, 4, false, false>,
+                short: avx2::tile::<MR, 4, false, false>,
+                tall1: avx2::tile::<12, 2, false, false>,
+                short1: avx2::tile::<MR, 2, false, false>,
                 stationary: None,
                 small_k: 0,
                 tails: None,
                 edges: None,
+                packed: None,
+                pack_from: 0,
             },
         ));
     }
@@ -79,6 +83,12 @@ fn kernels_match_naive_matmul() {
             ..tiles
         };
         kernels.push(("avx512 with edge tiles copied", copied));
+        // Its tiles reading A packed in every call that has a whole row group.
+        let packed = Kernels {
+            pack_from: 1,
+            ..tiles
+        };
+        kernels.push(("avx512 with A packed", packed));
     }
     for &(m, k, n) in &[
         (1, 1, 1),
@@ -99,9 +109,12 @@ fn kernels_match_naive_matmul() {
         (19, 260, 17),
         // Three K blocks, the last a short one.
         (7, 2100, 17),
-        // Rows 4 and 8 KiB apart: the K blocks are copied first (`aliases`).
+        // Rows 4 and 8 KiB apart: the K blocks are copied first (`aliases`), or packed.
         (14, 1024, 20),
         (3, 2048, 16),
+        (30, 1024, 48),
+        // Two whole row groups and a short one over three K blocks, an odd last panel.
+        (29, 2100, 40),
     ] {
         let a: Vec<f32> = (0..m * k)
             .map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0)
@@ -236,7 +249,13 @@ fn packed_halves_match_f32() {
         unsafe { gemm_packed(m, a.as_ptr(), b.k, b, p, c.as_mut_ptr(), ldc, None) };
         c
     }
-    for &(m, k, n) in &[(7, 300, 17), (14, 1024, 40), (3, 2048, 33), (5, 2100, 20)] {
+    for &(m, k, n) in &[
+        (7, 300, 17),
+        (14, 1024, 40),
+        (3, 2048, 33),
+        (5, 2100, 20),
+        (31, 2100, 40),
+    ] {
         let a: Vec<f32> = (0..m * k)
             .map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0)
             .collect();
@@ -295,10 +314,23 @@ fn packed_halves_match_f32() {
                 if let Some(kern) = kernels_f16_for(path).filter(|_| best >= path) {
                     let c = direct_run(kern, (&h.data, &h.bias), dims, a, p, out);
                     direct.push((format!("f16 {name} tiles"), c));
+                    // And reading A packed wherever a call has a whole row group.
+                    let kern = Kernels {
+                        pack_from: 1,
+                        ..kern
+                    };
+                    let c = direct_run(kern, (&h.data, &h.bias), dims, a, p, out);
+                    direct.push((format!("f16 {name} tiles, A packed"), c));
                 }
                 if let Some(kern) = kernels_bf16_for(path).filter(|_| best >= path) {
                     let c = direct_run(kern, (&bf.data, &bf.bias), dims, a, p, out);
                     direct.push((format!("bf16 {name} tiles"), c));
+                    let kern = Kernels {
+                        pack_from: 1,
+                        ..kern
+                    };
+                    let c = direct_run(kern, (&bf.data, &bf.bias), dims, a, p, out);
+                    direct.push((format!("bf16 {name} tiles, A packed"), c));
                 }
             }
             let halves = [

@@ -259,12 +259,15 @@ macro_rules! simd_tile {
         /// writes no others (AVX-512's mask them; AVX2's are only given whole tiles).
         /// `fin` is applied on the way out: the residual added and ReLU or ReLU6 in
         /// registers, the other activations on the stored tile (see the store's match).
+        /// `PACKED`: A is one row group packed k-major (`pack_groups`): `a[0]` alone is read,
+        /// row r's k-th value at `a[0] + k·ROWS + r`, `kc · ROWS` readable floats.
         #[target_feature(enable = $features)]
         #[allow(clippy::too_many_arguments)]
         pub(in crate::backend::cpu::sgemm) unsafe fn $name<
             const ROWS: usize,
             const VECS: usize,
             const EDGE: bool,
+            const PACKED: bool,
         >(
             kc: usize,
             a: &[*const f32; MAX_ROWS],
@@ -300,7 +303,13 @@ macro_rules! simd_tile {
                         };
                     }
                 }
-                let a: [*const f32; ROWS] = std::array::from_fn(|r| a[r]);
+                // Packed, one pointer a row apart: the broadcasts read one stream at constant
+                // offsets from it.
+                let a: [*const f32; ROWS] = std::array::from_fn(|r| match PACKED {
+                    true => a[0].wrapping_add(r),
+                    false => a[r],
+                });
+                let step = if PACKED { ROWS } else { 1 };
                 // Not in the thin tiles (fewer rows than MR: AVX2's, for a decode step) on f32
                 // panels, which streamed faster without the hint: the four GEMMs of
                 // Qwen2.5-0.5B's 24 layers at one row, two threads on a Zen 3, 1.43 GB
@@ -318,7 +327,7 @@ macro_rules! simd_tile {
                     }
                     let bk: [_; VECS] = std::array::from_fn(|v| $load_b(bv[v].add(kk * NR)));
                     for (row, a) in acc.iter_mut().zip(a) {
-                        let av = $splat(*a.add(kk));
+                        let av = $splat(*a.add(kk * step));
                         for (x, bv) in row.iter_mut().zip(bk) {
                             *x = $fma(av, bv, *x);
                         }
