@@ -1117,6 +1117,14 @@ fn peak_reports_a_validated_gemm_and_bandwidth(kind: workshop::backend::BackendK
             ceiling > 0.25 * r["gemm"]["gflops"].as_f64().unwrap(),
             "{r}"
         );
+        // The same chains timed just before each GEMM: a share and their rate, both measured.
+        let beside = &r["gemm"]["beside"];
+        let share = beside["share"].as_f64().unwrap_or(-1.0);
+        assert!(share > 0.0 && share.is_finite(), "{r}");
+        assert!(beside["chains_gflops"].as_f64().unwrap_or(0.0) > 0.0, "{r}");
+    } else if kind != workshop::backend::BackendKind::Cpu {
+        // A GPU's ceiling is its specification's: nothing to time beside the GEMMs.
+        assert!(r["gemm"].get("beside").is_none(), "{r}");
     }
     let bw = r["bandwidth"].as_array().unwrap();
     assert_eq!(bw.len(), 2);
@@ -1168,6 +1176,10 @@ fn peak_in_half_precision_and_bad_sizes() {
     use workshop::backend::cpu::simd::{Simd, simd};
     if simd().has_avx2() {
         assert!(out.contains("the GEMM reaches"), "{out}");
+        assert!(
+            out.contains("of the same chains timed just before each GEMM"),
+            "{out}"
+        );
         let bf16 = ["--precision", "bf16", "--size", "64", "--iterations", "2"];
         let o = workshop(&[&["peak", "--array-mib", "4"][..], &bf16].concat());
         let out = stdout(&o);

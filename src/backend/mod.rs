@@ -321,6 +321,19 @@ pub trait Backend {
     ) -> Option<Theoretical> {
         None
     }
+    /// One short run, about `seconds` long, of what [`Self::ceiling`] measures (GFLOP/s),
+    /// where it is measured on the device: to time just before a kernel of that length, so
+    /// that the kernel's share of the ceiling compares two timings made at one clock. `None`
+    /// where the ceiling is not measured (a GPU's comes from its specification).
+    fn ceiling_now(
+        &self,
+        _device: &DeviceInfo,
+        _workers: Option<usize>,
+        _precision: Precision,
+        _seconds: f64,
+    ) -> Option<f64> {
+        None
+    }
     /// Memory a run on device `dev` may use now, when the backend knows it.
     fn memory_budget(&self, _dev: usize) -> Option<u64> {
         None

@@ -34,6 +34,21 @@ pub struct GemmPeak {
     /// bandwidth probes after them, or why it was not read; absent in older records.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub telemetry: Option<Result<super::telemetry::Telemetry, String>>,
+    /// The ceiling's chains timed just before each GEMM, where the backend measures its
+    /// ceiling (a CPU's cores); absent elsewhere and in older records.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub beside: Option<Beside>,
+}
+
+/// The compute ceiling's chains run just before each timed GEMM, as long as the GEMM before
+/// (`Backend::ceiling_now`): on a shared machine the cores' rate moves between runs, and the
+/// ceiling itself is the best of its own runs, so a GEMM's median over that best reads low.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Beside {
+    /// Median over the iterations of the GEMM's GFLOP/s over the chains' just before it.
+    pub share: f64,
+    /// Median of the chains' GFLOP/s.
+    pub chains_gflops: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -147,8 +162,10 @@ pub fn gemm_on<R>(
             (sum, scale)
         })
         .collect();
+    let warm = Instant::now();
     session.run(&input)?;
     session.sync()?;
+    let warm = warm.elapsed().as_secs_f64();
     let info = b.devices().into_iter().nth(device);
     let sampler = info
         .as_ref()
@@ -156,9 +173,15 @@ pub fn gemm_on<R>(
         .and_then(|d| super::telemetry::reader_for(kind, device, d))
         .map(|r| super::telemetry::Sampler::start(r, super::telemetry::PERIOD));
     let mut times = Vec::with_capacity(iterations);
+    let mut beside = Vec::with_capacity(iterations);
     let mut validated = 0;
     let mut max_rel_error = 0f64;
+    let flops = 2.0 * (size as f64).powi(3);
     for _ in 0..iterations {
+        // The ceiling's chains for about as long as the last GEMM took, just before this one
+        // (where the backend measures its ceiling).
+        let last = times.last().copied().unwrap_or(warm);
+        let chains = (info.as_ref()).and_then(|d| b.ceiling_now(d, threads, precision, last));
         let start = Instant::now();
         session.run(&input)?;
         session.sync()?;
@@ -167,7 +190,11 @@ pub fn gemm_on<R>(
             .kernel_times()
             .map(|k| k.iter().filter(|k| k.node == "fc").map(|k| k.ns).sum())
             .filter(|&ns| ns > 0);
-        times.push(device_ns.map_or(wall, |ns| ns as f64 * 1e-9));
+        let time = device_ns.map_or(wall, |ns| ns as f64 * 1e-9);
+        times.push(time);
+        if let Some(chains) = chains.filter(|&c| c > 0.0) {
+            beside.push((flops / time / 1e9 / chains, chains));
+        }
         let out = session.read_output()?;
         let mut ok = true;
         for (&(i, j), &(want, scale)) in picks.iter().zip(&expected) {
@@ -183,7 +210,17 @@ pub fn gemm_on<R>(
     let mut sorted = times.clone();
     sorted.sort_by(f64::total_cmp);
     let median = sorted[sorted.len() / 2];
-    let flops = 2.0 * (size as f64).powi(3);
+    // Medians of the GEMM's share of the chains beside it, and of the chains themselves.
+    let beside = (!beside.is_empty()).then(|| {
+        let median = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        Beside {
+            share: median(beside.iter().map(|b| b.0).collect()),
+            chains_gflops: median(beside.iter().map(|b| b.1).collect()),
+        }
+    });
     let peak = GemmPeak {
         backend: kind,
         device: info.as_ref().map(|d| d.name.clone()).unwrap_or_default(),
@@ -196,6 +233,7 @@ pub fn gemm_on<R>(
         validated,
         max_rel_error,
         telemetry,
+        beside,
     };
     Ok((peak, then))
 }
@@ -648,6 +686,7 @@ mod tests {
             validated: 3,
             max_rel_error: 0.0,
             telemetry: Some(Ok(telemetry)),
+            beside: None,
         };
         CachedPeak::new("CPU".into(), Some(2), gemm, Vec::new())
     }

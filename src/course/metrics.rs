@@ -151,6 +151,7 @@ metrics! {
     // Peak.
     "gemm_gflops" Step [Peak] "GFLOP/s" true "the measured GEMM peak";
     "ceiling_gflops" Step [Peak] "GFLOP/s" true "the compute ceiling above it (a CPU's FMA throughput, measured right after the GEMM; a GPU's specification)";
+    "ceiling_share_beside" Step [Peak] "ratio" true "the GEMM's GFLOP/s over the ceiling's chains timed just before each GEMM, median (where the ceiling is measured: a CPU)";
     "gbps" PerProbe [Peak] "GB/s" true "memory bandwidth of the copy and triad probes (copy_gbps, triad_gbps)";
     // Charts.
     "warnings" Step [Chart] "count" false "what differed between the compared runs besides the setting";

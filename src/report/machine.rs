@@ -176,14 +176,28 @@ pub fn ceiling(
 ) -> String {
     let share = |ceiling: f64| {
         let pct = 100.0 * g.gflops / ceiling;
-        format!(
+        let mut s = format!(
             ": the GEMM reaches {pct:.0}% of it{}",
             if pct > 100.0 {
                 " (so the cores ran faster than the ceiling assumes)"
             } else {
                 ""
             }
-        )
+        );
+        // Against the chains run just before each GEMM: the share at the clock it ran at.
+        if let Some(b) = &g.beside {
+            s.push_str(&format!(
+                "; {:.0}% of the same chains timed just before each GEMM (their median {:.1} GFLOP/s{})",
+                100.0 * b.share,
+                b.chains_gflops,
+                if b.chains_gflops < 0.9 * ceiling {
+                    ": the cores ran slower while the GEMMs did than at their best, and this share is the GEMM's own"
+                } else {
+                    ""
+                }
+            ));
+        }
+        s
     };
     let p = g.precision.name().to_uppercase();
     match t {

@@ -187,6 +187,17 @@ impl Backend for CpuBackend {
         Some(fmas)
     }
 
+    fn ceiling_now(
+        &self,
+        device: &DeviceInfo,
+        workers: Option<usize>,
+        precision: Precision,
+        seconds: f64,
+    ) -> Option<f64> {
+        let cores = workers.or(device.compute_units).unwrap_or(1);
+        simd::ceiling_now(cores, seconds, precision == Precision::Bf16)
+    }
+
     fn variants(&self, op: &Op, _out: &[usize]) -> Vec<&'static str> {
         match op {
             Op::Conv2d(c) if !(c.groups > 1 && c.groups == c.in_channels) => {

@@ -443,7 +443,17 @@ fn fma_chains() -> Option<(u64, ChainsRun)> {
 /// have no FMA instruction (the portable ones).
 pub fn fma_ceiling(threads: usize) -> Option<f64> {
     let (flops_per_iter, run) = fma_chains()?;
-    Some(chains_gflops(flops_per_iter, run, threads))
+    Some(chains_gflops(flops_per_iter, run, threads, (7, 0.03)))
+}
+
+/// One run of the chains a ceiling is measured on, for about `seconds` on `threads` threads
+/// started together, in GFLOP/s: [`fma_ceiling`]'s, or [`bf16_ceiling`]'s where `bf16` and it
+/// has its own. What the cores computed just now, to time beside a kernel of that length
+/// (`workshop peak` runs one before each GEMM): on a shared machine the cores' rate moves
+/// between the best moment a ceiling keeps and the moments a kernel runs.
+pub fn ceiling_now(threads: usize, seconds: f64, bf16: bool) -> Option<f64> {
+    let (flops_per_iter, run) = bf16.then(bf16_chains).flatten().or_else(fma_chains)?;
+    Some(chains_gflops(flops_per_iter, run, threads, (1, seconds)))
 }
 
 /// A pair of bf16 values (both 1/64) packed as `vdpbf16ps` reads them: x grows by 2⁻¹¹ a
@@ -456,6 +466,13 @@ const BF16_PAIR: u32 = 0x3c80_3c80;
 /// products a round, `amx::chains`). `None` where BF16 is widened to FP32 (the FMA ceiling is
 /// its ceiling).
 pub fn bf16_ceiling(threads: usize) -> Option<f64> {
+    let (flops_per_iter, run) = bf16_chains()?;
+    Some(chains_gflops(flops_per_iter, run, threads, (7, 0.03)))
+}
+
+/// FLOPs of one round of [`bf16_ceiling`]'s chains and the run itself; `None` where BF16 is
+/// widened to FP32.
+fn bf16_chains() -> Option<(u64, ChainsRun)> {
     #[cfg(target_arch = "x86_64")]
     match simd() {
         Simd::Avx512Bf16 => {
@@ -463,18 +480,17 @@ pub fn bf16_ceiling(threads: usize) -> Option<f64> {
                 // SAFETY: chosen only where `simd()` has AVX512_BF16.
                 unsafe { chains::bf16_dots(iters, BF16_PAIR, BF16_PAIR) }
             }
-            return Some(chains_gflops(4 * 16 * CHAINS as u64, run, threads));
+            return Some((4 * 16 * CHAINS as u64, run));
         }
         Simd::Amx => {
             fn run(iters: u64) -> [f32; CHAINS] {
                 // SAFETY: `simd()` is Amx only where `amx::available()`.
                 unsafe { super::amx::chains(iters) }
             }
-            return Some(chains_gflops(super::amx::CHAIN_FLOPS, run, threads));
+            return Some((super::amx::CHAIN_FLOPS, run));
         }
         _ => {}
     }
-    let _ = threads;
     None
 }
 
@@ -514,18 +530,23 @@ pub(super) fn dot_per_fma() -> Option<f64> {
     None
 }
 
-/// GFLOP/s of `run` on `threads` threads started together, `flops_per_iter` a round: best of
-/// seven runs of about 30 ms (calibrated on one thread).
-fn chains_gflops(flops_per_iter: u64, run: ChainsRun, threads: usize) -> f64 {
+/// GFLOP/s of `run` on `threads` threads started together, `flops_per_iter` a round: the best
+/// of `runs` runs of about `seconds` each (calibrated on one thread).
+fn chains_gflops(
+    flops_per_iter: u64,
+    run: ChainsRun,
+    threads: usize,
+    (runs, seconds): (usize, f64),
+) -> f64 {
     let threads = threads.max(1);
-    // Calibrate on one thread: rounds for about 30 ms.
+    // Calibrate on one thread: rounds for about `seconds` (no fewer than the probe's).
     let probe = 1 << 16;
     let start = std::time::Instant::now();
     std::hint::black_box(run(probe));
     let per_iter = start.elapsed().as_secs_f64() / probe as f64;
-    let iters = ((0.03 / per_iter.max(1e-12)) as u64).clamp(probe, 1 << 32);
+    let iters = ((seconds / per_iter.max(1e-12)) as u64).clamp(probe, 1 << 32);
     let mut best = 0f64;
-    for _ in 0..7 {
+    for _ in 0..runs {
         let barrier = std::sync::Barrier::new(threads);
         let longest = std::thread::scope(|s| {
             let workers: Vec<_> = (0..threads)

@@ -32,6 +32,11 @@ pub fn run(ctx: &StepContext<'_>, out: &mut StepOutput, ui: &mut dyn Ui) -> Resu
     if let Some(t) = &p.ceiling {
         out.metrics.set("ceiling_gflops", t.gflops);
     }
+    // And the GEMM's share of the same chains timed beside it, which the cores' swings on a
+    // shared machine do not move the way they move the two apart.
+    if let Some(b) = &p.gemm.beside {
+        out.metrics.set("ceiling_share_beside", b.share);
+    }
     // The device, for expectations per device (`device = [{ glob = "*H100*", ... }]`).
     if !p.gemm.device.is_empty() {
         out.device = p.gemm.device.clone();
