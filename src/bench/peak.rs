@@ -87,18 +87,26 @@ pub fn gemm(
     size: usize,
     iterations: usize,
 ) -> Result<GemmPeak> {
-    Ok(
-        gemm_on(kind, device, precision, threads, size, iterations, |_| {
-            Ok(())
-        })?
-        .0,
-    )
+    Ok(gemm_on(
+        kind,
+        device,
+        precision,
+        threads,
+        size,
+        iterations,
+        false,
+        |_| Ok(()),
+    )?
+    .0)
 }
 
 /// [`gemm`], and what `then` returned: it runs after the timed GEMMs, on the facts of the
 /// device they ran on (where the backend lists it), inside their telemetry's window (the
 /// ceiling and the bandwidth probes of [`probe`]: on a CPU the GEMMs alone take a tenth of a
-/// second, too short to tell whether other programs shared the cores).
+/// second, too short to tell whether other programs shared the cores). With `beside`, the
+/// backend's ceiling chains run before each GEMM ([`GemmPeak::beside`]; `workshop peak`'s,
+/// not a profile's quick probe, which has no use for them).
+#[allow(clippy::too_many_arguments)]
 pub fn gemm_on<R>(
     kind: BackendKind,
     device: usize,
@@ -106,6 +114,7 @@ pub fn gemm_on<R>(
     threads: Option<usize>,
     size: usize,
     iterations: usize,
+    beside: bool,
     then: impl FnOnce(Option<&DeviceInfo>) -> Result<R>,
 ) -> Result<(GemmPeak, R)> {
     if size == 0 || iterations == 0 {
@@ -173,7 +182,7 @@ pub fn gemm_on<R>(
         .and_then(|d| super::telemetry::reader_for(kind, device, d))
         .map(|r| super::telemetry::Sampler::start(r, super::telemetry::PERIOD));
     let mut times = Vec::with_capacity(iterations);
-    let mut beside = Vec::with_capacity(iterations);
+    let mut shares = Vec::with_capacity(iterations);
     let mut validated = 0;
     let mut max_rel_error = 0f64;
     let flops = 2.0 * (size as f64).powi(3);
@@ -181,7 +190,9 @@ pub fn gemm_on<R>(
         // The ceiling's chains for about as long as the last GEMM took, just before this one
         // (where the backend measures its ceiling).
         let last = times.last().copied().unwrap_or(warm);
-        let chains = (info.as_ref()).and_then(|d| b.ceiling_now(d, threads, precision, last));
+        let chains = (info.as_ref())
+            .filter(|_| beside)
+            .and_then(|d| b.ceiling_now(d, threads, precision, last));
         let start = Instant::now();
         session.run(&input)?;
         session.sync()?;
@@ -193,7 +204,7 @@ pub fn gemm_on<R>(
         let time = device_ns.map_or(wall, |ns| ns as f64 * 1e-9);
         times.push(time);
         if let Some(chains) = chains.filter(|&c| c > 0.0) {
-            beside.push((flops / time / 1e9 / chains, chains));
+            shares.push((flops / time / 1e9 / chains, chains));
         }
         let out = session.read_output()?;
         let mut ok = true;
@@ -210,15 +221,15 @@ pub fn gemm_on<R>(
     let mut sorted = times.clone();
     sorted.sort_by(f64::total_cmp);
     let median = sorted[sorted.len() / 2];
-    // Medians of the GEMM's share of the chains beside it, and of the chains themselves.
-    let beside = (!beside.is_empty()).then(|| {
+    // Medians, as the GEMM's, of its share of the chains beside it and of the chains.
+    let beside = (!shares.is_empty()).then(|| {
         let median = |mut v: Vec<f64>| {
             v.sort_by(f64::total_cmp);
             v[v.len() / 2]
         };
         Beside {
-            share: median(beside.iter().map(|b| b.0).collect()),
-            chains_gflops: median(beside.iter().map(|b| b.1).collect()),
+            share: median(shares.iter().map(|b| b.0).collect()),
+            chains_gflops: median(shares.iter().map(|b| b.1).collect()),
         }
     });
     let peak = GemmPeak {
@@ -611,6 +622,7 @@ pub fn probe(spec: &ProbeSpec) -> Result<Probe> {
         threads,
         spec.size.unwrap_or(defaults.0),
         spec.iterations,
+        true,
         |info| {
             let ceiling = info.and_then(|d| theoretical(backend, d, threads, spec.precision));
             let bandwidth = bandwidth_if_any(backend, device, mib, spec.iterations, threads)?;
