@@ -492,10 +492,11 @@ struct Kernels<E = f32> {
     edges: Option<[TileFn<E>; 4]>,
     /// Where the path has them, `tall` and `tall1` reading A packed (`PACKED`: each group of
     /// `rows` rows k-major in one buffer, [`pack_groups`]), for calls of at least `pack_from`
-    /// panels: the tile's broadcasts then read one stream instead of `rows` rows. See
-    /// [`PACK_FROM`].
+    /// panels over K blocks deeper than `pack_over_k`: the tile's broadcasts then read one
+    /// stream instead of `rows` rows. See [`PACK_FROM`] and [`PACK_OVER_K`].
     packed: Option<[TileFn<E>; 2]>,
     pack_from: usize,
+    pack_over_k: usize,
 }
 
 // Function pointers copy whatever they point at (a derive would ask E: Copy).
@@ -536,6 +537,7 @@ fn six<E>(tile: TileFn<E>) -> Kernels<E> {
         edges: None,
         packed: None,
         pack_from: 0,
+        pack_over_k: 0,
     }
 }
 
@@ -578,6 +580,7 @@ fn kernels_for(simd: Simd) -> Kernels {
                 avx512::tile::<14, 1, false, true>,
             ]),
             pack_from: PACK_FROM,
+            pack_over_k: PACK_OVER_K,
         },
         #[cfg(target_arch = "x86_64")]
         Simd::Avx2Fma => Kernels {
@@ -624,6 +627,7 @@ macro_rules! half_kernels {
                     avx512::$tile::<14, 1, false, true>,
                 ]),
                 pack_from: PACK_FROM,
+                pack_over_k: PACK_OVER_K,
             }),
             #[cfg(target_arch = "x86_64")]
             Simd::Avx2Fma if $avx2 => Some(Kernels {
@@ -748,7 +752,7 @@ unsafe fn gemm_with<E>(
         // the time in BF16 (4 runs), 0.98× in FP32 (2 runs).
         let kc = if m < MR { b.k } else { KC };
         // Packed row groups are out of the way of each other's L1 sets: no copy first.
-        let copy = aliases(lda) && m > 1 && packed_groups(&kern, m, (p0, p1)) == 0;
+        let copy = aliases(lda) && m > 1 && packed_groups(&kern, m, (p0, p1), kc.min(b.k)) == 0;
         for_k_blocks(m, a, lda, (b.k, kc), copy, |a, lda, block| {
             gemm_block(kern, order, m, a, lda, b, (p0, p1), block, c, ldc, fin)
         })
@@ -1156,7 +1160,7 @@ unsafe fn gemm_block<E>(
     }
     // The whole row groups packed for the packed tiles, where they run: a buffer taken from
     // the worker's for the call and given back after it.
-    let groups = packed_groups(&kern, m, (p0, p1));
+    let groups = packed_groups(&kern, m, (p0, p1), kc);
     let mut pack = if groups > 0 {
         A_PACK.take()
     } else {
@@ -1316,12 +1320,19 @@ unsafe fn gemm_block<E>(
     }
 }
 
-/// The whole row groups of A a call of [`gemm_block`] packs for `kern`'s packed tiles: none
-/// where the path has none, or the call has fewer panels than `kern.pack_from` (each group
-/// is copied once and read by every panel: a few panels do not repay the copy).
-fn packed_groups<E>(kern: &Kernels<E>, m: usize, (p0, p1): (usize, usize)) -> usize {
+/// The whole row groups of A a call of [`gemm_block`] packs for `kern`'s packed tiles over a
+/// K block of `kc`: none where the path has none, or the call has fewer panels than
+/// `kern.pack_from` (each group is copied once and read by every panel: a few panels do not
+/// repay the copy), or the block is no deeper than `kern.pack_over_k` ([`PACK_OVER_K`]).
+fn packed_groups<E>(kern: &Kernels<E>, m: usize, (p0, p1): (usize, usize), kc: usize) -> usize {
     match kern.packed {
-        Some(_) if kern.pack_from > 0 && p1.saturating_sub(p0) >= kern.pack_from => m / kern.rows,
+        Some(_)
+            if kern.pack_from > 0
+                && p1.saturating_sub(p0) >= kern.pack_from
+                && kc > kern.pack_over_k =>
+        {
+            m / kern.rows
+        }
         _ => 0,
     }
 }
@@ -1464,6 +1475,14 @@ fn prefetch_c_rows<O>(
 /// 0.96–0.97×. ResNet-50's 1×1 and 3×3 layers of 256 to 2048 outputs (16 to 128 panels)
 /// 0.90–0.96×, but its 128-output ones (8 panels) 1.07–1.09×: they pack from 16.
 const PACK_FROM: usize = 16;
+
+/// The deepest K block [`gemm_block`] leaves unpacked whatever its panels: there the copy did
+/// not pay (a group of 14 rows of 64 floats or fewer is 56 lines of L1, none aliasing, and
+/// presumably the tile's start and stores weigh more beside so few FMAs). On the AMX Xeon,
+/// alternating in one process (packed time over unpacked, FP32, compiled): ResNet-50's 1×1
+/// layers of K 64 into 256 outputs at 56² 1.04–1.06× at batch 8 and 1.00–1.04× at batch 1;
+/// its K 128 ones (128 → 512 at 28²) 0.98–1.01× at batch 8, so they still pack.
+const PACK_OVER_K: usize = 64;
 
 /// Padding of a copied K block's rows (floats): one cache line, so that consecutive rows start
 /// on different L1 sets.

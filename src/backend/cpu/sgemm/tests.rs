@@ -19,6 +19,7 @@ fn kernels_match_naive_matmul() {
         edges: None,
         packed: None,
         pack_from: 0,
+        pack_over_k: 0,
     };
     let mut kernels: Vec<(&str, Kernels)> = vec![
         ("portable", kernels_for(Simd::Portable)),
@@ -66,6 +67,7 @@ fn kernels_match_naive_matmul() {
                 edges: None,
                 packed: None,
                 pack_from: 0,
+                pack_over_k: 0,
             },
         ));
     }
@@ -86,6 +88,7 @@ fn kernels_match_naive_matmul() {
         // Its tiles reading A packed in every call that has a whole row group.
         let packed = Kernels {
             pack_from: 1,
+            pack_over_k: 0,
             ..tiles
         };
         kernels.push(("avx512 with A packed", packed));
@@ -317,6 +320,7 @@ fn packed_halves_match_f32() {
                     // And reading A packed wherever a call has a whole row group.
                     let kern = Kernels {
                         pack_from: 1,
+                        pack_over_k: 0,
                         ..kern
                     };
                     let c = direct_run(kern, (&h.data, &h.bias), dims, a, p, out);
@@ -327,6 +331,7 @@ fn packed_halves_match_f32() {
                     direct.push((format!("bf16 {name} tiles"), c));
                     let kern = Kernels {
                         pack_from: 1,
+                        pack_over_k: 0,
                         ..kern
                     };
                     let c = direct_run(kern, (&bf.data, &bf.bias), dims, a, p, out);
@@ -352,6 +357,21 @@ fn packed_halves_match_f32() {
             }
         }
     }
+}
+
+/// Which calls the AVX-512 tiles read A packed in: whole row groups of calls with
+/// `PACK_FROM` panels or more over K blocks deeper than `PACK_OVER_K`, none elsewhere.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn a_is_packed_for_wide_calls_over_deep_k_blocks() {
+    let kern = kernels_for(Simd::Avx512);
+    let wide = (0, PACK_FROM);
+    assert_eq!(packed_groups(&kern, 30, wide, PACK_OVER_K + 1), 2);
+    assert_eq!(packed_groups(&kern, 30, wide, KC), 2);
+    assert_eq!(packed_groups(&kern, 30, wide, PACK_OVER_K), 0);
+    assert_eq!(packed_groups(&kern, 30, (1, PACK_FROM), KC), 0);
+    assert_eq!(packed_groups(&kern, 13, wide, KC), 0);
+    assert_eq!(packed_groups(&kernels_for(Simd::Avx2Fma), 30, wide, KC), 0);
 }
 
 /// Both packers lay the panels out as the kernels read them (panel p, row kk, column jj
