@@ -266,6 +266,11 @@ impl PackedPairs {
         &self.data[q * self.kp * PANEL..(q + 1) * self.kp * PANEL]
     }
 
+    /// The bias from panel q's first column on.
+    pub(crate) fn bias_from(&self, q: usize) -> &[f32] {
+        &self.bias[q * PANEL..]
+    }
+
     /// Panel q's bias ([`PANEL`] values).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(super) fn bias(&self, q: usize) -> &[f32] {
@@ -353,18 +358,28 @@ impl Default for CBlock {
 }
 
 /// A finished block of C: its first row and row count, its first column (from panel p0's) and
-/// valid column count, and its values (32 rows of [`BLOCK_COLS`] f32, `cols` valid per row).
+/// valid column count, and its values (32 rows of [`BLOCK_COLS`] f32, `cols` valid per row),
+/// with B's bias still to add where `bias` says so ([`Done::rows`] and [`Done::finish`] add
+/// it).
 pub struct Done<'a> {
     pub row: usize,
     pub rows: usize,
     pub col: usize,
     pub cols: usize,
     pub values: &'a mut [f32],
+    /// B's bias for the block's columns (from `col`), where `values` do not hold it yet: AMX's
+    /// tiles start from zero.
+    pub bias: Option<&'a [f32]>,
 }
 
-impl Done<'_> {
-    /// The block's rows, each as C's row index and its `cols` valid values.
-    pub fn rows(&self) -> impl Iterator<Item = (usize, &[f32])> {
+impl<'a> Done<'a> {
+    /// The block's rows, each as C's row index and its `cols` valid values (the bias added).
+    pub fn rows(self) -> impl Iterator<Item = (usize, &'a [f32])> {
+        if let Some(bias) = self.bias {
+            for row in self.values.chunks_exact_mut(BLOCK_COLS).take(self.rows) {
+                row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
+            }
+        }
         let (row, cols) = (self.row, self.cols);
         let rows = self.values.chunks_exact(BLOCK_COLS).take(self.rows);
         rows.enumerate().map(move |(r, v)| (row + r, &v[..cols]))
@@ -381,7 +396,19 @@ impl Done<'_> {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bf16,avx512bw,avx512vl")]
     pub unsafe fn finish(&self, f: Finished) {
-        use std::arch::x86_64::_mm512_loadu_ps;
+        use std::arch::x86_64::*;
+        let bias = self.bias.map(|b| {
+            [0, PANEL].map(|q| {
+                let n = self.cols.saturating_sub(q).min(PANEL);
+                // SAFETY: the bias has `cols` values, of which the mask reads those from q.
+                unsafe {
+                    _mm512_maskz_loadu_ps(
+                        ((1u32 << n) - 1) as __mmask16,
+                        b[q.min(b.len())..].as_ptr(),
+                    )
+                }
+            })
+        });
         for (r, row) in self
             .values
             .chunks_exact(BLOCK_COLS)
@@ -390,7 +417,10 @@ impl Done<'_> {
         {
             // SAFETY: a row holds BLOCK_COLS floats; the places are the caller's.
             unsafe {
-                let halves = [0, PANEL].map(|q| _mm512_loadu_ps(row[q..].as_ptr()));
+                let mut halves = [0, PANEL].map(|q| _mm512_loadu_ps(row[q..].as_ptr()));
+                if let Some(bias) = bias {
+                    halves = [0, 1].map(|q| _mm512_add_ps(halves[q], bias[q]));
+                }
                 dot::finish(halves, f.at(self.row + r, self.col), self.cols);
             }
         }
@@ -407,7 +437,8 @@ impl Done<'_> {
 }
 
 /// C = A[0..m, 0..Kp] · B[.., panels p0..p1] + bias on `engine`, single-threaded, in f32,
-/// handed to `done` one block (up to 32 × 32) at a time while it is in L1: the caller applies
+/// handed to `done` one block (up to 32 × 32) at a time while it is in L1 (AMX's without the
+/// bias, which the [`Done`] carries and its readers add): the caller applies
 /// its epilogue and stores the block wherever it belongs — except where `finished` says where
 /// C's rows go: then the `vdpbf16ps` kernels apply the epilogue to their accumulators in
 /// registers and store the rows themselves, and `done` sees only AMX's blocks.
@@ -474,6 +505,8 @@ pub unsafe fn gemm(
             )
         };
         let next = |p: usize| p + if step(p).0 { 2 } else { 1 };
+        let rows_outer = engine.rows_outer(kp, b.n);
+        let resident = engine == Engine::Amx && rows_outer && kp == super::amx::RESIDENT_K;
         // The block of rows i.. and panel p (and p + 1).
         let mut one = |i: usize, p: usize| {
             let (pair, cols) = step(p);
@@ -492,6 +525,13 @@ pub unsafe fn gemm(
                 let c = values.as_mut_ptr();
                 let here = finished.map(|f| (f.at(i, (p - p0) * PANEL), cols));
                 match engine {
+                    Engine::Amx if resident => {
+                        if p == p0 {
+                            super::amx::load_resident(ab, ldab);
+                        }
+                        super::amx::resident(b, p, pair, c, BLOCK_COLS);
+                        false
+                    }
                     Engine::Amx => {
                         super::amx::block(ab, (ldab, KSTEP), b, p, pair, c, BLOCK_COLS);
                         false
@@ -510,17 +550,19 @@ pub unsafe fn gemm(
                 }
             };
             if !stored {
+                let amx = engine == Engine::Amx;
                 done(Done {
                     row: i,
                     rows,
                     col: (p - p0) * PANEL,
                     cols,
                     values,
+                    bias: amx.then(|| &b.bias_from(p)[..cols]),
                 });
             }
         };
         let blocks = (0..m).step_by(BLOCK_ROWS);
-        if engine.rows_outer(kp, b.n) {
+        if rows_outer {
             for i in blocks {
                 let mut p = p0;
                 while p < p1 {
@@ -1041,8 +1083,10 @@ mod tests {
             (32, 147, 64, 0, 4),
             (45, 600, 72, 1, 5),
             (100, 256, 1000, 0, 63),
-            // AMX's rows-outer order at its shortest K (`Engine::rows_outer`), a tail block.
+            // AMX's rows-outer order at its shortest K (`Engine::rows_outer`), with A held in
+            // the tiles (`amx::resident`), a tail block, a last panel alone.
             (70, 64, 300, 1, 19),
+            (40, 50, 256, 0, 15),
             (64, 32, 48, 1, 2),
             (40, 1100, 32, 0, 2),
             // MobileNetV3's small 1×1 layers: K a multiple of 8, not of 32.
@@ -1103,12 +1147,11 @@ mod tests {
                         None,
                         &mut |d: Done<'_>| {
                             assert!(d.col + d.cols <= width && d.row + d.rows <= m);
-                            for r in 0..d.rows {
-                                let row = (d.row + r) * ldc + d.col;
-                                c[row..row + d.cols]
-                                    .copy_from_slice(&d.values[r * BLOCK_COLS..][..d.cols]);
-                            }
                             seen += d.rows * d.cols;
+                            let col = d.col;
+                            for (i, v) in d.rows() {
+                                c[i * ldc + col..][..v.len()].copy_from_slice(v);
+                            }
                         },
                     )
                 };

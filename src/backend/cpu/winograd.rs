@@ -623,11 +623,12 @@ unsafe fn gemms<T: Elem>(
             let c = c(xi);
             // M_ξ's block rows, from L1 into place.
             let mut store = |d: bf16_gemm::Done<'_>| {
+                let col = d.col;
                 for (i, row) in d.rows() {
                     // SAFETY: row i < nt of M_ξ, columns d.col.. + d.cols ≤ cout, inside `mm`
                     // (asserted above).
                     unsafe {
-                        let dst = c.add(i * ldc + d.col);
+                        let dst = c.add(i * ldc + col);
                         std::ptr::copy_nonoverlapping(row.as_ptr(), dst, row.len());
                     }
                 }

@@ -367,6 +367,7 @@ fn implicit_tiles(job: &Job<'_, bf16, PackedPairs>, threads: usize) {
                                     col,
                                     cols,
                                     values,
+                                    bias: Some(&b.bias_from(p)[..cols]),
                                 }
                                 .finish(finished);
                             }

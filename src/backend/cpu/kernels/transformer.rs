@@ -473,8 +473,9 @@ impl<T: Elem> OnHead<'_, T> {
                 row[t..].fill(f32::NEG_INFINITY);
             }
             let mut keep = |d: Done<'_>| {
+                let col = d.col;
                 for (i, v) in d.rows() {
-                    scores[i * ld + d.col..][..d.cols].copy_from_slice(v);
+                    scores[i * ld + col..][..v.len()].copy_from_slice(v);
                 }
             };
             // SAFETY: `Engine::in_use` is some (checked by `attention`), so the CPU runs
@@ -499,10 +500,11 @@ impl<T: Elem> OnHead<'_, T> {
                 }
             }
             let mut store = |d: Done<'_>| {
+                let col = d.col;
                 for (i, v) in d.rows() {
-                    let at = head.out(q0 + i) + d.col;
+                    let at = head.out(q0 + i) + col;
                     // SAFETY: this work item alone writes this head's columns of its rows.
-                    let dst = unsafe { self.out.slice(at, d.cols) };
+                    let dst = unsafe { self.out.slice(at, v.len()) };
                     dst.iter_mut()
                         .zip(v)
                         .for_each(|(d, v)| *d = T::from_f32(*v));
