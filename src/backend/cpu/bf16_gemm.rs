@@ -397,18 +397,25 @@ impl<'a> Done<'a> {
     #[target_feature(enable = "avx512f,avx512bf16,avx512bw,avx512vl")]
     pub unsafe fn finish(&self, f: Finished) {
         use std::arch::x86_64::*;
-        let bias = self.bias.map(|b| {
-            [0, PANEL].map(|q| {
-                let n = self.cols.saturating_sub(q).min(PANEL);
-                // SAFETY: the bias has `cols` values, of which the mask reads those from q.
+        // The bias's two halves (zeros where there is none or past `cols`). No closures
+        // around the intrinsics: one passed to `array::map` is compiled apart from this
+        // function's target features, and its intrinsics became calls.
+        let (b0, b1) = match self.bias {
+            Some(b) => {
+                let mask = |n: usize| ((1u32 << n.min(PANEL)) - 1) as __mmask16;
+                // SAFETY: the bias has `cols` values, of which the masks read those there are.
                 unsafe {
-                    _mm512_maskz_loadu_ps(
-                        ((1u32 << n) - 1) as __mmask16,
-                        b[q.min(b.len())..].as_ptr(),
+                    (
+                        _mm512_maskz_loadu_ps(mask(self.cols), b.as_ptr()),
+                        _mm512_maskz_loadu_ps(
+                            mask(self.cols.saturating_sub(PANEL)),
+                            b[PANEL.min(b.len())..].as_ptr(),
+                        ),
                     )
                 }
-            })
-        });
+            }
+            None => (_mm512_setzero_ps(), _mm512_setzero_ps()),
+        };
         for (r, row) in self
             .values
             .chunks_exact(BLOCK_COLS)
@@ -417,10 +424,10 @@ impl<'a> Done<'a> {
         {
             // SAFETY: a row holds BLOCK_COLS floats; the places are the caller's.
             unsafe {
-                let mut halves = [0, PANEL].map(|q| _mm512_loadu_ps(row[q..].as_ptr()));
-                if let Some(bias) = bias {
-                    halves = [0, 1].map(|q| _mm512_add_ps(halves[q], bias[q]));
-                }
+                let halves = [
+                    _mm512_add_ps(_mm512_loadu_ps(row.as_ptr()), b0),
+                    _mm512_add_ps(_mm512_loadu_ps(row[PANEL..].as_ptr()), b1),
+                ];
                 dot::finish(halves, f.at(self.row + r, self.col), self.cols);
             }
         }

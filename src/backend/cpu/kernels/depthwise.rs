@@ -1725,20 +1725,20 @@ mod pairs {
                     }
                     // Staged row r's taps: pairs of tap rows 2r and 2r + 1, or the odd
                     // last row's f32 weights (as bits); rows past the staged ones unused.
-                    let w: [[__m512i; K]; K] = std::array::from_fn(|r| {
-                        std::array::from_fn(|kx| match r {
-                            r if r < K / 2 => _mm512_loadu_si512(
-                                self.pairs
-                                    .as_ptr()
-                                    .add((r * K + kx) * self.padded + c0)
-                                    .cast(),
-                            ),
-                            r if r < staged_rows => _mm512_loadu_si512(
-                                self.last.as_ptr().add(kx * self.padded + c0).cast(),
-                            ),
-                            _ => _mm512_setzero_si512(),
-                        })
-                    });
+                    // Loops, not `array::from_fn`: its closures are compiled apart from this
+                    // function's target features, and at K 5 and 7 their loads were calls.
+                    let mut w = [[_mm512_setzero_si512(); K]; K];
+                    for (r, taps) in w.iter_mut().enumerate().take(staged_rows) {
+                        for (kx, t) in taps.iter_mut().enumerate() {
+                            *t = if r < K / 2 {
+                                let at = (r * K + kx) * self.padded + c0;
+                                _mm512_loadu_si512(self.pairs.as_ptr().add(at).cast())
+                            } else {
+                                let at = kx * self.padded + c0;
+                                _mm512_loadu_si512(self.last.as_ptr().add(at).cast())
+                            };
+                        }
+                    }
                     let b0 = _mm512_maskz_loadu_ps(mask, bias.as_ptr().add(c0));
                     for ox0 in (0..out_w).step_by(P) {
                         let mut acc = [b0; P];
