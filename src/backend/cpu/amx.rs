@@ -10,7 +10,8 @@
 //! where both exist.
 //!
 //! Tiles: tmm0–3 accumulate a 32 × 32 block of C (two row halves × two 16-column panels),
-//! tmm4–5 hold A's two row halves, tmm6–7 the two panels of B. The tile instructions are
+//! tmm4–5 hold A's two row halves, tmm6–7 the two panels of B; `resident` blocks (K of 64)
+//! keep A's two steps in tmm4–7 instead and go a panel at a time. The tile instructions are
 //! written with `asm!` (Rust's AMX intrinsics are unstable); the compiler never touches the
 //! tile registers, so their contents live from one `asm!` block to the next.
 //!
