@@ -117,9 +117,9 @@ const QUERY_ROWS: usize = 112;
 /// Both products are GEMMs on the engines the linear layers use: per (image, head), the keys
 /// are packed as B (dh × T) and the values as B (T × dh), then for each pass of query rows
 /// the scores are one GEMM, the softmax runs on them in place, and the weighted values a
-/// second GEMM. BF16 sessions multiply bf16 pairs where the CPU does (`vdpbf16ps`: q, k and
-/// v as stored, the probabilities rounded to bf16 as PyTorch's BF16 attention rounds them),
-/// everything else the FP32 SGEMM. ViT-B/16's attention core at batch 8 on two Zen 4 cores
+/// second GEMM. BF16 sessions multiply bf16 pairs where the CPU does (AMX's tiles or
+/// `vdpbf16ps`: q, k and v as stored, the probabilities rounded to bf16 as PyTorch's BF16
+/// attention rounds them), everything else the FP32 SGEMM. ViT-B/16's attention core at batch 8 on two Zen 4 cores
 /// (`--profile`, one run each): BF16 22.2 → 6.9 ms a layer, FP32 21.7 → 8.1, against the
 /// loops this replaced (4 queries × 64 keys of f32 in registers, keys and values widened).
 /// Its buffers are each thread's, kept between heads: allocated and freed per head, glibc
@@ -417,12 +417,18 @@ impl<T: Elem> OnHead<'_, T> {
             probs,
             ..
         } = self.scratch;
+        // The tiles where the CPU has them: ViT-B/16 BF16 at batch 8 on 2 Sapphire Rapids
+        // cores, 20 steps alternating in one process, spent 0.64× the time in attention with
+        // both products on AMX rather than `vdpbf16ps` (the step 0.89×).
+        let engine = Engine::in_use().unwrap_or(Engine::Dot);
         // Keys as B (dh × T): panel p, pair row r holds k[2r], k[2r + 1] of tokens 16p.. —
         // one 32-bit copy of each token's pair.
-        keys.refill((dh, t), DOT_KSTEP, |p, panel| {
+        let step = engine.k_step();
+        keys.refill((dh, t), step, |p, panel| {
             let rows: &mut [u32] = bytemuck::cast_slice_mut(panel);
             let tokens = PANEL.min(t - p * PANEL);
-            if tokens == PANEL && dh.is_multiple_of(DOT_KSTEP) {
+            // The gather fills every pair row of the panel: only where K needs no padding.
+            if tokens == PANEL && dh.is_multiple_of(step) {
                 // SAFETY: `Engine::in_use` is some (checked by `attention`), so the CPU runs
                 // AVX-512F; the panel's 16 tokens have dh values each from `head.at(1, ..)`.
                 unsafe { gather_pairs(qkv, head.at(1, p * PANEL), 3 * head.dim, rows) };
@@ -437,7 +443,7 @@ impl<T: Elem> OnHead<'_, T> {
         });
         // Values as B (T × dh): panel p, pair row r interleaves v[16p..16p + 16] of tokens 2r
         // and 2r + 1 (an odd last token with the padding's zeros).
-        values.refill((t, dh), PANEL, |p, panel| {
+        values.refill((t, dh), PANEL.max(engine.k_step()), |p, panel| {
             let width = PANEL.min(dh - p * PANEL);
             let value = |k: usize| &qkv[head.at(2, k) + p * PANEL..][..width];
             let rows: &mut [u32] = bytemuck::cast_slice_mut(panel);
@@ -482,16 +488,7 @@ impl<T: Elem> OnHead<'_, T> {
             // AVX512_BF16; q has `rows` rows of kq values, zeros past dh.
             unsafe {
                 let panels = (0, keys.panels());
-                bf16_gemm::gemm(
-                    Engine::Dot,
-                    rows,
-                    q.as_ptr(),
-                    kq,
-                    keys,
-                    panels,
-                    None,
-                    &mut keep,
-                )
+                bf16_gemm::gemm(engine, rows, q.as_ptr(), kq, keys, panels, None, &mut keep)
             };
             for (row, dst) in scores.chunks_mut(ld).zip(probs.chunks_mut(ld)).take(rows) {
                 let inv = softmax_row(row, scale);
@@ -514,7 +511,7 @@ impl<T: Elem> OnHead<'_, T> {
             unsafe {
                 let panels = (0, values.panels());
                 bf16_gemm::gemm(
-                    Engine::Dot,
+                    engine,
                     rows,
                     probs.as_ptr(),
                     ld,
