@@ -274,7 +274,7 @@ impl PackedPairs {
     /// Panel q's bias ([`PANEL`] values).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(super) fn bias(&self, q: usize) -> &[f32] {
-        &self.bias[q * PANEL..(q + 1) * PANEL]
+        &self.bias_from(q)[..PANEL]
     }
 }
 
@@ -513,7 +513,8 @@ pub unsafe fn gemm(
         };
         let next = |p: usize| p + if step(p).0 { 2 } else { 1 };
         let rows_outer = engine.rows_outer(kp, b.n);
-        let resident = engine == Engine::Amx && rows_outer && kp == super::amx::RESIDENT_K;
+        // (Rows-outer is AMX's order alone.)
+        let resident = rows_outer && kp == super::amx::RESIDENT_K;
         // The block of rows i.. and panel p (and p + 1).
         let mut one = |i: usize, p: usize| {
             let (pair, cols) = step(p);
@@ -557,14 +558,13 @@ pub unsafe fn gemm(
                 }
             };
             if !stored {
-                let amx = engine == Engine::Amx;
                 done(Done {
                     row: i,
                     rows,
                     col: (p - p0) * PANEL,
                     cols,
                     values,
-                    bias: amx.then(|| &b.bias_from(p)[..cols]),
+                    bias: (engine == Engine::Amx).then(|| &b.bias_from(p)[..cols]),
                 });
             }
         };
