@@ -652,12 +652,19 @@ fn bf16_pairs_are_chosen_by_a_cached_probe() {
         out.contains("SIMD paths avx512bf16 (forced by WORKSHOP_CPU_SIMD)"),
         "{out}"
     );
-    // AVX2's tiles have no small-K kernel: nothing to say of one, whatever the cache holds.
+    // AVX2's small-K kernel is its own, probed apart: the AVX-512 kernel's kept reach does not
+    // answer for it (it did, and doctor said AVX-512's depth for it), and stays as it was.
+    let mut kept: Value = read_json(&file);
+    kept[0]["small_k_reach"] = 16.into();
+    std::fs::write(&file, kept.to_string()).unwrap();
     let out = run("avx2", &["doctor"]);
     assert!(
-        out.contains("SIMD paths avx2 (forced by WORKSHOP_CPU_SIMD)") && !out.contains("small-K"),
+        out.contains("SIMD paths avx2 (forced by WORKSHOP_CPU_SIMD)") && out.contains("small-K"),
         "{out}"
     );
+    let kept: Value = read_json(&file);
+    assert!(kept[0]["small_k_reach_avx2"].is_number(), "{kept}");
+    assert_eq!(kept[0]["small_k_reach"], 16, "{kept}");
 }
 
 /// A NaN in the input reaches the logits as in IEEE arithmetic and PyTorch (ReLU and max

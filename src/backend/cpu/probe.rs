@@ -116,11 +116,21 @@ pub fn small_k_reach() -> Option<usize> {
         if max == 0 {
             return None;
         }
+        // AVX2's kernel is not AVX-512's: each path's reach is kept apart, so a forced AVX2
+        // path on an AVX-512 CPU measures its own (it took AVX-512's 64 from the cache for a
+        // kernel that may go to 1024).
+        let avx2 = super::simd::simd() == super::simd::Simd::Avx2Fma;
         kept(
             cache_path().as_deref(),
             &cpu_identity(),
-            |e| e.small_k_reach,
-            |e, r| e.small_k_reach = Some(r),
+            |e| match avx2 {
+                true => e.small_k_reach_avx2,
+                false => e.small_k_reach,
+            },
+            |e, r| match avx2 {
+                true => e.small_k_reach_avx2 = Some(r),
+                false => e.small_k_reach = Some(r),
+            },
             || {
                 let depths = SMALL_K_DEPTHS.into_iter().filter(|&k| k <= max);
                 reach_of(depths.map(|k| Some((k, super::sgemm::stationary_over_tile(k)?))))
@@ -158,8 +168,12 @@ struct Entry {
     cpu: String,
     #[serde(default)]
     dot_per_fma: Option<f64>,
+    /// The AVX-512 small-K kernel's reach.
     #[serde(default)]
     small_k_reach: Option<usize>,
+    /// The AVX2 small-K kernel's (where that path runs, forced or the best the CPU has).
+    #[serde(default)]
+    small_k_reach_avx2: Option<usize>,
     #[serde(default)]
     measured_unix: u64,
 }
