@@ -121,8 +121,8 @@ const QUERY_ROWS: usize = 112;
 /// `vdpbf16ps`: q, k and v as stored, the probabilities rounded to bf16 as PyTorch's BF16
 /// attention rounds them), everything else the FP32 SGEMM. ViT-B/16's attention core at
 /// batch 8 on two Zen 4 cores (`--profile`, one run each): BF16 22.2 → 6.9 ms a layer, FP32
-/// 21.7 → 8.1, against the
-/// loops this replaced (4 queries × 64 keys of f32 in registers, keys and values widened).
+/// 21.7 → 8.1, against the loops this replaced (4 queries × 64 keys of f32 in registers,
+/// keys and values widened).
 /// Its buffers are each thread's, kept between heads: allocated and freed per head, glibc
 /// handed their pages back and faulted them in again every time.
 pub fn attention<T: Elem>(
