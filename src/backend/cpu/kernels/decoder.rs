@@ -5,7 +5,7 @@
 use rayon::prelude::*;
 
 use super::transformer::Normalise;
-use super::{activate, exp_nonpositive, map_rows, sigmoid};
+use super::{activate, map_rows, sigmoid, softmax_numerators};
 use crate::backend::cpu::elem::Elem;
 use crate::backend::cpu::simd::{Vectorised, with_simd};
 use crate::model::op::Act;
@@ -212,16 +212,10 @@ impl Vectorised for Query<'_> {
     fn run(self) {
         let d = self.q.len();
         let scale = 1.0 / (d as f32).sqrt();
-        let mut max = f32::NEG_INFINITY;
         for (s, key) in self.scores.iter_mut().zip(self.keys.chunks_exact(d)) {
             *s = dot(self.q, key) * scale;
-            max = if *s > max { *s } else { max };
         }
-        let mut sum = 0f32;
-        for s in self.scores.iter_mut() {
-            *s = exp_nonpositive(*s - max);
-            sum += *s;
-        }
+        let sum = softmax_numerators(self.scores, 1.0);
         self.out.fill(0.0);
         for (s, value) in self.scores.iter().zip(self.values.chunks_exact(d)) {
             let p = s / sum;

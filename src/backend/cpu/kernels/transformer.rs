@@ -12,7 +12,7 @@ use std::cell::RefCell;
 
 use half::bf16;
 
-use super::{exp_nonpositive, fold_lanes, max_nan};
+use super::{fold_lanes, softmax_numerators};
 use crate::backend::cpu::bf16_gemm::{self, PackedPairs};
 use crate::backend::cpu::elem::Elem;
 use crate::backend::cpu::elem::f32_bf16;
@@ -233,14 +233,11 @@ unsafe fn gather_pairs(_: &[bf16], _: usize, _: usize, _: &mut [u32]) {
 }
 
 /// The numerators of the softmax of `row` times `scale`, in place, and the reciprocal of
-/// their sum. The maximum keeps a NaN (issue 27), so it spreads as in PyTorch.
+/// their sum ([`softmax_numerators`]). A NaN among the scores makes its numerator and the sum
+/// NaN, so every probability (issue 27), as in PyTorch.
 #[inline(always)]
 fn softmax_row(row: &mut [f32], scale: f32) -> f32 {
-    let max = fold_lanes(row, f32::NEG_INFINITY, |v| v, max_nan);
-    row.iter_mut()
-        .for_each(|v| *v = exp_nonpositive((*v - max) * scale));
-    let sum = fold_lanes(row, 0.0, |v| v, |a, b| a + b);
-    1.0 / sum
+    1.0 / softmax_numerators(row, scale)
 }
 
 /// A thread's buffers for [`attention`], kept from head to head and call to call.
