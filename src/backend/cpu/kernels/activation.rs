@@ -419,9 +419,10 @@ unsafe fn numerators<V: Vector>(row: &mut [f32], scale: f32) -> f32 {
     }
 }
 
-/// e^((v − max) · scale) of one vector, given −max: 0 below e^−87, a NaN kept. (A function,
-/// not a closure: a closure is compiled apart from its caller's target features, and its
-/// intrinsics became calls, which took 4× the time of the plain loop.)
+/// e^((v − max) · scale) of one vector, given −max: 0 below e^−87, a NaN kept. A function,
+/// not a closure in the `#[inline(always)]` caller: there it was compiled without the
+/// caller's target features (ARCHITECTURE.md, "Recipe: adding an op"), its intrinsics became
+/// calls, and the attention core took 4× the time of the plain loops.
 ///
 /// # Safety
 /// The CPU has V's instruction set.
