@@ -24,9 +24,13 @@ rounds, the ratio ours / the best other of those medians, the same ratio round b
 (median, range, and in how many rounds ours led: the medians of two columns can come from
 different phases of a host whose speed swings, the rounds' ratios compare runs seconds
 apart), each side's effective GFLOP/s (the
-network's conv and linear MACs × 2 per second, whatever algorithm ran) as a share of the
-machine's measured FP32 GEMM peak (`workshop peak`, measured once at the start; ours also
-against the cores' FMA ceiling it measures on registers, which no kernel's real FLOPs pass), and each
+network's conv and linear MACs × 2 per second, whatever algorithm ran: Winograd's layers count
+their direct convolution's FLOPs) as a share of the machine's measured GEMM peak in that
+precision (`workshop peak --precision P`, measured once per precision at the start) and of
+the ceiling it measures on registers (FP32: FMA chains; BF16: the dot-product instruction's,
+`vdpbf16ps` or AMX's), which no kernel's real FLOPs pass — for ours, for the best other, and
+what ours would need for 1.2× the best other: where that passes ~90% of the ceiling, only
+less work (fewer FLOPs than the direct convolutions') gets there, not faster kernels; and each
 side's start-up: seconds from the start until the model was ready to run (ours: building,
 seeding and calibrating the weights, packing them; PyTorch's: building and initialising the
 model in NCHW), medians over the rounds, and each process's peak resident memory (the
@@ -110,12 +114,16 @@ def peer(engine, net, batch, threads, iters, dtype):
     return r["images_per_s"], r["prepare_s"], rss
 
 
-def measured_peak(threads):
-    """The FP32 GEMM peak `workshop peak` measures on `threads` cores, and the cores' FMA
-    ceiling it measures (registers only; None where it has none), GFLOP/s."""
-    out = subprocess.run([str(WORKSHOP), "peak", "--threads", str(threads), "--json"],
-                         check=True, capture_output=True, text=True).stdout
-    r = json.loads(out)
+def measured_peak(threads, precision):
+    """The GEMM peak `workshop peak` measures on `threads` cores in `precision`, and the
+    ceiling it measures on registers for that precision's instruction (None where it has
+    none), GFLOP/s; (None, None) where our CPU backend has no GEMM in that precision."""
+    done = subprocess.run([str(WORKSHOP), "peak", "--threads", str(threads), "--precision", precision,
+                           "--json"], capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"workshop peak --precision {precision}: {done.stderr.strip()} (no peak for its rows)", flush=True)
+        return None, None
+    r = json.loads(done.stdout)
     ceiling = r.get("theoretical") or {}
     return r["gemm"]["gflops"], ceiling.get("gflops") if ceiling.get("measured") else None
 
@@ -139,11 +147,14 @@ def main():
     a = p.parse_args()
     if not WORKSHOP.exists():
         sys.exit(f"{WORKSHOP} not found: run `cargo build --release` first")
-    peak, ceiling = (None, None) if a.no_peak else measured_peak(a.threads)
-    if peak:
-        print(f"measured FP32 GEMM peak: {peak:.1f} GFLOP/s on {a.threads} threads", flush=True)
-    if ceiling:
-        print(f"measured FP32 FMA ceiling (registers only): {ceiling:.1f} GFLOP/s", flush=True)
+    peaks = {}
+    for prec in [] if a.no_peak else a.precisions:
+        peaks[prec] = measured_peak(a.threads, prec)
+        peak, ceiling = peaks[prec]
+        if peak:
+            print(f"measured {prec.upper()} GEMM peak: {peak:.1f} GFLOP/s on {a.threads} threads", flush=True)
+        if ceiling:
+            print(f"measured {prec.upper()} ceiling (registers only): {ceiling:.1f} GFLOP/s", flush=True)
     results, startup, peak_rss, gflop_per_image = {}, {}, {}, {}
 
     def run_ours(b, prec, compile=None):
@@ -181,10 +192,10 @@ def main():
     print(f"\n{a.network}, {a.threads} threads, images/s, median of {a.rounds} interleaved rounds "
           f"({per_image:.2f} GFLOP per image)")
     head = f"{'precision':>9}  {'batch':>5}" + "".join(f"  {n:>17}" for n in names) + f"  {'ours / best other':>17}"
-    if peak:
+    if any(p for p, _ in peaks.values()):
         head += f"  {'ours % peak':>11}"
-    if ceiling:
-        head += f"  {'ours % FMA':>10}"
+    if any(c for _, c in peaks.values()):
+        head += f"  {'ours % ceil':>11}  {'other % ceil':>12}  {'1.2× needs':>10}"
     print(head)
     median = lambda k: statistics.median(results[k]) if k in results else None  # noqa: E731
     for prec in a.precisions:
@@ -195,10 +206,14 @@ def main():
             best_other = max((v for n, v in m.items() if n not in ours_names and v is not None), default=None)
             line = f"{prec:>9}  {b:>5}" + "".join(f"  {v:>17.2f}" if v else f"  {'—':>17}" for v in m.values())
             line += f"  {best_ours / best_other:>16.2f}×" if best_other else f"  {'—':>17}"
-            if peak:
-                line += f"  {100 * best_ours * per_image / peak:>10.0f}%"
-            if ceiling:
-                line += f"  {100 * best_ours * per_image / ceiling:>9.0f}%"
+            peak, ceiling = peaks.get(prec, (None, None))
+            share = lambda ips, of: f"{100 * ips * per_image / of:.0f}%" if ips and of else "—"  # noqa: E731
+            if any(p for p, _ in peaks.values()):
+                line += f"  {share(best_ours, peak):>11}"
+            if any(c for _, c in peaks.values()):
+                needs = 1.2 * best_other if best_other else None
+                line += (f"  {share(best_ours, ceiling):>11}  {share(best_other, ceiling):>12}"
+                         f"  {share(needs, ceiling):>10}")
             print(line)
     # Paired by round: on a host whose speed swings between phases, the medians of the columns
     # can come from different phases (ours from slow rounds, a peer's from fast ones); a
