@@ -206,7 +206,7 @@ pub fn child(root: &Path, name: &str) -> Result<std::path::PathBuf> {
         && Path::new(name).components().count() == 1;
     if !plain {
         anyhow::bail!(
-            "`{name}` is not a plain file name: refusing to write it under `{}`",
+            "`{name}` is not a plain file name: refusing to use it under `{}`",
             root.display()
         );
     }

@@ -483,6 +483,17 @@ fn bad_decoder_input_fails_clearly() {
         &["bench", "--model-dir", dir.to_str().unwrap()],
         "tensor `model.embed_tokens.weight` is missing",
     );
+    // A sharded index whose shard names climb out of the folder: refused, the index named.
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        r#"{"weight_map": {"model.embed_tokens.weight": "../model.safetensors"}}"#,
+    )
+    .unwrap();
+    fails_with(
+        &["bench", "--model-dir", dir.to_str().unwrap()],
+        "model.safetensors.index.json` names a weights file: `../model.safetensors` is not a \
+         plain file name",
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -119,7 +119,8 @@ impl DecoderWeights {
         let mut files = Vec::new();
         let mut index = BTreeMap::new();
         for shard in &shards {
-            let path = crate::files::child(dir, shard)?;
+            let path = crate::files::child(dir, shard)
+                .with_context(|| format!("`{}` names a weights file", index_path.display()))?;
             if !path.is_file() {
                 bail!(
                     "`{}`: no such weights file in the model folder",
