@@ -1356,6 +1356,14 @@ unsafe fn pack_groups(
     }
     for (g, block) in pack[..len].chunks_exact_mut((rows * kc).max(1)).enumerate() {
         let row = row_pointers(a, lda, g * rows, rows);
+        // AVX-512's groups (the only path with packed tiles) transposed in registers.
+        #[cfg(target_arch = "x86_64")]
+        if rows == MAX_ROWS && simd() >= Simd::Avx512 {
+            // SAFETY: the path runs AVX-512F; the group's rows have kc readable floats (the
+            // contract) and its block is kc · rows long.
+            unsafe { avx512::pack_group(&row, kc, block.as_mut_ptr()) };
+            continue;
+        }
         for (k, values) in block.chunks_exact_mut(rows).enumerate() {
             for (v, row) in values.iter_mut().zip(row) {
                 // SAFETY: row g·rows + r < groups · rows has kc > k readable floats.

@@ -374,6 +374,37 @@ fn a_is_packed_for_wide_calls_over_deep_k_blocks() {
     assert_eq!(packed_groups(&kernels_for(Simd::Avx2Fma), 30, wide, KC), 0);
 }
 
+/// `pack_groups` lays each group out k-major (group g's row r, column k at g·rows·kc +
+/// k·rows + r) on the path in use (AVX-512's transposes 16 columns in registers, masking the
+/// last ones) and on any other row count, at depths around and between its blocks of 16 and
+/// with rows further apart than the depth.
+#[test]
+fn groups_of_a_are_packed_k_major() {
+    for rows in [MAX_ROWS, MR] {
+        for kc in [1, 5, 15, 16, 17, 31, 32, 65, 300] {
+            let (groups, lda) = (3, kc + 7);
+            let a: Vec<f32> = (0..groups * rows * lda).map(|i| i as f32).collect();
+            // Garbage first: every value of the packed groups is written.
+            let mut pack = vec![f32::NAN; groups * rows * kc + 5];
+            // SAFETY: `a` has groups · rows rows of lda ≥ kc floats.
+            unsafe { pack_groups(a.as_ptr(), lda, (groups, rows), kc, &mut pack) };
+            for g in 0..groups {
+                for r in 0..rows {
+                    for k in 0..kc {
+                        let at = g * rows * kc + k * rows + r;
+                        let want = a[(g * rows + r) * lda + k];
+                        assert_eq!(pack[at], want, "rows {rows}, kc {kc}: group {g} ({r}, {k})");
+                    }
+                }
+            }
+            assert!(
+                pack[groups * rows * kc..].iter().all(|v| v.is_nan()),
+                "kc {kc}"
+            );
+        }
+    }
+}
+
 /// Both packers lay the panels out as the kernels read them (panel p, row kk, column jj
 /// at `(p·K + kk)·NR + jj`), including the zero padding of the last panel.
 #[test]
