@@ -201,6 +201,17 @@ fn hostile_tensor_files_are_refused_by_their_header() {
         4,
     );
     assert!(load(&p).contains("are too large: the byte count overflows"));
+    // The same name twice, both entries valid alone: which one a reader keeps is its choice.
+    hand_made(
+        &p,
+        r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"I32","shape":[1],"data_offsets":[0,4]}}"#,
+        4,
+    );
+    let e = load(&p);
+    assert!(
+        e.contains("its header is refused: `a` is named twice at line 1"),
+        "{e}"
+    );
     hand_made(&p, "{}", 0);
     let e = workshop::model::weights::read_tensor(&p, "input")
         .unwrap_err()

@@ -202,13 +202,51 @@ pub fn write_streamed(
     })
 }
 
+/// A header's entries in the order written, a name written twice refused: a map would keep
+/// one of the two silently (serde_json's and Python's the last), and which tensor a reader
+/// then sees depends on the reader.
+struct Entries(Vec<(String, serde_json::Value)>);
+
+impl<'de> serde::Deserialize<'de> for Entries {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = Entries;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<M: serde::de::MapAccess<'de>>(
+                self,
+                mut map: M,
+            ) -> Result<Entries, M::Error> {
+                let mut seen = std::collections::HashSet::new();
+                let mut entries = Vec::new();
+                while let Some((name, value)) = map.next_entry::<String, serde_json::Value>()? {
+                    if !seen.insert(name.clone()) {
+                        return Err(serde::de::Error::custom(format_args!(
+                            "`{}` is named twice",
+                            name.escape_debug()
+                        )));
+                    }
+                    entries.push((name, value));
+                }
+                Ok(Entries(entries))
+            }
+        }
+        d.deserialize_map(Visit)
+    }
+}
+
 /// The tensors a header describes, each checked: a printable name, a known dtype, offsets that
 /// follow on from the previous tensor's and hold exactly shape × dtype bytes. The reason for a
 /// refusal names the tensor.
 fn parse_header(bytes: &[u8]) -> Result<BTreeMap<String, TensorInfo>, String> {
     let text = std::str::from_utf8(bytes).map_err(|e| format!("its header is not UTF-8 ({e})"))?;
-    let entries: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_str(text).map_err(|e| format!("its header is not a JSON object ({e})"))?;
+    let Entries(entries) = serde_json::from_str(text).map_err(|e| match e.classify() {
+        // A name written twice (or an array, a number): JSON, but not a header.
+        serde_json::error::Category::Data => format!("its header is refused: {e}"),
+        _ => format!("its header is not a JSON object ({e})"),
+    })?;
     let mut tensors = BTreeMap::new();
     for (name, value) in entries {
         if name == "__metadata__" {
