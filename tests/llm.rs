@@ -494,6 +494,19 @@ fn bad_decoder_input_fails_clearly() {
         "model.safetensors.index.json` names a weights file: `../model.safetensors` is not a \
          plain file name",
     );
+    // Two shards that hold the same tensors: refused, not the last one read.
+    for shard in ["a.safetensors", "b.safetensors"] {
+        std::fs::copy(fixture("llama").join("model.safetensors"), dir.join(shard)).unwrap();
+    }
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        r#"{"weight_map": {"lm_head.weight": "a.safetensors", "model.norm.weight": "b.safetensors"}}"#,
+    )
+    .unwrap();
+    fails_with(
+        &["bench", "--model-dir", dir.to_str().unwrap()],
+        "is in two weights files, `a.safetensors` and `b.safetensors`: refusing to pick one",
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

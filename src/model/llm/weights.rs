@@ -128,8 +128,15 @@ impl DecoderWeights {
                 );
             }
             let file = TensorFile::open(&path)?;
+            // A tensor in two shards: which one a reader takes would be its choice.
             for n in file.names() {
-                index.insert(n.to_string(), (files.len(), n.to_string()));
+                if let Some((other, _)) = index.insert(n.to_string(), (files.len(), n.to_string()))
+                {
+                    bail!(
+                        "tensor `{n}` is in two weights files, `{}` and `{shard}`: refusing to pick one",
+                        shards[other]
+                    );
+                }
             }
             files.push(Mutex::new(file));
         }
