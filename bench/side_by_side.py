@@ -192,9 +192,11 @@ def main():
     print(f"\n{a.network}, {a.threads} threads, images/s, median of {a.rounds} interleaved rounds "
           f"({per_image:.2f} GFLOP per image)")
     head = f"{'precision':>9}  {'batch':>5}" + "".join(f"  {n:>17}" for n in names) + f"  {'ours / best other':>17}"
-    if any(p for p, _ in peaks.values()):
+    any_peak = any(p for p, _ in peaks.values())
+    any_ceiling = any(c for _, c in peaks.values())
+    if any_peak:
         head += f"  {'ours % peak':>11}"
-    if any(c for _, c in peaks.values()):
+    if any_ceiling:
         head += f"  {'ours % ceil':>11}  {'other % ceil':>12}  {'1.2× needs':>10}"
     print(head)
     median = lambda k: statistics.median(results[k]) if k in results else None  # noqa: E731
@@ -208,9 +210,9 @@ def main():
             line += f"  {best_ours / best_other:>16.2f}×" if best_other else f"  {'—':>17}"
             peak, ceiling = peaks.get(prec, (None, None))
             share = lambda ips, of: f"{100 * ips * per_image / of:.0f}%" if ips and of else "—"  # noqa: E731
-            if any(p for p, _ in peaks.values()):
+            if any_peak:
                 line += f"  {share(best_ours, peak):>11}"
-            if any(c for _, c in peaks.values()):
+            if any_ceiling:
                 needs = 1.2 * best_other if best_other else None
                 line += (f"  {share(best_ours, ceiling):>11}  {share(best_other, ceiling):>12}"
                          f"  {share(needs, ceiling):>10}")

@@ -202,10 +202,10 @@ pub fn write_streamed(
     })
 }
 
-/// A header's entries in the order written, a name written twice refused: a map would keep
-/// one of the two silently (serde_json's and Python's the last), and which tensor a reader
-/// then sees depends on the reader.
-struct Entries(Vec<(String, serde_json::Value)>);
+/// A header's entries, a name written twice refused: a map would keep one of the two silently
+/// (serde_json's and Python's the last), and which tensor a reader then sees depends on the
+/// reader.
+struct Entries(serde_json::Map<String, serde_json::Value>);
 
 impl<'de> serde::Deserialize<'de> for Entries {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -219,16 +219,15 @@ impl<'de> serde::Deserialize<'de> for Entries {
                 self,
                 mut map: M,
             ) -> Result<Entries, M::Error> {
-                let mut seen = std::collections::HashSet::new();
-                let mut entries = Vec::new();
+                let mut entries = serde_json::Map::new();
                 while let Some((name, value)) = map.next_entry::<String, serde_json::Value>()? {
-                    if !seen.insert(name.clone()) {
+                    if entries.contains_key(&name) {
                         return Err(serde::de::Error::custom(format_args!(
                             "`{}` is named twice",
                             name.escape_debug()
                         )));
                     }
-                    entries.push((name, value));
+                    entries.insert(name, value);
                 }
                 Ok(Entries(entries))
             }

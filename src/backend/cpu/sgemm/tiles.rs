@@ -607,7 +607,6 @@ pub(super) mod avx512 {
         out: *mut f32,
     ) {
         const { assert!(R <= 16) };
-        let keep = (u32::MAX >> (32 - R)) as __mmask16;
         // SAFETY: the caller's: loads of n ≤ kc − k0 values at each row's k0, stores of R
         // values at (k0 + c)·R for c < n.
         unsafe {
@@ -619,7 +618,7 @@ pub(super) mod avx512 {
                 }
                 let v = transpose(v);
                 for (c, v) in v.iter().enumerate().take(n) {
-                    _mm512_mask_storeu_ps(out.add((k0 + c) * R), keep, *v);
+                    store_part(out.add((k0 + c) * R), *v, R);
                 }
             }
         }
