@@ -507,6 +507,24 @@ fn bad_decoder_input_fails_clearly() {
         &["bench", "--model-dir", dir.to_str().unwrap()],
         "is in two weights files, `a.safetensors` and `b.safetensors`: refusing to pick one",
     );
+    // A GPT-2 tensor under both of its names (with and without `transformer.`): refused, not
+    // whichever name sorts last.
+    std::fs::copy(fixture("gpt2").join("config.json"), dir.join("config.json")).unwrap();
+    std::fs::copy(
+        fixture("gpt2").join("model.safetensors"),
+        dir.join("a.safetensors"),
+    )
+    .unwrap();
+    let header = br#"{"wte.weight":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#;
+    let mut plain = (header.len() as u64).to_le_bytes().to_vec();
+    plain.extend_from_slice(header);
+    plain.extend_from_slice(&[0; 4]);
+    std::fs::write(dir.join("b.safetensors"), plain).unwrap();
+    fails_with(
+        &["bench", "--model-dir", dir.to_str().unwrap()],
+        "tensor `wte.weight` is in the model folder twice, as `wte.weight` (in `b.safetensors`) \
+         and as `transformer.wte.weight` (in `a.safetensors`): refusing to pick one",
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -140,7 +140,9 @@ impl DecoderWeights {
             }
             files.push(Mutex::new(file));
         }
-        // GPT-2's checkpoints name tensors with or without `transformer.`.
+        // GPT-2's checkpoints name tensors with or without `transformer.`. A tensor the model
+        // needs under both names is refused: which one a reader takes would be its choice.
+        let shapes: BTreeMap<String, Vec<usize>> = tensors(&config).into_iter().collect();
         let prefixed: Vec<(String, (usize, String))> = index
             .iter()
             .filter_map(|(k, v)| {
@@ -148,9 +150,22 @@ impl DecoderWeights {
                     .map(|s| (s.into(), v.clone()))
             })
             .collect();
-        index.extend(prefixed);
+        for (name, (f, stored)) in prefixed {
+            match index.get(&name) {
+                None => {
+                    index.insert(name, (f, stored));
+                }
+                Some((other, _)) if shapes.contains_key(&name) => bail!(
+                    "tensor `{name}` is in the model folder twice, as `{name}` (in `{}`) and as \
+                     `{stored}` (in `{}`): refusing to pick one",
+                    shards[*other],
+                    shards[f]
+                ),
+                Some(_) => {}
+            }
+        }
         let weights = DecoderWeights {
-            shapes: tensors(&config).into_iter().collect(),
+            shapes,
             config,
             source: TensorSource::Folder {
                 dir: dir.to_path_buf(),
