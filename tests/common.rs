@@ -8,6 +8,15 @@ use workshop::backend::{self, BackendKind, ExecOptions, Session};
 use workshop::model::op::{Conv2d, Op};
 use workshop::model::{Plan, Precision, Weights};
 
+/// A safetensors file whose header is written by hand: `header` as JSON, then `data` zero
+/// bytes.
+pub fn hand_made(path: &std::path::Path, header: &str, data: usize) {
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    bytes.resize(bytes.len() + data, 0);
+    std::fs::write(path, bytes).unwrap();
+}
+
 pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures")

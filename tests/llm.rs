@@ -11,7 +11,7 @@ use workshop::model::llm::DecoderWeights;
 use workshop::model::llm::text::argmax;
 
 use crate::cli::fails_with;
-use crate::common::{skip, stderr, stdout, workshop};
+use crate::common::{hand_made, skip, stderr, stdout, workshop};
 
 const FAMILIES: [&str; 4] = ["llama", "qwen2", "mistral", "gpt2"];
 
@@ -515,11 +515,11 @@ fn bad_decoder_input_fails_clearly() {
         dir.join("a.safetensors"),
     )
     .unwrap();
-    let header = br#"{"wte.weight":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#;
-    let mut plain = (header.len() as u64).to_le_bytes().to_vec();
-    plain.extend_from_slice(header);
-    plain.extend_from_slice(&[0; 4]);
-    std::fs::write(dir.join("b.safetensors"), plain).unwrap();
+    hand_made(
+        &dir.join("b.safetensors"),
+        r#"{"wte.weight":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
+        4,
+    );
     fails_with(
         &["bench", "--model-dir", dir.to_str().unwrap()],
         "tensor `wte.weight` is in the model folder twice, as `wte.weight` (in `b.safetensors`) \

@@ -4,6 +4,8 @@
 use workshop::model::weights::{Weights, write_tensors};
 use workshop::model::{Tensor, zoo};
 
+use crate::common::hand_made;
+
 #[test]
 fn seeded_init_is_deterministic_and_follows_torchvision() {
     let g = zoo::build("resnet18").unwrap();
@@ -126,14 +128,6 @@ fn load_errors_name_the_tensor() {
         workshop::model::weights::read_tensor(&path, "logits").unwrap(),
         t
     );
-}
-
-/// A file whose header is written by hand: `header` as JSON, then `data` bytes.
-fn hand_made(path: &std::path::Path, header: &str, data: usize) {
-    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
-    bytes.extend_from_slice(header.as_bytes());
-    bytes.resize(bytes.len() + data, 0);
-    std::fs::write(path, bytes).unwrap();
 }
 
 /// Hostile files are judged by their header before any data is read (issue 27, classes 9 and
