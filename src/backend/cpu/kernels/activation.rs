@@ -454,6 +454,21 @@ unsafe fn numerator<V: Vector>(v: V, minus_max: V, scale: V) -> V {
     }
 }
 
+/// The polynomial of `coefficients` (highest power first, at least one) at `x`, by Horner's
+/// rule: one FMA a term, each constant broadcast from memory.
+///
+/// # Safety
+/// The CPU has V's instruction set.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn polynomial<V: Vector>(x: V, coefficients: &[f32]) -> V {
+    // SAFETY: the caller's.
+    unsafe {
+        let rest = coefficients[1..].iter();
+        rest.fold(V::splat(coefficients[0]), |p, &k| p.fmadd(x, V::splat(k)))
+    }
+}
+
 /// e^x for x in [−87, 87] (the caller's to ensure): x = k·ln 2 + r, e^r by
 /// [`EXP_MINIMAX`], then times 2^k.
 ///
@@ -469,9 +484,7 @@ unsafe fn exp<V: Vector>(x: V) -> V {
         let k = x.mul(c(std::f32::consts::LOG2_E)).round();
         let r = k.fnmadd(c(LN2_HI), x);
         let r = k.fnmadd(c(LN2_LO), r);
-        let [first, rest @ ..] = EXP_MINIMAX;
-        let p = rest.iter().fold(c(first), |p, &a| p.fmadd(r, c(a)));
-        p.scale(k)
+        polynomial(r, &EXP_MINIMAX).scale(k)
     }
 }
 
@@ -513,13 +526,9 @@ unsafe fn gelu<V: Vector>(x: V) -> V {
         let c = |v| V::splat(v);
         let z = c(GELU_ERF_ONE).min(c(-GELU_ERF_ONE).max(x));
         let t = z.mul(z);
-        let horner = |coefficients: &[f32]| {
-            let [first, rest @ ..] = coefficients else {
-                unreachable!("both forms have coefficients")
-            };
-            rest.iter().fold(c(*first), |p, &k| p.fmadd(t, c(k)))
-        };
-        let erf = z.mul(horner(&GELU_ERF_NUM)).div(horner(&GELU_ERF_DEN));
+        let erf = z
+            .mul(polynomial(t, &GELU_ERF_NUM))
+            .div(polynomial(t, &GELU_ERF_DEN));
         let half = x.mul(c(0.5));
         half.fmadd(erf, half)
     }
