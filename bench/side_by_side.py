@@ -23,7 +23,9 @@ noisy machine hits both sides alike. The report gives each side's median images/
 rounds, the ratio ours / the best other of those medians, the same ratio round by round
 (median, range, and in how many rounds ours led: the medians of two columns can come from
 different phases of a host whose speed swings, the rounds' ratios compare runs seconds
-apart), each side's effective GFLOP/s (the
+apart), the same round by round from each run's fastest iteration (its least disturbed one:
+a shared host's noise only adds time, and on a 2-vCPU VM one engine's median moved 1.5× between
+rounds a minute apart while its fastest iteration held), each side's effective GFLOP/s (the
 network's conv and linear MACs × 2 per second, whatever algorithm ran: Winograd's layers count
 their direct convolution's FLOPs) as a share of the machine's measured GEMM peak in that
 precision (`workshop peak --precision P`, measured once per precision at the start) and of
@@ -76,7 +78,8 @@ def input_size(net):
 
 
 def ours(net, batch, threads, iters, precision, compile=None):
-    """(images/s, effective GFLOP per image, start-up s, peak RSS bytes) of one `workshop bench` run."""
+    """(images/s, images/s at the fastest iteration, effective GFLOP per image, start-up s, peak
+    RSS bytes) of one `workshop bench` run."""
     with tempfile.TemporaryDirectory() as d:
         out = pathlib.Path(d) / "r.json"
         _, rss = run_measured(
@@ -84,7 +87,8 @@ def ours(net, batch, threads, iters, precision, compile=None):
              "--iterations", str(iters), "--warmup", "2", "--precision", precision, "--json", str(out),
              "--input-size", str(input_size(net))] + (["--compile", compile] if compile else []))
         r = json.loads(out.read_text())
-    return r["stats"]["throughput_median"], 2 * r["model"]["macs_per_image"] / 1e9, r["prepare_s"], rss
+    best = batch / r["stats"]["min_s"]
+    return r["stats"]["throughput_median"], best, 2 * r["model"]["macs_per_image"] / 1e9, r["prepare_s"], rss
 
 
 def pytorch(net, batch, threads, iters, channels_last, dtype):
@@ -95,12 +99,12 @@ def pytorch(net, batch, threads, iters, channels_last, dtype):
         cmd.append("--channels-last")
     stdout, rss = run_measured(cmd)
     r = json.loads(stdout)
-    return r["images_per_s"], r["prepare_s"], rss
+    return r["images_per_s"], batch / min(r["samples_s"]), r["prepare_s"], rss
 
 
 def peer(engine, net, batch, threads, iters, dtype):
-    """(images/s, start-up s, peak RSS bytes) of ONNX Runtime or OpenVINO; None where the
-    engine does not run that precision."""
+    """(images/s, images/s at the fastest iteration, start-up s, peak RSS bytes) of ONNX Runtime
+    or OpenVINO; None where the engine does not run that precision."""
     if engine == "onnxruntime" and dtype != "fp32":
         return None
     done = run_measured([PYTHON, str(ROOT / "bench" / "onnx_peers.py"), "--engine", engine,
@@ -111,7 +115,7 @@ def peer(engine, net, batch, threads, iters, dtype):
         return None
     stdout, rss = done
     r = json.loads(stdout)
-    return r["images_per_s"], r["prepare_s"], rss
+    return r["images_per_s"], batch / r["min_s"], r["prepare_s"], rss
 
 
 def measured_peak(threads, precision):
@@ -155,12 +159,12 @@ def main():
             print(f"measured {prec.upper()} GEMM peak: {peak:.1f} GFLOP/s on {a.threads} threads", flush=True)
         if ceiling:
             print(f"measured {prec.upper()} ceiling (registers only): {ceiling:.1f} GFLOP/s", flush=True)
-    results, startup, peak_rss, gflop_per_image = {}, {}, {}, {}
+    results, fastest, startup, peak_rss, gflop_per_image = {}, {}, {}, {}, {}
 
     def run_ours(b, prec, compile=None):
-        ips, per_image, prepare_s, rss = ours(a.network, b, a.threads, a.iterations, prec, compile)
+        ips, best, per_image, prepare_s, rss = ours(a.network, b, a.threads, a.iterations, prec, compile)
         gflop_per_image[a.network] = per_image
-        return ips, prepare_s, rss
+        return ips, best, prepare_s, rss
 
     impls = [("workshop", lambda b, prec: run_ours(b, prec))]
     if a.compile:
@@ -182,12 +186,13 @@ def main():
                     r = fn(b, prec)
                     if r is None:
                         continue
-                    v, prepare_s, rss = r
+                    v, best, prepare_s, rss = r
                     results.setdefault((prec, b, name), []).append(v)
+                    fastest.setdefault((prec, b, name), []).append(best)
                     startup.setdefault((prec, b, name), []).append(prepare_s)
                     peak_rss[(prec, b, name)] = max(peak_rss.get((prec, b, name), 0), rss)
-                    print(f"round {rnd} {prec} batch {b:>3} {name:<18} {v:7.2f} images/s  "
-                          f"peak RSS {rss / 2**30:.2f} GiB", flush=True)
+                    print(f"round {rnd} {prec} batch {b:>3} {name:<18} {v:7.2f} images/s "
+                          f"(fastest iteration {best:7.2f})  peak RSS {rss / 2**30:.2f} GiB", flush=True)
     per_image = gflop_per_image[a.network]
     print(f"\n{a.network}, {a.threads} threads, images/s, median of {a.rounds} interleaved rounds "
           f"({per_image:.2f} GFLOP per image)")
@@ -222,6 +227,22 @@ def main():
     # round's ratio compares runs seconds apart.
     print(f"\nours / best other per round (each round's best of ours against its best other), "
           f"median [range], rounds ours led")
+    per_round(results, a, names, ours_names)
+    # Noise on a shared host only ever adds time, so each run's fastest iteration is its least
+    # disturbed one: the same ratios from those, for a host whose speed swings within a run.
+    print(f"\nthe same from each run's fastest iteration")
+    per_round(fastest, a, names, ours_names)
+    print(f"\nstart-up s (median) and peak RSS GiB (largest) per implementation")
+    for prec in a.precisions:
+        for b in a.batch_sizes:
+            cells = [f"{n} {statistics.median(startup[(prec, b, n)]):.2f} s {peak_rss[(prec, b, n)] / 2**30:.2f} GiB"
+                     for n in names if (prec, b, n) in startup]
+            print(f"{prec:>9}  {b:>5}  " + "; ".join(cells))
+
+
+def per_round(results, a, names, ours_names):
+    """Prints, per row, the ratio of ours to the best other round by round: median, range, how
+    many rounds ours led, and each round's ratio."""
     for prec in a.precisions:
         for b in a.batch_sizes:
             # Those that ran in every round (a peer without this precision ran in none).
@@ -238,12 +259,6 @@ def main():
             print(f"{prec:>9}  {b:>5}  {statistics.median(rounds):.2f}× "
                   f"[{min(rounds):.2f}–{max(rounds):.2f}×], {led} of {len(rounds)}: "
                   + " ".join(f"{x:.2f}" for x in rounds))
-    print(f"\nstart-up s (median) and peak RSS GiB (largest) per implementation")
-    for prec in a.precisions:
-        for b in a.batch_sizes:
-            cells = [f"{n} {statistics.median(startup[(prec, b, n)]):.2f} s {peak_rss[(prec, b, n)] / 2**30:.2f} GiB"
-                     for n in names if (prec, b, n) in startup]
-            print(f"{prec:>9}  {b:>5}  " + "; ".join(cells))
 
 
 if __name__ == "__main__":
