@@ -27,7 +27,8 @@
 //! registers as they load them (F16C's `vcvtph2ps`; for bf16 a zero extension and a shift),
 //! where the path has them (see [`gemm_packed`]). A GEMM of fewer rows than AVX2's tile (a
 //! decode step's batch) gets a tile exactly that tall (`thin`), and so do a whole panel's
-//! last rows short of a tile (`Kernels::tails`; AVX-512 masks its edge tiles instead).
+//! last rows short of a tile (`Kernels::tails`); AVX-512 has masked tiles of every height
+//! under its tall one for both (`Kernels::exact`).
 //!
 //! Why not a crate: the `gemm` crate reached ~55% of this machine's peak in our measurement
 //! (it repacks B on every call); packing the constant weights once and fusing the bias into
@@ -490,6 +491,13 @@ struct Kernels<E = f32> {
     /// time and EfficientNet-B0 0.97× (alternating runs). (Masks in the whole tiles' code
     /// spilled their accumulators, whatever the extents: hence two sets.)
     edges: Option<[TileFn<E>; 4]>,
+    /// Where the path masks its edges (AVX-512), tiles exactly 1 to [`MAX_ROWS`] − 1 rows
+    /// tall, two panels wide and one, masked as `edges` are: the rows left under a tall tile
+    /// (and a GEMM of fewer rows than one, a decode step's) run as one tile of their height,
+    /// in place, where the 6-row tiles did every row's FMAs up to a multiple of 6 (49 rows,
+    /// ResNet-50's 7² layers at batch 1, cost what 54 do; one row, a decode step's, what 6
+    /// do), and so do the small-K kernel's last rows short of its group.
+    exact: Option<[[TileFn<E>; 2]; MAX_ROWS - 1]>,
     /// Where the path has them, `tall` and `tall1` reading A packed (`PACKED`: each group of
     /// `rows` rows k-major in one buffer, [`pack_groups`]), for calls of at least `pack_from`
     /// panels over K blocks deeper than `pack_over_k`: the tile's broadcasts then read one
@@ -535,6 +543,7 @@ fn six<E>(tile: TileFn<E>) -> Kernels<E> {
         small_k: 0,
         tails: None,
         edges: None,
+        exact: None,
         packed: None,
         pack_from: 0,
         pack_over_k: 0,
@@ -553,6 +562,18 @@ macro_rules! avx2_tails {
             $($tile)::+::<4, 2, false, false>,
             $($tile)::+::<5, 2, false, false>,
         ]
+    };
+}
+
+/// AVX-512's masked tiles of 1 to [`MAX_ROWS`] − 1 rows, two panels and one wide, of a tile
+/// family (`avx512::tile`, `tile_h`, `tile_b`): [`Kernels::exact`].
+#[cfg(target_arch = "x86_64")]
+macro_rules! avx512_exact {
+    ($m:ident::$tile:ident; $($rows:literal)+) => {
+        [$([$m::$tile::<$rows, 2, true, false>, $m::$tile::<$rows, 1, true, false>]),+]
+    };
+    ($m:ident::$tile:ident) => {
+        avx512_exact!($m::$tile; 1 2 3 4 5 6 7 8 9 10 11 12 13)
     };
 }
 
@@ -575,6 +596,7 @@ fn kernels_for(simd: Simd) -> Kernels {
                 avx512::tile::<14, 1, true, false>,
                 avx512::tile::<MR, 1, true, false>,
             ]),
+            exact: Some(avx512_exact!(avx512::tile)),
             packed: Some([
                 avx512::tile::<14, 2, false, true>,
                 avx512::tile::<14, 1, false, true>,
@@ -622,6 +644,7 @@ macro_rules! half_kernels {
                     avx512::$tile::<14, 1, true, false>,
                     avx512::$tile::<MR, 1, true, false>,
                 ]),
+                exact: Some(avx512_exact!(avx512::$tile)),
                 packed: Some([
                     avx512::$tile::<14, 2, false, true>,
                     avx512::$tile::<14, 1, false, true>,
@@ -1108,7 +1131,7 @@ unsafe fn gemm_block<E>(
     // fewer rows than a group where the path has tiles that short: the kernel would repeat
     // them).
     if let Some(stationary) = kern.stationary
-        && (m >= MR || kern.tails.is_none())
+        && (m >= MR || (kern.tails.is_none() && kern.exact.is_none()))
         && init == Init::Bias
         && last
         && kc <= kern.small_k
@@ -1118,13 +1141,14 @@ unsafe fn gemm_block<E>(
             let cols = NR.min(b.n - p * NR);
             let panel = b.data[p * b.k * NR..].as_ptr();
             let bias = b.bias[p * NR..].as_ptr();
-            // A whole panel's last rows short of a group of `MR` go to a tile exactly that
-            // tall where the path has one (the kernel would repeat the last row to fill the
-            // group: 49 rows, ResNet-50's 7² layers at batch 1, cost what 54 do).
-            let tail = match kern.tails {
-                Some(tails) if cols == NR && m > MR && !m.is_multiple_of(MR) => {
-                    Some(tails[m % MR - 1])
-                }
+            // The last rows short of a group of `MR` go to a tile exactly that tall where the
+            // path has one (AVX2's for a whole panel, AVX-512's masked ones for any): the
+            // kernel would repeat the last row to fill the group (49 rows, ResNet-50's 7²
+            // layers at batch 1, cost what 54 do).
+            let tail = match (kern.tails, kern.exact) {
+                _ if m < MR || m.is_multiple_of(MR) => None,
+                (Some(tails), _) if cols == NR => Some(tails[m % MR - 1]),
+                (_, Some(exact)) => Some(exact[m % MR - 1][1]),
                 _ => None,
             };
             let body = m - tail.map_or(0, |_| m % MR);
@@ -1181,6 +1205,12 @@ unsafe fn gemm_block<E>(
             (false, true) => (kern.short, MR, 1),
             (false, false) => (kern.short1, MR, 3),
         };
+        // The rows left under a tall tile, on a path with tiles exactly that tall: one of them.
+        let exact = kern
+            .exact
+            .filter(|_| m - i < kern.rows)
+            .map(|e| e[m - i - 1][usize::from(w != kern.panels)]);
+        let height = if exact.is_some() { m - i } else { height };
         let rows = height.min(m - i);
         let whole = rows == height && cols == width;
         // C's lines, and the residual's where the tile finishes with one (read as it stores).
@@ -1215,9 +1245,11 @@ unsafe fn gemm_block<E>(
                 return rows;
             }
             let a_rows = row_pointers(a, lda, i, rows);
-            // In place: a whole tile; a whole panel's last rows on a path with tiles that
-            // tall; an edge tile on a path that masks its edges.
+            // In place: a tile exactly as tall as the rows left (masked); a whole tile; a
+            // whole panel's last rows on a path with tiles that tall; an edge tile on a path
+            // that masks its edges.
             let in_place = match (whole, kern.tails) {
+                _ if exact.is_some() => exact,
                 (true, _) => Some(tile),
                 (false, Some(tails)) if cols == width && w == 1 && rows < height => {
                     Some(tails[rows - 1])

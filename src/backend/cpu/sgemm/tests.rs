@@ -17,6 +17,7 @@ fn kernels_match_naive_matmul() {
         small_k: 0,
         tails: None,
         edges: None,
+        exact: None,
         packed: None,
         pack_from: 0,
         pack_over_k: 0,
@@ -65,6 +66,7 @@ fn kernels_match_naive_matmul() {
                 small_k: 0,
                 tails: None,
                 edges: None,
+                exact: None,
                 packed: None,
                 pack_from: 0,
                 pack_over_k: 0,
@@ -85,6 +87,13 @@ fn kernels_match_naive_matmul() {
             ..tiles
         };
         kernels.push(("avx512 with edge tiles copied", copied));
+        // Its last rows short of a tall tile as 6-row edge tiles, as before it had tiles
+        // exactly as tall (and the small-K kernel repeating its last row).
+        let sixes = Kernels {
+            exact: None,
+            ..kernels_for(Simd::Avx512)
+        };
+        kernels.push(("avx512 without exact-height tiles", sixes));
         // Its tiles reading A packed in every call that has a whole row group.
         let packed = Kernels {
             pack_from: 1,
