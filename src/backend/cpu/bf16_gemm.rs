@@ -684,9 +684,9 @@ mod dot {
                         .filter(|_| last)
                         .map(|(f, cols)| (f.at(r0, 0), cols, rows - r0))
                 };
-                // Groups of 8 rows (16 for one panel) while they last; a pair's last rows in a
-                // group of 4, then one at a time: a group of 8 for the last 1 of ResNet-50's
-                // 49 rows at batch 1 (7 × 7) computed 7 copies of it.
+                // Groups of 8 rows (16 for one panel) while they last; the last rows in groups
+                // of 4 (and 8 for one panel), then one at a time: a group of 8 for the last 1
+                // of ResNet-50's 49 rows at batch 1 (7 × 7) computed 7 copies of it.
                 let mut r0 = 0;
                 while r0 < rows {
                     let (cr, left) = (c.add(r0 * ldc), rows - r0);
@@ -705,15 +705,26 @@ mod dot {
                             single::<2>(at(r0)(0), bk, pairs, cr, start, fin(r0));
                             1
                         }
-                        // One row (a decode step at batch 1): the group would repeat it.
-                        (false, 1) => {
-                            single::<1>(at(r0)(0), bk, pairs, cr, start, fin(r0));
-                            1
-                        }
-                        (false, _) => {
+                        (false, 16..) => {
                             let a = std::array::from_fn(at(r0));
                             group::<16, 1>(a, bk, pairs, cr, ldc, start, fin(r0));
                             16
+                        }
+                        // A panel's last rows in groups of 8 and 4, as a pair's, then one at
+                        // a time (one row: a decode step at batch 1).
+                        (false, 8..) => {
+                            let a = std::array::from_fn(at(r0));
+                            group::<8, 1>(a, bk, pairs, cr, ldc, start, fin(r0));
+                            8
+                        }
+                        (false, 4..) => {
+                            let a = std::array::from_fn(at(r0));
+                            group::<4, 1>(a, bk, pairs, cr, ldc, start, fin(r0));
+                            4
+                        }
+                        (false, _) => {
+                            single::<1>(at(r0)(0), bk, pairs, cr, start, fin(r0));
+                            1
                         }
                     };
                 }
@@ -1099,6 +1110,8 @@ mod tests {
             // MobileNetV3's small 1×1 layers: K a multiple of 8, not of 32.
             (33, 40, 24, 0, 2),
             (9, 16, 16, 0, 1),
+            // One panel's last rows in groups of 8 and 4, then one.
+            (13, 96, 16, 0, 1),
             // B in registers: pairs of panels (K ≤ 24) and single ones (K ≤ 48).
             (45, 20, 72, 0, 5),
             (50, 16, 64, 0, 4),
