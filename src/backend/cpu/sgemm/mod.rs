@@ -1471,8 +1471,16 @@ const PREFETCH_TILES: usize = 2;
 /// none): a tile writes (or first reads) C rows that are `ldc` apart, and reads the residual's
 /// as it stores, which the hardware prefetchers do not foresee, and a tile's stores that miss
 /// wait for their lines while the next tile's loads queue behind them (a profile showed about
-/// 8% of ResNet-50's time stalled on the stores right after each tile). A hint only: it reads
-/// nothing and faults on nothing.
+/// 8% of ResNet-50's time stalled on the stores right after each tile). Into L2, not L1
+/// (`prefetcht1`): walking rows outer, two row groups ahead is 16 tiles ahead at 512 columns,
+/// 56 KiB of C's and the residual's lines, more than L1 holds beside the tile's A and B. On a
+/// Zen 4, one thread, 3136 × 128 → 512 with a residual (C and the residual on huge pages,
+/// alternating in one process) took 0.82–0.86× the time of the `prefetcht0` version, 784 ×
+/// 256 → 1024 0.93×, the plain GEMMs level; ResNet-50 FP32's 1×1 kernels (over its Winograd
+/// ones, `bench/ab.py --kernel-total`) 0.95× at batch 8 (8 of 8 rounds), 0.955× at 32 (5 of 6),
+/// level at 1. (The bf16 pairs' finish, `bf16_gemm::dot::finish`, read 1.03× the same way,
+/// 6 of 8 rounds slower: it keeps `prefetcht0`.) A hint only: it reads nothing and faults on
+/// nothing.
 #[inline(always)]
 fn prefetch_c_rows<O>(
     (c, residual): (*mut O, *const O),
@@ -1488,12 +1496,12 @@ fn prefetch_c_rows<O>(
             continue;
         }
         for r in r0..(r0 + height).min(m) {
-            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+            use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
             let at = lines.wrapping_add(r * ldc + col);
             // SAFETY: prefetching is a hint for any address; no access is made.
             unsafe {
-                _mm_prefetch::<_MM_HINT_T0>(at as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(NR - 1) as *const i8);
+                _mm_prefetch::<_MM_HINT_T1>(at as *const i8);
+                _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(NR - 1) as *const i8);
             }
         }
     }
