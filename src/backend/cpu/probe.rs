@@ -17,6 +17,9 @@
 //!   K, and ResNet-50 FP32 at batch 8 ran 15% faster without it. AVX2's kernel (the tile's
 //!   6×16 loop run a panel at a time) may go as deep as a K block: on a Zen 3 it won at every
 //!   depth probed, up to 1024.
+//! - Whether an FP32 layer with a residual writes its output over the residual's buffer
+//!   ([`over_residual`]): 0.86× the GEMM's time on an Emerald Rapids core, and ResNet-50
+//!   FP32 5–6% faster; a Zen 4 had read the network 1.28–1.32× slower that way.
 
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -139,6 +142,64 @@ pub fn small_k_reach() -> Option<usize> {
     })
 }
 
+/// How much faster than writing apart writing a layer's output over its residual must
+/// measure for the FP32 layers to do it ([`over_residual`]): level keeps the output apart,
+/// the way every CPU ran before the probe.
+pub const OVER_RESIDUAL_FROM: f64 = 0.97;
+
+/// What the over-residual probe found on this CPU, with the SIMD path it measured.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OverResidual {
+    /// The GEMM's time written over its residual over its time written apart, on one core.
+    pub over_apart: f64,
+}
+
+impl OverResidual {
+    /// Whether FP32 layers with a residual should write their output over it.
+    pub fn pays(self) -> bool {
+        self.over_apart <= OVER_RESIDUAL_FROM
+    }
+
+    /// What was chosen and why, for `doctor`.
+    pub fn describe(self) -> String {
+        let chose = match self.pays() {
+            true => "FP32 layers with a residual write their output over it",
+            false => "FP32 layers with a residual write their output apart from it",
+        };
+        format!(
+            "{chose}: over it took {:.2}× the time here (measured once, kept in {CACHE_FILE})",
+            self.over_apart
+        )
+    }
+}
+
+/// Whether an FP32 GEMM that adds a residual writes its output over the residual's buffer
+/// (the residual's last reader, in one K block), measured once per CPU and SIMD path
+/// (`sgemm`'s `over_residual_over_apart`). Apart, the output's lines are fetched for the
+/// stores while the residual's stream in beside them; over it, they are one stream. On an
+/// Emerald Rapids Xeon (two 512-bit FMA units, 2 MiB L2 a core; the probe 0.86–0.87×)
+/// ResNet-50 FP32's 1×1 kernels took 0.941× the time at batch 8 and 0.948× at 1 that way (7
+/// of 8 rounds each, over its unchanged Winograd kernels), the step 0.944× at batch 8; a Zen
+/// 4 had read the network 1.28–1.32× (before C's prefetches went to L2; its probe not yet
+/// run).
+pub fn over_residual() -> OverResidual {
+    static OVER: OnceLock<OverResidual> = OnceLock::new();
+    *OVER.get_or_init(|| {
+        let path = super::simd::simd().name().to_string();
+        let over_apart = kept(
+            cache_path().as_deref(),
+            &cpu_identity(),
+            |e| e.over_residual.get(&path).copied(),
+            |e, r| {
+                e.over_residual.insert(path.clone(), r);
+            },
+            || Some(super::sgemm::over_residual_over_apart()),
+        )
+        .unwrap_or(1.0);
+        OverResidual { over_apart }
+    })
+}
+
 /// The small-K reach from the probe's (depth, small-K time over the tile's) pairs,
 /// shallowest first ([`small_k_reach`]); `None` where a measurement is missing.
 fn reach_of(measured: impl IntoIterator<Item = Option<(usize, f64)>>) -> Option<usize> {
@@ -174,6 +235,9 @@ struct Entry {
     /// The AVX2 small-K kernel's (where that path runs, forced or the best the CPU has).
     #[serde(default)]
     small_k_reach_avx2: Option<usize>,
+    /// The over-residual probe's ratio, per SIMD path ([`over_residual`]).
+    #[serde(default)]
+    over_residual: std::collections::BTreeMap<String, f64>,
     #[serde(default)]
     measured_unix: u64,
 }
@@ -350,6 +414,18 @@ mod tests {
         assert!(Bf16Pairs { dot_per_fma: 1.97 }.depthwise_pays());
         let said = Bf16Pairs { dot_per_fma: 0.51 }.describe();
         assert!(said.contains("widens") && said.contains("0.51×"), "{said}");
+    }
+
+    #[test]
+    fn writing_over_the_residual_pays_only_clearly_faster() {
+        let at = |over_apart| OverResidual { over_apart };
+        assert!(at(0.86).pays() && !at(0.99).pays() && !at(1.3).pays());
+        let said = at(0.86).describe();
+        assert!(said.contains("over it") && said.contains("0.86×"), "{said}");
+        assert!(at(1.3).describe().contains("apart"));
+        // Measured here: a ratio no core could be off by more than 3× either way.
+        let r = super::super::sgemm::over_residual_over_apart();
+        assert!((0.33..3.0).contains(&r), "{r}");
     }
 
     /// On a CPU with AVX512_BF16 the probe measures a ratio between the slowest and fastest

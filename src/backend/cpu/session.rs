@@ -126,6 +126,9 @@ pub(super) struct CpuSession<T: Elem> {
     /// `squeezed[d]` (a squeeze-and-excitation block's squeeze): its kernel sums each output
     /// row as it writes it, and the pool adds up those sums instead of reading the tensor.
     pub(super) squeezed: Vec<bool>,
+    /// Node id is a layer with a residual it reads last that writes its output over the
+    /// residual's buffer where `over_residual[id]` (see [`over_residuals`]).
+    over_residual: Vec<bool>,
     /// The row sums a squeezed layer made on its last run, with the images they are of.
     row_sums: Vec<Option<(std::ops::Range<usize>, Vec<f32>)>>,
     /// A core's L2 in bytes (for [`kernels::pair_bands`]).
@@ -290,6 +293,7 @@ impl<T: Elem> CpuSession<T> {
         let paired = pairs(plan, &steps);
         let projected = projections(plan, &steps);
         let squeezed = squeezes(plan, &steps);
+        let over_residual = over_residuals(plan, &steps, || probe::over_residual().pays());
         let names = plan.graph.nodes.iter().map(|n| n.name.clone()).collect();
         Ok(CpuSession {
             plan: plan.clone(),
@@ -309,6 +313,7 @@ impl<T: Elem> CpuSession<T> {
             projected,
             row_sums: vec![None; squeezed.len()],
             squeezed,
+            over_residual,
             l2: sgemm::l2_bytes(),
             weight_bytes,
             held_bytes: 0,
@@ -570,6 +575,14 @@ impl<T: Elem> CpuSession<T> {
                 let image = input.data.len() / self.plan.batch();
                 let x = &input.data[images.start * image..images.end * image];
                 kernels::nchw_to_nhwc(x, os, &mut y);
+                y
+            }
+            NodeKernel::Conv(p) if self.over_residual[id] => {
+                // The residual's buffer (its last reader) becomes the output.
+                let mut y = values[inputs[1]].take().expect("residual computed");
+                let x = values[inputs[0]].as_ref().expect("input computed");
+                let xs = self.dims(inputs[0], images.len());
+                kernels::conv2d_over_residual(p, x, xs, &mut y, os, self.threads);
                 y
             }
             NodeKernel::Conv(p) => {
@@ -920,6 +933,30 @@ fn squeezes<T: Elem>(plan: &Plan, steps: &[NodeKernel<T>]) -> Vec<bool> {
     squeezed
 }
 
+/// Which layers write their output over their residual's buffer
+/// ([`kernels::conv2d_over_residual`]): a convolution whose residual (its second input, not
+/// also its first) it reads last, which the kernels can run so, where the CPU's probe says it
+/// pays (`pays`, asked only where some layer could).
+fn over_residuals<T: Elem>(
+    plan: &Plan,
+    steps: &[NodeKernel<T>],
+    pays: impl FnOnce() -> bool,
+) -> Vec<bool> {
+    let nodes = &plan.graph.nodes;
+    let mut over: Vec<bool> = (0..steps.len())
+        .map(|id| match (&steps[id], nodes[id].inputs.as_slice()) {
+            (NodeKernel::Conv(p), &[x, r]) => {
+                x != r && plan.last_use[r] == id && kernels::writes_over_residual(p)
+            }
+            _ => false,
+        })
+        .collect();
+    if over.contains(&true) && !pays() {
+        over.fill(false);
+    }
+    over
+}
+
 pub(super) fn kernel_name<T: Elem>(step: &NodeKernel<T>, op: &Op) -> String {
     match step {
         NodeKernel::Conv(p) => p.kernel_name(),
@@ -1209,6 +1246,63 @@ mod tests {
         }
         check::<f32>();
         check::<half::bf16>();
+    }
+
+    /// ResNet-50's bottlenecks' residual layers (FP32 1×1, one K block, the residual read last)
+    /// write their output over their residual where the probe says it pays, and the network's
+    /// output is the same bit for bit as with every output apart, the batch whole and in tiles
+    /// of one image; nothing does where it does not pay, and a BF16 session never asks.
+    #[test]
+    fn over_residuals_change_nothing() {
+        let graph = zoo::build("resnet50").unwrap();
+        let weights = Weights::init(&graph, 3);
+        let (graph, weights, _) = crate::model::passes::optimize(&graph, &weights).unwrap();
+        let plan = graph.plan(2, 32, 32).unwrap();
+        let input = crate::model::Rng::new(5).normal_tensor(plan.input_shape().to_vec());
+        let pool = worker_pool(2, Vec::new()).unwrap();
+        let opt = ExecOptions::default();
+        let mut session =
+            CpuSession::<f32>::new(&plan, &weights, pool, 2, &opt, &mut Donor::default()).unwrap();
+        let over = over_residuals(&plan, &session.steps, || true);
+        let names: Vec<&str> = (0..over.len())
+            .filter(|&id| over[id])
+            .map(|id| plan.graph.nodes[id].name.as_str())
+            .collect();
+        assert_eq!(names.len(), 16, "{names:?}");
+        // The first block of each stage adds its last 1×1 layer's output in the projection
+        // of its input that runs after it.
+        let last = |n: &&str| n.ends_with(".conv3") || n.ends_with(".0.downsample.0");
+        assert!(names.iter().all(last), "{names:?}");
+        let none = vec![false; over.len()];
+        assert_eq!(over_residuals(&plan, &session.steps, || false), none);
+        let run = |s: &mut CpuSession<f32>| {
+            s.run(&input).unwrap();
+            s.read_output().unwrap()
+        };
+        session.over_residual = none.clone();
+        let apart = run(&mut session);
+        session.over_residual = over;
+        for split in [
+            None,
+            Some(batch_tiles::at(&plan, &[("layer2.1.conv3", 1)]).unwrap()),
+        ] {
+            session.split = split;
+            let written = run(&mut session);
+            assert_eq!(written.shape, apart.shape);
+            let same =
+                (written.data.iter().zip(&apart.data)).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "tiles {:?}", session.split.is_some());
+        }
+        let pool = worker_pool(2, Vec::new()).unwrap();
+        let opt = ExecOptions {
+            precision: crate::model::Precision::Bf16,
+            ..ExecOptions::default()
+        };
+        let bf16 =
+            CpuSession::<half::bf16>::new(&plan, &weights, pool, 2, &opt, &mut Donor::default())
+                .unwrap();
+        let asked = over_residuals(&plan, &bf16.steps, || panic!("asked the probe"));
+        assert!(!asked.contains(&true));
     }
 
     /// Every schedule max-autotune may pick names its split, and runs it: ResNet-18 at batch 5,

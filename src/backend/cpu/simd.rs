@@ -112,6 +112,7 @@ pub fn explain() -> String {
             super::probe::DEPTHWISE_FROM
         ));
     }
+    said.push_str(&format!("; {}", super::probe::over_residual().describe()));
     said
 }
 

@@ -457,10 +457,13 @@ pub(super) fn gemm_tile<T: Elem>(
                 // a pass over the work item's C afterwards read it back from L2.
                 let fin = (!epilogue.is_empty()).then(|| sgemm::Finish {
                     act: epilogue.act,
-                    residual: epilogue.residual.map_or(std::ptr::null(), |r| {
-                        let r = T::as_f32(r).expect("f32 storage");
-                        r[m0 * cout + col0..].as_ptr()
-                    }),
+                    residual: match epilogue.residual {
+                        Some(r) => T::as_f32(r).expect("f32 storage")[m0 * cout + col0..].as_ptr(),
+                        // Over the residual: C's own values, each read as its sum is stored
+                        // (one K block: `writes_over_residual`).
+                        None if epilogue.in_output => c.cast_const(),
+                        None => std::ptr::null(),
+                    },
                 });
                 let a = a.as_ptr().add(g * k_g);
                 sgemm::gemm_packed(mr, a, lda, b, (p0, p1), c, cout, fin);
@@ -513,6 +516,7 @@ pub(super) fn gemm_tile<T: Elem>(
                 );
                 let rest = Epilogue {
                     residual: epilogue.residual,
+                    in_output: false,
                     act: if in_tiles { Act::None } else { epilogue.act },
                 };
                 finish_rows(res, ldc, (m0, mr), (col0, width), y, cout, &rest);
@@ -799,12 +803,16 @@ thread_local! {
 /// (NHWC, the output's shape) and apply an activation.
 pub struct Epilogue<'a, T> {
     pub residual: Option<&'a [T]>,
+    /// The residual is the output's own values: the output buffer holds it when the layer
+    /// starts, and the GEMM's tiles read each value as they store over it (`residual` is then
+    /// `None`; only where [`writes_over_residual`] said so).
+    pub in_output: bool,
     pub act: Act,
 }
 
 impl<T: Elem> Epilogue<'_, T> {
     pub(super) fn is_empty(&self) -> bool {
-        self.residual.is_none() && self.act == Act::None
+        self.residual.is_none() && !self.in_output && self.act == Act::None
     }
 
     /// Apply to `row`, the outputs starting at flat index `at`; `scratch` widens the residual.
@@ -870,6 +878,7 @@ pub fn conv2d_squeezed<T: Elem>(
 ) -> bool {
     let epilogue = Epilogue {
         residual,
+        in_output: false,
         act: p.conv.act,
     };
     if let Some((dw, bias)) = &p.depthwise {
@@ -888,6 +897,48 @@ pub fn conv2d_squeezed<T: Elem>(
     }
     conv2d_dense(p, x, xs, y, ys, threads, &epilogue);
     false
+}
+
+/// Whether [`conv2d_over_residual`] can run this layer: f32 storage on the im2col (or 1×1)
+/// GEMM, not Winograd's, a stem's direct kernel or bf16 pairs, whose K fits in one block (a
+/// later block would read partial sums where the residual was).
+pub fn writes_over_residual<T: Elem>(p: &PackedConv<T>) -> bool {
+    let c = &p.conv;
+    let k_g = c.kernel.0 * c.kernel.1 * (c.in_channels / c.groups.max(1));
+    T::IS_F32
+        && p.winograd.is_none()
+        && p.pairs.is_none()
+        && p.depthwise.is_none()
+        && !super::stem::runs_f32(c)
+        && sgemm::one_k_block(k_g)
+}
+
+/// [`conv2d`] with a residual whose buffer is the output `y`: `y` holds the residual (NHWC,
+/// the output's shape) when it starts and the layer's finished output after, each value read
+/// by the GEMM's tile as it stores the sum over it. Where the CPU's probe says it pays
+/// (`probe::over_residual`), the session runs a layer with a residual it reads last this way:
+/// the output's lines are the residual's, fetched once, not a second buffer's.
+///
+/// # Panics
+/// Where [`writes_over_residual`] says the layer cannot.
+pub fn conv2d_over_residual<T: Elem>(
+    p: &PackedConv<T>,
+    x: &[T],
+    xs: Nhwc,
+    y: &mut [T],
+    ys: Nhwc,
+    threads: usize,
+) {
+    assert!(
+        writes_over_residual(p),
+        "conv2d_over_residual on a layer that cannot run so"
+    );
+    let epilogue = Epilogue {
+        residual: None,
+        in_output: true,
+        act: p.conv.act,
+    };
+    conv2d_dense(p, x, xs, y, ys, threads, &epilogue);
 }
 
 /// [`conv2d`] of a layer that is not depthwise.
@@ -1014,6 +1065,7 @@ mod tests {
             });
             let epilogue = Epilogue::<bf16> {
                 residual: Some(&residual),
+                in_output: false,
                 act: Act::None,
             };
             let mut run = values.clone();

@@ -416,6 +416,7 @@ pub fn pointwise_depthwise<T: Elem>(
                     let cout = p.conv.conv.out_channels;
                     let epilogue = Epilogue {
                         residual: p.residual,
+                        in_output: false,
                         act: p.conv.conv.act,
                     };
                     let pixels = ((n * ys.h + oy0) * ys.w, (oy1 - oy0) * ys.w);

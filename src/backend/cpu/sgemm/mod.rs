@@ -391,22 +391,27 @@ pub(super) fn stationary_over_tile(k: usize) -> Option<f64> {
         };
         start.elapsed().as_secs_f64()
     };
-    // Each round's ratio of the two kernels' fastest runs, and the median of the rounds: one
-    // round's fastest run is at the mercy of one quiet or busy moment (on a shared 2-vCPU Zen 3
-    // VM, single rounds of eight read 0.70–0.95 at K 16 and 0.92–1.03 at K 256), the median
-    // of several much less so.
+    Some(median_ratio(|small| run(if small { tiles } else { plain })))
+}
+
+/// The median over [`PROBE_ROUNDS`] rounds of the ratio of `run(true)`'s fastest of
+/// [`PROBE_RUNS`] runs over `run(false)`'s, the two alternating (`run(x)`: one run's seconds).
+/// One round's fastest run is at the mercy of one quiet or busy moment (on a shared 2-vCPU
+/// Zen 3 VM, single rounds of eight read 0.70–0.95 at K 16 and 0.92–1.03 at K 256 for the
+/// small-K probe), the median of several much less so.
+fn median_ratio(mut run: impl FnMut(bool) -> f64) -> f64 {
     let mut ratios: Vec<f64> = (0..PROBE_ROUNDS)
         .map(|_| {
-            let (mut small, mut tile) = (f64::INFINITY, f64::INFINITY);
+            let (mut new, mut old) = (f64::INFINITY, f64::INFINITY);
             for _ in 0..PROBE_RUNS {
-                small = small.min(run(tiles));
-                tile = tile.min(run(plain));
+                new = new.min(run(true));
+                old = old.min(run(false));
             }
-            small / tile.max(1e-9)
+            new / old.max(1e-9)
         })
         .collect();
     ratios.sort_by(f64::total_cmp);
-    Some(ratios[ratios.len() / 2])
+    ratios[ratios.len() / 2]
 }
 
 /// Rounds of [`stationary_over_tile`]'s measurement (odd: their median is one of them).
@@ -419,6 +424,77 @@ pub(super) fn small_k_max() -> usize {
     let path = kernels_for(simd());
     path.stationary.map_or(0, |_| path.small_k)
 }
+
+/// Whether a GEMM of depth `k` runs in one K block: its tiles then start C from the bias and
+/// finish it in the same pass, so C may be the residual's own buffer (each value read before
+/// it is stored over; `over_residual_over_apart`). A later block would read partial sums.
+pub fn one_k_block(k: usize) -> bool {
+    k <= KC
+}
+
+/// The time of a 1×1 layer's GEMM written over its residual (C is the residual's buffer, each
+/// tile reading a value as it stores its sum there) over its time written into a buffer apart,
+/// measured now on one core with the kernels in use: ResNet-50's 64 → 256 at 56², with ReLU,
+/// half of batch 1's rows (one worker's), on [`OVER_SETS`] sets of buffers used in turn (14
+/// MiB in all, past a core's L2, as a network's layers leave them); the median over
+/// [`PROBE_ROUNDS`] rounds of the ratio of the fastest of [`PROBE_RUNS`] runs each,
+/// alternating ([`median_ratio`]). Apart, C's lines come from wherever the buffer was last used and the
+/// residual's from elsewhere; over it, they are the residual's, already on their way.
+pub(super) fn over_residual_over_apart() -> f64 {
+    let (m, k, n) = (1568, 64, PROBE_COLS);
+    let kern = kernels();
+    let data: Vec<f32> = (0..n * k).map(|i| (i % 5) as f32 * 0.01).collect();
+    let bias = vec![0.1f32; n];
+    let b = Panels {
+        k,
+        n,
+        data: &data,
+        bias: &bias,
+    };
+    // Each set: A, the residual (or the output over it), the output apart.
+    let mut sets: Vec<[Vec<f32>; 3]> = (0..OVER_SETS)
+        .map(|s| {
+            let a = (0..m * k)
+                .map(|i| ((i + s) % 7) as f32 * 0.01 - 0.03)
+                .collect();
+            let r = (0..m * n).map(|i| (i % 9) as f32 * 0.1 - 0.4).collect();
+            [a, r, vec![0f32; m * n]]
+        })
+        .collect();
+    let mut turn = 0;
+    let run = |over: bool| {
+        let [a, r, y] = &mut sets[turn % OVER_SETS];
+        turn += 1;
+        let c = if over { r.as_mut_ptr() } else { y.as_mut_ptr() };
+        let fin = Finish {
+            act: Act::Relu,
+            residual: r.as_ptr(),
+        };
+        let start = std::time::Instant::now();
+        // SAFETY: A has m rows of k floats, C and the residual m rows of n (the same buffer
+        // over it: one K block, each value read before it is stored over); B's panels cover
+        // n columns.
+        unsafe {
+            gemm_with(
+                kern,
+                Order::ByCache,
+                m,
+                a.as_ptr(),
+                k,
+                &b,
+                (0, n / NR),
+                c,
+                n,
+                Some(fin),
+            )
+        };
+        start.elapsed().as_secs_f64()
+    };
+    median_ratio(run)
+}
+
+/// Sets of buffers [`over_residual_over_apart`] uses in turn.
+const OVER_SETS: usize = 4;
 
 /// Rows of [`stationary_over_tile`]'s GEMM.
 const PROBE_ROWS: usize = 1536;
@@ -1490,6 +1566,12 @@ fn prefetch_c_rows<O>(
     height: usize,
     m: usize,
 ) {
+    // Written over its residual, C's lines are the residual's: asked for once.
+    #[cfg(target_arch = "x86_64")]
+    let residual = match residual == c.cast_const() {
+        true => std::ptr::null(),
+        false => residual,
+    };
     #[cfg(target_arch = "x86_64")]
     for lines in [c.cast_const(), residual] {
         if lines.is_null() {

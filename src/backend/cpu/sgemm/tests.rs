@@ -243,6 +243,52 @@ fn kernels_match_naive_matmul() {
                             .all(|v| v.is_nan())
                     );
                 }
+                // Written over its residual (one K block: C starts as the residual and each
+                // value is read as its sum is stored over it), bit for bit what writing apart
+                // gives; C's columns past the call's and its rows past m untouched.
+                if x % 2 != 0 || !one_k_block(k) {
+                    continue;
+                }
+                let mut over = vec![f32::NAN; (m + MAX_ROWS) * ldc];
+                over[..m * ldc].copy_from_slice(&residual);
+                let out = over.as_mut_ptr();
+                let fin = Finish {
+                    act,
+                    residual: out.cast_const(),
+                };
+                // SAFETY: as `run`'s, C being the residual's buffer in one K block.
+                unsafe {
+                    gemm_with(
+                        *kern,
+                        order,
+                        m,
+                        a.as_ptr(),
+                        k,
+                        &packed,
+                        (p0, packed.panels()),
+                        out,
+                        ldc,
+                        Some(fin),
+                    )
+                };
+                assert!(over[m * ldc..].iter().all(|v| v.is_nan()), "{name}: over");
+                let width = n - p0 * NR;
+                for i in 0..m {
+                    let (row, apart) = (&over[i * ldc..(i + 1) * ldc], &done[i * ldc..]);
+                    for j in 0..ldc {
+                        let want = if j < width {
+                            apart[j]
+                        } else {
+                            residual[i * ldc + j]
+                        };
+                        assert!(
+                            row[j].to_bits() == want.to_bits(),
+                            "{name} {order:?} {act:?} over the residual m{m} k{k} n{n} \
+                             ({i},{j}): {} vs {want}",
+                            row[j]
+                        );
+                    }
+                }
             }
         }
     }
