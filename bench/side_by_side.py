@@ -38,6 +38,11 @@ seeding and calibrating the weights, packing them; PyTorch's: building and initi
 model in NCHW), medians over the rounds, and each process's peak resident memory (the
 kernel's high-water mark of its RSS, from wait4: weights, activations, code, the Python
 interpreter and libtorch on PyTorch's side), the largest over the rounds.
+
+`--background-load N` runs N busy loops (one process each, spinning in Python, no memory
+traffic) through the whole comparison: a machine shared with another program, as a laptop with
+a browser open or a busy CI runner is. Every engine then shares the cores with them alike;
+what it shows is how each engine's threads cope when one of them loses its core for a while.
 """
 import argparse
 import json
@@ -148,9 +153,26 @@ def main():
     p.add_argument("--no-torch", action="store_true",
                    help="leave PyTorch out (on a CPU without bf16 instructions its BF16 ResNet-50 "
                         "takes seconds an image, far behind every other engine)")
+    p.add_argument("--background-load", type=int, default=0, metavar="N",
+                   help="run N busy loops beside every engine for the whole comparison")
     a = p.parse_args()
     if not WORKSHOP.exists():
         sys.exit(f"{WORKSHOP} not found: run `cargo build --release` first")
+    if not 0 <= a.background_load <= 64:
+        p.error("--background-load takes 0 to 64 busy loops")
+    # Started before anything is measured (the peaks too) and stopped however the run ends.
+    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.background_load)]
+    if load:
+        print(f"background load: {len(load)} busy loop(s) running beside every engine", flush=True)
+    try:
+        compare(a)
+    finally:
+        for proc in load:
+            proc.kill()
+            proc.wait()
+
+
+def compare(a):
     peaks = {}
     for prec in [] if a.no_peak else a.precisions:
         peaks[prec] = measured_peak(a.threads, prec)
