@@ -48,6 +48,7 @@ import argparse
 import json
 import os
 import pathlib
+import signal
 import statistics
 import subprocess
 import sys
@@ -137,6 +138,16 @@ def measured_peak(threads, precision):
     return r["gemm"]["gflops"], ceiling.get("gflops") if ceiling.get("measured") else None
 
 
+# One busy loop of --background-load: spins until its parent (given as its argument) is gone.
+BUSY_LOOP = """
+import os, sys
+parent = int(sys.argv[1])
+while os.getppid() == parent:
+    for _ in range(100_000):
+        pass
+"""
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--network", default="resnet50")
@@ -160,8 +171,12 @@ def main():
         sys.exit(f"{WORKSHOP} not found: run `cargo build --release` first")
     if not 0 <= a.background_load <= 64:
         p.error("--background-load takes 0 to 64 busy loops")
-    # Started before anything is measured (the peaks too) and stopped however the run ends.
-    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.background_load)]
+    # Started before anything is measured (the peaks too) and stopped however the run ends: a
+    # SIGTERM (`timeout`) exits through the `finally` below, and a loop whose parent is gone
+    # (SIGKILL) stops by itself within a few milliseconds.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    load = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(os.getpid())])
+            for _ in range(a.background_load)]
     if load:
         print(f"background load: {len(load)} busy loop(s) running beside every engine", flush=True)
     try:
