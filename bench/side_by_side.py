@@ -174,7 +174,8 @@ def main():
     # Started before anything is measured (the peaks too) and stopped however the run ends: a
     # SIGTERM (`timeout`) exits through the `finally` below, and a loop whose parent is gone
     # (SIGKILL) stops by itself within a few milliseconds.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if a.background_load:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     load = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(os.getpid())])
             for _ in range(a.background_load)]
     if load:
