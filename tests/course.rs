@@ -312,7 +312,15 @@ fn a_kernel_step_checks_compiling_then_output_then_speed() {
         start
     );
     let first = attempt(0);
-    assert_eq!(first["outcome"], "fail", "{out}");
+    // The start against itself falls short of 3×, unless this machine was so noisy that even
+    // 1× could read as 3× (a CV above the step's 25% limit on both runs).
+    match first["outcome"].as_str() {
+        Some("inconclusive") => assert!(
+            first["metrics"]["cv"].as_f64().unwrap() > 0.25 && out.contains("too noisy"),
+            "{out}"
+        ),
+        _ => assert_eq!(first["outcome"], "fail", "{out}"),
+    }
     assert_eq!(first["metrics"]["correct"], 1.0);
     assert!(
         first["metrics"]["speedup"].as_f64().unwrap() < 2.0,

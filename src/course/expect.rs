@@ -23,6 +23,20 @@ pub fn within_noise(a: f64, b: f64, cv_a: f64, cv_b: f64) -> bool {
     scale > 0.0 && (a - b).abs() / scale <= 2.0 * cv_a.max(cv_b)
 }
 
+/// The range the ratio `a / b` of two timing-derived values could take were each off by twice
+/// its run's CV (the spread [`within_noise`] allows): `(least, most)`. `most` is infinite
+/// where `b`'s noise could reach zero. A noisy run whose whole range is on one side of a target
+/// is judged on that side; only a range across it is too noisy to judge.
+pub fn ratio_under_noise(a: f64, b: f64, cv_a: f64, cv_b: f64) -> (f64, f64) {
+    let (lo_a, hi_a) = (a * (1.0 - 2.0 * cv_a).max(0.0), a * (1.0 + 2.0 * cv_a));
+    let (lo_b, hi_b) = (b * (1.0 - 2.0 * cv_b).max(0.0), b * (1.0 + 2.0 * cv_b));
+    let most = match lo_b > 0.0 {
+        true => hi_a / lo_b,
+        false => f64::INFINITY,
+    };
+    (lo_a / hi_b, most)
+}
+
 /// Metrics of the steps run so far in an exercise, by step id.
 pub type Metrics = BTreeMap<String, BTreeMap<String, f64>>;
 
@@ -391,6 +405,10 @@ mod tests {
         // 10% apart: beyond it.
         assert!(!within_noise(100.0, 90.0, 0.01, 0.03));
         assert!(!within_noise(0.0, 0.0, 0.1, 0.1));
+        // 100 ms over 50 ms, each off by up to 2 CV: 10% and 5% give 80/55 .. 120/45.
+        let (least, most) = ratio_under_noise(100.0, 50.0, 0.10, 0.05);
+        assert!((least - 80.0 / 55.0).abs() < 1e-12 && (most - 120.0 / 45.0).abs() < 1e-12);
+        assert_eq!(ratio_under_noise(1.0, 1.0, 0.0, 0.5).1, f64::INFINITY);
     }
 
     #[test]

@@ -19,7 +19,7 @@ use anyhow::{Context as _, Result};
 use super::{StepContext, StepOutput, Unavailable};
 use crate::backend::{BackendError, BackendKind, Session};
 use crate::bench::record::BenchConfig;
-use crate::course::expect::{Check, DEFAULT_MAX_CV, Verdict, within_noise};
+use crate::course::expect::{Check, DEFAULT_MAX_CV, Verdict, ratio_under_noise, within_noise};
 use crate::course::schema::KernelSpec;
 use crate::course::state::ResultTable;
 use crate::course::ui::{Show, Ui};
@@ -373,8 +373,10 @@ fn summary(ms: &[f64]) -> (f64, f64) {
     (median, if mean > 0.0 { var.sqrt() / mean } else { 0.0 })
 }
 
-/// The times, the speedup and its verdict: inconclusive when the start or the student's
-/// kernel varied by more than the step's noise limit, else passed at the course's speedup.
+/// The times, the speedup and its verdict, passed at the course's speedup. Where the start or
+/// the student's kernel varied by more than the step's noise limit, the verdict stands only if
+/// the speedup's whole range under that noise ([`ratio_under_noise`]) is on one side of the
+/// target; else it is inconclusive.
 fn judge(
     spec: &KernelSpec,
     max_cv: Option<f64>,
@@ -427,23 +429,92 @@ fn judge(
         reason: None,
         hint: None,
     };
-    if cv > limit {
+    // A noisy run is still judged where even the noise could not carry it across the target.
+    let (least, most) = ratio_under_noise(start.0, yours.0, start.1, yours.1);
+    if cv > limit && least < spec.speedup && most >= spec.speedup {
         check.verdict = Verdict::Inconclusive;
         check.reason = Some(format!(
             "too noisy to judge: the timings varied by {:.1}% (CV), above this step's limit of \
-             {:.1}%; close other programs and run the step again",
+             {:.1}%, so the speedup could be anywhere from {least:.2}× to {most:.2}×; close \
+             other programs and run the step again",
             cv * 100.0,
             limit * 100.0
         ));
     } else if speedup < spec.speedup {
         check.verdict = Verdict::Fail;
-        check.hint = Some(match within_noise(start.0, yours.0, start.1, yours.1) {
-            true => "no faster than the start, within the noise: what does each invocation of a workgroup do?".into(),
-            false => format!(
+        check.hint = Some(if cv > limit {
+            format!(
+                "{speedup:.2}× the start, and at most {most:.2}× allowing for this run's noise \
+                 ({:.1}% CV); the step asks for {:.1}×",
+                cv * 100.0,
+                spec.speedup
+            )
+        } else if within_noise(start.0, yours.0, start.1, yours.1) {
+            "no faster than the start, within the noise: what does each invocation of a workgroup do?".into()
+        } else {
+            format!(
                 "{speedup:.2}× the start; the step asks for {:.1}×",
                 spec.speedup
-            ),
+            )
         });
     }
     out.checks.push(check);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::course::ui::{Show, Ticker};
+
+    struct Silent;
+    impl Ticker for Silent {
+        fn tick(&mut self) {}
+    }
+    impl Ui for Silent {
+        fn show(&mut self, _: Show<'_>) {}
+        fn progress(&mut self, _: &str, _: u64) -> Box<dyn Ticker> {
+            Box::new(Silent)
+        }
+        fn choose(&mut self, _: &str, _: &[String]) -> Option<anyhow::Result<String>> {
+            None
+        }
+    }
+
+    /// The verdict of a start timed at `start` ms and a kernel at `yours`, each round's times
+    /// spread by ±`spread` (a CV of `spread`), against a 3× target and a 25% noise limit.
+    fn verdict(start: f64, yours: f64, spread: f64) -> Check {
+        let times = |ms: f64| vec![ms * (1.0 - spread), ms * (1.0 + spread)];
+        let times = Times {
+            ms: [times(start), times(yours), times(yours)],
+            kernel_only: true,
+        };
+        let spec = KernelSpec {
+            file: "wgsl/k.wgsl".into(),
+            start: "start/k.wgsl".into(),
+            entry: "k".into(),
+            speedup: 3.0,
+        };
+        let mut out = StepOutput::default();
+        judge(&spec, Some(0.25), &times, &mut out, &mut Silent);
+        out.checks.pop().unwrap()
+    }
+
+    #[test]
+    fn noise_decides_only_what_it_could_change() {
+        // Quiet runs: judged on the speedup.
+        assert_eq!(verdict(100.0, 100.0, 0.05).verdict, Verdict::Fail);
+        assert_eq!(verdict(100.0, 20.0, 0.05).verdict, Verdict::Pass);
+        // 30% CV: 1× could be anywhere up to 1.6 / 0.4 = 4×, across the target.
+        let c = verdict(100.0, 100.0, 0.30);
+        assert_eq!(c.verdict, Verdict::Inconclusive, "{c:?}");
+        assert!(c.reason.unwrap().contains("too noisy to judge"));
+        // 26% CV: at most 1.52 / 0.48 = 3.2×, so still possible; 0.7× is not (2.2×).
+        assert_eq!(verdict(100.0, 100.0, 0.26).verdict, Verdict::Inconclusive);
+        let c = verdict(70.0, 100.0, 0.26);
+        assert_eq!(c.verdict, Verdict::Fail, "{c:?}");
+        assert!(c.hint.unwrap().contains("allowing for this run's noise"));
+        // 10× faster at 26% CV: at least 0.48 / 1.52 × 10 = 3.2×, a pass; 5× is not sure.
+        assert_eq!(verdict(100.0, 10.0, 0.26).verdict, Verdict::Pass);
+        assert_eq!(verdict(100.0, 20.0, 0.26).verdict, Verdict::Inconclusive);
+    }
 }
