@@ -882,7 +882,7 @@ fn thin<E>(kern: Kernels<E>, m: usize) -> Kernels<E> {
 /// [`gemm`] straight from packed `b` in any storage type: f32 panels are read in place, f16
 /// panels too where the CPU converts f16 (the f16 tiles widen B in registers as they load
 /// it, `vcvtph2ps`), and bf16 panels on the AVX2 and AVX-512 paths (the bf16 tiles: a zero
-/// extension and a shift) beyond the small-K kernel's reach or below a tile's rows. Widened
+/// extension and a shift) up to `FEW_ROWS` rows (above them, a K block at a time). Widened
 /// a block at a time, as the portable path still does, a
 /// decode step of Qwen2.5-0.5B BF16 on a Zen 3 (AVX2) read its weights at 45% of the
 /// measured bandwidth; with the bf16 tiles 62–65%, and with tiles as tall as its one row
@@ -1004,9 +1004,10 @@ pub unsafe fn gemm_packed_bf16<T: Elem>(
     }
 }
 
-/// Rows up to which a GEMM on bf16 panels within the small-K kernel's reach reads them in
-/// place (AVX2: widened as they are loaded, `avx2::stationary`) rather than widening each
-/// panel's block into a buffer first: with few rows, few row groups share the widening. One
+/// Rows up to which a GEMM on bf16 panels reads them in place (the bf16 tiles, or within the
+/// small-K kernel's reach AVX2's, widened as they are loaded: `avx2::stationary`) rather than
+/// widening each panel's K block into a buffer first: with few rows, few row groups share the
+/// widening (see `gemm_packed_to` for deeper K). Within the small-K kernel's reach, one
 /// thread's work item on a Zen 3, the two alternating in one process, in-place time over
 /// widened: 49 rows (ResNet-50's 7² layers at batch 1, 512 → 2048) 0.93×; 98–196 rows (14²)
 /// 1.00–1.03×, 392 (7² at batch 8) 1.02×, 784 (28²) 1.08×.
@@ -1066,15 +1067,26 @@ unsafe fn gemm_packed_to<T: Elem>(
     ) {
         in_place!(data, thin(kern, m));
     }
-    // The bf16 tiles where the f32 path's small-K kernel would not take the GEMM (a K deeper
-    // than its reach), or where the rows are fewer than a tile, or few (`FEW_ROWS`: there
-    // AVX2's small-K kernel reads the bf16 panels in place too). Within its reach, widening the
-    // (single) K block and running the small-K kernel stays faster: 768 rows, K 72 → 24, one
-    // thread on a Zen 3, took 1.5× as long on the bf16 tiles; deeper, the two were level
-    // (K 1152 → 128 0.99×, 4608 → 512 1.01×, 96 rows 2048 → 512 0.97×).
+    // The bf16 tiles (B widened in registers as each tile loads it) up to `FEW_ROWS` rows;
+    // above them each panel's K block is widened once into a buffer that all the rows'
+    // tiles then read as f32. Within the small-K kernel's reach widening the (single) K block
+    // and running the small-K kernel was faster from 64 rows on a Zen 3 (768 rows, K 72 → 24,
+    // one thread, took 1.5× as long on the bf16 tiles); deeper the two were level there (K
+    // 1152 → 128 0.99×, 4608 → 512 1.01×, 96 rows 2048 → 512 0.97×), while on an Emerald
+    // Rapids Xeon, whose 512-bit FMAs on two ports leave the tiles' widening (a shuffle and a
+    // shift a panel per k, beside fourteen rows' FMAs) nowhere to hide, the block was ahead:
+    // one thread pinned, `bench/ab.py` 8 rounds, ResNet-50 BF16 0.943× the time at batch 1
+    // (7 of 8) and 0.930× at batch 8 (7 of 8), `peak --precision bf16` 1024³ best 140–145
+    // against 130–134 GFLOP/s. Widened from any rows, even a decode step's one, batch 1 took
+    // 1.01× (slower in 8 of 8 rounds: under a few tiles the blocks cost more than they save).
+    // AVX2's 6-row tiles keep the bf16 tiles beyond the small-K kernel's reach: forced onto
+    // AVX2 on the same Xeon, the widened blocks took ResNet-50 BF16 batch 8 1.08× the time
+    // (one thread, 5 of 6 rounds), likely because a panel's bf16 block of K 1024 (32 KiB)
+    // fits its 48 KiB L1 and the f32 one does not.
     let within_small_k = b.k <= f32_kernels.small_k;
+    let tiles_take = m <= FEW_ROWS || (simd() == Simd::Avx2Fma && !within_small_k);
     if let (Some(data), Some(kern)) = (
-        T::as_bf16(&b.data).filter(|_| m < MR || !within_small_k || m <= FEW_ROWS),
+        T::as_bf16(&b.data).filter(|_| tiles_take),
         kernels_bf16().map(|k| small_k_to(k, small_k_max)),
     ) {
         in_place!(data, thin(kern, m));

@@ -295,8 +295,8 @@ fn kernels_match_naive_matmul() {
 }
 
 /// Half-precision panels give exactly what the same values packed in f32 give, widened in
-/// registers by the f16 tiles (each SIMD path's, and `gemm_packed`'s choice) or a K block at
-/// a time (bf16): several K blocks, strides that alias (A's blocks copied), an edge panel,
+/// registers by the f16 tiles (each SIMD path's, and `gemm_packed`'s choice) or, bf16 past
+/// `FEW_ROWS` rows, a K block at a time: several K blocks, strides that alias (A's blocks copied), an edge panel,
 /// and a panel range that starts past panel 0.
 #[test]
 fn packed_halves_match_f32() {
@@ -313,6 +313,9 @@ fn packed_halves_match_f32() {
         (3, 2048, 33),
         (5, 2100, 20),
         (31, 2100, 40),
+        // Past `FEW_ROWS`: bf16 widened a K block at a time (AVX-512 and portable).
+        (70, 2100, 40),
+        (100, 1100, 33),
     ] {
         let a: Vec<f32> = (0..m * k)
             .map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0)
