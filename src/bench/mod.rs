@@ -662,7 +662,8 @@ pub fn limits(cfg: &BenchConfig, device: &DeviceInfo) -> Result<flops::Limits> {
     Ok(flops::Limits {
         peak_gflops: (c.gemm.validated == c.gemm.iterations).then_some(c.gemm.gflops),
         peak_source: source,
-        bandwidth_gbps: c.triad_gbps(),
+        bandwidth_gbps: peak::memory_triad(cfg.backend, &device.name, cfg.threads)
+            .or(c.triad_gbps()),
         theoretical,
     })
 }

@@ -431,6 +431,37 @@ pub fn cached(
         .max_by_key(|c| (c.gemm.size, c.measured_unix))
 }
 
+/// The memory bandwidth that `device`'s memory-bound work (a decode step, a roofline's
+/// balance) is judged against: of the cached measurements of it on `backend` with `threads`,
+/// the triad over the largest arrays (the newest of those), whatever the precision, GEMM size
+/// or kernels of the run (the probe depends on none of them). Small arrays time the cache: on
+/// an Emerald Rapids Xeon `bench/gemm_peers.py`'s 2048³ runs (16 MiB arrays) kept a triad of
+/// 52 GB/s, and a decode step that read 25 GB/s from memory showed as 49% of it, where the
+/// 768 MiB runs' 23–26 GB/s put it near all of it.
+pub fn memory_triad(backend: BackendKind, device: &str, threads: Option<usize>) -> Option<f64> {
+    largest_triad(&read_cache(), backend, device, threads)
+}
+
+fn largest_triad(
+    all: &[CachedPeak],
+    backend: BackendKind,
+    device: &str,
+    threads: Option<usize>,
+) -> Option<f64> {
+    all.iter()
+        .filter(|c| {
+            c.device == device
+                && c.gemm.backend == backend
+                && pool(backend, c.threads) == pool(backend, threads)
+        })
+        .filter_map(|c| {
+            let b = c.bandwidth.iter().find(|b| b.kernel == "triad")?;
+            Some(((b.bytes, c.measured_unix), b.median_gbps))
+        })
+        .max_by_key(|&(key, _)| key)
+        .map(|(_, gbps)| gbps)
+}
+
 /// What [`remember`] did with a measurement.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Kept {
@@ -701,6 +732,38 @@ mod tests {
             beside: None,
         };
         CachedPeak::new("CPU".into(), Some(2), gemm, Vec::new())
+    }
+
+    /// The triad over the largest arrays counts, whichever GEMM it ran beside; another
+    /// device's or pool's never.
+    #[test]
+    fn the_memory_triad_is_the_one_over_the_largest_arrays() {
+        let with = |gbps: f64, mib: u64, when: u64, threads: usize, size: usize| {
+            let mut c = measured(100.0, Some(0.0), &[]);
+            c.threads = Some(threads);
+            c.gemm.size = size;
+            c.measured_unix = when;
+            c.bandwidth = vec![Bandwidth {
+                kernel: "triad".into(),
+                bytes: mib << 20,
+                median_gbps: gbps,
+                best_gbps: gbps,
+                cache_bytes: None,
+            }];
+            c
+        };
+        let mut all = vec![
+            with(52.0, 48, 30, 2, 2048),
+            with(26.0, 768, 10, 2, 1024),
+            with(24.0, 768, 20, 2, 512),
+            with(12.0, 4096, 40, 1, 1024),
+        ];
+        let cpu = BackendKind::Cpu;
+        assert_eq!(largest_triad(&all, cpu, "CPU", Some(2)), Some(24.0));
+        assert_eq!(largest_triad(&all, cpu, "CPU", Some(1)), Some(12.0));
+        assert_eq!(largest_triad(&all, cpu, "GPU", Some(2)), None);
+        all.retain(|c| c.bandwidth[0].bytes < 700 << 20);
+        assert_eq!(largest_triad(&all, cpu, "CPU", Some(2)), Some(52.0));
     }
 
     /// The GEMM figure the cache at `path` holds (one entry expected).
