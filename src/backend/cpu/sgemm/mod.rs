@@ -1076,9 +1076,11 @@ unsafe fn gemm_packed_to<T: Elem>(
     // Rapids Xeon, whose 512-bit FMAs on two ports leave the tiles' widening (a shuffle and a
     // shift a panel per k, beside fourteen rows' FMAs) nowhere to hide, the block was ahead:
     // one thread pinned, `bench/ab.py` 8 rounds, ResNet-50 BF16 0.943× the time at batch 1
-    // (7 of 8) and 0.930× at batch 8 (7 of 8), `peak --precision bf16` 1024³ best 140–145
-    // against 130–134 GFLOP/s. Widened from any rows, even a decode step's one, batch 1 took
-    // 1.01× (slower in 8 of 8 rounds: under a few tiles the blocks cost more than they save).
+    // (7 of 8; widened from 96 rows, which splits its layers as 64 does) and 0.930× at batch 8
+    // (7 of 8; widened from any rows), its im2col GEMMs at batch 1 0.943× with this rule (8 of
+    // 8), `peak --precision bf16` 1024³ best 140–145 against 130–134 GFLOP/s. Widened from any
+    // rows, even a decode step's one, batch 1 took 1.07× the time of widening from 96 (slower
+    // in 8 of 8 rounds: under a few tiles the blocks cost more than they save).
     // AVX2's 6-row tiles keep the bf16 tiles beyond the small-K kernel's reach: forced onto
     // AVX2 on the same Xeon, the widened blocks took ResNet-50 BF16 batch 8 1.08× the time
     // (one thread, 5 of 6 rounds), likely because a panel's bf16 block of K 1024 (32 KiB)

@@ -296,8 +296,8 @@ fn kernels_match_naive_matmul() {
 
 /// Half-precision panels give exactly what the same values packed in f32 give, widened in
 /// registers by the f16 tiles (each SIMD path's, and `gemm_packed`'s choice) or, bf16 past
-/// `FEW_ROWS` rows, a K block at a time: several K blocks, strides that alias (A's blocks copied), an edge panel,
-/// and a panel range that starts past panel 0.
+/// `FEW_ROWS` rows, a K block at a time: several K blocks, strides that alias (A's blocks
+/// copied), an edge panel, and a panel range that starts past panel 0.
 #[test]
 fn packed_halves_match_f32() {
     fn run<T: Elem>(b: &PackedB<T>, a: &[f32], m: usize, p: (usize, usize)) -> Vec<f32> {
