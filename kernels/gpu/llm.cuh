@@ -58,21 +58,40 @@ struct RmsNormArgs {
     float eps;
 };
 
-// x / √(mean(x²) + eps) · w, in f32: a block of 256 threads a row. A decode step has a row or a
-// few, and 32 threads a row walked each of Llama's 4096 values 128 loads deep on one warp (on
-// an H200 the norms were a quarter of a Qwen2.5 decode step).
+// x / √(mean(x²) + eps) · w, in f32: a block of 256 threads a row, 16 bytes of the row a thread
+// at a time where the row's length allows. A decode step has a row or a few, and 32 threads a
+// row walked each of Llama's 4096 values 128 loads deep on one warp (on an H200 the norms were a
+// quarter of a Qwen2.5 decode step); 256 threads loading a value at a time still left them a
+// tenth of a Llama 3.1 8B step.
 BLOCK_KERNEL(rms_norm_rows, RmsNormArgs) {
     __shared__ float red[256];
     const long long r = linear_index() / 256;
     if (r >= a.rows) return;  // the whole block
     const elem* x = a.x + r * a.d;
+    elem* y = a.y + r * a.d;
+    const bool packed = a.d % GEMV_VEC == 0;
     float part = 0.0f;
-    for (int j = threadIdx.x; j < a.d; j += 256) {
-        const float v = ld(x[j]);
-        part += v * v;
+    if (packed) {
+        for (int j = threadIdx.x; j < a.d / GEMV_VEC; j += 256) {
+            const ElemPack v = ((const ElemPack*)x)[j];
+#pragma unroll
+            for (int e = 0; e < GEMV_VEC; ++e) part += ld(v.v[e]) * ld(v.v[e]);
+        }
+    } else {
+        for (int j = threadIdx.x; j < a.d; j += 256) part += ld(x[j]) * ld(x[j]);
     }
     const float inv = 1.0f / sqrtf(block_reduce(red, part, false) / (float)a.d + a.eps);
-    for (int j = threadIdx.x; j < a.d; j += 256) a.y[r * a.d + j] = st(ld(x[j]) * inv * a.w[j]);
+    if (packed) {
+        for (int j = threadIdx.x; j < a.d / GEMV_VEC; j += 256) {
+            const ElemPack v = ((const ElemPack*)x)[j];
+            ElemPack o;
+#pragma unroll
+            for (int e = 0; e < GEMV_VEC; ++e) o.v[e] = st(ld(v.v[e]) * inv * a.w[j * GEMV_VEC + e]);
+            ((ElemPack*)y)[j] = o;
+        }
+    } else {
+        for (int j = threadIdx.x; j < a.d; j += 256) y[j] = st(ld(x[j]) * inv * a.w[j]);
+    }
 }
 
 struct RopeArgs {
@@ -132,15 +151,17 @@ struct CachedAttentionArgs {
 // softmax(q·kᵀ/√head)·v over the cached keys up to each query's position (causal; grouped
 // query heads share a KV head). One block per (row, head): the keys go by in tiles of 256, a
 // thread scoring one key of a tile (its row read 16 bytes at a time where the head's size
-// allows), then the tile's weighted values are summed by 256 / head groups of the head's dims
-// (a thread a dim, each group every groups-th key of the tile), which meet once at the end; a
-// running maximum and sum rescale what came before (online softmax), so no score outlives its
-// tile. A value read a key at a time by one thread a dim left half of the block idle at
-// Llama's head of 128 and kept a decode step's attention a quarter of it on an H200.
+// allows), then the tile's weighted values are summed by groups of threads, each thread of a
+// group holding `width` dims (16 bytes of a value row where the head allows, else one), each
+// group every groups-th key of the tile; the groups meet once at the end. A running maximum and
+// sum rescale what came before (online softmax), so no score outlives its tile. On an H200 a
+// thread a dim (two groups at Llama's head of 128, each walking half the tile's keys one load
+// after another) kept attention a fifth of a Llama 3.1 8B decode step at 144 positions.
 BLOCK_KERNEL(cached_attention, CachedAttentionArgs) {
     __shared__ float q[256];
     __shared__ float p[256];
     __shared__ float red[256];
+    __shared__ float sums[256 * GEMV_VEC];
     const int tid = threadIdx.x;
     const long long item = linear_index() / 256;
     if (item >= (long long)a.rows * a.heads) return;  // the whole block
@@ -151,13 +172,17 @@ BLOCK_KERNEL(cached_attention, CachedAttentionArgs) {
     const long long cache = ((long long)b * a.kv_heads + g) * a.context * a.head;
     const elem* kc = a.k + cache;
     const elem* vc = a.v + cache;
-    // This thread's group and dim for the values (threads past the last whole group idle).
-    const int groups = 256 / a.head, group = tid / a.head, dim = tid % a.head;
     const bool packed = a.head % GEMV_VEC == 0;
+    // This thread's group and its dims of the values: units of `width` dims, threads past the
+    // last whole group idle.
+    const int width = packed ? GEMV_VEC : 1, units = a.head / width;
+    const int groups = 256 / units, group = tid / units, unit = tid % units;
     if (tid < a.head) q[tid] = ld(a.qkv[(long long)r * a.width + h * a.head + tid]);
     __syncthreads();
     const float scale = 1.0f / sqrtf((float)a.head), lowest = -3.402823466e38f;
-    float m = lowest, s = 0.0f, acc = 0.0f;
+    float m = lowest, s = 0.0f, acc[GEMV_VEC];
+#pragma unroll
+    for (int e = 0; e < GEMV_VEC; ++e) acc[e] = 0.0f;
     for (int k0 = first; k0 <= pos; k0 += 256) {
         const int key = k0 + tid;
         float score = lowest;
@@ -166,7 +191,7 @@ BLOCK_KERNEL(cached_attention, CachedAttentionArgs) {
             float dot = 0.0f;
             if (packed) {
                 const ElemPack* kp = (const ElemPack*)kr;
-                for (int j = 0; j < a.head / GEMV_VEC; ++j) {
+                for (int j = 0; j < units; ++j) {
                     const ElemPack w = kp[j];
 #pragma unroll
                     for (int e = 0; e < GEMV_VEC; ++e) dot += q[j * GEMV_VEC + e] * ld(w.v[e]);
@@ -184,19 +209,30 @@ BLOCK_KERNEL(cached_attention, CachedAttentionArgs) {
         s = s * corr + block_reduce(red, e, false);
         if (group < groups) {
             const int n = min(256, pos + 1 - k0);
-            const elem* vt = vc + (long long)k0 * a.head + dim;
-            acc *= corr;
-            for (int i = group; i < n; i += groups) acc += p[i] * ld(vt[(long long)i * a.head]);
+            const elem* vt = vc + (long long)k0 * a.head + unit * width;
+#pragma unroll
+            for (int d = 0; d < GEMV_VEC; ++d) acc[d] *= corr;
+            if (packed) {
+                for (int i = group; i < n; i += groups) {
+                    const ElemPack w = *(const ElemPack*)(vt + (long long)i * a.head);
+                    const float pi = p[i];
+#pragma unroll
+                    for (int d = 0; d < GEMV_VEC; ++d) acc[d] += pi * ld(w.v[d]);
+                }
+            } else {
+                for (int i = group; i < n; i += groups) acc[0] += p[i] * ld(vt[(long long)i * a.head]);
+            }
         }
         m = m2;
         __syncthreads();
     }
     // The groups' sums, in group order.
-    red[tid] = acc;
+    if (group < groups)
+        for (int d = 0; d < width; ++d) sums[group * a.head + unit * width + d] = acc[d];
     __syncthreads();
     if (tid < a.head) {
         float sum = 0.0f;
-        for (int i = 0; i < groups; ++i) sum += red[i * a.head + tid];
+        for (int i = 0; i < groups; ++i) sum += sums[i * a.head + tid];
         a.y[((long long)r * a.heads + h) * a.head + tid] = st(sum / s);
     }
 }
@@ -236,8 +272,8 @@ struct GemvArgs {
 // y = x·wᵀ (+ bias) (+ res) for a few rows, reading each weight once: 32 threads (a warp) per
 // output, 8 outputs a block, walk its weight row side by side, 16 bytes each at a time when the
 // row length allows, four such loads issued before the first is used (so enough bytes are in
-// flight to stream at the memory's bandwidth: one at a time reached 45% of an H200's), every row
-// of x at once. The lanes' sums meet through warp shuffles where the dialect has them
+// flight to stream at the memory's bandwidth: one at a time reached 45% of an H200's; eight, then
+// four, made a Qwen2.5-1.5B decode step 1.19x as long there), every row of x at once. The lanes' sums meet through warp shuffles where the dialect has them
 // (WS_WARP_SUM), else in shared memory (the emulator), in the same order: the same bits either
 // way. Buffers start 16-byte aligned.
 BLOCK_KERNEL(gemv, GemvArgs) {

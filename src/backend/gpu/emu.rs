@@ -860,10 +860,11 @@ mod tests {
     }
 
     /// `cached_attention` (a block per row and head) against softmax(q·kᵀ/√head)·v on the
-    /// host: heads whose keys it reads 16 bytes at a time (8, 64, 128 in FP32; 8 in BF16) and a
-    /// value at a time (6; 12 in BF16), value groups that fill the block and ones that leave
-    /// threads idle (96: two groups of 96), grouped KV heads, contexts of one, two and three
-    /// tiles of 256 keys, several new rows of a sequence, and a sliding window.
+    /// host: heads whose keys and values it reads 16 bytes at a time (8, 64, 96, 128 in FP32;
+    /// 8, 64, 128 in BF16) and a value at a time (6; 12 in BF16), value groups that fill the
+    /// block and ones that leave threads idle (96 in FP32: ten groups of 24 threads), grouped KV
+    /// heads, contexts of one, two and three tiles of 256 keys, several new rows of a sequence,
+    /// and a sliding window.
     #[test]
     fn cached_attention_matches_host_softmax() {
         use super::super::program::Arg;
@@ -876,6 +877,8 @@ mod tests {
             (Precision::Fp32, 96, 1, 1, 257, 100),
             (Precision::Bf16, 8, 1, 2, 290, 0),
             (Precision::Bf16, 12, 2, 1, 17, 0),
+            (Precision::Bf16, 128, 1, 1, 143, 0),
+            (Precision::Bf16, 64, 2, 3, 400, 0),
         ];
         let (heads, kv_heads, context) = (4, 2, 600);
         let mut rng = Rng::new(21);
@@ -954,58 +957,60 @@ mod tests {
     }
 
     /// `rms_norm_rows` (a block a row) against x / √(mean(x²) + eps) · w on the host, for one
-    /// row and several, rows shorter than the block and longer than it.
+    /// row and several, rows shorter than the block and longer than it, read 16 bytes at a time
+    /// (4096, 600) and a value at a time (33), in FP32 and BF16.
     #[test]
     fn rms_norm_matches_host() {
         use super::super::program::Arg;
         let mut rng = Rng::new(22);
-        for (rows, d) in [(1, 4096), (3, 33), (2, 600)] {
-            let x = rng.normal_tensor(vec![rows, d]).data;
-            let w = rng.normal_tensor(vec![d]).data;
-            let eps = 1e-5f32;
-            let data = [
-                Precision::Fp32.storage_bytes(&x),
-                Precision::Fp32.storage_bytes(&w),
-                vec![0u8; rows * d * 4],
-            ];
-            let i = |v: usize| Arg::I32(v as i32);
-            let args = [
-                Arg::Buf(0),
-                Arg::Buf(1),
-                Arg::Buf(2),
-                i(rows),
-                i(d),
-                Arg::F32(eps),
-            ];
-            let got = values(
-                Precision::Fp32,
-                &launch_on(
-                    Precision::Fp32,
-                    "rms_norm_rows",
-                    &data,
-                    &args,
-                    rows * 256,
-                    2,
-                ),
-            );
-            for r in 0..rows {
-                let row = &x[r * d..][..d];
-                let mean = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / d as f64;
-                let inv = 1.0 / (mean + eps as f64).sqrt();
-                for j in 0..d {
-                    let want = row[j] as f64 * inv * w[j] as f64;
-                    let got = got[r * d + j] as f64;
-                    assert!(
-                        (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
-                        "rows {rows}, d {d}: row {r}, value {j}: {got} against {want}"
-                    );
+        for precision in [Precision::Fp32, Precision::Bf16] {
+            for (rows, d) in [(1, 4096), (3, 33), (2, 600)] {
+                let x = rng.normal_tensor(vec![rows, d]).data;
+                let x: Vec<f32> = x.into_iter().map(|v| precision.round(v)).collect();
+                let w = rng.normal_tensor(vec![d]).data;
+                let eps = 1e-5f32;
+                let data = [
+                    precision.storage_bytes(&x),
+                    Precision::Fp32.storage_bytes(&w),
+                    vec![0u8; rows * d * precision.bytes()],
+                ];
+                let i = |v: usize| Arg::I32(v as i32);
+                let args = [
+                    Arg::Buf(0),
+                    Arg::Buf(1),
+                    Arg::Buf(2),
+                    i(rows),
+                    i(d),
+                    Arg::F32(eps),
+                ];
+                let got = values(
+                    precision,
+                    &launch_on(precision, "rms_norm_rows", &data, &args, rows * 256, 2),
+                );
+                let tol = if precision == Precision::Fp32 {
+                    1e-5
+                } else {
+                    1e-2
+                };
+                for r in 0..rows {
+                    let row = &x[r * d..][..d];
+                    let mean = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / d as f64;
+                    let inv = 1.0 / (mean + eps as f64).sqrt();
+                    for j in 0..d {
+                        let want = row[j] as f64 * inv * w[j] as f64;
+                        let got = got[r * d + j] as f64;
+                        assert!(
+                            (got - want).abs() <= tol * (1.0 + want.abs()),
+                            "{precision:?} rows {rows}, d {d}: row {r}, value {j}: {got} against {want}"
+                        );
+                    }
                 }
             }
         }
     }
 
     /// `gemv` (a decode step's linear layers) at row lengths that take its loop of four 16-byte
-    /// loads and its one-load tail (k = 676), only the tail (k = 36) and its scalar path
+    /// loads and its one-load tail (k = 1636 and 676), only the tail (k = 36) and its scalar path
     /// (k = 514), for one to eight rows, with and without bias and residual, against sums on
     /// the host. The output count leaves warps of the last block without an output.
     #[test]
@@ -1014,6 +1019,7 @@ mod tests {
         let mut rng = Rng::new(11);
         let n = 11;
         for (k, rows, extras) in [
+            (1636, 2, true),
             (676, 1, false),
             (676, 8, true),
             (36, 3, true),
