@@ -8,7 +8,8 @@ the ratio per row.
     python bench/llm_side_by_side.py --model llama-3.1-8b --device cuda --precision bf16 --replay
 
 transformers' TTFT is a `generate` of one token; its TPOT is (a generate of N tokens − TTFT)
-/ (N − 1), as vLLM's latency benchmark derives it. `--check` first compares the greedy
+/ (N − 1), as vLLM's latency benchmark derives it. `--peers torch.compile` times transformers
+the same way with its forward compiled over a static cache (compilation left out). `--check` first compares the greedy
 continuation of a prompt between the two at FP32 (a parity check at full size).
 
 llama.cpp (llama-cpp-python from PyPI; it compiles llama.cpp on install) runs a GGUF of the
@@ -50,15 +51,22 @@ def ours(binary, folder, precision, batch, prompt, gen, threads, iterations, ext
 
 
 class Hf:
-    def __init__(self, folder, precision, threads, device="cpu"):
+    """transformers on PyTorch, eager; or with `compiled`, its forward through torch.compile
+    over a static KV cache (transformers' recipe: fixed shapes, so a prefill and a decode step
+    each compile once for a batch and a length), the compilations paid in the warm-up."""
+
+    def __init__(self, folder, precision, threads, device="cpu", compiled=False):
         import torch
         import transformers
         torch.set_num_threads(threads)
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-        self.torch, self.device = torch, device
+        self.torch, self.device, self.compiled = torch, device, compiled
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             folder, dtype=dtype).eval().to(device)
         self.vocab = self.model.config.vocab_size
+        if compiled:
+            self.model.generation_config.cache_implementation = "static"
+            self.model.forward = torch.compile(self.model.forward, dynamic=False)
 
     def generate(self, ids, n):
         torch = self.torch
@@ -76,6 +84,9 @@ class Hf:
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(0, self.vocab, (batch, prompt), generator=g)
         self.generate(ids, 2)  # warm-up
+        if self.compiled:  # each length of the static cache compiles anew
+            self.generate(ids, 1)
+            self.generate(ids, gen)
         ttft, e2e = [], []
         for _ in range(iterations):
             t = time.perf_counter()
@@ -159,7 +170,8 @@ def main():
     p.add_argument("--iterations", type=int, default=2)
     p.add_argument("--check", action="store_true")
     p.add_argument("--peers", default="transformers,llama.cpp",
-                   help="transformers, llama.cpp (batch 1 only), comma-separated")
+                   help="transformers, torch.compile (transformers compiled, static cache), "
+                        "llama.cpp (batch 1 only), comma-separated")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cuda: our CUDA backend against transformers on the GPU (no llama.cpp)")
     p.add_argument("--replay", action="store_true",
@@ -182,6 +194,8 @@ def main():
         peers = {}
         if "transformers" in wanted:
             peers["transformers"] = Hf(folder, precision, a.threads, a.device)
+        if "torch.compile" in wanted:
+            peers["torch.compile"] = Hf(folder, precision, a.threads, a.device, compiled=True)
         if "llama.cpp" in wanted and precision in ("fp32", "bf16"):
             peers["llama.cpp"] = LlamaCpp(folder, precision, a.threads, a.prompt + a.gen)
         for batch in map(int, a.batch.split(",")):

@@ -158,18 +158,10 @@ pub fn cached_attention<T: Elem>(
             let n = last + 1 - first;
             let base = ((b * c.kv_heads + g) * c.context + first) * c.head;
             let mut keys = vec![0f32; n * c.head];
-            // Rows padded to whole vectors past the last key: a query's last scores are a
-            // whole vector's too (those past its keys are dropped), not key by key.
-            let stride = n + LANES - 1;
-            let mut keys_t = vec![0f32; stride * c.head];
             let mut values = vec![0f32; n * c.head];
             T::widen(&k[base..base + n * c.head], &mut keys);
             T::widen(&v[base..base + n * c.head], &mut values);
-            for (j, key) in keys.chunks_exact(c.head).enumerate() {
-                for (t, &x) in key.iter().enumerate() {
-                    keys_t[t * stride + j] = x;
-                }
-            }
+            let (keys_t, stride) = transposed(&keys, c.head);
             let mut out = vec![0f32; (q1 - q0) * group * c.head];
             let mut query = vec![0f32; c.head];
             let mut scores = vec![0f32; stride];
@@ -209,6 +201,21 @@ pub fn cached_attention<T: Elem>(
     }
 }
 
+/// Key rows of `head` values transposed: a row per dimension, padded with zeros to a whole
+/// vector past the last key (so a query's last scores are a whole vector's too, those past its
+/// keys dropped, not key by key), and the rows' stride.
+fn transposed(keys: &[f32], head: usize) -> (Vec<f32>, usize) {
+    let n = keys.len() / head;
+    let stride = n + LANES - 1;
+    let mut keys_t = vec![0f32; stride * head];
+    for (j, key) in keys.chunks_exact(head).enumerate() {
+        for (t, &x) in key.iter().enumerate() {
+            keys_t[t * stride + j] = x;
+        }
+    }
+    (keys_t, stride)
+}
+
 /// One query against its keys: softmax(q·kᵀ/√head)·v into `out`.
 struct Query<'a> {
     q: &'a [f32],
@@ -244,14 +251,9 @@ impl Vectorised for Query<'_> {
             j += LANES;
         }
         let scores = &mut self.scores[..len];
-        for s in scores.iter_mut() {
-            *s *= scale;
-        }
-        let sum = softmax_numerators(scores, 1.0);
-        for p in scores.iter_mut() {
-            *p /= sum;
-        }
-        // The weighted values 64 dimensions at a time in registers, then 16, then one.
+        let sum = softmax_numerators(scores, scale);
+        // The weighted values 64 dimensions at a time in registers, then 16, then one; the
+        // numerators' sum divides them once they are summed.
         let mut t = 0;
         while t + 64 <= d {
             weighted::<64>(scores, self.values, d, t, &mut self.out[t..t + 64]);
@@ -264,6 +266,10 @@ impl Vectorised for Query<'_> {
         for (tt, o) in self.out.iter_mut().enumerate().skip(t) {
             *o = (scores.iter().zip(self.values.chunks_exact(d)))
                 .fold(0.0, |a, (p, v)| a + p * v[tt]);
+        }
+        let inv = 1.0 / sum;
+        for o in self.out.iter_mut() {
+            *o *= inv;
         }
     }
 }
@@ -378,14 +384,7 @@ mod tests {
             }
             // The last query of the first sequence, head 0, on the other paths.
             let (pos, n) = (start + tokens - 1, start + tokens);
-            let keys: Vec<f32> = k[..n * head].to_vec();
-            let stride = n + LANES - 1;
-            let mut keys_t = vec![0f32; stride * head];
-            for (j, key) in keys.chunks_exact(head).enumerate() {
-                for (t, &x) in key.iter().enumerate() {
-                    keys_t[t * stride + j] = x;
-                }
-            }
+            let (keys_t, stride) = transposed(&k[..n * head], head);
             let first = c.first_key(pos);
             let at = (tokens - 1) * qs;
             let one = |run: &dyn Fn(Query)| {
