@@ -65,6 +65,11 @@ class Hf:
             folder, dtype=dtype).eval().to(device)
         self.vocab = self.model.config.vocab_size
         if compiled:
+            # Dynamo's compilations are kept per code object, shared by every model of the
+            # run: start afresh, and leave room for each batch's and length's shapes (past the
+            # default limit of 8 it falls back to eager without a word in the results).
+            torch._dynamo.reset()
+            torch._dynamo.config.recompile_limit = 64
             self.model.generation_config.cache_implementation = "static"
             self.model.forward = torch.compile(self.model.forward, dynamic=False)
 
