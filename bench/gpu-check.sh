@@ -6,7 +6,8 @@
 # every log goes to OUT (default ./gpu-check-out), and a short table is printed last.
 #
 #   bench/gpu-check.sh                               # everything, with the release build here
-#   STEPS="peak tests" bench/gpu-check.sh            # some parts: env peak tests llm resnet course side
+#   STEPS="peak tests" bench/gpu-check.sh            # some parts: env peak llm tests resnet
+#                                                    # course side
 #   WORKSHOP_BIN=dist/workshop TESTS_BIN=dist/tests bench/gpu-check.sh
 #   KERNELS_B=dist/kvar STEPS=llm bench/gpu-check.sh # also this build's kernels against a folder's
 #                                                    # (dist/kvar/gpu/llm.cuh ...), A B B A
@@ -37,7 +38,9 @@ export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-/tmp}" PYTHONUNBUFFERED=1
 export WORKSHOP_PYTHON="${WORKSHOP_PYTHON:-python3}"
 unset WORKSHOP_GPU_EMULATOR
 if [ -z "${WORKSHOP_FONT:-}" ]; then
-    font=$("$WORKSHOP_PYTHON" -c 'import matplotlib, os; print(os.path.join(os.path.dirname(matplotlib.__file__), "mpl-data/fonts/ttf/DejaVuSans.ttf"))' 2>/dev/null)
+    font=$("$WORKSHOP_PYTHON" -c 'import matplotlib, os
+print(os.path.join(os.path.dirname(matplotlib.__file__), "mpl-data/fonts/ttf/DejaVuSans.ttf"))' \
+        2>/dev/null)
     [ -f "$font" ] && export WORKSHOP_FONT="$font"
 fi
 start=$(date +%s)

@@ -9,8 +9,9 @@ the ratio per row.
 
 transformers' TTFT is a `generate` of one token; its TPOT is (a generate of N tokens − TTFT)
 / (N − 1), as vLLM's latency benchmark derives it. `--peers torch.compile` times transformers
-the same way with its forward compiled over a static cache (compilation left out). `--check` first compares the greedy
-continuation of a prompt between the two at FP32 (a parity check at full size).
+the same way with its forward compiled over a static cache (compilation left out). `--check`
+first compares the greedy continuation of a prompt between the two at FP32 (a parity check at
+full size).
 
 llama.cpp (llama-cpp-python from PyPI; it compiles llama.cpp on install) runs a GGUF of the
 same weights that bench/llm_gguf.py writes, unquantised, one sequence at a time.
@@ -88,10 +89,10 @@ class Hf:
         torch = self.torch
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(0, self.vocab, (batch, prompt), generator=g)
-        self.generate(ids, 2)  # warm-up
-        if self.compiled:  # each length of the static cache compiles anew
-            self.generate(ids, 1)
-            self.generate(ids, gen)
+        # Warm-up: a prefill and a decode step; compiled, the two lengths timed below (each
+        # length of the static cache compiles anew).
+        for n in (1, gen) if self.compiled else (2,):
+            self.generate(ids, n)
         ttft, e2e = [], []
         for _ in range(iterations):
             t = time.perf_counter()

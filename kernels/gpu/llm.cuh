@@ -86,7 +86,8 @@ BLOCK_KERNEL(rms_norm_rows, RmsNormArgs) {
             const ElemPack v = ((const ElemPack*)x)[j];
             ElemPack o;
 #pragma unroll
-            for (int e = 0; e < GEMV_VEC; ++e) o.v[e] = st(ld(v.v[e]) * inv * a.w[j * GEMV_VEC + e]);
+            for (int e = 0; e < GEMV_VEC; ++e)
+                o.v[e] = st(ld(v.v[e]) * inv * a.w[j * GEMV_VEC + e]);
             ((ElemPack*)y)[j] = o;
         }
     } else {
@@ -220,7 +221,8 @@ BLOCK_KERNEL(cached_attention, CachedAttentionArgs) {
                     for (int d = 0; d < GEMV_VEC; ++d) acc[d] += pi * ld(w.v[d]);
                 }
             } else {
-                for (int i = group; i < n; i += groups) acc[0] += p[i] * ld(vt[(long long)i * a.head]);
+                for (int i = group; i < n; i += groups)
+                    acc[0] += p[i] * ld(vt[(long long)i * a.head]);
             }
         }
         m = m2;
@@ -273,9 +275,9 @@ struct GemvArgs {
 // output, 8 outputs a block, walk its weight row side by side, 16 bytes each at a time when the
 // row length allows, four such loads issued before the first is used (so enough bytes are in
 // flight to stream at the memory's bandwidth: one at a time reached 45% of an H200's; eight, then
-// four, made a Qwen2.5-1.5B decode step 1.19x as long there), every row of x at once. The lanes' sums meet through warp shuffles where the dialect has them
-// (WS_WARP_SUM), else in shared memory (the emulator), in the same order: the same bits either
-// way. Buffers start 16-byte aligned.
+// four, made a Qwen2.5-1.5B decode step 1.19x as long there), every row of x at once. The lanes'
+// sums meet through warp shuffles where the dialect has them (WS_WARP_SUM), else in shared memory
+// (the emulator), in the same order: the same bits either way. Buffers start 16-byte aligned.
 BLOCK_KERNEL(gemv, GemvArgs) {
     const int tid = threadIdx.x, lane = tid % 32;
     const long long o = linear_index() / 32;
