@@ -1,0 +1,96 @@
+//! The CPU backend's language-model kernels alone, on Qwen2.5-0.5B's shapes (14 query heads
+//! over 2 KV heads of 64, hidden 896, MLP 4864), FP32, median of 7 calls after one: cached
+//! attention for a prompt of 128 (batch 1 and 8) and of 2048, and a decode step 2048 tokens
+//! into the cache (batch 1 and 8); then the linear layers' GEMMs (q/k/v fused, o, gate/up
+//! fused, down) over a batch-8 prefill's 1024 rows.
+//!
+//!     cargo bench --bench cpu_decoder                  # every kernel, 2 threads
+//!     cargo bench --bench cpu_decoder -- attention     # attention alone
+//!     WORKSHOP_CPU_SIMD=avx2 cargo bench --bench cpu_decoder -- attention
+//!
+//! Attention's GFLOP/s count 4 × head FLOPs per (query head, key it sees): the scores and the
+//! weighted values, not the softmax.
+
+use std::time::Instant;
+
+use workshop::backend::cpu::kernels::{CacheView, PackedLinear, cached_attention, linear};
+
+const THREADS: usize = 2;
+
+/// Median seconds of 7 calls of `f`, after one untimed.
+fn median(mut f: impl FnMut()) -> f64 {
+    f();
+    let mut times: Vec<f64> = (0..7)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    times[3]
+}
+
+fn wave(n: usize, f: f32) -> Vec<f32> {
+    (0..n).map(|i| (i as f32 * f).sin()).collect()
+}
+
+fn main() {
+    let only: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let wants = |what: &str| only.as_deref().is_none_or(|o| o == what);
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(THREADS)
+        .build_global()
+        .expect("the first pool");
+    let (heads, kv_heads, head) = (14, 2, 64);
+    if wants("attention") {
+        for (batch, tokens, start) in [
+            (1, 128, 0),
+            (8, 128, 0),
+            (1, 2048, 0),
+            (1, 1, 2047),
+            (8, 1, 2047),
+        ] {
+            let context = start + tokens;
+            let c = CacheView {
+                batch,
+                tokens,
+                start,
+                context,
+                heads,
+                kv_heads,
+                head,
+                window: None,
+            };
+            let qs = (heads + 2 * kv_heads) * head;
+            let q = wave(batch * tokens * qs, 0.37);
+            let k = wave(batch * kv_heads * context * head, 0.11);
+            let v = wave(batch * kv_heads * context * head, 0.23);
+            let mut y = vec![0f32; batch * tokens * heads * head];
+            let s = median(|| cached_attention(&q, qs, (&k, &v), c, &mut y));
+            let seen: usize = (start + 1..=start + tokens).sum();
+            let flops = (4 * head * seen * batch * heads) as f64;
+            println!(
+                "attention batch {batch}, {tokens} new at {start}: {:8.3} ms {:6.1} GFLOP/s",
+                s * 1e3,
+                flops / s / 1e9
+            );
+        }
+    }
+    if wants("linear") {
+        let rows = 1024;
+        for (fin, fout) in [(896, 1152), (896, 896), (896, 9728), (4864, 896)] {
+            let w = wave(fin * fout, 0.013);
+            let packed = PackedLinear::<f32>::new(&w, None, fin, fout);
+            let x = wave(rows * fin, 0.71);
+            let mut y = vec![0f32; rows * fout];
+            let s = median(|| linear(&x, &packed, (rows, fin, fout), &mut y, THREADS));
+            let flops = 2.0 * (rows * fin * fout) as f64;
+            println!(
+                "linear {rows} × {fin} → {fout}: {:8.3} ms {:6.1} GFLOP/s",
+                s * 1e3,
+                flops / s / 1e9
+            );
+        }
+    }
+}
