@@ -6,6 +6,7 @@
 //!
 //!     cargo bench --bench cpu_decoder                  # every kernel, 2 threads
 //!     cargo bench --bench cpu_decoder -- attention     # attention alone
+//!     cargo bench --bench cpu_decoder -- decode        # its decode steps alone
 //!     WORKSHOP_CPU_SIMD=avx2 cargo bench --bench cpu_decoder -- attention
 //!
 //! Attention's GFLOP/s count 4 × head FLOPs per (query head, key it sees): the scores and the
@@ -37,20 +38,22 @@ fn wave(n: usize, f: f32) -> Vec<f32> {
 
 fn main() {
     let only: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
-    let wants = |what: &str| only.as_deref().is_none_or(|o| o == what);
+    let only = only.as_deref();
+    let wants = |what: &str| only.is_none_or(|o| o == what);
     rayon::ThreadPoolBuilder::new()
         .num_threads(THREADS)
         .build_global()
         .expect("the first pool");
     let (heads, kv_heads, head) = (14, 2, 64);
-    if wants("attention") {
-        for (batch, tokens, start) in [
-            (1, 128, 0),
-            (8, 128, 0),
-            (1, 2048, 0),
-            (1, 1, 2047),
-            (8, 1, 2047),
-        ] {
+    let cases = [
+        (1, 128, 0),
+        (8, 128, 0),
+        (1, 2048, 0),
+        (1, 1, 2047),
+        (8, 1, 2047),
+    ];
+    for (batch, tokens, start) in cases {
+        if wants("attention") || (only == Some("decode") && tokens == 1) {
             let context = start + tokens;
             let c = CacheView {
                 batch,

@@ -131,7 +131,7 @@ const QUERY_BLOCK: usize = 32;
 /// Causal attention of the new queries over the cache (which already holds the new keys and
 /// values): `q` has rows of `q_stride` values whose first heads·head are the queries, `k` and
 /// `v` are (batch, KV heads, context, head), `y` rows of heads·head. Per (sequence, KV head,
-/// block of queries) the keys that block sees are widened once, transposed (a row per
+/// block of queries) the keys that block sees are widened once (where they are not f32), transposed (a row per
 /// dimension, so that a query's scores come out a vector of keys at a time, with no sum
 /// across a vector's lanes for each key), and serve every query head of the group. The block's
 /// rows (query by query, each one's heads of the group in turn) go up to four at a time
@@ -161,11 +161,10 @@ pub fn cached_attention<T: Elem>(
             let (first, last) = (c.first_key(c.start + q0), c.start + q1 - 1);
             let n = last + 1 - first;
             let base = ((b * c.kv_heads + g) * c.context + first) * c.head;
-            let mut keys = vec![0f32; n * c.head];
-            let mut values = vec![0f32; n * c.head];
-            T::widen(&k[base..base + n * c.head], &mut keys);
-            T::widen(&v[base..base + n * c.head], &mut values);
-            let (keys_t, stride) = transposed(&keys, c.head);
+            let (mut wide_k, mut wide_v) = (Vec::new(), Vec::new());
+            let keys = in_f32(&k[base..base + n * c.head], &mut wide_k);
+            let values = in_f32(&v[base..base + n * c.head], &mut wide_v);
+            let (keys_t, stride) = transposed(keys, c.head);
             // Row r of the block is query q0 + r / group, head g·group + r % group.
             let rows = (q1 - q0) * group;
             let mut out = vec![0f32; rows * c.head];
@@ -188,7 +187,7 @@ pub fn cached_attention<T: Elem>(
                 let pass = Pass {
                     q: &queries,
                     keys_t: (&keys_t, stride),
-                    values: &values,
+                    values,
                     scores: &mut scores,
                     out: &mut out[r0 * c.head..(r0 + take) * c.head],
                 };
@@ -237,6 +236,18 @@ fn pass_shape() -> (usize, bool) {
         }
     }
     (1, true)
+}
+
+/// `src` as f32: itself where it is, else widened into `buf`.
+fn in_f32<'a, T: Elem>(src: &'a [T], buf: &'a mut Vec<f32>) -> &'a [f32] {
+    match T::as_f32(src) {
+        Some(f) => f,
+        None => {
+            buf.resize(src.len(), 0.0);
+            T::widen(src, buf);
+            buf
+        }
+    }
 }
 
 /// Key rows of `head` values transposed: a row per dimension, padded with zeros to a whole
