@@ -77,8 +77,10 @@ struct Layer<T> {
     /// Llama: gate and up in one GEMM (2·inner); GPT-2: c_fc (inner).
     up: PackedLinear<T>,
     down: PackedLinear<T>,
-    /// (batch, KV heads, context, head).
+    /// Keys (batch, KV heads, head, context): stored transposed, as the attention reads them
+    /// (see [`kernels::cached_attention`]).
     k: Vec<T>,
+    /// Values (batch, KV heads, context, head).
     v: Vec<T>,
 }
 
@@ -350,10 +352,13 @@ impl<T: Elem> CpuDecoder<T> {
             for (r, row) in s.qkv.chunks(width).enumerate() {
                 let (b, p) = (r / new, start + r % new);
                 for g in 0..cfg.num_key_value_heads {
-                    let at = ((b * cfg.num_key_value_heads + g) * self.context + p) * hd;
+                    let cache = (b * cfg.num_key_value_heads + g) * self.context * hd;
+                    let at = cache + p * hd;
                     let k = &row[qw + g * hd..qw + (g + 1) * hd];
                     let v = &row[qw + kvw + g * hd..qw + kvw + (g + 1) * hd];
-                    layer.k[at..at + hd].copy_from_slice(k);
+                    for (t, &x) in k.iter().enumerate() {
+                        layer.k[cache + t * self.context + p] = x;
+                    }
                     layer.v[at..at + hd].copy_from_slice(v);
                 }
             }

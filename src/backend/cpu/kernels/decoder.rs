@@ -129,15 +129,16 @@ impl CacheView {
 const QUERY_BLOCK: usize = 32;
 
 /// Causal attention of the new queries over the cache (which already holds the new keys and
-/// values): `q` has rows of `q_stride` values whose first heads·head are the queries, `k` and
-/// `v` are (batch, KV heads, context, head), `y` rows of heads·head. Per (sequence, KV head,
-/// block of queries) the keys that block sees are widened once (where they are not f32), transposed (a row per
-/// dimension, so that a query's scores come out a vector of keys at a time, with no sum
-/// across a vector's lanes for each key), and serve every query head of the group. The block's
-/// rows (query by query, each one's heads of the group in turn) go up to four at a time
-/// through `Rows`: each key and value loaded serves all of them, as a GEMM's register tile
-/// does (at a prompt of 2048 on Qwen2.5-0.5B's heads, 2.4× faster than a row at a time on
-/// AVX-512, 1.4× on AVX2). Only those rows' scores are kept, never the block's whole matrix.
+/// values): `q` has rows of `q_stride` values whose first heads·head are the queries, `v` is
+/// (batch, KV heads, context, head) and `k` (batch, KV heads, head, context): the keys stored
+/// transposed, a row of positions per dimension, so that a query's scores come out a vector
+/// of keys at a time with no sum across a vector's lanes for each key, and no work item
+/// transposes them again; `y` has rows of heads·head. Per (sequence, KV head, block of
+/// queries) the block's rows (query by query, each one's heads of the group in turn) go up to
+/// four at a time through `Rows`: each key and value loaded serves all of them, as a GEMM's
+/// register tile does (at a prompt of 2048 on Qwen2.5-0.5B's heads, 2.4× faster than a row at
+/// a time on AVX-512, 1.4× on AVX2). Keys and values not in f32 are widened once per block.
+/// Only a pass's rows' scores are kept, never the block's whole matrix.
 pub fn cached_attention<T: Elem>(
     q: &[T],
     q_stride: usize,
@@ -160,16 +161,29 @@ pub fn cached_attention<T: Elem>(
             let (q0, q1) = (blk * QUERY_BLOCK, ((blk + 1) * QUERY_BLOCK).min(c.tokens));
             let (first, last) = (c.first_key(c.start + q0), c.start + q1 - 1);
             let n = last + 1 - first;
-            let base = ((b * c.kv_heads + g) * c.context + first) * c.head;
+            let cache = (b * c.kv_heads + g) * c.context * c.head;
+            let base = cache + first * c.head;
             let (mut wide_k, mut wide_v) = (Vec::new(), Vec::new());
-            let keys = in_f32(&k[base..base + n * c.head], &mut wide_k);
             let values = in_f32(&v[base..base + n * c.head], &mut wide_v);
-            let (keys_t, stride) = transposed(keys, c.head);
+            // The keys' rows (one per dimension) from the block's first key: the cache's
+            // own where it is f32, else the block's keys widened row by row.
+            let keys = &k[cache..cache + c.head * c.context];
+            let keys_t = match T::as_f32(keys) {
+                Some(keys) => (&keys[first..], c.context),
+                None => {
+                    wide_k.resize(c.head * n, 0.0);
+                    for (t, row) in wide_k.chunks_exact_mut(n).enumerate() {
+                        T::widen(&keys[t * c.context + first..][..n], row);
+                    }
+                    (&wide_k[..], n)
+                }
+            };
+            let room = n + LANES - 1;
             // Row r of the block is query q0 + r / group, head g·group + r % group.
             let rows = (q1 - q0) * group;
             let mut out = vec![0f32; rows * c.head];
             let mut queries = vec![0f32; per_pass * c.head];
-            let mut scores = vec![0f32; per_pass * stride];
+            let mut scores = vec![0f32; per_pass * room];
             let mut r0 = 0;
             while r0 < rows {
                 let take = per_pass.min(rows - r0);
@@ -186,9 +200,9 @@ pub fn cached_attention<T: Elem>(
                 }
                 let pass = Pass {
                     q: &queries,
-                    keys_t: (&keys_t, stride),
+                    keys_t,
                     values,
-                    scores: &mut scores,
+                    scores: (&mut scores, room),
                     out: &mut out[r0 * c.head..(r0 + take) * c.head],
                 };
                 let seen = |r: usize| seen[r].clone();
@@ -250,32 +264,17 @@ fn in_f32<'a, T: Elem>(src: &'a [T], buf: &'a mut Vec<f32>) -> &'a [f32] {
     }
 }
 
-/// Key rows of `head` values transposed: a row per dimension, padded with zeros to a whole
-/// vector past the last key (so a query's last scores are a whole vector's too, those past its
-/// keys dropped, not key by key), and the rows' stride.
-fn transposed(keys: &[f32], head: usize) -> (Vec<f32>, usize) {
-    let n = keys.len() / head;
-    let stride = n + LANES - 1;
-    let mut keys_t = vec![0f32; stride * head];
-    for (j, key) in keys.chunks_exact(head).enumerate() {
-        for (t, &x) in key.iter().enumerate() {
-            keys_t[t * stride + j] = x;
-        }
-    }
-    (keys_t, stride)
-}
-
 /// What one pass of [`Rows`] reads and writes.
 struct Pass<'a> {
     /// The rows' queries, `head` values each (at least the pass's rows of them).
     q: &'a [f32],
-    /// The block's keys transposed (head rows of its keys, zeros after them to a whole vector
-    /// past the last), and the rows' stride.
+    /// The block's keys transposed: head rows (one per dimension) from its first key, the
+    /// rows' stride apart (the last row ends with the block's last key, or later).
     keys_t: (&'a [f32], usize),
     /// The block's values, a row of head values per key.
     values: &'a [f32],
-    /// Room for each row's scores, `stride` apart.
-    scores: &'a mut [f32],
+    /// Room for each row's scores (its keys and a vector more), and the room's length.
+    scores: (&'a mut [f32], usize),
     /// The rows' outputs, `head` values each.
     out: &'a mut [f32],
 }
@@ -294,23 +293,32 @@ impl<const R: usize, const W: usize> Vectorised for Rows<'_, R, W> {
         let Rows(p, seen) = self;
         let d = p.out.len() / R;
         let scale = 1.0 / (d as f32).sqrt();
-        let (kt, stride) = p.keys_t;
+        let (scores, room) = p.scores;
         let (lo, hi) = (seen[0].start, seen[R - 1].end);
         let len = hi - lo;
-        // Scores W keys at a time, then 16 (the last run reads into the padding and writes
-        // into the row's room past its keys).
+        // Scores W keys at a time, then 16, then the last few through a zero-padded copy of
+        // their keys (all 16 scores written: each row has room for them past its keys).
         let mut j = 0;
         while j + W <= len {
-            scores_of::<W, R>(p.q, kt, stride, lo + j, p.scores, j);
+            scores_of::<W, R>(p.q, d, p.keys_t, lo + j, (scores, room), j);
             j += W;
         }
-        while j < len {
-            scores_of::<LANES, R>(p.q, kt, stride, lo + j, p.scores, j);
+        while j + LANES <= len {
+            scores_of::<LANES, R>(p.q, d, p.keys_t, lo + j, (scores, room), j);
             j += LANES;
+        }
+        if j < len {
+            let (kt, stride) = p.keys_t;
+            let mut tail = vec![0f32; d * LANES];
+            for (t, keys) in tail.chunks_exact_mut(LANES).enumerate() {
+                let from = &kt[t * stride + lo + j..][..len - j];
+                keys[..len - j].copy_from_slice(from);
+            }
+            scores_of::<LANES, R>(p.q, d, (&tail, LANES), 0, (scores, room), j);
         }
         let mut sums = [0f32; R];
         for (r, (keys, sum)) in seen.iter().zip(&mut sums).enumerate() {
-            let row = &mut p.scores[r * stride..r * stride + len];
+            let row = &mut scores[r * room..r * room + len];
             let (a, b) = (keys.start - lo, keys.end - lo);
             *sum = softmax_numerators(&mut row[a..b], scale);
             row[..a].fill(0.0);
@@ -321,15 +329,15 @@ impl<const R: usize, const W: usize> Vectorised for Rows<'_, R, W> {
         let values = &p.values[lo * d..hi * d];
         let mut t = 0;
         while t + W <= d {
-            weighted::<W, R>(p.scores, stride, values, t, p.out);
+            weighted::<W, R>(scores, room, values, t, p.out);
             t += W;
         }
         while t + 16 <= d {
-            weighted::<16, R>(p.scores, stride, values, t, p.out);
+            weighted::<16, R>(scores, room, values, t, p.out);
             t += 16;
         }
         for (r, out) in p.out.chunks_exact_mut(d).enumerate() {
-            let scores = &p.scores[r * stride..r * stride + len];
+            let scores = &scores[r * room..r * room + len];
             for (tt, o) in out.iter_mut().enumerate().skip(t) {
                 *o = (scores.iter().zip(values.chunks_exact(d)))
                     .fold(0.0, |a, (s, v)| a + s * v[tt]);
@@ -345,19 +353,18 @@ impl<const R: usize, const W: usize> Vectorised for Rows<'_, R, W> {
 /// Keys whose scores one run takes at least: an AVX-512 vector.
 const LANES: usize = 16;
 
-/// The scores of keys `key0..key0 + W` (in rows `stride` apart of the transposed `kt`) for
-/// `R` queries (rows of `q`, as long as `kt` has rows), unscaled, summed in `R × W` lanes kept
-/// in registers over the dimensions, into scores `j..j + W` of each row (`stride` apart).
+/// The scores of keys `key0..key0 + W` (in the `d` rows, `stride` apart, of the transposed
+/// `kt`) for `R` queries (rows of `d` in `q`), unscaled, summed in `R × W` lanes kept in
+/// registers over the dimensions, into scores `j..j + W` of each row (`ld` apart).
 #[inline(always)]
 fn scores_of<const W: usize, const R: usize>(
     q: &[f32],
-    kt: &[f32],
-    stride: usize,
+    d: usize,
+    (kt, stride): (&[f32], usize),
     key0: usize,
-    scores: &mut [f32],
+    (scores, ld): (&mut [f32], usize),
     j: usize,
 ) {
-    let d = kt.len() / stride;
     let q: [&[f32]; R] = std::array::from_fn(|r| &q[r * d..(r + 1) * d]);
     let mut acc = [[0f32; W]; R];
     for t in 0..d {
@@ -370,7 +377,7 @@ fn scores_of<const W: usize, const R: usize>(
         }
     }
     for (r, acc) in acc.iter().enumerate() {
-        scores[r * stride + j..][..W].copy_from_slice(acc);
+        scores[r * ld + j..][..W].copy_from_slice(acc);
     }
 }
 
@@ -405,6 +412,7 @@ fn weighted<const W: usize, const R: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::bf16;
 
     /// softmax(q·kᵀ/√head)·v in f64, query by query, over the keys each one sees.
     fn reference(q: &[f32], qs: usize, (k, v): (&[f32], &[f32]), c: CacheView) -> Vec<f32> {
@@ -442,12 +450,26 @@ mod tests {
         y
     }
 
+    /// Each sequence's and KV head's keys (context rows of head values) transposed: head rows
+    /// of context positions, the layout [`cached_attention`] reads.
+    fn keys_transposed(k: &[f32], head: usize, context: usize) -> Vec<f32> {
+        let mut t = vec![0f32; k.len()];
+        for (block, out) in k.chunks(head * context).zip(t.chunks_mut(head * context)) {
+            for (p, key) in block.chunks(head).enumerate() {
+                for (d, &x) in key.iter().enumerate() {
+                    out[d * context + p] = x;
+                }
+            }
+        }
+        t
+    }
+
     /// Queries (rows `qs` apart), keys and values, and where they are.
     type Case<'a> = (&'a [f32], usize, (&'a [f32], &'a [f32]), CacheView);
 
     /// The last `R` rows (query by query, head by head) of the first sequence's first group of
-    /// query heads, through one [`Rows`] pass that `run` compiles: each row's place in `y` and
-    /// its output.
+    /// query heads, through one [`Rows`] pass that `run` compiles (`k` transposed, as the
+    /// kernel takes it): each row's place in `y` and its output.
     fn last_rows<const R: usize, const W: usize>(
         (q, qs, (k, v), c): Case<'_>,
         run: fn(Rows<'_, R, W>),
@@ -463,7 +485,6 @@ mod tests {
             return Vec::new();
         };
         let n = c.start + c.tokens;
-        let (keys_t, stride) = transposed(&k[..n * c.head], c.head);
         let queries: Vec<f32> = (rows.iter())
             .flat_map(|&(i, j)| &q[i * qs + j * c.head..][..c.head])
             .copied()
@@ -472,13 +493,14 @@ mod tests {
             let pos = c.start + rows[r].0;
             c.first_key(pos)..pos + 1
         });
-        let (mut scores, mut out) = (vec![0f32; R * stride], vec![0f32; R * c.head]);
+        let room = n + LANES - 1;
+        let (mut scores, mut out) = (vec![0f32; R * room], vec![0f32; R * c.head]);
         run(Rows(
             Pass {
                 q: &queries,
-                keys_t: (&keys_t, stride),
+                keys_t: (&k[..c.head * c.context], c.context),
                 values: &v[..n * c.head],
-                scores: &mut scores,
+                scores: (&mut scores, room),
                 out: &mut out,
             },
             seen,
@@ -490,13 +512,13 @@ mod tests {
             .collect()
     }
 
-    /// The transposed keys' scores and the weighted values in registers match the f64 softmax
+    /// The scores over transposed keys and the weighted values in registers match the f64 softmax
     /// over the keys each query sees: heads of 8 (no whole vector), 16, 80 (64 + 16) and 128,
     /// prompts crossing query blocks and 64-key runs, decode steps deep into the cache, a
     /// sliding window, grouped KV heads (Qwen's 7 query heads a KV head: passes that span two
-    /// queries) and blocks whose rows leave passes of 3, 2 and 1; on this process's vector
-    /// path, and passes of each size compiled for AVX2 + FMA (where the CPU has them) and for
-    /// the baseline (portable).
+    /// queries) and blocks whose rows leave passes of 3, 2 and 1; in f32 and BF16 storage on
+    /// this process's vector path, and passes of each size compiled for AVX2 + FMA (where the
+    /// CPU has them) and for the baseline (portable).
     #[test]
     fn cached_attention_matches_f64() {
         let shapes = [
@@ -528,15 +550,33 @@ mod tests {
             let k = wave(batch * kv_heads * context * head, 0.11);
             let v = wave(batch * kv_heads * context * head, 0.23);
             let mut y = vec![0f32; batch * tokens * heads * head];
-            cached_attention(&q, qs, (&k, &v), c, &mut y);
+            let k_t = keys_transposed(&k, head, context);
+            cached_attention(&q, qs, (&k_t, &v), c, &mut y);
             let want = reference(&q, qs, (&k, &v), c);
             for (i, (&a, &b)) in y.iter().zip(&want).enumerate() {
                 assert!(close(a, b), "{c:?} [{i}]: {a} against {b}");
             }
+            // The same in BF16 storage (the keys and values widened a block at a time), against
+            // the reference on the rounded inputs, to BF16's output rounding.
+            let round = |x: &[f32]| -> Vec<bf16> { x.iter().map(|&v| bf16::from_f32(v)).collect() };
+            let (qh, kh, vh) = (round(&q), round(&k_t), round(&v));
+            let mut yh = vec![bf16::ZERO; y.len()];
+            cached_attention(&qh, qs, (&kh, &vh), c, &mut yh);
+            let wide = |x: &[bf16]| -> Vec<f32> { x.iter().map(|v| v.to_f32()).collect() };
+            let (qr, vr) = (wide(&qh), wide(&vh));
+            let kr = wide(&round(&k));
+            let want_h = reference(&qr, qs, (&kr, &vr), c);
+            for (i, (a, &b)) in yh.iter().zip(&want_h).enumerate() {
+                let a = a.to_f32();
+                assert!(
+                    (a - b).abs() <= 1e-2 * (1.0 + b.abs()),
+                    "bf16 {c:?} [{i}]: {a} against {b}"
+                );
+            }
             // The last rows of the first sequence's first group (its last queries' heads), a
             // pass of each size the paths take, compiled for AVX2 + FMA (where the CPU has
             // them) and for the baseline (portable).
-            let x = (q.as_slice(), qs, (k.as_slice(), v.as_slice()), c);
+            let x = (q.as_slice(), qs, (k_t.as_slice(), v.as_slice()), c);
             let mut paths = vec![
                 ("portable 1", last_rows::<1, 64>(x, |w| w.run())),
                 ("portable 4×16", last_rows::<4, 16>(x, |w| w.run())),
