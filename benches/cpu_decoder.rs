@@ -2,7 +2,8 @@
 //! over 2 KV heads of 64, hidden 896, MLP 4864), FP32, median of 7 calls after one: cached
 //! attention for a prompt of 128 (batch 1 and 8) and of 2048, and a decode step 2048 tokens
 //! into the cache (batch 1 and 8); then the linear layers' GEMMs (q/k/v fused, o, gate/up
-//! fused, down) over a batch-8 prefill's 1024 rows.
+//! fused, down) over a batch-8 prefill's 1024 rows, and SwiGLU over those rows (`-- activation`:
+//! GB/s of its f32 reads and writes).
 //!
 //!     cargo bench --bench cpu_decoder                  # every kernel, 2 threads
 //!     cargo bench --bench cpu_decoder -- attention     # attention alone
@@ -14,7 +15,7 @@
 
 use std::time::Instant;
 
-use workshop::backend::cpu::kernels::{CacheView, PackedLinear, cached_attention, linear};
+use workshop::backend::cpu::kernels::{CacheView, PackedLinear, cached_attention, linear, swiglu};
 
 const THREADS: usize = 2;
 
@@ -79,6 +80,18 @@ fn main() {
                 flops / s / 1e9
             );
         }
+    }
+    if wants("activation") {
+        let (rows, inner) = (1024, 4864);
+        let x = wave(rows * 2 * inner, 0.29);
+        let mut y = vec![0f32; rows * inner];
+        let s = median(|| swiglu(&x, inner, &mut y));
+        let bytes = (rows * 3 * inner * 4) as f64;
+        println!(
+            "swiglu {rows} × {inner}: {:8.3} ms {:6.1} GB/s",
+            s * 1e3,
+            bytes / s / 1e9
+        );
     }
     if wants("linear") {
         let rows = 1024;
