@@ -295,7 +295,8 @@ struct Pass<'a> {
     keys_t: (&'a [f32], usize),
     /// The block's values, a row of head values per key.
     values: &'a [f32],
-    /// Room for each row's scores (its keys and a vector more), and the room's length.
+    /// Room for each row's scores (the block's keys and `LANES - 1` more, so a last run of
+    /// `LANES` scores always fits), and the room's length.
     scores: (&'a mut [f32], usize),
     /// The rows' outputs, `head` values each.
     out: &'a mut [f32],
