@@ -1,7 +1,7 @@
 //! The CPU backend's language-model kernels alone, on Qwen2.5-0.5B's shapes (14 query heads
 //! over 2 KV heads of 64, hidden 896, MLP 4864), FP32, median of 7 calls after one: cached
-//! attention for a prompt of 128 (batch 1 and 8) and of 2048, and a decode step 2048 tokens
-//! into the cache (batch 1 and 8); then the linear layers' GEMMs (q/k/v fused, o, gate/up
+//! attention for a prompt of 128 (batch 1 and 8), 2048 and 8192, and a decode step 2048 tokens
+//! into the cache (batch 1 and 8) and 32768 (batch 1); then the linear layers' GEMMs (q/k/v fused, o, gate/up
 //! fused, down) over a batch-8 prefill's 1024 rows, and SwiGLU over those rows (`-- activation`:
 //! GB/s of its f32 reads and writes).
 //!
@@ -50,8 +50,10 @@ fn main() {
         (1, 128, 0),
         (8, 128, 0),
         (1, 2048, 0),
+        (1, 8192, 0),
         (1, 1, 2047),
         (8, 1, 2047),
+        (1, 1, 32767),
     ];
     for (batch, tokens, start) in cases {
         if wants("attention") || (only == Some("decode") && tokens == 1) {

@@ -333,6 +333,13 @@ unsafe fn each_vector<V: Vector>(values: &mut [f32], f: impl Fn(V) -> V) {
 /// loops, as long as in either product: the maximum (a NaN-keeping compare the compiler did
 /// not vectorise) one value at a time, each waiting on the last.
 pub(crate) fn softmax_numerators(row: &mut [f32], scale: f32) -> f32 {
+    softmax_numerators_above(row, scale, f32::NEG_INFINITY).1
+}
+
+/// [`softmax_numerators`] against max(the row's largest, `floor`), which it returns with the
+/// sum: an online softmax's step, a block of scores at a time, `floor` the blocks' largest so
+/// far (−∞ for the first).
+pub(crate) fn softmax_numerators_above(row: &mut [f32], scale: f32, floor: f32) -> (f32, f32) {
     #[cfg(target_arch = "x86_64")]
     {
         use crate::backend::cpu::simd::{Simd, simd};
@@ -340,25 +347,24 @@ pub(crate) fn softmax_numerators(row: &mut [f32], scale: f32) -> f32 {
         // SAFETY: the paths in use include AVX-512F, or AVX2 and FMA, so the CPU has them.
         unsafe {
             if paths >= Simd::Avx512 {
-                return numerators_avx512(row, scale);
+                return numerators_avx512(row, scale, floor);
             }
             if paths.has_avx2() {
-                return numerators_avx2(row, scale);
+                return numerators_avx2(row, scale, floor);
             }
         }
     }
-    plain_numerators(row, scale)
+    plain_numerators(row, scale, floor)
 }
 
-/// [`softmax_numerators`] value by value (the portable path).
-fn plain_numerators(row: &mut [f32], scale: f32) -> f32 {
-    let max = row
-        .iter()
-        .fold(f32::NEG_INFINITY, |m, &v| super::max_nan(m, v));
-    row.iter_mut().fold(0.0, |sum, v| {
+/// [`softmax_numerators_above`] value by value (the portable path).
+fn plain_numerators(row: &mut [f32], scale: f32, floor: f32) -> (f32, f32) {
+    let max = row.iter().fold(floor, |m, &v| super::max_nan(m, v));
+    let sum = row.iter_mut().fold(0.0, |sum, v| {
         *v = super::exp_nonpositive((*v - max) * scale);
         sum + *v
-    })
+    });
+    (max, sum)
 }
 
 /// [`softmax_numerators`] on zmm vectors.
@@ -367,9 +373,9 @@ fn plain_numerators(row: &mut [f32], scale: f32) -> f32 {
 /// The CPU has AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn numerators_avx512(row: &mut [f32], scale: f32) -> f32 {
+unsafe fn numerators_avx512(row: &mut [f32], scale: f32, floor: f32) -> (f32, f32) {
     // SAFETY: the caller's.
-    unsafe { numerators::<std::arch::x86_64::__m512>(row, scale) }
+    unsafe { numerators::<std::arch::x86_64::__m512>(row, scale, floor) }
 }
 
 /// [`softmax_numerators`] on ymm vectors.
@@ -378,12 +384,12 @@ unsafe fn numerators_avx512(row: &mut [f32], scale: f32) -> f32 {
 /// The CPU has AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn numerators_avx2(row: &mut [f32], scale: f32) -> f32 {
+unsafe fn numerators_avx2(row: &mut [f32], scale: f32, floor: f32) -> (f32, f32) {
     // SAFETY: the caller's.
-    unsafe { numerators::<std::arch::x86_64::__m256>(row, scale) }
+    unsafe { numerators::<std::arch::x86_64::__m256>(row, scale, floor) }
 }
 
-/// [`softmax_numerators`] LANES at a time: the maximum, then the numerators and their sum in
+/// [`softmax_numerators_above`] LANES at a time: the maximum, then the numerators and their sum in
 /// lanes; the last few values through a copy (padded with −∞ for the maximum, left out of
 /// the sum).
 ///
@@ -391,7 +397,7 @@ unsafe fn numerators_avx2(row: &mut [f32], scale: f32) -> f32 {
 /// The CPU has V's instruction set.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn numerators<V: Vector>(row: &mut [f32], scale: f32) -> f32 {
+unsafe fn numerators<V: Vector>(row: &mut [f32], scale: f32, floor: f32) -> (f32, f32) {
     // SAFETY: every load and store is of LANES floats inside a chunk or the copy; the caller's
     // instruction set.
     unsafe {
@@ -410,9 +416,7 @@ unsafe fn numerators<V: Vector>(row: &mut [f32], scale: f32) -> f32 {
         }
         let mut lanes = [0f32; 16];
         most.store(lanes.as_mut_ptr());
-        let max = lanes[..V::LANES]
-            .iter()
-            .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let max = lanes[..V::LANES].iter().fold(floor, |m, &v| m.max(v));
         let (minus_max, scale) = (V::splat(-max), V::splat(scale));
         let mut chunks = row.chunks_exact_mut(V::LANES);
         let mut sums = V::splat(0.0);
@@ -431,7 +435,7 @@ unsafe fn numerators<V: Vector>(row: &mut [f32], scale: f32) -> f32 {
             tail.copy_from_slice(&copy[..tail.len()]);
             sum += tail.iter().sum::<f32>();
         }
-        sum
+        (max, sum)
     }
 }
 
@@ -861,30 +865,33 @@ mod tests {
         (-x * x).exp() / (std::f64::consts::PI.sqrt() * (x + f))
     }
 
-    /// [`super::softmax_numerators`] on every path this CPU has (AVX-512, AVX2 and FMA, and
-    /// the plain loop), rows of every length up to three vectors and more, with −∞ scores
-    /// (a padding's, numerator 0) and exponents below −87 (0 as well): each numerator within
-    /// 4·10⁻⁷ of e^((v − max)·scale) in f64, the sum within 10⁻⁶ of theirs; a NaN among the
-    /// scores makes its numerator and the sum NaN.
+    /// [`super::softmax_numerators_above`] on every path this CPU has (AVX-512, AVX2 and FMA,
+    /// and the plain loop), rows of every length up to three vectors and more, with −∞ scores
+    /// (a padding's, numerator 0) and exponents below −87 (0 as well), with no floor and a
+    /// floor above the row's largest (an online softmax's later block): the maximum returned,
+    /// each numerator within 4·10⁻⁷ of e^((v − max)·scale) in f64, the sum within 10⁻⁶ of
+    /// theirs; a NaN among the scores makes its numerator and the sum NaN.
     #[test]
     fn softmax_numerators_match_f64_on_every_path() {
-        type Path = (&'static str, fn(&mut [f32], f32) -> f32);
+        type Path = (&'static str, fn(&mut [f32], f32, f32) -> (f32, f32));
         let mut paths: Vec<Path> = vec![("plain", super::plain_numerators)];
         #[cfg(target_arch = "x86_64")]
         {
             if is_x86_feature_detected!("avx512f") {
                 // SAFETY: the CPU has AVX-512F (detected just now).
-                paths.push(("avx512", |r, s| unsafe { super::numerators_avx512(r, s) }));
+                paths.push(("avx512", |r, s, f| unsafe {
+                    super::numerators_avx512(r, s, f)
+                }));
             }
             if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
                 // SAFETY: the CPU has AVX2 and FMA (detected just now).
-                paths.push(("avx2", |r, s| unsafe { super::numerators_avx2(r, s) }));
+                paths.push(("avx2", |r, s, f| unsafe { super::numerators_avx2(r, s, f) }));
             }
         }
-        paths.push(("in use", super::softmax_numerators));
+        paths.push(("in use", super::softmax_numerators_above));
         for (name, f) in paths {
             for len in (1..=50).chain([197, 208]) {
-                for scale in [0.125, 1.0] {
+                for (scale, lift) in [(0.125, None), (1.0, None), (0.125, Some(3.0))] {
                     let row: Vec<f32> = (0..len)
                         .map(|i| match i % 11 {
                             3 => f32::NEG_INFINITY,
@@ -892,9 +899,15 @@ mod tests {
                             _ => ((i * 37 % 101) as f32 - 50.0) * 0.61,
                         })
                         .collect();
-                    let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                    let largest = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                    let floor = lift.map_or(f32::NEG_INFINITY, |l| largest + l);
+                    let max = largest.max(floor);
                     let mut got = row.clone();
-                    let sum = f(&mut got, scale);
+                    let (got_max, sum) = f(&mut got, scale, floor);
+                    assert_eq!(
+                        got_max, max,
+                        "{name}: len {len} scale {scale} floor {floor}"
+                    );
                     let mut want_sum = 0f64;
                     for (i, (&v, &g)) in row.iter().zip(&got).enumerate() {
                         let x = (v - max) * scale;
@@ -902,19 +915,19 @@ mod tests {
                         want_sum += want;
                         assert!(
                             (g as f64 - want).abs() <= 4e-7 * want,
-                            "{name}: len {len} scale {scale} value {i}: {g} against {want}"
+                            "{name}: len {len} scale {scale} floor {floor} value {i}: {g} against {want}"
                         );
                     }
                     assert!(
                         (sum as f64 - want_sum).abs() <= 1e-6 * want_sum,
-                        "{name}: len {len} scale {scale}: sum {sum} against {want_sum}"
+                        "{name}: len {len} scale {scale} floor {floor}: sum {sum} against {want_sum}"
                     );
                 }
             }
             for len in [1, 5, 16, 19, 40] {
                 let mut row: Vec<f32> = (0..len).map(|i| i as f32 * 0.5).collect();
                 row[len / 2] = f32::NAN;
-                let sum = f(&mut row, 1.0);
+                let (_, sum) = f(&mut row, 1.0, f32::NEG_INFINITY);
                 assert!(sum.is_nan() && row[len / 2].is_nan(), "{name}: len {len}");
             }
         }
