@@ -173,7 +173,7 @@ const KEY_TILE: usize = 512;
 /// tile holds a larger score (an online softmax), and divided by the sum at the end. Only a
 /// pass's scores over one tile exist at a time, and a tile's keys and values are read from
 /// the cache once per block instead of once per pass. Keys and values not in f32 are widened
-/// once per block.
+/// a tile at a time.
 pub fn cached_attention<T: Elem>(
     q: &[T],
     q_stride: usize,
@@ -197,22 +197,9 @@ pub fn cached_attention<T: Elem>(
             let (first, last) = (c.first_key(c.start + q0), c.start + q1 - 1);
             let n = last + 1 - first;
             let cache = (b * c.kv_heads + g) * c.context * c.head;
-            let base = cache + first * c.head;
-            let (mut wide_k, mut wide_v) = (Vec::new(), Vec::new());
-            let values = in_f32(&v[base..base + n * c.head], &mut wide_v);
-            // The keys' rows (one per dimension) from the block's first key: the cache's
-            // own where it is f32, else the block's keys widened row by row.
             let keys = &k[cache..cache + c.head * c.context];
-            let keys_t = match T::as_f32(keys) {
-                Some(keys) => (&keys[first..], c.context),
-                None => {
-                    wide_k.resize(c.head * n, 0.0);
-                    for (t, row) in wide_k.chunks_exact_mut(n).enumerate() {
-                        T::widen(&keys[t * c.context + first..][..n], row);
-                    }
-                    (&wide_k[..], n)
-                }
-            };
+            let values = &v[cache + first * c.head..cache + (last + 1) * c.head];
+            let (mut wide_k, mut wide_v) = (Vec::new(), Vec::new());
             // Row r of the block is query q0 + r / group, head g·group + r % group: its
             // query, the keys it sees (from the block's first), its running largest score
             // and numerators' sum, and its output.
@@ -233,12 +220,26 @@ pub fn cached_attention<T: Elem>(
             let mut tail = vec![0f32; c.head * LANES];
             for k0 in (0..n).step_by(KEY_TILE) {
                 let k1 = (k0 + KEY_TILE).min(n);
+                // The tile's values, and its keys' rows (one per dimension): the cache's own
+                // where it is f32, else widened here, a tile at a time (in L2 for every pass).
+                let values = in_f32(&values[k0 * c.head..k1 * c.head], &mut wide_v);
+                let keys_t = match T::as_f32(keys) {
+                    Some(keys) => (&keys[first + k0..], c.context),
+                    None => {
+                        wide_k.resize(c.head * (k1 - k0), 0.0);
+                        for (t, row) in wide_k.chunks_exact_mut(k1 - k0).enumerate() {
+                            T::widen(&keys[t * c.context + first + k0..][..k1 - k0], row);
+                        }
+                        (&wide_k[..], k1 - k0)
+                    }
+                };
                 let mut r0 = 0;
                 while r0 < rows {
                     let take = per_pass.min(rows - r0);
+                    // The keys a row sees of the tile's, from its first.
                     let seen = |r: usize| {
                         let s = &seen[r0 + r];
-                        s.start.max(k0)..s.end.min(k1)
+                        s.start.max(k0) - k0..s.end.min(k1).saturating_sub(k0)
                     };
                     if (0..take).all(|r| seen(r).is_empty()) {
                         r0 += take;
@@ -320,10 +321,10 @@ fn in_f32<'a, T: Elem>(src: &'a [T], buf: &'a mut Vec<f32>) -> &'a [f32] {
 struct Pass<'a> {
     /// The rows' queries, `head` values each (the pass's rows of them).
     q: &'a [f32],
-    /// The block's keys transposed: head rows (one per dimension) from its first key, the
-    /// rows' stride apart (the last row ends with the block's last key, or later).
+    /// The tile's keys transposed: head rows (one per dimension) from its first key, the
+    /// rows' stride apart (the last row ends with the tile's last key, or later).
     keys_t: (&'a [f32], usize),
-    /// The block's values, a row of head values per key.
+    /// The tile's values, a row of head values per key.
     values: &'a [f32],
     /// Room for each row's scores (a tile's keys and `LANES - 1` more, so a last run of
     /// `LANES` scores always fits), and the room's length.
