@@ -466,10 +466,14 @@ fn weighted<const W: usize, const R: usize>(
     let d = out.len() / R;
     let n = values.len() / d;
     let p: [&[f32]; R] = std::array::from_fn(|r| &p[r * stride..r * stride + n]);
-    let mut acc: [[f32; W]; R] = std::array::from_fn(|r| {
+    // Not `array::from_fn`: its closure is compiled without the caller's target features.
+    let mut acc = [[0f32; W]; R];
+    for (r, acc) in acc.iter_mut().enumerate() {
         let o = &out[r * d + t0..][..W];
-        std::array::from_fn(|l| o[l] * rescale[r])
-    });
+        for l in 0..W {
+            acc[l] = o[l] * rescale[r];
+        }
+    }
     for (j, value) in values.chunks_exact(d).enumerate() {
         let v = &value[t0..][..W];
         for (acc, p) in acc.iter_mut().zip(&p) {
