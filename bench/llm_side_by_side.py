@@ -146,19 +146,20 @@ class LlamaCpp:
         return statistics.median(ttft) * 1e3, statistics.median(tpot) * 1e3
 
 
-def check(binary, folder, threads, device, tokens=24):
-    """Greedy continuation of a seeded prompt, ours against transformers, in FP32, both on
-    `device` (cpu, or cuda for our CUDA backend and PyTorch's)."""
+def check(binary, folder, threads, device, prompt=16, tokens=24):
+    """Greedy continuation of a seeded prompt of `prompt` tokens, ours against transformers, in
+    FP32, both on `device` (cpu, or cuda for our CUDA backend and PyTorch's)."""
     import torch
     hf = Hf(folder, "fp32", threads, device)
-    ids = torch.randint(0, hf.vocab, (1, 16), generator=torch.Generator().manual_seed(3))
-    want = hf.generate(ids, tokens)[0, 16:].tolist()
+    ids = torch.randint(0, hf.vocab, (1, prompt), generator=torch.Generator().manual_seed(3))
+    want = hf.generate(ids, tokens)[0, prompt:].tolist()
     out = workshop(["generate", "--model-dir", str(folder), "--threads", str(threads),
                     "--backend", device, "--prompt-ids", ",".join(map(str, ids[0].tolist())),
                     "--max-tokens", str(tokens)], binary)
     got = [int(t) for t in out.stdout.strip().split(",")]
     same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
-    print(f"parity: {same} of {tokens} greedy tokens equal to transformers' (FP32)")
+    print(f"parity: {same} of {tokens} greedy tokens after a prompt of {prompt} equal to "
+          "transformers' (FP32)")
     if same < tokens:
         print(f"  ours: {got}\n  hf:   {want}")
 
@@ -175,6 +176,9 @@ def main():
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--iterations", type=int, default=2)
     p.add_argument("--check", action="store_true")
+    p.add_argument("--check-prompt", type=int, default=16,
+                   help="the parity check's prompt length (past 512 it crosses our CPU "
+                        "attention's key tiles)")
     p.add_argument("--peers", default="transformers,llama.cpp",
                    help="transformers, torch.compile (transformers compiled, static cache), "
                         "llama.cpp (batch 1 only), comma-separated")
@@ -189,7 +193,7 @@ def main():
     if not (folder / "config.json").exists():
         workshop(["weights", "--network", a.model, "--output", str(folder)], a.workshop)
     if a.check:
-        check(a.workshop, folder, a.threads, a.device)
+        check(a.workshop, folder, a.threads, a.device, a.check_prompt)
     rows = []
     wanted = a.peers.split(",") if a.peers else []
     extra = ["--backend", a.device] + (["--compile", "reduce-overhead"] if a.replay else [])
@@ -223,7 +227,8 @@ def main():
             rows.append((precision, batch, med))
             print(precision, batch, med, flush=True)
         del peers
-    print(f"\n{a.model} on {a.device}, prompt {a.prompt}, {a.gen} new tokens, {a.threads} "
+    name = a.folder if a.folder else a.model
+    print(f"\n{name} on {a.device}, prompt {a.prompt}, {a.gen} new tokens, {a.threads} "
           f"threads, {a.rounds} interleaved rounds (medians)")
     print("| precision | batch | peer | TTFT ours ms | TTFT peer ms | prefill ours/peer speed "
           "| TPOT ours ms | TPOT peer ms | decode ours/peer speed |")
