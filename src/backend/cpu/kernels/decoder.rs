@@ -166,7 +166,7 @@ const KEY_TILE: usize = 512;
 /// transposes them again; `y` has rows of heads·head.
 ///
 /// Per (sequence, KV head, block of queries), flash attention's order: the block's keys a
-/// tile of [`KEY_TILE`] at a time, and against each tile the block's rows (query by query,
+/// tile of `KEY_TILE` (512) at a time, and against each tile the block's rows (query by query,
 /// each one's heads of the group in turn) up to four at a time through `Rows`, each key and
 /// value loaded serving all of them as a GEMM's register tile does; a row keeps its output
 /// unnormalised with the largest score and the numerators' sum so far, rescaled when a later
