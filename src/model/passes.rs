@@ -2,7 +2,8 @@
 //! the convolution's weights and bias, fuse a following activation ([`Act`]: ReLU, ReLU6,
 //! SiLU, hardswish, GELU, sigmoid, hardsigmoid) into a convolution's or linear layer's epilogue
 //! and a residual add into a convolution's, fold a layer norm's weight and bias into the
-//! projection that reads it, and drop eval-mode dropout. The result computes the same function
+//! projection that reads it and a layer scale (ConvNeXt's γ) into the linear layer before it,
+//! and drop eval-mode dropout. The result computes the same function
 //! (up to rounding) with fewer kernels and fewer activation buffers.
 //!
 //! A rewrite only happens when nothing else reads the intermediate value; a residual add is
@@ -22,6 +23,9 @@ pub struct PassReport {
     /// Layer norms whose weight and bias went into the projection after them.
     #[serde(default)]
     pub folded_layer_norms: usize,
+    /// Layer scales (ConvNeXt's γ) folded into the linear layer before them.
+    #[serde(default)]
+    pub folded_layer_scales: usize,
     pub fused_activations: usize,
     pub fused_adds: usize,
     pub dropped: usize,
@@ -112,6 +116,31 @@ impl Work {
             _ => return None,
         };
         Some((node.name.clone(), suffixes))
+    }
+
+    /// The linear layer that alone computes the value at `id` (through a reshape from tokens
+    /// to an image that only it reads), with `channels` outputs and no activation: its name
+    /// and whether it has a bias. A per-channel scale after it is exact in its weights.
+    fn linear_before(&self, id: ValueId, channels: usize) -> Option<(String, bool)> {
+        let mut id = id;
+        if matches!(self.nodes[id].as_ref()?.op, Op::Image) {
+            if self.readers(id) != 1 {
+                return None;
+            }
+            id = self.resolve(self.nodes[id].as_ref()?.inputs[0]);
+        }
+        let node = self.nodes[id].as_ref()?;
+        match node.op {
+            Op::Linear {
+                out_features,
+                bias,
+                act: Act::None,
+                ..
+            } if out_features == channels && self.readers(id) == 1 => {
+                Some((node.name.clone(), bias))
+            }
+            _ => None,
+        }
     }
 
     /// The linear layer `name` now has a bias (a folded layer norm's shift).
@@ -252,6 +281,27 @@ pub fn optimize(graph: &Graph, weights: &Weights) -> Result<(Graph, Weights, Pas
                     break;
                 }
             }
+            Op::LayerScale { channels } => {
+                let Some((linear, has_bias)) = work.linear_before(inputs[0], channels) else {
+                    continue;
+                };
+                // γ ⊙ (W·x + b) = (diag γ · W)·x + γ ⊙ b.
+                let gamma = tensor(&w, node.name.clone())?.data;
+                let mut wt = tensor(&w, format!("{linear}.weight"))?;
+                let fin = wt.data.len() / channels;
+                for (row, g) in wt.data.chunks_mut(fin).zip(&gamma) {
+                    row.iter_mut().for_each(|v| *v *= g);
+                }
+                w.tensors.insert(format!("{linear}.weight"), wt);
+                if has_bias {
+                    let mut b = tensor(&w, format!("{linear}.bias"))?;
+                    b.data.iter_mut().zip(&gamma).for_each(|(v, g)| *v *= g);
+                    w.tensors.insert(format!("{linear}.bias"), b);
+                }
+                w.tensors.remove(&node.name);
+                work.remove(id, inputs[0]);
+                report.folded_layer_scales += 1;
+            }
             Op::Dropout { .. } => {
                 work.remove(id, inputs[0]);
                 report.dropped += 1;
@@ -388,8 +438,9 @@ mod tests {
 
     /// The transformers and the squeeze-and-excitation networks: GELU after linear layers and
     /// the gates after their 1×1 convolutions fuse, layer norms fold into the projection after
-    /// them (never into Swin's padded windows), and the function stays the same with
-    /// non-trivial layer-norm weights.
+    /// them (never into Swin's padded windows), every layer scale into the linear layer before
+    /// it (ConvNeXt's), and the function stays the same with non-trivial layer-norm weights
+    /// and layer scales.
     #[test]
     fn transformers_keep_their_function() {
         use zoo::{MaxVitConfig, VitConfig};
@@ -434,6 +485,21 @@ mod tests {
             let mut weights = Weights::init(&graph, 1);
             let mut rng = Rng::new(5);
             for n in &graph.nodes {
+                // Layer scales away from their 1e-6 start and linear biases away from 0, so
+                // folding them is exercised.
+                if let Op::Linear { bias: true, .. } = n.op {
+                    let t = weights
+                        .tensors
+                        .get_mut(&format!("{}.bias", n.name))
+                        .unwrap();
+                    t.data.iter_mut().for_each(|v| *v = rng.normal() as f32);
+                }
+                if matches!(n.op, Op::LayerScale { .. }) {
+                    let t = weights.tensors.get_mut(&n.name).unwrap();
+                    t.data
+                        .iter_mut()
+                        .for_each(|v| *v = 0.5 + rng.uniform() as f32);
+                }
                 if matches!(n.op, Op::LayerNorm { .. }) {
                     for (suffix, mean) in [("weight", 1.0), ("bias", 0.0)] {
                         let t = weights
@@ -448,6 +514,10 @@ mod tests {
             }
             let (opt, w2, rep) = optimize(&graph, &weights).unwrap();
             assert_eq!(rep.folded_layer_norms, norms, "{name}: {rep:?}");
+            let scales = (graph.nodes.iter())
+                .filter(|n| matches!(n.op, Op::LayerScale { .. }))
+                .count();
+            assert_eq!(rep.folded_layer_scales, scales, "{name}: {rep:?}");
             assert!(rep.fused_activations >= min_acts, "{name}: {rep:?}");
             assert_same_function(&name, (&graph, &weights), (&opt, &w2), size);
         }

@@ -254,6 +254,10 @@ pub fn compile_passes(c: &crate::bench::record::CompileInfo) -> String {
             p.folded_layer_norms,
             "layer-norm affines folded into projections",
         ),
+        (
+            p.folded_layer_scales,
+            "layer scales folded into linear layers",
+        ),
         (p.fused_activations, "activations fused into epilogues"),
         (p.fused_adds, "residual adds fused"),
         (p.dropped, "dropouts dropped"),
