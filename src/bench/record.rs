@@ -279,8 +279,8 @@ pub struct ModelInfo {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum CompileMode {
-    /// Graph passes: batch norm folded into convolutions and layer norms' affines into the
-    /// projections after them, activations and residual adds fused into epilogues, dropout
+    /// Graph passes: batch norm folded into convolutions, layer norms' affines into the
+    /// projections after them and layer scales into the linear layers before them, activations and residual adds fused into epilogues, dropout
     /// dropped
     Default,
     /// The default passes, then the forward pass recorded once and replayed each iteration

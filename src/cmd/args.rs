@@ -216,7 +216,7 @@ pub struct BenchArgs {
     #[arg(long, value_name = "FILE.json")]
     pub single: Option<PathBuf>,
     /// Compile the network first, like torch.compile: `default` folds batch norms (and layer
-    /// norms' affines) into the layers around them and fuses activations and residual adds into
+    /// norms' affines and layer scales) into the layers around them and fuses activations and residual adds into
     /// epilogues; the output is checked against eager FP32 and the compile time reported apart
     /// from the run. `max-autotune` also times each layer shape's kernel variants and the
     /// network's schedules (the CPU's batch tiles) and keeps the fastest
