@@ -13,6 +13,7 @@
 //! Attention's GFLOP/s count 4 × head FLOPs per (query head, key it sees): the scores and the
 //! weighted values, not the softmax.
 
+use half::bf16;
 use std::time::Instant;
 
 use workshop::backend::cpu::kernels::{CacheView, PackedLinear, cached_attention, linear, swiglu};
@@ -73,13 +74,27 @@ fn main() {
             let k = wave(batch * kv_heads * context * head, 0.11);
             let v = wave(batch * kv_heads * context * head, 0.23);
             let mut y = vec![0f32; batch * tokens * heads * head];
-            let s = median(|| cached_attention(&q, qs, (&k, &v), c, &mut y));
             let seen: usize = (start + 1..=start + tokens).sum();
             let flops = (4 * head * seen * batch * heads) as f64;
-            println!(
-                "attention batch {batch}, {tokens} new at {start}: {:8.3} ms {:6.1} GFLOP/s",
-                s * 1e3,
-                flops / s / 1e9
+            let show = |what: &str, s: f64| {
+                println!(
+                    "attention {what} batch {batch}, {tokens} new at {start}: {:8.3} ms {:6.1} GFLOP/s",
+                    s * 1e3,
+                    flops / s / 1e9
+                )
+            };
+            show(
+                "f32 ",
+                median(|| cached_attention(&q, qs, (&k, &v), c, &mut y)),
+            );
+            // BF16 storage: the caches a BF16 session keeps (and, where the CPU multiplies
+            // bf16 pairs, its prefill's products on them).
+            let half = |x: &[f32]| -> Vec<bf16> { x.iter().map(|&v| bf16::from_f32(v)).collect() };
+            let (q, k, v) = (half(&q), half(&k), half(&v));
+            let mut y = vec![bf16::ZERO; y.len()];
+            show(
+                "bf16",
+                median(|| cached_attention(&q, qs, (&k, &v), c, &mut y)),
             );
         }
     }
