@@ -12,6 +12,7 @@ use super::transformer::Normalise;
 use super::{activate, map_rows, sigmoid, softmax_numerators_above};
 use crate::backend::cpu::bf16_gemm::{self, PackedPairs};
 use crate::backend::cpu::elem::{Elem, f32_bf16};
+use crate::backend::cpu::sgemm::{self, NR, PackedB};
 use crate::backend::cpu::simd::{Vectorised, with_simd};
 use crate::model::op::Act;
 
@@ -170,19 +171,23 @@ const KEY_TILE: usize = 512;
 /// of keys at a time with no sum across a vector's lanes for each key, and no work item
 /// transposes them again; `y` has rows of heads·head.
 ///
-/// Per (sequence, KV head, block of queries), flash attention's order: the block's keys a
+/// Per (sequence, KV head, block of 32 queries), flash attention's order: the block's keys a
 /// tile of `KEY_TILE` (512) at a time, and against each tile the block's rows (query by query,
-/// each one's heads of the group in turn) up to four at a time through `Rows`, each key and
-/// value loaded serving all of them as a GEMM's register tile does; a row keeps its output
-/// unnormalised with the largest score and the numerators' sum so far, rescaled when a later
-/// tile holds a larger score (an online softmax), and divided by the sum at the end. Only a
-/// pass's scores over one tile exist at a time, and a tile's keys and values are read from
-/// the cache once per block instead of once per pass. Keys and values not in f32 are widened
-/// a tile at a time — except a BF16 cache's prefill where the CPU multiplies bf16 pairs
-/// ([`bf16_gemm::Engine::in_use`]): there a block's rows (16 or more) take both products on
-/// the engines, the probabilities rounded to bf16 (`OnPairs`). Qwen2.5-0.5B's heads on a
-/// Zen 5, 2 threads: a prompt of 2048 took 15.5 ms a layer against 22.6 widened (1.46×),
-/// 8192 229–233 against 341–347 (1.49×), four prompts of 128 1.3–1.8 against 2.9.
+/// each one's heads of the group in turn); a row keeps its output unnormalised with the
+/// largest score and the numerators' sum so far, rescaled when a later tile holds a larger
+/// score (an online softmax), and divided by the sum at the end. Only one tile's scores exist
+/// at a time, and a tile's keys and values are read from the cache once per block.
+///
+/// A block goes one of three ways. A prefill's (16 rows or more): on GEMMs 32 rows at a time,
+/// the scores one product and the weighted values another — the bf16 engines for a BF16
+/// cache where the CPU multiplies bf16 pairs (`OnPairs`, the probabilities rounded to bf16),
+/// else the FP32 SGEMM on AVX2 or AVX-512 (`OnFloats`). A decode step's few rows (and every
+/// block on the portable path): through `Rows`, up to four at a time on AVX-512, each key and
+/// value loaded serving all of them as a GEMM's register tile does, reading the cache in place
+/// (f32) or widened a tile at a time. Qwen2.5-0.5B's heads on a Zen 5, 2 threads, a BF16
+/// cache: a prompt of 2048 took 15.5 ms a layer on the engines against 22.6 widened through
+/// `Rows` (1.46×), 8192 229–233 against 341–347 (1.49×), four prompts of 128 1.3–1.8 against
+/// 2.9.
 pub fn cached_attention<T: Elem>(
     q: &[T],
     q_stride: usize,
@@ -194,13 +199,14 @@ pub fn cached_attention<T: Elem>(
     let group = c.heads / c.kv_heads;
     let items = c.batch * c.kv_heads * blocks;
     let pairs = bf16_gemm::Engine::in_use().is_some();
+    let gemms = gemm_paths();
     let parts: Vec<(usize, Vec<f32>)> = (0..items)
         .into_par_iter()
         .map(|item| {
             let it = Item::new(c, q_stride, item);
             let halves = (T::as_bf16(q), T::as_bf16(k), T::as_bf16(v));
             let (state, mut out) = match halves {
-                (Some(q), Some(k), Some(v)) if pairs && it.seen.len() >= PAIR_ROWS => PAIRS
+                (Some(q), Some(k), Some(v)) if pairs && it.seen.len() >= GEMM_ROWS => PAIRS
                     .with_borrow_mut(|scratch| {
                         with_simd(OnPairs {
                             it: &it,
@@ -209,6 +215,14 @@ pub fn cached_attention<T: Elem>(
                             scratch,
                         })
                     }),
+                _ if gemms && it.seen.len() >= GEMM_ROWS => FLOATS.with_borrow_mut(|scratch| {
+                    with_simd(OnFloats {
+                        it: &it,
+                        q,
+                        kv: (k, v),
+                        scratch,
+                    })
+                }),
                 _ => on_floats(&it, q, (k, v)),
             };
             for (row, &(_, sum)) in out.chunks_exact_mut(c.head).zip(&state) {
@@ -289,7 +303,7 @@ impl Item {
 /// its output not yet divided by the sum.
 fn on_floats<T: Elem>(it: &Item, q: &[T], (k, v): (&[T], &[T])) -> (Vec<(f32, f32)>, Vec<f32>) {
     let (c, n, first) = (it.c, it.n, it.first);
-    let (per_pass, wide) = pass_shape();
+    let per_pass = pass_rows();
     let keys = &k[it.cache..it.cache + c.head * c.context];
     let values = &v[it.cache + first * c.head..it.cache + (first + n) * c.head];
     let (mut wide_k, mut wide_v) = (Vec::new(), Vec::new());
@@ -337,13 +351,10 @@ fn on_floats<T: Elem>(it: &Item, q: &[T], (k, v): (&[T], &[T])) -> (Vec<(f32, f3
                 state: &mut state[r0..r0 + take],
                 out: &mut out[r0 * c.head..(r0 + take) * c.head],
             };
-            match (take, wide) {
-                (4, true) => with_simd(Rows::<4, 64>(pass, [0, 1, 2, 3].map(seen))),
-                (4, false) => with_simd(Rows::<4, 16>(pass, [0, 1, 2, 3].map(seen))),
-                (3, true) => with_simd(Rows::<3, 64>(pass, [0, 1, 2].map(seen))),
-                (3, false) => with_simd(Rows::<3, 16>(pass, [0, 1, 2].map(seen))),
-                (2, true) => with_simd(Rows::<2, 64>(pass, [0, 1].map(seen))),
-                (2, false) => with_simd(Rows::<2, 16>(pass, [0, 1].map(seen))),
+            match take {
+                4 => with_simd(Rows::<4, 64>(pass, [0, 1, 2, 3].map(seen))),
+                3 => with_simd(Rows::<3, 64>(pass, [0, 1, 2].map(seen))),
+                2 => with_simd(Rows::<2, 64>(pass, [0, 1].map(seen))),
                 _ => with_simd(Rows::<1, 64>(pass, [seen(0)])),
             }
             r0 += take;
@@ -358,10 +369,151 @@ fn in_tile(seen: &std::ops::Range<usize>, k0: usize, k1: usize) -> std::ops::Ran
     seen.start.max(k0) - k0..seen.end.min(k1).saturating_sub(k0)
 }
 
-/// Rows a work item needs for its products to go to the bf16 engines: a prefill's blocks (32
-/// queries by the group's heads). A decode step's few rows stay on the f32 passes, which read
-/// each key and value once where the engines would pack them first.
-const PAIR_ROWS: usize = 16;
+/// Rows a work item needs for its products to go to GEMMs ([`OnPairs`], [`OnFloats`]): a
+/// prefill's blocks (32 queries by the group's heads). A decode step's few rows stay on the
+/// passes of [`Rows`], which read each key and value once where the GEMMs pack them first: on
+/// AVX-512 a step 2047 tokens in took 0.04–0.09 ms at batch 1 that way, 0.13–0.14 on the SGEMM.
+const GEMM_ROWS: usize = 16;
+
+/// A thread's buffers for [`OnFloats`], kept from item to item and call to call.
+struct FloatScratch {
+    keys: PackedB<f32>,
+    values: PackedB<f32>,
+    q: Vec<f32>,
+    scores: Vec<f32>,
+    o: Vec<f32>,
+}
+
+thread_local! {
+    static FLOATS: RefCell<FloatScratch> = RefCell::new(FloatScratch {
+        keys: PackedB::empty(),
+        values: PackedB::empty(),
+        q: Vec::new(),
+        scores: Vec::new(),
+        o: Vec::new(),
+    });
+}
+
+/// A prefill's work item on the FP32 SGEMM (the linear layers' engine), compiled for the
+/// widest vectors: per key tile the keys widened into B panels (head × keys) and the values
+/// into B panels (keys × head), then 32 rows at a time the scores one GEMM of the rows'
+/// queries, the online softmax's step on them, and the weighted values a second GEMM added to
+/// the rows' outputs — [`OnPairs`]'s order in f32. Qwen2.5-0.5B's heads on a Zen 5, 2
+/// threads, against the passes of four rows: FP32 prompts of 128 at batch 1 and 8 0.19–0.25
+/// and 1.4–1.8 ms against 0.30–0.45 and 2.8–3.2, 2048 20.6–21.9 against 22.6–23.3, 8192
+/// 305–331 against 339–351; forced to AVX2, 2048 in 39 ms against 77 for one row of 64.
+struct OnFloats<'a, T> {
+    it: &'a Item,
+    q: &'a [T],
+    kv: (&'a [T], &'a [T]),
+    scratch: &'a mut FloatScratch,
+}
+
+impl<T: Elem> Vectorised for OnFloats<'_, T> {
+    type Output = (Vec<(f32, f32)>, Vec<f32>);
+    #[inline(always)]
+    fn run(self) -> Self::Output {
+        let OnFloats {
+            it,
+            q,
+            kv: (k, v),
+            scratch,
+        } = self;
+        let FloatScratch {
+            keys: packed_k,
+            values: packed_v,
+            q: queries,
+            scores,
+            o,
+        } = scratch;
+        let (c, d, rows) = (it.c, it.c.head, it.seen.len());
+        let scale = 1.0 / (d as f32).sqrt();
+        let keys = &k[it.cache..it.cache + d * c.context];
+        let values = &v[it.cache..it.cache + c.context * d];
+        queries.resize(rows * d, 0.0);
+        for (r, dst) in queries.chunks_exact_mut(d).enumerate() {
+            let at = it.query(r);
+            T::widen(&q[at..at + d], dst);
+        }
+        let mut state = vec![(f32::NEG_INFINITY, 0f32); rows];
+        let mut out = vec![0f32; rows * d];
+        let chunk = PAIR_ROW_CHUNK;
+        for k0 in (0..it.n).step_by(KEY_TILE) {
+            let (k1, at) = ((k0 + KEY_TILE).min(it.n), it.first + k0);
+            let len = k1 - k0;
+            packed_k.refill((d, len), |p, panel| {
+                let cols = NR.min(len - p * NR);
+                for (t, row) in panel.chunks_exact_mut(NR).enumerate() {
+                    T::widen(
+                        &keys[t * c.context + at + p * NR..][..cols],
+                        &mut row[..cols],
+                    );
+                }
+            });
+            packed_v.refill((len, d), |p, panel| {
+                let width = NR.min(d - p * NR);
+                for (j, row) in panel.chunks_exact_mut(NR).enumerate() {
+                    T::widen(&values[(at + j) * d + p * NR..][..width], &mut row[..width]);
+                }
+            });
+            let ld = len.next_multiple_of(NR);
+            scores.resize(chunk.min(rows) * ld, 0.0);
+            o.resize(chunk.min(rows) * d, 0.0);
+            let (kview, vview) = (packed_k.view(), packed_v.view());
+            for r0 in (0..rows).step_by(chunk) {
+                let m = chunk.min(rows - r0);
+                // SAFETY: m rows of d queries, scores m rows of ld >= len floats.
+                unsafe {
+                    sgemm::gemm(
+                        m,
+                        queries[r0 * d..].as_ptr(),
+                        d,
+                        &kview,
+                        (0, kview.panels()),
+                        scores.as_mut_ptr(),
+                        ld,
+                    )
+                };
+                for (i, row) in scores.chunks_exact_mut(ld).take(m).enumerate() {
+                    let r = r0 + i;
+                    let seen = in_tile(&it.seen[r], k0, k1);
+                    let (a, b) = (seen.start, seen.end.max(seen.start));
+                    if a >= b {
+                        row.fill(0.0);
+                        continue;
+                    }
+                    let (old, sum) = state[r];
+                    let (max, part) = softmax_numerators_above(&mut row[a..b], scale, old);
+                    let mut rescale = 1.0;
+                    if max > old && old > f32::NEG_INFINITY {
+                        rescale = ((old - max) * scale).exp();
+                        out[r * d..(r + 1) * d]
+                            .iter_mut()
+                            .for_each(|o| *o *= rescale);
+                    }
+                    state[r] = (max, sum * rescale + part);
+                    row[..a].fill(0.0);
+                    row[b..].fill(0.0);
+                }
+                // SAFETY: m rows of ld probabilities (len of them read), o m rows of d.
+                unsafe {
+                    sgemm::gemm(
+                        m,
+                        scores.as_ptr(),
+                        ld,
+                        &vview,
+                        (0, vview.panels()),
+                        o.as_mut_ptr(),
+                        d,
+                    )
+                };
+                let dst = &mut out[r0 * d..(r0 + m) * d];
+                dst.iter_mut().zip(&o[..m * d]).for_each(|(x, y)| *x += y);
+            }
+        }
+        (state, out)
+    }
+}
 
 /// Rows [`OnPairs`] takes through both products and the softmax between them at a time: their
 /// scores (32 rows of a tile, 64 KiB) stay in L1 and L2 from the first product to the second.
@@ -554,21 +706,34 @@ impl Vectorised for OnPairs<'_> {
     }
 }
 
-/// Rows of queries one [`Rows`] pass takes at most, and whether it sums 64 lanes a row or 16:
-/// four of 64 on AVX-512 (its 32 registers hold the 16 vectors), four of 16 on AVX2 (8 of its
-/// 16; 4 × 64 would spill, and 2 × 32 measured 4× slower than one row of 64 on an Emerald
-/// Rapids forced to AVX2), one of 64 on the portable path (four of 16 took 1.8× as long).
-fn pass_shape() -> (usize, bool) {
+/// Rows of queries one [`Rows`] pass takes at most, each summing 64 lanes: four on AVX-512 (its
+/// 32 registers hold the 16 vectors), one elsewhere. AVX2's four rows of 16 lanes were
+/// compiled to scalar code (the products' accumulators left in memory): on a Zen 5 forced to
+/// AVX2, a decode step 2047 tokens in took 0.17–0.34 ms (batch 1) and 1.3–2.6 ms (batch 8)
+/// that way, 0.08–0.18 and 0.68–0.78 with one row of 64, and a prompt of 2048 221 ms against
+/// 77 (the prompts now go to [`OnFloats`]: 39).
+fn pass_rows() -> usize {
     #[cfg(target_arch = "x86_64")]
     {
         use crate::backend::cpu::simd::{Simd, simd};
-        match simd() {
-            s if s >= Simd::Avx512 => return (4, true),
-            s if s.has_avx2() => return (4, false),
-            _ => {}
+        if simd() >= Simd::Avx512 {
+            return 4;
         }
     }
-    (1, true)
+    1
+}
+
+/// Whether a prefill's blocks go to the SGEMM ([`OnFloats`]): where the paths in use have
+/// AVX2 and FMA. The portable SGEMM lost to one row of 64 lanes (a prompt of 2048: 249 ms
+/// against 178 on a Zen 5 forced to it).
+fn gemm_paths() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::backend::cpu::simd::simd;
+        simd().has_avx2()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// `src` as f32: itself where it is, else widened into `buf`.
@@ -920,9 +1085,9 @@ mod tests {
     /// rescaling), decode steps deep into the cache, sliding windows (one starting past the
     /// first tile), grouped KV heads (Qwen's 7 query heads a KV head: passes that span two
     /// queries) and blocks whose rows leave passes of 3, 2 and 1; in f32 and BF16 storage on
-    /// this process's vector path (a BF16 prefill's blocks on the bf16 engines where the CPU
-    /// has them, its decode steps' few rows widened), and passes of each size compiled for AVX2 + FMA (where the
-    /// CPU has them) and for the baseline (portable).
+    /// this process's vector path (prefills' blocks on the GEMMs — a BF16 cache's on the bf16
+    /// engines where the CPU has them — and decode steps' few rows through `Rows`), and `Rows`
+    /// passes compiled for AVX2 + FMA (where the CPU has them) and for the baseline (portable).
     #[test]
     fn cached_attention_matches_f64() {
         let shapes = [
@@ -990,8 +1155,7 @@ mod tests {
             let x = (q.as_slice(), qs, (k_t.as_slice(), v.as_slice()), c);
             let mut paths = vec![
                 ("portable 1", last_rows::<1, 64>(x, |w| w.run())),
-                ("portable 4×16", last_rows::<4, 16>(x, |w| w.run())),
-                ("portable 4×64", last_rows::<4, 64>(x, |w| w.run())),
+                ("portable 4", last_rows::<4, 64>(x, |w| w.run())),
             ];
             #[cfg(target_arch = "x86_64")]
             if std::arch::is_x86_feature_detected!("avx2")
@@ -1007,9 +1171,7 @@ mod tests {
                     unsafe { run(w) }
                 }
                 paths.push(("avx2 1", last_rows::<1, 64>(x, avx2)));
-                paths.push(("avx2 2", last_rows::<2, 16>(x, avx2)));
-                paths.push(("avx2 3", last_rows::<3, 16>(x, avx2)));
-                paths.push(("avx2 4", last_rows::<4, 16>(x, avx2)));
+                paths.push(("avx2 3", last_rows::<3, 64>(x, avx2)));
             }
             for (path, rows) in paths {
                 for (at, out) in rows {
