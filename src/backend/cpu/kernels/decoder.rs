@@ -369,6 +369,33 @@ fn in_tile(seen: &std::ops::Range<usize>, k0: usize, k1: usize) -> std::ops::Ran
     seen.start.max(k0) - k0..seen.end.min(k1).saturating_sub(k0)
 }
 
+/// One row's step of the online softmax on its scores over a tile (`row`), of which it sees
+/// `seen`: their numerators in place against its largest score so far (`state`, with the
+/// numerators' sum), its output scaled down by e^((old − new largest)·scale) where that grew.
+/// Returns where the numerators are (an empty range at the row's end where it sees none).
+#[inline(always)]
+fn online_step(
+    row: &mut [f32],
+    seen: std::ops::Range<usize>,
+    scale: f32,
+    state: &mut (f32, f32),
+    out: &mut [f32],
+) -> (usize, usize) {
+    if seen.is_empty() {
+        return (row.len(), row.len());
+    }
+    let (a, b) = (seen.start, seen.end);
+    let (old, sum) = *state;
+    let (max, part) = softmax_numerators_above(&mut row[a..b], scale, old);
+    let mut rescale = 1.0;
+    if max > old && old > f32::NEG_INFINITY {
+        rescale = ((old - max) * scale).exp();
+        out.iter_mut().for_each(|o| *o *= rescale);
+    }
+    *state = (max, sum * rescale + part);
+    (a, b)
+}
+
 /// Rows a work item needs for its products to go to GEMMs ([`OnPairs`], [`OnFloats`]): a
 /// prefill's blocks (32 queries by the group's heads). A decode step's few rows stay on the
 /// passes of [`Rows`], which read each key and value once where the GEMMs pack them first: on
@@ -477,21 +504,8 @@ impl<T: Elem> Vectorised for OnFloats<'_, T> {
                 for (i, row) in scores.chunks_exact_mut(ld).take(m).enumerate() {
                     let r = r0 + i;
                     let seen = in_tile(&it.seen[r], k0, k1);
-                    let (a, b) = (seen.start, seen.end.max(seen.start));
-                    if a >= b {
-                        row.fill(0.0);
-                        continue;
-                    }
-                    let (old, sum) = state[r];
-                    let (max, part) = softmax_numerators_above(&mut row[a..b], scale, old);
-                    let mut rescale = 1.0;
-                    if max > old && old > f32::NEG_INFINITY {
-                        rescale = ((old - max) * scale).exp();
-                        out[r * d..(r + 1) * d]
-                            .iter_mut()
-                            .for_each(|o| *o *= rescale);
-                    }
-                    state[r] = (max, sum * rescale + part);
+                    let out = &mut out[r * d..(r + 1) * d];
+                    let (a, b) = online_step(row, seen, scale, &mut state[r], out);
                     row[..a].fill(0.0);
                     row[b..].fill(0.0);
                 }
@@ -658,22 +672,10 @@ impl Vectorised for OnPairs<'_> {
                 for (i, (row, p)) in rows_of.take(m).enumerate() {
                     let r = r0 + i;
                     let seen = in_tile(&it.seen[r], k0, k1);
-                    let (a, b) = (seen.start, seen.end.max(seen.start));
-                    p[..a.min(ld)].fill(bf16::ZERO);
+                    let out = &mut out[r * d..(r + 1) * d];
+                    let (a, b) = online_step(row, seen, scale, &mut state[r], out);
+                    p[..a].fill(bf16::ZERO);
                     p[b..].fill(bf16::ZERO);
-                    if a >= b {
-                        continue;
-                    }
-                    let (old, sum) = state[r];
-                    let (max, part) = softmax_numerators_above(&mut row[a..b], scale, old);
-                    let mut rescale = 1.0;
-                    if max > old && old > f32::NEG_INFINITY {
-                        rescale = ((old - max) * scale).exp();
-                        out[r * d..(r + 1) * d]
-                            .iter_mut()
-                            .for_each(|o| *o *= rescale);
-                    }
-                    state[r] = (max, sum * rescale + part);
                     for (p, &s) in p[a..b].iter_mut().zip(&row[a..b]) {
                         *p = f32_bf16(s);
                     }
