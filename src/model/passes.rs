@@ -216,10 +216,7 @@ pub fn optimize(graph: &Graph, weights: &Weights) -> Result<(Graph, Weights, Pas
                     eps,
                 );
                 let mut weight = tensor(&w, format!("{conv}.weight"))?;
-                let per_out = weight.data.len() / c.out_channels;
-                for (co, chunk) in weight.data.chunks_mut(per_out).enumerate() {
-                    chunk.iter_mut().for_each(|v| *v *= scale[co]);
-                }
+                scale_rows(&mut weight.data, &scale);
                 let bias: Vec<f32> = match c.bias {
                     true => tensor(&w, format!("{conv}.bias"))?.data,
                     false => vec![0.0; c.out_channels],
@@ -288,10 +285,7 @@ pub fn optimize(graph: &Graph, weights: &Weights) -> Result<(Graph, Weights, Pas
                 // γ ⊙ (W·x + b) = (diag γ · W)·x + γ ⊙ b.
                 let gamma = tensor(&w, node.name.clone())?.data;
                 let mut wt = tensor(&w, format!("{linear}.weight"))?;
-                let fin = wt.data.len() / channels;
-                for (row, g) in wt.data.chunks_mut(fin).zip(&gamma) {
-                    row.iter_mut().for_each(|v| *v *= g);
-                }
+                scale_rows(&mut wt.data, &gamma);
                 w.tensors.insert(format!("{linear}.weight"), wt);
                 if has_bias {
                     let mut b = tensor(&w, format!("{linear}.bias"))?;
@@ -375,6 +369,15 @@ pub fn optimize(graph: &Graph, weights: &Weights) -> Result<(Graph, Weights, Pas
         training_only: graph.training_only.clone(),
     };
     Ok((out, w, report))
+}
+
+/// Row i of `data` (one of `scale.len()` equal rows: an output channel's weights) times
+/// `scale[i]`: folding a per-channel affine into the layer before it.
+fn scale_rows(data: &mut [f32], scale: &[f32]) {
+    let per_row = data.len() / scale.len().max(1);
+    for (row, s) in data.chunks_mut(per_row.max(1)).zip(scale) {
+        row.iter_mut().for_each(|v| *v *= s);
+    }
 }
 
 #[cfg(test)]
