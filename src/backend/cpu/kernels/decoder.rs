@@ -200,7 +200,7 @@ pub fn cached_attention<T: Elem>(
     let items = c.batch * c.kv_heads * blocks;
     let pairs = bf16_gemm::Engine::in_use().is_some();
     let gemms = gemm_paths();
-    let parts: Vec<(usize, Vec<f32>)> = (0..items)
+    let parts: Vec<(Item, Vec<f32>)> = (0..items)
         .into_par_iter()
         .map(|item| {
             let it = Item::new(c, q_stride, item);
@@ -223,18 +223,17 @@ pub fn cached_attention<T: Elem>(
                         scratch,
                     })
                 }),
-                _ => on_floats(&it, q, (k, v)),
+                _ => on_rows(&it, q, (k, v)),
             };
             for (row, &(_, sum)) in out.chunks_exact_mut(c.head).zip(&state) {
                 let inv = 1.0 / sum;
                 row.iter_mut().for_each(|o| *o *= inv);
             }
-            (item, out)
+            (it, out)
         })
         .collect();
     let width = c.heads * c.head;
-    for (item, out) in parts {
-        let it = Item::new(c, q_stride, item);
+    for (it, out) in parts {
         for (r, rows) in out.chunks(group * c.head).enumerate() {
             let at = (it.b * c.tokens + it.q0 + r) * width + it.g * group * c.head;
             T::narrow(rows, &mut y[at..at + group * c.head]);
@@ -301,7 +300,7 @@ impl Item {
 /// A work item on f32 arithmetic: the rows up to four at a time through [`Rows`], keys and
 /// values not in f32 widened a tile at a time. Returns each row's largest score and sum, and
 /// its output not yet divided by the sum.
-fn on_floats<T: Elem>(it: &Item, q: &[T], (k, v): (&[T], &[T])) -> (Vec<(f32, f32)>, Vec<f32>) {
+fn on_rows<T: Elem>(it: &Item, q: &[T], (k, v): (&[T], &[T])) -> (Vec<(f32, f32)>, Vec<f32>) {
     let (c, n, first) = (it.c, it.n, it.first);
     let per_pass = pass_rows();
     let keys = &k[it.cache..it.cache + c.head * c.context];
