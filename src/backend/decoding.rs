@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use super::{BackendError, DecoderMemory, DecoderOptions};
 use crate::model::llm::DecoderWeights;
 use crate::model::llm::config::rotary_tables;
-use crate::model::llm::weights::{Linear, Norm};
+use crate::model::llm::weights::{LayerTensors, Linear, Norm};
 
 /// A buffer of a session, by index into its own list.
 pub type BufId = usize;
@@ -110,8 +110,9 @@ pub fn upload_model<U: Upload>(
 ) -> Result<Model<U::Matrix>, BackendError> {
     let cfg = &w.config;
     let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+    let mut t = LayerTensors::default();
     for l in 0..cfg.num_hidden_layers {
-        let t = w.layer(l).map_err(load_err)?;
+        w.layer_into(l, &mut t).map_err(load_err)?;
         layers.push(Layer {
             norm1: u.norm(&t.norm1)?,
             qkv: u.linear(&t.qkv)?,

@@ -550,23 +550,34 @@ fn generate(
     shape: Vec<usize>,
     fill: impl Fn(&mut Rng, &mut [f32]) + Sync,
 ) -> Tensor {
+    let mut data = vec![0f32; shape.iter().product()];
+    generate_into(rng, &mut data, fill);
+    Tensor::new(shape, data)
+}
+
+/// [`generate`] into `out`, which the caller may reuse: the same values for the same draw.
+fn generate_into(rng: &mut Rng, out: &mut [f32], fill: impl Fn(&mut Rng, &mut [f32]) + Sync) {
     use rayon::prelude::*;
     let stream = rng.next_u64();
-    let n = shape.iter().product();
-    let mut data = vec![0f32; n];
-    data.par_chunks_mut(BLOCK)
+    out.par_chunks_mut(BLOCK)
         .enumerate()
         .for_each(|(b, block)| {
             let mut r = Rng::new(stream ^ (b as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
             fill(&mut r, block);
         });
-    Tensor::new(shape, data)
 }
 
 /// Normal values of standard deviation `std`, generated in parallel blocks (the same on
 /// every machine).
 pub(crate) fn normal(rng: &mut Rng, shape: Vec<usize>, std: f64) -> Tensor {
-    generate(rng, shape, |r, out| {
+    let mut data = vec![0f32; shape.iter().product()];
+    normal_into(rng, &mut data, std);
+    Tensor::new(shape, data)
+}
+
+/// [`normal`] into `out`: the values `normal` gives a tensor of `out.len()` values.
+pub(crate) fn normal_into(rng: &mut Rng, out: &mut [f32], std: f64) {
+    generate_into(rng, out, |r, out| {
         // Marsaglia's polar method: two independent normals per accepted point of the unit
         // disc, with one logarithm and no trigonometry. Points are drawn a batch at a time and
         // the logarithms, divisions and square roots then run over the batch: independent of

@@ -177,17 +177,23 @@ impl PackedPairs {
         let kp = padded_k(k, step);
         let panels = n.div_ceil(PANEL);
         let mut data = super::big_buffer(panels * kp * PANEL);
-        data.par_chunks_mut(kp * PANEL)
-            .enumerate()
-            .for_each_init(Vec::new, |col, (p, panel)| {
-                col.resize(k, 0.0);
+        data.par_chunks_mut(kp * PANEL).enumerate().for_each_init(
+            || (vec![0f32; k], vec![0u32; kp / 2]),
+            |(col, pairs), (p, panel)| {
+                // A column rounded in one vectorised pass, then stored a k-pair (4 bytes) at
+                // a time: per element, the rounding and 2-byte scatter were most of a
+                // Llama-3.2-1B's start-up after its random values.
+                let panel: &mut [u32] = bytemuck::cast_slice_mut(panel);
                 for jj in 0..PANEL.min(n - p * PANEL) {
                     fill(p * PANEL + jj, col);
-                    for (kk, &v) in col.iter().enumerate() {
-                        panel[(kk / 2) * 2 * PANEL + jj * 2 + kk % 2] = bf16::from_f32(v);
+                    let halves = bytemuck::cast_slice_mut::<u32, bf16>(pairs);
+                    super::elem::Elem::narrow(col, &mut halves[..k]);
+                    for (i, &pair) in pairs.iter().enumerate() {
+                        panel[i * PANEL + jj] = pair;
                     }
                 }
-            });
+            },
+        );
         PackedPairs {
             k,
             n,

@@ -11,7 +11,7 @@ use super::elem::Elem;
 use super::kernels::{self, CacheView, PackedLinear};
 use crate::backend::decoding::Chunk;
 use crate::backend::{BackendError, DecoderMemory, DecoderOptions, DecoderSession};
-use crate::model::llm::weights::{Linear, Norm};
+use crate::model::llm::weights::{LayerTensors, Linear, Norm};
 use crate::model::llm::{DecoderConfig, DecoderWeights, Family, config::rotary_tables};
 
 /// The lengths of [`Scratch`]'s activation buffers (x, x2, xn, qkv, attn, up, act) for a pass
@@ -161,17 +161,19 @@ impl<T: Elem> CpuDecoder<T> {
             })?;
             Ok((PackedLinear::new(&head, None, d, vocab), Some(embed)))
         })?;
+        // One layer's f32 tensors at a time, in the same buffers (`layer_into`).
+        let mut t = LayerTensors::default();
         let layers = pool.install(|| {
             (0..cfg.num_hidden_layers)
                 .map(|l| -> Result<Layer<T>, BackendError> {
-                    let t = w.layer(l).map_err(load_err)?;
+                    w.layer_into(l, &mut t).map_err(load_err)?;
                     Ok(Layer {
                         qkv: pack(&t.qkv),
                         o: pack(&t.o),
                         up: pack(&t.up),
                         down: pack(&t.down),
-                        norm1: t.norm1,
-                        norm2: t.norm2,
+                        norm1: std::mem::take(&mut t.norm1),
+                        norm2: std::mem::take(&mut t.norm2),
                         k: vec![T::from_f32(0.0); cache],
                         v: vec![T::from_f32(0.0); cache],
                     })
