@@ -1044,26 +1044,6 @@ mod tests {
     #[test]
     fn batch_tiles_change_nothing() {
         fn check<T: Elem>(graph: &crate::model::Graph, weights: &Weights) {
-            let plan = graph.plan(5, 32, 32).unwrap();
-            let input = Tensor::new(
-                plan.input_shape().to_vec(),
-                (0..plan.input_shape().iter().product::<usize>())
-                    .map(|i| ((i * 7919) % 997) as f32 / 997.0 - 0.5)
-                    .collect(),
-            );
-            let pool = worker_pool(2, Vec::new()).unwrap();
-            let mut session = CpuSession::<T>::new(
-                &plan,
-                weights,
-                pool,
-                2,
-                &ExecOptions::default(),
-                &mut Donor::default(),
-            )
-            .unwrap();
-            session.split = None;
-            session.run(&input).unwrap();
-            let whole = session.read_output().unwrap();
             let cases: [&[(&str, usize)]; 4] = [
                 &[("layer2.1.relu", 2)],
                 &[("maxpool", 1)],
@@ -1074,17 +1054,7 @@ mod tests {
                     ("layer2.1.relu", 4),
                 ],
             ];
-            for asked in cases {
-                session.split = Some(batch_tiles::at(&plan, asked).unwrap());
-                for _ in 0..2 {
-                    session.run(&input).unwrap();
-                    let tiled = session.read_output().unwrap();
-                    assert_eq!(tiled.shape, whole.shape);
-                    let same = (tiled.data.iter().zip(&whole.data))
-                        .all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(same, "{} in tiles {asked:?}", T::PRECISION);
-                }
-            }
+            let plan = same_in_tiles::<T>(graph, weights, &cases);
             let refused = |asked: &[(&str, usize)]| batch_tiles::at(&plan, asked).is_err();
             assert!(
                 refused(&[("layer2.1.conv1", 2)]),
@@ -1103,6 +1073,66 @@ mod tests {
         let weights = Weights::init(&graph, 3);
         check::<f32>(&graph, &weights);
         check::<bf16>(&graph, &weights);
+    }
+
+    /// [`batch_tiles_change_nothing`] through tokens (N, T, D): a small ConvNeXt, eager and
+    /// compiled (its linear layers with GELU and the layer scale folded in), cut after its
+    /// first and second stages, FP32 and BF16.
+    #[test]
+    fn batch_tiles_of_tokens_change_nothing() {
+        let graph = zoo::convnext_custom("convnext_small_test", [8, 16, 24, 32], [1, 2, 1, 1], 10);
+        let weights = Weights::init(&graph, 5);
+        let (fused, fused_weights, _) = crate::model::passes::optimize(&graph, &weights).unwrap();
+        let cases: [&[(&str, usize)]; 3] = [
+            &[("features.1.0.add", 2)],
+            &[("features.2.1", 1), ("features.3.1.add", 3)],
+            &[("features.3.0.add", 4)],
+        ];
+        for (g, w) in [(&graph, &weights), (&fused, &fused_weights)] {
+            same_in_tiles::<f32>(g, w, &cases);
+            same_in_tiles::<bf16>(g, w, &cases);
+        }
+    }
+
+    /// Runs `graph` at batch 5 (32²) whole, then in the tiles of each of `cases` twice, and
+    /// checks the outputs equal bit for bit; returns the plan.
+    fn same_in_tiles<T: Elem>(
+        graph: &crate::model::Graph,
+        weights: &Weights,
+        cases: &[&[(&str, usize)]],
+    ) -> crate::model::Plan {
+        let plan = graph.plan(5, 32, 32).unwrap();
+        let input = Tensor::new(
+            plan.input_shape().to_vec(),
+            (0..plan.input_shape().iter().product::<usize>())
+                .map(|i| ((i * 7919) % 997) as f32 / 997.0 - 0.5)
+                .collect(),
+        );
+        let pool = worker_pool(2, Vec::new()).unwrap();
+        let mut session = CpuSession::<T>::new(
+            &plan,
+            weights,
+            pool,
+            2,
+            &ExecOptions::default(),
+            &mut Donor::default(),
+        )
+        .unwrap();
+        session.split = None;
+        session.run(&input).unwrap();
+        let whole = session.read_output().unwrap();
+        for &asked in cases {
+            session.split = Some(batch_tiles::at(&plan, asked).unwrap());
+            for _ in 0..2 {
+                session.run(&input).unwrap();
+                let tiled = session.read_output().unwrap();
+                assert_eq!(tiled.shape, whole.shape);
+                let same =
+                    (tiled.data.iter().zip(&whole.data)).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{} {} in tiles {asked:?}", graph.name, T::PRECISION);
+            }
+        }
+        plan
     }
 
     /// A pointwise layer and the depthwise layer after it run as one where their middle tensor
