@@ -424,13 +424,18 @@ pub(super) fn panel_range(panels: usize, splits: usize, s: usize) -> (usize, usi
 /// worker every row and its share of B. ResNet-50 BF16 at batch 1 on two Zen 5 cores: its 7²
 /// layers (49 rows, 25 and 24 a worker) 1.11–1.31× as fast split by panels alone (2048 → 512
 /// 137.6 → 105.0 µs, 3×3 over 512 277 → 229 µs, gathered twice), and the network's step
-/// 0.97× as long (FP32 0.99×); at 14² (98 rows a worker) the two ways were level.
+/// 0.97× as long (FP32 0.99×); at 14² (98 rows a worker) the two ways were level. Only with
+/// four panels a worker or more: MobileNetV3-Large FP32 and EfficientNet-B0 BF16 at batch 1,
+/// whose 7² layers include outputs of 5 to 10 panels (split 2 + 3 and so on), ran ~1% slower
+/// split by panels at any count (5 of 6 rounds each), level with four a worker, while ConvNeXt-T
+/// BF16 at batch 1 ran 2.3% faster (6 of 6).
 const MIN_WORKER_ROWS: usize = 32;
 
 /// The work items of a GEMM of `m` rows in chunks of about `rows` made of whole `unit`s (the
 /// kernel's rows per block, [`Chunks`]) over `panels` column panels ([`work_split`]), in
 /// parallel: each item's rows (m0, mr) and panels [p0, p1). Where the workers' shares of rows
-/// would be under [`MIN_WORKER_ROWS`], one chunk of every row, its panels split among them.
+/// would be under [`MIN_WORKER_ROWS`] and there are four panels a worker or more, one chunk of
+/// every row, its panels split among them.
 pub(super) fn work_items(
     m: usize,
     (rows, unit): (usize, usize),
@@ -438,7 +443,7 @@ pub(super) fn work_items(
     threads: usize,
 ) -> impl IndexedParallelIterator<Item = ((usize, usize), (usize, usize))> {
     let chunks = Chunks::new(m, rows, unit, threads);
-    let few = chunks.count() > 1 && m < MIN_WORKER_ROWS * threads && panels >= threads;
+    let few = chunks.count() > 1 && m < MIN_WORKER_ROWS * threads && panels >= 4 * threads;
     let (chunks, splits) = if few {
         (Chunks::new(m, m, unit, 1), threads)
     } else {
@@ -1121,8 +1126,9 @@ mod tests {
 
     /// Work items cover every (row, panel) once. Workers that would get under
     /// `MIN_WORKER_ROWS` rows each (ResNet-50's 49 rows of a 7² layer at batch 1) share the
-    /// panels instead, each with every row; more rows (196 at 14²) are split by rows; a
-    /// single chunk (a decode step's rows) keeps its usual panel split.
+    /// panels instead, each with every row, where there are four panels a worker; more rows
+    /// (196 at 14²) or fewer panels are split by rows; a single chunk (a decode step's rows)
+    /// keeps its usual panel split.
     #[test]
     fn few_rows_split_the_panels() {
         let items = |m, rows, unit, panels, threads| {
@@ -1154,6 +1160,10 @@ mod tests {
             4
         );
         assert_eq!(items(8, 96, 14, 16, 2).len(), 4);
+        assert_eq!(
+            items(49, 96, 14, 7, 2),
+            [((0, 24), (0, 7)), ((24, 25), (0, 7))]
+        );
         for (m, panels, threads) in [(49, 1, 2), (63, 3, 2), (64, 5, 2), (100, 7, 4), (1, 9, 3)] {
             items(m, 24, 6, panels, threads);
         }
