@@ -351,8 +351,7 @@ mod tests {
     /// Tokens (N, T, D) are cut into images as well: ConvNeXt-T at batch 8 with a 32 MB cache
     /// runs its first stage (whose MLP widens 56² tokens to 384 values, 38.5 MB at batch 8)
     /// one image at a time, the second two at a time and the third four, while ViT-B/16, which
-    /// would save
-    /// only 1.8× the weight bytes it read again, keeps its batch whole.
+    /// would save only 1.8× the weight bytes it read again, keeps its batch whole.
     #[test]
     fn tokens_split_where_the_saving_outweighs_the_weights() {
         let plan = zoo::build("convnext_tiny")

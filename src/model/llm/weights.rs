@@ -207,9 +207,30 @@ impl DecoderWeights {
 
     /// Tensor `name` (one of [`tensors`]) in f32, row-major in its stored shape.
     pub fn tensor(&self, name: &str) -> Result<Vec<f32>> {
-        let mut out = vec![0f32; self.shape(name)?.iter().product()];
+        let len: usize = self.shape(name)?.iter().product();
+        if let TensorSource::Folder { .. } = self.source {
+            // The file's values as read: no second copy of a tensor that can be 2 GB.
+            let values = self.read_stored(name)?;
+            if values.len() != len {
+                bail!("`{name}` has {} values, not {len}", values.len());
+            }
+            return Ok(values);
+        }
+        let mut out = vec![0f32; len];
         self.tensor_into(name, &mut out)?;
         Ok(out)
+    }
+
+    /// Tensor `name` as a model folder stores it, in f32 (folders only).
+    fn read_stored(&self, name: &str) -> Result<Vec<f32>> {
+        let TensorSource::Folder { files, index, .. } = &self.source else {
+            bail!("`{name}` is seeded, not stored");
+        };
+        let (f, stored) = &index[name];
+        let mut file = files[*f]
+            .lock()
+            .map_err(|_| anyhow::anyhow!("a reader failed"))?;
+        Ok(file.read(stored)?.data)
     }
 
     /// [`DecoderWeights::tensor`] into `out`, which holds exactly its values: how a fused
@@ -230,13 +251,7 @@ impl DecoderWeights {
                     crate::model::weights::normal_into(&mut rng, out, INIT_STD);
                 }
             }
-            TensorSource::Folder { files, index, .. } => {
-                let (f, stored) = &index[name];
-                let mut file = files[*f]
-                    .lock()
-                    .map_err(|_| anyhow::anyhow!("a reader failed"))?;
-                out.copy_from_slice(&file.read(stored)?.data);
-            }
+            TensorSource::Folder { .. } => out.copy_from_slice(&self.read_stored(name)?),
         }
         Ok(())
     }
@@ -353,8 +368,8 @@ impl DecoderWeights {
             let mut rest = lin.weight.as_mut_slice();
             for part in parts {
                 let name = format!("{p}.{part}.weight");
-                let rows: usize = self.shape(&name)?.iter().product();
-                let (head, tail) = rest.split_at_mut(rows.min(rest.len()));
+                let len: usize = self.shape(&name)?.iter().product();
+                let (head, tail) = rest.split_at_mut(len.min(rest.len()));
                 self.tensor_into(&name, head)?;
                 rest = tail;
             }
