@@ -322,7 +322,14 @@ fn bench_sweeps_a_model_folder_and_writes_records() {
     ]);
     let out = stdout(&o);
     assert!(o.status.success(), "{}", stderr(&o));
-    for needle in ["TTFT", "TPOT", "Bandwidth", "Prefill time", "prefill tok/s"] {
+    for needle in [
+        "TTFT",
+        "TPOT",
+        "Bandwidth",
+        "a plain read reached beside it",
+        "Prefill time",
+        "prefill tok/s",
+    ] {
         assert!(out.contains(needle), "`{needle}` missing from:\n{out}");
     }
     let mut records = Vec::new();
@@ -337,6 +344,8 @@ fn bench_sweeps_a_model_folder_and_writes_records() {
         assert_eq!(v["samples_s"].as_array().unwrap().len(), 6);
         assert_eq!(v["llm"]["ttft_s"].as_array().unwrap().len(), 2);
         assert!(v["llm"]["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
+        // The decode is judged against memory read beside it.
+        assert!(v["llm"]["read_gbps"].as_f64().unwrap() > 0.0);
         records.push(path.to_str().unwrap().to_string());
     }
     let o = workshop(&["compare", &records[0], &records[1]]);

@@ -369,6 +369,18 @@ pub trait Backend {
             self.kind()
         )))
     }
+    /// Time `passes` plain reads of `n` f32 values in device `dev`'s memory (a sum of them all,
+    /// checked), after one untimed pass: the bandwidth a stream of loads alone reaches, which
+    /// is what a decode step's weights are. `None` where the backend has no such probe.
+    fn read_stream(
+        &self,
+        _dev: usize,
+        _n: usize,
+        _passes: usize,
+        _threads: Option<usize>,
+    ) -> Result<Option<Vec<f64>>, BackendError> {
+        Ok(None)
+    }
     /// Upload weights and set up everything a forward pass of `plan` needs on device `dev`.
     fn prepare(
         &self,

@@ -54,10 +54,19 @@ pub fn summary(r: &BenchRecord, run: &LlmRun) -> String {
     let c = &r.config;
     let (prompt, generate) = lengths(c);
     let line = "=".repeat(56);
-    let bandwidth = share(
-        run.bandwidth_share(),
-        &format!("{:.1} GB/s measured", run.bandwidth_gbps.unwrap_or(0.0)),
-    );
+    let bandwidth = match (run.read_gbps, run.bandwidth_gbps) {
+        (Some(read), triad) => {
+            let triad = triad.map_or(String::new(), |t| {
+                format!("; `workshop peak`'s triad: {t:.1} GB/s")
+            });
+            let ceiling = format!("{read:.1} GB/s a plain read reached beside it{triad}");
+            share(run.bandwidth_share(), &ceiling)
+        }
+        (None, triad) => share(
+            run.bandwidth_share(),
+            &format!("{:.1} GB/s measured", triad.unwrap_or(0.0)),
+        ),
+    };
     let peak = share(
         run.peak_share(),
         &format!("{:.1} GFLOP/s GEMM peak", run.peak_gflops.unwrap_or(0.0)),

@@ -278,6 +278,38 @@ impl Backend for CpuBackend {
         })
     }
 
+    fn read_stream(
+        &self,
+        _dev: usize,
+        n: usize,
+        passes: usize,
+        threads: Option<usize>,
+    ) -> Result<Option<Vec<f64>>, BackendError> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads.unwrap_or(0))
+            .build()
+            .map_err(|e| BackendError::Driver(format!("cannot start the worker threads: {e}")))?;
+        pool.install(|| {
+            let a: Vec<f32> = vec![1.0; n];
+            let mut times = Vec::with_capacity(passes);
+            for pass in 0..passes + 1 {
+                let t = Instant::now();
+                let sum = read_sum(&a);
+                let s = t.elapsed().as_secs_f64();
+                // The sum is checked, so the loads cannot be optimised away unseen.
+                if sum != n as f64 {
+                    return Err(BackendError::WrongResult(
+                        "the read pass summed wrong values: the measurement is void".into(),
+                    ));
+                }
+                if pass > 0 {
+                    times.push(s);
+                }
+            }
+            Ok(Some(times))
+        })
+    }
+
     fn devices(&self) -> Vec<DeviceInfo> {
         vec![host_device()]
     }
@@ -523,8 +555,47 @@ fn check_memory(plan: &Plan, precision: Precision, threads: usize) -> Result<(),
     })
 }
 
+/// The sum of `values`, read by the pool's workers in chunks of 64 Ki floats, each by 16
+/// accumulators (exact for chunks of small whole numbers; the compiler keeps them in vector
+/// registers: the loads, not the adds, set the pace).
+fn read_sum(values: &[f32]) -> f64 {
+    values
+        .par_chunks(1 << 16)
+        .map(|chunk| {
+            let mut acc = [0f32; 16];
+            let mut blocks = chunk.chunks_exact(16);
+            for block in &mut blocks {
+                for (a, v) in acc.iter_mut().zip(block) {
+                    *a += v;
+                }
+            }
+            let rest: f64 = blocks.remainder().iter().map(|&v| v as f64).sum();
+            acc.iter().map(|&a| a as f64).sum::<f64>() + rest
+        })
+        .sum()
+}
+
 #[cfg(test)]
 mod tests {
+    /// The read probe sums every value (lengths not a whole number of blocks or chunks too)
+    /// and times the passes asked for.
+    #[test]
+    fn the_read_probe_reads_every_value() {
+        for n in [0, 15, 17, (1 << 16) + 33] {
+            let values: Vec<f32> = (0..n).map(|i| (i % 7) as f32).collect();
+            let want: f64 = values.iter().map(|&v| v as f64).sum();
+            assert_eq!(read_sum(&values), want, "{n} values");
+        }
+        let times = CpuBackend
+            .read_stream(0, 1 << 20, 2, Some(1))
+            .unwrap()
+            .unwrap();
+        assert!(
+            times.len() == 2 && times.iter().all(|&s| s > 0.0),
+            "{times:?}"
+        );
+    }
+
     use super::*;
 
     /// A pass kept awake does its parallel work on every pool size, and a pass that panics
