@@ -81,8 +81,8 @@ pub struct LlmRun {
     pub decode_gbps: f64,
     /// The memory bandwidth `workshop peak` measured (its triad).
     pub bandwidth_gbps: Option<f64>,
-    /// The fastest plain read of memory just before the first timed iteration and just after
-    /// the last ([`read_beside`]), where the backend has that probe: what the decode is judged
+    /// The fastest plain read of memory just before the warm-up and just after the last timed
+    /// iteration ([`read_beside`]), where the backend has that probe: what the decode is judged
     /// against, measured beside it (a shared host's bandwidth moves by half from one minute to
     /// the next).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -269,7 +269,8 @@ pub fn run(
     ));
     let mut sampler = None;
     for index in 0..cfg.warmup + cfg.iterations {
-        if index == cfg.warmup {
+        // Before the warm-up, which then brings back what the read evicted from the caches.
+        if index == 0 {
             reads.extend(read_beside(backend.as_ref(), cfg)?);
         }
         if index == cfg.warmup
