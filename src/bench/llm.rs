@@ -82,7 +82,7 @@ pub struct LlmRun {
     /// The memory bandwidth `workshop peak` measured (its triad).
     pub bandwidth_gbps: Option<f64>,
     /// The fastest plain read of memory just before the warm-up and just after the last timed
-    /// iteration ([`read_beside`]), where the backend has that probe: what the decode is judged
+    /// iteration (`read_beside`), where the backend has that probe: what the decode is judged
     /// against, measured beside it (a shared host's bandwidth moves by half from one minute to
     /// the next).
     #[serde(default, skip_serializing_if = "Option::is_none")]
