@@ -697,6 +697,40 @@ fn fused_conv_epilogues(kind: BackendKind) {
             },
             [1, 8, 5, 5],
         ),
+        // Grouped layers of 2, 4, 8 and 16 channels a group (the CPU's direct grouped kernel on
+        // AVX-512): ResNeXt's shape with a residual; stride 2 over odd sizes with 24 channels
+        // (a block of 16 and a partial one of 8); 20 channels with runs cut by the edges; two
+        // groups of 16 at stride 2.
+        (
+            "grouped_g4_res_relu",
+            Conv2d {
+                residual: true,
+                act: Act::Relu,
+                ..Conv2d::new(32, 32, 3, 1, 1).with_groups(8).with_bias()
+            },
+            [2, 32, 9, 11],
+        ),
+        (
+            "grouped_g8_stride2_silu",
+            Conv2d {
+                act: Act::Silu,
+                ..Conv2d::new(24, 24, 3, 2, 1).with_groups(3)
+            },
+            [1, 24, 13, 7],
+        ),
+        (
+            "grouped_g2_edges",
+            Conv2d::new(20, 20, 3, 1, 1).with_groups(10).with_bias(),
+            [1, 20, 4, 19],
+        ),
+        (
+            "grouped_g16_stride2_hardswish",
+            Conv2d {
+                act: Act::Hardswish,
+                ..Conv2d::new(32, 32, 3, 2, 1).with_groups(2).with_bias()
+            },
+            [2, 32, 10, 9],
+        ),
     ];
     for (name, c, shape) in cases {
         let mut g = GraphBuilder::new(

@@ -89,6 +89,7 @@ pub fn source_hash() -> u64 {
             "kernels/decoder.rs",
             "kernels/depthwise.rs",
             "kernels/elementwise.rs",
+            "kernels/grouped.rs",
             "kernels/im2col.rs",
             "kernels/layout.rs",
             "kernels/linear.rs",

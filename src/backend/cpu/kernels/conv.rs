@@ -110,6 +110,9 @@ pub struct PackedConv<T> {
     /// layers where the CPU has AMX or AVX512_BF16, see [`uses_pairs`]): `groups` is then
     /// empty.
     pub pairs: Option<Box<PackedPairs>>,
+    /// A grouped layer of a few channels a group, where the direct kernel runs it
+    /// ([`super::grouped::takes`]): `groups` is then empty.
+    pub(super) grouped: Option<Box<super::grouped::Grouped>>,
 }
 
 /// The CPU backend's conv variants: rows per work item at 1×, 2× and 4× the default.
@@ -152,6 +155,7 @@ impl<T: Elem> PackedConv<T> {
                 depthwise_pairs,
                 chunk_scale: 1,
                 winograd: None,
+                grouped: None,
                 pairs: None,
                 stem_f32: None,
             };
@@ -171,6 +175,20 @@ impl<T: Elem> PackedConv<T> {
                 }
             }
         };
+        if (T::IS_F32 || T::PRECISION == Precision::Bf16) && super::grouped::takes(&conv) {
+            let grouped = super::grouped::Grouped::new::<T>(&conv, weight, bias);
+            return PackedConv {
+                conv,
+                groups: Vec::new(),
+                depthwise: None,
+                depthwise_pairs: None,
+                chunk_scale: 1,
+                winograd: None,
+                grouped: Some(Box::new(grouped)),
+                stem_f32: None,
+                pairs: None,
+            };
+        }
         if uses_pairs::<T>(&conv) {
             return PackedConv {
                 conv,
@@ -179,6 +197,7 @@ impl<T: Elem> PackedConv<T> {
                 depthwise_pairs: None,
                 chunk_scale: 1,
                 winograd: None,
+                grouped: None,
                 stem_f32: None,
                 pairs: Some(Box::new(if super::stem::is_stem(&conv) {
                     super::stem::pack(&conv, fill(0), bias)
@@ -217,6 +236,7 @@ impl<T: Elem> PackedConv<T> {
             depthwise_pairs: None,
             chunk_scale: 1,
             winograd: None,
+            grouped: None,
             pairs: None,
             stem_f32,
         }
@@ -239,6 +259,7 @@ impl<T: Elem> PackedConv<T> {
             winograd: Some(crate::backend::cpu::winograd::Winograd::new(
                 tile, &conv, weight, bias, out,
             )),
+            grouped: None,
             pairs: None,
             stem_f32: None,
         })
@@ -269,6 +290,7 @@ impl<T: Elem> PackedConv<T> {
             + self.pairs.as_ref().map_or(0, |a| a.bytes())
             + self.stem_f32.as_ref().map_or(0, |b| b.bytes())
             + self.depthwise_pairs.as_ref().map_or(0, |d| d.bytes())
+            + self.grouped.as_ref().map_or(0, |g| g.bytes())
     }
 
     pub fn kernel_name(&self) -> String {
@@ -292,6 +314,8 @@ impl<T: Elem> PackedConv<T> {
             "depthwise_dpbf16"
         } else if self.depthwise.is_some() {
             "depthwise_direct"
+        } else if self.grouped.is_some() {
+            "grouped_direct"
         } else if is_pointwise(&self.conv) {
             "pointwise_gemm"
         } else {
@@ -942,6 +966,7 @@ pub fn writes_over_residual<T: Elem>(p: &PackedConv<T>) -> bool {
         && p.winograd.is_none()
         && p.pairs.is_none()
         && p.depthwise.is_none()
+        && p.grouped.is_none()
         && !super::stem::runs_f32(c)
         && sgemm::one_k_block(k_g)
 }
@@ -985,6 +1010,21 @@ fn conv2d_dense<T: Elem>(
     epilogue: &Epilogue<'_, T>,
 ) {
     let residual = epilogue.residual;
+    if let Some(g) = &p.grouped {
+        let ours = "grouped layers store f32 or bf16";
+        match (T::as_f32(x), T::as_f32_mut(y)) {
+            (Some(x), Some(y)) => {
+                let residual = residual.map(|r| T::as_f32(r).expect(ours));
+                super::grouped::conv2d_grouped(&p.conv, g, x, xs, y, ys, residual);
+            }
+            _ => {
+                let (x, y) = (T::as_bf16(x).expect(ours), T::as_bf16_mut(y).expect(ours));
+                let residual = residual.map(|r| T::as_bf16(r).expect(ours));
+                super::grouped::conv2d_grouped(&p.conv, g, x, xs, y, ys, residual);
+            }
+        }
+        return;
+    }
     if let Some(w) = &p.winograd {
         crate::backend::cpu::winograd::conv2d(w, &p.conv, x, xs, y, ys, epilogue);
         return;

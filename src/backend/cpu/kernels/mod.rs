@@ -8,11 +8,13 @@
 //! stride-1 convolution in f32 skips the gather: its input already is the column matrix. When
 //! there are too few row chunks to keep every worker busy (small batches, late layers), work
 //! items also split the output channels. Depthwise convolutions are direct loops (a GEMM with
-//! one input channel per group wastes the machine).
+//! one input channel per group wastes the machine), and so are grouped ones of a few channels
+//! a group on AVX-512.
 //!
 //! One file per op family: `conv.rs` (im2col + GEMM convolutions and their work split),
 //! `im2col.rs`, `stem.rs` (BF16 convolutions of a few input channels on bf16 pairs read in
-//! place, no gather), `depthwise.rs`, `elementwise.rs` (batch norm's affine map, clamps, adds),
+//! place, no gather), `depthwise.rs`, `grouped.rs` (3×3 layers of 2 to 16 channels a group,
+//! direct), `elementwise.rs` (batch norm's affine map, clamps, adds),
 //! `pool.rs`, `layout.rs` (NCHW ↔ NHWC), `linear.rs` (linear layers and softmax),
 //! `transformer.rs` (layer norm, GELU, class token, positions, fused attention on tokens),
 //! `decoder.rs` (a language model's RMSNorm, rotary positions, SwiGLU and attention over its KV
@@ -23,6 +25,7 @@ mod conv;
 mod decoder;
 mod depthwise;
 mod elementwise;
+mod grouped;
 mod im2col;
 mod layout;
 mod linear;
