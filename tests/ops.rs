@@ -697,10 +697,10 @@ fn fused_conv_epilogues(kind: BackendKind) {
             },
             [1, 8, 5, 5],
         ),
-        // Grouped layers of 2, 4, 8 and 16 channels a group (the CPU's direct grouped kernel on
+        // Grouped layers of 2, 4, 8, 16 and 32 channels a group (the CPU's direct grouped kernel on
         // AVX-512): ResNeXt's shape with a residual; stride 2 over odd sizes with 24 channels
         // (a block of 16 and a partial one of 8); 20 channels with runs cut by the edges; two
-        // groups of 16 at stride 2.
+        // groups of 32 (each block half a group); two groups of 16 at stride 2.
         (
             "grouped_g4_res_relu",
             Conv2d {
@@ -722,6 +722,11 @@ fn fused_conv_epilogues(kind: BackendKind) {
             "grouped_g2_edges",
             Conv2d::new(20, 20, 3, 1, 1).with_groups(10).with_bias(),
             [1, 20, 4, 19],
+        ),
+        (
+            "grouped_g32",
+            Conv2d::new(64, 64, 3, 1, 1).with_groups(2).with_bias(),
+            [1, 64, 5, 6],
         ),
         (
             "grouped_g16_stride2_hardswish",

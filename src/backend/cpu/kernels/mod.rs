@@ -13,7 +13,7 @@
 //!
 //! One file per op family: `conv.rs` (im2col + GEMM convolutions and their work split),
 //! `im2col.rs`, `stem.rs` (BF16 convolutions of a few input channels on bf16 pairs read in
-//! place, no gather), `depthwise.rs`, `grouped.rs` (3×3 layers of 2 to 16 channels a group,
+//! place, no gather), `depthwise.rs`, `grouped.rs` (3×3 layers of 2 to 32 channels a group,
 //! direct), `elementwise.rs` (batch norm's affine map, clamps, adds),
 //! `pool.rs`, `layout.rs` (NCHW ↔ NHWC), `linear.rs` (linear layers and softmax),
 //! `transformer.rs` (layer norm, GELU, class token, positions, fused attention on tokens),
