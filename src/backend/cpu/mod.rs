@@ -235,11 +235,7 @@ impl Backend for CpuBackend {
         iterations: usize,
         threads: Option<usize>,
     ) -> Result<StreamTimes, BackendError> {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads.unwrap_or(0))
-            .build()
-            .map_err(|e| BackendError::Driver(format!("cannot start the worker threads: {e}")))?;
-        pool.install(|| {
+        probe_pool(threads)?.install(|| {
             let a: Vec<f32> = vec![1.0; n];
             let mut b: Vec<f32> = vec![2.0; n];
             let c: Vec<f32> = vec![3.0; n];
@@ -286,11 +282,7 @@ impl Backend for CpuBackend {
         passes: usize,
         threads: Option<usize>,
     ) -> Result<Option<Vec<f64>>, BackendError> {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads.unwrap_or(0))
-            .build()
-            .map_err(|e| BackendError::Driver(format!("cannot start the worker threads: {e}")))?;
-        pool.install(|| {
+        probe_pool(threads)?.install(|| {
             let a: Vec<f32> = vec![1.0; n];
             let mut times = Vec::with_capacity(passes);
             for pass in 0..passes + 1 {
@@ -554,6 +546,14 @@ fn check_memory(plan: &Plan, precision: Precision, threads: usize) -> Result<(),
         // Only a smaller batch is advice (issue 27: the batch that did not fit was suggested).
         suggestion: (fits >= 1 && fits < plan.batch()).then_some(fits),
     })
+}
+
+/// The workers of a bandwidth probe: `threads`, or one a core.
+fn probe_pool(threads: Option<usize>) -> Result<rayon::ThreadPool, BackendError> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads.unwrap_or(0))
+        .build()
+        .map_err(|e| BackendError::Driver(format!("cannot start the worker threads: {e}")))
 }
 
 /// The sum of `values`, read by the pool's workers in chunks of 64 Ki floats, each by 16

@@ -178,32 +178,18 @@ impl<T: Elem> PackedConv<T> {
         if (T::IS_F32 || T::PRECISION == Precision::Bf16) && super::grouped::takes(&conv) {
             let grouped = super::grouped::Grouped::new::<T>(&conv, weight, bias);
             return PackedConv {
-                conv,
-                groups: Vec::new(),
-                depthwise: None,
-                depthwise_pairs: None,
-                chunk_scale: 1,
-                winograd: None,
                 grouped: Some(Box::new(grouped)),
-                stem_f32: None,
-                pairs: None,
+                ..PackedConv::bare(conv)
             };
         }
         if uses_pairs::<T>(&conv) {
             return PackedConv {
-                conv,
-                groups: Vec::new(),
-                depthwise: None,
-                depthwise_pairs: None,
-                chunk_scale: 1,
-                winograd: None,
-                grouped: None,
-                stem_f32: None,
                 pairs: Some(Box::new(if super::stem::is_stem(&conv) {
                     super::stem::pack(&conv, fill(0), bias)
                 } else {
                     PackedPairs::from_columns(conv.taps(), cout_g, fill(0), bias)
                 })),
+                ..PackedConv::bare(conv)
             };
         }
         let groups = (0..conv.groups)
@@ -230,15 +216,24 @@ impl<T: Elem> PackedConv<T> {
             Box::new(PackedB::from_columns(conv.taps(), cout_g, rounded, bias))
         });
         PackedConv {
-            conv,
             groups,
+            stem_f32,
+            ..PackedConv::bare(conv)
+        }
+    }
+
+    /// `conv` with no weights packed in any form yet (each packing fills its own).
+    fn bare(conv: Conv2d) -> Self {
+        PackedConv {
+            conv,
+            groups: Vec::new(),
             depthwise: None,
             depthwise_pairs: None,
             chunk_scale: 1,
             winograd: None,
             grouped: None,
             pairs: None,
-            stem_f32,
+            stem_f32: None,
         }
     }
 
@@ -251,17 +246,10 @@ impl<T: Elem> PackedConv<T> {
         out: &[usize],
     ) -> Option<Self> {
         crate::backend::cpu::winograd::eligible(&conv).then(|| PackedConv {
-            conv,
-            groups: Vec::new(),
-            depthwise: None,
-            depthwise_pairs: None,
-            chunk_scale: 1,
             winograd: Some(crate::backend::cpu::winograd::Winograd::new(
                 tile, &conv, weight, bias, out,
             )),
-            grouped: None,
-            pairs: None,
-            stem_f32: None,
+            ..PackedConv::bare(conv)
         })
     }
 
