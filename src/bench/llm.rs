@@ -192,17 +192,18 @@ pub fn lengths(cfg: &BenchConfig) -> (usize, usize) {
 /// Passes of [`read_beside`] each time.
 const READ_PASSES: usize = 3;
 
-/// GB/s of each plain read pass over memory (`Backend::read_stream`: a sum over an array 8×
-/// the last-level cache, at least 256 MiB, on the run's threads), or none where the backend
-/// has no such probe. The decode's roofline is memory read as fast as it can be, and on a
+/// GB/s of each plain read pass over memory (`Backend::read_stream`: a sum over an array of at
+/// least 256 MiB — on the host 8× the last-level cache, on a device 1 GiB, several times the
+/// largest GPU caches, as `workshop peak`'s arrays — on the run's threads), or none where the
+/// backend has no such probe (every GPU backend for now). The decode's roofline is memory read as fast as it can be, and on a
 /// shared host that moves: on a 2-vCPU Zen 5 VM `workshop peak`'s triad read 50 GB/s one
 /// minute and 80 the next, and decode steps ran at "150%" of the older figure.
 fn read_beside(backend: &dyn backend::Backend, cfg: &BenchConfig) -> Result<Vec<f64>> {
-    if !cfg.backend.is_host() {
-        return Ok(Vec::new());
-    }
-    let llc = crate::backend::cpu::batch_tiles::last_level_cache();
-    let n = (8 * llc).max(256 << 20) / 4;
+    let bytes = match cfg.backend.is_host() {
+        true => (8 * crate::backend::cpu::batch_tiles::last_level_cache()).max(256 << 20),
+        false => 1 << 30,
+    };
+    let n = bytes / 4;
     let times = backend.read_stream(cfg.device, n, READ_PASSES, cfg.threads)?;
     Ok(times
         .unwrap_or_default()

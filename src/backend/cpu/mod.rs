@@ -578,6 +578,8 @@ fn read_sum(values: &[f32]) -> f64 {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     /// The read probe sums every value (lengths not a whole number of blocks or chunks too)
     /// and times the passes asked for.
     #[test]
@@ -596,8 +598,6 @@ mod tests {
             "{times:?}"
         );
     }
-
-    use super::*;
 
     /// A pass kept awake does its parallel work on every pool size, and a pass that panics
     /// hands its panic back (the spinners stop) and leaves the pool usable.

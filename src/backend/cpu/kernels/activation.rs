@@ -285,7 +285,6 @@ impl Vector for std::arch::x86_64::__m256 {
         ));
         _mm256_mul_ps(self, _mm256_castsi256_ps(bits))
     }
-    /// `vrcpps` (12 bits) and one Newton step: error about 2^−23.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     unsafe fn div(self, o: Self) -> Self {

@@ -827,7 +827,7 @@ fn widened<T: Elem>(
 
 /// The input row that tap row `ky` of output row `oy` reads (negative or past the image's
 /// height where that row is padding).
-fn tap_row(c: &Conv2d, oy: usize, ky: usize) -> isize {
+pub(super) fn tap_row(c: &Conv2d, oy: usize, ky: usize) -> isize {
     (oy * c.stride.0 + ky * c.dilation.0) as isize - c.padding.0 as isize
 }
 

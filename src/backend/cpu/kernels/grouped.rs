@@ -90,7 +90,6 @@ pub fn takes(c: &Conv2d) -> bool {
 
 /// The grouped convolution `c` (which [`takes`] allows) of `x` into `y`, one output row per
 /// work item, finished with the residual and the activation in registers.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn conv2d_grouped<T: Elem + Wide>(
     c: &Conv2d,
     p: &Grouped,
@@ -111,13 +110,12 @@ pub(super) fn conv2d_grouped<T: Elem + Wide>(
         .for_each(|(row, out)| {
             let (n, oy) = (row / ys.h, row % ys.h);
             let input: [Option<&[T]>; 3] = std::array::from_fn(|ky| {
-                let iy = (oy * c.stride.0 + ky) as isize - c.padding.0 as isize;
-                super::pool::image_row(x, xs, n, iy)
+                super::pool::image_row(x, xs, n, super::depthwise::tap_row(c, oy, ky))
             });
             let residual = residual.map(|r| &r[row * row_len..][..row_len]);
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `takes` checked that the paths in use have AVX-512 (F, BW, VL with it); the
-            // rows hold xs.w pixels of xs.c channels, the weights 9 · g · ch floats.
+            // rows hold xs.w pixels of xs.c channels, the weights and bias whole blocks of 16.
             unsafe {
                 zmm::row(c, &input, p, out, xs.w, (residual, c.act))
             };
