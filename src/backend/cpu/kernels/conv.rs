@@ -302,6 +302,8 @@ impl<T: Elem> PackedConv<T> {
             "depthwise_dpbf16"
         } else if self.depthwise.is_some() {
             "depthwise_direct"
+        } else if self.grouped.as_ref().is_some_and(|g| g.pairs()) {
+            "grouped_dpbf16"
         } else if self.grouped.is_some() {
             "grouped_direct"
         } else if is_pointwise(&self.conv) {

@@ -7,7 +7,10 @@
 //! after gathering columns of 9 · channels floats a pixel. Here each output lane needs the
 //! j-th input channel of its own group: one permute of the 16 input channels a pixel holds
 //! (`vpermps`, the same index for every pixel) gives it to all lanes at once, and every FMA
-//! is the layer's own work.
+//! is the layer's own work. In BF16, where the CPU multiplies bf16 pairs, one permute gives
+//! each lane two of its group's channels as one pair and one `vdpbf16ps` multiplies both:
+//! half the permutes and half the multiplies (alone, batch 8 on a Zen 5: 0.55–0.6× the time
+//! of the FMA form on the same bf16 tensors).
 
 use rayon::prelude::*;
 
@@ -16,30 +19,42 @@ use crate::backend::cpu::elem::{Elem, Wide};
 use crate::model::op::Conv2d;
 
 /// A grouped layer's weights for [`conv2d_grouped`], a block of 16 output channels after
-/// another: in each, (tap, j, lane), output channel lane's weight for the j-th input channel
-/// of its group, so that every weight of a block sits at a fixed offset from its start (an
-/// FMA's memory operand; as one (tap, j, channel) array the compiler kept a pointer per (tap,
-/// j) on the stack). Rounded through the storage type, as every precision's packing is; the
-/// lanes past the channels zero. `bias` likewise, 16 a block.
+/// another: in each, (tap, way, lane), output channel lane's weights for the way's input
+/// channels of its group, so that every weight of a block sits at a fixed offset from its
+/// start (an FMA's memory operand; as one (tap, j, channel) array the compiler kept a pointer
+/// per (tap, j) on the stack). A way is one input channel j (its weight an f32's bits), or
+/// where the layer multiplies bf16 pairs ([`multiplies_pairs`]) two, 2j and 2j + 1 (their
+/// weights two bf16, 2j's in the low half, as `vdpbf16ps` pairs them with the input's
+/// channels). Rounded through the storage type, as every precision's packing is; the lanes
+/// past the channels zero. `bias` 16 a block.
 pub struct Grouped {
-    w: Vec<f32>,
+    w: Vec<u32>,
     bias: Vec<f32>,
     channels: usize,
+    pairs: bool,
 }
 
 impl Grouped {
     /// From PyTorch's (cout, cin/groups, 3, 3) weight, where [`takes`] the layer.
     pub fn new<T: Elem>(c: &Conv2d, weight: &[f32], bias: Option<&[f32]>) -> Self {
         let (ch, g) = (c.out_channels, group_width(c));
+        let pairs = multiplies_pairs::<T>();
+        let per = if pairs { 2 } else { 1 };
         let blocks = ch.div_ceil(16);
-        let mut w = vec![0f32; blocks * TAPS * g * 16];
+        let mut w = vec![0u32; blocks * TAPS * g / per * 16];
         let mut b = vec![0f32; blocks * 16];
         for co in 0..ch {
             let (block, lane) = (co / 16, co % 16);
-            for j in 0..g {
+            for way in 0..g / per {
                 for t in 0..TAPS {
-                    let v = weight[(co * g + j) * TAPS + t];
-                    w[((block * TAPS + t) * g + j) * 16 + lane] = T::from_f32(v).to_f32();
+                    let at = |j: usize| weight[(co * g + way * per + j) * TAPS + t];
+                    w[((block * TAPS + t) * g / per + way) * 16 + lane] = match pairs {
+                        true => {
+                            let bits = |j| u32::from(half::bf16::from_f32(at(j)).to_bits());
+                            bits(0) | bits(1) << 16
+                        }
+                        false => T::from_f32(at(0)).to_f32().to_bits(),
+                    };
                 }
             }
             b[co] = bias.map_or(0.0, |bias| bias[co]);
@@ -48,12 +63,30 @@ impl Grouped {
             w,
             bias: b,
             channels: ch,
+            pairs,
         }
     }
 
     pub fn bytes(&self) -> u64 {
         (self.w.len() + self.bias.len()) as u64 * 4
     }
+
+    /// Whether the weights are bf16 pairs ([`multiplies_pairs`]).
+    pub fn pairs(&self) -> bool {
+        self.pairs
+    }
+}
+
+/// Whether a grouped layer of this precision multiplies bf16 pairs (`vdpbf16ps`): BF16, where
+/// the paths in use multiply pairs and the start-up probe found them paying FLOP for FLOP
+/// ([`crate::backend::cpu::probe::Bf16Pairs::pay`]). Unlike the depthwise pair kernels these
+/// spend no shuffle the FMA kernel does not: a permute brings a lane two input channels, so a
+/// pixel takes half the permutes and half the multiplies.
+pub fn multiplies_pairs<T: Elem>() -> bool {
+    use crate::backend::cpu::simd::{Simd, simd};
+    T::PRECISION == crate::model::Precision::Bf16
+        && matches!(simd(), Simd::Avx512Bf16 | Simd::Amx)
+        && crate::backend::cpu::probe::bf16_pairs().is_some_and(|p| p.pay())
 }
 
 /// The taps of the 3×3 layers the kernel takes.
@@ -103,6 +136,10 @@ pub(super) fn conv2d_grouped<T: Elem + Wide>(
         takes(c) && xs.c == c.in_channels && ys.c == c.out_channels && ys.n == xs.n,
         "grouped: a layer the kernel does not take"
     );
+    assert!(
+        !p.pairs || T::PRECISION == crate::model::Precision::Bf16,
+        "grouped: bf16 pairs of another type"
+    );
     let row_len = ys.w * ys.c;
     let y = &mut y[..ys.n * ys.h * row_len];
     y.par_chunks_mut(row_len)
@@ -114,10 +151,16 @@ pub(super) fn conv2d_grouped<T: Elem + Wide>(
             });
             let residual = residual.map(|r| &r[row * row_len..][..row_len]);
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `takes` checked that the paths in use have AVX-512 (F, BW, VL with it); the
-            // rows hold xs.w pixels of xs.c channels, the weights and bias whole blocks of 16.
+            // SAFETY: `takes` checked that the paths in use have AVX-512 (F, BW, VL with it), and
+            // `multiplies_pairs` AVX512_BF16 (or AMX, which has it) where the weights are pairs,
+            // of bf16 values; the rows hold xs.w pixels of xs.c channels, the weights and bias
+            // whole blocks of 16.
             unsafe {
-                zmm::row(c, &input, p, out, xs.w, (residual, c.act))
+                let ends = (residual, c.act);
+                match p.pairs {
+                    true => zmm::row_pairs(c, &input, p, out, xs.w, ends),
+                    false => zmm::row(c, &input, p, out, xs.w, ends),
+                }
             };
             #[cfg(not(target_arch = "x86_64"))]
             let _ = (input, residual, out);
@@ -133,7 +176,72 @@ mod zmm {
     use crate::backend::cpu::elem::Wide;
     use crate::model::op::{Act, Conv2d};
 
-    /// One output row into `out`: the shape's loop, the activation's copy of it.
+    /// How a way's input channels meet its weights: one channel a lane in f32 by an FMA
+    /// ([`Fma`]), or two as a bf16 pair by `vdpbf16ps` ([`Pairs`]).
+    pub(super) trait Form {
+        /// The input channels a way multiplies in each lane.
+        const PER: usize;
+
+        /// The 16 channels from `here` (the lanes of `mask`; the others zero), lane l given
+        /// the 32-bit element `way[l]` of them: a value in f32, or a pair of bf16.
+        ///
+        /// # Safety
+        /// The CPU has AVX-512F, BW and VL; the lanes of `mask` at `here` are readable.
+        unsafe fn input<T: Wide>(here: *const T, mask: __mmask16, way: __m512i) -> __m512i;
+
+        /// `acc` plus the products of `x`'s and `w`'s lanes (of their pairs' halves, summed).
+        ///
+        /// # Safety
+        /// The CPU has AVX-512F (and AVX512_BF16 for [`Pairs`]).
+        unsafe fn madd(acc: __m512, x: __m512i, w: __m512i) -> __m512;
+    }
+
+    /// One input channel a way: the pixel widened to f32, one FMA a way and tap.
+    pub(super) struct Fma;
+
+    impl Form for Fma {
+        const PER: usize = 1;
+
+        #[inline(always)]
+        unsafe fn input<T: Wide>(here: *const T, mask: __mmask16, way: __m512i) -> __m512i {
+            // SAFETY: the caller's.
+            unsafe { _mm512_castps_si512(_mm512_permutexvar_ps(way, T::load(here, mask))) }
+        }
+
+        #[inline(always)]
+        unsafe fn madd(acc: __m512, x: __m512i, w: __m512i) -> __m512 {
+            // SAFETY: the caller's.
+            unsafe { _mm512_fmadd_ps(_mm512_castsi512_ps(x), _mm512_castsi512_ps(w), acc) }
+        }
+    }
+
+    /// Two input channels a way: the pixel's bf16 values as they are stored, 16 in the low
+    /// half of the vector (8 pairs), one `vdpbf16ps` a way and tap.
+    pub(super) struct Pairs;
+
+    impl Form for Pairs {
+        const PER: usize = 2;
+
+        #[inline(always)]
+        unsafe fn input<T: Wide>(here: *const T, mask: __mmask16, way: __m512i) -> __m512i {
+            // SAFETY: the caller's; T is bf16 (`conv2d_grouped` checked), 16 bits a value.
+            unsafe {
+                let pixel = _mm256_maskz_loadu_epi16(mask, here.cast());
+                _mm512_permutexvar_epi32(way, _mm512_zextsi256_si512(pixel))
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn madd(acc: __m512, x: __m512i, w: __m512i) -> __m512 {
+            // SAFETY: the caller's; both hold bf16 pairs, which is all `__m512bh` means.
+            unsafe {
+                let bh = |v| std::mem::transmute::<__m512i, __m512bh>(v);
+                _mm512_dpbf16_ps(acc, bh(x), bh(w))
+            }
+        }
+    }
+
+    /// One output row into `out`, a way a channel on the FMAs.
     ///
     /// # Safety
     /// The CPU has AVX-512F, BW and VL; `input` holds the 3 tap rows (`None` in the padding)
@@ -145,21 +253,47 @@ mod zmm {
         p: &Grouped,
         out: &mut [T],
         width: usize,
-        (residual, act): (Option<&[T]>, Act),
+        ends: (Option<&[T]>, Act),
     ) {
-        let at = (input, p, c.padding.1, width, residual);
+        // SAFETY: the caller's.
+        unsafe { shapes::<T, Fma>(c, (input, p, c.padding.1, width, ends.0), out, ends.1) }
+    }
+
+    /// [`row`] on bf16 pairs (`p`'s weights packed so).
+    ///
+    /// # Safety
+    /// As for [`row`], and the CPU has AVX512_BF16; T is bf16.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    pub(super) unsafe fn row_pairs<T: Wide>(
+        c: &Conv2d,
+        input: &[Option<&[T]>; 3],
+        p: &Grouped,
+        out: &mut [T],
+        width: usize,
+        ends: (Option<&[T]>, Act),
+    ) {
+        // SAFETY: the caller's.
+        unsafe { shapes::<T, Pairs>(c, (input, p, c.padding.1, width, ends.0), out, ends.1) }
+    }
+
+    /// The shape's loop, the activation's copy of it, in the caller's features.
+    ///
+    /// # Safety
+    /// As for [`row`] (and [`row_pairs`] for its form).
+    #[inline(always)]
+    unsafe fn shapes<T: Wide, F: Form>(c: &Conv2d, at: At<'_, T>, out: &mut [T], act: Act) {
         macro_rules! shapes {
             ($op:expr) => {
                 match (group_width(c), c.stride.1) {
-                    (2, 1) => row_g::<T, 2, 1, 8>(at, out, $op),
-                    (4, 1) => row_g::<T, 4, 1, 8>(at, out, $op),
-                    (8, 1) => row_g::<T, 8, 1, 8>(at, out, $op),
-                    (16, 1) => row_g::<T, 16, 1, 8>(at, out, $op),
-                    (32, 1) => row_g::<T, 32, 1, 8>(at, out, $op),
-                    (2, _) => row_g::<T, 2, 2, 4>(at, out, $op),
-                    (4, _) => row_g::<T, 4, 2, 4>(at, out, $op),
-                    (8, _) => row_g::<T, 8, 2, 4>(at, out, $op),
-                    _ => row_g::<T, 16, 2, 4>(at, out, $op),
+                    (2, 1) => row_g::<T, F, 2, 1, 8>(at, out, $op),
+                    (4, 1) => row_g::<T, F, 4, 1, 8>(at, out, $op),
+                    (8, 1) => row_g::<T, F, 8, 1, 8>(at, out, $op),
+                    (16, 1) => row_g::<T, F, 16, 1, 8>(at, out, $op),
+                    (32, 1) => row_g::<T, F, 32, 1, 8>(at, out, $op),
+                    (2, _) => row_g::<T, F, 2, 2, 4>(at, out, $op),
+                    (4, _) => row_g::<T, F, 4, 2, 4>(at, out, $op),
+                    (8, _) => row_g::<T, F, 8, 2, 4>(at, out, $op),
+                    _ => row_g::<T, F, 16, 2, 4>(at, out, $op),
                 }
             };
         }
@@ -177,37 +311,40 @@ mod zmm {
         Option<&'a [T]>,
     );
 
-    /// [`row`] for groups of G channels at stride S, P output pixels a run: for each block of
-    /// 16 channels and run of pixels, the bias, then tap row by tap row each input pixel the
-    /// run reads ([`pixel`], unrolled: as a loop the compiler kept the sums on the stack); the
-    /// sums finished with the residual and `op`.
+    /// [`row`] for groups of G channels at stride S, P output pixels a run, in form F: for
+    /// each block of 16 channels and run of pixels, the bias, then tap row by tap row and way
+    /// by way each input pixel the run reads ([`pixel`], unrolled: as a loop the compiler kept
+    /// the sums on the stack); the sums finished with the residual and `op`.
     ///
     /// # Safety
     /// As for [`row`].
     #[inline(always)]
-    unsafe fn row_g<T: Wide, const G: usize, const S: usize, const P: usize>(
+    unsafe fn row_g<T: Wide, F: Form, const G: usize, const S: usize, const P: usize>(
         (input, p, pad, width, residual): At<'_, T>,
         out: &mut [T],
         op: impl Fn(__m512) -> __m512,
     ) {
         let ch = p.channels;
         let out_w = out.len() / ch;
+        let ways_n = G / F::PER;
         // SAFETY: the caller's (AVX-512; every load and store of the input and output masked
         // to the block's channels, input pixels checked against the row's width; the weights
         // and bias are whole blocks).
         unsafe {
-            // Groups wider than a vector (32): every lane takes lane j % 16 of the group's
-            // (j / 16)-th block, which `shift` finds.
-            let ways: [__m512i; G] = std::array::from_fn(|j| {
+            // Way w's lanes: each output lane's group's channels w·PER (and the next); in
+            // groups wider than a vector (32) every lane takes them from the block of the
+            // group that holds them, which `shift` finds.
+            let ways: [__m512i; G] = std::array::from_fn(|w| {
+                let j = w * F::PER;
                 let lanes: [i32; 16] = std::array::from_fn(|l| match G > 16 {
-                    true => (j % 16) as i32,
-                    false => ((l / G) * G + j) as i32,
+                    true => (j % 16 / F::PER) as i32,
+                    false => (((l / G) * G + j) / F::PER % 16) as i32,
                 });
                 _mm512_loadu_si512(lanes.as_ptr().cast())
             });
             for c0 in (0..ch).step_by(16) {
                 let mask = (u32::MAX >> (32 - (ch - c0).min(16))) as __mmask16;
-                let block = p.w.as_ptr().add(c0 / 16 * super::TAPS * G * 16);
+                let block = p.w.as_ptr().add(c0 / 16 * super::TAPS * ways_n * 16);
                 let bias = _mm512_loadu_ps(p.bias.as_ptr().add(c0));
                 for ox0 in (0..out_w).step_by(P) {
                     let x0 = (ox0 * S) as isize - pad as isize;
@@ -220,16 +357,16 @@ mod zmm {
                             width,
                             ch,
                             mask,
-                            w: block.add(ky * 3 * G * 16),
+                            w: block.add(ky * 3 * ways_n * 16),
                             // The last tap row's pixels S rows down are the next output row's
                             // new input (the other rows it reads, this one's already read).
                             ahead: if ky == 2 { S * width * ch } else { 0 },
                         };
-                        for (j, &way) in ways.iter().enumerate() {
-                            // Where way j's input block starts, from the output block's first
+                        for (w, &way) in ways.iter().enumerate().take(ways_n) {
+                            // Where way w's input block starts, from the output block's first
                             // channel (elsewhere only in groups wider than a vector).
                             let shift = match G > 16 {
-                                true => (j / 16 * 16) as isize - (c0 % G) as isize,
+                                true => (w * F::PER / 16 * 16) as isize - (c0 % G) as isize,
                                 false => 0,
                             };
                             let at = Pixel {
@@ -239,13 +376,13 @@ mod zmm {
                             // This way's weights of the tap row's three taps, held in
                             // registers for every pixel (an FMA's memory operand each time,
                             // they took as many loads as FMAs).
-                            let w: [__m512; 3] = std::array::from_fn(|kx| {
-                                _mm512_loadu_ps(at.w.add((kx * G + j) * 16))
+                            let wk: [__m512i; 3] = std::array::from_fn(|kx| {
+                                _mm512_loadu_si512(at.w.add((kx * ways_n + w) * 16).cast())
                             });
                             macro_rules! pixels {
                                 ($($i:literal)*) => {
                                     $( if $i < (P - 1) * S + 3 {
-                                        pixel::<T, S, P, $i>(&at, (way, j == 0), &w, &mut acc);
+                                        pixel::<T, F, S, P, $i>(&at, (way, w == 0), &wk, &mut acc);
                                     } )*
                                 };
                             }
@@ -274,7 +411,7 @@ mod zmm {
         width: usize,
         ch: usize,
         mask: __mmask16,
-        w: *const f32,
+        w: *const u32,
         ahead: usize,
     }
 
@@ -285,18 +422,18 @@ mod zmm {
     }
     impl<T> Copy for Pixel<T> {}
 
-    /// Input pixel I of a run (column x0 + I; nothing outside the row): its 16 channels
-    /// permuted by `way` (lane l takes channel (l / G)·G + j of the block for the j-th way)
-    /// and multiplied by `w` (that way's weights of the tap row) into the sum of every output
-    /// pixel q of the run whose tap I − q·S it is. The first way also asks for lines ahead.
+    /// Input pixel I of a run (column x0 + I; nothing outside the row): its channels given to
+    /// the lanes by `way` ([`Form::input`]) and multiplied by `w` (that way's weights of the
+    /// tap row) into the sum of every output pixel q of the run whose tap I − q·S it is. The
+    /// first way also asks for lines ahead.
     ///
     /// # Safety
     /// As for [`row`]; `at`'s pointers as [`row_g`] makes them.
     #[inline(always)]
-    unsafe fn pixel<T: Wide, const S: usize, const P: usize, const I: usize>(
+    unsafe fn pixel<T: Wide, F: Form, const S: usize, const P: usize, const I: usize>(
         at: &Pixel<T>,
         (way, first): (__m512i, bool),
-        w: &[__m512; 3],
+        w: &[__m512i; 3],
         acc: &mut [__m512; P],
     ) {
         let ix = at.x0 + I as isize;
@@ -317,10 +454,10 @@ mod zmm {
                     _mm_prefetch::<_MM_HINT_T0>(here.wrapping_add(at.ahead).cast());
                 }
             }
-            let xp = _mm512_permutexvar_ps(way, T::load(here, at.mask));
+            let xp = F::input(here, at.mask, way);
             for (q, acc) in acc.iter_mut().enumerate() {
                 if I >= q * S && I - q * S < 3 {
-                    *acc = _mm512_fmadd_ps(xp, w[I - q * S], *acc);
+                    *acc = F::madd(*acc, xp, w[I - q * S]);
                 }
             }
         }
