@@ -189,6 +189,18 @@ mod zmm {
         /// The CPU has AVX-512F, BW and VL; the lanes of `mask` at `here` are readable.
         unsafe fn input<T: Wide>(here: *const T, mask: __mmask16, way: __m512i) -> __m512i;
 
+        /// [`Form::input`] where every lane takes the same element, `i` (groups of 16 or
+        /// more): a broadcast load, no shuffle, where the type allows one.
+        ///
+        /// # Safety
+        /// As for [`Form::input`]; element `i` is readable.
+        unsafe fn broadcast<T: Wide>(
+            here: *const T,
+            i: usize,
+            mask: __mmask16,
+            way: __m512i,
+        ) -> __m512i;
+
         /// `acc` plus the products of `x`'s and `w`'s lanes (of their pairs' halves, summed).
         ///
         /// # Safety
@@ -206,6 +218,23 @@ mod zmm {
         unsafe fn input<T: Wide>(here: *const T, mask: __mmask16, way: __m512i) -> __m512i {
             // SAFETY: the caller's.
             unsafe { _mm512_castps_si512(_mm512_permutexvar_ps(way, T::load(here, mask))) }
+        }
+
+        #[inline(always)]
+        unsafe fn broadcast<T: Wide>(
+            here: *const T,
+            i: usize,
+            mask: __mmask16,
+            way: __m512i,
+        ) -> __m512i {
+            // SAFETY: the caller's; f32 values are 32 bits (bf16 ones, widened, keep the
+            // permute).
+            unsafe {
+                match size_of::<T>() == 4 {
+                    true => _mm512_set1_epi32(here.cast::<i32>().add(i).read_unaligned()),
+                    false => Self::input(here, mask, way),
+                }
+            }
         }
 
         #[inline(always)]
@@ -229,6 +258,17 @@ mod zmm {
                 let pixel = _mm256_maskz_loadu_epi16(mask, here.cast());
                 _mm512_permutexvar_epi32(way, _mm512_zextsi256_si512(pixel))
             }
+        }
+
+        #[inline(always)]
+        unsafe fn broadcast<T: Wide>(
+            here: *const T,
+            i: usize,
+            _: __mmask16,
+            _: __m512i,
+        ) -> __m512i {
+            // SAFETY: the caller's; T is bf16, a pair 32 bits.
+            unsafe { _mm512_set1_epi32(here.cast::<i32>().add(i).read_unaligned()) }
         }
 
         #[inline(always)]
@@ -376,13 +416,15 @@ mod zmm {
                             // This way's weights of the tap row's three taps, held in
                             // registers for every pixel (an FMA's memory operand each time,
                             // they took as many loads as FMAs).
+                            // Groups of 16 or more: every lane takes the same element.
+                            let all = (G >= 16).then_some(w * F::PER % 16 / F::PER);
                             let wk: [__m512i; 3] = std::array::from_fn(|kx| {
                                 _mm512_loadu_si512(at.w.add((kx * ways_n + w) * 16).cast())
                             });
                             macro_rules! pixels {
                                 ($($i:literal)*) => {
                                     $( if $i < (P - 1) * S + 3 {
-                                        pixel::<T, F, S, P, $i>(&at, (way, w == 0), &wk, &mut acc);
+                                        pixel::<T, F, S, P, $i>(&at, (way, all, w == 0), &wk, &mut acc);
                                     } )*
                                 };
                             }
@@ -432,7 +474,7 @@ mod zmm {
     #[inline(always)]
     unsafe fn pixel<T: Wide, F: Form, const S: usize, const P: usize, const I: usize>(
         at: &Pixel<T>,
-        (way, first): (__m512i, bool),
+        (way, all, first): (__m512i, Option<usize>, bool),
         w: &[__m512i; 3],
         acc: &mut [__m512; P],
     ) {
@@ -454,7 +496,10 @@ mod zmm {
                     _mm_prefetch::<_MM_HINT_T0>(here.wrapping_add(at.ahead).cast());
                 }
             }
-            let xp = F::input(here, at.mask, way);
+            let xp = match all {
+                Some(i) => F::broadcast(here, i, at.mask, way),
+                None => F::input(here, at.mask, way),
+            };
             for (q, acc) in acc.iter_mut().enumerate() {
                 if I >= q * S && I - q * S < 3 {
                     *acc = F::madd(*acc, xp, w[I - q * S]);
