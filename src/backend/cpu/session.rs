@@ -67,6 +67,7 @@ pub(super) enum NodeKernel<T> {
         /// The q/k/v and output projections.
         proj: Box<(PackedLinear<T>, PackedLinear<T>)>,
         params: crate::model::weights::WindowParams,
+        bias: kernels::WindowBias,
         attention: crate::model::op::WindowAttention,
     },
     PatchMerge,
@@ -269,10 +270,12 @@ impl<T: Elem> CpuSession<T> {
                     let [qkv_w, _, proj_w, proj_b] = attention.form.projections();
                     let qkv = PackedLinear::new(get(qkv_w)?, bias, dim, 3 * dim);
                     let out = PackedLinear::new(get(proj_w)?, Some(get(proj_b)?), dim, dim);
-                    weight_bytes += qkv.bytes() + out.bytes() + params.table.len() as u64 * 4;
+                    let bias = kernels::WindowBias::new(&params, &attention);
+                    weight_bytes += qkv.bytes() + out.bytes() + bias.bytes();
                     NodeKernel::WindowAttention {
                         proj: Box::new((qkv, out)),
                         params,
+                        bias,
                         attention,
                     }
                 }
@@ -768,6 +771,7 @@ impl<T: Elem> CpuSession<T> {
             NodeKernel::WindowAttention {
                 proj,
                 params,
+                bias,
                 attention,
             } => {
                 let (qkv_proj, out_proj) = &**proj;
@@ -779,7 +783,7 @@ impl<T: Elem> CpuSession<T> {
                 let mut heads_out = self.alloc(rows * d);
                 let grid = attention.grid(os.h, os.w);
                 let dims = (os.n, d, attention.heads);
-                kernels::window_attention(&qkv, params, grid, dims, &mut heads_out);
+                kernels::window_attention(&qkv, (params, bias), grid, dims, &mut heads_out);
                 self.lap("window_attention");
                 self.free.push(qkv);
                 let mut y = self.alloc(os.elems());

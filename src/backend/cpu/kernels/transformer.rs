@@ -523,9 +523,52 @@ impl<T: Elem> OnHead<'_, T> {
     }
 }
 
-/// Keys [`window_attention`] scores together, 64 accumulators (4 AVX-512 vectors) over dh; its
+/// Keys [`window_attention`] scores together, 64 accumulators (4 AVX-512 vectors) a query; its
 /// keys are zero-padded to a multiple of it.
 const BLOCK: usize = 64;
+
+/// Queries [`window_attention`] scores and weighs together, sharing each key's and value's
+/// loads: 4 × 64 score accumulators, or 4 × 32 output ones, fill 16 or 8 zmm registers.
+const QUERIES: usize = 4;
+
+/// A window attention's relative position bias as its score loop adds it: (head, query, key)
+/// for the window's tokens, each query's row padded with −∞ to whole blocks of `BLOCK` keys
+/// (so that the padding's probabilities are 0), gathered once from the table (a table row a
+/// (query, key) pair, a column a head) when the session is prepared. Gathered per window and
+/// head instead, the pair's table row (four integer divisions) cost more than the scores'
+/// products: Swin-T's attention took 47% of a BF16 step at batch 8.
+pub struct WindowBias {
+    values: Vec<f32>,
+    keys: usize,
+}
+
+impl WindowBias {
+    pub fn new(params: &WindowParams, attention: &crate::model::op::WindowAttention) -> Self {
+        let (ws, heads) = (attention.window, attention.heads);
+        let keys = ws * ws;
+        let kp = keys.next_multiple_of(BLOCK);
+        // bias_row reads the window's side only: any grid of this window will do.
+        let grid = WindowGrid::new(ws, ws, ws, 0);
+        let mut values = vec![f32::NEG_INFINITY; heads * keys * kp];
+        for (hi, row) in values.chunks_mut(kp).enumerate() {
+            let (h, i) = (hi / keys, hi % keys);
+            for (j, v) in row[..keys].iter_mut().enumerate() {
+                *v = params.table[grid.bias_row(i, j) * heads + h];
+            }
+        }
+        WindowBias { values, keys }
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.values.len() as u64 * 4
+    }
+
+    /// Head h's biases of query i, a value a key, then −∞ to the block.
+    fn row(&self, h: usize, i: usize) -> &[f32] {
+        let kp = self.keys.next_multiple_of(BLOCK);
+        &self.values[(h * self.keys + i) * kp..][..kp]
+    }
+}
 
 /// Swin's shifted window attention core: `qkv` is (N, H, W, 3·C) as the q/k/v projection
 /// leaves it, `y` (N, H, W, C). One work item per (image, window): it gathers the window's
@@ -533,58 +576,99 @@ const BLOCK: usize = 64;
 /// the relative position bias and the shift mask to the scaled scores before the softmax.
 pub fn window_attention<T: Elem>(
     qkv: &[T],
-    params: &WindowParams,
+    (params, bias): (&WindowParams, &WindowBias),
     grid: WindowGrid,
     (n, dim, heads): (usize, usize, usize),
     y: &mut [T],
 ) {
     let out = SyncSlice(y.as_mut_ptr(), y.len());
     let ws = grid.window;
+    assert_eq!(
+        bias.keys,
+        ws * ws,
+        "window attention: a bias of another window"
+    );
     let windows = (grid.hp / ws) * (grid.wp / ws);
     (0..n * windows).into_par_iter().for_each(|item| {
+        let mut scratch = WINDOW_SCRATCH.take();
         with_simd(Window {
             qkv,
-            params,
+            params: (params, bias),
             grid,
             dims: (dim, heads),
             item,
             out: &out,
-        })
+            scratch: &mut scratch,
+        });
+        WINDOW_SCRATCH.set(scratch);
     });
 }
 
+/// A thread's buffers for [`Window`], kept from window to window.
+#[derive(Default)]
+struct WindowScratch {
+    /// The window's tokens' q, k, v rows.
+    tokens: Vec<f32>,
+    /// A head's keys transposed, its values padded to whole vectors, its queries scaled.
+    kt: Vec<f32>,
+    values: Vec<f32>,
+    queries: Vec<f32>,
+    /// [`QUERIES`] rows of scores, then probabilities.
+    scores: Vec<f32>,
+    outs: Vec<f32>,
+}
+
+thread_local! {
+    static WINDOW_SCRATCH: std::cell::Cell<WindowScratch> = std::cell::Cell::default();
+}
+
 /// One (image, window) of [`window_attention`], compiled for the widest vectors: per head the
-/// keys transposed (dh × keys, zero-padded to whole blocks) so each query's scores are 64-lane
-/// products, then the softmax and the weighted values row by row.
+/// keys transposed (dh × keys, zero-padded to whole blocks) so that [`QUERIES`] queries'
+/// scores are 64-lane products sharing each key's loads, then each one's bias, mask and
+/// softmax, and the queries' weighted values, again sharing each value's loads.
 struct Window<'a, T> {
     qkv: &'a [T],
-    params: &'a WindowParams,
+    params: (&'a WindowParams, &'a WindowBias),
     grid: WindowGrid,
     /// (channels, heads).
     dims: (usize, usize),
     item: usize,
     out: &'a SyncSlice<T>,
+    scratch: &'a mut WindowScratch,
 }
 
 impl<T: Elem> Vectorised for Window<'_, T> {
     type Output = ();
     #[inline(always)]
     fn run(self) {
-        let (grid, params) = (self.grid, self.params);
+        let (grid, (params, bias)) = (self.grid, self.params);
         let (dim, heads) = self.dims;
         let ws = grid.window;
         let (across, down, keys) = (grid.wp / ws, grid.hp / ws, ws * ws);
         let img = self.item / (down * across);
         let (wy, wx) = ((self.item / across) % down * ws, self.item % across * ws);
         let dh = dim / heads.max(1);
-        let kp = keys.next_multiple_of(BLOCK);
+        let (kp, dhp) = (keys.next_multiple_of(BLOCK), dh.next_multiple_of(16));
+        let WindowScratch {
+            tokens,
+            kt,
+            values,
+            queries,
+            scores,
+            outs,
+        } = self.scratch;
         // The window's tokens: q, k, v rows (V2: q and k of each head normalised).
-        let mut t = vec![0f32; keys * 3 * dim];
-        let mut pixel = vec![None; keys];
-        let mut region = vec![0; keys];
+        let t = resized(tokens, keys * 3 * dim);
+        let mut pixel = [None; 256];
+        // Each token's mask region, past the keys' padding too (their bias is −∞ anyway).
+        let mut region = [0f32; 256 + BLOCK];
+        assert!(
+            keys <= pixel.len(),
+            "window attention: windows of 16×16 at most"
+        );
         for (i, row) in t.chunks_mut(3 * dim).enumerate() {
             let (yy, xx) = (wy + i / ws, wx + i % ws);
-            region[i] = grid.region(yy, xx);
+            region[i] = grid.region(yy, xx) as f32;
             let (y, x) = grid.source(yy, xx);
             if y < grid.h && x < grid.w {
                 let p = (img * grid.h + y) * grid.w + x;
@@ -601,44 +685,57 @@ impl<T: Elem> Vectorised for Window<'_, T> {
                 }
             }
         }
-        let mut kt = vec![0f32; dh * kp];
-        let mut scores = vec![0f32; kp];
-        let mut outs = vec![0f32; keys * dim];
+        let region = &region[..kp];
+        // Only windows on a shifted grid's last row or column mix regions.
+        let mixed = region[..keys].iter().any(|&r| r != region[0]);
+        let real: Vec<usize> = (0..keys).filter(|&i| pixel[i].is_some()).collect();
+        let outs = resized(outs, keys * dim);
+        let scores = resized(scores, QUERIES * kp);
         for h in 0..heads {
+            let kt = resized(kt, dh * kp);
+            kt.fill(0.0);
+            let vs = resized(values, keys * dhp);
+            let qs = resized(queries, keys * dh);
+            let scale = params.scales[h];
             for (j, row) in t.chunks(3 * dim).enumerate() {
                 for (d, k) in row[dim + h * dh..][..dh].iter().enumerate() {
                     kt[d * kp + j] = *k;
                 }
+                let v = &mut vs[j * dhp..][..dhp];
+                v[..dh].copy_from_slice(&row[2 * dim + h * dh..][..dh]);
+                v[dh..].fill(0.0);
+                let q = &mut qs[j * dh..][..dh];
+                for (q, x) in q.iter_mut().zip(&row[h * dh..][..dh]) {
+                    *q = x * scale;
+                }
             }
-            for i in (0..keys).filter(|&i| pixel[i].is_some()) {
-                let q = &t[i * 3 * dim + h * dh..][..dh];
-                let scale = params.scales[h];
-                for kb in (0..kp).step_by(BLOCK) {
-                    let mut acc = [0f32; BLOCK];
-                    for (d, qd) in q.iter().enumerate() {
-                        let qd = qd * scale;
-                        let k: &[f32; BLOCK] = kt[d * kp + kb..][..BLOCK].try_into().unwrap();
-                        for l in 0..BLOCK {
-                            acc[l] += qd * k[l];
-                        }
+            for group in real.chunks(QUERIES) {
+                // A last group of fewer queries repeats its last one (its rows unread).
+                let at: [usize; QUERIES] = std::array::from_fn(|r| group[r.min(group.len() - 1)]);
+                score(at.map(|i| &qs[i * dh..][..dh]), kt, kp, scores);
+                let mut inv = [0f32; QUERIES];
+                for (r, &i) in group.iter().enumerate() {
+                    let s = &mut scores[r * kp..][..kp];
+                    let region = mixed.then_some((region, region[i]));
+                    inv[r] = 1.0 / softmax_numerators_biased(s, bias.row(h, i), region);
+                }
+                let probs: [&[f32]; QUERIES] =
+                    std::array::from_fn(|r| &scores[r.min(group.len() - 1) * kp..][..keys]);
+                let mut o: [[f32; 32]; QUERIES] = [[0.0; 32]; QUERIES];
+                for c in (0..dh).step_by(32) {
+                    match dhp - c {
+                        16 => weigh::<16>(&probs, vs, (dhp, c), &mut o),
+                        _ => weigh::<32>(&probs, vs, (dhp, c), &mut o),
                     }
-                    scores[kb..kb + BLOCK].copy_from_slice(&acc);
-                }
-                let s = &mut scores[..keys];
-                for (j, v) in s.iter_mut().enumerate() {
-                    let mask = if region[i] == region[j] { 0.0 } else { -100.0 };
-                    *v += params.table[grid.bias_row(i, j) * heads + h] + mask;
-                }
-                let inv = softmax_row(s, 1.0);
-                let o = &mut outs[i * dim + h * dh..][..dh];
-                for (j, e) in s.iter().enumerate() {
-                    let w = e * inv;
-                    let v = &t[j * 3 * dim + 2 * dim + h * dh..][..dh];
-                    o.iter_mut().zip(v).for_each(|(o, v)| *o += w * v);
+                    for ((o, &i), inv) in o.iter().zip(group).zip(inv) {
+                        let n = (dh - c).min(32);
+                        let dst = &mut outs[i * dim + h * dh + c..][..n];
+                        dst.iter_mut().zip(o).for_each(|(d, o)| *d = o * inv);
+                    }
                 }
             }
         }
-        for (i, p) in pixel.iter().enumerate() {
+        for (i, p) in pixel[..keys].iter().enumerate() {
             if let Some(p) = *p {
                 // SAFETY: token p belongs to this window alone, so its row is written once.
                 T::narrow(&outs[i * dim..(i + 1) * dim], unsafe {
@@ -646,6 +743,101 @@ impl<T: Elem> Vectorised for Window<'_, T> {
                 });
             }
         }
+    }
+}
+
+/// Each score of `s` (a row of a multiple of 16 keys) plus its `bias` and, where `region` has
+/// them (every key's and the query's), the shift mask's −100 between regions, raised to e^(s −
+/// max) in place; their sum: one pass for the bias, the mask and the maximum, one for the
+/// exponentials and their sum, in 16 lanes (the padding's −∞ bias makes its keys' numerators
+/// 0), the lanes reduced at the end. As fast as `softmax_numerators` on the real keys after
+/// adding the bias apart; the per-row reductions across lanes still go through the stack, and
+/// the softmax is still about 40% of the kernel's time (timed by leaving each part out).
+#[inline(always)]
+fn softmax_numerators_biased(s: &mut [f32], bias: &[f32], region: Option<(&[f32], f32)>) -> f32 {
+    let mut most = [f32::NEG_INFINITY; 16];
+    for (j, (s, b)) in s
+        .chunks_exact_mut(16)
+        .zip(bias.chunks_exact(16))
+        .enumerate()
+    {
+        for l in 0..16 {
+            s[l] += b[l];
+        }
+        if let Some((region, ri)) = region {
+            let r = &region[j * 16..][..16];
+            for l in 0..16 {
+                s[l] += if r[l] == ri { 0.0 } else { -100.0 };
+            }
+        }
+        for l in 0..16 {
+            most[l] = most[l].max(s[l]);
+        }
+    }
+    let max = tree(most, f32::max);
+    let mut sum = [0f32; 16];
+    for s in s.chunks_exact_mut(16) {
+        for l in 0..16 {
+            s[l] = super::exp_nonpositive(s[l] - max);
+            sum[l] += s[l];
+        }
+    }
+    tree(sum, |a, b| a + b)
+}
+
+/// `f` over 16 lanes as a tree: 8 pairs, 4, 2, 1.
+#[inline(always)]
+fn tree(mut v: [f32; 16], f: impl Fn(f32, f32) -> f32) -> f32 {
+    for half in [8, 4, 2, 1] {
+        for l in 0..half {
+            v[l] = f(v[l], v[l + half]);
+        }
+    }
+    v[0]
+}
+
+/// The scores of [`QUERIES`] queries (`q`, scaled) against every key (`kt`: dh rows of `kp`
+/// keys), into `out`'s rows of `kp`.
+#[inline(always)]
+fn score(q: [&[f32]; QUERIES], kt: &[f32], kp: usize, out: &mut [f32]) {
+    for kb in (0..kp).step_by(BLOCK) {
+        let mut acc = [[0f32; BLOCK]; QUERIES];
+        for d in 0..q[0].len() {
+            let k: &[f32; BLOCK] = kt[d * kp + kb..][..BLOCK].try_into().unwrap();
+            for (acc, q) in acc.iter_mut().zip(&q) {
+                let qd = q[d];
+                for l in 0..BLOCK {
+                    acc[l] = qd.mul_add(k[l], acc[l]);
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            out[r * kp + kb..][..BLOCK].copy_from_slice(acc);
+        }
+    }
+}
+
+/// Columns c..c + W of [`QUERIES`] queries' outputs: their probabilities (`p`, a value a key)
+/// times the values (`v`: a row of `dhp` a key, zero-padded), into `o`'s first W columns.
+#[inline(always)]
+fn weigh<const W: usize>(
+    p: &[&[f32]; QUERIES],
+    v: &[f32],
+    (dhp, c): (usize, usize),
+    o: &mut [[f32; 32]; QUERIES],
+) {
+    let mut acc = [[0f32; W]; QUERIES];
+    for j in 0..p[0].len() {
+        let v: &[f32; W] = v[j * dhp + c..][..W].try_into().unwrap();
+        for (acc, p) in acc.iter_mut().zip(p) {
+            let w = p[j];
+            for l in 0..W {
+                acc[l] = w.mul_add(v[l], acc[l]);
+            }
+        }
+    }
+    for (o, acc) in o.iter_mut().zip(&acc) {
+        o[..W].copy_from_slice(acc);
     }
 }
 
