@@ -12,7 +12,7 @@ use std::cell::RefCell;
 
 use half::bf16;
 
-use super::{fold_lanes, softmax_numerators};
+use super::{fold_halves, fold_lanes, softmax_numerators};
 use crate::backend::cpu::bf16_gemm::{self, PackedPairs};
 use crate::backend::cpu::elem::Elem;
 use crate::backend::cpu::elem::f32_bf16;
@@ -750,10 +750,10 @@ impl<T: Elem> Vectorised for Window<'_, T> {
 /// them (every key's and the query's), the shift mask's −100 between regions, raised to e^(s −
 /// max) in place; their sum: one pass for the bias, the mask and the maximum, one for the
 /// exponentials and their sum, in 16 lanes (the padding's −∞ bias makes its keys' numerators
-/// 0), the lanes reduced at the end as halving arrays, which the compiler keeps in registers:
-/// as one array folded in place (or through `softmax_numerators`), each reduction went through
-/// the stack a value at a time, the softmax took 40% of the kernel (timed by leaving each part
-/// out), and the kernel 1.3× its time now. (The group's rows in step, to overlap their chains,
+/// 0), the lanes reduced at the end by [`fold_halves`]: as one array folded in place (or
+/// through `softmax_numerators`), each reduction went through the stack a value at a time, the
+/// softmax took 40% of the kernel (timed by leaving each part out), and the kernel 1.3× its
+/// time now. (The group's rows in step, to overlap their chains,
 /// took 1.1–1.25×: the compiler kept their lanes on the stack.)
 #[inline(always)]
 fn softmax_numerators_biased(s: &mut [f32], bias: &[f32], region: Option<(&[f32], f32)>) -> f32 {
@@ -776,7 +776,7 @@ fn softmax_numerators_biased(s: &mut [f32], bias: &[f32], region: Option<(&[f32]
             most[l] = if s[l] > most[l] { s[l] } else { most[l] };
         }
     }
-    let max = tree(most, |a, b| if b > a { b } else { a });
+    let max = fold_halves(most, |a, b| if b > a { b } else { a });
     let mut sum = [0f32; 16];
     for s in s.chunks_exact_mut(16) {
         for l in 0..16 {
@@ -784,16 +784,7 @@ fn softmax_numerators_biased(s: &mut [f32], bias: &[f32], region: Option<(&[f32]
             sum[l] += s[l];
         }
     }
-    tree(sum, |a, b| a + b)
-}
-
-/// `f` over 16 lanes as a tree: 8 pairs, 4, 2, 1, each a new array.
-#[inline(always)]
-fn tree(v: [f32; 16], f: impl Fn(f32, f32) -> f32) -> f32 {
-    let v8: [f32; 8] = std::array::from_fn(|l| f(v[l], v[l + 8]));
-    let v4: [f32; 4] = std::array::from_fn(|l| f(v8[l], v8[l + 4]));
-    let v2: [f32; 2] = std::array::from_fn(|l| f(v4[l], v4[l + 2]));
-    f(v2[0], v2[1])
+    fold_halves(sum, |a, b| a + b)
 }
 
 /// The scores of [`QUERIES`] queries (`q`, scaled) against every key (`kt`: dh rows of `kp`
