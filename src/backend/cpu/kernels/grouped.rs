@@ -156,10 +156,10 @@ pub(super) fn conv2d_grouped<T: Elem + Wide>(
             // of bf16 values; the rows hold xs.w pixels of xs.c channels, the weights and bias
             // whole blocks of 16.
             unsafe {
-                let ends = (residual, c.act);
+                let at = (&input, p, c.padding.1, xs.w, residual);
                 match p.pairs {
-                    true => zmm::row_pairs(c, &input, p, out, xs.w, ends),
-                    false => zmm::row(c, &input, p, out, xs.w, ends),
+                    true => zmm::row_pairs(c, at, out),
+                    false => zmm::row(c, at, out),
                 }
             };
             #[cfg(not(target_arch = "x86_64"))]
@@ -174,7 +174,7 @@ mod zmm {
     use super::super::activation::{activate_zmm, with_vec_act};
     use super::{Grouped, group_width};
     use crate::backend::cpu::elem::Wide;
-    use crate::model::op::{Act, Conv2d};
+    use crate::model::op::Conv2d;
 
     /// How a way's input channels meet its weights: one channel a lane in f32 by an FMA
     /// ([`Fma`]), or two as a bf16 pair by `vdpbf16ps` ([`Pairs`]).
@@ -281,39 +281,26 @@ mod zmm {
         }
     }
 
-    /// One output row into `out`, a way a channel on the FMAs.
+    /// One output row into `out` (`at`: what it reads), a way a channel on the FMAs.
     ///
     /// # Safety
-    /// The CPU has AVX-512F, BW and VL; `input` holds the 3 tap rows (`None` in the padding)
-    /// of `width` pixels of the layer's channels; `out` (and `residual`) one output row.
+    /// The CPU has AVX-512F, BW and VL; `at` holds the 3 tap rows (`None` in the padding) of
+    /// the input's width in pixels of the layer's channels; `out` (and the residual) one
+    /// output row.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn row<T: Wide>(
-        c: &Conv2d,
-        input: &[Option<&[T]>; 3],
-        p: &Grouped,
-        out: &mut [T],
-        width: usize,
-        ends: (Option<&[T]>, Act),
-    ) {
+    pub(super) unsafe fn row<T: Wide>(c: &Conv2d, at: At<'_, T>, out: &mut [T]) {
         // SAFETY: the caller's.
-        unsafe { shapes::<T, Fma>(c, (input, p, c.padding.1, width, ends.0), out, ends.1) }
+        unsafe { shapes::<T, Fma>(c, at, out) }
     }
 
-    /// [`row`] on bf16 pairs (`p`'s weights packed so).
+    /// [`row`] on bf16 pairs (`at`'s weights packed so).
     ///
     /// # Safety
     /// As for [`row`], and the CPU has AVX512_BF16; T is bf16.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-    pub(super) unsafe fn row_pairs<T: Wide>(
-        c: &Conv2d,
-        input: &[Option<&[T]>; 3],
-        p: &Grouped,
-        out: &mut [T],
-        width: usize,
-        ends: (Option<&[T]>, Act),
-    ) {
+    pub(super) unsafe fn row_pairs<T: Wide>(c: &Conv2d, at: At<'_, T>, out: &mut [T]) {
         // SAFETY: the caller's.
-        unsafe { shapes::<T, Pairs>(c, (input, p, c.padding.1, width, ends.0), out, ends.1) }
+        unsafe { shapes::<T, Pairs>(c, at, out) }
     }
 
     /// The shape's loop, the activation's copy of it, in the caller's features.
@@ -321,7 +308,7 @@ mod zmm {
     /// # Safety
     /// As for [`row`] (and [`row_pairs`] for its form).
     #[inline(always)]
-    unsafe fn shapes<T: Wide, F: Form>(c: &Conv2d, at: At<'_, T>, out: &mut [T], act: Act) {
+    unsafe fn shapes<T: Wide, F: Form>(c: &Conv2d, at: At<'_, T>, out: &mut [T]) {
         macro_rules! shapes {
             ($op:expr) => {
                 match (group_width(c), c.stride.1) {
@@ -338,12 +325,12 @@ mod zmm {
             };
         }
         // SAFETY: the caller's.
-        unsafe { with_vec_act!(act, activate_zmm, |op| shapes!(op)) }
+        unsafe { with_vec_act!(c.act, activate_zmm, |op| shapes!(op)) }
     }
 
     /// What [`row_g`] reads besides its output: the tap rows, the weights, the padding, the
     /// input's width, the residual row.
-    type At<'a, T> = (
+    pub(super) type At<'a, T> = (
         &'a [Option<&'a [T]>; 3],
         &'a Grouped,
         usize,
