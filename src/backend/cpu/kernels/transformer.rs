@@ -616,6 +616,11 @@ struct WindowScratch {
     /// [`QUERIES`] rows of scores, then probabilities.
     scores: Vec<f32>,
     outs: Vec<f32>,
+    /// Each token's input pixel (none in the padding) and mask region (past the keys too:
+    /// their bias is −∞ anyway); the tokens that are pixels.
+    pixel: Vec<Option<usize>>,
+    region: Vec<f32>,
+    real: Vec<usize>,
 }
 
 thread_local! {
@@ -656,16 +661,15 @@ impl<T: Elem> Vectorised for Window<'_, T> {
             queries,
             scores,
             outs,
+            pixel,
+            region,
+            real,
         } = self.scratch;
         // The window's tokens: q, k, v rows (V2: q and k of each head normalised).
         let t = resized(tokens, keys * 3 * dim);
-        let mut pixel = [None; 256];
-        // Each token's mask region, past the keys' padding too (their bias is −∞ anyway).
-        let mut region = [0f32; 256 + BLOCK];
-        assert!(
-            keys <= pixel.len(),
-            "window attention: windows of 16×16 at most"
-        );
+        let pixel = resized(pixel, keys);
+        pixel.fill(None);
+        let region = resized(region, kp);
         for (i, row) in t.chunks_mut(3 * dim).enumerate() {
             let (yy, xx) = (wy + i / ws, wx + i % ws);
             region[i] = grid.region(yy, xx) as f32;
@@ -685,10 +689,11 @@ impl<T: Elem> Vectorised for Window<'_, T> {
                 }
             }
         }
-        let region = &region[..kp];
+        let region = &*region;
         // Only windows on a shifted grid's last row or column mix regions.
         let mixed = region[..keys].iter().any(|&r| r != region[0]);
-        let real: Vec<usize> = (0..keys).filter(|&i| pixel[i].is_some()).collect();
+        real.clear();
+        real.extend((0..keys).filter(|&i| pixel[i].is_some()));
         let outs = resized(outs, keys * dim);
         let scores = resized(scores, QUERIES * kp);
         for h in 0..heads {
@@ -735,7 +740,7 @@ impl<T: Elem> Vectorised for Window<'_, T> {
                 }
             }
         }
-        for (i, p) in pixel[..keys].iter().enumerate() {
+        for (i, p) in pixel.iter().enumerate() {
             if let Some(p) = *p {
                 // SAFETY: token p belongs to this window alone, so its row is written once.
                 T::narrow(&outs[i * dim..(i + 1) * dim], unsafe {
@@ -753,8 +758,8 @@ impl<T: Elem> Vectorised for Window<'_, T> {
 /// 0), the lanes reduced at the end by [`fold_halves`]: as one array folded in place (or
 /// through `softmax_numerators`), each reduction went through the stack a value at a time, the
 /// softmax took 40% of the kernel (timed by leaving each part out), and the kernel 1.3× its
-/// time now. (The group's rows in step, to overlap their chains,
-/// took 1.1–1.25×: the compiler kept their lanes on the stack.)
+/// time now. (The group's rows in step, to overlap their chains, took 1.1–1.25×: the compiler
+/// kept their lanes on the stack.)
 #[inline(always)]
 fn softmax_numerators_biased(s: &mut [f32], bias: &[f32], region: Option<(&[f32], f32)>) -> f32 {
     let mut most = [f32::NEG_INFINITY; 16];
