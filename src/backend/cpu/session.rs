@@ -130,6 +130,10 @@ pub(super) struct CpuSession<T: Elem> {
     /// Node id is a layer with a residual it reads last that writes its output over the
     /// residual's buffer where `over_residual[id]` (see [`over_residuals`]).
     over_residual: Vec<bool>,
+    /// Node b is a batch norm that [`CpuSession::prologue`] runs with the clamp after it (if
+    /// any) and the pointwise layer that reads them, node `prologued[b]`, as that layer alone
+    /// (see [`prologues`]).
+    pub(super) prologued: Vec<Option<usize>>,
     /// The row sums a squeezed layer made on its last run, with the images they are of.
     row_sums: Vec<Option<(std::ops::Range<usize>, Vec<f32>)>>,
     /// A core's L2 in bytes (for [`kernels::pair_bands`]).
@@ -297,6 +301,7 @@ impl<T: Elem> CpuSession<T> {
         let projected = projections(plan, &steps);
         let squeezed = squeezes(plan, &steps);
         let over_residual = over_residuals(plan, &steps, || probe::over_residual().pays());
+        let prologued = prologues(plan, &steps, |id| paired[id] || projected[id]);
         let names = plan.graph.nodes.iter().map(|n| n.name.clone()).collect();
         Ok(CpuSession {
             plan: plan.clone(),
@@ -317,6 +322,7 @@ impl<T: Elem> CpuSession<T> {
             row_sums: vec![None; squeezed.len()],
             squeezed,
             over_residual,
+            prologued,
             l2: sgemm::l2_bytes(),
             weight_bytes,
             held_bytes: 0,
@@ -444,6 +450,11 @@ impl<T: Elem> CpuSession<T> {
         }
         let mut id = first;
         while id <= upto {
+            let prologued = self.prologue(id, upto, steps, values, images.len(), start);
+            if prologued > 0 {
+                id += prologued;
+                continue;
+            }
             let fused = self.fused(id, upto, steps, values, images.clone(), start);
             if fused > 0 {
                 id += fused;
@@ -553,6 +564,65 @@ impl<T: Elem> CpuSession<T> {
             });
         }
         last + 1 - first
+    }
+
+    /// Batch norm `b`, the clamp after it (if any) and the pointwise layer that reads them
+    /// (see [`prologues`]) as the layer on the batch norm's input, the map applied to its rows
+    /// as the layer's kernel reads them ([`kernels::conv2d_prologue`]), for `n` images: the
+    /// layer's output is left in `values`, the others' never made. Returns how many nodes ran
+    /// (0: none, where `b` starts no such run, it ends past `upto`, or the session calibrates:
+    /// calibration's batch norms measure their input). Profiling times them as one kernel, on
+    /// the layer's node.
+    fn prologue(
+        &mut self,
+        b: usize,
+        upto: usize,
+        steps: &[NodeKernel<T>],
+        values: &mut [Option<Buf<T>>],
+        n: usize,
+        forward_start: Instant,
+    ) -> usize {
+        let Some(id) = self.prologued[b].filter(|&id| id <= upto && !self.calibrate) else {
+            return 0;
+        };
+        let (NodeKernel::Affine { scale, shift }, NodeKernel::Conv(p)) = (&steps[b], &steps[id])
+        else {
+            return 0;
+        };
+        let (lo, hi) = match steps[b + 1] {
+            NodeKernel::Clamp { lo, hi } if b + 1 < id => (lo, hi),
+            _ => (f32::NEG_INFINITY, f32::INFINITY),
+        };
+        let start = Instant::now();
+        let x_id = self.plan.graph.nodes[b].inputs[0];
+        let (xs, ys) = (self.dims(x_id, n), self.dims(id, n));
+        let mut y = self.alloc(ys.elems());
+        let x = values[x_id].as_ref().expect("input computed");
+        let prologue = kernels::Prologue {
+            scale,
+            shift,
+            lo,
+            hi,
+        };
+        kernels::conv2d_prologue(p, x, (xs, prologue), &mut y, ys, self.threads);
+        values[id] = Some(y);
+        if self.plan.last_use[x_id] <= id
+            && let Some(buf) = values[x_id].take()
+        {
+            self.free.push(buf);
+        }
+        if self.profile {
+            let end = Instant::now();
+            self.times.push(KernelTime {
+                node: self.names[id].clone(),
+                op: "conv2d".into(),
+                kernel: kernel_name(&steps[id], &self.plan.graph.nodes[id].op),
+                start_ns: start.duration_since(forward_start).as_nanos() as u64,
+                ns: end.duration_since(start).as_nanos() as u64,
+                fused: (b..id).map(|v| self.names[v].clone()).collect(),
+            });
+        }
+        id + 1 - b
     }
 
     /// Node `id` on `images` of the batch: reads its inputs from `values`, leaves its output
@@ -919,6 +989,43 @@ fn chained<T: Elem>(
         .collect()
 }
 
+/// For each batch norm b whose output a pointwise layer reads alone, directly or through a
+/// clamp (ReLU) that alone reads it, neither the network's output, where
+/// [`kernels::can_prologue`] says the layer's kernel can map its rows and it runs in no other
+/// fused run (`taken`): the layer's node (DenseNet's BN → ReLU → 1×1, in every dense layer and
+/// transition).
+fn prologues<T: Elem>(
+    plan: &Plan,
+    steps: &[NodeKernel<T>],
+    taken: impl Fn(usize) -> bool,
+) -> Vec<Option<usize>> {
+    let nodes = &plan.graph.nodes;
+    // Value v is node id's only input, read by nobody else, and not the network's output.
+    let alone = |v: usize, id: usize| {
+        v != plan.graph.output
+            && nodes[id].inputs == [v]
+            && nodes.iter().filter(|n| n.inputs.contains(&v)).count() == 1
+    };
+    (0..steps.len())
+        .map(|b| {
+            if !matches!(steps[b], NodeKernel::Affine { .. }) {
+                return None;
+            }
+            let clamped =
+                matches!(steps.get(b + 1), Some(NodeKernel::Clamp { .. })) && alone(b, b + 1);
+            let id = b + 1 + usize::from(clamped);
+            match steps.get(id) {
+                Some(NodeKernel::Conv(p))
+                    if alone(id - 1, id) && !taken(id) && kernels::can_prologue(p) =>
+                {
+                    Some(id)
+                }
+                _ => None,
+            }
+        })
+        .collect()
+}
+
 /// Which nodes are squeezed (see [`CpuSession::squeezed`]): depthwise layers in f32 or bf16
 /// storage (whose rows the pool's sums are made of) that a global average pool reads.
 fn squeezes<T: Elem>(plan: &Plan, steps: &[NodeKernel<T>]) -> Vec<bool> {
@@ -1233,6 +1340,87 @@ mod tests {
         }
     }
 
+    /// A session of 2 worker threads for `graph` at batch 2, `size`², in T's precision, and a
+    /// random input for it.
+    fn two_images<T: Elem>(
+        graph: &crate::model::Graph,
+        weights: &Weights,
+        size: usize,
+    ) -> (CpuSession<T>, Tensor) {
+        let plan = graph.plan(2, size, size).unwrap();
+        let input = crate::model::Rng::new(5).normal_tensor(plan.input_shape().to_vec());
+        let pool = worker_pool(2, Vec::new()).unwrap();
+        let opt = ExecOptions {
+            precision: T::PRECISION,
+            ..ExecOptions::default()
+        };
+        let session =
+            CpuSession::<T>::new(&plan, weights, pool, 2, &opt, &mut Donor::default()).unwrap();
+        (session, input)
+    }
+
+    /// A batch norm and clamp run as a pointwise layer's prologue give what the three give
+    /// apart, bit for bit: DenseNet-121 optimised (its dense layers' and transitions' BN →
+    /// ReLU → 1×1, the 1×1 layers with their next batch norm folded and ReLU fused) at batch 2,
+    /// 32², and eager layer chains whose 1×1 layers read 40 channels (rows padded on bf16
+    /// pairs), through ReLU6 and through no clamp; FP32 and BF16, batch norms away from the
+    /// identity (negative scales, shifts that ReLU clips).
+    #[test]
+    fn prologues_change_nothing() {
+        fn check<T: Elem>(network: &str, optimise: bool, prologues: usize) {
+            let graph = zoo::build(network).unwrap();
+            let mut weights = Weights::init(&graph, 3);
+            let mut rng = crate::model::Rng::new(9);
+            for (name, t) in weights.tensors.iter_mut() {
+                let batch_norm = name.contains("norm") || t.shape.len() == 1;
+                for v in t.data.iter_mut().filter(|_| batch_norm) {
+                    *v = if name.ends_with("running_var") {
+                        0.5 + rng.uniform() as f32
+                    } else {
+                        rng.normal() as f32
+                    };
+                }
+            }
+            let (graph, weights) = if optimise {
+                let (g, w, _) = crate::model::passes::optimize(&graph, &weights).unwrap();
+                (g, w)
+            } else {
+                (graph, weights)
+            };
+            let (mut session, input) = two_images::<T>(&graph, &weights, 32);
+            let found = session.prologued.iter().flatten().count();
+            assert_eq!(found, prologues, "{network}: prologues");
+            let run = |s: &mut CpuSession<T>| {
+                s.run(&input).unwrap();
+                s.read_output().unwrap()
+            };
+            let fused = run(&mut session);
+            session.prologued.fill(None);
+            let plain = run(&mut session);
+            assert_eq!(fused.shape, plain.shape);
+            for (i, (a, b)) in fused.data.iter().zip(&plain.data).enumerate() {
+                assert_eq!(
+                    a.to_bits(),
+                    b.to_bits(),
+                    "{network} {:?} output {i}: {a} against {b}",
+                    T::PRECISION
+                );
+            }
+        }
+        let chains = [
+            "conv2d(3,40,3,padding=1)+batchnorm2d(40)+relu+conv2d(40,24,1)",
+            "conv2d(3,40,3,padding=1)+batchnorm2d(40)+relu6+conv2d(40,24,1)+relu",
+            "conv2d(3,40,3,padding=1)+batchnorm2d(40)+conv2d(40,24,1)",
+        ];
+        // 58 dense layers and 3 transitions.
+        check::<f32>("densenet121", true, 61);
+        check::<half::bf16>("densenet121", true, 61);
+        for chain in chains {
+            check::<f32>(chain, false, 1);
+            check::<half::bf16>(chain, false, 1);
+        }
+    }
+
     /// A squeezed depthwise layer's row sums give the global average pool that reads it bit
     /// for bit: MobileNetV3-Small (squeeze-and-excitation blocks after depthwise layers, run
     /// alone and in fused pairs) at batch 2, 64², FP32 and BF16, against the same session with
@@ -1243,16 +1431,7 @@ mod tests {
             let graph = zoo::build("mobilenet_v3_small").unwrap();
             let weights = Weights::init(&graph, 3);
             let (graph, weights, _) = crate::model::passes::optimize(&graph, &weights).unwrap();
-            let plan = graph.plan(2, 64, 64).unwrap();
-            let input = crate::model::Rng::new(5).normal_tensor(plan.input_shape().to_vec());
-            let pool = worker_pool(2, Vec::new()).unwrap();
-            let opt = ExecOptions {
-                precision: T::PRECISION,
-                ..ExecOptions::default()
-            };
-            let mut session =
-                CpuSession::<T>::new(&plan, &weights, pool, 2, &opt, &mut Donor::default())
-                    .unwrap();
+            let (mut session, input) = two_images::<T>(&graph, &weights, 64);
             let squeezes = session.squeezed.iter().filter(|&&s| s).count();
             assert!(squeezes >= 5, "{squeezes} squeezed layers");
             // Small enough an L2 that the first pairs run fused.
@@ -1266,7 +1445,7 @@ mod tests {
                 session.row_sums.iter().all(Option::is_none),
                 "sums left untaken"
             );
-            session.squeezed = vec![false; plan.graph.nodes.len()];
+            session.squeezed.fill(false);
             let plain = run(&mut session);
             assert_eq!(squeezed.shape, plain.shape);
             for (i, (a, b)) in squeezed.data.iter().zip(&plain.data).enumerate() {

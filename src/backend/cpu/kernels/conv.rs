@@ -654,7 +654,7 @@ pub(super) fn conv2d_pairs<T: Elem>(
     y: &mut [T],
     ys: Nhwc,
     threads: usize,
-    epilogue: &Epilogue<'_, T>,
+    (prologue, epilogue): (Option<&Prologue<'_>>, &Epilogue<'_, T>),
 ) {
     let c = &p.conv;
     let residual = epilogue
@@ -685,7 +685,17 @@ pub(super) fn conv2d_pairs<T: Elem>(
     let lda = engine.lda(kp);
     work_items(m, units, b.panels(), threads).for_each(|((m0, mr), (p0, p1))| {
         PAIR_COLUMNS.with_borrow_mut(|cols| {
-            let a = pair_rows(c, (x, xs, ys), (m0, mr), (kp, lda), cols);
+            let a = match prologue {
+                Some(pro) => {
+                    let cin = c.in_channels;
+                    let x16 = T::as_bf16(x).expect("bf16-pair layers store bf16");
+                    let src = &x16[m0 * cin..(m0 + mr) * cin];
+                    cols.reuse(mr * lda);
+                    pro.rows(src, cin, (&mut cols[..], lda, kp), bf16_f32, f32_bf16);
+                    &cols[..]
+                }
+                None => pair_rows(c, (x, xs, ys), (m0, mr), (kp, lda), cols),
+            };
             let ends = (out, residual);
             // SAFETY: pair packings exist only where `simd()` chose an engine; A has mr rows
             // of kp values lda apart (zeros past K: gathered so, or K = kp); rows m0..m0 + mr,
@@ -942,7 +952,7 @@ pub fn conv2d_squeezed<T: Elem>(
             sums,
         );
     }
-    conv2d_dense(p, x, xs, y, ys, threads, &epilogue);
+    conv2d_dense(p, x, xs, y, ys, threads, (None, &epilogue));
     false
 }
 
@@ -986,10 +996,135 @@ pub fn conv2d_over_residual<T: Elem>(
         in_output: true,
         act: p.conv.act,
     };
-    conv2d_dense(p, x, xs, y, ys, threads, &epilogue);
+    conv2d_dense(p, x, xs, y, ys, threads, (None, &epilogue));
 }
 
-/// [`conv2d`] of a layer that is not depthwise.
+/// A batch norm's per-channel affine map and a clamp (ReLU's [0, ∞), or none: ±∞) applied to
+/// a 1×1 layer's input as its kernel reads the rows, the values rounded to the storage type as
+/// the ops apart would store them: DenseNet's pre-activation (BN → ReLU → 1×1) without its two
+/// passes over the features, nor the copy the batch norm makes where the features are read
+/// again later (`can_prologue` says which layers take one).
+#[derive(Clone, Copy)]
+pub struct Prologue<'a> {
+    pub scale: &'a [f32],
+    pub shift: &'a [f32],
+    pub lo: f32,
+    pub hi: f32,
+}
+
+impl Prologue<'_> {
+    /// Rows of `cin` values (`src`) mapped into `dst`, `ld` apart, zeros from `cin` to `kp`:
+    /// each value read by `load`, scaled, shifted and clamped in f32, written by `store`.
+    fn rows<V: Copy, W: Copy + Default>(
+        &self,
+        src: &[V],
+        cin: usize,
+        (dst, ld, kp): (&mut [W], usize, usize),
+        load: impl Fn(V) -> f32,
+        store: impl Fn(f32) -> W,
+    ) {
+        with_simd(PrologueRows {
+            pro: *self,
+            src,
+            cin,
+            dst,
+            ld,
+            kp,
+            load,
+            store,
+        })
+    }
+}
+
+/// [`Prologue::rows`] as vectorised work.
+struct PrologueRows<'a, V, W, L, S> {
+    pro: Prologue<'a>,
+    src: &'a [V],
+    cin: usize,
+    dst: &'a mut [W],
+    ld: usize,
+    kp: usize,
+    load: L,
+    store: S,
+}
+
+impl<V: Copy, W: Copy + Default, L: Fn(V) -> f32, S: Fn(f32) -> W> Vectorised
+    for PrologueRows<'_, V, W, L, S>
+{
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        let (
+            cin,
+            kp,
+            Prologue {
+                scale,
+                shift,
+                lo,
+                hi,
+            },
+        ) = (self.cin, self.kp, self.pro);
+        let (scale, shift) = (&scale[..cin], &shift[..cin]);
+        assert!(
+            cin <= kp && kp <= self.ld,
+            "Prologue: rows longer than their place"
+        );
+        for (src, dst) in self
+            .src
+            .chunks_exact(cin)
+            .zip(self.dst.chunks_exact_mut(self.ld))
+        {
+            for (((d, &v), s), b) in dst[..cin].iter_mut().zip(src).zip(scale).zip(shift) {
+                // As the batch norm computes it (no fused multiply-add), then the clamp.
+                *d = (self.store)(clamp_nan((self.load)(v) * s + b, lo, hi));
+            }
+            dst[cin..kp].fill(W::default());
+        }
+    }
+}
+
+/// Whether [`conv2d_prologue`] runs this layer: a 1×1 layer at stride 1 in f32 or bf16
+/// storage on the GEMM (bf16 pairs or f32 rows), not a stem.
+pub fn can_prologue<T: Elem>(p: &PackedConv<T>) -> bool {
+    let storage = T::IS_F32 || T::PRECISION == Precision::Bf16;
+    storage
+        && is_pointwise(&p.conv)
+        && (p.pairs.is_some() || p.groups.len() == 1)
+        && p.winograd.is_none()
+        && p.depthwise.is_none()
+        && p.grouped.is_none()
+        && p.stem_f32.is_none()
+        && !super::stem::is_stem(&p.conv)
+        && !(T::IS_F32 && super::stem::runs_f32(&p.conv))
+}
+
+/// [`conv2d`] of a layer without a residual on its input mapped by `prologue` (see
+/// [`Prologue`]): bit for bit the batch norm and clamp apart, then the layer.
+///
+/// # Panics
+/// Where [`can_prologue`] says the layer cannot run so.
+pub fn conv2d_prologue<T: Elem>(
+    p: &PackedConv<T>,
+    x: &[T],
+    (xs, prologue): (Nhwc, Prologue<'_>),
+    y: &mut [T],
+    ys: Nhwc,
+    threads: usize,
+) {
+    assert!(
+        can_prologue(p),
+        "conv2d_prologue on a layer that cannot run so"
+    );
+    let epilogue = Epilogue {
+        residual: None,
+        in_output: false,
+        act: p.conv.act,
+    };
+    conv2d_dense(p, x, xs, y, ys, threads, (Some(&prologue), &epilogue));
+}
+
+/// [`conv2d`] of a layer that is not depthwise, its input mapped by the prologue where there
+/// is one (only where [`can_prologue`]).
 fn conv2d_dense<T: Elem>(
     p: &PackedConv<T>,
     x: &[T],
@@ -997,7 +1132,7 @@ fn conv2d_dense<T: Elem>(
     y: &mut [T],
     ys: Nhwc,
     threads: usize,
-    epilogue: &Epilogue<'_, T>,
+    (prologue, epilogue): (Option<&Prologue<'_>>, &Epilogue<'_, T>),
 ) {
     let residual = epilogue.residual;
     if let Some(g) = &p.grouped {
@@ -1026,7 +1161,7 @@ fn conv2d_dense<T: Elem>(
             let residual = residual.map(|r| T::as_bf16(r).expect(bf));
             return super::stem::conv2d_stem(&p.conv, b, x, xs, y, ys, threads, residual);
         }
-        return conv2d_pairs(p, b, x, xs, y, ys, threads, epilogue);
+        return conv2d_pairs(p, b, x, xs, y, ys, threads, (prologue, epilogue));
     }
     // A BF16 stem that does not multiply pairs runs on the FP32 direct kernel, reading and
     // writing bf16, where there is one (AVX-512).
@@ -1052,24 +1187,42 @@ fn conv2d_dense<T: Elem>(
     let cout = c.out_channels;
     let rows = (chunk_rows(m, k) * p.chunk_scale).min(m.max(1));
     let pointwise = is_pointwise(c);
-    let direct = if pointwise { T::as_f32(x) } else { None };
+    let direct = if pointwise && prologue.is_none() {
+        T::as_f32(x)
+    } else {
+        None
+    };
     assert!(y.len() >= m * cout, "conv2d output buffer too small");
     let out = TilePtr(y.as_mut_ptr());
     let units = (rows, sgemm::tile_rows());
     work_items(m, units, p.groups[0].panels(), threads).for_each(|((m0, mr), panels)| {
         SCRATCH.with(|s| {
             let (cols, res) = &mut *s.borrow_mut();
-            let a: &[f32] = match direct {
-                Some(xf) => &xf[m0 * k..(m0 + mr) * k],
+            let a: &[f32] = match (direct, prologue) {
+                (Some(xf), _) => &xf[m0 * k..(m0 + mr) * k],
+                // The map's values rounded to the storage type, as the batch norm stores them.
+                (None, Some(pro)) => {
+                    cols.resize(mr * k, 0.0);
+                    let src = &x[m0 * k..(m0 + mr) * k];
+                    let dst = (&mut cols[..mr * k], k, k);
+                    match (T::as_f32(src), T::as_bf16(src)) {
+                        (Some(src), _) => pro.rows(src, k, dst, |v| v, |v| v),
+                        (_, Some(src)) => {
+                            pro.rows(src, k, dst, bf16_f32, |v| bf16_f32(f32_bf16(v)))
+                        }
+                        _ => unreachable!("prologues run on f32 or bf16 storage"),
+                    }
+                    &cols[..mr * k]
+                }
                 // A 1×1 layer's rows are its input's pixels, one run: widened by one call.
                 // Through im2col, a call per pixel: MobileNetV3-Large BF16 b8 (widened) ran
                 // 1.02× as long, its 56² 1×1 layers 1.09–1.16×.
-                None if pointwise => {
+                (None, None) if pointwise => {
                     cols.resize(mr * k, 0.0);
                     T::widen(&x[m0 * k..(m0 + mr) * k], &mut cols[..mr * k]);
                     &cols[..mr * k]
                 }
-                None => {
+                (None, None) => {
                     cols.resize(mr * k, 0.0);
                     im2col(c, x, xs, ys, m0, mr, &mut cols[..mr * k], k);
                     &cols[..mr * k]
