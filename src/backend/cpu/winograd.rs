@@ -127,6 +127,12 @@ pub fn eligible(c: &Conv2d) -> bool {
 ///   against 0.55; 16 (7×7 at batch 1) 0.56–0.61 against 0.59: no gain, its 8 MB of
 ///   transformed weights streamed for little work.
 ///
+/// Nor over 32 input channels on `vdpbf16ps`: each transformed tile's GEMM has a K of 32, too
+/// little work for its transforms. Inception-v3 BF16 at batch 8 on a Zen 5, max-autotune
+/// timing each layer: its 3×3 layers over 32 channels at 147², 32 → 32 and 32 → 64, took 3.8
+/// and 7.1–7.5 ms on im2col and pairs against 5.2 and 7.8 on F(4×4); with 64 and 80 channels
+/// (64 → 96 at 35², 80 → 192 at 71²) F(4×4) led, 0.94 against 1.07 and 7.8 against 10.9.
+///
 /// On AMX's tiles (`pairs` is [`Engine::Amx`]) none: im2col. The tiles multiply 12–16× as
 /// fast as the cores' FMAs (not `vdpbf16ps`'s 2×), so F(4×4) on f32 GEMMs loses to them and
 /// what F(2×2) saves in products costs more in its transforms' passes over memory. ResNet-50
@@ -140,6 +146,7 @@ pub fn by_default(c: &Conv2d, out: &[usize], pairs: Option<Engine>) -> Option<Ti
     }
     let least = |t: Tile| match (pairs, t) {
         (Some(Engine::Amx), _) => usize::MAX,
+        (Some(Engine::Dot), _) if c.in_channels <= 32 => usize::MAX,
         (None, _) => 16,
         (Some(Engine::Dot), Tile::F4) => 192,
         (Some(Engine::Dot), Tile::F2) => 48,
