@@ -329,6 +329,12 @@ fn pooling(kind: BackendKind) {
             [1, 77, 7, 6],
         ),
         ("avg_3_s1_p1", Op::AvgPool(Pool::new(3, 1, 1)), [1, 3, 5, 4]),
+        // The average's runs of 64, 8 and 1 channels too.
+        (
+            "avg_3_s1_p1_wide",
+            Op::AvgPool(Pool::new(3, 1, 1)),
+            [2, 77, 5, 6],
+        ),
         ("avg_ceil_pad", Op::AvgPool(ceil(2, 2, 1)), [1, 2, 5, 7]),
         ("avg_exclude_pad", Op::AvgPool(no_pad_count), [1, 2, 6, 5]),
         (
