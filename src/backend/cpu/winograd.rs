@@ -132,6 +132,9 @@ pub fn eligible(c: &Conv2d) -> bool {
 /// timing each layer: its 3×3 layers over 32 channels at 147², 32 → 32 and 32 → 64, took 3.8
 /// and 7.1–7.5 ms on im2col and pairs against 5.2 and 7.8 on F(4×4); with 64 and 80 channels
 /// (64 → 96 at 35², 80 → 192 at 71²) F(4×4) led, 0.94 against 1.07 and 7.8 against 10.9.
+/// GoogLeNet's over 32 channels, alone (`--profile`, two runs each): 32 → 96 at 28² 0.41–0.45
+/// against 0.51–0.52 ms on F(4×4), 32 → 64 and 32 → 128 at 14² 0.07–0.10 and 0.13 against
+/// 0.13 and 0.21 on F(2×2) pairs (the network level: 1.003×, 6 rounds).
 ///
 /// On AMX's tiles (`pairs` is [`Engine::Amx`]) none: im2col. The tiles multiply 12–16× as
 /// fast as the cores' FMAs (not `vdpbf16ps`'s 2×), so F(4×4) on f32 GEMMs loses to them and
