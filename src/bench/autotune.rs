@@ -329,12 +329,16 @@ fn time_variant(
     let graph = g.finish(y);
     let plan = graph.plan(n, h, w)?;
     let weights = Weights::init(&graph, 0);
-    let opt = ExecOptions {
+    let mut opt = ExecOptions {
         variants: BTreeMap::from([("layer".to_string(), v.to_string())]),
         profile: true,
         replay: false,
         ..cfg.exec_options()
     };
+    if cfg.backend == BackendKind::Cpu {
+        opt.cores = opt.cores.take().or_else(|| every_core(opt.threads));
+    }
+    let opt = opt;
     let mut session = backend.prepare(cfg.device, &plan, &weights, &opt)?;
     let x = Rng::new(3).normal_tensor(plan.input_shape().to_vec());
     let mut best = f64::INFINITY;
@@ -356,9 +360,42 @@ fn time_variant(
     Ok(best)
 }
 
+/// Every core this process may run on, where a CPU session would use them all (`threads`
+/// unset or their count): the workers of a variant's session, pinned one a core. Unpinned,
+/// the scheduler often kept a fresh session's two workers on one of 2 Zen 5 vCPUs for its
+/// few timed passes, and that variant measured up to twice as slow: Inception-v3 BF16 at batch
+/// 8, 25 of its 43 layer shapes had a variant 1.6× or more its best, pinned 3 (the 147² stem
+/// layers' F(2×2), twice as slow in every run). A network's own passes, longer, were level
+/// either way (`bench/ab.py`, 4 networks); with a busy loop beside them pinned ran 1.08× as
+/// long, so only these timings pin.
+fn every_core(threads: Option<usize>) -> Option<Vec<usize>> {
+    let ids: Vec<usize> = core_affinity::get_core_ids()?
+        .iter()
+        .map(|c| c.id)
+        .collect();
+    (ids.len() >= 2 && threads.is_none_or(|t| t == ids.len())).then_some(ids)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Variants time on every core, pinned, where their session would use every core; on
+    /// fewer threads (or one core) they are left unpinned.
+    #[test]
+    fn variants_pin_only_a_pool_of_every_core() {
+        let all = core_affinity::get_core_ids().map_or(0, |c| c.len());
+        if all >= 2 {
+            let cores = every_core(None).expect("every core");
+            assert_eq!(cores.len(), all);
+            assert_eq!(every_core(Some(all)), Some(cores));
+            assert_eq!(every_core(Some(all - 1)), None);
+        } else {
+            assert_eq!(every_core(None), None);
+        }
+        assert_eq!(every_core(Some(1)), None);
+        assert_eq!(every_core(Some(all + 1)), None);
+    }
 
     #[test]
     fn a_schedule_must_beat_the_default_by_the_margin() {
