@@ -302,6 +302,8 @@ impl<T: Elem> CpuSession<T> {
         let squeezed = squeezes(plan, &steps);
         let over_residual = over_residuals(plan, &steps, || probe::over_residual().pays());
         let prologued = prologues(plan, &steps, |id| paired[id] || projected[id]);
+        let runs = fused_runs(&paired, &projected, &prologued);
+        let split = split.map(|s| past_runs(s, &runs));
         let names = plan.graph.nodes.iter().map(|n| n.name.clone()).collect();
         Ok(CpuSession {
             plan: plan.clone(),
@@ -989,6 +991,47 @@ fn chained<T: Elem>(
         .collect()
 }
 
+/// The runs of nodes (first, last) the session may run as one kernel: a pair and the
+/// projection after it, a projection alone, a prologue and its layer.
+fn fused_runs(
+    paired: &[bool],
+    projected: &[bool],
+    prologued: &[Option<usize>],
+) -> Vec<(usize, usize)> {
+    let projects = |d: usize| projected.get(d).copied().unwrap_or(false);
+    let mut runs = Vec::new();
+    for id in 0..paired.len() {
+        if paired[id] {
+            runs.push((id, id + 1 + usize::from(projects(id + 1))));
+        } else if projects(id) && !(id > 0 && paired[id - 1]) {
+            runs.push((id, id + 1));
+        }
+        if let Some(layer) = prologued[id] {
+            runs.push((id, layer));
+        }
+    }
+    runs
+}
+
+/// `split` with each level that ends inside a fused run (`runs`) ending at the run's last node
+/// instead, where that stays before the next level's end: a cut inside a run splits it, and its
+/// nodes then run apart (DenseNet-121's BF16 tiles ended at `features.transition2.relu`, between
+/// the transition's batch norm and ReLU and the 1×1 layer that takes them as its prologue).
+fn past_runs(mut split: batch_tiles::Split, runs: &[(usize, usize)]) -> batch_tiles::Split {
+    for i in 0..split.levels.len() {
+        let end = split.levels[i].end;
+        let bound = split.levels.get(i + 1).map_or(usize::MAX, |l| l.end);
+        if let Some(&(_, last)) = runs
+            .iter()
+            .find(|&&(first, last)| first <= end && end < last)
+            && last < bound
+        {
+            split.levels[i].end = last;
+        }
+    }
+    split
+}
+
 /// For each batch norm b whose output a pointwise layer reads alone, directly or through a
 /// clamp (ReLU) that alone reads it, neither the network's output, where
 /// [`kernels::can_prologue`] says the layer's kernel can map its rows and it runs in no other
@@ -1357,6 +1400,54 @@ mod tests {
         let session =
             CpuSession::<T>::new(&plan, weights, pool, 2, &opt, &mut Donor::default()).unwrap();
         (session, input)
+    }
+
+    /// A level that ends inside a fused run ends at the run's last node, unless that would
+    /// reach the next level's end; levels ending outside every run stay.
+    #[test]
+    fn cuts_move_past_fused_runs() {
+        use batch_tiles::{Level, Split};
+        let split = |ends: &[(usize, usize)]| Split {
+            levels: ends
+                .iter()
+                .map(|&(end, tile)| Level { end, tile })
+                .collect(),
+        };
+        let runs = fused_runs(
+            &[
+                false, false, true, false, false, false, false, false, false, false,
+            ],
+            &[
+                false, false, false, true, false, false, false, false, false, false,
+            ],
+            &[
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                Some(8),
+                None,
+                None,
+                None,
+            ],
+        );
+        assert_eq!(runs, [(2, 4), (6, 8)]);
+        // Ends at 3 (inside the pair and its projection) and 7 (inside the prologue's run).
+        assert_eq!(
+            past_runs(split(&[(3, 2), (7, 4)]), &runs),
+            split(&[(4, 2), (8, 4)])
+        );
+        // The first run's end would reach the next level's: left; run ends and outsiders stay.
+        assert_eq!(
+            past_runs(split(&[(3, 2), (4, 4)]), &runs),
+            split(&[(3, 2), (4, 4)])
+        );
+        assert_eq!(
+            past_runs(split(&[(1, 2), (8, 4)]), &runs),
+            split(&[(1, 2), (8, 4)])
+        );
     }
 
     /// A batch norm and clamp run as a pointwise layer's prologue give what the three give
