@@ -338,7 +338,6 @@ fn time_variant(
     if cfg.backend == BackendKind::Cpu {
         opt.cores = opt.cores.take().or_else(|| every_core(opt.threads));
     }
-    let opt = opt;
     let mut session = backend.prepare(cfg.device, &plan, &weights, &opt)?;
     let x = Rng::new(3).normal_tensor(plan.input_shape().to_vec());
     let mut best = f64::INFINITY;

@@ -1402,6 +1402,18 @@ mod tests {
         (session, input)
     }
 
+    /// `a` and `b` have one shape and the same bits in every value (`what` names the run).
+    fn same_bits(a: &Tensor, b: &Tensor, what: &str) {
+        assert_eq!(a.shape, b.shape, "{what}");
+        for (i, (x, y)) in a.data.iter().zip(&b.data).enumerate() {
+            assert_eq!(
+                x.to_bits(),
+                y.to_bits(),
+                "{what} output {i}: {x} against {y}"
+            );
+        }
+    }
+
     /// A level that ends inside a fused run ends at the run's last node, unless that would
     /// reach the next level's end; levels ending outside every run stay.
     #[test]
@@ -1488,15 +1500,7 @@ mod tests {
             let fused = run(&mut session);
             session.prologued.fill(None);
             let plain = run(&mut session);
-            assert_eq!(fused.shape, plain.shape);
-            for (i, (a, b)) in fused.data.iter().zip(&plain.data).enumerate() {
-                assert_eq!(
-                    a.to_bits(),
-                    b.to_bits(),
-                    "{network} {:?} output {i}: {a} against {b}",
-                    T::PRECISION
-                );
-            }
+            same_bits(&fused, &plain, &format!("{network} {:?}", T::PRECISION));
         }
         let chains = [
             "conv2d(3,40,3,padding=1)+batchnorm2d(40)+relu+conv2d(40,24,1)",
@@ -1538,15 +1542,7 @@ mod tests {
             );
             session.squeezed.fill(false);
             let plain = run(&mut session);
-            assert_eq!(squeezed.shape, plain.shape);
-            for (i, (a, b)) in squeezed.data.iter().zip(&plain.data).enumerate() {
-                assert_eq!(
-                    a.to_bits(),
-                    b.to_bits(),
-                    "{:?} output {i}: {a} against {b}",
-                    T::PRECISION
-                );
-            }
+            same_bits(&squeezed, &plain, &format!("{:?}", T::PRECISION));
         }
         check::<f32>();
         check::<half::bf16>();
