@@ -1122,7 +1122,7 @@ backend_test!(kernels_on_one_pixel, cpu, wgpu, cuda, hip);
 /// Swin's shifted window attention and patch merging against the reference (torchvision's
 /// steps in f64), in every precision: a grid that pads to whole windows and shifts, then a
 /// grid one window covers (no shift), Swin V2's cosine form, an odd grid to merge, and heads
-/// of 4 values.
+/// of 4 values; then 81 keys a window, and heads of 48 values.
 fn shifted_windows(kind: BackendKind) {
     let mut g = GraphBuilder::new("swin", 3, ConvInit::TorchDefault, LinearInit::TorchDefault);
     let x = g.input();
@@ -1169,6 +1169,25 @@ fn shifted_windows(kind: BackendKind) {
     });
     let y = g.add_node("wide", op, &[x]);
     check(kind, &g.finish(y), [1, 3, 10, 9], 1.0);
+    // Heads of 48 values (a whole 32 and a part of the CPU's bf16 value pairs) and 49 keys
+    // a window, an odd number, as Swin-T's.
+    let mut g = GraphBuilder::new(
+        "swin48",
+        3,
+        ConvInit::TorchDefault,
+        LinearInit::TorchDefault,
+    );
+    let x = g.input();
+    let x = g.conv("conv", x, Conv2d::new(3, 96, 3, 1, 1));
+    let op = Op::WindowAttention(WindowAttention {
+        dim: 96,
+        heads: 2,
+        window: 7,
+        shift: 3,
+        form: WindowForm::Swin,
+    });
+    let y = g.add_node("heads48", op, &[x]);
+    check(kind, &g.finish(y), [1, 3, 9, 10], 8.0);
 }
 backend_test!(shifted_windows, cpu, wgpu, cuda, hip);
 

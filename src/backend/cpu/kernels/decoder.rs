@@ -8,8 +8,8 @@ use std::cell::RefCell;
 
 use half::bf16;
 
-use super::transformer::Normalise;
-use super::{activate, map_rows, sigmoid, softmax_numerators_above};
+use super::transformer::{Norm, normalise_rows};
+use super::{activate, sigmoid, softmax_numerators_above};
 use crate::backend::cpu::bf16_gemm::{self, PackedPairs};
 use crate::backend::cpu::elem::{Elem, f32_bf16};
 use crate::backend::cpu::sgemm::{self, NR, PackedB};
@@ -19,15 +19,13 @@ use crate::model::op::Act;
 /// `x / rms(x) · weight` over rows of `weight.len()` values (Llama's RMSNorm, in f32; the
 /// sum of squares in lanes, as the layer norm's).
 pub fn rms_norm<T: Elem>(x: &[T], weight: &[f32], eps: f32, y: &mut [T]) {
-    map_rows(x, weight.len(), y, |v| {
-        with_simd(Normalise {
-            v,
-            weight,
-            bias: None,
-            eps,
-            centre: false,
-        })
-    });
+    let norm = Norm {
+        weight,
+        bias: None,
+        eps,
+        centre: false,
+    };
+    normalise_rows(x, y, norm);
 }
 
 /// Rotates each head of the rows' first `heads` head-sized runs in place, as Hugging Face's

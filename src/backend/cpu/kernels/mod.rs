@@ -76,27 +76,5 @@ thread_local! {
     pub(super) static SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
-/// Rows per work item of the row-wise ops: one f32 row buffer serves them all.
+/// Rows per work item of the row-wise ops (the norms): one f32 row buffer serves them all.
 const ROWS: usize = 16;
-
-/// y = f(x) row by row, rows of `d` values widened to f32 for `f` (which works in place) and
-/// narrowed back; rows in parallel, a few per work item.
-pub(crate) fn map_rows<T: super::elem::Elem>(
-    x: &[T],
-    d: usize,
-    y: &mut [T],
-    f: impl Fn(&mut [f32]) + Sync,
-) {
-    let d = d.max(1);
-    use rayon::prelude::*;
-    y.par_chunks_mut(d * ROWS)
-        .zip(x.par_chunks(d * ROWS))
-        .for_each(|(out, input)| {
-            let mut v = vec![0f32; d];
-            for (out, row) in out.chunks_mut(d).zip(input.chunks(d)) {
-                T::widen(row, &mut v);
-                f(&mut v);
-                T::narrow(&v, out);
-            }
-        });
-}

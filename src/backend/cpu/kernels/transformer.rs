@@ -15,7 +15,7 @@ use half::bf16;
 use super::{fold_halves, fold_lanes, softmax_numerators};
 use crate::backend::cpu::bf16_gemm::{self, PackedPairs};
 use crate::backend::cpu::elem::Elem;
-use crate::backend::cpu::elem::f32_bf16;
+use crate::backend::cpu::elem::{bf16_f32, f32_bf16};
 use crate::backend::cpu::sgemm::{self, NR, PackedB};
 use crate::backend::cpu::simd::{Vectorised, with_simd};
 use crate::model::op::{Act, WindowGrid};
@@ -25,33 +25,29 @@ use crate::model::weights::WindowParams;
 /// lanes (`fold_lanes`). ViT-B/16's 25 norms of 1576 × 768 values (batch 8) took 1.2 ms each
 /// on two Zen 4 cores as running sums.
 pub fn layer_norm<T: Elem>(x: &[T], weight: &[f32], bias: &[f32], eps: f32, y: &mut [T]) {
-    super::map_rows(x, weight.len(), y, |v| {
-        with_simd(Normalise {
-            v,
-            weight,
-            bias: Some(bias),
-            eps,
-            centre: true,
-        })
-    });
+    let norm = Norm {
+        weight,
+        bias: Some(bias),
+        eps,
+        centre: true,
+    };
+    normalise_rows(x, y, norm);
 }
 
-/// One row of a norm, in place, compiled for the widest vectors: (v − mean) / √(var + eps) ·
-/// weight (+ bias), the variance biased; with `centre` false the mean is taken as 0, which is
-/// RMSNorm.
-pub(crate) struct Normalise<'a> {
-    pub v: &'a mut [f32],
+/// A norm of rows of `weight.len()` values: (v − mean) / √(var + eps) · weight (+ bias), the
+/// variance biased; with `centre` false the mean is taken as 0, which is RMSNorm.
+#[derive(Clone, Copy)]
+pub(crate) struct Norm<'a> {
     pub weight: &'a [f32],
     pub bias: Option<&'a [f32]>,
     pub eps: f32,
     pub centre: bool,
 }
 
-impl Vectorised for Normalise<'_> {
-    type Output = ();
+impl Norm<'_> {
+    /// A row's mean (0 uncentred) and 1 / √(var + eps).
     #[inline(always)]
-    fn run(self) {
-        let v = self.v;
+    fn stats(&self, v: &[f32]) -> (f32, f32) {
         let d = v.len() as f32;
         let add = |a: f32, b: f32| a + b;
         let mean = if self.centre {
@@ -60,15 +56,126 @@ impl Vectorised for Normalise<'_> {
             0.0
         };
         let var = fold_lanes(v, 0.0, |a| (a - mean) * (a - mean), add) / d;
-        let inv = 1.0 / (var + self.eps).sqrt();
-        match self.bias {
+        (mean, 1.0 / (var + self.eps).sqrt())
+    }
+}
+
+thread_local! {
+    /// A worker's row of [`normalise_rows`], widened.
+    static NORM_ROW: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `norm` of each row of `x` into `y`, rows in parallel a few a work item. bf16 and f32 rows
+/// are converted inside the vectorised loop (one dispatch a work item); f16 ones by `widen`
+/// and `narrow` a row at a time. Three dispatches a row (widen, norm, narrow), with the
+/// conversions outside the vectorised code, Swin-T's norms of 96 values ran at 15 GB/s.
+pub(crate) fn normalise_rows<T: Elem>(x: &[T], y: &mut [T], norm: Norm<'_>) {
+    let d = norm.weight.len().max(1);
+    y.par_chunks_mut(d * super::ROWS)
+        .zip(x.par_chunks(d * super::ROWS))
+        .for_each(|(out, input)| {
+            NORM_ROW.with_borrow_mut(|v| {
+                let v = resized(v, d);
+                if let (Some(x), Some(y)) = (T::as_bf16(input), T::as_bf16_mut(out)) {
+                    let (widen, narrow) = (bf16_f32, f32_bf16);
+                    return with_simd(NormRows {
+                        x,
+                        y,
+                        v,
+                        norm,
+                        widen,
+                        narrow,
+                    });
+                }
+                if let (Some(x), Some(y)) = (T::as_f32(input), T::as_f32_mut(out)) {
+                    let (widen, narrow) = (|a: f32| a, |a: f32| a);
+                    return with_simd(NormRows {
+                        x,
+                        y,
+                        v,
+                        norm,
+                        widen,
+                        narrow,
+                    });
+                }
+                for (out, row) in out.chunks_mut(d).zip(input.chunks(d)) {
+                    T::widen(row, v);
+                    with_simd(Normalise { v, norm });
+                    T::narrow(v, out);
+                }
+            })
+        });
+}
+
+/// Rows of [`normalise_rows`] stored as `S`, compiled for the widest vectors: each widened
+/// into `v`, its statistics taken, and normalised into `y` as it is narrowed.
+struct NormRows<'a, S, W, N> {
+    x: &'a [S],
+    y: &'a mut [S],
+    v: &'a mut [f32],
+    norm: Norm<'a>,
+    widen: W,
+    narrow: N,
+}
+
+impl<S: Copy, W: Fn(S) -> f32, N: Fn(f32) -> S> Vectorised for NormRows<'_, S, W, N> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        let NormRows {
+            x,
+            y,
+            v,
+            norm,
+            widen,
+            narrow,
+        } = self;
+        let d = v.len();
+        let w = &norm.weight[..d];
+        // Indexed loops: a `zip` chain's `fold` can be compiled apart, outside the vectorised
+        // path (see `ZipWith`).
+        for (x, y) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
+            for i in 0..d {
+                v[i] = widen(x[i]);
+            }
+            let (mean, inv) = norm.stats(v);
+            match norm.bias {
+                Some(b) => {
+                    let b = &b[..d];
+                    for i in 0..d {
+                        y[i] = narrow((v[i] - mean) * inv * w[i] + b[i]);
+                    }
+                }
+                None => {
+                    for i in 0..d {
+                        y[i] = narrow((v[i] - mean) * inv * w[i]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One row of a norm, in place, compiled for the widest vectors.
+pub(crate) struct Normalise<'a> {
+    pub v: &'a mut [f32],
+    pub norm: Norm<'a>,
+}
+
+impl Vectorised for Normalise<'_> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        let Normalise { v, norm } = self;
+        let (mean, inv) = norm.stats(v);
+        match norm.bias {
             Some(bias) => {
-                for ((a, w), b) in v.iter_mut().zip(self.weight).zip(bias) {
+                for ((a, w), b) in v.iter_mut().zip(norm.weight).zip(bias) {
                     *a = (*a - mean) * inv * w + b;
                 }
             }
             None => {
-                for (a, w) in v.iter_mut().zip(self.weight) {
+                for (a, w) in v.iter_mut().zip(norm.weight) {
                     *a = (*a - mean) * inv * w;
                 }
             }
@@ -589,6 +696,9 @@ pub fn window_attention<T: Elem>(
         "window attention: a bias of another window"
     );
     let windows = (grid.hp / ws) * (grid.wp / ws);
+    let pairs = T::as_bf16(qkv).is_some()
+        && bf16_gemm::Engine::in_use().is_some()
+        && (dim / heads.max(1)).is_multiple_of(2);
     (0..n * windows).into_par_iter().for_each(|item| {
         let mut scratch = WINDOW_SCRATCH.take();
         with_simd(Window {
@@ -597,6 +707,7 @@ pub fn window_attention<T: Elem>(
             grid,
             dims: (dim, heads),
             item,
+            pairs,
             out: &out,
             scratch: &mut scratch,
         });
@@ -616,6 +727,12 @@ struct WindowScratch {
     /// [`QUERIES`] rows of scores, then probabilities.
     scores: Vec<f32>,
     outs: Vec<f32>,
+    /// On bf16 pairs ([`head_on_pairs`]): the tokens' rows rounded to bf16 (zero rows to
+    /// whole blocks of keys), the keys and values as pair rows, the numerators' pairs.
+    token_pairs: Vec<bf16>,
+    key_pairs: Vec<u32>,
+    value_pairs: Vec<u32>,
+    prob_pairs: Vec<u32>,
     /// Each token's input pixel (none in the padding) and mask region (past the keys too:
     /// their bias is −∞ anyway); the tokens that are pixels.
     pixel: Vec<Option<usize>>,
@@ -638,6 +755,8 @@ struct Window<'a, T> {
     /// (channels, heads).
     dims: (usize, usize),
     item: usize,
+    /// Multiply bf16 pairs ([`head_on_pairs`]): BF16 sessions on CPUs that have `vdpbf16ps`.
+    pairs: bool,
     out: &'a SyncSlice<T>,
     scratch: &'a mut WindowScratch,
 }
@@ -664,6 +783,10 @@ impl<T: Elem> Vectorised for Window<'_, T> {
             pixel,
             region,
             real,
+            token_pairs,
+            key_pairs,
+            value_pairs,
+            prob_pairs,
         } = self.scratch;
         // The window's tokens: q, k, v rows (V2: q and k of each head normalised).
         let t = resized(tokens, keys * 3 * dim);
@@ -696,7 +819,32 @@ impl<T: Elem> Vectorised for Window<'_, T> {
         real.extend((0..keys).filter(|&i| pixel[i].is_some()));
         let outs = resized(outs, keys * dim);
         let scores = resized(scores, QUERIES * kp);
+        let rounded = if self.pairs {
+            let tb = resized(token_pairs, kp * 3 * dim);
+            let (rows, padding) = tb.split_at_mut(keys * 3 * dim);
+            bf16::narrow(t, rows);
+            padding.fill(bf16::ZERO);
+            Some(&*tb)
+        } else {
+            None
+        };
         for h in 0..heads {
+            if let Some(tokens) = rounded {
+                let head = PairHead {
+                    tokens,
+                    keys,
+                    real,
+                    region: mixed.then_some(region),
+                    bias: (bias, h),
+                    scale: params.scales[h],
+                    at: (dim, h * dh, dh),
+                };
+                let buffers = (&mut *key_pairs, &mut *value_pairs, &mut *prob_pairs);
+                // SAFETY: `pairs` only where the CPU runs AVX512_BF16 and heads are of an even
+                // size (`window_attention`).
+                unsafe { head_on_pairs(&head, buffers, scores, outs) };
+                continue;
+            }
             let kt = resized(kt, dh * kp);
             kt.fill(0.0);
             let vs = resized(values, keys * dhp);
@@ -722,7 +870,7 @@ impl<T: Elem> Vectorised for Window<'_, T> {
                 for (r, &i) in group.iter().enumerate() {
                     let s = &mut scores[r * kp..][..kp];
                     let region = mixed.then_some((region, region[i]));
-                    inv[r] = 1.0 / softmax_numerators_biased(s, bias.row(h, i), region);
+                    inv[r] = 1.0 / softmax_numerators_biased(s, 1.0, bias.row(h, i), region);
                 }
                 let probs: [&[f32]; QUERIES] =
                     std::array::from_fn(|r| &scores[r.min(group.len() - 1) * kp..][..keys]);
@@ -751,7 +899,7 @@ impl<T: Elem> Vectorised for Window<'_, T> {
     }
 }
 
-/// Each score of `s` (a row of a multiple of 16 keys) plus its `bias` and, where `region` has
+/// Each score of `s` (a row of a multiple of 16 keys) times `scale` plus its `bias` and, where `region` has
 /// them (every key's and the query's), the shift mask's −100 between regions, raised to e^(s −
 /// max) in place; their sum: one pass for the bias, the mask and the maximum, one for the
 /// exponentials and their sum, in 16 lanes (the padding's −∞ bias makes its keys' numerators
@@ -761,7 +909,12 @@ impl<T: Elem> Vectorised for Window<'_, T> {
 /// time now. (The group's rows in step, to overlap their chains, took 1.1–1.25×: the compiler
 /// kept their lanes on the stack.)
 #[inline(always)]
-fn softmax_numerators_biased(s: &mut [f32], bias: &[f32], region: Option<(&[f32], f32)>) -> f32 {
+fn softmax_numerators_biased(
+    s: &mut [f32],
+    scale: f32,
+    bias: &[f32],
+    region: Option<(&[f32], f32)>,
+) -> f32 {
     let mut most = [f32::NEG_INFINITY; 16];
     for (j, (s, b)) in s
         .chunks_exact_mut(16)
@@ -769,7 +922,7 @@ fn softmax_numerators_biased(s: &mut [f32], bias: &[f32], region: Option<(&[f32]
         .enumerate()
     {
         for l in 0..16 {
-            s[l] += b[l];
+            s[l] = s[l].mul_add(scale, b[l]);
         }
         if let Some((region, ri)) = region {
             let r = &region[j * 16..][..16];
@@ -835,6 +988,268 @@ fn weigh<const W: usize>(
     for (o, acc) in o.iter_mut().zip(&acc) {
         o[..W].copy_from_slice(acc);
     }
+}
+
+/// What [`head_on_pairs`] reads of one head of a window.
+struct PairHead<'a> {
+    /// The window's tokens' rows of q, k and v (rounded to bf16, then zero rows to a whole
+    /// [`BLOCK`] of keys), how many are tokens, the ones that are queries, and each token's
+    /// mask region where the window mixes regions.
+    tokens: &'a [bf16],
+    keys: usize,
+    real: &'a [usize],
+    region: Option<&'a [f32]>,
+    /// The bias table, and which head this is.
+    bias: (&'a WindowBias, usize),
+    scale: f32,
+    /// (channels, the head's first column, its width: even).
+    at: (usize, usize, usize),
+}
+
+/// One head of a window on bf16 pairs (`vdpbf16ps`, two products a lane), the arithmetic of
+/// [`Window`]'s in f32 otherwise: the keys as pair rows (row r: every key's k[2r], k[2r + 1],
+/// gathered 16 keys at a time), the values as pairs of keys (row r: keys 2r and 2r + 1
+/// interleaved column by column), each query's pairs read where they are; the scores scaled
+/// in f32 (so that q stays as stored), and the softmax's numerators rounded to bf16 for the
+/// second product, as PyTorch's BF16 attention rounds its probabilities. The outputs (f32,
+/// normalised) go to `outs`, the window's rows of every head.
+///
+/// # Safety
+/// The CPU runs AVX-512F, AVX-512BW and AVX512_BF16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16,avx512bw,avx512vl")]
+unsafe fn head_on_pairs(
+    head: &PairHead<'_>,
+    (kt, vs, ps): (&mut Vec<u32>, &mut Vec<u32>, &mut Vec<u32>),
+    scores: &mut [f32],
+    outs: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let (dim, first, dh) = head.at;
+    let keys = head.keys;
+    let (kp, dp, dhp) = (
+        keys.next_multiple_of(BLOCK),
+        dh / 2,
+        dh.next_multiple_of(16),
+    );
+    // Every row's pairs: row j's part p starts at pair j·(3·dim/2) + p·dim/2.
+    let pairs: &[u32] = bytemuck::cast_slice(head.tokens);
+    let (stride, k_at, v_at) = (3 * dim / 2, (dim + first) / 2, 2 * dim + first);
+    assert!(dh.is_multiple_of(2) && pairs.len() >= kp * stride && scores.len() >= QUERIES * kp);
+    let kt = resized(kt, dp * kp);
+    let index = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(stride as i32),
+    );
+    for jb in (0..kp).step_by(16) {
+        for r in 0..dp {
+            // SAFETY: keys jb..jb + 16 are rows of `tokens` (kp of them, asserted), and pair r
+            // of their k is inside each row.
+            unsafe {
+                let base = pairs.as_ptr().add(jb * stride + k_at + r);
+                let v = _mm512_i32gather_epi32::<4>(index, base.cast());
+                _mm512_storeu_si512(kt.as_mut_ptr().add(r * kp + jb).cast(), v);
+            }
+        }
+    }
+    // Keys 2r and 2r + 1's values, 32 columns at a time, interleaved into 32 pairs.
+    let vs = resized(vs, keys.div_ceil(2) * dhp);
+    let low = _mm512_set_epi16(
+        47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4,
+        35, 3, 34, 2, 33, 1, 32, 0,
+    );
+    let high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    for (r, row) in vs.chunks_exact_mut(dhp).enumerate() {
+        for c in (0..dhp).step_by(32) {
+            let mask = u32::MAX
+                .checked_shr((c + 32).saturating_sub(dh) as u32)
+                .unwrap_or(0);
+            // SAFETY: the masked loads read columns c.. below dh of rows 2r and 2r + 1 (< kp),
+            // the stores columns c..c + 32 of `row` where it has them (dhp a multiple of 16).
+            unsafe {
+                let at = |j: usize| head.tokens.as_ptr().add(j * 3 * dim + v_at + c);
+                let even = _mm512_maskz_loadu_epi16(mask, at(2 * r).cast());
+                let odd = _mm512_maskz_loadu_epi16(mask, at(2 * r + 1).cast());
+                let dst = row.as_mut_ptr().add(c);
+                _mm512_storeu_si512(dst.cast(), _mm512_permutex2var_epi16(even, low, odd));
+                if c + 16 < dhp {
+                    let v = _mm512_permutex2var_epi16(even, high, odd);
+                    _mm512_storeu_si512(dst.add(16).cast(), v);
+                }
+            }
+        }
+    }
+    let (bias, h) = head.bias;
+    let ps = resized(ps, QUERIES * kp / 2);
+    let query = |i: usize| &pairs[i * stride + first / 2..][..dp];
+    for group in head.real.chunks(QUERIES) {
+        // A last group of fewer queries repeats its last one (its rows unread).
+        let q: [&[u32]; QUERIES] = std::array::from_fn(|r| query(group[r.min(group.len() - 1)]));
+        // SAFETY: the caller's contract.
+        unsafe { score_pairs(q, kt, kp, scores) };
+        let mut inv = [0f32; QUERIES];
+        for (r, &i) in group.iter().enumerate() {
+            let s = &mut scores[r * kp..][..kp];
+            let region = head.region.map(|region| (region, region[i]));
+            inv[r] = 1.0 / softmax_numerators_biased(s, head.scale, bias.row(h, i), region);
+            for (d, s) in ps[r * kp / 2..][..kp / 2]
+                .chunks_exact_mut(16)
+                .zip(s.chunks_exact(32))
+            {
+                // SAFETY: 32 floats in, 32 bf16 (16 pairs, in order) out.
+                unsafe {
+                    let lo = _mm512_loadu_ps(s.as_ptr());
+                    let hi = _mm512_loadu_ps(s.as_ptr().add(16));
+                    let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+                    _mm512_storeu_si512(d.as_mut_ptr().cast(), v);
+                }
+            }
+        }
+        let p: [&[u32]; QUERIES] =
+            std::array::from_fn(|r| &ps[r.min(group.len() - 1) * kp / 2..][..keys.div_ceil(2)]);
+        for c in (0..dh).step_by(32) {
+            let mut o = [[0f32; 32]; QUERIES];
+            // SAFETY: the caller's contract.
+            unsafe {
+                match dhp - c {
+                    16 => weigh_pairs::<1>(p, vs, (dhp, c), &mut o),
+                    _ => weigh_pairs::<2>(p, vs, (dhp, c), &mut o),
+                }
+            }
+            for ((o, &i), inv) in o.iter().zip(group).zip(inv) {
+                let n = (dh - c).min(32);
+                let dst = &mut outs[i * dim + first + c..][..n];
+                dst.iter_mut().zip(o).for_each(|(d, o)| *d = o * inv);
+            }
+        }
+    }
+}
+
+/// Never called off x86-64 (no CPU there multiplies bf16 pairs).
+///
+/// # Safety
+/// None needed; it panics.
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn head_on_pairs(
+    _: &PairHead<'_>,
+    _: (&mut Vec<u32>, &mut Vec<u32>, &mut Vec<u32>),
+    _: &mut [f32],
+    _: &mut [f32],
+) {
+    unreachable!("bf16 pairs are multiplied on x86-64 only")
+}
+
+/// [`score`] on bf16 pairs: [`QUERIES`] queries' pairs (`q`) against every key (`kt`: a
+/// pair row of `kp` keys per pair of q), into `out`'s rows of `kp`.
+///
+/// # Safety
+/// The CPU runs AVX-512F and AVX512_BF16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16,avx512bw,avx512vl")]
+unsafe fn score_pairs(q: [&[u32]; QUERIES], kt: &[u32], kp: usize, out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    const VECS: usize = BLOCK / 16;
+    let pairs = q[0].len();
+    assert!(kt.len() >= pairs * kp && out.len() >= QUERIES * kp && kp.is_multiple_of(BLOCK));
+    for kb in (0..kp).step_by(BLOCK) {
+        let mut acc = [[_mm512_setzero_ps(); VECS]; QUERIES];
+        for r in 0..pairs {
+            // SAFETY: pair row r's keys kb..kb + BLOCK are in `kt` (asserted above).
+            let k: [__m512bh; VECS] = std::array::from_fn(|v| unsafe {
+                bh(_mm512_loadu_si512(
+                    kt.as_ptr().add(r * kp + kb + 16 * v).cast(),
+                ))
+            });
+            for (acc, q) in acc.iter_mut().zip(&q) {
+                // SAFETY: a vector of 32 bf16 is one of 16 u32 (the pairs).
+                let qv = unsafe { bh(_mm512_set1_epi32(q[r] as i32)) };
+                for (x, k) in acc.iter_mut().zip(k) {
+                    *x = _mm512_dpbf16_ps(*x, k, qv);
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            for (v, x) in acc.iter().enumerate() {
+                // SAFETY: row r's keys kb..kb + BLOCK are in `out` (asserted above).
+                unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(r * kp + kb + 16 * v), *x) };
+            }
+        }
+    }
+}
+
+/// 16 bf16 pairs as `vdpbf16ps` takes them.
+///
+/// # Safety
+/// None beyond the target's: the two types are the same 64 bytes.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn bh(v: std::arch::x86_64::__m512i) -> std::arch::x86_64::__m512bh {
+    // SAFETY: both are 512-bit vectors of plain bits.
+    unsafe { std::mem::transmute(v) }
+}
+
+/// Never called off x86-64.
+///
+/// # Safety
+/// None needed; it panics.
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn score_pairs(_: [&[u32]; QUERIES], _: &[u32], _: usize, _: &mut [f32]) {
+    unreachable!("bf16 pairs are multiplied on x86-64 only")
+}
+
+/// [`weigh`] on bf16 pairs: columns c..c + 16·V of [`QUERIES`] queries' outputs, their
+/// numerators' pairs (`p`, one a pair of keys) times the values' pair rows (`v`: `dhp` a
+/// pair of keys), into `o`'s first 16·V columns.
+///
+/// # Safety
+/// The CPU runs AVX-512F and AVX512_BF16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16,avx512bw,avx512vl")]
+unsafe fn weigh_pairs<const V: usize>(
+    p: [&[u32]; QUERIES],
+    v: &[u32],
+    (dhp, c): (usize, usize),
+    o: &mut [[f32; 32]; QUERIES],
+) {
+    use std::arch::x86_64::*;
+    let rows = p[0].len();
+    assert!(V <= 2 && c + 16 * V <= dhp && v.len() >= rows * dhp);
+    let mut acc = [[_mm512_setzero_ps(); V]; QUERIES];
+    for jr in 0..rows {
+        // SAFETY: pair row jr's columns c..c + 16·V are in `v` (asserted above).
+        let vv: [__m512bh; V] = std::array::from_fn(|u| unsafe {
+            bh(_mm512_loadu_si512(
+                v.as_ptr().add(jr * dhp + c + 16 * u).cast(),
+            ))
+        });
+        for (acc, p) in acc.iter_mut().zip(&p) {
+            // SAFETY: as for the values.
+            let pv = unsafe { bh(_mm512_set1_epi32(p[jr] as i32)) };
+            for (x, v) in acc.iter_mut().zip(vv) {
+                *x = _mm512_dpbf16_ps(*x, v, pv);
+            }
+        }
+    }
+    for (o, acc) in o.iter_mut().zip(&acc) {
+        for (u, x) in acc.iter().enumerate() {
+            // SAFETY: 16·V ≤ 32 columns (asserted above).
+            unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(16 * u), *x) };
+        }
+    }
+}
+
+/// Never called off x86-64.
+///
+/// # Safety
+/// None needed; it panics.
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn weigh_pairs<const V: usize>(
+    _: [&[u32]; QUERIES],
+    _: &[u32],
+    _: (usize, usize),
+    _: &mut [[f32; 32]; QUERIES],
+) {
+    unreachable!("bf16 pairs are multiplied on x86-64 only")
 }
 
 /// A slice whose disjoint parts threads write (the attention's heads interleave in each row).
