@@ -1157,37 +1157,43 @@ fn shifted_windows(kind: BackendKind) {
     );
     check(kind, &g.finish(y), [2, 3, 5, 7], 1.0);
     // 81 keys a window: more than one 64-key block of the CPU's score loop.
-    let mut g = GraphBuilder::new("swin9", 3, ConvInit::TorchDefault, LinearInit::TorchDefault);
-    let x = g.input();
-    let x = g.conv("conv", x, Conv2d::new(3, 8, 3, 1, 1));
-    let op = Op::WindowAttention(WindowAttention {
+    let wide = WindowAttention {
         dim: 8,
         heads: 2,
         window: 9,
         shift: 4,
         form: WindowForm::SwinV2,
-    });
-    let y = g.add_node("wide", op, &[x]);
-    check(kind, &g.finish(y), [1, 3, 10, 9], 1.0);
+    };
+    one_window_attention(kind, wide, [1, 3, 10, 9], 1.0);
     // Heads of 48 values (a whole 32 and a part of the CPU's bf16 value pairs) and 49 keys
-    // a window, an odd number, as Swin-T's.
-    let mut g = GraphBuilder::new(
-        "swin48",
-        3,
-        ConvInit::TorchDefault,
-        LinearInit::TorchDefault,
-    );
-    let x = g.input();
-    let x = g.conv("conv", x, Conv2d::new(3, 96, 3, 1, 1));
-    let op = Op::WindowAttention(WindowAttention {
+    // a window, an odd number, as Swin-T's; inputs large enough that a dropped value shows.
+    let heads48 = WindowAttention {
         dim: 96,
         heads: 2,
         window: 7,
         shift: 3,
         form: WindowForm::Swin,
-    });
-    let y = g.add_node("heads48", op, &[x]);
-    check(kind, &g.finish(y), [1, 3, 9, 10], 8.0);
+    };
+    one_window_attention(kind, heads48, [1, 3, 9, 10], 16.0);
+}
+
+/// A convolution to `attention.dim` channels, then `attention`, against the reference.
+fn one_window_attention(
+    kind: BackendKind,
+    attention: WindowAttention,
+    shape: [usize; 4],
+    input_scale: f32,
+) {
+    let mut g = GraphBuilder::new(
+        "window",
+        3,
+        ConvInit::TorchDefault,
+        LinearInit::TorchDefault,
+    );
+    let x = g.input();
+    let x = g.conv("conv", x, Conv2d::new(3, attention.dim, 3, 1, 1));
+    let y = g.add_node("attention", Op::WindowAttention(attention), &[x]);
+    check(kind, &g.finish(y), shape, input_scale);
 }
 backend_test!(shifted_windows, cpu, wgpu, cuda, hip);
 

@@ -220,7 +220,8 @@ pub(crate) fn fold_lanes(
     map: impl Fn(f32) -> f32,
     f: impl Fn(f32, f32) -> f32,
 ) -> f32 {
-    let (chunks, tail) = row.as_chunks::<LANES>();
+    let chunks = row.chunks_exact(LANES);
+    let tail = chunks.remainder();
     let mut lanes = [init; LANES];
     for c in chunks {
         for i in 0..LANES {
