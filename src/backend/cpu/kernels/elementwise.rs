@@ -207,12 +207,12 @@ const LANES: usize = 16;
 /// lanes and the tail in order: a reduction (a row's sum, maximum) that the compiler keeps in
 /// vector registers, where one running value is a chain of dependent operations, one per
 /// value (8 cycles a value for attention's softmax on a Zen 4, 1 ns for a layer norm's sums).
-/// The lanes are updated in place by an indexed loop over fixed-size chunks: folded by value
-/// (`array::from_fn` per chunk), a layer norm's two sums over 96 values compiled to eight
-/// chains of 2-lane vectors, and Swin-T's norms (BF16, batch 8) took 1.07× as long; an
-/// earlier version of the in-place loop had gone through the stack, so check the assembly
-/// after changing it. Inline it into [`crate::backend::cpu::simd::Vectorised`] work to get
-/// the wide vectors.
+/// The lanes are updated in place by an indexed loop over fixed-size chunks. Neither this
+/// nor folding them by value (`array::from_fn` per chunk) gave the norms (its one user) 16-lane
+/// sums on AVX-512: both compiled to eight chains of 2-lane vectors, hence the norms' own
+/// intrinsics there (`transformer::norm512`); an earlier in-place loop had gone through the
+/// stack. Check the assembly after changing it. Inline it into
+/// [`crate::backend::cpu::simd::Vectorised`] work to get the wide vectors.
 #[inline(always)]
 pub(crate) fn fold_lanes(
     row: &[f32],
