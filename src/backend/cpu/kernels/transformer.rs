@@ -984,16 +984,27 @@ impl<T: Elem> Vectorised for Window<'_, T> {
         let pixel = resized(pixel, keys);
         pixel.fill(None);
         let region = resized(region, kp);
+        // On pairs, rows as stored go straight to the bf16 rows (V2's are normalised in f32
+        // first).
+        let mut tb = self.pairs.then(|| resized(token_pairs, kp * 3 * dim));
+        let stored = T::as_bf16(self.qkv).filter(|_| tb.is_some() && !params.cosine);
         for (i, row) in t.chunks_mut(3 * dim).enumerate() {
             let (yy, xx) = (wy + i / ws, wx + i % ws);
             region[i] = grid.region(yy, xx) as f32;
             let (y, x) = grid.source(yy, xx);
-            if y < grid.h && x < grid.w {
-                let p = (img * grid.h + y) * grid.w + x;
-                T::widen(&self.qkv[p * 3 * dim..(p + 1) * 3 * dim], row);
-                pixel[i] = Some(p);
-            } else {
-                row.copy_from_slice(&params.qkv_bias);
+            let inside = (y < grid.h && x < grid.w).then(|| (img * grid.h + y) * grid.w + x);
+            pixel[i] = inside;
+            if let (Some(qkv), Some(tb)) = (stored, tb.as_deref_mut()) {
+                let dst = &mut tb[i * 3 * dim..(i + 1) * 3 * dim];
+                match inside {
+                    Some(p) => dst.copy_from_slice(&qkv[p * 3 * dim..(p + 1) * 3 * dim]),
+                    None => bf16::narrow(&params.qkv_bias, dst),
+                }
+                continue;
+            }
+            match inside {
+                Some(p) => T::widen(&self.qkv[p * 3 * dim..(p + 1) * 3 * dim], row),
+                None => row.copy_from_slice(&params.qkv_bias),
             }
             if params.cosine {
                 // F.normalize, ε = 1e-12.
@@ -1010,15 +1021,14 @@ impl<T: Elem> Vectorised for Window<'_, T> {
         real.extend((0..keys).filter(|&i| pixel[i].is_some()));
         let outs = resized(outs, keys * dim);
         let scores = resized(scores, QUERIES * kp);
-        let rounded = if self.pairs {
-            let tb = resized(token_pairs, kp * 3 * dim);
+        let rounded = tb.map(|tb| {
             let (rows, padding) = tb.split_at_mut(keys * 3 * dim);
-            bf16::narrow(t, rows);
+            if stored.is_none() {
+                bf16::narrow(t, rows);
+            }
             padding.fill(bf16::ZERO);
-            Some(&*tb)
-        } else {
-            None
-        };
+            &*tb
+        });
         for h in 0..heads {
             if let Some(tokens) = rounded {
                 let head = PairHead {
