@@ -1281,8 +1281,10 @@ unsafe fn head_on_pairs(
     for group in head.real.chunks(QUERIES) {
         // A last group of fewer queries repeats its last one (its rows unread).
         let q: [&[u32]; QUERIES] = std::array::from_fn(|r| query(group[r.min(group.len() - 1)]));
-        // SAFETY: the caller's contract.
-        unsafe { score_pairs(q, kt, kp, scores) };
+        for kb in (0..kp).step_by(BLOCK) {
+            // SAFETY: the caller's contract.
+            unsafe { pair_products::<{ BLOCK / 16 }>(q, kt, (kp, kb), &mut scores[kb..], kp) };
+        }
         let mut inv = [0f32; QUERIES];
         for (r, &i) in group.iter().enumerate() {
             let s = &mut scores[r * kp..][..kp];
@@ -1297,9 +1299,10 @@ unsafe fn head_on_pairs(
             let mut o = [[0f32; 32]; QUERIES];
             // SAFETY: the caller's contract.
             unsafe {
+                let o = o.as_flattened_mut();
                 match dhp - c {
-                    16 => weigh_pairs::<1>(p, vs, (dhp, c), &mut o),
-                    _ => weigh_pairs::<2>(p, vs, (dhp, c), &mut o),
+                    16 => pair_products::<1>(p, vs, (dhp, c), o, 32),
+                    _ => pair_products::<2>(p, vs, (dhp, c), o, 32),
                 }
             }
             for ((o, &i), inv) in o.iter().zip(group).zip(inv) {
@@ -1409,40 +1412,46 @@ unsafe fn exp_nonpositive_fma(x: std::arch::x86_64::__m512) -> std::arch::x86_64
     _mm512_maskz_mul_ps(!small, p, scale)
 }
 
-/// [`score`] on bf16 pairs: [`QUERIES`] queries' pairs (`q`) against every key (`kt`: a
-/// pair row of `kp` keys per pair of q), into `out`'s rows of `kp`.
+/// [`score`] and [`weigh`] on bf16 pairs: [`QUERIES`] rows of A's pairs (`a`: the queries',
+/// or their numerators'), each pair broadcast against 16·V columns from `col` of B's pair
+/// rows (`b`, `ld` apart: the keys' pair rows, or the values'), the sums into `out`'s
+/// [`QUERIES`] rows (`ldo` apart).
 ///
 /// # Safety
 /// The CPU runs AVX-512F and AVX512_BF16.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16,avx512bw,avx512vl")]
-unsafe fn score_pairs(q: [&[u32]; QUERIES], kt: &[u32], kp: usize, out: &mut [f32]) {
+unsafe fn pair_products<const V: usize>(
+    a: [&[u32]; QUERIES],
+    b: &[u32],
+    (ld, col): (usize, usize),
+    out: &mut [f32],
+    ldo: usize,
+) {
     use std::arch::x86_64::*;
-    const VECS: usize = BLOCK / 16;
-    let pairs = q[0].len();
-    assert!(kt.len() >= pairs * kp && out.len() >= QUERIES * kp && kp.is_multiple_of(BLOCK));
-    for kb in (0..kp).step_by(BLOCK) {
-        let mut acc = [[_mm512_setzero_ps(); VECS]; QUERIES];
-        for r in 0..pairs {
-            // SAFETY: pair row r's keys kb..kb + BLOCK are in `kt` (asserted above).
-            let k: [__m512bh; VECS] = std::array::from_fn(|v| unsafe {
-                bh(_mm512_loadu_si512(
-                    kt.as_ptr().add(r * kp + kb + 16 * v).cast(),
-                ))
-            });
-            for (acc, q) in acc.iter_mut().zip(&q) {
-                // SAFETY: a vector of 32 bf16 is one of 16 u32 (the pairs).
-                let qv = unsafe { bh(_mm512_set1_epi32(q[r] as i32)) };
-                for (x, k) in acc.iter_mut().zip(k) {
-                    *x = _mm512_dpbf16_ps(*x, k, qv);
-                }
+    let rows = a[0].len();
+    assert!(col + 16 * V <= ld && b.len() >= rows * ld);
+    assert!(16 * V <= ldo && out.len() >= (QUERIES - 1) * ldo + 16 * V);
+    let mut acc = [[_mm512_setzero_ps(); V]; QUERIES];
+    for r in 0..rows {
+        // SAFETY: pair row r's columns col..col + 16·V are in `b` (asserted above).
+        let bv: [__m512bh; V] = std::array::from_fn(|u| unsafe {
+            bh(_mm512_loadu_si512(
+                b.as_ptr().add(r * ld + col + 16 * u).cast(),
+            ))
+        });
+        for (acc, a) in acc.iter_mut().zip(&a) {
+            // SAFETY: a vector of 32 bf16 is one of 16 u32 (the pairs).
+            let av = unsafe { bh(_mm512_set1_epi32(a[r] as i32)) };
+            for (x, b) in acc.iter_mut().zip(bv) {
+                *x = _mm512_dpbf16_ps(*x, b, av);
             }
         }
-        for (r, acc) in acc.iter().enumerate() {
-            for (v, x) in acc.iter().enumerate() {
-                // SAFETY: row r's keys kb..kb + BLOCK are in `out` (asserted above).
-                unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(r * kp + kb + 16 * v), *x) };
-            }
+    }
+    for (q, acc) in acc.iter().enumerate() {
+        for (u, x) in acc.iter().enumerate() {
+            // SAFETY: row q's 16·V columns are in `out` (asserted above).
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(q * ldo + 16 * u), *x) };
         }
     }
 }
@@ -1458,66 +1467,17 @@ unsafe fn bh(v: std::arch::x86_64::__m512i) -> std::arch::x86_64::__m512bh {
     unsafe { std::mem::transmute(v) }
 }
 
-/// Never called off x86-64.
+/// Never called off x86-64 (no CPU there multiplies bf16 pairs).
 ///
 /// # Safety
 /// None needed; it panics.
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn score_pairs(_: [&[u32]; QUERIES], _: &[u32], _: usize, _: &mut [f32]) {
-    unreachable!("bf16 pairs are multiplied on x86-64 only")
-}
-
-/// [`weigh`] on bf16 pairs: columns c..c + 16·V of [`QUERIES`] queries' outputs, their
-/// numerators' pairs (`p`, one a pair of keys) times the values' pair rows (`v`: `dhp` a
-/// pair of keys), into `o`'s first 16·V columns.
-///
-/// # Safety
-/// The CPU runs AVX-512F and AVX512_BF16.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bf16,avx512bw,avx512vl")]
-unsafe fn weigh_pairs<const V: usize>(
-    p: [&[u32]; QUERIES],
-    v: &[u32],
-    (dhp, c): (usize, usize),
-    o: &mut [[f32; 32]; QUERIES],
-) {
-    use std::arch::x86_64::*;
-    let rows = p[0].len();
-    assert!(V <= 2 && c + 16 * V <= dhp && v.len() >= rows * dhp);
-    let mut acc = [[_mm512_setzero_ps(); V]; QUERIES];
-    for jr in 0..rows {
-        // SAFETY: pair row jr's columns c..c + 16·V are in `v` (asserted above).
-        let vv: [__m512bh; V] = std::array::from_fn(|u| unsafe {
-            bh(_mm512_loadu_si512(
-                v.as_ptr().add(jr * dhp + c + 16 * u).cast(),
-            ))
-        });
-        for (acc, p) in acc.iter_mut().zip(&p) {
-            // SAFETY: as for the values.
-            let pv = unsafe { bh(_mm512_set1_epi32(p[jr] as i32)) };
-            for (x, v) in acc.iter_mut().zip(vv) {
-                *x = _mm512_dpbf16_ps(*x, v, pv);
-            }
-        }
-    }
-    for (o, acc) in o.iter_mut().zip(&acc) {
-        for (u, x) in acc.iter().enumerate() {
-            // SAFETY: 16·V ≤ 32 columns (asserted above).
-            unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(16 * u), *x) };
-        }
-    }
-}
-
-/// Never called off x86-64.
-///
-/// # Safety
-/// None needed; it panics.
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn weigh_pairs<const V: usize>(
+unsafe fn pair_products<const V: usize>(
     _: [&[u32]; QUERIES],
     _: &[u32],
     _: (usize, usize),
-    _: &mut [[f32; 32]; QUERIES],
+    _: &mut [f32],
+    _: usize,
 ) {
     unreachable!("bf16 pairs are multiplied on x86-64 only")
 }
