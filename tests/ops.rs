@@ -1175,6 +1175,25 @@ fn shifted_windows(kind: BackendKind) {
         form: WindowForm::Swin,
     };
     one_window_attention(kind, heads48, [1, 3, 9, 10], 16.0);
+    // Heads of whole K steps of AMX's tiles (where the CPU has them): Swin-T's 32 values and
+    // 49 keys (two 32-row blocks of queries), and 64 values (two steps) over 16 keys, V2's
+    // cosine form.
+    let tiles32 = WindowAttention {
+        dim: 64,
+        heads: 2,
+        window: 7,
+        shift: 3,
+        form: WindowForm::Swin,
+    };
+    one_window_attention(kind, tiles32, [2, 3, 9, 10], 16.0);
+    let tiles64 = WindowAttention {
+        dim: 128,
+        heads: 2,
+        window: 4,
+        shift: 2,
+        form: WindowForm::SwinV2,
+    };
+    one_window_attention(kind, tiles64, [1, 3, 6, 7], 4.0);
 }
 
 /// A convolution to `attention.dim` channels, then `attention`, against the reference.

@@ -225,11 +225,26 @@ impl PackedPairs {
         &mut self,
         (k, n): (usize, usize),
         step: usize,
+        fill: impl FnMut(usize, &mut [bf16]),
+    ) {
+        let panels = n.div_ceil(PANEL);
+        self.data.refill_zeros(panels * padded_k(k, step) * PANEL);
+        self.repack((k, n), step, fill);
+    }
+
+    /// [`PackedPairs::refill`] where `fill` writes every value of its panel (zeros in K's
+    /// padding too): the panels hold what was last written there until it does. Zeroed first,
+    /// a window's keys and values (4 KiB each) cost a tenth of Swin-T's attention on AMX.
+    #[inline(always)]
+    pub fn repack(
+        &mut self,
+        (k, n): (usize, usize),
+        step: usize,
         mut fill: impl FnMut(usize, &mut [bf16]),
     ) {
         let kp = padded_k(k, step);
         let panels = n.div_ceil(PANEL);
-        self.data.refill_zeros(panels * kp * PANEL);
+        self.data.reuse(panels * kp * PANEL);
         for (p, panel) in self.data.chunks_mut(kp * PANEL).enumerate() {
             fill(p, panel);
         }
@@ -281,6 +296,12 @@ impl PackedPairs {
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(super) fn bias(&self, q: usize) -> &[f32] {
         &self.bias_from(q)[..PANEL]
+    }
+}
+
+impl Default for PackedPairs {
+    fn default() -> Self {
+        Self::empty()
     }
 }
 

@@ -197,6 +197,13 @@ unsafe impl<T: bytemuck::Pod + Send> Send for Lines<T> {}
 // SAFETY: as for `Send`; shared access only reads.
 unsafe impl<T: bytemuck::Pod + Sync> Sync for Lines<T> {}
 
+/// No values yet: scratch that [`Lines::reuse`] or [`Lines::refill_zeros`] sizes.
+impl<T: bytemuck::Pod> Default for Lines<T> {
+    fn default() -> Self {
+        big_buffer(0)
+    }
+}
+
 impl<T> Drop for Lines<T> {
     fn drop(&mut self) {
         match self.memory {

@@ -18,6 +18,7 @@ use crate::backend::cpu::elem::Elem;
 use crate::backend::cpu::elem::{bf16_f32, f32_bf16};
 use crate::backend::cpu::sgemm::{self, NR, PackedB};
 use crate::backend::cpu::simd::{Simd, Vectorised, simd, with_simd};
+use crate::backend::cpu::{Lines, amx};
 use crate::model::op::{Act, WindowGrid};
 use crate::model::weights::WindowParams;
 
@@ -887,9 +888,11 @@ pub fn window_attention<T: Elem>(
         "window attention: a bias of another window"
     );
     let windows = (grid.hp / ws) * (grid.wp / ws);
-    let pairs = T::as_bf16(qkv).is_some()
-        && bf16_gemm::Engine::in_use().is_some()
-        && (dim / heads.max(1)).is_multiple_of(2);
+    let (engine, dh) = (bf16_gemm::Engine::in_use(), dim / heads.max(1));
+    let pairs = T::as_bf16(qkv).is_some() && engine.is_some() && dh.is_multiple_of(2);
+    // AMX's tiles where the CPU has them and a head is whole K steps of them.
+    let tiles =
+        pairs && engine == Some(bf16_gemm::Engine::Amx) && dh.is_multiple_of(bf16_gemm::KSTEP);
     (0..n * windows).into_par_iter().for_each(|item| {
         let mut scratch = WINDOW_SCRATCH.take();
         with_simd(Window {
@@ -899,6 +902,7 @@ pub fn window_attention<T: Elem>(
             dims: (dim, heads),
             item,
             pairs,
+            tiles,
             out: &out,
             scratch: &mut scratch,
         });
@@ -920,10 +924,12 @@ struct WindowScratch {
     outs: Vec<f32>,
     /// On bf16 pairs ([`head_on_pairs`]): the tokens' rows rounded to bf16 (zero rows to
     /// whole blocks of keys), the keys and values as pair rows, the numerators' pairs.
-    token_pairs: Vec<bf16>,
+    token_pairs: Lines<bf16>,
     key_pairs: Vec<u32>,
     value_pairs: Vec<u32>,
     prob_pairs: Vec<u32>,
+    /// On AMX's tiles ([`head_on_tiles`]).
+    on_tiles: TileScratch,
     /// Each token's input pixel (none in the padding) and mask region (past the keys too:
     /// their bias is −∞ anyway); the tokens that are pixels.
     pixel: Vec<Option<usize>>,
@@ -946,8 +952,10 @@ struct Window<'a, T> {
     /// (channels, heads).
     dims: (usize, usize),
     item: usize,
-    /// Multiply bf16 pairs ([`head_on_pairs`]): BF16 sessions on CPUs that have `vdpbf16ps`.
+    /// Multiply bf16 pairs ([`head_on_pairs`]): BF16 sessions on CPUs that have `vdpbf16ps`;
+    /// on AMX's tiles ([`head_on_tiles`]) where `tiles`.
     pairs: bool,
+    tiles: bool,
     out: &'a SyncSlice<T>,
     scratch: &'a mut WindowScratch,
 }
@@ -978,6 +986,7 @@ impl<T: Elem> Vectorised for Window<'_, T> {
             key_pairs,
             value_pairs,
             prob_pairs,
+            on_tiles,
         } = self.scratch;
         // The window's tokens: q, k, v rows (V2: q and k of each head normalised).
         let t = resized(tokens, keys * 3 * dim);
@@ -986,7 +995,10 @@ impl<T: Elem> Vectorised for Window<'_, T> {
         let region = resized(region, kp);
         // On pairs, rows as stored go straight to the bf16 rows (V2's are normalised in f32
         // first).
-        let mut tb = self.pairs.then(|| resized(token_pairs, kp * 3 * dim));
+        let mut tb = self.pairs.then(|| {
+            token_pairs.reuse(kp * 3 * dim);
+            &mut token_pairs[..]
+        });
         let stored = T::as_bf16(self.qkv).filter(|_| tb.is_some() && !params.cosine);
         for (i, row) in t.chunks_mut(3 * dim).enumerate() {
             let (yy, xx) = (wy + i / ws, wx + i % ws);
@@ -1029,6 +1041,11 @@ impl<T: Elem> Vectorised for Window<'_, T> {
             padding.fill(bf16::ZERO);
             &*tb
         });
+        let mut tiles = (self.tiles && rounded.is_some()).then_some(on_tiles);
+        if tiles.is_some() {
+            // SAFETY: `tiles` only where the CPU runs AMX (`window_attention`).
+            unsafe { amx::configure() };
+        }
         for h in 0..heads {
             if let Some(tokens) = rounded {
                 let head = PairHead {
@@ -1040,6 +1057,12 @@ impl<T: Elem> Vectorised for Window<'_, T> {
                     scale: params.scales[h],
                     at: (dim, h * dh, dh),
                 };
+                if let Some(tiles) = tiles.as_deref_mut() {
+                    // SAFETY: the tiles are configured above, on a CPU that runs AMX and
+                    // AVX512_BF16, for heads of whole K steps (`window_attention`).
+                    unsafe { head_on_tiles(&head, tiles, outs) };
+                    continue;
+                }
                 let buffers = (&mut *key_pairs, &mut *value_pairs, &mut *prob_pairs);
                 // SAFETY: `pairs` only where the CPU runs AVX512_BF16 and heads are of an even
                 // size (`window_attention`).
@@ -1088,6 +1111,10 @@ impl<T: Elem> Vectorised for Window<'_, T> {
                     }
                 }
             }
+        }
+        if tiles.is_some() {
+            // SAFETY: as for `configure` above.
+            unsafe { amx::release() };
         }
         for (i, p) in pixel.iter().enumerate() {
             if let Some(p) = *p {
@@ -1326,6 +1353,146 @@ unsafe fn head_on_pairs(
     _: &mut [f32],
 ) {
     unreachable!("bf16 pairs are multiplied on x86-64 only")
+}
+
+/// A window's buffers for [`head_on_tiles`], on cache lines (where AMX's tiles load and store
+/// rows fastest): the head's keys and values packed for the tiles, its scores, the softmax's
+/// numerators as bf16 (rows of the keys padded to a whole [`BLOCK`]), the outputs before
+/// normalising, and each query's 1 / sum.
+#[derive(Default)]
+struct TileScratch {
+    keys: PackedPairs,
+    values: PackedPairs,
+    scores: Lines<f32>,
+    probs: Lines<u32>,
+    outs: Lines<f32>,
+    inv: Vec<f32>,
+}
+
+/// One head of a window on AMX's tiles, as [`head_on_pairs`] computes it on `vdpbf16ps`:
+/// the scores of the window's queries (32-row blocks of q, read in place from `tokens`) by
+/// every key (the padding's zero rows too, so every score is written), the softmax's
+/// numerators rounded to bf16 ([`softmax_pairs`]), their products with the values, and the
+/// sums normalised into `outs`. An Emerald Rapids core issues `vdpbf16ps` at half the rate of
+/// its FMAs, and there the pairs spent 18% of Swin-T's BF16 step (batch 8) in their products.
+///
+/// # Safety
+/// The CPU runs AMX, AVX-512F, BW and AVX512_BF16, the tile configuration is loaded
+/// ([`amx::configure`]), and the head's size is a multiple of AMX's K step.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16,avx512bw,avx512vl")]
+unsafe fn head_on_tiles(head: &PairHead<'_>, tiles: &mut TileScratch, outs: &mut [f32]) {
+    use bf16_gemm::{BLOCK_ROWS, KSTEP, PANEL};
+    let (dim, first, dh) = head.at;
+    let (tokens, keys, stride) = (head.tokens, head.keys, 3 * dim);
+    let kp = keys.next_multiple_of(BLOCK);
+    let rows = keys.next_multiple_of(BLOCK_ROWS);
+    assert!(dh.is_multiple_of(KSTEP) && tokens.len() >= kp * stride && outs.len() >= keys * dim);
+    // Keys as B (dh × kp): panel p's pair row r holds k[2r], k[2r + 1] of tokens 16p.. .
+    tiles.keys.repack((dh, kp), KSTEP, |p, panel| {
+        let rows = bytemuck::cast_slice_mut(panel);
+        // SAFETY: the caller's contract (AVX-512F); tokens 16p.. are rows of `tokens` (kp).
+        unsafe { gather_pairs(tokens, p * PANEL * stride + dim + first, stride, rows) };
+    });
+    // Values as B (keys × dh, K padded to the step with the padding's zero rows): panel p's
+    // pair row r interleaves v[16p..16p + 16] of tokens 2r and 2r + 1.
+    tiles.values.repack((keys, dh), KSTEP, |p, panel| {
+        let rows = bytemuck::cast_slice_mut(panel);
+        // SAFETY: as above; K padded to the step is at most kp tokens.
+        unsafe { interleave_tokens(tokens, 2 * dim + first + p * PANEL, stride, rows) };
+    });
+    let (keys_b, values_b) = (&tiles.keys, &tiles.values);
+    tiles.scores.reuse(rows * kp);
+    tiles.probs.reuse(rows * kp / 2);
+    tiles.outs.reuse(rows * dh);
+    let scores = tiles.scores.as_mut_ptr();
+    for rb in (0..rows).step_by(BLOCK_ROWS) {
+        for p in (0..keys_b.panels()).step_by(2) {
+            // SAFETY: the tiles are configured (the caller's contract); A is q of tokens
+            // rb.. (32 rows `stride` apart, below kp, dh = the packing's K from `first`), C
+            // 32 rows of panels p and p + 1 (kp / 16 panels, an even number) in `scores`.
+            unsafe {
+                let a = tokens.as_ptr().add(rb * stride + first);
+                let c = scores.add(rb * kp + p * PANEL);
+                amx::block(a, (stride, KSTEP), keys_b, p, true, c, kp);
+            }
+        }
+    }
+    let (bias, h) = head.bias;
+    let inv = resized(&mut tiles.inv, keys);
+    for &i in head.real {
+        let s = &mut tiles.scores[i * kp..][..kp];
+        let region = head.region.map(|region| (region, region[i]));
+        let p = &mut tiles.probs[i * kp / 2..][..kp / 2];
+        // SAFETY: the caller's contract.
+        inv[i] = 1.0 / unsafe { softmax_pairs(s, head.scale, bias.row(h, i), region, p) };
+    }
+    // The numerators (kp to a row: zeros past the keys) by the values; rows of tokens that
+    // are not queries hold an earlier head's, and their outputs are not read.
+    let (probs, o) = (tiles.probs.as_ptr().cast::<bf16>(), tiles.outs.as_mut_ptr());
+    for rb in (0..rows).step_by(BLOCK_ROWS) {
+        for p in (0..values_b.panels()).step_by(2) {
+            // SAFETY: as above; A is rows rb.. of the numerators (kp values apart, at least
+            // the values' padded K), C 32 rows of panels p and p + 1 (dh / 16 of them, an
+            // even number) in `outs` (dh floats a row).
+            unsafe {
+                let (a, c) = (probs.add(rb * kp), o.add(rb * dh + p * PANEL));
+                amx::block(a, (kp, KSTEP), values_b, p, true, c, dh);
+            }
+        }
+    }
+    for &i in head.real {
+        let (src, inv) = (&tiles.outs[i * dh..][..dh], inv[i]);
+        let dst = &mut outs[i * dim + first..][..dh];
+        dst.iter_mut().zip(src).for_each(|(d, o)| *d = o * inv);
+    }
+}
+
+/// Never called off x86-64 (no CPU there has AMX).
+///
+/// # Safety
+/// None needed; it panics.
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn head_on_tiles(_: &PairHead<'_>, _: &mut TileScratch, _: &mut [f32]) {
+    unreachable!("AMX's tiles are x86-64's")
+}
+
+/// A panel of 16 value columns as pairs of tokens for the tiles: pair row r interleaves the
+/// 16 values from `first` of tokens 2r and 2r + 1 (`stride` values apart), column by column.
+///
+/// # Safety
+/// The CPU runs AVX-512F and BW. (The tokens' values are checked to be in `tokens`.)
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn interleave_tokens(tokens: &[bf16], first: usize, stride: usize, rows: &mut [u32]) {
+    use bf16_gemm::PANEL;
+    use std::arch::x86_64::*;
+    let pairs = rows.len() / PANEL;
+    assert!(pairs == 0 || first + (2 * pairs - 1) * stride + PANEL <= tokens.len());
+    // Lane 2c: even's value c; lane 2c + 1: odd's (the second operand's lanes from 32).
+    let zip = _mm512_set_epi16(
+        47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4,
+        35, 3, 34, 2, 33, 1, 32, 0,
+    );
+    for (r, row) in rows.chunks_exact_mut(PANEL).enumerate() {
+        // SAFETY: both tokens' 16 values are inside `tokens` (asserted), the row 16 pairs.
+        unsafe {
+            let at = |j: usize| tokens.as_ptr().add(first + j * stride).cast::<__m256i>();
+            let even = _mm512_castsi256_si512(_mm256_loadu_si256(at(2 * r)));
+            let odd = _mm512_castsi256_si512(_mm256_loadu_si256(at(2 * r + 1)));
+            let v = _mm512_permutex2var_epi16(even, zip, odd);
+            _mm512_storeu_si512(row.as_mut_ptr().cast(), v);
+        }
+    }
+}
+
+/// Never called off x86-64.
+///
+/// # Safety
+/// None needed; it panics.
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn interleave_tokens(_: &[bf16], _: usize, _: usize, _: &mut [u32]) {
+    unreachable!("AMX's tiles are x86-64's")
 }
 
 /// [`softmax_numerators_biased`] for [`head_on_pairs`], in AVX-512 intrinsics: each score
