@@ -1156,44 +1156,31 @@ fn shifted_windows(kind: BackendKind) {
         &[x],
     );
     check(kind, &g.finish(y), [2, 3, 5, 7], 1.0);
-    // 81 keys a window: more than one 64-key block of the CPU's score loop.
-    let wide = WindowAttention {
-        dim: 8,
-        heads: 2,
-        window: 9,
-        shift: 4,
-        form: WindowForm::SwinV2,
-    };
-    one_window_attention(kind, wide, [1, 3, 10, 9], 1.0);
-    // Heads of 48 values (a whole 32 and a part of the CPU's bf16 value pairs) and 49 keys
-    // a window, an odd number, as Swin-T's; inputs large enough that a dropped value shows.
-    let heads48 = WindowAttention {
-        dim: 96,
-        heads: 2,
-        window: 7,
-        shift: 3,
-        form: WindowForm::Swin,
-    };
-    one_window_attention(kind, heads48, [1, 3, 9, 10], 16.0);
-    // Heads of whole K steps of AMX's tiles (where the CPU has them): Swin-T's 32 values and
-    // 49 keys (two 32-row blocks of queries), and 64 values (two steps) over 16 keys, V2's
-    // cosine form.
-    let tiles32 = WindowAttention {
-        dim: 64,
-        heads: 2,
-        window: 7,
-        shift: 3,
-        form: WindowForm::Swin,
-    };
-    one_window_attention(kind, tiles32, [2, 3, 9, 10], 16.0);
-    let tiles64 = WindowAttention {
-        dim: 128,
-        heads: 2,
-        window: 4,
-        shift: 2,
-        form: WindowForm::SwinV2,
-    };
-    one_window_attention(kind, tiles64, [1, 3, 6, 7], 4.0);
+    // (dim, heads, window, shift, form), the input's shape and scale, for a window
+    // attention after a convolution.
+    let cases = [
+        // 81 keys a window: more than one 64-key block of the CPU's score loop.
+        ((8, 2, 9, 4, WindowForm::SwinV2), [1, 3, 10, 9], 1.0),
+        // Heads of 48 values (a whole 32 and a part of the CPU's bf16 value pairs) and 49
+        // keys a window, an odd number, as Swin-T's; inputs large enough that a dropped
+        // value shows.
+        ((96, 2, 7, 3, WindowForm::Swin), [1, 3, 9, 10], 16.0),
+        // Heads of whole K steps of AMX's tiles (where the CPU has them): Swin-T's 32 values
+        // and 49 keys (two 32-row blocks of queries), and 64 values (two steps) over 16
+        // keys, V2's cosine form.
+        ((64, 2, 7, 3, WindowForm::Swin), [2, 3, 9, 10], 16.0),
+        ((128, 2, 4, 2, WindowForm::SwinV2), [1, 3, 6, 7], 4.0),
+    ];
+    for ((dim, heads, window, shift, form), shape, scale) in cases {
+        let attention = WindowAttention {
+            dim,
+            heads,
+            window,
+            shift,
+            form,
+        };
+        one_window_attention(kind, attention, shape, scale);
+    }
 }
 
 /// A convolution to `attention.dim` channels, then `attention`, against the reference.
