@@ -430,7 +430,12 @@ pub fn attention<T: Elem>(
     y: &mut [T],
 ) {
     let out = SyncSlice(y.as_mut_ptr(), y.len());
-    let pairs = T::as_bf16(qkv).is_some() && bf16_gemm::Engine::in_use().is_some();
+    let engine = bf16_gemm::Engine::in_use();
+    let pairs = T::as_bf16(qkv).is_some() && engine.is_some();
+    // AMX's tiles straight (`head_on_tiles`) where a head is whole K steps of them.
+    let tiles = pairs
+        && engine == Some(bf16_gemm::Engine::Amx)
+        && (dim / heads.max(1)).is_multiple_of(bf16_gemm::KSTEP);
     // Work items: (image, head); each writes its head's columns of its image's rows.
     (0..n * heads).into_par_iter().for_each(|item| {
         let head = Head::new((t, dim, heads), item);
@@ -439,6 +444,7 @@ pub fn attention<T: Elem>(
                 head,
                 qkv,
                 pairs,
+                tiles,
                 out: &out,
                 scratch,
             })
@@ -553,6 +559,14 @@ struct Scratch {
     /// Queries and probabilities, rows padded with zeros to the packings' K.
     q_pairs: Vec<bf16>,
     probs: Vec<bf16>,
+    /// On AMX's tiles ([`OnHead::on_tiles`]): the head's q, k and v rows side by side (zero
+    /// rows to a whole block), its tokens' indices, the scores' bias row (−∞ on the
+    /// padding), the outputs before narrowing, and [`head_on_tiles`]' own buffers.
+    head_rows: Lines<bf16>,
+    real: Vec<usize>,
+    padding: Vec<f32>,
+    tile_outs: Vec<f32>,
+    on_tiles: TileScratch,
 }
 
 thread_local! {
@@ -567,6 +581,11 @@ thread_local! {
         o: Vec::new(),
         q_pairs: Vec::new(),
         probs: Vec::new(),
+        head_rows: Lines::default(),
+        real: Vec::new(),
+        padding: Vec::new(),
+        tile_outs: Vec::new(),
+        on_tiles: TileScratch::default(),
     });
 }
 
@@ -584,6 +603,8 @@ struct OnHead<'a, T> {
     head: Head,
     qkv: &'a [T],
     pairs: bool,
+    /// Pairs on AMX's tiles, for heads of whole K steps ([`OnHead::on_tiles`]).
+    tiles: bool,
     out: &'a SyncSlice<T>,
     scratch: &'a mut Scratch,
 }
@@ -593,6 +614,7 @@ impl<T: Elem> Vectorised for OnHead<'_, T> {
     #[inline(always)]
     fn run(self) {
         match T::as_bf16(self.qkv).filter(|_| self.pairs) {
+            Some(qkv) if self.tiles => self.on_tiles(qkv),
             Some(qkv) => self.on_pairs(qkv),
             None => self.on_floats(),
         }
@@ -697,6 +719,66 @@ impl<T: Elem> OnHead<'_, T> {
                     T::narrow(src, unsafe { self.out.slice(head.out(q0 + r), dh) });
                 }
             }
+        }
+    }
+
+    /// The head on AMX's tiles by [`head_on_tiles`], as a window's heads go: its q, k and v
+    /// copied side by side onto cache lines (zero rows past the tokens, so that the padding's
+    /// keys and values are zeros and its rows of q can be read), every token a query, the
+    /// padding's scores −∞. Through `bf16_gemm::gemm` instead, in passes of 112 queries, each
+    /// product configured the tiles and copied the pass's last rows to a whole block, and
+    /// the softmax and the packing of the values ran a value at a time: ViT-B/16 BF16 at batch
+    /// 8 on an Emerald Rapids Xeon spent 18.7% of its compiled step in attention at ~120
+    /// GFLOP/s, against ~335 for its linear layers.
+    #[inline(always)]
+    fn on_tiles(self, qkv: &[bf16]) {
+        let head = self.head;
+        let (t, dh) = (head.t, head.dh);
+        let kp = t.next_multiple_of(bf16_gemm::BLOCK_ROWS);
+        let Scratch {
+            head_rows,
+            real,
+            padding,
+            tile_outs,
+            on_tiles,
+            ..
+        } = self.scratch;
+        head_rows.reuse(kp * 3 * dh);
+        let (rows, zeros) = head_rows.split_at_mut(t * 3 * dh);
+        for (j, row) in rows.chunks_exact_mut(3 * dh).enumerate() {
+            for (part, dst) in row.chunks_exact_mut(dh).enumerate() {
+                dst.copy_from_slice(&qkv[head.at(part, j)..][..dh]);
+            }
+        }
+        zeros.fill(bf16::ZERO);
+        if real.len() != t {
+            real.clear();
+            real.extend(0..t);
+        }
+        let padding = resized(padding, kp);
+        padding[..t].fill(0.0);
+        padding[t..].fill(f32::NEG_INFINITY);
+        let outs = resized(tile_outs, t * dh);
+        let pair_head = PairHead {
+            tokens: head_rows,
+            keys: t,
+            real,
+            region: None,
+            bias: ScoreBias::Row(padding),
+            scale: head.scale(),
+            at: (dh, 0, dh),
+        };
+        // SAFETY: `tiles` only where the CPU runs AMX (and so AVX512_BF16) and heads are of
+        // whole K steps (`attention`); configured here, released after the head; `head_rows`
+        // has kp rows, zeros past the tokens.
+        unsafe {
+            amx::configure();
+            head_on_tiles(&pair_head, on_tiles, outs);
+            amx::release();
+        }
+        for (i, src) in outs.chunks_exact(dh).enumerate() {
+            // SAFETY: this work item alone writes this head's columns of its rows.
+            T::narrow(src, unsafe { self.out.slice(head.out(i), dh) });
         }
     }
 
@@ -1041,7 +1123,8 @@ impl<T: Elem> Vectorised for Window<'_, T> {
             padding.fill(bf16::ZERO);
             &*tb
         });
-        let mut tiles = (self.tiles && rounded.is_some()).then_some(on_tiles);
+        // (`tiles` is set only with `pairs`, which always makes `rounded` some.)
+        let mut tiles = self.tiles.then_some(on_tiles);
         if tiles.is_some() {
             // SAFETY: `tiles` only where the CPU runs AMX (`window_attention`).
             unsafe { amx::configure() };
@@ -1053,7 +1136,7 @@ impl<T: Elem> Vectorised for Window<'_, T> {
                     keys,
                     real,
                     region: mixed.then_some(region),
-                    bias: (bias, h),
+                    bias: ScoreBias::Table(bias, h),
                     scale: params.scales[h],
                     at: (dim, h * dh, dh),
                 };
@@ -1222,11 +1305,30 @@ struct PairHead<'a> {
     keys: usize,
     real: &'a [usize],
     region: Option<&'a [f32]>,
-    /// The bias table, and which head this is.
-    bias: (&'a WindowBias, usize),
+    /// What each query adds to its scores.
+    bias: ScoreBias<'a>,
     scale: f32,
     /// (channels, the head's first column, its width: even).
     at: (usize, usize, usize),
+}
+
+/// What a [`PairHead`]'s queries add to their scores before the softmax: a window's relative
+/// position bias (the table, and which head this is), or one row for every query (a vision
+/// transformer's: zeros for its tokens, −∞ for the padding to whole blocks of keys).
+#[derive(Clone, Copy)]
+enum ScoreBias<'a> {
+    Table(&'a WindowBias, usize),
+    Row(&'a [f32]),
+}
+
+impl ScoreBias<'_> {
+    /// Query i's bias over the padded keys.
+    fn row(&self, i: usize) -> &[f32] {
+        match *self {
+            ScoreBias::Table(table, h) => table.row(h, i),
+            ScoreBias::Row(row) => row,
+        }
+    }
 }
 
 /// One head of a window on bf16 pairs (`vdpbf16ps`, two products a lane), the arithmetic of
@@ -1277,11 +1379,6 @@ unsafe fn head_on_pairs(
     }
     // Keys 2r and 2r + 1's values, 32 columns at a time, interleaved into 32 pairs.
     let vs = resized(vs, keys.div_ceil(2) * dhp);
-    let low = _mm512_set_epi16(
-        47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4,
-        35, 3, 34, 2, 33, 1, 32, 0,
-    );
-    let high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
     for (r, row) in vs.chunks_exact_mut(dhp).enumerate() {
         for c in (0..dhp).step_by(32) {
             let mask = u32::MAX
@@ -1294,15 +1391,14 @@ unsafe fn head_on_pairs(
                 let even = _mm512_maskz_loadu_epi16(mask, at(2 * r).cast());
                 let odd = _mm512_maskz_loadu_epi16(mask, at(2 * r + 1).cast());
                 let dst = row.as_mut_ptr().add(c);
-                _mm512_storeu_si512(dst.cast(), _mm512_permutex2var_epi16(even, low, odd));
+                let (low, high) = zip_tokens(even, odd);
+                _mm512_storeu_si512(dst.cast(), low);
                 if c + 16 < dhp {
-                    let v = _mm512_permutex2var_epi16(even, high, odd);
-                    _mm512_storeu_si512(dst.add(16).cast(), v);
+                    _mm512_storeu_si512(dst.add(16).cast(), high);
                 }
             }
         }
     }
-    let (bias, h) = head.bias;
     let ps = resized(ps, QUERIES * kp / 2);
     let query = |i: usize| &pairs[i * stride + first / 2..][..dp];
     for group in head.real.chunks(QUERIES) {
@@ -1318,7 +1414,7 @@ unsafe fn head_on_pairs(
             let region = head.region.map(|region| (region, region[i]));
             let p = &mut ps[r * kp / 2..][..kp / 2];
             // SAFETY: the caller's contract.
-            inv[r] = 1.0 / unsafe { softmax_pairs(s, head.scale, bias.row(h, i), region, p) };
+            inv[r] = 1.0 / unsafe { softmax_pairs(s, head.scale, head.bias.row(i), region, p) };
         }
         let p: [&[u32]; QUERIES] =
             std::array::from_fn(|r| &ps[r.min(group.len() - 1) * kp / 2..][..keys.div_ceil(2)]);
@@ -1355,10 +1451,10 @@ unsafe fn head_on_pairs(
     unreachable!("bf16 pairs are multiplied on x86-64 only")
 }
 
-/// A window's buffers for [`head_on_tiles`], on cache lines (where AMX's tiles load and store
-/// rows fastest): the head's keys and values packed for the tiles, its scores, the softmax's
-/// numerators as bf16 (rows of the keys padded to a whole [`BLOCK`]), the outputs before
-/// normalising, and each query's 1 / sum.
+/// A head's buffers for [`head_on_tiles`], on cache lines (where AMX's tiles load and store
+/// rows fastest): its keys and values packed for the tiles, and one 32-row block of queries'
+/// scores, the softmax's numerators as bf16 (rows of the keys padded to whole blocks), the
+/// outputs before normalising, and each query's 1 / sum.
 #[derive(Default)]
 struct TileScratch {
     keys: PackedPairs,
@@ -1369,24 +1465,27 @@ struct TileScratch {
     inv: Vec<f32>,
 }
 
-/// One head of a window on AMX's tiles, as [`head_on_pairs`] computes it on `vdpbf16ps`:
-/// the scores of the window's queries (32-row blocks of q, read in place from `tokens`) by
-/// every key (the padding's zero rows too, so every score is written), the softmax's
-/// numerators rounded to bf16 ([`softmax_pairs`]), their products with the values, and the
-/// sums normalised into `outs`. An Emerald Rapids core issues `vdpbf16ps` at half the rate of
-/// its FMAs, and there the pairs spent 18% of Swin-T's BF16 step (batch 8) in their products.
+/// One head on AMX's tiles, as [`head_on_pairs`] computes a window's on `vdpbf16ps`: per
+/// block of 32 queries (q read in place from `tokens`), their scores by every key (the
+/// padding's zero rows too, so every score is written), the softmax's numerators rounded to
+/// bf16 ([`softmax_pairs`]), their products with the values, and the sums normalised into
+/// `outs`. A block at a time, its scores (32 × the keys) stay in L1 between the three steps:
+/// a ViT's 197 tokens would make the whole head's 200 KiB. An Emerald Rapids core issues
+/// `vdpbf16ps` at half the rate of its FMAs, and there the pairs spent 18% of Swin-T's BF16
+/// step (batch 8) in their products.
 ///
 /// # Safety
 /// The CPU runs AMX, AVX-512F, BW and AVX512_BF16, the tile configuration is loaded
-/// ([`amx::configure`]), and the head's size is a multiple of AMX's K step.
+/// ([`amx::configure`]), the head's size is a multiple of AMX's K step, and `tokens` has
+/// rows up to the keys' count rounded up to a whole block (zeros past the keys).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16,avx512bw,avx512vl")]
 unsafe fn head_on_tiles(head: &PairHead<'_>, tiles: &mut TileScratch, outs: &mut [f32]) {
     use bf16_gemm::{BLOCK_ROWS, KSTEP, PANEL};
     let (dim, first, dh) = head.at;
     let (tokens, keys, stride) = (head.tokens, head.keys, 3 * dim);
-    let kp = keys.next_multiple_of(BLOCK);
-    let rows = keys.next_multiple_of(BLOCK_ROWS);
+    // Keys (two panels a tile pair) and query rows both to whole blocks of 32.
+    let kp = keys.next_multiple_of(BLOCK_ROWS);
     assert!(dh.is_multiple_of(KSTEP) && tokens.len() >= kp * stride && outs.len() >= keys * dim);
     // Keys as B (dh × kp): panel p's pair row r holds k[2r], k[2r + 1] of tokens 16p.. .
     tiles.keys.repack((dh, kp), KSTEP, |p, panel| {
@@ -1398,53 +1497,63 @@ unsafe fn head_on_tiles(head: &PairHead<'_>, tiles: &mut TileScratch, outs: &mut
     // pair row r interleaves v[16p..16p + 16] of tokens 2r and 2r + 1.
     tiles.values.repack((keys, dh), KSTEP, |p, panel| {
         let rows = bytemuck::cast_slice_mut(panel);
-        // SAFETY: as above; K padded to the step is at most kp tokens.
+        // SAFETY: as above; K padded to the step is kp tokens.
         unsafe { interleave_tokens(tokens, 2 * dim + first + p * PANEL, stride, rows) };
     });
     let (keys_b, values_b) = (&tiles.keys, &tiles.values);
-    tiles.scores.reuse(rows * kp);
-    tiles.probs.reuse(rows * kp / 2);
-    tiles.outs.reuse(rows * dh);
-    let scores = tiles.scores.as_mut_ptr();
-    for rb in (0..rows).step_by(BLOCK_ROWS) {
+    tiles.scores.reuse(BLOCK_ROWS * kp);
+    tiles.probs.reuse(BLOCK_ROWS * kp / 2);
+    tiles.outs.reuse(BLOCK_ROWS * dh);
+    let inv = resized(&mut tiles.inv, BLOCK_ROWS);
+    let (scores, o) = (tiles.scores.as_mut_ptr(), tiles.outs.as_mut_ptr());
+    let mut real = head.real;
+    for rb in (0..kp).step_by(BLOCK_ROWS) {
+        // The block's queries (`real` is in order); rows of tokens that are not queries hold
+        // an earlier block's numerators, and their outputs are not read.
+        let (queries, rest) = real.split_at(real.partition_point(|&i| i < rb + BLOCK_ROWS));
+        real = rest;
+        if queries.is_empty() {
+            continue;
+        }
         for p in (0..keys_b.panels()).step_by(2) {
             // SAFETY: the tiles are configured (the caller's contract); A is q of tokens
             // rb.. (32 rows `stride` apart, below kp, dh = the packing's K from `first`), C
-            // 32 rows of panels p and p + 1 (kp / 16 panels, an even number) in `scores`.
+            // the block's 32 rows of panels p and p + 1 (kp / 16 panels, an even number).
             unsafe {
                 let a = tokens.as_ptr().add(rb * stride + first);
-                let c = scores.add(rb * kp + p * PANEL);
-                amx::block(a, (stride, KSTEP), keys_b, p, true, c, kp);
+                amx::block(
+                    a,
+                    (stride, KSTEP),
+                    keys_b,
+                    p,
+                    true,
+                    scores.add(p * PANEL),
+                    kp,
+                );
             }
         }
-    }
-    let (bias, h) = head.bias;
-    let inv = resized(&mut tiles.inv, keys);
-    for &i in head.real {
-        let s = &mut tiles.scores[i * kp..][..kp];
-        let region = head.region.map(|region| (region, region[i]));
-        let p = &mut tiles.probs[i * kp / 2..][..kp / 2];
-        // SAFETY: the caller's contract.
-        inv[i] = 1.0 / unsafe { softmax_pairs(s, head.scale, bias.row(h, i), region, p) };
-    }
-    // The numerators (kp to a row: zeros past the keys) by the values; rows of tokens that
-    // are not queries hold an earlier head's, and their outputs are not read.
-    let (probs, o) = (tiles.probs.as_ptr().cast::<bf16>(), tiles.outs.as_mut_ptr());
-    for rb in (0..rows).step_by(BLOCK_ROWS) {
+        for &i in queries {
+            let r = i - rb;
+            let s = &mut tiles.scores[r * kp..][..kp];
+            let region = head.region.map(|region| (region, region[i]));
+            let p = &mut tiles.probs[r * kp / 2..][..kp / 2];
+            // SAFETY: the caller's contract.
+            inv[r] = 1.0 / unsafe { softmax_pairs(s, head.scale, head.bias.row(i), region, p) };
+        }
+        // The numerators (kp to a row: zeros past the keys) by the values.
+        let probs = tiles.probs.as_ptr().cast::<bf16>();
         for p in (0..values_b.panels()).step_by(2) {
-            // SAFETY: as above; A is rows rb.. of the numerators (kp values apart, at least
-            // the values' padded K), C 32 rows of panels p and p + 1 (dh / 16 of them, an
-            // even number) in `outs` (dh floats a row).
-            unsafe {
-                let (a, c) = (probs.add(rb * kp), o.add(rb * dh + p * PANEL));
-                amx::block(a, (kp, KSTEP), values_b, p, true, c, dh);
-            }
+            // SAFETY: as above; A is the block's 32 rows of numerators (kp values apart, the
+            // values' padded K), C 32 rows of panels p and p + 1 (dh / 16 of them, an even
+            // number) in `outs` (dh floats a row).
+            unsafe { amx::block(probs, (kp, KSTEP), values_b, p, true, o.add(p * PANEL), dh) };
         }
-    }
-    for &i in head.real {
-        let (src, inv) = (&tiles.outs[i * dh..][..dh], inv[i]);
-        let dst = &mut outs[i * dim + first..][..dh];
-        dst.iter_mut().zip(src).for_each(|(d, o)| *d = o * inv);
+        for &i in queries {
+            let r = i - rb;
+            let src = &tiles.outs[r * dh..][..dh];
+            let dst = &mut outs[i * dim + first..][..dh];
+            dst.iter_mut().zip(src).for_each(|(d, o)| *d = o * inv[r]);
+        }
     }
 }
 
@@ -1469,21 +1578,41 @@ unsafe fn interleave_tokens(tokens: &[bf16], first: usize, stride: usize, rows: 
     use std::arch::x86_64::*;
     let pairs = rows.len() / PANEL;
     assert!(pairs == 0 || first + (2 * pairs - 1) * stride + PANEL <= tokens.len());
-    // Lane 2c: even's value c; lane 2c + 1: odd's (the second operand's lanes from 32).
-    let zip = _mm512_set_epi16(
-        47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4,
-        35, 3, 34, 2, 33, 1, 32, 0,
-    );
     for (r, row) in rows.chunks_exact_mut(PANEL).enumerate() {
         // SAFETY: both tokens' 16 values are inside `tokens` (asserted), the row 16 pairs.
         unsafe {
             let at = |j: usize| tokens.as_ptr().add(first + j * stride).cast::<__m256i>();
             let even = _mm512_castsi256_si512(_mm256_loadu_si256(at(2 * r)));
             let odd = _mm512_castsi256_si512(_mm256_loadu_si256(at(2 * r + 1)));
-            let v = _mm512_permutex2var_epi16(even, zip, odd);
-            _mm512_storeu_si512(row.as_mut_ptr().cast(), v);
+            _mm512_storeu_si512(row.as_mut_ptr().cast(), zip_tokens(even, odd).0);
         }
     }
+}
+
+/// Two tokens' 32 bf16 values (`even`'s and `odd`'s lanes) as 32 k-pairs for B's pair rows:
+/// pair c holds even's value c in its low half and odd's in its high half, the first 16 pairs
+/// in `.0`, the last 16 in `.1`.
+///
+/// # Safety
+/// The CPU runs AVX-512F and BW.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn zip_tokens(
+    even: std::arch::x86_64::__m512i,
+    odd: std::arch::x86_64::__m512i,
+) -> (std::arch::x86_64::__m512i, std::arch::x86_64::__m512i) {
+    use std::arch::x86_64::*;
+    // Lane 2c: even's value c; lane 2c + 1: odd's (the second operand's lanes from 32).
+    let low = _mm512_set_epi16(
+        47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4,
+        35, 3, 34, 2, 33, 1, 32, 0,
+    );
+    let high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    (
+        _mm512_permutex2var_epi16(even, low, odd),
+        _mm512_permutex2var_epi16(even, high, odd),
+    )
 }
 
 /// Never called off x86-64.
@@ -1727,6 +1856,10 @@ mod tests {
             (2, 33, 48, 3),
             (1, 130, 64, 1),
             (1, 9, 160, 2),
+            // Heads of AMX's whole K steps (the tiles where the CPU has them): 32 over two
+            // blocks of queries (one of a single token), 64 over 197 tokens (ViT-B/16's).
+            (2, 33, 64, 2),
+            (1, 197, 128, 2),
         ] {
             let (n, t, dim, _) = dims;
             let qkv: Vec<f32> = (0..n * t * 3 * dim)
