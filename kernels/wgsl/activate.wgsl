@@ -11,8 +11,19 @@ fn erf_as(v: f32) -> f32 {
     return select(e, -e, v < 0.0);
 }
 
-// Compares and selects rather than max/clamp, whose NaN result WGSL leaves open.
+// Whether v is a NaN, read from its bits: on GL, Mesa's llvmpipe takes floats never to be NaN,
+// folds `v != v` to false and a compare-and-select into max or clamp (which return the number
+// where one operand is a NaN); integer compares it leaves as written.
+fn is_nan(v: f32) -> bool {
+    return (bitcast<u32>(v) & 0x7fffffffu) > 0x7f800000u;
+}
+
+// Compares and selects rather than max/clamp, whose NaN result WGSL leaves open; a NaN goes
+// through as it is (on GL the selects alone dropped it: see is_nan).
 fn activate(v: f32, act: u32) -> f32 {
+    if (is_nan(v)) {
+        return v;
+    }
     let r0 = v + 3.0;
     let relu6 = select(select(r0, 6.0, r0 > 6.0), 0.0, r0 < 0.0);
     switch act {

@@ -44,7 +44,8 @@ fn clamp_op(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     let i = index(wid, nwg, lid);
     if (i < p.total) {
         let v = f32(x[i]);
-        y[i] = elem(select(select(v, p.hi, v > p.hi), p.lo, v < p.lo));
+        let r = select(select(v, p.hi, v > p.hi), p.lo, v < p.lo);
+        y[i] = elem(select(r, v, is_nan(v)));
     }
 }
 
@@ -121,7 +122,7 @@ fn softmax(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     }
 }
 
-// The newer networks' activations, in f32; selects keep a NaN NaN.
+// The newer networks' activations, in f32; a NaN stays NaN (`is_nan`, as `activate`).
 @compute @workgroup_size(256)
 fn unary(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let i = index(wid, nwg, lid);
@@ -136,9 +137,9 @@ fn unary(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: ve
             out = r / 6.0;
         } else if (p.code == 3u) {
             // tanh(±10) is ±1 in f32; clamping keeps sinh/cosh forms from overflowing.
-            out = select(tanh(clamp(v, -10.0, 10.0)), v, v != v);
+            out = tanh(clamp(v, -10.0, 10.0));
         }
-        y[i] = elem(out);
+        y[i] = elem(select(out, v, is_nan(v)));
     }
 }
 

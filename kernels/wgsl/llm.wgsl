@@ -173,7 +173,7 @@ fn cached_attention(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
             score += f32(x[q + j]) * f32(w[kr + j]);
         }
         score *= scale;
-        let m2 = select(m, score, score > m || score != score);
+        let m2 = select(m, score, score > m || is_nan(score));
         let corr = exp(m - m2);
         let e = exp(score - m2);
         s = s * corr + e;

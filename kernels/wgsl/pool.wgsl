@@ -63,7 +63,7 @@ fn max_pool(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
             let ix = i32(q.ox * p.sw + kx) - i32(p.pw);
             if (iy >= 0 && ix >= 0 && iy < i32(p.h) && ix < i32(p.w)) {
                 let v = at(q.n, u32(iy), u32(ix), q.c);
-                best = select(best, v, v > best || v != v);
+                best = select(best, v, v > best || is_nan(v));
             }
         }
     }

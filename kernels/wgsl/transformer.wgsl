@@ -122,7 +122,7 @@ fn attention(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
             score += f32(x[qrow + j]) * f32(x[krow + j]);
         }
         score *= scale;
-        let m2 = select(m, score, score > m || score != score);
+        let m2 = select(m, score, score > m || is_nan(score));
         let corr = exp(m - m2);
         let e = exp(score - m2);
         s = s * corr + e;

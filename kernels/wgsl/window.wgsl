@@ -120,7 +120,7 @@ fn window_attention(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
         if (side(ky, p.hp, p.shift_h) * 3u + side(kx, p.wp, p.shift_w) != region) {
             score -= 100.0;
         }
-        let m2 = select(m, score, score > m || score != score);
+        let m2 = select(m, score, score > m || is_nan(score));
         let corr = exp(m - m2);
         let e = exp(score - m2);
         s = s * corr + e;
