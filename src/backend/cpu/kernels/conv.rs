@@ -445,19 +445,40 @@ pub(super) fn panel_range(panels: usize, splits: usize, s: usize) -> (usize, usi
 /// BF16 at batch 1 ran 2.3% faster (6 of 6).
 const MIN_WORKER_ROWS: usize = 32;
 
+/// Whether `m` rows dealt out one chunk a worker (`chunks`, [`Chunks`]' rows one by one) cost
+/// more blocks than every worker taking every row and its share of the `panels`, where a
+/// block's rows are padded to a whole `unit` (AMX's 32): 197 rows (ViT's tokens at batch 1, or
+/// a 14² layer's 196) made 98 and 99, four blocks a worker, where all of them are seven blocks
+/// for half the panels each — an eighth less multiplied.
+fn panels_cheaper(chunks: &Chunks, m: usize, unit: usize, panels: usize, threads: usize) -> bool {
+    if !chunks.by_row || chunks.count() < 2 || panels < threads {
+        return false;
+    }
+    let blocks = |rows: usize| rows.div_ceil(unit.max(1));
+    let by_rows = (0..chunks.count())
+        .map(|c| blocks(chunks.get(c).1))
+        .max()
+        .unwrap_or(0)
+        * panels;
+    blocks(m) * panels.div_ceil(threads) < by_rows
+}
+
 /// The work items of a GEMM of `m` rows in chunks of about `rows` made of whole `unit`s (the
 /// kernel's rows per block, [`Chunks`]) over `panels` column panels ([`work_split`]), in
 /// parallel: each item's rows (m0, mr) and panels [p0, p1). Where the workers' shares of rows
 /// would be under [`MIN_WORKER_ROWS`] and there are four panels a worker or more, one chunk of
-/// every row, its panels split among them.
+/// every row, its panels split among them; the same where the kernel pads a partial `unit` of
+/// rows to a whole one (`padded`) and that split multiplies fewer blocks ([`panels_cheaper`]).
 pub(super) fn work_items(
     m: usize,
     (rows, unit): (usize, usize),
     panels: usize,
     threads: usize,
+    padded: bool,
 ) -> impl IndexedParallelIterator<Item = ((usize, usize), (usize, usize))> {
     let chunks = Chunks::new(m, rows, unit, threads);
-    let few = chunks.count() > 1 && m < MIN_WORKER_ROWS * threads && panels >= 4 * threads;
+    let few = (chunks.count() > 1 && m < MIN_WORKER_ROWS * threads && panels >= 4 * threads)
+        || (padded && panels_cheaper(&chunks, m, unit, panels, threads));
     let (chunks, splits) = if few {
         (Chunks::new(m, m, unit, 1), threads)
     } else {
@@ -683,7 +704,16 @@ pub(super) fn conv2d_pairs<T: Elem>(
     // the time, the stride-2 one over 1024 (gathered anyway) 0.90–0.95×, those over 1024
     // channels copied 0.94–1.04×.
     let lda = engine.lda(kp);
-    work_items(m, units, b.panels(), threads).for_each(|((m0, mr), (p0, p1))| {
+    // Split by panels where AMX would pad the workers' rows (`panels_cheaper`), only where
+    // A is read in place: each work item gathers (or copies) its own rows of A, so every
+    // worker would gather all of them. On an Emerald Rapids Xeon (2 vCPU, `bench/ab.py
+    // --kernel`, 6 rounds) ResNet-50's 3×3 256 → 256 at 14², batch 1, read level so (0.98×,
+    // gathering twice), and so did its 1×1 1024 → 256 there (1.01×); ViT-B/16 BF16 at batch
+    // 1 (197 tokens) took 0.935× the time in its linear layers (kernel total over attention,
+    // 5 of 6 rounds) and 0.86× the step (7 of 8).
+    let in_place = prologue.is_none() && is_pointwise(c) && c.in_channels == kp && lda == kp;
+    let padded = engine == bf16_gemm::Engine::Amx && in_place;
+    work_items(m, units, b.panels(), threads, padded).for_each(|((m0, mr), (p0, p1))| {
         PAIR_COLUMNS.with_borrow_mut(|cols| {
             let a = match prologue {
                 Some(pro) => {
@@ -1195,7 +1225,7 @@ fn conv2d_dense<T: Elem>(
     assert!(y.len() >= m * cout, "conv2d output buffer too small");
     let out = TilePtr(y.as_mut_ptr());
     let units = (rows, sgemm::tile_rows());
-    work_items(m, units, p.groups[0].panels(), threads).for_each(|((m0, mr), panels)| {
+    work_items(m, units, p.groups[0].panels(), threads, false).for_each(|((m0, mr), panels)| {
         SCRATCH.with(|s| {
             let (cols, res) = &mut *s.borrow_mut();
             let a: &[f32] = match (direct, prologue) {
@@ -1314,23 +1344,11 @@ mod tests {
     /// keeps its usual panel split.
     #[test]
     fn few_rows_split_the_panels() {
-        let items = |m, rows, unit, panels, threads| {
-            let mut v: Vec<_> = work_items(m, (rows, unit), panels, threads).collect();
-            v.sort();
-            let mut seen = vec![0u8; m * panels];
-            for &((m0, mr), (p0, p1)) in &v {
-                for r in m0..m0 + mr {
-                    for p in p0..p1 {
-                        seen[r * panels + p] += 1;
-                    }
-                }
-            }
-            assert!(
-                seen.iter().all(|&n| n == 1),
-                "{m} rows, {panels} panels: {v:?}"
-            );
-            v
-        };
+        let items =
+            |m, rows, unit, panels, threads| items_padded(m, rows, unit, panels, threads, false);
+        for (m, panels, threads) in [(49, 1, 2), (63, 3, 2), (64, 5, 2), (100, 7, 4), (1, 9, 3)] {
+            items(m, 24, 6, panels, threads);
+        }
         assert_eq!(
             items(49, 96, 14, 16, 2),
             [((0, 49), (0, 8)), ((0, 49), (8, 16))]
@@ -1347,9 +1365,52 @@ mod tests {
             items(49, 96, 14, 7, 2),
             [((0, 24), (0, 7)), ((24, 25), (0, 7))]
         );
-        for (m, panels, threads) in [(49, 1, 2), (63, 3, 2), (64, 5, 2), (100, 7, 4), (1, 9, 3)] {
-            items(m, 24, 6, panels, threads);
+    }
+
+    /// Where a partial block of rows costs a whole one (AMX's 32), rows that would leave each
+    /// worker a partial block (197: 98 and 99, four blocks each) go to every worker with half
+    /// the panels (seven blocks each); rows in whole blocks (192: three each) stay split by
+    /// rows, and so do the same 197 rows where partial blocks cost their rows alone.
+    #[test]
+    fn padded_blocks_split_the_panels_where_that_multiplies_less() {
+        assert_eq!(
+            items_padded(197, 256, 32, 144, 2, true),
+            [((0, 197), (0, 72)), ((0, 197), (72, 144))]
+        );
+        assert_eq!(
+            items_padded(192, 256, 32, 144, 2, true),
+            [((0, 96), (0, 144)), ((96, 96), (0, 144))]
+        );
+        assert_eq!(
+            items_padded(197, 256, 32, 144, 2, false),
+            [((0, 98), (0, 144)), ((98, 99), (0, 144))]
+        );
+    }
+
+    /// [`work_items`] sorted, each (row, panel) checked to be covered once.
+    fn items_padded(
+        m: usize,
+        rows: usize,
+        unit: usize,
+        panels: usize,
+        threads: usize,
+        padded: bool,
+    ) -> Vec<((usize, usize), (usize, usize))> {
+        let mut v: Vec<_> = work_items(m, (rows, unit), panels, threads, padded).collect();
+        v.sort();
+        let mut seen = vec![0u8; m * panels];
+        for &((m0, mr), (p0, p1)) in &v {
+            for r in m0..m0 + mr {
+                for p in p0..p1 {
+                    seen[r * panels + p] += 1;
+                }
+            }
         }
+        assert!(
+            seen.iter().all(|&n| n == 1),
+            "{m} rows, {panels} panels: {v:?}"
+        );
+        v
     }
 
     /// Even chunks: whole units, sizes within one unit of each other, in a multiple of the

@@ -253,7 +253,7 @@ fn tiles(job: &Job<'_, bf16, PackedPairs>, threads: usize) {
     let (kp, cout) = (b.kp(), c.out_channels);
     let m = job.ys.n * job.ys.h * job.ys.w;
     let units = (chunk_rows(m, kp), Engine::Amx.row_unit());
-    work_items(m, units, b.panels(), threads).for_each(|((m0, mr), (p0, p1))| {
+    work_items(m, units, b.panels(), threads, true).for_each(|((m0, mr), (p0, p1))| {
         TILE_ROWS.with_borrow_mut(|a| {
             // Every row is gathered below, its K padding written with it.
             a.reuse(mr * kp);
@@ -590,7 +590,7 @@ impl<'a, E: Sync, B: Sync> Job<'a, E, B> {
     ) {
         let m = self.ys.n * self.ys.h * self.ys.w;
         let units = (chunk_rows(m, k), crate::backend::cpu::sgemm::tile_rows());
-        work_items(m, units, panels, threads).for_each(|((m0, mr), panels)| {
+        work_items(m, units, panels, threads, false).for_each(|((m0, mr), panels)| {
             // SAFETY: the CPU's, the caller's; this work item's rows and panels of the
             // output are its own (`work_items`).
             unsafe { rows(self, m0, mr, panels) };
