@@ -667,6 +667,24 @@ fn bf16_pairs_are_chosen_by_a_cached_probe() {
     assert_eq!(kept[0]["small_k_reach"], 16, "{kept}");
 }
 
+/// A seeded normal input of `shape` (NCHW) with a NaN at pixel (5, 5) of the first image's
+/// first channel, written to `dir`/x.safetensors; with the path an output may go to.
+fn input_with_a_nan(
+    dir: &std::path::Path,
+    seed: u64,
+    shape: [usize; 4],
+) -> (
+    workshop::model::Tensor,
+    std::path::PathBuf,
+    std::path::PathBuf,
+) {
+    let (xpath, ypath) = (dir.join("x.safetensors"), dir.join("y.safetensors"));
+    let mut x = Rng::new(seed).normal_tensor(shape.to_vec());
+    x.data[5 * shape[3] + 5] = f32::NAN;
+    write_tensors(&xpath, &[("input", &x)]).unwrap();
+    (x, xpath, ypath)
+}
+
 /// A NaN in the input reaches the logits as in IEEE arithmetic and PyTorch (ReLU and max
 /// pooling used to turn it into a number), on every backend, and `infer` says the logits are
 /// not finite; the other image of the batch is untouched (issue 27, class 10).
@@ -674,11 +692,7 @@ fn bf16_pairs_are_chosen_by_a_cached_probe() {
 fn a_nan_in_the_input_reaches_the_logits_and_is_said() {
     use workshop::backend::BackendKind;
     let dir = tempfile::tempdir().unwrap();
-    let xpath = dir.path().join("x.safetensors");
-    let ypath = dir.path().join("y.safetensors");
-    let mut x = Rng::new(3).normal_tensor(vec![2, 3, 32, 32]);
-    x.data[5 * 32 + 5] = f32::NAN;
-    write_tensors(&xpath, &[("input", &x)]).unwrap();
+    let (x, xpath, ypath) = input_with_a_nan(dir.path(), 3, [2, 3, 32, 32]);
     let graph = zoo::build("resnet18").unwrap();
     let w = Weights::init(&graph, 0);
     let expected = reference::forward(&graph.plan(2, 32, 32).unwrap(), &w, &x);
@@ -738,11 +752,7 @@ fn a_nan_in_the_input_reaches_the_logits_and_is_said() {
 #[test]
 fn a_nan_survives_wgpu_on_every_graphics_api() {
     let dir = tempfile::tempdir().unwrap();
-    let xpath = dir.path().join("x.safetensors");
-    let ypath = dir.path().join("y.safetensors");
-    let mut x = Rng::new(5).normal_tensor(vec![1, 3, 12, 12]);
-    x.data[5 * 12 + 5] = f32::NAN;
-    write_tensors(&xpath, &[("input", &x)]).unwrap();
+    let (_, xpath, ypath) = input_with_a_nan(dir.path(), 5, [1, 3, 12, 12]);
     let nans = |api: Option<&str>, backend: &str, chain: &str| {
         let mut cmd = crate::common::command();
         if let Some(api) = api {

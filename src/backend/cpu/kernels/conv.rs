@@ -446,10 +446,11 @@ pub(super) fn panel_range(panels: usize, splits: usize, s: usize) -> (usize, usi
 const MIN_WORKER_ROWS: usize = 32;
 
 /// Whether `m` rows dealt out one chunk a worker (`chunks`, [`Chunks`]' rows one by one) cost
-/// more blocks than every worker taking every row and its share of the `panels`, where a
-/// block's rows are padded to a whole `unit` (AMX's 32): 197 rows (ViT's tokens at batch 1, or
-/// a 14² layer's 196) made 98 and 99, four blocks a worker, where all of them are seven blocks
-/// for half the panels each — an eighth less multiplied.
+/// an eighth more blocks or more than every worker taking every row and its share of the
+/// `panels`, where a block's rows are padded to a whole `unit` (AMX's 32): 197 rows (ViT's
+/// tokens at batch 1, or a 14² layer's 196) made 98 and 99, four blocks a worker, where all of
+/// them are seven blocks for half the panels each. Smaller savings (784 rows: 13 blocks a
+/// worker or 25 for half the panels) are not worth every worker reading all of A.
 fn panels_cheaper(chunks: &Chunks, m: usize, unit: usize, panels: usize, threads: usize) -> bool {
     if !chunks.by_row || chunks.count() < 2 || panels < threads {
         return false;
@@ -460,7 +461,7 @@ fn panels_cheaper(chunks: &Chunks, m: usize, unit: usize, panels: usize, threads
         .max()
         .unwrap_or(0)
         * panels;
-    blocks(m) * panels.div_ceil(threads) < by_rows
+    blocks(m) * panels.div_ceil(threads) * 8 <= by_rows * 7
 }
 
 /// The work items of a GEMM of `m` rows in chunks of about `rows` made of whole `unit`s (the
@@ -1369,8 +1370,9 @@ mod tests {
 
     /// Where a partial block of rows costs a whole one (AMX's 32), rows that would leave each
     /// worker a partial block (197: 98 and 99, four blocks each) go to every worker with half
-    /// the panels (seven blocks each); rows in whole blocks (192: three each) stay split by
-    /// rows, and so do the same 197 rows where partial blocks cost their rows alone.
+    /// the panels (seven blocks each); rows in whole blocks (192: three each), rows whose split
+    /// saves less than an eighth (784: 13 blocks each against 25), and the same 197 rows where
+    /// partial blocks cost their rows alone stay split by rows.
     #[test]
     fn padded_blocks_split_the_panels_where_that_multiplies_less() {
         assert_eq!(
@@ -1380,6 +1382,10 @@ mod tests {
         assert_eq!(
             items_padded(192, 256, 32, 144, 2, true),
             [((0, 96), (0, 144)), ((96, 96), (0, 144))]
+        );
+        assert_eq!(
+            items_padded(784, 392, 32, 16, 2, true),
+            [((0, 392), (0, 16)), ((392, 392), (0, 16))]
         );
         assert_eq!(
             items_padded(197, 256, 32, 144, 2, false),
