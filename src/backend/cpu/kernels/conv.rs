@@ -1375,22 +1375,27 @@ mod tests {
     /// partial blocks cost their rows alone stay split by rows.
     #[test]
     fn padded_blocks_split_the_panels_where_that_multiplies_less() {
-        assert_eq!(
-            items_padded(197, 256, 32, 144, 2, true),
-            [((0, 197), (0, 72)), ((0, 197), (72, 144))]
-        );
-        assert_eq!(
-            items_padded(192, 256, 32, 144, 2, true),
-            [((0, 96), (0, 144)), ((96, 96), (0, 144))]
-        );
-        assert_eq!(
-            items_padded(784, 392, 32, 16, 2, true),
-            [((0, 392), (0, 16)), ((392, 392), (0, 16))]
-        );
-        assert_eq!(
-            items_padded(197, 256, 32, 144, 2, false),
-            [((0, 98), (0, 144)), ((98, 99), (0, 144))]
-        );
+        // (rows, chunk rows, panels, padded) → the two workers' items.
+        for ((m, rows, panels, padded), want) in [
+            (
+                (197, 256, 144, true),
+                [((0, 197), (0, 72)), ((0, 197), (72, 144))],
+            ),
+            (
+                (192, 256, 144, true),
+                [((0, 96), (0, 144)), ((96, 96), (0, 144))],
+            ),
+            (
+                (784, 392, 16, true),
+                [((0, 392), (0, 16)), ((392, 392), (0, 16))],
+            ),
+            (
+                (197, 256, 144, false),
+                [((0, 98), (0, 144)), ((98, 99), (0, 144))],
+            ),
+        ] {
+            assert_eq!(items_padded(m, rows, 32, panels, 2, padded), want);
+        }
     }
 
     /// [`work_items`] sorted, each (row, panel) checked to be covered once.

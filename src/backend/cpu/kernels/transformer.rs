@@ -796,9 +796,10 @@ impl<T: Elem> OnHead<'_, T> {
             probs,
             ..
         } = self.scratch;
-        // The tiles where the CPU has them: ViT-B/16 BF16 at batch 8 on 2 Sapphire Rapids
-        // cores, 20 steps alternating in one process, spent 0.64× the time in attention with
-        // both products on AMX rather than `vdpbf16ps` (the step 0.89×).
+        // The tiles where the CPU has them (heads of whole K steps go to `on_tiles` there, so
+        // here only other head sizes): ViT-B/16 BF16 at batch 8 on 2 Sapphire Rapids cores,
+        // 20 steps alternating in one process, spent 0.64× the time in attention with both
+        // products on AMX rather than `vdpbf16ps` (the step 0.89×).
         let engine = Engine::in_use().unwrap_or(Engine::Dot);
         // Keys as B (dh × T): panel p, pair row r holds k[2r], k[2r + 1] of tokens 16p.. —
         // one 32-bit copy of each token's pair.
