@@ -155,7 +155,8 @@ pub struct OverResidual {
 }
 
 impl OverResidual {
-    /// Whether FP32 layers with a residual should write their output over it.
+    /// Whether layers with a residual (FP32 in one K block, BF16 on pairs) should write their
+    /// output over it.
     pub fn pays(self) -> bool {
         self.over_apart <= OVER_RESIDUAL_FROM
     }
@@ -163,8 +164,8 @@ impl OverResidual {
     /// What was chosen and why, for `doctor`.
     pub fn describe(self) -> String {
         let chose = match self.pays() {
-            true => "FP32 layers with a residual write their output over it",
-            false => "FP32 layers with a residual write their output apart from it",
+            true => "layers with a residual write their output over it",
+            false => "layers with a residual write their output apart from it",
         };
         format!(
             "{chose}: over it took {:.2}× the time here (measured once, kept in {CACHE_FILE})",

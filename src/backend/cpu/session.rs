@@ -1089,8 +1089,8 @@ fn squeezes<T: Elem>(plan: &Plan, steps: &[NodeKernel<T>]) -> Vec<bool> {
 
 /// Which layers write their output over their residual's buffer
 /// ([`kernels::conv2d_over_residual`]): a convolution whose residual (its second input, not
-/// also its first) it reads last, which the kernels can run so, where the CPU's probe says it
-/// pays (`pays`, asked only where some layer could).
+/// also its first) it reads last, which the kernels can run so (FP32 in one K block, or bf16
+/// pairs), where the CPU's probe says it pays (`pays`, asked only where some layer could).
 fn over_residuals<T: Elem>(
     plan: &Plan,
     steps: &[NodeKernel<T>],
@@ -1551,7 +1551,7 @@ mod tests {
     /// ResNet-50's bottlenecks' residual layers (FP32 1×1, one K block, the residual read last)
     /// write their output over their residual where the probe says it pays, and the network's
     /// output is the same bit for bit as with every output apart, the batch whole and in tiles
-    /// of one image; nothing does where it does not pay, and a BF16 session never asks.
+    /// of one image; nothing does where it does not pay. BF16 on bf16 pairs alike.
     #[test]
     fn over_residuals_change_nothing() {
         let graph = zoo::build("resnet50").unwrap();
@@ -1593,16 +1593,34 @@ mod tests {
                 (written.data.iter().zip(&apart.data)).all(|(a, b)| a.to_bits() == b.to_bits());
             assert!(same, "tiles {:?}", session.split.is_some());
         }
+        // BF16: where its layers multiply bf16 pairs (AMX, AVX512_BF16) the same 16 write over
+        // their residual, bit for bit as apart; where they widen to the FP32 GEMM (bf16
+        // storage, more than one K block's partial sums) none can, and the probe is not asked.
         let pool = worker_pool(2, Vec::new()).unwrap();
         let opt = ExecOptions {
             precision: crate::model::Precision::Bf16,
             ..ExecOptions::default()
         };
-        let bf16 =
+        let mut bf16 =
             CpuSession::<half::bf16>::new(&plan, &weights, pool, 2, &opt, &mut Donor::default())
                 .unwrap();
-        let asked = over_residuals(&plan, &bf16.steps, || panic!("asked the probe"));
-        assert!(!asked.contains(&true));
+        let pairs = crate::backend::cpu::bf16_gemm::Engine::in_use().is_some();
+        let over = over_residuals(&plan, &bf16.steps, || {
+            assert!(pairs, "asked the probe without bf16 pairs");
+            true
+        });
+        let count = over.iter().filter(|&&o| o).count();
+        assert_eq!(count, if pairs { 16 } else { 0 });
+        let run = |s: &mut CpuSession<half::bf16>| {
+            s.run(&input).unwrap();
+            s.read_output().unwrap()
+        };
+        bf16.over_residual = vec![false; over.len()];
+        let apart = run(&mut bf16);
+        bf16.over_residual = over;
+        let written = run(&mut bf16);
+        let same = (written.data.iter().zip(&apart.data)).all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "BF16 over its residuals");
     }
 
     /// Every schedule max-autotune may pick names its split, and runs it: ResNet-18 at batch 5,

@@ -76,6 +76,11 @@ unsafe impl<T> Send for TilePtr<T> {}
 unsafe impl<T> Sync for TilePtr<T> {}
 
 impl<T> TilePtr<T> {
+    /// A pointer read through, never written (a residual's), shared between workers alike.
+    pub(super) fn from_const(p: *const T) -> Self {
+        TilePtr(p.cast_mut())
+    }
+
     /// The element `i` past the base (a method, so that closures capture the whole `TilePtr`).
     ///
     /// # Safety
@@ -679,9 +684,6 @@ pub(super) fn conv2d_pairs<T: Elem>(
     (prologue, epilogue): (Option<&Prologue<'_>>, &Epilogue<'_, T>),
 ) {
     let c = &p.conv;
-    let residual = epilogue
-        .residual
-        .map(|r| T::as_bf16(r).expect("bf16-pair layers store bf16"));
     let act = epilogue.act;
     let (k, kp) = (b.k, b.kp());
     let m = ys.n * ys.h * ys.w;
@@ -694,6 +696,12 @@ pub(super) fn conv2d_pairs<T: Elem>(
             .expect("bf16-pair layers store bf16")
             .as_mut_ptr(),
     );
+    // Over its residual, a layer reads each value where it stores its own (`Finished`).
+    let residual = match epilogue.residual {
+        Some(r) => Some(T::as_bf16(r).expect("bf16-pair layers store bf16").as_ptr()),
+        None => epilogue.in_output.then_some(out.0.cast_const()),
+    };
+    let residual = residual.map(TilePtr::from_const);
     // AMX's blocks are 32 rows: chunks of 14-row units (the FP32 tile's) left most chunks a
     // last block to copy and pad, 30 of its 32 rows zeros in chunks of 98 rows (3×3 layers
     // over 128 channels and more). ResNet-50 BF16 at batch 8 on 2 Sapphire Rapids cores, 30
@@ -727,7 +735,7 @@ pub(super) fn conv2d_pairs<T: Elem>(
                 }
                 None => pair_rows(c, (x, xs, ys), (m0, mr), (kp, lda), cols),
             };
-            let ends = (out, residual);
+            let ends = (out, residual.map(|r| r.0.cast_const()));
             // SAFETY: pair packings exist only where `simd()` chose an engine; A has mr rows
             // of kp values lda apart (zeros past K: gathered so, or K = kp); rows m0..m0 + mr,
             // columns of panels p0..p1 of y (and the residual) are this work item's alone.
@@ -849,14 +857,14 @@ pub(super) unsafe fn pairs_finished(
     b: &PackedPairs,
     (m0, mr): (usize, usize),
     (p0, p1): (usize, usize),
-    (out, residual): (TilePtr<bf16>, Option<&[bf16]>),
+    (out, residual): (TilePtr<bf16>, Option<*const bf16>),
     act: Act,
 ) {
     let (cout, col0) = (b.n, p0 * bf16_gemm::PANEL);
     let finished = bf16_gemm::Finished {
         // SAFETY: row m0 and column col0 are inside the output (the contract).
         out: unsafe { out.add(m0 * cout + col0) },
-        residual: residual.map(|r| r.as_ptr().wrapping_add(m0 * cout + col0)),
+        residual: residual.map(|r| r.wrapping_add(m0 * cout + col0)),
         ld: cout,
         act,
     };
@@ -987,12 +995,19 @@ pub fn conv2d_squeezed<T: Elem>(
     false
 }
 
-/// Whether [`conv2d_over_residual`] can run this layer: f32 storage on the im2col (or 1×1)
-/// GEMM, not Winograd's, a stem's direct kernel or bf16 pairs, whose K fits in one block (a
-/// later block would read partial sums where the residual was).
+/// Whether [`conv2d_over_residual`] can run this layer: one on bf16 pairs (not a stem), whose
+/// blocks are finished once, over all of K; or f32 storage on the im2col (or 1×1) GEMM, not
+/// Winograd's or a stem's direct kernel, whose K fits in one block (a later block would read
+/// partial sums where the residual was).
 pub fn writes_over_residual<T: Elem>(p: &PackedConv<T>) -> bool {
     let c = &p.conv;
     let k_g = c.kernel.0 * c.kernel.1 * (c.in_channels / c.groups.max(1));
+    if p.pairs.is_some() {
+        return p.depthwise.is_none()
+            && p.grouped.is_none()
+            && p.winograd.is_none()
+            && !super::stem::is_stem(c);
+    }
     T::IS_F32
         && p.winograd.is_none()
         && p.pairs.is_none()

@@ -558,7 +558,7 @@ fn pairs_band<T: Elem>(
                 // SAFETY: as above; rows `rows` of `y` (and of the residual) are this work
                 // item's.
                 unsafe {
-                    let ends = (out, residual);
+                    let ends = (out, residual.map(<[bf16]>::as_ptr));
                     super::pairs_finished(engine, (a, lda), b, rows, (0, b.panels()), ends, act)
                 };
             }

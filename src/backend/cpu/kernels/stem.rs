@@ -269,7 +269,7 @@ fn tiles(job: &Job<'_, bf16, PackedPairs>, threads: usize) {
             // SAFETY: one panel asked for, so `gather` runs once per group of pixels, each
             // window read as `rows` promises; the rows written are this item's.
             unsafe { rows(job, m0, mr, (p0, p0 + 1), gather) };
-            let ends = (job.out, job.residual);
+            let ends = (job.out, job.residual.map(<[bf16]>::as_ptr));
             // SAFETY: the engine in use is AMX; A has mr rows of kp values, zeros past K (B is
             // packed to AMX's step, `pack`); the item's rows and panels' columns are its own.
             unsafe { pairs_finished(Engine::Amx, (a, kp), b, (m0, mr), (p0, p1), ends, c.act) };
