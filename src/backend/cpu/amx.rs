@@ -113,6 +113,49 @@ pub(super) unsafe fn block(
     c: *mut f32,
     ldc: usize,
 ) {
+    // Rows closer than a line (the implicit stem's, a few values apart) share their lines,
+    // which the hardware's own prefetchers follow: none asked for there.
+    let ahead = (lda >= KSTEP).then_some(a_step);
+    // SAFETY: the caller's contract, step s at s · a_step.
+    unsafe { steps(a, lda, |s| s * a_step, ahead, b, (p, pair), (c, ldc)) }
+}
+
+/// [`block`] with step s's 32 values of A at `at(s)` values after each row's first, wherever
+/// they lie: a direct convolution's taps, each a run of its input's channels
+/// ([`super::kernels`]' direct 3×3 layers, rows one pixel apart). No lines are asked for ahead
+/// of the loads there: its rows share lines, and a tap's are the input's, read again by the
+/// taps after it.
+///
+/// # Safety
+/// As for [`block`], with 32 readable values at `at(s)` in each of A's rows for s <
+/// `b.kp() / KSTEP`.
+pub(super) unsafe fn block_at(
+    a: *const bf16,
+    lda: usize,
+    at: impl Fn(usize) -> usize,
+    b: &PackedPairs,
+    (p, pair): (usize, bool),
+    (c, ldc): (*mut f32, usize),
+) {
+    // SAFETY: the caller's contract.
+    unsafe { steps(a, lda, at, None, b, (p, pair), (c, ldc)) }
+}
+
+/// The body of [`block`] and [`block_at`]: step s's A at `at(s)`; where `ahead` is the step's
+/// stride, the lines of step s + 2 are asked for ([`prefetch_a`]).
+///
+/// # Safety
+/// As for [`block_at`].
+#[inline(always)]
+unsafe fn steps(
+    a: *const bf16,
+    lda: usize,
+    at: impl Fn(usize) -> usize,
+    ahead: Option<usize>,
+    b: &PackedPairs,
+    (p, pair): (usize, bool),
+    (c, ldc): (*mut f32, usize),
+) {
     use std::arch::asm;
     let kp = b.kp();
     let panel = |q: usize| b.panel(q).as_ptr();
@@ -133,8 +176,10 @@ pub(super) unsafe fn block(
                 options(nostack, nomem)
             );
             for (s, k0) in (0..kp).step_by(KSTEP).enumerate() {
-                prefetch_a(a, (lda, a_step), s, kp / KSTEP);
-                let at = s * a_step;
+                if let Some(a_step) = ahead {
+                    prefetch_a(a, (lda, a_step), s, kp / KSTEP);
+                }
+                let at = at(s);
                 asm!(
                     "tileloadd tmm4, [{a0} + {sa}*1]",
                     "tileloadd tmm5, [{a1} + {sa}*1]",
@@ -162,8 +207,10 @@ pub(super) unsafe fn block(
         } else {
             asm!("tilezero tmm0", "tilezero tmm2", options(nostack, nomem));
             for (s, k0) in (0..kp).step_by(KSTEP).enumerate() {
-                prefetch_a(a, (lda, a_step), s, kp / KSTEP);
-                let at = s * a_step;
+                if let Some(a_step) = ahead {
+                    prefetch_a(a, (lda, a_step), s, kp / KSTEP);
+                }
+                let at = at(s);
                 asm!(
                     "tileloadd tmm4, [{a0} + {sa}*1]",
                     "tileloadd tmm5, [{a1} + {sa}*1]",
@@ -258,16 +305,13 @@ pub(super) unsafe fn resident(b: &PackedPairs, p: usize, pair: bool, c: *mut f32
 /// Measured again once A's rows sat on cache lines (40 steps): those layers' medians still
 /// 0.86–0.98× with them.
 ///
-/// Rows closer than a line (the implicit stem's, a few values apart) share their lines,
-/// which the hardware's own prefetchers follow: none asked for there.
-///
 /// # Safety
 /// `a` is as [`block`] takes it, with `steps` steps (a prefetch past them would not fault,
 /// but none is issued).
 #[inline(always)]
 unsafe fn prefetch_a(a: *const bf16, (lda, a_step): (usize, usize), s: usize, steps: usize) {
     use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-    if s + 2 < steps && lda >= KSTEP {
+    if s + 2 < steps {
         let ahead = (s + 2) * a_step;
         for r in 0..32 {
             // SAFETY: row r's step s + 2 is inside A (the contract).

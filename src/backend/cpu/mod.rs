@@ -88,6 +88,7 @@ pub fn source_hash() -> u64 {
             "kernels/conv.rs",
             "kernels/decoder.rs",
             "kernels/depthwise.rs",
+            "kernels/direct.rs",
             "kernels/elementwise.rs",
             "kernels/grouped.rs",
             "kernels/im2col.rs",

@@ -13,7 +13,8 @@
 //!
 //! One file per op family: `conv.rs` (im2col + GEMM convolutions and their work split),
 //! `im2col.rs`, `stem.rs` (BF16 convolutions of a few input channels on bf16 pairs read in
-//! place, no gather), `depthwise.rs`, `grouped.rs` (3×3 layers of 2 to 32 channels a group,
+//! place, no gather), `direct.rs` (BF16 stride-1 windows on AMX's tiles read from a
+//! zero-bordered copy of the input, no gather), `depthwise.rs`, `grouped.rs` (3×3 layers of 2 to 32 channels a group,
 //! direct), `elementwise.rs` (batch norm's affine map, clamps, adds),
 //! `pool.rs`, `layout.rs` (NCHW ↔ NHWC), `linear.rs` (linear layers and softmax),
 //! `transformer.rs` (layer norm, GELU, class token, positions, fused attention on tokens),
@@ -24,6 +25,7 @@ mod activation;
 mod conv;
 mod decoder;
 mod depthwise;
+mod direct;
 mod elementwise;
 mod grouped;
 mod im2col;
