@@ -1012,20 +1012,14 @@ pub fn conv2d_squeezed<T: Elem>(
 /// partial sums where the residual was).
 pub fn writes_over_residual<T: Elem>(p: &PackedConv<T>) -> bool {
     let c = &p.conv;
-    let k_g = c.kernel.0 * c.kernel.1 * (c.in_channels / c.groups.max(1));
-    if p.pairs.is_some() {
-        return p.depthwise.is_none()
-            && p.grouped.is_none()
-            && p.winograd.is_none()
-            && !super::stem::is_stem(c);
-    }
-    T::IS_F32
-        && p.winograd.is_none()
-        && p.pairs.is_none()
-        && p.depthwise.is_none()
-        && p.grouped.is_none()
-        && !super::stem::runs_f32(c)
-        && sgemm::one_k_block(k_g)
+    let runs = match p.pairs {
+        Some(_) => !super::stem::is_stem(c),
+        None => {
+            let k_g = c.kernel.0 * c.kernel.1 * (c.in_channels / c.groups.max(1));
+            T::IS_F32 && !super::stem::runs_f32(c) && sgemm::one_k_block(k_g)
+        }
+    };
+    runs && p.winograd.is_none() && p.depthwise.is_none() && p.grouped.is_none()
 }
 
 /// [`conv2d`] with a residual whose buffer is the output `y`: `y` holds the residual (NHWC,

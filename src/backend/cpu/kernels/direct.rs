@@ -125,19 +125,19 @@ pub(super) unsafe fn conv2d(
         .collect();
     let blocks = (ys.h * pad.wp).div_ceil(BLOCK_ROWS);
     let m = xs.n * blocks * BLOCK_ROWS;
-    let finished = Finished {
-        out: y.0,
-        residual: residual.map(|r| r.0.cast_const()),
-        ld: cout,
-        act,
-    };
-    let finished = FinishedPtr(finished);
     PADDED.with_borrow_mut(|buf| {
         pad_input(c, x, xs, pad, buf);
         let xp: &[bf16] = &buf[..];
         let items = work_items(m, (rows, BLOCK_ROWS), b.panels(), threads, false);
         items.for_each(|((m0, mr), (p0, p1))| {
-            let finished = &finished;
+            let finished = Finished {
+                // SAFETY: the output's first value (through the method, so that the closure
+                // captures the whole, shareable `TilePtr`).
+                out: unsafe { y.add(0) },
+                residual: residual.map(|r| r.0.cast_const()),
+                ld: cout,
+                act,
+            };
             let mut sums = CBlock::default();
             // SAFETY: AMX is the engine in use (`fits`).
             unsafe { amx::configure() };
@@ -176,7 +176,7 @@ pub(super) unsafe fn conv2d(
                         };
                         // SAFETY: an AMX CPU has AVX-512 and AVX512_BF16; the run's pixels
                         // and the panels' columns are this work item's (the contract).
-                        unsafe { done.finish(finished.0) };
+                        unsafe { done.finish(finished) };
                         r += run;
                     }
                 }
@@ -187,12 +187,6 @@ pub(super) unsafe fn conv2d(
         });
     });
 }
-
-/// [`Finished`] shared by the work items, each storing its own pixels and columns.
-struct FinishedPtr(Finished);
-// SAFETY: the work items write disjoint (pixel × column) parts of the output through it and
-// read the residual's values only where they write theirs.
-unsafe impl Sync for FinishedPtr {}
 
 #[cfg(test)]
 mod tests {
