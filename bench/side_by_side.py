@@ -24,9 +24,10 @@ rounds, the ratio ours / the best other of those medians, the same ratio round b
 (median, range, and in how many rounds ours led: the medians of two columns can come from
 different phases of a host whose speed swings, the rounds' ratios compare runs seconds
 apart) with a verdict on `--target` (1.2× unless told: met, not met, or inconclusive, by a sign
-test of the rounds at or above it against those below, as bench/ab.py judges two builds), the same round by round from each run's fastest iteration (its least disturbed one:
-a shared host's noise only adds time, and on a 2-vCPU VM one engine's median moved 1.5× between
-rounds a minute apart while its fastest iteration held), each side's effective GFLOP/s (the
+test of the rounds at or above it against those below, as bench/ab.py judges two builds), the
+same round by round from each run's fastest iteration (its least disturbed one: a shared host's
+noise only adds time, and on a 2-vCPU VM one engine's median moved 1.5× between rounds a minute
+apart while its fastest iteration held), each side's effective GFLOP/s (the
 network's conv and linear MACs × 2 per second, whatever algorithm ran: Winograd's layers count
 their direct convolution's FLOPs) as a share of the machine's measured GEMM peak in that
 precision (`workshop peak --precision P`, measured once per precision at the start) and of

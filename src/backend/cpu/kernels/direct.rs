@@ -211,16 +211,9 @@ mod tests {
         ];
         for (n, h, w, cin, cout, k, pad) in cases {
             let c = Conv2d {
-                in_channels: cin,
-                out_channels: cout,
-                kernel: (k, k),
-                stride: (1, 1),
-                padding: (pad, pad),
-                dilation: (1, 1),
-                groups: 1,
                 bias: true,
-                residual: false,
                 act: Act::Relu,
+                ..Conv2d::new(cin, cout, k, 1, pad)
             };
             let xs = Nhwc { n, h, w, c: cin };
             let ys = Nhwc {
