@@ -758,8 +758,8 @@ fn fused_conv_epilogues(kind: BackendKind) {
 }
 backend_test!(fused_conv_epilogues, cpu, wgpu, cuda, hip);
 
-/// Linear layers with a fused activation (what `--compile default` makes of a transformer MLP's
-/// Linear → GELU): on tokens (70 rows, the tiled GEMM) and on three rows (the few-rows path).
+/// Linear layers with a fused activation or residual add (what `--compile default` makes of a
+/// transformer MLP's Linear → GELU and Linear → add): on tokens (70 rows, the tiled GEMM) and on three rows (the few-rows path).
 fn fused_linear_epilogues(kind: BackendKind) {
     use workshop::model::op::Act;
     for (name, act, shape) in [
@@ -775,8 +775,30 @@ fn fused_linear_epilogues(kind: BackendKind) {
             out_features: 12,
             bias: true,
             act,
+            residual: false,
         };
         let y = g.add_node(name, linear, &[x]);
+        check(kind, &g.finish(y), shape, 3.0);
+    }
+    // A transformer MLP's second layer with the block's residual add fused (and an activation
+    // after it, which no transformer has but the epilogue allows): the residual is the tokens,
+    // read last by this layer, whose buffer the CPU may write the output over.
+    for (name, act, shape) in [
+        ("add_tokens", Act::None, [2, 6, 5, 7]),
+        ("add_relu_rows", Act::Relu, [3, 6, 1, 1]),
+    ] {
+        let mut g = GraphBuilder::new(name, 6, ConvInit::TorchDefault, LinearInit::TorchDefault);
+        let x = g.input();
+        let x = g.add_node("tokens", Op::Tokens, &[x]);
+        let h = g.add_node("fc1", Op::linear(6, 6, true), &[x]);
+        let linear = Op::Linear {
+            in_features: 6,
+            out_features: 6,
+            bias: true,
+            act,
+            residual: true,
+        };
+        let y = g.add_node(name, linear, &[h, x]);
         check(kind, &g.finish(y), shape, 3.0);
     }
 }
@@ -784,7 +806,8 @@ backend_test!(fused_linear_epilogues, cpu, wgpu, cuda, hip);
 
 /// A whole network after the compile passes equals the eager one on the same backend: a
 /// ResNet (batch norms folded, residual adds fused) and a ViT (GELU fused into the MLPs'
-/// first linear layers, layer norms folded into the projections after them).
+/// first linear layers, their residual adds into the second, layer norms folded into the
+/// projections after them).
 fn compiled_network_matches_eager(kind: BackendKind) {
     let vit = workshop::model::zoo::VitConfig {
         image_size: 32,
@@ -804,7 +827,11 @@ fn compiled_network_matches_eager(kind: BackendKind) {
         let (opt, w2, report) = workshop::model::passes::optimize(&graph, &w).unwrap();
         let fused = match family {
             "resnet" => report.fused_adds == 5 && report.folded_batch_norms > 0,
-            _ => report.fused_activations == 2 && report.folded_layer_norms == 4,
+            _ => {
+                report.fused_activations == 2
+                    && report.folded_layer_norms == 4
+                    && report.fused_adds == 2
+            }
         };
         assert!(fused, "{family}: {report:?}");
         let x = Rng::new(4).normal_tensor(vec![2, 3, 32, 32]);

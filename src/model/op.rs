@@ -329,6 +329,9 @@ pub enum Op {
         bias: bool,
         /// Applied to the outputs (compile passes fuse a following activation).
         act: Act,
+        /// A second input of the output's shape, added before the activation (compile passes
+        /// fuse a following residual add, as into a convolution).
+        residual: bool,
     },
     /// (N, C, H, W) → (N, C·H·W), in NCHW order.
     Flatten,
@@ -635,9 +638,11 @@ impl Op {
                 out_features,
                 bias,
                 act,
+                residual,
             } => Some(Conv2d {
                 bias,
                 act,
+                residual,
                 ..Conv2d::new(in_features, out_features, 1, 1, 0)
             }),
             _ => None,
@@ -660,6 +665,7 @@ impl Op {
             out_features,
             bias,
             act: Act::None,
+            residual: false,
         }
     }
 
@@ -708,7 +714,7 @@ impl Op {
             Op::Input { .. } => 0,
             Op::Add | Op::ScaleChannels | Op::Image => 2,
             Op::Concat { parts } => *parts,
-            Op::Conv2d(c) if c.residual => 2,
+            Op::Conv2d(Conv2d { residual: true, .. }) | Op::Linear { residual: true, .. } => 2,
             _ => 1,
         }
     }
@@ -937,10 +943,19 @@ impl Op {
             Op::Linear {
                 in_features,
                 out_features,
+                residual,
                 ..
             } => match inputs[0] {
                 [lead @ .., f] if !lead.is_empty() && f == in_features => {
-                    Ok([lead, &[*out_features]].concat())
+                    let out = [lead, &[*out_features]].concat();
+                    if *residual && inputs.get(1).is_some_and(|r| *r != out.as_slice()) {
+                        return Err(ShapeError(format!(
+                            "linear's residual input has shape {}, its output {}",
+                            fmt_shape(inputs[1]),
+                            fmt_shape(&out)
+                        )));
+                    }
+                    Ok(out)
                 }
                 _ => Err(ShapeError(format!(
                     "linear expects (…, {in_features}), got {}",
@@ -1205,8 +1220,16 @@ impl Op {
                     + if c.residual { n } else { 0 }
                     + epilogue
             }
-            Op::Linear { bias, act, .. } => {
-                2 * self.macs(out) + if *bias { n } else { 0 } + act.flops() * n
+            Op::Linear {
+                bias,
+                act,
+                residual,
+                ..
+            } => {
+                2 * self.macs(out)
+                    + if *bias { n } else { 0 }
+                    + if *residual { n } else { 0 }
+                    + act.flops() * n
             }
             Op::BatchNorm { .. } => 2 * n,
             Op::Relu | Op::Add => n,
@@ -1290,25 +1313,32 @@ impl fmt::Display for Op {
                 } else {
                     String::new()
                 },
-                match (c.residual, c.act) {
-                    (false, Act::None) => String::new(),
-                    (false, act) => format!(" +{}", act.name()),
-                    (true, Act::None) => " +add".into(),
-                    (true, act) => format!(" +add+{}", act.name()),
-                }
+                epilogue_name(c.residual, c.act)
             ),
             Op::Linear {
                 in_features,
                 out_features,
                 act,
+                residual,
                 ..
-            } => match act {
-                Act::None => write!(f, "linear {in_features}→{out_features}"),
-                act => write!(f, "linear {in_features}→{out_features} +{}", act.name()),
-            },
+            } => write!(
+                f,
+                "linear {in_features}→{out_features}{}",
+                epilogue_name(*residual, *act)
+            ),
             Op::Attention { dim, heads } => write!(f, "attention {dim} ×{heads} heads"),
             other => f.write_str(other.kind_name()),
         }
+    }
+}
+
+/// What a GEMM's epilogue fuses, as the op's name shows it: " +add", " +relu", " +add+relu".
+fn epilogue_name(residual: bool, act: Act) -> String {
+    match (residual, act) {
+        (false, Act::None) => String::new(),
+        (false, act) => format!(" +{}", act.name()),
+        (true, Act::None) => " +add".into(),
+        (true, act) => format!(" +add+{}", act.name()),
     }
 }
 

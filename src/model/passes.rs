@@ -1,14 +1,17 @@
 //! Graph passes of `--compile default`: fold every batch norm that follows a convolution into
 //! the convolution's weights and bias, fuse a following activation ([`Act`]: ReLU, ReLU6,
-//! SiLU, hardswish, GELU, sigmoid, hardsigmoid) into a convolution's or linear layer's epilogue
-//! and a residual add into a convolution's, fold a layer norm's weight and bias into the
-//! projection that reads it and a layer scale (ConvNeXt's γ) into the linear layer before it,
-//! and drop eval-mode dropout. The result computes the same function
-//! (up to rounding) with fewer kernels and fewer activation buffers.
+//! SiLU, hardswish, GELU, sigmoid, hardsigmoid) and a residual add into a convolution's or
+//! linear layer's epilogue, fold a layer norm's weight and bias into the projection that reads
+//! it and a layer scale (ConvNeXt's γ) into the linear layer before it, and drop eval-mode
+//! dropout. The result computes the same function (up to rounding) with fewer kernels and
+//! fewer activation buffers.
 //!
 //! A rewrite only happens when nothing else reads the intermediate value; a residual add is
-//! fused into the convolution that runs after the add's other input is ready (in a ResNet
-//! block with a downsample branch, that is the downsample convolution).
+//! fused into the layer that runs after the add's other input is ready (in a ResNet block
+//! with a downsample branch, that is the downsample convolution; in a transformer block, the
+//! MLP's second linear layer). Not through a reshape between them: ConvNeXt's block adds its
+//! residual to an image, and its last linear layer writes tokens (the same bytes on the CPU,
+//! not in a GPU's NCHW).
 
 use super::graph::{Graph, Node, ValueId};
 use super::op::{Act, Conv2d, Op, WindowForm, batch_norm_affine};
@@ -165,6 +168,18 @@ impl Work {
         }
     }
 
+    /// Fuse the residual add of `res` into the convolution or linear layer at `id`.
+    fn set_residual(&mut self, id: ValueId, res: ValueId) {
+        if let Some(n) = self.nodes[id].as_mut() {
+            match &mut n.op {
+                Op::Conv2d(c) => c.residual = true,
+                Op::Linear { residual, .. } => *residual = true,
+                _ => unreachable!("only convolutions and linear layers take a residual"),
+            }
+            n.inputs.push(res);
+        }
+    }
+
     fn set_conv(&mut self, id: ValueId, c: Conv2d) {
         if let Some(n) = self.nodes[id].as_mut() {
             n.op = Op::Conv2d(c);
@@ -261,18 +276,14 @@ pub fn optimize(graph: &Graph, weights: &Weights) -> Result<(Graph, Weights, Pas
             Op::Add => {
                 for (k, other) in [(0, 1), (1, 0)] {
                     let (src, res) = (inputs[k], inputs[other]);
-                    let Some(mut c) = work.fusable_conv(src) else {
+                    let Some(c) = work.fusable_gemm(src) else {
                         continue;
                     };
-                    // The other input must be ready before the convolution runs.
+                    // The other input must be ready before the layer runs.
                     if c.residual || c.act != Act::None || is_depthwise(&c) || res >= src {
                         continue;
                     }
-                    c.residual = true;
-                    work.set_conv(src, c);
-                    if let Some(n) = work.nodes[src].as_mut() {
-                        n.inputs.push(res);
-                    }
+                    work.set_residual(src, res);
                     work.remove(id, src);
                     report.fused_adds += 1;
                     break;
@@ -440,7 +451,8 @@ mod tests {
     }
 
     /// The transformers and the squeeze-and-excitation networks: GELU after linear layers and
-    /// the gates after their 1×1 convolutions fuse, layer norms fold into the projection after
+    /// the gates after their 1×1 convolutions fuse, ViT's residual adds into its MLPs' second
+    /// linear layers, layer norms fold into the projection after
     /// them (never into Swin's padded windows), every layer scale into the linear layer before
     /// it (ConvNeXt's), and the function stays the same with non-trivial layer-norm weights
     /// and layer scales.
@@ -463,14 +475,16 @@ mod tests {
             head_dim: 4,
             partition: 3,
         };
-        // (network, input side, layer norms folded, activations fused)
+        // (network, input side, layer norms folded, activations fused, residual adds fused
+        // into linear layers: ViT's MLPs; the others add theirs to an image, after a reshape)
         let cases = [
-            (zoo::vit_custom("vit", &vit), 32, 4, 2),
+            (zoo::vit_custom("vit", &vit), 32, 4, 2, 2),
             (
                 zoo::convnext_custom("cn", [8, 16, 16, 32], [1, 1, 1, 1], 10),
                 64,
                 4,
                 4,
+                0,
             ),
             // Window 3 pads the 16×16 and 8×8 stages: only the MLPs' norms and the patch
             // mergings' fold.
@@ -479,11 +493,18 @@ mod tests {
                 64,
                 7,
                 4,
+                0,
             ),
-            (zoo::maxvit_custom("maxvit", &maxvit, 10), 96, 21, 20),
-            (zoo::mobilenet_v3_custom("mnv3", false, 0.5, 10), 64, 0, 0),
+            (zoo::maxvit_custom("maxvit", &maxvit, 10), 96, 21, 20, 0),
+            (
+                zoo::mobilenet_v3_custom("mnv3", false, 0.5, 10),
+                64,
+                0,
+                0,
+                0,
+            ),
         ];
-        for (graph, size, norms, min_acts) in cases {
+        for (graph, size, norms, min_acts, mlp_adds) in cases {
             let name = graph.name.clone();
             let mut weights = Weights::init(&graph, 1);
             let mut rng = Rng::new(5);
@@ -522,6 +543,10 @@ mod tests {
                 .count();
             assert_eq!(rep.folded_layer_scales, scales, "{name}: {rep:?}");
             assert!(rep.fused_activations >= min_acts, "{name}: {rep:?}");
+            let linear_adds = (opt.nodes.iter())
+                .filter(|n| matches!(n.op, Op::Linear { residual: true, .. }))
+                .count();
+            assert_eq!(linear_adds, mlp_adds, "{name}: {rep:?}");
             assert_same_function(&name, (&graph, &weights), (&opt, &w2), size);
         }
     }

@@ -47,9 +47,7 @@ pub fn eval<'a>(
                 out_shape,
             );
             if c.residual {
-                for (v, r) in y.data.iter_mut().zip(&ins[1].data) {
-                    *v = (*v as f64 + *r as f64) as f32;
-                }
+                add_residual(&mut y, ins[1]);
             }
             y.data.iter_mut().for_each(|v| *v = c.act.apply(*v));
             y
@@ -87,12 +85,20 @@ pub fn eval<'a>(
                 .map(|(a, b)| a + b)
                 .collect(),
         ),
-        Op::Linear { bias, act, .. } => {
+        Op::Linear {
+            bias,
+            act,
+            residual,
+            ..
+        } => {
             let mut y = linear(
                 ins[0],
                 need("weight"),
                 if *bias { Some(need("bias")) } else { None },
             );
+            if *residual {
+                add_residual(&mut y, ins[1]);
+            }
             y.data.iter_mut().for_each(|v| *v = act.apply(*v));
             y
         }
@@ -234,6 +240,13 @@ pub fn eval<'a>(
                 .collect();
             Tensor::new(out_shape.to_vec(), data)
         }
+    }
+}
+
+/// A fused residual added to a GEMM's output (before its activation), summed in f64.
+fn add_residual(y: &mut Tensor, r: &Tensor) {
+    for (v, r) in y.data.iter_mut().zip(&r.data) {
+        *v = (*v as f64 + *r as f64) as f32;
     }
 }
 

@@ -221,6 +221,7 @@ impl<T: Elem> CpuSession<T> {
                     out_features,
                     bias,
                     act,
+                    residual: _,
                 } => {
                     let bias = if bias { Some(get("bias")?) } else { None };
                     let dims = (in_features, out_features);
@@ -793,12 +794,26 @@ impl<T: Elem> CpuSession<T> {
                 }
             }
             NodeKernel::Linear { weight, fin, fout } => {
-                let mut y = self.alloc(os.elems());
-                let x = values[inputs[0]].as_ref().expect("input computed");
                 // Over the last dimension: every token of every image is a row.
-                let rows = os.elems() / *fout;
-                kernels::linear(x, weight, (rows, *fin, *fout), &mut y, self.threads);
-                y
+                let dims = (os.elems() / *fout, *fin, *fout);
+                if self.over_residual[id] {
+                    // The residual's buffer (its last reader) becomes the output.
+                    let mut y = values[inputs[1]].take().expect("residual computed");
+                    let x = values[inputs[0]].as_ref().expect("input computed");
+                    kernels::linear_over_residual(x, weight, dims, &mut y, self.threads);
+                    y
+                } else {
+                    let mut y = self.alloc(os.elems());
+                    let x = values[inputs[0]].as_ref().expect("input computed");
+                    match inputs.get(1) {
+                        Some(&r) => {
+                            let r = values[r].as_deref().expect("residual computed");
+                            kernels::linear_add(x, weight, dims, &mut y, self.threads, r);
+                        }
+                        None => kernels::linear(x, weight, dims, &mut y, self.threads),
+                    }
+                    y
+                }
             }
             NodeKernel::ClassToken(token) => {
                 let xs = self.dims(inputs[0], images.len());
@@ -1088,8 +1103,8 @@ fn squeezes<T: Elem>(plan: &Plan, steps: &[NodeKernel<T>]) -> Vec<bool> {
 }
 
 /// Which layers write their output over their residual's buffer
-/// ([`kernels::conv2d_over_residual`]): a convolution whose residual (its second input, not
-/// also its first) it reads last, which the kernels can run so (FP32 in one K block, or bf16
+/// ([`kernels::conv2d_over_residual`]): a convolution or linear layer whose residual (its
+/// second input, not also its first) it reads last, which the kernels can run so (FP32 in one K block, or bf16
 /// pairs), where the CPU's probe says it pays (`pays`, asked only where some layer could).
 fn over_residuals<T: Elem>(
     plan: &Plan,
@@ -1101,6 +1116,9 @@ fn over_residuals<T: Elem>(
         .map(|id| match (&steps[id], nodes[id].inputs.as_slice()) {
             (NodeKernel::Conv(p), &[x, r]) => {
                 x != r && plan.last_use[r] == id && kernels::writes_over_residual(p)
+            }
+            (NodeKernel::Linear { weight, .. }, &[x, r]) => {
+                x != r && plan.last_use[r] == id && weight.writes_over_residual()
             }
             _ => false,
         })
@@ -1621,6 +1639,66 @@ mod tests {
         let written = run(&mut bf16);
         let same = (written.data.iter().zip(&apart.data)).all(|(a, b)| a.to_bits() == b.to_bits());
         assert!(same, "BF16 over its residuals");
+    }
+
+    /// A compiled ViT's MLPs write their second linear layer's output over the block's residual
+    /// (the tokens, read last there) where the probe says it pays, FP32 and BF16 alike, bit for
+    /// bit as with the output apart (the residual added in the same epilogue).
+    #[test]
+    fn linear_layers_over_their_residual_change_nothing() {
+        fn check<T: Elem>(precision: crate::model::Precision) {
+            let vit = zoo::VitConfig {
+                image_size: 32,
+                patch: 8,
+                layers: 2,
+                heads: 2,
+                hidden: 64,
+                mlp: 128,
+                classes: 10,
+            };
+            let graph = zoo::vit_custom("vit", &vit);
+            let mut weights = Weights::init(&graph, 3);
+            // torchvision starts the head at zero: every weight random, so the output shows.
+            let mut rng = crate::model::Rng::new(7);
+            for t in weights.tensors.values_mut() {
+                t.data
+                    .iter_mut()
+                    .for_each(|v| *v = 0.2 * rng.normal() as f32);
+            }
+            let (graph, weights, _) = crate::model::passes::optimize(&graph, &weights).unwrap();
+            let plan = graph.plan(2, 32, 32).unwrap();
+            let input = crate::model::Rng::new(5).normal_tensor(plan.input_shape().to_vec());
+            let pool = worker_pool(2, Vec::new()).unwrap();
+            let opt = ExecOptions {
+                precision,
+                ..ExecOptions::default()
+            };
+            let mut session =
+                CpuSession::<T>::new(&plan, &weights, pool, 2, &opt, &mut Donor::default())
+                    .unwrap();
+            let over = over_residuals(&plan, &session.steps, || true);
+            let names: Vec<&str> = (0..over.len())
+                .filter(|&id| over[id])
+                .map(|id| plan.graph.nodes[id].name.as_str())
+                .collect();
+            // FP32 in one K block, or bf16 pairs; BF16 widened to the FP32 GEMM cannot.
+            let can = T::IS_F32 || crate::backend::cpu::bf16_gemm::Engine::in_use().is_some();
+            let want = if can { 2 } else { 0 };
+            assert_eq!(names.len(), want, "{precision}: {names:?}");
+            assert!(names.iter().all(|n| n.ends_with(".mlp.3")), "{names:?}");
+            let mut run = |over: Vec<bool>| {
+                session.over_residual = over;
+                session.run(&input).unwrap();
+                session.read_output().unwrap()
+            };
+            let apart = run(vec![false; over.len()]);
+            let written = run(over);
+            let same =
+                (written.data.iter().zip(&apart.data)).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{precision} over its residuals");
+        }
+        check::<f32>(crate::model::Precision::Fp32);
+        check::<half::bf16>(crate::model::Precision::Bf16);
     }
 
     /// Every schedule max-autotune may pick names its split, and runs it: ResNet-18 at batch 5,

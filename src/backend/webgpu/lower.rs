@@ -360,8 +360,8 @@ fn node_launches(
         Op::Conv2d(_) | Op::Linear { .. } => {
             let has_bias = node.op.params().iter().any(|p| p.suffix == "bias");
             let bias = if has_bias { get("bias")? } else { &[] };
-            let residual = match node.op {
-                Op::Conv2d(c) if c.residual => input_buf(1),
+            let residual = match node.op.as_conv() {
+                Some(c) if c.residual => input_buf(1),
                 _ => Buf::Zero,
             };
             gemm_parts(

@@ -28,6 +28,11 @@ impl<T: Elem> PackedLinear<T> {
         self.0.bytes()
     }
 
+    /// Whether [`linear_over_residual`] can run this layer ([`writes_over_residual`]).
+    pub fn writes_over_residual(&self) -> bool {
+        writes_over_residual(&self.0)
+    }
+
     /// Output j's weights (row j of PyTorch's (out × in) weight), as stored, into `out` (in
     /// values): how a language model whose token table is its LM head's weight (tied) looks a
     /// token up, rather than keeping the table twice.
@@ -69,6 +74,22 @@ pub fn linear_add<T: Elem>(
 ) {
     let image = |c| Nhwc { n, h: 1, w: 1, c };
     conv2d(&w.0, x, image(fin), y, image(fout), threads, Some(residual));
+}
+
+/// [`linear_add`] with the residual's buffer as the output: `y` holds the residual (n × out)
+/// when it starts and x · Wᵀ + b + r after ([`conv2d_over_residual`]).
+///
+/// # Panics
+/// Where [`PackedLinear::writes_over_residual`] says the layer cannot.
+pub fn linear_over_residual<T: Elem>(
+    x: &[T],
+    w: &PackedLinear<T>,
+    (n, fin, fout): (usize, usize, usize),
+    y: &mut [T],
+    threads: usize,
+) {
+    let image = |c| Nhwc { n, h: 1, w: 1, c };
+    conv2d_over_residual(&w.0, x, image(fin), y, image(fout), threads);
 }
 
 /// Softmax over rows of length `len`, in f32 with the row maximum subtracted.
