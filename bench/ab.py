@@ -68,8 +68,10 @@ def run(binary, args):
 
 
 def total(totals, prefix, binary):
-    """The summed total (ms) of the profiled kernels whose names start with `prefix`."""
-    picked = [ms for name, ms in totals.items() if name.startswith(prefix)]
+    """The summed total (ms) of the profiled kernels whose names start with `prefix` (or with
+    any of its comma-separated prefixes: `linear,add`)."""
+    prefixes = tuple(prefix.split(","))
+    picked = [ms for name, ms in totals.items() if name.startswith(prefixes)]
     if not picked:
         sys.exit(f"{binary}: no kernel named {prefix}… in the profile (it has: {', '.join(sorted(totals))})")
     return sum(picked)
@@ -93,7 +95,8 @@ def main():
     p.add_argument("--kernel", action="store_true",
                    help="compare the first convolution kernel's average time (--profile) instead of the step")
     p.add_argument("--kernel-total", metavar="PREFIX",
-                   help="compare the total time (--profile) of the kernels whose names start with PREFIX")
+                   help="compare the total time (--profile) of the kernels whose names start with PREFIX "
+                        "(or with any of several, comma-separated: linear,add)")
     p.add_argument("--control", metavar="PREFIX",
                    help="with --kernel-total: divide it by the total of these kernels, which the change "
                         "leaves alone, in the same process (the machine's drift cancels)")
