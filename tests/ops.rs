@@ -759,7 +759,7 @@ fn fused_conv_epilogues(kind: BackendKind) {
 backend_test!(fused_conv_epilogues, cpu, wgpu, cuda, hip);
 
 /// Linear layers with a fused activation or residual add (what `--compile default` makes of a
-/// transformer MLP's Linear → GELU and Linear → add): on tokens (70 rows, the tiled GEMM) and on three rows (the few-rows path).
+/// transformer MLP's Linear → GELU and Linear → add, and of its attention → add): on tokens (70 rows, the tiled GEMM) and on three rows (the few-rows path).
 fn fused_linear_epilogues(kind: BackendKind) {
     use workshop::model::op::Act;
     for (name, act, shape) in [
@@ -801,13 +801,25 @@ fn fused_linear_epilogues(kind: BackendKind) {
         let y = g.add_node(name, linear, &[h, x]);
         check(kind, &g.finish(y), shape, 3.0);
     }
+    // A ViT block's first residual add, fused into the attention's output projection.
+    let mut g = GraphBuilder::new("attn", 6, ConvInit::TorchDefault, LinearInit::TorchDefault);
+    let x = g.input();
+    let x = g.add_node("tokens", Op::Tokens, &[x]);
+    let h = g.add_node("fc", Op::linear(6, 6, true), &[x]);
+    let attention = Op::Attention {
+        dim: 6,
+        heads: 2,
+        residual: true,
+    };
+    let y = g.add_node("attention_add", attention, &[h, x]);
+    check(kind, &g.finish(y), [2, 6, 5, 7], 3.0);
 }
 backend_test!(fused_linear_epilogues, cpu, wgpu, cuda, hip);
 
 /// A whole network after the compile passes equals the eager one on the same backend: a
 /// ResNet (batch norms folded, residual adds fused) and a ViT (GELU fused into the MLPs'
-/// first linear layers, their residual adds into the second, layer norms folded into the
-/// projections after them).
+/// first linear layers, every residual add into the attention's output projection or the
+/// MLP's second linear layer, layer norms folded into the projections after them).
 fn compiled_network_matches_eager(kind: BackendKind) {
     let vit = workshop::model::zoo::VitConfig {
         image_size: 32,
@@ -830,7 +842,7 @@ fn compiled_network_matches_eager(kind: BackendKind) {
             _ => {
                 report.fused_activations == 2
                     && report.folded_layer_norms == 4
-                    && report.fused_adds == 2
+                    && report.fused_adds == 4
             }
         };
         assert!(fused, "{family}: {report:?}");

@@ -375,6 +375,9 @@ pub enum Op {
     Attention {
         dim: usize,
         heads: usize,
+        /// A second input of the output's shape, added in the output projection's epilogue
+        /// (compile passes fuse the block's residual add).
+        residual: bool,
     },
     /// (N, T, D) → (N, D): token `index` (ViT's class token, `x[:, 0]`).
     SelectToken {
@@ -714,7 +717,9 @@ impl Op {
             Op::Input { .. } => 0,
             Op::Add | Op::ScaleChannels | Op::Image => 2,
             Op::Concat { parts } => *parts,
-            Op::Conv2d(Conv2d { residual: true, .. }) | Op::Linear { residual: true, .. } => 2,
+            Op::Conv2d(Conv2d { residual: true, .. })
+            | Op::Linear { residual: true, .. }
+            | Op::Attention { residual: true, .. } => 2,
             _ => 1,
         }
     }
@@ -1102,14 +1107,27 @@ impl Op {
                 }
                 Ok(inputs[0].to_vec())
             }
-            Op::Attention { dim, heads } => {
+            Op::Attention {
+                dim,
+                heads,
+                residual,
+            } => {
                 if *heads == 0 || dim % heads != 0 {
                     return Err(ShapeError(format!(
                         "attention: {heads} heads must divide the dimension {dim}"
                     )));
                 }
                 match *inputs[0] {
-                    [_, _, d] if d == *dim => Ok(inputs[0].to_vec()),
+                    [_, _, d] if d == *dim => {
+                        if *residual && inputs.get(1).is_some_and(|r| *r != inputs[0]) {
+                            return Err(ShapeError(format!(
+                                "attention's residual input has shape {}, its output {}",
+                                fmt_shape(inputs[1]),
+                                fmt_shape(inputs[0])
+                            )));
+                        }
+                        Ok(inputs[0].to_vec())
+                    }
                     _ => Err(self.tokens_expected(*dim, inputs[0])),
                 }
             }
@@ -1257,10 +1275,15 @@ impl Op {
             Op::Gelu => 5 * n,
             // The products, the projections' biases, and per score a scale and the softmax's
             // four (exponentiate, subtract the maximum, sum, divide).
-            Op::Attention { dim, heads } => match *out {
+            Op::Attention {
+                dim,
+                heads,
+                residual,
+            } => match *out {
                 [batch, t, _] => {
                     let (b, t, d, h) = (batch as u64, t as u64, *dim as u64, *heads as u64);
-                    2 * self.macs(out) + b * 4 * t * d + 5 * b * h * t * t
+                    let residual = if *residual { b * t * d } else { 0 };
+                    2 * self.macs(out) + b * 4 * t * d + 5 * b * h * t * t + residual
                 }
                 _ => 0,
             },
@@ -1326,7 +1349,15 @@ impl fmt::Display for Op {
                 "linear {in_features}→{out_features}{}",
                 epilogue_name(*residual, *act)
             ),
-            Op::Attention { dim, heads } => write!(f, "attention {dim} ×{heads} heads"),
+            Op::Attention {
+                dim,
+                heads,
+                residual,
+            } => write!(
+                f,
+                "attention {dim} ×{heads} heads{}",
+                epilogue_name(*residual, Act::None)
+            ),
             other => f.write_str(other.kind_name()),
         }
     }

@@ -1,17 +1,17 @@
 //! Graph passes of `--compile default`: fold every batch norm that follows a convolution into
 //! the convolution's weights and bias, fuse a following activation ([`Act`]: ReLU, ReLU6,
 //! SiLU, hardswish, GELU, sigmoid, hardsigmoid) and a residual add into a convolution's or
-//! linear layer's epilogue, fold a layer norm's weight and bias into the projection that reads
-//! it and a layer scale (ConvNeXt's γ) into the linear layer before it, and drop eval-mode
-//! dropout. The result computes the same function (up to rounding) with fewer kernels and
-//! fewer activation buffers.
+//! linear layer's epilogue (a residual add also into a self-attention's output projection),
+//! fold a layer norm's weight and bias into the projection that reads it and a layer scale
+//! (ConvNeXt's γ) into the linear layer before it, and drop eval-mode dropout. The result
+//! computes the same function (up to rounding) with fewer kernels and fewer activation buffers.
 //!
 //! A rewrite only happens when nothing else reads the intermediate value; a residual add is
 //! fused into the layer that runs after the add's other input is ready (in a ResNet block
-//! with a downsample branch, that is the downsample convolution; in a transformer block, the
-//! MLP's second linear layer). Not through a reshape between them: ConvNeXt's block adds its
-//! residual to an image, and its last linear layer writes tokens (the same bytes on the CPU,
-//! not in a GPU's NCHW).
+//! with a downsample branch, that is the downsample convolution; in a ViT block, the
+//! attention's output projection and the MLP's second linear layer). Not through a reshape
+//! between them: ConvNeXt's and Swin's blocks add their residual to an image, and their last
+//! linear layer writes tokens (the same bytes on the CPU, not in a GPU's NCHW).
 
 use super::graph::{Graph, Node, ValueId};
 use super::op::{Act, Conv2d, Op, WindowForm, batch_norm_affine};
@@ -168,13 +168,30 @@ impl Work {
         }
     }
 
-    /// Fuse the residual add of `res` into the convolution or linear layer at `id`.
+    /// Whether a residual add may fuse into the layer at `id`, which only the add reads: a
+    /// convolution (not a depthwise one) or linear layer with neither a residual nor an
+    /// activation yet, or a self-attention (into its output projection).
+    fn takes_residual(&self, id: ValueId) -> bool {
+        if let Some(c) = self.fusable_gemm(id) {
+            return !c.residual && c.act == Act::None && !is_depthwise(&c);
+        }
+        let op = self.nodes[id].as_ref().map(|n| &n.op);
+        matches!(
+            op,
+            Some(Op::Attention {
+                residual: false,
+                ..
+            })
+        ) && self.readers(id) == 1
+    }
+
+    /// Fuse the residual add of `res` into the layer at `id` ([`Self::takes_residual`]).
     fn set_residual(&mut self, id: ValueId, res: ValueId) {
         if let Some(n) = self.nodes[id].as_mut() {
             match &mut n.op {
                 Op::Conv2d(c) => c.residual = true,
-                Op::Linear { residual, .. } => *residual = true,
-                _ => unreachable!("only convolutions and linear layers take a residual"),
+                Op::Linear { residual, .. } | Op::Attention { residual, .. } => *residual = true,
+                _ => unreachable!("only convolutions, linear layers and attention take a residual"),
             }
             n.inputs.push(res);
         }
@@ -276,11 +293,8 @@ pub fn optimize(graph: &Graph, weights: &Weights) -> Result<(Graph, Weights, Pas
             Op::Add => {
                 for (k, other) in [(0, 1), (1, 0)] {
                     let (src, res) = (inputs[k], inputs[other]);
-                    let Some(c) = work.fusable_gemm(src) else {
-                        continue;
-                    };
                     // The other input must be ready before the layer runs.
-                    if c.residual || c.act != Act::None || is_depthwise(&c) || res >= src {
+                    if res >= src || !work.takes_residual(src) {
                         continue;
                     }
                     work.set_residual(src, res);
@@ -451,8 +465,8 @@ mod tests {
     }
 
     /// The transformers and the squeeze-and-excitation networks: GELU after linear layers and
-    /// the gates after their 1×1 convolutions fuse, ViT's residual adds into its MLPs' second
-    /// linear layers, layer norms fold into the projection after
+    /// the gates after their 1×1 convolutions fuse, ViT's residual adds into its attention's
+    /// output projections and its MLPs' second linear layers, layer norms fold into the projection after
     /// them (never into Swin's padded windows), every layer scale into the linear layer before
     /// it (ConvNeXt's), and the function stays the same with non-trivial layer-norm weights
     /// and layer scales.
@@ -476,9 +490,10 @@ mod tests {
             partition: 3,
         };
         // (network, input side, layer norms folded, activations fused, residual adds fused
-        // into linear layers: ViT's MLPs; the others add theirs to an image, after a reshape)
+        // into linear layers and attention: ViT's; the others add theirs to an image, after a
+        // reshape)
         let cases = [
-            (zoo::vit_custom("vit", &vit), 32, 4, 2, 2),
+            (zoo::vit_custom("vit", &vit), 32, 4, 2, 4),
             (
                 zoo::convnext_custom("cn", [8, 16, 16, 32], [1, 1, 1, 1], 10),
                 64,
@@ -504,7 +519,7 @@ mod tests {
                 0,
             ),
         ];
-        for (graph, size, norms, min_acts, mlp_adds) in cases {
+        for (graph, size, norms, min_acts, block_adds) in cases {
             let name = graph.name.clone();
             let mut weights = Weights::init(&graph, 1);
             let mut rng = Rng::new(5);
@@ -543,10 +558,15 @@ mod tests {
                 .count();
             assert_eq!(rep.folded_layer_scales, scales, "{name}: {rep:?}");
             assert!(rep.fused_activations >= min_acts, "{name}: {rep:?}");
-            let linear_adds = (opt.nodes.iter())
-                .filter(|n| matches!(n.op, Op::Linear { residual: true, .. }))
+            let token_adds = (opt.nodes.iter())
+                .filter(|n| {
+                    matches!(
+                        n.op,
+                        Op::Linear { residual: true, .. } | Op::Attention { residual: true, .. }
+                    )
+                })
                 .count();
-            assert_eq!(linear_adds, mlp_adds, "{name}: {rep:?}");
+            assert_eq!(token_adds, block_adds, "{name}: {rep:?}");
             assert_same_function(&name, (&graph, &weights), (&opt, &w2), size);
         }
     }

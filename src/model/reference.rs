@@ -232,7 +232,17 @@ pub fn eval<'a>(
             let x = x as f64;
             (0.5 * x * (1.0 + libm::erf(x / std::f64::consts::SQRT_2))) as f32
         }),
-        Op::Attention { dim, heads } => attention(ins[0], &need, *dim, *heads),
+        Op::Attention {
+            dim,
+            heads,
+            residual,
+        } => {
+            let mut y = attention(ins[0], &need, *dim, *heads);
+            if *residual {
+                add_residual(&mut y, ins[1]);
+            }
+            y
+        }
         Op::SelectToken { index } => {
             let (t, d) = (ins[0].shape[1], ins[0].shape[2]);
             let data = (ins[0].data.chunks(t * d))

@@ -245,7 +245,7 @@ impl<T: Elem> CpuSession<T> {
                     NodeKernel::LayerNorm { weight, bias, eps }
                 }
                 Op::Gelu => NodeKernel::Gelu,
-                Op::Attention { dim, heads } => {
+                Op::Attention { dim, heads, .. } => {
                     let in_proj = PackedLinear::new(
                         get("in_proj_weight")?,
                         Some(get("in_proj_bias")?),
@@ -850,7 +850,15 @@ impl<T: Elem> CpuSession<T> {
                 self.lap("attention");
                 self.free.push(qkv);
                 let mut y = self.alloc(os.elems());
-                kernels::linear(&heads_out, out_proj, (rows, d, d), &mut y, self.threads);
+                let dims = (rows, d, d);
+                // The block's residual (a second input), where the compile passes fused it.
+                match inputs.get(1) {
+                    Some(&r) => {
+                        let r = values[r].as_deref().expect("residual computed");
+                        kernels::linear_add(&heads_out, out_proj, dims, &mut y, self.threads, r);
+                    }
+                    None => kernels::linear(&heads_out, out_proj, dims, &mut y, self.threads),
+                }
                 self.lap("linear");
                 self.free.push(heads_out);
                 y
@@ -874,7 +882,15 @@ impl<T: Elem> CpuSession<T> {
                 self.lap("window_attention");
                 self.free.push(qkv);
                 let mut y = self.alloc(os.elems());
-                kernels::linear(&heads_out, out_proj, (rows, d, d), &mut y, self.threads);
+                let dims = (rows, d, d);
+                // The block's residual (a second input), where the compile passes fused it.
+                match inputs.get(1) {
+                    Some(&r) => {
+                        let r = values[r].as_deref().expect("residual computed");
+                        kernels::linear_add(&heads_out, out_proj, dims, &mut y, self.threads, r);
+                    }
+                    None => kernels::linear(&heads_out, out_proj, dims, &mut y, self.threads),
+                }
                 self.lap("linear");
                 self.free.push(heads_out);
                 y

@@ -150,8 +150,13 @@ pub fn build(
             bias_values: None,
             attention,
         };
-        if let Op::Attention { dim, heads } = node.op {
-            attention_op(&mut b, &at, (dim, heads), mma)?;
+        if let Op::Attention {
+            dim,
+            heads,
+            residual,
+        } = node.op
+        {
+            attention_op(&mut b, &at, (dim, heads, residual), mma)?;
             continue;
         }
         if let Op::WindowAttention(_) = node.op {
@@ -468,7 +473,7 @@ fn native_conv(
 fn attention_op(
     b: &mut Builder,
     at: &NodeCtx<'_>,
-    (dim, heads): (usize, usize),
+    (dim, heads, residual): (usize, usize, bool),
     mma: bool,
 ) -> Result<(), BackendError> {
     let (qkv, mid) = at
@@ -513,7 +518,12 @@ fn attention_op(
         op: "linear",
         ..*at
     };
-    native_conv(b, &out, &projection(dim), at.get("out_proj.weight")?, mma)
+    // The block's residual (the node's second input), where the compile passes fused it.
+    let out_proj = Conv2d {
+        residual,
+        ..projection(dim)
+    };
+    native_conv(b, &out, &out_proj, at.get("out_proj.weight")?, mma)
 }
 
 /// The attention core's kernel and grid for `rows` = images × heads of `t` tokens: the tiled

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use super::Kernel;
 use crate::backend::BackendError;
 use crate::model::buffers::BufferAssignment;
-use crate::model::op::{Conv2d, Op, WindowAttention};
+use crate::model::op::{Act, Conv2d, Op, WindowAttention};
 use crate::model::{Plan, Precision, Weights};
 
 /// A buffer a launch binds.
@@ -556,7 +556,11 @@ fn node_launches(
             )?);
             parts
         }
-        Op::Attention { dim, heads } => {
+        Op::Attention {
+            dim,
+            heads,
+            residual,
+        } => {
             let (qkv, mid) = out
                 .attention
                 .expect("buffers for the plan's attention layers");
@@ -582,16 +586,22 @@ fn node_launches(
             let mut core = one(Kernel::Attention, p, vec![(1, qkv)], 4, threads);
             core[0].2.push((4, mid));
             parts.extend(core);
+            // The block's residual, where the compile passes fused it, in the output
+            // projection's epilogue.
+            let out_proj = Op::Linear {
+                in_features: *dim,
+                out_features: *dim,
+                bias: true,
+                act: Act::None,
+                residual: *residual,
+            };
+            let residual = if *residual { input_buf(1) } else { Buf::Zero };
             parts.extend(gemm_parts(
                 (consts, weight_bytes),
                 (&node.name, precision, max_binding),
-                (
-                    &linear(*dim),
-                    get("out_proj.weight")?,
-                    get("out_proj.bias")?,
-                ),
+                (&out_proj, get("out_proj.weight")?, get("out_proj.bias")?),
                 dims,
-                (mid, Buf::Zero, None),
+                (mid, residual, None),
             )?);
             parts
         }

@@ -322,6 +322,7 @@ pub fn build(spec: &str) -> Result<Graph, String> {
                 Op::Attention {
                     dim: c.channels,
                     heads,
+                    residual: false,
                 }
             }
             "relu" => Op::Relu,

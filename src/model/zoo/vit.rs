@@ -70,6 +70,7 @@ pub fn vit_custom(name: &str, cfg: &VitConfig) -> Graph {
         let attention = Op::Attention {
             dim: d,
             heads: cfg.heads,
+            residual: false,
         };
         let y = g.add_node(format!("{p}.self_attention"), attention, &[y]);
         let y = g.dropout(format!("{p}.dropout"), y, 0.0);
