@@ -665,9 +665,7 @@ impl<T: Elem> CpuSession<T> {
                 let xs = self.dims(inputs[0], images.len());
                 let mut y = self.alloc(os.elems());
                 let x = values[inputs[0]].as_ref().expect("input computed");
-                let residual = inputs
-                    .get(1)
-                    .map(|&r| values[r].as_deref().expect("residual computed"));
+                let residual = residual_input(values, &inputs);
                 let mut sums = self.squeezed[id].then(|| vec![0f32; os.n * os.h * os.c]);
                 let made = kernels::conv2d_squeezed(
                     p,
@@ -805,13 +803,8 @@ impl<T: Elem> CpuSession<T> {
                 } else {
                     let mut y = self.alloc(os.elems());
                     let x = values[inputs[0]].as_ref().expect("input computed");
-                    match inputs.get(1) {
-                        Some(&r) => {
-                            let r = values[r].as_deref().expect("residual computed");
-                            kernels::linear_add(x, weight, dims, &mut y, self.threads, r);
-                        }
-                        None => kernels::linear(x, weight, dims, &mut y, self.threads),
-                    }
+                    let r = residual_input(values, &inputs);
+                    kernels::linear_residual(x, weight, dims, &mut y, self.threads, r);
                     y
                 }
             }
@@ -849,19 +842,8 @@ impl<T: Elem> CpuSession<T> {
                 kernels::attention(&qkv, (os.n, os.h, d, *heads), &mut heads_out);
                 self.lap("attention");
                 self.free.push(qkv);
-                let mut y = self.alloc(os.elems());
-                let dims = (rows, d, d);
-                // The block's residual (a second input), where the compile passes fused it.
-                match inputs.get(1) {
-                    Some(&r) => {
-                        let r = values[r].as_deref().expect("residual computed");
-                        kernels::linear_add(&heads_out, out_proj, dims, &mut y, self.threads, r);
-                    }
-                    None => kernels::linear(&heads_out, out_proj, dims, &mut y, self.threads),
-                }
-                self.lap("linear");
-                self.free.push(heads_out);
-                y
+                let r = residual_input(values, &inputs);
+                self.out_projection(heads_out, out_proj, (rows, d), r)
             }
             NodeKernel::WindowAttention {
                 proj,
@@ -881,19 +863,8 @@ impl<T: Elem> CpuSession<T> {
                 kernels::window_attention(&qkv, (params, bias), grid, dims, &mut heads_out);
                 self.lap("window_attention");
                 self.free.push(qkv);
-                let mut y = self.alloc(os.elems());
-                let dims = (rows, d, d);
-                // The block's residual (a second input), where the compile passes fused it.
-                match inputs.get(1) {
-                    Some(&r) => {
-                        let r = values[r].as_deref().expect("residual computed");
-                        kernels::linear_add(&heads_out, out_proj, dims, &mut y, self.threads, r);
-                    }
-                    None => kernels::linear(&heads_out, out_proj, dims, &mut y, self.threads),
-                }
-                self.lap("linear");
-                self.free.push(heads_out);
-                y
+                let r = residual_input(values, &inputs);
+                self.out_projection(heads_out, out_proj, (rows, d), r)
             }
             NodeKernel::PatchMerge => {
                 let xs = self.dims(inputs[0], images.len());
@@ -957,6 +928,29 @@ impl<T: Elem> CpuSession<T> {
 
     /// Profiling: the part of the running node since the last lap (or its start) is done and
     /// counts as `op` (an attention layer's projections as `linear`).
+    /// An attention's output projection of its heads' output (`rows` × `d`), with the block's
+    /// residual where the compile passes fused it; the heads' buffer goes back to the pool.
+    fn out_projection(
+        &mut self,
+        heads_out: Buf<T>,
+        proj: &PackedLinear<T>,
+        (rows, d): (usize, usize),
+        residual: Option<&[T]>,
+    ) -> Buf<T> {
+        let mut y = self.alloc(rows * d);
+        kernels::linear_residual(
+            &heads_out,
+            proj,
+            (rows, d, d),
+            &mut y,
+            self.threads,
+            residual,
+        );
+        self.lap("linear");
+        self.free.push(heads_out);
+        y
+    }
+
     fn lap(&mut self, op: &'static str) {
         if self.profile {
             self.laps.push((op, Instant::now()));
@@ -1116,6 +1110,15 @@ fn squeezes<T: Elem>(plan: &Plan, steps: &[NodeKernel<T>]) -> Vec<bool> {
         }
     }
     squeezed
+}
+
+/// A layer's fused residual, its second input where it has one (computed by then).
+fn residual_input<'v, T: bytemuck::Pod>(
+    values: &'v [Option<Buf<T>>],
+    inputs: &[usize],
+) -> Option<&'v [T]> {
+    let r = *inputs.get(1)?;
+    Some(values[r].as_deref().expect("residual computed"))
 }
 
 /// Which layers write their output over their residual's buffer

@@ -55,25 +55,36 @@ impl<T: Elem> PackedLinear<T> {
 pub fn linear<T: Elem>(
     x: &[T],
     w: &PackedLinear<T>,
-    (n, fin, fout): (usize, usize, usize),
+    dims: (usize, usize, usize),
     y: &mut [T],
     threads: usize,
 ) {
-    let image = |c| Nhwc { n, h: 1, w: 1, c };
-    conv2d(&w.0, x, image(fin), y, image(fout), threads, None);
+    linear_residual(x, w, dims, y, threads, None);
 }
 
 /// [`linear`] with `residual` (n × out) added in the GEMM's epilogue: y = x · Wᵀ + b + r.
 pub fn linear_add<T: Elem>(
     x: &[T],
     w: &PackedLinear<T>,
-    (n, fin, fout): (usize, usize, usize),
+    dims: (usize, usize, usize),
     y: &mut [T],
     threads: usize,
     residual: &[T],
 ) {
+    linear_residual(x, w, dims, y, threads, Some(residual));
+}
+
+/// [`linear`], or [`linear_add`] where there is a `residual`.
+pub fn linear_residual<T: Elem>(
+    x: &[T],
+    w: &PackedLinear<T>,
+    (n, fin, fout): (usize, usize, usize),
+    y: &mut [T],
+    threads: usize,
+    residual: Option<&[T]>,
+) {
     let image = |c| Nhwc { n, h: 1, w: 1, c };
-    conv2d(&w.0, x, image(fin), y, image(fout), threads, Some(residual));
+    conv2d(&w.0, x, image(fin), y, image(fout), threads, residual);
 }
 
 /// [`linear_add`] with the residual's buffer as the output: `y` holds the residual (n × out)
