@@ -625,6 +625,23 @@ pub struct ParamSpec {
 #[error("{0}")]
 pub struct ShapeError(pub String);
 
+/// A fused residual (the op's second input, where `residual`) must have the output's shape.
+fn residual_fits(
+    op: &str,
+    residual: bool,
+    inputs: &[&[usize]],
+    out: &[usize],
+) -> Result<(), ShapeError> {
+    match inputs.get(1) {
+        Some(r) if residual && *r != out => Err(ShapeError(format!(
+            "{op}'s residual input has shape {}, its output {}",
+            fmt_shape(r),
+            fmt_shape(out)
+        ))),
+        _ => Ok(()),
+    }
+}
+
 fn fmt_shape(s: &[usize]) -> String {
     let parts: Vec<String> = s.iter().map(|d| d.to_string()).collect();
     format!("({})", parts.join(", "))
@@ -874,12 +891,7 @@ impl Op {
                     ))
                 })?;
                 let out = vec![n, c.out_channels, oh, ow];
-                if c.residual && inputs.get(1).is_some_and(|r| *r != out.as_slice()) {
-                    return Err(ShapeError(format!(
-                        "conv2d's residual input has shape {:?}, its output {:?}",
-                        inputs[1], out
-                    )));
-                }
+                residual_fits("conv2d", c.residual, inputs, &out)?;
                 Ok(out)
             }
             Op::BatchNorm { channels, .. } => {
@@ -953,13 +965,7 @@ impl Op {
             } => match inputs[0] {
                 [lead @ .., f] if !lead.is_empty() && f == in_features => {
                     let out = [lead, &[*out_features]].concat();
-                    if *residual && inputs.get(1).is_some_and(|r| *r != out.as_slice()) {
-                        return Err(ShapeError(format!(
-                            "linear's residual input has shape {}, its output {}",
-                            fmt_shape(inputs[1]),
-                            fmt_shape(&out)
-                        )));
-                    }
+                    residual_fits("linear", *residual, inputs, &out)?;
                     Ok(out)
                 }
                 _ => Err(ShapeError(format!(
@@ -1119,13 +1125,7 @@ impl Op {
                 }
                 match *inputs[0] {
                     [_, _, d] if d == *dim => {
-                        if *residual && inputs.get(1).is_some_and(|r| *r != inputs[0]) {
-                            return Err(ShapeError(format!(
-                                "attention's residual input has shape {}, its output {}",
-                                fmt_shape(inputs[1]),
-                                fmt_shape(inputs[0])
-                            )));
-                        }
+                        residual_fits("attention", *residual, inputs, inputs[0])?;
                         Ok(inputs[0].to_vec())
                     }
                     _ => Err(self.tokens_expected(*dim, inputs[0])),
@@ -1376,6 +1376,41 @@ fn epilogue_name(residual: bool, act: Act) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A fused residual of another shape than the output is refused, naming both shapes.
+    #[test]
+    fn residuals_must_have_the_output_s_shape() {
+        let conv = Op::Conv2d(Conv2d {
+            residual: true,
+            ..Conv2d::new(4, 8, 1, 1, 0)
+        });
+        let linear = Op::Linear {
+            in_features: 4,
+            out_features: 8,
+            bias: true,
+            act: Act::None,
+            residual: true,
+        };
+        let attention = Op::Attention {
+            dim: 4,
+            heads: 2,
+            residual: true,
+        };
+        for (op, x, good, bad) in [
+            (
+                conv,
+                &[1, 4, 3, 3][..],
+                &[1, 8, 3, 3][..],
+                &[1, 4, 3, 3][..],
+            ),
+            (linear, &[2, 5, 4], &[2, 5, 8], &[2, 5, 4]),
+            (attention, &[1, 5, 4], &[1, 5, 4], &[1, 6, 4]),
+        ] {
+            assert!(op.infer_shape(&[x, good]).is_ok(), "{op}");
+            let e = op.infer_shape(&[x, bad]).unwrap_err().0;
+            assert!(e.contains("residual input has shape"), "{op}: {e}");
+        }
+    }
 
     #[test]
     fn window_sizes_follow_pytorch() {

@@ -926,8 +926,6 @@ impl<T: Elem> CpuSession<T> {
         }
     }
 
-    /// Profiling: the part of the running node since the last lap (or its start) is done and
-    /// counts as `op` (an attention layer's projections as `linear`).
     /// An attention's output projection of its heads' output (`rows` × `d`), with the block's
     /// residual where the compile passes fused it; the heads' buffer goes back to the pool.
     fn out_projection(
@@ -951,6 +949,8 @@ impl<T: Elem> CpuSession<T> {
         y
     }
 
+    /// Profiling: the part of the running node since the last lap (or its start) is done and
+    /// counts as `op` (an attention layer's projections as `linear`).
     fn lap(&mut self, op: &'static str) {
         if self.profile {
             self.laps.push((op, Instant::now()));
@@ -1123,8 +1123,9 @@ fn residual_input<'v, T: bytemuck::Pod>(
 
 /// Which layers write their output over their residual's buffer
 /// ([`kernels::conv2d_over_residual`]): a convolution or linear layer whose residual (its
-/// second input, not also its first) it reads last, which the kernels can run so (FP32 in one K block, or bf16
-/// pairs), where the CPU's probe says it pays (`pays`, asked only where some layer could).
+/// second input, not also its first) it reads last, which the kernels can run so (FP32 in one
+/// K block, or bf16 pairs), where the CPU's probe says it pays (`pays`, asked only where some
+/// layer could).
 fn over_residuals<T: Elem>(
     plan: &Plan,
     steps: &[NodeKernel<T>],
