@@ -557,22 +557,30 @@ fn probe_pool(threads: Option<usize>) -> Result<rayon::ThreadPool, BackendError>
         .map_err(|e| BackendError::Driver(format!("cannot start the worker threads: {e}")))
 }
 
-/// The sum of `values`, read by the pool's workers in chunks of 64 Ki floats, each by 16
-/// accumulators (exact for chunks of small whole numbers; the compiler keeps them in vector
-/// registers: the loads, not the adds, set the pace).
+/// The sum of `values`, read by the pool's workers in chunks of 256 Ki floats, each chunk as
+/// four streams (its quarters) side by side, 16 accumulators a stream (exact for chunks of
+/// small whole numbers; the compiler keeps them in vector registers: the loads, not the adds,
+/// set the pace). One stream a worker asked the memory for too little at a time: on an
+/// Emerald Rapids Xeon (2 vCPU) it read 12.8–14.6 GB/s where four read 14.7–17.6 in the
+/// same minutes, and a decode step on `vdpbf16ps` (two panels of weights in flight a
+/// worker) read 114–131% of the one stream's figure.
 fn read_sum(values: &[f32]) -> f64 {
+    const STREAMS: usize = 4;
     values
-        .par_chunks(1 << 16)
+        .par_chunks(1 << 18)
         .map(|chunk| {
-            let mut acc = [0f32; 16];
-            let mut blocks = chunk.chunks_exact(16);
-            for block in &mut blocks {
-                for (a, v) in acc.iter_mut().zip(block) {
-                    *a += v;
+            let quarter = chunk.len() / STREAMS / 16 * 16;
+            let mut acc = [[0f32; 16]; STREAMS];
+            for i in (0..quarter).step_by(16) {
+                for (s, a) in acc.iter_mut().enumerate() {
+                    let block = &chunk[s * quarter + i..s * quarter + i + 16];
+                    for (a, v) in a.iter_mut().zip(block) {
+                        *a += v;
+                    }
                 }
             }
-            let rest: f64 = blocks.remainder().iter().map(|&v| v as f64).sum();
-            acc.iter().map(|&a| a as f64).sum::<f64>() + rest
+            let rest: f64 = chunk[STREAMS * quarter..].iter().map(|&v| v as f64).sum();
+            acc.iter().flatten().map(|&a| a as f64).sum::<f64>() + rest
         })
         .sum()
 }
@@ -585,7 +593,7 @@ mod tests {
     /// and times the passes asked for.
     #[test]
     fn the_read_probe_reads_every_value() {
-        for n in [0, 15, 17, (1 << 16) + 33] {
+        for n in [0, 15, 17, 64 * 3 + 5, (1 << 18) + 33] {
             let values: Vec<f32> = (0..n).map(|i| (i % 7) as f32).collect();
             let want: f64 = values.iter().map(|&v| v as f64).sum();
             assert_eq!(read_sum(&values), want, "{n} values");

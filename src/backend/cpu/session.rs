@@ -619,7 +619,7 @@ impl<T: Elem> CpuSession<T> {
             self.times.push(KernelTime {
                 node: self.names[id].clone(),
                 op: "conv2d".into(),
-                kernel: kernel_name(&steps[id], &self.plan.graph.nodes[id].op),
+                kernel: kernel_name(&steps[id], &self.plan.graph.nodes[id].op, ys.pixels()),
                 start_ns: start.duration_since(forward_start).as_nanos() as u64,
                 ns: end.duration_since(start).as_nanos() as u64,
                 fused: (b..id).map(|v| self.names[v].clone()).collect(),
@@ -901,7 +901,8 @@ impl<T: Elem> CpuSession<T> {
         if let Some(start) = start {
             let op = self.plan.graph.nodes[id].op.kind_name();
             let end = Instant::now();
-            let whole = [(op, kernel_name(step, &self.plan.graph.nodes[id].op), end)];
+            let name = kernel_name(step, &self.plan.graph.nodes[id].op, os.pixels());
+            let whole = [(op, name, end)];
             // A node timed in parts: each part from the end of the one before, the last to
             // the node's end.
             let mut laps: Vec<(&str, String, Instant)> = std::mem::take(&mut self.laps)
@@ -1149,9 +1150,9 @@ fn over_residuals<T: Elem>(
     over
 }
 
-pub(super) fn kernel_name<T: Elem>(step: &NodeKernel<T>, op: &Op) -> String {
+pub(super) fn kernel_name<T: Elem>(step: &NodeKernel<T>, op: &Op, rows: usize) -> String {
     match step {
-        NodeKernel::Conv(p) => p.kernel_name(),
+        NodeKernel::Conv(p) => p.kernel_name(rows),
         NodeKernel::Affine { .. } => format!("batch_norm_affine_{}", T::SUFFIX),
         NodeKernel::Input => format!("nchw_to_nhwc_{}", T::SUFFIX),
         _ => format!("{}_{}", op.kind_name(), T::SUFFIX),

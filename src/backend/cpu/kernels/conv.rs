@@ -286,7 +286,9 @@ impl<T: Elem> PackedConv<T> {
             + self.grouped.as_ref().map_or(0, |g| g.bytes())
     }
 
-    pub fn kernel_name(&self) -> String {
+    /// The kernel that runs the layer over `rows` output pixels (the bf16 GEMM's engine
+    /// depends on them: [`bf16_gemm::Engine::for_rows`]).
+    pub fn kernel_name(&self, rows: usize) -> String {
         if let Some(w) = &self.winograd {
             return format!("conv2d_{}_{}", w.form(), T::SUFFIX);
         }
@@ -297,7 +299,7 @@ impl<T: Elem> PackedConv<T> {
                 "dpbf16_stem"
             }
         } else if let Some(b) = &self.pairs {
-            match bf16_gemm::Engine::for_k(b.k) {
+            match bf16_gemm::Engine::for_rows(b.k, rows) {
                 Some(bf16_gemm::Engine::Amx) => "amx_gemm",
                 _ => "dpbf16_gemm",
             }
@@ -689,7 +691,8 @@ pub(super) fn conv2d_pairs<T: Elem>(
     let m = ys.n * ys.h * ys.w;
     let cout = c.out_channels;
     let rows = (chunk_rows(m, k) * p.chunk_scale).min(m.max(1));
-    let engine = bf16_gemm::Engine::for_k(k).expect("pair packings exist only with an engine");
+    let engine =
+        bf16_gemm::Engine::for_rows(k, m).expect("pair packings exist only with an engine");
     assert!(y.len() >= m * cout, "conv2d output buffer too small");
     let out = TilePtr(
         T::as_bf16_mut(y)

@@ -67,6 +67,11 @@ impl Nhwc {
     pub fn elems(&self) -> usize {
         self.n * self.h * self.w * self.c
     }
+
+    /// Pixels over all the images: a layer's GEMM rows.
+    pub fn pixels(&self) -> usize {
+        self.n * self.h * self.w
+    }
 }
 
 /// Elements per parallel work item of the element-wise kernels.
