@@ -108,8 +108,7 @@ pub(super) unsafe fn block(
     a: *const bf16,
     (lda, a_step): (usize, usize),
     b: &PackedPairs,
-    p: usize,
-    pair: bool,
+    panels: Panels,
     c: *mut f32,
     ldc: usize,
 ) {
@@ -117,7 +116,18 @@ pub(super) unsafe fn block(
     // which the hardware's own prefetchers follow: none asked for there.
     let ahead = (lda >= KSTEP).then_some(a_step);
     // SAFETY: the caller's contract, step s at s · a_step.
-    unsafe { steps(a, lda, |s| s * a_step, ahead, b, (p, pair), (c, ldc)) }
+    unsafe { steps(a, lda, |s| s * a_step, ahead, b, panels, (c, ldc)) }
+}
+
+/// The panels of B a block multiplies: panel `p`, and `p + 1` where `pair`; `first`: the
+/// first block of the work item to read them, which asks for B's lines ahead of its tile
+/// loads ([`prefetch_b`]) — they come from the last-level cache or memory, where the blocks
+/// after it find them in L2.
+#[derive(Clone, Copy)]
+pub(super) struct Panels {
+    pub p: usize,
+    pub pair: bool,
+    pub first: bool,
 }
 
 /// [`block`] with step s's 32 values of A at `at(s)` values after each row's first, wherever
@@ -134,15 +144,16 @@ pub(super) unsafe fn block_at(
     lda: usize,
     at: impl Fn(usize) -> usize,
     b: &PackedPairs,
-    (p, pair): (usize, bool),
+    panels: Panels,
     (c, ldc): (*mut f32, usize),
 ) {
     // SAFETY: the caller's contract.
-    unsafe { steps(a, lda, at, None, b, (p, pair), (c, ldc)) }
+    unsafe { steps(a, lda, at, None, b, panels, (c, ldc)) }
 }
 
 /// The body of [`block`] and [`block_at`]: step s's A at `at(s)`; where `ahead` is the step's
-/// stride, the lines of step s + 2 are asked for ([`prefetch_a`]).
+/// stride, the lines of step s + 2 are asked for ([`prefetch_a`]), and in a work item's first
+/// block those of B's step s + [`B_AHEAD`] ([`prefetch_b`]).
 ///
 /// # Safety
 /// As for [`block_at`].
@@ -153,7 +164,7 @@ unsafe fn steps(
     at: impl Fn(usize) -> usize,
     ahead: Option<usize>,
     b: &PackedPairs,
-    (p, pair): (usize, bool),
+    Panels { p, pair, first }: Panels,
     (c, ldc): (*mut f32, usize),
 ) {
     use std::arch::asm;
@@ -180,6 +191,10 @@ unsafe fn steps(
                     prefetch_a(a, (lda, a_step), s, kp / KSTEP);
                 }
                 let at = at(s);
+                if first {
+                    prefetch_b(b0, s, kp / KSTEP);
+                    prefetch_b(b1, s, kp / KSTEP);
+                }
                 asm!(
                     "tileloadd tmm4, [{a0} + {sa}*1]",
                     "tileloadd tmm5, [{a1} + {sa}*1]",
@@ -211,6 +226,9 @@ unsafe fn steps(
                     prefetch_a(a, (lda, a_step), s, kp / KSTEP);
                 }
                 let at = at(s);
+                if first {
+                    prefetch_b(b0, s, kp / KSTEP);
+                }
                 asm!(
                     "tileloadd tmm4, [{a0} + {sa}*1]",
                     "tileloadd tmm5, [{a1} + {sa}*1]",
@@ -316,6 +334,31 @@ unsafe fn prefetch_a(a: *const bf16, (lda, a_step): (usize, usize), s: usize, st
         for r in 0..32 {
             // SAFETY: row r's step s + 2 is inside A (the contract).
             unsafe { _mm_prefetch::<_MM_HINT_T0>(a.add(r * lda + ahead).cast()) };
+        }
+    }
+}
+
+/// How many steps ahead of its tile loads a work item's first block asks for B's lines
+/// ([`Panels::first`]). A tile load waits for all its 16 lines, and the tiles are not
+/// renamed: the next step's load of the same tile waits for this step's products, so a load
+/// from memory stalls the block. ResNet-50 BF16 at batch 1 on an Emerald Rapids Xeon (2 vCPU,
+/// `bench/ab.py`, the AMX GEMMs' and direct layers' kernel total): 0.937× the time (12 of 16
+/// rounds), the step 0.916× (9 of 12); at batch 8, controlled by the stem's kernel, 1.002×
+/// (6 of 12). Qwen2.5-0.5B's batch-1 decode forced onto the tiles: TPOT 98–108 → 71–75 ms.
+const B_AHEAD: usize = 4;
+
+/// Ask for the 16 lines (one tile) of panel `b`'s step s + [`B_AHEAD`], where there is one.
+///
+/// # Safety
+/// `b` is a panel of `steps` steps (a prefetch past them would not fault, but none is issued).
+#[inline(always)]
+unsafe fn prefetch_b(b: *const bf16, s: usize, steps: usize) {
+    use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+    if s + B_AHEAD < steps {
+        let tile = b.wrapping_add((s + B_AHEAD) * KSTEP * PANEL);
+        for line in 0..16 {
+            // SAFETY: step s + B_AHEAD is inside the panel (the contract).
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(tile.add(line * 2 * PANEL).cast()) };
         }
     }
 }

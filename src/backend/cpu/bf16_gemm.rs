@@ -588,7 +588,12 @@ pub unsafe fn gemm(
                         false
                     }
                     Engine::Amx => {
-                        super::amx::block(ab, (ldab, KSTEP), b, p, pair, c, BLOCK_COLS);
+                        let panels = super::amx::Panels {
+                            p,
+                            pair,
+                            first: i == 0,
+                        };
+                        super::amx::block(ab, (ldab, KSTEP), b, panels, c, BLOCK_COLS);
                         false
                     }
                     Engine::Dot if halves && !pair && cols <= PANEL / 2 => {

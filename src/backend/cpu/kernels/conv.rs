@@ -299,7 +299,10 @@ impl<T: Elem> PackedConv<T> {
                 "dpbf16_stem"
             }
         } else if let Some(b) = &self.pairs {
+            // A window read in place is on the tiles at any row count.
+            let direct = super::direct::fits(&self.conv, b);
             match bf16_gemm::Engine::for_rows(b.k, rows) {
+                _ if direct => "amx_direct",
                 Some(bf16_gemm::Engine::Amx) => "amx_gemm",
                 _ => "dpbf16_gemm",
             }

@@ -152,7 +152,9 @@ pub(super) unsafe fn conv2d(
                     // (`Padded::tail_rows` past the last image); panels p (and p + 1) exist.
                     unsafe {
                         let c = (sums.0.as_mut_ptr(), BLOCK_COLS);
-                        amx::block_at(a, cin, |s| offsets[s], b, (p, pair), c);
+                        let first = j == m0 / BLOCK_ROWS;
+                        let panels = amx::Panels { p, pair, first };
+                        amx::block_at(a, cin, |s| offsets[s], b, panels, c);
                     }
                     // The block's pixels inside the image, a run along an output row at a time.
                     let mut r = 0;

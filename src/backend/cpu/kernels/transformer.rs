@@ -1522,12 +1522,17 @@ unsafe fn head_on_tiles(head: &PairHead<'_>, tiles: &mut TileScratch, outs: &mut
             // the block's 32 rows of panels p and p + 1 (kp / 16 panels, an even number).
             unsafe {
                 let a = tokens.as_ptr().add(rb * stride + first);
+                // A window's keys and values stay in L1 and L2.
+                let panels = amx::Panels {
+                    p,
+                    pair: true,
+                    first: false,
+                };
                 amx::block(
                     a,
                     (stride, KSTEP),
                     keys_b,
-                    p,
-                    true,
+                    panels,
                     scores.add(p * PANEL),
                     kp,
                 );
@@ -1547,7 +1552,14 @@ unsafe fn head_on_tiles(head: &PairHead<'_>, tiles: &mut TileScratch, outs: &mut
             // SAFETY: as above; A is the block's 32 rows of numerators (kp values apart, the
             // values' padded K), C 32 rows of panels p and p + 1 (dh / 16 of them, an even
             // number) in `outs` (dh floats a row).
-            unsafe { amx::block(probs, (kp, KSTEP), values_b, p, true, o.add(p * PANEL), dh) };
+            unsafe {
+                let panels = amx::Panels {
+                    p,
+                    pair: true,
+                    first: false,
+                };
+                amx::block(probs, (kp, KSTEP), values_b, panels, o.add(p * PANEL), dh)
+            };
         }
         for &i in queries {
             let r = i - rb;
