@@ -130,6 +130,18 @@ pub(super) struct Panels {
     pub first: bool,
 }
 
+impl Panels {
+    /// Panels whose B is already in L1 or L2 (a stem's few weights, a window's keys and
+    /// values): no block asks for them ahead.
+    pub fn cached(p: usize, pair: bool) -> Self {
+        Panels {
+            p,
+            pair,
+            first: false,
+        }
+    }
+}
+
 /// [`block`] with step s's 32 values of A at `at(s)` values after each row's first, wherever
 /// they lie: a direct convolution's taps, each a run of its input's channels
 /// ([`super::kernels`]' direct 3×3 layers, rows one pixel apart). No lines are asked for ahead

@@ -298,11 +298,11 @@ impl<T: Elem> PackedConv<T> {
             } else {
                 "dpbf16_stem"
             }
-        } else if let Some(b) = &self.pairs {
+        } else if (self.pairs.as_ref()).is_some_and(|b| super::direct::fits(&self.conv, b)) {
             // A window read in place is on the tiles at any row count.
-            let direct = super::direct::fits(&self.conv, b);
+            "amx_direct"
+        } else if let Some(b) = &self.pairs {
             match bf16_gemm::Engine::for_rows(b.k, rows) {
-                _ if direct => "amx_direct",
                 Some(bf16_gemm::Engine::Amx) => "amx_gemm",
                 _ => "dpbf16_gemm",
             }
@@ -691,7 +691,7 @@ pub(super) fn conv2d_pairs<T: Elem>(
     let c = &p.conv;
     let act = epilogue.act;
     let (k, kp) = (b.k, b.kp());
-    let m = ys.n * ys.h * ys.w;
+    let m = ys.pixels();
     let cout = c.out_channels;
     let rows = (chunk_rows(m, k) * p.chunk_scale).min(m.max(1));
     let engine =

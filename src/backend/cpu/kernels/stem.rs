@@ -357,9 +357,7 @@ fn implicit_tiles(job: &Job<'_, bf16, PackedPairs>, threads: usize) {
                             unsafe {
                                 let c = values.as_mut_ptr();
                                 let lda = (sx * cin, wp * cin);
-                                // The stem's few weights stay in L2.
-                                let first = false;
-                                let panels = amx::Panels { p, pair, first };
+                                let panels = amx::Panels::cached(p, pair);
                                 amx::block(a.as_ptr(), lda, b, panels, c, BLOCK_COLS);
                                 let rows = BLOCK_ROWS.min(ys.w - x0);
                                 let row = r * ys.w + x0;

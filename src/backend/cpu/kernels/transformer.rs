@@ -1522,12 +1522,7 @@ unsafe fn head_on_tiles(head: &PairHead<'_>, tiles: &mut TileScratch, outs: &mut
             // the block's 32 rows of panels p and p + 1 (kp / 16 panels, an even number).
             unsafe {
                 let a = tokens.as_ptr().add(rb * stride + first);
-                // A window's keys and values stay in L1 and L2.
-                let panels = amx::Panels {
-                    p,
-                    pair: true,
-                    first: false,
-                };
+                let panels = amx::Panels::cached(p, true);
                 amx::block(
                     a,
                     (stride, KSTEP),
@@ -1553,11 +1548,7 @@ unsafe fn head_on_tiles(head: &PairHead<'_>, tiles: &mut TileScratch, outs: &mut
             // values' padded K), C 32 rows of panels p and p + 1 (dh / 16 of them, an even
             // number) in `outs` (dh floats a row).
             unsafe {
-                let panels = amx::Panels {
-                    p,
-                    pair: true,
-                    first: false,
-                };
+                let panels = amx::Panels::cached(p, true);
                 amx::block(probs, (kp, KSTEP), values_b, panels, o.add(p * PANEL), dh)
             };
         }
