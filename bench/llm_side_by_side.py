@@ -2,7 +2,9 @@
 on the same weights and the same work: the same seeded random weights (written once by
 `workshop weights` as a Hugging Face folder), seeded random prompts, greedy decoding of a fixed
 number of tokens, the same thread count. Rounds rotate the order; medians are reported with
-the ratio per row.
+the ratio per row, then each row's ratios round by round with how many rounds ours led and a
+sign test of them (bench/ab.py's), since a host whose speed swings can put two medians in
+different phases.
 
     python bench/llm_side_by_side.py --model qwen2.5-0.5b --precision fp32,bf16 --batch 1,8
     python bench/llm_side_by_side.py --model llama-3.1-8b --device cuda --precision bf16 --replay
@@ -29,6 +31,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from ab import MAX_P, sign_test
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -172,8 +176,9 @@ def main():
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--threads", type=int, default=os.cpu_count())
-    # Two rounds proved too few on a noisy 2-core machine (a 0.78× that 4 rounds showed was 0.98×).
-    p.add_argument("--rounds", type=int, default=4)
+    # Two rounds proved too few on a noisy 2-core machine (a 0.78× that 4 rounds showed was 0.98×);
+    # five are the fewest whose sign test can give a verdict (all five: p = 0.06).
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iterations", type=int, default=2)
     p.add_argument("--check", action="store_true")
     p.add_argument("--check-prompt", type=int, default=16,
@@ -224,7 +229,7 @@ def main():
                                                                a.iterations))
             med = {k: (statistics.median(v[0] for v in runs), statistics.median(v[1] for v in runs))
                    for k, runs in results.items()}
-            rows.append((precision, batch, med))
+            rows.append((precision, batch, med, results))
             print(precision, batch, med, flush=True)
         del peers
     name = a.folder if a.folder else a.model
@@ -233,13 +238,36 @@ def main():
     print("| precision | batch | peer | TTFT ours ms | TTFT peer ms | prefill ours/peer speed "
           "| TPOT ours ms | TPOT peer ms | decode ours/peer speed |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for precision, batch, m in rows:
+    for precision, batch, m, _ in rows:
         ot, op = m["workshop"]
         for peer, (pt, pp) in m.items():
             if peer == "workshop":
                 continue
             print(f"| {precision} | {batch} | {peer} | {ot:.1f} | {pt:.1f} | {pt / ot:.2f}× | "
                   f"{op:.2f} | {pp:.2f} | {pp / op:.2f}× |")
+    print("\nRound by round (peer time / ours: above 1, ours faster), with a sign test of the "
+          "rounds: a host whose speed swings between phases can put the two medians above in "
+          "different phases")
+    for precision, batch, _, results in rows:
+        for peer, runs in results.items():
+            if peer == "workshop":
+                continue
+            for phase, i in (("prefill", 0), ("decode", 1)):
+                ratios = [p[i] / o[i] for o, p in zip(results["workshop"], runs)]
+                print(f"{precision} batch {batch} {peer} {phase}: {rounds_verdict(ratios)}")
+
+
+def rounds_verdict(ratios):
+    """The rounds' ratios (peer time / ours), their median and range, how many ours led, and
+    whether that many is more than noise would give (bench/ab.py's sign test)."""
+    led, n = sum(x > 1 for x in ratios), len(ratios)
+    p_value = sign_test(max(led, n - led), n)
+    if p_value > MAX_P:
+        verdict = f"inconclusive (a coin does that with p = {p_value:.2f})"
+    else:
+        verdict = f"{'ours' if led > n - led else 'the peer'} faster (p = {p_value:.3f})"
+    return (f"{statistics.median(ratios):.2f}× [{min(ratios):.2f}–{max(ratios):.2f}], ours led "
+            f"{led} of {n}: " + " ".join(f"{x:.2f}" for x in ratios) + f"; {verdict}")
 
 
 if __name__ == "__main__":
