@@ -37,7 +37,7 @@ fn spread(s: &Spread) -> String {
 /// ` = N% of the CEILING`; with no ceiling, that none was measured; past it (by more than the
 /// noise of two measurements), that the measurement was no ceiling, and `why`: a short probe
 /// on a large GPU, say (on an H200 a 512³ BF16 GEMM probe ran at 1.2% of the tensor cores'
-/// rate), or a host whose memory sped up between the read beside the run and the decode.
+/// rate), or a decode whose own reads outran the plain read timed beside it.
 fn share(part: Option<f64>, ceiling: &str, why: &str) -> String {
     match part {
         None => " (no measured peak)".into(),
@@ -60,7 +60,7 @@ const TRIAD_AGAIN: &str = "`workshop peak` measures one over arrays larger than 
 /// and BF16 ones 96–116% (Qwen2.5-0.5B), while the read, given huge pages as the weights
 /// have, ran slower, not faster; on a shared host the memory's speed also moves from minute
 /// to minute. Running `workshop peak` changes nothing there.
-const READ_MOVED: &str = "the decode's own reads ran faster than the plain read's; run again \
+const READ_OUTRUN: &str = "the decode's own reads ran faster than the plain read's; run again \
                           for a steadier figure";
 
 /// The summary of one run.
@@ -74,7 +74,7 @@ pub fn summary(r: &BenchRecord, run: &LlmRun) -> String {
                 format!("; `workshop peak`'s triad: {t:.1} GB/s")
             });
             let ceiling = format!("{read:.1} GB/s a plain read reached beside it");
-            share(run.bandwidth_share(), &ceiling, READ_MOVED) + &triad
+            share(run.bandwidth_share(), &ceiling, READ_OUTRUN) + &triad
         }
         (None, triad) => share(
             run.bandwidth_share(),
@@ -290,17 +290,17 @@ mod tests {
     #[test]
     fn shares_say_what_their_ceiling_was() {
         assert_eq!(
-            share(Some(0.5), "12 GB/s", READ_MOVED),
+            share(Some(0.5), "12 GB/s", READ_OUTRUN),
             " = 50% of the 12 GB/s"
         );
         assert_eq!(
-            share(Some(1.08), "12 GB/s", READ_MOVED),
+            share(Some(1.08), "12 GB/s", READ_OUTRUN),
             " = 108% of the 12 GB/s"
         );
         let past = share(
             Some(1.24),
             "12 GB/s a plain read reached beside it",
-            READ_MOVED,
+            READ_OUTRUN,
         );
         assert!(past.starts_with(", 124% of the 12 GB/s"), "{past}");
         assert!(
