@@ -432,6 +432,51 @@ impl<'a> Done<'a> {
         rows.enumerate().map(move |(r, v)| (row + r, &v[..cols]))
     }
 
+    /// The block's rows (the bias added) into `dst`, C's row i at `i · ld + col`, or added to
+    /// what is there where `add`: 16 lanes at a time under masks. A closure handed to [`gemm`]
+    /// is compiled without its caller's target features: the attention's loops there ran on
+    /// SSE registers and its copies called `memmove` a row at a time, together a third of a
+    /// 2048-token prompt's attention.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F (every CPU that runs the engines does); `dst` holds every row's
+    /// `cols` values at its place.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn write_into(self, dst: &mut [f32], ld: usize, add: bool) {
+        use std::arch::x86_64::*;
+        let (col, cols) = (self.col, self.cols);
+        debug_assert!(cols <= BLOCK_COLS);
+        let lanes = |n: usize| -> __mmask16 { ((1u32 << n.min(16)) - 1) as __mmask16 };
+        let (m0, m1) = (lanes(cols), lanes(cols.saturating_sub(16)));
+        for (i, v) in self.rows() {
+            let at = i * ld + col;
+            assert!(at + cols <= dst.len(), "a block's row past its destination");
+            // SAFETY: the masks cover `cols` values of `v` and of dst from `at` (checked); the
+            // second half's pointers are only formed (wrapping), not read, where its mask is 0.
+            unsafe {
+                let (s, d) = (v.as_ptr(), dst.as_mut_ptr().add(at));
+                let mut x0 = _mm512_maskz_loadu_ps(m0, s);
+                let mut x1 = _mm512_maskz_loadu_ps(m1, s.wrapping_add(16));
+                if add {
+                    x0 = _mm512_add_ps(x0, _mm512_maskz_loadu_ps(m0, d));
+                    x1 = _mm512_add_ps(x1, _mm512_maskz_loadu_ps(m1, d.wrapping_add(16)));
+                }
+                _mm512_mask_storeu_ps(d, m0, x0);
+                _mm512_mask_storeu_ps(d.wrapping_add(16), m1, x1);
+            }
+        }
+    }
+
+    /// Never called: [`Engine::in_use`] is `None` off x86-64.
+    ///
+    /// # Safety
+    /// None needed; it panics.
+    #[cfg(not(target_arch = "x86_64"))]
+    pub unsafe fn write_into(self, _dst: &mut [f32], _ld: usize, _add: bool) {
+        unreachable!("bf16 pairs are multiplied on x86-64 only")
+    }
+
     /// The block finished and stored as the `vdpbf16ps` kernels store their rows in
     /// registers: C's value (i, j) at `f`'s place (i, j) (`f` is where C's first row and
     /// column go), through the same `store_finished`, so bit for bit the same values.

@@ -656,10 +656,8 @@ impl Vectorised for OnPairs<'_> {
             for r0 in (0..rows).step_by(chunk) {
                 let m = chunk.min(rows - r0);
                 let mut keep = |done: Done<'_>| {
-                    let col = done.col;
-                    for (i, s) in done.rows() {
-                        scores[i * ld + col..][..s.len()].copy_from_slice(s);
-                    }
+                    // SAFETY: the CPU runs the engine, so it has AVX-512F.
+                    unsafe { done.write_into(scores, ld, false) }
                 };
                 // SAFETY: `Engine::in_use` is some (checked by `cached_attention`), so the CPU
                 // runs the engine; q_pairs has `rows` rows of kq = packed_k.kp() values `lda`
@@ -683,12 +681,10 @@ impl Vectorised for OnPairs<'_> {
                         *p = f32_bf16(s);
                     }
                 }
+                let rows_out = &mut out[r0 * d..];
                 let mut add = |done: Done<'_>| {
-                    let col = done.col;
-                    for (i, s) in done.rows() {
-                        let o = &mut out[(r0 + i) * d + col..][..s.len()];
-                        o.iter_mut().zip(s).for_each(|(o, s)| *o += s);
-                    }
+                    // SAFETY: as above.
+                    unsafe { done.write_into(rows_out, d, true) }
                 };
                 // SAFETY: as above; the probabilities' rows have ld = packed_v.kp() values,
                 // ldp apart, zeros past the tile's keys.

@@ -859,10 +859,8 @@ impl<T: Elem> OnHead<'_, T> {
                 row[t..].fill(f32::NEG_INFINITY);
             }
             let mut keep = |d: Done<'_>| {
-                let col = d.col;
-                for (i, v) in d.rows() {
-                    scores[i * ld + col..][..v.len()].copy_from_slice(v);
-                }
+                // SAFETY: the CPU runs AVX512_BF16 (below), so it has AVX-512F.
+                unsafe { d.write_into(scores, ld, false) }
             };
             // SAFETY: `Engine::in_use` is some (checked by `attention`), so the CPU runs
             // AVX512_BF16; q has `rows` rows of kq values, zeros past dh.
