@@ -435,8 +435,7 @@ impl<'a> Done<'a> {
     /// The block's rows (the bias added) into `dst`, C's row i at `i · ld + col`, or added to
     /// what is there where `add`: 16 lanes at a time under masks. A closure handed to [`gemm`]
     /// is compiled without its caller's target features: the attention's loops there ran on
-    /// SSE registers and its copies called `memmove` a row at a time, together a third of a
-    /// 2048-token prompt's attention.
+    /// SSE registers and its copies called `memmove` a row at a time.
     ///
     /// # Safety
     /// The CPU has AVX-512F (every CPU that runs the engines does); `dst` holds every row's
