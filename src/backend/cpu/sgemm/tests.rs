@@ -297,7 +297,7 @@ fn kernels_match_naive_matmul() {
 /// Half-precision panels give exactly what the same values packed in f32 give, widened in
 /// registers by the f16 tiles (each SIMD path's, and `gemm_packed`'s choice) or, bf16 past
 /// `FEW_ROWS` rows, a K block at a time: several K blocks, strides that alias (A's blocks
-/// copied), an edge panel, and a panel range that starts past panel 0.
+/// copied, or packed), an edge panel, and a panel range that starts past panel 0.
 #[test]
 fn packed_halves_match_f32() {
     fn run<T: Elem>(b: &PackedB<T>, a: &[f32], m: usize, p: (usize, usize)) -> Vec<f32> {
@@ -316,6 +316,12 @@ fn packed_halves_match_f32() {
         // Past `FEW_ROWS`: bf16 widened a K block at a time (AVX-512 and portable).
         (70, 2100, 40),
         (100, 1100, 33),
+        // And over `PACK_FROM` panels: A's row groups packed once per K block for all the
+        // widened panel groups (`APack::Ready`), a last block too shallow to pack (1050), a
+        // stride that aliases (2048, not copied where packed), rows past the last group.
+        (75, 1100, 261),
+        (80, 1050, 270),
+        (75, 2048, 261),
     ] {
         let a: Vec<f32> = (0..m * k)
             .map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0)
