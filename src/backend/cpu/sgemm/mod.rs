@@ -1228,8 +1228,9 @@ enum APack<'a> {
     /// alone would never pack (`PACK_FROM`) and read A's fourteen rows in place. Packed once
     /// per K block for all of them, on an Emerald Rapids Xeon whose VM hides AMX (BF16 layers
     /// widened to the FMAs), two threads, batch 8, `bench/ab.py` 8 rounds: 1×1 256 → 1024 at
-    /// 14² 0.93× the time (7 of 8), 1024 → 256 0.91× (5 of 8), ResNet-50 BF16's 1×1 layers
-    /// together 0.97× (5 of 8, over its Winograd layers' time in the same runs).
+    /// 14² 0.93× the time (7 of 8), 1024 → 256 0.91× (5 of 8); ResNet-50 BF16's 1×1 layers
+    /// together (over its Winograd layers' time in the same runs) 0.97× (5 of 8), and at
+    /// batch 32 level (0.99×, 3 of 6).
     Ready(&'a [f32], usize),
 }
 
