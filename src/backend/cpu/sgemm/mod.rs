@@ -853,8 +853,11 @@ unsafe fn gemm_with<E>(
         // Packed row groups are out of the way of each other's L1 sets: no copy first.
         let copy = aliases(lda) && m > 1 && packed_groups(&kern, m, (p0, p1), kc.min(b.k)) == 0;
         for_k_blocks(m, a, lda, (b.k, kc), copy, |a, lda, block| {
-            let a = (a, lda, APack::Own);
-            gemm_block(kern, order, m, a, b, (p0, p1), block, c, ldc, fin)
+            let panels = (p0, p1);
+            with_packed_groups(&kern, m, (a, lda), panels, block.kc, |packed| {
+                let a = (a, lda, packed);
+                gemm_block(kern, order, m, a, b, panels, block, c, ldc, fin)
+            })
         })
     }
 }
@@ -1096,62 +1099,52 @@ unsafe fn gemm_packed_to<T: Elem>(
     }
     let kern = f32_kernels;
     // A's row groups are packed once per K block for all the call's panels (where
-    // `packed_groups` says they pay, as for f32 panels), not per widened panel group: each
-    // group's call sees one or two panels, under `PACK_FROM`, and read A's fourteen rows in
-    // place. ResNet-50's BF16 1×1 layers, widened on an Emerald Rapids Xeon: see `APack`.
-    let groups = packed_groups(&kern, m, (p0, p1), KC.min(b.k));
+    // `packed_groups` says they pay, as for f32 panels), not by each widened panel group's
+    // call: one or two panels, under `PACK_FROM`, which read A's fourteen rows in place. On
+    // an Emerald Rapids Xeon whose VM hides AMX (BF16 layers widened to the FMAs), two
+    // threads, batch 8, `bench/ab.py` 8 rounds: 1×1 256 → 1024 at 14² 0.93× the time (7 of
+    // 8), 1024 → 256 0.91× (5 of 8); ResNet-50 BF16's 1×1 layers together (over its Winograd
+    // layers' time in the same runs) 0.97× (5 of 8), and at batch 32 level (0.99×, 3 of 6).
     B_BLOCK.with_borrow_mut(|wide| {
         wide.resize(KC * NR * kern.panels, 0.0);
-        let mut pack = if groups > 0 {
-            A_PACK.take()
-        } else {
-            Vec::new()
-        };
         // SAFETY: forwarded from this function's contract; each view is its panels' K block
         // alone (k0 = 0 within it, the panels' blocks kc · NR apart), and C's columns for
-        // panel p start (p − p0)·NR in. The packed groups are the K block's (`pack_groups`
-        // writes all of them before the block's tiles read any).
+        // panel p start (p − p0)·NR in. The packed groups are the K block's.
         unsafe {
-            let copy = aliases(lda) && m > 1 && groups == 0;
+            let copy = aliases(lda) && m > 1 && packed_groups(&kern, m, (p0, p1), KC.min(b.k)) == 0;
             for_k_blocks(m, a, lda, (b.k, KC), copy, |a, lda, block| {
-                // A block shallower than the first (the last of a deep K) may not repay
-                // the packing; `packed_groups` decides for each.
-                let groups = packed_groups(&kern, m, (p0, p1), block.kc);
-                pack_groups(a, lda, (groups, kern.rows), block.kc, &mut pack);
-                let a_pack = APack::Ready(&pack, groups);
-                for p in (p0..p1).step_by(kern.panels) {
-                    let w = kern.panels.min(p1 - p);
-                    let len = block.kc * NR;
-                    for q in 0..w {
-                        T::widen(
-                            &b.data[((p + q) * b.k + block.k0) * NR..][..len],
-                            &mut wide[q * len..][..len],
+                with_packed_groups(&kern, m, (a, lda), (p0, p1), block.kc, |packed| {
+                    for p in (p0..p1).step_by(kern.panels) {
+                        let w = kern.panels.min(p1 - p);
+                        let len = block.kc * NR;
+                        for q in 0..w {
+                            T::widen(
+                                &b.data[((p + q) * b.k + block.k0) * NR..][..len],
+                                &mut wide[q * len..][..len],
+                            );
+                        }
+                        let view = Panels {
+                            k: block.kc,
+                            n: (w * NR).min(b.n - p * NR),
+                            data: &wide[..w * len],
+                            bias: &b.bias[p * NR..],
+                        };
+                        let at_zero = Block { k0: 0, ..block };
+                        gemm_block(
+                            kern,
+                            Order::ByCache,
+                            m,
+                            (a, lda, packed),
+                            &view,
+                            (0, w),
+                            at_zero,
+                            c.add((p - p0) * NR),
+                            ldc,
+                            fin.map(|f| f.at((p - p0) * NR)),
                         );
                     }
-                    let view = Panels {
-                        k: block.kc,
-                        n: (w * NR).min(b.n - p * NR),
-                        data: &wide[..w * len],
-                        bias: &b.bias[p * NR..],
-                    };
-                    let at_zero = Block { k0: 0, ..block };
-                    gemm_block(
-                        kern,
-                        Order::ByCache,
-                        m,
-                        (a, lda, a_pack),
-                        &view,
-                        (0, w),
-                        at_zero,
-                        c.add((p - p0) * NR),
-                        ldc,
-                        fin.map(|f| f.at((p - p0) * NR)),
-                    );
-                }
+                })
             });
-        }
-        if groups > 0 {
-            A_PACK.set(pack);
         }
     })
 }
@@ -1217,35 +1210,45 @@ struct Block {
     last: bool,
 }
 
-/// Where [`gemm_block`]'s packed tiles find A's row groups.
-#[derive(Clone, Copy)]
-enum APack<'a> {
-    /// Packed by the call itself where [`packed_groups`] says they pay, into the worker's
-    /// buffer.
-    Own,
-    /// Already packed by the caller for all the panels its calls cover (`pack_groups`): the
-    /// buffer and its whole groups. Widened bf16 panels go one or two panels a call, which
-    /// alone would never pack (`PACK_FROM`) and read A's fourteen rows in place. Packed once
-    /// per K block for all of them, on an Emerald Rapids Xeon whose VM hides AMX (BF16 layers
-    /// widened to the FMAs), two threads, batch 8, `bench/ab.py` 8 rounds: 1×1 256 → 1024 at
-    /// 14² 0.93× the time (7 of 8), 1024 → 256 0.91× (5 of 8); ResNet-50 BF16's 1×1 layers
-    /// together (over its Winograd layers' time in the same runs) 0.97× (5 of 8), and at
-    /// batch 32 level (0.99×, 3 of 6).
-    Ready(&'a [f32], usize),
+/// `f((packed, groups))` with A's whole row groups (`a`'s rows, `lda` apart, columns 0..kc)
+/// packed for `kern`'s packed tiles over panels p0..p1 where [`packed_groups`] says they pay
+/// (none, and an empty buffer, elsewhere), in the worker's buffer: taken for the call and
+/// given back after it.
+///
+/// # Safety
+/// As for [`pack_groups`], with `a`'s m rows.
+unsafe fn with_packed_groups<E, R>(
+    kern: &Kernels<E>,
+    m: usize,
+    (a, lda): (*const f32, usize),
+    panels: (usize, usize),
+    kc: usize,
+    f: impl FnOnce((&[f32], usize)) -> R,
+) -> R {
+    let groups = packed_groups(kern, m, panels, kc);
+    if groups == 0 {
+        return f((&[], 0));
+    }
+    let mut pack = A_PACK.take();
+    // SAFETY: A has m ≥ groups · rows rows of kc readable floats (the contract).
+    unsafe { pack_groups(a, lda, (groups, kern.rows), kc, &mut pack) };
+    let done = f((&pack, groups));
+    A_PACK.set(pack);
+    done
 }
 
 /// C (+)= A[0..m, 0..kc] · B[k0..k0 + kc, panels p0..p1], `a` pointing at the block's column 0
-/// (`lda` apart; packed as `pack` says).
+/// (`lda` apart), its first `groups` row groups also in `packed` ([`with_packed_groups`]).
 ///
 /// # Safety
-/// As for [`gemm`], with `kc` readable floats per row of `a`; `APack::Ready`'s groups hold
-/// rows 0.. of this `a`'s K block.
+/// As for [`gemm`], with `kc` readable floats per row of `a`; `packed` holds `groups` groups
+/// of rows 0.. of this `a`'s K block.
 #[allow(clippy::too_many_arguments)]
 unsafe fn gemm_block<E>(
     kern: Kernels<E>,
     order: Order,
     m: usize,
-    (a, lda, pack): (*const f32, usize, APack<'_>),
+    (a, lda, (packed, groups)): (*const f32, usize, (&[f32], usize)),
     b: &Panels<'_, E>,
     (p0, p1): (usize, usize),
     Block { k0, kc, init, last }: Block,
@@ -1309,25 +1312,6 @@ unsafe fn gemm_block<E>(
         }
         return;
     }
-    // The whole row groups packed for the packed tiles, where they run: a buffer taken from
-    // the worker's for the call and given back after it.
-    let (own, groups) = match pack {
-        APack::Own => (true, packed_groups(&kern, m, (p0, p1), kc)),
-        APack::Ready(_, groups) => (false, groups),
-    };
-    let mut owned = if own && groups > 0 {
-        A_PACK.take()
-    } else {
-        Vec::new()
-    };
-    if own {
-        // SAFETY: A has m ≥ groups · rows rows of kc readable floats (the contract).
-        unsafe { pack_groups(a, lda, (groups, kern.rows), kc, &mut owned) };
-    }
-    let packed: &[f32] = match pack {
-        APack::Ready(ready, _) => ready,
-        APack::Own => &owned,
-    };
     // One tile: rows i.. of panels p..p + w (w ≤ kern.panels); returns the rows it covered.
     let tile_at = |p: usize, w: usize, i: usize| -> usize {
         let width = w * NR;
@@ -1482,9 +1466,6 @@ unsafe fn gemm_block<E>(
                 i += tile_at(p, w, i);
             }
         }
-    }
-    if own && groups > 0 {
-        A_PACK.set(owned);
     }
 }
 
