@@ -382,7 +382,8 @@ fn first_lanes(n: usize) -> std::arch::x86_64::__m256i {
     )
 }
 
-/// `f` on every value of `values`, LANES at a time, the last few through a zero-padded copy.
+/// `f` on every value of `values`, LANES at a time, the last few by masked loads and stores
+/// (zeros in the lanes past them, which are neither read nor written).
 ///
 /// # Safety
 /// The CPU has V's instruction set.
@@ -390,18 +391,16 @@ fn first_lanes(n: usize) -> std::arch::x86_64::__m256i {
 #[inline(always)]
 unsafe fn each_vector<V: Vector>(values: &mut [f32], f: impl Fn(V) -> V) {
     let mut vectors = values.chunks_exact_mut(V::LANES);
-    // SAFETY: each chunk, and the copy, holds LANES floats; the caller's instruction set.
+    // SAFETY: each chunk holds LANES floats, the tail its length (< LANES), read and written
+    // masked; the caller's instruction set.
     unsafe {
         for v in &mut vectors {
             f(V::load(v.as_ptr())).store(v.as_mut_ptr());
         }
         let tail = vectors.into_remainder();
         if !tail.is_empty() {
-            const { assert!(V::LANES <= 16, "the copy holds the widest vector, 16 lanes") };
-            let mut copy = [0f32; 16];
-            copy[..tail.len()].copy_from_slice(tail);
-            f(V::load(copy.as_ptr())).store(copy.as_mut_ptr());
-            tail.copy_from_slice(&copy[..tail.len()]);
+            let n = tail.len();
+            f(V::load_first(tail.as_ptr(), n, 0.0)).store_first(tail.as_mut_ptr(), n);
         }
     }
 }
@@ -842,8 +841,9 @@ mod tests {
     }
 
     /// The AVX-512 and AVX2 sigmoid, SiLU and GELU against libm's forms (f64), on slices of
-    /// every length up to 40 (the last vectors partial) over the range where they bend, the
-    /// tails of both signs, ±∞ and NaN: each instruction set the CPU has.
+    /// every length up to 40 (the last vectors partial, nothing written past them) over the
+    /// range where they bend, the tails of both signs, ±∞ and NaN: each instruction set the
+    /// CPU has.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn vector_forms_match_libm() {
@@ -912,9 +912,15 @@ mod tests {
         }
         for (name, f, want, per_x) in forms {
             for len in [1, 7, 9, 15, 16, 17, 31, 40, xs.len()] {
-                let mut got = xs[..len].to_vec();
-                f(&mut got);
-                for (&x, &got) in xs.iter().zip(&got) {
+                // Values past the slice (a vector's worth) must stay as they are.
+                let mut buf = xs[..len].to_vec();
+                buf.extend([7.0; 16]);
+                f(&mut buf[..len]);
+                assert!(
+                    buf[len..].iter().all(|&v| v == 7.0),
+                    "{name} on {len} values wrote past them"
+                );
+                for (&x, &got) in xs.iter().zip(&buf[..len]) {
                     let (got, want, x) = (got as f64, want(x as f64), x as f64);
                     // Below −87: σ is 1.6·10⁻³⁸ where it is less (see `logistic`).
                     let floor = 2e-38 * x.abs().max(1.0);
