@@ -326,7 +326,7 @@ fn bench_sweeps_a_model_folder_and_writes_records() {
         "TTFT",
         "TPOT",
         "Bandwidth",
-        "a plain read reached beside it",
+        "a plain read of the weights reached beside it",
         "Prefill time",
         "prefill tok/s",
     ] {
@@ -344,7 +344,7 @@ fn bench_sweeps_a_model_folder_and_writes_records() {
         assert_eq!(v["samples_s"].as_array().unwrap().len(), 6);
         assert_eq!(v["llm"]["ttft_s"].as_array().unwrap().len(), 2);
         assert!(v["llm"]["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
-        // The decode is judged against memory read beside it.
+        // The decode is judged against its weights read beside it.
         assert!(v["llm"]["read_gbps"].as_f64().unwrap() > 0.0);
         records.push(path.to_str().unwrap().to_string());
     }

@@ -369,18 +369,6 @@ pub trait Backend {
             self.kind()
         )))
     }
-    /// Time `passes` plain reads of `n` f32 values in device `dev`'s memory (a sum of them all,
-    /// checked), after one untimed pass: the bandwidth a stream of loads alone reaches, which
-    /// is what a decode step's weights are. `None` where the backend has no such probe.
-    fn read_stream(
-        &self,
-        _dev: usize,
-        _n: usize,
-        _passes: usize,
-        _threads: Option<usize>,
-    ) -> Result<Option<Vec<f64>>, BackendError> {
-        Ok(None)
-    }
     /// Upload weights and set up everything a forward pass of `plan` needs on device `dev`.
     fn prepare(
         &self,
@@ -511,6 +499,14 @@ pub trait DecoderSession {
     /// Tokens each sequence holds in the cache.
     fn position(&self) -> usize;
     fn memory(&self) -> DecoderMemory;
+    /// `passes` plain reads of the weights a decode step streams through (every matrix and
+    /// bias the layers and the LM head keep, in their memory, on the session's threads), after
+    /// one untimed pass: the bytes one pass reads and each timed pass's seconds. What a decode
+    /// step's reads are judged against: the same bytes in the same pages, read as fast as
+    /// loads alone go. `None` where the backend has no such read.
+    fn read_weights(&mut self, _passes: usize) -> Result<Option<(u64, Vec<f64>)>, BackendError> {
+        Ok(None)
+    }
     /// Seconds per kind of op since the session started (`linear`, `attention`, ...), when
     /// profiling was asked for.
     fn op_times(&self) -> Vec<(String, f64)> {

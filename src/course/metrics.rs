@@ -127,7 +127,7 @@ metrics! {
     "prefill_tokens_per_s" Step [Llm] "tokens/s" true "prompt tokens of the whole batch per second of TTFT";
     "decode_tokens_per_s" Step [Llm] "tokens/s" true "new tokens per second over the batch (median decode step)";
     "decode_gbps" Step [Llm] "GB/s" true "bytes a decode step reads (weights once, the KV cache so far) per second";
-    "bandwidth_pct" Step [Llm] "%" true "decode_gbps as a share of the memory bandwidth a plain read reached beside the run (on a GPU, the triad of workshop peak)";
+    "bandwidth_pct" Step [Llm] "%" true "decode_gbps as a share of the bandwidth a plain read of the run's weights reached beside it (on a GPU, the triad of workshop peak)";
     "prefill_gflops" Step [Llm] "GFLOP/s" true "the prefill's FLOPs per second";
     "decode_peak_pct" Step [Llm] "%" true "a decode step's FLOPs per second as a share of the measured GEMM peak";
     "peak_pct" Step [Llm] "%" true "prefill_gflops as a share of the measured GEMM peak";

@@ -55,11 +55,12 @@ const PEAK_AGAIN: &str = "`workshop peak` measures one at this precision";
 /// Why a triad can be no ceiling: arrays small enough for the caches.
 const TRIAD_AGAIN: &str = "`workshop peak` measures one over arrays larger than the caches";
 
-/// Why the read beside a run can be no ceiling: the decode's own reads ran faster. On a
-/// 2-vCPU Emerald Rapids Xeon FP32 decode steps read 107–137% of it (Llama-3.2-1B, nine runs)
-/// and BF16 ones 96–116% (Qwen2.5-0.5B), while the read, given huge pages as the weights
-/// have, ran slower, not faster; on a shared host the memory's speed also moves from minute
-/// to minute. Running `workshop peak` changes nothing there.
+/// Why the read beside a run can be no ceiling: the decode's own reads ran faster. It reads
+/// the decode's own weights, lines asked for ahead as the kernels do (`cpu::read_sum`), and on
+/// a 2-vCPU Emerald Rapids Xeon the decode steps read 87–94% of it (Llama 3.2 1B FP32,
+/// Qwen2.5-0.5B FP32 and BF16); but on a shared host the memory's speed moves from minute to
+/// minute, and a read before and after the run can both fall in a slow one. Running
+/// `workshop peak` changes nothing there.
 const READ_OUTRUN: &str = "the decode's own reads ran faster than the plain read's; run again \
                           for a steadier figure";
 
@@ -73,7 +74,7 @@ pub fn summary(r: &BenchRecord, run: &LlmRun) -> String {
             let triad = triad.map_or(String::new(), |t| {
                 format!("; `workshop peak`'s triad: {t:.1} GB/s")
             });
-            let ceiling = format!("{read:.1} GB/s a plain read reached beside it");
+            let ceiling = format!("{read:.1} GB/s a plain read of the weights reached beside it");
             share(run.bandwidth_share(), &ceiling, READ_OUTRUN) + &triad
         }
         (None, triad) => share(
@@ -299,7 +300,7 @@ mod tests {
         );
         let past = share(
             Some(1.24),
-            "12 GB/s a plain read reached beside it",
+            "12 GB/s a plain read of the weights reached beside it",
             READ_OUTRUN,
         );
         assert!(past.starts_with(", 124% of the 12 GB/s"), "{past}");

@@ -285,6 +285,14 @@ impl PackedPairs {
         (self.data.len() * 2 + self.bias.len() * 4) as u64
     }
 
+    /// The memory the pairs and the bias take, as bytes: what [`Self::bytes`] counts.
+    pub fn storage(&self) -> [&[u8]; 2] {
+        [
+            bytemuck::cast_slice(&self.data),
+            bytemuck::cast_slice(&self.bias),
+        ]
+    }
+
     /// Column j of B (its K values) into `out`, as [`super::sgemm::PackedB::column`]: value
     /// k of it is in k-pair row k/2, at the column's pair.
     pub fn column(&self, j: usize, out: &mut [bf16]) {

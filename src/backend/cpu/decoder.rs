@@ -481,6 +481,21 @@ impl<T: Elem> DecoderSession for CpuDecoder<T> {
         }
     }
 
+    fn read_weights(&mut self, passes: usize) -> Result<Option<(u64, Vec<f64>)>, BackendError> {
+        let runs: Vec<&[u8]> = (self.layers.iter())
+            .flat_map(|l| [&l.qkv, &l.o, &l.up, &l.down])
+            .chain([&self.lm_head])
+            .flat_map(PackedLinear::storage)
+            .collect();
+        let bytes = runs.iter().map(|r| r.len() as u64).sum();
+        let times = self.pool.install(|| {
+            // Every pass reads the same bytes: a sum that moves voids the passes.
+            let mut first = None;
+            super::timed_reads(&runs, passes, |sum| *first.get_or_insert(sum) == sum)
+        })?;
+        Ok(Some((bytes, times)))
+    }
+
     fn op_times(&self) -> Vec<(String, f64)> {
         crate::backend::decoding::op_times(&self.times)
     }

@@ -276,34 +276,6 @@ impl Backend for CpuBackend {
         })
     }
 
-    fn read_stream(
-        &self,
-        _dev: usize,
-        n: usize,
-        passes: usize,
-        threads: Option<usize>,
-    ) -> Result<Option<Vec<f64>>, BackendError> {
-        probe_pool(threads)?.install(|| {
-            let a: Vec<f32> = vec![1.0; n];
-            let mut times = Vec::with_capacity(passes);
-            for pass in 0..passes + 1 {
-                let t = Instant::now();
-                let sum = read_sum(&a);
-                let s = t.elapsed().as_secs_f64();
-                // The sum is checked, so the loads cannot be optimised away unseen.
-                if sum != n as f64 {
-                    return Err(BackendError::WrongResult(
-                        "the read pass summed wrong values: the measurement is void".into(),
-                    ));
-                }
-                if pass > 0 {
-                    times.push(s);
-                }
-            }
-            Ok(Some(times))
-        })
-    }
-
     fn devices(&self) -> Vec<DeviceInfo> {
         vec![host_device()]
     }
@@ -557,55 +529,144 @@ fn probe_pool(threads: Option<usize>) -> Result<rayon::ThreadPool, BackendError>
         .map_err(|e| BackendError::Driver(format!("cannot start the worker threads: {e}")))
 }
 
-/// The sum of `values`, read by the pool's workers in chunks of 256 Ki floats, each chunk as
-/// four streams (its quarters) side by side, 16 accumulators a stream (exact for chunks of
-/// small whole numbers; the compiler keeps them in vector registers: the loads, not the adds,
-/// set the pace). One stream a worker asked the memory for too little at a time: on an
-/// Emerald Rapids Xeon (2 vCPU) it read 12.8–14.6 GB/s where four read 14.7–17.6 in the
-/// same minutes, and a decode step on `vdpbf16ps` (two panels of weights in flight a
-/// worker) read 114–131% of the one stream's figure.
-fn read_sum(values: &[f32]) -> f64 {
+/// Seconds of each of `passes` plain reads of `runs` (after one untimed pass), each pass's
+/// sum ([`read_sum`]) judged by `right`: the loads cannot be optimised away unseen, and a
+/// wrong sum voids the measurement.
+pub(crate) fn timed_reads(
+    runs: &[&[u8]],
+    passes: usize,
+    mut right: impl FnMut(u64) -> bool,
+) -> Result<Vec<f64>, BackendError> {
+    let mut times = Vec::with_capacity(passes);
+    for pass in 0..passes + 1 {
+        let t = Instant::now();
+        let sum = read_sum(runs);
+        let s = t.elapsed().as_secs_f64();
+        if !right(sum) {
+            return Err(BackendError::WrongResult(
+                "a read pass summed wrong values: the measurement is void".into(),
+            ));
+        }
+        if pass > 0 {
+            times.push(s);
+        }
+    }
+    Ok(times)
+}
+
+/// The wrapping sum of the bytes of `runs` taken as 64-bit words (a run's bytes before its
+/// first whole word and after its last one each added as a word of its own), read by the
+/// pool's workers in chunks of 2 MiB of all the runs together (a layer's small matrices as
+/// well as its large ones keep every worker reading), each chunk as four streams (its
+/// quarters) side by side, 8 accumulators a stream (the compiler keeps them in vector
+/// registers: the loads, not the adds, set the pace), each stream asking for its lines 4 KiB
+/// ahead of its loads, as the GEMM tiles ask for their panels' rows. One stream a worker
+/// asked the memory for too little at a time: on an Emerald Rapids Xeon (2 vCPU) it read
+/// 12.8–14.6 GB/s where four read 14.7–17.6 in the same minutes, and a decode step on
+/// `vdpbf16ps` (two panels of weights in flight a worker) read 114–131% of the one stream's
+/// figure. Without the lines asked for ahead, the decode steps still outran the four streams
+/// over the same weights (Llama 3.2 1B FP32 on the same VM: 107–111% of 22.0–23.4 GB/s, two
+/// runs each way alternating; with them the read reached 25.0–27.9 and the steps 89–94%).
+pub(crate) fn read_sum(runs: &[&[u8]]) -> u64 {
     const STREAMS: usize = 4;
-    values
-        .par_chunks(1 << 18)
+    const LANES: usize = 8;
+    const AHEAD: usize = 512;
+    let mut edges = 0u64;
+    let mut chunks = Vec::new();
+    for run in runs {
+        let (head, words, tail) = bytemuck::pod_align_to::<u8, u64>(run);
+        for part in [head, tail] {
+            let word = (part.iter().rev()).fold(0u64, |w, &b| (w << 8) | b as u64);
+            edges = edges.wrapping_add(word);
+        }
+        chunks.extend(words.chunks(1 << 18));
+    }
+    let sum = chunks
+        .par_iter()
         .map(|chunk| {
-            let quarter = chunk.len() / STREAMS / 16 * 16;
-            let mut acc = [[0f32; 16]; STREAMS];
-            for i in (0..quarter).step_by(16) {
+            let quarter = chunk.len() / STREAMS / LANES * LANES;
+            let mut acc = [[0u64; LANES]; STREAMS];
+            for i in (0..quarter).step_by(LANES) {
                 for (s, a) in acc.iter_mut().enumerate() {
-                    let block = &chunk[s * quarter + i..s * quarter + i + 16];
-                    for (a, v) in a.iter_mut().zip(block) {
-                        *a += v;
+                    prefetch_ahead(chunk, s * quarter + i + AHEAD);
+                    let block = &chunk[s * quarter + i..s * quarter + i + LANES];
+                    for (a, &v) in a.iter_mut().zip(block) {
+                        *a = a.wrapping_add(v);
                     }
                 }
             }
-            let rest: f64 = chunk[STREAMS * quarter..].iter().map(|&v| v as f64).sum();
-            acc.iter().flatten().map(|&a| a as f64).sum::<f64>() + rest
+            let rest = chunk[STREAMS * quarter..]
+                .iter()
+                .fold(0u64, |a, &v| a.wrapping_add(v));
+            acc.iter().flatten().fold(rest, |a, &v| a.wrapping_add(v))
         })
-        .sum()
+        .reduce(|| 0, u64::wrapping_add);
+    sum.wrapping_add(edges)
+}
+
+/// Ask for the line of `words[at]` ahead of its loads, where there is one (a hint: it reads
+/// nothing and faults on nothing).
+#[inline(always)]
+fn prefetch_ahead(words: &[u64], at: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if at < words.len() {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        // SAFETY: prefetching is a hint for any address; this one is inside the slice.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(words.as_ptr().add(at).cast()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (words, at);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// The read probe sums every value (lengths not a whole number of blocks or chunks too)
-    /// and times the passes asked for.
+    /// The read probe reads every byte (lengths not a whole number of words, blocks or chunks
+    /// too) and times the passes asked for.
     #[test]
     fn the_read_probe_reads_every_value() {
-        for n in [0, 15, 17, 64 * 3 + 5, (1 << 18) + 33] {
-            let values: Vec<f32> = (0..n).map(|i| (i % 7) as f32).collect();
-            let want: f64 = values.iter().map(|&v| v as f64).sum();
-            assert_eq!(read_sum(&values), want, "{n} values");
+        // Every byte counts: one bit flipped anywhere (the first and last bytes, those of a
+        // run's partial words, a second chunk's) changes the sum. Runs that start and end off
+        // the words, short and long ones (two chunks), one run or several.
+        let bytes: Vec<u8> = (0..(1usize << 21) + 100)
+            .map(|i| (i.wrapping_mul(2654435761) >> 7) as u8)
+            .collect();
+        for (start, len) in [
+            (0, 0),
+            (3, 5),
+            (1, 17),
+            (8, 64 * 3 + 5),
+            (5, (1 << 21) + 40),
+        ] {
+            let run = &bytes[start..start + len];
+            let split = [&run[..len / 3], &run[len / 3..]];
+            let sum = read_sum(&[run]);
+            let mut copy = run.to_vec();
+            for at in [0, len / 2, len.saturating_sub(1), len.saturating_sub(9)] {
+                if at >= len {
+                    continue;
+                }
+                copy[at] ^= 0x10;
+                assert_ne!(read_sum(&[&copy]), sum, "byte {at} of {len} not read");
+                copy[at] ^= 0x10;
+            }
+            // The same bytes cut into two runs: a sum of their own, as steady (and all read).
+            assert_eq!(
+                read_sum(&split),
+                read_sum(&split),
+                "{len} bytes in two runs"
+            );
         }
-        let times = CpuBackend
-            .read_stream(0, 1 << 20, 2, Some(1))
-            .unwrap()
-            .unwrap();
+        // Timed passes, each judged: a sum that is wrong voids them.
+        let run: &[u8] = &bytes[..1 << 20];
+        let want = read_sum(&[run]);
+        let times = timed_reads(&[run], 2, |sum| sum == want).unwrap();
         assert!(
             times.len() == 2 && times.iter().all(|&s| s > 0.0),
             "{times:?}"
         );
+        assert!(timed_reads(&[run], 2, |sum| sum != want).is_err());
     }
 
     /// A pass kept awake does its parallel work on every pool size, and a pass that panics

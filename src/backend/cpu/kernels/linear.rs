@@ -28,6 +28,18 @@ impl<T: Elem> PackedLinear<T> {
         self.0.bytes()
     }
 
+    /// The memory the layer's weights take, as bytes: its panels (or bf16 pairs) and its
+    /// bias, all that [`Self::bytes`] counts and that a pass over few rows streams through.
+    pub fn storage(&self) -> Vec<&[u8]> {
+        let p = &self.0;
+        let pairs = p.pairs.iter().flat_map(|a| a.storage());
+        p.groups
+            .iter()
+            .flat_map(|g| g.storage())
+            .chain(pairs)
+            .collect()
+    }
+
     /// Whether [`linear_over_residual`] can run this layer ([`writes_over_residual`]).
     pub fn writes_over_residual(&self) -> bool {
         writes_over_residual(&self.0)

@@ -211,6 +211,14 @@ impl<T: Elem> PackedB<T> {
         (self.data.len() * std::mem::size_of::<T>() + self.bias.len() * 4) as u64
     }
 
+    /// The memory the panels and the bias take, as bytes: what [`Self::bytes`] counts.
+    pub fn storage(&self) -> [&[u8]; 2] {
+        [
+            bytemuck::cast_slice(&self.data),
+            bytemuck::cast_slice(&self.bias),
+        ]
+    }
+
     /// Column j of B (its K values, as stored) into `out`: the weights of one output, read
     /// back from its panel (one value per panel row, `NR` apart).
     pub fn column(&self, j: usize, out: &mut [T]) {
