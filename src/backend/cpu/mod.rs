@@ -627,9 +627,9 @@ mod tests {
     #[test]
     fn the_read_probe_reads_every_value() {
         // Every byte counts: one bit flipped anywhere (the first and last bytes, those of a
-        // run's partial words, a second chunk's) changes the sum. Runs that start and end off
-        // the words, short and long ones (two chunks), one run or several.
-        let bytes: Vec<u8> = (0..(1usize << 21) + 100)
+        // run's partial words, a second chunk's, a second run's) changes the sum. Runs that
+        // start and end off the words, short and long ones (two chunks), one run or two.
+        let mut bytes: Vec<u8> = (0..(1usize << 21) + 100)
             .map(|i| (i.wrapping_mul(2654435761) >> 7) as u8)
             .collect();
         for (start, len) in [
@@ -639,24 +639,30 @@ mod tests {
             (8, 64 * 3 + 5),
             (5, (1 << 21) + 40),
         ] {
-            let run = &bytes[start..start + len];
-            let split = [&run[..len / 3], &run[len / 3..]];
-            let sum = read_sum(&[run]);
-            let mut copy = run.to_vec();
-            for at in [0, len / 2, len.saturating_sub(1), len.saturating_sub(9)] {
-                if at >= len {
-                    continue;
+            // One run, or the same bytes in two: (first, past the last) of each.
+            let (end, third) = (start + len, start + len / 3);
+            for cuts in [&[(start, end)][..], &[(start, third), (third, end)]] {
+                let sum = |bytes: &[u8]| {
+                    let runs: Vec<&[u8]> = cuts.iter().map(|&(a, b)| &bytes[a..b]).collect();
+                    read_sum(&runs)
+                };
+                let base = sum(&bytes);
+                for at in [
+                    0,
+                    len / 3,
+                    len / 2,
+                    len.saturating_sub(9),
+                    len.saturating_sub(1),
+                ] {
+                    if at >= len {
+                        continue;
+                    }
+                    bytes[start + at] ^= 0x10;
+                    let flipped = sum(&bytes);
+                    bytes[start + at] ^= 0x10;
+                    assert_ne!(flipped, base, "byte {at} of {len} in {} runs", cuts.len());
                 }
-                copy[at] ^= 0x10;
-                assert_ne!(read_sum(&[&copy]), sum, "byte {at} of {len} not read");
-                copy[at] ^= 0x10;
             }
-            // The same bytes cut into two runs: a sum of their own, as steady (and all read).
-            assert_eq!(
-                read_sum(&split),
-                read_sum(&split),
-                "{len} bytes in two runs"
-            );
         }
         // Timed passes, each judged: a sum that is wrong voids them.
         let run: &[u8] = &bytes[..1 << 20];
