@@ -272,7 +272,8 @@ pub fn run(
     ));
     let mut sampler = None;
     for index in 0..cfg.warmup + cfg.iterations {
-        // Before the warm-up, which then brings back what the read evicted from the caches.
+        // Before the warm-up: the timed generations then start from the caches a generation
+        // leaves, not from the read's.
         if index == 0 {
             reads.extend(read_beside(session.as_mut())?);
         }
