@@ -2051,7 +2051,7 @@ fn max_autotune_times_the_batch_schedules() {
     use workshop::backend::{Backend, ExecOptions, cpu::CpuBackend};
     let graph = zoo::build("resnet18").unwrap();
     let weights = Weights::init(&graph, 0);
-    let (fused, _, _) = workshop::model::passes::optimize(&graph, &weights).unwrap();
+    let (fused, _, _) = workshop::model::passes::optimize(&graph, weights).unwrap();
     let plan = fused.plan(2, 224, 224).unwrap();
     let offered = CpuBackend::new().schedules(&plan, &ExecOptions::default());
     let dir = tempfile::tempdir().unwrap();

@@ -821,22 +821,14 @@ backend_test!(fused_linear_epilogues, cpu, wgpu, cuda, hip);
 /// first linear layers, every residual add into the attention's output projection or the
 /// MLP's second linear layer, layer norms folded into the projections after them).
 fn compiled_network_matches_eager(kind: BackendKind) {
-    let vit = workshop::model::zoo::VitConfig {
-        image_size: 32,
-        patch: 8,
-        layers: 2,
-        heads: 2,
-        hidden: 16,
-        mlp: 32,
-        classes: 10,
-    };
+    let vit = workshop::model::zoo::VitConfig::small();
     let cases = [
         (tiny_bottleneck([1, 2, 1, 1], [4, 8, 8, 16]), "resnet"),
         (workshop::model::zoo::vit_custom("vit", &vit), "vit"),
     ];
     for (graph, family) in cases {
         let w = random_weights(&graph, 3);
-        let (opt, w2, report) = workshop::model::passes::optimize(&graph, &w).unwrap();
+        let (opt, w2, report) = workshop::model::passes::optimize(&graph, w.clone()).unwrap();
         let fused = match family {
             "resnet" => report.fused_adds == 5 && report.folded_batch_norms > 0,
             _ => {
@@ -901,7 +893,7 @@ fn vendor_kernels_match_the_reference(kind: BackendKind) {
     let y = g.linear("fc2", h, 12, 5);
     let graph = g.finish(y);
     let (fused, w, report) =
-        workshop::model::passes::optimize(&graph, &random_weights(&graph, 9)).unwrap();
+        workshop::model::passes::optimize(&graph, random_weights(&graph, 9)).unwrap();
     // The epilogue kernel then adds the residual and applies the ReLU after the GEMM.
     assert!(report.fused_adds == 1, "{report:?}");
     if matches!(kind, BackendKind::Cpu | BackendKind::Wgpu) {
@@ -933,7 +925,7 @@ backend_test!(vendor_kernels_match_the_reference, cpu, wgpu, cuda, hip);
 fn replayed_pass_matches_the_enqueued_one(kind: BackendKind) {
     let graph = tiny_bottleneck([1, 1, 1, 1], [4, 8, 8, 16]);
     let (graph, w, _) =
-        workshop::model::passes::optimize(&graph, &random_weights(&graph, 5)).unwrap();
+        workshop::model::passes::optimize(&graph, random_weights(&graph, 5)).unwrap();
     let plan = graph.plan(2, 32, 32).unwrap();
     let opt = |replay| ExecOptions {
         replay,

@@ -154,13 +154,7 @@ fn models_match_pytorch(kind: BackendKind) {
         10,
     );
     check_model(kind, "tiny_swin_v2", &swin2);
-    let maxvit = zoo::MaxVitConfig {
-        stem: 8,
-        channels: [8, 16, 16, 32],
-        layers: [1, 2, 1, 1],
-        head_dim: 4,
-        partition: 3,
-    };
+    let maxvit = zoo::MaxVitConfig::small();
     check_model(
         kind,
         "tiny_maxvit",

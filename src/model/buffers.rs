@@ -168,7 +168,7 @@ mod tests {
         use crate::model::op::Op;
         let graph = crate::model::graph::convolution_mix();
         let w = crate::model::Weights::init(&graph, 1);
-        let (graph, _, _) = crate::model::passes::optimize(&graph, &w).unwrap();
+        let (graph, _, _) = crate::model::passes::optimize(&graph, w).unwrap();
         let twice = graph.nodes.iter().find(|n| n.inputs.len() == 2);
         assert!(
             twice.is_some_and(|n| n.inputs[0] == n.inputs[1]),

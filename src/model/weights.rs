@@ -393,6 +393,18 @@ impl Weights {
         self.tensors.get(name)
     }
 
+    /// Drop the tensors of `node`'s parameters (those its op declares), returning their
+    /// bytes: a backend that has its own copy of a node's weights frees the f32 ones, so a
+    /// session being prepared never holds the whole network twice.
+    pub fn release(&mut self, node: &super::graph::Node) -> u64 {
+        let names = node.op.params().into_iter();
+        let names = names.map(|p| super::graph::param_name(&node.name, p.suffix));
+        names
+            .filter_map(|name| self.tensors.remove(&name))
+            .map(|t| std::mem::size_of_val(t.data.as_slice()) as u64)
+            .sum()
+    }
+
     /// Parameter `suffix` (`weight`, `bias`, ...) of node `node` (`layer1.0.conv1`): what a
     /// backend packs when it prepares the node.
     pub fn param(&self, node: &str, suffix: &str) -> Result<&[f32], MissingTensor> {

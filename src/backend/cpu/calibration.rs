@@ -52,8 +52,14 @@ pub fn calibrate_batch_norm(
         schedule: by_hand.then(|| "off".into()),
         ..ExecOptions::default()
     };
-    let mut session =
-        CpuSession::<f32>::new(plan, weights, pool, threads, &whole, &mut Donor::default())?;
+    let mut session = CpuSession::<f32>::new(
+        plan,
+        Cow::Borrowed(weights),
+        pool,
+        threads,
+        &whole,
+        &mut Donor::default(),
+    )?;
     // Calibration normalises with batch statistics, so the steps carry gamma and beta.
     for (step, node) in session.steps.iter_mut().zip(&plan.graph.nodes) {
         if let NodeKernel::Affine { scale, shift } = step {
@@ -89,7 +95,7 @@ impl Calibration {
         self,
         dev: usize,
         plan: &Plan,
-        weights: &Weights,
+        weights: Weights,
         opt: &ExecOptions,
     ) -> Result<Box<dyn Session>, BackendError> {
         let mut session = self.0;
@@ -105,7 +111,7 @@ impl Calibration {
         }
         // Its activations go before the new session allocates.
         drop(session);
-        CpuBackend.prepare_with(dev, plan, weights, opt, &mut donor)
+        CpuBackend.prepare_with(dev, plan, Cow::Owned(weights), opt, &mut donor)
     }
 }
 
@@ -148,7 +154,7 @@ mod tests {
             let pool = worker_pool(1, Vec::new()).unwrap();
             let session = CpuSession::<f32>::new(
                 &plan,
-                &weights,
+                Cow::Borrowed(&weights),
                 pool,
                 1,
                 &ExecOptions::default(),

@@ -86,6 +86,17 @@ pub(crate) fn cache_leaf() -> Option<(u32, u32)> {
     None
 }
 
+/// Return the allocator's free memory to the system (glibc keeps freed chunks in its heaps,
+/// resident, for later allocations; its `malloc_trim` gives back every whole free page).
+/// Elsewhere a no-op: other allocators return large blocks as they are freed or not at all.
+pub(crate) fn give_back_freed() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only changes the allocator's own bookkeeping and mappings.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// `len` zeros of `T` on whole cache lines, in memory that Linux is asked to back with 2 MiB
 /// pages (transparent huge pages, which Debian's kernels give only to memory a program asks
 /// them for): the packed weights and the activations, tens of MB streamed every pass, then

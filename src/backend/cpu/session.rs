@@ -143,10 +143,16 @@ pub(super) struct CpuSession<T: Elem> {
     pub(super) peak_bytes: u64,
 }
 
+/// Bytes of f32 weights a session being prepared frees before it gives the pages back to the
+/// system ([`give_back_freed`]): a few trims a network, each a walk over the allocator's heaps.
+const RETURN_EVERY: u64 = 16 << 20;
+
 impl<T: Elem> CpuSession<T> {
+    /// The session for `plan`, its layers packed from `weights`; owned weights lose each
+    /// node's tensors once the node has its own copy (see [`Backend::prepare_owned`]).
     pub(super) fn new(
         plan: &Plan,
-        weights: &Weights,
+        mut weights: Cow<'_, Weights>,
         pool: Arc<rayon::ThreadPool>,
         threads: usize,
         opt: &ExecOptions,
@@ -163,7 +169,7 @@ impl<T: Elem> CpuSession<T> {
             shape
         };
         let mut steps = Vec::with_capacity(plan.graph.nodes.len());
-        let mut weight_bytes = 0u64;
+        let (mut weight_bytes, mut released) = (0u64, 0u64);
         for (id, node) in plan.graph.nodes.iter().enumerate() {
             let get = |suffix: &str| weights.param(&node.name, suffix);
             let shape = run_shape(id);
@@ -296,6 +302,16 @@ impl<T: Elem> CpuSession<T> {
                     }
                 }
             };
+            if let Cow::Owned(w) = &mut weights {
+                released += w.release(node);
+                // Hand the pages back to the system now and then: the packed copies live in
+                // mappings of their own (`big_buffer`), so the allocator's freed tensors would
+                // otherwise stay resident, unused, for the session's life.
+                if released >= RETURN_EVERY {
+                    give_back_freed();
+                    released = 0;
+                }
+            }
             steps.push(step);
         }
         let paired = pairs(plan, &steps);
@@ -1228,6 +1244,20 @@ impl<T: Elem> Session for CpuSession<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A session of `plan` on two workers, from borrowed `weights`.
+    fn two_workers<T: Elem>(plan: &Plan, weights: &Weights, opt: &ExecOptions) -> CpuSession<T> {
+        let pool = worker_pool(2, Vec::new()).unwrap();
+        CpuSession::<T>::new(
+            plan,
+            Cow::Borrowed(weights),
+            pool,
+            2,
+            opt,
+            &mut Donor::default(),
+        )
+        .unwrap()
+    }
     use crate::model::zoo;
 
     /// A pass whose first layers run a tile of images at a time gives the whole batch's
@@ -1275,7 +1305,8 @@ mod tests {
     fn batch_tiles_of_tokens_change_nothing() {
         let graph = zoo::convnext_custom("convnext_small_test", [8, 16, 24, 32], [1, 2, 1, 1], 10);
         let weights = Weights::init(&graph, 5);
-        let (fused, fused_weights, _) = crate::model::passes::optimize(&graph, &weights).unwrap();
+        let (fused, fused_weights, _) =
+            crate::model::passes::optimize(&graph, weights.clone()).unwrap();
         let cases: [&[(&str, usize)]; 3] = [
             &[("features.1.0.add", 2)],
             &[("features.2.1", 1), ("features.3.1.add", 3)],
@@ -1301,16 +1332,7 @@ mod tests {
                 .map(|i| ((i * 7919) % 997) as f32 / 997.0 - 0.5)
                 .collect(),
         );
-        let pool = worker_pool(2, Vec::new()).unwrap();
-        let mut session = CpuSession::<T>::new(
-            &plan,
-            weights,
-            pool,
-            2,
-            &ExecOptions::default(),
-            &mut Donor::default(),
-        )
-        .unwrap();
+        let mut session = two_workers::<T>(&plan, weights, &ExecOptions::default());
         session.split = None;
         session.run(&input).unwrap();
         let whole = session.read_output().unwrap();
@@ -1340,16 +1362,14 @@ mod tests {
             "conv2d(4,16,1)+hardswish+conv2d(16,16,3,padding=1,groups=16)+relu+conv2d(16,8,1)";
         let graph = zoo::build(chain).unwrap();
         let weights = Weights::init(&graph, 3);
-        let (graph, weights, _) = crate::model::passes::optimize(&graph, &weights).unwrap();
+        let (graph, weights, _) = crate::model::passes::optimize(&graph, weights).unwrap();
         let plan = graph.plan(2, 96, 96).unwrap();
         let input = crate::model::Rng::new(5).normal_tensor(plan.input_shape().to_vec());
-        let pool = worker_pool(2, Vec::new()).unwrap();
         let opt = ExecOptions {
             profile: true,
             ..ExecOptions::default()
         };
-        let mut session =
-            CpuSession::<f32>::new(&plan, &weights, pool, 2, &opt, &mut Donor::default()).unwrap();
+        let mut session = two_workers::<f32>(&plan, &weights, &opt);
         assert_eq!(
             session.paired[..3],
             [false, true, false],
@@ -1431,13 +1451,11 @@ mod tests {
     ) -> (CpuSession<T>, Tensor) {
         let plan = graph.plan(2, size, size).unwrap();
         let input = crate::model::Rng::new(5).normal_tensor(plan.input_shape().to_vec());
-        let pool = worker_pool(2, Vec::new()).unwrap();
         let opt = ExecOptions {
             precision: T::PRECISION,
             ..ExecOptions::default()
         };
-        let session =
-            CpuSession::<T>::new(&plan, weights, pool, 2, &opt, &mut Donor::default()).unwrap();
+        let session = two_workers::<T>(&plan, weights, &opt);
         (session, input)
     }
 
@@ -1524,7 +1542,7 @@ mod tests {
                 }
             }
             let (graph, weights) = if optimise {
-                let (g, w, _) = crate::model::passes::optimize(&graph, &weights).unwrap();
+                let (g, w, _) = crate::model::passes::optimize(&graph, weights).unwrap();
                 (g, w)
             } else {
                 (graph, weights)
@@ -1564,7 +1582,7 @@ mod tests {
         fn check<T: Elem>() {
             let graph = zoo::build("mobilenet_v3_small").unwrap();
             let weights = Weights::init(&graph, 3);
-            let (graph, weights, _) = crate::model::passes::optimize(&graph, &weights).unwrap();
+            let (graph, weights, _) = crate::model::passes::optimize(&graph, weights).unwrap();
             let (mut session, input) = two_images::<T>(&graph, &weights, 64);
             let squeezes = session.squeezed.iter().filter(|&&s| s).count();
             assert!(squeezes >= 5, "{squeezes} squeezed layers");
@@ -1595,13 +1613,11 @@ mod tests {
     fn over_residuals_change_nothing() {
         let graph = zoo::build("resnet50").unwrap();
         let weights = Weights::init(&graph, 3);
-        let (graph, weights, _) = crate::model::passes::optimize(&graph, &weights).unwrap();
+        let (graph, weights, _) = crate::model::passes::optimize(&graph, weights).unwrap();
         let plan = graph.plan(2, 32, 32).unwrap();
         let input = crate::model::Rng::new(5).normal_tensor(plan.input_shape().to_vec());
-        let pool = worker_pool(2, Vec::new()).unwrap();
         let opt = ExecOptions::default();
-        let mut session =
-            CpuSession::<f32>::new(&plan, &weights, pool, 2, &opt, &mut Donor::default()).unwrap();
+        let mut session = two_workers::<f32>(&plan, &weights, &opt);
         let over = over_residuals(&plan, &session.steps, || true);
         let names: Vec<&str> = (0..over.len())
             .filter(|&id| over[id])
@@ -1635,14 +1651,11 @@ mod tests {
         // BF16: where its layers multiply bf16 pairs (AMX, AVX512_BF16) the same 16 write over
         // their residual, bit for bit as apart; where they widen to the FP32 GEMM (bf16
         // storage, more than one K block's partial sums) none can, and the probe is not asked.
-        let pool = worker_pool(2, Vec::new()).unwrap();
         let opt = ExecOptions {
             precision: crate::model::Precision::Bf16,
             ..ExecOptions::default()
         };
-        let mut bf16 =
-            CpuSession::<half::bf16>::new(&plan, &weights, pool, 2, &opt, &mut Donor::default())
-                .unwrap();
+        let mut bf16 = two_workers::<half::bf16>(&plan, &weights, &opt);
         let pairs = crate::backend::cpu::bf16_gemm::Engine::in_use().is_some();
         let over = over_residuals(&plan, &bf16.steps, || {
             assert!(pairs, "asked the probe without bf16 pairs");
@@ -1686,17 +1699,14 @@ mod tests {
                     .iter_mut()
                     .for_each(|v| *v = 0.2 * rng.normal() as f32);
             }
-            let (graph, weights, _) = crate::model::passes::optimize(&graph, &weights).unwrap();
+            let (graph, weights, _) = crate::model::passes::optimize(&graph, weights).unwrap();
             let plan = graph.plan(2, 32, 32).unwrap();
             let input = crate::model::Rng::new(5).normal_tensor(plan.input_shape().to_vec());
-            let pool = worker_pool(2, Vec::new()).unwrap();
             let opt = ExecOptions {
                 precision,
                 ..ExecOptions::default()
             };
-            let mut session =
-                CpuSession::<T>::new(&plan, &weights, pool, 2, &opt, &mut Donor::default())
-                    .unwrap();
+            let mut session = two_workers::<T>(&plan, &weights, &opt);
             let over = over_residuals(&plan, &session.steps, || true);
             let names: Vec<&str> = (0..over.len())
                 .filter(|&id| over[id])
@@ -1733,10 +1743,8 @@ mod tests {
         let input = crate::model::Rng::new(5).normal_tensor(plan.input_shape().to_vec());
         let found = batch_tiles::candidates(&plan, 4, 384 << 10);
         assert!(found.len() >= 3, "{found:?}");
-        let pool = worker_pool(2, Vec::new()).unwrap();
         let opt = ExecOptions::default();
-        let mut session =
-            CpuSession::<f32>::new(&plan, &weights, pool, 2, &opt, &mut Donor::default()).unwrap();
+        let mut session = two_workers::<f32>(&plan, &weights, &opt);
         session.split = None;
         session.run(&input).unwrap();
         let whole = session.read_output().unwrap();

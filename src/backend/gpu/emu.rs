@@ -763,7 +763,7 @@ mod tests {
     #[test]
     fn library_convolutions_and_im2col_gemms_match_the_reference() {
         let graph = crate::model::graph::convolution_mix();
-        let (graph, w, _) = passes::optimize(&graph, &Weights::init(&graph, 3)).unwrap();
+        let (graph, w, _) = passes::optimize(&graph, Weights::init(&graph, 3)).unwrap();
         let plan = graph.plan(2, 9, 7).unwrap();
         let input = Rng::new(5).normal_tensor(vec![2, 3, 9, 7]);
         let expected = reference::forward(&plan, &w, &input);

@@ -26,6 +26,20 @@ pub struct MaxVitConfig {
     pub partition: usize,
 }
 
+impl MaxVitConfig {
+    /// The tests' small MaxViT: 8 stem channels, blocks of 8 to 32 channels, heads of 4,
+    /// partitions of 3 (which pad a 96² input's later stages).
+    pub fn small() -> Self {
+        MaxVitConfig {
+            stem: 8,
+            channels: [8, 16, 16, 32],
+            layers: [1, 2, 1, 1],
+            head_dim: 4,
+            partition: 3,
+        }
+    }
+}
+
 /// torchvision's `maxvit_t`.
 pub(super) fn variant(name: &str) -> Option<MaxVitConfig> {
     (name == "maxvit_t").then_some(MaxVitConfig {

@@ -19,6 +19,22 @@ pub struct VitConfig {
     pub classes: usize,
 }
 
+impl VitConfig {
+    /// The tests' small ViT: 32×32 images in 8×8 patches (17 tokens), two blocks of two heads
+    /// of 8, an MLP of 32, ten classes.
+    pub fn small() -> Self {
+        VitConfig {
+            image_size: 32,
+            patch: 8,
+            layers: 2,
+            heads: 2,
+            hidden: 16,
+            mlp: 32,
+            classes: 10,
+        }
+    }
+}
+
 /// torchvision's `vit_*` with 1000 classes at 224×224.
 pub(super) fn vit(
     name: &str,
