@@ -314,6 +314,11 @@ impl<T: Elem> CpuSession<T> {
             }
             steps.push(step);
         }
+        // What no node took (a training-only head's), and the last pages freed.
+        if let Cow::Owned(w) = weights {
+            drop(w);
+            give_back_freed();
+        }
         let paired = pairs(plan, &steps);
         let projected = projections(plan, &steps);
         let squeezed = squeezes(plan, &steps);
@@ -1244,6 +1249,7 @@ impl<T: Elem> Session for CpuSession<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::zoo;
 
     /// A session of `plan` on two workers, from borrowed `weights`.
     fn two_workers<T: Elem>(plan: &Plan, weights: &Weights, opt: &ExecOptions) -> CpuSession<T> {
@@ -1258,7 +1264,6 @@ mod tests {
         )
         .unwrap()
     }
-    use crate::model::zoo;
 
     /// A pass whose first layers run a tile of images at a time gives the whole batch's
     /// outputs bit for bit: each image's values are its own, whatever else is in the call.
