@@ -381,7 +381,7 @@ pub trait Backend {
     /// its own copy of each layer's weights (the CPU's packed panels) frees the f32 tensors
     /// layer by layer as it makes them, so the two sets never live whole side by side: ViT-B/16
     /// at FP32 (330 MiB of weights) peaked at 673 MiB resident, its weights twice, now 353 MiB;
-    /// VGG-16 (528 MiB, 393 of them one layer's) 1.21 → 1.08 GiB. The others upload from the
+    /// VGG-16 (528 MiB, 392 of them one layer's) 1.21 → 1.08 GiB. The others upload from the
     /// borrowed weights.
     fn prepare_owned(
         &self,
