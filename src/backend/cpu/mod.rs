@@ -705,7 +705,7 @@ mod tests {
         let mut weights = Weights::init(&graph, 1);
         let before = weights.tensors.len();
         let node = |name: &str| graph.nodes.iter().find(|n| n.name == name).unwrap();
-        // `layer1.0.bn1`: weight, bias, running mean and variance (and the batch count).
+        // `layer1.0.bn1`: weight, bias, running mean and variance.
         let bn = node("layer1.0.bn1");
         let names: Vec<String> = (bn.op.params().iter())
             .map(|p| crate::model::graph::param_name(&bn.name, p.suffix))
