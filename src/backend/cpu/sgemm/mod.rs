@@ -1113,6 +1113,8 @@ unsafe fn gemm_packed_to<T: Elem>(
     // threads, batch 8, `bench/ab.py` 8 rounds: 1×1 256 → 1024 at 14² 0.93× the time (7 of
     // 8), 1024 → 256 0.91× (5 of 8); ResNet-50 BF16's 1×1 layers together (over its Winograd
     // layers' time in the same runs) 0.97× (5 of 8), and at batch 32 level (0.99×, 3 of 6).
+    // On AVX-512 the first row group of each whole panel pair widens the pair's block as its
+    // tile multiplies it (`first_group_widening`); the rows after it read the block as f32.
     B_BLOCK.with_borrow_mut(|wide| {
         wide.resize(KC * NR * kern.panels, 0.0);
         // SAFETY: forwarded from this function's contract; each view is its panels' K block
@@ -1125,11 +1127,23 @@ unsafe fn gemm_packed_to<T: Elem>(
                     for p in (p0..p1).step_by(kern.panels) {
                         let w = kern.panels.min(p1 - p);
                         let len = block.kc * NR;
-                        for q in 0..w {
-                            T::widen(
-                                &b.data[((p + q) * b.k + block.k0) * NR..][..len],
-                                &mut wide[q * len..][..len],
-                            );
+                        let (c, fin) = (c.add((p - p0) * NR), fin.map(|f| f.at((p - p0) * NR)));
+                        let done = first_group_widening(
+                            b,
+                            (p, w),
+                            block,
+                            (a, lda, packed),
+                            m,
+                            (c, ldc, fin),
+                            &mut wide[..w * len],
+                        );
+                        if done == 0 {
+                            for q in 0..w {
+                                T::widen(
+                                    &b.data[((p + q) * b.k + block.k0) * NR..][..len],
+                                    &mut wide[q * len..][..len],
+                                );
+                            }
                         }
                         let view = Panels {
                             k: block.kc,
@@ -1138,23 +1152,107 @@ unsafe fn gemm_packed_to<T: Elem>(
                             bias: &b.bias[p * NR..],
                         };
                         let at_zero = Block { k0: 0, ..block };
+                        let (packed, groups) = packed;
+                        let packed = match groups {
+                            0 => (packed, 0),
+                            _ => (&packed[done * block.kc..], groups - done / kern.rows),
+                        };
                         gemm_block(
                             kern,
                             Order::ByCache,
-                            m,
-                            (a, lda, packed),
+                            m - done,
+                            (a.add(done * lda), lda, packed),
                             &view,
                             (0, w),
                             at_zero,
-                            c.add((p - p0) * NR),
+                            c.add(done * ldc),
                             ldc,
-                            fin.map(|f| f.at((p - p0) * NR)),
+                            fin.map(|f| f.at(done * ldc)),
                         );
                     }
                 })
             });
         }
     })
+}
+
+/// The first row group of a widened GEMM's panel pair (`p`, `w` panels) run on the bf16
+/// tile that stores B's rows into `wide` as it widens them (`avx512::tile_b_copying`), where
+/// the AVX-512 path takes it: a whole tile (`MAX_ROWS` rows, two whole panels). Returns the
+/// rows it ran (0: none, and `wide` untouched: the caller widens the block first).
+///
+/// Widened in a loop of its own before any tile ran, the block was read from memory (or L3)
+/// with nothing to hide the wait behind: a profile of Qwen2.5-0.5B BF16's prefill at batch 8
+/// (128-row work items) put that loop at 14% of the tiles' time on an Emerald Rapids Xeon
+/// whose VM hides AMX, where the f32 tiles stream the same weights under their FMAs, a page
+/// ahead (`B_PREFETCH`). In the tile the widening costs a shift and a zero extension a
+/// panel per k beside 28 FMAs, and a store, for one row group of the pair's nine or so. On
+/// that Xeon, two threads, the two ways alternating: the 1024³ BF16 GEMM (`workshop peak`'s)
+/// 1.04–1.05× the GFLOP/s (medians of 30 paired runs, twice; FP32's own level with it now,
+/// 0.87× before); ViT-B/16 BF16's linears 0.928× the time at batch 1 (8 of 8 rounds) and
+/// 0.930× at batch 8 (6 of 6), `bench/ab.py --kernel-total linear --control attention`;
+/// ResNet-50 BF16's 1×1 layers at batch 8, whose chunks of up to 770 rows share a block
+/// among 55 row groups, 0.981× (8 of 8); Qwen2.5-0.5B's prefill at batch 8 0.93–0.97× (3 of 3).
+///
+/// # Safety
+/// As for [`gemm_block`]'s call in `gemm_packed_to`: A's block of `m` rows at `a` (`lda`
+/// apart, its first groups packed), C's rows at `c` and the panels' columns.
+#[allow(clippy::too_many_arguments)]
+unsafe fn first_group_widening<T: Elem>(
+    b: &PackedB<T>,
+    (p, w): (usize, usize),
+    block: Block,
+    (a, lda, (packed, groups)): (*const f32, usize, (&[f32], usize)),
+    m: usize,
+    (c, ldc, fin): (*mut f32, usize, Option<Finish>),
+    wide: &mut [f32],
+) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let Some(data) = T::as_bf16(&b.data) else {
+            return 0;
+        };
+        let whole = w == MAX_PANELS && (p + w) * NR <= b.n && m >= MAX_ROWS;
+        if !whole || simd() < Simd::Avx512 {
+            return 0;
+        }
+        let kc = block.kc;
+        let panel = (data[(p * b.k + block.k0) * NR..].as_ptr(), b.k * NR);
+        let bias = b.bias[p * NR..].as_ptr();
+        let fin = fin.filter(|_| block.last);
+        let valid = (MAX_ROWS, w * NR);
+        let copy = (wide.as_mut_ptr(), kc * NR);
+        // SAFETY: the path runs AVX-512F; A's first MAX_ROWS rows (or its first packed group)
+        // have kc readable floats; the tile's rows of C and its two whole panels are the
+        // caller's; `wide` holds the two panels' blocks of kc · NR floats.
+        unsafe {
+            if groups > 0 {
+                let rows = [packed.as_ptr(); MAX_ROWS];
+                avx512::tile_b_copying::<MAX_ROWS, 2, false, true, true>(
+                    kc, &rows, panel, c, ldc, valid, block.init, bias, fin, copy,
+                )
+            } else {
+                let rows = row_pointers(a, lda, 0, MAX_ROWS);
+                avx512::tile_b_copying::<MAX_ROWS, 2, false, false, true>(
+                    kc, &rows, panel, c, ldc, valid, block.init, bias, fin, copy,
+                )
+            }
+        }
+        MAX_ROWS
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (
+            b,
+            (p, w),
+            block,
+            (a, lda, packed, groups),
+            m,
+            (c, ldc, fin),
+            wide,
+        );
+        0
+    }
 }
 
 /// `kern` with its small-K kernel taking no K deeper than `max`.

@@ -301,10 +301,28 @@ fn kernels_match_naive_matmul() {
 #[test]
 fn packed_halves_match_f32() {
     fn run<T: Elem>(b: &PackedB<T>, a: &[f32], m: usize, p: (usize, usize)) -> Vec<f32> {
+        run_finished(b, a, m, p, None)
+    }
+    /// `run`, finished with ReLU over `residual` (laid out as C) where there is one.
+    fn run_finished<T: Elem>(
+        b: &PackedB<T>,
+        a: &[f32],
+        m: usize,
+        p: (usize, usize),
+        residual: Option<&[f32]>,
+    ) -> Vec<f32> {
         let ldc = (p.1 - p.0) * NR;
         let mut c = vec![f32::NAN; m * ldc];
-        // SAFETY: a is m × b.k, c is m × ldc, wide enough for the panels' columns.
-        unsafe { gemm_packed(m, a.as_ptr(), b.k, b, p, c.as_mut_ptr(), ldc, None) };
+        let fin = residual.map(|r| {
+            assert_eq!(r.len(), c.len());
+            Finish {
+                act: Act::Relu,
+                residual: r.as_ptr(),
+            }
+        });
+        // SAFETY: a is m × b.k, c (and the residual) m × ldc, wide enough for the panels'
+        // columns.
+        unsafe { gemm_packed(m, a.as_ptr(), b.k, b, p, c.as_mut_ptr(), ldc, fin) };
         c
     }
     for &(m, k, n) in &[
@@ -402,10 +420,24 @@ fn packed_halves_match_f32() {
                     direct.push((format!("bf16 {name} tiles, A packed"), c));
                 }
             }
+            // And finished (a residual, ReLU): on the last K block alone, in the bf16 tile
+            // that widens a block as well as in the tiles after it.
+            let residual: Vec<f32> = (0..want.len())
+                .map(|i| ((i * 5 % 9) as f32 - 4.0) / 4.0)
+                .collect();
+            let finished = run_finished(&f, &a, m, p, Some(&residual));
             let halves = [
                 ("f16".to_string(), run(&h, &a, m, p)),
                 ("bf16".to_string(), run(&bf, &a, m, p)),
             ];
+            let bf16_finished = run_finished(&bf, &a, m, p, Some(&residual));
+            for (r, (g, w)) in bf16_finished
+                .chunks(ldc)
+                .zip(finished.chunks(ldc))
+                .enumerate()
+            {
+                assert_eq!(g[..cols], w[..cols], "bf16 finished m{m} k{k} n{n} row {r}");
+            }
             for (name, got) in halves.into_iter().chain(direct) {
                 for (r, (g, w)) in got
                     .chunks(want.len() / m)

@@ -242,14 +242,14 @@ macro_rules! simd_tile {
             unsafe { finish(&acc, c, valid, fin) }
         }
 
-        simd_tile!(@tile tile, f32, $features, $lanes, $zero, $load, $load_part, $store_part,
+        simd_tile!(@tile tile, tile_copying, f32, $features, $lanes, $zero, $load, $load_part, $store_part,
             $splat, $fma, $add, $act, $load);
-        simd_tile!(@tile tile_h, f16, $features_h, $lanes, $zero, $load, $load_part,
+        simd_tile!(@tile tile_h, tile_h_copying, f16, $features_h, $lanes, $zero, $load, $load_part,
             $store_part, $splat, $fma, $add, $act, $load_h);
-        simd_tile!(@tile tile_b, bf16, $features, $lanes, $zero, $load, $load_part,
+        simd_tile!(@tile tile_b, tile_b_copying, bf16, $features, $lanes, $zero, $load, $load_part,
             $store_part, $splat, $fma, $add, $act, $load_b);
     };
-    (@tile $name:ident, $e:ty, $features:literal, $lanes:literal, $zero:ident, $load:ident,
+    (@tile $name:ident, $copying:ident, $e:ty, $features:literal, $lanes:literal, $zero:ident, $load:ident,
      $load_part:ident, $store_part:ident, $splat:ident, $fma:ident, $add:ident, $act:path,
      $load_b:ident) => {
         /// # Safety
@@ -271,6 +271,43 @@ macro_rules! simd_tile {
         >(
             kc: usize,
             a: &[*const f32; MAX_ROWS],
+            b: (*const $e, usize),
+            c: *mut f32,
+            ldc: usize,
+            valid: (usize, usize),
+            init: Init,
+            bias: *const f32,
+            fin: Option<Finish>,
+        ) {
+            let none = (std::ptr::null_mut(), 0);
+            // SAFETY: the caller's; nothing is copied.
+            unsafe {
+                $copying::<ROWS, VECS, EDGE, PACKED, false>(
+                    kc, a, b, c, ldc, valid, init, bias, fin, none,
+                )
+            }
+        }
+
+        /// [`$name`], and where `COPY`, each of B's rows as the tile widens it stored
+        /// into `copy`: panel q's K block at `copy.0 + q · copy.1`, row k `k · NR` into it
+        /// (f32 panels as the f32 tiles read them). The first row group over a bf16 panel
+        /// block so widens it for the row groups after it (see `sgemm::gemm_packed_to`).
+        ///
+        /// # Safety
+        /// As for [`$name`]; where `COPY`, `copy` has `VECS · lanes / NR` panels' blocks of
+        /// `kc · NR` writable floats, `copy.1` apart.
+        #[target_feature(enable = $features)]
+        #[inline]
+        #[allow(clippy::too_many_arguments)]
+        pub(in crate::backend::cpu::sgemm) unsafe fn $copying<
+            const ROWS: usize,
+            const VECS: usize,
+            const EDGE: bool,
+            const PACKED: bool,
+            const COPY: bool,
+        >(
+            kc: usize,
+            a: &[*const f32; MAX_ROWS],
             (b, bstride): (*const $e, usize),
             c: *mut f32,
             ldc: usize,
@@ -278,6 +315,7 @@ macro_rules! simd_tile {
             init: Init,
             bias: *const f32,
             fin: Option<Finish>,
+            copy: (*mut f32, usize),
         ) {
             const {
                 assert!((VECS * $lanes).is_multiple_of(NR) && VECS * $lanes <= MAX_PANELS * NR);
@@ -326,6 +364,12 @@ macro_rules! simd_tile {
                         }
                     }
                     let bk: [_; VECS] = std::array::from_fn(|v| $load_b(bv[v].add(kk * NR)));
+                    if COPY {
+                        for (v, x) in bk.iter().enumerate() {
+                            let at = v * $lanes / NR * copy.1 + kk * NR + v * $lanes % NR;
+                            $store_part(copy.0.add(at), *x, $lanes);
+                        }
+                    }
                     for (row, a) in acc.iter_mut().zip(a) {
                         let av = $splat(*a.add(kk * step));
                         for (x, bv) in row.iter_mut().zip(bk) {
