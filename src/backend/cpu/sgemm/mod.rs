@@ -1023,7 +1023,18 @@ pub unsafe fn gemm_packed_bf16<T: Elem>(
 /// thread's work item on a Zen 3, the two alternating in one process, in-place time over
 /// widened: 49 rows (ResNet-50's 7² layers at batch 1, 512 → 2048) 0.93×; 98–196 rows (14²)
 /// 1.00–1.03×, 392 (7² at batch 8) 1.02×, 784 (28²) 1.08×.
+/// (AVX2's; AVX-512's is [`FEW_ROWS_AVX512`].)
 const FEW_ROWS: usize = 64;
+
+/// [`FEW_ROWS`] on the AVX-512 path, where the first row group's tile widens a panel pair's
+/// block for the rest as it multiplies it (`first_group_widening`): from a third row group
+/// the block pays. On an Emerald Rapids Xeon whose VM hides AMX (BF16 widened to the FMAs),
+/// two threads, against 64 (alternating): Qwen2.5-0.5B BF16's prefill of 128 tokens at batch
+/// 1 (two 64-row work items a GEMM) 0.90× the time (8 of 8 rounds); at batch 1, the 1×1
+/// layers' total over a control's (`bench/ab.py`, 8 rounds) EfficientNet-B0 0.970× (7 of
+/// 8), ResNet-50 0.967× (6 of 8), MobileNetV3-Large 0.979× (6 of 8), ConvNeXt-T's linears
+/// 0.987× (5 of 8).
+const FEW_ROWS_AVX512: usize = 2 * MAX_ROWS;
 
 /// [`gemm_packed`] with the small-K kernel no deeper than `small_k_max`.
 ///
@@ -1079,9 +1090,9 @@ unsafe fn gemm_packed_to<T: Elem>(
     ) {
         in_place!(data, thin(kern, m));
     }
-    // The bf16 tiles (B widened in registers as each tile loads it) up to `FEW_ROWS` rows;
-    // above them each panel's K block is widened once into a buffer that all the rows'
-    // tiles then read as f32. Within the small-K kernel's reach widening the (single) K block
+    // The bf16 tiles (B widened in registers as each tile loads it) up to `FEW_ROWS` rows
+    // (`FEW_ROWS_AVX512` on AVX-512); above them each panel's K block is widened once into a
+    // buffer that all the rows' tiles then read as f32. Within the small-K kernel's reach widening the (single) K block
     // and running the small-K kernel was faster from 64 rows on a Zen 3 (768 rows, K 72 → 24,
     // one thread, took 1.5× as long on the bf16 tiles); deeper the two were level there (K
     // 1152 → 128 0.99×, 4608 → 512 1.01×, 96 rows 2048 → 512 0.97×), while on an Emerald
@@ -1098,7 +1109,11 @@ unsafe fn gemm_packed_to<T: Elem>(
     // (one thread, 5 of 6 rounds), likely because a panel's bf16 block of K 1024 (32 KiB)
     // fits its 48 KiB L1 and the f32 one does not.
     let within_small_k = b.k <= f32_kernels.small_k;
-    let tiles_take = m <= FEW_ROWS || (simd() == Simd::Avx2Fma && !within_small_k);
+    let few = match simd() >= Simd::Avx512 {
+        true => FEW_ROWS_AVX512,
+        false => FEW_ROWS,
+    };
+    let tiles_take = m <= few || (simd() == Simd::Avx2Fma && !within_small_k);
     if let (Some(data), Some(kern)) = (
         T::as_bf16(&b.data).filter(|_| tiles_take),
         kernels_bf16().map(|k| small_k_to(k, small_k_max)),

@@ -296,8 +296,9 @@ fn kernels_match_naive_matmul() {
 
 /// Half-precision panels give exactly what the same values packed in f32 give, widened in
 /// registers by the f16 tiles (each SIMD path's, and `gemm_packed`'s choice) or, bf16 past
-/// `FEW_ROWS` rows, a K block at a time: several K blocks, strides that alias (A's blocks
-/// copied, or packed), an edge panel, and a panel range that starts past panel 0.
+/// `FEW_ROWS` rows (`FEW_ROWS_AVX512`), a K block at a time: several K blocks, strides that
+/// alias (A's blocks copied, or packed), an edge panel, and a panel range that starts past
+/// panel 0.
 #[test]
 fn packed_halves_match_f32() {
     fn run<T: Elem>(b: &PackedB<T>, a: &[f32], m: usize, p: (usize, usize)) -> Vec<f32> {
@@ -331,7 +332,9 @@ fn packed_halves_match_f32() {
         (3, 2048, 33),
         (5, 2100, 20),
         (31, 2100, 40),
-        // Past `FEW_ROWS`: bf16 widened a K block at a time (AVX-512 and portable).
+        // Past `FEW_ROWS` (`FEW_ROWS_AVX512`): bf16 widened a K block at a time (AVX-512 and
+        // portable), on AVX-512 by the first row group's tile for each whole panel pair.
+        (29, 1100, 64),
         (70, 2100, 40),
         (100, 1100, 33),
         // And over `PACK_FROM` panels: A's row groups packed once per K block for all the
