@@ -45,6 +45,49 @@ fn safetensors_round_trip() {
     assert_eq!(Weights::load(&path, &g).unwrap(), w);
 }
 
+/// Seeded weights generated when first read hold what the eager ones hold, tensor for tensor;
+/// a layer released before anyone read it held nothing, and a file saved from them is the
+/// eager weights' file.
+#[test]
+fn seeded_tensors_are_generated_when_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = zoo::build("vit_b_16").unwrap();
+    let (lazy, eager) = (Weights::seeded(&g, 5), Weights::init(&g, 5));
+    // Made now: the constants (norms' ones, zero biases, the zero head), well under 1%.
+    let bytes = |w: &Weights| w.tensors.values().map(|t| t.data.len()).sum::<usize>();
+    assert!(bytes(&lazy) * 100 < bytes(&eager), "drawn, not made");
+    let names: Vec<_> = lazy.names().cloned().collect();
+    assert_eq!(names, eager.tensors.keys().cloned().collect::<Vec<_>>());
+    let path = dir.path().join("lazy.safetensors");
+    lazy.save(&path, &g).unwrap();
+    assert_eq!(Weights::load(&path, &g).unwrap(), eager);
+    for name in &names {
+        assert_eq!(lazy.get(name), eager.get(name), "{name}");
+    }
+    // Released before and after a read: what it held, and nothing twice.
+    let mut lazy = Weights::seeded(&g, 5);
+    let node = |name: &str| g.nodes.iter().find(|n| n.name == name).unwrap();
+    let (fc1, fc2) = (
+        node("encoder.layers.encoder_layer_0.mlp.0"),
+        node("encoder.layers.encoder_layer_0.mlp.3"),
+    );
+    assert_eq!(lazy.release(fc1), 0);
+    assert!(
+        lazy.get("encoder.layers.encoder_layer_0.mlp.0.weight")
+            .is_none()
+    );
+    assert_eq!(
+        lazy.param(&fc2.name, "weight").unwrap(),
+        eager.param(&fc2.name, "weight").unwrap()
+    );
+    assert_eq!(
+        lazy.release(fc2),
+        768 * 3072 * 4,
+        "the weight read, the bias not"
+    );
+    assert_eq!(lazy.release(fc2), 0);
+}
+
 /// GoogLeNet's auxiliary classifiers are in its state_dict and its parameter count (as
 /// torchvision's constructor makes them) but never run: a file with them loads, and so does one
 /// without them (torchvision drops them from its pretrained models); the graph has no node

@@ -283,7 +283,7 @@ fn seeded_weights_calibrated(
     seed: u64,
     input_size: usize,
 ) -> Result<(Weights, Option<backend::cpu::Calibration>)> {
-    let mut weights = Weights::init(graph, seed);
+    let mut weights = Weights::seeded(graph, seed);
     if !graph
         .nodes
         .iter()

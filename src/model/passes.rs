@@ -260,8 +260,8 @@ pub fn optimize(graph: &Graph, weights: Weights) -> Result<(Graph, Weights, Pass
                     .zip(scale.iter().zip(&shift))
                     .map(|(b, (s, t))| b * s + t)
                     .collect();
-                w.tensors.insert(format!("{conv}.weight"), weight);
-                w.tensors.insert(
+                w.insert(format!("{conv}.weight"), weight);
+                w.insert(
                     format!("{conv}.bias"),
                     Tensor::new(vec![c.out_channels], bias),
                 );
@@ -272,7 +272,7 @@ pub fn optimize(graph: &Graph, weights: Weights) -> Result<(Graph, Weights, Pass
                     "running_var",
                     "num_batches_tracked",
                 ] {
-                    w.tensors.remove(&format!("{}.{suffix}", node.name));
+                    w.remove(&format!("{}.{suffix}", node.name));
                 }
                 c.bias = true;
                 work.set_conv(src, c);
@@ -313,13 +313,13 @@ pub fn optimize(graph: &Graph, weights: Weights) -> Result<(Graph, Weights, Pass
                 let gamma = tensor(&w, node.name.clone())?.data;
                 let mut wt = tensor(&w, format!("{linear}.weight"))?;
                 scale_rows(&mut wt.data, &gamma);
-                w.tensors.insert(format!("{linear}.weight"), wt);
+                w.insert(format!("{linear}.weight"), wt);
                 if has_bias {
                     let mut b = tensor(&w, format!("{linear}.bias"))?;
                     b.data.iter_mut().zip(&gamma).for_each(|(v, g)| *v *= g);
-                    w.tensors.insert(format!("{linear}.bias"), b);
+                    w.insert(format!("{linear}.bias"), b);
                 }
-                w.tensors.remove(&node.name);
+                w.remove(&node.name);
                 work.remove(id, inputs[0]);
                 report.folded_layer_scales += 1;
             }
@@ -354,10 +354,10 @@ pub fn optimize(graph: &Graph, weights: Weights) -> Result<(Graph, Weights, Pass
                     *b = (*b as f64 + shift) as f32;
                     row.iter_mut().zip(&gamma).for_each(|(v, g)| *v *= g);
                 }
-                w.tensors.insert(format!("{reader}.{weight}"), wt);
-                w.tensors.insert(bias_name, Tensor::new(vec![rows], b));
+                w.insert(format!("{reader}.{weight}"), wt);
+                w.insert(bias_name, Tensor::new(vec![rows], b));
                 for suffix in ["weight", "bias"] {
-                    w.tensors.remove(&format!("{}.{suffix}", node.name));
+                    w.remove(&format!("{}.{suffix}", node.name));
                 }
                 work.set_linear_bias(&reader);
                 if let Some(n) = work.nodes[id].as_mut() {

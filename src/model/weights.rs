@@ -15,7 +15,109 @@ use super::{Rng, Tensor};
 /// A state_dict on the host, in f32: backends cast to their precision when they prepare.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Weights {
+    /// The tensors made so far: loaded, computed, or seeded and read (the others are in
+    /// `drawn`; [`Weights::get`] and [`Weights::names`] see both).
     pub tensors: BTreeMap<String, Tensor>,
+    /// Seeded random tensors not read yet ([`Weights::seeded`]), generated on first read.
+    drawn: BTreeMap<String, Drawn>,
+}
+
+/// A seeded random tensor as [`Weights::seeded`] draws it: its shape, its stream of the seed
+/// (one draw of the network's generator) and its
+/// distribution; and, once read, its values.
+#[derive(Debug, Clone, PartialEq)]
+struct Drawn {
+    draw: Draw,
+    made: std::sync::OnceLock<Tensor>,
+}
+
+impl Drawn {
+    fn new(draw: Draw) -> Drawn {
+        Drawn {
+            draw,
+            made: std::sync::OnceLock::new(),
+        }
+    }
+
+    fn tensor(&self) -> &Tensor {
+        self.made.get_or_init(|| self.draw.generate())
+    }
+
+    fn into_tensor(self) -> Tensor {
+        self.made
+            .into_inner()
+            .unwrap_or_else(|| self.draw.generate())
+    }
+
+    /// The bytes its values hold (none until read).
+    fn bytes(&self) -> u64 {
+        self.made
+            .get()
+            .map_or(0, |t| size_of_val(t.data.as_slice()) as u64)
+    }
+}
+
+/// How a random tensor is drawn: its shape, stream and distribution.
+#[derive(Debug, Clone, PartialEq)]
+struct Draw {
+    shape: Vec<usize>,
+    stream: u64,
+    fill: Fill,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Fill {
+    /// Normal values of this standard deviation.
+    Normal(f64),
+    /// Uniform values in ± this bound.
+    Uniform(f64),
+}
+
+impl Draw {
+    /// Normal values of standard deviation `std`, drawn from `rng` now, generated later.
+    fn normal(rng: &mut Rng, shape: Vec<usize>, std: f64) -> Seeded {
+        Draw::take(rng, shape, Fill::Normal(std))
+    }
+
+    /// Uniform values in ±`bound`, drawn from `rng` now, generated later.
+    fn uniform(rng: &mut Rng, shape: Vec<usize>, bound: f64) -> Seeded {
+        Draw::take(rng, shape, Fill::Uniform(bound))
+    }
+
+    /// A tensor of `shape` filled as `fill` says from the next stream of `rng` (one draw).
+    fn take(rng: &mut Rng, shape: Vec<usize>, fill: Fill) -> Seeded {
+        let stream = rng.next_u64();
+        Seeded::Drawn(Draw {
+            shape,
+            stream,
+            fill,
+        })
+    }
+
+    fn generate(&self) -> Tensor {
+        let mut data = vec![0f32; self.shape.iter().product()];
+        match self.fill {
+            Fill::Normal(std) => fill_stream(self.stream, &mut data, normal_fill(std)),
+            Fill::Uniform(bound) => fill_stream(self.stream, &mut data, uniform_fill(bound)),
+        }
+        Tensor::new(self.shape.clone(), data)
+    }
+}
+
+/// A tensor of [`Weights::seeded`]: made now (constants) or drawn for later.
+enum Seeded {
+    Made(Tensor),
+    Drawn(Draw),
+}
+
+impl Seeded {
+    fn zeros(shape: Vec<usize>) -> Seeded {
+        Seeded::Made(Tensor::zeros(shape))
+    }
+
+    fn new(shape: Vec<usize>, data: Vec<f32>) -> Seeded {
+        Seeded::Made(Tensor::new(shape, data))
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -64,15 +166,40 @@ pub enum WeightsError {
 }
 
 impl Weights {
+    /// Seeded weights as torchvision's constructors initialise them, every tensor generated
+    /// now ([`Weights::seeded`]'s, all of them).
+    pub fn init(graph: &Graph, seed: u64) -> Weights {
+        let mut w = Weights::seeded(graph, seed);
+        let drawn = std::mem::take(&mut w.drawn);
+        for (name, d) in drawn {
+            w.tensors.insert(name, d.into_tensor());
+        }
+        w
+    }
+
     /// Seeded weights as torchvision's constructors initialise them. The same seed gives the
     /// same weights on every machine, whatever its number of threads (tensors are generated in
     /// parallel, in independently seeded blocks).
-    pub fn init(graph: &Graph, seed: u64) -> Weights {
+    ///
+    /// The random tensors are drawn now (each one's stream of the seed) but generated when
+    /// first read ([`Weights::get`], [`Weights::param`]): a backend that packs a layer and
+    /// [`releases`](Weights::release) its f32 tensors then holds one layer's, not the whole
+    /// network's, beside its own copies. A BF16 ViT-B/16 run held its 330 MiB of f32 weights
+    /// at once before its 165 MiB of bf16 panels were done.
+    pub fn seeded(graph: &Graph, seed: u64) -> Weights {
         let mut rng = Rng::new(seed);
-        let mut tensors = BTreeMap::new();
+        let (mut tensors, mut drawn) = (BTreeMap::new(), BTreeMap::new());
         for node in graph.nodes.iter().chain(&graph.training_only) {
-            let mut put = |suffix: &str, t: Tensor| {
-                tensors.insert(super::graph::param_name(&node.name, suffix), t);
+            let mut put = |suffix: &str, t: Seeded| {
+                let name = super::graph::param_name(&node.name, suffix);
+                match t {
+                    Seeded::Made(t) => {
+                        tensors.insert(name, t);
+                    }
+                    Seeded::Drawn(draw) => {
+                        drawn.insert(name, Drawn::new(draw));
+                    }
+                }
             };
             match node.op {
                 Op::Conv2d(c) => {
@@ -84,17 +211,17 @@ impl Weights {
                         ConvInit::KaimingNormalFanOut => {
                             let std = (2.0 / fan_out).sqrt();
                             (
-                                normal(&mut rng, shape, std),
-                                Tensor::zeros(vec![c.out_channels]),
+                                Draw::normal(&mut rng, shape, std),
+                                Seeded::zeros(vec![c.out_channels]),
                             )
                         }
                         ConvInit::TruncNormalFanIn => (
-                            normal(&mut rng, shape, (1.0 / fan_in).sqrt()),
-                            Tensor::zeros(vec![c.out_channels]),
+                            Draw::normal(&mut rng, shape, (1.0 / fan_in).sqrt()),
+                            Seeded::zeros(vec![c.out_channels]),
                         ),
                         ConvInit::TruncNormal001 => (
-                            normal(&mut rng, shape, 0.01),
-                            Tensor::zeros(vec![c.out_channels]),
+                            Draw::normal(&mut rng, shape, 0.01),
+                            Seeded::zeros(vec![c.out_channels]),
                         ),
                         ConvInit::TruncNormal01 => {
                             let std = if node.name == "AuxLogits.conv1.conv" {
@@ -103,32 +230,32 @@ impl Weights {
                                 0.1
                             };
                             (
-                                normal(&mut rng, shape, std),
-                                Tensor::zeros(vec![c.out_channels]),
+                                Draw::normal(&mut rng, shape, std),
+                                Seeded::zeros(vec![c.out_channels]),
                             )
                         }
                         ConvInit::KaimingNormalFanIn => (
-                            normal(&mut rng, shape, (2.0 / fan_in).sqrt()),
-                            Tensor::zeros(vec![c.out_channels]),
+                            Draw::normal(&mut rng, shape, (2.0 / fan_in).sqrt()),
+                            Seeded::zeros(vec![c.out_channels]),
                         ),
                         ConvInit::KaimingUniform if node.name == "classifier.1" => (
-                            normal(&mut rng, shape, 0.01),
-                            Tensor::zeros(vec![c.out_channels]),
+                            Draw::normal(&mut rng, shape, 0.01),
+                            Seeded::zeros(vec![c.out_channels]),
                         ),
                         ConvInit::KaimingUniform => (
-                            uniform(&mut rng, shape, (6.0 / fan_in).sqrt()),
-                            Tensor::zeros(vec![c.out_channels]),
+                            Draw::uniform(&mut rng, shape, (6.0 / fan_in).sqrt()),
+                            Seeded::zeros(vec![c.out_channels]),
                         ),
                         // ±2 (the truncation) is a hundred deviations out: a plain normal.
                         ConvInit::TruncNormal002 => (
-                            normal(&mut rng, shape, 0.02),
-                            Tensor::zeros(vec![c.out_channels]),
+                            Draw::normal(&mut rng, shape, 0.02),
+                            Seeded::zeros(vec![c.out_channels]),
                         ),
                         ConvInit::TorchDefault => {
                             let bound = 1.0 / fan_in.sqrt();
                             (
-                                uniform(&mut rng, shape, bound),
-                                uniform(&mut rng, vec![c.out_channels], bound),
+                                Draw::uniform(&mut rng, shape, bound),
+                                Draw::uniform(&mut rng, vec![c.out_channels], bound),
                             )
                         }
                     };
@@ -138,12 +265,12 @@ impl Weights {
                     }
                 }
                 Op::BatchNorm { channels, .. } => {
-                    put("weight", Tensor::new(vec![channels], vec![1.0; channels]));
-                    put("bias", Tensor::zeros(vec![channels]));
-                    put("running_mean", Tensor::zeros(vec![channels]));
+                    put("weight", Seeded::new(vec![channels], vec![1.0; channels]));
+                    put("bias", Seeded::zeros(vec![channels]));
+                    put("running_mean", Seeded::zeros(vec![channels]));
                     put(
                         "running_var",
-                        Tensor::new(vec![channels], vec![1.0; channels]),
+                        Seeded::new(vec![channels], vec![1.0; channels]),
                     );
                 }
                 Op::Linear {
@@ -155,19 +282,19 @@ impl Weights {
                     let shape = vec![out_features, in_features];
                     let (w, b) = match graph.linear_init {
                         LinearInit::Normal001 => (
-                            normal(&mut rng, shape, 0.01),
-                            Tensor::zeros(vec![out_features]),
+                            Draw::normal(&mut rng, shape, 0.01),
+                            Seeded::zeros(vec![out_features]),
                         ),
                         LinearInit::TorchDefault => {
                             let bound = 1.0 / (in_features as f64).sqrt();
                             (
-                                uniform(&mut rng, shape, bound),
-                                uniform(&mut rng, vec![out_features], bound),
+                                Draw::uniform(&mut rng, shape, bound),
+                                Draw::uniform(&mut rng, vec![out_features], bound),
                             )
                         }
                         LinearInit::TruncNormal002 => (
-                            normal(&mut rng, shape, 0.02),
-                            Tensor::zeros(vec![out_features]),
+                            Draw::normal(&mut rng, shape, 0.02),
+                            Seeded::zeros(vec![out_features]),
                         ),
                         LinearInit::TruncNormal001 | LinearInit::TruncNormal01 => {
                             let std = match graph.linear_init {
@@ -177,25 +304,25 @@ impl Weights {
                             };
                             let bound = 1.0 / (in_features as f64).sqrt();
                             (
-                                normal(&mut rng, shape, std),
-                                uniform(&mut rng, vec![out_features], bound),
+                                Draw::normal(&mut rng, shape, std),
+                                Draw::uniform(&mut rng, vec![out_features], bound),
                             )
                         }
                         LinearInit::UniformFanOut => {
                             let bound = 1.0 / (out_features as f64).sqrt();
                             (
-                                uniform(&mut rng, shape, bound),
-                                Tensor::zeros(vec![out_features]),
+                                Draw::uniform(&mut rng, shape, bound),
+                                Seeded::zeros(vec![out_features]),
                             )
                         }
                         LinearInit::Vit if node.name == "heads.head" => {
-                            (Tensor::zeros(shape), Tensor::zeros(vec![out_features]))
+                            (Seeded::zeros(shape), Seeded::zeros(vec![out_features]))
                         }
                         LinearInit::Vit => {
                             let bound = (6.0 / (in_features + out_features) as f64).sqrt();
                             (
-                                uniform(&mut rng, shape, bound),
-                                normal(&mut rng, vec![out_features], 1e-6),
+                                Draw::uniform(&mut rng, shape, bound),
+                                Draw::normal(&mut rng, vec![out_features], 1e-6),
                             )
                         }
                     };
@@ -207,16 +334,16 @@ impl Weights {
                 Op::LayerNorm {
                     dim, affine: true, ..
                 } => {
-                    put("weight", Tensor::new(vec![dim], vec![1.0; dim]));
-                    put("bias", Tensor::zeros(vec![dim]));
+                    put("weight", Seeded::new(vec![dim], vec![1.0; dim]));
+                    put("bias", Seeded::zeros(vec![dim]));
                 }
-                Op::ClassToken { dim } => put("", Tensor::zeros(vec![1, 1, dim])),
+                Op::ClassToken { dim } => put("", Seeded::zeros(vec![1, 1, dim])),
                 // ConvNeXt's default: every block starts as (almost) the identity.
                 Op::LayerScale { channels } => {
-                    put("", Tensor::new(vec![channels, 1, 1], vec![1e-6; channels]))
+                    put("", Seeded::new(vec![channels, 1, 1], vec![1e-6; channels]))
                 }
                 Op::PosEmbed { tokens, dim, .. } => {
-                    put("", normal(&mut rng, vec![1, tokens, dim], 0.02))
+                    put("", Draw::normal(&mut rng, vec![1, tokens, dim], 0.02))
                 }
                 // Swin: trunc_normal_(std=0.02) for the projections and the bias table, zero
                 // biases.
@@ -229,24 +356,30 @@ impl Weights {
                     ..
                 }) => {
                     let [qkv_w, qkv_b, proj_w, proj_b] = form.projections();
-                    put(qkv_w, normal(&mut rng, vec![3 * dim, dim], 0.02));
-                    put(qkv_b, Tensor::zeros(vec![3 * dim]));
-                    put(proj_w, normal(&mut rng, vec![dim, dim], 0.02));
-                    put(proj_b, Tensor::zeros(vec![dim]));
+                    put(qkv_w, Draw::normal(&mut rng, vec![3 * dim, dim], 0.02));
+                    put(qkv_b, Seeded::zeros(vec![3 * dim]));
+                    put(proj_w, Draw::normal(&mut rng, vec![dim, dim], 0.02));
+                    put(proj_b, Seeded::zeros(vec![dim]));
                     let side = 2 * window - 1;
                     if form.cosine() {
                         let scale = vec![10f32.ln(); heads];
-                        put("logit_scale", Tensor::new(vec![heads, 1, 1], scale));
-                        put("cpb_mlp.0.weight", normal(&mut rng, vec![512, 2], 0.02));
-                        put("cpb_mlp.0.bias", Tensor::zeros(vec![512]));
-                        put("cpb_mlp.2.weight", normal(&mut rng, vec![heads, 512], 0.02));
+                        put("logit_scale", Seeded::new(vec![heads, 1, 1], scale));
+                        put(
+                            "cpb_mlp.0.weight",
+                            Draw::normal(&mut rng, vec![512, 2], 0.02),
+                        );
+                        put("cpb_mlp.0.bias", Seeded::zeros(vec![512]));
+                        put(
+                            "cpb_mlp.2.weight",
+                            Draw::normal(&mut rng, vec![heads, 512], 0.02),
+                        );
                         let coords = super::op::WindowGrid::coords_table(window);
                         put(
                             "relative_coords_table",
-                            Tensor::new(vec![1, side, side, 2], coords),
+                            Seeded::new(vec![1, side, side, 2], coords),
                         );
                     } else {
-                        let table = normal(&mut rng, vec![side * side, heads], 0.02);
+                        let table = Draw::normal(&mut rng, vec![side * side, heads], 0.02);
                         put("relative_position_bias_table", table);
                     }
                 }
@@ -256,17 +389,20 @@ impl Weights {
                     let bound = (6.0 / (4 * dim) as f64).sqrt();
                     put(
                         "in_proj_weight",
-                        uniform(&mut rng, vec![3 * dim, dim], bound),
+                        Draw::uniform(&mut rng, vec![3 * dim, dim], bound),
                     );
-                    put("in_proj_bias", Tensor::zeros(vec![3 * dim]));
+                    put("in_proj_bias", Seeded::zeros(vec![3 * dim]));
                     let bound = 1.0 / (dim as f64).sqrt();
-                    put("out_proj.weight", uniform(&mut rng, vec![dim, dim], bound));
-                    put("out_proj.bias", Tensor::zeros(vec![dim]));
+                    put(
+                        "out_proj.weight",
+                        Draw::uniform(&mut rng, vec![dim, dim], bound),
+                    );
+                    put("out_proj.bias", Seeded::zeros(vec![dim]));
                 }
                 _ => {}
             }
         }
-        Weights { tensors }
+        Weights { tensors, drawn }
     }
 
     /// Load a safetensors state_dict and check it against the graph: every tensor present with
@@ -325,7 +461,10 @@ impl Weights {
                 tensors.insert(e.name.clone(), file.read(&e.name)?);
             }
         }
-        Ok(Weights { tensors })
+        Ok(Weights {
+            tensors,
+            drawn: BTreeMap::new(),
+        })
     }
 
     /// Save as a safetensors state_dict (f32) that `torchvision.models.<name>()` loads with
@@ -333,7 +472,14 @@ impl Weights {
     /// Swin's and MaxViT's window attention its `relative_position_index`.
     pub fn save(&self, path: &Path, graph: &Graph) -> Result<(), WeightsError> {
         let mut blobs: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
-        for (name, t) in &self.tensors {
+        for name in self.names() {
+            // A drawn tensor is generated for the file alone, not kept.
+            let drawn = self.drawn.get(name).filter(|d| d.made.get().is_none());
+            let generated = drawn.map(|d| d.draw.generate());
+            let t = generated
+                .as_ref()
+                .or_else(|| self.get(name))
+                .expect("named");
             let bytes = bytemuck::cast_slice(&t.data).to_vec();
             blobs.push((name.clone(), Dtype::F32, t.shape.clone(), bytes));
         }
@@ -389,8 +535,28 @@ impl Weights {
             .map_err(|e| write_err(e.to_string()))
     }
 
+    /// Tensor `name`, generated now if it was drawn and not read yet ([`Weights::seeded`]).
     pub fn get(&self, name: &str) -> Option<&Tensor> {
-        self.tensors.get(name)
+        (self.tensors.get(name)).or_else(|| self.drawn.get(name).map(Drawn::tensor))
+    }
+
+    /// Every tensor's name, in order.
+    pub fn names(&self) -> impl Iterator<Item = &String> {
+        let mut names: Vec<_> = self.tensors.keys().chain(self.drawn.keys()).collect();
+        names.sort_unstable();
+        names.into_iter()
+    }
+
+    /// Set tensor `name` (in place of what it held, drawn or made).
+    pub fn insert(&mut self, name: String, t: Tensor) {
+        self.drawn.remove(&name);
+        self.tensors.insert(name, t);
+    }
+
+    /// Drop tensor `name`, drawn or made; whether there was one.
+    pub fn remove(&mut self, name: &str) -> bool {
+        let drawn = self.drawn.remove(name).is_some();
+        self.tensors.remove(name).is_some() || drawn
     }
 
     /// Drop the tensors of `node`'s parameters (those its op declares), returning their
@@ -399,17 +565,21 @@ impl Weights {
     pub fn release(&mut self, node: &super::graph::Node) -> u64 {
         let names = node.op.params().into_iter();
         let names = names.map(|p| super::graph::param_name(&node.name, p.suffix));
-        names
-            .filter_map(|name| self.tensors.remove(&name))
-            .map(|t| std::mem::size_of_val(t.data.as_slice()) as u64)
-            .sum()
+        // A drawn tensor nobody read held nothing.
+        let mut bytes = 0;
+        for name in names {
+            let made = self.tensors.remove(&name);
+            bytes += made.map_or(0, |t| size_of_val(t.data.as_slice()) as u64);
+            bytes += self.drawn.remove(&name).map_or(0, |d| d.bytes());
+        }
+        bytes
     }
 
     /// Parameter `suffix` (`weight`, `bias`, ...) of node `node` (`layer1.0.conv1`): what a
     /// backend packs when it prepares the node.
     pub fn param(&self, node: &str, suffix: &str) -> Result<&[f32], MissingTensor> {
         let name = super::graph::param_name(node, suffix);
-        (self.tensors.get(&name))
+        (self.get(&name))
             .map(|t| t.data.as_slice())
             .ok_or(MissingTensor(name))
     }
@@ -556,21 +726,10 @@ pub fn write_tensors(path: &Path, tensors: &[(&str, &Tensor)]) -> Result<(), Wei
 /// and the same seed gives the same values whatever the number of threads.
 const BLOCK: usize = 1 << 14;
 
-/// Fill a tensor from one draw of `rng`: block b of the tensor comes from its own stream.
-fn generate(
-    rng: &mut Rng,
-    shape: Vec<usize>,
-    fill: impl Fn(&mut Rng, &mut [f32]) + Sync,
-) -> Tensor {
-    let mut data = vec![0f32; shape.iter().product()];
-    generate_into(rng, &mut data, fill);
-    Tensor::new(shape, data)
-}
-
-/// [`generate`] into `out`, which the caller may reuse: the same values for the same draw.
-fn generate_into(rng: &mut Rng, out: &mut [f32], fill: impl Fn(&mut Rng, &mut [f32]) + Sync) {
+/// Fill `out` from `stream` (one draw of a generator: [`Draw`]'s, or `normal_into`'s): block b
+/// of the values comes from its own stream, blocks in parallel.
+fn fill_stream(stream: u64, out: &mut [f32], fill: impl Fn(&mut Rng, &mut [f32]) + Sync) {
     use rayon::prelude::*;
-    let stream = rng.next_u64();
     out.par_chunks_mut(BLOCK)
         .enumerate()
         .for_each(|(b, block)| {
@@ -579,17 +738,16 @@ fn generate_into(rng: &mut Rng, out: &mut [f32], fill: impl Fn(&mut Rng, &mut [f
         });
 }
 
-/// Normal values of standard deviation `std`, generated in parallel blocks (the same on
-/// every machine).
-pub(crate) fn normal(rng: &mut Rng, shape: Vec<usize>, std: f64) -> Tensor {
-    let mut data = vec![0f32; shape.iter().product()];
-    normal_into(rng, &mut data, std);
-    Tensor::new(shape, data)
+/// Normal values of standard deviation `std` from one draw of `rng` into `out`, generated in
+/// parallel blocks (the same on every machine): what [`Weights::seeded`] gives a normal
+/// tensor of `out.len()` values drawn at that point.
+pub(crate) fn normal_into(rng: &mut Rng, out: &mut [f32], std: f64) {
+    fill_stream(rng.next_u64(), out, normal_fill(std))
 }
 
-/// [`normal`] into `out`: the values `normal` gives a tensor of `out.len()` values.
-pub(crate) fn normal_into(rng: &mut Rng, out: &mut [f32], std: f64) {
-    generate_into(rng, out, |r, out| {
+/// A block's normal values of standard deviation `std`.
+fn normal_fill(std: f64) -> impl Fn(&mut Rng, &mut [f32]) + Sync {
+    move |r, out| {
         // Marsaglia's polar method: two independent normals per accepted point of the unit
         // disc, with one logarithm and no trigonometry. Points are drawn a batch at a time and
         // the logarithms, divisions and square roots then run over the batch: independent of
@@ -622,12 +780,13 @@ pub(crate) fn normal_into(rng: &mut Rng, out: &mut [f32], std: f64) {
                 }
             }
         }
-    })
+    }
 }
 
-fn uniform(rng: &mut Rng, shape: Vec<usize>, bound: f64) -> Tensor {
-    generate(rng, shape, |r, out| {
+/// A block's uniform values in ±`bound`.
+fn uniform_fill(bound: f64) -> impl Fn(&mut Rng, &mut [f32]) + Sync {
+    move |r, out| {
         out.iter_mut()
             .for_each(|v| *v = ((r.uniform() * 2.0 - 1.0) * bound) as f32)
-    })
+    }
 }

@@ -72,12 +72,8 @@ pub fn calibrate_batch_norm(
     for (id, mean, var) in std::mem::take(&mut session.batch_stats) {
         let name = &plan.graph.nodes[id].name;
         let c = mean.len();
-        weights
-            .tensors
-            .insert(format!("{name}.running_mean"), Tensor::new(vec![c], mean));
-        weights
-            .tensors
-            .insert(format!("{name}.running_var"), Tensor::new(vec![c], var));
+        weights.insert(format!("{name}.running_mean"), Tensor::new(vec![c], mean));
+        weights.insert(format!("{name}.running_var"), Tensor::new(vec![c], var));
     }
     Ok(Calibration(session))
 }
