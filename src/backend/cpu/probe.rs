@@ -19,7 +19,8 @@
 //!   depth probed, up to 1024.
 //! - Whether an FP32 layer with a residual writes its output over the residual's buffer
 //!   ([`over_residual`]): 0.86× the GEMM's time on an Emerald Rapids core, and ResNet-50
-//!   FP32 5–6% faster; a Zen 4 had read the network 1.28–1.32× slower that way.
+//!   FP32 5–6% faster; a Zen 4 had read the network 1.28–1.32× slower that way before C's
+//!   prefetches went to L2, and now level (its probe 0.75–0.92, so over).
 
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -181,8 +182,9 @@ impl OverResidual {
 /// Emerald Rapids Xeon (two 512-bit FMA units, 2 MiB L2 a core; the probe 0.86–0.87×)
 /// ResNet-50 FP32's 1×1 kernels took 0.941× the time at batch 8 and 0.948× at 1 that way (7
 /// of 8 rounds each, over its unchanged Winograd kernels), the step 0.944× at batch 8; a Zen
-/// 4 had read the network 1.28–1.32× (before C's prefetches went to L2; its probe not yet
-/// run).
+/// 4 had read the network 1.28–1.32× before C's prefetches went to L2, and since then its
+/// probe reads 0.75–0.92 and the network level (ResNet-50's 1×1 kernels FP32 1.001× at batch
+/// 8 and 1.005× at 1, BF16 0.973× at 8; 8 rounds each).
 pub fn over_residual() -> OverResidual {
     static OVER: OnceLock<OverResidual> = OnceLock::new();
     *OVER.get_or_init(|| {
