@@ -281,8 +281,9 @@ impl PackedPairs {
         self.n.div_ceil(PANEL)
     }
 
+    /// The bytes the packing holds: its [`Self::storage`], so the two cannot disagree.
     pub fn bytes(&self) -> u64 {
-        (self.data.len() * 2 + self.bias.len() * 4) as u64
+        self.storage().iter().map(|s| s.len() as u64).sum()
     }
 
     /// The memory the pairs and the bias take, as bytes: what [`Self::bytes`] counts.

@@ -207,8 +207,9 @@ impl<T: Elem> PackedB<T> {
         self.n.div_ceil(NR)
     }
 
+    /// The bytes the packing holds: its [`Self::storage`], so the two cannot disagree.
     pub fn bytes(&self) -> u64 {
-        (self.data.len() * std::mem::size_of::<T>() + self.bias.len() * 4) as u64
+        self.storage().iter().map(|s| s.len() as u64).sum()
     }
 
     /// The memory the panels and the bias take, as bytes: what [`Self::bytes`] counts.
