@@ -22,9 +22,8 @@ pub struct Weights {
     drawn: BTreeMap<String, Drawn>,
 }
 
-/// A seeded random tensor as [`Weights::seeded`] draws it: its shape, its stream of the seed
-/// (one draw of the network's generator) and its
-/// distribution; and, once read, its values.
+/// A seeded random tensor as [`Weights::seeded`] draws it (its [`Draw`]) and, once read, its
+/// values.
 #[derive(Debug, Clone, PartialEq)]
 struct Drawn {
     draw: Draw,
@@ -553,10 +552,10 @@ impl Weights {
         self.tensors.insert(name, t);
     }
 
-    /// Drop tensor `name`, drawn or made; whether there was one.
-    pub fn remove(&mut self, name: &str) -> bool {
-        let drawn = self.drawn.remove(name).is_some();
-        self.tensors.remove(name).is_some() || drawn
+    /// Drop tensor `name`, drawn or made.
+    pub fn remove(&mut self, name: &str) {
+        self.drawn.remove(name);
+        self.tensors.remove(name);
     }
 
     /// Drop the tensors of `node`'s parameters (those its op declares), returning their

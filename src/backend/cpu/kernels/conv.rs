@@ -367,8 +367,9 @@ pub fn chunk_rows(m: usize, k: usize) -> usize {
 /// 16 tiles of a 7² image were 14 and 2, now 8 and 8. On an Emerald Rapids Xeon, two workers,
 /// the two ways alternating in one process (medians of 40): Qwen2.5-0.5B's four projections at
 /// 128 rows 1.04–1.22× the GFLOP/s in BF16 (where 64 rows then kept both halves on the bf16
-/// tiles; since `sgemm::FEW_ROWS_AVX512` both widen their blocks) and 1.00–1.05× in FP32; ResNet-50's 7² layers at batch 1 (49
-/// rows: 25 and 24, not 28 and 21) 0.96–1.12× in BF16 and FP32, its 3×3 on Winograd 1.04–1.06×.
+/// tiles; since `sgemm::FEW_ROWS_AVX512` both widen their blocks) and 1.00–1.05× in FP32;
+/// ResNet-50's 7² layers at batch 1 (49 rows: 25 and 24, not 28 and 21) 0.96–1.12× in BF16
+/// and FP32, its 3×3 on Winograd 1.04–1.06×.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Chunks {
     m: usize,

@@ -1092,23 +1092,22 @@ unsafe fn gemm_packed_to<T: Elem>(
         in_place!(data, thin(kern, m));
     }
     // The bf16 tiles (B widened in registers as each tile loads it) up to `FEW_ROWS` rows
-    // (`FEW_ROWS_AVX512` on AVX-512); above them each panel's K block is widened once into a
-    // buffer that all the rows' tiles then read as f32. Within the small-K kernel's reach widening the (single) K block
-    // and running the small-K kernel was faster from 64 rows on a Zen 3 (768 rows, K 72 → 24,
-    // one thread, took 1.5× as long on the bf16 tiles); deeper the two were level there (K
-    // 1152 → 128 0.99×, 4608 → 512 1.01×, 96 rows 2048 → 512 0.97×), while on an Emerald
-    // Rapids Xeon, whose 512-bit FMAs on two ports leave the tiles' widening (a shuffle and a
-    // shift a panel per k, beside fourteen rows' FMAs) nowhere to hide, the block was ahead:
-    // one thread pinned, `bench/ab.py` 8 rounds, ResNet-50 BF16 0.943× the time at batch 1
-    // (7 of 8; widened from 96 rows, which splits its layers as 64 does) and 0.930× at batch 8
-    // (7 of 8; widened from any rows), its im2col GEMMs at batch 1 0.943× with this rule (8 of
-    // 8), `peak --precision bf16` 1024³ best 140–145 against 130–134 GFLOP/s. Widened from any
-    // rows, even a decode step's one, batch 1 took 1.07× the time of widening from 96 (slower
-    // in 8 of 8 rounds: under a few tiles the blocks cost more than they save).
-    // AVX2's 6-row tiles keep the bf16 tiles beyond the small-K kernel's reach: forced onto
-    // AVX2 on the same Xeon, the widened blocks took ResNet-50 BF16 batch 8 1.08× the time
-    // (one thread, 5 of 6 rounds), likely because a panel's bf16 block of K 1024 (32 KiB)
-    // fits its 48 KiB L1 and the f32 one does not.
+    // (`FEW_ROWS_AVX512` on AVX-512); above them each panel's K block is widened once into a buffer
+    // that all the rows' tiles then read as f32. Within the small-K kernel's reach widening the
+    // (single) K block and running the small-K kernel was faster from 64 rows on a Zen 3 (768 rows,
+    // K 72 → 24, one thread, took 1.5× as long on the bf16 tiles); deeper the two were level there
+    // (K 1152 → 128 0.99×, 4608 → 512 1.01×, 96 rows 2048 → 512 0.97×), while on an Emerald Rapids
+    // Xeon, whose 512-bit FMAs on two ports leave the tiles' widening (a shuffle and a shift a
+    // panel per k, beside fourteen rows' FMAs) nowhere to hide, the block was ahead: one thread
+    // pinned, `bench/ab.py` 8 rounds, ResNet-50 BF16 0.943× the time at batch 1 (7 of 8; widened
+    // from 96 rows, which splits its layers as 64 does) and 0.930× at batch 8 (7 of 8; widened from
+    // any rows), its im2col GEMMs at batch 1 0.943× with this rule (8 of 8), `peak --precision
+    // bf16` 1024³ best 140–145 against 130–134 GFLOP/s. Widened from any rows, even a decode step's
+    // one, batch 1 took 1.07× the time of widening from 96 (slower in 8 of 8 rounds: under a few
+    // tiles the blocks cost more than they save). AVX2's 6-row tiles keep the bf16 tiles beyond the
+    // small-K kernel's reach: forced onto AVX2 on the same Xeon, the widened blocks took ResNet-50
+    // BF16 batch 8 1.08× the time (one thread, 5 of 6 rounds), likely because a panel's bf16 block
+    // of K 1024 (32 KiB) fits its 48 KiB L1 and the f32 one does not.
     let within_small_k = b.k <= f32_kernels.small_k;
     let few = match simd() >= Simd::Avx512 {
         true => FEW_ROWS_AVX512,

@@ -242,16 +242,16 @@ macro_rules! simd_tile {
             unsafe { finish(&acc, c, valid, fin) }
         }
 
-        simd_tile!(@tile tile, tile_copying, f32, $features, $lanes, $zero, $load, $load_part, $store_part,
-            $splat, $fma, $add, $act, $load);
+        simd_tile!(@tile tile, tile_copying, f32, $features, $lanes, $zero, $load, $load_part,
+            $store_part, $splat, $fma, $add, $act, $load);
         simd_tile!(@tile tile_h, tile_h_copying, f16, $features_h, $lanes, $zero, $load, $load_part,
             $store_part, $splat, $fma, $add, $act, $load_h);
         simd_tile!(@tile tile_b, tile_b_copying, bf16, $features, $lanes, $zero, $load, $load_part,
             $store_part, $splat, $fma, $add, $act, $load_b);
     };
-    (@tile $name:ident, $copying:ident, $e:ty, $features:literal, $lanes:literal, $zero:ident, $load:ident,
-     $load_part:ident, $store_part:ident, $splat:ident, $fma:ident, $add:ident, $act:path,
-     $load_b:ident) => {
+    (@tile $name:ident, $copying:ident, $e:ty, $features:literal, $lanes:literal, $zero:ident,
+     $load:ident, $load_part:ident, $store_part:ident, $splat:ident, $fma:ident, $add:ident,
+     $act:path, $load_b:ident) => {
         /// # Safety
         /// The CPU has this function's features (checked by `kernels_for`'s and
         /// `kernels_f16_for`'s callers), and the pointer ranges are as for `tile_portable`
