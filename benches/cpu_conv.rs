@@ -4,6 +4,7 @@
 //!
 //!     cargo bench --bench cpu_conv                 # batches 1 and 8
 //!     cargo bench --bench cpu_conv -- 32           # other batches
+//!     cargo bench --bench cpu_conv -- bf16 8       # BF16 (pairs where the CPU has them)
 //!     WORKSHOP_CPU_SIMD=portable cargo bench --bench cpu_conv
 //!
 //! Effective GFLOP/s count the direct convolution's 2 × MACs, whatever algorithm ran.
@@ -13,7 +14,7 @@ use std::time::Instant;
 use workshop::backend::{self, BackendKind, ExecOptions};
 use workshop::model::graph::{ConvInit, GraphBuilder, LinearInit};
 use workshop::model::op::Conv2d;
-use workshop::model::{Rng, Weights};
+use workshop::model::{Precision, Rng, Weights};
 
 const VARIANTS: [&str; 3] = ["rows-x1", "winograd-f2x2", "winograd-f4x4"];
 const ROUNDS: usize = 5;
@@ -27,6 +28,11 @@ fn main() {
     if batches.is_empty() {
         batches = vec![1, 8];
     }
+    let precision = if std::env::args().any(|a| a == "bf16") {
+        Precision::Bf16
+    } else {
+        Precision::Fp32
+    };
     let cpu = backend::open(BackendKind::Cpu).expect("the CPU backend always opens");
     println!(
         "layer                 {:>22} {:>22} {:>22}",
@@ -47,6 +53,7 @@ fn main() {
                 .map(|v| {
                     let opt = ExecOptions {
                         variants: [("conv".to_string(), v.to_string())].into(),
+                        precision,
                         ..Default::default()
                     };
                     cpu.prepare(0, &plan, &weights, &opt).expect("prepared")

@@ -3,11 +3,15 @@
 //! attention for a prompt of 128 (batch 1 and 8), 2048 and 8192, and a decode step 2048 tokens
 //! into the cache (batch 1 and 8) and 32768 (batch 1); then the linear layers' GEMMs (q/k/v fused, o, gate/up
 //! fused, down) over a batch-8 prefill's 1024 rows, and SwiGLU over those rows (`-- activation`:
-//! GB/s of its f32 reads and writes).
+//! GB/s of its f32 reads and writes); and a decode step's linear layers at 1 and 8 rows over
+//! all its layers' bf16 weights, more than the caches hold (`-- stream`, `-- stream llama` for
+//! Llama-3.2-1B's: GB/s of the weights read, to hold against `workshop peak`'s bandwidth).
 //!
 //!     cargo bench --bench cpu_decoder                  # every kernel, 2 threads
 //!     cargo bench --bench cpu_decoder -- attention     # attention alone
 //!     cargo bench --bench cpu_decoder -- decode        # its decode steps alone
+//!     cargo bench --bench cpu_decoder -- stream        # decode's linears from memory
+//!     cargo bench --bench cpu_decoder -- stream llama  # Llama-3.2-1B's
 //!     WORKSHOP_CPU_SIMD=avx2 cargo bench --bench cpu_decoder -- attention
 //!
 //! Attention's GFLOP/s count 4 × head FLOPs per (query head, key it sees): the scores and the
@@ -109,6 +113,53 @@ fn main() {
             s * 1e3,
             bytes / s / 1e9
         );
+    }
+    if wants("stream") {
+        // A decode step's linear layers, visited in turn as the step does, over bf16 weights
+        // that the caches do not hold: Qwen2.5-0.5B's 24 layers (683 MiB), or with `llama`
+        // Llama-3.2-1B's 16 (1.8 GiB). The pool here sleeps between calls, as a session's
+        // does not (`install_awake`), which costs the smallest layers most.
+        let llama = std::env::args().any(|a| a == "llama");
+        let (shapes, count) = if llama {
+            (
+                [(2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048)],
+                16,
+            )
+        } else {
+            ([(896, 1152), (896, 896), (896, 9728), (4864, 896)], 24)
+        };
+        let layers: Vec<(usize, usize, PackedLinear<bf16>)> = (0..count)
+            .flat_map(|l| shapes.map(|(fin, fout)| (l, fin, fout)))
+            .map(|(l, fin, fout)| {
+                let w = wave(fin * fout, 0.013 + l as f32 * 1e-4);
+                (fin, fout, PackedLinear::<bf16>::new(&w, None, fin, fout))
+            })
+            .collect();
+        let bytes: u64 = layers.iter().map(|(_, _, p)| p.bytes()).sum();
+        let widest = shapes
+            .iter()
+            .map(|&(fin, fout)| fin.max(fout))
+            .max()
+            .unwrap_or(0);
+        for rows in [1, 8] {
+            let x: Vec<bf16> = wave(rows * widest, 0.71)
+                .into_iter()
+                .map(bf16::from_f32)
+                .collect();
+            let mut y = vec![bf16::ZERO; rows * widest];
+            let s = median(|| {
+                for (fin, fout, w) in &layers {
+                    let (x, y) = (&x[..rows * fin], &mut y[..rows * fout]);
+                    linear(x, w, (rows, *fin, *fout), y, THREADS);
+                }
+            });
+            println!(
+                "stream {rows} row(s) over {} MiB of bf16 weights: {:8.3} ms {:6.1} GB/s",
+                bytes >> 20,
+                s * 1e3,
+                bytes as f64 / s / 1e9
+            );
+        }
     }
     if wants("linear") {
         let rows = 1024;

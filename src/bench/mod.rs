@@ -116,7 +116,7 @@ pub const LIMITS: [(&str, usize, &str); 12] = [
     (
         "batch_size",
         1 << 24,
-        "more images than any machine's memory holds in one batch",
+        "more images or sequences than any machine's memory holds in one batch",
     ),
     (
         "iterations",

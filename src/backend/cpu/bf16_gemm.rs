@@ -1073,13 +1073,15 @@ mod dot {
                     None => _mm512_loadu_ps(c.add(q * PANEL)),
                 };
             }
+            // No prefetch hints for B here: the hardware prefetchers follow the panels' two
+            // streams, and the hints only took fill buffers from them. A decode step's linear
+            // layers at one row over bf16 weights from memory (`cargo bench --bench
+            // cpu_decoder -- stream`, hints 64 k-pairs ahead and none alternating call by call
+            // in one process, medians of 14), on a Zen 4 (2 vCPU): Llama-3.2-1B's shapes
+            // 0.93–0.95× the time without (3 runs), Qwen2.5-0.5B's 0.90–1.00× (3). The f32
+            // tiles' thin rows dropped theirs for the same reason. `group` keeps them: at 8
+            // rows, without them Llama's shapes took 0.98–1.06× the time, Qwen's 0.91–1.03×.
             for k2 in (0..pairs).step_by(CHAINS) {
-                for bq in &b[..PANELS] {
-                    for u in 0..CHAINS {
-                        let ahead = bq.wrapping_add((k2 + u + B_PREFETCH) * 2 * PANEL);
-                        _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
-                    }
-                }
                 for (u, chain) in acc.iter_mut().enumerate() {
                     let pair = a.add(2 * (k2 + u)).cast::<i32>().read_unaligned();
                     let av = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(pair));
