@@ -1074,8 +1074,8 @@ mod dot {
                 };
             }
             // No prefetch hints for B here: the hardware prefetchers follow the panels' two
-            // streams, and the hints only took fill buffers from them. A decode step's linear
-            // layers at one row over bf16 weights from memory (`cargo bench --bench
+            // streams on their own, and the hints cost more than they saved. A decode step's
+            // linear layers at one row over bf16 weights from memory (`cargo bench --bench
             // cpu_decoder -- stream`, hints 64 k-pairs ahead and none alternating call by call
             // in one process, medians of 14), on a Zen 4 (2 vCPU): Llama-3.2-1B's shapes
             // 0.93–0.95× the time without (3 runs), Qwen2.5-0.5B's 0.90–1.00× (3). The f32
