@@ -7,7 +7,9 @@
 //!     cargo bench --bench cpu_conv -- bf16 8       # BF16 (pairs where the CPU has them)
 //!     WORKSHOP_CPU_SIMD=portable cargo bench --bench cpu_conv
 //!
-//! Effective GFLOP/s count the direct convolution's 2 × MACs, whatever algorithm ran.
+//! Effective GFLOP/s count the direct convolution's 2 × MACs, whatever algorithm ran. Each
+//! step also converts the layer's input and output (NCHW f32 in and out), which weighs more
+//! beside a BF16 layer: read the BF16 rows as a ranking, and a network's `--trace` for times.
 
 use std::time::Instant;
 
