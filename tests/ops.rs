@@ -15,7 +15,7 @@ use crate::common::{conv, profiled_session, session, session_with, tolerance};
 fn random_weights(graph: &Graph, seed: u64) -> Weights {
     let mut w = Weights::init(graph, seed);
     let mut rng = Rng::new(seed + 100);
-    for (name, t) in w.tensors.iter_mut() {
+    for (name, t) in w.iter_mut() {
         // Tensors initialised to zeros (ViT's class token and head) become random too.
         let zeros = t.data.iter().all(|v| *v == 0.0);
         for v in t.data.iter_mut() {
@@ -65,9 +65,8 @@ fn check_with(
             x.data.iter().map(|&v| precision.round(v)).collect(),
         );
         let mut wr = w.clone();
-        wr.tensors
-            .values_mut()
-            .for_each(|t| t.data.iter_mut().for_each(|v| *v = precision.round(*v)));
+        wr.iter_mut()
+            .for_each(|(_, t)| t.data.iter_mut().for_each(|v| *v = precision.round(*v)));
         let expected = reference::forward(&plan, &wr, &xr);
         let opt = ExecOptions {
             precision,
@@ -1001,7 +1000,7 @@ fn winograd_matches_the_reference() {
                 )
             };
             let mut wr = w.clone();
-            wr.tensors.values_mut().for_each(|t| *t = round(t));
+            wr.iter_mut().for_each(|(_, t)| *t = round(t));
             let expected = reference::forward(&plan, &wr, &round(&x));
             let opt = ExecOptions {
                 precision,

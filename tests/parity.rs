@@ -215,8 +215,7 @@ fn layers_match_pytorch(kind: BackendKind) {
         let graph = g.finish(y);
         let mut w = Weights::default();
         for p in graph.params() {
-            w.tensors
-                .insert(p.name.clone(), read_tensor(&file, &p.name).unwrap());
+            w.insert(p.name.clone(), read_tensor(&file, &p.name).unwrap());
         }
         let plan = graph.plan(x.shape[0], x.shape[2], x.shape[3]).unwrap();
         compare(kind, name, &plan, &w, &x, &expected);

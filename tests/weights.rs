@@ -54,16 +54,26 @@ fn seeded_tensors_are_generated_when_read() {
     let g = zoo::build("vit_b_16").unwrap();
     let (lazy, eager) = (Weights::seeded(&g, 5), Weights::init(&g, 5));
     // Made now: the constants (norms' ones, zero biases, the zero head), well under 1%.
-    let bytes = |w: &Weights| w.tensors.values().map(|t| t.data.len()).sum::<usize>();
-    assert!(bytes(&lazy) * 100 < bytes(&eager), "drawn, not made");
+    assert!(
+        lazy.held_bytes() * 100 < eager.held_bytes(),
+        "drawn, not made"
+    );
     let names: Vec<_> = lazy.names().cloned().collect();
-    assert_eq!(names, eager.tensors.keys().cloned().collect::<Vec<_>>());
+    assert_eq!(names, eager.names().cloned().collect::<Vec<_>>());
     let path = dir.path().join("lazy.safetensors");
     lazy.save(&path, &g).unwrap();
     assert_eq!(Weights::load(&path, &g).unwrap(), eager);
     for name in &names {
         assert_eq!(lazy.get(name), eager.get(name), "{name}");
     }
+    // Equal as weights too, and changed in place through the drawn ones.
+    assert_eq!(lazy, eager);
+    let mut changed = Weights::seeded(&g, 5);
+    let head = "encoder.layers.encoder_layer_0.mlp.3.weight";
+    changed.get_mut(head).unwrap().data[0] += 1.0;
+    assert_ne!(changed, eager);
+    assert_eq!(changed.iter_mut().count(), eager.len());
+    assert_eq!(changed.held_bytes(), eager.held_bytes());
     // Released before and after a read: what it held, and nothing twice.
     let mut lazy = Weights::seeded(&g, 5);
     let node = |name: &str| g.nodes.iter().find(|n| n.name == name).unwrap();
@@ -102,12 +112,12 @@ fn training_only_modules_are_counted_but_optional() {
     let all = dir.path().join("all.safetensors");
     w.save(&all, &g).unwrap();
     assert_eq!(Weights::load(&all, &g).unwrap(), w);
-    w.tensors.retain(|name, _| !name.starts_with("aux"));
+    w.retain(|name| !name.starts_with("aux"));
     let main = dir.path().join("main.safetensors");
     w.save(&main, &g).unwrap();
     assert_eq!(Weights::load(&main, &g).unwrap(), w);
     // A used tensor is still required.
-    w.tensors.remove("fc.weight");
+    w.remove("fc.weight");
     let broken = dir.path().join("broken.safetensors");
     w.save(&broken, &g).unwrap();
     let e = Weights::load(&broken, &g).unwrap_err().to_string();
@@ -131,7 +141,7 @@ fn load_errors_name_the_tensor() {
 
     // Wrong shape.
     let mut bad = w.clone();
-    bad.tensors.insert(
+    bad.insert(
         "layer2.0.conv1.weight".into(),
         Tensor::zeros(vec![128, 64, 1, 1]),
     );
@@ -145,7 +155,7 @@ fn load_errors_name_the_tensor() {
 
     // Missing tensor.
     let mut bad = w.clone();
-    bad.tensors.remove("fc.bias");
+    bad.remove("fc.bias");
     bad.save(&path, &g).unwrap();
     let e = Weights::load(&path, &g).unwrap_err().to_string();
     assert!(e.contains("tensor `fc.bias` is missing"), "{e}");

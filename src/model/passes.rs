@@ -420,7 +420,7 @@ mod tests {
             let mut weights = Weights::init(&graph, 1);
             // Batch-norm statistics away from the identity, so folding is really exercised.
             let mut rng = Rng::new(5);
-            for (k, t) in weights.tensors.iter_mut() {
+            for (k, t) in weights.iter_mut() {
                 if k.ends_with("running_var") {
                     t.data
                         .iter_mut()
@@ -515,24 +515,18 @@ mod tests {
                 // Layer scales away from their 1e-6 start and linear biases away from 0, so
                 // folding them is exercised.
                 if let Op::Linear { bias: true, .. } = n.op {
-                    let t = weights
-                        .tensors
-                        .get_mut(&format!("{}.bias", n.name))
-                        .unwrap();
+                    let t = weights.get_mut(&format!("{}.bias", n.name)).unwrap();
                     t.data.iter_mut().for_each(|v| *v = rng.normal() as f32);
                 }
                 if matches!(n.op, Op::LayerScale { .. }) {
-                    let t = weights.tensors.get_mut(&n.name).unwrap();
+                    let t = weights.get_mut(&n.name).unwrap();
                     t.data
                         .iter_mut()
                         .for_each(|v| *v = 0.5 + rng.uniform() as f32);
                 }
                 if matches!(n.op, Op::LayerNorm { .. }) {
                     for (suffix, mean) in [("weight", 1.0), ("bias", 0.0)] {
-                        let t = weights
-                            .tensors
-                            .get_mut(&format!("{}.{suffix}", n.name))
-                            .unwrap();
+                        let t = weights.get_mut(&format!("{}.{suffix}", n.name)).unwrap();
                         t.data
                             .iter_mut()
                             .for_each(|v| *v = mean + 0.5 * rng.normal() as f32);

@@ -13,18 +13,19 @@ use super::tensor_file::TensorFile;
 use super::{Rng, Tensor};
 
 /// A state_dict on the host, in f32: backends cast to their precision when they prepare.
-#[derive(Debug, Clone, Default, PartialEq)]
+/// Two are equal when they hold the same tensors by name and value, drawn or made.
+#[derive(Debug, Clone, Default)]
 pub struct Weights {
     /// The tensors made so far: loaded, computed, or seeded and read (the others are in
-    /// `drawn`; [`Weights::get`] and [`Weights::names`] see both).
-    pub tensors: BTreeMap<String, Tensor>,
+    /// `drawn`; every method but [`Weights::held_bytes`] sees both).
+    tensors: BTreeMap<String, Tensor>,
     /// Seeded random tensors not read yet ([`Weights::seeded`]), generated on first read.
     drawn: BTreeMap<String, Drawn>,
 }
 
 /// A seeded random tensor as [`Weights::seeded`] draws it (its [`Draw`]) and, once read, its
 /// values.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 struct Drawn {
     draw: Draw,
     made: std::sync::OnceLock<Tensor>,
@@ -164,16 +165,26 @@ pub enum WeightsError {
     Write { path: String, reason: String },
 }
 
+impl PartialEq for Weights {
+    fn eq(&self, other: &Weights) -> bool {
+        self.names().eq(other.names()) && self.names().all(|name| self.get(name) == other.get(name))
+    }
+}
+
 impl Weights {
     /// Seeded weights as torchvision's constructors initialise them, every tensor generated
     /// now ([`Weights::seeded`]'s, all of them).
     pub fn init(graph: &Graph, seed: u64) -> Weights {
         let mut w = Weights::seeded(graph, seed);
-        let drawn = std::mem::take(&mut w.drawn);
-        for (name, d) in drawn {
-            w.tensors.insert(name, d.into_tensor());
-        }
+        w.make_all();
         w
+    }
+
+    /// Generate every drawn tensor now.
+    fn make_all(&mut self) {
+        for (name, d) in std::mem::take(&mut self.drawn) {
+            self.tensors.insert(name, d.into_tensor());
+        }
     }
 
     /// Seeded weights as torchvision's constructors initialise them. The same seed gives the
@@ -484,9 +495,7 @@ impl Weights {
         }
         for node in graph.nodes.iter().chain(&graph.training_only) {
             // Every batch norm saved (a training-only one may have been left out).
-            let saved = self
-                .tensors
-                .contains_key(&format!("{}.running_mean", node.name));
+            let saved = self.contains(&format!("{}.running_mean", node.name));
             if matches!(node.op, Op::BatchNorm { .. }) && saved {
                 blobs.push((
                     format!("{}.num_batches_tracked", node.name),
@@ -544,6 +553,49 @@ impl Weights {
         let mut names: Vec<_> = self.tensors.keys().chain(self.drawn.keys()).collect();
         names.sort_unstable();
         names.into_iter()
+    }
+
+    /// How many tensors it holds, drawn or made.
+    pub fn len(&self) -> usize {
+        self.tensors.len() + self.drawn.len()
+    }
+
+    /// Whether it holds no tensor at all.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether it holds tensor `name`, drawn or made.
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name) || self.drawn.contains_key(name)
+    }
+
+    /// Bytes of values held now: the made tensors' and the drawn ones already read (a
+    /// drawn tensor nobody read holds none).
+    pub fn held_bytes(&self) -> u64 {
+        let made = self.tensors.values();
+        let made: u64 = made.map(|t| size_of_val(t.data.as_slice()) as u64).sum();
+        made + self.drawn.values().map(Drawn::bytes).sum::<u64>()
+    }
+
+    /// Tensor `name` to change in place, generated now if it was drawn.
+    pub fn get_mut(&mut self, name: &str) -> Option<&mut Tensor> {
+        if let Some(d) = self.drawn.remove(name) {
+            self.tensors.insert(name.to_string(), d.into_tensor());
+        }
+        self.tensors.get_mut(name)
+    }
+
+    /// Every tensor to change in place, in name order, the drawn ones generated now.
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = (&String, &mut Tensor)> {
+        self.make_all();
+        self.tensors.iter_mut()
+    }
+
+    /// Keep only the tensors whose names `keep` accepts.
+    pub fn retain(&mut self, mut keep: impl FnMut(&str) -> bool) {
+        self.tensors.retain(|name, _| keep(name));
+        self.drawn.retain(|name, _| keep(name));
     }
 
     /// Set tensor `name` (in place of what it held, drawn or made).

@@ -703,7 +703,7 @@ mod tests {
     fn releasing_a_node_drops_its_parameters_alone() {
         let graph = crate::model::zoo::build("resnet18").unwrap();
         let mut weights = Weights::init(&graph, 1);
-        let before = weights.tensors.len();
+        let before = weights.len();
         let node = |name: &str| graph.nodes.iter().find(|n| n.name == name).unwrap();
         // `layer1.0.bn1`: weight, bias, running mean and variance.
         let bn = node("layer1.0.bn1");
@@ -711,15 +711,15 @@ mod tests {
             .map(|p| crate::model::graph::param_name(&bn.name, p.suffix))
             .collect();
         let bytes: u64 = (names.iter())
-            .map(|n| weights.tensors[n].data.len() as u64 * 4)
+            .map(|n| weights.get(n).unwrap().data.len() as u64 * 4)
             .sum();
         assert!(bytes > 0);
         assert_eq!(weights.release(bn), bytes);
-        assert!(names.iter().all(|n| !weights.tensors.contains_key(n)));
-        assert_eq!(weights.tensors.len(), before - names.len());
+        assert!(names.iter().all(|n| !weights.contains(n)));
+        assert_eq!(weights.len(), before - names.len());
         let conv = node("layer1.0.conv1");
         assert_eq!(weights.release(conv), 64 * 64 * 9 * 4);
-        assert_eq!(weights.tensors.len(), before - names.len() - 1);
+        assert_eq!(weights.len(), before - names.len() - 1);
         assert_eq!(weights.release(conv), 0, "released twice");
     }
 

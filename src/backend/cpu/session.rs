@@ -1536,7 +1536,7 @@ mod tests {
             let graph = zoo::build(network).unwrap();
             let mut weights = Weights::init(&graph, 3);
             let mut rng = crate::model::Rng::new(9);
-            for (name, t) in weights.tensors.iter_mut() {
+            for (name, t) in weights.iter_mut() {
                 let batch_norm = name.contains("norm") || t.shape.len() == 1;
                 for v in t.data.iter_mut().filter(|_| batch_norm) {
                     *v = if name.ends_with("running_var") {
@@ -1699,7 +1699,7 @@ mod tests {
             let mut weights = Weights::init(&graph, 3);
             // torchvision starts the head at zero: every weight random, so the output shows.
             let mut rng = crate::model::Rng::new(7);
-            for t in weights.tensors.values_mut() {
+            for (_, t) in weights.iter_mut() {
                 t.data
                     .iter_mut()
                     .for_each(|v| *v = 0.2 * rng.normal() as f32);

@@ -922,7 +922,7 @@ mod tests {
         let e = e.unwrap_err();
         assert!(matches!(e, BackendError::DeviceLimit(_)), "{e}");
         let mut missing = weights.clone();
-        missing.tensors.remove("fc.weight");
+        missing.remove("fc.weight");
         let e = lower(&plan, &missing, Precision::Fp32, &BTreeMap::new(), ROOMY).unwrap_err();
         assert!(e.to_string().contains("fc.weight"), "{e}");
     }
