@@ -544,6 +544,7 @@ pub(super) fn gemm_tile<T: Elem>(
                         None if epilogue.in_output => c.cast_const(),
                         None => std::ptr::null(),
                     },
+                    bf16: None,
                 });
                 let a = a.as_ptr().add(g * k_g);
                 sgemm::gemm_packed(mr, a, lda, b, (p0, p1), c, cout, fin);
@@ -573,6 +574,35 @@ pub(super) fn gemm_tile<T: Elem>(
                         continue;
                     }
                 }
+                // Finished and rounded by the tiles themselves where the path can (AVX-512,
+                // one K block): C, laid out as y, is then never written.
+                if T::PRECISION == Precision::Bf16 && sgemm::narrows_in_tiles(b.k) {
+                    let at = m0 * cout + col0;
+                    let out = y.0.add(at).cast::<bf16>();
+                    let residual = match epilogue.residual.and_then(T::as_bf16) {
+                        Some(r) => r[at..].as_ptr(),
+                        None if epilogue.in_output => out.cast_const(),
+                        None => std::ptr::null(),
+                    };
+                    let fin = sgemm::Finish {
+                        act: epilogue.act,
+                        residual: std::ptr::null(),
+                        bf16: Some(sgemm::Bf16Out { out, residual }),
+                    };
+                    // Never written, only the offsets of its rows (cout apart) taken.
+                    res.resize(mr * cout, 0.0);
+                    sgemm::gemm_packed(
+                        mr,
+                        a.as_ptr().add(g * k_g),
+                        lda,
+                        b,
+                        (p0, p1),
+                        res.as_mut_ptr(),
+                        cout,
+                        Some(fin),
+                    );
+                    continue;
+                }
                 // C's rows tight (the tiles store an edge panel's valid columns alone), so
                 // that where they are the output's whole rows one pass finishes them all.
                 let ldc = width;
@@ -583,6 +613,7 @@ pub(super) fn gemm_tile<T: Elem>(
                 let fin = in_tiles.then_some(sgemm::Finish {
                     act: epilogue.act,
                     residual: std::ptr::null(),
+                    bf16: None,
                 });
                 sgemm::gemm_packed(
                     mr,

@@ -588,6 +588,7 @@ fn expand<T: Elem>(
     let fin = (act != Act::None).then_some(crate::backend::cpu::sgemm::Finish {
         act,
         residual: std::ptr::null(),
+        bf16: None,
     });
     // SAFETY: `a` holds m pixels of k floats; `expanded` as many of the layer's n channels,
     // written by this worker alone.

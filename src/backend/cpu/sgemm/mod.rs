@@ -281,17 +281,39 @@ impl<E> Panels<'_, E> {
 pub struct Finish {
     pub act: Act,
     pub residual: *const f32,
+    /// Where the finished sums go rounded to bf16 instead of into C (see [`narrows_in_tiles`]).
+    pub bf16: Option<Bf16Out>,
+}
+
+/// A bf16 output laid out as C (the same offsets, in bf16s), and its bf16 residual (null:
+/// none; `Finish::residual` is then null): each tile stores its rows finished and rounded
+/// there, from registers, and C is not written. A pass over a work item's f32 rows that
+/// finished and narrowed them afterwards (`conv::finish_rows`) ran from L2 with no FMAs to
+/// hide its loads and stores behind: on an Emerald Rapids Xeon whose VM hides AVX512_BF16
+/// and AMX (BF16 widened to the FMAs), ResNet-50 BF16 at batch 8 spent 18 of its 214 ms of
+/// kernels in it (the step with it skipped, its results wrong: 195 ms, against FP32's 189).
+#[derive(Clone, Copy, Debug)]
+pub struct Bf16Out {
+    pub out: *mut bf16,
+    pub residual: *const bf16,
 }
 
 impl Finish {
     /// The same finish for the C block that starts `offset` floats further on.
     fn at(self, offset: usize) -> Self {
-        Finish {
-            residual: if self.residual.is_null() {
-                self.residual
+        fn moved<P>(p: *const P, offset: usize) -> *const P {
+            if p.is_null() {
+                p
             } else {
-                self.residual.wrapping_add(offset)
-            },
+                p.wrapping_add(offset)
+            }
+        }
+        Finish {
+            residual: moved(self.residual, offset),
+            bf16: self.bf16.map(|o| Bf16Out {
+                out: moved(o.out.cast_const(), offset).cast_mut(),
+                residual: moved(o.residual, offset),
+            }),
             ..self
         }
     }
@@ -380,6 +402,7 @@ pub(super) fn stationary_over_tile(k: usize) -> Option<f64> {
     let fin = Finish {
         act: Act::Relu,
         residual: std::ptr::null(),
+        bf16: None,
     };
     let mut run = |kern: Kernels| {
         let start = std::time::Instant::now();
@@ -478,6 +501,7 @@ pub(super) fn over_residual_over_apart() -> f64 {
         let fin = Finish {
             act: Act::Relu,
             residual: r.as_ptr(),
+            bf16: None,
         };
         let start = std::time::Instant::now();
         // SAFETY: A has m rows of k floats, C and the residual m rows of n (the same buffer
@@ -923,6 +947,14 @@ pub unsafe fn gemm_packed<T: Elem>(
 ) {
     // SAFETY: forwarded from this function's contract.
     unsafe { gemm_packed_to(usize::MAX, m, a, lda, b, panels, c, ldc, fin) }
+}
+
+/// Whether [`gemm_packed`] of `k`-deep panels finishes into a bf16 output in its tiles
+/// ([`Finish::bf16`], with any activation): on AVX-512, whose tiles mask their edges in place,
+/// where K is one block (C is then written once, by the finish) and deeper than the small-K
+/// kernel's reach (its rows store f32). Elsewhere the caller finishes f32 rows itself.
+pub fn narrows_in_tiles(k: usize) -> bool {
+    simd() >= Simd::Avx512 && k <= KC && k > kernels().small_k
 }
 
 /// [`gemm_packed`] for Winograd's per-point GEMMs (a few rows of tiles against each point's
@@ -1454,17 +1486,15 @@ unsafe fn gemm_block<E>(
         let height = if exact.is_some() { m - i } else { height };
         let rows = height.min(m - i);
         let whole = rows == height && cols == width;
-        // C's lines, and the residual's where the tile finishes with one (read as it stores).
+        // C's lines, and the residual's where the tile finishes with one (read as it stores);
+        // the bf16 output's and its residual's where the tile stores there instead.
         let residual = fin.map_or(std::ptr::null(), |f| f.residual);
         for q in 0..w {
-            prefetch_c_rows(
-                (c, residual),
-                ldc,
-                (p + q - p0) * NR,
-                i + PREFETCH_TILES * height,
-                height,
-                m,
-            );
+            let (col, r0) = ((p + q - p0) * NR, i + PREFETCH_TILES * height);
+            match fin.and_then(|f| f.bf16) {
+                Some(o) => prefetch_c_rows((o.out, o.residual), ldc, col, r0, height, m),
+                None => prefetch_c_rows((c, residual), ldc, col, r0, height, m),
+            }
         }
         // SAFETY: rows i..i+rows of A and C exist by the contract, and so do panels
         // p..p + w (the callers keep p + w ≤ p1); rows past `rows` in an edge tile repeat
@@ -1512,6 +1542,10 @@ unsafe fn gemm_block<E>(
                 );
             } else {
                 // Edge tile: run the full kernel on a local tile, copy the valid part.
+                debug_assert!(
+                    fin.is_none_or(|f| f.bf16.is_none()),
+                    "bf16 outputs are for paths with masked edges"
+                );
                 let mut local = [0f32; MAX_ROWS * LD];
                 if init == Init::Load {
                     to_local(c_tile, ldc, (rows, cols), &mut local);

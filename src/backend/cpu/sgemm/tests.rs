@@ -218,6 +218,7 @@ fn kernels_match_naive_matmul() {
                     } else {
                         std::ptr::null()
                     },
+                    bf16: None,
                 };
                 let done = run(Some(fin));
                 assert!(
@@ -255,6 +256,7 @@ fn kernels_match_naive_matmul() {
                 let fin = Finish {
                     act,
                     residual: out.cast_const(),
+                    bf16: None,
                 };
                 // SAFETY: as `run`'s, C being the residual's buffer in one K block.
                 unsafe {
@@ -319,6 +321,7 @@ fn packed_halves_match_f32() {
             Finish {
                 act: Act::Relu,
                 residual: r.as_ptr(),
+                bf16: None,
             }
         });
         // SAFETY: a is m × b.k, c (and the residual) m × ldc, wide enough for the panels'
@@ -461,6 +464,104 @@ fn packed_halves_match_f32() {
 /// Which calls the AVX-512 tiles read A packed in: whole row groups of calls with
 /// `PACK_FROM` panels or more over K blocks deeper than `PACK_OVER_K`, none elsewhere.
 #[cfg(target_arch = "x86_64")]
+/// Tiles that finish into a bf16 output (`Finish::bf16`) store, bit for bit, what the f32
+/// finish rounded afterwards gives: the residual (bf16, widened) added, each activation, whole
+/// tiles and masked edges, bf16 and f32 panels, a call from the second panel on. Only where
+/// the path does it (`narrows_in_tiles`: AVX-512); elsewhere there is nothing to compare.
+#[test]
+fn tiles_round_into_bf16_as_the_f32_finish_does() {
+    use crate::backend::cpu::elem::{bf16_f32, f32_bf16};
+    for (m, k, n) in [(31, 260, 40), (14, 96, 64), (45, 1024, 33), (5, 200, 16)] {
+        if !narrows_in_tiles(k) {
+            continue;
+        }
+        let a: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0)
+            .collect();
+        let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.1 - 1.0).collect();
+        // Exact in bf16, so both packings hold the same values.
+        let b = |kk: usize, j: usize| ((kk * n + j) * 5 % 11) as f32 / 4.0 - 1.0;
+        let residual: Vec<bf16> = (0..m * n)
+            .map(|i| bf16::from_f32((i % 9) as f32 * 0.37 - 1.5))
+            .collect();
+        let wide: Vec<f32> = residual.iter().map(|&r| bf16_f32(r)).collect();
+        let f32s = PackedB::<f32>::new(k, n, b, Some(&bias));
+        let bf16s = PackedB::<bf16>::new(k, n, b, Some(&bias));
+        for (x, act) in Act::ALL.into_iter().enumerate() {
+            let with_residual = x % 2 == 0;
+            for p0 in 0..2.min(n.div_ceil(NR)) {
+                let cols = n - p0 * NR;
+                // C, then the output, have n columns; a call from panel p0 writes cols of them.
+                let mut c = vec![0f32; m * n];
+                let fin = Finish {
+                    act,
+                    residual: match with_residual {
+                        true => wide[p0 * NR..].as_ptr(),
+                        false => std::ptr::null(),
+                    },
+                    bf16: None,
+                };
+                let panels = (p0, f32s.panels());
+                // SAFETY: a is m × k, c and the residual m × n; the panels cover n columns.
+                unsafe {
+                    gemm_packed(
+                        m,
+                        a.as_ptr(),
+                        k,
+                        &f32s,
+                        panels,
+                        c[p0 * NR..].as_mut_ptr(),
+                        n,
+                        Some(fin),
+                    )
+                };
+                for (name, both) in [("f32 panels", false), ("bf16 panels", true)] {
+                    let mut out = vec![bf16::from_f32(7.0); m * n];
+                    let mut unused = vec![0f32; m * n];
+                    let fin = Finish {
+                        act,
+                        residual: std::ptr::null(),
+                        bf16: Some(Bf16Out {
+                            out: out[p0 * NR..].as_mut_ptr(),
+                            residual: match with_residual {
+                                true => residual[p0 * NR..].as_ptr(),
+                                false => std::ptr::null(),
+                            },
+                        }),
+                    };
+                    let c_none = unused[p0 * NR..].as_mut_ptr();
+                    // SAFETY: as above, the output and its residual m × n bf16s.
+                    unsafe {
+                        match both {
+                            true => {
+                                gemm_packed(m, a.as_ptr(), k, &bf16s, panels, c_none, n, Some(fin))
+                            }
+                            false => {
+                                gemm_packed(m, a.as_ptr(), k, &f32s, panels, c_none, n, Some(fin))
+                            }
+                        }
+                    };
+                    assert!(unused.iter().all(|&v| v == 0.0), "{name}: C written");
+                    for i in 0..m {
+                        for j in 0..n {
+                            let got = out[i * n + j].to_bits();
+                            let want = match j < p0 * NR {
+                                true => bf16::from_f32(7.0).to_bits(),
+                                false => f32_bf16(c[i * n + j]).to_bits(),
+                            };
+                            assert_eq!(
+                                got, want,
+                                "{name} {act:?} residual {with_residual} m{m} k{k} n{n} from \
+                                 panel {p0} ({i},{j}), {cols} columns"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn a_is_packed_for_wide_calls_over_deep_k_blocks() {
     let kern = kernels_for(Simd::Avx512);

@@ -149,7 +149,9 @@ macro_rules! simd_tile {
     ($features:literal, $features_h:literal, $lanes:literal, $vec:ty, $zero:ident, $load:ident,
      $load_part:ident, $store_part:ident, $splat:ident, $fma:ident, $add:ident, $act:path,
      $load_h:ident, $load_b:ident) => {
-        use super::{B_PREFETCH, Finish, Init, MAX_PANELS, MAX_ROWS, MR, NR, map_rows, store_tile};
+        use super::{
+            B_PREFETCH, Finish, Init, MAX_PANELS, MAX_ROWS, MR, NR, lanes_in, map_rows, store_tile,
+        };
         use crate::model::op::Act;
         use half::{bf16, f16};
         use std::arch::x86_64::*;
@@ -208,6 +210,9 @@ macro_rules! simd_tile {
                 let Some(f) = fin else {
                     return store_tile(acc, fix, std::ptr::null(), ops, |x| x);
                 };
+                if let Some(o) = f.bf16 {
+                    return store_bf16::<ROWS, VECS>(*acc, (o.out, ldc), valid, o.residual, f.act);
+                }
                 let r = f.residual;
                 // Each arm unrolls its stores to constant indices, the accumulators leaving
                 // registers once. The other activations on the stored rows, from L1, one loop
@@ -428,6 +433,35 @@ pub(super) mod avx2 {
         unsafe { _mm256_storeu_ps(p, x) }
     }
 
+    /// A whole tile's sums finished into bf16 (see `Finish::bf16`): the residual's (null:
+    /// none) added, `act` applied, rounded as they are stored. Never inlined, the sums passed
+    /// by value (see `finish_edge`).
+    #[target_feature(enable = "avx2,fma")]
+    #[inline(never)]
+    unsafe fn store_bf16<const ROWS: usize, const VECS: usize>(
+        acc: [[__m256; VECS]; ROWS],
+        (out, ldc): (*mut bf16, usize),
+        valid: (usize, usize),
+        residual: *const bf16,
+        act: Act,
+    ) {
+        for (r, row) in acc.iter().enumerate() {
+            for (v, &x) in row.iter().enumerate() {
+                let at = r * ldc + v * 8;
+                debug_assert_eq!(lanes_in((r, v), valid, 8), 8, "AVX2 tiles are whole");
+                // SAFETY: the caller's: a whole tile's places in the output and residual.
+                unsafe {
+                    let x = match residual.is_null() {
+                        true => x,
+                        false => _mm256_add_ps(x, <bf16 as Wide>::load8(residual.add(at))),
+                    };
+                    let x = crate::backend::cpu::kernels::activate_ymm(act, x);
+                    <bf16 as Wide>::store8(out.add(at), x);
+                }
+            }
+        }
+    }
+
     /// The AVX2 small-K kernel (see `avx512::stationary`, whose loop this is at half the
     /// width): C[m × cols] of one panel, A's rows streaming past the panel's block 6 at a
     /// time (the last group repeating the last row), 12 accumulators of two vectors a row (a
@@ -587,6 +621,8 @@ pub(super) mod avx2 {
 
 #[cfg(target_arch = "x86_64")]
 pub(super) mod avx512 {
+    use crate::backend::cpu::elem::Wide;
+
     simd_tile!(
         "avx512f",
         "avx512f",
@@ -628,6 +664,38 @@ pub(super) mod avx512 {
                 _mm512_storeu_ps(p, x)
             } else {
                 _mm512_mask_storeu_ps(p, ((1u32 << n) - 1) as __mmask16, x)
+            }
+        }
+    }
+
+    /// A tile's sums finished into bf16 within its `valid` rows and columns (see
+    /// `Finish::bf16`): the residual's (null: none) added, `act` applied, rounded as they are
+    /// stored (masked past the valid columns, as C's stores are). Never inlined, the sums
+    /// passed by value (see `finish_edge`): the tiles' K loops keep their registers.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[inline(never)]
+    unsafe fn store_bf16<const ROWS: usize, const VECS: usize>(
+        acc: [[__m512; VECS]; ROWS],
+        (out, ldc): (*mut bf16, usize),
+        valid: (usize, usize),
+        residual: *const bf16,
+        act: Act,
+    ) {
+        for (r, row) in acc.iter().enumerate() {
+            for (v, &x) in row.iter().enumerate() {
+                let at = r * ldc + v * 16;
+                let n = lanes_in((r, v), valid, 16);
+                let mask = ((1u32 << n) - 1) as __mmask16;
+                // SAFETY: the caller's: the valid lanes' places in the output and residual;
+                // the masked loads and stores touch no others.
+                unsafe {
+                    let x = match residual.is_null() {
+                        true => x,
+                        false => _mm512_add_ps(x, <bf16 as Wide>::load(residual.add(at), mask)),
+                    };
+                    let x = crate::backend::cpu::kernels::activate_zmm(act, x);
+                    <bf16 as Wide>::store(out.add(at), mask, x);
+                }
             }
         }
     }
