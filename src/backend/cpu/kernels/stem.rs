@@ -519,8 +519,43 @@ unsafe fn kernel_row_f32<E: Lanes + Wide, const Q: usize>(
     w: &[*const f32; Q],
     run: usize,
 ) {
-    use std::arch::x86_64::{_mm512_fmadd_ps, _mm512_loadu_ps, _mm512_set1_ps};
+    use std::arch::x86_64::*;
     let mut a = *acc;
+    // bf16 lines widened first, a vector a line (their runs are short: 21 values for a 7×7
+    // stem over 3 channels), so that each tap is broadcast from f32s in L1 as the FMAs take
+    // it. Widened one value per tap instead (a load, a shift and a broadcast from a general
+    // register, on the shuffle port the second FMA shares), ResNet-50's 7×7 stem took 1.4×
+    // FP32's time on an Emerald Rapids Xeon; widened first, 0.88× the old time (6 of 6 rounds,
+    // `bench/ab.py --kernel-total`). Not for short runs: the 3×3 stems' 9 values took 1.14×
+    // the old time in EfficientNet-B0 (into 32 channels, two panels a tap) and 1.22× in
+    // MobileNetV3-Large (16 channels, one panel), 6 of 6 rounds each.
+    if size_of::<E>() == 2 && (16..=32).contains(&run) {
+        let mut wide = [[0f32; 32]; PIXELS];
+        // SAFETY: the caller's contract: `run` readable values a line (the masked load reads
+        // no others); the stores are into `wide`.
+        unsafe {
+            for (line, wide) in lines.iter().zip(&mut wide) {
+                let mask = (u64::MAX >> (64 - run)) as __mmask32;
+                let v = _mm512_maskz_loadu_epi16(mask, line.cast::<i16>());
+                let halves = [_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v)];
+                for (h, half) in halves.into_iter().enumerate() {
+                    let f = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(half));
+                    _mm512_storeu_ps(wide.as_mut_ptr().add(16 * h), _mm512_castsi512_ps(f));
+                }
+            }
+            for t in 0..run {
+                let wv: [_; Q] = std::array::from_fn(|i| _mm512_loadu_ps(w[i].add(t * NR)));
+                for (line, acc) in wide.iter().zip(a.iter_mut()) {
+                    let x = _mm512_set1_ps(line[t]);
+                    for (v, wv) in acc.iter_mut().zip(&wv) {
+                        *v = _mm512_fmadd_ps(x, *wv, *v);
+                    }
+                }
+            }
+        }
+        *acc = a;
+        return;
+    }
     // SAFETY: the caller's contract (unaligned loads).
     unsafe {
         for t in 0..run {

@@ -64,6 +64,58 @@ fn lanes_in((r, v): (usize, usize), (rows, cols): (usize, usize), lanes: usize) 
     }
 }
 
+/// `$body` with `$op` bound to `$apply(act, ·)` as a closure of a constant activation: one
+/// copy of the body per activation, the match outside its loops.
+#[cfg(target_arch = "x86_64")]
+macro_rules! each_act {
+    ($act:expr, $apply:path, $op:ident => $body:expr) => {{
+        use crate::model::op::Act;
+        match $act {
+            Act::None => {
+                let $op = |x| x;
+                $body
+            }
+            Act::Relu => {
+                // SAFETY: the CPU has the path's features (the caller's).
+                let $op = |x| unsafe { $apply(Act::Relu, x) };
+                $body
+            }
+            Act::Relu6 => {
+                // SAFETY: the CPU has the path's features (the caller's).
+                let $op = |x| unsafe { $apply(Act::Relu6, x) };
+                $body
+            }
+            Act::Silu => {
+                // SAFETY: the CPU has the path's features (the caller's).
+                let $op = |x| unsafe { $apply(Act::Silu, x) };
+                $body
+            }
+            Act::Hardswish => {
+                // SAFETY: the CPU has the path's features (the caller's).
+                let $op = |x| unsafe { $apply(Act::Hardswish, x) };
+                $body
+            }
+            Act::Gelu => {
+                // SAFETY: the CPU has the path's features (the caller's).
+                let $op = |x| unsafe { $apply(Act::Gelu, x) };
+                $body
+            }
+            Act::Sigmoid => {
+                // SAFETY: the CPU has the path's features (the caller's).
+                let $op = |x| unsafe { $apply(Act::Sigmoid, x) };
+                $body
+            }
+            Act::Hardsigmoid => {
+                // SAFETY: the CPU has the path's features (the caller's).
+                let $op = |x| unsafe { $apply(Act::Hardsigmoid, x) };
+                $body
+            }
+        }
+    }};
+}
+#[cfg(target_arch = "x86_64")]
+use each_act;
+
 /// Store a register tile's sums (`ROWS` rows of `VECS` vectors of `lanes` floats) into the
 /// `valid` rows and columns of C (`c`, rows `ldc` apart), adding the residual laid out as C
 /// where `residual` is not null, then applying `op`: one unrolled run of stores for the SIMD
@@ -445,6 +497,23 @@ pub(super) mod avx2 {
         residual: *const bf16,
         act: Act,
     ) {
+        let apply = crate::backend::cpu::kernels::activate_ymm;
+        // SAFETY: the caller's.
+        super::each_act!(act, apply, op => unsafe {
+            store_bf16_with(&acc, (out, ldc), valid, residual, op)
+        })
+    }
+
+    /// [`store_bf16`] with the activation `op`, inlined into each of its arms.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn store_bf16_with<const ROWS: usize, const VECS: usize>(
+        acc: &[[__m256; VECS]; ROWS],
+        (out, ldc): (*mut bf16, usize),
+        valid: (usize, usize),
+        residual: *const bf16,
+        op: impl Fn(__m256) -> __m256,
+    ) {
         for (r, row) in acc.iter().enumerate() {
             for (v, &x) in row.iter().enumerate() {
                 let at = r * ldc + v * 8;
@@ -455,8 +524,7 @@ pub(super) mod avx2 {
                         true => x,
                         false => _mm256_add_ps(x, <bf16 as Wide>::load8(residual.add(at))),
                     };
-                    let x = crate::backend::cpu::kernels::activate_ymm(act, x);
-                    <bf16 as Wide>::store8(out.add(at), x);
+                    <bf16 as Wide>::store8(out.add(at), op(x));
                 }
             }
         }
@@ -681,6 +749,23 @@ pub(super) mod avx512 {
         residual: *const bf16,
         act: Act,
     ) {
+        let apply = crate::backend::cpu::kernels::activate_zmm;
+        // SAFETY: the caller's.
+        super::each_act!(act, apply, op => unsafe {
+            store_bf16_with(&acc, (out, ldc), valid, residual, op)
+        })
+    }
+
+    /// [`store_bf16`] with the activation `op`, inlined into each of its arms.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[inline]
+    unsafe fn store_bf16_with<const ROWS: usize, const VECS: usize>(
+        acc: &[[__m512; VECS]; ROWS],
+        (out, ldc): (*mut bf16, usize),
+        valid: (usize, usize),
+        residual: *const bf16,
+        op: impl Fn(__m512) -> __m512,
+    ) {
         for (r, row) in acc.iter().enumerate() {
             for (v, &x) in row.iter().enumerate() {
                 let at = r * ldc + v * 16;
@@ -693,8 +778,7 @@ pub(super) mod avx512 {
                         true => x,
                         false => _mm512_add_ps(x, <bf16 as Wide>::load(residual.add(at), mask)),
                     };
-                    let x = crate::backend::cpu::kernels::activate_zmm(act, x);
-                    <bf16 as Wide>::store(out.add(at), mask, x);
+                    <bf16 as Wide>::store(out.add(at), mask, op(x));
                 }
             }
         }
