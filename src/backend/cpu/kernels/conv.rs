@@ -575,8 +575,15 @@ pub(super) fn gemm_tile<T: Elem>(
                     }
                 }
                 // Finished and rounded by the tiles themselves where the path can (AVX-512,
-                // one K block): C, laid out as y, is then never written.
-                if T::PRECISION == Precision::Bf16 && sgemm::narrows_in_tiles(b.k) {
+                // one K block): C, laid out as y (cout apart), is then never written, only
+                // the offsets of its rows taken. Elsewhere C's rows are tight (the tiles
+                // store an edge panel's valid columns alone), so that where they are the
+                // output's whole rows one pass finishes them all; without a residual, the
+                // activation in the tiles, as for f32 (the same vector forms as
+                // `Epilogue::apply`'s): the pass after them only narrows.
+                let narrowed = T::PRECISION == Precision::Bf16 && sgemm::narrows_in_tiles(b.k);
+                let in_tiles = epilogue.residual.is_none() && epilogue.act != Act::None;
+                let (ldc, fin) = if narrowed {
                     let at = m0 * cout + col0;
                     let out = y.0.add(at).cast::<bf16>();
                     let residual = match epilogue.residual.and_then(T::as_bf16) {
@@ -584,37 +591,17 @@ pub(super) fn gemm_tile<T: Elem>(
                         None if epilogue.in_output => out.cast_const(),
                         None => std::ptr::null(),
                     };
-                    let fin = sgemm::Finish {
-                        act: epilogue.act,
-                        residual: std::ptr::null(),
-                        bf16: Some(sgemm::Bf16Out { out, residual }),
-                    };
-                    // Never written, only the offsets of its rows (cout apart) taken.
-                    res.resize(mr * cout, 0.0);
-                    sgemm::gemm_packed(
-                        mr,
-                        a.as_ptr().add(g * k_g),
-                        lda,
-                        b,
-                        (p0, p1),
-                        res.as_mut_ptr(),
-                        cout,
-                        Some(fin),
-                    );
-                    continue;
-                }
-                // C's rows tight (the tiles store an edge panel's valid columns alone), so
-                // that where they are the output's whole rows one pass finishes them all.
-                let ldc = width;
-                res.resize(mr * ldc, 0.0);
-                // Without a residual, the activation in the tiles, as for f32 (the same
-                // vector forms as `Epilogue::apply`'s): the pass after them only narrows.
-                let in_tiles = epilogue.residual.is_none() && epilogue.act != Act::None;
-                let fin = in_tiles.then_some(sgemm::Finish {
-                    act: epilogue.act,
+                    let bf16 = Some(sgemm::Bf16Out { out, residual });
+                    (cout, Some((epilogue.act, bf16)))
+                } else {
+                    (width, in_tiles.then_some((epilogue.act, None)))
+                };
+                let fin = fin.map(|(act, bf16)| sgemm::Finish {
+                    act,
                     residual: std::ptr::null(),
-                    bf16: None,
+                    bf16,
                 });
+                res.resize(mr * ldc, 0.0);
                 sgemm::gemm_packed(
                     mr,
                     a.as_ptr().add(g * k_g),
@@ -625,6 +612,9 @@ pub(super) fn gemm_tile<T: Elem>(
                     ldc,
                     fin,
                 );
+                if narrowed {
+                    continue;
+                }
                 let rest = Epilogue {
                     residual: epilogue.residual,
                     in_output: false,
