@@ -64,58 +64,6 @@ fn lanes_in((r, v): (usize, usize), (rows, cols): (usize, usize), lanes: usize) 
     }
 }
 
-/// `$body` with `$op` bound to `$apply(act, ·)` as a closure of a constant activation: one
-/// copy of the body per activation, the match outside its loops.
-#[cfg(target_arch = "x86_64")]
-macro_rules! each_act {
-    ($act:expr, $apply:path, $op:ident => $body:expr) => {{
-        use crate::model::op::Act;
-        match $act {
-            Act::None => {
-                let $op = |x| x;
-                $body
-            }
-            Act::Relu => {
-                // SAFETY: the CPU has the path's features (the caller's).
-                let $op = |x| unsafe { $apply(Act::Relu, x) };
-                $body
-            }
-            Act::Relu6 => {
-                // SAFETY: the CPU has the path's features (the caller's).
-                let $op = |x| unsafe { $apply(Act::Relu6, x) };
-                $body
-            }
-            Act::Silu => {
-                // SAFETY: the CPU has the path's features (the caller's).
-                let $op = |x| unsafe { $apply(Act::Silu, x) };
-                $body
-            }
-            Act::Hardswish => {
-                // SAFETY: the CPU has the path's features (the caller's).
-                let $op = |x| unsafe { $apply(Act::Hardswish, x) };
-                $body
-            }
-            Act::Gelu => {
-                // SAFETY: the CPU has the path's features (the caller's).
-                let $op = |x| unsafe { $apply(Act::Gelu, x) };
-                $body
-            }
-            Act::Sigmoid => {
-                // SAFETY: the CPU has the path's features (the caller's).
-                let $op = |x| unsafe { $apply(Act::Sigmoid, x) };
-                $body
-            }
-            Act::Hardsigmoid => {
-                // SAFETY: the CPU has the path's features (the caller's).
-                let $op = |x| unsafe { $apply(Act::Hardsigmoid, x) };
-                $body
-            }
-        }
-    }};
-}
-#[cfg(target_arch = "x86_64")]
-use each_act;
-
 /// Store a register tile's sums (`ROWS` rows of `VECS` vectors of `lanes` floats) into the
 /// `valid` rows and columns of C (`c`, rows `ldc` apart), adding the residual laid out as C
 /// where `residual` is not null, then applying `op`: one unrolled run of stores for the SIMD
@@ -497,11 +445,17 @@ pub(super) mod avx2 {
         residual: *const bf16,
         act: Act,
     ) {
-        let apply = crate::backend::cpu::kernels::activate_ymm;
-        // SAFETY: the caller's.
-        super::each_act!(act, apply, op => unsafe {
-            store_bf16_with(&acc, (out, ldc), valid, residual, op)
-        })
+        use crate::backend::cpu::kernels::{activate_ymm, with_vec_act};
+        // SAFETY: the caller's. One loop per common activation, not a match per vector.
+        unsafe {
+            with_vec_act!(act, activate_ymm, |op| store_bf16_with(
+                &acc,
+                (out, ldc),
+                valid,
+                residual,
+                op
+            ))
+        }
     }
 
     /// [`store_bf16`] with the activation `op`, inlined into each of its arms.
@@ -749,11 +703,17 @@ pub(super) mod avx512 {
         residual: *const bf16,
         act: Act,
     ) {
-        let apply = crate::backend::cpu::kernels::activate_zmm;
-        // SAFETY: the caller's.
-        super::each_act!(act, apply, op => unsafe {
-            store_bf16_with(&acc, (out, ldc), valid, residual, op)
-        })
+        use crate::backend::cpu::kernels::{activate_zmm, with_vec_act};
+        // SAFETY: the caller's. One loop per common activation, not a match per vector.
+        unsafe {
+            with_vec_act!(act, activate_zmm, |op| store_bf16_with(
+                &acc,
+                (out, ldc),
+                valid,
+                residual,
+                op
+            ))
+        }
     }
 
     /// [`store_bf16`] with the activation `op`, inlined into each of its arms.
