@@ -567,8 +567,67 @@ pub unsafe fn gemm(
     a: *const bf16,
     lda: usize,
     b: &PackedPairs,
-    (p0, p1): (usize, usize),
+    panels: (usize, usize),
     finished: Option<Finished>,
+    done: &mut impl FnMut(Done<'_>),
+) {
+    // SAFETY: the caller's.
+    unsafe { gemm_stored(engine, m, a, lda, b, panels, (finished, None), done) }
+}
+
+/// Where AMX's tiles store a block of C straight, in f32 ([`gemm_into`]): C's value (i, j)
+/// (row i of the call's A, column j counted from panel p0's first) at `c + i·ldc + j`.
+#[derive(Clone, Copy)]
+pub struct Tiles {
+    pub c: *mut f32,
+    pub ldc: usize,
+}
+
+/// [`gemm`] where C is wanted as it is, in f32 (no bias, no epilogue), at `tiles`' places: AMX
+/// stores its tiles there, where they were stored into a block and `done` copied them on
+/// (the scores of a Llama prefill's attention: a copy per block, 13% of the attention's time
+/// with the tile stores it doubled); the `vdpbf16ps` kernels still hand their blocks to
+/// `done`.
+///
+/// # Safety
+/// As for [`gemm`], and B has no bias (AMX's stores leave it out); `tiles` holds C's rows
+/// rounded up to whole blocks of 32 and the panels' columns rounded up to whole panels of
+/// 16, written (read) by nobody else meanwhile.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_into(
+    engine: Engine,
+    m: usize,
+    a: *const bf16,
+    lda: usize,
+    b: &PackedPairs,
+    panels: (usize, usize),
+    tiles: Tiles,
+    done: &mut impl FnMut(Done<'_>),
+) {
+    debug_assert!(
+        b.bias.iter().all(|&x| x == 0.0),
+        "AMX's stores leave the bias out"
+    );
+    // SAFETY: the caller's.
+    unsafe { gemm_stored(engine, m, a, lda, b, panels, (None, Some(tiles)), done) }
+}
+
+/// [`gemm`] and [`gemm_into`]: the `vdpbf16ps` kernels store their rows finished where
+/// `finished` says, AMX its tiles where `tiles` says; the rest go to `done`.
+///
+/// # Safety
+/// As for [`gemm`] and [`gemm_into`].
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_stored(
+    engine: Engine,
+    m: usize,
+    a: *const bf16,
+    lda: usize,
+    b: &PackedPairs,
+    (p0, p1): (usize, usize),
+    (finished, tiles): (Option<Finished>, Option<Tiles>),
     done: &mut impl FnMut(Done<'_>),
 ) {
     let kp = b.kp;
@@ -632,13 +691,17 @@ pub unsafe fn gemm(
             let stored = unsafe {
                 let c = values.as_mut_ptr();
                 let here = finished.map(|f| (f.at(i, (p - p0) * PANEL), cols));
+                let (tc, ldc) = match tiles {
+                    Some(t) => (t.c.add(i * t.ldc + (p - p0) * PANEL), t.ldc),
+                    None => (c, BLOCK_COLS),
+                };
                 match engine {
                     Engine::Amx if resident => {
                         if p == p0 {
                             super::amx::load_resident(ab, ldab);
                         }
-                        super::amx::resident(b, p, pair, c, BLOCK_COLS);
-                        false
+                        super::amx::resident(b, p, pair, tc, ldc);
+                        tiles.is_some()
                     }
                     Engine::Amx => {
                         let panels = super::amx::Panels {
@@ -646,8 +709,8 @@ pub unsafe fn gemm(
                             pair,
                             first: i == 0,
                         };
-                        super::amx::block(ab, (ldab, KSTEP), b, panels, c, BLOCK_COLS);
-                        false
+                        super::amx::block(ab, (ldab, KSTEP), b, panels, tc, ldc);
+                        tiles.is_some()
                     }
                     Engine::Dot if halves && !pair && cols <= PANEL / 2 => {
                         dot::half(ab, ldab, rows, b, p, c, here);
@@ -712,6 +775,25 @@ pub unsafe fn gemm(
     _b: &PackedPairs,
     _panels: (usize, usize),
     _finished: Option<Finished>,
+    _done: &mut impl FnMut(Done<'_>),
+) {
+    unreachable!("bf16 pairs are multiplied on x86-64 only")
+}
+
+/// Never called: [`Engine::in_use`] is `None` off x86-64.
+///
+/// # Safety
+/// None needed; it panics.
+#[cfg(not(target_arch = "x86_64"))]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_into(
+    _engine: Engine,
+    _m: usize,
+    _a: *const bf16,
+    _lda: usize,
+    _b: &PackedPairs,
+    _panels: (usize, usize),
+    _tiles: Tiles,
     _done: &mut impl FnMut(Done<'_>),
 ) {
     unreachable!("bf16 pairs are multiplied on x86-64 only")

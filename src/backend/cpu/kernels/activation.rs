@@ -488,16 +488,7 @@ unsafe fn numerators<V: Vector>(row: &mut [f32], scale: f32, floor: f32) -> (f32
     // SAFETY: every load and store is of LANES floats below `whole`, or the first `rest`
     // from it; the caller's instruction set.
     unsafe {
-        // The maximum: a NaN never becomes it (`max` returns its second operand then), and
-        // its own numerator is NaN.
-        let mut most = V::splat(f32::NEG_INFINITY);
-        for j in (0..whole).step_by(lanes) {
-            most = V::load(p.add(j)).max(most);
-        }
-        if rest > 0 {
-            most = V::load_first(p.add(whole), rest, f32::NEG_INFINITY).max(most);
-        }
-        let max = most.reduce_max().max(floor);
+        let max = row_max::<V>(p, n, floor);
         let (minus_max, scale) = (V::splat(-max), V::splat(scale));
         let mut sums = V::splat(0.0);
         for j in (0..whole).step_by(lanes) {
@@ -510,6 +501,103 @@ unsafe fn numerators<V: Vector>(row: &mut [f32], scale: f32, floor: f32) -> (f32
             let e = numerator(v, minus_max, scale);
             e.store_first(p.add(whole), rest);
             sums = sums.add(e);
+        }
+        (max, sums.reduce_add())
+    }
+}
+
+/// The largest of `n` floats at `p` and `floor`, LANES at a time in four chains of `max`
+/// (one chain waited on each `vmaxps` in turn: a fifth of the numerators' time on Llama's
+/// prefill scores), the last few by a masked load. A NaN never becomes it (`max` returns its
+/// second operand then), so a NaN score's own numerator is NaN.
+///
+/// # Safety
+/// The CPU has V's instruction set; `p` has `n` readable floats.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn row_max<V: Vector>(p: *const f32, n: usize, floor: f32) -> f32 {
+    let lanes = V::LANES;
+    let (whole, rest) = (n / lanes * lanes, n % lanes);
+    // SAFETY: every load is of LANES floats below `whole`, or the first `rest` from it.
+    unsafe {
+        let mut most = [V::splat(f32::NEG_INFINITY); 4];
+        let mut j = 0;
+        while j + 4 * lanes <= whole {
+            for (c, m) in most.iter_mut().enumerate() {
+                *m = V::load(p.add(j + c * lanes)).max(*m);
+            }
+            j += 4 * lanes;
+        }
+        while j < whole {
+            most[0] = V::load(p.add(j)).max(most[0]);
+            j += lanes;
+        }
+        if rest > 0 {
+            most[1] = V::load_first(p.add(whole), rest, f32::NEG_INFINITY).max(most[1]);
+        }
+        let all = most[0].max(most[1]).max(most[2].max(most[3]));
+        all.reduce_max().max(floor)
+    }
+}
+
+/// [`softmax_numerators_above`] of `row` with the numerators rounded to bf16 into `out` (as
+/// long as `row`; `row` is left as it was), in one pass: where an attention multiplies its
+/// probabilities as bf16 pairs, the f32 numerators were stored, read back and rounded in a
+/// second pass (8% of a Llama prefill's attention on AMX). The sum is of the f32 numerators,
+/// and each bf16 is [`crate::backend::cpu::elem::f32_bf16`]'s (the numerators are 0 or at
+/// least e^−87, a normal float, so `vcvtneps2bf16`'s flush of subnormals never applies).
+pub(crate) fn softmax_numerators_bf16(
+    row: &mut [f32],
+    scale: f32,
+    floor: f32,
+    out: &mut [half::bf16],
+) -> (f32, f32) {
+    assert_eq!(row.len(), out.len(), "numerators: lengths differ");
+    #[cfg(target_arch = "x86_64")]
+    if crate::backend::cpu::bf16_gemm::Engine::in_use().is_some() {
+        // SAFETY: the engines run on CPUs with AVX-512F, BW, VL and AVX512_BF16.
+        return unsafe { numerators_bf16_avx512(row, scale, floor, out) };
+    }
+    let found = softmax_numerators_above(row, scale, floor);
+    crate::backend::cpu::elem::Elem::narrow(row, out);
+    found
+}
+
+/// [`softmax_numerators_bf16`] on zmm vectors.
+///
+/// # Safety
+/// The CPU has AVX-512F, BW, VL and AVX512_BF16; `row` and `out` have the same length.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn numerators_bf16_avx512(
+    row: &[f32],
+    scale: f32,
+    floor: f32,
+    out: &mut [half::bf16],
+) -> (f32, f32) {
+    use std::arch::x86_64::*;
+    let (n, lanes) = (row.len(), 16);
+    let (whole, rest) = (n / lanes * lanes, n % lanes);
+    let (p, o) = (row.as_ptr(), out.as_mut_ptr().cast::<i16>());
+    // SAFETY: every load and store is of 16 values below `whole`, or the first `rest` from
+    // it (masked), in `row` and `out` alike; the caller's instruction set.
+    unsafe {
+        let max = row_max::<__m512>(p, n, floor);
+        let (minus_max, scale) = (_mm512_set1_ps(-max), _mm512_set1_ps(scale));
+        let mut sums = _mm512_setzero_ps();
+        for j in (0..whole).step_by(lanes) {
+            let e = numerator(_mm512_loadu_ps(p.add(j)), minus_max, scale);
+            let h = std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(e));
+            _mm256_storeu_si256(o.add(j).cast(), h);
+            sums = _mm512_add_ps(sums, e);
+        }
+        if rest > 0 {
+            let mask = ((1u32 << rest) - 1) as __mmask16;
+            let v = __m512::load_first(p.add(whole), rest, f32::NEG_INFINITY);
+            let e = numerator(v, minus_max, scale);
+            let h = std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(e));
+            _mm256_mask_storeu_epi16(o.add(whole).cast(), mask, h);
+            sums = _mm512_add_ps(sums, e);
         }
         (max, sums.reduce_add())
     }
@@ -1035,6 +1123,45 @@ mod tests {
                 row[len / 2] = f32::NAN;
                 let (_, sum) = f(&mut row, 1.0, f32::NEG_INFINITY);
                 assert!(sum.is_nan() && row[len / 2].is_nan(), "{name}: len {len}");
+            }
+        }
+    }
+
+    /// [`super::softmax_numerators_bf16`] (one pass on the CPUs that multiply bf16 pairs, else
+    /// the f32 pass and a rounding) gives bit for bit the maximum, the sum and the rounded
+    /// numerators of [`super::softmax_numerators_above`] followed by a rounding to bf16: rows
+    /// of every length up to five vectors (the maximum's four chains and their remainder) and
+    /// a tile's 512, −∞ scores, exponents below −87, a floor above the row, a NaN.
+    #[test]
+    fn bf16_numerators_round_the_f32_ones() {
+        use crate::backend::cpu::elem::f32_bf16;
+        for len in (1..=80).chain([197, 512]) {
+            for (scale, lift, nan) in [
+                (0.125, None, false),
+                (1.0, Some(3.0), false),
+                (0.125, None, true),
+            ] {
+                let mut row: Vec<f32> = (0..len)
+                    .map(|i| match i % 13 {
+                        3 => f32::NEG_INFINITY,
+                        7 => -900.0,
+                        _ => ((i * 37 % 101) as f32 - 50.0) * 0.61,
+                    })
+                    .collect();
+                if nan {
+                    row[len / 3] = f32::NAN;
+                }
+                let floor = lift.map_or(f32::NEG_INFINITY, |l| 30.0 + l);
+                let mut want = row.clone();
+                let (want_max, want_sum) = super::softmax_numerators_above(&mut want, scale, floor);
+                let mut out = vec![half::bf16::ONE; len];
+                let (max, sum) = super::softmax_numerators_bf16(&mut row, scale, floor, &mut out);
+                let case = format!("len {len} scale {scale} floor {floor} nan {nan}");
+                assert_eq!(max.to_bits(), want_max.to_bits(), "{case}: the maximum");
+                assert_eq!(sum.to_bits(), want_sum.to_bits(), "{case}: the sum");
+                for (i, (o, &w)) in out.iter().zip(&want).enumerate() {
+                    assert_eq!(o.to_bits(), f32_bf16(w).to_bits(), "{case}: value {i}");
+                }
             }
         }
     }

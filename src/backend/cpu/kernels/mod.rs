@@ -37,7 +37,9 @@ mod transformer;
 
 use std::cell::RefCell;
 
-pub(crate) use activation::{activate, softmax_numerators, softmax_numerators_above};
+pub(crate) use activation::{
+    activate, softmax_numerators, softmax_numerators_above, softmax_numerators_bf16,
+};
 #[cfg(target_arch = "x86_64")]
 pub(crate) use activation::{activate_ymm, activate_zmm, with_vec_act};
 pub use conv::*;
