@@ -176,12 +176,14 @@ const KEY_TILE: usize = 512;
 /// largest score and the numerators' sum so far, rescaled when a later tile holds a larger
 /// score (an online softmax), and divided by the sum at the end. Only one tile's scores exist
 /// at a time, and a tile's keys and values are read from the cache once per block — on the
-/// bf16 engines, the whole tiles are packed once per call for every block (`SharedTiles`),
-/// the scores stored straight from AMX's tiles and the probabilities rounded to bf16 as they
-/// are made (`softmax_numerators_bf16`). Llama-3.2-1B's heads at a prompt of 2048 on 2
-/// AMX cores (a Xeon reporting model 167), in one process, old and new alternating, 6 rounds
-/// each: 0.87× the time with the shared tiles, 0.92× more with the rounding in the softmax's
-/// pass (and the maximum in four chains: 0.96×), 0.965× more with the direct stores.
+/// GEMM paths the whole tiles once per call for every block (`SharedTiles`); on the bf16
+/// engines the scores are stored straight from AMX's tiles and the probabilities rounded to
+/// bf16 as they are made (`softmax_numerators_bf16`). Llama-3.2-1B's heads at a prompt of
+/// 2048 on 2 AMX cores (a Xeon reporting model 167), in one process, old and new
+/// alternating, 6 rounds each: 0.87× the time with the shared tiles, 0.92× more with the
+/// rounding in the softmax's pass (and the maximum in four chains: 0.96×), 0.965× more with
+/// the direct stores; in FP32 on the SGEMM the shared tiles took Qwen2.5-0.5B's heads 0.89×
+/// the time and Llama's 0.94× (6 of 6 rounds each).
 ///
 /// A block goes one of three ways. A prefill's (16 rows or more): on GEMMs 32 rows at a time,
 /// the scores one product and the weighted values another — the bf16 engines for a BF16
@@ -212,19 +214,41 @@ pub fn cached_attention<T: Elem>(
     );
     let out_ptr = TilePtr(y.as_mut_ptr());
     let halves = (T::as_bf16(q), T::as_bf16(k), T::as_bf16(v));
-    let (mut kept, mut own) = (None, Vec::new());
-    let shared = match halves {
+    let on_pairs = pairs && matches!(halves, (Some(_), Some(_), Some(_)));
+    let d = c.head;
+    let (mut pairs_guard, mut own_pairs) = (None, Vec::new());
+    let shared_pairs = match halves {
         (Some(_), Some(k), Some(v)) if pairs => {
-            // Memory kept from call to call, where no other call holds it: packings made
-            // afresh each call would fault their pages in again.
-            let tiles = match SHARED.try_lock() {
-                Ok(guard) => &mut **kept.insert(guard),
-                Err(_) => &mut own,
+            let step = bf16_gemm::Engine::in_use()
+                .unwrap_or(bf16_gemm::Engine::Dot)
+                .k_step();
+            let pack = |cache: usize, at, keys: &mut _, values: &mut _| {
+                let tile = (d, at, KEY_TILE);
+                pack_keys(
+                    keys,
+                    (&k[cache..cache + d * c.context], c.context),
+                    tile,
+                    step,
+                );
+                pack_values(values, &v[cache..cache + c.context * d], tile, step);
             };
-            SharedTiles::pack(c, (k, v), tiles)
+            let (own, guard) = (&mut own_pairs, &mut pairs_guard);
+            SharedTiles::pack(c, &SHARED_PAIRS, own, guard, PackedPairs::empty, pack)
         }
         _ => None,
     };
+    let (mut floats_guard, mut own_floats) = (None, Vec::new());
+    let shared_floats = (gemms && !on_pairs)
+        .then(|| {
+            let pack = |cache: usize, at, keys: &mut _, values: &mut _| {
+                let tile = (d, at, KEY_TILE);
+                widen_keys(keys, (&k[cache..cache + d * c.context], c.context), tile);
+                widen_values(values, &v[cache..cache + c.context * d], tile);
+            };
+            let (own, guard) = (&mut own_floats, &mut floats_guard);
+            SharedTiles::pack(c, &SHARED_FLOATS, own, guard, PackedB::empty, pack)
+        })
+        .flatten();
     (0..items).into_par_iter().for_each(|item| {
         let it = Item::new(c, q_stride, item);
         let (state, mut out) = match halves {
@@ -234,7 +258,7 @@ pub fn cached_attention<T: Elem>(
                         it: &it,
                         q,
                         kv: (k, v),
-                        shared: shared.as_ref(),
+                        shared: shared_pairs.as_ref(),
                         scratch,
                     })
                 }),
@@ -243,6 +267,7 @@ pub fn cached_attention<T: Elem>(
                     it: &it,
                     q,
                     kv: (k, v),
+                    shared: shared_floats.as_ref(),
                     scratch,
                 })
             }),
@@ -474,6 +499,8 @@ struct OnFloats<'a, T> {
     it: &'a Item,
     q: &'a [T],
     kv: (&'a [T], &'a [T]),
+    /// The whole key tiles, widened once for every block that reads them.
+    shared: Option<&'a SharedTiles<'a, PackedB<f32>>>,
     scratch: &'a mut FloatScratch,
 }
 
@@ -485,6 +512,7 @@ impl<T: Elem> Vectorised for OnFloats<'_, T> {
             it,
             q,
             kv: (k, v),
+            shared,
             scratch,
         } = self;
         let FloatScratch {
@@ -509,21 +537,14 @@ impl<T: Elem> Vectorised for OnFloats<'_, T> {
         for k0 in (0..it.n).step_by(KEY_TILE) {
             let (k1, at) = ((k0 + KEY_TILE).min(it.n), it.first + k0);
             let len = k1 - k0;
-            packed_k.refill((d, len), |p, panel| {
-                let cols = NR.min(len - p * NR);
-                for (t, row) in panel.chunks_exact_mut(NR).enumerate() {
-                    T::widen(
-                        &keys[t * c.context + at + p * NR..][..cols],
-                        &mut row[..cols],
-                    );
+            let (packed_k, packed_v) = match shared.and_then(|s| s.tile(it, at, len)) {
+                Some((keys, values)) => (keys, values),
+                None => {
+                    widen_keys(packed_k, (keys, c.context), (d, at, len));
+                    widen_values(packed_v, values, (d, at, len));
+                    (&*packed_k, &*packed_v)
                 }
-            });
-            packed_v.refill((len, d), |p, panel| {
-                let width = NR.min(d - p * NR);
-                for (j, row) in panel.chunks_exact_mut(NR).enumerate() {
-                    T::widen(&values[(at + j) * d + p * NR..][..width], &mut row[..width]);
-                }
-            });
+            };
             let ld = len.next_multiple_of(NR);
             scores.resize(chunk.min(rows) * ld, 0.0);
             o.resize(chunk.min(rows) * d, 0.0);
@@ -609,7 +630,7 @@ struct OnPairs<'a> {
     q: &'a [bf16],
     kv: (&'a [bf16], &'a [bf16]),
     /// The whole key tiles, packed once for every block that reads them.
-    shared: Option<&'a SharedTiles<'a>>,
+    shared: Option<&'a SharedTiles<'a, PackedPairs>>,
     scratch: &'a mut PairScratch,
 }
 
@@ -786,53 +807,62 @@ fn pack_values(
     });
 }
 
-/// Packed (keys, values) tiles kept from call to call, for [`SharedTiles`].
-static SHARED: std::sync::Mutex<Vec<(PackedPairs, PackedPairs)>> =
+/// Packed (keys, values) tiles kept from call to call, for [`SharedTiles`]: as bf16 pairs
+/// ([`OnPairs`]) and as f32 panels ([`OnFloats`]).
+static SHARED_PAIRS: std::sync::Mutex<Vec<(PackedPairs, PackedPairs)>> =
+    std::sync::Mutex::new(Vec::new());
+static SHARED_FLOATS: std::sync::Mutex<Vec<(PackedB<f32>, PackedB<f32>)>> =
     std::sync::Mutex::new(Vec::new());
 
 /// Every whole key tile (`KEY_TILE` keys from a multiple of it) of every sequence's KV heads,
-/// packed once per call for [`OnPairs`]: without them each block of 32 queries packed again
-/// every key it sees, so a prompt of n keys packed n²/64 of them a KV head (a 2048-token
-/// prompt: 32 times its keys) — 12–18% of the attention's time on AMX, reading the transposed
-/// cache a row apart per dimension. A block's last, partial tile is still packed by its item
-/// (the values' K must end where its keys do, or the product would run over keys it never
-/// sees).
-struct SharedTiles<'a> {
+/// packed once per call for the GEMM paths ([`OnPairs`], [`OnFloats`]): without them each
+/// block of 32 queries packed again every key it sees, so a prompt of n keys packed n²/64 of
+/// them a KV head (a 2048-token prompt: 32 times its keys) — 12–18% of the attention's time
+/// on AMX, reading the transposed cache a row apart per dimension. A block's last, partial
+/// tile is still packed by its item (the values' K must end where its keys do, or the
+/// product would run over keys it never sees).
+struct SharedTiles<'a, P> {
     /// Tile t of sequence b's KV head g at (b·kv_heads + g)·per_head + t.
-    tiles: &'a [(PackedPairs, PackedPairs)],
+    tiles: &'a [(P, P)],
     per_head: usize,
 }
 
-impl<'a> SharedTiles<'a> {
-    /// The whole tiles packed into `tiles`' memory (grown as needed), in parallel; `None`
-    /// where no tile is read by two blocks: one block of queries (a decode step, a short
-    /// chunk), a prompt shorter than a tile, or a sliding window (its blocks' tiles start
-    /// where the window does, not at multiples of a tile).
-    fn pack(
+impl<'a, P: Send + Sync> SharedTiles<'a, P> {
+    /// The whole tiles packed into `kept`'s memory where no other call holds it (else into
+    /// memory of this call's own), grown as needed, in parallel: `pack(cache, at, keys,
+    /// values)` packs the KV head's keys and values `at..at + KEY_TILE`, the head's cache
+    /// starting at `cache` in `k` and in `v`. `None` where no tile is read by two blocks: one
+    /// block of queries (a decode step, a short chunk), a prompt shorter than a tile, or a
+    /// sliding window (its blocks' tiles start where the window does, not at multiples of a
+    /// tile).
+    fn pack<'m: 'a>(
         c: CacheView,
-        (k, v): (&[bf16], &[bf16]),
-        tiles: &'a mut Vec<(PackedPairs, PackedPairs)>,
+        kept: &'m std::sync::Mutex<Vec<(P, P)>>,
+        own: &'a mut Vec<(P, P)>,
+        guard: &'a mut Option<std::sync::MutexGuard<'m, Vec<(P, P)>>>,
+        empty: impl Fn() -> P,
+        pack: impl Fn(usize, usize, &mut P, &mut P) + Sync,
     ) -> Option<Self> {
         let per_head = (c.start + c.tokens) / KEY_TILE;
         if c.window.is_some() || c.tokens <= QUERY_BLOCK || per_head == 0 {
             return None;
         }
-        let step = bf16_gemm::Engine::in_use()
-            .unwrap_or(bf16_gemm::Engine::Dot)
-            .k_step();
+        // Memory kept from call to call: packings made afresh each call would fault their
+        // pages in again.
+        let tiles = match kept.try_lock() {
+            Ok(held) => &mut **guard.insert(held),
+            Err(_) => own,
+        };
         let count = c.batch * c.kv_heads * per_head;
         if tiles.len() < count {
-            tiles.resize_with(count, || (PackedPairs::empty(), PackedPairs::empty()));
+            tiles.resize_with(count, || (empty(), empty()));
         }
-        let d = c.head;
         tiles[..count]
             .par_iter_mut()
             .enumerate()
             .for_each(|(i, (keys, values))| {
-                let at = (i / per_head) * c.context * d;
-                let tile = (d, i % per_head * KEY_TILE, KEY_TILE);
-                pack_keys(keys, (&k[at..at + d * c.context], c.context), tile, step);
-                pack_values(values, &v[at..at + c.context * d], tile, step);
+                let cache = (i / per_head) * c.context * c.head;
+                pack(cache, i % per_head * KEY_TILE, keys, values);
             });
         Some(SharedTiles {
             tiles: &tiles[..count],
@@ -842,7 +872,7 @@ impl<'a> SharedTiles<'a> {
 
     /// The packed tile of `it`'s KV head holding its keys `at..at + len`, where that is a
     /// whole tile.
-    fn tile(&self, it: &Item, at: usize, len: usize) -> Option<(&PackedPairs, &PackedPairs)> {
+    fn tile(&self, it: &Item, at: usize, len: usize) -> Option<(&P, &P)> {
         let t = at / KEY_TILE;
         let whole = len == KEY_TILE && at.is_multiple_of(KEY_TILE) && t < self.per_head;
         let head = it.b * it.c.kv_heads + it.g;
@@ -851,6 +881,38 @@ impl<'a> SharedTiles<'a> {
             (keys, values)
         })
     }
+}
+
+/// Keys `at..at + len` of a KV head's cache (`keys` transposed: a row of `context` positions
+/// per dimension) widened into f32 B panels (head × keys) for the SGEMM.
+#[inline(always)]
+fn widen_keys<T: Elem>(
+    packed: &mut PackedB<f32>,
+    (keys, context): (&[T], usize),
+    (d, at, len): (usize, usize, usize),
+) {
+    packed.refill((d, len), |p, panel| {
+        let cols = NR.min(len - p * NR);
+        for (t, row) in panel.chunks_exact_mut(NR).enumerate() {
+            T::widen(&keys[t * context + at + p * NR..][..cols], &mut row[..cols]);
+        }
+    });
+}
+
+/// Values `at..at + len` of a KV head's cache (a row of head values per position) widened
+/// into f32 B panels (keys × head) for the SGEMM.
+#[inline(always)]
+fn widen_values<T: Elem>(
+    packed: &mut PackedB<f32>,
+    values: &[T],
+    (d, at, len): (usize, usize, usize),
+) {
+    packed.refill((len, d), |p, panel| {
+        let width = NR.min(d - p * NR);
+        for (j, row) in panel.chunks_exact_mut(NR).enumerate() {
+            T::widen(&values[(at + j) * d + p * NR..][..width], &mut row[..width]);
+        }
+    });
 }
 
 /// Rows of queries one [`Rows`] pass takes at most, each summing 64 lanes: four on AVX-512 (its
