@@ -689,11 +689,11 @@ impl Vectorised for OnPairs<'_> {
             for r0 in (0..rows).step_by(chunk) {
                 let m = chunk.min(rows - r0);
                 // The scores' one pointer, for AMX's tile stores and `keep` alike.
-                let (at, len) = (scores.as_mut_ptr(), scores.len());
+                let (to, room) = (scores.as_mut_ptr(), scores.len());
                 let mut keep = |done: Done<'_>| {
-                    // SAFETY: the CPU runs the engine, so it has AVX-512F; `at` has `len`
+                    // SAFETY: the CPU runs the engine, so it has AVX-512F; `to` has `room`
                     // floats, written by nothing else while the GEMM runs.
-                    unsafe { done.write_into(std::slice::from_raw_parts_mut(at, len), ld, false) }
+                    unsafe { done.write_into(std::slice::from_raw_parts_mut(to, room), ld, false) }
                 };
                 // SAFETY: `Engine::in_use` is some (checked by `cached_attention`), so the CPU
                 // runs the engine; q_pairs has `rows` rows of kq = packed_k.kp() values `lda`
@@ -702,7 +702,7 @@ impl Vectorised for OnPairs<'_> {
                 unsafe {
                     let panels = (0, packed_k.panels());
                     let a = q_pairs[r0 * lda..].as_ptr();
-                    let tiles = bf16_gemm::Tiles { c: at, ldc: ld };
+                    let tiles = bf16_gemm::Tiles { c: to, ldc: ld };
                     bf16_gemm::gemm_into(engine, m, a, lda, packed_k, panels, tiles, &mut keep)
                 };
                 // Each row's step of the online softmax on the keys it sees of the tile; its
