@@ -177,8 +177,9 @@ const KEY_TILE: usize = 512;
 /// score (an online softmax), and divided by the sum at the end. Only one tile's scores exist
 /// at a time, and a tile's keys and values are read from the cache once per block — on the
 /// GEMM paths the whole tiles once per call for every block (`SharedTiles`); on the bf16
-/// engines the scores are stored straight from AMX's tiles and the probabilities rounded to
-/// bf16 as they are made (`softmax_numerators_bf16`). Llama-3.2-1B's heads at a prompt of
+/// engines the scores are stored straight from AMX's tiles (and from `vdpbf16ps`'s
+/// registers) and the probabilities rounded to bf16 as they are made
+/// (`softmax_numerators_bf16`). Llama-3.2-1B's heads at a prompt of
 /// 2048 on 2 AMX cores (a Xeon reporting model 167), in one process, old and new
 /// alternating, 6 rounds each: 0.87× the time with the shared tiles, 0.92× more with the
 /// rounding in the softmax's pass (and the maximum in four chains: 0.96×), 0.965× more with
@@ -688,7 +689,7 @@ impl Vectorised for OnPairs<'_> {
             probs.resize(chunk.min(rows) * ldp, bf16::ZERO);
             for r0 in (0..rows).step_by(chunk) {
                 let m = chunk.min(rows - r0);
-                // The scores' one pointer, for AMX's tile stores and `keep` alike.
+                // The scores' one pointer, for the engines' direct stores and `keep` alike.
                 let (to, room) = (scores.as_mut_ptr(), scores.len());
                 let mut keep = |done: Done<'_>| {
                     // SAFETY: the CPU runs the engine, so it has AVX-512F; `to` has `room`
