@@ -20,7 +20,9 @@
 use half::bf16;
 use std::time::Instant;
 
-use workshop::backend::cpu::kernels::{CacheView, PackedLinear, cached_attention, linear, swiglu};
+use workshop::backend::cpu::kernels::{
+    AttentionTiles, CacheView, PackedLinear, cached_attention, linear, swiglu,
+};
 
 const THREADS: usize = 2;
 
@@ -78,6 +80,7 @@ fn main() {
             let k = wave(batch * kv_heads * context * head, 0.11);
             let v = wave(batch * kv_heads * context * head, 0.23);
             let mut y = vec![0f32; batch * tokens * heads * head];
+            let kept = &mut AttentionTiles::default();
             let seen: usize = (start + 1..=start + tokens).sum();
             let flops = (4 * head * seen * batch * heads) as f64;
             let show = |what: &str, s: f64| {
@@ -89,7 +92,7 @@ fn main() {
             };
             show(
                 "f32 ",
-                median(|| cached_attention(&q, qs, (&k, &v), c, &mut y)),
+                median(|| cached_attention(&q, qs, (&k, &v), c, &mut y, kept)),
             );
             // BF16 storage: the caches a BF16 session keeps (and, where the CPU multiplies
             // bf16 pairs, its prefill's products on them).
@@ -98,7 +101,7 @@ fn main() {
             let mut y = vec![bf16::ZERO; y.len()];
             show(
                 "bf16",
-                median(|| cached_attention(&q, qs, (&k, &v), c, &mut y)),
+                median(|| cached_attention(&q, qs, (&k, &v), c, &mut y, kept)),
             );
         }
     }

@@ -482,7 +482,8 @@ pub struct DecoderMemory {
     pub weights: u64,
     /// The KV cache, preallocated for the whole context of every sequence.
     pub kv_cache: u64,
-    /// Activations and scratch at the largest step (the prefill).
+    /// Activations and scratch at the largest step (the prefill), the CPU attention's packed
+    /// key and value tiles included.
     pub scratch: u64,
 }
 

@@ -96,6 +96,8 @@ struct Scratch<T> {
     /// SwiGLU's output: the down projection's input (Llama; GPT-2's GELU works in `up`).
     act: Vec<T>,
     head: Vec<T>,
+    /// The attention's packed key and value tiles (one layer's, of the longest context seen).
+    tiles: kernels::AttentionTiles,
 }
 
 pub struct CpuDecoder<T> {
@@ -368,7 +370,8 @@ impl<T: Elem> CpuDecoder<T> {
                 window: cfg.window(l),
                 ..view
             };
-            kernels::cached_attention(&s.qkv, width, (&layer.k, &layer.v), view, &mut s.attn);
+            let kv = (&layer.k[..], &layer.v[..]);
+            kernels::cached_attention(&s.qkv, width, kv, view, &mut s.attn, &mut s.tiles);
             self.lap("attention", &mut t);
             let layer = &self.layers[l];
             kernels::linear_add(&s.attn, &layer.o, (rows, qw, d), &mut s.x2, threads, &s.x);
@@ -473,7 +476,8 @@ impl<T: Elem> DecoderSession for CpuDecoder<T> {
             .iter()
             .map(|b| (b.capacity() * size_of::<T>()) as u64)
             .sum::<u64>()
-            + (self.logits.capacity() * 4) as u64;
+            + (self.logits.capacity() * 4) as u64
+            + s.tiles.bytes();
         DecoderMemory {
             weights: self.weight_bytes,
             kv_cache: kv,

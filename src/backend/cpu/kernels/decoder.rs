@@ -202,6 +202,7 @@ pub fn cached_attention<T: Elem>(
     (k, v): (&[T], &[T]),
     c: CacheView,
     y: &mut [T],
+    kept: &mut AttentionTiles,
 ) {
     let blocks = c.tokens.div_ceil(QUERY_BLOCK);
     let group = c.heads / c.kv_heads;
@@ -217,7 +218,10 @@ pub fn cached_attention<T: Elem>(
     let halves = (T::as_bf16(q), T::as_bf16(k), T::as_bf16(v));
     let on_pairs = pairs && matches!(halves, (Some(_), Some(_), Some(_)));
     let d = c.head;
-    let (mut pairs_guard, mut own_pairs) = (None, Vec::new());
+    let AttentionTiles {
+        pairs: kept_pairs,
+        floats: kept_floats,
+    } = kept;
     let shared_pairs = match halves {
         (Some(_), Some(k), Some(v)) if pairs => {
             let step = bf16_gemm::Engine::in_use()
@@ -233,12 +237,10 @@ pub fn cached_attention<T: Elem>(
                 );
                 pack_values(values, &v[cache..cache + c.context * d], tile, step);
             };
-            let (own, guard) = (&mut own_pairs, &mut pairs_guard);
-            SharedTiles::pack(c, &SHARED_PAIRS, own, guard, PackedPairs::empty, pack)
+            SharedTiles::pack(c, kept_pairs, PackedPairs::empty, pack)
         }
         _ => None,
     };
-    let (mut floats_guard, mut own_floats) = (None, Vec::new());
     let shared_floats = (gemms && !on_pairs)
         .then(|| {
             let pack = |cache: usize, at, keys: &mut _, values: &mut _| {
@@ -246,8 +248,7 @@ pub fn cached_attention<T: Elem>(
                 widen_keys(keys, (&k[cache..cache + d * c.context], c.context), tile);
                 widen_values(values, &v[cache..cache + c.context * d], tile);
             };
-            let (own, guard) = (&mut own_floats, &mut floats_guard);
-            SharedTiles::pack(c, &SHARED_FLOATS, own, guard, PackedB::empty, pack)
+            SharedTiles::pack(c, kept_floats, PackedB::empty, pack)
         })
         .flatten();
     (0..items).into_par_iter().for_each(|item| {
@@ -808,12 +809,28 @@ fn pack_values(
     });
 }
 
-/// Packed (keys, values) tiles kept from call to call, for [`SharedTiles`]: as bf16 pairs
-/// ([`OnPairs`]) and as f32 panels ([`OnFloats`]).
-static SHARED_PAIRS: std::sync::Mutex<Vec<(PackedPairs, PackedPairs)>> =
-    std::sync::Mutex::new(Vec::new());
-static SHARED_FLOATS: std::sync::Mutex<Vec<(PackedB<f32>, PackedB<f32>)>> =
-    std::sync::Mutex::new(Vec::new());
+/// The memory [`cached_attention`] packs a call's whole key tiles into (as bf16 pairs for
+/// the bf16 engines, as f32 panels for the SGEMM), kept by its caller from call to call and
+/// layer to layer: packings made afresh each call would fault their pages in again. It grows
+/// to one layer's keys and values of the longest context seen (Qwen2.5-0.5B's 2048 tokens in
+/// BF16: 1 MiB; an 8B model's 8192: 32 MiB), and belongs to the session that owns it, which
+/// counts it among its memory ([`Self::bytes`]) and frees it with itself. (It was a static
+/// kept for the process's lifetime and counted nowhere, and a second session running
+/// attention at the same time packed into memory of its own each call.)
+#[derive(Default)]
+pub struct AttentionTiles {
+    pairs: Vec<(PackedPairs, PackedPairs)>,
+    floats: Vec<(PackedB<f32>, PackedB<f32>)>,
+}
+
+impl AttentionTiles {
+    /// The bytes the packed tiles hold.
+    pub fn bytes(&self) -> u64 {
+        let pairs = self.pairs.iter().map(|(k, v)| k.bytes() + v.bytes());
+        let floats = self.floats.iter().map(|(k, v)| k.bytes() + v.bytes());
+        pairs.chain(floats).sum()
+    }
+}
 
 /// Every whole key tile (`KEY_TILE` keys from a multiple of it) of every sequence's KV heads,
 /// packed once per call for the GEMM paths ([`OnPairs`], [`OnFloats`]): without them each
@@ -829,18 +846,15 @@ struct SharedTiles<'a, P> {
 }
 
 impl<'a, P: Send + Sync> SharedTiles<'a, P> {
-    /// The whole tiles packed into `kept`'s memory where no other call holds it (else into
-    /// memory of this call's own), grown as needed, in parallel: `pack(cache, at, keys,
-    /// values)` packs the KV head's keys and values `at..at + KEY_TILE`, the head's cache
+    /// The whole tiles packed into `kept`'s memory, grown as needed, in parallel: `pack(cache,
+    /// at, keys, values)` packs the KV head's keys and values `at..at + KEY_TILE`, the head's cache
     /// starting at `cache` in `k` and in `v`. `None` where no tile is read by two blocks: one
     /// block of queries (a decode step, a short chunk), a prompt shorter than a tile, or a
     /// sliding window (its blocks' tiles start where the window does, not at multiples of a
     /// tile).
-    fn pack<'m: 'a>(
+    fn pack(
         c: CacheView,
-        kept: &'m std::sync::Mutex<Vec<(P, P)>>,
-        own: &'a mut Vec<(P, P)>,
-        guard: &'a mut Option<std::sync::MutexGuard<'m, Vec<(P, P)>>>,
+        tiles: &'a mut Vec<(P, P)>,
         empty: impl Fn() -> P,
         pack: impl Fn(usize, usize, &mut P, &mut P) + Sync,
     ) -> Option<Self> {
@@ -848,12 +862,6 @@ impl<'a, P: Send + Sync> SharedTiles<'a, P> {
         if c.window.is_some() || c.tokens <= QUERY_BLOCK || per_head == 0 {
             return None;
         }
-        // Memory kept from call to call: packings made afresh each call would fault their
-        // pages in again.
-        let tiles = match kept.try_lock() {
-            Ok(held) => &mut **guard.insert(held),
-            Err(_) => own,
-        };
         let count = c.batch * c.kv_heads * per_head;
         if tiles.len() < count {
             tiles.resize_with(count, || (empty(), empty()));
@@ -1318,6 +1326,9 @@ mod tests {
         let wave =
             |n: usize, f: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * f).sin() * 2.0).collect() };
         let close = |a: f32, b: f32| (a - b).abs() <= 2e-5 * (1.0 + b.abs());
+        // One memory for the shared tiles throughout, as a session keeps it: each shape
+        // finds the tiles of the one before (larger or smaller) there.
+        let kept = &mut AttentionTiles::default();
         for (batch, tokens, start, context, heads, kv_heads, head, window) in shapes {
             let c = CacheView {
                 batch,
@@ -1340,7 +1351,7 @@ mod tests {
             let v = wave(batch * kv_heads * context * head, 0.23);
             let mut y = vec![0f32; batch * tokens * heads * head];
             let k_t = keys_transposed(&k, head, context);
-            cached_attention(&q, qs, (&k_t, &v), c, &mut y);
+            cached_attention(&q, qs, (&k_t, &v), c, &mut y, kept);
             let want = reference(&q, qs, (&k, &v), c);
             for (i, (&a, &b)) in y.iter().zip(&want).enumerate() {
                 assert!(close(a, b), "{c:?} [{i}]: {a} against {b}");
@@ -1350,7 +1361,7 @@ mod tests {
             let round = |x: &[f32]| -> Vec<bf16> { x.iter().map(|&v| bf16::from_f32(v)).collect() };
             let (qh, kh, vh) = (round(&q), round(&k_t), round(&v));
             let mut yh = vec![bf16::ZERO; y.len()];
-            cached_attention(&qh, qs, (&kh, &vh), c, &mut yh);
+            cached_attention(&qh, qs, (&kh, &vh), c, &mut yh, kept);
             let wide = |x: &[bf16]| -> Vec<f32> { x.iter().map(|v| v.to_f32()).collect() };
             let (qr, vr) = (wide(&qh), wide(&vh));
             let kr = wide(&round(&k));
@@ -1394,5 +1405,7 @@ mod tests {
                 }
             }
         }
+        // The last shape's shared tiles are the caller's, and counted.
+        assert!(kept.bytes() > 0, "the shared tiles are not counted");
     }
 }
