@@ -196,7 +196,7 @@ fn llama3(
 
 /// Why a `config.json` cannot be run: the field and the reason.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[error("config.json: `{field}`: {reason}")]
+#[error("`{field}`: {reason}")]
 pub struct ConfigError {
     pub field: String,
     pub reason: String,
@@ -300,7 +300,14 @@ impl DecoderConfig {
                 let params = get("rope_parameters");
                 let rope_scaling = match params.or(get("rope_scaling")) {
                     None => None,
-                    Some(s) => rope_scaling(s)?,
+                    Some(s) => {
+                        let field = if params.is_some() {
+                            "rope_parameters"
+                        } else {
+                            "rope_scaling"
+                        };
+                        rope_scaling(field, s)?
+                    }
                 };
                 let rope_theta = match params.and_then(|p| p.get("rope_theta")) {
                     Some(v) => v
@@ -356,7 +363,7 @@ impl DecoderConfig {
         } else {
             cfg
         };
-        cfg.check().map_err(|reason| bad("(sizes)", reason))?;
+        cfg.check()?;
         let eos = match get("eos_token_id") {
             None => Vec::new(),
             Some(Value::Array(ids)) => ids.iter().filter_map(token_id).collect(),
@@ -438,45 +445,61 @@ impl DecoderConfig {
 
     /// The sizes fit together: heads divide evenly, rotary halves are whole, and the largest
     /// weight's element count fits in memory arithmetic.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), ConfigError> {
         let (h, kv) = (self.num_attention_heads, self.num_key_value_heads);
+        // The field as the family's config.json names it.
+        let gpt2 = self.family == Family::Gpt2;
+        let named = |field: &'static str, gpt2_field: &'static str| {
+            if gpt2 { gpt2_field } else { field }
+        };
         if h == 0 || kv == 0 || !h.is_multiple_of(kv) {
-            return Err(format!(
-                "{h} attention heads cannot share {kv} key/value heads evenly"
+            return Err(bad(
+                "num_key_value_heads",
+                format!("{h} attention heads cannot share {kv} key/value heads evenly"),
             ));
         }
         if self.head_dim == 0 || (self.family == Family::Llama && self.head_dim % 2 == 1) {
-            return Err(format!(
-                "a head of {} values has no rotary halves",
-                self.head_dim
-            ));
+            let reason = format!("a head of {} values has no rotary halves", self.head_dim);
+            return Err(bad(named("head_dim", "n_head"), reason));
         }
-        if self.family == Family::Gpt2 && h * self.head_dim != self.hidden_size {
-            return Err(format!(
-                "{h} heads of {} values do not make the hidden size {}",
-                self.head_dim, self.hidden_size
+        if gpt2 && h * self.head_dim != self.hidden_size {
+            return Err(bad(
+                "n_head",
+                format!(
+                    "{h} heads of {} values do not make the hidden size {}",
+                    self.head_dim, self.hidden_size
+                ),
             ));
         }
         if self.sliding_window == Some(0) {
-            return Err("a sliding window of 0 keys".into());
+            return Err(bad("sliding_window", "a sliding window of 0 keys"));
         }
         if let Some(&l) = self
             .full_attention_layers
             .iter()
             .find(|&&l| l >= self.num_hidden_layers)
         {
-            return Err(format!(
-                "full-attention layer {l} of {} layers",
-                self.num_hidden_layers
+            return Err(bad(
+                "layer_types",
+                format!(
+                    "full-attention layer {l} of {} layers",
+                    self.num_hidden_layers
+                ),
             ));
         }
         let largest = [
-            self.vocab_size * self.hidden_size,
-            self.hidden_size * self.intermediate_size,
-            h * self.head_dim * self.hidden_size,
+            ("vocab_size", self.vocab_size * self.hidden_size),
+            (
+                named("intermediate_size", "n_inner"),
+                self.hidden_size * self.intermediate_size,
+            ),
+            (
+                named("num_attention_heads", "n_head"),
+                h * self.head_dim * self.hidden_size,
+            ),
         ];
-        if largest.iter().any(|&n| n > 1 << 34) {
-            return Err("a weight matrix has more than 2^34 values".into());
+        if let Some((field, _)) = largest.iter().find(|&&(_, n)| n > 1 << 34) {
+            return Err(bad(field, "makes a weight matrix of more than 2^34 values"));
         }
         Ok(())
     }
@@ -626,7 +649,9 @@ fn token_id(v: &Value) -> Option<u32> {
     v.as_u64().and_then(|i| u32::try_from(i).ok())
 }
 
-fn rope_scaling(v: &Value) -> Result<Option<RopeScaling>, ConfigError> {
+/// Llama 3's rope scaling from `v`, the config's object `field` (`rope_parameters` or
+/// `rope_scaling`), which the errors name.
+fn rope_scaling(field: &str, v: &Value) -> Result<Option<RopeScaling>, ConfigError> {
     let kind = v
         .get("rope_type")
         .or_else(|| v.get("type"))
@@ -637,7 +662,7 @@ fn rope_scaling(v: &Value) -> Result<Option<RopeScaling>, ConfigError> {
     }
     if kind != "llama3" {
         return Err(bad(
-            "rope_scaling",
+            field,
             format!("rope type `{kind}` is not supported (llama3 is)"),
         ));
     }
@@ -645,12 +670,7 @@ fn rope_scaling(v: &Value) -> Result<Option<RopeScaling>, ConfigError> {
         v.get(k)
             .and_then(Value::as_f64)
             .filter(|f| f.is_finite() && *f > 0.0)
-            .ok_or_else(|| {
-                bad(
-                    &format!("rope_scaling.{k}"),
-                    "missing or not a positive number",
-                )
-            })
+            .ok_or_else(|| bad(&format!("{field}.{k}"), "missing or not a positive number"))
     };
     let s = RopeScaling {
         factor: num("factor")?,
@@ -660,7 +680,7 @@ fn rope_scaling(v: &Value) -> Result<Option<RopeScaling>, ConfigError> {
     };
     if s.high_freq_factor <= s.low_freq_factor {
         return Err(bad(
-            "rope_scaling.high_freq_factor",
+            &format!("{field}.high_freq_factor"),
             "must be above low_freq_factor",
         ));
     }
@@ -745,11 +765,23 @@ mod tests {
             ),
             (
                 base.replace("\"num_key_value_heads\":2", "\"num_key_value_heads\":3"),
-                "(sizes)",
+                "num_key_value_heads",
             ),
             (
                 base.replace('}', r#","rope_scaling":{"rope_type":"yarn","factor":4}}"#),
                 "rope_scaling",
+            ),
+            (
+                base.replace(
+                    '}',
+                    r#","rope_parameters":{"rope_type":"llama3","factor":0,"rope_theta":1e4}}"#,
+                ),
+                "rope_parameters.factor",
+            ),
+            (
+                base.replace("\"vocab_size\":100", "\"vocab_size\":16000000")
+                    .replace("\"hidden_size\":64", "\"hidden_size\":4096"),
+                "vocab_size",
             ),
             (base.replace('}', r#","hidden_act":"gelu"}"#), "hidden_act"),
             (
@@ -763,6 +795,11 @@ mod tests {
         for (text, field) in cases {
             let err = DecoderConfig::from_hf_json("t", &text).unwrap_err();
             assert_eq!(err.field, field, "{err}");
+            // The caller names the file; the message starts at the field.
+            assert!(
+                err.to_string().starts_with(&format!("`{field}`: ")),
+                "{err}"
+            );
         }
     }
 
