@@ -541,7 +541,8 @@ unsafe fn row_max<V: Vector>(p: *const f32, n: usize, floor: f32) -> f32 {
 }
 
 /// [`softmax_numerators_above`] of `row` with the numerators rounded to bf16 into `out` (as
-/// long as `row`; `row` is left as it was), in one pass: where an attention multiplies its
+/// long as `row`; `row` is scratch: left as it was on the CPUs that multiply bf16 pairs, the
+/// f32 numerators elsewhere), in one pass: where an attention multiplies its
 /// probabilities as bf16 pairs, the f32 numerators were stored, read back and rounded in a
 /// second pass (8% of a Llama prefill's attention on AMX). The sum is of the f32 numerators,
 /// and each bf16 is [`crate::backend::cpu::elem::f32_bf16`]'s (the numerators are 0 or at

@@ -853,12 +853,13 @@ struct SharedTiles<'a, P> {
 }
 
 impl<'a, P: Send + Sync> SharedTiles<'a, P> {
-    /// The whole tiles packed into `kept`'s memory, grown as needed, in parallel: `pack(cache,
-    /// at, keys, values)` packs the KV head's keys and values `at..at + KEY_TILE`, the head's cache
-    /// starting at `cache` in `k` and in `v`. `None` where no tile is read by two blocks: one
-    /// block of queries (a decode step, a short chunk), a prompt shorter than a tile, or a
-    /// sliding window (its blocks' tiles start where the window does, not at multiples of a
-    /// tile).
+    /// The whole tiles packed into `tiles` (the caller's [`AttentionTiles`]), grown as needed,
+    /// in parallel: `pack(cache, at, keys, values)` packs the KV head's keys and values
+    /// `at..at + KEY_TILE`, the head's cache starting at `cache` in `k` and in `v`. `None`
+    /// where no tile is read by two blocks: one block of queries (a decode step, a short
+    /// chunk), a prompt shorter than a tile, or a sliding window shorter than the context
+    /// (its blocks' tiles start where the window does, not at multiples of a tile;
+    /// [`cached_attention`] drops longer ones).
     fn pack(
         c: CacheView,
         tiles: &'a mut Vec<(P, P)>,
